@@ -1,0 +1,34 @@
+//! skiff's protocol state machines, free of I/O.
+//!
+//! Inputs arrive as parsed frames (and, where time matters, a `now` in microseconds passed by
+//! the caller); outputs are bytes to send and decisions to act on. Sockets, clocks and threads
+//! belong to the drivers (`target`, `initiator`), which keeps every path here testable in memory.
+//!
+//! - [`server::ServerSession`]: one target connection: handshake, frame admission against the
+//!   negotiated limits, the table of opened export handles.
+//! - [`client::ClientHandshake`]: the initiator's side of the handshake.
+//! - [`slots::SlotTable`]: tags for in-flight requests, with generations that catch stale or
+//!   forged completions.
+//! - [`caravan::CaravanBuilder`] and [`caravan::Doorbell`]: building request caravans and deciding
+//!   when to send them.
+#![forbid(unsafe_code)]
+
+pub mod caravan;
+pub mod client;
+pub mod server;
+pub mod slots;
+
+/// A protocol violation by the peer: the connection cannot continue.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtoError {
+    #[error(transparent)]
+    Wire(#[from] wire::WireError),
+    #[error("{0:?} frame not allowed {1}")]
+    Unexpected(wire::FrameKind, &'static str),
+    #[error("handshake refused: {0}")]
+    Refused(wire::Status),
+    #[error("completion for tag {0:#x}, which is not in flight")]
+    UnknownTag(u32),
+    #[error("completion for tag {tag:#x} carries {got} bytes of data, expected {want}")]
+    DataLength { tag: u32, got: u32, want: u32 },
+}

@@ -1,0 +1,232 @@
+//! The target's view of one connection.
+//!
+//! [`ServerSession`] checks that the peer follows the protocol (HELLO first and once, only
+//! initiator-to-target frame kinds, caravans within the negotiated limits) and keeps the table
+//! of export handles this connection opened. It does not execute anything: it classifies each
+//! frame into an [`Inbound`] for the driver to act on.
+
+use wire::control::{Hello, HelloReply, Limits, Open};
+use wire::{caravan::RequestCaravan, FrameKind, Header, Status, WireError, VERSION};
+
+use crate::ProtoError;
+
+/// Most exports one connection may hold open.
+pub const OPEN_HANDLES_MAX: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    AwaitHello,
+    Ready,
+}
+
+/// A frame from the initiator, classified and checked.
+#[derive(Debug)]
+pub enum Inbound<'a> {
+    /// HELLO accepted: send this HELLO_REPLY body. `refused` means close after sending.
+    Hello { reply: HelloReply },
+    Open(Open),
+    List,
+    Stats,
+    Requests(RequestCaravan<'a>),
+}
+
+/// One connection's protocol state on the target.
+#[derive(Debug)]
+pub struct ServerSession {
+    state: State,
+    /// What this target offers before negotiation.
+    offered: Limits,
+    /// What was agreed; equal to `offered` until HELLO.
+    limits: Limits,
+    /// Export indices (into the target's export table) by handle.
+    handles: Vec<u32>,
+}
+
+impl ServerSession {
+    pub fn new(offered: Limits) -> ServerSession {
+        ServerSession {
+            state: State::AwaitHello,
+            offered,
+            limits: offered,
+            handles: Vec::with_capacity(OPEN_HANDLES_MAX),
+        }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Largest frame the peer may send now. Before HELLO only a small control frame is legal.
+    pub fn frame_bytes_max(&self) -> usize {
+        match self.state {
+            State::AwaitHello => wire::HEADER_LEN + wire::control::CONTROL_BODY_MAX,
+            State::Ready => self.limits.frame_bytes_max(),
+        }
+    }
+
+    /// Classify one complete frame. An error means the connection must close.
+    pub fn handle_frame<'a>(
+        &mut self,
+        header: &Header,
+        body: &'a [u8],
+    ) -> Result<Inbound<'a>, ProtoError> {
+        if !header.kind.is_caravan() && body.len() > wire::control::CONTROL_BODY_MAX {
+            return Err(WireError::Limit {
+                what: "control body bytes",
+                value: body.len() as u64,
+                limit: wire::control::CONTROL_BODY_MAX as u64,
+            }
+            .into());
+        }
+        match (self.state, header.kind) {
+            (State::AwaitHello, FrameKind::Hello) => self.handle_hello(body),
+            (State::AwaitHello, kind) => Err(ProtoError::Unexpected(kind, "before HELLO")),
+            (State::Ready, FrameKind::Hello) => {
+                Err(ProtoError::Unexpected(FrameKind::Hello, "twice"))
+            }
+            (State::Ready, FrameKind::Open) => Ok(Inbound::Open(Open::decode(body)?)),
+            (State::Ready, FrameKind::List) => empty(body, "LIST").map(|_| Inbound::List),
+            (State::Ready, FrameKind::Stats) => empty(body, "STATS").map(|_| Inbound::Stats),
+            (State::Ready, FrameKind::Requests) => self.admit_caravan(header, body),
+            (State::Ready, kind) => Err(ProtoError::Unexpected(kind, "from an initiator")),
+        }
+    }
+
+    fn handle_hello<'a>(&mut self, body: &[u8]) -> Result<Inbound<'a>, ProtoError> {
+        let hello = Hello::decode(body)?;
+        let speaks_v1 = hello.version_min <= VERSION && VERSION <= hello.version_max;
+        if !speaks_v1 {
+            let reply = HelloReply {
+                status: Status::VersionMismatch,
+                version: VERSION,
+                features: 0,
+                limits: self.offered,
+            };
+            return Ok(Inbound::Hello { reply });
+        }
+        self.limits = self.offered.negotiate(&hello.limits);
+        self.state = State::Ready;
+        // Version 1 defines no feature bits, so the agreed set is empty whatever was asked.
+        let reply = HelloReply { status: Status::Ok, version: VERSION, features: 0, limits: self.limits };
+        Ok(Inbound::Hello { reply })
+    }
+
+    fn admit_caravan<'a>(
+        &self,
+        header: &Header,
+        body: &'a [u8],
+    ) -> Result<Inbound<'a>, ProtoError> {
+        let l = &self.limits;
+        check_limit("descriptors per caravan", header.desc_count.into(), l.caravan_reqs_max.into())?;
+        check_limit("caravan payload bytes", header.payload_len.into(), l.caravan_bytes_max.into())?;
+        Ok(Inbound::Requests(RequestCaravan::parse(header, body)?))
+    }
+
+    /// Record that this connection opened export `export_index`; returns its handle, or
+    /// `TooManyOpen`. Opening the same export twice returns the same handle.
+    pub fn open_handle(&mut self, export_index: u32) -> Result<u32, Status> {
+        if let Some(h) = self.handles.iter().position(|&e| e == export_index) {
+            return Ok(h as u32);
+        }
+        if self.handles.len() >= OPEN_HANDLES_MAX {
+            return Err(Status::TooManyOpen);
+        }
+        self.handles.push(export_index);
+        Ok(self.handles.len() as u32 - 1)
+    }
+
+    /// The export index behind `handle`, if this connection opened it.
+    pub fn resolve(&self, handle: u32) -> Option<u32> {
+        self.handles.get(handle as usize).copied()
+    }
+}
+
+fn empty(body: &[u8], what: &'static str) -> Result<(), ProtoError> {
+    if body.is_empty() {
+        Ok(())
+    } else {
+        Err(WireError::Body(what).into())
+    }
+}
+
+fn check_limit(what: &'static str, value: u64, limit: u64) -> Result<(), ProtoError> {
+    if value > limit {
+        return Err(WireError::Limit { what, value, limit }.into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(limits: Limits) -> Vec<u8> {
+        Hello { version_min: 1, version_max: 1, features: 0, limits }.encode()
+    }
+
+    fn header(kind: FrameKind, desc_count: u16, payload_len: u32) -> Header {
+        Header { kind, desc_count, payload_len }
+    }
+
+    #[test]
+    fn hello_first_then_anything() {
+        let mut s = ServerSession::new(Limits::default());
+        let err = s.handle_frame(&header(FrameKind::List, 0, 0), &[]).unwrap_err();
+        assert!(matches!(err, ProtoError::Unexpected(FrameKind::List, _)));
+
+        let body = hello(Limits { queue_depth: 8, ..Limits::default() });
+        let h = header(FrameKind::Hello, 0, body.len() as u32);
+        match s.handle_frame(&h, &body).unwrap() {
+            Inbound::Hello { reply } => {
+                assert_eq!(reply.status, Status::Ok);
+                assert_eq!(reply.limits.queue_depth, 8);
+                assert_eq!(reply.limits.caravan_reqs_max, 8, "a caravan never exceeds the queue");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(s.handle_frame(&h, &body), Err(ProtoError::Unexpected(FrameKind::Hello, _))));
+        assert!(matches!(s.handle_frame(&header(FrameKind::List, 0, 0), &[]), Ok(Inbound::List)));
+    }
+
+    #[test]
+    fn version_mismatch_is_answered_not_accepted() {
+        let mut s = ServerSession::new(Limits::default());
+        let body = Hello { version_min: 2, version_max: 3, features: 0, limits: Limits::default() }
+            .encode();
+        let h = header(FrameKind::Hello, 0, body.len() as u32);
+        match s.handle_frame(&h, &body).unwrap() {
+            Inbound::Hello { reply } => assert_eq!(reply.status, Status::VersionMismatch),
+            other => panic!("unexpected {other:?}"),
+        }
+        // Still waiting for an acceptable HELLO: nothing else is allowed.
+        assert!(s.handle_frame(&header(FrameKind::Stats, 0, 0), &[]).is_err());
+    }
+
+    #[test]
+    fn caravans_over_the_limits_break_the_connection() {
+        let mut s = ServerSession::new(Limits::default());
+        let body = hello(Limits { caravan_reqs_max: 4, caravan_bytes_max: 8192, io_bytes_max: 4096, queue_depth: 0 });
+        s.handle_frame(&header(FrameKind::Hello, 0, body.len() as u32), &body).unwrap();
+        let too_many = header(FrameKind::Requests, 5, 0);
+        let err = s.handle_frame(&too_many, &vec![0u8; 5 * 32]).unwrap_err();
+        assert!(matches!(err, ProtoError::Wire(WireError::Limit { what: "descriptors per caravan", .. })));
+        let too_big = header(FrameKind::Requests, 0, 8193);
+        assert!(s.handle_frame(&too_big, &vec![0u8; 8193]).is_err());
+        assert!(matches!(
+            s.handle_frame(&header(FrameKind::Completions, 0, 0), &[]),
+            Err(ProtoError::Unexpected(FrameKind::Completions, _))
+        ));
+    }
+
+    #[test]
+    fn handles_are_bounded_and_stable() {
+        let mut s = ServerSession::new(Limits::default());
+        for i in 0..OPEN_HANDLES_MAX as u32 {
+            assert_eq!(s.open_handle(i * 10), Ok(i));
+        }
+        assert_eq!(s.open_handle(30), Ok(3), "reopening returns the same handle");
+        assert_eq!(s.open_handle(999), Err(Status::TooManyOpen));
+        assert_eq!(s.resolve(2), Some(20));
+        assert_eq!(s.resolve(OPEN_HANDLES_MAX as u32), None);
+    }
+}

@@ -1,0 +1,124 @@
+//! Status codes carried by completions and control replies.
+//!
+//! One table for the whole protocol: the engine maps every refusal and backend error to one of
+//! these, and the initiator maps them back to errors. Unknown codes received from a newer peer
+//! are kept as [`Status::Other`] rather than rejected.
+
+/// The outcome of one request or control operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Status {
+    Ok,
+    /// Malformed request: bad flags, payload length not matching the opcode, zero length.
+    Invalid,
+    /// The range reaches past the end of the export.
+    OutOfRange,
+    /// Offset or length not a multiple of the export's block size.
+    Misaligned,
+    /// Length larger than the negotiated largest I/O.
+    TooLarge,
+    /// A write, trim or write-zeroes on a read-only export.
+    ReadOnly,
+    UnknownOpcode,
+    /// The export handle was never opened on this connection.
+    BadHandle,
+    /// The backend cannot do this (e.g. trim on a device without discard).
+    Unsupported,
+    /// The backend reported an I/O error.
+    IoError,
+    /// The backend ran out of space.
+    NoSpace,
+    /// No export by that name.
+    NotFound,
+    /// No protocol version in common.
+    VersionMismatch,
+    /// Too many exports open on one connection.
+    TooManyOpen,
+    /// A code this implementation does not know.
+    Other(u16),
+}
+
+impl Status {
+    pub fn to_u16(self) -> u16 {
+        match self {
+            Status::Ok => 0,
+            Status::Invalid => 1,
+            Status::OutOfRange => 2,
+            Status::Misaligned => 3,
+            Status::TooLarge => 4,
+            Status::ReadOnly => 5,
+            Status::UnknownOpcode => 6,
+            Status::BadHandle => 7,
+            Status::Unsupported => 8,
+            Status::IoError => 9,
+            Status::NoSpace => 10,
+            Status::NotFound => 11,
+            Status::VersionMismatch => 12,
+            Status::TooManyOpen => 13,
+            Status::Other(v) => v,
+        }
+    }
+
+    pub fn from_u16(v: u16) -> Status {
+        match v {
+            0 => Status::Ok,
+            1 => Status::Invalid,
+            2 => Status::OutOfRange,
+            3 => Status::Misaligned,
+            4 => Status::TooLarge,
+            5 => Status::ReadOnly,
+            6 => Status::UnknownOpcode,
+            7 => Status::BadHandle,
+            8 => Status::Unsupported,
+            9 => Status::IoError,
+            10 => Status::NoSpace,
+            11 => Status::NotFound,
+            12 => Status::VersionMismatch,
+            13 => Status::TooManyOpen,
+            other => Status::Other(other),
+        }
+    }
+
+    pub fn is_ok(self) -> bool {
+        self == Status::Ok
+    }
+
+    /// The errno a POSIX caller (the C API, an NBD reply) would expect for this status.
+    pub fn errno(self) -> i32 {
+        // Values from Linux's asm-generic/errno-base.h and errno.h; wire has no libc.
+        match self {
+            Status::Ok => 0,
+            Status::Invalid | Status::Misaligned | Status::BadHandle => 22, // EINVAL
+            Status::OutOfRange => 22,                                       // EINVAL
+            Status::TooLarge => 75,                                         // EOVERFLOW
+            Status::ReadOnly => 1,                                          // EPERM
+            Status::UnknownOpcode | Status::Unsupported => 95,              // EOPNOTSUPP
+            Status::IoError | Status::Other(_) => 5,                        // EIO
+            Status::NoSpace => 28,                                          // ENOSPC
+            Status::NotFound => 2,                                          // ENOENT
+            Status::VersionMismatch => 71,                                  // EPROTO
+            Status::TooManyOpen => 24,                                      // EMFILE
+        }
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Status::Other(v) => write!(f, "status {v}"),
+            s => write!(f, "{s:?}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_round_trips() {
+        for v in 0..=20u16 {
+            assert_eq!(Status::from_u16(v).to_u16(), v);
+        }
+        assert_eq!(Status::from_u16(999), Status::Other(999));
+    }
+}
