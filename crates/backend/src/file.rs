@@ -1,0 +1,459 @@
+//! The file backend: a regular file or a block device, read and written with positional I/O.
+//!
+//! Each backend holds up to four descriptors on the same file, so that every request picks its
+//! path without `fcntl` or locks:
+//!
+//! - `buffered`: through the page cache; always present, and the one `flush` syncs.
+//! - `direct`: `O_DIRECT`, bypassing the page cache, when the file system accepts it (tmpfs
+//!   and some FUSE file systems refuse it at open; we say so once in the log and stay buffered).
+//! - `dsync_direct` and `dsync_buffered`: `O_DSYNC` (the first also `O_DIRECT`) for FUA writes,
+//!   which are then durable on return without syncing the whole file.
+//!
+//! A request uses `O_DIRECT` when its offset and length are multiples of [`ALIGN_BYTES`]
+//! (a conservative alignment every device accepts). If only the caller's buffer is misaligned,
+//! the bytes go through a per-thread aligned bounce buffer, which costs a memory copy but keeps
+//! the page cache out. Anything else goes through the page cache. Mixing the two paths is
+//! coherent: Linux writes back cached pages before a direct read and invalidates them after a
+//! direct write. An `O_DIRECT` request the kernel still refuses with `EINVAL` is retried
+//! buffered, with one log line per backend.
+//!
+//! This module owns no unsafe code (`FileExt` does positional I/O) and no policy on request
+//! sizes: the engine bounds those, and the bounce buffer grows to the largest it sees.
+
+use std::cell::RefCell;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Seek, SeekFrom};
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use rt::mem::{AlignedBuf, ALIGN_BYTES};
+
+use crate::spec::{check_range, read_only_error, BLOCK_BYTES};
+use crate::{Backend, BackendCounters, Result};
+
+/// Size of each write that `write_zeroes` and `trim` issue: large enough to keep system-call
+/// overhead small, small enough to live in the binary.
+const ZERO_CHUNK_BYTES: usize = 64 * 1024;
+
+/// Zeroes aligned for `O_DIRECT`, shared by every zeroing write; read-only, so never stale.
+#[repr(C, align(4096))]
+struct ZeroChunk([u8; ZERO_CHUNK_BYTES]);
+
+static ZEROES: ZeroChunk = ZeroChunk([0; ZERO_CHUNK_BYTES]);
+
+thread_local! {
+    /// Each worker's `O_DIRECT` bounce buffer: allocated on first use, grown to the largest
+    /// misaligned request, then reused so the data path does not allocate.
+    static BOUNCE: RefCell<Option<AlignedBuf>> = const { RefCell::new(None) };
+}
+
+/// Counters shared by all workers. Relaxed ordering: they are statistics, read after the fact.
+#[derive(Debug, Default)]
+struct AtomicCounters {
+    syncs: AtomicU64,
+    dsync_writes: AtomicU64,
+    direct_ios: AtomicU64,
+    buffered_ios: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The descriptors only a writable backend opens.
+#[derive(Debug)]
+struct WriteFds {
+    /// `O_DSYNC | O_DIRECT`, when `O_DIRECT` works on this file.
+    dsync_direct: Option<File>,
+    /// `O_DSYNC` through the page cache, for FUA writes `O_DIRECT` cannot take.
+    dsync_buffered: File,
+}
+
+/// A volume backed by a regular file or block device.
+#[derive(Debug)]
+pub struct FileBackend {
+    path: PathBuf,
+    size_bytes: u64,
+    buffered: File,
+    direct: Option<File>,
+    /// `None` when opened read-only, which is what makes a backend read-only.
+    write_fds: Option<WriteFds>,
+    counters: AtomicCounters,
+    /// Set once the first `EINVAL` from an `O_DIRECT` request has been logged.
+    direct_fallback_logged: AtomicBool,
+}
+
+/// How one request reaches the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Direct,
+    Bounce,
+    Buffered,
+}
+
+fn route(offset: u64, len_bytes: usize, buf_addr: usize) -> Route {
+    let align = ALIGN_BYTES as u64;
+    if !offset.is_multiple_of(align) || !(len_bytes as u64).is_multiple_of(align) {
+        Route::Buffered
+    } else if !buf_addr.is_multiple_of(ALIGN_BYTES) {
+        Route::Bounce
+    } else {
+        Route::Direct
+    }
+}
+
+/// Add the path to an open-time error, keeping its kind. The errno is lost, which only matters
+/// on the data path, never here.
+fn with_path(path: &Path, what: &str, err: io::Error) -> io::Error {
+    io::Error::new(err.kind(), format!("{}: {what}: {err}", path.display()))
+}
+
+fn open_fd(path: &Path, write: bool, flags: i32) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(flags)
+        .open(path)
+}
+
+/// Run `f` on this thread's bounce buffer, grown to at least `len_bytes`. `None` when the
+/// buffer cannot be had (allocation failure), in which case the caller goes buffered.
+fn with_bounce<R>(len_bytes: usize, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+    BOUNCE.with(|cell| {
+        let mut slot = cell.try_borrow_mut().ok()?;
+        let too_small = match slot.as_ref() {
+            Some(buf) => buf.len() < len_bytes,
+            None => true,
+        };
+        if too_small {
+            // Drop the old buffer first so peak memory is one buffer, not two.
+            *slot = None;
+            *slot = Some(AlignedBuf::new(len_bytes).ok()?);
+        }
+        let buf = slot.as_mut()?;
+        Some(f(&mut buf[..len_bytes]))
+    })
+}
+
+impl FileBackend {
+    /// Open `path` (a regular file or block device) for I/O; writable unless `read_only`.
+    ///
+    /// The volume size is the file's size, found by seeking to its end (which works for block
+    /// devices too), rounded down to whole 512-byte blocks. An empty file is an error.
+    pub fn open(path: &Path, read_only: bool) -> Result<Self> {
+        let buffered = open_fd(path, !read_only, 0).map_err(|e| with_path(path, "open", e))?;
+        let file_type = buffered
+            .metadata()
+            .map_err(|e| with_path(path, "stat", e))?
+            .file_type();
+        if !file_type.is_file() && !file_type.is_block_device() {
+            return Err(invalid(path, "not a regular file or block device"));
+        }
+        let size_bytes = volume_size(path, &buffered)?;
+        let direct = open_direct(path, !read_only);
+        let write_fds = if read_only {
+            None
+        } else {
+            Some(open_write_fds(path, direct.is_some())?)
+        };
+        Ok(FileBackend {
+            path: path.to_owned(),
+            size_bytes,
+            buffered,
+            direct,
+            write_fds,
+            counters: AtomicCounters::default(),
+            direct_fallback_logged: AtomicBool::new(false),
+        })
+    }
+
+    /// True when `O_DIRECT` is in use for aligned requests on this file.
+    pub fn uses_direct_io(&self) -> bool {
+        self.direct.is_some()
+    }
+
+    /// Try `io` on an `O_DIRECT` descriptor along `route`. `Ok(true)` means done; `Ok(false)`
+    /// means the caller must do it buffered (no direct path, misaligned, no bounce buffer, or
+    /// the kernel refused with `EINVAL`).
+    fn try_direct(
+        &self,
+        fd: Option<&File>,
+        route: Route,
+        len_bytes: usize,
+        io: impl FnOnce(&File, Option<&mut [u8]>) -> io::Result<()>,
+    ) -> io::Result<bool> {
+        let Some(fd) = fd else { return Ok(false) };
+        let result = match route {
+            Route::Buffered => return Ok(false),
+            Route::Direct => io(fd, None),
+            Route::Bounce => match with_bounce(len_bytes, |bounce| io(fd, Some(bounce))) {
+                Some(result) => result,
+                None => return Ok(false),
+            },
+        };
+        match result {
+            Ok(()) => {
+                bump(&self.counters.direct_ios);
+                Ok(true)
+            }
+            Err(err) if err.raw_os_error() == Some(libc::EINVAL) => {
+                self.log_direct_fallback(&err);
+                Ok(false)
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    fn log_direct_fallback(&self, err: &io::Error) {
+        if !self.direct_fallback_logged.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                path = %self.path.display(),
+                error = %err,
+                "O_DIRECT request refused; retrying such requests through the page cache"
+            );
+        }
+    }
+
+    /// One write on the FUA (`O_DSYNC`) or ordinary descriptors; range already checked.
+    fn write_checked(&self, fds: &WriteFds, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let (direct, buffered) = if fua {
+            (fds.dsync_direct.as_ref(), &fds.dsync_buffered)
+        } else {
+            (self.direct.as_ref(), &self.buffered)
+        };
+        let route = route(offset, buf.len(), buf.as_ptr() as usize);
+        let done = self.try_direct(direct, route, buf.len(), |fd, bounce| match bounce {
+            Some(bounce) => {
+                bounce.copy_from_slice(buf);
+                fd.write_all_at(bounce, offset)
+            }
+            None => fd.write_all_at(buf, offset),
+        })?;
+        if !done {
+            buffered.write_all_at(buf, offset)?;
+            bump(&self.counters.buffered_ios);
+        }
+        if fua {
+            bump(&self.counters.dsync_writes);
+        }
+        Ok(())
+    }
+
+    fn writable(&self) -> Result<&WriteFds> {
+        self.write_fds.as_ref().ok_or_else(read_only_error)
+    }
+}
+
+fn invalid(path: &Path, why: &str) -> crate::BackendError {
+    crate::BackendError::Io(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{}: {why}", path.display()),
+    ))
+}
+
+/// The file's size in whole blocks. A trailing partial block cannot be addressed by 512-byte
+/// requests, so it is left out (with a warning) rather than advertised.
+fn volume_size(path: &Path, file: &File) -> Result<u64> {
+    // `&File` implements `Seek`; the position is irrelevant since all I/O is positional.
+    let mut cursor = file;
+    let file_bytes = cursor
+        .seek(SeekFrom::End(0))
+        .map_err(|e| with_path(path, "seek to end", e))?;
+    if file_bytes == 0 {
+        return Err(invalid(path, "empty file"));
+    }
+    let size_bytes = file_bytes - file_bytes % u64::from(BLOCK_BYTES);
+    if size_bytes == 0 {
+        return Err(invalid(path, "smaller than one 512-byte block"));
+    }
+    if size_bytes != file_bytes {
+        tracing::warn!(
+            path = %path.display(),
+            file_bytes,
+            size_bytes,
+            "file size is not whole 512-byte blocks; the tail is not exported"
+        );
+    }
+    Ok(size_bytes)
+}
+
+/// Open the `O_DIRECT` descriptor, or say once why we cannot and carry on buffered.
+fn open_direct(path: &Path, write: bool) -> Option<File> {
+    match open_fd(path, write, libc::O_DIRECT) {
+        Ok(fd) => Some(fd),
+        Err(err) => {
+            tracing::info!(
+                path = %path.display(),
+                error = %err,
+                "O_DIRECT is unsupported on this path; using buffered I/O"
+            );
+            None
+        }
+    }
+}
+
+fn open_write_fds(path: &Path, direct_works: bool) -> Result<WriteFds> {
+    let dsync_buffered =
+        open_fd(path, true, libc::O_DSYNC).map_err(|e| with_path(path, "open O_DSYNC", e))?;
+    // O_DIRECT already opened once, so a failure here is unexpected; FUA then stays buffered.
+    let dsync_direct = if direct_works {
+        open_fd(path, true, libc::O_DSYNC | libc::O_DIRECT).ok()
+    } else {
+        None
+    };
+    Ok(WriteFds {
+        dsync_direct,
+        dsync_buffered,
+    })
+}
+
+impl Backend for FileBackend {
+    fn kind(&self) -> &'static str {
+        "file"
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn block_size(&self) -> u32 {
+        BLOCK_BYTES
+    }
+
+    fn is_read_only(&self) -> bool {
+        self.write_fds.is_none()
+    }
+
+    fn can_flush(&self) -> bool {
+        true
+    }
+
+    fn can_fua(&self) -> bool {
+        true
+    }
+
+    fn can_trim(&self) -> bool {
+        true
+    }
+
+    fn can_write_zeroes(&self) -> bool {
+        true
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        check_range(self.size_bytes, offset, buf.len() as u64)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let route = route(offset, buf.len(), buf.as_ptr() as usize);
+        let done =
+            self.try_direct(
+                self.direct.as_ref(),
+                route,
+                buf.len(),
+                |fd, bounce| match bounce {
+                    Some(bounce) => {
+                        fd.read_exact_at(bounce, offset)?;
+                        buf.copy_from_slice(bounce);
+                        Ok(())
+                    }
+                    None => fd.read_exact_at(buf, offset),
+                },
+            )?;
+        if !done {
+            self.buffered.read_exact_at(buf, offset)?;
+            bump(&self.counters.buffered_ios);
+        }
+        Ok(())
+    }
+
+    /// With `fua`, the write goes through an `O_DSYNC` descriptor and is durable on return.
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
+        let fds = self.writable()?;
+        check_range(self.size_bytes, offset, buf.len() as u64)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.write_checked(fds, buf, offset, fua)
+    }
+
+    /// `fdatasync`: covers writes from every descriptor, since they share one inode.
+    fn flush(&self) -> Result<()> {
+        self.buffered.sync_data()?;
+        bump(&self.counters.syncs);
+        Ok(())
+    }
+
+    /// Implemented as [`write_zeroes`](Backend::write_zeroes) without FUA, so trimmed blocks
+    /// read zeroes but no space is released. Punching holes needs `fallocate`, which std does
+    /// not wrap and this crate may not call unsafely; it can come later from `rt`.
+    fn trim(&self, offset: u64, len: u64) -> Result<()> {
+        self.write_zeroes(offset, len, false)
+    }
+
+    /// Writes zeroes in 64 KiB chunks, the first cut short to reach a 4 KiB boundary so the
+    /// rest can go `O_DIRECT`. With `fua`, one `fdatasync` at the end makes the whole range
+    /// durable, cheaper than `O_DSYNC` on every chunk.
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        let fds = self.writable()?;
+        check_range(self.size_bytes, offset, len)?;
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let to_boundary = ZERO_CHUNK_BYTES as u64 - pos % ALIGN_BYTES as u64;
+            let chunk_bytes = to_boundary.min(end - pos) as usize;
+            self.write_checked(fds, &ZEROES.0[..chunk_bytes], pos, false)?;
+            pos += chunk_bytes as u64;
+        }
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn counters(&self) -> BackendCounters {
+        let c = &self.counters;
+        BackendCounters {
+            syncs: c.syncs.load(Ordering::Relaxed),
+            dsync_writes: c.dsync_writes.load(Ordering::Relaxed),
+            direct_ios: c.direct_ios.load(Ordering::Relaxed),
+            buffered_ios: c.buffered_ios.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_follow_alignment() {
+        let a = ALIGN_BYTES;
+        assert_eq!(route(0, a, a), Route::Direct);
+        assert_eq!(route(a as u64 * 3, 2 * a, 5 * a), Route::Direct);
+        assert_eq!(route(0, a, a + 1), Route::Bounce);
+        assert_eq!(route(512, a, a), Route::Buffered);
+        assert_eq!(route(0, 512, a), Route::Buffered);
+        assert_eq!(route(512, 512, 3), Route::Buffered);
+    }
+
+    #[test]
+    fn bounce_buffer_grows_and_is_reused() {
+        let first = with_bounce(ALIGN_BYTES, |b| (b.as_ptr() as usize, b.len())).unwrap();
+        assert_eq!(first.0 % ALIGN_BYTES, 0);
+        assert_eq!(first.1, ALIGN_BYTES);
+        let grown = with_bounce(4 * ALIGN_BYTES, |b| b.len()).unwrap();
+        assert_eq!(grown, 4 * ALIGN_BYTES);
+        // A smaller request reuses the grown buffer rather than shrinking it.
+        let again = with_bounce(ALIGN_BYTES, |b| b.len()).unwrap();
+        assert_eq!(again, ALIGN_BYTES);
+        BOUNCE.with(|cell| assert_eq!(cell.borrow().as_ref().unwrap().len(), 4 * ALIGN_BYTES));
+    }
+
+    #[test]
+    fn zero_chunk_is_aligned() {
+        assert_eq!(ZEROES.0.as_ptr() as usize % ALIGN_BYTES, 0);
+        assert!(ZEROES.0.iter().all(|&b| b == 0));
+    }
+}

@@ -1,0 +1,203 @@
+//! Target-side execution: the export table, request validation, and request → backend →
+//! status.
+//!
+//! The engine is shared by every front end (the native protocol today, NBD next): a front end
+//! parses its own wire format, resolves the export, and calls [`validate`] and [`execute`],
+//! which know nothing of sockets or framing. All refusals and backend errors become a
+//! [`wire::Status`] here and only here ([`status_of`]); a front end maps statuses to its own
+//! error codes.
+#![forbid(unsafe_code)]
+
+pub mod stats;
+
+use std::sync::Arc;
+
+use backend::{Backend, BackendError};
+use wire::control::{ExportFlags, ExportInfo};
+use wire::{Opcode, ReqFlags, Status};
+
+pub use stats::OpCounters;
+
+/// One named volume the target serves.
+pub struct Export {
+    pub name: String,
+    pub backend: Arc<dyn Backend>,
+    /// Refuse writes even if the backend could take them (`--read-only`).
+    pub read_only: bool,
+}
+
+impl std::fmt::Debug for Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Export")
+            .field("name", &self.name)
+            .field("kind", &self.backend.kind())
+            .field("size_bytes", &self.backend.size_bytes())
+            .field("read_only", &self.read_only)
+            .finish()
+    }
+}
+
+impl Export {
+    pub fn is_read_only(&self) -> bool {
+        self.read_only || self.backend.is_read_only()
+    }
+
+    pub fn flags(&self) -> ExportFlags {
+        let b = &self.backend;
+        let writable = !self.is_read_only();
+        let mut bits = 0;
+        let mut set = |on: bool, bit: u32| {
+            if on {
+                bits |= bit
+            }
+        };
+        set(!writable, ExportFlags::READ_ONLY);
+        set(b.can_flush(), ExportFlags::CAN_FLUSH);
+        set(writable && b.can_fua(), ExportFlags::CAN_FUA);
+        set(writable && b.can_trim(), ExportFlags::CAN_TRIM);
+        set(writable && b.can_write_zeroes(), ExportFlags::CAN_WRITE_ZEROES);
+        ExportFlags(bits)
+    }
+
+    pub fn info(&self) -> ExportInfo {
+        ExportInfo {
+            name: self.name.clone(),
+            size_bytes: self.backend.size_bytes(),
+            block_size: self.backend.block_size(),
+            flags: self.flags(),
+        }
+    }
+}
+
+/// The exports of one target, fixed at start-up and shared read-only by all workers.
+#[derive(Debug, Default)]
+pub struct ExportTable {
+    exports: Vec<Export>,
+}
+
+impl ExportTable {
+    pub fn new(exports: Vec<Export>) -> ExportTable {
+        ExportTable { exports }
+    }
+
+    /// Index and export by name.
+    pub fn find(&self, name: &str) -> Option<(u32, &Export)> {
+        self.exports.iter().enumerate().find(|(_, e)| e.name == name).map(|(i, e)| (i as u32, e))
+    }
+
+    pub fn get(&self, index: u32) -> Option<&Export> {
+        self.exports.get(index as usize)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Export> {
+        self.exports.iter()
+    }
+
+    pub fn infos(&self) -> Vec<ExportInfo> {
+        self.exports.iter().map(Export::info).collect()
+    }
+}
+
+/// What the engine needs to know about one request, whatever protocol carried it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Io {
+    pub opcode: Opcode,
+    pub flags: ReqFlags,
+    pub offset: u64,
+    pub length: u32,
+}
+
+impl From<&wire::Request> for Io {
+    fn from(r: &wire::Request) -> Io {
+        Io { opcode: r.opcode, flags: r.flags, offset: r.offset, length: r.length }
+    }
+}
+
+/// Check a request against its export and the negotiated largest I/O, in the order a client
+/// can act on: malformed, then not permitted, then too large, then misaligned, then out of
+/// range, then not supported by the backend.
+pub fn validate(export: &Export, io: &Io, io_bytes_max: u32) -> Result<(), Status> {
+    let b = &export.backend;
+    if io.opcode == Opcode::Flush {
+        if io.offset != 0 || io.length != 0 {
+            return Err(Status::Invalid);
+        }
+        return if b.can_flush() { Ok(()) } else { Err(Status::Unsupported) };
+    }
+    if io.length == 0 {
+        return Err(Status::Invalid);
+    }
+    if io.opcode.is_mutating() && export.is_read_only() {
+        return Err(Status::ReadOnly);
+    }
+    let carries_data = matches!(io.opcode, Opcode::Read | Opcode::Write);
+    if carries_data && io.length > io_bytes_max {
+        return Err(Status::TooLarge);
+    }
+    let block = u64::from(b.block_size());
+    if io.offset % block != 0 || u64::from(io.length) % block != 0 {
+        return Err(Status::Misaligned);
+    }
+    match io.offset.checked_add(u64::from(io.length)) {
+        Some(end) if end <= b.size_bytes() => {}
+        _ => return Err(Status::OutOfRange),
+    }
+    let supported = match io.opcode {
+        Opcode::Trim => b.can_trim(),
+        Opcode::WriteZeroes => b.can_write_zeroes(),
+        _ => true,
+    };
+    if supported {
+        Ok(())
+    } else {
+        Err(Status::Unsupported)
+    }
+}
+
+/// Execute a validated request. `payload` is the write data (empty otherwise); `read_into` is
+/// where read data goes and is exactly `io.length` bytes for a read (empty otherwise).
+pub fn execute(export: &Export, io: &Io, payload: &[u8], read_into: &mut [u8]) -> Status {
+    let b = &export.backend;
+    let fua = io.flags.contains(ReqFlags::FUA);
+    let result = match io.opcode {
+        Opcode::Read => b.read_at(read_into, io.offset),
+        Opcode::Write => b.write_at(payload, io.offset, fua),
+        Opcode::Flush => b.flush(),
+        Opcode::Trim => b.trim(io.offset, io.length.into()),
+        Opcode::WriteZeroes => b.write_zeroes(io.offset, io.length.into(), fua),
+    };
+    match result {
+        Ok(()) => Status::Ok,
+        Err(e) => {
+            tracing::warn!(export = %export.name, op = io.opcode.name(), offset = io.offset, length = io.length, error = %e, "backend error");
+            status_of(&e)
+        }
+    }
+}
+
+/// The one mapping from backend errors to wire statuses.
+pub fn status_of(err: &BackendError) -> Status {
+    match err {
+        BackendError::Unsupported => Status::Unsupported,
+        BackendError::Io(_) => match err.errno() {
+            libc_errno::ENOSPC | libc_errno::EDQUOT => Status::NoSpace,
+            libc_errno::EROFS | libc_errno::EPERM => Status::ReadOnly,
+            libc_errno::EOPNOTSUPP => Status::Unsupported,
+            libc_errno::EINVAL => Status::Invalid,
+            _ => Status::IoError,
+        },
+    }
+}
+
+/// Linux errno values the mapping needs; the engine has no libc dependency of its own.
+mod libc_errno {
+    pub const EPERM: i32 = 1;
+    pub const EINVAL: i32 = 22;
+    pub const ENOSPC: i32 = 28;
+    pub const EROFS: i32 = 30;
+    pub const EOPNOTSUPP: i32 = 95;
+    pub const EDQUOT: i32 = 122;
+}
+
+#[cfg(test)]
+mod tests;

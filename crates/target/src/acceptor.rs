@@ -1,0 +1,85 @@
+//! The acceptor: takes new connections and deals them to workers round-robin. It is the only
+//! thread that ever hands work to a worker, and only once per connection.
+
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+
+use mio::{Events, Interest, Poll, Token, Waker};
+use transport::{Listener, Stream};
+
+use crate::Shared;
+
+const WAKE: Token = Token(usize::MAX);
+
+pub(crate) struct Acceptor {
+    poll: Poll,
+    waker: Arc<Waker>,
+    listeners: Vec<Listener>,
+    inboxes: Vec<(Sender<Stream>, Arc<Waker>)>,
+    shared: Arc<Shared>,
+    next: usize,
+}
+
+impl Acceptor {
+    pub fn new(
+        mut listeners: Vec<Listener>,
+        inboxes: Vec<(Sender<Stream>, Arc<Waker>)>,
+        shared: Arc<Shared>,
+    ) -> io::Result<Acceptor> {
+        let poll = Poll::new()?;
+        for (i, l) in listeners.iter_mut().enumerate() {
+            poll.registry().register(l, Token(i), Interest::READABLE)?;
+        }
+        let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
+        Ok(Acceptor { poll, waker, listeners, inboxes, shared, next: 0 })
+    }
+
+    pub fn waker(&self) -> Arc<Waker> {
+        self.waker.clone()
+    }
+
+    pub fn run(mut self) {
+        self.shared.acceptor_tid.store(rt::usage::thread_id(), Ordering::Relaxed);
+        let mut events = Events::with_capacity(16);
+        while !self.shared.shutdown.load(Ordering::Acquire) {
+            if let Err(e) = self.poll.poll(&mut events, None) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::error!(error = %e, "acceptor poll failed; no new connections");
+                    return;
+                }
+            }
+            for ev in events.iter() {
+                if ev.token() != WAKE {
+                    self.accept_all(ev.token().0);
+                }
+            }
+        }
+    }
+
+    fn accept_all(&mut self, index: usize) {
+        loop {
+            let stream = match self.listeners[index].accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    // Out of descriptors or a connection reset before accept: log and go on.
+                    tracing::warn!(error = %e, "accept failed");
+                    return;
+                }
+            };
+            let open = self.shared.connections.load(Ordering::Relaxed);
+            if open >= self.shared.config.connections_max {
+                tracing::warn!(peer = %stream.peer(), open, "connection refused: connections_max reached");
+                continue;
+            }
+            self.shared.connections.fetch_add(1, Ordering::Relaxed);
+            let (inbox, waker) = &self.inboxes[self.next % self.inboxes.len()];
+            self.next += 1;
+            if inbox.send(stream).is_ok() {
+                let _ = waker.wake();
+            }
+        }
+    }
+}

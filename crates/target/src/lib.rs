@@ -1,0 +1,213 @@
+//! The skiff target daemon: listeners, workers, exports, stats.
+//!
+//! [`Target::start`] opens the backends, binds the listeners and starts one acceptor thread and
+//! one worker per core. A worker owns its connections outright and runs each request to
+//! completion on its own thread: read a caravan, execute every request on the backend, append
+//! the completions to the connection's response buffer, and send all responses at the end of
+//! the loop pass. The acceptor hands a connection to a worker once, at connect time; nothing on
+//! the data path crosses threads or takes a lock.
+
+mod acceptor;
+mod conn;
+pub mod stats;
+mod worker;
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use backend::BackendSpec;
+use engine::{Export, ExportTable};
+use transport::{Endpoint, Listener};
+use wire::Limits;
+
+pub use stats::WorkerStats;
+
+/// One export on the command line: `NAME=SPEC`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportConfig {
+    pub name: String,
+    pub spec: BackendSpec,
+}
+
+impl std::str::FromStr for ExportConfig {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ExportConfig, String> {
+        let (name, spec) = s.split_once('=').ok_or_else(|| format!("export {s:?}: expected NAME=SPEC"))?;
+        if name.is_empty() || name.len() > wire::control::EXPORT_NAME_MAX {
+            return Err(format!("export {s:?}: name must be 1 to {} bytes", wire::control::EXPORT_NAME_MAX));
+        }
+        let spec = BackendSpec::parse(spec).map_err(|e| format!("export {name:?}: {e}"))?;
+        Ok(ExportConfig { name: name.to_owned(), spec })
+    }
+}
+
+/// Everything a target needs to start. Bounds live here with their defaults.
+#[derive(Debug, Clone)]
+pub struct TargetConfig {
+    /// Where to listen (TCP addresses and Unix socket paths).
+    pub listen: Vec<Endpoint>,
+    pub exports: Vec<ExportConfig>,
+    /// Serve every export read-only.
+    pub read_only: bool,
+    /// Worker threads; zero means one per core.
+    pub workers: usize,
+    /// The most this target offers in the handshake.
+    pub limits: Limits,
+    /// Connections open at once across all workers; more are refused at accept.
+    pub connections_max: usize,
+    /// Response bytes queued on one connection before the worker stops reading from it (the
+    /// peer is not draining its socket).
+    pub tx_backlog_bytes_max: usize,
+}
+
+impl Default for TargetConfig {
+    fn default() -> TargetConfig {
+        TargetConfig {
+            listen: vec![Endpoint::Tcp(format!("127.0.0.1:{}", transport::endpoint::DEFAULT_PORT))],
+            exports: Vec::new(),
+            read_only: false,
+            workers: 0,
+            limits: Limits::default(),
+            connections_max: 1024,
+            tx_backlog_bytes_max: 8 << 20,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("no exports configured")]
+    NoExports,
+    #[error("export name {0:?} given twice")]
+    DuplicateExport(String),
+    #[error("export {name:?}: {source}")]
+    Backend { name: String, source: backend::BackendError },
+    #[error("listen on {endpoint}: {source}")]
+    Listen { endpoint: Endpoint, source: io::Error },
+    #[error("start worker: {0}")]
+    Spawn(io::Error),
+}
+
+/// State every thread of one target can see.
+pub(crate) struct Shared {
+    pub config: TargetConfig,
+    pub exports: ExportTable,
+    pub workers: Vec<Arc<WorkerStats>>,
+    pub shutdown: AtomicBool,
+    pub connections: std::sync::atomic::AtomicUsize,
+    /// Thread ids of the acceptor, for CPU accounting beside the workers'.
+    pub acceptor_tid: std::sync::atomic::AtomicI32,
+}
+
+/// A running target. Dropping it shuts the target down and waits for its threads.
+pub struct Target {
+    shared: Arc<Shared>,
+    endpoints: Vec<Endpoint>,
+    wakers: Vec<Arc<mio::Waker>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Target {
+    /// Open the exports, bind the listeners and start serving.
+    pub fn start(config: TargetConfig) -> Result<Target, TargetError> {
+        let exports = open_exports(&config)?;
+        let mut listeners = Vec::new();
+        let mut endpoints = Vec::new();
+        for ep in &config.listen {
+            let l = Listener::bind(ep).map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?;
+            endpoints.push(l.local_endpoint().map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?);
+            listeners.push(l);
+        }
+        let workers = match config.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let shared = Arc::new(Shared {
+            exports,
+            workers: (0..workers).map(|_| Arc::new(WorkerStats::default())).collect(),
+            shutdown: AtomicBool::new(false),
+            connections: Default::default(),
+            acceptor_tid: Default::default(),
+            config,
+        });
+        for e in shared.exports.iter() {
+            tracing::info!(export = %e.name, kind = e.backend.kind(), size_bytes = e.backend.size_bytes(), read_only = e.is_read_only(), "export ready");
+        }
+
+        let mut threads = Vec::new();
+        let mut wakers = Vec::new();
+        let mut inboxes = Vec::new();
+        for id in 0..workers {
+            let w = worker::Worker::new(id, shared.clone()).map_err(TargetError::Spawn)?;
+            wakers.push(w.waker());
+            inboxes.push(w.inbox());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("skiff-worker-{id}"))
+                    .spawn(move || w.run())
+                    .map_err(TargetError::Spawn)?,
+            );
+        }
+        let acceptor = acceptor::Acceptor::new(listeners, inboxes, shared.clone()).map_err(TargetError::Spawn)?;
+        wakers.push(acceptor.waker());
+        threads.push(
+            std::thread::Builder::new()
+                .name("skiff-accept".into())
+                .spawn(move || acceptor.run())
+                .map_err(TargetError::Spawn)?,
+        );
+        for ep in &endpoints {
+            tracing::info!(%ep, workers, "listening");
+        }
+        Ok(Target { shared, endpoints, wakers, threads })
+    }
+
+    /// The addresses actually bound (with real ports when port 0 was asked for).
+    pub fn endpoints(&self) -> &[Endpoint] {
+        &self.endpoints
+    }
+
+    /// Counters of the whole target, as a STATS request would see them.
+    pub fn stats(&self) -> wire::StatsReply {
+        stats::collect(&self.shared)
+    }
+
+    /// Stop accepting, close every connection and wait for all threads.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        for w in &self.wakers {
+            let _ = w.wake();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
+    if config.exports.is_empty() {
+        return Err(TargetError::NoExports);
+    }
+    let mut exports: Vec<Export> = Vec::new();
+    for ec in &config.exports {
+        if exports.iter().any(|e| e.name == ec.name) {
+            return Err(TargetError::DuplicateExport(ec.name.clone()));
+        }
+        let backend = backend::open(&ec.spec, config.read_only)
+            .map_err(|source| TargetError::Backend { name: ec.name.clone(), source })?;
+        exports.push(Export { name: ec.name.clone(), backend, read_only: config.read_only });
+    }
+    Ok(ExportTable::new(exports))
+}

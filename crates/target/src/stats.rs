@@ -1,0 +1,117 @@
+//! Target counters and the STATS reply.
+//!
+//! Each worker owns a [`WorkerStats`] and is its only writer (relaxed single-writer updates,
+//! one cache line apart). A STATS request, on whichever worker receives it, sums them and adds
+//! the CPU time and context switches of the target's own threads, read from procfs, so the
+//! figures are right both for `skiff serve` and for a target running inside `skiff bench`.
+//!
+//! Counter names (stable; new ones may be added):
+//! - `req_<op>`, `bytes_<op>` for `read`, `write`, `flush`, `trim`, `write_zeroes`;
+//!   `req_errors` (requests answered with a status other than OK);
+//! - `caravans_received`, `caravans_sent`, `caravan_reqs_total`, and the histogram
+//!   `caravan_reqs_le_<N>` (received caravans with at most N requests, N = 1, 2, 4, ... 64, and
+//!   `caravan_reqs_le_inf`), each bucket counting only its own range;
+//! - `rx_bytes`, `tx_bytes`, `loop_passes`;
+//! - `connections_open`, `connections_accepted`, `connections_closed_protocol_error`;
+//! - `cpu_user_us`, `cpu_sys_us` (clock-tick resolution), `cpu_ns` (scheduler run time),
+//!   `ctx_switches_voluntary`, `ctx_switches_involuntary`: summed over the target's threads;
+//! - `workers`, `exports`; `backend_syncs`, `backend_dsync_writes`, `backend_direct_ios`,
+//!   `backend_buffered_ios` summed over exports.
+
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
+
+use engine::OpCounters;
+use wire::{Opcode, StatsReply};
+
+use crate::Shared;
+
+/// Upper bounds of the caravan-size histogram buckets; the last bucket is unbounded.
+pub const CARAVAN_BUCKETS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+#[derive(Debug, Default)]
+#[repr(align(64))]
+pub struct WorkerStats {
+    pub ops: OpCounters,
+    pub caravans_received: AtomicU64,
+    pub caravans_sent: AtomicU64,
+    pub caravan_reqs_total: AtomicU64,
+    pub caravan_hist: [AtomicU64; CARAVAN_BUCKETS.len() + 1],
+    pub rx_bytes: AtomicU64,
+    pub tx_bytes: AtomicU64,
+    pub loop_passes: AtomicU64,
+    pub connections_accepted: AtomicU64,
+    pub connections_closed_protocol_error: AtomicU64,
+    pub tid: AtomicI32,
+}
+
+/// Single-writer increment (see the module docs).
+pub(crate) fn bump(c: &AtomicU64, by: u64) {
+    c.store(c.load(Relaxed) + by, Relaxed);
+}
+
+impl WorkerStats {
+    pub(crate) fn record_caravan(&self, reqs: usize) {
+        bump(&self.caravans_received, 1);
+        bump(&self.caravan_reqs_total, reqs as u64);
+        let bucket = CARAVAN_BUCKETS.iter().position(|&b| reqs as u32 <= b).unwrap_or(CARAVAN_BUCKETS.len());
+        bump(&self.caravan_hist[bucket], 1);
+    }
+}
+
+pub(crate) fn collect(shared: &Shared) -> StatsReply {
+    let mut e: Vec<(String, u64)> = Vec::with_capacity(64);
+    let sum = |f: &dyn Fn(&WorkerStats) -> u64| shared.workers.iter().map(|w| f(w)).sum::<u64>();
+    for op in Opcode::ALL {
+        e.push((format!("req_{}", op.name()), sum(&|w| w.ops.reqs(op))));
+        e.push((format!("bytes_{}", op.name()), sum(&|w| w.ops.bytes(op))));
+    }
+    e.push(("req_errors".into(), sum(&|w| w.ops.errors())));
+    let named: [(&str, fn(&WorkerStats) -> &AtomicU64); 8] = [
+        ("caravans_received", |w| &w.caravans_received),
+        ("caravans_sent", |w| &w.caravans_sent),
+        ("caravan_reqs_total", |w| &w.caravan_reqs_total),
+        ("rx_bytes", |w| &w.rx_bytes),
+        ("tx_bytes", |w| &w.tx_bytes),
+        ("loop_passes", |w| &w.loop_passes),
+        ("connections_accepted", |w| &w.connections_accepted),
+        ("connections_closed_protocol_error", |w| &w.connections_closed_protocol_error),
+    ];
+    for (name, field) in named {
+        e.push((name.into(), sum(&|w| field(w).load(Relaxed))));
+    }
+    for (i, bound) in CARAVAN_BUCKETS.iter().map(|b| b.to_string()).chain(["inf".to_string()]).enumerate() {
+        e.push((format!("caravan_reqs_le_{bound}"), sum(&|w| w.caravan_hist[i].load(Relaxed))));
+    }
+    e.push(("connections_open".into(), shared.connections.load(Relaxed) as u64));
+
+    let mut usage = rt::usage::Usage::default();
+    let tids = shared.workers.iter().map(|w| w.tid.load(Relaxed)).chain([shared.acceptor_tid.load(Relaxed)]);
+    for tid in tids.filter(|&t| t != 0) {
+        if let Ok(u) = rt::usage::of_thread(tid) {
+            usage.add(&u);
+        }
+    }
+    e.push(("cpu_user_us".into(), usage.user_us));
+    e.push(("cpu_sys_us".into(), usage.sys_us));
+    e.push(("cpu_ns".into(), usage.cpu_ns));
+    e.push(("ctx_switches_voluntary".into(), usage.ctx_voluntary));
+    e.push(("ctx_switches_involuntary".into(), usage.ctx_involuntary));
+    e.push(("workers".into(), shared.workers.len() as u64));
+
+    let mut backend = backend::BackendCounters::default();
+    let mut exports = 0;
+    for x in shared.exports.iter() {
+        let c = x.backend.counters();
+        backend.syncs += c.syncs;
+        backend.dsync_writes += c.dsync_writes;
+        backend.direct_ios += c.direct_ios;
+        backend.buffered_ios += c.buffered_ios;
+        exports += 1;
+    }
+    e.push(("exports".into(), exports));
+    e.push(("backend_syncs".into(), backend.syncs));
+    e.push(("backend_dsync_writes".into(), backend.dsync_writes));
+    e.push(("backend_direct_ios".into(), backend.direct_ios));
+    e.push(("backend_buffered_ios".into(), backend.buffered_ios));
+    StatsReply { entries: e }
+}

@@ -1,0 +1,178 @@
+//! A run-to-completion worker: one thread, one `mio` poll, the connections it owns.
+//!
+//! Each loop pass waits for readiness, reads and executes everything that arrived on ready
+//! connections, then flushes every connection that has responses queued: one send for all the
+//! completions a pass produced on a connection. Connections that still have unread data (the
+//! per-pass read budget ran out) are serviced again on the next pass without sleeping.
+
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+
+use mio::{Events, Interest, Poll, Token, Waker};
+use transport::Stream;
+
+use crate::conn::{Conn, ReadOutcome};
+use crate::stats::{bump, WorkerStats};
+use crate::Shared;
+
+const WAKE: Token = Token(usize::MAX);
+const EVENTS_PER_POLL: usize = 256;
+
+pub(crate) struct Worker {
+    id: usize,
+    poll: Poll,
+    waker: Arc<Waker>,
+    inbox_tx: Sender<Stream>,
+    inbox: Receiver<Stream>,
+    shared: Arc<Shared>,
+    stats: Arc<WorkerStats>,
+    conns: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    /// Connections to read from this pass.
+    readable: Vec<usize>,
+    /// Connections with data left over from the last pass.
+    carry: Vec<usize>,
+    /// Connections with responses queued.
+    dirty: Vec<usize>,
+}
+
+impl Worker {
+    pub fn new(id: usize, shared: Arc<Shared>) -> io::Result<Worker> {
+        let poll = Poll::new()?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
+        let (inbox_tx, inbox) = mpsc::channel();
+        let stats = shared.workers[id].clone();
+        Ok(Worker {
+            id,
+            poll,
+            waker,
+            inbox_tx,
+            inbox,
+            shared,
+            stats,
+            conns: Vec::new(),
+            free: Vec::new(),
+            readable: Vec::new(),
+            carry: Vec::new(),
+            dirty: Vec::new(),
+        })
+    }
+
+    pub fn waker(&self) -> Arc<Waker> {
+        self.waker.clone()
+    }
+
+    /// Where the acceptor drops new connections for this worker.
+    pub fn inbox(&self) -> (Sender<Stream>, Arc<Waker>) {
+        (self.inbox_tx.clone(), self.waker.clone())
+    }
+
+    pub fn run(mut self) {
+        self.stats.tid.store(rt::usage::thread_id(), Ordering::Relaxed);
+        let mut events = Events::with_capacity(EVENTS_PER_POLL);
+        loop {
+            let timeout = if self.carry.is_empty() { None } else { Some(std::time::Duration::ZERO) };
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::error!(worker = self.id, error = %e, "poll failed; worker stops");
+                    break;
+                }
+            }
+            if self.shared.shutdown.load(Ordering::Acquire) {
+                break;
+            }
+            bump(&self.stats.loop_passes, 1);
+            self.readable.append(&mut self.carry);
+            for ev in events.iter() {
+                match ev.token() {
+                    WAKE => self.adopt_new(),
+                    Token(i) => {
+                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                            self.readable.push(i);
+                        }
+                        if ev.is_writable() {
+                            // Space in the socket again: resume sending, and reading if a full
+                            // backlog had paused it.
+                            self.dirty.push(i);
+                            self.readable.push(i);
+                        }
+                    }
+                }
+            }
+            self.read_pass();
+            self.flush_pass();
+        }
+        let open = self.conns.iter().filter(|c| c.is_some()).count();
+        self.shared.connections.fetch_sub(open, Ordering::Relaxed);
+        tracing::debug!(worker = self.id, open, "worker stopped");
+    }
+
+    fn adopt_new(&mut self) {
+        while let Ok(mut stream) = self.inbox.try_recv() {
+            let index = self.free.pop().unwrap_or_else(|| {
+                self.conns.push(None);
+                self.conns.len() - 1
+            });
+            let interest = Interest::READABLE | Interest::WRITABLE;
+            if let Err(e) = self.poll.registry().register(&mut stream, Token(index), interest) {
+                tracing::warn!(error = %e, "cannot register connection");
+                self.free.push(index);
+                self.shared.connections.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            }
+            let conn = Conn::new(stream, self.shared.config.limits);
+            tracing::debug!(worker = self.id, peer = %conn.peer, "connection");
+            bump(&self.stats.connections_accepted, 1);
+            self.conns[index] = Some(conn);
+            // Data may have arrived before registration; edge-triggered polling would not
+            // report it, so read once now.
+            self.readable.push(index);
+        }
+    }
+
+    fn read_pass(&mut self) {
+        self.readable.sort_unstable();
+        self.readable.dedup();
+        for i in std::mem::take(&mut self.readable) {
+            let Some(conn) = self.conns.get_mut(i).and_then(Option::as_mut) else {
+                continue;
+            };
+            match conn.service(&self.shared, &self.stats) {
+                ReadOutcome::Drained => {}
+                ReadOutcome::More => self.carry.push(i),
+                ReadOutcome::Closed => {
+                    self.close(i);
+                    continue;
+                }
+            }
+            self.dirty.push(i);
+        }
+    }
+
+    fn flush_pass(&mut self) {
+        self.dirty.sort_unstable();
+        self.dirty.dedup();
+        for i in std::mem::take(&mut self.dirty) {
+            let Some(conn) = self.conns.get_mut(i).and_then(Option::as_mut) else {
+                continue;
+            };
+            if conn.tx.pending() > 0 && !conn.flush(&self.stats) {
+                self.close(i);
+            } else if conn.closing && conn.tx.pending() == 0 {
+                self.close(i);
+            }
+        }
+    }
+
+    fn close(&mut self, index: usize) {
+        if let Some(mut conn) = self.conns[index].take() {
+            let _ = self.poll.registry().deregister(&mut conn.stream);
+            tracing::debug!(worker = self.id, peer = %conn.peer, "connection closed");
+            self.free.push(index);
+            self.shared.connections.fetch_sub(1, Ordering::Relaxed);
+            self.carry.retain(|&c| c != index);
+        }
+    }
+}

@@ -1,0 +1,28 @@
+//! Moving frames between peers.
+//!
+//! Transports know frame boundaries (the 24-byte header says how long a frame is) and nothing
+//! else of the protocol. The seam is [`FrameIo`]: pull whatever the OS has into a
+//! [`FrameBuffer`], push a gather list of byte slices out. TCP and Unix stream sockets
+//! implement it here, for the target's event loop ([`Stream`], non-blocking under `mio`) and
+//! for the initiator's lanes ([`ClientStream`]); a datagram transport with its own reliable,
+//! in-order delivery implements the same trait by placing each delivered frame's bytes into the
+//! buffer, and everything above stays unchanged.
+
+pub mod endpoint;
+pub mod framing;
+pub mod stream;
+
+pub use endpoint::Endpoint;
+pub use framing::{FrameBuffer, FrameError, FrameRef};
+pub use stream::{wait_fd, ClientStream, Listener, Stream};
+
+use std::io::{self, IoSlice};
+
+/// A connection that carries frames.
+pub trait FrameIo {
+    /// Move bytes the OS holds into `rx`. `Ok(0)` means the peer closed; `WouldBlock` means
+    /// nothing is there now.
+    fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize>;
+    /// Send from the gather list what the OS takes now; returns the bytes taken.
+    fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize>;
+}
