@@ -24,11 +24,12 @@ use wire::Limits;
 
 pub use stats::WorkerStats;
 
-/// One export on the command line: `NAME=SPEC`.
+/// One export on the command line: `NAME=SPEC`, or `NAME=SPEC,ro` for a read-only export.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportConfig {
     pub name: String,
     pub spec: BackendSpec,
+    pub read_only: bool,
 }
 
 impl std::str::FromStr for ExportConfig {
@@ -38,8 +39,12 @@ impl std::str::FromStr for ExportConfig {
         if name.is_empty() || name.len() > wire::control::EXPORT_NAME_MAX {
             return Err(format!("export {s:?}: name must be 1 to {} bytes", wire::control::EXPORT_NAME_MAX));
         }
+        let (spec, read_only) = match spec.strip_suffix(",ro") {
+            Some(spec) => (spec, true),
+            None => (spec, false),
+        };
         let spec = BackendSpec::parse(spec).map_err(|e| format!("export {name:?}: {e}"))?;
-        Ok(ExportConfig { name: name.to_owned(), spec })
+        Ok(ExportConfig { name: name.to_owned(), spec, read_only })
     }
 }
 
@@ -49,7 +54,7 @@ pub struct TargetConfig {
     /// Where to listen (TCP addresses and Unix socket paths).
     pub listen: Vec<Endpoint>,
     pub exports: Vec<ExportConfig>,
-    /// Serve every export read-only.
+    /// Serve every export read-only (each export may also be read-only on its own).
     pub read_only: bool,
     /// Worker threads; zero means one per core.
     pub workers: usize,
@@ -205,9 +210,10 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
         if exports.iter().any(|e| e.name == ec.name) {
             return Err(TargetError::DuplicateExport(ec.name.clone()));
         }
-        let backend = backend::open(&ec.spec, config.read_only)
+        let read_only = config.read_only || ec.read_only;
+        let backend = backend::open(&ec.spec, read_only)
             .map_err(|source| TargetError::Backend { name: ec.name.clone(), source })?;
-        exports.push(Export { name: ec.name.clone(), backend, read_only: config.read_only });
+        exports.push(Export { name: ec.name.clone(), backend, read_only });
     }
     Ok(ExportTable::new(exports))
 }

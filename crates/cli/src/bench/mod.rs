@@ -1,0 +1,181 @@
+//! `skiff bench`: many lanes against one export, reported as a table or JSON.
+//!
+//! CPU per I/O is measured where it is spent: the client figure is the bench threads' own
+//! CPU time (`getrusage(RUSAGE_THREAD)`), the server figure is the target's threads' CPU time
+//! from its STATS reply, both over the timed phase only and divided by the I/Os completed in
+//! it. That holds whether the target runs in this process or elsewhere.
+
+mod pattern;
+mod report;
+mod workload;
+
+use std::process::ExitCode;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use initiator::{Client, Endpoint, Lane, LaneConfig, Limits};
+use target::{ExportConfig, Target, TargetConfig};
+
+use crate::units::{parse_duration, parse_size};
+use crate::CliResult;
+use workload::{Phases, Rw, Workload};
+
+const EMBEDDED_EXPORT: &str = "bench";
+const EMBEDDED_SIZE: &str = "ram:1G";
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Target address (HOST:PORT or unix:PATH). Without it, a target with a 1 GiB RAM export
+    /// runs in this process on loopback.
+    #[arg(long)]
+    target: Option<String>,
+    /// Export to open on --target.
+    #[arg(long, default_value = EMBEDDED_EXPORT)]
+    export: String,
+    #[arg(long, value_enum, default_value = "randread")]
+    rw: Rw,
+    /// Share of reads for --rw randrw, in percent.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=100))]
+    rwmix_read: u32,
+    /// Block size of every I/O.
+    #[arg(long, default_value = "4k", value_parser = parse_size)]
+    bs: u64,
+    /// Requests each thread keeps outstanding.
+    #[arg(long, default_value_t = 32)]
+    qd: usize,
+    /// Threads, each with its own lane.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Bytes of the export to use (default: all of it).
+    #[arg(long, value_parser = parse_size)]
+    size: Option<u64>,
+    /// Write a known pattern first and check every byte of every read, then read everything
+    /// back; any mismatch makes the exit status non-zero.
+    #[arg(long)]
+    verify: bool,
+    /// Seed for offsets and the verification pattern.
+    #[arg(long, default_value_t = 0x5eed)]
+    seed: u64,
+    /// Print one JSON object on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Worker threads of the in-process target (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    target_workers: usize,
+}
+
+pub fn run(args: BenchArgs) -> CliResult {
+    let bs = u32::try_from(args.bs).ok().filter(|b| *b >= 512 && b % 512 == 0).ok_or("--bs must be a multiple of 512 below 4 GiB")?;
+    if args.qd == 0 || args.threads == 0 {
+        return Err("--qd and --threads must be at least 1".into());
+    }
+    // Keep the embedded target alive for the whole run; dropping it shuts it down.
+    let (endpoint, embedded, target_label) = match &args.target {
+        Some(t) => (Endpoint::parse(t)?, None, t.clone()),
+        None => {
+            let config = TargetConfig {
+                listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
+                exports: vec![format!("{EMBEDDED_EXPORT}={EMBEDDED_SIZE}").parse::<ExportConfig>()?],
+                workers: args.target_workers,
+                ..TargetConfig::default()
+            };
+            let target = Target::start(config)?;
+            let ep = target.endpoints()[0].clone();
+            (ep, Some(target), format!("in-process {EMBEDDED_SIZE} on loopback"))
+        }
+    };
+    if embedded.is_some() && args.export != EMBEDDED_EXPORT {
+        return Err(format!("the in-process target has only the export {EMBEDDED_EXPORT:?}").into());
+    }
+
+    let lane_config = LaneConfig {
+        limits: Limits { queue_depth: args.qd as u32, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 },
+        ..LaneConfig::default()
+    };
+    let lanes = (0..args.threads)
+        .map(|_| Lane::connect(&endpoint, &args.export, &lane_config))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{endpoint} export {:?}: {e}", args.export))?;
+    let export = lanes[0].export().clone();
+    if lanes[0].queue_depth() < args.qd {
+        return Err(format!("target allows queue depth {} per lane, asked {}", lanes[0].queue_depth(), args.qd).into());
+    }
+    let size = args.size.unwrap_or(export.size_bytes);
+    if size > export.size_bytes {
+        return Err(format!("--size {size} is larger than the export ({} bytes)", export.size_bytes).into());
+    }
+    if bs % export.block_size != 0 {
+        return Err(format!("--bs must be a multiple of the export's block size {}", export.block_size).into());
+    }
+    // Under --verify each thread gets its own slice; otherwise all share the whole range.
+    let slice = if args.verify { size / args.threads as u64 / u64::from(bs) * u64::from(bs) } else { size / u64::from(bs) * u64::from(bs) };
+    if slice < u64::from(bs) * args.qd as u64 {
+        return Err("--size is too small for --bs × --qd per thread".into());
+    }
+
+    let mut stats_client = Client::connect(&endpoint)?;
+    let phases = Arc::new(Phases {
+        timed_start: Barrier::new(args.threads + 1),
+        timed_end: Barrier::new(args.threads + 1),
+        ios_done: Default::default(),
+    });
+    let handles: Vec<_> = lanes
+        .into_iter()
+        .enumerate()
+        .map(|(t, lane)| {
+            let w = Workload {
+                rw: args.rw,
+                read_pct: args.rwmix_read,
+                bs,
+                qd: args.qd,
+                region_start: if args.verify { t as u64 * slice } else { 0 },
+                region_len: slice,
+                duration: args.duration,
+                verify: args.verify,
+                seed: args.seed,
+            };
+            let phases = phases.clone();
+            std::thread::Builder::new()
+                .name(format!("skiff-bench-{t}"))
+                .spawn(move || workload::run(&w, lane, phases, t))
+        })
+        .collect::<Result<_, _>>()?;
+
+    let progress = report::Progress::new(args.duration, args.verify, args.json);
+    phases.timed_start.wait();
+    let stats_before = stats_client.stats()?;
+    let started = Instant::now();
+    progress.timed(&phases.ios_done, started, args.duration);
+    phases.timed_end.wait();
+    let elapsed = started.elapsed();
+    let stats_after = stats_client.stats()?;
+    progress.verifying();
+
+    let mut results = Vec::new();
+    for h in handles {
+        results.push(h.join().map_err(|_| "a bench thread panicked")??);
+    }
+    progress.finish();
+    let setup = report::Setup {
+        rw: args.rw,
+        rwmix_read: args.rwmix_read,
+        bs,
+        qd: args.qd,
+        threads: args.threads,
+        target: target_label,
+        export: args.export.clone(),
+        size_bytes: size,
+        verify: args.verify,
+    };
+    let summary = report::summarize(setup, &results, elapsed, &stats_before, &stats_after);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        report::print_table(&summary);
+    }
+    drop(embedded);
+    Ok(if summary.verify_errors > 0 || summary.io_errors > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}

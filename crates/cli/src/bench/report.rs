@@ -1,0 +1,230 @@
+//! Progress while the bench runs, and the summary after: a table for people, JSON for tools.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use wire::StatsReply;
+
+use super::workload::{Rw, ThreadResult};
+use crate::units::{grouped, human_bytes};
+
+/// The progress bar on stderr (hidden with --json or when stderr is not a terminal).
+pub struct Progress {
+    bar: ProgressBar,
+}
+
+impl Progress {
+    pub fn new(duration: Duration, verify: bool, json: bool) -> Progress {
+        let bar = ProgressBar::new(duration.as_millis() as u64);
+        if json {
+            bar.set_draw_target(ProgressDrawTarget::hidden());
+        }
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {prefix:>9} [{bar:32}] {elapsed:>3}/{duration:3} {msg}")
+                .expect("static template")
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(if verify { "prefill" } else { "starting" });
+        bar.enable_steady_tick(Duration::from_millis(100));
+        Progress { bar }
+    }
+
+    /// Follow the timed phase until `duration` has passed, showing the current IOPS.
+    pub fn timed(&self, ios: &AtomicU64, started: Instant, duration: Duration) {
+        self.bar.set_prefix("running");
+        let mut last = (Instant::now(), ios.load(Relaxed));
+        while started.elapsed() < duration {
+            std::thread::sleep(Duration::from_millis(250).min(duration.saturating_sub(started.elapsed())));
+            let now = (Instant::now(), ios.load(Relaxed));
+            let rate = (now.1 - last.1) as f64 / now.0.duration_since(last.0).as_secs_f64().max(1e-9);
+            self.bar.set_position(started.elapsed().as_millis() as u64);
+            self.bar.set_message(format!("{} IOPS", grouped(rate as u64)));
+            last = now;
+        }
+    }
+
+    pub fn verifying(&self) {
+        self.bar.set_prefix("finishing");
+    }
+
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct Setup {
+    pub rw: Rw,
+    pub rwmix_read: u32,
+    pub bs: u32,
+    pub qd: usize,
+    pub threads: usize,
+    pub target: String,
+    pub export: String,
+    pub size_bytes: u64,
+    pub verify: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Latency {
+    pub mean: f64,
+    pub p50: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    #[serde(flatten)]
+    pub setup: Setup,
+    pub duration_s: f64,
+    pub ios: u64,
+    pub iops: f64,
+    pub bytes_per_s: f64,
+    pub lat_us: Latency,
+    pub client_cpu_us_per_io: f64,
+    pub server_cpu_us_per_io: f64,
+    pub total_cpu_us_per_io: f64,
+    pub client_cpu_user_us: u64,
+    pub client_cpu_sys_us: u64,
+    pub server_cpu_user_us: u64,
+    pub server_cpu_sys_us: u64,
+    pub client_ctx_switches_per_io: f64,
+    pub server_ctx_switches_per_io: f64,
+    pub client_caravans: u64,
+    pub client_reqs_per_caravan: f64,
+    pub server_caravans_received: u64,
+    pub server_reqs_per_caravan: f64,
+    pub server_caravans_sent: u64,
+    pub io_errors: u64,
+    pub first_io_error: Option<String>,
+    pub verify_errors: u64,
+    pub first_verify_error: Option<String>,
+}
+
+fn delta(before: &StatsReply, after: &StatsReply, name: &str) -> u64 {
+    after.get(name).unwrap_or(0).saturating_sub(before.get(name).unwrap_or(0))
+}
+
+fn per(n: f64, ios: u64) -> f64 {
+    if ios == 0 {
+        0.0
+    } else {
+        n / ios as f64
+    }
+}
+
+pub fn summarize(setup: Setup, results: &[ThreadResult], elapsed: Duration, before: &StatsReply, after: &StatsReply) -> Summary {
+    let mut hist: Histogram<u64> = Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("static bounds");
+    let mut usage = rt::usage::Usage::default();
+    let (mut ios, mut bytes, mut io_errors, mut verify_errors) = (0, 0, 0, 0);
+    let (mut caravans, mut caravan_reqs) = (0, 0);
+    for r in results {
+        let _ = hist.add(&r.latency_ns);
+        usage.add(&r.usage);
+        ios += r.ios;
+        bytes += r.bytes;
+        io_errors += r.io_errors;
+        verify_errors += r.verify_errors;
+        caravans += r.lane.caravans_sent;
+        caravan_reqs += r.lane.submitted;
+    }
+    let secs = elapsed.as_secs_f64();
+    let us = |ns: u64| ns as f64 / 1000.0;
+    let server_cpu_ns = match delta(before, after, "cpu_ns") {
+        0 => (delta(before, after, "cpu_user_us") + delta(before, after, "cpu_sys_us")) * 1000,
+        ns => ns,
+    };
+    let client_cpu_us = (usage.user_us + usage.sys_us) as f64;
+    let server_cpu_us = server_cpu_ns as f64 / 1000.0;
+    let server_ctx = delta(before, after, "ctx_switches_voluntary") + delta(before, after, "ctx_switches_involuntary");
+    let received = delta(before, after, "caravans_received");
+    Summary {
+        setup,
+        duration_s: secs,
+        ios,
+        iops: ios as f64 / secs,
+        bytes_per_s: bytes as f64 / secs,
+        lat_us: Latency {
+            mean: hist.mean() / 1000.0,
+            p50: us(hist.value_at_quantile(0.50)),
+            p99: us(hist.value_at_quantile(0.99)),
+            p999: us(hist.value_at_quantile(0.999)),
+            max: us(hist.max()),
+        },
+        client_cpu_us_per_io: per(client_cpu_us, ios),
+        server_cpu_us_per_io: per(server_cpu_us, ios),
+        total_cpu_us_per_io: per(client_cpu_us + server_cpu_us, ios),
+        client_cpu_user_us: usage.user_us,
+        client_cpu_sys_us: usage.sys_us,
+        server_cpu_user_us: delta(before, after, "cpu_user_us"),
+        server_cpu_sys_us: delta(before, after, "cpu_sys_us"),
+        client_ctx_switches_per_io: per(usage.ctx_switches() as f64, ios),
+        server_ctx_switches_per_io: per(server_ctx as f64, ios),
+        client_caravans: caravans,
+        client_reqs_per_caravan: per(caravan_reqs as f64, caravans),
+        server_caravans_received: received,
+        server_reqs_per_caravan: per(delta(before, after, "caravan_reqs_total") as f64, received),
+        server_caravans_sent: delta(before, after, "caravans_sent"),
+        io_errors,
+        first_io_error: results.iter().find_map(|r| r.first_error).map(|s| s.to_string()),
+        verify_errors,
+        first_verify_error: results.iter().find_map(|r| r.verify_first.clone()),
+    }
+}
+
+pub fn print_table(s: &Summary) {
+    let st = &s.setup;
+    println!(
+        "skiff bench: {:?} bs={} qd={} threads={} over {:.1}s, target {} export {:?}{}",
+        st.rw,
+        st.bs,
+        st.qd,
+        st.threads,
+        s.duration_s,
+        st.target,
+        st.export,
+        if st.verify { ", verified" } else { "" }
+    );
+    let rows: Vec<(&str, String)> = vec![
+        ("IOPS", grouped(s.iops as u64)),
+        ("bandwidth", format!("{}/s", human_bytes(s.bytes_per_s))),
+        ("I/Os", grouped(s.ios)),
+        (
+            "latency µs",
+            format!("mean {:.1}  p50 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1}", s.lat_us.mean, s.lat_us.p50, s.lat_us.p99, s.lat_us.p999, s.lat_us.max),
+        ),
+        (
+            "CPU µs/I/O",
+            format!("client {:.2}  server {:.2}  total {:.2}", s.client_cpu_us_per_io, s.server_cpu_us_per_io, s.total_cpu_us_per_io),
+        ),
+        ("ctx sw/I/O", format!("client {:.3}  server {:.3}", s.client_ctx_switches_per_io, s.server_ctx_switches_per_io)),
+        (
+            "caravans",
+            format!(
+                "client sent {} ({:.1} req each)  server received {} ({:.1} req each), sent {}",
+                grouped(s.client_caravans),
+                s.client_reqs_per_caravan,
+                grouped(s.server_caravans_received),
+                s.server_reqs_per_caravan,
+                grouped(s.server_caravans_sent)
+            ),
+        ),
+        ("I/O errors", format!("{}{}", s.io_errors, s.first_io_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default())),
+        (
+            "verify errors",
+            if st.verify {
+                format!("{}{}", s.verify_errors, s.first_verify_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default())
+            } else {
+                "not verified (use --verify)".into()
+            },
+        ),
+    ];
+    for (k, v) in rows {
+        println!("  {k:<14} {v}");
+    }
+}

@@ -1,0 +1,296 @@
+//! One bench thread: a lane kept `qd` requests deep for the duration, with optional
+//! verification.
+//!
+//! Under `--verify` each thread owns a disjoint slice of the volume and never has two requests
+//! on one block at once, so the expected content of every block is exact: its offset, the seed
+//! and the generation of the last acknowledged write. The slice is written in full first
+//! (generation 0), and read back in full after the timed phase.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use initiator::{Completion, Lane, LaneStats, ReqFlags, Status};
+use rt::usage::Usage;
+use wire::Opcode;
+
+use super::pattern::{self, Rng};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Rw {
+    Randread,
+    Randwrite,
+    Randrw,
+    Read,
+    Write,
+}
+
+impl Rw {
+    fn is_random(self) -> bool {
+        matches!(self, Rw::Randread | Rw::Randwrite | Rw::Randrw)
+    }
+}
+
+/// What one thread does.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub rw: Rw,
+    pub read_pct: u32,
+    pub bs: u32,
+    pub qd: usize,
+    /// Byte range of the volume this thread uses.
+    pub region_start: u64,
+    pub region_len: u64,
+    pub duration: Duration,
+    pub verify: bool,
+    pub seed: u64,
+}
+
+/// What one thread measured in its timed phase (and, for verification, around it).
+pub struct ThreadResult {
+    pub ios: u64,
+    pub bytes: u64,
+    pub io_errors: u64,
+    pub first_error: Option<Status>,
+    pub verify_errors: u64,
+    pub verify_first: Option<String>,
+    pub latency_ns: Histogram<u64>,
+    pub usage: Usage,
+    pub lane: LaneStats,
+}
+
+/// Barriers the main thread uses to take target stats exactly around the timed phase.
+pub struct Phases {
+    pub timed_start: Barrier,
+    pub timed_end: Barrier,
+    pub ios_done: AtomicU64,
+}
+
+struct Slot {
+    buf: Option<Vec<u8>>,
+    started: Instant,
+    block: u64,
+    generation: u32,
+}
+
+/// Generation of a block whose content is unknown (a write to it failed).
+const UNKNOWN: u32 = u32::MAX;
+
+struct Runner<'a> {
+    w: &'a Workload,
+    lane: Lane,
+    slots: Vec<Slot>,
+    free: Vec<usize>,
+    rng: Rng,
+    cursor: u64,
+    blocks: u64,
+    generations: Vec<u32>,
+    busy: Vec<bool>,
+    done: Vec<Completion>,
+    r: ThreadResult,
+    timing: bool,
+}
+
+pub fn run(w: &Workload, lane: Lane, phases: Arc<Phases>, thread: usize) -> Result<ThreadResult, initiator::Error> {
+    let blocks = w.region_len / u64::from(w.bs);
+    let tracked = if w.verify { blocks as usize } else { 0 };
+    let mut run = Runner {
+        lane,
+        slots: (0..w.qd).map(|_| Slot { buf: Some(vec![0; w.bs as usize]), started: Instant::now(), block: 0, generation: 0 }).collect(),
+        free: (0..w.qd).rev().collect(),
+        rng: Rng::new(w.seed ^ (thread as u64).wrapping_mul(0x1000_0001)),
+        cursor: 0,
+        blocks,
+        generations: vec![0; tracked],
+        busy: vec![false; tracked],
+        done: Vec::with_capacity(w.qd),
+        r: ThreadResult {
+            ios: 0,
+            bytes: 0,
+            io_errors: 0,
+            first_error: None,
+            verify_errors: 0,
+            verify_first: None,
+            latency_ns: Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("static histogram bounds"),
+            usage: Usage::default(),
+            lane: LaneStats::default(),
+        },
+        timing: false,
+        w,
+    };
+    let outcome = run.phases(&phases);
+    if outcome.is_err() {
+        // Never leave the main thread waiting at a barrier for a thread that failed.
+        phases.timed_start.wait();
+        phases.timed_end.wait();
+    }
+    outcome?;
+    Ok(run.r)
+}
+
+impl Runner<'_> {
+    fn phases(&mut self, phases: &Phases) -> Result<(), initiator::Error> {
+        if self.w.verify {
+            self.sweep(Opcode::Write)?;
+        }
+        phases.timed_start.wait();
+        let before = rt::usage::this_thread();
+        let lane_before = *self.lane.stats();
+        self.timing = true;
+        self.timed(phases)?;
+        self.timing = false;
+        self.r.usage = rt::usage::this_thread().since(&before);
+        self.r.lane = self.lane.stats().since(&lane_before);
+        phases.timed_end.wait();
+        if self.w.verify {
+            self.sweep(Opcode::Read)?;
+        }
+        Ok(())
+    }
+
+    fn timed(&mut self, phases: &Phases) -> Result<(), initiator::Error> {
+        let deadline = Instant::now() + self.w.duration;
+        let mut unreported = 0u64;
+        while Instant::now() < deadline {
+            while let Some(i) = self.free.pop() {
+                let Some((op, block)) = self.choose() else {
+                    self.free.push(i);
+                    break;
+                };
+                self.submit(i, op, block)?;
+            }
+            self.lane.wait(1, &mut self.done)?;
+            unreported += self.complete_all() as u64;
+            if unreported >= 256 {
+                phases.ios_done.fetch_add(unreported, Relaxed);
+                unreported = 0;
+            }
+        }
+        self.drain()?;
+        phases.ios_done.fetch_add(unreported, Relaxed);
+        Ok(())
+    }
+
+    /// Write (generation 0) or read back and check every block of the region.
+    fn sweep(&mut self, op: Opcode) -> Result<(), initiator::Error> {
+        for block in 0..self.blocks {
+            while self.free.is_empty() {
+                self.lane.wait(1, &mut self.done)?;
+                self.complete_all();
+            }
+            let i = self.free.pop().expect("checked non-empty");
+            self.submit(i, op, block)?;
+        }
+        self.drain()
+    }
+
+    fn drain(&mut self) -> Result<(), initiator::Error> {
+        while self.free.len() < self.slots.len() {
+            self.lane.wait(1, &mut self.done)?;
+            self.complete_all();
+        }
+        Ok(())
+    }
+
+    /// Pick the next operation and block; `None` when verification finds no idle block soon.
+    fn choose(&mut self) -> Option<(Opcode, u64)> {
+        let op = match self.w.rw {
+            Rw::Randread | Rw::Read => Opcode::Read,
+            Rw::Randwrite | Rw::Write => Opcode::Write,
+            Rw::Randrw => {
+                if self.rng.below(100) < u64::from(self.w.read_pct) {
+                    Opcode::Read
+                } else {
+                    Opcode::Write
+                }
+            }
+        };
+        for _ in 0..8 {
+            let block = if self.w.rw.is_random() {
+                self.rng.below(self.blocks)
+            } else {
+                let b = self.cursor;
+                self.cursor = (self.cursor + 1) % self.blocks;
+                b
+            };
+            if !self.w.verify || !self.busy[block as usize] {
+                return Some((op, block));
+            }
+        }
+        None
+    }
+
+    fn submit(&mut self, i: usize, op: Opcode, block: u64) -> Result<(), initiator::Error> {
+        let offset = self.w.region_start + block * u64::from(self.w.bs);
+        let slot = &mut self.slots[i];
+        let mut buf = slot.buf.take().expect("free slots own their buffer");
+        slot.block = block;
+        if self.w.verify {
+            let b = block as usize;
+            self.busy[b] = true;
+            slot.generation = match op {
+                Opcode::Write if self.generations[b] == UNKNOWN => 0,
+                Opcode::Write if self.timing => self.generations[b] + 1,
+                _ => self.generations[b],
+            };
+            if op == Opcode::Write {
+                pattern::fill(&mut buf, self.w.seed, offset, slot.generation);
+            }
+        }
+        slot.started = Instant::now();
+        let submitted = match op {
+            Opcode::Read => self.lane.submit_read(offset, buf, i as u64),
+            _ => self.lane.submit_write(offset, buf, ReqFlags::empty(), i as u64),
+        };
+        submitted.map_err(|rejected| {
+            self.slots[i].buf = rejected.buf;
+            rejected.error
+        })
+    }
+
+    fn complete_all(&mut self) -> usize {
+        let n = self.done.len();
+        for c in std::mem::take(&mut self.done) {
+            self.complete(c);
+        }
+        n
+    }
+
+    fn complete(&mut self, c: Completion) {
+        let i = c.user_data as usize;
+        let slot = &mut self.slots[i];
+        let buf = c.buf.expect("reads and writes carry their buffer back");
+        if self.timing {
+            let ns = slot.started.elapsed().as_nanos() as u64;
+            let _ = self.r.latency_ns.record(ns.max(1));
+            self.r.ios += 1;
+            self.r.bytes += u64::from(self.w.bs);
+        }
+        if !c.status.is_ok() {
+            self.r.io_errors += 1;
+            self.r.first_error.get_or_insert(c.status);
+        }
+        if self.w.verify {
+            let b = slot.block as usize;
+            self.busy[b] = false;
+            let offset = self.w.region_start + slot.block * u64::from(self.w.bs);
+            match (c.opcode, c.status.is_ok()) {
+                (Opcode::Write, true) => self.generations[b] = slot.generation,
+                (Opcode::Write, false) => self.generations[b] = UNKNOWN,
+                (Opcode::Read, true) if slot.generation != UNKNOWN => {
+                    if let Some(at) = pattern::first_mismatch(&buf, self.w.seed, offset, slot.generation) {
+                        self.r.verify_errors += 1;
+                        self.r.verify_first.get_or_insert_with(|| {
+                            format!("offset {offset}: byte {at} differs (expected generation {})", slot.generation)
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        slot.buf = Some(buf);
+        self.free.push(i);
+    }
+}

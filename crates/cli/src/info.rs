@@ -1,0 +1,78 @@
+//! `skiff info`.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use initiator::{Client, Endpoint, ExportFlags};
+
+use crate::units::human_bytes;
+use crate::CliResult;
+
+#[derive(Args)]
+pub struct InfoArgs {
+    /// Target address: HOST:PORT or unix:PATH.
+    target: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn flag_names(f: ExportFlags) -> Vec<&'static str> {
+    [
+        (ExportFlags::READ_ONLY, "read-only"),
+        (ExportFlags::CAN_FLUSH, "flush"),
+        (ExportFlags::CAN_FUA, "fua"),
+        (ExportFlags::CAN_TRIM, "trim"),
+        (ExportFlags::CAN_WRITE_ZEROES, "write-zeroes"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| f.has(*bit))
+    .map(|(_, name)| name)
+    .collect()
+}
+
+pub fn run(args: InfoArgs) -> CliResult {
+    let endpoint = Endpoint::parse(&args.target)?;
+    let mut client = Client::connect(&endpoint).map_err(|e| format!("{endpoint}: {e}"))?;
+    let exports = client.list()?;
+    let l = *client.limits();
+    if args.json {
+        let list: Vec<_> = exports
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "name": e.name, "size_bytes": e.size_bytes, "block_size": e.block_size,
+                    "read_only": e.flags.has(ExportFlags::READ_ONLY), "capabilities": flag_names(e.flags),
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "target": endpoint.to_string(),
+            "limits": { "queue_depth": l.queue_depth, "caravan_reqs_max": l.caravan_reqs_max,
+                        "caravan_bytes_max": l.caravan_bytes_max, "io_bytes_max": l.io_bytes_max },
+            "exports": list,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("target {endpoint}");
+    println!(
+        "limits: queue depth {}, {} requests and {} per caravan, largest I/O {}",
+        l.queue_depth,
+        l.caravan_reqs_max,
+        human_bytes(l.caravan_bytes_max.into()),
+        human_bytes(l.io_bytes_max.into())
+    );
+    println!("{:<20} {:>12} {:>7} {:>10}  capabilities", "export", "size", "block", "read-only");
+    for e in &exports {
+        println!(
+            "{:<20} {:>12} {:>7} {:>10}  {}",
+            e.name,
+            human_bytes(e.size_bytes as f64),
+            e.block_size,
+            if e.flags.has(ExportFlags::READ_ONLY) { "yes" } else { "no" },
+            flag_names(e.flags).join(",")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

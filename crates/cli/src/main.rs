@@ -1,0 +1,68 @@
+//! `skiff`: the command-line front door.
+//!
+//! - `skiff serve`: run a target in the foreground until SIGINT or SIGTERM.
+//! - `skiff bench`: drive a target with lanes and report IOPS, latency and CPU per I/O; with no
+//!   `--target`, it starts a target in-process on loopback with a 1 GiB RAM export.
+//! - `skiff info`: list a target's exports and limits.
+//!
+//! Argument parsing and presentation live here; everything else is in the library crates.
+
+mod bench;
+mod info;
+mod serve;
+mod units;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "skiff", version, about = "CPU-efficient networked block storage for small I/O")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Export volumes over the network.
+    Serve(serve::ServeArgs),
+    /// Measure a target (or an in-process one) with lanes.
+    Bench(bench::BenchArgs),
+    /// List a target's exports and limits.
+    Info(info::InfoArgs),
+}
+
+fn init_logging(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SKIFF_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => {
+            init_logging("info");
+            serve::run(args)
+        }
+        Command::Bench(args) => {
+            init_logging("warn");
+            bench::run(args)
+        }
+        Command::Info(args) => {
+            init_logging("warn");
+            info::run(args)
+        }
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("skiff: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Errors surfaced to the user, each with enough context to act on.
+pub type CliResult = Result<ExitCode, Box<dyn std::error::Error>>;

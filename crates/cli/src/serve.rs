@@ -1,0 +1,76 @@
+//! `skiff serve`.
+
+use std::process::ExitCode;
+
+use clap::Args;
+use target::{ExportConfig, Target, TargetConfig};
+use initiator::Endpoint;
+
+use crate::CliResult;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// TCP address to listen on (native protocol).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    listen: String,
+    /// Also (or instead, with --no-tcp) listen on this Unix socket path.
+    #[arg(long)]
+    unix: Option<std::path::PathBuf>,
+    /// Do not listen on TCP (use with --unix).
+    #[arg(long)]
+    no_tcp: bool,
+    /// An export: NAME=SPEC[,ro], SPEC being ram:SIZE, file:PATH or null:SIZE; `,ro` makes
+    /// that export read-only. Repeatable.
+    #[arg(long = "export", value_name = "NAME=SPEC", required = true)]
+    exports: Vec<ExportConfig>,
+    /// Serve every export read-only.
+    #[arg(long)]
+    read_only: bool,
+    /// Worker threads (default: one per core).
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
+    /// Largest queue depth a lane may negotiate.
+    #[arg(long, default_value_t = wire::Limits::default().queue_depth)]
+    queue_depth: u32,
+    /// Largest single I/O in bytes (e.g. 1M).
+    #[arg(long, value_parser = crate::units::parse_size, default_value = "1M")]
+    io_max: u64,
+}
+
+pub fn run(args: ServeArgs) -> CliResult {
+    let mut listen = Vec::new();
+    if !args.no_tcp {
+        listen.push(Endpoint::parse(&args.listen)?);
+    }
+    if let Some(path) = args.unix {
+        listen.push(Endpoint::Unix(path));
+    }
+    if listen.is_empty() {
+        return Err("nothing to listen on: --no-tcp needs --unix PATH".into());
+    }
+    let io_bytes_max = u32::try_from(args.io_max).map_err(|_| "--io-max must be below 4 GiB")?;
+    let defaults = wire::Limits::default();
+    let limits = wire::Limits {
+        queue_depth: args.queue_depth.max(1),
+        io_bytes_max,
+        caravan_bytes_max: defaults.caravan_bytes_max.max(io_bytes_max),
+        ..defaults
+    };
+    let config = TargetConfig {
+        listen,
+        exports: args.exports,
+        read_only: args.read_only,
+        workers: args.workers,
+        limits,
+        ..TargetConfig::default()
+    };
+    // Before any thread starts, so that every thread inherits the blocked mask and the signal
+    // is taken synchronously below.
+    rt::signals::block_termination()?;
+    let target = Target::start(config)?;
+    let sig = rt::signals::wait_termination()?;
+    tracing::info!(signal = sig, "shutting down");
+    target.shutdown();
+    tracing::info!("stopped");
+    Ok(ExitCode::SUCCESS)
+}

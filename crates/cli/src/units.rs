@@ -1,0 +1,70 @@
+//! Parsing and printing sizes and durations as people type and read them.
+
+use std::time::Duration;
+
+/// `4k`, `64KiB`, `1G`, `4096`: binary units.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    backend::parse_size(s).map_err(|e| e.to_string())
+}
+
+/// `10s`, `500ms`, `2m`, `1.5s`, or plain seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num.trim().parse().map_err(|_| format!("bad duration {s:?} (try 10s, 500ms, 2m)"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("duration {s:?} must be positive"));
+    }
+    Ok(Duration::from_secs_f64(v * scale))
+}
+
+/// Bytes in binary units, e.g. `1.0 GiB`.
+pub fn human_bytes(b: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut i = 0;
+    while v >= 1024.0 && i < units.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.1} {}", units[i])
+}
+
+/// A count with thousands separators.
+pub fn grouped(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_numbers() {
+        assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("fast").is_err());
+        assert_eq!(grouped(1234567), "1,234,567");
+        assert_eq!(grouped(999), "999");
+        assert_eq!(human_bytes(1536.0), "1.5 KiB");
+    }
+}

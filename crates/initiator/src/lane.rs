@@ -1,0 +1,435 @@
+//! A lane: one connection, one export, one owning thread.
+//!
+//! Requests take a slot (their tag) and a place in the open caravan; write payloads stay in
+//! the caller's buffer until the caravan is sent with one vectored send. Completions are
+//! matched to slots by tag, read data is copied from the receive buffer into the buffer the
+//! caller posted, and the buffer goes back to the caller in the [`Completion`].
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use proto::caravan::{CaravanBuilder, Doorbell};
+use proto::slots::SlotTable;
+use proto::ProtoError;
+use transport::Endpoint;
+use wire::caravan::CompletionCaravan;
+use wire::{ExportInfo, FrameKind, GoAway, Limits, Opcode, ReqFlags, Request, Status};
+
+use crate::conn::Conn;
+use crate::{Error, Result};
+
+/// Most requests a lane puts in one caravan, whatever the target would allow: it bounds the
+/// gather list of one send, which lives on the stack.
+pub const LANE_CARAVAN_REQS_MAX: u32 = 256;
+/// `user_data` reserved for the blocking API's own requests.
+const SYNC_USER_DATA: u64 = u64::MAX;
+
+/// How a lane behaves.
+#[derive(Debug, Clone, Copy)]
+pub struct LaneConfig {
+    /// What the lane proposes in the handshake (zero fields mean "the target's choice").
+    pub limits: Limits,
+    pub doorbell: Doorbell,
+    /// How long a blocking call waits for the target before failing.
+    pub timeout: Duration,
+}
+
+impl Default for LaneConfig {
+    fn default() -> LaneConfig {
+        LaneConfig {
+            limits: Limits { queue_depth: 256, caravan_reqs_max: 64, caravan_bytes_max: 0, io_bytes_max: 0 },
+            doorbell: Doorbell::default(),
+            timeout: crate::DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+/// The outcome of one request, with the caller's buffer back.
+#[derive(Debug)]
+pub struct Completion {
+    pub user_data: u64,
+    pub opcode: Opcode,
+    pub status: Status,
+    /// For reads, filled with the data when `status` is OK.
+    pub buf: Option<Vec<u8>>,
+}
+
+/// A request the lane did not take, with its buffer returned.
+#[derive(Debug)]
+pub struct Rejected {
+    pub error: Error,
+    pub buf: Option<Vec<u8>>,
+}
+
+/// What a lane did, for benchmarks and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LaneStats {
+    pub submitted: u64,
+    pub completed: u64,
+    pub caravans_sent: u64,
+    /// Caravans sent by size: at most 1, 2, 4, ... 64 requests, then more.
+    pub caravan_hist: [u64; 8],
+    pub completion_caravans: u64,
+}
+
+impl LaneStats {
+    /// Field-wise `self - earlier`: what happened between two snapshots.
+    pub fn since(&self, earlier: &LaneStats) -> LaneStats {
+        let mut caravan_hist = self.caravan_hist;
+        for (now, then) in caravan_hist.iter_mut().zip(earlier.caravan_hist) {
+            *now -= then;
+        }
+        LaneStats {
+            submitted: self.submitted - earlier.submitted,
+            completed: self.completed - earlier.completed,
+            caravans_sent: self.caravans_sent - earlier.caravans_sent,
+            caravan_hist,
+            completion_caravans: self.completion_caravans - earlier.completion_caravans,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Pending {
+    opcode: Opcode,
+    length: u32,
+    buf: Option<Vec<u8>>,
+    user_data: u64,
+}
+
+pub struct Lane {
+    conn: Conn,
+    export: ExportInfo,
+    handle: u32,
+    slots: SlotTable<Pending>,
+    caravan: CaravanBuilder,
+    /// Tags in the open caravan, in order: the payload order on the wire.
+    queued: Vec<u32>,
+    first_queued_at: Option<Instant>,
+    doorbell: Doorbell,
+    done: VecDeque<Completion>,
+    broken: bool,
+    stats: LaneStats,
+    scratch: Vec<u8>,
+}
+
+impl Lane {
+    /// Connect to `endpoint`, negotiate, and open `export`.
+    pub fn connect(endpoint: &Endpoint, export: &str, config: &LaneConfig) -> Result<Lane> {
+        let mut proposed = config.limits;
+        proposed.queue_depth = proposed.queue_depth.clamp(1, proto::slots::SLOTS_MAX as u32);
+        proposed.caravan_reqs_max = match proposed.caravan_reqs_max {
+            0 => LANE_CARAVAN_REQS_MAX,
+            n => n.min(LANE_CARAVAN_REQS_MAX),
+        };
+        let mut conn = Conn::connect(endpoint, &proposed, config.timeout)?;
+        let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
+        let reply = proto::client::handle_open_reply(&h, &body)?;
+        let limits = conn.limits;
+        let queue_depth = limits.queue_depth as usize;
+        Ok(Lane {
+            export: ExportInfo {
+                name: export.to_owned(),
+                size_bytes: reply.size_bytes,
+                block_size: reply.block_size,
+                flags: reply.flags,
+            },
+            handle: reply.handle,
+            slots: SlotTable::new(queue_depth),
+            caravan: CaravanBuilder::new(&limits),
+            queued: Vec::with_capacity(limits.caravan_reqs_max as usize),
+            first_queued_at: None,
+            doorbell: config.doorbell,
+            done: VecDeque::with_capacity(queue_depth),
+            broken: false,
+            stats: LaneStats::default(),
+            scratch: Vec::new(),
+            conn,
+        })
+    }
+
+    pub fn export(&self) -> &ExportInfo {
+        &self.export
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.conn.limits
+    }
+
+    /// Requests submitted and not yet returned by `poll`/`wait`.
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() + self.done.len()
+    }
+
+    pub fn queue_depth(&self) -> usize {
+        self.slots.capacity()
+    }
+
+    pub fn stats(&self) -> &LaneStats {
+        &self.stats
+    }
+
+    /// Read `buf.len()` bytes at `offset` into `buf`.
+    pub fn submit_read(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> std::result::Result<(), Rejected> {
+        let length = buf.len();
+        self.submit(Opcode::Read, ReqFlags::empty(), offset, length, Some(buf), user_data)
+    }
+
+    /// Write `buf` at `offset`.
+    pub fn submit_write(&mut self, offset: u64, buf: Vec<u8>, flags: ReqFlags, user_data: u64) -> std::result::Result<(), Rejected> {
+        let length = buf.len();
+        self.submit(Opcode::Write, flags, offset, length, Some(buf), user_data)
+    }
+
+    /// Make every completed write durable.
+    pub fn submit_flush(&mut self, user_data: u64) -> std::result::Result<(), Rejected> {
+        self.submit(Opcode::Flush, ReqFlags::empty(), 0, 0, None, user_data)
+    }
+
+    pub fn submit_trim(&mut self, offset: u64, length: u32, user_data: u64) -> std::result::Result<(), Rejected> {
+        self.submit(Opcode::Trim, ReqFlags::empty(), offset, length as usize, None, user_data)
+    }
+
+    pub fn submit_write_zeroes(&mut self, offset: u64, length: u32, flags: ReqFlags, user_data: u64) -> std::result::Result<(), Rejected> {
+        self.submit(Opcode::WriteZeroes, flags, offset, length as usize, None, user_data)
+    }
+
+    /// Queue any request; the typed `submit_*` methods are the usual entry points. The target
+    /// judges range, alignment and permissions; the lane refuses only what it cannot frame.
+    /// A request that is accepted completes exactly once, through `poll` or `wait`.
+    pub fn submit(
+        &mut self,
+        opcode: Opcode,
+        flags: ReqFlags,
+        offset: u64,
+        length: usize,
+        buf: Option<Vec<u8>>,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected> {
+        let reject = |error, buf| Err(Rejected { error, buf });
+        if self.broken {
+            return reject(Error::Closed, buf);
+        }
+        let Ok(length) = u32::try_from(length) else {
+            return reject(Error::InvalidArgument("length over 4 GiB"), buf);
+        };
+        if opcode == Opcode::Write && length > self.conn.limits.caravan_bytes_max {
+            return reject(Error::InvalidArgument("write larger than a caravan may carry"), buf);
+        }
+        if self.slots.is_full() {
+            return reject(Error::QueueFull(self.slots.len()), buf);
+        }
+        // Make room before taking a slot, so a failed send leaves this request untouched.
+        let probe = Request { opcode, flags, tag: 0, handle: self.handle, offset, length };
+        if !self.caravan.fits(&probe) {
+            if let Err(error) = self.ring() {
+                return reject(error, buf);
+            }
+        }
+        let Ok(tag) = self.slots.insert(Pending { opcode, length, buf, user_data }) else {
+            unreachable!("checked not full above");
+        };
+        self.caravan.push(&Request { tag, ..probe });
+        self.queued.push(tag);
+        self.stats.submitted += 1;
+        if self.first_queued_at.is_none() {
+            self.first_queued_at = Some(Instant::now());
+        }
+        if self.doorbell.ring_after_submit(&self.caravan, flags) {
+            // On failure the request is already in flight: like every accepted request it
+            // completes exactly once (with an I/O error), and the next call reports the error.
+            let _ = self.ring();
+        }
+        Ok(())
+    }
+
+    /// Send the open caravan now.
+    pub fn commit(&mut self) -> Result<()> {
+        self.ring()
+    }
+
+    /// Collect completions that have arrived, without waiting. Rings the doorbell first if the
+    /// delay bound has passed.
+    pub fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+        if let Some(first) = self.first_queued_at {
+            let now_us = first.elapsed().as_micros() as u64;
+            if self.doorbell.expired(0, now_us) {
+                self.ring()?;
+            }
+        }
+        self.pump(false)?;
+        Ok(self.take_done(out))
+    }
+
+    /// Send the open caravan and wait until at least `min` completions (bounded by what is in
+    /// flight) have been collected into `out`.
+    pub fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> Result<usize> {
+        self.ring()?;
+        let min = min.min(self.in_flight());
+        let mut got = self.take_done(out);
+        let deadline = Instant::now() + self.conn.timeout;
+        while got < min {
+            self.pump(true).inspect_err(|_| {
+                got += self.take_done(out);
+            })?;
+            got += self.take_done(out);
+            if got < min && Instant::now() >= deadline {
+                return Err(Error::TimedOut(self.conn.timeout));
+            }
+        }
+        Ok(got)
+    }
+
+    /// Blocking read into `buf` (its length is the read length).
+    pub fn read_at(&mut self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.resize(buf.len(), 0);
+        let c = self.run_sync(Opcode::Read, ReqFlags::empty(), offset, buf.len(), Some(scratch))?;
+        let data = c.buf.unwrap_or_default();
+        if c.status.is_ok() {
+            buf.copy_from_slice(&data);
+        }
+        self.scratch = data;
+        status_result(c.status)
+    }
+
+    /// Blocking write of `buf`.
+    pub fn write_at(&mut self, buf: &[u8], offset: u64) -> Result<()> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        scratch.extend_from_slice(buf);
+        let c = self.run_sync(Opcode::Write, ReqFlags::empty(), offset, buf.len(), Some(scratch))?;
+        self.scratch = c.buf.unwrap_or_default();
+        status_result(c.status)
+    }
+
+    /// Blocking flush.
+    pub fn flush(&mut self) -> Result<()> {
+        let c = self.run_sync(Opcode::Flush, ReqFlags::empty(), 0, 0, None)?;
+        status_result(c.status)
+    }
+
+    fn run_sync(&mut self, opcode: Opcode, flags: ReqFlags, offset: u64, length: usize, buf: Option<Vec<u8>>) -> Result<Completion> {
+        self.submit(opcode, flags, offset, length, buf, SYNC_USER_DATA).map_err(|r| r.error)?;
+        self.ring()?;
+        let deadline = Instant::now() + self.conn.timeout;
+        loop {
+            if let Some(i) = self.done.iter().position(|c| c.user_data == SYNC_USER_DATA) {
+                return Ok(self.done.remove(i).expect("index from position"));
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::TimedOut(self.conn.timeout));
+            }
+            self.pump(true)?;
+        }
+    }
+
+    fn take_done(&mut self, out: &mut Vec<Completion>) -> usize {
+        let n = self.done.len();
+        self.stats.completed += n as u64;
+        out.extend(self.done.drain(..));
+        n
+    }
+
+    fn ring(&mut self) -> Result<()> {
+        if self.caravan.is_empty() {
+            return Ok(());
+        }
+        if self.broken {
+            return Err(Error::Closed);
+        }
+        let bucket = match self.caravan.len() {
+            n if n <= 64 => (usize::BITS - (n - 1).leading_zeros()) as usize,
+            _ => 7,
+        };
+        self.stats.caravan_hist[bucket.min(7)] += 1;
+        let result = {
+            let mut parts: [&[u8]; LANE_CARAVAN_REQS_MAX as usize + 1] = [&[]; LANE_CARAVAN_REQS_MAX as usize + 1];
+            parts[0] = self.caravan.seal();
+            let mut n = 1;
+            for &tag in &self.queued {
+                let p = self.slots.get(tag).expect("queued tags are in flight");
+                if p.opcode == Opcode::Write {
+                    parts[n] = p.buf.as_deref().unwrap_or(&[]);
+                    n += 1;
+                }
+            }
+            self.conn.send_all(&parts[..n])
+        };
+        self.caravan.clear();
+        self.queued.clear();
+        self.first_queued_at = None;
+        self.stats.caravans_sent += 1;
+        result.inspect_err(|_| self.fail_all())
+    }
+
+    /// Receive and process completions; with `block`, wait for at least one byte first.
+    fn pump(&mut self, block: bool) -> Result<()> {
+        if self.broken {
+            return Err(Error::Closed);
+        }
+        let result = self.process_frames().and_then(|progressed| {
+            if block && !progressed {
+                self.conn.fill_blocking(Instant::now() + self.conn.timeout)?;
+            } else {
+                self.conn.fill_now()?;
+            }
+            self.process_frames().map(|_| ())
+        });
+        result.inspect_err(|_| self.fail_all())
+    }
+
+    /// Handle every complete frame in the receive buffer. Returns whether any completed.
+    fn process_frames(&mut self) -> Result<bool> {
+        let mut progressed = false;
+        while let Some(f) = self.conn.next_frame()? {
+            let body = self.conn.rx.body(&f);
+            match f.header.kind {
+                FrameKind::Completions => {
+                    let caravan = CompletionCaravan::parse(&f.header, body).map_err(ProtoError::from)?;
+                    self.stats.completion_caravans += 1;
+                    for (c, data) in caravan.iter() {
+                        let mut p = self.slots.remove(c.tag).ok_or(ProtoError::UnknownTag(c.tag))?;
+                        let want = if c.status.is_ok() && p.opcode == Opcode::Read { p.length } else { 0 };
+                        if c.data_len != want {
+                            return Err(ProtoError::DataLength { tag: c.tag, got: c.data_len, want }.into());
+                        }
+                        if want > 0 {
+                            if let Some(buf) = p.buf.as_mut() {
+                                buf.copy_from_slice(data);
+                            }
+                        }
+                        self.done.push_back(Completion { user_data: p.user_data, opcode: p.opcode, status: c.status, buf: p.buf });
+                        progressed = true;
+                    }
+                }
+                FrameKind::GoAway => {
+                    let g = GoAway::decode(body).map_err(ProtoError::from)?;
+                    return Err(Error::GoAway { status: g.status, message: g.message });
+                }
+                other => return Err(ProtoError::Unexpected(other, "on a lane").into()),
+            }
+        }
+        Ok(progressed)
+    }
+
+    /// The connection is gone: every request in flight completes with an I/O error, so
+    /// callers get their buffers back.
+    fn fail_all(&mut self) {
+        self.broken = true;
+        self.caravan.clear();
+        self.queued.clear();
+        for p in self.slots.drain() {
+            self.done.push_back(Completion { user_data: p.user_data, opcode: p.opcode, status: Status::IoError, buf: p.buf });
+        }
+        self.conn.stream.shutdown();
+    }
+}
+
+fn status_result(status: Status) -> Result<()> {
+    if status.is_ok() {
+        Ok(())
+    } else {
+        Err(Error::Status(status))
+    }
+}

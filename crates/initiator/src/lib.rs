@@ -1,0 +1,82 @@
+//! The skiff initiator: connect to a target, open exports, and move data through lanes.
+//!
+//! - [`Client`] is a control connection: list exports, read target stats, check an export.
+//! - [`Lane`] is one data connection owned by one thread (no locks): `submit_*` queue requests
+//!   into the open caravan, the doorbell sends it (when full, on `commit`/`wait`, for a
+//!   `NO_DELAY` request, or when the delay bound has passed at the next call), and
+//!   `poll`/`wait` return completions, in the order they arrive. Buffers are moved into the
+//!   lane with the request and handed back in its [`Completion`], with read data in them.
+//! - `read_at`, `write_at` and `flush` on a lane are a blocking convenience API.
+//!
+//! Sockets are non-blocking: while a caravan waits for room in the socket, the lane keeps
+//! receiving completions, so two peers can never deadlock on full buffers.
+
+mod conn;
+mod lane;
+
+pub use lane::{Completion, Lane, LaneConfig, LaneStats, Rejected};
+pub use proto::caravan::Doorbell;
+pub use transport::Endpoint;
+pub use wire::{ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status};
+
+use std::time::Duration;
+
+use conn::Conn;
+use wire::FrameKind;
+
+/// Everything that can go wrong on the initiator side.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("protocol: {0}")]
+    Protocol(#[from] proto::ProtoError),
+    #[error("target closed the connection: {status}: {message}")]
+    GoAway { status: Status, message: String },
+    #[error("target closed the connection")]
+    Closed,
+    #[error("no reply within {0:?}")]
+    TimedOut(Duration),
+    #[error("request failed: {0}")]
+    Status(Status),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(&'static str),
+    #[error("queue full: {0} requests in flight")]
+    QueueFull(usize),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A control connection to a target.
+pub struct Client {
+    conn: Conn,
+}
+
+impl Client {
+    /// Connect and complete the handshake. A control connection proposes no limits of its own,
+    /// so [`Client::limits`] shows what the target offers.
+    pub fn connect(endpoint: &Endpoint) -> Result<Client> {
+        let no_preference = Limits { queue_depth: 0, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 };
+        Ok(Client { conn: Conn::connect(endpoint, &no_preference, DEFAULT_TIMEOUT)? })
+    }
+
+    /// The exports the target offers.
+    pub fn list(&mut self) -> Result<Vec<ExportInfo>> {
+        let (h, body) = self.conn.call(FrameKind::List, &[])?;
+        Ok(proto::client::expect(&h, &body, FrameKind::ListReply, ExportInfo::decode_list)?)
+    }
+
+    /// The target's counters.
+    pub fn stats(&mut self) -> Result<StatsReply> {
+        let (h, body) = self.conn.call(FrameKind::Stats, &[])?;
+        Ok(proto::client::expect(&h, &body, FrameKind::StatsReply, StatsReply::decode)?)
+    }
+
+    /// The limits negotiated on this connection (what a lane would get by default).
+    pub fn limits(&self) -> &Limits {
+        &self.conn.limits
+    }
+}
+
+/// How long a blocking call waits for the target before giving up.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);

@@ -1,0 +1,94 @@
+//! Helpers for skiff's loopback tests: start a target on an ephemeral port, and a raw peer
+//! that speaks the wire format by hand, so tests can send what no well-behaved client would.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use target::{ExportConfig, Target, TargetConfig};
+use transport::Endpoint;
+use wire::control::{frame, Hello, HelloReply, Limits, OpenReply};
+use wire::{FrameKind, Header, Request, HEADER_LEN};
+
+/// A target on 127.0.0.1 with an ephemeral port and the given `NAME=SPEC` exports.
+pub fn start_target(exports: &[&str], workers: usize) -> Target {
+    start_target_with(exports, |c| c.workers = workers)
+}
+
+pub fn start_target_with(exports: &[&str], tweak: impl FnOnce(&mut TargetConfig)) -> Target {
+    let mut config = TargetConfig {
+        listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
+        exports: exports.iter().map(|e| e.parse::<ExportConfig>().expect("valid export")).collect(),
+        workers: 2,
+        ..TargetConfig::default()
+    };
+    tweak(&mut config);
+    Target::start(config).expect("target starts")
+}
+
+pub fn tcp_endpoint(t: &Target) -> Endpoint {
+    t.endpoints().iter().find(|e| matches!(e, Endpoint::Tcp(_))).expect("a TCP listener").clone()
+}
+
+/// A peer that writes raw bytes and reads raw frames.
+pub struct RawPeer {
+    pub stream: TcpStream,
+}
+
+impl RawPeer {
+    pub fn connect(t: &Target) -> RawPeer {
+        let Endpoint::Tcp(addr) = tcp_endpoint(t) else { unreachable!() };
+        let stream = TcpStream::connect(addr).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        RawPeer { stream }
+    }
+
+    /// Connect, say HELLO with `limits`, and open `export`; returns the handle.
+    pub fn ready(t: &Target, limits: Limits, export: &str) -> (RawPeer, u32) {
+        let mut p = RawPeer::connect(t);
+        p.send(&frame(FrameKind::Hello, &Hello { version_min: 1, version_max: 1, features: 0, limits }.encode()));
+        let (h, body) = p.recv().expect("hello reply");
+        assert_eq!(h.kind, FrameKind::HelloReply);
+        assert!(HelloReply::decode(&body).unwrap().status.is_ok());
+        p.send(&frame(FrameKind::Open, &wire::Open { name: export.into() }.encode()));
+        let (h, body) = p.recv().expect("open reply");
+        assert_eq!(h.kind, FrameKind::OpenReply);
+        let reply = OpenReply::decode(&body).unwrap();
+        assert!(reply.status.is_ok(), "open {export}: {:?}", reply.status);
+        (p, reply.handle)
+    }
+
+    pub fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).expect("send");
+    }
+
+    /// The next frame, or `None` at end of stream.
+    pub fn recv(&mut self) -> Option<(Header, Vec<u8>)> {
+        let mut head = [0u8; HEADER_LEN];
+        if self.stream.read_exact(&mut head).is_err() {
+            return None;
+        }
+        let h = Header::parse(&head).expect("target sends valid headers");
+        let mut body = vec![0u8; h.body_len()];
+        self.stream.read_exact(&mut body).expect("frame body");
+        Some((h, body))
+    }
+
+    /// True when the target has closed the connection (after anything still queued).
+    pub fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.stream.read(&mut b), Ok(0))
+    }
+}
+
+/// A request caravan frame: descriptors as given, then `payload`.
+pub fn caravan(reqs: &[Request], payload: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; HEADER_LEN + reqs.len() * wire::REQUEST_DESC_LEN];
+    let payload_len: u32 = reqs.iter().map(|r| r.payload_len()).sum();
+    Header { kind: FrameKind::Requests, desc_count: reqs.len() as u16, payload_len }.emit(&mut out);
+    for (i, r) in reqs.iter().enumerate() {
+        r.emit(&mut out[HEADER_LEN + i * wire::REQUEST_DESC_LEN..]);
+    }
+    out.extend_from_slice(payload);
+    out
+}
