@@ -213,8 +213,7 @@ pub struct RequestCaravan<'a> {
 impl<'a> RequestCaravan<'a> {
     /// Parse the body (everything after the header) of a `Requests` frame.
     pub fn parse(header: &Header, body: &'a [u8]) -> Result<RequestCaravan<'a>> {
-        debug_assert_eq!(header.kind, FrameKind::Requests);
-        let (descs, payload) = split_body::<RequestDesc>(header, body)?;
+        let (descs, payload) = split_body::<RequestDesc>(header, body, FrameKind::Requests)?;
         let sum: u64 = descs.iter().map(|d| u64::from(d.payload_len.get())).sum();
         check_sum(header, sum)?;
         Ok(RequestCaravan { descs, payload })
@@ -229,9 +228,7 @@ impl<'a> RequestCaravan<'a> {
     }
 
     /// Each descriptor, validated, with its payload.
-    pub fn iter(
-        &self,
-    ) -> impl Iterator<Item = (std::result::Result<Request, RequestError>, &'a [u8])> + 'a {
+    pub fn iter(&self) -> impl Iterator<Item = (std::result::Result<Request, RequestError>, &'a [u8])> + 'a {
         let mut payload = self.payload;
         self.descs.iter().map(move |d| {
             let (mine, rest) = payload.split_at(d.payload_len.get() as usize);
@@ -281,8 +278,7 @@ impl<'a> CompletionCaravan<'a> {
     /// Parse the body of a `Completions` frame. Reserved fields must be zero: a target that
     /// sets them is broken, and the initiator closes the connection.
     pub fn parse(header: &Header, body: &'a [u8]) -> Result<CompletionCaravan<'a>> {
-        debug_assert_eq!(header.kind, FrameKind::Completions);
-        let (descs, payload) = split_body::<CompletionDesc>(header, body)?;
+        let (descs, payload) = split_body::<CompletionDesc>(header, body, FrameKind::Completions)?;
         if descs.iter().any(|d| d.reserved0.get() != 0 || d.reserved1.get() != 0) {
             return Err(WireError::Reserved("completion.reserved"));
         }
@@ -317,9 +313,13 @@ impl<'a> CompletionCaravan<'a> {
 fn split_body<'a, D: FromBytes + Immutable + KnownLayout + Unaligned>(
     header: &Header,
     body: &'a [u8],
+    expected: FrameKind,
 ) -> Result<(&'a [D], &'a [u8])> {
+    if header.kind != expected {
+        return Err(WireError::KindMismatch { expected, got: header.kind });
+    }
     if body.len() != header.body_len() {
-        return Err(WireError::Short { need: header.body_len(), have: body.len() });
+        return Err(WireError::BodyLength { need: header.body_len(), have: body.len() });
     }
     let desc_bytes = header.desc_count as usize * std::mem::size_of::<D>();
     let (descs, payload) = body.split_at(desc_bytes);

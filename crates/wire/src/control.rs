@@ -40,12 +40,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Limits {
-        Limits {
-            queue_depth: 256,
-            caravan_reqs_max: 64,
-            caravan_bytes_max: 2 << 20,
-            io_bytes_max: 1 << 20,
-        }
+        Limits { queue_depth: 256, caravan_reqs_max: 64, caravan_bytes_max: 2 << 20, io_bytes_max: 1 << 20 }
     }
 }
 
@@ -58,12 +53,10 @@ impl Limits {
     pub fn negotiate(&self, proposed: &Limits) -> Limits {
         let pick = |mine: u32, theirs: u32| if theirs == 0 { mine } else { mine.min(theirs) };
         let queue_depth = pick(self.queue_depth, proposed.queue_depth).max(1);
-        let caravan_reqs_max = pick(self.caravan_reqs_max, proposed.caravan_reqs_max)
-            .clamp(1, queue_depth.min(u16::MAX as u32));
-        let io_bytes_max =
-            pick(self.io_bytes_max, proposed.io_bytes_max).max(Self::IO_BYTES_MIN);
-        let caravan_bytes_max =
-            pick(self.caravan_bytes_max, proposed.caravan_bytes_max).max(io_bytes_max);
+        let caravan_reqs_max =
+            pick(self.caravan_reqs_max, proposed.caravan_reqs_max).clamp(1, queue_depth.min(u16::MAX as u32));
+        let io_bytes_max = pick(self.io_bytes_max, proposed.io_bytes_max).max(Self::IO_BYTES_MIN);
+        let caravan_bytes_max = pick(self.caravan_bytes_max, proposed.caravan_bytes_max).max(io_bytes_max);
         Limits { queue_depth, caravan_reqs_max, caravan_bytes_max, io_bytes_max }
     }
 
@@ -76,8 +69,7 @@ impl Limits {
     }
 
     fn put(&self, w: &mut Vec<u8>) {
-        for v in [self.queue_depth, self.caravan_reqs_max, self.caravan_bytes_max, self.io_bytes_max]
-        {
+        for v in [self.queue_depth, self.caravan_reqs_max, self.caravan_bytes_max, self.io_bytes_max] {
             w.extend_from_slice(&v.to_le_bytes());
         }
     }
@@ -244,16 +236,23 @@ pub struct ExportInfo {
 }
 
 impl ExportInfo {
-    /// Body of a LIST_REPLY: a count, then each export.
+    /// Body of a LIST_REPLY: a count, then each export. The reply must fit one control body,
+    /// so a target with more exports than fit lists the first ones that do.
     pub fn encode_list(exports: &[ExportInfo]) -> Vec<u8> {
-        let mut w = Vec::new();
-        w.extend_from_slice(&(exports.len() as u16).to_le_bytes());
+        let mut w = vec![0, 0];
+        let mut count: u16 = 0;
         for e in exports {
-            put_str16(&mut w, &e.name);
+            let name = truncate_utf8(&e.name, EXPORT_NAME_MAX);
+            if w.len() + 2 + name.len() + 16 > CONTROL_BODY_MAX || count == u16::MAX {
+                break;
+            }
+            put_str16(&mut w, name);
             w.extend_from_slice(&e.size_bytes.to_le_bytes());
             w.extend_from_slice(&e.block_size.to_le_bytes());
             w.extend_from_slice(&e.flags.0.to_le_bytes());
+            count += 1;
         }
+        w[..2].copy_from_slice(&count.to_le_bytes());
         w
     }
 
@@ -290,9 +289,9 @@ impl StatsReply {
         let mut w = Vec::new();
         w.extend_from_slice(&(self.entries.len() as u16).to_le_bytes());
         for (name, value) in &self.entries {
-            let name = &name.as_bytes()[..name.len().min(255)];
+            let name = truncate_utf8(name, u8::MAX as usize);
             w.push(name.len() as u8);
-            w.extend_from_slice(name);
+            w.extend_from_slice(name.as_bytes());
             w.extend_from_slice(&value.to_le_bytes());
         }
         w
@@ -321,15 +320,7 @@ pub struct GoAway {
 
 impl GoAway {
     pub fn encode(&self) -> Vec<u8> {
-        let mut msg = self.message.as_str();
-        while msg.len() > MESSAGE_MAX {
-            // Cut on a character boundary so the message stays valid UTF-8.
-            let mut cut = MESSAGE_MAX;
-            while !msg.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            msg = &msg[..cut];
-        }
+        let msg = truncate_utf8(&self.message, MESSAGE_MAX);
         let mut w = Vec::with_capacity(4 + msg.len());
         w.extend_from_slice(&self.status.to_u16().to_le_bytes());
         put_str16(&mut w, msg);
@@ -343,6 +334,19 @@ impl GoAway {
         r.end()?;
         Ok(GoAway { status, message })
     }
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary, so a
+/// shortened string is still valid UTF-8 for the peer's decoder.
+fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut cut = max;
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    &s[..cut]
 }
 
 fn put_str16(w: &mut Vec<u8>, s: &str) {

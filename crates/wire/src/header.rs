@@ -107,10 +107,8 @@ impl Header {
             return Err(WireError::Short { need: HEADER_LEN, have: bytes.len() });
         };
         let computed = crc32c::crc32c(&raw[..CRC_COVERED_LEN]);
-        let h = FrameHeader::read_from_bytes(raw).map_err(|_| WireError::Short {
-            need: HEADER_LEN,
-            have: bytes.len(),
-        })?;
+        let h = FrameHeader::read_from_bytes(raw)
+            .map_err(|_| WireError::Short { need: HEADER_LEN, have: bytes.len() })?;
         // Magic first: a stream that is not skiff at all gets the clearest error.
         if h.magic.get() != MAGIC {
             return Err(WireError::BadMagic(h.magic.get()));

@@ -18,12 +18,10 @@ pub mod header;
 pub mod status;
 
 pub use caravan::{
-    Completion, CompletionDesc, Opcode, ReqFlags, Request, RequestDesc, RequestError,
-    COMPLETION_DESC_LEN, REQUEST_DESC_LEN,
+    Completion, CompletionDesc, Opcode, ReqFlags, Request, RequestDesc, RequestError, COMPLETION_DESC_LEN,
+    REQUEST_DESC_LEN,
 };
-pub use control::{
-    ExportFlags, ExportInfo, GoAway, Hello, HelloReply, Limits, Open, OpenReply, StatsReply,
-};
+pub use control::{ExportFlags, ExportInfo, GoAway, Hello, HelloReply, Limits, Open, OpenReply, StatsReply};
 pub use header::{FrameHeader, FrameKind, Header, HEADER_LEN, MAGIC, VERSION};
 pub use status::Status;
 
@@ -33,6 +31,10 @@ pub use status::Status;
 pub enum WireError {
     #[error("frame too short: need {need} bytes, have {have}")]
     Short { need: usize, have: usize },
+    #[error("frame body is {have} bytes, its header says {need}")]
+    BodyLength { need: usize, have: usize },
+    #[error("{got:?} frame handed to the {expected:?} parser")]
+    KindMismatch { expected: FrameKind, got: FrameKind },
     #[error("bad magic {0:#010x}")]
     BadMagic(u32),
     #[error("unsupported version {0}")]

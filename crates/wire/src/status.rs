@@ -103,10 +103,24 @@ impl Status {
 
 impl std::fmt::Display for Status {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Status::Other(v) => write!(f, "status {v}"),
-            s => write!(f, "{s:?}"),
-        }
+        let text = match self {
+            Status::Ok => "ok",
+            Status::Invalid => "invalid request",
+            Status::OutOfRange => "out of range",
+            Status::Misaligned => "misaligned to the block size",
+            Status::TooLarge => "larger than the largest I/O",
+            Status::ReadOnly => "read-only export",
+            Status::UnknownOpcode => "unknown opcode",
+            Status::BadHandle => "export handle not open",
+            Status::Unsupported => "not supported by the export",
+            Status::IoError => "I/O error",
+            Status::NoSpace => "no space",
+            Status::NotFound => "no such export",
+            Status::VersionMismatch => "no common protocol version",
+            Status::TooManyOpen => "too many exports open",
+            Status::Other(v) => return write!(f, "status {v}"),
+        };
+        f.write_str(text)
     }
 }
 
