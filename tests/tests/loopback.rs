@@ -17,7 +17,10 @@ fn threads_verify(endpoint: Endpoint, threads: usize, qd: u32, bs: usize) {
         .map(|t| {
             let ep = endpoint.clone();
             std::thread::spawn(move || {
-                let config = LaneConfig { limits: Limits { queue_depth: qd, ..LaneConfig::default().limits }, ..LaneConfig::default() };
+                let config = LaneConfig {
+                    limits: Limits { queue_depth: qd, ..LaneConfig::default().limits },
+                    ..LaneConfig::default()
+                };
                 let mut lane = Lane::connect(&ep, "vol", &config).expect("lane");
                 let base = t as u64 * slice;
                 let mut out: Vec<Completion> = Vec::new();
@@ -61,7 +64,7 @@ fn many_threads_many_lanes_over_tcp() {
     let s = t.stats();
     assert_eq!(s.get("req_write"), Some(4 * 1024));
     assert_eq!(s.get("req_read"), Some(4 * 1024));
-    assert_eq!(s.get("bytes_read"), Some(4 * 4 << 20));
+    assert_eq!(s.get("bytes_read"), Some((4 * 4) << 20));
     assert!(s.get("caravans_received").unwrap() < 8 * 1024, "requests travel in caravans");
 }
 
@@ -79,7 +82,10 @@ fn unix_socket_and_large_ios() {
 fn queue_depth_one_and_blocking_api() {
     let t = start_target(&["vol=ram:8M"], 1);
     let ep = tcp_endpoint(&t);
-    let config = LaneConfig { limits: Limits { queue_depth: 1, ..LaneConfig::default().limits }, ..LaneConfig::default() };
+    let config = LaneConfig {
+        limits: Limits { queue_depth: 1, ..LaneConfig::default().limits },
+        ..LaneConfig::default()
+    };
     let mut lane = Lane::connect(&ep, "vol", &config).unwrap();
     assert_eq!(lane.queue_depth(), 1);
     let data = block(9, 4096, 8192);

@@ -110,11 +110,7 @@ fn with_path(path: &Path, what: &str, err: io::Error) -> io::Error {
 }
 
 fn open_fd(path: &Path, write: bool, flags: i32) -> io::Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .write(write)
-        .custom_flags(flags)
-        .open(path)
+    OpenOptions::new().read(true).write(write).custom_flags(flags).open(path)
 }
 
 /// Run `f` on this thread's bounce buffer, grown to at least `len_bytes`. `None` when the
@@ -143,20 +139,13 @@ impl FileBackend {
     /// devices too), rounded down to whole 512-byte blocks. An empty file is an error.
     pub fn open(path: &Path, read_only: bool) -> Result<Self> {
         let buffered = open_fd(path, !read_only, 0).map_err(|e| with_path(path, "open", e))?;
-        let file_type = buffered
-            .metadata()
-            .map_err(|e| with_path(path, "stat", e))?
-            .file_type();
+        let file_type = buffered.metadata().map_err(|e| with_path(path, "stat", e))?.file_type();
         if !file_type.is_file() && !file_type.is_block_device() {
             return Err(invalid(path, "not a regular file or block device"));
         }
         let size_bytes = volume_size(path, &buffered)?;
         let direct = open_direct(path, !read_only);
-        let write_fds = if read_only {
-            None
-        } else {
-            Some(open_write_fds(path, direct.is_some())?)
-        };
+        let write_fds = if read_only { None } else { Some(open_write_fds(path, direct.is_some())?) };
         Ok(FileBackend {
             path: path.to_owned(),
             size_bytes,
@@ -246,10 +235,7 @@ impl FileBackend {
 }
 
 fn invalid(path: &Path, why: &str) -> crate::BackendError {
-    crate::BackendError::Io(io::Error::new(
-        io::ErrorKind::InvalidInput,
-        format!("{}: {why}", path.display()),
-    ))
+    crate::BackendError::Io(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: {why}", path.display())))
 }
 
 /// The file's size in whole blocks. A trailing partial block cannot be addressed by 512-byte
@@ -257,9 +243,7 @@ fn invalid(path: &Path, why: &str) -> crate::BackendError {
 fn volume_size(path: &Path, file: &File) -> Result<u64> {
     // `&File` implements `Seek`; the position is irrelevant since all I/O is positional.
     let mut cursor = file;
-    let file_bytes = cursor
-        .seek(SeekFrom::End(0))
-        .map_err(|e| with_path(path, "seek to end", e))?;
+    let file_bytes = cursor.seek(SeekFrom::End(0)).map_err(|e| with_path(path, "seek to end", e))?;
     if file_bytes == 0 {
         return Err(invalid(path, "empty file"));
     }
@@ -297,15 +281,9 @@ fn open_write_fds(path: &Path, direct_works: bool) -> Result<WriteFds> {
     let dsync_buffered =
         open_fd(path, true, libc::O_DSYNC).map_err(|e| with_path(path, "open O_DSYNC", e))?;
     // O_DIRECT already opened once, so a failure here is unexpected; FUA then stays buffered.
-    let dsync_direct = if direct_works {
-        open_fd(path, true, libc::O_DSYNC | libc::O_DIRECT).ok()
-    } else {
-        None
-    };
-    Ok(WriteFds {
-        dsync_direct,
-        dsync_buffered,
-    })
+    let dsync_direct =
+        if direct_works { open_fd(path, true, libc::O_DSYNC | libc::O_DIRECT).ok() } else { None };
+    Ok(WriteFds { dsync_direct, dsync_buffered })
 }
 
 impl Backend for FileBackend {
@@ -347,20 +325,14 @@ impl Backend for FileBackend {
             return Ok(());
         }
         let route = route(offset, buf.len(), buf.as_ptr() as usize);
-        let done =
-            self.try_direct(
-                self.direct.as_ref(),
-                route,
-                buf.len(),
-                |fd, bounce| match bounce {
-                    Some(bounce) => {
-                        fd.read_exact_at(bounce, offset)?;
-                        buf.copy_from_slice(bounce);
-                        Ok(())
-                    }
-                    None => fd.read_exact_at(buf, offset),
-                },
-            )?;
+        let done = self.try_direct(self.direct.as_ref(), route, buf.len(), |fd, bounce| match bounce {
+            Some(bounce) => {
+                fd.read_exact_at(bounce, offset)?;
+                buf.copy_from_slice(bounce);
+                Ok(())
+            }
+            None => fd.read_exact_at(buf, offset),
+        })?;
         if !done {
             self.buffered.read_exact_at(buf, offset)?;
             bump(&self.counters.buffered_ios);

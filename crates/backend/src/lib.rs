@@ -7,7 +7,7 @@
 //! larger than the negotiated maximum. Backends are shared by all workers (`Send + Sync`) and
 //! take no lock on the data path.
 //!
-//! Implementations: [`ram`] (page-aligned anonymous memory), [`file`] (regular file or block
+//! Implementations: [`ram`] (page-aligned anonymous memory), [`mod@file`] (regular file or block
 //! device, `O_DIRECT` where it works, `fdatasync` on flush, `O_DSYNC` writes for FUA) and
 //! [`null`] (reads zeroes, discards writes: for measuring protocol overhead).
 #![forbid(unsafe_code)]
@@ -92,9 +92,7 @@ pub trait Backend: Send + Sync {
 pub fn open(spec: &BackendSpec, read_only: bool) -> Result<Arc<dyn Backend>> {
     Ok(match spec {
         BackendSpec::Ram { size_bytes } => Arc::new(ram::RamBackend::new(*size_bytes, read_only)?),
-        BackendSpec::Null { size_bytes } => {
-            Arc::new(null::NullBackend::new(*size_bytes, read_only))
-        }
+        BackendSpec::Null { size_bytes } => Arc::new(null::NullBackend::new(*size_bytes, read_only)),
         BackendSpec::File { path } => Arc::new(file::FileBackend::open(path, read_only)?),
     })
 }

@@ -18,10 +18,7 @@ impl NullBackend {
     /// A volume of `size_bytes`; the spec parser guarantees a non-zero multiple of 512. Any
     /// trailing partial block is simply unaddressable.
     pub fn new(size_bytes: u64, read_only: bool) -> Self {
-        NullBackend {
-            size_bytes,
-            read_only,
-        }
+        NullBackend { size_bytes, read_only }
     }
 
     /// The checks a real backend would make before changing anything.

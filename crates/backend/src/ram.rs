@@ -25,18 +25,11 @@ impl RamBackend {
     /// block. Pages are committed lazily, as they are first written.
     pub fn new(size_bytes: u64, read_only: bool) -> Result<Self> {
         if !size_bytes.is_multiple_of(u64::from(BLOCK_BYTES)) {
-            return Err(invalid_size(
-                size_bytes,
-                "is not a multiple of the 512-byte block",
-            ));
+            return Err(invalid_size(size_bytes, "is not a multiple of the 512-byte block"));
         }
         let len_bytes = usize::try_from(size_bytes)
             .map_err(|_| invalid_size(size_bytes, "does not fit in this address space"))?;
-        Ok(RamBackend {
-            region: Region::new(len_bytes)?,
-            size_bytes,
-            read_only,
-        })
+        Ok(RamBackend { region: Region::new(len_bytes)?, size_bytes, read_only })
     }
 
     /// Check a request's range and convert its offset to an index into the region. After
@@ -150,18 +143,9 @@ mod tests {
     fn out_of_range_is_einval_not_a_panic() {
         let ram = RamBackend::new(4096, false).unwrap();
         let mut buf = [0u8; 512];
-        assert_eq!(
-            ram.read_at(&mut buf, 4096).unwrap_err().errno(),
-            libc::EINVAL
-        );
-        assert_eq!(
-            ram.write_at(&buf, 3584 + 512, false).unwrap_err().errno(),
-            libc::EINVAL
-        );
+        assert_eq!(ram.read_at(&mut buf, 4096).unwrap_err().errno(), libc::EINVAL);
+        assert_eq!(ram.write_at(&buf, 3584 + 512, false).unwrap_err().errno(), libc::EINVAL);
         assert_eq!(ram.trim(u64::MAX, 512).unwrap_err().errno(), libc::EINVAL);
-        assert_eq!(
-            ram.write_zeroes(0, 4097, false).unwrap_err().errno(),
-            libc::EINVAL
-        );
+        assert_eq!(ram.write_zeroes(0, 4097, false).unwrap_err().errno(), libc::EINVAL);
     }
 }

@@ -48,9 +48,7 @@ pub enum SpecError {
     SizeOverflow(String),
     #[error("size \"{0}\" is zero: a volume needs at least one block")]
     ZeroSize(String),
-    #[error(
-        "size \"{input}\" ({size_bytes} bytes) is not a multiple of the {BLOCK_BYTES}-byte block"
-    )]
+    #[error("size \"{input}\" ({size_bytes} bytes) is not a multiple of the {BLOCK_BYTES}-byte block")]
     NotWholeBlocks { input: String, size_bytes: u64 },
     #[error("backend spec \"{0}\" has an empty path")]
     EmptyPath(String),
@@ -60,24 +58,13 @@ impl BackendSpec {
     /// Parse `ram:SIZE`, `null:SIZE` or `file:PATH`. Everything after the first `:` is the
     /// argument, so paths may themselves contain colons.
     pub fn parse(input: &str) -> std::result::Result<BackendSpec, SpecError> {
-        let (kind, arg) = input
-            .split_once(':')
-            .ok_or_else(|| SpecError::MissingKind(input.to_owned()))?;
+        let (kind, arg) = input.split_once(':').ok_or_else(|| SpecError::MissingKind(input.to_owned()))?;
         match kind {
-            "ram" => Ok(BackendSpec::Ram {
-                size_bytes: parse_volume_size(arg)?,
-            }),
-            "null" => Ok(BackendSpec::Null {
-                size_bytes: parse_volume_size(arg)?,
-            }),
+            "ram" => Ok(BackendSpec::Ram { size_bytes: parse_volume_size(arg)? }),
+            "null" => Ok(BackendSpec::Null { size_bytes: parse_volume_size(arg)? }),
             "file" if arg.is_empty() => Err(SpecError::EmptyPath(input.to_owned())),
-            "file" => Ok(BackendSpec::File {
-                path: PathBuf::from(arg),
-            }),
-            _ => Err(SpecError::UnknownKind {
-                kind: kind.to_owned(),
-                input: input.to_owned(),
-            }),
+            "file" => Ok(BackendSpec::File { path: PathBuf::from(arg) }),
+            _ => Err(SpecError::UnknownKind { kind: kind.to_owned(), input: input.to_owned() }),
         }
     }
 }
@@ -109,10 +96,7 @@ fn parse_volume_size(input: &str) -> std::result::Result<u64, SpecError> {
         return Err(SpecError::ZeroSize(input.to_owned()));
     }
     if !size_bytes.is_multiple_of(u64::from(BLOCK_BYTES)) {
-        return Err(SpecError::NotWholeBlocks {
-            input: input.to_owned(),
-            size_bytes,
-        });
+        return Err(SpecError::NotWholeBlocks { input: input.to_owned(), size_bytes });
     }
     Ok(size_bytes)
 }
@@ -124,22 +108,15 @@ pub fn parse_size(input: &str) -> std::result::Result<u64, SpecError> {
     if input.is_empty() {
         return Err(SpecError::EmptySize);
     }
-    let digits_len = input
-        .bytes()
-        .position(|b| !b.is_ascii_digit())
-        .unwrap_or(input.len());
+    let digits_len = input.bytes().position(|b| !b.is_ascii_digit()).unwrap_or(input.len());
     let (digits, suffix) = input.split_at(digits_len);
     if digits.is_empty() {
         return Err(SpecError::BadSize(input.to_owned()));
     }
     let shift = suffix_shift(suffix).ok_or_else(|| SpecError::BadSize(input.to_owned()))?;
     // Only ASCII digits remain, so the sole way `parse` can fail is by overflowing.
-    let count: u64 = digits
-        .parse()
-        .map_err(|_| SpecError::SizeOverflow(input.to_owned()))?;
-    count
-        .checked_mul(1u64 << shift)
-        .ok_or_else(|| SpecError::SizeOverflow(input.to_owned()))
+    let count: u64 = digits.parse().map_err(|_| SpecError::SizeOverflow(input.to_owned()))?;
+    count.checked_mul(1u64 << shift).ok_or_else(|| SpecError::SizeOverflow(input.to_owned()))
 }
 
 /// The power of two a suffix stands for, or `None` for junk. The empty suffix and a bare `B`
@@ -149,11 +126,8 @@ fn suffix_shift(suffix: &str) -> Option<u32> {
         return Some(0);
     }
     let (letter, rest) = suffix.split_at_checked(1)?;
-    let (_, shift) = UNITS
-        .iter()
-        .find(|(unit, _)| unit.eq_ignore_ascii_case(letter))?;
-    let tail_ok =
-        rest.is_empty() || rest.eq_ignore_ascii_case("b") || rest.eq_ignore_ascii_case("ib");
+    let (_, shift) = UNITS.iter().find(|(unit, _)| unit.eq_ignore_ascii_case(letter))?;
+    let tail_ok = rest.is_empty() || rest.eq_ignore_ascii_case("b") || rest.eq_ignore_ascii_case("ib");
     tail_ok.then_some(*shift)
 }
 
@@ -215,24 +189,11 @@ mod tests {
     #[test]
     fn bad_sizes_are_refused_by_name() {
         assert_eq!(parse_size(""), Err(SpecError::EmptySize));
-        for junk in [
-            "K", "-1", "+4", " 4", "4 ", "1.5G", "4X", "4KK", "4Kb2", "4iB", "0x10", "G1",
-        ] {
-            assert_eq!(
-                parse_size(junk),
-                Err(SpecError::BadSize(junk.to_owned())),
-                "{junk}"
-            );
+        for junk in ["K", "-1", "+4", " 4", "4 ", "1.5G", "4X", "4KK", "4Kb2", "4iB", "0x10", "G1"] {
+            assert_eq!(parse_size(junk), Err(SpecError::BadSize(junk.to_owned())), "{junk}");
         }
-        for huge in [
-            "16777216T",
-            "18446744073709551616",
-            "99999999999999999999999",
-        ] {
-            assert_eq!(
-                parse_size(huge),
-                Err(SpecError::SizeOverflow(huge.to_owned()))
-            );
+        for huge in ["16777216T", "18446744073709551616", "99999999999999999999999"] {
+            assert_eq!(parse_size(huge), Err(SpecError::SizeOverflow(huge.to_owned())));
         }
         let message = parse_size("12Q").unwrap_err().to_string();
         assert!(message.contains("\"12Q\""), "{message}");
@@ -241,64 +202,31 @@ mod tests {
 
     #[test]
     fn specs_parse() {
-        assert_eq!(
-            BackendSpec::parse("ram:1G"),
-            Ok(BackendSpec::Ram {
-                size_bytes: 1 << 30
-            })
-        );
-        assert_eq!(
-            BackendSpec::parse("null:512M"),
-            Ok(BackendSpec::Null {
-                size_bytes: 512 << 20
-            })
-        );
+        assert_eq!(BackendSpec::parse("ram:1G"), Ok(BackendSpec::Ram { size_bytes: 1 << 30 }));
+        assert_eq!(BackendSpec::parse("null:512M"), Ok(BackendSpec::Null { size_bytes: 512 << 20 }));
         assert_eq!(
             BackendSpec::parse("file:/var/tmp/a:b"),
-            Ok(BackendSpec::File {
-                path: PathBuf::from("/var/tmp/a:b")
-            })
+            Ok(BackendSpec::File { path: PathBuf::from("/var/tmp/a:b") })
         );
         assert_eq!("ram:512".parse(), Ok(BackendSpec::Ram { size_bytes: 512 }));
     }
 
     #[test]
     fn bad_specs_are_refused_by_name() {
-        assert_eq!(
-            BackendSpec::parse("ram1G"),
-            Err(SpecError::MissingKind("ram1G".into()))
-        );
+        assert_eq!(BackendSpec::parse("ram1G"), Err(SpecError::MissingKind("ram1G".into())));
         assert_eq!(
             BackendSpec::parse("disk:1G"),
-            Err(SpecError::UnknownKind {
-                kind: "disk".into(),
-                input: "disk:1G".into()
-            })
+            Err(SpecError::UnknownKind { kind: "disk".into(), input: "disk:1G".into() })
         );
         assert_eq!(BackendSpec::parse("ram:"), Err(SpecError::EmptySize));
-        assert_eq!(
-            BackendSpec::parse("ram:0"),
-            Err(SpecError::ZeroSize("0".into()))
-        );
-        assert_eq!(
-            BackendSpec::parse("null:0K"),
-            Err(SpecError::ZeroSize("0K".into()))
-        );
+        assert_eq!(BackendSpec::parse("ram:0"), Err(SpecError::ZeroSize("0".into())));
+        assert_eq!(BackendSpec::parse("null:0K"), Err(SpecError::ZeroSize("0K".into())));
         assert_eq!(
             BackendSpec::parse("ram:1000"),
-            Err(SpecError::NotWholeBlocks {
-                input: "1000".into(),
-                size_bytes: 1000
-            })
+            Err(SpecError::NotWholeBlocks { input: "1000".into(), size_bytes: 1000 })
         );
-        assert_eq!(
-            BackendSpec::parse("file:"),
-            Err(SpecError::EmptyPath("file:".into()))
-        );
-        assert_eq!(
-            BackendSpec::parse("null:lots"),
-            Err(SpecError::BadSize("lots".into()))
-        );
+        assert_eq!(BackendSpec::parse("file:"), Err(SpecError::EmptyPath("file:".into())));
+        assert_eq!(BackendSpec::parse("null:lots"), Err(SpecError::BadSize("lots".into())));
         let message = BackendSpec::parse("tape:/dev/st0").unwrap_err().to_string();
         assert!(message.contains("tape"), "{message}");
     }
@@ -306,62 +234,29 @@ mod tests {
     #[test]
     fn display_round_trips() {
         let specs = [
-            BackendSpec::Ram {
-                size_bytes: 1 << 30,
-            },
+            BackendSpec::Ram { size_bytes: 1 << 30 },
             BackendSpec::Ram { size_bytes: 512 },
-            BackendSpec::Ram {
-                size_bytes: 1536 << 10,
-            },
-            BackendSpec::Null {
-                size_bytes: 3 << 40,
-            },
-            BackendSpec::Null {
-                size_bytes: (1 << 40) + 512,
-            },
-            BackendSpec::File {
-                path: PathBuf::from("/dev/nvme0n1"),
-            },
-            BackendSpec::File {
-                path: PathBuf::from("rel/a:b"),
-            },
+            BackendSpec::Ram { size_bytes: 1536 << 10 },
+            BackendSpec::Null { size_bytes: 3 << 40 },
+            BackendSpec::Null { size_bytes: (1 << 40) + 512 },
+            BackendSpec::File { path: PathBuf::from("/dev/nvme0n1") },
+            BackendSpec::File { path: PathBuf::from("rel/a:b") },
         ];
         for spec in specs {
             let text = spec.to_string();
             assert_eq!(BackendSpec::parse(&text), Ok(spec), "{text}");
         }
-        assert_eq!(
-            BackendSpec::Ram {
-                size_bytes: 1 << 30
-            }
-            .to_string(),
-            "ram:1G"
-        );
-        assert_eq!(
-            BackendSpec::Null {
-                size_bytes: 1536 << 10
-            }
-            .to_string(),
-            "null:1536K"
-        );
-        assert_eq!(
-            BackendSpec::Ram { size_bytes: 1000 }.to_string(),
-            "ram:1000"
-        );
+        assert_eq!(BackendSpec::Ram { size_bytes: 1 << 30 }.to_string(), "ram:1G");
+        assert_eq!(BackendSpec::Null { size_bytes: 1536 << 10 }.to_string(), "null:1536K");
+        assert_eq!(BackendSpec::Ram { size_bytes: 1000 }.to_string(), "ram:1000");
     }
 
     #[test]
     fn range_check() {
         assert!(check_range(4096, 0, 4096).is_ok());
         assert!(check_range(4096, 4096, 0).is_ok());
-        assert_eq!(
-            check_range(4096, 3584, 1024).unwrap_err().errno(),
-            libc::EINVAL
-        );
-        assert_eq!(
-            check_range(4096, u64::MAX, 2).unwrap_err().errno(),
-            libc::EINVAL
-        );
+        assert_eq!(check_range(4096, 3584, 1024).unwrap_err().errno(), libc::EINVAL);
+        assert_eq!(check_range(4096, u64::MAX, 2).unwrap_err().errno(), libc::EINVAL);
         assert_eq!(read_only_error().errno(), libc::EROFS);
     }
 }

@@ -18,9 +18,7 @@ const MIB: u64 = 1024 * 1024;
 
 /// Bytes that differ by position and seed, so misplaced data cannot pass for correct data.
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
-        .collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8).collect()
 }
 
 fn read_vec(backend: &dyn Backend, offset: u64, len: usize) -> Vec<u8> {
@@ -61,10 +59,7 @@ fn check_round_trips(backend: &dyn Backend) {
         model[offset as usize..][..len].copy_from_slice(&data);
         assert_eq!(read_vec(backend, offset, len), data, "range {offset}+{len}");
     }
-    assert!(
-        read_vec(backend, 0, size_bytes as usize) == model,
-        "volume differs from model"
-    );
+    assert!(read_vec(backend, 0, size_bytes as usize) == model, "volume differs from model");
 }
 
 /// Zero a misaligned range inside written data and check both the hole and its neighbours.
@@ -102,25 +97,10 @@ fn check_read_only_refusal(backend: &dyn Backend) {
 fn check_out_of_range(backend: &dyn Backend) {
     let size_bytes = backend.size_bytes();
     let mut buf = [0u8; 1024];
-    assert_eq!(
-        backend
-            .read_at(&mut buf, size_bytes - 512)
-            .unwrap_err()
-            .errno(),
-        libc::EINVAL
-    );
+    assert_eq!(backend.read_at(&mut buf, size_bytes - 512).unwrap_err().errno(), libc::EINVAL);
     if !backend.is_read_only() {
-        assert_eq!(
-            backend
-                .write_at(&buf, size_bytes, false)
-                .unwrap_err()
-                .errno(),
-            libc::EINVAL
-        );
-        assert_eq!(
-            backend.trim(size_bytes, 512).unwrap_err().errno(),
-            libc::EINVAL
-        );
+        assert_eq!(backend.write_at(&buf, size_bytes, false).unwrap_err().errno(), libc::EINVAL);
+        assert_eq!(backend.trim(size_bytes, 512).unwrap_err().errno(), libc::EINVAL);
     }
 }
 
@@ -190,10 +170,7 @@ fn ram_disjoint_concurrent_writers() {
     }
     for t in 0..THREADS {
         let got = read_vec(&*ram, t * SLICE_BYTES, SLICE_BYTES as usize);
-        assert!(
-            got == pattern(SLICE_BYTES as usize, t as u8),
-            "slice {t} corrupted"
-        );
+        assert!(got == pattern(SLICE_BYTES as usize, t as u8), "slice {t} corrupted");
     }
 }
 
@@ -242,29 +219,19 @@ fn open_builds_each_kind_from_its_spec() {
 
 /// A directory under /var/tmp: /tmp may be tmpfs, which refuses `O_DIRECT` on older kernels.
 fn scratch_dir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("skiff-backend-")
-        .tempdir_in("/var/tmp")
-        .unwrap()
+    tempfile::Builder::new().prefix("skiff-backend-").tempdir_in("/var/tmp").unwrap()
 }
 
 /// A sparse file of `size_bytes` (reads as zeroes).
 fn sized_file(dir: &Path, name: &str, size_bytes: u64) -> PathBuf {
     let path = dir.join(name);
-    fs::File::create(&path)
-        .unwrap()
-        .set_len(size_bytes)
-        .unwrap();
+    fs::File::create(&path).unwrap().set_len(size_bytes).unwrap();
     path
 }
 
 /// Whether this file system accepts `O_DIRECT`, found the same way the backend finds it.
 fn direct_io_supported(path: &Path) -> bool {
-    let supported = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .is_ok();
+    let supported = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).is_ok();
     if !supported {
         eprintln!(
             "!!!!! O_DIRECT is NOT supported on {}: the direct I/O paths were NOT exercised !!!!!",
@@ -300,15 +267,8 @@ fn file_round_trips_and_persists() {
     };
     // Reopen through plain std::fs: what the backend acknowledged is really in the file.
     let on_disk = fs::read(&path).unwrap();
-    assert_eq!(
-        on_disk.len() as u64,
-        MIB,
-        "backend must never grow the file"
-    );
-    assert!(
-        on_disk == expected,
-        "file contents differ from what the backend read"
-    );
+    assert_eq!(on_disk.len() as u64, MIB, "backend must never grow the file");
+    assert!(on_disk == expected, "file contents differ from what the backend read");
     assert_eq!(&on_disk[MIB as usize - 512..], &pattern(512, 7)[..]);
 }
 
@@ -332,11 +292,7 @@ fn file_flush_and_fua_reach_the_os() {
 
     let before = file.counters();
     file.flush().unwrap();
-    assert_eq!(
-        delta(before, file.counters()).syncs,
-        1,
-        "flush must fdatasync"
-    );
+    assert_eq!(delta(before, file.counters()).syncs, 1, "flush must fdatasync");
 
     let before = file.counters();
     file.write_at(&pattern(512, 1), 512, true).unwrap();
@@ -348,19 +304,11 @@ fn file_flush_and_fua_reach_the_os() {
 
     let before = file.counters();
     file.write_at(&pattern(512, 2), 1024, false).unwrap();
-    assert_eq!(
-        delta(before, file.counters()).dsync_writes,
-        0,
-        "plain writes are not O_DSYNC"
-    );
+    assert_eq!(delta(before, file.counters()).dsync_writes, 0, "plain writes are not O_DSYNC");
 
     let before = file.counters();
     file.write_zeroes(0, 64 * 1024, true).unwrap();
-    assert_eq!(
-        delta(before, file.counters()).syncs,
-        1,
-        "FUA write-zeroes must sync"
-    );
+    assert_eq!(delta(before, file.counters()).syncs, 1, "FUA write-zeroes must sync");
 }
 
 #[test]
@@ -407,22 +355,16 @@ fn file_misaligned_buffers_give_correct_data() {
     let offset = 8 * ALIGN_BYTES as u64;
     let before = file.counters();
     file.write_at(&backing[1..], offset, false).unwrap();
-    file.write_at(&backing[1..], offset + len as u64, true)
-        .unwrap();
+    file.write_at(&backing[1..], offset + len as u64, true).unwrap();
     let mut read_back = AlignedBuf::new(len + 1).unwrap();
     file.read_at(&mut read_back[1..], offset).unwrap();
     assert_eq!(&read_back[1..], &backing[1..]);
-    file.read_at(&mut read_back[1..], offset + len as u64)
-        .unwrap();
+    file.read_at(&mut read_back[1..], offset + len as u64).unwrap();
     assert_eq!(&read_back[1..], &backing[1..]);
 
     let d = delta(before, file.counters());
     if supported {
-        assert_eq!(
-            (d.direct_ios, d.buffered_ios),
-            (4, 0),
-            "bounce keeps O_DIRECT"
-        );
+        assert_eq!((d.direct_ios, d.buffered_ios), (4, 0), "bounce keeps O_DIRECT");
     } else {
         assert_eq!((d.direct_ios, d.buffered_ios), (0, 4));
     }
@@ -440,10 +382,7 @@ fn file_read_only_refuses_changes() {
     let file = FileBackend::open(&path, true).unwrap();
     check_read_only_refusal(&file);
     check_out_of_range(&file);
-    assert_eq!(
-        read_vec(&file, MIB - 512, 512),
-        &pattern(MIB as usize, 5)[MIB as usize - 512..]
-    );
+    assert_eq!(read_vec(&file, MIB - 512, 512), &pattern(MIB as usize, 5)[MIB as usize - 512..]);
     assert!(fs::read(&path).unwrap() == pattern(MIB as usize, 5));
 }
 
@@ -468,10 +407,7 @@ fn file_size_must_hold_a_block() {
 
     // A trailing partial block is not exported.
     let ragged = sized_file(dir.path(), "ragged.img", 4096 + 100);
-    assert_eq!(
-        FileBackend::open(&ragged, false).unwrap().size_bytes(),
-        4096
-    );
+    assert_eq!(FileBackend::open(&ragged, false).unwrap().size_bytes(), 4096);
 
     let err = FileBackend::open(dir.path(), true).unwrap_err().to_string();
     assert!(err.contains("not a regular file"), "{err}");
@@ -504,9 +440,6 @@ fn file_disjoint_concurrent_writers() {
     file.flush().unwrap();
     let on_disk = fs::read(&path).unwrap();
     for (t, slice) in on_disk.chunks(SLICE_BYTES as usize).enumerate() {
-        assert!(
-            slice == pattern(SLICE_BYTES as usize, t as u8),
-            "slice {t} corrupted"
-        );
+        assert!(slice == pattern(SLICE_BYTES as usize, t as u8), "slice {t} corrupted");
     }
 }

@@ -36,7 +36,9 @@ enum Command {
 fn init_logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SKIFF_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colour only for a person at a terminal; logs captured by files or tools stay plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
 }
 
 fn main() -> ExitCode {

@@ -3,8 +3,8 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use target::{ExportConfig, Target, TargetConfig};
 use initiator::Endpoint;
+use target::{ExportConfig, Target, TargetConfig};
 
 use crate::CliResult;
 

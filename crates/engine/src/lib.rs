@@ -135,7 +135,7 @@ pub fn validate(export: &Export, io: &Io, io_bytes_max: u32) -> Result<(), Statu
         return Err(Status::TooLarge);
     }
     let block = u64::from(b.block_size());
-    if io.offset % block != 0 || u64::from(io.length) % block != 0 {
+    if !io.offset.is_multiple_of(block) || u64::from(io.length) % block != 0 {
         return Err(Status::Misaligned);
     }
     match io.offset.checked_add(u64::from(io.length)) {

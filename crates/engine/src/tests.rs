@@ -17,7 +17,11 @@ fn validation_gives_precise_statuses() {
     assert_eq!(validate(&e, &io(Opcode::Read, 0, 4096), max), Ok(()));
     assert_eq!(validate(&e, &io(Opcode::Read, (1 << 20) - 512, 512), max), Ok(()), "last block");
     assert_eq!(validate(&e, &io(Opcode::Read, 1 << 20, 512), max), Err(Status::OutOfRange));
-    assert_eq!(validate(&e, &io(Opcode::Read, u64::MAX - 511, 512), max), Err(Status::OutOfRange), "no overflow");
+    assert_eq!(
+        validate(&e, &io(Opcode::Read, u64::MAX - 511, 512), max),
+        Err(Status::OutOfRange),
+        "no overflow"
+    );
     assert_eq!(validate(&e, &io(Opcode::Write, 100, 512), max), Err(Status::Misaligned));
     assert_eq!(validate(&e, &io(Opcode::Write, 0, 100), max), Err(Status::Misaligned));
     assert_eq!(validate(&e, &io(Opcode::Read, 0, max + 512), max), Err(Status::TooLarge));

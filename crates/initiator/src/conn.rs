@@ -98,7 +98,11 @@ impl Conn {
                 Ok(0) => return Err(Error::Closed),
                 Ok(n) => sent += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let ready = wait_fd(self.stream.as_raw_fd(), true, Some(deadline.saturating_duration_since(Instant::now())))?;
+                    let ready = wait_fd(
+                        self.stream.as_raw_fd(),
+                        true,
+                        Some(deadline.saturating_duration_since(Instant::now())),
+                    )?;
                     if ready.readable {
                         self.fill_now()?;
                     }

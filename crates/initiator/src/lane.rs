@@ -116,6 +116,9 @@ pub struct Lane {
 impl Lane {
     /// Connect to `endpoint`, negotiate, and open `export`.
     pub fn connect(endpoint: &Endpoint, export: &str, config: &LaneConfig) -> Result<Lane> {
+        if export.len() > wire::control::EXPORT_NAME_MAX {
+            return Err(Error::InvalidArgument("export name longer than 255 bytes"));
+        }
         let mut proposed = config.limits;
         proposed.queue_depth = proposed.queue_depth.clamp(1, proto::slots::SLOTS_MAX as u32);
         proposed.caravan_reqs_max = match proposed.caravan_reqs_max {
@@ -170,13 +173,24 @@ impl Lane {
     }
 
     /// Read `buf.len()` bytes at `offset` into `buf`.
-    pub fn submit_read(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> std::result::Result<(), Rejected> {
+    pub fn submit_read(
+        &mut self,
+        offset: u64,
+        buf: Vec<u8>,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected> {
         let length = buf.len();
         self.submit(Opcode::Read, ReqFlags::empty(), offset, length, Some(buf), user_data)
     }
 
     /// Write `buf` at `offset`.
-    pub fn submit_write(&mut self, offset: u64, buf: Vec<u8>, flags: ReqFlags, user_data: u64) -> std::result::Result<(), Rejected> {
+    pub fn submit_write(
+        &mut self,
+        offset: u64,
+        buf: Vec<u8>,
+        flags: ReqFlags,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected> {
         let length = buf.len();
         self.submit(Opcode::Write, flags, offset, length, Some(buf), user_data)
     }
@@ -186,11 +200,22 @@ impl Lane {
         self.submit(Opcode::Flush, ReqFlags::empty(), 0, 0, None, user_data)
     }
 
-    pub fn submit_trim(&mut self, offset: u64, length: u32, user_data: u64) -> std::result::Result<(), Rejected> {
+    pub fn submit_trim(
+        &mut self,
+        offset: u64,
+        length: u32,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected> {
         self.submit(Opcode::Trim, ReqFlags::empty(), offset, length as usize, None, user_data)
     }
 
-    pub fn submit_write_zeroes(&mut self, offset: u64, length: u32, flags: ReqFlags, user_data: u64) -> std::result::Result<(), Rejected> {
+    pub fn submit_write_zeroes(
+        &mut self,
+        offset: u64,
+        length: u32,
+        flags: ReqFlags,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected> {
         self.submit(Opcode::WriteZeroes, flags, offset, length as usize, None, user_data)
     }
 
@@ -309,7 +334,14 @@ impl Lane {
         status_result(c.status)
     }
 
-    fn run_sync(&mut self, opcode: Opcode, flags: ReqFlags, offset: u64, length: usize, buf: Option<Vec<u8>>) -> Result<Completion> {
+    fn run_sync(
+        &mut self,
+        opcode: Opcode,
+        flags: ReqFlags,
+        offset: u64,
+        length: usize,
+        buf: Option<Vec<u8>>,
+    ) -> Result<Completion> {
         self.submit(opcode, flags, offset, length, buf, SYNC_USER_DATA).map_err(|r| r.error)?;
         self.ring()?;
         let deadline = Instant::now() + self.conn.timeout;
@@ -344,7 +376,8 @@ impl Lane {
         };
         self.stats.caravan_hist[bucket.min(7)] += 1;
         let result = {
-            let mut parts: [&[u8]; LANE_CARAVAN_REQS_MAX as usize + 1] = [&[]; LANE_CARAVAN_REQS_MAX as usize + 1];
+            let mut parts: [&[u8]; LANE_CARAVAN_REQS_MAX as usize + 1] =
+                [&[]; LANE_CARAVAN_REQS_MAX as usize + 1];
             parts[0] = self.caravan.seal();
             let mut n = 1;
             for &tag in &self.queued {
@@ -399,7 +432,12 @@ impl Lane {
                                 buf.copy_from_slice(data);
                             }
                         }
-                        self.done.push_back(Completion { user_data: p.user_data, opcode: p.opcode, status: c.status, buf: p.buf });
+                        self.done.push_back(Completion {
+                            user_data: p.user_data,
+                            opcode: p.opcode,
+                            status: c.status,
+                            buf: p.buf,
+                        });
                         progressed = true;
                     }
                 }
@@ -420,7 +458,12 @@ impl Lane {
         self.caravan.clear();
         self.queued.clear();
         for p in self.slots.drain() {
-            self.done.push_back(Completion { user_data: p.user_data, opcode: p.opcode, status: Status::IoError, buf: p.buf });
+            self.done.push_back(Completion {
+                user_data: p.user_data,
+                opcode: p.opcode,
+                status: Status::IoError,
+                buf: p.buf,
+            });
         }
         self.conn.stream.shutdown();
     }

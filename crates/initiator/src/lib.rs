@@ -56,7 +56,8 @@ impl Client {
     /// Connect and complete the handshake. A control connection proposes no limits of its own,
     /// so [`Client::limits`] shows what the target offers.
     pub fn connect(endpoint: &Endpoint) -> Result<Client> {
-        let no_preference = Limits { queue_depth: 0, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 };
+        let no_preference =
+            Limits { queue_depth: 0, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 };
         Ok(Client { conn: Conn::connect(endpoint, &no_preference, DEFAULT_TIMEOUT)? })
     }
 

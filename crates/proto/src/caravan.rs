@@ -59,7 +59,8 @@ impl CaravanBuilder {
     /// Seal the caravan: write its header, return header and descriptors as one slice. The
     /// payloads follow on the wire in the order the requests were pushed.
     pub fn seal(&mut self) -> &[u8] {
-        let header = Header { kind: FrameKind::Requests, desc_count: self.reqs, payload_len: self.payload_bytes };
+        let header =
+            Header { kind: FrameKind::Requests, desc_count: self.reqs, payload_len: self.payload_bytes };
         header.emit(&mut self.buf[..HEADER_LEN]);
         &self.buf
     }
@@ -133,7 +134,8 @@ mod tests {
 
     #[test]
     fn hard_limits_bound_a_caravan() {
-        let limits = Limits { queue_depth: 4, caravan_reqs_max: 2, caravan_bytes_max: 8192, io_bytes_max: 8192 };
+        let limits =
+            Limits { queue_depth: 4, caravan_reqs_max: 2, caravan_bytes_max: 8192, io_bytes_max: 8192 };
         let mut b = CaravanBuilder::new(&limits);
         assert!(b.fits(&req(Opcode::Write, 0, 8192)));
         b.push(&req(Opcode::Write, 0, 4096));

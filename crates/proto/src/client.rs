@@ -90,7 +90,12 @@ mod tests {
     /// Run the handshake through both state machines in memory.
     #[test]
     fn both_sides_agree_on_limits() {
-        let client = ClientHandshake::new(Limits { queue_depth: 32, caravan_reqs_max: 16, caravan_bytes_max: 0, io_bytes_max: 128 << 10 });
+        let client = ClientHandshake::new(Limits {
+            queue_depth: 32,
+            caravan_reqs_max: 16,
+            caravan_bytes_max: 0,
+            io_bytes_max: 128 << 10,
+        });
         let mut server = ServerSession::new(Limits::default());
         let hello = client.hello_frame();
         let h = Header::parse(&hello).unwrap();
@@ -109,7 +114,12 @@ mod tests {
 
     #[test]
     fn a_target_raising_our_limits_is_refused() {
-        let client = ClientHandshake::new(Limits { queue_depth: 4, caravan_reqs_max: 4, caravan_bytes_max: 0, io_bytes_max: 0 });
+        let client = ClientHandshake::new(Limits {
+            queue_depth: 4,
+            caravan_reqs_max: 4,
+            caravan_bytes_max: 0,
+            io_bytes_max: 0,
+        });
         let bad = HelloReply { status: Status::Ok, version: VERSION, features: 0, limits: Limits::default() };
         let frame = wire::control::frame(FrameKind::HelloReply, &bad.encode());
         let h = Header::parse(&frame).unwrap();

@@ -23,7 +23,9 @@ enum State {
 #[derive(Debug)]
 pub enum Inbound<'a> {
     /// HELLO accepted: send this HELLO_REPLY body. `refused` means close after sending.
-    Hello { reply: HelloReply },
+    Hello {
+        reply: HelloReply,
+    },
     Open(Open),
     List,
     Stats,
@@ -65,11 +67,7 @@ impl ServerSession {
     }
 
     /// Classify one complete frame. An error means the connection must close.
-    pub fn handle_frame<'a>(
-        &mut self,
-        header: &Header,
-        body: &'a [u8],
-    ) -> Result<Inbound<'a>, ProtoError> {
+    pub fn handle_frame<'a>(&mut self, header: &Header, body: &'a [u8]) -> Result<Inbound<'a>, ProtoError> {
         if !header.kind.is_caravan() && body.len() > wire::control::CONTROL_BODY_MAX {
             return Err(WireError::Limit {
                 what: "control body bytes",
@@ -81,9 +79,7 @@ impl ServerSession {
         match (self.state, header.kind) {
             (State::AwaitHello, FrameKind::Hello) => self.handle_hello(body),
             (State::AwaitHello, kind) => Err(ProtoError::Unexpected(kind, "before HELLO")),
-            (State::Ready, FrameKind::Hello) => {
-                Err(ProtoError::Unexpected(FrameKind::Hello, "twice"))
-            }
+            (State::Ready, FrameKind::Hello) => Err(ProtoError::Unexpected(FrameKind::Hello, "twice")),
             (State::Ready, FrameKind::Open) => Ok(Inbound::Open(Open::decode(body)?)),
             (State::Ready, FrameKind::List) => empty(body, "LIST").map(|_| Inbound::List),
             (State::Ready, FrameKind::Stats) => empty(body, "STATS").map(|_| Inbound::Stats),
@@ -111,11 +107,7 @@ impl ServerSession {
         Ok(Inbound::Hello { reply })
     }
 
-    fn admit_caravan<'a>(
-        &self,
-        header: &Header,
-        body: &'a [u8],
-    ) -> Result<Inbound<'a>, ProtoError> {
+    fn admit_caravan<'a>(&self, header: &Header, body: &'a [u8]) -> Result<Inbound<'a>, ProtoError> {
         let l = &self.limits;
         check_limit("descriptors per caravan", header.desc_count.into(), l.caravan_reqs_max.into())?;
         check_limit("caravan payload bytes", header.payload_len.into(), l.caravan_bytes_max.into())?;
@@ -191,8 +183,7 @@ mod tests {
     #[test]
     fn version_mismatch_is_answered_not_accepted() {
         let mut s = ServerSession::new(Limits::default());
-        let body = Hello { version_min: 2, version_max: 3, features: 0, limits: Limits::default() }
-            .encode();
+        let body = Hello { version_min: 2, version_max: 3, features: 0, limits: Limits::default() }.encode();
         let h = header(FrameKind::Hello, 0, body.len() as u32);
         match s.handle_frame(&h, &body).unwrap() {
             Inbound::Hello { reply } => assert_eq!(reply.status, Status::VersionMismatch),
@@ -205,10 +196,15 @@ mod tests {
     #[test]
     fn caravans_over_the_limits_break_the_connection() {
         let mut s = ServerSession::new(Limits::default());
-        let body = hello(Limits { caravan_reqs_max: 4, caravan_bytes_max: 8192, io_bytes_max: 4096, queue_depth: 0 });
+        let body = hello(Limits {
+            caravan_reqs_max: 4,
+            caravan_bytes_max: 8192,
+            io_bytes_max: 4096,
+            queue_depth: 0,
+        });
         s.handle_frame(&header(FrameKind::Hello, 0, body.len() as u32), &body).unwrap();
         let too_many = header(FrameKind::Requests, 5, 0);
-        let err = s.handle_frame(&too_many, &vec![0u8; 5 * 32]).unwrap_err();
+        let err = s.handle_frame(&too_many, &[0u8; 5 * 32]).unwrap_err();
         assert!(matches!(err, ProtoError::Wire(WireError::Limit { what: "descriptors per caravan", .. })));
         let too_big = header(FrameKind::Requests, 0, 8193);
         assert!(s.handle_frame(&too_big, &vec![0u8; 8193]).is_err());

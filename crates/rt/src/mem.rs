@@ -67,10 +67,7 @@ impl Region {
     /// gives an empty region with an aligned dangling pointer.
     pub fn new(len_bytes: usize) -> io::Result<Region> {
         if len_bytes == 0 {
-            return Ok(Region {
-                ptr: dangling_aligned(),
-                len_bytes: 0,
-            });
+            return Ok(Region { ptr: dangling_aligned(), len_bytes: 0 });
         }
         // SAFETY: a fresh anonymous private mapping with no address hint and no file: it cannot
         // alias any existing Rust object. The result is checked against MAP_FAILED below.
@@ -87,8 +84,8 @@ impl Region {
         if raw == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let ptr = NonNull::new(raw.cast::<u8>())
-            .ok_or_else(|| io::Error::other("mmap returned a null mapping"))?;
+        let ptr =
+            NonNull::new(raw.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned a null mapping"))?;
         let region = Region { ptr, len_bytes };
         if len_bytes >= HUGEPAGE_MIN_BYTES {
             region.advise_hugepages();
@@ -100,11 +97,7 @@ impl Region {
     fn advise_hugepages(&self) {
         // SAFETY: the range is exactly our own live mapping; MADV_HUGEPAGE changes no contents.
         let rc = unsafe {
-            libc::madvise(
-                self.ptr.as_ptr().cast::<libc::c_void>(),
-                self.len_bytes,
-                libc::MADV_HUGEPAGE,
-            )
+            libc::madvise(self.ptr.as_ptr().cast::<libc::c_void>(), self.len_bytes, libc::MADV_HUGEPAGE)
         };
         if rc != 0 {
             tracing::debug!(
@@ -215,10 +208,7 @@ impl Drop for Region {
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Region")
-            .field("ptr", &self.ptr)
-            .field("len_bytes", &self.len_bytes)
-            .finish()
+        f.debug_struct("Region").field("ptr", &self.ptr).field("len_bytes", &self.len_bytes).finish()
     }
 }
 
@@ -239,10 +229,7 @@ impl AlignedBuf {
     /// when the allocator refuses and `InvalidInput` when the size cannot be laid out.
     pub fn new(len_bytes: usize) -> io::Result<AlignedBuf> {
         if len_bytes == 0 {
-            return Ok(AlignedBuf {
-                ptr: dangling_aligned(),
-                len_bytes: 0,
-            });
+            return Ok(AlignedBuf { ptr: dangling_aligned(), len_bytes: 0 });
         }
         let layout = Self::layout(len_bytes)?;
         // SAFETY: `layout` has a non-zero size (checked above).
@@ -258,10 +245,7 @@ impl AlignedBuf {
 
     fn layout(len_bytes: usize) -> io::Result<Layout> {
         Layout::from_size_align(len_bytes, ALIGN_BYTES).map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("bad aligned buffer size {len_bytes}: {e}"),
-            )
+            io::Error::new(io::ErrorKind::InvalidInput, format!("bad aligned buffer size {len_bytes}: {e}"))
         })
     }
 }
@@ -299,10 +283,7 @@ impl Drop for AlignedBuf {
 
 impl std::fmt::Debug for AlignedBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AlignedBuf")
-            .field("ptr", &self.ptr)
-            .field("len_bytes", &self.len_bytes)
-            .finish()
+        f.debug_struct("AlignedBuf").field("ptr", &self.ptr).field("len_bytes", &self.len_bytes).finish()
     }
 }
 

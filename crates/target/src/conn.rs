@@ -161,7 +161,14 @@ const READS_PER_PASS: usize = 8;
 impl Conn {
     pub fn new(stream: Stream, limits: wire::Limits) -> Conn {
         let peer = stream.peer();
-        Conn { stream, peer, rx: FrameBuffer::new(), tx: TxBuf::default(), session: ServerSession::new(limits), closing: false }
+        Conn {
+            stream,
+            peer,
+            rx: FrameBuffer::new(),
+            tx: TxBuf::default(),
+            session: ServerSession::new(limits),
+            closing: false,
+        }
     }
 
     /// Read and process what the peer sent, within this pass's budget.
@@ -231,7 +238,13 @@ impl Conn {
                         Some((index, export)) => match self.session.open_handle(index) {
                             Ok(handle) => {
                                 let info = export.info();
-                                OpenReply { status: Status::Ok, handle, size_bytes: info.size_bytes, block_size: info.block_size, flags: info.flags }
+                                OpenReply {
+                                    status: Status::Ok,
+                                    handle,
+                                    size_bytes: info.size_bytes,
+                                    block_size: info.block_size,
+                                    flags: info.flags,
+                                }
                             }
                             Err(status) => OpenReply::refused(status),
                         },
@@ -284,9 +297,9 @@ fn execute_caravan(
         };
         let io = Io::from(&req);
         let export = session.resolve(req.handle).and_then(|i| shared.exports.get(i));
-        let checked = export.ok_or(Status::BadHandle).and_then(|e| {
-            engine::validate(e, &io, limits.io_bytes_max).map(|()| e)
-        });
+        let checked = export
+            .ok_or(Status::BadHandle)
+            .and_then(|e| engine::validate(e, &io, limits.io_bytes_max).map(|()| e));
         let (status, data_len) = match checked {
             Err(status) => (status, 0),
             Ok(export) if req.opcode == Opcode::Read => {

@@ -121,8 +121,11 @@ impl Target {
         let mut listeners = Vec::new();
         let mut endpoints = Vec::new();
         for ep in &config.listen {
-            let l = Listener::bind(ep).map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?;
-            endpoints.push(l.local_endpoint().map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?);
+            let l =
+                Listener::bind(ep).map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?;
+            endpoints.push(
+                l.local_endpoint().map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?,
+            );
             listeners.push(l);
         }
         let workers = match config.workers {
@@ -155,7 +158,8 @@ impl Target {
                     .map_err(TargetError::Spawn)?,
             );
         }
-        let acceptor = acceptor::Acceptor::new(listeners, inboxes, shared.clone()).map_err(TargetError::Spawn)?;
+        let acceptor =
+            acceptor::Acceptor::new(listeners, inboxes, shared.clone()).map_err(TargetError::Spawn)?;
         wakers.push(acceptor.waker());
         threads.push(
             std::thread::Builder::new()

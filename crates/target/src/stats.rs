@@ -58,6 +58,9 @@ impl WorkerStats {
     }
 }
 
+/// Picks one counter out of a worker's stats.
+type Field = fn(&WorkerStats) -> &AtomicU64;
+
 pub(crate) fn collect(shared: &Shared) -> StatsReply {
     let mut e: Vec<(String, u64)> = Vec::with_capacity(64);
     let sum = |f: &dyn Fn(&WorkerStats) -> u64| shared.workers.iter().map(|w| f(w)).sum::<u64>();
@@ -66,7 +69,7 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         e.push((format!("bytes_{}", op.name()), sum(&|w| w.ops.bytes(op))));
     }
     e.push(("req_errors".into(), sum(&|w| w.ops.errors())));
-    let named: [(&str, fn(&WorkerStats) -> &AtomicU64); 8] = [
+    let named: [(&str, Field); 8] = [
         ("caravans_received", |w| &w.caravans_received),
         ("caravans_sent", |w| &w.caravans_sent),
         ("caravan_reqs_total", |w| &w.caravan_reqs_total),

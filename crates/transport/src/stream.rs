@@ -47,9 +47,10 @@ impl Listener {
     pub fn bind(endpoint: &Endpoint) -> io::Result<Listener> {
         match endpoint {
             Endpoint::Tcp(addr) => {
-                let addr = std::net::ToSocketAddrs::to_socket_addrs(addr.as_str())?
-                    .next()
-                    .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "address resolves to nothing"))?;
+                let addr =
+                    std::net::ToSocketAddrs::to_socket_addrs(addr.as_str())?.next().ok_or_else(|| {
+                        io::Error::new(io::ErrorKind::InvalidInput, "address resolves to nothing")
+                    })?;
                 Ok(Listener::Tcp(mio::net::TcpListener::bind(addr)?))
             }
             Endpoint::Unix(path) => {

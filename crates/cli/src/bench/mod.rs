@@ -68,7 +68,10 @@ pub struct BenchArgs {
 }
 
 pub fn run(args: BenchArgs) -> CliResult {
-    let bs = u32::try_from(args.bs).ok().filter(|b| *b >= 512 && b % 512 == 0).ok_or("--bs must be a multiple of 512 below 4 GiB")?;
+    let bs = u32::try_from(args.bs)
+        .ok()
+        .filter(|b| *b >= 512 && b % 512 == 0)
+        .ok_or("--bs must be a multiple of 512 below 4 GiB")?;
     if args.qd == 0 || args.threads == 0 {
         return Err("--qd and --threads must be at least 1".into());
     }
@@ -92,7 +95,12 @@ pub fn run(args: BenchArgs) -> CliResult {
     }
 
     let lane_config = LaneConfig {
-        limits: Limits { queue_depth: args.qd as u32, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 },
+        limits: Limits {
+            queue_depth: args.qd as u32,
+            caravan_reqs_max: 0,
+            caravan_bytes_max: 0,
+            io_bytes_max: 0,
+        },
         ..LaneConfig::default()
     };
     let lanes = (0..args.threads)
@@ -101,17 +109,28 @@ pub fn run(args: BenchArgs) -> CliResult {
         .map_err(|e| format!("{endpoint} export {:?}: {e}", args.export))?;
     let export = lanes[0].export().clone();
     if lanes[0].queue_depth() < args.qd {
-        return Err(format!("target allows queue depth {} per lane, asked {}", lanes[0].queue_depth(), args.qd).into());
+        return Err(format!(
+            "target allows queue depth {} per lane, asked {}",
+            lanes[0].queue_depth(),
+            args.qd
+        )
+        .into());
     }
     let size = args.size.unwrap_or(export.size_bytes);
     if size > export.size_bytes {
         return Err(format!("--size {size} is larger than the export ({} bytes)", export.size_bytes).into());
     }
     if bs % export.block_size != 0 {
-        return Err(format!("--bs must be a multiple of the export's block size {}", export.block_size).into());
+        return Err(
+            format!("--bs must be a multiple of the export's block size {}", export.block_size).into()
+        );
     }
     // Under --verify each thread gets its own slice; otherwise all share the whole range.
-    let slice = if args.verify { size / args.threads as u64 / u64::from(bs) * u64::from(bs) } else { size / u64::from(bs) * u64::from(bs) };
+    let slice = if args.verify {
+        size / args.threads as u64 / u64::from(bs) * u64::from(bs)
+    } else {
+        size / u64::from(bs) * u64::from(bs)
+    };
     if slice < u64::from(bs) * args.qd as u64 {
         return Err("--size is too small for --bs × --qd per thread".into());
     }

@@ -118,7 +118,13 @@ fn per(n: f64, ios: u64) -> f64 {
     }
 }
 
-pub fn summarize(setup: Setup, results: &[ThreadResult], elapsed: Duration, before: &StatsReply, after: &StatsReply) -> Summary {
+pub fn summarize(
+    setup: Setup,
+    results: &[ThreadResult],
+    elapsed: Duration,
+    before: &StatsReply,
+    after: &StatsReply,
+) -> Summary {
     let mut hist: Histogram<u64> = Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("static bounds");
     let mut usage = rt::usage::Usage::default();
     let (mut ios, mut bytes, mut io_errors, mut verify_errors) = (0, 0, 0, 0);
@@ -141,7 +147,8 @@ pub fn summarize(setup: Setup, results: &[ThreadResult], elapsed: Duration, befo
     };
     let client_cpu_us = (usage.user_us + usage.sys_us) as f64;
     let server_cpu_us = server_cpu_ns as f64 / 1000.0;
-    let server_ctx = delta(before, after, "ctx_switches_voluntary") + delta(before, after, "ctx_switches_involuntary");
+    let server_ctx =
+        delta(before, after, "ctx_switches_voluntary") + delta(before, after, "ctx_switches_involuntary");
     let received = delta(before, after, "caravans_received");
     Summary {
         setup,
@@ -196,13 +203,22 @@ pub fn print_table(s: &Summary) {
         ("I/Os", grouped(s.ios)),
         (
             "latency µs",
-            format!("mean {:.1}  p50 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1}", s.lat_us.mean, s.lat_us.p50, s.lat_us.p99, s.lat_us.p999, s.lat_us.max),
+            format!(
+                "mean {:.1}  p50 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1}",
+                s.lat_us.mean, s.lat_us.p50, s.lat_us.p99, s.lat_us.p999, s.lat_us.max
+            ),
         ),
         (
             "CPU µs/I/O",
-            format!("client {:.2}  server {:.2}  total {:.2}", s.client_cpu_us_per_io, s.server_cpu_us_per_io, s.total_cpu_us_per_io),
+            format!(
+                "client {:.2}  server {:.2}  total {:.2}",
+                s.client_cpu_us_per_io, s.server_cpu_us_per_io, s.total_cpu_us_per_io
+            ),
         ),
-        ("ctx sw/I/O", format!("client {:.3}  server {:.3}", s.client_ctx_switches_per_io, s.server_ctx_switches_per_io)),
+        (
+            "ctx sw/I/O",
+            format!("client {:.3}  server {:.3}", s.client_ctx_switches_per_io, s.server_ctx_switches_per_io),
+        ),
         (
             "caravans",
             format!(
@@ -214,11 +230,22 @@ pub fn print_table(s: &Summary) {
                 grouped(s.server_caravans_sent)
             ),
         ),
-        ("I/O errors", format!("{}{}", s.io_errors, s.first_io_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default())),
+        (
+            "I/O errors",
+            format!(
+                "{}{}",
+                s.io_errors,
+                s.first_io_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default()
+            ),
+        ),
         (
             "verify errors",
             if st.verify {
-                format!("{}{}", s.verify_errors, s.first_verify_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default())
+                format!(
+                    "{}{}",
+                    s.verify_errors,
+                    s.first_verify_error.as_deref().map(|e| format!(" (first: {e})")).unwrap_or_default()
+                )
             } else {
                 "not verified (use --verify)".into()
             },

@@ -93,12 +93,24 @@ struct Runner<'a> {
     timing: bool,
 }
 
-pub fn run(w: &Workload, lane: Lane, phases: Arc<Phases>, thread: usize) -> Result<ThreadResult, initiator::Error> {
+pub fn run(
+    w: &Workload,
+    lane: Lane,
+    phases: Arc<Phases>,
+    thread: usize,
+) -> Result<ThreadResult, initiator::Error> {
     let blocks = w.region_len / u64::from(w.bs);
     let tracked = if w.verify { blocks as usize } else { 0 };
     let mut run = Runner {
         lane,
-        slots: (0..w.qd).map(|_| Slot { buf: Some(vec![0; w.bs as usize]), started: Instant::now(), block: 0, generation: 0 }).collect(),
+        slots: (0..w.qd)
+            .map(|_| Slot {
+                buf: Some(vec![0; w.bs as usize]),
+                started: Instant::now(),
+                block: 0,
+                generation: 0,
+            })
+            .collect(),
         free: (0..w.qd).rev().collect(),
         rng: Rng::new(w.seed ^ (thread as u64).wrapping_mul(0x1000_0001)),
         cursor: 0,
@@ -283,7 +295,10 @@ impl Runner<'_> {
                     if let Some(at) = pattern::first_mismatch(&buf, self.w.seed, offset, slot.generation) {
                         self.r.verify_errors += 1;
                         self.r.verify_first.get_or_insert_with(|| {
-                            format!("offset {offset}: byte {at} differs (expected generation {})", slot.generation)
+                            format!(
+                                "offset {offset}: byte {at} differs (expected generation {})",
+                                slot.generation
+                            )
                         });
                     }
                 }

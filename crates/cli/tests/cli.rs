@@ -1,0 +1,176 @@
+//! The `skiff` binary as a user runs it: bench on the embedded default, serve in one process
+//! and bench/info in another, signals, and the errors a user sees.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn skiff() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_skiff"))
+}
+
+/// `skiff serve` on an ephemeral port; returns the child and the address it logged.
+fn serve(exports: &[&str]) -> (Child, String) {
+    let mut cmd = skiff();
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--workers", "2"]);
+    for e in exports {
+        cmd.args(["--export", e]);
+    }
+    let mut child = cmd.stderr(Stdio::piped()).stdout(Stdio::null()).spawn().expect("spawn skiff serve");
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        let Some(Ok(line)) = lines.next() else { break };
+        if let Some(i) = line.find("listening ep=") {
+            let addr = line[i + "listening ep=".len()..].split_whitespace().next().unwrap().to_owned();
+            // Keep draining the log so the server never blocks on a full pipe.
+            std::thread::spawn(move || for _ in lines.by_ref() {});
+            return (child, addr);
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("skiff serve did not report its address");
+}
+
+fn terminate(mut child: Child) -> std::process::ExitStatus {
+    // SIGTERM through the kill command: the test needs no libc of its own.
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "skiff serve ignored SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn json(out: &std::process::Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): {}\nstderr: {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+#[test]
+fn bench_on_the_embedded_default_verifies_and_reports_json() {
+    let out = skiff()
+        .args(["bench", "--duration", "1s", "--size", "16M", "--verify", "--json", "--rw", "randrw"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v = json(&out);
+    for field in [
+        "iops",
+        "bytes_per_s",
+        "ios",
+        "client_cpu_us_per_io",
+        "server_cpu_us_per_io",
+        "client_ctx_switches_per_io",
+        "verify_errors",
+    ] {
+        assert!(v[field].is_number(), "missing {field}: {v}");
+    }
+    for q in ["mean", "p50", "p99", "p999"] {
+        assert!(v["lat_us"][q].as_f64().unwrap() > 0.0, "lat_us.{q}");
+    }
+    assert_eq!(v["verify_errors"], 0);
+    assert_eq!(v["io_errors"], 0);
+    assert!(v["ios"].as_u64().unwrap() > 0);
+    assert!(v["server_cpu_us_per_io"].as_f64().unwrap() > 0.0, "server CPU is measured: {v}");
+}
+
+#[test]
+fn serve_in_one_process_bench_and_info_in_others() {
+    let (child, addr) = serve(&["vol=ram:32M", "blank=null:1G", "ro=ram:1M,ro"]);
+
+    let out = skiff()
+        .args([
+            "bench",
+            "--target",
+            &addr,
+            "--export",
+            "vol",
+            "--duration",
+            "1s",
+            "--verify",
+            "--threads",
+            "2",
+            "--qd",
+            "8",
+            "--rw",
+            "randwrite",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("IOPS") && stdout.contains("verify errors  0"), "{stdout}");
+
+    // A null export reads zeroes: verification must catch that and fail the run.
+    let out = skiff()
+        .args([
+            "bench",
+            "--target",
+            &addr,
+            "--export",
+            "blank",
+            "--duration",
+            "1s",
+            "--size",
+            "4M",
+            "--verify",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "verification against a null export must fail");
+    assert!(json(&out)["verify_errors"].as_u64().unwrap() > 0);
+
+    let out = skiff().args(["info", &addr]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(text.contains("vol") && text.contains("32.0 MiB") && text.contains("queue depth"), "{text}");
+    let out = skiff().args(["info", &addr, "--json"]).output().unwrap();
+    let v = json(&out);
+    let ro = v["exports"].as_array().unwrap().iter().find(|e| e["name"] == "ro").unwrap().clone();
+    assert_eq!(ro["read_only"], true);
+    assert!(v["limits"]["io_bytes_max"].as_u64().unwrap() >= 4096);
+
+    let out = skiff()
+        .args(["bench", "--target", &addr, "--export", "missing", "--duration", "1s"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no such export"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let status = terminate(child);
+    assert!(status.success(), "clean exit on SIGTERM, got {status:?}");
+}
+
+#[test]
+fn bad_arguments_get_clear_errors() {
+    let out = skiff().args(["serve", "--export", "vol=ram:12Q"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("vol"), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let out = skiff().args(["serve", "--export", "vol=file:/nonexistent/skiff-disk"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/skiff-disk"));
+
+    let out = skiff().args(["bench", "--bs", "1000", "--duration", "1s"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--bs"));
+
+    let out = skiff().args(["info", "127.0.0.1:1"]).output().unwrap();
+    assert!(!out.status.success());
+}
