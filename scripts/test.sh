@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Run every test skiff has, installing what the tests need first. This is the README's test
+# command and what CI runs (.ci/run) on a clean clone, as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '\n== %s\n' "$*"; }
+
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "scripts/test.sh: cargo not found; install Rust with rustup (the toolchain is not an apt package we can use)" >&2
+    exit 1
+fi
+
+# System packages the tests use. The suite for the native protocol needs only the Rust
+# toolchain; keep this list in step with the tests that need more (NBD clients, fio).
+apt_packages=()
+if [ ${#apt_packages[@]} -gt 0 ]; then
+    missing=()
+    for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+    if [ ${#missing[@]} -gt 0 ]; then
+        if [ "$(id -u)" -ne 0 ]; then
+            echo "scripts/test.sh: need ${missing[*]}; run as root or install them" >&2
+            exit 1
+        fi
+        say "installing ${missing[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+    fi
+fi
+
+# The file-backend tests want a real file system at /var/tmp (O_DIRECT, fdatasync).
+mkdir -p /var/tmp
+
+say "format"
+cargo fmt --all -- --check
+
+say "lint"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+say "tests"
+cargo test --workspace --locked
