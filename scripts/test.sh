@@ -11,9 +11,9 @@ if ! command -v cargo >/dev/null 2>&1; then
     exit 1
 fi
 
-# System packages the tests use. The suite for the native protocol needs only the Rust
-# toolchain; keep this list in step with the tests that need more (NBD clients, fio).
-apt_packages=()
+# System packages the tests use: strace proves that FLUSH and FUA reach the file as syscalls.
+# Keep this list in step with the tests that need more (NBD clients, fio).
+apt_packages=(strace)
 if [ ${#apt_packages[@]} -gt 0 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
