@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use rt::mem::{AlignedBuf, ALIGN_BYTES};
 
 use crate::spec::{check_range, read_only_error, BLOCK_BYTES};
-use crate::{Backend, BackendCounters, Result};
+use crate::{Backend, BackendCounters, Capabilities, Result};
 
 /// Size of each write that `write_zeroes` and `trim` issue: large enough to keep system-call
 /// overhead small, small enough to live in the binary.
@@ -303,20 +303,8 @@ impl Backend for FileBackend {
         self.write_fds.is_none()
     }
 
-    fn can_flush(&self) -> bool {
-        true
-    }
-
-    fn can_fua(&self) -> bool {
-        true
-    }
-
-    fn can_trim(&self) -> bool {
-        true
-    }
-
-    fn can_write_zeroes(&self) -> bool {
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {

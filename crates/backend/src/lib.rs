@@ -57,6 +57,21 @@ pub struct BackendCounters {
     pub buffered_ios: u64,
 }
 
+/// Operations a backend may or may not support; front ends advertise only what is true.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Flush makes acknowledged writes durable (a no-op where they already are).
+    pub flush: bool,
+    /// A write can be made durable before it completes.
+    pub fua: bool,
+    pub trim: bool,
+    pub write_zeroes: bool,
+}
+
+impl Capabilities {
+    pub const ALL: Capabilities = Capabilities { flush: true, fua: true, trim: true, write_zeroes: true };
+}
+
 /// The operations every backend offers. Offsets and lengths are in bytes.
 pub trait Backend: Send + Sync {
     /// Short name of the kind, e.g. "ram", "file", "null".
@@ -67,10 +82,20 @@ pub trait Backend: Send + Sync {
     fn block_size(&self) -> u32;
     /// True when the export must refuse writes (opened read-only).
     fn is_read_only(&self) -> bool;
-    fn can_flush(&self) -> bool;
-    fn can_fua(&self) -> bool;
-    fn can_trim(&self) -> bool;
-    fn can_write_zeroes(&self) -> bool;
+    /// What this backend can do beyond reads and writes.
+    fn capabilities(&self) -> Capabilities;
+    fn can_flush(&self) -> bool {
+        self.capabilities().flush
+    }
+    fn can_fua(&self) -> bool {
+        self.capabilities().fua
+    }
+    fn can_trim(&self) -> bool {
+        self.capabilities().trim
+    }
+    fn can_write_zeroes(&self) -> bool {
+        self.capabilities().write_zeroes
+    }
 
     /// Fill `buf` from `offset`.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;

@@ -5,7 +5,7 @@
 //! zero-fill on reads (a client must never see stale buffer contents). It holds no data.
 
 use crate::spec::{check_range, read_only_error, BLOCK_BYTES};
-use crate::{Backend, Result};
+use crate::{Backend, Capabilities, Result};
 
 /// A volume of a given size with no contents.
 #[derive(Debug, Clone)]
@@ -47,20 +47,8 @@ impl Backend for NullBackend {
         self.read_only
     }
 
-    fn can_flush(&self) -> bool {
-        true
-    }
-
-    fn can_fua(&self) -> bool {
-        true
-    }
-
-    fn can_trim(&self) -> bool {
-        true
-    }
-
-    fn can_write_zeroes(&self) -> bool {
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {

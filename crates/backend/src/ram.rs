@@ -10,7 +10,7 @@ use std::io;
 use rt::mem::Region;
 
 use crate::spec::{check_range, read_only_error, BLOCK_BYTES};
-use crate::{Backend, BackendError, Result};
+use crate::{Backend, BackendError, Capabilities, Result};
 
 /// A volume in anonymous memory, zero-filled at creation.
 #[derive(Debug)]
@@ -79,20 +79,8 @@ impl Backend for RamBackend {
         self.read_only
     }
 
-    fn can_flush(&self) -> bool {
-        true
-    }
-
-    fn can_fua(&self) -> bool {
-        true
-    }
-
-    fn can_trim(&self) -> bool {
-        true
-    }
-
-    fn can_write_zeroes(&self) -> bool {
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
