@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use rt::mem::{AlignedBuf, ALIGN_BYTES};
 
 use crate::spec::{check_range, read_only_error, BLOCK_BYTES};
-use crate::{Backend, BackendCounters, Capabilities, Result};
+use crate::{push_extent, Backend, BackendCounters, Capabilities, Extent, Result};
 
 /// Size of each write that `write_zeroes` and `trim` issue: large enough to keep system-call
 /// overhead small, small enough to live in the binary.
@@ -368,6 +368,30 @@ impl Backend for FileBackend {
         }
         if fua {
             self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Holes from `SEEK_DATA`/`SEEK_HOLE`; they read as zeroes. Data extents may still hold
+    /// zeroes: the file system does not say, so neither do we.
+    fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
+        use rt::fs::{seek, Seek};
+        check_range(self.size_bytes, offset, len)?;
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let data = match seek(&self.buffered, pos, Seek::Data) {
+                Ok(found) => found.unwrap_or(end).min(end),
+                // No hole support here: everything is data, which is true.
+                Err(_) => pos,
+            };
+            push_extent(out, Extent { len_bytes: data - pos, hole: true, zero: true });
+            if data >= end {
+                break;
+            }
+            let hole = seek(&self.buffered, data, Seek::Hole).ok().flatten().unwrap_or(end).min(end);
+            push_extent(out, Extent { len_bytes: hole - data, hole: false, zero: false });
+            pos = hole.max(data + 1);
         }
         Ok(())
     }

@@ -57,6 +57,27 @@ pub struct BackendCounters {
     pub buffered_ios: u64,
 }
 
+/// A run of the volume with one allocation state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub len_bytes: u64,
+    /// Not allocated: no storage behind it (a file hole, a RAM page never written).
+    pub hole: bool,
+    /// Reads as zeroes.
+    pub zero: bool,
+}
+
+/// Append `e` to `out`, merging it into the last extent when their states match.
+pub fn push_extent(out: &mut Vec<Extent>, e: Extent) {
+    if e.len_bytes == 0 {
+        return;
+    }
+    match out.last_mut() {
+        Some(last) if last.hole == e.hole && last.zero == e.zero => last.len_bytes += e.len_bytes,
+        _ => out.push(e),
+    }
+}
+
 /// Operations a backend may or may not support; front ends advertise only what is true.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {
@@ -107,6 +128,14 @@ pub trait Backend: Send + Sync {
     fn trim(&self, offset: u64, len: u64) -> Result<()>;
     /// Make a range read as zeroes; with `fua`, durable before returning.
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()>;
+    /// Describe how `len` bytes from `offset` are stored, as extents appended to `out` that
+    /// cover the range exactly (for NBD's `base:allocation`). The default says "all data",
+    /// which is always true; backends that know better report holes and zeroes.
+    fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
+        let _ = offset;
+        push_extent(out, Extent { len_bytes: len, hole: false, zero: false });
+        Ok(())
+    }
     /// What this backend asked of the OS so far.
     fn counters(&self) -> BackendCounters {
         BackendCounters::default()

@@ -5,7 +5,7 @@
 //! zero-fill on reads (a client must never see stale buffer contents). It holds no data.
 
 use crate::spec::{check_range, read_only_error, BLOCK_BYTES};
-use crate::{Backend, Capabilities, Result};
+use crate::{push_extent, Backend, Capabilities, Extent, Result};
 
 /// A volume of a given size with no contents.
 #[derive(Debug, Clone)]
@@ -71,5 +71,12 @@ impl Backend for NullBackend {
 
     fn write_zeroes(&self, offset: u64, len: u64, _fua: bool) -> Result<()> {
         self.check_change(offset, len)
+    }
+
+    /// Nothing is ever stored: the whole volume is one hole of zeroes.
+    fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
+        check_range(self.size_bytes, offset, len)?;
+        push_extent(out, Extent { len_bytes: len, hole: true, zero: true });
+        Ok(())
     }
 }

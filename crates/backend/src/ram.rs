@@ -6,11 +6,15 @@
 //! durable as this backend gets. This module owns no unsafe code; the region does.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use rt::mem::Region;
 
 use crate::spec::{check_range, read_only_error, BLOCK_BYTES};
-use crate::{Backend, BackendError, Capabilities, Result};
+use crate::{push_extent, Backend, BackendError, Capabilities, Extent, Result};
+
+/// Granularity of allocation tracking: the page size the kernel commits memory in.
+const PAGE_BYTES: u64 = 4096;
 
 /// A volume in anonymous memory, zero-filled at creation.
 #[derive(Debug)]
@@ -18,6 +22,9 @@ pub struct RamBackend {
     region: Region,
     size_bytes: u64,
     read_only: bool,
+    /// One bit per page: set once the page has been written, cleared when a trim or
+    /// write-zeroes covers it whole. Unset pages read as zeroes and hold no data.
+    written: Vec<AtomicU64>,
 }
 
 impl RamBackend {
@@ -29,7 +36,31 @@ impl RamBackend {
         }
         let len_bytes = usize::try_from(size_bytes)
             .map_err(|_| invalid_size(size_bytes, "does not fit in this address space"))?;
-        Ok(RamBackend { region: Region::new(len_bytes)?, size_bytes, read_only })
+        let pages = size_bytes.div_ceil(PAGE_BYTES);
+        let written = (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
+        Ok(RamBackend { region: Region::new(len_bytes)?, size_bytes, read_only, written })
+    }
+
+    fn is_written(&self, page: u64) -> bool {
+        self.written[(page / 64) as usize].load(Relaxed) & (1 << (page % 64)) != 0
+    }
+
+    /// Mark every page the range touches as written. A load first: the common case (a page
+    /// written before) costs no locked instruction.
+    fn mark_written(&self, offset: u64, len_bytes: u64) {
+        for page in offset / PAGE_BYTES..(offset + len_bytes).div_ceil(PAGE_BYTES) {
+            let (word, bit) = (&self.written[(page / 64) as usize], 1u64 << (page % 64));
+            if word.load(Relaxed) & bit == 0 {
+                word.fetch_or(bit, Relaxed);
+            }
+        }
+    }
+
+    /// Forget pages the range covers whole: they now read as zeroes.
+    fn mark_zeroed(&self, offset: u64, len_bytes: u64) {
+        for page in offset.div_ceil(PAGE_BYTES)..(offset + len_bytes) / PAGE_BYTES {
+            self.written[(page / 64) as usize].fetch_and(!(1u64 << (page % 64)), Relaxed);
+        }
     }
 
     /// Check a request's range and convert its offset to an index into the region. After
@@ -51,6 +82,7 @@ impl RamBackend {
         }
         let (start, len) = self.region_range(offset, len_bytes)?;
         self.region.fill_zero(start, len);
+        self.mark_zeroed(offset, len_bytes);
         Ok(())
     }
 }
@@ -96,6 +128,7 @@ impl Backend for RamBackend {
         }
         let start = self.region_offset(offset, buf.len())?;
         self.region.write_at(start, buf);
+        self.mark_written(offset, buf.len() as u64);
         Ok(())
     }
 
@@ -113,6 +146,21 @@ impl Backend for RamBackend {
 
     fn write_zeroes(&self, offset: u64, len: u64, _fua: bool) -> Result<()> {
         self.zero_range(offset, len)
+    }
+
+    /// Pages never written (or zeroed whole since) are holes that read as zeroes.
+    fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
+        check_range(self.size_bytes, offset, len)?;
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let page = pos / PAGE_BYTES;
+            let page_end = ((page + 1) * PAGE_BYTES).min(end);
+            let hole = !self.is_written(page);
+            push_extent(out, Extent { len_bytes: page_end - pos, hole, zero: hole });
+            pos = page_end;
+        }
+        Ok(())
     }
 }
 

@@ -443,3 +443,52 @@ fn file_disjoint_concurrent_writers() {
         assert!(slice == pattern(SLICE_BYTES as usize, t as u8), "slice {t} corrupted");
     }
 }
+
+mod extents {
+    use skiff_backend::{Backend, Extent};
+
+    fn map(b: &dyn Backend, offset: u64, len: u64) -> Vec<(u64, bool)> {
+        let mut out = Vec::new();
+        b.extents(offset, len, &mut out).unwrap();
+        assert_eq!(out.iter().map(|e| e.len_bytes).sum::<u64>(), len, "extents cover the range exactly");
+        assert!(
+            out.iter().all(|e: &Extent| e.hole == e.zero),
+            "holes read as zeroes, data is not claimed zero"
+        );
+        out.iter().map(|e| (e.len_bytes, e.hole)).collect()
+    }
+
+    #[test]
+    fn ram_reports_pages_never_written_as_holes() {
+        let b = skiff_backend::ram::RamBackend::new(1 << 20, false).unwrap();
+        assert_eq!(map(&b, 0, 1 << 20), vec![(1 << 20, true)]);
+        b.write_at(&[1; 512], 8192 + 512, false).unwrap();
+        assert_eq!(map(&b, 0, 1 << 20), vec![(8192, true), (4096, false), ((1 << 20) - 12288, true)]);
+        assert_eq!(map(&b, 8192 + 1024, 1024), vec![(1024, false)], "a sub-range of a written page");
+        b.write_zeroes(8192, 4096, false).unwrap();
+        assert_eq!(map(&b, 0, 1 << 20), vec![(1 << 20, true)], "zeroing a whole page frees it");
+        b.write_at(&[1; 4096], 0, false).unwrap();
+        b.trim(0, 2048).unwrap();
+        assert_eq!(map(&b, 0, 4096), vec![(4096, false)], "a partial trim keeps the page");
+    }
+
+    #[test]
+    fn file_reports_holes_from_the_file_system() {
+        let f = tempfile::Builder::new().prefix("skiff-extents-").tempfile_in("/var/tmp").unwrap();
+        f.as_file().set_len(8 << 20).unwrap();
+        let b = skiff_backend::file::FileBackend::open(f.path(), false).unwrap();
+        assert_eq!(map(&b, 0, 8 << 20), vec![(8 << 20, true)], "a new sparse file is one hole");
+        b.write_at(&[7; 65536], 4 << 20, false).unwrap();
+        b.flush().unwrap();
+        let m = map(&b, 0, 8 << 20);
+        let data: u64 = m.iter().filter(|(_, hole)| !hole).map(|(len, _)| len).sum();
+        assert!(data >= 65536 && data < 8 << 20, "{m:?}");
+        assert!(m.first().unwrap().1 && m.last().unwrap().1, "holes before and after: {m:?}");
+    }
+
+    #[test]
+    fn null_is_one_hole() {
+        let b = skiff_backend::null::NullBackend::new(1 << 30, false);
+        assert_eq!(map(&b, 4096, 1 << 20), vec![(1 << 20, true)]);
+    }
+}

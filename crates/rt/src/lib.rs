@@ -1,9 +1,10 @@
 //! The runtime layer: everything that touches the OS below the protocol.
 //!
 //! `rt` owns the unsafe edges of skiff other than sockets: page-aligned memory regions
-//! ([`mem`]), per-thread CPU and context-switch accounting ([`usage`]) and signal handling
-//! ([`signals`]). It has no protocol knowledge.
+//! ([`mem`]), hole queries on files ([`fs`]), per-thread CPU and context-switch accounting
+//! ([`usage`]) and signal handling ([`signals`]). It has no protocol knowledge.
 
+pub mod fs;
 pub mod mem;
 pub mod signals;
 pub mod usage;
