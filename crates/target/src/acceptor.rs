@@ -3,11 +3,13 @@
 
 use std::io;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
 use mio::{Events, Interest, Poll, Token, Waker};
-use transport::{Listener, Stream};
+use transport::Listener;
+
+use crate::conn::Protocol;
+use crate::worker::Inbox;
 
 use crate::Shared;
 
@@ -16,20 +18,20 @@ const WAKE: Token = Token(usize::MAX);
 pub(crate) struct Acceptor {
     poll: Poll,
     waker: Arc<Waker>,
-    listeners: Vec<Listener>,
-    inboxes: Vec<(Sender<Stream>, Arc<Waker>)>,
+    listeners: Vec<(Listener, Protocol)>,
+    inboxes: Vec<Inbox>,
     shared: Arc<Shared>,
     next: usize,
 }
 
 impl Acceptor {
     pub fn new(
-        mut listeners: Vec<Listener>,
-        inboxes: Vec<(Sender<Stream>, Arc<Waker>)>,
+        mut listeners: Vec<(Listener, Protocol)>,
+        inboxes: Vec<Inbox>,
         shared: Arc<Shared>,
     ) -> io::Result<Acceptor> {
         let poll = Poll::new()?;
-        for (i, l) in listeners.iter_mut().enumerate() {
+        for (i, (l, _)) in listeners.iter_mut().enumerate() {
             poll.registry().register(l, Token(i), Interest::READABLE)?;
         }
         let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
@@ -60,7 +62,9 @@ impl Acceptor {
 
     fn accept_all(&mut self, index: usize) {
         loop {
-            let stream = match self.listeners[index].accept() {
+            let (listener, protocol) = &self.listeners[index];
+            let protocol = *protocol;
+            let stream = match listener.accept() {
                 Ok(s) => s,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) => {
@@ -77,7 +81,7 @@ impl Acceptor {
             self.shared.connections.fetch_add(1, Ordering::Relaxed);
             let (inbox, waker) = &self.inboxes[self.next % self.inboxes.len()];
             self.next += 1;
-            if inbox.send(stream).is_ok() {
+            if inbox.send((stream, protocol)).is_ok() {
                 let _ = waker.wake();
             }
         }

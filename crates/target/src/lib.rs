@@ -9,6 +9,7 @@
 
 mod acceptor;
 mod conn;
+mod native;
 pub mod stats;
 mod worker;
 
@@ -22,6 +23,7 @@ use engine::{Export, ExportTable};
 use transport::{Endpoint, Listener};
 use wire::Limits;
 
+pub use conn::Protocol;
 pub use stats::WorkerStats;
 
 /// One export on the command line: `NAME=SPEC`, or `NAME=SPEC,ro` for a read-only export.
@@ -51,8 +53,10 @@ impl std::str::FromStr for ExportConfig {
 /// Everything a target needs to start. Bounds live here with their defaults.
 #[derive(Debug, Clone)]
 pub struct TargetConfig {
-    /// Where to listen (TCP addresses and Unix socket paths).
+    /// Where to listen for the native protocol (TCP addresses and Unix socket paths).
     pub listen: Vec<Endpoint>,
+    /// Where to listen for NBD clients.
+    pub nbd_listen: Vec<Endpoint>,
     pub exports: Vec<ExportConfig>,
     /// Serve every export read-only (each export may also be read-only on its own).
     pub read_only: bool,
@@ -71,6 +75,7 @@ impl Default for TargetConfig {
     fn default() -> TargetConfig {
         TargetConfig {
             listen: vec![Endpoint::Tcp(format!("127.0.0.1:{}", transport::endpoint::DEFAULT_PORT))],
+            nbd_listen: Vec::new(),
             exports: Vec::new(),
             read_only: false,
             workers: 0,
@@ -85,6 +90,8 @@ impl Default for TargetConfig {
 pub enum TargetError {
     #[error("no exports configured")]
     NoExports,
+    #[error("nothing to listen on")]
+    NothingToListenOn,
     #[error("export name {0:?} given twice")]
     DuplicateExport(String),
     #[error("export {name:?}: {source}")]
@@ -109,7 +116,7 @@ pub(crate) struct Shared {
 /// A running target. Dropping it shuts the target down and waits for its threads.
 pub struct Target {
     shared: Arc<Shared>,
-    endpoints: Vec<Endpoint>,
+    endpoints: Vec<(Endpoint, Protocol)>,
     wakers: Vec<Arc<mio::Waker>>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -120,13 +127,15 @@ impl Target {
         let exports = open_exports(&config)?;
         let mut listeners = Vec::new();
         let mut endpoints = Vec::new();
-        for ep in &config.listen {
-            let l =
-                Listener::bind(ep).map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?;
-            endpoints.push(
-                l.local_endpoint().map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?,
-            );
-            listeners.push(l);
+        let tagged = config.listen.iter().map(|e| (e, Protocol::Native));
+        for (ep, protocol) in tagged.chain(config.nbd_listen.iter().map(|e| (e, Protocol::Nbd))) {
+            let bound = Listener::bind(ep).and_then(|l| Ok((l.local_endpoint()?, l)));
+            let (local, l) = bound.map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?;
+            endpoints.push((local, protocol));
+            listeners.push((l, protocol));
+        }
+        if listeners.is_empty() {
+            return Err(TargetError::NothingToListenOn);
         }
         let workers = match config.workers {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -167,15 +176,21 @@ impl Target {
                 .spawn(move || acceptor.run())
                 .map_err(TargetError::Spawn)?,
         );
-        for ep in &endpoints {
-            tracing::info!(%ep, workers, "listening");
+        for (ep, protocol) in &endpoints {
+            tracing::info!(%ep, ?protocol, workers, "listening");
         }
         Ok(Target { shared, endpoints, wakers, threads })
     }
 
-    /// The addresses actually bound (with real ports when port 0 was asked for).
-    pub fn endpoints(&self) -> &[Endpoint] {
-        &self.endpoints
+    /// The native-protocol addresses actually bound (with real ports when port 0 was asked
+    /// for), in the order configured.
+    pub fn endpoints(&self) -> Vec<Endpoint> {
+        self.endpoints_of(Protocol::Native)
+    }
+
+    /// The addresses bound for one protocol.
+    pub fn endpoints_of(&self, protocol: Protocol) -> Vec<Endpoint> {
+        self.endpoints.iter().filter(|(_, p)| *p == protocol).map(|(e, _)| e.clone()).collect()
     }
 
     /// Counters of the whole target, as a STATS request would see them.

@@ -13,19 +13,22 @@ use std::sync::Arc;
 use mio::{Events, Interest, Poll, Token, Waker};
 use transport::Stream;
 
-use crate::conn::{Conn, ReadOutcome};
+use crate::conn::{Conn, Protocol, ReadOutcome};
 use crate::stats::{bump, WorkerStats};
 use crate::Shared;
 
 const WAKE: Token = Token(usize::MAX);
+
+/// Where the acceptor hands a worker its new connections, and how it wakes the worker.
+pub(crate) type Inbox = (Sender<(Stream, Protocol)>, Arc<Waker>);
 const EVENTS_PER_POLL: usize = 256;
 
 pub(crate) struct Worker {
     id: usize,
     poll: Poll,
     waker: Arc<Waker>,
-    inbox_tx: Sender<Stream>,
-    inbox: Receiver<Stream>,
+    inbox_tx: Sender<(Stream, Protocol)>,
+    inbox: Receiver<(Stream, Protocol)>,
     shared: Arc<Shared>,
     stats: Arc<WorkerStats>,
     conns: Vec<Option<Conn>>,
@@ -65,7 +68,7 @@ impl Worker {
     }
 
     /// Where the acceptor drops new connections for this worker.
-    pub fn inbox(&self) -> (Sender<Stream>, Arc<Waker>) {
+    pub fn inbox(&self) -> Inbox {
         (self.inbox_tx.clone(), self.waker.clone())
     }
 
@@ -110,7 +113,7 @@ impl Worker {
     }
 
     fn adopt_new(&mut self) {
-        while let Ok(mut stream) = self.inbox.try_recv() {
+        while let Ok((mut stream, protocol)) = self.inbox.try_recv() {
             let index = self.free.pop().unwrap_or_else(|| {
                 self.conns.push(None);
                 self.conns.len() - 1
@@ -122,8 +125,8 @@ impl Worker {
                 self.shared.connections.fetch_sub(1, Ordering::Relaxed);
                 continue;
             }
-            let conn = Conn::new(stream, self.shared.config.limits);
-            tracing::debug!(worker = self.id, peer = %conn.peer, "connection");
+            let conn = Conn::new(stream, protocol, &self.shared);
+            tracing::debug!(worker = self.id, peer = %conn.peer, ?protocol, "connection");
             bump(&self.stats.connections_accepted, 1);
             self.conns[index] = Some(conn);
             // Data may have arrived before registration; edge-triggered polling would not

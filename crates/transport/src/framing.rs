@@ -107,6 +107,22 @@ impl FrameBuffer {
         Ok(Some(FrameRef { header, body }))
     }
 
+    /// Bytes received and not yet consumed, for protocols framed differently (NBD).
+    pub fn unconsumed(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    /// Mark `n` bytes of [`unconsumed`](Self::unconsumed) as handled.
+    pub fn consume(&mut self, n: usize) {
+        assert!(n <= self.pending(), "consume past the received bytes");
+        self.start += n;
+    }
+
+    /// Make sure `len` unconsumed bytes will fit once they arrive (a message of known length).
+    pub fn reserve(&mut self, len: usize) {
+        self.reserve_frame(len);
+    }
+
     /// The bytes of a frame returned by [`next_frame`](Self::next_frame); valid until the
     /// next call to [`spare`](Self::spare).
     pub fn body(&self, frame: &FrameRef) -> &[u8] {
