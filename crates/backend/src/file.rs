@@ -303,8 +303,9 @@ impl Backend for FileBackend {
         self.write_fds.is_none()
     }
 
+    /// Write-zeroes writes zero buffers here (no hole punching yet), so it is not fast.
     fn capabilities(&self) -> Capabilities {
-        Capabilities::ALL
+        Capabilities { fast_zero: false, ..Capabilities::ALL }
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {

@@ -87,10 +87,13 @@ pub struct Capabilities {
     pub fua: bool,
     pub trim: bool,
     pub write_zeroes: bool,
+    /// Write-zeroes is much cheaper than writing zeroes (NBD's FAST_ZERO asks exactly this).
+    pub fast_zero: bool,
 }
 
 impl Capabilities {
-    pub const ALL: Capabilities = Capabilities { flush: true, fua: true, trim: true, write_zeroes: true };
+    pub const ALL: Capabilities =
+        Capabilities { flush: true, fua: true, trim: true, write_zeroes: true, fast_zero: true };
 }
 
 /// The operations every backend offers. Offsets and lengths are in bytes.

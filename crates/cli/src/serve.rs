@@ -16,9 +16,15 @@ pub struct ServeArgs {
     /// Also (or instead, with --no-tcp) listen on this Unix socket path.
     #[arg(long)]
     unix: Option<std::path::PathBuf>,
-    /// Do not listen on TCP (use with --unix).
+    /// Do not listen for the native protocol on TCP (use with --unix or --nbd).
     #[arg(long)]
     no_tcp: bool,
+    /// Serve NBD clients on this TCP address (NBD's port is 10809). Repeatable.
+    #[arg(long, value_name = "ADDR")]
+    nbd: Vec<String>,
+    /// Serve NBD clients on this Unix socket path.
+    #[arg(long, value_name = "PATH")]
+    nbd_unix: Option<std::path::PathBuf>,
     /// An export: NAME=SPEC[,ro], SPEC being ram:SIZE, file:PATH or null:SIZE; `,ro` makes
     /// that export read-only. Repeatable.
     #[arg(long = "export", value_name = "NAME=SPEC", required = true)]
@@ -45,8 +51,12 @@ pub fn run(args: ServeArgs) -> CliResult {
     if let Some(path) = args.unix {
         listen.push(Endpoint::Unix(path));
     }
-    if listen.is_empty() {
-        return Err("nothing to listen on: --no-tcp needs --unix PATH".into());
+    let mut nbd_listen = args.nbd.iter().map(|a| Endpoint::parse(a)).collect::<Result<Vec<_>, _>>()?;
+    if let Some(path) = args.nbd_unix {
+        nbd_listen.push(Endpoint::Unix(path));
+    }
+    if listen.is_empty() && nbd_listen.is_empty() {
+        return Err("nothing to listen on: --no-tcp needs --unix, --nbd or --nbd-unix".into());
     }
     let io_bytes_max = u32::try_from(args.io_max).map_err(|_| "--io-max must be below 4 GiB")?;
     let defaults = wire::Limits::default();
@@ -58,6 +68,7 @@ pub fn run(args: ServeArgs) -> CliResult {
     };
     let config = TargetConfig {
         listen,
+        nbd_listen,
         exports: args.exports,
         read_only: args.read_only,
         workers: args.workers,

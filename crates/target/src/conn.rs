@@ -85,12 +85,13 @@ pub(crate) struct Conn {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Protocol {
     Native,
-    /// The NBD front end (its handling lands with the `nbd` crate).
+    /// The NBD front end.
     Nbd,
 }
 
 enum Kind {
     Native(ServerSession),
+    Nbd(Box<crate::nbd::NbdConn>),
 }
 
 /// What reading left the connection as.
@@ -110,10 +111,17 @@ const READS_PER_PASS: usize = 8;
 impl Conn {
     pub fn new(stream: Stream, protocol: Protocol, shared: &Shared) -> Conn {
         let peer = stream.peer();
-        let kind = match protocol {
-            Protocol::Native | Protocol::Nbd => Kind::Native(ServerSession::new(shared.config.limits)),
+        let mut tx = TxBuf::default();
+        let kind = match (protocol, &shared.nbd) {
+            (Protocol::Nbd, Some(config)) => {
+                let mut greeting = Vec::new();
+                let conn = crate::nbd::NbdConn::new(config.clone(), &mut greeting);
+                tx.append(&greeting);
+                Kind::Nbd(Box::new(conn))
+            }
+            _ => Kind::Native(ServerSession::new(shared.config.limits)),
         };
-        Conn { stream, peer, rx: FrameBuffer::new(), tx: TxBuf::default(), closing: false, kind }
+        Conn { stream, peer, rx: FrameBuffer::new(), tx, closing: false, kind }
     }
 
     /// Read and process what the peer sent, within this pass's budget.
@@ -162,6 +170,7 @@ impl Conn {
         let mut link = Link { rx, tx, closing, peer, stats };
         match kind {
             Kind::Native(session) => crate::native::process(session, &mut link, shared),
+            Kind::Nbd(conn) => conn.process(&mut link, shared),
         }
     }
 }

@@ -10,6 +10,7 @@
 mod acceptor;
 mod conn;
 mod native;
+mod nbd;
 pub mod stats;
 mod worker;
 
@@ -92,6 +93,8 @@ pub enum TargetError {
     NoExports,
     #[error("nothing to listen on")]
     NothingToListenOn,
+    #[error("NBD export table: {0}")]
+    Nbd(::nbd::NbdError),
     #[error("export name {0:?} given twice")]
     DuplicateExport(String),
     #[error("export {name:?}: {source}")]
@@ -106,6 +109,8 @@ pub enum TargetError {
 pub(crate) struct Shared {
     pub config: TargetConfig,
     pub exports: ExportTable,
+    /// The NBD view of the exports, when an NBD listener is configured.
+    pub nbd: Option<Arc<::nbd::HandshakeConfig>>,
     pub workers: Vec<Arc<WorkerStats>>,
     pub shutdown: AtomicBool,
     pub connections: std::sync::atomic::AtomicUsize,
@@ -141,8 +146,15 @@ impl Target {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
+        let nbd = if config.nbd_listen.is_empty() {
+            None
+        } else {
+            let c = nbd::handshake_config(&exports, config.limits.io_bytes_max).map_err(TargetError::Nbd)?;
+            Some(Arc::new(c))
+        };
         let shared = Arc::new(Shared {
             exports,
+            nbd,
             workers: (0..workers).map(|_| Arc::new(WorkerStats::default())).collect(),
             shutdown: AtomicBool::new(false),
             connections: Default::default(),

@@ -1,0 +1,340 @@
+//! The NBD front end on one connection: the `nbd` crate's state machines driven over the
+//! same workers, exports and engine as the native protocol.
+//!
+//! Negotiation runs through [`nbd::Handshake`]; transmission parses request headers in place,
+//! checks them against the negotiated session ([`nbd::check_request`]) and the export (the
+//! engine's [`engine::validate`]), executes them, and appends replies to the connection's
+//! response buffer, which the worker sends at the end of its loop pass: many replies, one send.
+//! Read data is read by the backend straight into that buffer. A refused WRITE's payload is
+//! skipped as it streams in, never buffered, so the stream stays in step. Broken framing (a
+//! bad request magic) closes this connection only.
+//!
+//! Replies: READ gets a single OFFSET_DATA chunk when structured replies are negotiated (so
+//! `DF` always holds) and a simple reply otherwise; BLOCK_STATUS gets one BLOCK_STATUS chunk;
+//! everything else gets a 16-byte simple reply, which the spec allows in both modes.
+
+use std::sync::Arc;
+
+use engine::{Export, Io};
+use nbd::handshake::BASE_ALLOCATION_ID;
+use nbd::transmission::{
+    chunk_block_status, chunk_offset_data_header, error_reply, simple_reply, EINVAL, STATE_HOLE, STATE_ZERO,
+};
+use nbd::{Cmd, CmdFlags, Handshake, Request, Session, Step};
+use wire::{Opcode, ReqFlags, Status};
+
+use crate::conn::Link;
+use crate::Shared;
+
+/// Most extents one BLOCK_STATUS reply describes; the client asks again for the rest.
+const EXTENTS_PER_REPLY_MAX: usize = 1024;
+
+/// The NBD description of the target's exports, built once at start-up. The first export is
+/// also served for the empty name.
+pub(crate) fn handshake_config(
+    shared_exports: &engine::ExportTable,
+    io_bytes_max: u32,
+) -> Result<nbd::HandshakeConfig, nbd::NbdError> {
+    let descs = shared_exports
+        .iter()
+        .map(|e| {
+            let b = &e.backend;
+            let caps = b.capabilities();
+            let writable = !e.is_read_only();
+            let mut d = nbd::ExportDesc::new(e.name.clone(), b.size_bytes());
+            d.description = format!("skiff {} export", b.kind());
+            d.block_min = b.block_size();
+            d.block_preferred = 4096.max(b.block_size());
+            d.block_max = io_bytes_max;
+            d.read_only = !writable;
+            d.can_flush = caps.flush;
+            d.can_fua = writable && caps.fua;
+            d.can_trim = writable && caps.trim;
+            d.can_write_zeroes = writable && caps.write_zeroes;
+            d.can_fast_zero = writable && caps.write_zeroes && caps.fast_zero;
+            d.can_cache = true;
+            // Every connection reaches the same backend object, and flush syncs the whole
+            // file (or is moot for RAM), so a flush on one connection covers writes completed
+            // on any other: exactly what CAN_MULTI_CONN promises.
+            d.can_multi_conn = true;
+            d
+        })
+        .collect();
+    nbd::HandshakeConfig::new(descs, Some(0))
+}
+
+enum State {
+    Negotiating(Handshake),
+    Transmitting { session: Session, export: u32 },
+}
+
+pub(crate) struct NbdConn {
+    state: State,
+    /// Payload bytes of a refused WRITE still to skip.
+    drain_bytes: u64,
+    /// Reused for replies built by the codec before they join the response buffer.
+    scratch: Vec<u8>,
+}
+
+impl NbdConn {
+    /// A new connection; the greeting is queued on `link`'s response buffer by the caller.
+    pub fn new(config: Arc<nbd::HandshakeConfig>, greeting: &mut Vec<u8>) -> NbdConn {
+        let hs = Handshake::new(config);
+        hs.greeting(greeting);
+        NbdConn { state: State::Negotiating(hs), drain_bytes: 0, scratch: Vec::with_capacity(64) }
+    }
+
+    /// Handle everything complete in the receive buffer.
+    pub fn process(&mut self, link: &mut Link<'_>, shared: &Shared) {
+        while !*link.closing {
+            let progressed = match &mut self.state {
+                State::Negotiating(_) => self.negotiate(link),
+                State::Transmitting { .. } => self.transmit(link, shared),
+            };
+            if !progressed {
+                return;
+            }
+        }
+    }
+
+    /// One handshake step. Returns whether anything was consumed.
+    fn negotiate(&mut self, link: &mut Link<'_>) -> bool {
+        let State::Negotiating(hs) = &mut self.state else { return false };
+        self.scratch.clear();
+        let step = hs.handle(link.rx.unconsumed(), &mut self.scratch);
+        // Replies produced before an error are whole messages: send them either way.
+        link.tx.append(&self.scratch);
+        match step {
+            Ok(Step::NeedMore { consumed }) => {
+                link.rx.consume(consumed);
+                consumed > 0
+            }
+            Ok(Step::Done { consumed, session }) => {
+                link.rx.consume(consumed);
+                let export = session.export_index as u32;
+                self.state = State::Transmitting { session, export };
+                true
+            }
+            Ok(Step::Close { consumed }) => {
+                link.rx.consume(consumed);
+                *link.closing = true;
+                false
+            }
+            Err(e) => {
+                link.protocol_error(&format!("NBD handshake: {e}"));
+                false
+            }
+        }
+    }
+
+    /// One request (or a piece of a refused write's payload). Returns whether it progressed.
+    fn transmit(&mut self, link: &mut Link<'_>, shared: &Shared) -> bool {
+        if self.drain_bytes > 0 {
+            let n = self.drain_bytes.min(link.rx.pending() as u64);
+            link.rx.consume(n as usize);
+            self.drain_bytes -= n;
+            return n > 0;
+        }
+        let State::Transmitting { session, export } = &self.state else { return false };
+        let (session, export) = (*session, *export);
+        let (req, header_len) = match nbd::parse_request(link.rx.unconsumed()) {
+            Ok(Some(found)) => found,
+            Ok(None) => return false,
+            Err(e) => {
+                link.protocol_error(&format!("NBD request: {e}"));
+                return false;
+            }
+        };
+        let Some(export) = shared.exports.get(export) else {
+            link.protocol_error("NBD export vanished");
+            return false;
+        };
+        let io_bytes_max = shared.config.limits.io_bytes_max;
+        let verdict = nbd::check_request(&req, &session)
+            .map_err(Refusal::Errno)
+            .and_then(|()| validate(export, &req, io_bytes_max));
+        if req.cmd == Cmd::Write {
+            let payload = req.length as usize;
+            if let Err(refusal) = verdict {
+                // Answer now and skip the payload as it arrives.
+                link.rx.consume(header_len);
+                self.drain_bytes = payload as u64;
+                self.refuse(link, &session, &req, refusal);
+                return true;
+            }
+            if link.rx.pending() < header_len + payload {
+                link.rx.reserve(header_len + payload);
+                return false;
+            }
+        }
+        link.rx.consume(header_len);
+        match verdict {
+            Err(refusal) => self.refuse(link, &session, &req, refusal),
+            Ok(()) => self.execute(link, &session, export, &req),
+        }
+        true
+    }
+
+    fn execute(&mut self, link: &mut Link<'_>, session: &Session, export: &Export, req: &Request) {
+        match req.cmd {
+            Cmd::Read => self.read(link, session, export, req),
+            Cmd::Write => {
+                let len = req.length as usize;
+                let status = {
+                    let payload = &link.rx.unconsumed()[..len];
+                    engine::execute(export, &io_of(req, Opcode::Write), payload, &mut [])
+                };
+                link.rx.consume(len);
+                self.finish(link, session, req, Opcode::Write, status);
+            }
+            Cmd::Flush => self.simple(link, session, export, req, Opcode::Flush),
+            Cmd::Trim => self.simple(link, session, export, req, Opcode::Trim),
+            Cmd::WriteZeroes => self.simple(link, session, export, req, Opcode::WriteZeroes),
+            // Data is already as close as it gets (RAM, or the page cache for files).
+            Cmd::Cache => self.reply_status(link, session, req, 0),
+            Cmd::BlockStatus => self.block_status(link, session, export, req),
+            Cmd::Disc => {
+                tracing::debug!(peer = %link.peer, "NBD client disconnected");
+                *link.closing = true;
+            }
+            Cmd::Unknown(_) => self.reply_status(link, session, req, EINVAL),
+        }
+    }
+
+    fn read(&mut self, link: &mut Link<'_>, session: &Session, export: &Export, req: &Request) {
+        let len = req.length as usize;
+        let start = link.tx.len;
+        self.scratch.clear();
+        if session.structured_replies {
+            chunk_offset_data_header(&mut self.scratch, req.cookie, true, req.offset, req.length);
+        } else {
+            simple_reply(&mut self.scratch, req.cookie, 0);
+        }
+        link.tx.append(&self.scratch);
+        let data = link.tx.reserve(len);
+        let status = engine::execute(export, &io_of(req, Opcode::Read), &[], &mut link.tx.buf[data]);
+        link.stats.ops.record(Opcode::Read, req.length, status);
+        if !status.is_ok() {
+            // Take the header and the unread data back; answer with the error instead.
+            link.tx.truncate(start);
+            let errno = nbd::error_of(status, req.cmd, req.flags);
+            self.reply_error(link, session, req, errno, &status.to_string());
+        }
+    }
+
+    /// Commands whose whole answer is a status.
+    fn simple(&mut self, link: &mut Link<'_>, session: &Session, export: &Export, req: &Request, op: Opcode) {
+        let status = engine::execute(export, &io_of(req, op), &[], &mut []);
+        self.finish(link, session, req, op, status);
+    }
+
+    fn finish(&mut self, link: &mut Link<'_>, session: &Session, req: &Request, op: Opcode, status: Status) {
+        link.stats.ops.record(op, req.length, status);
+        let errno = if status.is_ok() { 0 } else { nbd::error_of(status, req.cmd, req.flags) };
+        self.reply_status(link, session, req, errno);
+    }
+
+    fn block_status(&mut self, link: &mut Link<'_>, session: &Session, export: &Export, req: &Request) {
+        let mut extents = Vec::new();
+        if let Err(e) = export.backend.extents(req.offset, req.length.into(), &mut extents) {
+            let status = engine::status_of(&e);
+            return self.reply_error(
+                link,
+                session,
+                req,
+                nbd::error_of(status, req.cmd, req.flags),
+                &e.to_string(),
+            );
+        }
+        let most = if req.flags.contains(CmdFlags::REQ_ONE) { 1 } else { EXTENTS_PER_REPLY_MAX };
+        let pairs: Vec<(u32, u32)> = extents
+            .iter()
+            .take(most)
+            .map(|e| {
+                let flags = if e.hole { STATE_HOLE } else { 0 } | if e.zero { STATE_ZERO } else { 0 };
+                // The request length is a u32, so every extent within it fits one.
+                (e.len_bytes as u32, flags)
+            })
+            .collect();
+        let id = session.base_allocation_id.unwrap_or(BASE_ALLOCATION_ID);
+        self.scratch.clear();
+        chunk_block_status(&mut self.scratch, req.cookie, true, id, &pairs);
+        link.tx.append(&self.scratch);
+    }
+
+    fn refuse(&mut self, link: &mut Link<'_>, session: &Session, req: &Request, refusal: Refusal) {
+        link.stats.ops.record_refused();
+        let errno = match refusal {
+            Refusal::Errno(e) => e,
+            Refusal::Status(s) => nbd::error_of(s, req.cmd, req.flags),
+        };
+        if req.cmd == Cmd::Disc {
+            *link.closing = true;
+            return;
+        }
+        self.reply_error(link, session, req, errno, "request refused");
+    }
+
+    /// A status reply: simple for everything but READ and BLOCK_STATUS in structured mode.
+    fn reply_status(&mut self, link: &mut Link<'_>, session: &Session, req: &Request, errno: u32) {
+        if errno != 0 {
+            return self.reply_error(link, session, req, errno, "request failed");
+        }
+        self.scratch.clear();
+        simple_reply(&mut self.scratch, req.cookie, 0);
+        link.tx.append(&self.scratch);
+    }
+
+    fn reply_error(
+        &mut self,
+        link: &mut Link<'_>,
+        session: &Session,
+        req: &Request,
+        errno: u32,
+        message: &str,
+    ) {
+        self.scratch.clear();
+        if matches!(req.cmd, Cmd::Read | Cmd::BlockStatus) {
+            error_reply(&mut self.scratch, session, req.cookie, errno, message);
+        } else {
+            simple_reply(&mut self.scratch, req.cookie, errno);
+        }
+        link.tx.append(&self.scratch);
+    }
+}
+
+/// Why a request is refused before execution.
+enum Refusal {
+    /// The session did not negotiate what it asks for.
+    Errno(u32),
+    /// The export refuses it (range, alignment, size, permission).
+    Status(Status),
+}
+
+fn io_of(req: &Request, opcode: Opcode) -> Io {
+    let flags = if req.flags.contains(CmdFlags::FUA) { ReqFlags::FUA } else { ReqFlags::empty() };
+    let (offset, length) = if opcode == Opcode::Flush { (0, 0) } else { (req.offset, req.length) };
+    Io { opcode, flags, offset, length }
+}
+
+/// The export's checks for commands the engine executes; range checks for the others.
+fn validate(export: &Export, req: &Request, io_bytes_max: u32) -> Result<(), Refusal> {
+    let opcode = match req.cmd {
+        Cmd::Read => Opcode::Read,
+        Cmd::Write => Opcode::Write,
+        Cmd::Flush => Opcode::Flush,
+        Cmd::Trim => Opcode::Trim,
+        Cmd::WriteZeroes => Opcode::WriteZeroes,
+        Cmd::Cache | Cmd::BlockStatus => {
+            let end = req.offset.checked_add(req.length.into());
+            let in_range = req.length > 0 && end.is_some_and(|end| end <= export.backend.size_bytes());
+            return if in_range { Ok(()) } else { Err(Refusal::Status(Status::OutOfRange)) };
+        }
+        Cmd::Disc | Cmd::Unknown(_) => return Ok(()),
+    };
+    engine::validate(export, &io_of(req, opcode), io_bytes_max).map_err(Refusal::Status)?;
+    if req.flags.contains(CmdFlags::FAST_ZERO) && !export.backend.capabilities().fast_zero {
+        return Err(Refusal::Status(Status::Unsupported));
+    }
+    Ok(())
+}
