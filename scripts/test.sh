@@ -11,9 +11,10 @@ if ! command -v cargo >/dev/null 2>&1; then
     exit 1
 fi
 
-# System packages the tests use: strace proves that FLUSH and FUA reach the file as syscalls.
-# Keep this list in step with the tests that need more (NBD clients, fio).
-apt_packages=(strace)
+# System packages the tests use: strace proves that FLUSH and FUA reach the file as syscalls;
+# qemu-utils (qemu-io, qemu-img), libnbd-bin (nbdinfo, nbdcopy, nbdfuse), fuse3 and fio are the
+# real NBD clients of the interop tests.
+apt_packages=(strace qemu-utils libnbd-bin fuse3 fio)
 if [ ${#apt_packages[@]} -gt 0 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -95,3 +95,35 @@ pub fn caravan(reqs: &[Request], payload: &[u8]) -> Vec<u8> {
     out.extend_from_slice(payload);
     out
 }
+
+/// A target with an NBD listener on 127.0.0.1 (ephemeral port) besides the native one.
+pub fn start_nbd_target(exports: &[&str]) -> (Target, String) {
+    let t = start_target_with(exports, |c| c.nbd_listen = vec![Endpoint::Tcp("127.0.0.1:0".into())]);
+    let Endpoint::Tcp(addr) = t.endpoints_of(target::Protocol::Nbd)[0].clone() else { unreachable!() };
+    (t, addr)
+}
+
+/// Run an external tool; a tool that is not installed fails the test loudly, naming the
+/// package (scripts/test.sh installs them all).
+pub fn tool(name: &str, package: &str) -> std::process::Command {
+    let found = std::process::Command::new("sh")
+        .args(["-c", &format!("command -v {name}")])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    assert!(found, "{name} is not installed: run scripts/test.sh, or apt-get install {package}");
+    std::process::Command::new(name)
+}
+
+/// Run a prepared command, failing with its output unless it succeeds; returns stdout.
+pub fn run_ok(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().expect("run tool");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
