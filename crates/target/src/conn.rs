@@ -139,7 +139,11 @@ impl Conn {
                 Ok(0) => return ReadOutcome::Closed,
                 Ok(n) => {
                     bump(&stats.rx_bytes, n as u64);
+                    let more = self.rx.last_read_full();
                     self.process(shared, stats);
+                    if !more {
+                        return ReadOutcome::Drained;
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return ReadOutcome::Drained,
                 Err(e) => {

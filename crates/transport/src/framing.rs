@@ -38,6 +38,8 @@ pub struct FrameBuffer {
     start: usize,
     /// End of the bytes received.
     end: usize,
+    /// The last read filled all the space it was given, so the socket may hold more.
+    last_read_full: bool,
 }
 
 impl Default for FrameBuffer {
@@ -48,7 +50,7 @@ impl Default for FrameBuffer {
 
 impl FrameBuffer {
     pub fn new() -> FrameBuffer {
-        FrameBuffer { buf: vec![0; INITIAL_BYTES], start: 0, end: 0 }
+        FrameBuffer { buf: vec![0; INITIAL_BYTES], start: 0, end: 0, last_read_full: false }
     }
 
     /// Bytes received and not yet handed out.
@@ -72,6 +74,14 @@ impl FrameBuffer {
     pub fn commit(&mut self, n: usize) {
         assert!(self.end + n <= self.buf.len(), "commit past the buffer");
         self.end += n;
+        self.last_read_full = self.end == self.buf.len();
+    }
+
+    /// Whether the last read filled the buffer. A stream socket that returned less than it was
+    /// offered had nothing more at that moment, so an edge-triggered reader may stop there
+    /// without the extra read that would only say `EAGAIN`: new data raises a new edge.
+    pub fn last_read_full(&self) -> bool {
+        self.last_read_full
     }
 
     /// Append bytes (for transports that do not read in place, and for tests).
