@@ -44,21 +44,27 @@ impl Default for LaneConfig {
     }
 }
 
+/// A buffer a lane can hold for a request until it completes: write data is sent from it,
+/// read data lands in it. `Vec<u8>` is the usual one; the C API passes the caller's memory.
+pub trait IoBuf: AsRef<[u8]> + AsMut<[u8]> {}
+
+impl<T: AsRef<[u8]> + AsMut<[u8]>> IoBuf for T {}
+
 /// The outcome of one request, with the caller's buffer back.
 #[derive(Debug)]
-pub struct Completion {
+pub struct Completion<B = Vec<u8>> {
     pub user_data: u64,
     pub opcode: Opcode,
     pub status: Status,
     /// For reads, filled with the data when `status` is OK.
-    pub buf: Option<Vec<u8>>,
+    pub buf: Option<B>,
 }
 
 /// A request the lane did not take, with its buffer returned.
 #[derive(Debug)]
-pub struct Rejected {
+pub struct Rejected<B = Vec<u8>> {
     pub error: Error,
-    pub buf: Option<Vec<u8>>,
+    pub buf: Option<B>,
 }
 
 /// What a lane did, for benchmarks and tests.
@@ -90,32 +96,64 @@ impl LaneStats {
 }
 
 #[derive(Debug)]
-struct Pending {
+struct Pending<B> {
     opcode: Opcode,
     length: u32,
-    buf: Option<Vec<u8>>,
+    buf: Option<B>,
     user_data: u64,
 }
 
-pub struct Lane {
+pub struct Lane<B = Vec<u8>> {
     conn: Conn,
     export: ExportInfo,
     handle: u32,
-    slots: SlotTable<Pending>,
+    slots: SlotTable<Pending<B>>,
     caravan: CaravanBuilder,
     /// Tags in the open caravan, in order: the payload order on the wire.
     queued: Vec<u32>,
     first_queued_at: Option<Instant>,
     doorbell: Doorbell,
-    done: VecDeque<Completion>,
+    done: VecDeque<Completion<B>>,
     broken: bool,
     stats: LaneStats,
     scratch: Vec<u8>,
 }
 
-impl Lane {
-    /// Connect to `endpoint`, negotiate, and open `export`.
+impl Lane<Vec<u8>> {
+    /// Connect to `endpoint`, negotiate, and open `export`, for requests with `Vec<u8>`
+    /// buffers.
     pub fn connect(endpoint: &Endpoint, export: &str, config: &LaneConfig) -> Result<Lane> {
+        Lane::connect_with(endpoint, export, config)
+    }
+
+    /// Blocking read into `buf` (its length is the read length).
+    pub fn read_at(&mut self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.resize(buf.len(), 0);
+        let c = self.run_sync(Opcode::Read, ReqFlags::empty(), offset, buf.len(), Some(scratch))?;
+        let data = c.buf.unwrap_or_default();
+        if c.status.is_ok() {
+            buf.copy_from_slice(&data);
+        }
+        self.scratch = data;
+        status_result(c.status)
+    }
+
+    /// Blocking write of `buf`.
+    pub fn write_at(&mut self, buf: &[u8], offset: u64) -> Result<()> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        scratch.extend_from_slice(buf);
+        let c = self.run_sync(Opcode::Write, ReqFlags::empty(), offset, buf.len(), Some(scratch))?;
+        self.scratch = c.buf.unwrap_or_default();
+        status_result(c.status)
+    }
+}
+
+impl<B: IoBuf> Lane<B> {
+    /// Connect to `endpoint`, negotiate, and open `export`, for requests with buffers of type
+    /// `B`.
+    pub fn connect_with(endpoint: &Endpoint, export: &str, config: &LaneConfig) -> Result<Lane<B>> {
         if export.len() > wire::control::EXPORT_NAME_MAX {
             return Err(Error::InvalidArgument("export name longer than 255 bytes"));
         }
@@ -130,7 +168,7 @@ impl Lane {
         let reply = proto::client::handle_open_reply(&h, &body)?;
         let limits = conn.limits;
         let queue_depth = limits.queue_depth as usize;
-        Ok(Lane {
+        Ok(Lane::<B> {
             export: ExportInfo {
                 name: export.to_owned(),
                 size_bytes: reply.size_bytes,
@@ -176,10 +214,10 @@ impl Lane {
     pub fn submit_read(
         &mut self,
         offset: u64,
-        buf: Vec<u8>,
+        buf: B,
         user_data: u64,
-    ) -> std::result::Result<(), Rejected> {
-        let length = buf.len();
+    ) -> std::result::Result<(), Rejected<B>> {
+        let length = buf.as_ref().len();
         self.submit(Opcode::Read, ReqFlags::empty(), offset, length, Some(buf), user_data)
     }
 
@@ -187,16 +225,16 @@ impl Lane {
     pub fn submit_write(
         &mut self,
         offset: u64,
-        buf: Vec<u8>,
+        buf: B,
         flags: ReqFlags,
         user_data: u64,
-    ) -> std::result::Result<(), Rejected> {
-        let length = buf.len();
+    ) -> std::result::Result<(), Rejected<B>> {
+        let length = buf.as_ref().len();
         self.submit(Opcode::Write, flags, offset, length, Some(buf), user_data)
     }
 
     /// Make every completed write durable.
-    pub fn submit_flush(&mut self, user_data: u64) -> std::result::Result<(), Rejected> {
+    pub fn submit_flush(&mut self, user_data: u64) -> std::result::Result<(), Rejected<B>> {
         self.submit(Opcode::Flush, ReqFlags::empty(), 0, 0, None, user_data)
     }
 
@@ -205,7 +243,7 @@ impl Lane {
         offset: u64,
         length: u32,
         user_data: u64,
-    ) -> std::result::Result<(), Rejected> {
+    ) -> std::result::Result<(), Rejected<B>> {
         self.submit(Opcode::Trim, ReqFlags::empty(), offset, length as usize, None, user_data)
     }
 
@@ -215,7 +253,7 @@ impl Lane {
         length: u32,
         flags: ReqFlags,
         user_data: u64,
-    ) -> std::result::Result<(), Rejected> {
+    ) -> std::result::Result<(), Rejected<B>> {
         self.submit(Opcode::WriteZeroes, flags, offset, length as usize, None, user_data)
     }
 
@@ -228,9 +266,9 @@ impl Lane {
         flags: ReqFlags,
         offset: u64,
         length: usize,
-        buf: Option<Vec<u8>>,
+        buf: Option<B>,
         user_data: u64,
-    ) -> std::result::Result<(), Rejected> {
+    ) -> std::result::Result<(), Rejected<B>> {
         let reject = |error, buf| Err(Rejected { error, buf });
         if self.broken {
             return reject(Error::Closed, buf);
@@ -275,7 +313,7 @@ impl Lane {
 
     /// Collect completions that have arrived, without waiting. Rings the doorbell first if the
     /// delay bound has passed.
-    pub fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+    pub fn poll(&mut self, out: &mut Vec<Completion<B>>) -> Result<usize> {
         if let Some(first) = self.first_queued_at {
             let now_us = first.elapsed().as_micros() as u64;
             if self.doorbell.expired(0, now_us) {
@@ -288,7 +326,7 @@ impl Lane {
 
     /// Send the open caravan and wait until at least `min` completions (bounded by what is in
     /// flight) have been collected into `out`.
-    pub fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> Result<usize> {
+    pub fn wait(&mut self, min: usize, out: &mut Vec<Completion<B>>) -> Result<usize> {
         self.ring()?;
         let min = min.min(self.in_flight());
         let mut got = self.take_done(out);
@@ -305,29 +343,6 @@ impl Lane {
         Ok(got)
     }
 
-    /// Blocking read into `buf` (its length is the read length).
-    pub fn read_at(&mut self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        scratch.resize(buf.len(), 0);
-        let c = self.run_sync(Opcode::Read, ReqFlags::empty(), offset, buf.len(), Some(scratch))?;
-        let data = c.buf.unwrap_or_default();
-        if c.status.is_ok() {
-            buf.copy_from_slice(&data);
-        }
-        self.scratch = data;
-        status_result(c.status)
-    }
-
-    /// Blocking write of `buf`.
-    pub fn write_at(&mut self, buf: &[u8], offset: u64) -> Result<()> {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        scratch.clear();
-        scratch.extend_from_slice(buf);
-        let c = self.run_sync(Opcode::Write, ReqFlags::empty(), offset, buf.len(), Some(scratch))?;
-        self.scratch = c.buf.unwrap_or_default();
-        status_result(c.status)
-    }
-
     /// Blocking flush.
     pub fn flush(&mut self) -> Result<()> {
         let c = self.run_sync(Opcode::Flush, ReqFlags::empty(), 0, 0, None)?;
@@ -340,8 +355,8 @@ impl Lane {
         flags: ReqFlags,
         offset: u64,
         length: usize,
-        buf: Option<Vec<u8>>,
-    ) -> Result<Completion> {
+        buf: Option<B>,
+    ) -> Result<Completion<B>> {
         self.submit(opcode, flags, offset, length, buf, SYNC_USER_DATA).map_err(|r| r.error)?;
         self.ring()?;
         let deadline = Instant::now() + self.conn.timeout;
@@ -356,7 +371,7 @@ impl Lane {
         }
     }
 
-    fn take_done(&mut self, out: &mut Vec<Completion>) -> usize {
+    fn take_done(&mut self, out: &mut Vec<Completion<B>>) -> usize {
         let n = self.done.len();
         self.stats.completed += n as u64;
         out.extend(self.done.drain(..));
@@ -383,7 +398,7 @@ impl Lane {
             for &tag in &self.queued {
                 let p = self.slots.get(tag).expect("queued tags are in flight");
                 if p.opcode == Opcode::Write {
-                    parts[n] = p.buf.as_deref().unwrap_or(&[]);
+                    parts[n] = p.buf.as_ref().map_or(&[][..], |b| b.as_ref());
                     n += 1;
                 }
             }
@@ -429,7 +444,7 @@ impl Lane {
                         }
                         if want > 0 {
                             if let Some(buf) = p.buf.as_mut() {
-                                buf.copy_from_slice(data);
+                                buf.as_mut().copy_from_slice(data);
                             }
                         }
                         self.done.push_back(Completion {

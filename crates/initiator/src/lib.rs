@@ -14,7 +14,7 @@
 mod conn;
 mod lane;
 
-pub use lane::{Completion, Lane, LaneConfig, LaneStats, Rejected};
+pub use lane::{Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected};
 pub use proto::caravan::Doorbell;
 pub use transport::Endpoint;
 pub use wire::{ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status};
