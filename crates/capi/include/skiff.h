@@ -1,0 +1,89 @@
+/*
+ * skiff.h: the C API of skiff's initiator.
+ *
+ * A lane is one connection to one export, used by one thread at a time. Submit requests with
+ * your own buffers, ring the doorbell with skiff_lane_commit (or let the lane ring it when a
+ * caravan fills), and reap completions. A buffer passed to skiff_lane_submit must stay valid
+ * and untouched until its completion has been reaped: writes are sent from it, reads land in
+ * it directly.
+ *
+ * Functions returning int return 0 (or a count) on success and a negative errno on failure;
+ * skiff_last_error() then describes the failure (per thread, valid until the next call).
+ *
+ * The layouts and constants below are checked against the Rust side by
+ * crates/capi/tests/c_api.rs.
+ */
+#ifndef SKIFF_H
+#define SKIFF_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Operations (the native protocol's opcodes). */
+#define SKIFF_OP_READ 1
+#define SKIFF_OP_WRITE 2
+#define SKIFF_OP_FLUSH 3
+#define SKIFF_OP_TRIM 4
+#define SKIFF_OP_WRITE_ZEROES 5
+
+/* Request flags. */
+#define SKIFF_FLAG_FUA 0x01      /* durable before the completion */
+#define SKIFF_FLAG_NO_DELAY 0x02 /* ring the doorbell now */
+
+typedef struct skiff_lane skiff_lane;
+
+typedef struct skiff_lane_config {
+    uint32_t queue_depth;       /* requests in flight at most (default 256) */
+    uint32_t aggregation_reqs;  /* ring when a caravan holds this many requests (default 16) */
+    uint32_t aggregation_bytes; /* ring when a caravan carries this many payload bytes (default 65536) */
+    uint32_t doorbell_us;       /* ring when the oldest queued request waited this long; 0 rings at once (default 50) */
+    uint32_t timeout_ms;        /* give up on an unresponsive target after this long (default 30000) */
+    uint32_t reserved;          /* must be 0 */
+} skiff_lane_config;
+
+typedef struct skiff_completion {
+    uint64_t user_data; /* as given to skiff_lane_submit */
+    int32_t result;     /* 0, or a negative errno */
+    uint32_t reserved;
+} skiff_completion;
+
+/* Fill *config with the defaults. */
+void skiff_lane_config_default(skiff_lane_config *config);
+
+/* Connect to target ("HOST:PORT" or "unix:PATH") and open the export. config may be NULL. */
+int skiff_lane_open(const char *target, const char *export_name, const skiff_lane_config *config,
+                    skiff_lane **out);
+
+/* Close the lane. Requests still in flight are abandoned; their buffers are no longer used. */
+void skiff_lane_close(skiff_lane *lane);
+
+uint64_t skiff_lane_size(const skiff_lane *lane);
+uint32_t skiff_lane_block_size(const skiff_lane *lane);
+uint32_t skiff_lane_queue_depth(const skiff_lane *lane);
+
+/* Queue one request. buf/len: the data of a write, the destination of a read; NULL and the
+ * length for trim and write-zeroes; NULL and 0 for flush. -EAGAIN when the queue is full. */
+int skiff_lane_submit(skiff_lane *lane, uint32_t op, uint32_t flags, uint64_t offset, void *buf,
+                      uint32_t len, uint64_t user_data);
+
+/* Send the open caravan now. */
+int skiff_lane_commit(skiff_lane *lane);
+
+/* Send the open caravan, wait until at least min completions (bounded by what is in flight)
+ * are available, and store up to max of them in out. Returns how many were stored. */
+int skiff_lane_reap(skiff_lane *lane, skiff_completion *out, uint32_t max, uint32_t min);
+
+/* Completions not yet reaped plus requests in flight. */
+uint32_t skiff_lane_in_flight(const skiff_lane *lane);
+
+/* A description of the last failure on this thread ("" if none). */
+const char *skiff_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SKIFF_H */

@@ -1,0 +1,330 @@
+//! A C ABI over skiff's initiator, declared in `include/skiff.h`.
+//!
+//! The C caller owns its buffers; a lane holds a pointer to each until the request's
+//! completion has been reaped ([`RawBuf`]), so read data lands in the caller's memory with no
+//! copy in between. Errors are negative errno values with a per-thread message; no panic
+//! crosses the boundary. This crate has no logic of its own beyond translation.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Duration;
+
+use initiator::{Completion, Doorbell, Endpoint, Error, Lane, LaneConfig, Limits, ReqFlags};
+use wire::Opcode;
+
+/// Request flags, as in `skiff.h`.
+pub const SKIFF_FLAG_FUA: u32 = 0x01;
+pub const SKIFF_FLAG_NO_DELAY: u32 = 0x02;
+
+/// `skiff_lane_config` in `skiff.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SkiffLaneConfig {
+    pub queue_depth: u32,
+    pub aggregation_reqs: u32,
+    pub aggregation_bytes: u32,
+    pub doorbell_us: u32,
+    pub timeout_ms: u32,
+    pub reserved: u32,
+}
+
+/// `skiff_completion` in `skiff.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SkiffCompletion {
+    pub user_data: u64,
+    pub result: i32,
+    pub reserved: u32,
+}
+
+/// A caller's buffer, held by the lane between submit and reap.
+pub struct RawBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl AsRef<[u8]> for RawBuf {
+    fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: skiff_lane_submit's contract (skiff.h): the buffer is valid for `len` bytes
+        // and untouched by the caller until its completion is reaped, which is as long as the
+        // lane holds this RawBuf.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl AsMut<[u8]> for RawBuf {
+    fn as_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as in `as_ref`; the lane is the buffer's only user until the completion.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// The handle behind `skiff_lane *`.
+pub struct SkiffLane {
+    lane: Lane<RawBuf>,
+    /// Completions collected but not yet handed out (the caller asked for fewer).
+    ready: VecDeque<Completion<RawBuf>>,
+    scratch: Vec<Completion<RawBuf>>,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(message: String) {
+    let c = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// The one mapping from initiator errors to errno.
+fn errno_of(e: &Error) -> i32 {
+    match e {
+        Error::Io(io) => io.raw_os_error().unwrap_or(libc::EIO),
+        // The target refused (no such export, version): its status says why.
+        Error::Protocol(proto::ProtoError::Refused(status)) => status.errno(),
+        Error::Protocol(_) => libc::EPROTO,
+        Error::GoAway { .. } | Error::Closed => libc::ECONNRESET,
+        Error::TimedOut(_) => libc::ETIMEDOUT,
+        Error::Status(s) => s.errno(),
+        Error::InvalidArgument(_) => libc::EINVAL,
+        Error::QueueFull(_) => libc::EAGAIN,
+    }
+}
+
+fn fail(e: &Error) -> c_int {
+    set_error(e.to_string());
+    -errno_of(e)
+}
+
+/// Run `f`, turning a panic into -EIO so that it never unwinds into C.
+fn guard(f: impl FnOnce() -> c_int) -> c_int {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        set_error("internal error (panic) in skiff".into());
+        -libc::EIO
+    })
+}
+
+fn defaults() -> SkiffLaneConfig {
+    let d = LaneConfig::default();
+    SkiffLaneConfig {
+        queue_depth: d.limits.queue_depth,
+        aggregation_reqs: d.doorbell.aggregation_reqs,
+        aggregation_bytes: d.doorbell.aggregation_bytes,
+        doorbell_us: d.doorbell.delay_us as u32,
+        timeout_ms: d.timeout.as_millis() as u32,
+        reserved: 0,
+    }
+}
+
+fn lane_config(c: &SkiffLaneConfig) -> LaneConfig {
+    let d = LaneConfig::default();
+    LaneConfig {
+        limits: Limits { queue_depth: c.queue_depth, ..d.limits },
+        doorbell: Doorbell {
+            aggregation_reqs: c.aggregation_reqs.max(1),
+            aggregation_bytes: c.aggregation_bytes.max(1),
+            delay_us: c.doorbell_us.into(),
+        },
+        timeout: Duration::from_millis(c.timeout_ms.max(1).into()),
+    }
+}
+
+/// # Safety
+/// `config` must point to a writable `skiff_lane_config`.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_config_default(config: *mut SkiffLaneConfig) {
+    if !config.is_null() {
+        // SAFETY: non-null and writable per the contract.
+        unsafe { config.write(defaults()) };
+    }
+}
+
+/// # Safety
+/// `target` and `export_name` must be NUL-terminated strings; `config` null or valid; `out`
+/// a valid pointer to write the handle to.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_open(
+    target: *const c_char,
+    export_name: *const c_char,
+    config: *const SkiffLaneConfig,
+    out: *mut *mut SkiffLane,
+) -> c_int {
+    guard(|| {
+        if target.is_null() || export_name.is_null() || out.is_null() {
+            return fail(&Error::InvalidArgument("null argument"));
+        }
+        // SAFETY: non-null NUL-terminated strings per the contract.
+        let (target, export) = unsafe { (CStr::from_ptr(target), CStr::from_ptr(export_name)) };
+        let (Ok(target), Ok(export)) = (target.to_str(), export.to_str()) else {
+            return fail(&Error::InvalidArgument("target and export must be UTF-8"));
+        };
+        let config = if config.is_null() { defaults() } else { unsafe { *config } };
+        if config.reserved != 0 {
+            return fail(&Error::InvalidArgument("skiff_lane_config.reserved must be 0"));
+        }
+        let endpoint = match Endpoint::parse(target) {
+            Ok(e) => e,
+            Err(msg) => {
+                set_error(format!("target {target:?}: {msg}"));
+                return -libc::EINVAL;
+            }
+        };
+        match Lane::connect_with(&endpoint, export, &lane_config(&config)) {
+            Ok(lane) => {
+                let handle = Box::new(SkiffLane { lane, ready: VecDeque::new(), scratch: Vec::new() });
+                // SAFETY: `out` is valid for a write per the contract.
+                unsafe { out.write(Box::into_raw(handle)) };
+                0
+            }
+            Err(e) => fail(&e),
+        }
+    })
+}
+
+/// # Safety
+/// `lane` must come from `skiff_lane_open` and not be used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_close(lane: *mut SkiffLane) {
+    if !lane.is_null() {
+        // SAFETY: the handle was made by Box::into_raw in skiff_lane_open and is closed once.
+        drop(unsafe { Box::from_raw(lane) });
+    }
+}
+
+/// Borrow the handle behind a C pointer.
+///
+/// # Safety
+/// `lane` must be null or a live handle from `skiff_lane_open`, used by one thread at a time.
+unsafe fn handle<'a>(lane: *const SkiffLane) -> Option<&'a mut SkiffLane> {
+    // SAFETY: per the contract; the C API never hands out two mutable views at once.
+    unsafe { (lane as *mut SkiffLane).as_mut() }
+}
+
+/// # Safety
+/// `lane` must be a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_size(lane: *const SkiffLane) -> u64 {
+    unsafe { handle(lane) }.map_or(0, |l| l.lane.export().size_bytes)
+}
+
+/// # Safety
+/// `lane` must be a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_block_size(lane: *const SkiffLane) -> u32 {
+    unsafe { handle(lane) }.map_or(0, |l| l.lane.export().block_size)
+}
+
+/// # Safety
+/// `lane` must be a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_queue_depth(lane: *const SkiffLane) -> u32 {
+    unsafe { handle(lane) }.map_or(0, |l| l.lane.queue_depth() as u32)
+}
+
+/// # Safety
+/// `lane` must be a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_in_flight(lane: *const SkiffLane) -> u32 {
+    unsafe { handle(lane) }.map_or(0, |l| (l.lane.in_flight() + l.ready.len()) as u32)
+}
+
+/// # Safety
+/// `lane` must be a live handle; `buf` must be valid for `len` bytes (reads: writable) until
+/// the completion is reaped, or null for flush, trim and write-zeroes.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_submit(
+    lane: *mut SkiffLane,
+    op: u32,
+    flags: u32,
+    offset: u64,
+    buf: *mut c_void,
+    len: u32,
+    user_data: u64,
+) -> c_int {
+    guard(|| {
+        let Some(l) = (unsafe { handle(lane) }) else {
+            return fail(&Error::InvalidArgument("null lane"));
+        };
+        let Some(opcode) = u8::try_from(op).ok().and_then(Opcode::from_u8) else {
+            return fail(&Error::InvalidArgument("unknown operation"));
+        };
+        if flags & !(SKIFF_FLAG_FUA | SKIFF_FLAG_NO_DELAY) != 0 {
+            return fail(&Error::InvalidArgument("unknown flag"));
+        }
+        let mut req_flags = ReqFlags::empty();
+        if flags & SKIFF_FLAG_FUA != 0 {
+            req_flags = req_flags | ReqFlags::FUA;
+        }
+        if flags & SKIFF_FLAG_NO_DELAY != 0 {
+            req_flags = req_flags | ReqFlags::NO_DELAY;
+        }
+        let carries_data = matches!(opcode, Opcode::Read | Opcode::Write);
+        if carries_data && buf.is_null() && len > 0 {
+            return fail(&Error::InvalidArgument("null buffer for a read or write"));
+        }
+        let raw = carries_data.then(|| RawBuf { ptr: buf.cast(), len: len as usize });
+        match l.lane.submit(opcode, req_flags, offset, len as usize, raw, user_data) {
+            Ok(()) => 0,
+            Err(rejected) => fail(&rejected.error),
+        }
+    })
+}
+
+/// # Safety
+/// `lane` must be a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_commit(lane: *mut SkiffLane) -> c_int {
+    guard(|| match unsafe { handle(lane) } {
+        None => fail(&Error::InvalidArgument("null lane")),
+        Some(l) => l.lane.commit().map_or_else(|e| fail(&e), |()| 0),
+    })
+}
+
+/// # Safety
+/// `lane` must be a live handle; `out` valid for `max` completions.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_lane_reap(
+    lane: *mut SkiffLane,
+    out: *mut SkiffCompletion,
+    max: u32,
+    min: u32,
+) -> c_int {
+    guard(|| {
+        let Some(l) = (unsafe { handle(lane) }) else {
+            return fail(&Error::InvalidArgument("null lane"));
+        };
+        if out.is_null() && max > 0 {
+            return fail(&Error::InvalidArgument("null completion array"));
+        }
+        let want = (min.min(max) as usize).saturating_sub(l.ready.len());
+        let collected =
+            if want > 0 { l.lane.wait(want, &mut l.scratch) } else { l.lane.poll(&mut l.scratch) };
+        l.ready.extend(l.scratch.drain(..));
+        if let Err(e) = collected {
+            // Completions gathered before the failure are still handed out below.
+            if l.ready.is_empty() {
+                return fail(&e);
+            }
+        }
+        let n = l.ready.len().min(max as usize);
+        for (i, c) in l.ready.drain(..n).enumerate() {
+            let result = if c.status.is_ok() { 0 } else { -c.status.errno() };
+            // SAFETY: `out` holds `max` entries per the contract and `i < n <= max`.
+            unsafe { out.add(i).write(SkiffCompletion { user_data: c.user_data, result, reserved: 0 }) };
+        }
+        n as c_int
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn skiff_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
