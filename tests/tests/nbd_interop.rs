@@ -188,6 +188,7 @@ fn fio_nbd_engine_writes_and_verifies_crc32c() {
         "--verify=crc32c",
         "--do_verify=1",
         "--verify_fatal=1",
+        "--verify_state_save=0",
         "--output-format=json",
     ]));
     let v: serde_json::Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();

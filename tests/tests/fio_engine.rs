@@ -1,0 +1,166 @@
+//! fio's own workloads through skiff's fio engine (fio/skiff_engine.c over the C API), against
+//! a real target. fio/build.sh builds the engine once per test run; every test checks what
+//! fio reports and, where it can, what reached the target.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use initiator::{Lane, LaneConfig};
+use serde_json::Value;
+use skiff_tests::{run_ok, start_target, tcp_endpoint, tool};
+use target::Target;
+
+const MIB: u64 = 1024 * 1024;
+
+/// target/fio/skiff-engine.so, built by fio/build.sh the first time a test asks for it.
+fn engine() -> &'static PathBuf {
+    static ENGINE: OnceLock<PathBuf> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+        let out = Command::new(root.join("fio/build.sh"))
+            .args(["--profile", "debug"])
+            .current_dir(&root)
+            .output()
+            .expect("run fio/build.sh");
+        assert!(
+            out.status.success(),
+            "fio/build.sh failed: {}\nstdout: {}\nstderr: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let so = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target"))
+            .join("fio/skiff-engine.so");
+        assert!(so.exists(), "fio/build.sh succeeded but left no {}", so.display());
+        so
+    })
+}
+
+/// fio with the skiff engine loaded. It runs in the temporary directory so that nothing it
+/// leaves behind (verify state files) lands in the source tree.
+fn fio() -> Command {
+    let mut cmd = tool("fio", "fio");
+    cmd.current_dir(std::env::temp_dir()).arg(format!("--ioengine=external:{}", engine().display()));
+    cmd
+}
+
+/// fio on export `vol` of `t` with `args`; returns the JSON report.
+fn fio_json(t: &Target, args: &[&str]) -> Value {
+    let mut cmd = fio();
+    cmd.arg(format!("--target={}", tcp_endpoint(t)))
+        .args(["--export=vol", "--output-format=json", "--verify_state_save=0"])
+        .args(args);
+    let stdout = run_ok(&mut cmd);
+    // fio may print notes before the report; the report is the JSON object after them.
+    let start = stdout.find('{').unwrap_or_else(|| panic!("no JSON from fio: {stdout}"));
+    serde_json::from_str(&stdout[start..]).unwrap_or_else(|e| panic!("fio JSON: {e}\n{stdout}"))
+}
+
+fn jobs(report: &Value) -> &Vec<Value> {
+    report["jobs"].as_array().expect("jobs in the fio report")
+}
+
+fn io_bytes(job: &Value, dir: &str) -> u64 {
+    job[dir]["io_bytes"].as_u64().unwrap_or_else(|| panic!("{dir}.io_bytes in {job}"))
+}
+
+fn assert_no_error(report: &Value) {
+    for job in jobs(report) {
+        assert_eq!(job["error"].as_i64(), Some(0), "job {} failed: {job}", job["jobname"]);
+    }
+}
+
+#[test]
+fn random_writes_read_back_verified() {
+    let t = start_target(&["vol=ram:64M"], 2);
+    let report = fio_json(
+        &t,
+        &[
+            "--name=verify",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=16M",
+            "--iodepth=32",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+        ],
+    );
+    assert_no_error(&report);
+    let job = &jobs(&report)[0];
+    assert_eq!(io_bytes(job, "write"), 16 * MIB, "{job}");
+    assert_eq!(io_bytes(job, "read"), 16 * MIB, "the verify pass reads all back: {job}");
+    assert!(t.stats().get("req_write").unwrap_or(0) >= 4096);
+}
+
+#[test]
+fn sequential_large_blocks_land_as_written() {
+    let t = start_target(&["vol=ram:64M"], 2);
+    let common = ["--bs=128k", "--size=16M", "--iodepth=8", "--buffer_pattern=0xdeadbeef"];
+    let mut args = vec!["--name=write", "--rw=write"];
+    args.extend(common);
+    // A second job, after the first (stonewall), reads the same range back.
+    args.extend(["--name=read", "--rw=read", "--stonewall"]);
+    args.extend(common);
+    let report = fio_json(&t, &args);
+    assert_no_error(&report);
+    let j = jobs(&report);
+    assert_eq!(j.len(), 2);
+    assert_eq!(io_bytes(&j[0], "write"), 16 * MIB, "{}", j[0]);
+    assert_eq!(io_bytes(&j[1], "read"), 16 * MIB, "{}", j[1]);
+
+    // The bytes themselves, read through the native lane rather than fio.
+    let mut lane = Lane::connect(&tcp_endpoint(&t), "vol", &LaneConfig::default()).unwrap();
+    for offset in [0, 5 * 128 * 1024 + 4096, 16 * MIB - 4096] {
+        let mut block = vec![0u8; 4096];
+        lane.read_at(&mut block, offset).unwrap();
+        let want: Vec<u8> = [0xde, 0xad, 0xbe, 0xef].iter().copied().cycle().take(4096).collect();
+        assert_eq!(block, want, "block at {offset} holds fio's buffer_pattern");
+    }
+    let mut past = vec![0xffu8; 4096];
+    lane.read_at(&mut past, 16 * MIB).unwrap();
+    assert!(past.iter().all(|&b| b == 0), "fio wrote past its 16 MiB");
+}
+
+#[test]
+fn fsync_becomes_flush() {
+    let t = start_target(&["vol=ram:64M"], 2);
+    let flushes_before = t.stats().get("req_flush").unwrap_or(0);
+    let report =
+        fio_json(&t, &["--name=fsync", "--rw=write", "--bs=4k", "--size=1M", "--iodepth=4", "--fsync=8"]);
+    assert_no_error(&report);
+    let job = &jobs(&report)[0];
+    assert_eq!(io_bytes(job, "write"), MIB, "{job}");
+    // 256 writes with a sync after every 8th: 32 flushes, perhaps one more at the end.
+    let flushes = t.stats().get("req_flush").unwrap_or(0) - flushes_before;
+    assert!(flushes >= 32, "{flushes} flushes reached the target");
+    let syncs = job["sync"]["total_ios"].as_u64().unwrap_or(0);
+    assert!(syncs >= 32, "fio counted {syncs} syncs: {job}");
+}
+
+#[test]
+fn a_missing_export_fails_the_job() {
+    let t = start_target(&["vol=ram:64M"], 1);
+    let out = fio()
+        .arg(format!("--target={}", tcp_endpoint(&t)))
+        .args(["--export=nope", "--name=x", "--rw=read", "--size=1M"])
+        .output()
+        .unwrap();
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "fio succeeded on a missing export: {all}");
+    assert!(all.contains("cannot open nope"), "the log names the failure: {all}");
+}
+
+#[test]
+fn enghelp_lists_the_engine_options() {
+    let help = run_ok(tool("fio", "fio").arg(format!("--enghelp={}", engine().display())));
+    for option in ["target", "export", "aggregation", "aggregation_bytes", "doorbell_us", "timeout_ms"] {
+        assert!(
+            help.lines().any(|l| l.split_whitespace().next() == Some(option)),
+            "{option} missing: {help}"
+        );
+    }
+}
