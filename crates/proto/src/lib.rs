@@ -9,10 +9,13 @@
 //! - [`client::ClientHandshake`]: the initiator's side of the handshake.
 //! - [`slots::SlotTable`]: tags for in-flight requests, with generations that catch stale or
 //!   forged completions.
+//! - [`batch::BatchController`]: the Tyche adaptive batch level, extended to set the doorbell
+//!   delay.
 //! - [`caravan::CaravanBuilder`] and [`caravan::Doorbell`]: building request caravans and deciding
 //!   when to send them.
 #![forbid(unsafe_code)]
 
+pub mod batch;
 pub mod caravan;
 pub mod client;
 pub mod server;
