@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use initiator::{Completion, Endpoint, Lane, LaneConfig, Limits, ReqFlags, Status};
+use initiator::{BatchConfig, Batching, Completion, Endpoint, Lane, LaneConfig, Limits, ReqFlags, Status};
 use skiff_tests::{start_target, start_target_with, tcp_endpoint};
 
 fn block(seed: u64, offset: u64, len: usize) -> Vec<u8> {
@@ -12,6 +12,10 @@ fn block(seed: u64, offset: u64, len: usize) -> Vec<u8> {
 /// Each thread owns a slice of the volume, writes it through its own lane with many requests in
 /// flight, then reads it back through the async API and checks every byte.
 fn threads_verify(endpoint: Endpoint, threads: usize, qd: u32, bs: usize) {
+    threads_verify_with(endpoint, threads, qd, bs, Batching::Static);
+}
+
+fn threads_verify_with(endpoint: Endpoint, threads: usize, qd: u32, bs: usize, batching: Batching) {
     let slice = 4 << 20;
     let handles: Vec<_> = (0..threads)
         .map(|t| {
@@ -19,6 +23,7 @@ fn threads_verify(endpoint: Endpoint, threads: usize, qd: u32, bs: usize) {
             std::thread::spawn(move || {
                 let config = LaneConfig {
                     limits: Limits { queue_depth: qd, ..LaneConfig::default().limits },
+                    batching,
                     ..LaneConfig::default()
                 };
                 let mut lane = Lane::connect(&ep, "vol", &config).expect("lane");
@@ -130,4 +135,21 @@ fn lanes_of_one_target_share_data() {
     let mut back = vec![0; 4096];
     b.read_at(&mut back, 1 << 20).unwrap();
     assert_eq!(back, vec![7; 4096]);
+}
+
+#[test]
+fn every_batching_mode_keeps_data_intact() {
+    let t = start_target(&["vol=ram:32M"], 2);
+    // A 1 ms interval lets the adaptive controller change its level many times in this test.
+    let adaptive = Batching::Adaptive(BatchConfig { interval_us: 1_000, ..BatchConfig::default() });
+    for batching in [Batching::Off, Batching::Static, adaptive] {
+        let before = t.stats().get("caravans_received").unwrap();
+        threads_verify_with(tcp_endpoint(&t), 2, 16, 4096, batching);
+        let caravans = t.stats().get("caravans_received").unwrap() - before;
+        if batching == Batching::Off {
+            assert_eq!(caravans, 2 * 2 * 1024, "batching off sends every request on its own");
+        } else {
+            assert!(caravans < 2 * 2 * 1024, "{batching:?} gathers requests into caravans");
+        }
+    }
 }

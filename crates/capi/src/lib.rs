@@ -134,6 +134,7 @@ fn lane_config(c: &SkiffLaneConfig) -> LaneConfig {
             delay_us: c.doorbell_us.into(),
         },
         timeout: Duration::from_millis(c.timeout_ms.max(1).into()),
+        ..d
     }
 }
 

@@ -8,6 +8,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use proto::batch::{BatchConfig, BatchController};
 use proto::caravan::{CaravanBuilder, Doorbell};
 use proto::slots::SlotTable;
 use proto::ProtoError;
@@ -24,12 +25,28 @@ pub const LANE_CARAVAN_REQS_MAX: u32 = 256;
 /// `user_data` reserved for the blocking API's own requests.
 const SYNC_USER_DATA: u64 = u64::MAX;
 
+/// How requests are gathered into caravans (the ablation switch of the fast-path work).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Batching {
+    /// Every request leaves on its own: the doorbell rings after each submit.
+    Off,
+    /// The fixed doorbell policy of [`LaneConfig::doorbell`] (i10's caravans).
+    Static,
+    /// The Tyche controller sets the caravan size and the doorbell delay from measured
+    /// throughput ([`proto::batch`]).
+    Adaptive(BatchConfig),
+}
+
+/// Most batch-level changes a lane remembers for telemetry.
+const LEVEL_LOG_MAX: usize = 4096;
+
 /// How a lane behaves.
 #[derive(Debug, Clone, Copy)]
 pub struct LaneConfig {
     /// What the lane proposes in the handshake (zero fields mean "the target's choice").
     pub limits: Limits,
     pub doorbell: Doorbell,
+    pub batching: Batching,
     /// How long a blocking call waits for the target before failing.
     pub timeout: Duration,
 }
@@ -39,6 +56,7 @@ impl Default for LaneConfig {
         LaneConfig {
             limits: Limits { queue_depth: 256, caravan_reqs_max: 64, caravan_bytes_max: 0, io_bytes_max: 0 },
             doorbell: Doorbell::default(),
+            batching: Batching::Static,
             timeout: crate::DEFAULT_TIMEOUT,
         }
     }
@@ -113,6 +131,12 @@ pub struct Lane<B = Vec<u8>> {
     queued: Vec<u32>,
     first_queued_at: Option<Instant>,
     doorbell: Doorbell,
+    batching: Batching,
+    controller: Option<BatchController>,
+    /// Time zero for the controller's clock and the level log.
+    epoch: Instant,
+    /// (milliseconds since `epoch`, batch level) at every adaptive decision.
+    level_log: Vec<(u64, u32)>,
     done: VecDeque<Completion<B>>,
     broken: bool,
     stats: LaneStats,
@@ -180,7 +204,18 @@ impl<B: IoBuf> Lane<B> {
             caravan: CaravanBuilder::new(&limits),
             queued: Vec::with_capacity(limits.caravan_reqs_max as usize),
             first_queued_at: None,
-            doorbell: config.doorbell,
+            doorbell: match config.batching {
+                // The controller starts at level 1: one request per caravan, sent at once.
+                Batching::Adaptive(_) => Doorbell { aggregation_reqs: 1, delay_us: 0, ..config.doorbell },
+                _ => config.doorbell,
+            },
+            batching: config.batching,
+            controller: match config.batching {
+                Batching::Adaptive(cfg) => Some(BatchController::new(cfg)),
+                _ => None,
+            },
+            epoch: Instant::now(),
+            level_log: Vec::new(),
             done: VecDeque::with_capacity(queue_depth),
             broken: false,
             stats: LaneStats::default(),
@@ -298,12 +333,47 @@ impl<B: IoBuf> Lane<B> {
         if self.first_queued_at.is_none() {
             self.first_queued_at = Some(Instant::now());
         }
-        if self.doorbell.ring_after_submit(&self.caravan, flags) {
+        if let Some(c) = self.controller.as_mut() {
+            // Tyche counts requests waiting in its batch queue. A lane sends at once at level 1,
+            // so nothing would ever wait; what could be batched is what the caller has
+            // outstanding on the lane, so that is the controller's a_out.
+            c.handle_arrival(self.slots.len() as u32);
+            self.adapt();
+        }
+        let ring = self.batching == Batching::Off || self.doorbell.ring_after_submit(&self.caravan, flags);
+        if ring {
             // On failure the request is already in flight: like every accepted request it
             // completes exactly once (with an I/O error), and the next call reports the error.
             let _ = self.ring();
         }
         Ok(())
+    }
+
+    /// Let the adaptive controller close its interval, and follow its decision.
+    fn adapt(&mut self) {
+        let Some(c) = self.controller.as_mut() else { return };
+        let now_us = self.epoch.elapsed().as_micros() as u64;
+        if let Some(d) = c.poll(now_us) {
+            self.doorbell.aggregation_reqs = d.level;
+            self.doorbell.delay_us = d.delay_us;
+            if self.level_log.len() < LEVEL_LOG_MAX {
+                self.level_log.push((now_us / 1000, d.level));
+            }
+        }
+    }
+
+    /// The caravan size the lane aims for now (the adaptive level, or the static one).
+    pub fn batch_level(&self) -> u32 {
+        if self.batching == Batching::Off {
+            1
+        } else {
+            self.doorbell.aggregation_reqs
+        }
+    }
+
+    /// Every adaptive decision so far: (milliseconds since the lane opened, batch level).
+    pub fn batch_level_log(&self) -> &[(u64, u32)] {
+        &self.level_log
     }
 
     /// Send the open caravan now.
@@ -446,6 +516,10 @@ impl<B: IoBuf> Lane<B> {
                             if let Some(buf) = p.buf.as_mut() {
                                 buf.as_mut().copy_from_slice(data);
                             }
+                        }
+                        if let Some(ctl) = self.controller.as_mut() {
+                            let moved = matches!(p.opcode, Opcode::Read | Opcode::Write) && c.status.is_ok();
+                            ctl.handle_completion(if moved { p.length.into() } else { 0 });
                         }
                         self.done.push_back(Completion {
                             user_data: p.user_data,

@@ -14,7 +14,8 @@
 mod conn;
 mod lane;
 
-pub use lane::{Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected};
+pub use lane::{Batching, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected};
+pub use proto::batch::BatchConfig;
 pub use proto::caravan::Doorbell;
 pub use transport::Endpoint;
 pub use wire::{ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status};

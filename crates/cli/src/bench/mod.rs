@@ -14,7 +14,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use initiator::{Client, Endpoint, Lane, LaneConfig, Limits};
+use initiator::{BatchConfig, Batching, Client, Endpoint, Lane, LaneConfig, Limits};
 use target::{ExportConfig, Target, TargetConfig};
 
 use crate::units::{parse_duration, parse_size};
@@ -65,6 +65,47 @@ pub struct BenchArgs {
     /// Worker threads of the in-process target (default: one per core).
     #[arg(long, default_value_t = 0)]
     target_workers: usize,
+    /// How requests are gathered into caravans: off (one request per send), static (the
+    /// doorbell's fixed aggregation), static:N (the same with N requests), or adaptive (the
+    /// Tyche controller sets the caravan size and the doorbell delay).
+    #[arg(long, default_value = "static", value_parser = parse_batching)]
+    batching: BatchingArg,
+    /// Requests per caravan for static batching (i10: 16).
+    #[arg(long)]
+    aggregation: Option<u32>,
+    /// Doorbell delay bound in microseconds for static batching (i10: 50).
+    #[arg(long)]
+    doorbell_us: Option<u64>,
+}
+
+/// `--batching` as typed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BatchingArg {
+    Off,
+    Static(Option<u32>),
+    Adaptive,
+}
+
+fn parse_batching(s: &str) -> Result<BatchingArg, String> {
+    match s {
+        "off" => Ok(BatchingArg::Off),
+        "static" => Ok(BatchingArg::Static(None)),
+        "adaptive" => Ok(BatchingArg::Adaptive),
+        _ => match s.strip_prefix("static:").map(str::parse::<u32>) {
+            Some(Ok(n)) if n >= 1 => Ok(BatchingArg::Static(Some(n))),
+            _ => Err(format!("{s:?}: expected off, static, static:N (N >= 1) or adaptive")),
+        },
+    }
+}
+
+impl BatchingArg {
+    fn label(self, doorbell: &initiator::Doorbell) -> String {
+        match self {
+            BatchingArg::Off => "off".into(),
+            BatchingArg::Static(_) => format!("static:{}", doorbell.aggregation_reqs),
+            BatchingArg::Adaptive => "adaptive".into(),
+        }
+    }
 }
 
 pub fn run(args: BenchArgs) -> CliResult {
@@ -94,6 +135,22 @@ pub fn run(args: BenchArgs) -> CliResult {
         return Err(format!("the in-process target has only the export {EMBEDDED_EXPORT:?}").into());
     }
 
+    let mut doorbell = initiator::Doorbell::default();
+    let static_n = match args.batching {
+        BatchingArg::Static(n) => n,
+        _ => None,
+    };
+    if let Some(n) = args.aggregation.or(static_n) {
+        doorbell.aggregation_reqs = n.max(1);
+    }
+    if let Some(us) = args.doorbell_us {
+        doorbell.delay_us = us;
+    }
+    let batching = match args.batching {
+        BatchingArg::Off => Batching::Off,
+        BatchingArg::Static(_) => Batching::Static,
+        BatchingArg::Adaptive => Batching::Adaptive(BatchConfig::default()),
+    };
     let lane_config = LaneConfig {
         limits: Limits {
             queue_depth: args.qd as u32,
@@ -101,6 +158,8 @@ pub fn run(args: BenchArgs) -> CliResult {
             caravan_bytes_max: 0,
             io_bytes_max: 0,
         },
+        doorbell,
+        batching,
         ..LaneConfig::default()
     };
     let lanes = (0..args.threads)
@@ -188,6 +247,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         export: args.export.clone(),
         size_bytes: size,
         verify: args.verify,
+        batching: args.batching.label(&doorbell),
     };
     let summary = report::summarize(setup, &results, elapsed, &stats_before, &stats_after);
     if args.json {

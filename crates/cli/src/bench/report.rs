@@ -66,6 +66,7 @@ pub struct Setup {
     pub export: String,
     pub size_bytes: u64,
     pub verify: bool,
+    pub batching: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -97,6 +98,12 @@ pub struct Summary {
     pub server_ctx_switches_per_io: f64,
     pub client_caravans: u64,
     pub client_reqs_per_caravan: f64,
+    /// Caravans sent by the client by size: at most 1, 2, 4, ... 64 requests, then more.
+    pub client_caravan_hist: [u64; 8],
+    /// Batch level at the end of the run, per thread.
+    pub batch_level_final: Vec<u32>,
+    /// The first thread's adaptive decisions: [milliseconds since its lane opened, level].
+    pub batch_level_log: Vec<(u64, u32)>,
     pub server_caravans_received: u64,
     pub server_reqs_per_caravan: f64,
     pub server_caravans_sent: u64,
@@ -129,6 +136,7 @@ pub fn summarize(
     let mut usage = rt::usage::Usage::default();
     let (mut ios, mut bytes, mut io_errors, mut verify_errors) = (0, 0, 0, 0);
     let (mut caravans, mut caravan_reqs) = (0, 0);
+    let mut caravan_hist = [0u64; 8];
     for r in results {
         let _ = hist.add(&r.latency_ns);
         usage.add(&r.usage);
@@ -138,6 +146,9 @@ pub fn summarize(
         verify_errors += r.verify_errors;
         caravans += r.lane.caravans_sent;
         caravan_reqs += r.lane.submitted;
+        for (sum, n) in caravan_hist.iter_mut().zip(r.lane.caravan_hist) {
+            *sum += n;
+        }
     }
     let secs = elapsed.as_secs_f64();
     let us = |ns: u64| ns as f64 / 1000.0;
@@ -174,6 +185,9 @@ pub fn summarize(
         server_ctx_switches_per_io: per(server_ctx as f64, ios),
         client_caravans: caravans,
         client_reqs_per_caravan: per(caravan_reqs as f64, caravans),
+        client_caravan_hist: caravan_hist,
+        batch_level_final: results.iter().map(|r| r.batch_level).collect(),
+        batch_level_log: results.first().map(|r| r.batch_level_log.clone()).unwrap_or_default(),
         server_caravans_received: received,
         server_reqs_per_caravan: per(delta(before, after, "caravan_reqs_total") as f64, received),
         server_caravans_sent: delta(before, after, "caravans_sent"),
@@ -187,11 +201,12 @@ pub fn summarize(
 pub fn print_table(s: &Summary) {
     let st = &s.setup;
     println!(
-        "skiff bench: {:?} bs={} qd={} threads={} over {:.1}s, target {} export {:?}{}",
+        "skiff bench: {:?} bs={} qd={} threads={} batching={} over {:.1}s, target {} export {:?}{}",
         st.rw,
         st.bs,
         st.qd,
         st.threads,
+        st.batching,
         s.duration_s,
         st.target,
         st.export,

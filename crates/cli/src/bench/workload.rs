@@ -59,6 +59,8 @@ pub struct ThreadResult {
     pub latency_ns: Histogram<u64>,
     pub usage: Usage,
     pub lane: LaneStats,
+    pub batch_level: u32,
+    pub batch_level_log: Vec<(u64, u32)>,
 }
 
 /// Barriers the main thread uses to take target stats exactly around the timed phase.
@@ -128,6 +130,8 @@ pub fn run(
             latency_ns: Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("static histogram bounds"),
             usage: Usage::default(),
             lane: LaneStats::default(),
+            batch_level: 0,
+            batch_level_log: Vec::new(),
         },
         timing: false,
         w,
@@ -155,6 +159,8 @@ impl Runner<'_> {
         self.timing = false;
         self.r.usage = rt::usage::this_thread().since(&before);
         self.r.lane = self.lane.stats().since(&lane_before);
+        self.r.batch_level = self.lane.batch_level();
+        self.r.batch_level_log = self.lane.batch_level_log().to_vec();
         phases.timed_end.wait();
         if self.w.verify {
             self.sweep(Opcode::Read)?;
