@@ -153,3 +153,21 @@ fn every_batching_mode_keeps_data_intact() {
         }
     }
 }
+
+#[test]
+fn hybrid_polling_on_both_sides_keeps_data_intact() {
+    let spin = std::time::Duration::from_micros(50);
+    let t = start_target_with(&["vol=ram:16M"], |c| {
+        c.workers = 1;
+        c.poll_spin = spin;
+    });
+    let config = LaneConfig { poll_spin: spin, ..LaneConfig::default() };
+    let mut lane = Lane::connect(&tcp_endpoint(&t), "vol", &config).unwrap();
+    for i in 0..256u64 {
+        let data = block(i, i * 4096, 4096);
+        lane.write_at(&data, i * 4096).unwrap();
+        let mut back = vec![0; 4096];
+        lane.read_at(&mut back, i * 4096).unwrap();
+        assert_eq!(back, data, "block {i}");
+    }
+}

@@ -38,6 +38,10 @@ pub struct ServeArgs {
     /// Largest queue depth a lane may negotiate.
     #[arg(long, default_value_t = wire::Limits::default().queue_depth)]
     queue_depth: u32,
+    /// Hybrid polling: off, hybrid (spin 50 us before sleeping) or hybrid:US. Lowers latency
+    /// at low queue depth; a worker spins on a core while it waits.
+    #[arg(long, default_value = "off", value_parser = crate::units::parse_poll)]
+    poll: std::time::Duration,
     /// Largest single I/O in bytes (e.g. 1M).
     #[arg(long, value_parser = crate::units::parse_size, default_value = "1M")]
     io_max: u64,
@@ -73,6 +77,7 @@ pub fn run(args: ServeArgs) -> CliResult {
         read_only: args.read_only,
         workers: args.workers,
         limits,
+        poll_spin: args.poll,
         ..TargetConfig::default()
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal

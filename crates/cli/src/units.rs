@@ -26,6 +26,22 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(v * scale))
 }
 
+/// Spin budget of hybrid polling when `--poll hybrid` names none: long enough to cover a
+/// loopback round trip at queue depth 1.
+pub const HYBRID_SPIN_DEFAULT_US: u64 = 50;
+
+/// `--poll off | hybrid | hybrid:US`: how long to spin before sleeping.
+pub fn parse_poll(s: &str) -> Result<Duration, String> {
+    match s {
+        "off" => Ok(Duration::ZERO),
+        "hybrid" => Ok(Duration::from_micros(HYBRID_SPIN_DEFAULT_US)),
+        _ => match s.strip_prefix("hybrid:").map(str::parse::<u64>) {
+            Some(Ok(us)) if us > 0 => Ok(Duration::from_micros(us)),
+            _ => Err(format!("{s:?}: expected off, hybrid or hybrid:MICROSECONDS")),
+        },
+    }
+}
+
 /// Bytes in binary units, e.g. `1.0 GiB`.
 pub fn human_bytes(b: f64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -66,5 +82,9 @@ mod tests {
         assert_eq!(grouped(1234567), "1,234,567");
         assert_eq!(grouped(999), "999");
         assert_eq!(human_bytes(1536.0), "1.5 KiB");
+        assert_eq!(parse_poll("off").unwrap(), Duration::ZERO);
+        assert_eq!(parse_poll("hybrid").unwrap(), Duration::from_micros(HYBRID_SPIN_DEFAULT_US));
+        assert_eq!(parse_poll("hybrid:20").unwrap(), Duration::from_micros(20));
+        assert!(parse_poll("hybrid:0").is_err() && parse_poll("busy").is_err());
     }
 }

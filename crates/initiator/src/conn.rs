@@ -19,12 +19,15 @@ pub(crate) struct Conn {
     pub rx: FrameBuffer,
     pub limits: Limits,
     pub timeout: Duration,
+    /// Hybrid polling: how long to keep trying non-blocking receives before sleeping.
+    pub spin: Duration,
 }
 
 impl Conn {
     pub fn connect(endpoint: &Endpoint, proposed: &Limits, timeout: Duration) -> Result<Conn> {
         let stream = ClientStream::connect(endpoint)?;
-        let mut conn = Conn { stream, rx: FrameBuffer::new(), limits: *proposed, timeout };
+        let mut conn =
+            Conn { stream, rx: FrameBuffer::new(), limits: *proposed, timeout, spin: Duration::ZERO };
         let handshake = ClientHandshake::new(*proposed);
         conn.send_all(&[&handshake.hello_frame()])?;
         let (h, body) = conn.recv_control()?;
@@ -73,6 +76,17 @@ impl Conn {
 
     /// Receive at least one byte, waiting until `deadline`.
     pub fn fill_blocking(&mut self, deadline: Instant) -> Result<()> {
+        if !self.spin.is_zero() {
+            // Hybrid polling: a reply due within the spin budget is taken without the sleep
+            // and wake-up a blocking wait costs, at the price of a busy core meanwhile.
+            let spin_until = Instant::now() + self.spin;
+            while Instant::now() < spin_until {
+                if self.fill_now()? > 0 {
+                    return Ok(());
+                }
+                std::hint::spin_loop();
+            }
+        }
         loop {
             if self.fill_now()? > 0 {
                 return Ok(());

@@ -47,6 +47,10 @@ pub struct LaneConfig {
     pub limits: Limits,
     pub doorbell: Doorbell,
     pub batching: Batching,
+    /// Hybrid polling: spin this long on non-blocking receives before sleeping in `wait`
+    /// (zero, the default, always sleeps). Lowers latency at low queue depth; costs a busy
+    /// core while spinning.
+    pub poll_spin: Duration,
     /// How long a blocking call waits for the target before failing.
     pub timeout: Duration,
 }
@@ -57,6 +61,7 @@ impl Default for LaneConfig {
             limits: Limits { queue_depth: 256, caravan_reqs_max: 64, caravan_bytes_max: 0, io_bytes_max: 0 },
             doorbell: Doorbell::default(),
             batching: Batching::Static,
+            poll_spin: Duration::ZERO,
             timeout: crate::DEFAULT_TIMEOUT,
         }
     }
@@ -188,6 +193,7 @@ impl<B: IoBuf> Lane<B> {
             n => n.min(LANE_CARAVAN_REQS_MAX),
         };
         let mut conn = Conn::connect(endpoint, &proposed, config.timeout)?;
+        conn.spin = config.poll_spin;
         let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
         let reply = proto::client::handle_open_reply(&h, &body)?;
         let limits = conn.limits;

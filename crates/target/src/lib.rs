@@ -70,6 +70,10 @@ pub struct TargetConfig {
     /// Response bytes queued on one connection before the worker stops reading from it (the
     /// peer is not draining its socket).
     pub tx_backlog_bytes_max: usize,
+    /// Hybrid polling: after its last activity a worker keeps polling without blocking for
+    /// this long before it sleeps (zero, the default, always sleeps). Saves the sleep and
+    /// wake-up when requests arrive back to back; costs a busy core while spinning.
+    pub poll_spin: std::time::Duration,
 }
 
 impl Default for TargetConfig {
@@ -83,6 +87,7 @@ impl Default for TargetConfig {
             limits: Limits::default(),
             connections_max: 1024,
             tx_backlog_bytes_max: 8 << 20,
+            poll_spin: std::time::Duration::ZERO,
         }
     }
 }

@@ -75,8 +75,12 @@ impl Worker {
     pub fn run(mut self) {
         self.stats.tid.store(rt::usage::thread_id(), Ordering::Relaxed);
         let mut events = Events::with_capacity(EVENTS_PER_POLL);
+        let spin = self.shared.config.poll_spin;
+        let mut last_activity = std::time::Instant::now();
         loop {
-            let timeout = if self.carry.is_empty() { None } else { Some(std::time::Duration::ZERO) };
+            let spinning = !spin.is_zero() && last_activity.elapsed() < spin;
+            let timeout =
+                if self.carry.is_empty() && !spinning { None } else { Some(std::time::Duration::ZERO) };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(worker = self.id, error = %e, "poll failed; worker stops");
@@ -85,6 +89,13 @@ impl Worker {
             }
             if self.shared.shutdown.load(Ordering::Acquire) {
                 break;
+            }
+            if events.is_empty() && self.carry.is_empty() {
+                // Nothing happened: a spin iteration of hybrid polling.
+                continue;
+            }
+            if !spin.is_zero() {
+                last_activity = std::time::Instant::now();
             }
             bump(&self.stats.loop_passes, 1);
             self.readable.append(&mut self.carry);

@@ -76,6 +76,10 @@ pub struct BenchArgs {
     /// Doorbell delay bound in microseconds for static batching (i10: 50).
     #[arg(long)]
     doorbell_us: Option<u64>,
+    /// Hybrid polling on the lanes (and the in-process target): off, hybrid (spin 50 us
+    /// before sleeping) or hybrid:US.
+    #[arg(long, default_value = "off", value_parser = crate::units::parse_poll)]
+    poll: Duration,
 }
 
 /// `--batching` as typed.
@@ -124,6 +128,7 @@ pub fn run(args: BenchArgs) -> CliResult {
                 listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
                 exports: vec![format!("{EMBEDDED_EXPORT}={EMBEDDED_SIZE}").parse::<ExportConfig>()?],
                 workers: args.target_workers,
+                poll_spin: args.poll,
                 ..TargetConfig::default()
             };
             let target = Target::start(config)?;
@@ -160,6 +165,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         },
         doorbell,
         batching,
+        poll_spin: args.poll,
         ..LaneConfig::default()
     };
     let lanes = (0..args.threads)
@@ -248,6 +254,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         size_bytes: size,
         verify: args.verify,
         batching: args.batching.label(&doorbell),
+        poll_spin_us: args.poll.as_micros() as u64,
     };
     let summary = report::summarize(setup, &results, elapsed, &stats_before, &stats_after);
     if args.json {

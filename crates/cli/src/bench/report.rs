@@ -67,6 +67,8 @@ pub struct Setup {
     pub size_bytes: u64,
     pub verify: bool,
     pub batching: String,
+    /// Hybrid polling spin budget in microseconds (0: off).
+    pub poll_spin_us: u64,
 }
 
 #[derive(Debug, Serialize)]
