@@ -261,16 +261,14 @@ static enum fio_q_status skiff_queue(struct thread_data *td, struct io_u *io_u)
 	return FIO_Q_QUEUED;
 }
 
+/*
+ * fio commits after every iodepth_batch_submit I/Os, one by default. Ringing the doorbell here
+ * would send caravans of one request; instead the lane rings by its own policy: when a caravan
+ * is full, when the doorbell delay has passed, or when fio waits for completions (getevents
+ * with min > 0 reaps, and reaping sends what is queued). So commit only keeps fio's books.
+ */
 static int skiff_commit(struct thread_data *td)
 {
-	struct skiff_data *sd = td->io_ops_data;
-	int rc = skiff_lane_commit(sd->lane);
-
-	if (rc) {
-		log_err("fio: skiff: commit: %s\n", skiff_last_error());
-		return rc;
-	}
-	/* Everything queued since the last commit is on its way now (fio's submit histogram). */
 	io_u_mark_submit(td, td->io_u_queued);
 	return 0;
 }

@@ -1,0 +1,914 @@
+#!/usr/bin/env python3
+"""skiff's side-by-side benchmark suite: every system driven by fio, on loopback, in one run.
+
+Systems (all serve a 1 GiB RAM-backed volume, written once before anything is measured):
+
+  skiff-native  `skiff serve`, native protocol, fio with skiff's external engine (fio/README.md)
+  skiff-nbd     `skiff serve`, NBD front end, fio's nbd engine (libnbd)
+  nbdkit        `nbdkit memory 1G`, fio's nbd engine
+  qemu-nbd      `qemu-nbd` on a 1 GiB tmpfs file that holds data, fio's nbd engine
+  link          reference, not a system: a bulk TCP stream on loopback (iperf3), measured at the
+                start and at the end of the same run
+
+Experiments (4 KiB random unless said; docs/BENCHMARKS.md says which paper figure each mirrors):
+
+  load     randread and randwrite, QD 1..256, one job            (i10 Fig. 6)
+  mix      read share 0/30/50/70/100 %, QD 32, one job            (i10 Fig. 8)
+  threads  1..64 jobs x QD 4, randread and randwrite              (Tyche Fig. 5)
+  sizes    32 jobs x QD 4 of 4 KiB reads, plus one 128 KiB stream (Tyche Fig. 8)
+           added every interval
+  qd1      QD 1, 4/8/64/128 KiB, read and write                   (Tyche Table II)
+
+    python3 bench/suite.py --quick                        # about two minutes, a few points
+    python3 bench/suite.py                                # the full matrix, about 15 minutes
+    python3 bench/suite.py --systems skiff-nbd,nbdkit --experiments load,qd1 --runtime 3
+
+Writes bench/results/<timestamp>/: records.jsonl (one JSON record per run), meta.json (machine,
+versions, link reference), report.md (a table per experiment) and PNG plots.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.dont_write_bytecode = True  # no bench/__pycache__ from importing compare.py
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import Server, cpu_s, free_port, precondition  # noqa: E402  (shared with compare.py)
+
+SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit", "qemu-nbd"]
+QUICK_SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit"]
+EXPERIMENTS = ["load", "mix", "threads", "sizes", "qd1"]
+ENGINE = "target/fio/skiff-engine.so"
+TITLE_MACHINE = f"{os.cpu_count()} cores, loopback"
+COLORS = {"skiff-native": "#d62728", "skiff-nbd": "#ff7f0e", "nbdkit": "#1f77b4", "qemu-nbd": "#2ca02c"}
+MARKERS = {"skiff-native": "o", "skiff-nbd": "s", "nbdkit": "^", "qemu-nbd": "D"}
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Needs
+
+
+def ensure_needs(a, systems):
+    """Check for every tool the run needs; install what can be installed, saying so."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log("matplotlib is missing: installing it with `python3 -m pip install matplotlib` (for the plots)")
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "matplotlib"])
+        if r.returncode != 0:
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--break-system-packages",
+                                "matplotlib"])
+        if r.returncode != 0:
+            raise SystemExit("could not install matplotlib: python3 -m pip install matplotlib "
+                             "(or apt-get install python3-matplotlib)")
+    apt = {"fio": "fio", "iperf3": "iperf3"}
+    if "nbdkit" in systems:
+        apt["nbdkit"] = "nbdkit"
+    if "qemu-nbd" in systems:
+        apt["qemu-nbd"] = "qemu-utils"
+    missing = [pkg for tool, pkg in apt.items() if not shutil.which(tool)]
+    if missing:
+        cmd = ["apt-get", "install", "-y"] + missing
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            raise SystemExit(f"missing tools: run `{' '.join(cmd)}` as root")
+        log(f"missing tools: running `{' '.join(cmd)}`")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode != 0:
+            subprocess.run(["apt-get", "update"], env=env, stdout=subprocess.DEVNULL)
+            if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode != 0:
+                raise SystemExit(f"`{' '.join(cmd)}` failed")
+    if any(s.startswith("skiff") for s in systems) and not os.access(a.skiff, os.X_OK):
+        raise SystemExit(f"{a.skiff} not found: cargo build --release --bin skiff")
+    if "skiff-native" in systems and not os.path.exists(a.engine):
+        raise SystemExit(f"{a.engine} not found: fio/build.sh --profile release")
+
+
+def versions():
+    def first_line(argv):
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+            return (out.stdout or out.stderr).strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            return None
+    return {
+        "fio": first_line(["fio", "--version"]),
+        "nbdkit": first_line(["nbdkit", "--version"]),
+        "qemu-nbd": first_line(["qemu-nbd", "--version"]),
+        "iperf3": first_line(["iperf3", "--version"]),
+    }
+
+
+def machine():
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), None)
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"cores": os.cpu_count(), "cpu": model, "mem_bytes": mem, "kernel": platform.release(),
+            "host": platform.node()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers
+
+
+class Target:
+    """One system's server, started once, preconditioned once, measured per run by CPU delta."""
+
+    def __init__(self, system, server, fio_args, client):
+        self.system, self.server, self.fio_args, self.client = system, server, fio_args, client
+
+    @property
+    def pid(self):
+        return self.server.proc.pid
+
+    def alive(self):
+        return self.server.proc.poll() is None
+
+
+def start_target(system, a, scratch):
+    port = free_port()
+    if system == "skiff-native":
+        nbd_port = free_port()
+        srv = Server([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--nbd", f"127.0.0.1:{nbd_port}",
+                      "--export", "vol=ram:1G"], port)
+        t = Target(system, srv, [f"--ioengine=external:{a.engine}", f"--target=127.0.0.1:{port}",
+                                 "--export=vol"], "fio skiff engine")
+        t.precondition_uri = f"nbd://127.0.0.1:{nbd_port}/vol"
+        return t
+    if system == "skiff-nbd":
+        srv = Server([a.skiff, "serve", "--no-tcp", "--nbd", f"127.0.0.1:{port}", "--export", "vol=ram:1G"], port)
+        uri = f"nbd://127.0.0.1:{port}/vol"
+    elif system == "nbdkit":
+        srv = Server(["nbdkit", "--foreground", "--ipaddr", "127.0.0.1", "--port", str(port), "memory", "1G"], port)
+        uri = f"nbd://127.0.0.1:{port}/"
+    elif system == "qemu-nbd":
+        # --shared=0: any number of clients (the thread sweep opens up to 64 connections).
+        srv = Server(["qemu-nbd", "--persistent", "--shared=0", "--bind", "127.0.0.1", "--port", str(port),
+                      "--format", "raw", scratch], port)
+        uri = f"nbd://127.0.0.1:{port}/"
+    else:
+        raise ValueError(system)
+    t = Target(system, srv, ["--ioengine=nbd", f"--uri={uri}"], "fio nbd")
+    t.precondition_uri = uri
+    return t
+
+
+def make_scratch():
+    """qemu-nbd's 1 GiB file, on tmpfs when there is room, filled with data (not sparse)."""
+    shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    scratch_dir = "/dev/shm" if shm_free > 2 << 30 else "/var/tmp"
+    scratch = tempfile.NamedTemporaryFile(dir=scratch_dir, prefix="skiff-qemu-nbd-", suffix=".img")
+    with open(scratch.name, "r+b") as f:
+        chunk = b"\x5a" * (1 << 20)
+        for _ in range(1024):
+            f.write(chunk)
+    return scratch, scratch_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# The link reference
+
+
+def link_reference(seconds):
+    """Bulk TCP stream on loopback with iperf3; bytes/s received."""
+    port = free_port()
+    srv = subprocess.Popen(["iperf3", "-s", "-p", str(port), "-B", "127.0.0.1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        d, why = None, ""
+        for _ in range(30):
+            time.sleep(0.2)
+            r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
+                               capture_output=True, text=True)
+            try:
+                d = json.loads(r.stdout)
+            except ValueError:
+                d = None
+            if r.returncode == 0 and d and "sum_received" in d.get("end", {}):
+                break
+            why = (d or {}).get("error") or r.stderr.strip()
+            d = None
+        if d is None:
+            log(f"  link reference: iperf3 failed ({why}); link utilisation will be missing")
+            return None
+        bps = d["end"]["sum_received"]["bits_per_second"] / 8
+        return {"bytes_per_s": bps, "payloads_4k_per_s": bps / 4096, "seconds": seconds,
+                "tool": "iperf3 -c 127.0.0.1"}
+    finally:
+        if srv.poll() is None:
+            srv.terminate()
+        try:
+            srv.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# fio
+
+
+def size_bytes(bs):
+    s = str(bs).lower().rstrip("b")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    return int(s[:-1]) * mult[s[-1]] if s[-1] in mult else int(s)
+
+
+def run_fio(argv):
+    """Run fio; return (parsed JSON, CPU seconds of fio's whole process tree from wait4)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(argv, stdout=out, stderr=err)
+        try:
+            _, status, ru = os.wait4(p.pid, 0)
+        except BaseException:
+            # interrupted: let fio stop its job processes itself, then make sure
+            p.terminate()
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            raise
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read()
+        if p.returncode != 0 or "{" not in text:
+            err.seek(0)
+            raise RuntimeError(f"fio failed ({p.returncode}): {' '.join(argv)}\n{err.read()[-2000:]}{text[-2000:]}")
+    # fio's nbd engine prints "fio: connected to NBD server" before the JSON document.
+    return json.loads(text[text.index("{"):]), ru.ru_utime + ru.ru_stime
+
+
+def side_stats(d):
+    lat = d["lat_ns"]
+    pct = lat.get("percentile", {})
+
+    def p(k):
+        v = pct.get(k)
+        return v / 1000 if v is not None else None
+    return {"mean": lat["mean"] / 1000, "p50": p("50.000000"), "p99": p("99.000000"), "p999": p("99.900000")}
+
+
+def measure(target, a, *, rw, bs="4k", qd=1, numjobs=1, rwmixread=None, runtime=None, extra_jobs=None,
+            logdir=None, log_msec=None):
+    """One fio run against a running target. Returns the figures of the main job group."""
+    runtime = runtime or a.runtime
+    argv = ["fio", "--output-format=json"] + target.fio_args + [
+        "--size=1G", "--time_based", "--group_reporting", "--unified_rw_reporting=both",
+        "--lat_percentiles=1", "--percentile_list=50:99:99.9", "--randrepeat=0"]
+    if logdir:
+        argv += [f"--log_avg_msec={log_msec}", f"--write_bw_log={os.path.join(logdir, 'run')}"]
+    argv += [f"--name={target.system}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={qd}", f"--numjobs={numjobs}",
+             f"--runtime={runtime}"]
+    if rwmixread is not None:
+        argv.append(f"--rwmixread={rwmixread}")
+    for job in extra_jobs or []:
+        argv += job
+    if not target.alive():
+        raise RuntimeError(f"{target.system} server exited")
+    c0 = cpu_s(target.pid)
+    t0 = time.time()
+    d, tree_cpu = run_fio(argv)
+    wall = time.time() - t0
+    server_cpu = cpu_s(target.pid) - c0
+    jobs = d["jobs"]
+    ios_all = sum(j["mixed"]["total_ios"] for j in jobs)
+    bytes_all = sum(j["mixed"]["io_bytes"] for j in jobs)
+    client_cpu = sum((j["usr_cpu"] + j["sys_cpu"]) / 100.0 * j["job_runtime"] / 1000.0 for j in jobs)
+    ctx = sum(j["ctx"] for j in jobs)
+    main = jobs[0]
+    m = main["mixed"]
+    secs = max(main["read"]["runtime"], main["write"]["runtime"], 1) / 1000.0
+    st = side_stats(m)
+    rec = {
+        "client": target.client,
+        "iops": m["total_ios"] / secs,
+        "bw_bytes_s": m["io_bytes"] / secs,
+        "read_iops": main["read"]["total_ios"] / secs,
+        "write_iops": main["write"]["total_ios"] / secs,
+        "lat_mean_us": st["mean"], "lat_p50_us": st["p50"], "lat_p99_us": st["p99"], "lat_p999_us": st["p999"],
+        "ios": ios_all,
+        "bytes": bytes_all,
+        "measured_s": secs,
+        "wall_s": wall,
+        # fio's own usr+sys of its job threads (getrusage RUSAGE_THREAD), every job of the run.
+        "client_cpu_us_per_io": client_cpu * 1e6 / ios_all if ios_all else None,
+        # Cross-check: fio's whole process tree (job processes and fio's main process), from wait4.
+        "client_tree_cpu_us_per_io": tree_cpu * 1e6 / ios_all if ios_all else None,
+        # Server process, all threads, from /proc/PID/stat over the whole fio run.
+        "server_cpu_us_per_io": server_cpu * 1e6 / ios_all if ios_all else None,
+        "ctx_per_io": ctx / ios_all if ios_all else None,
+        # cores kept busy over the run: a fio job near 1.0 is the bottleneck (it polls or works
+        # flat out), and its CPU per I/O is then simply one core divided by its IOPS.
+        "client_cores": client_cpu / secs,
+        "server_cores": server_cpu / secs,
+    }
+    if rec["client_cpu_us_per_io"] is not None:
+        rec["total_cpu_us_per_io"] = rec["client_cpu_us_per_io"] + rec["server_cpu_us_per_io"]
+    rec["groups"] = [{"name": j["jobname"], "iops": j["mixed"]["total_ios"] / max(j["mixed"]["runtime"], 1) * 1000,
+                      "bw_bytes_s": j["mixed"]["io_bytes"] / max(j["mixed"]["runtime"], 1) * 1000,
+                      "lat_mean_us": j["mixed"]["lat_ns"]["mean"] / 1000} for j in jobs]
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# Experiments: each yields (point dict, fio kwargs) in order; systems alternate at every point.
+
+
+def pow2(lo, hi):
+    v, out = lo, []
+    while v <= hi:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def plan(a):
+    q = a.quick
+    p = {}
+    p["load"] = [({"rw": rw, "qd": qd}, dict(rw=rw, qd=qd))
+                 for rw in (["randread", "randwrite"])
+                 for qd in ([1, 16, 128] if q and rw == "randread" else [1, 128] if q else pow2(1, 256))]
+    p["mix"] = [({"rw": "randrw", "read_pct": r, "qd": 32},
+                 dict(rw="randread" if r == 100 else "randwrite" if r == 0 else "randrw", qd=32,
+                      rwmixread=None if r in (0, 100) else r))
+                for r in ([0, 50, 100] if q else [0, 30, 50, 70, 100])]
+    p["threads"] = [({"rw": rw, "numjobs": n, "qd": 4}, dict(rw=rw, qd=4, numjobs=n))
+                    for rw in (["randread"] if q else ["randread", "randwrite"])
+                    for n in ([1, 4, 16] if q else pow2(1, 64))]
+    p["sizes"] = [({"rw": "randread", "numjobs": 32, "qd": 4, "streams": a.streams,
+                    "interval_s": a.interval}, None)]
+    p["qd1"] = [({"rw": rw, "bs": bs, "qd": 1}, dict(rw=rw, bs=bs, qd=1))
+                for rw in (["randread"] if q else ["randread", "randwrite"])
+                for bs in (["4k", "64k"] if q else ["4k", "8k", "64k", "128k"])]
+    return p
+
+
+def run_estimate(a, exp):
+    """Seconds one run takes here: its runtime plus fio's start-up (forking and connecting jobs)."""
+    if exp == "sizes":
+        return a.interval * (a.streams + 1) + 0.8
+    return a.runtime + (0.9 if exp == "threads" else 0.35)
+
+
+def run_sizes(target, a, logdir):
+    """32 jobs x QD 4 of 4 KiB reads for the whole run, plus one 128 KiB stream (QD 4) added at
+    every interval; per-interval throughput from fio's bandwidth logs."""
+    T, S = a.interval, a.streams
+    total = T * (S + 1)
+    extra = []
+    for k in range(1, S + 1):
+        extra.append(["--new_group", f"--name=stream{k}", "--rw=randread", "--bs=128k", "--iodepth=4",
+                      "--numjobs=1", f"--startdelay={k * T}", f"--runtime={total - k * T}"])
+    # --new_group belongs to the job it follows on fio's command line: place it after --name.
+    extra = [[e[1], e[0]] + e[2:] for e in extra]
+    win = 500
+    rec = measure(target, a, rw="randread", qd=4, numjobs=32, runtime=total, extra_jobs=extra,
+                  logdir=logdir, log_msec=win)
+    # bw logs: run_bw.<job index>.log, jobs 1..32 the 4 KiB group, then the streams in order.
+    # Each log entry is the average over the window that ends at its timestamp (ms since that
+    # job's start; a stream starts after its startdelay): spread its bytes over fixed 0.5 s bins.
+    bins_small, bins_big = {}, {}
+    for idx in range(1, 32 + S + 1):
+        path = os.path.join(logdir, f"run_bw.{idx}.log")
+        if not os.path.exists(path):
+            continue
+        delay = 0 if idx <= 32 else (idx - 32) * T * 1000
+        dst = bins_small if idx <= 32 else bins_big
+        prev = 0
+        with open(path) as f:
+            for line in f:
+                parts = [x.strip() for x in line.split(",")]
+                if len(parts) < 2:
+                    continue
+                t_ms, kib_s = int(parts[0]), int(parts[1])
+                lo, hi = max(prev, t_ms - win) + delay, t_ms + delay
+                prev = t_ms
+                if hi <= lo:
+                    continue
+                b = int(lo // win)
+                while b * win < hi:
+                    overlap = min(hi, (b + 1) * win) - max(lo, b * win)
+                    dst[b] = dst.get(b, 0) + kib_s * 1024 * overlap / 1000  # bytes moved in this bin
+                    b += 1
+    # bins hold bytes; bin b covers [b, b+1) x win ms
+    intervals = []
+    for b in range(int(total * 1000 / win) - 1):  # the last window is the jobs' teardown
+        intervals.append({"t_s": (b + 1) * win / 1000, "small_iops": bins_small.get(b, 0) * 1000 / win / 4096,
+                          "big_bytes_s": bins_big.get(b, 0) * 1000 / win})
+    phases = []
+    for k in range(S + 1):
+        lo, hi = k * T, (k + 1) * T
+        # skip the first window of each phase (the new stream connecting and ramping)
+        sel = [iv for iv in intervals if lo + win / 1000 < iv["t_s"] <= hi] or \
+            [iv for iv in intervals if lo < iv["t_s"] <= hi]
+        if sel:
+            phases.append({"streams": k, "small_iops": sum(i["small_iops"] for i in sel) / len(sel),
+                           "big_bytes_s": sum(i["big_bytes_s"] for i in sel) / len(sel)})
+    rec["intervals"], rec["phases"] = intervals, phases
+    rec["iops"] = rec["groups"][0]["iops"]  # the 4 KiB group's IOPS over the whole run
+    rec["bw_bytes_s"] = sum(g["bw_bytes_s"] for g in rec["groups"])  # 4 KiB and 128 KiB payload together
+    for name in os.listdir(logdir):
+        os.unlink(os.path.join(logdir, name))
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt(v, nd=1):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if abs(v) >= 1000 and nd <= 1:
+        return f"{v:,.0f}"
+    return f"{v:.{nd}f}"
+
+
+def point_label(exp, pt):
+    if exp == "load":
+        return f"{pt['rw']} QD {pt['qd']}"
+    if exp == "mix":
+        return f"{pt['read_pct']}% reads"
+    if exp == "threads":
+        return f"{pt['rw']} {pt['numjobs']} jobs"
+    if exp == "qd1":
+        return f"{pt['rw']} {pt['bs'].upper()}iB"
+    if exp == "sizes":
+        return f"32x4 KiB + {pt['streams']} x 128 KiB"
+    return str(pt)
+
+
+def same_point(r, s):
+    return r["experiment"] == s["experiment"] and r["point"] == s["point"]
+
+
+EXPLAIN = {
+    "load": ("Load sweep (i10 Fig. 6)", "4 KiB random, one fio job, queue depth 1 to 256."),
+    "mix": ("Read/write mix (i10 Fig. 8)", "4 KiB random, one fio job, QD 32, read share 0 to 100%."),
+    "threads": ("Thread sweep (Tyche Fig. 5)",
+                "4 KiB random, N fio jobs (processes) x QD 4, each job its own connection (for skiff-native "
+                "its own lane). skiff's shared lanes and its batching modes (off/static/adaptive) do not exist "
+                "yet: the batching-mode variants of this figure wait for the fast-path work."),
+    "sizes": ("Mixed sizes over time (Tyche Fig. 8)",
+              "32 jobs x QD 4 of 4 KiB random reads for the whole run; one more 128 KiB random-read stream "
+              "(QD 4) starts every interval (fio startdelay). The table gives the whole run; the phase "
+              "table averages fio's 0.5 s bandwidth-log windows within each phase (first window of a phase "
+              "skipped). IOPS is the 4 KiB group's; MB/s and link utilisation count all payload; CPU and "
+              "ctx per I/O count every I/O of both sizes."),
+    "qd1": ("QD 1 latency by size (Tyche Table II)",
+            "One job, one outstanding I/O, random, end-to-end latency (fio's submission-to-completion `lat`) "
+            "and CPU per I/O. skiff's per-stage breakdown (Tyche's time per stage on both sides) is not "
+            "instrumented yet."),
+}
+
+
+def write_report(outdir, a, meta, records, plots):
+    link = meta.get("link", {}).get("bytes_per_s")
+    L = []
+    L.append(f"# skiff benchmark suite: {meta['started']}\n")
+    m = meta["machine"]
+    L.append(f"Machine: {m['cores']} cores ({m['cpu']}), {(m['mem_bytes'] or 0) / 2**30:.0f} GiB, Linux "
+             f"{m['kernel']}, loopback TCP. Mode: {'--quick' if a.quick else 'full'}, {a.runtime} s per point. "
+             f"Systems: {', '.join(meta['systems'])}.  ")
+    L.append("Tools: " + "; ".join(f"{k}: {v}" for k, v in meta["versions"].items() if v) + ".  ")
+    L.append(f"Command: `{meta['command']}`; wall time {meta.get('wall_s', 0) / 60:.1f} min.\n")
+    if meta.get("link"):
+        lk = meta["link"]
+        L.append(f"**Link reference** (bulk TCP stream on loopback, {lk['tool']}, {lk['seconds']} s, measured at "
+                 f"the start and the end of this run): "
+                 + ", ".join(f"{x / 1e9:.2f} GB/s" for x in lk["samples_bytes_per_s"])
+                 + f"; mean {lk['bytes_per_s'] / 1e9:.2f} GB/s = {lk['payloads_4k_per_s'] / 1e6:.2f} million 4 KiB "
+                 f"payloads/s. Link utilisation below is each run's payload bytes/s divided by this mean.\n")
+    L.append("Every system is driven by fio 3.33: skiff-native through skiff's external engine, the others "
+             "through fio's nbd engine (libnbd). Each server runs for the whole suite and its volume is written "
+             "once before anything is measured. CPU µs/I/O: client = fio's usr+sys of its job threads, "
+             "server = the server process (all threads, /proc/PID/stat) over the run, both divided by completed "
+             "I/Os; ctx/I/O = fio's context switches per I/O; \"vs nbdkit\" = IOPS ratio at the same point. "
+             "Latency is end-to-end (fio `lat`, submission to completion), in µs.\n")
+    hdr = ("| point | system | IOPS | vs nbdkit | MB/s | mean µs | p50 | p99 | p99.9 | CPU µs/I/O client | server | "
+           "sum | cores busy client/server | ctx/I/O | link util |")
+    sep = "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    for exp in EXPERIMENTS:
+        recs = [r for r in records if r["experiment"] == exp and "error" not in r]
+        errs = [r for r in records if r["experiment"] == exp and "error" in r]
+        if not recs and not errs:
+            continue
+        title, text = EXPLAIN[exp]
+        L.append(f"## {title}\n")
+        L.append(text + "\n")
+        for p in plots.get(exp, []):
+            L.append(f"![{exp}]({p})\n")
+        L.append(hdr)
+        L.append(sep)
+        for r in recs:
+            base = next((b for b in recs if b["system"] == "nbdkit" and same_point(b, r)), None)
+            ratio = f"{r['iops'] / base['iops']:.2f}x" if base and base["iops"] else "-"
+            util = f"{100 * r['bw_bytes_s'] / link:.1f}%" if link else "-"
+            cores = (f"{r['client_cores']:.2f} / {r['server_cores']:.2f}" if r.get("client_cores") is not None
+                     else "-")
+            L.append(f"| {point_label(exp, r['point'])} | {r['system']} | {fmt(r['iops'])} | {ratio} | "
+                     f"{r['bw_bytes_s'] / 1e6:,.0f} | {fmt(r['lat_mean_us'])} | {fmt(r['lat_p50_us'])} | "
+                     f"{fmt(r['lat_p99_us'])} | {fmt(r['lat_p999_us'])} | {fmt(r['client_cpu_us_per_io'], 2)} | "
+                     f"{fmt(r['server_cpu_us_per_io'], 2)} | {fmt(r.get('total_cpu_us_per_io'), 2)} | "
+                     f"{cores} | {fmt(r['ctx_per_io'], 2)} | {util} |")
+        for r in errs:
+            L.append(f"| {point_label(exp, r['point'])} | {r['system']} | failed: {r['error'][:80]} |"
+                     + " |" * 12)
+        L.append("")
+        if exp == "sizes":
+            L.append("Per phase (average over the phase's 0.5 s windows):\n")
+            L.append("| system | 128 KiB streams | 4 KiB IOPS | 128 KiB MB/s | total MB/s | link util |")
+            L.append("|---|---:|---:|---:|---:|---:|")
+            for r in recs:
+                for ph in r.get("phases", []):
+                    tot = ph["small_iops"] * 4096 + ph["big_bytes_s"]
+                    util = f"{100 * tot / link:.1f}%" if link else "-"
+                    L.append(f"| {r['system']} | {ph['streams']} | {ph['small_iops']:,.0f} | "
+                             f"{ph['big_bytes_s'] / 1e6:,.0f} | {tot / 1e6:,.0f} | {util} |")
+            L.append("")
+    L.append("## Notes\n")
+    L.append("- Systems alternate at every point (the order rotates from point to point), so drift on this "
+             "shared machine spreads over all of them; compare ratios within one run.")
+    L.append("- \"cores busy\" is CPU seconds per second of the run, all fio jobs together / the server. On two "
+             "cores a fio job near 1.0 is the bottleneck: it polls or works flat out, and its CPU per I/O is then "
+             "one core divided by its IOPS, not a cost the server imposes. fio's nbd engine (libnbd) and skiff's "
+             "fio engine both reach this at moderate queue depth with one job, which caps every system's IOPS "
+             "there.")
+    L.append("- Client CPU from fio counts the job threads only; `client_tree_cpu_us_per_io` in records.jsonl "
+             "is the whole fio process tree (wait4), a cross-check that includes fio's main process.")
+    with open(os.path.join(outdir, "report.md"), "w") as f:
+        f.write("\n".join(L) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+
+
+def plot_all(outdir, a, meta, records):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    plots = {}
+    systems = meta["systems"]
+    sub = f"{TITLE_MACHINE}, fio, {a.runtime} s per point"
+    kfmt = FuncFormatter(lambda v, _: f"{v / 1000:,.0f}K" if v >= 1000 else f"{v:,.0f}")
+
+    def ok(exp):
+        return [r for r in records if r["experiment"] == exp and "error" not in r]
+
+    def line(ax, xs, ys, s, **kw):
+        ax.plot(xs, ys, marker=MARKERS.get(s, "o"), color=COLORS.get(s), label=s, linewidth=1.8, markersize=5, **kw)
+
+    def save(fig, name, exp):
+        path = os.path.join(outdir, name)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        plots.setdefault(exp, []).append(name)
+
+    def pow2_axis(ax, vals):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(vals)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+
+    # Load sweep: IOPS vs mean latency and vs p99, one figure per direction.
+    recs = ok("load")
+    for rw in dict.fromkeys(r["point"]["rw"] for r in recs):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+        for ax, key, lab in ((axes[0], "lat_mean_us", "mean"), (axes[1], "lat_p99_us", "p99")):
+            for s in systems:
+                pts = sorted((r["point"]["qd"], r["iops"], r[key]) for r in recs
+                             if r["system"] == s and r["point"]["rw"] == rw and r[key])
+                if not pts:
+                    continue
+                line(ax, [p[1] for p in pts], [p[2] for p in pts], s)
+                for qd, x, y in (pts[0], pts[-1]):
+                    ax.annotate(f"QD{qd}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                                color=COLORS.get(s))
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(
+                lambda v, _: f"{v:,.0f}" if str(int(round(v)))[0] in "25" else ""))
+            ax.set_xlabel("IOPS")
+            ax.xaxis.set_major_formatter(kfmt)
+            ax.set_ylabel(f"{lab} latency (µs, log)")
+            ax.set_title(f"IOPS vs {lab} latency")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        qds = [r["point"]["qd"] for r in recs if r["point"]["rw"] == rw]
+        fig.suptitle(f"Load sweep: 4 KiB {rw}, 1 job, QD {min(qds)}-{max(qds)} ({sub})")
+        save(fig, f"load-{rw}.png", "load")
+
+    # Read/write mix: IOPS and CPU per I/O against read share.
+    recs = ok("mix")
+    if recs:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        for s in systems:
+            pts = sorted((r["point"]["read_pct"], r["iops"], r.get("total_cpu_us_per_io"),
+                          r["client_cpu_us_per_io"], r["server_cpu_us_per_io"]) for r in recs if r["system"] == s)
+            if not pts:
+                continue
+            line(axes[0], [p[0] for p in pts], [p[1] for p in pts], s)
+            line(axes[1], [p[0] for p in pts], [p[4] for p in pts], s)
+            axes[1].plot([p[0] for p in pts], [p[3] for p in pts], color=COLORS.get(s), linestyle=":",
+                         linewidth=1.2, marker=MARKERS.get(s), markersize=3, markerfacecolor="none")
+        axes[0].set_ylabel("IOPS")
+        axes[0].yaxis.set_major_formatter(kfmt)
+        axes[0].set_ylim(bottom=0)
+        axes[0].set_title("Throughput")
+        axes[1].set_ylabel("CPU µs per I/O")
+        axes[1].set_ylim(bottom=0)
+        axes[1].set_title("CPU per I/O: server (solid), fio client (dotted)")
+        for ax in axes:
+            ax.set_xlabel("read share (%)")
+            ax.set_xticks(sorted({r["point"]["read_pct"] for r in recs}))
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"Read/write mix: 4 KiB random, 1 job, QD 32 ({sub})")
+        save(fig, "mix.png", "mix")
+
+    # Thread sweep: IOPS and CPU per I/O against jobs, one figure per direction.
+    recs = ok("threads")
+    for rw in dict.fromkeys(r["point"]["rw"] for r in recs):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        ns = sorted({r["point"]["numjobs"] for r in recs if r["point"]["rw"] == rw})
+        for s in systems:
+            pts = sorted((r["point"]["numjobs"], r["iops"], r["client_cpu_us_per_io"], r["server_cpu_us_per_io"])
+                         for r in recs if r["system"] == s and r["point"]["rw"] == rw)
+            if not pts:
+                continue
+            line(axes[0], [p[0] for p in pts], [p[1] for p in pts], s)
+            line(axes[1], [p[0] for p in pts], [p[3] for p in pts], s)
+            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], color=COLORS.get(s), linestyle=":",
+                         linewidth=1.2, marker=MARKERS.get(s), markersize=3, markerfacecolor="none")
+        axes[0].set_ylabel("IOPS")
+        axes[0].yaxis.set_major_formatter(kfmt)
+        axes[0].set_ylim(bottom=0)
+        axes[0].set_title("Throughput")
+        axes[1].set_ylabel("CPU µs per I/O")
+        axes[1].set_ylim(bottom=0)
+        axes[1].set_title("CPU per I/O: server (solid), fio client (dotted)")
+        for ax in axes:
+            pow2_axis(ax, ns)
+            ax.set_xlabel("fio jobs (log scale), QD 4 each")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"Thread sweep: 4 KiB {rw}, N jobs x QD 4 ({sub})")
+        save(fig, f"threads-{rw}.png", "threads")
+
+    # Mixed sizes over time.
+    recs = ok("sizes")
+    if recs:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        T = recs[0]["point"]["interval_s"]
+        S = recs[0]["point"]["streams"]
+        for r in sorted(recs, key=lambda r: systems.index(r["system"])):
+            s = r["system"]
+            iv = r.get("intervals", [])
+            xs = [i["t_s"] for i in iv]
+            line(axes[0], xs, [i["small_iops"] for i in iv], s)
+            line(axes[1], xs, [i["big_bytes_s"] / 1e6 for i in iv], s)
+        for ax in axes:
+            for k in range(1, S + 1):
+                ax.axvline(k * T, color="grey", linestyle="--", linewidth=0.8)
+            ax.set_xlabel("time (s); dashed: one more 128 KiB stream starts")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+            ax.set_ylim(bottom=0)
+        axes[0].set_ylabel("4 KiB IOPS (32 jobs x QD 4)")
+        axes[0].yaxis.set_major_formatter(kfmt)
+        axes[0].set_title("4 KiB reads")
+        axes[1].set_ylabel("128 KiB streams, MB/s")
+        axes[1].set_title("128 KiB reads (all streams)")
+        fig.suptitle(f"Mixed sizes over time: 32x4 KiB + 1 x 128 KiB stream per {T} s "
+                     f"({TITLE_MACHINE}, fio, 0.5 s windows)")
+        save(fig, "sizes.png", "sizes")
+
+    # QD 1 latency and CPU by size.
+    recs = ok("qd1")
+    if recs:
+        rws = list(dict.fromkeys(r["point"]["rw"] for r in recs))
+        sizes = sorted({r["point"]["bs"] for r in recs}, key=size_bytes)
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        width = 0.8 / max(1, len(systems))
+        groups = [(rw, bs) for rw in rws for bs in sizes]
+        for i, s in enumerate(systems):
+            lat, cpu = [], []
+            for rw, bs in groups:
+                r = next((r for r in recs if r["system"] == s and r["point"]["rw"] == rw and r["point"]["bs"] == bs),
+                         None)
+                lat.append(r["lat_mean_us"] if r else 0)
+                cpu.append(r.get("total_cpu_us_per_io") or 0 if r else 0)
+            if not any(lat):
+                continue
+            xs = [g + (i - (len(systems) - 1) / 2) * width for g in range(len(groups))]
+            axes[0].bar(xs, lat, width, color=COLORS.get(s), label=s)
+            axes[1].bar(xs, cpu, width, color=COLORS.get(s), label=s)
+        labels = [f"{rw.replace('rand', '')}\n{bs.upper()}iB" for rw, bs in groups]
+        for ax in axes:
+            ax.set_xticks(range(len(groups)))
+            ax.set_xticklabels(labels)
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0].set_ylabel("mean end-to-end latency (µs)")
+        axes[0].set_title("Latency at QD 1")
+        axes[1].set_ylabel("CPU µs per I/O, client + server")
+        axes[1].set_title("CPU per I/O at QD 1")
+        fig.suptitle(f"QD 1 by size: random, 1 job ({sub})")
+        save(fig, "qd1.png", "qd1")
+    return plots
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--quick", action="store_true", help="a few points, 2 s each, 3 systems: about two minutes")
+    p.add_argument("--systems", help=f"comma-separated, from {','.join(SYSTEMS)}")
+    p.add_argument("--experiments", default=",".join(EXPERIMENTS), help=f"from {','.join(EXPERIMENTS)}")
+    p.add_argument("--runtime", type=int, help="seconds per point (default 4, --quick 2)")
+    p.add_argument("--interval", type=int, help="seconds between 128 KiB streams in `sizes` (default 4, quick 2)")
+    p.add_argument("--streams", type=int, help="128 KiB streams added in `sizes` (default 3, quick 2)")
+    p.add_argument("--link-seconds", type=int, help="iperf3 duration (default 3, quick 2)")
+    p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--engine", default=ENGINE)
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--dry-run", action="store_true", help="print the runs and the time estimate, run nothing")
+    p.add_argument("--replot", metavar="DIR", help="redo report.md and the plots from DIR's records")
+    a = p.parse_args()
+    a.runtime = a.runtime or (2 if a.quick else 4)
+    a.interval = a.interval or (2 if a.quick else 4)
+    a.streams = a.streams if a.streams is not None else (2 if a.quick else 3)
+    a.link_seconds = a.link_seconds or (2 if a.quick else 3)
+
+    if a.replot:
+        with open(os.path.join(a.replot, "meta.json")) as f:
+            meta = json.load(f)
+        with open(os.path.join(a.replot, "records.jsonl")) as f:
+            records = [json.loads(l) for l in f if l.strip()]
+        a.quick, a.runtime = meta["quick"], meta["runtime_s"]
+        plots = plot_all(a.replot, a, meta, records)
+        write_report(a.replot, a, meta, records, plots)
+        log(f"rewrote {a.replot}/report.md")
+        return 0
+
+    systems = a.systems.split(",") if a.systems else (QUICK_SYSTEMS if a.quick else SYSTEMS)
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"unknown system {s}: choose from {','.join(SYSTEMS)}")
+    exps = a.experiments.split(",")
+    for e in exps:
+        if e not in EXPERIMENTS:
+            raise SystemExit(f"unknown experiment {e}: choose from {','.join(EXPERIMENTS)}")
+    a.skiff, a.engine = os.path.abspath(a.skiff), os.path.abspath(a.engine)
+    if a.dry_run:
+        pl = plan(a)
+        for e in exps:
+            log(f"{e}: " + "; ".join(point_label(e, pt) for pt, _ in pl[e]))
+        n = sum(len(pl[e]) for e in exps)
+        est = sum(run_estimate(a, e) for e in exps for _ in pl[e]) * len(systems)
+        log(f"{len(systems)} systems x {n} points = {n * len(systems)} runs, about {est / 60 + 0.5:.1f} min")
+        return 0
+    ensure_needs(a, systems)
+    # SIGTERM unwinds like Ctrl-C, through the finally that stops every server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    started = time.strftime("%Y%m%d-%H%M%S")
+    outdir = os.path.join(a.out, started)
+    os.makedirs(outdir, exist_ok=True)
+    meta = {"started": started, "command": " ".join(["python3"] + sys.argv), "quick": a.quick,
+            "runtime_s": a.runtime, "systems": systems, "experiments": exps, "machine": machine(),
+            "versions": versions()}
+    try:
+        meta["skiff_git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                           text=True).stdout.strip()
+    except OSError:
+        pass
+
+    # written now so that `--replot` works on the records of an interrupted run; rewritten at the end
+    with open(os.path.join(outdir, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+
+    pl = plan(a)
+    runs = [(e, pt, kw) for e in exps for pt, kw in pl[e]]
+    total_runs = len(runs) * len(systems)
+    est = sum(run_estimate(a, e) for e, _, _ in runs) * len(systems)
+    log(f"skiff suite -> {outdir}: {len(systems)} systems x {len(runs)} points = {total_runs} runs, "
+        f"about {est / 60 + 0.5:.1f} min")
+
+    t_start = time.time()
+    records = []
+    targets = {}
+    scratch = None
+    link_samples = []
+    recfile = open(os.path.join(outdir, "records.jsonl"), "w")
+    logdir = tempfile.mkdtemp(prefix="skiff-suite-")
+    try:
+        log(f"link reference: iperf3 on loopback, {a.link_seconds} s ...")
+        lk = link_reference(a.link_seconds)
+        if lk:
+            link_samples.append(lk["bytes_per_s"])
+            log(f"  {lk['bytes_per_s'] / 1e9:.2f} GB/s = {lk['payloads_4k_per_s'] / 1e6:.2f} M 4 KiB payloads/s")
+        if "qemu-nbd" in systems:
+            scratch, scratch_dir = make_scratch()
+            meta["qemu_nbd_file_dir"] = scratch_dir
+        for s in systems:
+            t0 = time.time()
+            t = start_target(s, a, scratch.name if scratch else None)
+            targets[s] = t
+            precondition(t.precondition_uri)
+            log(f"started {s} (pid {t.pid}) and wrote its 1 GiB volume in {time.time() - t0:.1f} s")
+        link_bps = link_samples[0] if link_samples else None
+
+        n = 0
+        t_runs = time.time()
+        for pi, (exp, pt, kw) in enumerate(runs):
+            order = systems[pi % len(systems):] + systems[:pi % len(systems)]
+            for s in order:
+                n += 1
+                label = f"[{n:>3}/{total_runs}] {exp:<7} {point_label(exp, pt):<24} {s:<12}"
+                rec = {"experiment": exp, "system": s, "point": pt, "runtime_s": a.runtime,
+                       "time": time.strftime("%H:%M:%S")}
+                try:
+                    if exp == "sizes":
+                        rec.update(run_sizes(targets[s], a, logdir))
+                    else:
+                        rec.update(measure(targets[s], a, **kw))
+                    if link_bps:
+                        rec["link_util"] = rec["bw_bytes_s"] / link_bps
+                    el = time.time() - t_runs
+                    eta = el / n * (total_runs - n)
+                    log(f"{label} {rec['iops']:>9,.0f} IOPS {rec['lat_mean_us']:>8.1f} µs mean "
+                        f"{rec['lat_p99_us'] or 0:>8.1f} p99  CPU µs/IO {rec['client_cpu_us_per_io']:.2f} + "
+                        f"{rec['server_cpu_us_per_io']:.2f}  (eta {eta / 60:.1f} min)")
+                except RuntimeError as e:
+                    rec["error"] = str(e)
+                    log(f"{label} FAILED: {str(e).splitlines()[0][:200]}")
+                    if not targets[s].alive():
+                        log(f"  {s} exited: restarting it")
+                        targets[s].server.stop()
+                        targets[s] = start_target(s, a, scratch.name if scratch else None)
+                        precondition(targets[s].precondition_uri)
+                records.append(rec)
+                recfile.write(json.dumps(rec) + "\n")
+                recfile.flush()
+
+        log(f"link reference again: iperf3 on loopback, {a.link_seconds} s ...")
+    finally:
+        for t in targets.values():
+            t.server.stop()
+        if scratch:
+            scratch.close()
+        recfile.close()
+        shutil.rmtree(logdir, ignore_errors=True)
+    lk2 = link_reference(a.link_seconds)
+    if lk2:
+        link_samples.append(lk2["bytes_per_s"])
+        log(f"  {lk2['bytes_per_s'] / 1e9:.2f} GB/s")
+    if link_samples:
+        bps = sum(link_samples) / len(link_samples)
+        meta["link"] = {"bytes_per_s": bps, "payloads_4k_per_s": bps / 4096, "samples_bytes_per_s": link_samples,
+                        "seconds": a.link_seconds, "tool": "iperf3 -c 127.0.0.1"}
+        # utilisation against the mean of both samples
+        for r in records:
+            if "bw_bytes_s" in r:
+                r["link_util"] = r["bw_bytes_s"] / bps
+        with open(os.path.join(outdir, "records.jsonl"), "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    meta["wall_s"] = time.time() - t_start
+    with open(os.path.join(outdir, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    plots = plot_all(outdir, a, meta, records)
+    write_report(outdir, a, meta, records, plots)
+    log(f"done in {meta['wall_s'] / 60:.1f} min: {outdir}/report.md, records.jsonl, "
+        f"{sum(len(v) for v in plots.values())} plots")
+    return 1 if any("error" in r for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
