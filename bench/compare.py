@@ -158,6 +158,19 @@ def run_skiff_native(a, rw, qd):
     }
 
 
+def make_scratch():
+    """qemu-nbd's 1 GiB file: on tmpfs when there is room, so that it is RAM-backed like the
+    others (else /var/tmp, the page cache), and filled with data, not sparse."""
+    shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    scratch_dir = "/dev/shm" if shm_free > 2 << 30 else "/var/tmp"
+    scratch = tempfile.NamedTemporaryFile(dir=scratch_dir, prefix="skiff-qemu-nbd-", suffix=".img")
+    with open(scratch.name, "r+b") as f:
+        chunk = b"\x5a" * (1 << 20)
+        for _ in range(1024):
+            f.write(chunk)
+    return scratch, scratch_dir
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS))
@@ -175,15 +188,7 @@ def main():
     if not os.access(a.skiff, os.X_OK):
         raise SystemExit(f"{a.skiff} not found: cargo build --release --bin skiff")
 
-    # qemu-nbd serves a 1 GiB file from tmpfs when there is room, so that it is RAM-backed like
-    # the others; otherwise a file in /var/tmp (page cache).
-    shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-    scratch_dir = "/dev/shm" if shm_free > 2 << 30 else "/var/tmp"
-    scratch = tempfile.NamedTemporaryFile(dir=scratch_dir, prefix="skiff-qemu-nbd-", suffix=".img")
-    with open(scratch.name, "r+b") as f:
-        chunk = b"\x5a" * (1 << 20)
-        for _ in range(1024):
-            f.write(chunk)
+    scratch, scratch_dir = make_scratch()
 
     records = []
     for rw in a.rw.split(","):

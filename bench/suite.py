@@ -40,7 +40,7 @@ import time
 
 sys.dont_write_bytecode = True  # no bench/__pycache__ from importing compare.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Server, cpu_s, free_port, precondition  # noqa: E402  (shared with compare.py)
+from compare import Server, cpu_s, free_port, make_scratch, precondition  # noqa: E402  (shared with compare.py)
 
 SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit", "qemu-nbd"]
 QUICK_SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit"]
@@ -170,18 +170,6 @@ def start_target(system, a, scratch):
     t = Target(system, srv, ["--ioengine=nbd", f"--uri={uri}"], "fio nbd")
     t.precondition_uri = uri
     return t
-
-
-def make_scratch():
-    """qemu-nbd's 1 GiB file, on tmpfs when there is room, filled with data (not sparse)."""
-    shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-    scratch_dir = "/dev/shm" if shm_free > 2 << 30 else "/var/tmp"
-    scratch = tempfile.NamedTemporaryFile(dir=scratch_dir, prefix="skiff-qemu-nbd-", suffix=".img")
-    with open(scratch.name, "r+b") as f:
-        chunk = b"\x5a" * (1 << 20)
-        for _ in range(1024):
-            f.write(chunk)
-    return scratch, scratch_dir
 
 
 # ---------------------------------------------------------------------------------------------
