@@ -30,6 +30,7 @@ struct skiff_options {
 	unsigned int aggregation_bytes;
 	unsigned int doorbell_us;
 	unsigned int timeout_ms;
+	unsigned int batching;
 };
 
 /* Per-job state: the lane and the completions of the last getevents, for event(). */
@@ -106,6 +107,24 @@ static struct fio_option options[] = {
 		.group = FIO_OPT_G_INVALID,
 	},
 	{
+		.name = "batching",
+		.lname = "skiff batching",
+		.type = FIO_OPT_STR,
+		.off1 = offsetof(struct skiff_options, batching),
+		.def = "static",
+		.help = "How requests gather into caravans (default static)",
+		.posval = {
+			{ .ival = "static", .oval = SKIFF_BATCHING_STATIC,
+			  .help = "the doorbell policy of aggregation= and doorbell_us= (i10's caravans)" },
+			{ .ival = "off", .oval = SKIFF_BATCHING_OFF,
+			  .help = "every request is sent on its own" },
+			{ .ival = "adaptive", .oval = SKIFF_BATCHING_ADAPTIVE,
+			  .help = "Tyche's controller sets caravan size and doorbell delay from throughput" },
+		},
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
 		.name = NULL,
 	},
 };
@@ -127,6 +146,7 @@ static int skiff_open_lane(struct thread_data *td, skiff_lane **lane)
 	cfg.aggregation_bytes = o->aggregation_bytes;
 	cfg.doorbell_us = o->doorbell_us;
 	cfg.timeout_ms = o->timeout_ms;
+	cfg.batching = o->batching;
 	rc = skiff_lane_open(o->target, o->export_name, &cfg, lane);
 	if (rc) {
 		log_err("fio: skiff: cannot open %s on %s: %s\n", o->export_name, o->target,

@@ -157,7 +157,9 @@ fn a_missing_export_fails_the_job() {
 #[test]
 fn enghelp_lists_the_engine_options() {
     let help = run_ok(tool("fio", "fio").arg(format!("--enghelp={}", engine().display())));
-    for option in ["target", "export", "aggregation", "aggregation_bytes", "doorbell_us", "timeout_ms"] {
+    for option in
+        ["target", "export", "aggregation", "aggregation_bytes", "doorbell_us", "timeout_ms", "batching"]
+    {
         assert!(
             help.lines().any(|l| l.split_whitespace().next() == Some(option)),
             "{option} missing: {help}"

@@ -33,6 +33,11 @@ extern "C" {
 #define SKIFF_FLAG_FUA 0x01      /* durable before the completion */
 #define SKIFF_FLAG_NO_DELAY 0x02 /* ring the doorbell now */
 
+/* How requests gather into caravans (skiff_lane_config.batching). */
+#define SKIFF_BATCHING_STATIC 0   /* the doorbell policy below (i10's caravans); the default */
+#define SKIFF_BATCHING_OFF 1      /* every request is sent on its own */
+#define SKIFF_BATCHING_ADAPTIVE 2 /* Tyche's controller sets caravan size and doorbell delay */
+
 typedef struct skiff_lane skiff_lane;
 
 typedef struct skiff_lane_config {
@@ -41,7 +46,7 @@ typedef struct skiff_lane_config {
     uint32_t aggregation_bytes; /* ring when a caravan carries this many payload bytes (default 65536) */
     uint32_t doorbell_us;       /* ring when the oldest queued request waited this long; 0 rings at once (default 50) */
     uint32_t timeout_ms;        /* give up on an unresponsive target after this long (default 30000) */
-    uint32_t reserved;          /* must be 0 */
+    uint32_t batching;          /* SKIFF_BATCHING_* (default SKIFF_BATCHING_STATIC) */
 } skiff_lane_config;
 
 typedef struct skiff_completion {

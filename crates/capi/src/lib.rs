@@ -11,12 +11,19 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
-use initiator::{Completion, Doorbell, Endpoint, Error, Lane, LaneConfig, Limits, ReqFlags};
+use initiator::{
+    BatchConfig, Batching, Completion, Doorbell, Endpoint, Error, Lane, LaneConfig, Limits, ReqFlags,
+};
 use wire::Opcode;
 
 /// Request flags, as in `skiff.h`.
 pub const SKIFF_FLAG_FUA: u32 = 0x01;
 pub const SKIFF_FLAG_NO_DELAY: u32 = 0x02;
+
+/// Batching modes, as in `skiff.h`.
+pub const SKIFF_BATCHING_STATIC: u32 = 0;
+pub const SKIFF_BATCHING_OFF: u32 = 1;
+pub const SKIFF_BATCHING_ADAPTIVE: u32 = 2;
 
 /// `skiff_lane_config` in `skiff.h`.
 #[repr(C)]
@@ -27,7 +34,7 @@ pub struct SkiffLaneConfig {
     pub aggregation_bytes: u32,
     pub doorbell_us: u32,
     pub timeout_ms: u32,
-    pub reserved: u32,
+    pub batching: u32,
 }
 
 /// `skiff_completion` in `skiff.h`.
@@ -120,13 +127,19 @@ fn defaults() -> SkiffLaneConfig {
         aggregation_bytes: d.doorbell.aggregation_bytes,
         doorbell_us: d.doorbell.delay_us as u32,
         timeout_ms: d.timeout.as_millis() as u32,
-        reserved: 0,
+        batching: SKIFF_BATCHING_STATIC,
     }
 }
 
-fn lane_config(c: &SkiffLaneConfig) -> LaneConfig {
+fn lane_config(c: &SkiffLaneConfig) -> Option<LaneConfig> {
     let d = LaneConfig::default();
-    LaneConfig {
+    let batching = match c.batching {
+        SKIFF_BATCHING_STATIC => Batching::Static,
+        SKIFF_BATCHING_OFF => Batching::Off,
+        SKIFF_BATCHING_ADAPTIVE => Batching::Adaptive(BatchConfig::default()),
+        _ => return None,
+    };
+    Some(LaneConfig {
         limits: Limits { queue_depth: c.queue_depth, ..d.limits },
         doorbell: Doorbell {
             aggregation_reqs: c.aggregation_reqs.max(1),
@@ -134,8 +147,9 @@ fn lane_config(c: &SkiffLaneConfig) -> LaneConfig {
             delay_us: c.doorbell_us.into(),
         },
         timeout: Duration::from_millis(c.timeout_ms.max(1).into()),
+        batching,
         ..d
-    }
+    })
 }
 
 /// # Safety
@@ -168,9 +182,11 @@ pub unsafe extern "C" fn skiff_lane_open(
             return fail(&Error::InvalidArgument("target and export must be UTF-8"));
         };
         let config = if config.is_null() { defaults() } else { unsafe { *config } };
-        if config.reserved != 0 {
-            return fail(&Error::InvalidArgument("skiff_lane_config.reserved must be 0"));
-        }
+        let Some(lane_config) = lane_config(&config) else {
+            return fail(&Error::InvalidArgument(
+                "skiff_lane_config.batching is not a SKIFF_BATCHING_* value",
+            ));
+        };
         let endpoint = match Endpoint::parse(target) {
             Ok(e) => e,
             Err(msg) => {
@@ -178,7 +194,7 @@ pub unsafe extern "C" fn skiff_lane_open(
                 return -libc::EINVAL;
             }
         };
-        match Lane::connect_with(&endpoint, export, &lane_config(&config)) {
+        match Lane::connect_with(&endpoint, export, &lane_config) {
             Ok(lane) => {
                 let handle = Box::new(SkiffLane { lane, ready: VecDeque::new(), scratch: Vec::new() });
                 // SAFETY: `out` is valid for a write per the contract.

@@ -89,6 +89,9 @@ fn header_constants_match_the_protocol() {
     assert_eq!(define("SKIFF_OP_WRITE_ZEROES"), Opcode::WriteZeroes as u32);
     assert_eq!(define("SKIFF_FLAG_FUA"), skiff::SKIFF_FLAG_FUA);
     assert_eq!(define("SKIFF_FLAG_NO_DELAY"), skiff::SKIFF_FLAG_NO_DELAY);
+    assert_eq!(define("SKIFF_BATCHING_STATIC"), skiff::SKIFF_BATCHING_STATIC);
+    assert_eq!(define("SKIFF_BATCHING_OFF"), skiff::SKIFF_BATCHING_OFF);
+    assert_eq!(define("SKIFF_BATCHING_ADAPTIVE"), skiff::SKIFF_BATCHING_ADAPTIVE);
     assert_eq!(define("SKIFF_FLAG_FUA"), u32::from(wire::ReqFlags::FUA.bits()));
     assert_eq!(define("SKIFF_FLAG_NO_DELAY"), u32::from(wire::ReqFlags::NO_DELAY.bits()));
 }

@@ -79,6 +79,19 @@ int main(int argc, char **argv) {
     if (skiff_lane_in_flight(lane) != 0) return fail("in flight after reaping all", 0);
     skiff_lane_close(lane);
 
+    /* An unknown batching mode is refused before connecting; adaptive batching works. */
+    cfg.batching = 99;
+    rc = skiff_lane_open(argv[1], argv[2], &cfg, &lane);
+    if (rc != -EINVAL) return fail("open with an unknown batching mode", rc);
+    cfg.batching = SKIFF_BATCHING_ADAPTIVE;
+    rc = skiff_lane_open(argv[1], argv[2], &cfg, &lane);
+    if (rc != 0) return fail("open adaptive", rc);
+    rc = skiff_lane_submit(lane, SKIFF_OP_READ, 0, 0, bufs[0], BS, 400);
+    if (rc != 0) return fail("submit adaptive read", rc);
+    rc = skiff_lane_reap(lane, done, QD, 1);
+    if (rc != 1 || done[0].result != 0 || bufs[0][0] != 'a') return fail("adaptive read", rc);
+    skiff_lane_close(lane);
+
     rc = skiff_lane_open(argv[1], "no-such-export", NULL, &lane);
     if (rc == 0) return fail("open of a missing export succeeded", 0);
     printf("missing export: %d %s\n", rc, skiff_last_error());
