@@ -43,6 +43,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import Server, cpu_s, free_port, make_scratch, precondition  # noqa: E402  (shared with compare.py)
 
 SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit", "qemu-nbd"]
+# skiff-native with another batching mode (fio engine options), for the thread sweep's batching
+# comparison (Tyche Fig. 5): off, static levels 2/8/64, adaptive. Chosen with --systems.
+BATCHING_VARIANTS = {
+    "skiff-native-off": ["--batching=off"],
+    "skiff-native-b2": ["--aggregation=2"],
+    "skiff-native-b8": ["--aggregation=8"],
+    "skiff-native-b64": ["--aggregation=64", "--aggregation_bytes=262144"],
+    "skiff-native-adaptive": ["--batching=adaptive"],
+}
 QUICK_SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit"]
 EXPERIMENTS = ["load", "mix", "threads", "sizes", "qd1"]
 ENGINE = "target/fio/skiff-engine.so"
@@ -90,7 +99,7 @@ def ensure_needs(a, systems):
                 raise SystemExit(f"`{' '.join(cmd)}` failed")
     if any(s.startswith("skiff") for s in systems) and not os.access(a.skiff, os.X_OK):
         raise SystemExit(f"{a.skiff} not found: cargo build --release --bin skiff")
-    if "skiff-native" in systems and not os.path.exists(a.engine):
+    if any(s.startswith("skiff-native") for s in systems) and not os.path.exists(a.engine):
         raise SystemExit(f"{a.engine} not found: fio/build.sh --profile release")
 
 
@@ -146,12 +155,12 @@ class Target:
 
 def start_target(system, a, scratch):
     port = free_port()
-    if system == "skiff-native":
+    if system == "skiff-native" or system in BATCHING_VARIANTS:
         nbd_port = free_port()
         srv = Server([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--nbd", f"127.0.0.1:{nbd_port}",
                       "--export", "vol=ram:1G"], port)
         t = Target(system, srv, [f"--ioengine=external:{a.engine}", f"--target=127.0.0.1:{port}",
-                                 "--export=vol"], "fio skiff engine")
+                                 "--export=vol"] + BATCHING_VARIANTS.get(system, []), "fio skiff engine")
         t.precondition_uri = f"nbd://127.0.0.1:{nbd_port}/vol"
         return t
     if system == "skiff-nbd":
@@ -766,8 +775,8 @@ def main():
 
     systems = a.systems.split(",") if a.systems else (QUICK_SYSTEMS if a.quick else SYSTEMS)
     for s in systems:
-        if s not in SYSTEMS:
-            raise SystemExit(f"unknown system {s}: choose from {','.join(SYSTEMS)}")
+        if s not in SYSTEMS and s not in BATCHING_VARIANTS:
+            raise SystemExit(f"unknown system {s}: choose from {','.join(SYSTEMS + list(BATCHING_VARIANTS))}")
     exps = a.experiments.split(",")
     for e in exps:
         if e not in EXPERIMENTS:
