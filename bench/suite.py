@@ -618,18 +618,17 @@ def plot_all(outdir, a, meta, records):
         fig.suptitle(f"Load sweep: 4 KiB {rw}, 1 job, QD {min(qds)}-{max(qds)} ({sub})")
         save(fig, f"load-{rw}.png", "load")
 
-    # Read/write mix: IOPS and CPU per I/O against read share.
-    recs = ok("mix")
-    if recs:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    def iops_and_cpu(axes, series):
+        """Left: IOPS; right: server CPU per I/O (solid) and fio client CPU (dotted), per system.
+        `series(system)` gives sorted (x, iops, client µs/I/O, server µs/I/O) points."""
         for s in systems:
-            pts = sorted((r["point"]["read_pct"], r["iops"], r.get("total_cpu_us_per_io"),
-                          r["client_cpu_us_per_io"], r["server_cpu_us_per_io"]) for r in recs if r["system"] == s)
+            pts = series(s)
             if not pts:
                 continue
-            line(axes[0], [p[0] for p in pts], [p[1] for p in pts], s)
-            line(axes[1], [p[0] for p in pts], [p[4] for p in pts], s)
-            axes[1].plot([p[0] for p in pts], [p[3] for p in pts], color=COLORS.get(s), linestyle=":",
+            xs = [p[0] for p in pts]
+            line(axes[0], xs, [p[1] for p in pts], s)
+            line(axes[1], xs, [p[3] for p in pts], s)
+            axes[1].plot(xs, [p[2] for p in pts], color=COLORS.get(s), linestyle=":",
                          linewidth=1.2, marker=MARKERS.get(s), markersize=3, markerfacecolor="none")
         axes[0].set_ylabel("IOPS")
         axes[0].yaxis.set_major_formatter(kfmt)
@@ -638,6 +637,14 @@ def plot_all(outdir, a, meta, records):
         axes[1].set_ylabel("CPU µs per I/O")
         axes[1].set_ylim(bottom=0)
         axes[1].set_title("CPU per I/O: server (solid), fio client (dotted)")
+
+    # Read/write mix: IOPS and CPU per I/O against read share.
+    recs = ok("mix")
+    if recs:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        iops_and_cpu(axes, lambda s: sorted(
+            (r["point"]["read_pct"], r["iops"], r["client_cpu_us_per_io"], r["server_cpu_us_per_io"])
+            for r in recs if r["system"] == s))
         for ax in axes:
             ax.set_xlabel("read share (%)")
             ax.set_xticks(sorted({r["point"]["read_pct"] for r in recs}))
@@ -651,22 +658,9 @@ def plot_all(outdir, a, meta, records):
     for rw in dict.fromkeys(r["point"]["rw"] for r in recs):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
         ns = sorted({r["point"]["numjobs"] for r in recs if r["point"]["rw"] == rw})
-        for s in systems:
-            pts = sorted((r["point"]["numjobs"], r["iops"], r["client_cpu_us_per_io"], r["server_cpu_us_per_io"])
-                         for r in recs if r["system"] == s and r["point"]["rw"] == rw)
-            if not pts:
-                continue
-            line(axes[0], [p[0] for p in pts], [p[1] for p in pts], s)
-            line(axes[1], [p[0] for p in pts], [p[3] for p in pts], s)
-            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], color=COLORS.get(s), linestyle=":",
-                         linewidth=1.2, marker=MARKERS.get(s), markersize=3, markerfacecolor="none")
-        axes[0].set_ylabel("IOPS")
-        axes[0].yaxis.set_major_formatter(kfmt)
-        axes[0].set_ylim(bottom=0)
-        axes[0].set_title("Throughput")
-        axes[1].set_ylabel("CPU µs per I/O")
-        axes[1].set_ylim(bottom=0)
-        axes[1].set_title("CPU per I/O: server (solid), fio client (dotted)")
+        iops_and_cpu(axes, lambda s, rw=rw: sorted(
+            (r["point"]["numjobs"], r["iops"], r["client_cpu_us_per_io"], r["server_cpu_us_per_io"])
+            for r in recs if r["system"] == s and r["point"]["rw"] == rw))
         for ax in axes:
             pow2_axis(ax, ns)
             ax.set_xlabel("fio jobs (log scale), QD 4 each")

@@ -57,6 +57,8 @@ struct AtomicCounters {
     buffered_ios: AtomicU64,
 }
 
+/// Every worker writes these (one backend serves them all), so unlike the single-writer
+/// counters in `engine::stats` this needs a locked add.
 fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }

@@ -95,12 +95,10 @@ fn set_error(message: String) {
 fn errno_of(e: &Error) -> i32 {
     match e {
         Error::Io(io) => io.raw_os_error().unwrap_or(libc::EIO),
-        // The target refused (no such export, version): its status says why.
-        Error::Protocol(proto::ProtoError::Refused(status)) => status.errno(),
         Error::Protocol(_) => libc::EPROTO,
+        Error::Refused(status) | Error::Status(status) => status.errno(),
         Error::GoAway { .. } | Error::Closed => libc::ECONNRESET,
         Error::TimedOut(_) => libc::ETIMEDOUT,
-        Error::Status(s) => s.errno(),
         Error::InvalidArgument(_) => libc::EINVAL,
         Error::QueueFull(_) => libc::EAGAIN,
     }

@@ -16,8 +16,9 @@ pub struct OpCounters {
     errors: AtomicU64,
 }
 
-/// A single-writer increment: the owner is the only thread that stores.
-fn bump(counter: &AtomicU64, by: u64) {
+/// A single-writer increment: the owner is the only thread that stores, so a load and a
+/// store replace a locked read-modify-write. Shared with the target's own counters.
+pub fn bump(counter: &AtomicU64, by: u64) {
     counter.store(counter.load(Relaxed) + by, Relaxed);
 }
 

@@ -31,7 +31,10 @@ pub enum Error {
     #[error("connection: {0}")]
     Io(#[from] std::io::Error),
     #[error("protocol: {0}")]
-    Protocol(#[from] proto::ProtoError),
+    Protocol(proto::ProtoError),
+    /// The target answered, and said no (no such export, no common version, too many open).
+    #[error("target refused: {0}")]
+    Refused(Status),
     #[error("target closed the connection: {status}: {message}")]
     GoAway { status: Status, message: String },
     #[error("target closed the connection")]
@@ -47,6 +50,16 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<proto::ProtoError> for Error {
+    /// A refusal is the target's answer, not a broken protocol: it keeps its status.
+    fn from(e: proto::ProtoError) -> Error {
+        match e {
+            proto::ProtoError::Refused(status) => Error::Refused(status),
+            other => Error::Protocol(other),
+        }
+    }
+}
 
 /// A control connection to a target.
 pub struct Client {

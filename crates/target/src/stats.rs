@@ -44,10 +44,7 @@ pub struct WorkerStats {
     pub tid: AtomicI32,
 }
 
-/// Single-writer increment (see the module docs).
-pub(crate) fn bump(c: &AtomicU64, by: u64) {
-    c.store(c.load(Relaxed) + by, Relaxed);
-}
+pub(crate) use engine::stats::bump;
 
 impl WorkerStats {
     pub(crate) fn record_caravan(&self, reqs: usize) {
