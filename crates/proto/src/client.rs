@@ -65,11 +65,6 @@ pub fn expect<T>(
     Ok(decode(body)?)
 }
 
-/// The OPEN frame for `name`.
-pub fn open_frame(name: &str) -> Vec<u8> {
-    wire::control::frame(FrameKind::Open, &wire::Open { name: name.to_owned() }.encode())
-}
-
 /// Check an OPEN_REPLY.
 pub fn handle_open_reply(header: &Header, body: &[u8]) -> Result<OpenReply, ProtoError> {
     let reply = expect(header, body, FrameKind::OpenReply, OpenReply::decode)?;

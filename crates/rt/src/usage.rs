@@ -72,11 +72,6 @@ pub fn this_thread() -> Usage {
     rusage(libc::RUSAGE_THREAD)
 }
 
-/// The whole process's usage.
-pub fn this_process() -> Usage {
-    rusage(libc::RUSAGE_SELF)
-}
-
 /// The kernel's id of the calling thread, for [`of_thread`].
 pub fn thread_id() -> i32 {
     // SAFETY: gettid has no preconditions and cannot fail.
