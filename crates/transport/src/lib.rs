@@ -14,7 +14,7 @@ pub mod stream;
 
 pub use endpoint::Endpoint;
 pub use framing::{FrameBuffer, FrameError, FrameRef};
-pub use stream::{wait_fd, ClientStream, Listener, Stream};
+pub use stream::{wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
 
 use std::io::{self, IoSlice};
 

@@ -234,25 +234,85 @@ pub struct Ready {
 /// Sleep until `fd` is readable (or writable, when `want_write`), or `timeout` passes.
 /// Errors and hang-ups count as readable, so the caller's next read reports them.
 pub fn wait_fd(fd: RawFd, want_write: bool, timeout: Option<Duration>) -> io::Result<Ready> {
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let mut events = libc::POLLIN;
     if want_write {
-        pfd.events |= libc::POLLOUT;
+        events |= libc::POLLOUT;
     }
-    let timeout_ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+    let mut pfd = [libc::pollfd { fd, events, revents: 0 }];
+    poll_fds(&mut pfd, timeout)?;
+    Ok(ready_of(&pfd[0]))
+}
+
+/// Sleep until `a` or `b` is readable, or `timeout` passes; says which are.
+pub fn wait_readable2(a: RawFd, b: RawFd, timeout: Option<Duration>) -> io::Result<(bool, bool)> {
+    let mut pfds = [a, b].map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+    poll_fds(&mut pfds, timeout)?;
+    Ok((ready_of(&pfds[0]).readable, ready_of(&pfds[1]).readable))
+}
+
+fn ready_of(pfd: &libc::pollfd) -> Ready {
+    let bad = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
+    Ready { readable: pfd.revents & (libc::POLLIN | bad) != 0, writable: pfd.revents & libc::POLLOUT != 0 }
+}
+
+/// `ppoll` with a microsecond timeout (`poll` counts milliseconds, which would turn a
+/// doorbell's 50 µs into a busy loop or a 1 ms sleep). Retries on EINTR.
+fn poll_fds(pfds: &mut [libc::pollfd], timeout: Option<Duration>) -> io::Result<()> {
+    let ts = timeout.map(|t| libc::timespec {
+        tv_sec: t.as_secs().min(i32::MAX as u64) as libc::time_t,
+        tv_nsec: t.subsec_nanos() as libc::c_long,
+    });
+    let ts_ptr = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
     loop {
-        // SAFETY: one valid pollfd, count 1.
-        let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        // SAFETY: `pfds` is a valid array of its length; `ts_ptr` is null or points to `ts`,
+        // alive for the call; a null signal mask leaves the mask unchanged.
+        let rc =
+            unsafe { libc::ppoll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ts_ptr, std::ptr::null()) };
         if rc >= 0 {
-            break;
+            return Ok(());
         }
         let err = io::Error::last_os_error();
         if err.kind() != io::ErrorKind::Interrupted {
             return Err(err);
         }
     }
-    let bad = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
-    Ok(Ready {
-        readable: pfd.revents & (libc::POLLIN | bad) != 0,
-        writable: pfd.revents & libc::POLLOUT != 0,
-    })
+}
+
+/// An eventfd one thread writes to wake another that sleeps in [`wait_readable2`].
+#[derive(Debug)]
+pub struct Kick {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl Kick {
+    pub fn new() -> io::Result<Kick> {
+        // SAFETY: plain syscall; the result is checked before it becomes an OwnedFd.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        Ok(Kick { fd: unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) } })
+    }
+
+    /// Make the eventfd readable (it stays so until [`Kick::clear`]).
+    pub fn kick(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer. It can only fail when the counter would
+        // overflow, and then the fd is readable anyway.
+        let _ = unsafe { libc::write(self.fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    /// Consume pending kicks.
+    pub fn clear(&self) {
+        let mut buf = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live buffer; EAGAIN (nothing pending) is fine.
+        let _ = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
+    }
+}
+
+impl AsRawFd for Kick {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
 }
