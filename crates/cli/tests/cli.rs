@@ -86,6 +86,28 @@ fn bench_on_the_embedded_default_verifies_and_reports_json() {
 }
 
 #[test]
+fn bench_through_shared_lanes_verifies_in_every_batching_mode() {
+    for batching in ["off", "static:8", "adaptive"] {
+        let out = skiff()
+            .args(["bench", "--duration", "1s", "--size", "16M", "--verify", "--json", "--rw", "randrw"])
+            .args(["--shared-lane", "--lanes", "2", "--threads", "8", "--qd", "4", "--batching", batching])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{batching}: {}", String::from_utf8_lossy(&out.stderr));
+        let v = json(&out);
+        assert_eq!(v["shared_lanes"], 2, "{v}");
+        assert_eq!(v["threads"], 8);
+        assert_eq!(v["verify_errors"], 0);
+        assert_eq!(v["io_errors"], 0);
+        assert_eq!(v["batch_level_final"].as_array().map(Vec::len), Some(2), "one level per lane: {v}");
+        let per_caravan = v["client_reqs_per_caravan"].as_f64().unwrap();
+        if batching == "off" {
+            assert_eq!(per_caravan, 1.0, "{v}");
+        }
+    }
+}
+
+#[test]
 fn serve_in_one_process_bench_and_info_in_others() {
     let (child, addr) = serve(&["vol=ram:32M", "blank=null:1G", "ro=ram:1M,ro"]);
 

@@ -102,6 +102,17 @@ pub struct LaneStats {
 }
 
 impl LaneStats {
+    /// Field-wise `self += other`: several lanes' counters together.
+    pub fn add(&mut self, other: &LaneStats) {
+        self.submitted += other.submitted;
+        self.completed += other.completed;
+        self.caravans_sent += other.caravans_sent;
+        for (sum, n) in self.caravan_hist.iter_mut().zip(other.caravan_hist) {
+            *sum += n;
+        }
+        self.completion_caravans += other.completion_caravans;
+    }
+
     /// Field-wise `self - earlier`: what happened between two snapshots.
     pub fn since(&self, earlier: &LaneStats) -> LaneStats {
         let mut caravan_hist = self.caravan_hist;
@@ -382,6 +393,31 @@ impl<B: IoBuf> Lane<B> {
         &self.level_log
     }
 
+    /// When the doorbell's delay bound sends the open caravan if nothing else does first
+    /// (`None`: nothing is held back).
+    pub fn doorbell_due(&self) -> Option<Instant> {
+        self.first_queued_at.map(|first| first + Duration::from_micros(self.doorbell.delay_us))
+    }
+
+    /// Requests sent and not yet answered (in flight minus the open caravan and the
+    /// completions not yet taken).
+    pub fn on_the_wire(&self) -> usize {
+        self.slots.len() - self.caravan.len()
+    }
+
+    /// The connection failed; every request has completed or will complete with an I/O error.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.conn.stream)
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.conn.timeout
+    }
+
     /// Send the open caravan now.
     pub fn commit(&mut self) -> Result<()> {
         self.ring()
@@ -396,8 +432,10 @@ impl<B: IoBuf> Lane<B> {
                 self.ring()?;
             }
         }
-        self.pump(false)?;
-        Ok(self.take_done(out))
+        // Even when the connection fails, what it completed (with an error) reaches `out`.
+        let pumped = self.pump(false);
+        let n = self.take_done(out);
+        pumped.map(|_| n)
     }
 
     /// Send the open caravan and wait until at least `min` completions (bounded by what is in
@@ -564,7 +602,7 @@ impl<B: IoBuf> Lane<B> {
     }
 }
 
-fn status_result(status: Status) -> Result<()> {
+pub(crate) fn status_result(status: Status) -> Result<()> {
     if status.is_ok() {
         Ok(())
     } else {

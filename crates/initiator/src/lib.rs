@@ -7,16 +7,21 @@
 //!   `poll`/`wait` return completions, in the order they arrive. Buffers are moved into the
 //!   lane with the request and handed back in its [`Completion`], with read data in them.
 //! - `read_at`, `write_at` and `flush` on a lane are a blocking convenience API.
+//! - [`SharedLanes`] serve many threads with few requests each (a FUSE mount, a blocking API):
+//!   each thread's [`SharedHandle`] feeds one of a few lanes, where the requests of all its
+//!   threads travel in common caravans.
 //!
 //! Sockets are non-blocking: while a caravan waits for room in the socket, the lane keeps
 //! receiving completions, so two peers can never deadlock on full buffers.
 
 mod conn;
 mod lane;
+mod shared;
 
 pub use lane::{Batching, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected};
 pub use proto::batch::BatchConfig;
 pub use proto::caravan::Doorbell;
+pub use shared::{SharedHandle, SharedLanes, HANDLES_MAX, USER_DATA_MAX};
 pub use transport::Endpoint;
 pub use wire::{ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status};
 

@@ -14,7 +14,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use initiator::{BatchConfig, Batching, Client, Endpoint, Lane, LaneConfig, Limits};
+use initiator::{BatchConfig, Batching, Client, Endpoint, Lane, LaneConfig, Limits, SharedLanes};
 use target::{ExportConfig, Target, TargetConfig};
 
 use crate::units::{parse_duration, parse_size};
@@ -44,9 +44,16 @@ pub struct BenchArgs {
     /// Requests each thread keeps outstanding.
     #[arg(long, default_value_t = 32)]
     qd: usize,
-    /// Threads, each with its own lane.
+    /// Threads, each with its own lane (or, with --shared-lane, a handle on a shared one).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Send every thread's requests through a few shared lanes (one per core, or --lanes),
+    /// where they travel in common caravans: the workload of a FUSE mount or a blocking API.
+    #[arg(long)]
+    shared_lane: bool,
+    /// Shared lanes to open with --shared-lane (default: one per core).
+    #[arg(long, default_value_t = 0, requires = "shared_lane")]
+    lanes: usize,
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     duration: Duration,
     /// Bytes of the export to use (default: all of it).
@@ -168,19 +175,37 @@ pub fn run(args: BenchArgs) -> CliResult {
         poll_spin: args.poll,
         ..LaneConfig::default()
     };
-    let lanes = (0..args.threads)
-        .map(|_| Lane::connect(&endpoint, &args.export, &lane_config))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{endpoint} export {:?}: {e}", args.export))?;
-    let export = lanes[0].export().clone();
-    if lanes[0].queue_depth() < args.qd {
-        return Err(format!(
-            "target allows queue depth {} per lane, asked {}",
-            lanes[0].queue_depth(),
-            args.qd
-        )
-        .into());
-    }
+    let connect_error = |e| format!("{endpoint} export {:?}: {e}", args.export);
+    let queues = if args.shared_lane {
+        // The lanes' queue depth is what all their threads keep outstanding together.
+        let lanes_n = if args.lanes == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            args.lanes
+        };
+        let per_lane = (args.threads.div_ceil(lanes_n) * args.qd) as u32;
+        let config =
+            LaneConfig { limits: Limits { queue_depth: per_lane, ..lane_config.limits }, ..lane_config };
+        let shared =
+            SharedLanes::connect(&endpoint, &args.export, &config, lanes_n).map_err(connect_error)?;
+        let handles = (0..args.threads).map(|_| shared.handle()).collect::<Result<Vec<_>, _>>()?;
+        Queues::Shared(shared, handles)
+    } else {
+        let lanes = (0..args.threads)
+            .map(|_| Lane::connect(&endpoint, &args.export, &lane_config))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(connect_error)?;
+        if lanes[0].queue_depth() < args.qd {
+            return Err(format!(
+                "target allows queue depth {} per lane, asked {}",
+                lanes[0].queue_depth(),
+                args.qd
+            )
+            .into());
+        }
+        Queues::Private(lanes)
+    };
+    let export = queues.export().clone();
     let size = args.size.unwrap_or(export.size_bytes);
     if size > export.size_bytes {
         return Err(format!("--size {size} is larger than the export ({} bytes)", export.size_bytes).into());
@@ -206,42 +231,63 @@ pub fn run(args: BenchArgs) -> CliResult {
         timed_end: Barrier::new(args.threads + 1),
         ios_done: Default::default(),
     });
-    let handles: Vec<_> = lanes
-        .into_iter()
-        .enumerate()
-        .map(|(t, lane)| {
-            let w = Workload {
-                rw: args.rw,
-                read_pct: args.rwmix_read,
-                bs,
-                qd: args.qd,
-                region_start: if args.verify { t as u64 * slice } else { 0 },
-                region_len: slice,
-                duration: args.duration,
-                verify: args.verify,
-                seed: args.seed,
-            };
-            let phases = phases.clone();
-            std::thread::Builder::new()
-                .name(format!("skiff-bench-{t}"))
-                .spawn(move || workload::run(&w, lane, phases, t))
-        })
-        .collect::<Result<_, _>>()?;
+    let workload = |t: usize| Workload {
+        rw: args.rw,
+        read_pct: args.rwmix_read,
+        bs,
+        qd: args.qd,
+        region_start: if args.verify { t as u64 * slice } else { 0 },
+        region_len: slice,
+        duration: args.duration,
+        verify: args.verify,
+        seed: args.seed,
+    };
+    fn spawn<Q: workload::Queue + 'static>(
+        t: usize,
+        w: Workload,
+        queue: Q,
+        phases: &Arc<Phases>,
+    ) -> std::io::Result<std::thread::JoinHandle<Result<workload::ThreadResult, initiator::Error>>> {
+        let phases = phases.clone();
+        std::thread::Builder::new()
+            .name(format!("skiff-bench-{t}"))
+            .spawn(move || workload::run(&w, queue, phases, t))
+    }
+    let (shared, threads) = match queues {
+        Queues::Private(lanes) => {
+            let threads = lanes.into_iter().enumerate().map(|(t, lane)| spawn(t, workload(t), lane, &phases));
+            (None, threads.collect::<Result<Vec<_>, _>>()?)
+        }
+        Queues::Shared(shared, handles) => {
+            let threads = handles.into_iter().enumerate().map(|(t, h)| spawn(t, workload(t), h, &phases));
+            (Some(shared), threads.collect::<Result<Vec<_>, _>>()?)
+        }
+    };
 
     let progress = report::Progress::new(args.duration, args.verify, args.json);
     phases.timed_start.wait();
     let stats_before = stats_client.stats()?;
+    let shared_before = shared.as_ref().map(SharedLanes::stats);
     let started = Instant::now();
     progress.timed(&phases.ios_done, started, args.duration);
     phases.timed_end.wait();
     let elapsed = started.elapsed();
     let stats_after = stats_client.stats()?;
+    let shared_after = shared.as_ref().map(SharedLanes::stats);
     progress.verifying();
 
     let mut results = Vec::new();
-    for h in handles {
+    for h in threads {
         results.push(h.join().map_err(|_| "a bench thread panicked")??);
     }
+    let telemetry = match (&shared, shared_before, shared_after) {
+        (Some(shared), Some(before), Some(after)) => report::Telemetry {
+            lanes: after.since(&before),
+            batch_levels: shared.batch_levels(),
+            batch_level_log: shared.batch_level_log(0),
+        },
+        _ => report::Telemetry::of_private_lanes(&results),
+    };
     progress.finish();
     let setup = report::Setup {
         rw: args.rw,
@@ -249,6 +295,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         bs,
         qd: args.qd,
         threads: args.threads,
+        shared_lanes: shared.as_ref().map_or(0, SharedLanes::lanes),
         target: target_label,
         export: args.export.clone(),
         size_bytes: size,
@@ -256,7 +303,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         batching: args.batching.label(&doorbell),
         poll_spin_us: args.poll.as_micros() as u64,
     };
-    let summary = report::summarize(setup, &results, elapsed, &stats_before, &stats_after);
+    let summary = report::summarize(setup, &results, &telemetry, elapsed, &stats_before, &stats_after);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
@@ -264,4 +311,21 @@ pub fn run(args: BenchArgs) -> CliResult {
     }
     drop(embedded);
     Ok(if summary.verify_errors > 0 || summary.io_errors > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+/// Where the bench threads' requests go.
+enum Queues {
+    /// A lane per thread.
+    Private(Vec<Lane>),
+    /// A handle per thread on a few shared lanes.
+    Shared(SharedLanes, Vec<initiator::SharedHandle>),
+}
+
+impl Queues {
+    fn export(&self) -> &initiator::ExportInfo {
+        match self {
+            Queues::Private(lanes) => lanes[0].export(),
+            Queues::Shared(shared, _) => shared.export(),
+        }
+    }
 }

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use initiator::LaneStats;
 use serde::Serialize;
 use wire::StatsReply;
 
@@ -62,6 +63,8 @@ pub struct Setup {
     pub bs: u32,
     pub qd: usize,
     pub threads: usize,
+    /// Shared lanes the threads' requests went through (0: a lane per thread).
+    pub shared_lanes: usize,
     pub target: String,
     pub export: String,
     pub size_bytes: u64,
@@ -102,9 +105,9 @@ pub struct Summary {
     pub client_reqs_per_caravan: f64,
     /// Caravans sent by the client by size: at most 1, 2, 4, ... 64 requests, then more.
     pub client_caravan_hist: [u64; 8],
-    /// Batch level at the end of the run, per thread.
+    /// Batch level at the end of the run, per lane.
     pub batch_level_final: Vec<u32>,
-    /// The first thread's adaptive decisions: [milliseconds since its lane opened, level].
+    /// The first lane's adaptive decisions: [milliseconds since it opened, level].
     pub batch_level_log: Vec<(u64, u32)>,
     pub server_caravans_received: u64,
     pub server_reqs_per_caravan: f64,
@@ -127,9 +130,32 @@ fn per(n: f64, ios: u64) -> f64 {
     }
 }
 
+/// What the lanes did over the timed phase.
+pub struct Telemetry {
+    pub lanes: LaneStats,
+    pub batch_levels: Vec<u32>,
+    pub batch_level_log: Vec<(u64, u32)>,
+}
+
+impl Telemetry {
+    /// Each thread had its own lane, and measured it.
+    pub fn of_private_lanes(results: &[ThreadResult]) -> Telemetry {
+        let mut lanes = LaneStats::default();
+        for r in results {
+            lanes.add(&r.lane);
+        }
+        Telemetry {
+            lanes,
+            batch_levels: results.iter().map(|r| r.batch_level).collect(),
+            batch_level_log: results.first().map(|r| r.batch_level_log.clone()).unwrap_or_default(),
+        }
+    }
+}
+
 pub fn summarize(
     setup: Setup,
     results: &[ThreadResult],
+    telemetry: &Telemetry,
     elapsed: Duration,
     before: &StatsReply,
     after: &StatsReply,
@@ -137,8 +163,6 @@ pub fn summarize(
     let mut hist: Histogram<u64> = Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("static bounds");
     let mut usage = rt::usage::Usage::default();
     let (mut ios, mut bytes, mut io_errors, mut verify_errors) = (0, 0, 0, 0);
-    let (mut caravans, mut caravan_reqs) = (0, 0);
-    let mut caravan_hist = [0u64; 8];
     for r in results {
         let _ = hist.add(&r.latency_ns);
         usage.add(&r.usage);
@@ -146,11 +170,6 @@ pub fn summarize(
         bytes += r.bytes;
         io_errors += r.io_errors;
         verify_errors += r.verify_errors;
-        caravans += r.lane.caravans_sent;
-        caravan_reqs += r.lane.submitted;
-        for (sum, n) in caravan_hist.iter_mut().zip(r.lane.caravan_hist) {
-            *sum += n;
-        }
     }
     let secs = elapsed.as_secs_f64();
     let us = |ns: u64| ns as f64 / 1000.0;
@@ -185,11 +204,11 @@ pub fn summarize(
         server_cpu_sys_us: delta(before, after, "cpu_sys_us"),
         client_ctx_switches_per_io: per(usage.ctx_switches() as f64, ios),
         server_ctx_switches_per_io: per(server_ctx as f64, ios),
-        client_caravans: caravans,
-        client_reqs_per_caravan: per(caravan_reqs as f64, caravans),
-        client_caravan_hist: caravan_hist,
-        batch_level_final: results.iter().map(|r| r.batch_level).collect(),
-        batch_level_log: results.first().map(|r| r.batch_level_log.clone()).unwrap_or_default(),
+        client_caravans: telemetry.lanes.caravans_sent,
+        client_reqs_per_caravan: per(telemetry.lanes.submitted as f64, telemetry.lanes.caravans_sent),
+        client_caravan_hist: telemetry.lanes.caravan_hist,
+        batch_level_final: telemetry.batch_levels.clone(),
+        batch_level_log: telemetry.batch_level_log.clone(),
         server_caravans_received: received,
         server_reqs_per_caravan: per(delta(before, after, "caravan_reqs_total") as f64, received),
         server_caravans_sent: delta(before, after, "caravans_sent"),
@@ -203,11 +222,15 @@ pub fn summarize(
 pub fn print_table(s: &Summary) {
     let st = &s.setup;
     println!(
-        "skiff bench: {:?} bs={} qd={} threads={} batching={} over {:.1}s, target {} export {:?}{}",
+        "skiff bench: {:?} bs={} qd={} threads={}{} batching={} over {:.1}s, target {} export {:?}{}",
         st.rw,
         st.bs,
         st.qd,
         st.threads,
+        match st.shared_lanes {
+            0 => String::new(),
+            n => format!(" on {n} shared lanes"),
+        },
         st.batching,
         s.duration_s,
         st.target,

@@ -11,7 +11,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use initiator::{Completion, Lane, LaneStats, ReqFlags, Status};
+use initiator::{Completion, Lane, LaneStats, Rejected, ReqFlags, SharedHandle, Status};
 use rt::usage::Usage;
 use wire::Opcode;
 
@@ -30,6 +30,60 @@ pub enum Rw {
 impl Rw {
     fn is_random(self) -> bool {
         matches!(self, Rw::Randread | Rw::Randwrite | Rw::Randrw)
+    }
+}
+
+/// Where a bench thread sends its requests: its own lane, or a handle on a shared one.
+pub trait Queue: Send {
+    fn submit_read(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected>;
+    fn submit_write(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected>;
+    fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> Result<usize, initiator::Error>;
+    /// The lane's counters, when the lane is this thread's alone.
+    fn lane_stats(&self) -> Option<LaneStats>;
+    fn batch_level(&self) -> u32;
+    fn batch_level_log(&self) -> Vec<(u64, u32)>;
+}
+
+impl Queue for Lane {
+    fn submit_read(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected> {
+        Lane::submit_read(self, offset, buf, user_data)
+    }
+    fn submit_write(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected> {
+        Lane::submit_write(self, offset, buf, ReqFlags::empty(), user_data)
+    }
+    fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> Result<usize, initiator::Error> {
+        Lane::wait(self, min, out)
+    }
+    fn lane_stats(&self) -> Option<LaneStats> {
+        Some(*self.stats())
+    }
+    fn batch_level(&self) -> u32 {
+        Lane::batch_level(self)
+    }
+    fn batch_level_log(&self) -> Vec<(u64, u32)> {
+        Lane::batch_level_log(self).to_vec()
+    }
+}
+
+/// Shared lanes report their counters and levels once, from the main thread.
+impl Queue for SharedHandle {
+    fn submit_read(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected> {
+        SharedHandle::submit_read(self, offset, buf, user_data)
+    }
+    fn submit_write(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected> {
+        SharedHandle::submit_write(self, offset, buf, ReqFlags::empty(), user_data)
+    }
+    fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> Result<usize, initiator::Error> {
+        SharedHandle::wait(self, min, out)
+    }
+    fn lane_stats(&self) -> Option<LaneStats> {
+        None
+    }
+    fn batch_level(&self) -> u32 {
+        0
+    }
+    fn batch_level_log(&self) -> Vec<(u64, u32)> {
+        Vec::new()
     }
 }
 
@@ -80,9 +134,9 @@ struct Slot {
 /// Generation of a block whose content is unknown (a write to it failed).
 const UNKNOWN: u32 = u32::MAX;
 
-struct Runner<'a> {
+struct Runner<'a, Q> {
     w: &'a Workload,
-    lane: Lane,
+    lane: Q,
     slots: Vec<Slot>,
     free: Vec<usize>,
     rng: Rng,
@@ -95,9 +149,9 @@ struct Runner<'a> {
     timing: bool,
 }
 
-pub fn run(
+pub fn run<Q: Queue>(
     w: &Workload,
-    lane: Lane,
+    lane: Q,
     phases: Arc<Phases>,
     thread: usize,
 ) -> Result<ThreadResult, initiator::Error> {
@@ -146,21 +200,23 @@ pub fn run(
     Ok(run.r)
 }
 
-impl Runner<'_> {
+impl<Q: Queue> Runner<'_, Q> {
     fn phases(&mut self, phases: &Phases) -> Result<(), initiator::Error> {
         if self.w.verify {
             self.sweep(Opcode::Write)?;
         }
         phases.timed_start.wait();
         let before = rt::usage::this_thread();
-        let lane_before = *self.lane.stats();
+        let lane_before = self.lane.lane_stats();
         self.timing = true;
         self.timed(phases)?;
         self.timing = false;
         self.r.usage = rt::usage::this_thread().since(&before);
-        self.r.lane = self.lane.stats().since(&lane_before);
+        if let (Some(now), Some(before)) = (self.lane.lane_stats(), lane_before) {
+            self.r.lane = now.since(&before);
+        }
         self.r.batch_level = self.lane.batch_level();
-        self.r.batch_level_log = self.lane.batch_level_log().to_vec();
+        self.r.batch_level_log = self.lane.batch_level_log();
         phases.timed_end.wait();
         if self.w.verify {
             self.sweep(Opcode::Read)?;
@@ -260,7 +316,7 @@ impl Runner<'_> {
         slot.started = Instant::now();
         let submitted = match op {
             Opcode::Read => self.lane.submit_read(offset, buf, i as u64),
-            _ => self.lane.submit_write(offset, buf, ReqFlags::empty(), i as u64),
+            _ => self.lane.submit_write(offset, buf, i as u64),
         };
         submitted.map_err(|rejected| {
             self.slots[i].buf = rejected.buf;

@@ -1,0 +1,509 @@
+//! Shared lanes: many threads with a few requests each, one connection per core.
+//!
+//! A FUSE mount or a blocking API has many threads with one or a few requests outstanding
+//! each. A lane per thread gives no connection enough requests to batch; instead threads take
+//! a [`SharedHandle`] on one of a few [`SharedLanes`] (one per core by default), their requests
+//! meet in that lane's open caravan, and the lane's doorbell (off, static, or the adaptive
+//! controller of Tyche section VI.A) decides when it leaves. The lane's queue depth bounds the
+//! shared queue: a submitter that finds it full waits for a slot.
+//!
+//! No thread runs besides the callers':
+//! - submitting is inline (Tyche-NoWQ): the caller takes the lane's lock, puts its request in
+//!   the open caravan, and sends the caravan if the doorbell says so;
+//! - receiving is done by one waiting caller at a time, the receiver. It takes the completions
+//!   that arrived, puts each in its owner's mailbox (waking the owner if it sleeps), and
+//!   otherwise sleeps in the socket, without the lock, until more arrive or the open caravan's
+//!   delay bound falls due. A submitter whose request opens a caravan due before the receiver
+//!   would wake kicks it (an eventfd). The other waiters sleep until the receiver hands them a
+//!   completion; a receiver that has what it waited for passes the role to a sleeper.
+//!
+//! A waiting thread thus sleeps once per wait, as any blocking API must, and a caravan of many
+//! threads' requests costs one send and, usually, one receive.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use transport::{wait_readable2, Endpoint, Kick};
+use wire::{ExportInfo, Opcode, ReqFlags};
+
+use crate::lane::{status_result, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected};
+use crate::{Error, Result};
+
+/// The top 16 bits of a request's `user_data` on the lane name the handle it belongs to.
+const ID_SHIFT: u32 = 48;
+/// Largest `user_data` a shared handle's caller may give a request.
+pub const USER_DATA_MAX: u64 = (1 << ID_SHIFT) - 2;
+/// `user_data` of the blocking API's own requests.
+const SYNC_USER_DATA: u64 = USER_DATA_MAX + 1;
+/// Most handles one shared lane serves at once.
+pub const HANDLES_MAX: usize = 1 << (64 - ID_SHIFT);
+
+/// A few lanes for many threads. Cheap to share: wrap it in an `Arc` or take handles up front.
+pub struct SharedLanes<B = Vec<u8>> {
+    lanes: Vec<Arc<SharedLane<B>>>,
+    next: AtomicUsize,
+    export: ExportInfo,
+}
+
+impl<B: IoBuf + Send> SharedLanes<B> {
+    /// Open `count` lanes (zero: one per core) to `export` on `endpoint`, each configured by
+    /// `config`; its queue depth is what all the handles on one lane share.
+    pub fn connect(
+        endpoint: &Endpoint,
+        export: &str,
+        config: &LaneConfig,
+        count: usize,
+    ) -> Result<SharedLanes<B>> {
+        let count = match count {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let lanes = (0..count)
+            .map(|_| SharedLane::connect(endpoint, export, config).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        let export = lanes[0].lock().lane.export().clone();
+        Ok(SharedLanes { lanes, next: AtomicUsize::new(0), export })
+    }
+
+    /// A handle for one thread, on the next lane in turn.
+    pub fn handle(&self) -> Result<SharedHandle<B>> {
+        let lane = self.lanes[self.next.fetch_add(1, Relaxed) % self.lanes.len()].clone();
+        let id = lane.lock().register()?;
+        Ok(SharedHandle { lane, id, scratch: Vec::new() })
+    }
+
+    pub fn export(&self) -> &ExportInfo {
+        &self.export
+    }
+
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Every lane's counters, summed.
+    pub fn stats(&self) -> LaneStats {
+        let mut total = LaneStats::default();
+        for l in &self.lanes {
+            total.add(l.lock().lane.stats());
+        }
+        total
+    }
+
+    /// Each lane's batch level now.
+    pub fn batch_levels(&self) -> Vec<u32> {
+        self.lanes.iter().map(|l| l.lock().lane.batch_level()).collect()
+    }
+
+    /// Lane `i`'s adaptive decisions: (milliseconds since it opened, batch level).
+    pub fn batch_level_log(&self, i: usize) -> Vec<(u64, u32)> {
+        self.lanes[i].lock().lane.batch_level_log().to_vec()
+    }
+}
+
+struct SharedLane<B> {
+    state: Mutex<State<B>>,
+    kick: Kick,
+    fd: RawFd,
+    timeout: Duration,
+    spin: Duration,
+}
+
+struct State<B> {
+    lane: Lane<B>,
+    mailboxes: Vec<Mailbox<B>>,
+    free_ids: Vec<u16>,
+    /// A caller is receiving for everyone.
+    receiving: bool,
+    /// When the receiver, asleep in the socket, wakes on its own (`None`: it is not asleep).
+    receiver_wakes_at: Option<Instant>,
+    /// Callers asleep in [`std::thread::park`].
+    sleepers: usize,
+    /// Handles that exist, and callers inside a wait (see `wait_loop` for what it is used for).
+    live_handles: usize,
+    waiting: usize,
+    scratch: Vec<Completion<B>>,
+}
+
+struct Mailbox<B> {
+    done: VecDeque<Completion<B>>,
+    /// Submitted and not yet taken by the owner (including those in `done`).
+    in_flight: usize,
+    sleeper: Option<std::thread::Thread>,
+    /// The handle still exists; completions for a dropped handle are discarded.
+    live: bool,
+}
+
+impl<B: IoBuf + Send> SharedLane<B> {
+    fn connect(endpoint: &Endpoint, export: &str, config: &LaneConfig) -> Result<SharedLane<B>> {
+        let lane = Lane::connect_with(endpoint, export, config)?;
+        Ok(SharedLane {
+            fd: lane.raw_fd(),
+            timeout: lane.timeout(),
+            spin: config.poll_spin,
+            kick: Kick::new()?,
+            state: Mutex::new(State {
+                lane,
+                mailboxes: Vec::new(),
+                free_ids: Vec::new(),
+                receiving: false,
+                receiver_wakes_at: None,
+                sleepers: 0,
+                live_handles: 0,
+                waiting: 0,
+                scratch: Vec::new(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<B>> {
+        // A panic while holding the lock leaves the state consistent: every change under it is
+        // a few field updates, and the lane's own calls are panic-free on their paths.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Wait until `done` holds, receiving for everyone when nobody else is.
+    fn wait_until<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State<B>>,
+        id: u16,
+        done: impl Fn(&State<B>) -> bool,
+    ) -> Result<MutexGuard<'a, State<B>>> {
+        st.waiting += 1;
+        match self.wait_loop(st, id, done) {
+            Ok(mut st) => {
+                st.waiting -= 1;
+                Ok(st)
+            }
+            Err(e) => {
+                self.lock().waiting -= 1;
+                Err(e)
+            }
+        }
+    }
+
+    fn wait_loop<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State<B>>,
+        id: u16,
+        done: impl Fn(&State<B>) -> bool,
+    ) -> Result<MutexGuard<'a, State<B>>> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if done(&st) {
+                return Ok(st);
+            }
+            if st.waiting == st.live_handles && st.lane.doorbell_due().is_some() && st.lane.on_the_wire() == 0
+            {
+                // Every handle waits and nothing is on the wire whose completion could make a
+                // caller submit more: the open caravan cannot grow, so waiting out its delay
+                // would only idle the link. A failed send completes its requests with errors,
+                // which the receive below delivers.
+                let _ = st.lane.commit();
+            }
+            if st.lane.is_broken() && !st.receiving {
+                // Deliver what the failure completed, then report it.
+                let _ = st.receive();
+                st.pass_on();
+                if done(&st) {
+                    return Ok(st);
+                }
+                return Err(Error::Closed);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::TimedOut(self.timeout));
+            }
+            if st.receiving {
+                st.mailboxes[id as usize].sleeper = Some(std::thread::current());
+                st.sleepers += 1;
+                drop(st);
+                std::thread::park_timeout(deadline - now);
+                st = self.lock();
+                if st.mailboxes[id as usize].sleeper.take().is_some() {
+                    st.sleepers -= 1;
+                }
+                continue;
+            }
+            st.receiving = true;
+            let mut received = st.receive();
+            if !self.spin.is_zero() {
+                // Hybrid polling: keep receiving for a while before the sleep and wake-up.
+                let spin_until = Instant::now() + self.spin;
+                while received.is_ok() && !done(&st) && Instant::now() < spin_until {
+                    drop(st);
+                    std::hint::spin_loop();
+                    st = self.lock();
+                    received = st.receive();
+                }
+            }
+            if received.is_err() || done(&st) {
+                st.receiving = false;
+                st.pass_on();
+                continue;
+            }
+            let wake_at = st.lane.doorbell_due().map_or(deadline, |due| due.min(deadline));
+            st.receiver_wakes_at = Some(wake_at);
+            drop(st);
+            let slept = wait_readable2(self.fd, self.kick.as_raw_fd(), Some(wake_at - now.min(wake_at)));
+            st = self.lock();
+            st.receiver_wakes_at = None;
+            st.receiving = false;
+            match slept {
+                Ok((_, kicked)) => {
+                    if kicked {
+                        self.kick.clear();
+                    }
+                }
+                Err(e) => {
+                    st.pass_on();
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+}
+
+impl<B: IoBuf> State<B> {
+    fn register(&mut self) -> Result<u16> {
+        let mailbox = Mailbox { done: VecDeque::new(), in_flight: 0, sleeper: None, live: true };
+        let id = if let Some(id) = self.free_ids.pop() {
+            self.mailboxes[id as usize] = mailbox;
+            id
+        } else if self.mailboxes.len() < HANDLES_MAX {
+            self.mailboxes.push(mailbox);
+            (self.mailboxes.len() - 1) as u16
+        } else {
+            return Err(Error::InvalidArgument("too many handles on one shared lane"));
+        };
+        self.live_handles += 1;
+        Ok(id)
+    }
+
+    /// Take the completions that arrived and hand them to their owners.
+    fn receive(&mut self) -> Result<()> {
+        let mut got = std::mem::take(&mut self.scratch);
+        let result = self.lane.poll(&mut got);
+        for mut c in got.drain(..) {
+            let id = (c.user_data >> ID_SHIFT) as usize;
+            c.user_data &= (1 << ID_SHIFT) - 1;
+            let m = &mut self.mailboxes[id];
+            if !m.live {
+                m.in_flight -= 1;
+                if m.in_flight == 0 {
+                    self.free_ids.push(id as u16);
+                }
+                continue;
+            }
+            m.done.push_back(c);
+            if let Some(t) = m.sleeper.take() {
+                self.sleepers -= 1;
+                t.unpark();
+            }
+        }
+        self.scratch = got;
+        result.map(|_| ())
+    }
+
+    /// The receiver is leaving: wake a sleeper to take over, if one waits.
+    fn pass_on(&mut self) {
+        if self.sleepers == 0 {
+            return;
+        }
+        if let Some(m) = self.mailboxes.iter_mut().find(|m| m.sleeper.is_some()) {
+            self.sleepers -= 1;
+            m.sleeper.take().expect("found above").unpark();
+        }
+    }
+
+    /// Move up to everything in `id`'s mailbox to `out`.
+    fn take(&mut self, id: u16, out: &mut Vec<Completion<B>>) -> usize {
+        let m = &mut self.mailboxes[id as usize];
+        let n = m.done.len();
+        m.in_flight -= n;
+        out.extend(m.done.drain(..));
+        n
+    }
+}
+
+/// One thread's way into a shared lane. `Send`, so it may be made on one thread and used on
+/// another, but each handle is used by one thread at a time.
+pub struct SharedHandle<B = Vec<u8>> {
+    lane: Arc<SharedLane<B>>,
+    id: u16,
+    scratch: Vec<u8>,
+}
+
+impl<B: IoBuf + Send> SharedHandle<B> {
+    /// Queue a request (as [`Lane::submit`]); `user_data` may be at most [`USER_DATA_MAX`].
+    /// When the lane's queue is full, waits for a slot.
+    pub fn submit(
+        &mut self,
+        opcode: Opcode,
+        flags: ReqFlags,
+        offset: u64,
+        length: usize,
+        buf: Option<B>,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected<B>> {
+        if user_data > USER_DATA_MAX {
+            return Err(Rejected { error: Error::InvalidArgument("user_data above USER_DATA_MAX"), buf });
+        }
+        self.submit_any(opcode, flags, offset, length, buf, user_data)
+    }
+
+    /// `submit` without the check, for the blocking API's own `user_data` too.
+    fn submit_any(
+        &mut self,
+        opcode: Opcode,
+        flags: ReqFlags,
+        offset: u64,
+        length: usize,
+        buf: Option<B>,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected<B>> {
+        let tagged = u64::from(self.id) << ID_SHIFT | user_data;
+        let shared = &*self.lane;
+        let mut st = shared.lock();
+        let mut buf = buf;
+        loop {
+            match st.lane.submit(opcode, flags, offset, length, buf, tagged) {
+                Ok(()) => break,
+                Err(Rejected { error: Error::QueueFull(_), buf: back }) => {
+                    buf = back;
+                    let room = |s: &State<B>| s.lane.in_flight() < s.lane.queue_depth();
+                    st = match shared.wait_until(st, self.id, room) {
+                        Ok(st) => st,
+                        Err(error) => return Err(Rejected { error, buf }),
+                    };
+                }
+                Err(rejected) => return Err(rejected),
+            }
+        }
+        st.mailboxes[self.id as usize].in_flight += 1;
+        // A caravan the doorbell holds back must not wait for a receiver asleep past its due time.
+        if let (Some(due), Some(wakes)) = (st.lane.doorbell_due(), st.receiver_wakes_at) {
+            if due < wakes {
+                st.receiver_wakes_at = Some(due);
+                shared.kick.kick();
+            }
+        }
+        Ok(())
+    }
+
+    pub fn submit_read(
+        &mut self,
+        offset: u64,
+        buf: B,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected<B>> {
+        let length = buf.as_ref().len();
+        self.submit(Opcode::Read, ReqFlags::empty(), offset, length, Some(buf), user_data)
+    }
+
+    pub fn submit_write(
+        &mut self,
+        offset: u64,
+        buf: B,
+        flags: ReqFlags,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected<B>> {
+        let length = buf.as_ref().len();
+        self.submit(Opcode::Write, flags, offset, length, Some(buf), user_data)
+    }
+
+    pub fn submit_flush(&mut self, user_data: u64) -> std::result::Result<(), Rejected<B>> {
+        self.submit(Opcode::Flush, ReqFlags::empty(), 0, 0, None, user_data)
+    }
+
+    /// This handle's requests submitted and not yet returned by `wait`.
+    pub fn in_flight(&self) -> usize {
+        self.lane.lock().mailboxes[self.id as usize].in_flight
+    }
+
+    /// Wait until at least `min` of this handle's completions (bounded by what it has in
+    /// flight) are in `out`. Unlike a private lane's `wait`, this does not ring the doorbell:
+    /// other threads' requests may still join the open caravan, and its delay bound sends it.
+    pub fn wait(&mut self, min: usize, out: &mut Vec<Completion<B>>) -> Result<usize> {
+        let id = self.id;
+        let mut st = self.lane.lock();
+        let min = min.min(st.mailboxes[id as usize].in_flight);
+        let enough = |s: &State<B>| s.mailboxes[id as usize].done.len() >= min;
+        let waited = self.lane.wait_until(st, id, enough);
+        st = match waited {
+            Ok(st) => st,
+            Err(e) => {
+                self.lane.lock().take(id, out);
+                return Err(e);
+            }
+        };
+        Ok(st.take(id, out))
+    }
+
+    /// Submit one request of the blocking API and wait for it.
+    fn run_sync(
+        &mut self,
+        opcode: Opcode,
+        offset: u64,
+        length: usize,
+        buf: Option<B>,
+    ) -> Result<Completion<B>> {
+        self.submit_any(opcode, ReqFlags::empty(), offset, length, buf, SYNC_USER_DATA)
+            .map_err(|r| r.error)?;
+        let id = self.id;
+        let mine = |s: &State<B>| s.mailboxes[id as usize].done.iter().any(|c| c.user_data == SYNC_USER_DATA);
+        let mut st = self.lane.wait_until(self.lane.lock(), id, mine)?;
+        let m = &mut st.mailboxes[id as usize];
+        let i = m.done.iter().position(|c| c.user_data == SYNC_USER_DATA).expect("waited for it");
+        m.in_flight -= 1;
+        Ok(m.done.remove(i).expect("index from position"))
+    }
+
+    /// Blocking flush.
+    pub fn flush(&mut self) -> Result<()> {
+        status_result(self.run_sync(Opcode::Flush, 0, 0, None)?.status)
+    }
+}
+
+impl SharedHandle<Vec<u8>> {
+    /// Blocking read into `buf` (its length is the read length).
+    pub fn read_at(&mut self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.resize(buf.len(), 0);
+        let c = self.run_sync(Opcode::Read, offset, buf.len(), Some(scratch))?;
+        let data = c.buf.unwrap_or_default();
+        if c.status.is_ok() {
+            buf.copy_from_slice(&data);
+        }
+        self.scratch = data;
+        status_result(c.status)
+    }
+
+    /// Blocking write of `buf`.
+    pub fn write_at(&mut self, buf: &[u8], offset: u64) -> Result<()> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        scratch.extend_from_slice(buf);
+        let c = self.run_sync(Opcode::Write, offset, buf.len(), Some(scratch))?;
+        self.scratch = c.buf.unwrap_or_default();
+        status_result(c.status)
+    }
+}
+
+impl<B> Drop for SharedHandle<B> {
+    fn drop(&mut self) {
+        let mut st = self.lane.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let id = self.id as usize;
+        let m = &mut st.mailboxes[id];
+        m.in_flight -= m.done.len();
+        m.done.clear();
+        m.live = false;
+        st.live_handles -= 1;
+        let m = &st.mailboxes[id];
+        if m.in_flight == 0 {
+            st.free_ids.push(self.id);
+        }
+    }
+}
