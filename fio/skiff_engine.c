@@ -8,8 +8,10 @@
  * builds this file into target/fio/skiff-engine.so; use it as
  * --ioengine=external:target/fio/skiff-engine.so.
  *
- * One lane per fio job (thread or process), opened in init, where the job runs. setup runs
- * earlier, possibly in fio's parent process, only to learn the export's size. All protocol
+ * One lane per fio job (thread or process), opened in init, where the job runs; with
+ * shared_lanes=N, a handle on N lanes the process's jobs share instead (jobs must be threads,
+ * fio's thread option, to share a process). setup runs earlier, possibly in fio's parent
+ * process, only to learn the export's size, on a lane of its own. All protocol
  * logic (caravans, doorbell, queue limits, errno mapping) lives in the Rust lane.
  */
 #include <errno.h>
@@ -31,6 +33,7 @@ struct skiff_options {
 	unsigned int doorbell_us;
 	unsigned int timeout_ms;
 	unsigned int batching;
+	unsigned int shared_lanes;
 };
 
 /* Per-job state: the lane and the completions of the last getevents, for event(). */
@@ -125,11 +128,24 @@ static struct fio_option options[] = {
 		.group = FIO_OPT_G_INVALID,
 	},
 	{
+		.name = "shared_lanes",
+		.lname = "skiff shared lanes",
+		.type = FIO_OPT_INT,
+		.off1 = offsetof(struct skiff_options, shared_lanes),
+		.minval = 0,
+		.maxval = 1024,
+		.def = "0",
+		.help = "0: each job has a lane of its own (default); N: the jobs of this fio process share N lanes, "
+			"their requests travelling in common caravans (use with thread, so jobs share the process)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
 		.name = NULL,
 	},
 };
 
-static int skiff_open_lane(struct thread_data *td, skiff_lane **lane)
+static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int may_share)
 {
 	struct skiff_options *o = td->eo;
 	skiff_lane_config cfg;
@@ -141,12 +157,14 @@ static int skiff_open_lane(struct thread_data *td, skiff_lane **lane)
 		return 1;
 	}
 	skiff_lane_config_default(&cfg);
-	cfg.queue_depth = td->o.iodepth;
+	/* A shared lane holds the requests of all its jobs: give it the most a lane may have. */
+	cfg.queue_depth = o->shared_lanes ? 256 : td->o.iodepth;
 	cfg.aggregation_reqs = o->aggregation_reqs;
 	cfg.aggregation_bytes = o->aggregation_bytes;
 	cfg.doorbell_us = o->doorbell_us;
 	cfg.timeout_ms = o->timeout_ms;
 	cfg.batching = o->batching;
+	cfg.shared_lanes = may_share ? o->shared_lanes : 0;
 	rc = skiff_lane_open(o->target, o->export_name, &cfg, lane);
 	if (rc) {
 		log_err("fio: skiff: cannot open %s on %s: %s\n", o->export_name, o->target,
@@ -179,7 +197,9 @@ static int skiff_setup(struct thread_data *td)
 		td->o.nr_files = td->o.nr_files ? : 1;
 		td->o.open_files++;
 	}
-	if (skiff_open_lane(td, &lane))
+	/* A lane of its own, just to learn the size: opening a shared group here would connect
+	 * all its lanes once per job. */
+	if (skiff_open_lane(td, &lane, 0))
 		return 1;
 	sd->size_bytes = skiff_lane_size(lane);
 	skiff_lane_close(lane);
@@ -206,7 +226,7 @@ static int skiff_init(struct thread_data *td)
 		td_verror(td, ENOMEM, "calloc");
 		return 1;
 	}
-	return skiff_open_lane(td, &sd->lane);
+	return skiff_open_lane(td, &sd->lane, 1);
 }
 
 static void skiff_cleanup(struct thread_data *td)

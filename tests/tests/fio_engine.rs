@@ -97,6 +97,43 @@ fn random_writes_read_back_verified() {
 }
 
 #[test]
+fn jobs_as_threads_share_lanes_and_verify() {
+    let t = start_target(&["vol=ram:64M"], 2);
+    let accepted_before = t.stats().get("connections_accepted").unwrap_or(0);
+    let report = fio_json(
+        &t,
+        &[
+            "--name=shared",
+            "--thread",
+            "--numjobs=8",
+            "--shared_lanes=2",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=2M",
+            "--offset_increment=2M",
+            "--iodepth=4",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--group_reporting=0",
+        ],
+    );
+    assert_no_error(&report);
+    assert_eq!(jobs(&report).len(), 8);
+    for job in jobs(&report) {
+        assert_eq!(io_bytes(job, "read"), 2 * MIB, "each job verifies its 2 MiB: {job}");
+    }
+    let s = t.stats();
+    // setup opens a lane per job to learn the size; the eight jobs then share two lanes.
+    let accepted = s.get("connections_accepted").unwrap_or(0) - accepted_before;
+    assert_eq!(accepted, 8 + 2, "8 setup lanes, then 8 jobs on 2 shared lanes");
+    assert!(s.get("req_write").unwrap_or(0) >= 8 * 512);
+    let per_caravan =
+        s.get("caravan_reqs_total").unwrap() as f64 / s.get("caravans_received").unwrap() as f64;
+    assert!(per_caravan > 4.0, "{per_caravan:.2} requests per caravan: no job has more than 4 outstanding");
+}
+
+#[test]
 fn sequential_large_blocks_land_as_written() {
     let t = start_target(&["vol=ram:64M"], 2);
     let common = ["--bs=128k", "--size=16M", "--iodepth=8", "--buffer_pattern=0xdeadbeef"];
@@ -157,9 +194,16 @@ fn a_missing_export_fails_the_job() {
 #[test]
 fn enghelp_lists_the_engine_options() {
     let help = run_ok(tool("fio", "fio").arg(format!("--enghelp={}", engine().display())));
-    for option in
-        ["target", "export", "aggregation", "aggregation_bytes", "doorbell_us", "timeout_ms", "batching"]
-    {
+    for option in [
+        "target",
+        "export",
+        "aggregation",
+        "aggregation_bytes",
+        "doorbell_us",
+        "timeout_ms",
+        "batching",
+        "shared_lanes",
+    ] {
         assert!(
             help.lines().any(|l| l.split_whitespace().next() == Some(option)),
             "{option} missing: {help}"

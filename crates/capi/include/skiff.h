@@ -10,6 +10,12 @@
  * Functions returning int return 0 (or a count) on success and a negative errno on failure;
  * skiff_last_error() then describes the failure (per thread, valid until the next call).
  *
+ * Shared lanes (skiff_lane_config.shared_lanes > 0) serve many threads with few requests
+ * each: each thread opens its own skiff_lane, and their requests travel in common caravans on
+ * a few connections. skiff_lane_commit then does nothing (the doorbell alone decides when a
+ * caravan leaves, since other threads' requests may still join it), and a full shared queue
+ * makes skiff_lane_submit wait for room instead of returning -EAGAIN.
+ *
  * The layouts and constants below are checked against the Rust side by
  * crates/capi/tests/c_api.rs.
  */
@@ -47,6 +53,10 @@ typedef struct skiff_lane_config {
     uint32_t doorbell_us;       /* ring when the oldest queued request waited this long; 0 rings at once (default 50) */
     uint32_t timeout_ms;        /* give up on an unresponsive target after this long (default 30000) */
     uint32_t batching;          /* SKIFF_BATCHING_* (default SKIFF_BATCHING_STATIC) */
+    uint32_t shared_lanes;      /* 0: a lane of its own (default); N: a handle on a group of N lanes
+                                 * shared by every skiff_lane opened in this process with the same
+                                 * target, export and config (queue_depth is then the depth of each
+                                 * shared lane, for all its handles together) */
 } skiff_lane_config;
 
 typedef struct skiff_completion {

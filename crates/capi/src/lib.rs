@@ -9,10 +9,12 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use initiator::{
-    BatchConfig, Batching, Completion, Doorbell, Endpoint, Error, Lane, LaneConfig, Limits, ReqFlags,
+    BatchConfig, Batching, Completion, Doorbell, Endpoint, Error, ExportInfo, Lane, LaneConfig, Limits,
+    ReqFlags, SharedHandle, SharedLanes,
 };
 use wire::Opcode;
 
@@ -35,6 +37,7 @@ pub struct SkiffLaneConfig {
     pub doorbell_us: u32,
     pub timeout_ms: u32,
     pub batching: u32,
+    pub shared_lanes: u32,
 }
 
 /// `skiff_completion` in `skiff.h`.
@@ -74,9 +77,107 @@ impl AsMut<[u8]> for RawBuf {
     }
 }
 
+// SAFETY: a RawBuf is the memory of one request, which skiff_lane_submit's contract hands to
+// the lane until the completion is reaped; on a shared lane another caller's thread may send
+// from it or receive into it meanwhile, and the caller does not touch it then.
+unsafe impl Send for RawBuf {}
+
+type Group = SharedLanes<RawBuf>;
+
+/// Shared-lane groups of this process, by target, export and configuration: every
+/// `skiff_lane_open` with the same three and `shared_lanes > 0` gets a handle on one group,
+/// which lives as long as one of its handles.
+static GROUPS: Mutex<Vec<(String, Weak<Group>)>> = Mutex::new(Vec::new());
+
+fn group(
+    endpoint: &Endpoint,
+    key: String,
+    export: &str,
+    config: &LaneConfig,
+    lanes: usize,
+) -> Result<Arc<Group>, Error> {
+    let mut groups = GROUPS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    groups.retain(|(_, g)| g.strong_count() > 0);
+    if let Some(g) = groups.iter().find(|(k, _)| *k == key).and_then(|(_, g)| g.upgrade()) {
+        return Ok(g);
+    }
+    let g = Arc::new(SharedLanes::connect(endpoint, export, config, lanes)?);
+    groups.push((key, Arc::downgrade(&g)));
+    Ok(g)
+}
+
+/// What a `skiff_lane *` sends through.
+enum Queue {
+    /// A lane of its own.
+    Private(Lane<RawBuf>),
+    /// A handle on a process-wide group of shared lanes.
+    Shared { handle: SharedHandle<RawBuf>, _group: Arc<Group>, export: ExportInfo },
+}
+
+impl Queue {
+    fn export(&self) -> &ExportInfo {
+        match self {
+            Queue::Private(lane) => lane.export(),
+            Queue::Shared { export, .. } => export,
+        }
+    }
+
+    fn queue_depth(&self) -> usize {
+        match self {
+            Queue::Private(lane) => lane.queue_depth(),
+            Queue::Shared { handle, .. } => handle.queue_depth(),
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        match self {
+            Queue::Private(lane) => lane.in_flight(),
+            Queue::Shared { handle, .. } => handle.in_flight(),
+        }
+    }
+
+    fn submit(
+        &mut self,
+        opcode: Opcode,
+        flags: ReqFlags,
+        offset: u64,
+        len: usize,
+        buf: Option<RawBuf>,
+        user_data: u64,
+    ) -> Result<(), Error> {
+        let submitted = match self {
+            Queue::Private(lane) => lane.submit(opcode, flags, offset, len, buf, user_data),
+            Queue::Shared { handle, .. } => handle.submit(opcode, flags, offset, len, buf, user_data),
+        };
+        submitted.map_err(|rejected| rejected.error)
+    }
+
+    /// On a shared lane the doorbell alone decides: other threads' requests may still join.
+    fn commit(&mut self) -> Result<(), Error> {
+        match self {
+            Queue::Private(lane) => lane.commit(),
+            Queue::Shared { .. } => Ok(()),
+        }
+    }
+
+    fn wait(&mut self, min: usize, out: &mut Vec<Completion<RawBuf>>) -> Result<usize, Error> {
+        match self {
+            Queue::Private(lane) => lane.wait(min, out),
+            Queue::Shared { handle, .. } => handle.wait(min, out),
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion<RawBuf>>) -> Result<usize, Error> {
+        match self {
+            Queue::Private(lane) => lane.poll(out),
+            Queue::Shared { handle, .. } => handle.poll(out),
+        }
+    }
+}
+
 /// The handle behind `skiff_lane *`.
 pub struct SkiffLane {
-    lane: Lane<RawBuf>,
+    lane: Queue,
     /// Completions collected but not yet handed out (the caller asked for fewer).
     ready: VecDeque<Completion<RawBuf>>,
     scratch: Vec<Completion<RawBuf>>,
@@ -126,6 +227,7 @@ fn defaults() -> SkiffLaneConfig {
         doorbell_us: d.doorbell.delay_us as u32,
         timeout_ms: d.timeout.as_millis() as u32,
         batching: SKIFF_BATCHING_STATIC,
+        shared_lanes: 0,
     }
 }
 
@@ -192,7 +294,15 @@ pub unsafe extern "C" fn skiff_lane_open(
                 return -libc::EINVAL;
             }
         };
-        match Lane::connect_with(&endpoint, export, &lane_config) {
+        let opened = if config.shared_lanes == 0 {
+            Lane::connect_with(&endpoint, export, &lane_config).map(Queue::Private)
+        } else {
+            let key = format!("{target}\0{export}\0{config:?}");
+            group(&endpoint, key, export, &lane_config, config.shared_lanes as usize).and_then(|g| {
+                Ok(Queue::Shared { handle: g.handle()?, export: g.export().clone(), _group: g })
+            })
+        };
+        match opened {
             Ok(lane) => {
                 let handle = Box::new(SkiffLane { lane, ready: VecDeque::new(), scratch: Vec::new() });
                 // SAFETY: `out` is valid for a write per the contract.
@@ -288,7 +398,7 @@ pub unsafe extern "C" fn skiff_lane_submit(
         let raw = carries_data.then(|| RawBuf { ptr: buf.cast(), len: len as usize });
         match l.lane.submit(opcode, req_flags, offset, len as usize, raw, user_data) {
             Ok(()) => 0,
-            Err(rejected) => fail(&rejected.error),
+            Err(e) => fail(&e),
         }
     })
 }

@@ -58,15 +58,17 @@ fn c_program_moves_data_through_the_header_api() {
         std::mem::offset_of!(SkiffCompletion, reserved)
     );
     let config = format!(
-        "layout config {} {}",
+        "layout config {} {} {}",
         std::mem::size_of::<SkiffLaneConfig>(),
-        std::mem::offset_of!(SkiffLaneConfig, timeout_ms)
+        std::mem::offset_of!(SkiffLaneConfig, timeout_ms),
+        std::mem::offset_of!(SkiffLaneConfig, shared_lanes)
     );
     assert!(stdout.contains(&completion), "{completion} vs {stdout}");
     assert!(stdout.contains(&config), "{config} vs {stdout}");
+    assert!(stdout.contains("shared ok"), "{stdout}");
 
     let s = t.stats();
-    assert_eq!(s.get("req_write"), Some(8));
+    assert_eq!(s.get("req_write"), Some(9), "8 on a lane of its own, 1 on a shared one");
     assert_eq!(s.get("backend_syncs").unwrap_or(0), 0, "RAM flushes need no sync");
 }
 

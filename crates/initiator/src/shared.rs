@@ -418,6 +418,27 @@ impl<B: IoBuf + Send> SharedHandle<B> {
         self.submit(Opcode::Flush, ReqFlags::empty(), 0, 0, None, user_data)
     }
 
+    /// Collect this handle's completions that have arrived, without waiting (receiving for
+    /// everyone first if nobody else is).
+    pub fn poll(&mut self, out: &mut Vec<Completion<B>>) -> Result<usize> {
+        let mut st = self.lane.lock();
+        let mut received = Ok(());
+        if !st.receiving {
+            received = st.receive();
+        }
+        let n = st.take(self.id, out);
+        received.map(|()| n)
+    }
+
+    /// The shared lane's queue depth (what all its handles share).
+    pub fn queue_depth(&self) -> usize {
+        self.lane.lock().lane.queue_depth()
+    }
+
+    pub fn export(&self) -> ExportInfo {
+        self.lane.lock().lane.export().clone()
+    }
+
     /// This handle's requests submitted and not yet returned by `wait`.
     pub fn in_flight(&self) -> usize {
         self.lane.lock().mailboxes[self.id as usize].in_flight
