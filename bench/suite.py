@@ -43,14 +43,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import Server, cpu_s, free_port, make_scratch, precondition  # noqa: E402  (shared with compare.py)
 
 SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit", "qemu-nbd"]
-# skiff-native with another batching mode (fio engine options), for the thread sweep's batching
-# comparison (Tyche Fig. 5): off, static levels 2/8/64, adaptive. Chosen with --systems.
+# skiff-native on shared lanes with one batching mode each, for the thread sweep's batching
+# comparison (Tyche Fig. 5): off, static levels 2/8/64, adaptive. fio's jobs run as threads of
+# one process and share one lane per core (the engine's shared_lanes=), so the caravans carry
+# many jobs' requests as in the paper. Chosen with --systems.
+SHARED = ["--thread", f"--shared_lanes={os.cpu_count()}"]
 BATCHING_VARIANTS = {
-    "skiff-native-off": ["--batching=off"],
-    "skiff-native-b2": ["--aggregation=2"],
-    "skiff-native-b8": ["--aggregation=8"],
-    "skiff-native-b64": ["--aggregation=64", "--aggregation_bytes=262144"],
-    "skiff-native-adaptive": ["--batching=adaptive"],
+    "skiff-native-off": SHARED + ["--batching=off"],
+    "skiff-native-b2": SHARED + ["--aggregation=2"],
+    "skiff-native-b8": SHARED + ["--aggregation=8"],
+    "skiff-native-b64": SHARED + ["--aggregation=64", "--aggregation_bytes=262144"],
+    "skiff-native-adaptive": SHARED + ["--batching=adaptive"],
 }
 QUICK_SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit"]
 EXPERIMENTS = ["load", "mix", "threads", "sizes", "qd1"]
@@ -463,9 +466,10 @@ EXPLAIN = {
     "load": ("Load sweep (i10 Fig. 6)", "4 KiB random, one fio job, queue depth 1 to 256."),
     "mix": ("Read/write mix (i10 Fig. 8)", "4 KiB random, one fio job, QD 32, read share 0 to 100%."),
     "threads": ("Thread sweep (Tyche Fig. 5)",
-                "4 KiB random, N fio jobs (processes) x QD 4, each job its own connection (for skiff-native "
-                "its own lane). skiff's shared lanes and its batching modes (off/static/adaptive) do not exist "
-                "yet: the batching-mode variants of this figure wait for the fast-path work."),
+                "4 KiB random, N fio jobs x QD 4. skiff-native, skiff-nbd and the peers: each job a process "
+                "with its own connection (lane). skiff-native-off/-b2/-b8/-b64/-adaptive: the jobs are "
+                "threads of one fio process sharing one lane per core (engine option shared_lanes), with "
+                "batching off, static 2/8/64 requests per caravan, or Tyche's adaptive controller."),
     "sizes": ("Mixed sizes over time (Tyche Fig. 8)",
               "32 jobs x QD 4 of 4 KiB random reads for the whole run; one more 128 KiB random-read stream "
               "(QD 4) starts every interval (fio startdelay). The table gives the whole run; the phase "
