@@ -109,7 +109,7 @@ fn group(
 /// What a `skiff_lane *` sends through.
 enum Queue {
     /// A lane of its own.
-    Private(Lane<RawBuf>),
+    Private(Box<Lane<RawBuf>>),
     /// A handle on a process-wide group of shared lanes.
     Shared { handle: SharedHandle<RawBuf>, _group: Arc<Group>, export: ExportInfo },
 }
@@ -295,7 +295,7 @@ pub unsafe extern "C" fn skiff_lane_open(
             }
         };
         let opened = if config.shared_lanes == 0 {
-            Lane::connect_with(&endpoint, export, &lane_config).map(Queue::Private)
+            Lane::connect_with(&endpoint, export, &lane_config).map(|l| Queue::Private(Box::new(l)))
         } else {
             let key = format!("{target}\0{export}\0{config:?}");
             group(&endpoint, key, export, &lane_config, config.shared_lanes as usize).and_then(|g| {
