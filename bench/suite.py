@@ -61,6 +61,11 @@ ENGINE = "target/fio/skiff-engine.so"
 TITLE_MACHINE = f"{os.cpu_count()} cores, loopback"
 COLORS = {"skiff-native": "#d62728", "skiff-nbd": "#ff7f0e", "nbdkit": "#1f77b4", "qemu-nbd": "#2ca02c"}
 MARKERS = {"skiff-native": "o", "skiff-nbd": "s", "nbdkit": "^", "qemu-nbd": "D"}
+# The batching variants: one fixed colour each, so both panels of a plot agree.
+COLORS.update({"skiff-native-off": "#7f7f7f", "skiff-native-b2": "#bcbd22", "skiff-native-b8": "#17becf",
+               "skiff-native-b64": "#9467bd", "skiff-native-adaptive": "#8c564b"})
+MARKERS.update({"skiff-native-off": "x", "skiff-native-b2": "v", "skiff-native-b8": "<",
+                "skiff-native-b64": ">", "skiff-native-adaptive": "*"})
 
 
 def log(msg):
