@@ -83,6 +83,12 @@ fn bench_on_the_embedded_default_verifies_and_reports_json() {
     assert_eq!(v["io_errors"], 0);
     assert!(v["ios"].as_u64().unwrap() > 0);
     assert!(v["server_cpu_us_per_io"].as_f64().unwrap() > 0.0, "server CPU is measured: {v}");
+    for stage in
+        ["client_send", "target_recv", "target_exec", "target_send", "client_recv", "client_complete"]
+    {
+        assert!(v["stages_us"][stage].as_f64().unwrap() > 0.0, "stage {stage} is measured: {v}");
+    }
+    assert!(v["stages_us"]["elsewhere"].is_null(), "only at QD 1 with one thread: {v}");
 }
 
 #[test]

@@ -21,13 +21,23 @@ pub(crate) struct Conn {
     pub timeout: Duration,
     /// Hybrid polling: how long to keep trying non-blocking receives before sleeping.
     pub spin: Duration,
+    /// Wall time in receive and send calls so far (not in waiting for readiness).
+    pub recv_ns: u64,
+    pub send_ns: u64,
 }
 
 impl Conn {
     pub fn connect(endpoint: &Endpoint, proposed: &Limits, timeout: Duration) -> Result<Conn> {
         let stream = ClientStream::connect(endpoint)?;
-        let mut conn =
-            Conn { stream, rx: FrameBuffer::new(), limits: *proposed, timeout, spin: Duration::ZERO };
+        let mut conn = Conn {
+            stream,
+            rx: FrameBuffer::new(),
+            limits: *proposed,
+            timeout,
+            spin: Duration::ZERO,
+            recv_ns: 0,
+            send_ns: 0,
+        };
         let handshake = ClientHandshake::new(*proposed);
         conn.send_all(&[&handshake.hello_frame()])?;
         let (h, body) = conn.recv_control()?;
@@ -66,7 +76,10 @@ impl Conn {
 
     /// Receive what is there without waiting. Returns bytes received.
     pub fn fill_now(&mut self) -> Result<usize> {
-        match self.stream.fill(&mut self.rx) {
+        let started = Instant::now();
+        let filled = self.stream.fill(&mut self.rx);
+        self.recv_ns += started.elapsed().as_nanos() as u64;
+        match filled {
             Ok(0) => Err(Error::Closed),
             Ok(n) => Ok(n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
@@ -146,6 +159,9 @@ impl Conn {
                 break;
             }
         }
-        self.stream.send(&iov[..n])
+        let started = Instant::now();
+        let sent = self.stream.send(&iov[..n]);
+        self.send_ns += started.elapsed().as_nanos() as u64;
+        sent
     }
 }

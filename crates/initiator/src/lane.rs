@@ -99,6 +99,11 @@ pub struct LaneStats {
     /// Caravans sent by size: at most 1, 2, 4, ... 64 requests, then more.
     pub caravan_hist: [u64; 8],
     pub completion_caravans: u64,
+    /// Wall time in send calls, in receive calls, and in handling what arrived (matching
+    /// completions, placing read data): the initiator's stages, for the per-stage breakdown.
+    pub send_ns: u64,
+    pub recv_ns: u64,
+    pub complete_ns: u64,
 }
 
 impl LaneStats {
@@ -111,6 +116,9 @@ impl LaneStats {
             *sum += n;
         }
         self.completion_caravans += other.completion_caravans;
+        self.send_ns += other.send_ns;
+        self.recv_ns += other.recv_ns;
+        self.complete_ns += other.complete_ns;
     }
 
     /// Field-wise `self - earlier`: what happened between two snapshots.
@@ -125,6 +133,9 @@ impl LaneStats {
             caravans_sent: self.caravans_sent - earlier.caravans_sent,
             caravan_hist,
             completion_caravans: self.completion_caravans - earlier.completion_caravans,
+            send_ns: self.send_ns - earlier.send_ns,
+            recv_ns: self.recv_ns - earlier.recv_ns,
+            complete_ns: self.complete_ns - earlier.complete_ns,
         }
     }
 }
@@ -258,8 +269,8 @@ impl<B: IoBuf> Lane<B> {
         self.slots.capacity()
     }
 
-    pub fn stats(&self) -> &LaneStats {
-        &self.stats
+    pub fn stats(&self) -> LaneStats {
+        LaneStats { send_ns: self.conn.send_ns, recv_ns: self.conn.recv_ns, ..self.stats }
     }
 
     /// Read `buf.len()` bytes at `offset` into `buf`.
@@ -543,6 +554,13 @@ impl<B: IoBuf> Lane<B> {
 
     /// Handle every complete frame in the receive buffer. Returns whether any completed.
     fn process_frames(&mut self) -> Result<bool> {
+        let started = Instant::now();
+        let result = self.handle_frames();
+        self.stats.complete_ns += started.elapsed().as_nanos() as u64;
+        result
+    }
+
+    fn handle_frames(&mut self) -> Result<bool> {
         let mut progressed = false;
         while let Some(f) = self.conn.next_frame()? {
             let body = self.conn.rx.body(&f);

@@ -87,7 +87,7 @@ impl<B: IoBuf + Send> SharedLanes<B> {
     pub fn stats(&self) -> LaneStats {
         let mut total = LaneStats::default();
         for l in &self.lanes {
-            total.add(l.lock().lane.stats());
+            total.add(&l.lock().lane.stats());
         }
         total
     }

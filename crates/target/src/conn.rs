@@ -8,6 +8,7 @@
 
 use std::io::{self, IoSlice};
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use proto::server::ServerSession;
 use transport::{FrameBuffer, FrameIo, Stream};
@@ -135,12 +136,17 @@ impl Conn {
                 // does (the writable event brings us back).
                 return ReadOutcome::Drained;
             }
-            match self.stream.fill(&mut self.rx) {
+            let started = Instant::now();
+            let filled = self.stream.fill(&mut self.rx);
+            let received = Instant::now();
+            bump(&stats.stage_recv_ns, nanos(received - started));
+            match filled {
                 Ok(0) => return ReadOutcome::Closed,
                 Ok(n) => {
                     bump(&stats.rx_bytes, n as u64);
                     let more = self.rx.last_read_full();
                     self.process(shared, stats);
+                    bump(&stats.stage_exec_ns, nanos(received.elapsed()));
                     if !more {
                         return ReadOutcome::Drained;
                     }
@@ -158,7 +164,10 @@ impl Conn {
     /// Send queued responses. Returns false when the connection is finished (failed, or a
     /// GOAWAY went out).
     pub fn flush(&mut self, stats: &WorkerStats) -> bool {
-        match self.tx.flush(&mut self.stream) {
+        let started = Instant::now();
+        let flushed = self.tx.flush(&mut self.stream);
+        bump(&stats.stage_send_ns, nanos(started.elapsed()));
+        match flushed {
             Ok(n) => bump(&stats.tx_bytes, n as u64),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => {
@@ -195,4 +204,8 @@ impl Link<'_> {
         bump(&self.stats.connections_closed_protocol_error, 1);
         *self.closing = true;
     }
+}
+
+fn nanos(d: Duration) -> u64 {
+    d.as_nanos() as u64
 }

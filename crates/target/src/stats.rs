@@ -12,6 +12,9 @@
 //!   `caravan_reqs_le_<N>` (received caravans with at most N requests, N = 1, 2, 4, ... 64, and
 //!   `caravan_reqs_le_inf`), each bucket counting only its own range;
 //! - `rx_bytes`, `tx_bytes`, `loop_passes`;
+//! - `stage_recv_ns`, `stage_exec_ns`, `stage_send_ns`: wall time the workers spent in receive
+//!   calls, in processing what arrived (parsing, the backend, building replies), and in send
+//!   calls (two clock reads around each, a few per loop pass, not per request);
 //! - `connections_open`, `connections_accepted`, `connections_closed_protocol_error`;
 //! - `cpu_user_us`, `cpu_sys_us` (clock-tick resolution), `cpu_ns` (scheduler run time),
 //!   `ctx_switches_voluntary`, `ctx_switches_involuntary`: summed over the target's threads;
@@ -39,6 +42,11 @@ pub struct WorkerStats {
     pub rx_bytes: AtomicU64,
     pub tx_bytes: AtomicU64,
     pub loop_passes: AtomicU64,
+    /// Wall time in receive calls, in processing what they brought (parse, backend, replies),
+    /// and in send calls: the target's stages, for the per-stage breakdown.
+    pub stage_recv_ns: AtomicU64,
+    pub stage_exec_ns: AtomicU64,
+    pub stage_send_ns: AtomicU64,
     pub connections_accepted: AtomicU64,
     pub connections_closed_protocol_error: AtomicU64,
     pub tid: AtomicI32,
@@ -66,13 +74,16 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         e.push((format!("bytes_{}", op.name()), sum(&|w| w.ops.bytes(op))));
     }
     e.push(("req_errors".into(), sum(&|w| w.ops.errors())));
-    let named: [(&str, Field); 8] = [
+    let named: [(&str, Field); 11] = [
         ("caravans_received", |w| &w.caravans_received),
         ("caravans_sent", |w| &w.caravans_sent),
         ("caravan_reqs_total", |w| &w.caravan_reqs_total),
         ("rx_bytes", |w| &w.rx_bytes),
         ("tx_bytes", |w| &w.tx_bytes),
         ("loop_passes", |w| &w.loop_passes),
+        ("stage_recv_ns", |w| &w.stage_recv_ns),
+        ("stage_exec_ns", |w| &w.stage_exec_ns),
+        ("stage_send_ns", |w| &w.stage_send_ns),
         ("connections_accepted", |w| &w.connections_accepted),
         ("connections_closed_protocol_error", |w| &w.connections_closed_protocol_error),
     ];

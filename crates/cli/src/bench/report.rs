@@ -109,6 +109,8 @@ pub struct Summary {
     pub batch_level_final: Vec<u32>,
     /// The first lane's adaptive decisions: [milliseconds since it opened, level].
     pub batch_level_log: Vec<(u64, u32)>,
+    /// Where the time goes, in µs per I/O (Tyche Table II's stages, as far as they are ours).
+    pub stages_us: Stages,
     pub server_caravans_received: u64,
     pub server_reqs_per_caravan: f64,
     pub server_caravans_sent: u64,
@@ -116,6 +118,22 @@ pub struct Summary {
     pub first_io_error: Option<String>,
     pub verify_errors: u64,
     pub first_verify_error: Option<String>,
+}
+
+/// Time in each stage, in µs per I/O: wall time inside the calls, summed over threads and
+/// divided by the I/Os. At QD 1 with one thread the stages add up along each I/O's path and
+/// `elsewhere` is the rest of the mean latency: the loopback wire, the wake-ups of a sleeping
+/// thread on each side, scheduling. At higher depths they are amortised costs, and `elsewhere`
+/// is not given.
+#[derive(Debug, Serialize)]
+pub struct Stages {
+    pub client_send: f64,
+    pub target_recv: f64,
+    pub target_exec: f64,
+    pub target_send: f64,
+    pub client_recv: f64,
+    pub client_complete: f64,
+    pub elsewhere: Option<f64>,
 }
 
 fn delta(before: &StatsReply, after: &StatsReply, name: &str) -> u64 {
@@ -182,6 +200,25 @@ pub fn summarize(
     let server_ctx =
         delta(before, after, "ctx_switches_voluntary") + delta(before, after, "ctx_switches_involuntary");
     let received = delta(before, after, "caravans_received");
+    let per_io_us = |ns: u64| per(ns as f64 / 1000.0, ios);
+    let mut stages = Stages {
+        client_send: per_io_us(telemetry.lanes.send_ns),
+        target_recv: per_io_us(delta(before, after, "stage_recv_ns")),
+        target_exec: per_io_us(delta(before, after, "stage_exec_ns")),
+        target_send: per_io_us(delta(before, after, "stage_send_ns")),
+        client_recv: per_io_us(telemetry.lanes.recv_ns),
+        client_complete: per_io_us(telemetry.lanes.complete_ns),
+        elsewhere: None,
+    };
+    if setup.qd == 1 && setup.threads == 1 {
+        let counted = stages.client_send
+            + stages.target_recv
+            + stages.target_exec
+            + stages.target_send
+            + stages.client_recv
+            + stages.client_complete;
+        stages.elsewhere = Some(hist.mean() / 1000.0 - counted);
+    }
     Summary {
         setup,
         duration_s: secs,
@@ -209,6 +246,7 @@ pub fn summarize(
         client_caravan_hist: telemetry.lanes.caravan_hist,
         batch_level_final: telemetry.batch_levels.clone(),
         batch_level_log: telemetry.batch_level_log.clone(),
+        stages_us: stages,
         server_caravans_received: received,
         server_reqs_per_caravan: per(delta(before, after, "caravan_reqs_total") as f64, received),
         server_caravans_sent: delta(before, after, "caravans_sent"),
@@ -268,6 +306,19 @@ pub fn print_table(s: &Summary) {
                 grouped(s.server_caravans_received),
                 s.server_reqs_per_caravan,
                 grouped(s.server_caravans_sent)
+            ),
+        ),
+        (
+            "stages µs/I/O",
+            format!(
+                "client send {:.2}  target recv {:.2}  exec {:.2}  send {:.2}  client recv {:.2}  complete {:.2}{}",
+                s.stages_us.client_send,
+                s.stages_us.target_recv,
+                s.stages_us.target_exec,
+                s.stages_us.target_send,
+                s.stages_us.client_recv,
+                s.stages_us.client_complete,
+                s.stages_us.elsewhere.map(|e| format!("  elsewhere {e:.2}")).unwrap_or_default()
             ),
         ),
         (

@@ -55,7 +55,7 @@ impl Queue for Lane {
         Lane::wait(self, min, out)
     }
     fn lane_stats(&self) -> Option<LaneStats> {
-        Some(*self.stats())
+        Some(self.stats())
     }
     fn batch_level(&self) -> u32 {
         Lane::batch_level(self)
