@@ -6,7 +6,9 @@ driven by the same client, fio's nbd ioengine (libnbd), so the servers differ an
 skiff's native protocol is measured beside them with `skiff bench`. Systems run back to back in
 one invocation, alternating per workload, so they share the machine's state.
 
-Every volume is written once, untimed, before its measured run (see `precondition`).
+Every volume is written once, untimed, before its measured run (see `precondition`). The link
+reference, a bulk TCP stream on the same loopback (iperf3), is measured before and after the
+runs, and each row's 4 KiB payload rate is shown as a share of it.
 
 CPU per I/O is measured for each process separately: servers from /proc/PID/stat (all
 threads) over the run, fio from its own usr/sys report, skiff bench from its JSON (its lane
@@ -171,6 +173,41 @@ def make_scratch():
     return scratch, scratch_dir
 
 
+def link_reference(seconds):
+    """Bulk TCP stream on loopback with iperf3; bytes/s received."""
+    port = free_port()
+    srv = subprocess.Popen(["iperf3", "-s", "-p", str(port), "-B", "127.0.0.1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        d, why = None, ""
+        for _ in range(30):
+            time.sleep(0.2)
+            r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
+                               capture_output=True, text=True)
+            try:
+                d = json.loads(r.stdout)
+            except ValueError:
+                d = None
+            if r.returncode == 0 and d and "sum_received" in d.get("end", {}):
+                break
+            why = (d or {}).get("error") or r.stderr.strip()
+            d = None
+        if d is None:
+            print(f"  link reference: iperf3 failed ({why}); link utilisation will be missing", file=sys.stderr)
+            return None
+        bps = d["end"]["sum_received"]["bits_per_second"] / 8
+        return {"bytes_per_s": bps, "payloads_4k_per_s": bps / 4096, "seconds": seconds,
+                "tool": "iperf3 -c 127.0.0.1"}
+    finally:
+        if srv.poll() is None:
+            srv.terminate()
+        try:
+            srv.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS))
@@ -180,6 +217,7 @@ def main():
     p.add_argument("--runtime", type=int, default=10)
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--link-seconds", type=int, default=5, help="iperf3 bulk stream before and after (0: skip)")
     a = p.parse_args()
     systems = a.systems.split(",")
     for tool in ["fio"] + [s for s in systems if s in ("nbdkit", "qemu-nbd")]:
@@ -190,6 +228,12 @@ def main():
 
     scratch, scratch_dir = make_scratch()
 
+    links = []
+    if a.link_seconds and shutil.which("iperf3"):
+        print(f"  link reference: iperf3 on loopback, {a.link_seconds} s ...", file=sys.stderr)
+        links.append(link_reference(a.link_seconds))
+    elif a.link_seconds:
+        print("  iperf3 is not installed (apt-get install iperf3): no link reference", file=sys.stderr)
     records = []
     for rw in a.rw.split(","):
         for qd in [int(q) for q in a.qd.split(",")]:
@@ -200,21 +244,36 @@ def main():
                 records.append(r)
                 print(f" {r['iops']:>10,.0f} IOPS", file=sys.stderr)
 
+    if links:
+        print(f"  link reference again: iperf3, {a.link_seconds} s ...", file=sys.stderr)
+        links.append(link_reference(a.link_seconds))
+    links = [lk for lk in links if lk]
+    link_bps = min(lk["bytes_per_s"] for lk in links) if links else None
+
     print(f"\n4 KiB loopback, one client thread, {a.runtime} s per run, {os.cpu_count()} cores; "
-          f"qemu-nbd file on {scratch_dir}\n")
-    print("| workload | system | client | IOPS | vs nbdkit | mean µs | p99 µs | CPU µs/I/O client | server | server vs nbdkit |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"qemu-nbd file on {scratch_dir}")
+    if link_bps:
+        print(f"link reference (iperf3 bulk stream on loopback, before and after, lower kept): "
+              f"{link_bps / 1e9:.2f} GB/s = {link_bps / 4096:,.0f} 4 KiB payloads/s\n")
+    print("| workload | system | client | IOPS | vs nbdkit | of link | mean µs | p99 µs | CPU µs/I/O client "
+          "| server | total | total vs nbdkit | server vs nbdkit |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in records:
         base = next((b for b in records if b["system"] == "nbdkit" and b["rw"] == r["rw"] and b["qd"] == r["qd"]), None)
+        total = r["client_cpu_us_per_io"] + r["server_cpu_us_per_io"]
         ratio = f"{r['iops'] / base['iops']:.2f}x" if base else "-"
         cpu_ratio = f"{r['server_cpu_us_per_io'] / base['server_cpu_us_per_io']:.2f}x" if base else "-"
-        print(f"| {r['rw']} QD {r['qd']} | {r['system']} | {r['client']} | {r['iops']:,.0f} | {ratio} | "
+        base_total = base["client_cpu_us_per_io"] + base["server_cpu_us_per_io"] if base else None
+        total_ratio = f"{total / base_total:.2f}x" if base_total else "-"
+        of_link = f"{r['iops'] * 4096 / link_bps:.0%}" if link_bps and a.bs == "4k" else "-"
+        r["link_share"] = r["iops"] * 4096 / link_bps if link_bps and a.bs == "4k" else None
+        print(f"| {r['rw']} QD {r['qd']} | {r['system']} | {r['client']} | {r['iops']:,.0f} | {ratio} | {of_link} | "
               f"{r['lat_mean_us']:.1f} | {r['lat_p99_us']:.1f} | {r['client_cpu_us_per_io']:.2f} | "
-              f"{r['server_cpu_us_per_io']:.2f} | {cpu_ratio} |")
+              f"{r['server_cpu_us_per_io']:.2f} | {total:.2f} | {total_ratio} | {cpu_ratio} |")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, time.strftime("compare-%Y%m%d-%H%M%S.json"))
     with open(path, "w") as f:
-        json.dump({"machine": {"cores": os.cpu_count()}, "records": records}, f, indent=2)
+        json.dump({"machine": {"cores": os.cpu_count()}, "link_reference": links, "records": records}, f, indent=2)
     print(f"\nrecords: {path}")
 
 

@@ -40,7 +40,7 @@ import time
 
 sys.dont_write_bytecode = True  # no bench/__pycache__ from importing compare.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Server, cpu_s, free_port, make_scratch, precondition  # noqa: E402  (shared with compare.py)
+from compare import Server, cpu_s, free_port, link_reference, make_scratch, precondition  # noqa: E402  (shared with compare.py)
 
 SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit", "qemu-nbd"]
 # skiff-native on shared lanes with one batching mode each, for the thread sweep's batching
@@ -191,41 +191,6 @@ def start_target(system, a, scratch):
 
 # ---------------------------------------------------------------------------------------------
 # The link reference
-
-
-def link_reference(seconds):
-    """Bulk TCP stream on loopback with iperf3; bytes/s received."""
-    port = free_port()
-    srv = subprocess.Popen(["iperf3", "-s", "-p", str(port), "-B", "127.0.0.1"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        d, why = None, ""
-        for _ in range(30):
-            time.sleep(0.2)
-            r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
-                               capture_output=True, text=True)
-            try:
-                d = json.loads(r.stdout)
-            except ValueError:
-                d = None
-            if r.returncode == 0 and d and "sum_received" in d.get("end", {}):
-                break
-            why = (d or {}).get("error") or r.stderr.strip()
-            d = None
-        if d is None:
-            log(f"  link reference: iperf3 failed ({why}); link utilisation will be missing")
-            return None
-        bps = d["end"]["sum_received"]["bits_per_second"] / 8
-        return {"bytes_per_s": bps, "payloads_4k_per_s": bps / 4096, "seconds": seconds,
-                "tool": "iperf3 -c 127.0.0.1"}
-    finally:
-        if srv.poll() is None:
-            srv.terminate()
-        try:
-            srv.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-            srv.wait()
 
 
 # ---------------------------------------------------------------------------------------------
