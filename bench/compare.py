@@ -70,12 +70,18 @@ class Server:
         return cpu_s(self.proc.pid) - self.cpu0
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc, timeout=10)
+
+
+def stop(proc, timeout=5):
+    """Ask a process to end, and make sure it does."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def start_nbd_server(system, a, scratch):
@@ -199,13 +205,7 @@ def link_reference(seconds):
         return {"bytes_per_s": bps, "payloads_4k_per_s": bps / 4096, "seconds": seconds,
                 "tool": "iperf3 -c 127.0.0.1"}
     finally:
-        if srv.poll() is None:
-            srv.terminate()
-        try:
-            srv.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-            srv.wait()
+        stop(srv)
 
 
 def main():

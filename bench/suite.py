@@ -40,7 +40,7 @@ import time
 
 sys.dont_write_bytecode = True  # no bench/__pycache__ from importing compare.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Server, cpu_s, free_port, link_reference, make_scratch, precondition  # noqa: E402  (shared with compare.py)
+from compare import Server, cpu_s, free_port, link_reference, make_scratch, precondition, stop  # noqa: E402  (shared with compare.py)
 
 SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit", "qemu-nbd"]
 # skiff-native on shared lanes with one batching mode each, for the thread sweep's batching
@@ -211,12 +211,7 @@ def run_fio(argv):
             _, status, ru = os.wait4(p.pid, 0)
         except BaseException:
             # interrupted: let fio stop its job processes itself, then make sure
-            p.terminate()
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop(p)
             raise
         p.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)

@@ -3,7 +3,7 @@
 
 use std::os::unix::fs::FileExt;
 
-use initiator::{Lane, LaneConfig, ReqFlags, Status};
+use initiator::{Lane, LaneConfig, Queue, ReqFlags, Status};
 use skiff_tests::{start_target, tcp_endpoint};
 
 #[test]

@@ -2,7 +2,9 @@
 
 use std::sync::Arc;
 
-use initiator::{BatchConfig, Batching, Completion, Endpoint, Lane, LaneConfig, Limits, ReqFlags, Status};
+use initiator::{
+    BatchConfig, Batching, Completion, Endpoint, Lane, LaneConfig, Limits, Queue, ReqFlags, Status,
+};
 use skiff_tests::{start_target, start_target_with, tcp_endpoint};
 
 fn block(seed: u64, offset: u64, len: usize) -> Vec<u8> {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use initiator::{
-    BatchConfig, Batching, Completion, Doorbell, Error, LaneConfig, Limits, SharedLanes, Status,
+    BatchConfig, Batching, Completion, Doorbell, Error, LaneConfig, Limits, Queue, SharedLanes, Status,
     USER_DATA_MAX,
 };
 use skiff_tests::{start_target, tcp_endpoint};

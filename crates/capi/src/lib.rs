@@ -129,27 +129,16 @@ impl Queue {
         }
     }
 
-    fn in_flight(&self) -> usize {
+    /// Submitting and reaping, the same for both kinds.
+    fn io(&mut self) -> &mut dyn initiator::Queue<RawBuf> {
         match self {
-            Queue::Private(lane) => lane.in_flight(),
-            Queue::Shared { handle, .. } => handle.in_flight(),
+            Queue::Private(lane) => lane.as_mut(),
+            Queue::Shared { handle, .. } => handle,
         }
     }
 
-    fn submit(
-        &mut self,
-        opcode: Opcode,
-        flags: ReqFlags,
-        offset: u64,
-        len: usize,
-        buf: Option<RawBuf>,
-        user_data: u64,
-    ) -> Result<(), Error> {
-        let submitted = match self {
-            Queue::Private(lane) => lane.submit(opcode, flags, offset, len, buf, user_data),
-            Queue::Shared { handle, .. } => handle.submit(opcode, flags, offset, len, buf, user_data),
-        };
-        submitted.map_err(|rejected| rejected.error)
+    fn in_flight(&mut self) -> usize {
+        self.io().in_flight()
     }
 
     /// On a shared lane the doorbell alone decides: other threads' requests may still join.
@@ -157,20 +146,6 @@ impl Queue {
         match self {
             Queue::Private(lane) => lane.commit(),
             Queue::Shared { .. } => Ok(()),
-        }
-    }
-
-    fn wait(&mut self, min: usize, out: &mut Vec<Completion<RawBuf>>) -> Result<usize, Error> {
-        match self {
-            Queue::Private(lane) => lane.wait(min, out),
-            Queue::Shared { handle, .. } => handle.wait(min, out),
-        }
-    }
-
-    fn poll(&mut self, out: &mut Vec<Completion<RawBuf>>) -> Result<usize, Error> {
-        match self {
-            Queue::Private(lane) => lane.poll(out),
-            Queue::Shared { handle, .. } => handle.poll(out),
         }
     }
 }
@@ -396,9 +371,9 @@ pub unsafe extern "C" fn skiff_lane_submit(
             return fail(&Error::InvalidArgument("null buffer for a read or write"));
         }
         let raw = carries_data.then(|| RawBuf { ptr: buf.cast(), len: len as usize });
-        match l.lane.submit(opcode, req_flags, offset, len as usize, raw, user_data) {
+        match l.lane.io().submit(opcode, req_flags, offset, len as usize, raw, user_data) {
             Ok(()) => 0,
-            Err(e) => fail(&e),
+            Err(rejected) => fail(&rejected.error),
         }
     })
 }
@@ -431,7 +406,7 @@ pub unsafe extern "C" fn skiff_lane_reap(
         }
         let want = (min.min(max) as usize).saturating_sub(l.ready.len());
         let collected =
-            if want > 0 { l.lane.wait(want, &mut l.scratch) } else { l.lane.poll(&mut l.scratch) };
+            if want > 0 { l.lane.io().wait(want, &mut l.scratch) } else { l.lane.io().poll(&mut l.scratch) };
         l.ready.extend(l.scratch.drain(..));
         if let Err(e) = collected {
             // Completions gathered before the failure are still handed out below.

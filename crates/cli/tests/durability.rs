@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use initiator::{Endpoint, Lane, LaneConfig, ReqFlags, Status};
+use initiator::{Endpoint, Lane, LaneConfig, Queue, ReqFlags, Status};
 
 #[test]
 fn fua_uses_o_dsync_and_flush_is_fdatasync() {

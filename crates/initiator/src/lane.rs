@@ -273,53 +273,6 @@ impl<B: IoBuf> Lane<B> {
         LaneStats { send_ns: self.conn.send_ns, recv_ns: self.conn.recv_ns, ..self.stats }
     }
 
-    /// Read `buf.len()` bytes at `offset` into `buf`.
-    pub fn submit_read(
-        &mut self,
-        offset: u64,
-        buf: B,
-        user_data: u64,
-    ) -> std::result::Result<(), Rejected<B>> {
-        let length = buf.as_ref().len();
-        self.submit(Opcode::Read, ReqFlags::empty(), offset, length, Some(buf), user_data)
-    }
-
-    /// Write `buf` at `offset`.
-    pub fn submit_write(
-        &mut self,
-        offset: u64,
-        buf: B,
-        flags: ReqFlags,
-        user_data: u64,
-    ) -> std::result::Result<(), Rejected<B>> {
-        let length = buf.as_ref().len();
-        self.submit(Opcode::Write, flags, offset, length, Some(buf), user_data)
-    }
-
-    /// Make every completed write durable.
-    pub fn submit_flush(&mut self, user_data: u64) -> std::result::Result<(), Rejected<B>> {
-        self.submit(Opcode::Flush, ReqFlags::empty(), 0, 0, None, user_data)
-    }
-
-    pub fn submit_trim(
-        &mut self,
-        offset: u64,
-        length: u32,
-        user_data: u64,
-    ) -> std::result::Result<(), Rejected<B>> {
-        self.submit(Opcode::Trim, ReqFlags::empty(), offset, length as usize, None, user_data)
-    }
-
-    pub fn submit_write_zeroes(
-        &mut self,
-        offset: u64,
-        length: u32,
-        flags: ReqFlags,
-        user_data: u64,
-    ) -> std::result::Result<(), Rejected<B>> {
-        self.submit(Opcode::WriteZeroes, flags, offset, length as usize, None, user_data)
-    }
-
     /// Queue any request; the typed `submit_*` methods are the usual entry points. The target
     /// judges range, alignment and permissions; the lane refuses only what it cannot frame.
     /// A request that is accepted completes exactly once, through `poll` or `wait`.
@@ -625,5 +578,32 @@ pub(crate) fn status_result(status: Status) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Status(status))
+    }
+}
+
+impl<B: IoBuf> crate::Queue<B> for Lane<B> {
+    fn submit(
+        &mut self,
+        opcode: Opcode,
+        flags: ReqFlags,
+        offset: u64,
+        length: usize,
+        buf: Option<B>,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected<B>> {
+        Lane::submit(self, opcode, flags, offset, length, buf, user_data)
+    }
+
+    /// Rings the doorbell first: a private lane has no one else to wait for.
+    fn wait(&mut self, min: usize, out: &mut Vec<Completion<B>>) -> Result<usize> {
+        Lane::wait(self, min, out)
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion<B>>) -> Result<usize> {
+        Lane::poll(self, out)
+    }
+
+    fn in_flight(&self) -> usize {
+        Lane::in_flight(self)
     }
 }

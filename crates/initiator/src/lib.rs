@@ -16,11 +16,13 @@
 
 mod conn;
 mod lane;
+mod queue;
 mod shared;
 
 pub use lane::{Batching, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected};
 pub use proto::batch::BatchConfig;
 pub use proto::caravan::Doorbell;
+pub use queue::Queue;
 pub use shared::{SharedHandle, SharedLanes, HANDLES_MAX, USER_DATA_MAX};
 pub use transport::Endpoint;
 pub use wire::{ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status};

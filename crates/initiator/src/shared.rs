@@ -393,31 +393,6 @@ impl<B: IoBuf + Send> SharedHandle<B> {
         Ok(())
     }
 
-    pub fn submit_read(
-        &mut self,
-        offset: u64,
-        buf: B,
-        user_data: u64,
-    ) -> std::result::Result<(), Rejected<B>> {
-        let length = buf.as_ref().len();
-        self.submit(Opcode::Read, ReqFlags::empty(), offset, length, Some(buf), user_data)
-    }
-
-    pub fn submit_write(
-        &mut self,
-        offset: u64,
-        buf: B,
-        flags: ReqFlags,
-        user_data: u64,
-    ) -> std::result::Result<(), Rejected<B>> {
-        let length = buf.as_ref().len();
-        self.submit(Opcode::Write, flags, offset, length, Some(buf), user_data)
-    }
-
-    pub fn submit_flush(&mut self, user_data: u64) -> std::result::Result<(), Rejected<B>> {
-        self.submit(Opcode::Flush, ReqFlags::empty(), 0, 0, None, user_data)
-    }
-
     /// Collect this handle's completions that have arrived, without waiting (receiving for
     /// everyone first if nobody else is).
     pub fn poll(&mut self, out: &mut Vec<Completion<B>>) -> Result<usize> {
@@ -510,6 +485,33 @@ impl SharedHandle<Vec<u8>> {
         let c = self.run_sync(Opcode::Write, offset, buf.len(), Some(scratch))?;
         self.scratch = c.buf.unwrap_or_default();
         status_result(c.status)
+    }
+}
+
+impl<B: IoBuf + Send> crate::Queue<B> for SharedHandle<B> {
+    fn submit(
+        &mut self,
+        opcode: Opcode,
+        flags: ReqFlags,
+        offset: u64,
+        length: usize,
+        buf: Option<B>,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected<B>> {
+        SharedHandle::submit(self, opcode, flags, offset, length, buf, user_data)
+    }
+
+    /// Does not ring the doorbell: other threads' requests may still join the open caravan.
+    fn wait(&mut self, min: usize, out: &mut Vec<Completion<B>>) -> Result<usize> {
+        SharedHandle::wait(self, min, out)
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion<B>>) -> Result<usize> {
+        SharedHandle::poll(self, out)
+    }
+
+    fn in_flight(&self) -> usize {
+        SharedHandle::in_flight(self)
     }
 }
 

@@ -242,7 +242,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         verify: args.verify,
         seed: args.seed,
     };
-    fn spawn<Q: workload::Queue + 'static>(
+    fn spawn<Q: workload::BenchQueue + 'static>(
         t: usize,
         w: Workload,
         queue: Q,

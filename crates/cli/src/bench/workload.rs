@@ -11,7 +11,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use initiator::{Completion, Lane, LaneStats, Rejected, ReqFlags, SharedHandle, Status};
+use initiator::{Completion, Lane, LaneStats, ReqFlags, SharedHandle, Status};
 use rt::usage::Usage;
 use wire::Opcode;
 
@@ -33,27 +33,16 @@ impl Rw {
     }
 }
 
-/// Where a bench thread sends its requests: its own lane, or a handle on a shared one.
-pub trait Queue: Send {
-    fn submit_read(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected>;
-    fn submit_write(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected>;
-    fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> Result<usize, initiator::Error>;
+/// Where a bench thread sends its requests (its own lane, or a handle on a shared one), and
+/// the telemetry it reports of it.
+pub trait BenchQueue: initiator::Queue<Vec<u8>> + Send {
     /// The lane's counters, when the lane is this thread's alone.
     fn lane_stats(&self) -> Option<LaneStats>;
     fn batch_level(&self) -> u32;
     fn batch_level_log(&self) -> Vec<(u64, u32)>;
 }
 
-impl Queue for Lane {
-    fn submit_read(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected> {
-        Lane::submit_read(self, offset, buf, user_data)
-    }
-    fn submit_write(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected> {
-        Lane::submit_write(self, offset, buf, ReqFlags::empty(), user_data)
-    }
-    fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> Result<usize, initiator::Error> {
-        Lane::wait(self, min, out)
-    }
+impl BenchQueue for Lane {
     fn lane_stats(&self) -> Option<LaneStats> {
         Some(self.stats())
     }
@@ -66,16 +55,7 @@ impl Queue for Lane {
 }
 
 /// Shared lanes report their counters and levels once, from the main thread.
-impl Queue for SharedHandle {
-    fn submit_read(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected> {
-        SharedHandle::submit_read(self, offset, buf, user_data)
-    }
-    fn submit_write(&mut self, offset: u64, buf: Vec<u8>, user_data: u64) -> Result<(), Rejected> {
-        SharedHandle::submit_write(self, offset, buf, ReqFlags::empty(), user_data)
-    }
-    fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> Result<usize, initiator::Error> {
-        SharedHandle::wait(self, min, out)
-    }
+impl BenchQueue for SharedHandle {
     fn lane_stats(&self) -> Option<LaneStats> {
         None
     }
@@ -149,7 +129,7 @@ struct Runner<'a, Q> {
     timing: bool,
 }
 
-pub fn run<Q: Queue>(
+pub fn run<Q: BenchQueue>(
     w: &Workload,
     lane: Q,
     phases: Arc<Phases>,
@@ -200,7 +180,7 @@ pub fn run<Q: Queue>(
     Ok(run.r)
 }
 
-impl<Q: Queue> Runner<'_, Q> {
+impl<Q: BenchQueue> Runner<'_, Q> {
     fn phases(&mut self, phases: &Phases) -> Result<(), initiator::Error> {
         if self.w.verify {
             self.sweep(Opcode::Write)?;
@@ -316,7 +296,7 @@ impl<Q: Queue> Runner<'_, Q> {
         slot.started = Instant::now();
         let submitted = match op {
             Opcode::Read => self.lane.submit_read(offset, buf, i as u64),
-            _ => self.lane.submit_write(offset, buf, i as u64),
+            _ => self.lane.submit_write(offset, buf, ReqFlags::empty(), i as u64),
         };
         submitted.map_err(|rejected| {
             self.slots[i].buf = rejected.buf;
