@@ -19,6 +19,7 @@ pub mod spec;
 
 use std::sync::Arc;
 
+pub use rt::mem::RegionBytes;
 pub use spec::{parse_size, BackendSpec, SpecError};
 
 /// An error from a backend operation, carrying the OS errno so the engine can map it to a
@@ -123,6 +124,15 @@ pub trait Backend: Send + Sync {
 
     /// Fill `buf` from `offset`.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// Where `len` bytes from `offset` already lie in memory, so that a sender can hand them
+    /// to the kernel without first copying them into a buffer (the RAM backend). `None` means
+    /// this backend holds no such memory and `read_at` is the way (the default). The bytes
+    /// stay valid as long as the backend; a write that overlaps them meanwhile is an
+    /// overlapping in-flight request and leaves them unspecified, as for `read_at`.
+    fn read_in_place(&self, offset: u64, len: usize) -> Option<Result<RegionBytes>> {
+        let _ = (offset, len);
+        None
+    }
     /// Write `buf` at `offset`; with `fua`, durable before returning.
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
     /// Make every acknowledged write durable.

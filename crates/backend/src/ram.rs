@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use rt::mem::Region;
 
 use crate::spec::{check_range, read_only_error, BLOCK_BYTES};
-use crate::{push_extent, Backend, BackendError, Capabilities, Extent, Result};
+use crate::{push_extent, Backend, BackendError, Capabilities, Extent, RegionBytes, Result};
 
 /// Granularity of allocation tracking: the page size the kernel commits memory in.
 const PAGE_BYTES: u64 = 4096;
@@ -119,6 +119,10 @@ impl Backend for RamBackend {
         let start = self.region_offset(offset, buf.len())?;
         self.region.read_at(start, buf);
         Ok(())
+    }
+
+    fn read_in_place(&self, offset: u64, len: usize) -> Option<Result<RegionBytes>> {
+        Some(self.region_offset(offset, len).map(|start| self.region.bytes(start, len)))
     }
 
     /// `fua` needs no extra work: a completed copy is already as durable as RAM allows.

@@ -12,7 +12,7 @@ pub mod stats;
 
 use std::sync::Arc;
 
-use backend::{Backend, BackendError};
+use backend::{Backend, BackendError, RegionBytes};
 use wire::control::{ExportFlags, ExportInfo};
 use wire::{Opcode, ReqFlags, Status};
 
@@ -173,6 +173,18 @@ pub fn execute(export: &Export, io: &Io, payload: &[u8], read_into: &mut [u8]) -
             status_of(&e)
         }
     }
+}
+
+/// Where a validated read's data already lies in memory, for a front end that sends it from
+/// there without copying it into its reply buffer first. `None` when the backend holds no such
+/// memory: call [`execute`] with a buffer instead. The bytes stay valid while the export does.
+pub fn read_in_place(export: &Export, io: &Io) -> Option<Result<RegionBytes, Status>> {
+    debug_assert_eq!(io.opcode, Opcode::Read);
+    let found = export.backend.read_in_place(io.offset, io.length as usize)?;
+    Some(found.map_err(|e| {
+        tracing::warn!(export = %export.name, offset = io.offset, length = io.length, error = %e, "backend error");
+        status_of(&e)
+    }))
 }
 
 /// The one mapping from backend errors to wire statuses.

@@ -171,6 +171,18 @@ impl Region {
         }
     }
 
+    /// The address of `len` bytes starting at `offset`, for handing them to the kernel (one
+    /// element of a send's gather list) without copying them out first.
+    ///
+    /// # Panics
+    /// If the range is not inside the region.
+    pub fn bytes(&self, offset: usize, len: usize) -> RegionBytes {
+        self.assert_in_bounds(offset, len);
+        // SAFETY: in bounds (checked above), so the offset stays inside the mapping.
+        let ptr = unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) };
+        RegionBytes { ptr, len }
+    }
+
     /// View the whole region. Takes `&mut self` because a `&[u8]` promises the bytes do not
     /// change, which only an exclusive owner (a bounce buffer, a test) can guarantee while
     /// other holders could call `write_at` through `&self`.
@@ -185,6 +197,44 @@ impl Region {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only access.
         unsafe { slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len_bytes) }
+    }
+}
+
+/// A range of a [`Region`] held by address: what [`Region::bytes`] returns. It outlives the
+/// borrow of the region, so whoever keeps one must also keep the region alive until the kernel
+/// has taken the bytes; [`RegionBytes::as_slice`] is `unsafe` for that reason.
+#[derive(Debug, Clone, Copy)]
+pub struct RegionBytes {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: an address and a length; using them is `as_slice`'s business, whose caller promises
+// the region is still mapped.
+unsafe impl Send for RegionBytes {}
+
+impl RegionBytes {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes, for a gather list the kernel copies from.
+    ///
+    /// Other threads may write these bytes meanwhile (a region is shared device memory): the
+    /// slice then holds unspecified bytes, as [`Region::read_at`] would copy them, and it must
+    /// only be passed to the kernel, never inspected.
+    ///
+    /// # Safety
+    /// The [`Region`] these bytes came from must stay mapped (not dropped) while the slice is
+    /// used.
+    pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
+        // SAFETY: the range was in bounds of a live mapping when made (`Region::bytes`) and the
+        // caller promises the mapping is still there.
+        unsafe { slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 

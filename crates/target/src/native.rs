@@ -1,15 +1,14 @@
 //! The native skiff protocol on one connection: handshake and control frames through
 //! [`ServerSession`], caravans executed in place.
 //!
-//! Write payloads are used where they lie in the receive buffer; read data is read by the
-//! backend straight into the response buffer, where it is sent from. The completions of one
+//! Write payloads are used where they lie in the receive buffer; read data of RAM exports is
+//! sent straight from the volume's memory, and other backends read it into the response
+//! buffer, where it is sent from. The completions of one
 //! request caravan form one response caravan (split only if its read data would exceed the
 //! negotiated caravan bytes). A protocol violation queues a GOAWAY naming the reason, and the
 //! connection closes once that is sent.
 
-use std::ops::Range;
-
-use engine::Io;
+use engine::{Export, Io};
 use proto::server::{Inbound, ServerSession};
 use wire::caravan::RequestCaravan;
 use wire::control::{frame, OpenReply};
@@ -95,23 +94,21 @@ impl CompletionWriter {
         CompletionWriter { frame_start, slots, used: 0, data_bytes: 0, data_bytes_max }
     }
 
-    /// Space for `len` bytes of read data, starting a new response caravan first when this one
-    /// would exceed the caravan byte limit.
-    fn data_space(&mut self, tx: &mut TxBuf, len: usize, stats: &WorkerStats) -> Range<usize> {
+    /// Make room for `len` bytes of read data, starting a new response caravan first when this
+    /// one would exceed the caravan byte limit. Returns false, having made no room, when the
+    /// read fails: nothing was appended and the request completes with `status` alone.
+    fn read(&mut self, tx: &mut TxBuf, export: &Export, io: &Io, stats: &WorkerStats) -> Status {
+        let len = io.length as usize;
         if self.data_bytes + len > self.data_bytes_max && self.used > 0 {
             let rest = self.slots - self.used;
             self.seal(tx, stats);
             *self = CompletionWriter::begin(tx, rest, self.data_bytes_max);
         }
-        self.data_bytes += len;
-        tx.reserve(len)
-    }
-
-    /// Give back data space reserved for a read that failed (it is always the last thing
-    /// appended).
-    fn unreserve(&mut self, tx: &mut TxBuf, range: Range<usize>) {
-        self.data_bytes -= range.len();
-        tx.truncate(range.start);
+        let status = tx.append_read(export, io);
+        if status.is_ok() {
+            self.data_bytes += len;
+        }
+        status
     }
 
     fn push(&mut self, tx: &mut TxBuf, c: Completion) {
@@ -126,8 +123,7 @@ impl CompletionWriter {
         let slots_end = self.frame_start + HEADER_LEN + self.slots * COMPLETION_DESC_LEN;
         if descs_end < slots_end {
             // Only after a split: close the gap of unused slots so data follows descriptors.
-            tx.buf.copy_within(slots_end..tx.len, descs_end);
-            tx.len -= slots_end - descs_end;
+            tx.remove(descs_end..slots_end);
         }
         let header = Header {
             kind: FrameKind::Completions,
@@ -166,14 +162,8 @@ fn execute_caravan(
         let (status, data_len) = match checked {
             Err(status) => (status, 0),
             Ok(export) if req.opcode == Opcode::Read => {
-                let range = out.data_space(tx, req.length as usize, stats);
-                let status = engine::execute(export, &io, &[], &mut tx.buf[range.clone()]);
-                if status.is_ok() {
-                    (status, req.length)
-                } else {
-                    out.unreserve(tx, range);
-                    (status, 0)
-                }
+                let status = out.read(tx, export, &io, stats);
+                (status, if status.is_ok() { req.length } else { 0 })
             }
             Ok(export) => (engine::execute(export, &io, payload, &mut []), 0),
         };

@@ -5,7 +5,8 @@
 //! checks them against the negotiated session ([`nbd::check_request`]) and the export (the
 //! engine's [`engine::validate`]), executes them, and appends replies to the connection's
 //! response buffer, which the worker sends at the end of its loop pass: many replies, one send.
-//! Read data is read by the backend straight into that buffer. A refused WRITE's payload is
+//! Read data of RAM exports is sent from the volume's memory by address, and other backends
+//! read it straight into that buffer. A refused WRITE's payload is
 //! skipped as it streams in, never buffered, so the stream stays in step. Broken framing (a
 //! bad request magic) closes this connection only.
 //!
@@ -202,7 +203,6 @@ impl NbdConn {
     }
 
     fn read(&mut self, link: &mut Link<'_>, session: &Session, export: &Export, req: &Request) {
-        let len = req.length as usize;
         let start = link.tx.len;
         self.scratch.clear();
         if session.structured_replies {
@@ -211,8 +211,7 @@ impl NbdConn {
             simple_reply(&mut self.scratch, req.cookie, 0);
         }
         link.tx.append(&self.scratch);
-        let data = link.tx.reserve(len);
-        let status = engine::execute(export, &io_of(req, Opcode::Read), &[], &mut link.tx.buf[data]);
+        let status = link.tx.append_read(export, &io_of(req, Opcode::Read));
         link.stats.ops.record(Opcode::Read, req.length, status);
         if !status.is_ok() {
             // Take the header and the unread data back; answer with the error instead.
