@@ -117,6 +117,26 @@ impl FrameBuffer {
         Ok(Some(FrameRef { header, body }))
     }
 
+    /// The next frame when its header has arrived but not all of its body: the header, checked
+    /// as in [`next_frame`](Self::next_frame), and the body bytes received so far. A receiver
+    /// that can tell from them where the rest belongs reads it there directly and
+    /// [`consume`](Self::consume)s what it took from here.
+    pub fn partial_frame(&self, frame_bytes_max: usize) -> Result<Option<(Header, &[u8])>, FrameError> {
+        let avail = &self.buf[self.start..self.end];
+        if avail.len() < HEADER_LEN {
+            return Ok(None);
+        }
+        let header = Header::parse(avail)?;
+        let len = header.frame_len();
+        if len > frame_bytes_max {
+            return Err(FrameError::TooLarge { len, limit: frame_bytes_max });
+        }
+        if avail.len() >= len {
+            return Ok(None);
+        }
+        Ok(Some((header, &avail[HEADER_LEN..])))
+    }
+
     /// Bytes received and not yet consumed, for protocols framed differently (NBD).
     pub fn unconsumed(&self) -> &[u8] {
         &self.buf[self.start..self.end]
@@ -185,6 +205,24 @@ mod tests {
             assert_eq!(got.len(), 3, "cut at {cut}");
             assert_eq!(got[1].1, b[HEADER_LEN..]);
         }
+    }
+
+    #[test]
+    fn a_partial_frame_shows_its_header_and_the_body_so_far() {
+        let body = [5u8; 100];
+        let h = Header { kind: FrameKind::Requests, desc_count: 0, payload_len: body.len() as u32 };
+        let mut fb = FrameBuffer::new();
+        fb.extend(&h.to_bytes()[..10]);
+        assert!(fb.partial_frame(1 << 20).unwrap().is_none(), "no header yet");
+        fb.extend(&h.to_bytes()[10..]);
+        fb.extend(&body[..40]);
+        let (got, so_far) = fb.partial_frame(1 << 20).unwrap().unwrap();
+        assert_eq!((got, so_far), (h, &body[..40]));
+        assert!(matches!(fb.partial_frame(50), Err(FrameError::TooLarge { .. })));
+        fb.extend(&body[40..]);
+        assert!(fb.partial_frame(1 << 20).unwrap().is_none(), "complete frames are next_frame's");
+        fb.consume(HEADER_LEN + 60);
+        assert_eq!(fb.unconsumed(), &body[60..]);
     }
 
     #[test]

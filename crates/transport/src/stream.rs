@@ -5,7 +5,7 @@
 //! its socket is ready, so that a lane can keep receiving completions while a send would
 //! block: two peers that both only send would otherwise deadlock on full buffers.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
@@ -197,6 +197,23 @@ impl ClientStream {
             ClientStream::Tcp(t) => t.shutdown(std::net::Shutdown::Both),
             ClientStream::Unix(u) => u.shutdown(std::net::Shutdown::Both),
         };
+    }
+}
+
+impl ClientStream {
+    /// One vectored receive into `bufs`, filled in order: read data straight into the buffers
+    /// callers posted, and whatever follows into the frame buffer. Retries on EINTR.
+    pub fn recv_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        loop {
+            let got = match self {
+                ClientStream::Tcp(s) => s.read_vectored(bufs),
+                ClientStream::Unix(s) => s.read_vectored(bufs),
+            };
+            match got {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                other => return other,
+            }
+        }
     }
 }
 

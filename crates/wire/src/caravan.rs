@@ -279,12 +279,26 @@ impl<'a> CompletionCaravan<'a> {
     /// sets them is broken, and the initiator closes the connection.
     pub fn parse(header: &Header, body: &'a [u8]) -> Result<CompletionCaravan<'a>> {
         let (descs, payload) = split_body::<CompletionDesc>(header, body, FrameKind::Completions)?;
-        if descs.iter().any(|d| d.reserved0.get() != 0 || d.reserved1.get() != 0) {
-            return Err(WireError::Reserved("completion.reserved"));
-        }
-        let sum: u64 = descs.iter().map(|d| u64::from(d.data_len.get())).sum();
-        check_sum(header, sum)?;
+        let descs = check_completion_descs(header, descs)?;
         Ok(CompletionCaravan { descs, payload })
+    }
+
+    /// Parse only the descriptors of a `Completions` frame whose payload has not arrived yet,
+    /// so that a receiver can place each completion's read data straight into its destination.
+    /// `head` is the start of the body, at least `desc_count × 16` bytes; the descriptors get
+    /// the same checks as in [`parse`](Self::parse), and the payload is empty.
+    pub fn parse_head(header: &Header, head: &'a [u8]) -> Result<CompletionCaravan<'a>> {
+        if header.kind != FrameKind::Completions {
+            return Err(WireError::KindMismatch { expected: FrameKind::Completions, got: header.kind });
+        }
+        let desc_bytes = header.desc_count as usize * COMPLETION_DESC_LEN;
+        if head.len() < desc_bytes {
+            return Err(WireError::BodyLength { need: desc_bytes, have: head.len() });
+        }
+        let descs = <[CompletionDesc]>::ref_from_bytes(&head[..desc_bytes])
+            .map_err(|_| WireError::Body("descriptors"))?;
+        let descs = check_completion_descs(header, descs)?;
+        Ok(CompletionCaravan { descs, payload: &[] })
     }
 
     pub fn len(&self) -> usize {
@@ -293,6 +307,16 @@ impl<'a> CompletionCaravan<'a> {
 
     pub fn is_empty(&self) -> bool {
         self.descs.is_empty()
+    }
+
+    /// The completions alone, without their data (all that [`parse_head`](Self::parse_head)
+    /// has).
+    pub fn completions(&self) -> impl Iterator<Item = Completion> + 'a {
+        self.descs.iter().map(|d| Completion {
+            tag: d.tag.get(),
+            status: Status::from_u16(d.status.get()),
+            data_len: d.data_len.get(),
+        })
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (Completion, &'a [u8])> + 'a {
@@ -325,6 +349,15 @@ fn split_body<'a, D: FromBytes + Immutable + KnownLayout + Unaligned>(
     let (descs, payload) = body.split_at(desc_bytes);
     let descs = <[D]>::ref_from_bytes(descs).map_err(|_| WireError::Body("descriptors"))?;
     Ok((descs, payload))
+}
+
+fn check_completion_descs<'a>(header: &Header, descs: &'a [CompletionDesc]) -> Result<&'a [CompletionDesc]> {
+    if descs.iter().any(|d| d.reserved0.get() != 0 || d.reserved1.get() != 0) {
+        return Err(WireError::Reserved("completion.reserved"));
+    }
+    let sum: u64 = descs.iter().map(|d| u64::from(d.data_len.get())).sum();
+    check_sum(header, sum)?;
+    Ok(descs)
 }
 
 fn check_sum(header: &Header, sum: u64) -> Result<()> {

@@ -464,6 +464,18 @@ fn completions_caravan() {
     let caravan = CompletionCaravan::parse(&header, &expected[HEADER_LEN..]).unwrap();
     assert_eq!(caravan.len(), 2);
     assert_eq!(caravan.iter().collect::<Vec<_>>(), comps.to_vec());
+
+    // The descriptors alone, before any payload byte: what direct placement decides from.
+    let descs_end = HEADER_LEN + 2 * COMPLETION_DESC_LEN;
+    for head_end in [descs_end, descs_end + 3, expected.len()] {
+        let head = CompletionCaravan::parse_head(&header, &expected[HEADER_LEN..head_end]).unwrap();
+        assert_eq!(head.completions().collect::<Vec<_>>(), [comps[0].0, comps[1].0]);
+    }
+    let short = CompletionCaravan::parse_head(&header, &expected[HEADER_LEN..descs_end - 1]);
+    assert!(matches!(short, Err(WireError::BodyLength { need: 32, have: 31 })), "{short:?}");
+    let liar = Header { payload_len: 9, ..header };
+    let lied = CompletionCaravan::parse_head(&liar, &expected[HEADER_LEN..descs_end]);
+    assert!(matches!(lied, Err(WireError::PayloadMismatch { .. })), "{lied:?}");
 }
 
 #[test]
