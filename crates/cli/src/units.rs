@@ -26,6 +26,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(v * scale))
 }
 
+/// `--direct-min SIZE | off`: the average read size from which lanes place read data directly
+/// in the callers' buffers (`off`: never).
+pub fn parse_direct_min(s: &str) -> Result<u32, String> {
+    if s == "off" {
+        return Ok(u32::MAX);
+    }
+    let n = parse_size(s)?;
+    u32::try_from(n).ok().filter(|&n| n < u32::MAX).ok_or_else(|| format!("{s:?}: at most 4 GiB - 2, or off"))
+}
+
 /// Spin budget of hybrid polling when `--poll hybrid` names none: long enough to cover a
 /// loopback round trip at queue depth 1.
 pub const HYBRID_SPIN_DEFAULT_US: u64 = 50;
@@ -83,6 +93,9 @@ mod tests {
         assert_eq!(grouped(999), "999");
         assert_eq!(human_bytes(1536.0), "1.5 KiB");
         assert_eq!(parse_poll("off").unwrap(), Duration::ZERO);
+        assert_eq!(parse_direct_min("128k").unwrap(), 128 << 10);
+        assert_eq!((parse_direct_min("0").unwrap(), parse_direct_min("off").unwrap()), (0, u32::MAX));
+        assert!(parse_direct_min("8G").is_err() && parse_direct_min("some").is_err());
         assert_eq!(parse_poll("hybrid").unwrap(), Duration::from_micros(HYBRID_SPIN_DEFAULT_US));
         assert_eq!(parse_poll("hybrid:20").unwrap(), Duration::from_micros(20));
         assert!(parse_poll("hybrid:0").is_err() && parse_poll("busy").is_err());

@@ -114,6 +114,22 @@ fn bench_through_shared_lanes_verifies_in_every_batching_mode() {
 }
 
 #[test]
+fn bench_places_read_data_directly_only_when_asked() {
+    for (direct_min, placed) in [("0", true), ("off", false)] {
+        let out = skiff()
+            .args(["bench", "--duration", "1s", "--size", "16M", "--verify", "--json", "--rw", "randrw"])
+            .args(["--bs", "64k", "--qd", "8", "--direct-min", direct_min])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{direct_min}: {}", String::from_utf8_lossy(&out.stderr));
+        let v = json(&out);
+        assert_eq!((v["verify_errors"].as_u64(), v["io_errors"].as_u64()), (Some(0), Some(0)), "{v}");
+        let share = v["read_placed_share"].as_f64().expect("reads happened");
+        assert_eq!(share > 0.0, placed, "--direct-min {direct_min}: {v}");
+    }
+}
+
+#[test]
 fn serve_in_one_process_bench_and_info_in_others() {
     let (child, addr) = serve(&["vol=ram:32M", "blank=null:1G", "ro=ram:1M,ro"]);
 

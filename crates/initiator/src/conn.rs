@@ -1,7 +1,7 @@
 //! The connection core shared by control clients and lanes: a non-blocking stream, its frame
 //! buffer, the handshake, and blocking control calls.
 
-use std::io::{self, IoSlice};
+use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
@@ -13,6 +13,26 @@ use crate::{Error, Result};
 
 /// Most slices handed to one vectored send.
 const IOV_BATCH: usize = 64;
+/// Most direct-placement slices handed to one vectored receive.
+pub(crate) const DIRECT_IOV_MAX: usize = 64;
+
+/// A stream that cannot be framed any more, as the lane reports it.
+pub(crate) fn frame_error(e: transport::FrameError) -> Error {
+    match e {
+        transport::FrameError::Wire(w) => Error::Protocol(w.into()),
+        other => Error::Io(io::Error::new(io::ErrorKind::InvalidData, other.to_string())),
+    }
+}
+
+/// A receive's result: bytes received, zero for "nothing there now", end of stream an error.
+fn received(got: io::Result<usize>) -> Result<usize> {
+    match got {
+        Ok(0) => Err(Error::Closed),
+        Ok(n) => Ok(n),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+        Err(e) => Err(e.into()),
+    }
+}
 
 pub(crate) struct Conn {
     pub stream: ClientStream,
@@ -68,40 +88,80 @@ impl Conn {
     }
 
     pub fn next_frame(&mut self) -> Result<Option<FrameRef>> {
-        self.rx.next_frame(self.frame_bytes_max()).map_err(|e| match e {
-            transport::FrameError::Wire(w) => Error::Protocol(w.into()),
-            other => Error::Io(io::Error::new(io::ErrorKind::InvalidData, other.to_string())),
-        })
+        self.rx.next_frame(self.frame_bytes_max()).map_err(frame_error)
     }
 
-    /// Receive what is there without waiting. Returns bytes received.
-    pub fn fill_now(&mut self) -> Result<usize> {
+    /// Receive what is there without waiting, at most `cap` bytes. Returns bytes received.
+    pub fn fill_now(&mut self, cap: usize) -> Result<usize> {
+        let spare = self.rx.spare();
+        let cap = cap.min(spare.len());
         let started = Instant::now();
-        let filled = self.stream.fill(&mut self.rx);
+        let got = self.stream.recv_vectored(&mut [IoSliceMut::new(&mut spare[..cap])]);
         self.recv_ns += started.elapsed().as_nanos() as u64;
-        match filled {
-            Ok(0) => Err(Error::Closed),
-            Ok(n) => Ok(n),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
-            Err(e) => Err(e.into()),
+        let n = received(got)?;
+        self.rx.commit(n);
+        Ok(n)
+    }
+
+    /// One vectored receive without waiting: `direct` first (read data placed where it
+    /// belongs), then at most `cap` bytes into the frame buffer, only if `rx_after` (the
+    /// direct slices cover all that comes before the next frame). Returns bytes received;
+    /// those beyond `direct` are already committed to the frame buffer.
+    pub fn fill_direct(
+        &mut self,
+        direct: &mut [IoSliceMut<'_>],
+        rx_after: bool,
+        cap: usize,
+    ) -> Result<usize> {
+        let direct_len: usize = direct.iter().map(|d| d.len()).sum();
+        let mut iov: [IoSliceMut<'_>; DIRECT_IOV_MAX + 1] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
+        let n = direct.len().min(DIRECT_IOV_MAX);
+        debug_assert_eq!(n, direct.len(), "more direct slices than one receive takes");
+        for (slot, d) in iov.iter_mut().zip(direct.iter_mut()) {
+            *slot = IoSliceMut::new(&mut d[..]);
         }
+        let mut used = n;
+        if rx_after {
+            let spare = self.rx.spare();
+            let cap = cap.min(spare.len());
+            iov[n] = IoSliceMut::new(&mut spare[..cap]);
+            used += 1;
+        }
+        let started = Instant::now();
+        let got = self.stream.recv_vectored(&mut iov[..used]);
+        self.recv_ns += started.elapsed().as_nanos() as u64;
+        let got = received(got)?;
+        if got > direct_len {
+            self.rx.commit(got - direct_len);
+        }
+        Ok(got)
     }
 
     /// Receive at least one byte, waiting until `deadline`.
     pub fn fill_blocking(&mut self, deadline: Instant) -> Result<()> {
+        self.receive_blocking(deadline, &mut |conn| conn.fill_now(usize::MAX))
+    }
+
+    /// Receive at least one byte with `receive`, waiting until `deadline` (spinning first
+    /// under hybrid polling).
+    pub fn receive_blocking(
+        &mut self,
+        deadline: Instant,
+        receive: &mut dyn FnMut(&mut Conn) -> Result<usize>,
+    ) -> Result<()> {
         if !self.spin.is_zero() {
             // Hybrid polling: a reply due within the spin budget is taken without the sleep
             // and wake-up a blocking wait costs, at the price of a busy core meanwhile.
             let spin_until = Instant::now() + self.spin;
             while Instant::now() < spin_until {
-                if self.fill_now()? > 0 {
+                if receive(self)? > 0 {
                     return Ok(());
                 }
                 std::hint::spin_loop();
             }
         }
         loop {
-            if self.fill_now()? > 0 {
+            if receive(self)? > 0 {
                 return Ok(());
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -117,6 +177,16 @@ impl Conn {
     /// blocked on us while we are blocked on it. That backlog is bounded by the replies to the
     /// requests in flight.
     pub fn send_all(&mut self, parts: &[&[u8]]) -> Result<()> {
+        self.send_all_receiving(parts, &mut |conn| conn.fill_now(usize::MAX))
+    }
+
+    /// [`send_all`](Self::send_all), receiving with `receive` while the socket is full (a lane
+    /// placing read data receives its own way).
+    pub fn send_all_receiving(
+        &mut self,
+        parts: &[&[u8]],
+        receive: &mut dyn FnMut(&mut Conn) -> Result<usize>,
+    ) -> Result<()> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let mut sent = 0;
         let deadline = Instant::now() + self.timeout;
@@ -131,7 +201,7 @@ impl Conn {
                         Some(deadline.saturating_duration_since(Instant::now())),
                     )?;
                     if ready.readable {
-                        self.fill_now()?;
+                        receive(self)?;
                     }
                     if !ready.readable && !ready.writable && Instant::now() >= deadline {
                         return Err(Error::TimedOut(self.timeout));

@@ -2,10 +2,13 @@
 //!
 //! Requests take a slot (their tag) and a place in the open caravan; write payloads stay in
 //! the caller's buffer until the caravan is sent with one vectored send. Completions are
-//! matched to slots by tag, read data is copied from the receive buffer into the buffer the
-//! caller posted, and the buffer goes back to the caller in the [`Completion`].
+//! matched to slots by tag, and the buffer goes back to the caller in the [`Completion`]. Read
+//! data is copied from the frame buffer into the buffer the caller posted, or, with direct
+//! placement on ([`LaneConfig::direct_min_bytes`]), received straight into it once the
+//! completion caravan's descriptors have said where it goes ([`crate::placement`]).
 
 use std::collections::VecDeque;
+use std::io::IoSliceMut;
 use std::time::{Duration, Instant};
 
 use proto::batch::{BatchConfig, BatchController};
@@ -14,14 +17,21 @@ use proto::slots::SlotTable;
 use proto::ProtoError;
 use transport::Endpoint;
 use wire::caravan::CompletionCaravan;
-use wire::{ExportInfo, FrameKind, GoAway, Limits, Opcode, ReqFlags, Request, Status};
+use wire::{
+    ExportInfo, FrameKind, GoAway, Limits, Opcode, ReqFlags, Request, Status, COMPLETION_DESC_LEN, HEADER_LEN,
+};
 
-use crate::conn::Conn;
+use crate::conn::{frame_error, Conn, DIRECT_IOV_MAX};
+use crate::placement::{Placed, Placement};
 use crate::{Error, Result};
 
 /// Most requests a lane puts in one caravan, whatever the target would allow: it bounds the
 /// gather list of one send, which lives on the stack.
 pub const LANE_CARAVAN_REQS_MAX: u32 = 256;
+/// The default of [`LaneConfig::direct_min_bytes`]: off. Measured on loopback TCP, placing
+/// directly removes the copy from the lane but makes the target's sends dearer by as much or
+/// more, at every read size tried (docs/PERFORMANCE.md, "Direct placement").
+pub const DIRECT_MIN_BYTES: u32 = u32::MAX;
 /// `user_data` reserved for the blocking API's own requests.
 const SYNC_USER_DATA: u64 = u64::MAX;
 
@@ -53,6 +63,10 @@ pub struct LaneConfig {
     pub poll_spin: Duration,
     /// How long a blocking call waits for the target before failing.
     pub timeout: Duration,
+    /// Direct placement ([`crate::placement`]) while the reads in flight average at least
+    /// this many bytes; smaller reads are received in bulk into the frame buffer and copied
+    /// out. 0 places every read, `u32::MAX` (the default, [`DIRECT_MIN_BYTES`]) none.
+    pub direct_min_bytes: u32,
 }
 
 impl Default for LaneConfig {
@@ -63,6 +77,7 @@ impl Default for LaneConfig {
             batching: Batching::Static,
             poll_spin: Duration::ZERO,
             timeout: crate::DEFAULT_TIMEOUT,
+            direct_min_bytes: DIRECT_MIN_BYTES,
         }
     }
 }
@@ -104,6 +119,11 @@ pub struct LaneStats {
     pub send_ns: u64,
     pub recv_ns: u64,
     pub complete_ns: u64,
+    /// Read data received straight into callers' buffers, and read data copied into them from
+    /// the frame buffer (what came in one receive with its descriptors, or all of it when
+    /// little is in flight): see [`crate::placement`].
+    pub read_bytes_placed: u64,
+    pub read_bytes_copied: u64,
 }
 
 impl LaneStats {
@@ -119,6 +139,8 @@ impl LaneStats {
         self.send_ns += other.send_ns;
         self.recv_ns += other.recv_ns;
         self.complete_ns += other.complete_ns;
+        self.read_bytes_placed += other.read_bytes_placed;
+        self.read_bytes_copied += other.read_bytes_copied;
     }
 
     /// Field-wise `self - earlier`: what happened between two snapshots.
@@ -136,16 +158,25 @@ impl LaneStats {
             send_ns: self.send_ns - earlier.send_ns,
             recv_ns: self.recv_ns - earlier.recv_ns,
             complete_ns: self.complete_ns - earlier.complete_ns,
+            read_bytes_placed: self.read_bytes_placed - earlier.read_bytes_placed,
+            read_bytes_copied: self.read_bytes_copied - earlier.read_bytes_copied,
         }
     }
 }
 
+/// Reads submitted and not yet answered.
+#[derive(Debug, Default, Clone, Copy)]
+struct ReadsInFlight {
+    count: u64,
+    bytes: u64,
+}
+
 #[derive(Debug)]
-struct Pending<B> {
-    opcode: Opcode,
-    length: u32,
-    buf: Option<B>,
-    user_data: u64,
+pub(crate) struct Pending<B> {
+    pub opcode: Opcode,
+    pub length: u32,
+    pub buf: Option<B>,
+    pub user_data: u64,
 }
 
 pub struct Lane<B = Vec<u8>> {
@@ -165,6 +196,11 @@ pub struct Lane<B = Vec<u8>> {
     /// (milliseconds since `epoch`, batch level) at every adaptive decision.
     level_log: Vec<(u64, u32)>,
     done: VecDeque<Completion<B>>,
+    /// The completion caravan whose read data is arriving straight into callers' buffers.
+    placement: Placement<B>,
+    /// Reads submitted and not yet answered: whether to place directly.
+    reads: ReadsInFlight,
+    direct_min_bytes: u32,
     broken: bool,
     stats: LaneStats,
     scratch: Vec<u8>,
@@ -245,6 +281,9 @@ impl<B: IoBuf> Lane<B> {
             epoch: Instant::now(),
             level_log: Vec::new(),
             done: VecDeque::with_capacity(queue_depth),
+            placement: Placement::new(),
+            reads: ReadsInFlight::default(),
+            direct_min_bytes: config.direct_min_bytes,
             broken: false,
             stats: LaneStats::default(),
             scratch: Vec::new(),
@@ -262,7 +301,7 @@ impl<B: IoBuf> Lane<B> {
 
     /// Requests submitted and not yet returned by `poll`/`wait`.
     pub fn in_flight(&self) -> usize {
-        self.slots.len() + self.done.len()
+        self.slots.len() + self.placement.len() + self.done.len()
     }
 
     pub fn queue_depth(&self) -> usize {
@@ -270,7 +309,13 @@ impl<B: IoBuf> Lane<B> {
     }
 
     pub fn stats(&self) -> LaneStats {
-        LaneStats { send_ns: self.conn.send_ns, recv_ns: self.conn.recv_ns, ..self.stats }
+        LaneStats {
+            send_ns: self.conn.send_ns,
+            recv_ns: self.conn.recv_ns,
+            read_bytes_placed: self.placement.placed_bytes,
+            read_bytes_copied: self.stats.read_bytes_copied + self.placement.copied_bytes,
+            ..self.stats
+        }
     }
 
     /// Queue any request; the typed `submit_*` methods are the usual entry points. The target
@@ -295,6 +340,14 @@ impl<B: IoBuf> Lane<B> {
         if opcode == Opcode::Write && length > self.conn.limits.caravan_bytes_max {
             return reject(Error::InvalidArgument("write larger than a caravan may carry"), buf);
         }
+        if matches!(opcode, Opcode::Read | Opcode::Write)
+            && buf.as_ref().map(|b| b.as_ref().len()) != Some(length as usize)
+        {
+            return reject(
+                Error::InvalidArgument("a read or write needs a buffer of exactly its length"),
+                buf,
+            );
+        }
         if self.slots.is_full() {
             return reject(Error::QueueFull(self.slots.len()), buf);
         }
@@ -310,6 +363,10 @@ impl<B: IoBuf> Lane<B> {
         };
         self.caravan.push(&Request { tag, ..probe });
         self.queued.push(tag);
+        if opcode == Opcode::Read {
+            self.reads.count += 1;
+            self.reads.bytes += u64::from(length);
+        }
         self.stats.submitted += 1;
         if self.first_queued_at.is_none() {
             self.first_queued_at = Some(Instant::now());
@@ -366,7 +423,7 @@ impl<B: IoBuf> Lane<B> {
     /// Requests sent and not yet answered (in flight minus the open caravan and the
     /// completions not yet taken).
     pub fn on_the_wire(&self) -> usize {
-        self.slots.len() - self.caravan.len()
+        self.slots.len() - self.caravan.len() + self.placement.len()
     }
 
     /// The connection failed; every request has completed or will complete with an I/O error.
@@ -468,6 +525,7 @@ impl<B: IoBuf> Lane<B> {
             _ => 7,
         };
         self.stats.caravan_hist[bucket.min(7)] += 1;
+        let cap = self.rx_cap();
         let result = {
             let mut parts: [&[u8]; LANE_CARAVAN_REQS_MAX as usize + 1] =
                 [&[]; LANE_CARAVAN_REQS_MAX as usize + 1];
@@ -480,7 +538,8 @@ impl<B: IoBuf> Lane<B> {
                     n += 1;
                 }
             }
-            self.conn.send_all(&parts[..n])
+            let placement = &mut self.placement;
+            self.conn.send_all_receiving(&parts[..n], &mut |conn| receive(conn, placement, cap))
         };
         self.caravan.clear();
         self.queued.clear();
@@ -495,10 +554,14 @@ impl<B: IoBuf> Lane<B> {
             return Err(Error::Closed);
         }
         let result = self.process_frames().and_then(|progressed| {
+            let cap = self.rx_cap();
+            let placement = &mut self.placement;
+            let mut receive = |conn: &mut Conn| receive(conn, placement, cap);
             if block && !progressed {
-                self.conn.fill_blocking(Instant::now() + self.conn.timeout)?;
+                let deadline = Instant::now() + self.conn.timeout;
+                self.conn.receive_blocking(deadline, &mut receive)?;
             } else {
-                self.conn.fill_now()?;
+                receive(&mut self.conn)?;
             }
             self.process_frames().map(|_| ())
         });
@@ -515,6 +578,16 @@ impl<B: IoBuf> Lane<B> {
 
     fn handle_frames(&mut self) -> Result<bool> {
         let mut progressed = false;
+        if self.placement.is_complete() {
+            for Placed { pending, completion } in self.placement.take() {
+                finish(&mut self.done, &mut self.controller, &mut self.reads, pending, completion.status);
+            }
+            progressed = true;
+        }
+        if self.placement.is_active() {
+            // Its data is still arriving; nothing after it can have come yet.
+            return Ok(progressed);
+        }
         while let Some(f) = self.conn.next_frame()? {
             let body = self.conn.rx.body(&f);
             match f.header.kind {
@@ -527,21 +600,11 @@ impl<B: IoBuf> Lane<B> {
                         if c.data_len != want {
                             return Err(ProtoError::DataLength { tag: c.tag, got: c.data_len, want }.into());
                         }
-                        if want > 0 {
-                            if let Some(buf) = p.buf.as_mut() {
-                                buf.as_mut().copy_from_slice(data);
-                            }
+                        if let Some(buf) = p.buf.as_mut().filter(|_| want > 0) {
+                            buf.as_mut().copy_from_slice(data);
+                            self.stats.read_bytes_copied += data.len() as u64;
                         }
-                        if let Some(ctl) = self.controller.as_mut() {
-                            let moved = matches!(p.opcode, Opcode::Read | Opcode::Write) && c.status.is_ok();
-                            ctl.handle_completion(if moved { p.length.into() } else { 0 });
-                        }
-                        self.done.push_back(Completion {
-                            user_data: p.user_data,
-                            opcode: p.opcode,
-                            status: c.status,
-                            buf: p.buf,
-                        });
+                        finish(&mut self.done, &mut self.controller, &mut self.reads, p, c.status);
                         progressed = true;
                     }
                 }
@@ -552,7 +615,72 @@ impl<B: IoBuf> Lane<B> {
                 other => return Err(ProtoError::Unexpected(other, "on a lane").into()),
             }
         }
+        self.begin_placement()?;
         Ok(progressed)
+    }
+
+    /// If the frame buffer ends in a completion caravan whose descriptors are in but whose
+    /// read data is not, take its requests out of the slot table so that the rest of the data
+    /// is received straight into their buffers ([`Placement`]).
+    fn begin_placement(&mut self) -> Result<()> {
+        if !self.placing_directly() {
+            return Ok(());
+        }
+        let max = self.conn.frame_bytes_max();
+        let Some((header, so_far)) = self.conn.rx.partial_frame(max).map_err(frame_error)? else {
+            return Ok(());
+        };
+        let desc_bytes = header.desc_count as usize * COMPLETION_DESC_LEN;
+        if header.kind != FrameKind::Completions || so_far.len() < desc_bytes {
+            return Ok(());
+        }
+        let head = CompletionCaravan::parse_head(&header, so_far).map_err(ProtoError::from)?;
+        // Check all of them before taking any: an error leaves the slots to `fail_all`.
+        for c in head.completions() {
+            let p = self.slots.get(c.tag).ok_or(ProtoError::UnknownTag(c.tag))?;
+            let want = if c.status.is_ok() && p.opcode == Opcode::Read { p.length } else { 0 };
+            if c.data_len != want {
+                return Err(ProtoError::DataLength { tag: c.tag, got: c.data_len, want }.into());
+            }
+        }
+        let started = Instant::now();
+        let slots = &mut self.slots;
+        let mut missing = None;
+        let entries = head.completions().map_while(|completion| match slots.remove(completion.tag) {
+            Some(pending) => Some(Placed { pending, completion }),
+            None => {
+                missing = Some(completion.tag);
+                None
+            }
+        });
+        self.placement.begin(entries, header.payload_len as usize, &so_far[desc_bytes..]);
+        self.conn.rx.consume(HEADER_LEN + so_far.len());
+        self.stats.completion_caravans += 1;
+        self.stats.complete_ns += started.elapsed().as_nanos() as u64;
+        match missing {
+            // A tag twice in one caravan: the second has no slot left.
+            Some(tag) => Err(ProtoError::UnknownTag(tag).into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether reads now in flight are large enough to place directly.
+    fn placing_directly(&self) -> bool {
+        self.direct_min_bytes != u32::MAX
+            && self.reads.count > 0
+            && self.reads.bytes >= self.reads.count * u64::from(self.direct_min_bytes)
+    }
+
+    /// How many bytes one receive may put into the frame buffer. When placing directly, only
+    /// what the next frame's header and descriptors can need (one descriptor per request in
+    /// flight): their read data then arrives after the descriptors have said where it goes.
+    /// Otherwise as much as there is room for.
+    fn rx_cap(&self) -> usize {
+        if self.placing_directly() {
+            HEADER_LEN + COMPLETION_DESC_LEN * self.slots.len().max(1)
+        } else {
+            usize::MAX
+        }
     }
 
     /// The connection is gone: every request in flight completes with an I/O error, so
@@ -561,7 +689,9 @@ impl<B: IoBuf> Lane<B> {
         self.broken = true;
         self.caravan.clear();
         self.queued.clear();
-        for p in self.slots.drain() {
+        self.reads = ReadsInFlight::default();
+        let placed = self.placement.take().map(|p| p.pending);
+        for p in placed.chain(self.slots.drain()) {
             self.done.push_back(Completion {
                 user_data: p.user_data,
                 opcode: p.opcode,
@@ -571,6 +701,40 @@ impl<B: IoBuf> Lane<B> {
         }
         self.conn.stream.shutdown();
     }
+}
+
+/// Hand a finished request back to its caller, and tell the controller what it moved.
+fn finish<B>(
+    done: &mut VecDeque<Completion<B>>,
+    controller: &mut Option<BatchController>,
+    reads: &mut ReadsInFlight,
+    p: Pending<B>,
+    status: Status,
+) {
+    if p.opcode == Opcode::Read {
+        reads.count -= 1;
+        reads.bytes -= u64::from(p.length);
+    }
+    if let Some(ctl) = controller.as_mut() {
+        let moved = matches!(p.opcode, Opcode::Read | Opcode::Write) && status.is_ok();
+        ctl.handle_completion(if moved { p.length.into() } else { 0 });
+    }
+    done.push_back(Completion { user_data: p.user_data, opcode: p.opcode, status, buf: p.buf });
+}
+
+/// One receive without waiting: the unfilled parts of the placed frame's buffers first, then
+/// (once they cover all its remaining data) the frame buffer, at most `cap` bytes of it.
+fn receive<B: IoBuf>(conn: &mut Conn, placement: &mut Placement<B>, cap: usize) -> Result<usize> {
+    if !placement.is_active() || placement.is_complete() {
+        return conn.fill_now(cap);
+    }
+    let got = {
+        let mut iov: [IoSliceMut<'_>; DIRECT_IOV_MAX] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
+        let (n, all) = placement.destinations(&mut iov);
+        conn.fill_direct(&mut iov[..n], all, cap)?
+    };
+    placement.receive(got);
+    Ok(got)
 }
 
 pub(crate) fn status_result(status: Status) -> Result<()> {

@@ -16,10 +16,11 @@
 
 mod conn;
 mod lane;
+mod placement;
 mod queue;
 mod shared;
 
-pub use lane::{Batching, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected};
+pub use lane::{Batching, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected, DIRECT_MIN_BYTES};
 pub use proto::batch::BatchConfig;
 pub use proto::caravan::Doorbell;
 pub use queue::Queue;

@@ -87,6 +87,10 @@ pub struct BenchArgs {
     /// before sleeping) or hybrid:US.
     #[arg(long, default_value = "off", value_parser = crate::units::parse_poll)]
     poll: Duration,
+    /// Direct placement of read data in the callers' buffers from this average read size on
+    /// (0: every read; off, the default: never). Smaller reads are received in bulk and copied.
+    #[arg(long, default_value = "off", value_parser = crate::units::parse_direct_min)]
+    direct_min: u32,
 }
 
 /// `--batching` as typed.
@@ -173,6 +177,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         doorbell,
         batching,
         poll_spin: args.poll,
+        direct_min_bytes: args.direct_min,
         ..LaneConfig::default()
     };
     let connect_error = |e| format!("{endpoint} export {:?}: {e}", args.export);

@@ -111,6 +111,9 @@ pub struct Summary {
     pub batch_level_log: Vec<(u64, u32)>,
     /// Where the time goes, in µs per I/O (Tyche Table II's stages, as far as they are ours).
     pub stages_us: Stages,
+    /// Share of read data the lanes received straight into the callers' buffers (direct
+    /// placement); the rest was copied from their frame buffers. `None` without reads.
+    pub read_placed_share: Option<f64>,
     pub server_caravans_received: u64,
     pub server_reqs_per_caravan: f64,
     pub server_caravans_sent: u64,
@@ -121,10 +124,12 @@ pub struct Summary {
 }
 
 /// Time in each stage, in µs per I/O: wall time inside the calls, summed over threads and
-/// divided by the I/Os. At QD 1 with one thread the stages add up along each I/O's path and
-/// `elsewhere` is the rest of the mean latency: the loopback wire, the wake-ups of a sleeping
-/// thread on each side, scheduling. At higher depths they are amortised costs, and `elsewhere`
-/// is not given.
+/// divided by the I/Os. At QD 1 with one thread the stages lie along each I/O's path and
+/// `elsewhere` is the mean latency minus their sum: the wake-ups of a sleeping thread on each
+/// side, scheduling. On loopback a send call runs the receiver's network path and wakes it, so
+/// the woken side's stages can overlap the sender's call; `elsewhere` then comes out negative,
+/// and says that the stages overlapped rather than that time went missing. At higher depths
+/// they are amortised costs, and `elsewhere` is not given.
 #[derive(Debug, Serialize)]
 pub struct Stages {
     pub client_send: f64,
@@ -247,6 +252,10 @@ pub fn summarize(
         batch_level_final: telemetry.batch_levels.clone(),
         batch_level_log: telemetry.batch_level_log.clone(),
         stages_us: stages,
+        read_placed_share: {
+            let (placed, copied) = (telemetry.lanes.read_bytes_placed, telemetry.lanes.read_bytes_copied);
+            (placed + copied > 0).then(|| placed as f64 / (placed + copied) as f64)
+        },
         server_caravans_received: received,
         server_reqs_per_caravan: per(delta(before, after, "caravan_reqs_total") as f64, received),
         server_caravans_sent: delta(before, after, "caravans_sent"),
@@ -320,6 +329,12 @@ pub fn print_table(s: &Summary) {
                 s.stages_us.client_complete,
                 s.stages_us.elsewhere.map(|e| format!("  elsewhere {e:.2}")).unwrap_or_default()
             ),
+        ),
+        (
+            "read data",
+            s.read_placed_share
+                .map(|p| format!("{:.0}% placed directly in callers' buffers, the rest copied", p * 100.0))
+                .unwrap_or_else(|| "none".into()),
         ),
         (
             "I/O errors",
