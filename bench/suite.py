@@ -18,15 +18,18 @@ Experiments (4 KiB random unless said; docs/BENCHMARKS.md says which paper figur
   sizes    32 jobs x QD 4 of 4 KiB reads, plus one 128 KiB stream (Tyche Fig. 8)
            added every interval
   qd1      QD 1, 4/8/64/128 KiB, read and write                   (Tyche Table II)
+           skiff-native also through `skiff bench`, for its per-stage breakdown
 
     python3 bench/suite.py --quick                        # about two minutes, a few points
-    python3 bench/suite.py                                # the full matrix, about 15 minutes
+    python3 bench/suite.py                                # the full matrix, about 16 minutes
     python3 bench/suite.py --systems skiff-nbd,nbdkit --experiments load,qd1 --runtime 3
 
-Writes bench/results/<timestamp>/: records.jsonl (one JSON record per run), meta.json (machine,
-versions, link reference), report.md (a table per experiment) and PNG plots.
+Writes bench/results/<timestamp>/: records.jsonl (one JSON record per run; `skiff bench` runs
+carry "client": "skiff bench" and stages_us), meta.json (machine, versions, link reference),
+report.md (a table per experiment) and PNG plots.
 """
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -55,6 +58,10 @@ BATCHING_VARIANTS = {
     "skiff-native-b64": SHARED + ["--aggregation=64", "--aggregation_bytes=262144"],
     "skiff-native-adaptive": SHARED + ["--batching=adaptive"],
 }
+# At QD 1 this system is also measured with skiff's own client, whose JSON has the per-stage
+# breakdown (Tyche Table II); those records carry "client": SKIFF_BENCH.
+STAGES_SYSTEM = "skiff-native"
+SKIFF_BENCH = "skiff bench"
 QUICK_SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit"]
 EXPERIMENTS = ["load", "mix", "threads", "sizes", "qd1"]
 ENGINE = "target/fio/skiff-engine.so"
@@ -78,9 +85,7 @@ def log(msg):
 
 def ensure_needs(a, systems):
     """Check for every tool the run needs; install what can be installed, saying so."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         log("matplotlib is missing: installing it with `python3 -m pip install matplotlib` (for the plots)")
         r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "matplotlib"])
         if r.returncode != 0:
@@ -170,6 +175,7 @@ def start_target(system, a, scratch):
         t = Target(system, srv, [f"--ioengine=external:{a.engine}", f"--target=127.0.0.1:{port}",
                                  "--export=vol"] + BATCHING_VARIANTS.get(system, []), "fio skiff engine")
         t.precondition_uri = f"nbd://127.0.0.1:{nbd_port}/vol"
+        t.native_addr = f"127.0.0.1:{port}"
         return t
     if system == "skiff-nbd":
         srv = Server([a.skiff, "serve", "--no-tcp", "--nbd", f"127.0.0.1:{port}", "--export", "vol=ram:1G"], port)
@@ -293,6 +299,76 @@ def measure(target, a, *, rw, bs="4k", qd=1, numjobs=1, rwmixread=None, runtime=
                       "bw_bytes_s": j["mixed"]["io_bytes"] / max(j["mixed"]["runtime"], 1) * 1000,
                       "lat_mean_us": j["mixed"]["lat_ns"]["mean"] / 1000} for j in jobs]
     return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# skiff bench: the per-stage breakdown at QD 1
+
+
+def run_skiff_bench(argv, runtime):
+    """Run `skiff bench --json`; return its parsed summary."""
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=runtime + 30)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"skiff bench did not finish: {' '.join(argv)}")
+    if p.returncode != 0 or not p.stdout.strip():
+        raise RuntimeError(f"skiff bench failed ({p.returncode}): {' '.join(argv)}\n{p.stderr[-2000:]}")
+    try:
+        return json.loads(p.stdout)
+    except ValueError as e:
+        raise RuntimeError(f"skiff bench printed no JSON ({e}): {p.stdout[-500:]}")
+
+
+def measure_stages(target, a, *, rw, bs, qd):
+    """One `skiff bench` run, one thread, against the suite's own skiff-native server: the same
+    export and size as the fio runs. Returns figures named like measure()'s, plus stages_us."""
+    argv = [a.skiff, "bench", "--target", target.native_addr, "--export", "vol", "--size", "1G",
+            "--threads", "1", "--rw", rw, "--bs", bs, "--qd", str(qd), "--duration", f"{a.runtime}s", "--json"]
+    if not target.alive():
+        raise RuntimeError(f"{target.system} server exited")
+    c0 = cpu_s(target.pid)
+    t0 = time.time()
+    r = run_skiff_bench(argv, a.runtime)
+    wall = time.time() - t0
+    server_cpu = cpu_s(target.pid) - c0
+    ios, secs = r["ios"], r["duration_s"]
+    if not ios:
+        raise RuntimeError(f"skiff bench completed no I/O: {r.get('first_io_error')}")
+    lat = r["lat_us"]
+    rec = {
+        "iops": r["iops"],
+        "bw_bytes_s": r["bytes_per_s"],
+        "lat_mean_us": lat["mean"], "lat_p50_us": lat["p50"], "lat_p99_us": lat["p99"], "lat_p999_us": lat["p999"],
+        "ios": ios,
+        "measured_s": secs,
+        "wall_s": wall,
+        # skiff bench's own usr+sys of its I/O threads, timed phase only.
+        "client_cpu_us_per_io": r["client_cpu_us_per_io"],
+        # Server process from /proc over the whole skiff bench run (connect included), as for fio;
+        # skiff bench's own figure, from the target's STATS over the timed phase, beside it.
+        "server_cpu_us_per_io": server_cpu * 1e6 / ios,
+        "server_stats_cpu_us_per_io": r["server_cpu_us_per_io"],
+        "ctx_per_io": r["client_ctx_switches_per_io"],
+        "client_cores": r["client_cpu_us_per_io"] * ios / 1e6 / secs,
+        "server_cores": server_cpu / secs,
+        # µs per I/O in each stage; at QD 1 with one thread `elsewhere` is the rest of the mean
+        "stages_us": r["stages_us"],
+    }
+    rec["total_cpu_us_per_io"] = rec["client_cpu_us_per_io"] + rec["server_cpu_us_per_io"]
+    return rec
+
+
+def from_skiff_bench(r):
+    return r.get("client") == SKIFF_BENCH
+
+
+def runners(exp, systems):
+    """What is measured at each point of `exp`: (system, client) pairs, client None for fio. At
+    QD 1, skiff-native is measured a second time with `skiff bench`, for its stages."""
+    out = [(s, None) for s in systems]
+    if exp == "qd1" and STAGES_SYSTEM in systems:
+        out.append((STAGES_SYSTEM, SKIFF_BENCH))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,9 +519,49 @@ EXPLAIN = {
               "ctx per I/O count every I/O of both sizes."),
     "qd1": ("QD 1 latency by size (Tyche Table II)",
             "One job, one outstanding I/O, random, end-to-end latency (fio's submission-to-completion `lat`) "
-            "and CPU per I/O. skiff's per-stage breakdown (Tyche's time per stage on both sides) is not "
-            "instrumented yet."),
+            "and CPU per I/O. skiff-native is also measured with `skiff bench` (one thread, same server, "
+            "export and runtime), which times each stage on both sides: the per-stage table below."),
 }
+
+
+STAGES_TEXT = (
+    "Per-stage breakdown of skiff-native at QD 1 (Tyche Table II), from `skiff bench --qd 1 --threads 1` "
+    "against the same server: wall time inside each stage's calls, µs per I/O. Client send and recv are "
+    "the initiator's send and receive calls, client complete its completion handling (matching tags, "
+    "placing read data); target recv, exec (parsing, the backend, building replies) and send come from "
+    "the target's STATS. At QD 1 the stages follow each I/O's path, and `elsewhere` is the rest of "
+    "skiff bench's mean latency: the loopback wire, the wake-ups of the sleeping thread on each side, "
+    "scheduling. The stages are wall time on two threads: where the woken side starts before the call "
+    "that woke it has returned (on loopback a send runs the receiver's path and wakes it), they overlap "
+    "and `elsewhere` comes out negative; the plot then draws it as zero and its mean mark falls inside "
+    "the bar. The mean is skiff's own client, without fio; IOPS and CPU per I/O of these runs are in "
+    "records.jsonl (\"client\": \"skiff bench\").")
+
+
+def stage_keys(recs):
+    """Stage names in skiff bench's order, `elsewhere` last."""
+    keys = list(dict.fromkeys(k for r in recs for k in r["stages_us"]))
+    return [k for k in keys if k != "elsewhere"] + [k for k in keys if k == "elsewhere"]
+
+
+def stages_table(records, plots):
+    """The Markdown lines of the QD 1 per-stage table, from skiff bench records."""
+    if not records:
+        return []
+    ok = [r for r in records if "error" not in r]
+    keys = stage_keys(ok)
+    L = [STAGES_TEXT + "\n"]
+    L += [f"![qd1 stages]({p})\n" for p in plots]
+    L.append("| " + " | ".join(["point", "mean µs"] + [k.replace("_", " ") for k in keys]) + " |")
+    L.append("|---|" + "---:|" * (len(keys) + 1))
+    for r in ok:
+        L.append(f"| {point_label('qd1', r['point'])} | {fmt(r['lat_mean_us'])} | "
+                 + " | ".join(fmt(r["stages_us"].get(k), 2) for k in keys) + " |")
+    for r in records:
+        if "error" in r:
+            L.append(f"| {point_label('qd1', r['point'])} | failed: {r['error'][:80]} |" + " |" * len(keys))
+    L.append("")
+    return L
 
 
 def write_report(outdir, a, meta, records, plots):
@@ -475,8 +591,8 @@ def write_report(outdir, a, meta, records, plots):
            "sum | cores busy client/server | ctx/I/O | link util |")
     sep = "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     for exp in EXPERIMENTS:
-        recs = [r for r in records if r["experiment"] == exp and "error" not in r]
-        errs = [r for r in records if r["experiment"] == exp and "error" in r]
+        recs = [r for r in records if r["experiment"] == exp and "error" not in r and not from_skiff_bench(r)]
+        errs = [r for r in records if r["experiment"] == exp and "error" in r and not from_skiff_bench(r)]
         if not recs and not errs:
             continue
         title, text = EXPLAIN[exp]
@@ -512,6 +628,9 @@ def write_report(outdir, a, meta, records, plots):
                     L.append(f"| {r['system']} | {ph['streams']} | {ph['small_iops']:,.0f} | "
                              f"{ph['big_bytes_s'] / 1e6:,.0f} | {tot / 1e6:,.0f} | {util} |")
             L.append("")
+        if exp == "qd1":
+            L += stages_table([r for r in records if r["experiment"] == exp and from_skiff_bench(r)],
+                              plots.get("qd1-stages", []))
     L.append("## Notes\n")
     L.append("- Systems alternate at every point (the order rotates from point to point), so drift on this "
              "shared machine spreads over all of them; compare ratios within one run.")
@@ -534,7 +653,7 @@ def plot_all(outdir, a, meta, records):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     plots = {}
     systems = meta["systems"]
@@ -542,7 +661,7 @@ def plot_all(outdir, a, meta, records):
     kfmt = FuncFormatter(lambda v, _: f"{v / 1000:,.0f}K" if v >= 1000 else f"{v:,.0f}")
 
     def ok(exp):
-        return [r for r in records if r["experiment"] == exp and "error" not in r]
+        return [r for r in records if r["experiment"] == exp and "error" not in r and not from_skiff_bench(r)]
 
     def line(ax, xs, ys, s, **kw):
         ax.plot(xs, ys, marker=MARKERS.get(s, "o"), color=COLORS.get(s), label=s, linewidth=1.8, markersize=5, **kw)
@@ -698,7 +817,67 @@ def plot_all(outdir, a, meta, records):
         axes[1].set_title("CPU per I/O at QD 1")
         fig.suptitle(f"QD 1 by size: random, 1 job ({sub})")
         save(fig, "qd1.png", "qd1")
+
+    # QD 1 per-stage breakdown of skiff-native, from skiff bench.
+    recs = [r for r in records if r["experiment"] == "qd1" and from_skiff_bench(r) and "error" not in r]
+    if recs:
+        save(plot_qd1_stages(plt, recs, a), "qd1-stages.png", "qd1-stages")
     return plots
+
+
+# Client side warm, target side blue, the unaccounted rest grey.
+STAGE_COLORS = {"client_send": "#e6550d", "target_recv": "#9ecae1", "target_exec": "#08519c",
+                "target_send": "#4292c6", "client_recv": "#fdae6b", "client_complete": "#a63603",
+                "elsewhere": "#d9d9d9"}
+
+
+def stage_panel(ax, by_bs, sizes, keys):
+    """One direction: a stacked bar per size, µs per I/O in each stage, a black mark at the mean
+    latency. A negative `elsewhere` (stages that overlapped) is drawn as zero; the mark then sits
+    inside the bar."""
+    ys = range(len(sizes))
+    left = [0.0] * len(sizes)
+    for k in keys:
+        w = [max(0.0, by_bs[bs]["stages_us"].get(k) or 0) if bs in by_bs else 0 for bs in sizes]
+        ax.barh(ys, w, left=left, height=0.6, color=STAGE_COLORS.get(k), edgecolor="white", linewidth=0.5,
+                label=k.replace("_", " "))
+        left = [x + y for x, y in zip(left, w)]
+    for y, bs in zip(ys, sizes):
+        if bs not in by_bs:
+            continue
+        mean = by_bs[bs]["lat_mean_us"]
+        ax.plot([mean, mean], [y - 0.4, y + 0.4], color="black", linewidth=2.2,
+                label="mean latency" if y == 0 else None)
+        ax.annotate(f"mean {mean:.0f} µs", (max(mean, left[y]), y), textcoords="offset points", xytext=(5, 0),
+                    va="center", fontsize=8)
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels([f"{bs.upper()}iB" for bs in sizes])
+    ax.invert_yaxis()
+    ax.set_xlabel("µs per I/O")
+    ax.grid(True, axis="x", alpha=0.3)
+
+
+def plot_qd1_stages(plt, recs, a):
+    """skiff bench's per-stage breakdown at QD 1: a panel per direction, a bar per size."""
+    rws = list(dict.fromkeys(r["point"]["rw"] for r in recs))
+    sizes = sorted({r["point"]["bs"] for r in recs}, key=size_bytes)
+    keys = stage_keys(recs)
+    fig, axes = plt.subplots(1, len(rws), figsize=(max(10, 6 * len(rws)), 1.6 + 0.7 * len(sizes)),
+                             sharex=True, squeeze=False)
+    for ax, rw in zip(axes[0], rws):
+        stage_panel(ax, {r["point"]["bs"]: r for r in recs if r["point"]["rw"] == rw}, sizes, keys)
+        ax.set_title(rw)
+    widest = max(max(r["lat_mean_us"], sum(max(0.0, v or 0) for v in r["stages_us"].values())) for r in recs)
+    axes[0][0].set_xlim(0, widest * 1.15)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    overlap = any((r["stages_us"].get("elsewhere") or 0) < 0 for r in recs)
+    fig.suptitle(f"QD 1 per-stage breakdown: skiff-native, random, 1 thread "
+                 f"({TITLE_MACHINE}, skiff bench, {a.runtime} s per point)"
+                 + ("\nstages overlapped where the mean mark sits inside its bar (elsewhere < 0, drawn as 0)"
+                    if overlap else ""))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -750,8 +929,9 @@ def main():
         for e in exps:
             log(f"{e}: " + "; ".join(point_label(e, pt) for pt, _ in pl[e]))
         n = sum(len(pl[e]) for e in exps)
-        est = sum(run_estimate(a, e) for e in exps for _ in pl[e]) * len(systems)
-        log(f"{len(systems)} systems x {n} points = {n * len(systems)} runs, about {est / 60 + 0.5:.1f} min")
+        total = sum(len(runners(e, systems)) for e in exps for _ in pl[e])
+        est = sum(run_estimate(a, e) * len(runners(e, systems)) for e in exps for _ in pl[e])
+        log(f"{len(systems)} systems x {n} points = {total} runs, about {est / 60 + 0.5:.1f} min")
         return 0
     ensure_needs(a, systems)
     # SIGTERM unwinds like Ctrl-C, through the finally that stops every server.
@@ -775,8 +955,8 @@ def main():
 
     pl = plan(a)
     runs = [(e, pt, kw) for e in exps for pt, kw in pl[e]]
-    total_runs = len(runs) * len(systems)
-    est = sum(run_estimate(a, e) for e, _, _ in runs) * len(systems)
+    total_runs = sum(len(runners(e, systems)) for e, _, _ in runs)
+    est = sum(run_estimate(a, e) * len(runners(e, systems)) for e, _, _ in runs)
     log(f"skiff suite -> {outdir}: {len(systems)} systems x {len(runs)} points = {total_runs} runs, "
         f"about {est / 60 + 0.5:.1f} min")
 
@@ -805,16 +985,23 @@ def main():
         link_bps = link_samples[0] if link_samples else None
 
         n = 0
+        who_width = max(len(f"{s} ({c})" if c else s) for e in exps for s, c in runners(e, systems))
         t_runs = time.time()
         for pi, (exp, pt, kw) in enumerate(runs):
-            order = systems[pi % len(systems):] + systems[:pi % len(systems)]
-            for s in order:
+            rs = runners(exp, systems)
+            order = rs[pi % len(rs):] + rs[:pi % len(rs)]
+            for s, client in order:
                 n += 1
-                label = f"[{n:>3}/{total_runs}] {exp:<7} {point_label(exp, pt):<24} {s:<12}"
+                who = f"{s} ({client})" if client else s
+                label = f"[{n:>3}/{total_runs}] {exp:<7} {point_label(exp, pt):<24} {who:<{who_width}}"
                 rec = {"experiment": exp, "system": s, "point": pt, "runtime_s": a.runtime,
                        "time": time.strftime("%H:%M:%S")}
+                if client:
+                    rec["client"] = client
                 try:
-                    if exp == "sizes":
+                    if client == SKIFF_BENCH:
+                        rec.update(measure_stages(targets[s], a, **kw))
+                    elif exp == "sizes":
                         rec.update(run_sizes(targets[s], a, logdir))
                     else:
                         rec.update(measure(targets[s], a, **kw))
