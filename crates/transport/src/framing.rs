@@ -99,16 +99,11 @@ impl FrameBuffer {
     /// The next complete frame, if one has fully arrived. A frame whose header announces more
     /// than `frame_bytes_max` is refused as soon as the header is in.
     pub fn next_frame(&mut self, frame_bytes_max: usize) -> Result<Option<FrameRef>, FrameError> {
-        let avail = &self.buf[self.start..self.end];
-        if avail.len() < HEADER_LEN {
+        let Some(header) = self.next_header(frame_bytes_max)? else {
             return Ok(None);
-        }
-        let header = Header::parse(avail)?;
+        };
         let len = header.frame_len();
-        if len > frame_bytes_max {
-            return Err(FrameError::TooLarge { len, limit: frame_bytes_max });
-        }
-        if avail.len() < len {
+        if self.pending() < len {
             self.reserve_frame(len);
             return Ok(None);
         }
@@ -122,6 +117,17 @@ impl FrameBuffer {
     /// that can tell from them where the rest belongs reads it there directly and
     /// [`consume`](Self::consume)s what it took from here.
     pub fn partial_frame(&self, frame_bytes_max: usize) -> Result<Option<(Header, &[u8])>, FrameError> {
+        match self.next_header(frame_bytes_max)? {
+            Some(header) if self.pending() < header.frame_len() => {
+                Ok(Some((header, &self.buf[self.start + HEADER_LEN..self.end])))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The next frame's header, checked, with its length within `frame_bytes_max`, once it
+    /// has arrived.
+    fn next_header(&self, frame_bytes_max: usize) -> Result<Option<Header>, FrameError> {
         let avail = &self.buf[self.start..self.end];
         if avail.len() < HEADER_LEN {
             return Ok(None);
@@ -131,10 +137,7 @@ impl FrameBuffer {
         if len > frame_bytes_max {
             return Err(FrameError::TooLarge { len, limit: frame_bytes_max });
         }
-        if avail.len() >= len {
-            return Ok(None);
-        }
-        Ok(Some((header, &avail[HEADER_LEN..])))
+        Ok(Some(header))
     }
 
     /// Bytes received and not yet consumed, for protocols framed differently (NBD).

@@ -13,7 +13,7 @@ use crate::shape::{self, Completion, Header, ReadRequest, COMPLETION_DESC_LEN, H
 use crate::shape::{ShapeError, REQUEST_DESC_LEN};
 use crate::sys;
 use crate::tx::Limits;
-use crate::usage::{self, Usage};
+use rt::usage::{self, Usage};
 
 /// Compact the receive buffer before a `recv` when less than this is free.
 const RECV_SPARE_MIN: usize = 64 << 10;

@@ -21,7 +21,6 @@ pub mod server;
 pub mod shape;
 pub mod sys;
 pub mod tx;
-pub mod usage;
 
 pub use client::{Stop, Workload};
 pub use error::ProbeError;

@@ -26,11 +26,11 @@ impl Sample {
     }
 
     pub fn server_cpu_us_per_payload(&self) -> f64 {
-        self.server.usage.cpu_us() as f64 / self.server.payloads as f64
+        cpu_us(&self.server.usage) as f64 / self.server.payloads as f64
     }
 
     pub fn client_cpu_us_per_payload(&self) -> f64 {
-        self.client.usage.cpu_us() as f64 / self.client.payloads as f64
+        cpu_us(&self.client.usage) as f64 / self.client.payloads as f64
     }
 
     pub fn server_syscalls_per_caravan(&self) -> f64 {
@@ -83,4 +83,9 @@ pub fn run_mode(mode: Mode, w: &Workload, stop: Stop) -> Result<Sample, ProbeErr
         )));
     }
     Ok(Sample { mode, server, client })
+}
+
+/// User plus system time, as getrusage reports it.
+fn cpu_us(u: &rt::usage::Usage) -> u64 {
+    u.user_us + u.sys_us
 }

@@ -9,7 +9,7 @@ use std::net::TcpStream;
 
 use crate::error::ProbeError;
 use crate::tx::Limits;
-use crate::usage::Usage;
+use rt::usage::Usage;
 
 pub use uring::check_available;
 

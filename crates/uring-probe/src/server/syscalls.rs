@@ -11,7 +11,7 @@ use crate::respond::Responder;
 use crate::rx::RxBuffer;
 use crate::sys::{self, Epoll};
 use crate::tx::{Limits, TxPair};
-use crate::usage;
+use rt::usage;
 
 pub fn serve(sock: TcpStream, limits: Limits, ready: &dyn Fn()) -> Result<ServerStats, ProbeError> {
     sock.set_nonblocking(true).map_err(ProbeError::io("set_nonblocking"))?;

@@ -23,7 +23,7 @@ use crate::region::Region;
 use crate::respond::Responder;
 use crate::rx::RxBuffer;
 use crate::tx::{Limits, TxPair};
-use crate::usage;
+use rt::usage;
 
 const RING_ENTRIES: u32 = 64;
 const UD_RECV: u64 = 1;
