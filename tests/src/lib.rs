@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use target::{ExportConfig, Target, TargetConfig};
+use server::{ExportConfig, Target, TargetConfig};
 use transport::Endpoint;
 use wire::control::{frame, Hello, HelloReply, Limits, OpenReply};
 use wire::{FrameKind, Header, Request, HEADER_LEN};
@@ -99,7 +99,7 @@ pub fn caravan(reqs: &[Request], payload: &[u8]) -> Vec<u8> {
 /// A target with an NBD listener on 127.0.0.1 (ephemeral port) besides the native one.
 pub fn start_nbd_target(exports: &[&str]) -> (Target, String) {
     let t = start_target_with(exports, |c| c.nbd_listen = vec![Endpoint::Tcp("127.0.0.1:0".into())]);
-    let Endpoint::Tcp(addr) = t.endpoints_of(target::Protocol::Nbd)[0].clone() else { unreachable!() };
+    let Endpoint::Tcp(addr) = t.endpoints_of(server::Protocol::Nbd)[0].clone() else { unreachable!() };
     (t, addr)
 }
 

@@ -110,7 +110,7 @@ struct Neighbour {
 }
 
 impl Neighbour {
-    fn new(t: &target::Target) -> Neighbour {
+    fn new(t: &server::Target) -> Neighbour {
         Neighbour { lane: Lane::connect(&tcp_endpoint(t), "vol", &LaneConfig::default()).unwrap(), round: 0 }
     }
 
@@ -126,7 +126,7 @@ impl Neighbour {
 
 /// Send `bytes` on a fresh, handshaken connection; expect a GOAWAY whose message contains
 /// `reason`, then the close.
-fn expect_goaway(t: &target::Target, bytes: &[u8], reason: &str) {
+fn expect_goaway(t: &server::Target, bytes: &[u8], reason: &str) {
     let (mut p, _) = RawPeer::ready(t, small_limits(), "vol");
     p.send(bytes);
     let (h, body) = p.recv().unwrap_or_else(|| panic!("no GOAWAY for {reason}"));

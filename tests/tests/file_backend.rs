@@ -15,7 +15,7 @@ fn flush_and_fua_reach_the_file() {
     let t = start_target(&[spec.as_str()], 1);
     let mut lane = Lane::connect(&tcp_endpoint(&t), "disk", &LaneConfig::default()).unwrap();
     assert_eq!(lane.export().size_bytes, 16 << 20);
-    let counters = |t: &target::Target| {
+    let counters = |t: &server::Target| {
         let s = t.stats();
         (s.get("backend_syncs").unwrap(), s.get("backend_dsync_writes").unwrap())
     };

@@ -8,8 +8,8 @@ use std::sync::OnceLock;
 
 use initiator::{Lane, LaneConfig};
 use serde_json::Value;
+use server::Target;
 use skiff_tests::{run_ok, start_target, tcp_endpoint, tool};
-use target::Target;
 
 const MIB: u64 = 1024 * 1024;
 

@@ -7,6 +7,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 
 use rt::mem::Region;
 
@@ -19,7 +20,7 @@ const PAGE_BYTES: u64 = 4096;
 /// A volume in anonymous memory, zero-filled at creation.
 #[derive(Debug)]
 pub struct RamBackend {
-    region: Region,
+    region: Arc<Region>,
     size_bytes: u64,
     read_only: bool,
     /// One bit per page: set once the page has been written, cleared when a trim or
@@ -38,7 +39,7 @@ impl RamBackend {
             .map_err(|_| invalid_size(size_bytes, "does not fit in this address space"))?;
         let pages = size_bytes.div_ceil(PAGE_BYTES);
         let written = (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
-        Ok(RamBackend { region: Region::new(len_bytes)?, size_bytes, read_only, written })
+        Ok(RamBackend { region: Arc::new(Region::new(len_bytes)?), size_bytes, read_only, written })
     }
 
     fn is_written(&self, page: u64) -> bool {

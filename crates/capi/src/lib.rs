@@ -256,6 +256,7 @@ pub unsafe extern "C" fn skiff_lane_open(
         let (Ok(target), Ok(export)) = (target.to_str(), export.to_str()) else {
             return fail(&Error::InvalidArgument("target and export must be UTF-8"));
         };
+        // SAFETY: non-null, so a valid `skiff_lane_config` per the contract.
         let config = if config.is_null() { defaults() } else { unsafe { *config } };
         let Some(lane_config) = lane_config(&config) else {
             return fail(&Error::InvalidArgument(
@@ -312,6 +313,7 @@ unsafe fn handle<'a>(lane: *const SkiffLane) -> Option<&'a mut SkiffLane> {
 /// `lane` must be a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn skiff_lane_size(lane: *const SkiffLane) -> u64 {
+    // SAFETY: null or a live handle per the contract; the view ends with this call.
     unsafe { handle(lane) }.map_or(0, |l| l.lane.export().size_bytes)
 }
 
@@ -319,6 +321,7 @@ pub unsafe extern "C" fn skiff_lane_size(lane: *const SkiffLane) -> u64 {
 /// `lane` must be a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn skiff_lane_block_size(lane: *const SkiffLane) -> u32 {
+    // SAFETY: null or a live handle per the contract; the view ends with this call.
     unsafe { handle(lane) }.map_or(0, |l| l.lane.export().block_size)
 }
 
@@ -326,6 +329,7 @@ pub unsafe extern "C" fn skiff_lane_block_size(lane: *const SkiffLane) -> u32 {
 /// `lane` must be a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn skiff_lane_queue_depth(lane: *const SkiffLane) -> u32 {
+    // SAFETY: null or a live handle per the contract; the view ends with this call.
     unsafe { handle(lane) }.map_or(0, |l| l.lane.queue_depth() as u32)
 }
 
@@ -333,6 +337,7 @@ pub unsafe extern "C" fn skiff_lane_queue_depth(lane: *const SkiffLane) -> u32 {
 /// `lane` must be a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn skiff_lane_in_flight(lane: *const SkiffLane) -> u32 {
+    // SAFETY: null or a live handle per the contract; the view ends with this call.
     unsafe { handle(lane) }.map_or(0, |l| (l.lane.in_flight() + l.ready.len()) as u32)
 }
 
@@ -350,6 +355,7 @@ pub unsafe extern "C" fn skiff_lane_submit(
     user_data: u64,
 ) -> c_int {
     guard(|| {
+        // SAFETY: null or a live handle per the contract; the view ends with this call.
         let Some(l) = (unsafe { handle(lane) }) else {
             return fail(&Error::InvalidArgument("null lane"));
         };
@@ -382,6 +388,7 @@ pub unsafe extern "C" fn skiff_lane_submit(
 /// `lane` must be a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn skiff_lane_commit(lane: *mut SkiffLane) -> c_int {
+    // SAFETY: null or a live handle per the contract; the view ends with this call.
     guard(|| match unsafe { handle(lane) } {
         None => fail(&Error::InvalidArgument("null lane")),
         Some(l) => l.lane.commit().map_or_else(|e| fail(&e), |()| 0),
@@ -398,6 +405,7 @@ pub unsafe extern "C" fn skiff_lane_reap(
     min: u32,
 ) -> c_int {
     guard(|| {
+        // SAFETY: null or a live handle per the contract; the view ends with this call.
         let Some(l) = (unsafe { handle(lane) }) else {
             return fail(&Error::InvalidArgument("null lane"));
         };

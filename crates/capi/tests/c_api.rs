@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use server::{Target, TargetConfig};
 use skiff::{SkiffCompletion, SkiffLaneConfig};
-use target::{Target, TargetConfig};
 use transport::Endpoint;
 
 /// target/<profile>/deps: where `cargo test` builds this crate's cdylib, fresh for this test

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use initiator::Endpoint;
-use target::{ExportConfig, Target, TargetConfig};
+use server::{ExportConfig, Target, TargetConfig};
 
 use crate::CliResult;
 

@@ -21,6 +21,7 @@ use std::io;
 use std::ops::{Deref, DerefMut};
 use std::ptr::{self, NonNull};
 use std::slice;
+use std::sync::Arc;
 
 /// Alignment, in bytes, that every [`Region`] and [`AlignedBuf`] guarantees. 4096 satisfies
 /// `O_DIRECT` on every file system and block device skiff targets (logical block sizes of 512
@@ -149,12 +150,12 @@ impl Region {
     /// If the range is not inside the region.
     pub fn write_at(&self, offset: usize, src: &[u8]) {
         self.assert_in_bounds(offset, src.len());
-        // SAFETY: the destination range is inside our live mapping (checked above). `src`
-        // cannot point into the region: no Rust reference to region bytes can coexist with
-        // `&self` (see `as_slice`), so the ranges do not overlap. Concurrent overlapping
-        // requests give unspecified bytes, as documented on the module.
+        // SAFETY: the destination range is inside our live mapping (checked above). `src` may
+        // itself point into the region (a [`RegionBytes`] slice), so this is a `memmove`, which
+        // allows overlap. Concurrent overlapping requests give unspecified bytes, as documented
+        // on the module.
         unsafe {
-            ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len());
+            ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len());
         }
     }
 
@@ -171,16 +172,15 @@ impl Region {
         }
     }
 
-    /// The address of `len` bytes starting at `offset`, for handing them to the kernel (one
+    /// `len` bytes starting at `offset`, held with a reference to the region so that they
+    /// stay mapped for as long as the [`RegionBytes`] lives: for handing them to the kernel (one
     /// element of a send's gather list) without copying them out first.
     ///
     /// # Panics
     /// If the range is not inside the region.
-    pub fn bytes(&self, offset: usize, len: usize) -> RegionBytes {
+    pub fn bytes(self: &Arc<Self>, offset: usize, len: usize) -> RegionBytes {
         self.assert_in_bounds(offset, len);
-        // SAFETY: in bounds (checked above), so the offset stays inside the mapping.
-        let ptr = unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) };
-        RegionBytes { ptr, len }
+        RegionBytes { region: Arc::clone(self), offset, len }
     }
 
     /// View the whole region. Takes `&mut self` because a `&[u8]` promises the bytes do not
@@ -200,18 +200,14 @@ impl Region {
     }
 }
 
-/// A range of a [`Region`] held by address: what [`Region::bytes`] returns. It outlives the
-/// borrow of the region, so whoever keeps one must also keep the region alive until the kernel
-/// has taken the bytes; [`RegionBytes::as_slice`] is `unsafe` for that reason.
-#[derive(Debug, Clone, Copy)]
+/// A range of a [`Region`], holding the region alive: what [`Region::bytes`] returns. The
+/// bytes stay mapped for as long as this value lives, so its slice borrows only from it.
+#[derive(Debug, Clone)]
 pub struct RegionBytes {
-    ptr: NonNull<u8>,
+    region: Arc<Region>,
+    offset: usize,
     len: usize,
 }
-
-// SAFETY: an address and a length; using them is `as_slice`'s business, whose caller promises
-// the region is still mapped.
-unsafe impl Send for RegionBytes {}
 
 impl RegionBytes {
     pub fn len(&self) -> usize {
@@ -225,16 +221,12 @@ impl RegionBytes {
     /// The bytes, for a gather list the kernel copies from.
     ///
     /// Other threads may write these bytes meanwhile (a region is shared device memory): the
-    /// slice then holds unspecified bytes, as [`Region::read_at`] would copy them, and it must
-    /// only be passed to the kernel, never inspected.
-    ///
-    /// # Safety
-    /// The [`Region`] these bytes came from must stay mapped (not dropped) while the slice is
-    /// used.
-    pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
-        // SAFETY: the range was in bounds of a live mapping when made (`Region::bytes`) and the
-        // caller promises the mapping is still there.
-        unsafe { slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    /// slice then holds unspecified bytes, as [`Region::read_at`] would copy them. Pass it to
+    /// the kernel (or copy it out at once); do not keep it as a stable view of the volume.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the range was checked to lie inside the mapping when this value was made
+        // (`Region::bytes`), and `self.region` keeps the mapping alive for the borrow.
+        unsafe { slice::from_raw_parts(self.region.ptr.as_ptr().add(self.offset), self.len) }
     }
 }
 
@@ -340,7 +332,6 @@ impl std::fmt::Debug for AlignedBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
     use std::thread;
 
     #[test]

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use initiator::{BatchConfig, Batching, Client, Endpoint, Lane, LaneConfig, Limits, SharedLanes};
-use target::{ExportConfig, Target, TargetConfig};
+use server::{ExportConfig, Target, TargetConfig};
 
 use crate::units::{parse_duration, parse_size};
 use crate::CliResult;

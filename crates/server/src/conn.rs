@@ -49,7 +49,7 @@ pub(crate) struct TxBuf {
     backlogged: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Borrowed {
     at: usize,
     bytes: RegionBytes,
@@ -99,8 +99,8 @@ impl TxBuf {
         match in_place {
             Some(Ok(bytes)) => {
                 if !bytes.is_empty() {
-                    self.borrowed.push(Borrowed { at: self.len, bytes });
                     self.borrowed_bytes += bytes.len();
+                    self.borrowed.push(Borrowed { at: self.len, bytes });
                 }
                 Status::Ok
             }
@@ -168,10 +168,7 @@ impl TxBuf {
                 pos = b.at;
             }
             let skip = if i == 0 { self.into } else { 0 };
-            // SAFETY: by-address pieces point into RAM volumes of exports in `Shared`, which
-            // the worker keeps for as long as it has connections, and `flush` stops any address
-            // from living past its pass.
-            let bytes = unsafe { b.bytes.as_slice() };
+            let bytes = b.bytes.as_slice();
             if !f(&bytes[skip..]) {
                 return;
             }
