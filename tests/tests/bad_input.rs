@@ -124,15 +124,16 @@ impl Neighbour {
     }
 }
 
-/// Send `bytes` on a fresh, handshaken connection; expect a GOAWAY whose message contains
-/// `reason`, then the close.
-fn expect_goaway(t: &server::Target, bytes: &[u8], reason: &str) {
+/// Send `bytes` on a fresh, handshaken connection; expect a GOAWAY with `status` whose message
+/// contains `reason`, then the close.
+fn expect_goaway(t: &server::Target, bytes: &[u8], status: Status, reason: &str) {
     let (mut p, _) = RawPeer::ready(t, small_limits(), "vol");
     p.send(bytes);
     let (h, body) = p.recv().unwrap_or_else(|| panic!("no GOAWAY for {reason}"));
     assert_eq!(h.kind, FrameKind::GoAway, "for {reason}");
     let g = GoAway::decode(&body).unwrap();
     assert!(g.message.contains(reason), "GOAWAY {:?} does not mention {reason:?}", g.message);
+    assert_eq!(g.status, status, "GOAWAY status for {reason}");
     assert!(p.closed(), "connection left open after {reason}");
 }
 
@@ -146,42 +147,44 @@ fn broken_framing_closes_only_that_connection() {
 
     let mut bad_magic = good.clone();
     bad_magic[0] ^= 0xFF;
-    expect_goaway(&t, &bad_magic, "magic");
+    expect_goaway(&t, &bad_magic, Status::Invalid, "magic");
     n.check();
 
     let mut bad_crc = good.clone();
     bad_crc[8] ^= 0x01; // payload_len changes, CRC does not
-    expect_goaway(&t, &bad_crc, "checksum");
+    expect_goaway(&t, &bad_crc, Status::Invalid, "checksum");
     n.check();
 
     let mut bad_version = good.clone();
     bad_version[4] = 9;
     let crc = crc_of(&bad_version);
     bad_version[20..24].copy_from_slice(&crc.to_le_bytes());
-    expect_goaway(&t, &bad_version, "version");
+    expect_goaway(&t, &bad_version, Status::VersionMismatch, "version");
     n.check();
 
-    // Lengths that cannot be: a payload far over the negotiated caravan bytes.
+    // Lengths that cannot be: a payload far over the negotiated caravan bytes, refused from
+    // the header alone (no body follows).
     let huge = Header { kind: FrameKind::Requests, desc_count: 1, payload_len: 1 << 30 }.to_bytes();
-    expect_goaway(&t, &huge, "exceeds");
+    expect_goaway(&t, &huge, Status::TooLarge, "caravan payload bytes");
     n.check();
 
     // More descriptors than the negotiated caravan_reqs_max (8).
     let nine: Vec<Request> = (0..9).map(|i| req(Opcode::Read, i, 0, 0, 512)).collect();
-    expect_goaway(&t, &caravan(&nine, &[]), "descriptors per caravan");
+    expect_goaway(&t, &caravan(&nine, &[]), Status::TooLarge, "descriptors per caravan");
     n.check();
 
     // Payload section that does not match the descriptors.
     let mut mismatch = caravan(&[req(Opcode::Write, 1, 0, 0, 512)], &[0; 512]);
     mismatch.extend_from_slice(&[0; 8]);
     Header { kind: FrameKind::Requests, desc_count: 1, payload_len: 520 }.emit(&mut mismatch);
-    expect_goaway(&t, &mismatch, "does not match");
+    expect_goaway(&t, &mismatch, Status::Invalid, "does not match");
     n.check();
 
     // A frame only a target sends.
     expect_goaway(
         &t,
         &Header { kind: FrameKind::Completions, desc_count: 0, payload_len: 0 }.to_bytes(),
+        Status::Invalid,
         "Completions",
     );
     n.check();

@@ -1,18 +1,24 @@
 //! Target-side execution: the export table, request validation, and request → backend →
 //! status.
 //!
-//! The engine is shared by every front end (the native protocol today, NBD next): a front end
+//! The engine is shared by every front end ([`front::native`], [`front::nbd`]): a front end
 //! parses its own wire format, resolves the export, and calls [`validate`] and [`execute`],
 //! which know nothing of sockets or framing. All refusals and backend errors become a
 //! [`wire::Status`] here and only here ([`status_of`]); a front end maps statuses to its own
-//! error codes.
+//! error codes. The front ends write their replies into a [`front::Sink`] and never touch a
+//! socket: the server's workers drive them over TCP, the simulator over an in-memory pipe.
+//!
+//! The target reaches its backends only through this crate: [`Export::open`] opens one from
+//! its [`BackendSpec`].
 #![forbid(unsafe_code)]
 
+pub mod front;
 pub mod stats;
 
 use std::sync::Arc;
 
-use backend::{Backend, BackendError, RegionBytes};
+use backend::Backend;
+pub use backend::{BackendCounters, BackendError, BackendSpec, RegionBytes};
 use wire::control::{ExportFlags, ExportInfo};
 use wire::{Opcode, ReqFlags, Status};
 
@@ -38,6 +44,12 @@ impl std::fmt::Debug for Export {
 }
 
 impl Export {
+    /// Open the backend `spec` describes as export `name`.
+    pub fn open(name: &str, spec: &BackendSpec, read_only: bool) -> Result<Export, BackendError> {
+        let backend = backend::open(spec, read_only)?;
+        Ok(Export { name: name.to_owned(), backend, read_only })
+    }
+
     pub fn is_read_only(&self) -> bool {
         self.read_only || self.backend.is_read_only()
     }

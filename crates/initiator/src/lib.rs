@@ -16,7 +16,6 @@
 
 mod conn;
 mod lane;
-mod placement;
 mod queue;
 mod shared;
 
@@ -60,10 +59,11 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl From<proto::ProtoError> for Error {
-    /// A refusal is the target's answer, not a broken protocol: it keeps its status.
+    /// A refusal or a GOAWAY is the target's answer, not a broken protocol: it keeps its status.
     fn from(e: proto::ProtoError) -> Error {
         match e {
             proto::ProtoError::Refused(status) => Error::Refused(status),
+            proto::ProtoError::GoAway { status, message } => Error::GoAway { status, message },
             other => Error::Protocol(other),
         }
     }

@@ -7,12 +7,14 @@
 //! - [`server::ServerSession`]: one target connection: handshake, frame admission against the
 //!   negotiated limits, the table of opened export handles.
 //! - [`client::ClientHandshake`]: the initiator's side of the handshake.
+//! - [`client::ClientSession`]: one lane on the initiator: slots, the outbox of caravans, the
+//!   doorbell and batch controller, completion matching and its checks, direct placement,
+//!   failing everything when the connection dies.
 //! - [`slots::SlotTable`]: tags for in-flight requests, with generations that catch stale or
 //!   forged completions.
 //! - [`batch::BatchController`]: the Tyche adaptive batch level, extended to set the doorbell
 //!   delay.
-//! - [`caravan::CaravanBuilder`] and [`caravan::Doorbell`]: building request caravans and deciding
-//!   when to send them.
+//! - [`caravan::Doorbell`]: deciding when to send the open caravan.
 #![forbid(unsafe_code)]
 
 pub mod batch;
@@ -30,8 +32,24 @@ pub enum ProtoError {
     Unexpected(wire::FrameKind, &'static str),
     #[error("handshake refused: {0}")]
     Refused(wire::Status),
-    #[error("completion for tag {0:#x}, which is not in flight")]
+    #[error("completion for tag {0:#x}, which is not in flight (or not yet sent)")]
     UnknownTag(u32),
     #[error("completion for tag {tag:#x} carries {got} bytes of data, expected {want}")]
     DataLength { tag: u32, got: u32, want: u32 },
+    /// The peer closed the connection with GOAWAY.
+    #[error("peer closed the connection: {status}: {message}")]
+    GoAway { status: wire::Status, message: String },
+}
+
+impl ProtoError {
+    /// The status a GOAWAY carries for this error (docs/PROTOCOL.md, section 10.2): a bad
+    /// version is `VersionMismatch`, an exceeded limit `TooLarge`, anything else `Invalid`.
+    /// The one mapping from protocol errors to wire statuses.
+    pub fn goaway_status(&self) -> wire::Status {
+        match self {
+            ProtoError::Wire(wire::WireError::BadVersion(_)) => wire::Status::VersionMismatch,
+            ProtoError::Wire(wire::WireError::Limit { .. }) => wire::Status::TooLarge,
+            _ => wire::Status::Invalid,
+        }
+    }
 }

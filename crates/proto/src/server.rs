@@ -1,11 +1,20 @@
 //! The target's view of one connection.
 //!
-//! [`ServerSession`] checks that the peer follows the protocol (HELLO first and once, only
-//! initiator-to-target frame kinds, caravans within the negotiated limits) and keeps the table
-//! of export handles this connection opened. It does not execute anything: it classifies each
-//! frame into an [`Inbound`] for the driver to act on.
+//! [`ServerSession`] checks that the peer follows the protocol and keeps the table of export
+//! handles this connection opened. It does not execute anything: [`admit`] judges each frame
+//! from its header alone, as soon as the header has arrived and before any byte of the body is
+//! waited for, and [`handle_frame`] classifies the whole frame into an [`Inbound`] for the
+//! driver to act on.
+//!
+//! The order of checks on a frame (docs/PROTOCOL.md, section 10.2): the header itself
+//! ([`wire::Header::parse`]); then state and direction (HELLO first and once, only kinds an
+//! initiator sends); then the limits the header can be held to (descriptors and payload bytes
+//! of a caravan against the negotiated limits, a control body against 64 KiB); then the body.
+//!
+//! [`admit`]: ServerSession::admit
+//! [`handle_frame`]: ServerSession::handle_frame
 
-use wire::control::{Hello, HelloReply, Limits, Open};
+use wire::control::{Hello, HelloReply, Limits, Open, CONTROL_BODY_MAX};
 use wire::{caravan::RequestCaravan, FrameKind, Header, Status, WireError, VERSION};
 
 use crate::ProtoError;
@@ -30,6 +39,8 @@ pub enum Inbound<'a> {
     List,
     Stats,
     Requests(RequestCaravan<'a>),
+    /// The initiator is closing the connection (status `Ok` for a clean close).
+    GoAway(wire::GoAway),
 }
 
 /// One connection's protocol state on the target.
@@ -58,33 +69,39 @@ impl ServerSession {
         &self.limits
     }
 
-    /// Largest frame the peer may send now. Before HELLO only a small control frame is legal.
-    pub fn frame_bytes_max(&self) -> usize {
-        match self.state {
-            State::AwaitHello => wire::HEADER_LEN + wire::control::CONTROL_BODY_MAX,
-            State::Ready => self.limits.frame_bytes_max(),
+    /// Judge a frame from its header alone, before its body is read: is this kind allowed now
+    /// from an initiator, and is it within the limits? An error means the connection must
+    /// close (with the GOAWAY status [`ProtoError::goaway_status`] gives).
+    pub fn admit(&self, header: &Header) -> Result<(), ProtoError> {
+        use FrameKind::*;
+        match (self.state, header.kind) {
+            (State::AwaitHello, Hello) => {}
+            (State::AwaitHello, kind) => return Err(ProtoError::Unexpected(kind, "before HELLO")),
+            (State::Ready, Hello) => return Err(ProtoError::Unexpected(Hello, "twice")),
+            (State::Ready, Open | List | Stats | GoAway | Requests) => {}
+            (State::Ready, kind) => return Err(ProtoError::Unexpected(kind, "from an initiator")),
+        }
+        if header.kind.is_caravan() {
+            let l = &self.limits;
+            check_limit("descriptors per caravan", header.desc_count.into(), l.caravan_reqs_max.into())?;
+            check_limit("caravan payload bytes", header.payload_len.into(), l.caravan_bytes_max.into())
+        } else {
+            check_limit("control body bytes", header.payload_len.into(), CONTROL_BODY_MAX as u64)
         }
     }
 
-    /// Classify one complete frame. An error means the connection must close.
+    /// Classify one complete frame that [`admit`](Self::admit) let through. An error means the
+    /// connection must close.
     pub fn handle_frame<'a>(&mut self, header: &Header, body: &'a [u8]) -> Result<Inbound<'a>, ProtoError> {
-        if !header.kind.is_caravan() && body.len() > wire::control::CONTROL_BODY_MAX {
-            return Err(WireError::Limit {
-                what: "control body bytes",
-                value: body.len() as u64,
-                limit: wire::control::CONTROL_BODY_MAX as u64,
-            }
-            .into());
-        }
-        match (self.state, header.kind) {
-            (State::AwaitHello, FrameKind::Hello) => self.handle_hello(body),
-            (State::AwaitHello, kind) => Err(ProtoError::Unexpected(kind, "before HELLO")),
-            (State::Ready, FrameKind::Hello) => Err(ProtoError::Unexpected(FrameKind::Hello, "twice")),
-            (State::Ready, FrameKind::Open) => Ok(Inbound::Open(Open::decode(body)?)),
-            (State::Ready, FrameKind::List) => empty(body, "LIST").map(|_| Inbound::List),
-            (State::Ready, FrameKind::Stats) => empty(body, "STATS").map(|_| Inbound::Stats),
-            (State::Ready, FrameKind::Requests) => self.admit_caravan(header, body),
-            (State::Ready, kind) => Err(ProtoError::Unexpected(kind, "from an initiator")),
+        self.admit(header)?;
+        match header.kind {
+            FrameKind::Hello => self.handle_hello(body),
+            FrameKind::Open => Ok(Inbound::Open(Open::decode(body)?)),
+            FrameKind::List => empty(body, "LIST").map(|_| Inbound::List),
+            FrameKind::Stats => empty(body, "STATS").map(|_| Inbound::Stats),
+            FrameKind::GoAway => Ok(Inbound::GoAway(wire::GoAway::decode(body)?)),
+            FrameKind::Requests => Ok(Inbound::Requests(RequestCaravan::parse(header, body)?)),
+            kind => Err(ProtoError::Unexpected(kind, "from an initiator")),
         }
     }
 
@@ -105,13 +122,6 @@ impl ServerSession {
         // Version 1 defines no feature bits, so the agreed set is empty whatever was asked.
         let reply = HelloReply { status: Status::Ok, version: VERSION, features: 0, limits: self.limits };
         Ok(Inbound::Hello { reply })
-    }
-
-    fn admit_caravan<'a>(&self, header: &Header, body: &'a [u8]) -> Result<Inbound<'a>, ProtoError> {
-        let l = &self.limits;
-        check_limit("descriptors per caravan", header.desc_count.into(), l.caravan_reqs_max.into())?;
-        check_limit("caravan payload bytes", header.payload_len.into(), l.caravan_bytes_max.into())?;
-        Ok(Inbound::Requests(RequestCaravan::parse(header, body)?))
     }
 
     /// Record that this connection opened export `export_index`; returns its handle, or

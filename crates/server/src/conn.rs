@@ -1,18 +1,18 @@
-//! One connection on a worker: receive frames, execute caravans, queue responses.
+//! One connection on a worker: the driver of a front end (`engine::front`) over a socket.
 //!
-//! Write payloads are used in place in the receive buffer; read data of RAM exports is sent from
-//! the volume's memory by address ([`TxBuf`]), other backends read it straight into the
-//! response buffer. Completions of one request caravan
-//! form one response caravan (split only if its read data would exceed the negotiated caravan
-//! bytes). A protocol violation queues a GOAWAY naming the reason; the connection is closed
-//! once that is sent, and no other connection notices.
+//! The worker reads what arrived into the connection's frame buffer and lets the front end
+//! (native or NBD) execute it; the front end appends every reply to the connection's
+//! [`TxBuf`], which the worker sends at the end of the loop pass. Read data of RAM exports goes
+//! out by address, straight from the volume's memory; other backends read it into the buffer.
+//! A connection the front end closes (a protocol error, a GOAWAY, an NBD disconnect) is
+//! dropped once its queued bytes are sent, and no other connection notices.
 
 use std::io::{self, IoSlice};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use backend::RegionBytes;
-use engine::{Export, Io};
+use engine::front::{nbd::NbdConn, Link, Sink};
+use engine::{Export, Io, RegionBytes};
 use proto::server::ServerSession;
 use transport::{FrameBuffer, FrameIo, Stream};
 use wire::Status;
@@ -231,6 +231,36 @@ impl TxBuf {
     }
 }
 
+impl Sink for TxBuf {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn append(&mut self, bytes: &[u8]) {
+        TxBuf::append(self, bytes);
+    }
+
+    fn reserve(&mut self, len: usize) -> Range<usize> {
+        TxBuf::reserve(self, len)
+    }
+
+    fn bytes_mut(&mut self, range: Range<usize>) -> &mut [u8] {
+        &mut self.buf[range]
+    }
+
+    fn remove(&mut self, gap: Range<usize>) {
+        TxBuf::remove(self, gap);
+    }
+
+    fn truncate(&mut self, len: usize) {
+        TxBuf::truncate(self, len);
+    }
+
+    fn append_read(&mut self, export: &Export, io: &Io) -> Status {
+        TxBuf::append_read(self, export, io)
+    }
+}
+
 pub(crate) struct Conn {
     pub stream: Stream,
     pub peer: String,
@@ -251,7 +281,7 @@ pub enum Protocol {
 
 enum Kind {
     Native(ServerSession),
-    Nbd(Box<crate::nbd::NbdConn>),
+    Nbd(Box<NbdConn>),
 }
 
 /// What reading left the connection as.
@@ -275,7 +305,7 @@ impl Conn {
         let kind = match (protocol, &shared.nbd) {
             (Protocol::Nbd, Some(config)) => {
                 let mut greeting = Vec::new();
-                let conn = crate::nbd::NbdConn::new(config.clone(), &mut greeting);
+                let conn = NbdConn::new(config.clone(), &mut greeting);
                 tx.append(&greeting);
                 Kind::Nbd(Box::new(conn))
             }
@@ -339,29 +369,11 @@ impl Conn {
 
     fn process(&mut self, shared: &Shared, stats: &WorkerStats) {
         let Conn { rx, tx, closing, peer, kind, .. } = self;
-        let mut link = Link { rx, tx, closing, peer, stats };
+        let mut link = Link { rx, tx, closing, peer, stats: &stats.front };
         match kind {
-            Kind::Native(session) => crate::native::process(session, &mut link, shared),
+            Kind::Native(session) => engine::front::native::process(session, &mut link, shared),
             Kind::Nbd(conn) => conn.process(&mut link, shared),
         }
-    }
-}
-
-/// What a protocol handler may touch on its connection.
-pub(crate) struct Link<'a> {
-    pub rx: &'a mut FrameBuffer,
-    pub tx: &'a mut TxBuf,
-    pub closing: &'a mut bool,
-    pub peer: &'a str,
-    pub stats: &'a WorkerStats,
-}
-
-impl Link<'_> {
-    /// The peer broke the protocol: log why, count it, and close once queued bytes are sent.
-    pub fn protocol_error(&mut self, reason: &str) {
-        tracing::warn!(peer = %self.peer, reason, "closing connection: protocol error");
-        bump(&self.stats.connections_closed_protocol_error, 1);
-        *self.closing = true;
     }
 }
 
@@ -371,10 +383,8 @@ fn nanos(d: Duration) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
 
-    use backend::ram::RamBackend;
-    use backend::Backend;
+    use engine::BackendSpec;
     use wire::{Opcode, ReqFlags};
 
     use super::*;
@@ -406,10 +416,10 @@ mod tests {
     }
 
     fn ram_export(bytes: usize) -> Export {
-        let ram = RamBackend::new(bytes as u64, false).unwrap();
+        let export = Export::open("ram", &BackendSpec::Ram { size_bytes: bytes as u64 }, false).unwrap();
         let pattern: Vec<u8> = (0..bytes).map(|i| (i * 7 + i / 251) as u8).collect();
-        ram.write_at(&pattern, 0, false).unwrap();
-        Export { name: "ram".into(), backend: Arc::new(ram), read_only: false }
+        export.backend.write_at(&pattern, 0, false).unwrap();
+        export
     }
 
     fn read(offset: u64, length: u32) -> Io {

@@ -9,8 +9,6 @@
 
 mod acceptor;
 mod conn;
-mod native;
-mod nbd;
 pub mod stats;
 mod worker;
 
@@ -19,8 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use backend::BackendSpec;
-use engine::{Export, ExportTable};
+use engine::{BackendSpec, Export, ExportTable};
 use transport::{Endpoint, Listener};
 use wire::Limits;
 
@@ -103,7 +100,7 @@ pub enum TargetError {
     #[error("export name {0:?} given twice")]
     DuplicateExport(String),
     #[error("export {name:?}: {source}")]
-    Backend { name: String, source: backend::BackendError },
+    Backend { name: String, source: engine::BackendError },
     #[error("listen on {endpoint}: {source}")]
     Listen { endpoint: Endpoint, source: io::Error },
     #[error("start worker: {0}")]
@@ -121,6 +118,20 @@ pub(crate) struct Shared {
     pub connections: std::sync::atomic::AtomicUsize,
     /// Thread ids of the acceptor, for CPU accounting beside the workers'.
     pub acceptor_tid: std::sync::atomic::AtomicI32,
+}
+
+impl engine::front::Host for Shared {
+    fn exports(&self) -> &ExportTable {
+        &self.exports
+    }
+
+    fn io_bytes_max(&self) -> u32 {
+        self.config.limits.io_bytes_max
+    }
+
+    fn stats_reply(&self) -> wire::StatsReply {
+        stats::collect(self)
+    }
 }
 
 /// A running target. Dropping it shuts the target down and waits for its threads.
@@ -154,7 +165,8 @@ impl Target {
         let nbd = if config.nbd_listen.is_empty() {
             None
         } else {
-            let c = nbd::handshake_config(&exports, config.limits.io_bytes_max).map_err(TargetError::Nbd)?;
+            let c = engine::front::nbd::handshake_config(&exports, config.limits.io_bytes_max)
+                .map_err(TargetError::Nbd)?;
             Some(Arc::new(c))
         };
         let shared = Arc::new(Shared {
@@ -247,9 +259,9 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
             return Err(TargetError::DuplicateExport(ec.name.clone()));
         }
         let read_only = config.read_only || ec.read_only;
-        let backend = backend::open(&ec.spec, read_only)
+        let export = Export::open(&ec.name, &ec.spec, read_only)
             .map_err(|source| TargetError::Backend { name: ec.name.clone(), source })?;
-        exports.push(Export { name: ec.name.clone(), backend, read_only });
+        exports.push(export);
     }
     Ok(ExportTable::new(exports))
 }

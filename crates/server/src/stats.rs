@@ -23,22 +23,16 @@
 
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 
-use engine::OpCounters;
+use engine::front::{FrontStats, CARAVAN_BUCKETS};
 use wire::{Opcode, StatsReply};
 
 use crate::Shared;
 
-/// Upper bounds of the caravan-size histogram buckets; the last bucket is unbounded.
-pub const CARAVAN_BUCKETS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
-
 #[derive(Debug, Default)]
 #[repr(align(64))]
 pub struct WorkerStats {
-    pub ops: OpCounters,
-    pub caravans_received: AtomicU64,
-    pub caravans_sent: AtomicU64,
-    pub caravan_reqs_total: AtomicU64,
-    pub caravan_hist: [AtomicU64; CARAVAN_BUCKETS.len() + 1],
+    /// What the front ends count: requests, caravans, protocol errors.
+    pub front: FrontStats,
     pub rx_bytes: AtomicU64,
     pub tx_bytes: AtomicU64,
     pub loop_passes: AtomicU64,
@@ -48,20 +42,10 @@ pub struct WorkerStats {
     pub stage_exec_ns: AtomicU64,
     pub stage_send_ns: AtomicU64,
     pub connections_accepted: AtomicU64,
-    pub connections_closed_protocol_error: AtomicU64,
     pub tid: AtomicI32,
 }
 
 pub(crate) use engine::stats::bump;
-
-impl WorkerStats {
-    pub(crate) fn record_caravan(&self, reqs: usize) {
-        bump(&self.caravans_received, 1);
-        bump(&self.caravan_reqs_total, reqs as u64);
-        let bucket = CARAVAN_BUCKETS.iter().position(|&b| reqs as u32 <= b).unwrap_or(CARAVAN_BUCKETS.len());
-        bump(&self.caravan_hist[bucket], 1);
-    }
-}
 
 /// Picks one counter out of a worker's stats.
 type Field = fn(&WorkerStats) -> &AtomicU64;
@@ -70,14 +54,14 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
     let mut e: Vec<(String, u64)> = Vec::with_capacity(64);
     let sum = |f: &dyn Fn(&WorkerStats) -> u64| shared.workers.iter().map(|w| f(w)).sum::<u64>();
     for op in Opcode::ALL {
-        e.push((format!("req_{}", op.name()), sum(&|w| w.ops.reqs(op))));
-        e.push((format!("bytes_{}", op.name()), sum(&|w| w.ops.bytes(op))));
+        e.push((format!("req_{}", op.name()), sum(&|w| w.front.ops.reqs(op))));
+        e.push((format!("bytes_{}", op.name()), sum(&|w| w.front.ops.bytes(op))));
     }
-    e.push(("req_errors".into(), sum(&|w| w.ops.errors())));
+    e.push(("req_errors".into(), sum(&|w| w.front.ops.errors())));
     let named: [(&str, Field); 11] = [
-        ("caravans_received", |w| &w.caravans_received),
-        ("caravans_sent", |w| &w.caravans_sent),
-        ("caravan_reqs_total", |w| &w.caravan_reqs_total),
+        ("caravans_received", |w| &w.front.caravans_received),
+        ("caravans_sent", |w| &w.front.caravans_sent),
+        ("caravan_reqs_total", |w| &w.front.caravan_reqs_total),
         ("rx_bytes", |w| &w.rx_bytes),
         ("tx_bytes", |w| &w.tx_bytes),
         ("loop_passes", |w| &w.loop_passes),
@@ -85,13 +69,13 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         ("stage_exec_ns", |w| &w.stage_exec_ns),
         ("stage_send_ns", |w| &w.stage_send_ns),
         ("connections_accepted", |w| &w.connections_accepted),
-        ("connections_closed_protocol_error", |w| &w.connections_closed_protocol_error),
+        ("connections_closed_protocol_error", |w| &w.front.connections_closed_protocol_error),
     ];
     for (name, field) in named {
         e.push((name.into(), sum(&|w| field(w).load(Relaxed))));
     }
     for (i, bound) in CARAVAN_BUCKETS.iter().map(|b| b.to_string()).chain(["inf".to_string()]).enumerate() {
-        e.push((format!("caravan_reqs_le_{bound}"), sum(&|w| w.caravan_hist[i].load(Relaxed))));
+        e.push((format!("caravan_reqs_le_{bound}"), sum(&|w| w.front.caravan_hist[i].load(Relaxed))));
     }
     e.push(("connections_open".into(), shared.connections.load(Relaxed) as u64));
 
@@ -109,7 +93,7 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
     e.push(("ctx_switches_involuntary".into(), usage.ctx_involuntary));
     e.push(("workers".into(), shared.workers.len() as u64));
 
-    let mut backend = backend::BackendCounters::default();
+    let mut backend = engine::BackendCounters::default();
     let mut exports = 0;
     for x in shared.exports.iter() {
         let c = x.backend.counters();

@@ -9,12 +9,11 @@
 //! buffer, and everything above stays unchanged.
 
 pub mod endpoint;
-pub mod framing;
 pub mod stream;
 
 pub use endpoint::Endpoint;
-pub use framing::{FrameBuffer, FrameError, FrameRef};
 pub use stream::{wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
+pub use wire::{FrameBuffer, FrameRef};
 
 use std::io::{self, IoSlice};
 

@@ -7,13 +7,15 @@
 //! handshake, export listing, stats) carry a small hand-encoded body. `docs/PROTOCOL.md`
 //! describes every byte.
 //!
-//! This crate does no I/O, reads no clock and allocates only for control bodies. Parsing turns
+//! This crate does no I/O, reads no clock and allocates only for control bodies and a
+//! connection's receive buffer ([`framing::FrameBuffer`]). Parsing turns
 //! untrusted bytes into validated types once, at the boundary; the layers above never look at
 //! raw bytes again.
 #![forbid(unsafe_code)]
 
 pub mod caravan;
 pub mod control;
+pub mod framing;
 pub mod header;
 pub mod status;
 
@@ -22,6 +24,7 @@ pub use caravan::{
     REQUEST_DESC_LEN,
 };
 pub use control::{ExportFlags, ExportInfo, GoAway, Hello, HelloReply, Limits, Open, OpenReply, StatsReply};
+pub use framing::{FrameBuffer, FrameRef};
 pub use header::{FrameHeader, FrameKind, Header, HEADER_LEN, MAGIC, VERSION};
 pub use status::Status;
 

@@ -3,7 +3,7 @@
 //!
 //! Negotiation runs through [`nbd::Handshake`]; transmission parses request headers in place,
 //! checks them against the negotiated session ([`nbd::check_request`]) and the export (the
-//! engine's [`engine::validate`]), executes them, and appends replies to the connection's
+//! engine's [`crate::validate`]), executes them, and appends replies to the connection's
 //! response buffer, which the worker sends at the end of its loop pass: many replies, one send.
 //! Read data of RAM exports is sent from the volume's memory by address, and other backends
 //! read it straight into that buffer. A refused WRITE's payload is
@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use engine::{Export, Io};
+use crate::{Export, ExportTable, Io};
 use nbd::handshake::BASE_ALLOCATION_ID;
 use nbd::transmission::{
     chunk_block_status, chunk_offset_data_header, error_reply, simple_reply, EINVAL, STATE_HOLE, STATE_ZERO,
@@ -24,16 +24,15 @@ use nbd::transmission::{
 use nbd::{Cmd, CmdFlags, Handshake, Request, Session, Step};
 use wire::{Opcode, ReqFlags, Status};
 
-use crate::conn::Link;
-use crate::Shared;
+use super::{Host, Link, Sink};
 
 /// Most extents one BLOCK_STATUS reply describes; the client asks again for the rest.
 const EXTENTS_PER_REPLY_MAX: usize = 1024;
 
 /// The NBD description of the target's exports, built once at start-up. The first export is
 /// also served for the empty name.
-pub(crate) fn handshake_config(
-    shared_exports: &engine::ExportTable,
+pub fn handshake_config(
+    shared_exports: &ExportTable,
     io_bytes_max: u32,
 ) -> Result<nbd::HandshakeConfig, nbd::NbdError> {
     let descs = shared_exports
@@ -69,7 +68,7 @@ enum State {
     Transmitting { session: Session, export: u32 },
 }
 
-pub(crate) struct NbdConn {
+pub struct NbdConn {
     state: State,
     /// Payload bytes of a refused WRITE still to skip.
     drain_bytes: u64,
@@ -86,11 +85,11 @@ impl NbdConn {
     }
 
     /// Handle everything complete in the receive buffer.
-    pub fn process(&mut self, link: &mut Link<'_>, shared: &Shared) {
+    pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
         while !*link.closing {
             let progressed = match &mut self.state {
                 State::Negotiating(_) => self.negotiate(link),
-                State::Transmitting { .. } => self.transmit(link, shared),
+                State::Transmitting { .. } => self.transmit(link, host),
             };
             if !progressed {
                 return;
@@ -99,7 +98,7 @@ impl NbdConn {
     }
 
     /// One handshake step. Returns whether anything was consumed.
-    fn negotiate(&mut self, link: &mut Link<'_>) -> bool {
+    fn negotiate<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>) -> bool {
         let State::Negotiating(hs) = &mut self.state else { return false };
         self.scratch.clear();
         let step = hs.handle(link.rx.unconsumed(), &mut self.scratch);
@@ -129,7 +128,7 @@ impl NbdConn {
     }
 
     /// One request (or a piece of a refused write's payload). Returns whether it progressed.
-    fn transmit(&mut self, link: &mut Link<'_>, shared: &Shared) -> bool {
+    fn transmit<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) -> bool {
         if self.drain_bytes > 0 {
             let n = self.drain_bytes.min(link.rx.pending() as u64);
             link.rx.consume(n as usize);
@@ -146,11 +145,11 @@ impl NbdConn {
                 return false;
             }
         };
-        let Some(export) = shared.exports.get(export) else {
+        let Some(export) = host.exports().get(export) else {
             link.protocol_error("NBD export vanished");
             return false;
         };
-        let io_bytes_max = shared.config.limits.io_bytes_max;
+        let io_bytes_max = host.io_bytes_max();
         let verdict = nbd::check_request(&req, &session)
             .map_err(Refusal::Errno)
             .and_then(|()| validate(export, &req, io_bytes_max));
@@ -176,14 +175,20 @@ impl NbdConn {
         true
     }
 
-    fn execute(&mut self, link: &mut Link<'_>, session: &Session, export: &Export, req: &Request) {
+    fn execute<S: Sink + ?Sized>(
+        &mut self,
+        link: &mut Link<'_, S>,
+        session: &Session,
+        export: &Export,
+        req: &Request,
+    ) {
         match req.cmd {
             Cmd::Read => self.read(link, session, export, req),
             Cmd::Write => {
                 let len = req.length as usize;
                 let status = {
                     let payload = &link.rx.unconsumed()[..len];
-                    engine::execute(export, &io_of(req, Opcode::Write), payload, &mut [])
+                    crate::execute(export, &io_of(req, Opcode::Write), payload, &mut [])
                 };
                 link.rx.consume(len);
                 self.finish(link, session, req, Opcode::Write, status);
@@ -202,8 +207,14 @@ impl NbdConn {
         }
     }
 
-    fn read(&mut self, link: &mut Link<'_>, session: &Session, export: &Export, req: &Request) {
-        let start = link.tx.len;
+    fn read<S: Sink + ?Sized>(
+        &mut self,
+        link: &mut Link<'_, S>,
+        session: &Session,
+        export: &Export,
+        req: &Request,
+    ) {
+        let start = link.tx.len();
         self.scratch.clear();
         if session.structured_replies {
             chunk_offset_data_header(&mut self.scratch, req.cookie, true, req.offset, req.length);
@@ -222,21 +233,41 @@ impl NbdConn {
     }
 
     /// Commands whose whole answer is a status.
-    fn simple(&mut self, link: &mut Link<'_>, session: &Session, export: &Export, req: &Request, op: Opcode) {
-        let status = engine::execute(export, &io_of(req, op), &[], &mut []);
+    fn simple<S: Sink + ?Sized>(
+        &mut self,
+        link: &mut Link<'_, S>,
+        session: &Session,
+        export: &Export,
+        req: &Request,
+        op: Opcode,
+    ) {
+        let status = crate::execute(export, &io_of(req, op), &[], &mut []);
         self.finish(link, session, req, op, status);
     }
 
-    fn finish(&mut self, link: &mut Link<'_>, session: &Session, req: &Request, op: Opcode, status: Status) {
+    fn finish<S: Sink + ?Sized>(
+        &mut self,
+        link: &mut Link<'_, S>,
+        session: &Session,
+        req: &Request,
+        op: Opcode,
+        status: Status,
+    ) {
         link.stats.ops.record(op, req.length, status);
         let errno = if status.is_ok() { 0 } else { nbd::error_of(status, req.cmd, req.flags) };
         self.reply_status(link, session, req, errno);
     }
 
-    fn block_status(&mut self, link: &mut Link<'_>, session: &Session, export: &Export, req: &Request) {
+    fn block_status<S: Sink + ?Sized>(
+        &mut self,
+        link: &mut Link<'_, S>,
+        session: &Session,
+        export: &Export,
+        req: &Request,
+    ) {
         let mut extents = Vec::new();
         if let Err(e) = export.backend.extents(req.offset, req.length.into(), &mut extents) {
-            let status = engine::status_of(&e);
+            let status = crate::status_of(&e);
             return self.reply_error(
                 link,
                 session,
@@ -261,7 +292,13 @@ impl NbdConn {
         link.tx.append(&self.scratch);
     }
 
-    fn refuse(&mut self, link: &mut Link<'_>, session: &Session, req: &Request, refusal: Refusal) {
+    fn refuse<S: Sink + ?Sized>(
+        &mut self,
+        link: &mut Link<'_, S>,
+        session: &Session,
+        req: &Request,
+        refusal: Refusal,
+    ) {
         link.stats.ops.record_refused();
         let errno = match refusal {
             Refusal::Errno(e) => e,
@@ -275,7 +312,13 @@ impl NbdConn {
     }
 
     /// A status reply: simple for everything but READ and BLOCK_STATUS in structured mode.
-    fn reply_status(&mut self, link: &mut Link<'_>, session: &Session, req: &Request, errno: u32) {
+    fn reply_status<S: Sink + ?Sized>(
+        &mut self,
+        link: &mut Link<'_, S>,
+        session: &Session,
+        req: &Request,
+        errno: u32,
+    ) {
         if errno != 0 {
             return self.reply_error(link, session, req, errno, "request failed");
         }
@@ -284,9 +327,9 @@ impl NbdConn {
         link.tx.append(&self.scratch);
     }
 
-    fn reply_error(
+    fn reply_error<S: Sink + ?Sized>(
         &mut self,
-        link: &mut Link<'_>,
+        link: &mut Link<'_, S>,
         session: &Session,
         req: &Request,
         errno: u32,
@@ -331,7 +374,7 @@ fn validate(export: &Export, req: &Request, io_bytes_max: u32) -> Result<(), Ref
         }
         Cmd::Disc | Cmd::Unknown(_) => return Ok(()),
     };
-    engine::validate(export, &io_of(req, opcode), io_bytes_max).map_err(Refusal::Status)?;
+    crate::validate(export, &io_of(req, opcode), io_bytes_max).map_err(Refusal::Status)?;
     if req.flags.contains(CmdFlags::FAST_ZERO) && !export.backend.capabilities().fast_zero {
         return Err(Refusal::Status(Status::Unsupported));
     }

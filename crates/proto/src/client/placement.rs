@@ -5,25 +5,26 @@
 //! buffer each following byte belongs in. A [`Placement`] holds such a frame's requests, taken
 //! out of the slot table, and hands out the unfilled parts of their buffers as the leading
 //! elements of the next vectored receive; the frame buffer comes last and takes whatever
-//! follows (the next frame's header). Data that arrived together with the descriptors is copied
-//! once from the frame buffer, which is all the copying direct placement leaves.
+//! follows (the next frame's header). Data that reached the frame buffer anyway (it came with
+//! the descriptors, or while the driver was busy sending) is copied once from there, which is
+//! all the copying direct placement leaves.
 
 use std::io::IoSliceMut;
 
 use wire::Completion;
 
-use crate::lane::{IoBuf, Pending};
+use super::session::{IoBuf, Pending};
 
 /// One request of the frame being placed, with the completion the target sent for it.
 #[derive(Debug)]
-pub(crate) struct Placed<B> {
+pub(super) struct Placed<B> {
     pub pending: Pending<B>,
     pub completion: Completion,
 }
 
 /// The frame whose read data is arriving; empty when there is none.
 #[derive(Debug)]
-pub(crate) struct Placement<B> {
+pub(super) struct Placement<B> {
     entries: Vec<Placed<B>>,
     /// Entry whose data arrives next, and how much of it is in place.
     at: usize,
@@ -51,17 +52,23 @@ impl<B: IoBuf> Placement<B> {
     }
 
     /// Start placing a frame whose requests are `entries`, in descriptor order, with
-    /// `payload_len` bytes of read data of which `arrived` came with the descriptors. Every
-    /// entry with data has a buffer of exactly its `data_len` (the lane checked).
-    pub fn begin(&mut self, entries: impl Iterator<Item = Placed<B>>, payload_len: usize, arrived: &[u8]) {
-        debug_assert!(!self.is_active() && arrived.len() < payload_len);
+    /// `payload_len` bytes of read data still to come. Every entry with data has a buffer of
+    /// exactly its `data_len` (the session checked).
+    pub fn begin(&mut self, entries: impl Iterator<Item = Placed<B>>, payload_len: usize) {
+        debug_assert!(!self.is_active());
         self.entries.extend(entries);
         self.at = 0;
         self.filled = 0;
         self.left = payload_len;
         self.skip_empty();
-        self.copied_bytes += arrived.len() as u64;
-        let mut rest = arrived;
+    }
+
+    /// Copy the frame's data that arrived in the frame buffer (`bytes`, of which only the first
+    /// part may be this frame's) into place. Returns how many bytes it took.
+    pub fn absorb(&mut self, bytes: &[u8]) -> usize {
+        let mut rest = &bytes[..bytes.len().min(self.left)];
+        let taken = rest.len();
+        self.copied_bytes += taken as u64;
         while !rest.is_empty() {
             let dest = self.dest();
             let n = dest.len().min(rest.len());
@@ -69,6 +76,7 @@ impl<B: IoBuf> Placement<B> {
             rest = &rest[n..];
             self.advance(n);
         }
+        taken
     }
 
     /// Fill `iov` with the unfilled parts of the buffers, in order. Returns how many it used

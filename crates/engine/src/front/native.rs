@@ -1,34 +1,36 @@
 //! The native skiff protocol on one connection: handshake and control frames through
 //! [`ServerSession`], caravans executed in place.
 //!
-//! Write payloads are used where they lie in the receive buffer; read data of RAM exports is
-//! sent straight from the volume's memory, and other backends read it into the response
-//! buffer, where it is sent from. The completions of one
-//! request caravan form one response caravan (split only if its read data would exceed the
-//! negotiated caravan bytes). A protocol violation queues a GOAWAY naming the reason, and the
-//! connection closes once that is sent.
+//! Every frame is judged from its header alone (state, direction, negotiated limits) before its
+//! body is waited for. Write payloads are used where they lie in the receive buffer; read data
+//! goes to the sink (which may send RAM data straight from the volume's memory). The
+//! completions of one request caravan form one response caravan, split only if its read data
+//! would exceed the negotiated caravan bytes. A protocol violation queues a GOAWAY with the
+//! status [`ProtoError::goaway_status`] gives and the reason, and the connection closes once
+//! that is sent; a GOAWAY from the initiator closes it with nothing more said.
 
-use engine::{Export, Io};
 use proto::server::{Inbound, ServerSession};
+use proto::ProtoError;
 use wire::caravan::RequestCaravan;
 use wire::control::{frame, OpenReply};
 use wire::{Completion, FrameKind, GoAway, Header, Opcode, Status, COMPLETION_DESC_LEN, HEADER_LEN};
 
-use crate::conn::{Link, TxBuf};
-use crate::stats::{bump, WorkerStats};
-use crate::Shared;
+use super::{FrontStats, Host, Link, Sink};
+use crate::stats::bump;
+use crate::{Export, Io};
 
-pub(crate) fn process(session: &mut ServerSession, link: &mut Link<'_>, shared: &Shared) {
-    loop {
-        let f = match link.rx.next_frame(session.frame_bytes_max()) {
+/// Handle every frame that has arrived whole on a native connection.
+pub fn process<S: Sink + ?Sized>(session: &mut ServerSession, link: &mut Link<'_, S>, host: &impl Host) {
+    while !*link.closing {
+        let f = match link.rx.next_frame(|h| session.admit(h)) {
             Ok(Some(f)) => f,
             Ok(None) => return,
-            Err(e) => return goaway(link, Status::Invalid, &e.to_string()),
+            Err(e) => return goaway(link, &e),
         };
         let body = link.rx.body(&f);
         let inbound = match session.handle_frame(&f.header, body) {
             Ok(i) => i,
-            Err(e) => return goaway(link, Status::Invalid, &e.to_string()),
+            Err(e) => return goaway(link, &e),
         };
         match inbound {
             Inbound::Hello { reply } => {
@@ -39,47 +41,55 @@ pub(crate) fn process(session: &mut ServerSession, link: &mut Link<'_>, shared: 
                 }
             }
             Inbound::Open(open) => {
-                let reply = match shared.exports.find(&open.name) {
-                    None => OpenReply::refused(Status::NotFound),
-                    Some((index, export)) => match session.open_handle(index) {
-                        Ok(handle) => {
-                            let info = export.info();
-                            OpenReply {
-                                status: Status::Ok,
-                                handle,
-                                size_bytes: info.size_bytes,
-                                block_size: info.block_size,
-                                flags: info.flags,
-                            }
-                        }
-                        Err(status) => OpenReply::refused(status),
-                    },
-                };
+                let reply = open_export(session, host, &open.name);
                 link.tx.append(&frame(FrameKind::OpenReply, &reply.encode()));
             }
             Inbound::List => {
-                let body = wire::ExportInfo::encode_list(&shared.exports.infos());
+                let body = wire::ExportInfo::encode_list(&host.exports().infos());
                 link.tx.append(&frame(FrameKind::ListReply, &body));
             }
             Inbound::Stats => {
-                let body = crate::stats::collect(shared).encode();
-                link.tx.append(&frame(FrameKind::StatsReply, &body));
+                link.tx.append(&frame(FrameKind::StatsReply, &host.stats_reply().encode()));
             }
-            Inbound::Requests(caravan) => {
-                execute_caravan(&caravan, session, link.tx, shared, link.stats);
+            Inbound::Requests(caravan) => execute_caravan(&caravan, session, link.tx, host, link.stats),
+            Inbound::GoAway(goaway) => {
+                // The initiator is done: what it sent before is answered (it was executed in
+                // order), then the connection closes with nothing more said.
+                tracing::debug!(peer = %link.peer, status = %goaway.status, message = %goaway.message, "initiator closed the connection");
+                *link.closing = true;
             }
         }
     }
 }
 
+fn open_export(session: &mut ServerSession, host: &impl Host, name: &str) -> OpenReply {
+    let Some((index, export)) = host.exports().find(name) else {
+        return OpenReply::refused(Status::NotFound);
+    };
+    match session.open_handle(index) {
+        Ok(handle) => {
+            let info = export.info();
+            OpenReply {
+                status: Status::Ok,
+                handle,
+                size_bytes: info.size_bytes,
+                block_size: info.block_size,
+                flags: info.flags,
+            }
+        }
+        Err(status) => OpenReply::refused(status),
+    }
+}
+
 /// Queue a GOAWAY and stop reading: the framing can no longer be trusted.
-fn goaway(link: &mut Link<'_>, status: Status, reason: &str) {
-    link.protocol_error(reason);
-    let goaway = GoAway { status, message: reason.to_owned() };
+fn goaway<S: Sink + ?Sized>(link: &mut Link<'_, S>, error: &ProtoError) {
+    let reason = error.to_string();
+    link.protocol_error(&reason);
+    let goaway = GoAway { status: error.goaway_status(), message: reason };
     link.tx.append(&frame(FrameKind::GoAway, &goaway.encode()));
 }
 
-/// Builds response caravans in a [`TxBuf`]: header and descriptor slots first, read data after.
+/// Builds response caravans in a [`Sink`]: header and descriptor slots first, read data after.
 struct CompletionWriter {
     frame_start: usize,
     slots: usize,
@@ -89,15 +99,15 @@ struct CompletionWriter {
 }
 
 impl CompletionWriter {
-    fn begin(tx: &mut TxBuf, slots: usize, data_bytes_max: usize) -> CompletionWriter {
+    fn begin<S: Sink + ?Sized>(tx: &mut S, slots: usize, data_bytes_max: usize) -> CompletionWriter {
         let frame_start = tx.reserve(HEADER_LEN + slots * COMPLETION_DESC_LEN).start;
         CompletionWriter { frame_start, slots, used: 0, data_bytes: 0, data_bytes_max }
     }
 
-    /// Make room for `len` bytes of read data, starting a new response caravan first when this
-    /// one would exceed the caravan byte limit. Returns false, having made no room, when the
-    /// read fails: nothing was appended and the request completes with `status` alone.
-    fn read(&mut self, tx: &mut TxBuf, export: &Export, io: &Io, stats: &WorkerStats) -> Status {
+    /// Append a read's data, first starting a new response caravan when this one would exceed
+    /// the caravan byte limit. On failure nothing was appended and the request completes with
+    /// the status alone.
+    fn read<S: Sink + ?Sized>(&mut self, tx: &mut S, export: &Export, io: &Io, stats: &FrontStats) -> Status {
         let len = io.length as usize;
         if self.data_bytes + len > self.data_bytes_max && self.used > 0 {
             let rest = self.slots - self.used;
@@ -111,14 +121,14 @@ impl CompletionWriter {
         status
     }
 
-    fn push(&mut self, tx: &mut TxBuf, c: Completion) {
+    fn push<S: Sink + ?Sized>(&mut self, tx: &mut S, c: Completion) {
         debug_assert!(self.used < self.slots);
         let at = self.frame_start + HEADER_LEN + self.used * COMPLETION_DESC_LEN;
-        c.emit(&mut tx.buf[at..at + COMPLETION_DESC_LEN]);
+        c.emit(tx.bytes_mut(at..at + COMPLETION_DESC_LEN));
         self.used += 1;
     }
 
-    fn seal(&self, tx: &mut TxBuf, stats: &WorkerStats) {
+    fn seal<S: Sink + ?Sized>(&self, tx: &mut S, stats: &FrontStats) {
         let descs_end = self.frame_start + HEADER_LEN + self.used * COMPLETION_DESC_LEN;
         let slots_end = self.frame_start + HEADER_LEN + self.slots * COMPLETION_DESC_LEN;
         if descs_end < slots_end {
@@ -130,17 +140,17 @@ impl CompletionWriter {
             desc_count: self.used as u16,
             payload_len: self.data_bytes as u32,
         };
-        header.emit(&mut tx.buf[self.frame_start..]);
+        header.emit(tx.bytes_mut(self.frame_start..self.frame_start + HEADER_LEN));
         bump(&stats.caravans_sent, 1);
     }
 }
 
-fn execute_caravan(
+fn execute_caravan<S: Sink + ?Sized>(
     caravan: &RequestCaravan<'_>,
     session: &ServerSession,
-    tx: &mut TxBuf,
-    shared: &Shared,
-    stats: &WorkerStats,
+    tx: &mut S,
+    host: &impl Host,
+    stats: &FrontStats,
 ) {
     stats.record_caravan(caravan.len());
     let limits = session.limits();
@@ -155,17 +165,17 @@ fn execute_caravan(
             }
         };
         let io = Io::from(&req);
-        let export = session.resolve(req.handle).and_then(|i| shared.exports.get(i));
+        let export = session.resolve(req.handle).and_then(|i| host.exports().get(i));
         let checked = export
             .ok_or(Status::BadHandle)
-            .and_then(|e| engine::validate(e, &io, limits.io_bytes_max).map(|()| e));
+            .and_then(|e| crate::validate(e, &io, limits.io_bytes_max).map(|()| e));
         let (status, data_len) = match checked {
             Err(status) => (status, 0),
             Ok(export) if req.opcode == Opcode::Read => {
                 let status = out.read(tx, export, &io, stats);
                 (status, if status.is_ok() { req.length } else { 0 })
             }
-            Ok(export) => (engine::execute(export, &io, payload, &mut []), 0),
+            Ok(export) => (crate::execute(export, &io, payload, &mut []), 0),
         };
         stats.ops.record(req.opcode, req.length, status);
         out.push(tx, Completion { tag: req.tag, status, data_len });

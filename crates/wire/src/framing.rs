@@ -1,14 +1,19 @@
 //! Reassembling frames from a byte stream.
 //!
-//! [`FrameBuffer`] is one contiguous buffer per connection: the transport reads into its spare
+//! [`FrameBuffer`] is one contiguous buffer per connection: a transport reads into its spare
 //! tail, and [`FrameBuffer::next_frame`] hands out complete frames in place, without copying.
-//! Frames larger than the buffer grow it, up to the limit the caller passes; a header that
-//! announces more is a framing error before a single byte of its body is read. Consumed bytes
-//! are reclaimed by moving the (short) partial tail to the front before the next read.
+//! Every header is shown to the caller's `admit` check as soon as its 24 bytes are in, before
+//! any byte of the body is waited for, so a frame that the connection's state or negotiated
+//! limits forbid is refused from its header alone (docs/PROTOCOL.md, sections 2 and 9). Frames
+//! larger than the buffer grow it, up to what `admit` allowed. Consumed bytes are reclaimed by
+//! moving the (short) partial tail to the front before the next read.
+//!
+//! The buffer is this crate's one allocation beyond control bodies: made once per connection
+//! and grown only to the largest frame that the connection's `admit` let through.
 
 use std::ops::Range;
 
-use wire::{Header, WireError, HEADER_LEN};
+use crate::{Header, WireError, HEADER_LEN};
 
 /// The buffer's size before any frame asks for more.
 const INITIAL_BYTES: usize = 256 << 10;
@@ -20,15 +25,6 @@ const READ_CHUNK_MIN: usize = 64 << 10;
 pub struct FrameRef {
     pub header: Header,
     pub body: Range<usize>,
-}
-
-/// Why the stream cannot be framed any more.
-#[derive(Debug, thiserror::Error)]
-pub enum FrameError {
-    #[error(transparent)]
-    Wire(#[from] WireError),
-    #[error("frame of {len} bytes exceeds the limit of {limit}")]
-    TooLarge { len: usize, limit: usize },
 }
 
 #[derive(Debug)]
@@ -96,15 +92,20 @@ impl FrameBuffer {
         }
     }
 
-    /// The next complete frame, if one has fully arrived. A frame whose header announces more
-    /// than `frame_bytes_max` is refused as soon as the header is in.
-    pub fn next_frame(&mut self, frame_bytes_max: usize) -> Result<Option<FrameRef>, FrameError> {
-        let Some(header) = self.next_header(frame_bytes_max)? else {
+    /// The next complete frame, if one has fully arrived. `admit` judges each header as soon as
+    /// it is in, before the body is waited for; its error (or a header that fails
+    /// [`Header::parse`]) ends the framing of the stream, and nothing is consumed.
+    pub fn next_frame<E: From<WireError>>(
+        &mut self,
+        admit: impl FnOnce(&Header) -> Result<(), E>,
+    ) -> Result<Option<FrameRef>, E> {
+        let Some(header) = peek_header(self.unconsumed())? else {
             return Ok(None);
         };
+        admit(&header)?;
         let len = header.frame_len();
         if self.pending() < len {
-            self.reserve_frame(len);
+            self.reserve(len);
             return Ok(None);
         }
         let body = self.start + HEADER_LEN..self.start + len;
@@ -112,35 +113,8 @@ impl FrameBuffer {
         Ok(Some(FrameRef { header, body }))
     }
 
-    /// The next frame when its header has arrived but not all of its body: the header, checked
-    /// as in [`next_frame`](Self::next_frame), and the body bytes received so far. A receiver
-    /// that can tell from them where the rest belongs reads it there directly and
-    /// [`consume`](Self::consume)s what it took from here.
-    pub fn partial_frame(&self, frame_bytes_max: usize) -> Result<Option<(Header, &[u8])>, FrameError> {
-        match self.next_header(frame_bytes_max)? {
-            Some(header) if self.pending() < header.frame_len() => {
-                Ok(Some((header, &self.buf[self.start + HEADER_LEN..self.end])))
-            }
-            _ => Ok(None),
-        }
-    }
-
-    /// The next frame's header, checked, with its length within `frame_bytes_max`, once it
-    /// has arrived.
-    fn next_header(&self, frame_bytes_max: usize) -> Result<Option<Header>, FrameError> {
-        let avail = &self.buf[self.start..self.end];
-        if avail.len() < HEADER_LEN {
-            return Ok(None);
-        }
-        let header = Header::parse(avail)?;
-        let len = header.frame_len();
-        if len > frame_bytes_max {
-            return Err(FrameError::TooLarge { len, limit: frame_bytes_max });
-        }
-        Ok(Some(header))
-    }
-
-    /// Bytes received and not yet consumed, for protocols framed differently (NBD).
+    /// Bytes received and not yet consumed, for receivers that parse in place (the client
+    /// session, NBD).
     pub fn unconsumed(&self) -> &[u8] {
         &self.buf[self.start..self.end]
     }
@@ -151,25 +125,21 @@ impl FrameBuffer {
         self.start += n;
     }
 
-    /// Make sure `len` unconsumed bytes will fit once they arrive (a message of known length).
+    /// Make sure `len` unconsumed bytes will fit once they arrive (a message whose length the
+    /// caller has already judged).
     pub fn reserve(&mut self, len: usize) {
-        self.reserve_frame(len);
-    }
-
-    /// The bytes of a frame returned by [`next_frame`](Self::next_frame); valid until the
-    /// next call to [`spare`](Self::spare).
-    pub fn body(&self, frame: &FrameRef) -> &[u8] {
-        &self.buf[frame.body.clone()]
-    }
-
-    /// Make sure a frame of `len` bytes starting at `start` will fit once it arrives.
-    fn reserve_frame(&mut self, len: usize) {
         if self.start + len > self.buf.len() {
             self.compact();
             if len > self.buf.len() {
                 self.buf.resize(len, 0);
             }
         }
+    }
+
+    /// The bytes of a frame returned by [`next_frame`](Self::next_frame); valid until the
+    /// next call to [`spare`](Self::spare).
+    pub fn body(&self, frame: &FrameRef) -> &[u8] {
+        &self.buf[frame.body.clone()]
     }
 
     fn compact(&mut self) {
@@ -182,26 +152,49 @@ impl FrameBuffer {
     }
 }
 
+/// The header at the start of `bytes`, validated, once all of its 24 bytes are there.
+pub fn peek_header(bytes: &[u8]) -> Result<Option<Header>, WireError> {
+    if bytes.len() < HEADER_LEN {
+        return Ok(None);
+    }
+    Header::parse(bytes).map(Some)
+}
+
+/// An `admit` check for [`FrameBuffer::next_frame`] that bounds only the whole frame.
+pub fn frame_at_most(frame_bytes_max: usize) -> impl Fn(&Header) -> Result<(), WireError> {
+    move |h: &Header| {
+        let len = h.frame_len();
+        if len > frame_bytes_max {
+            return Err(WireError::Limit {
+                what: "frame bytes",
+                value: len as u64,
+                limit: frame_bytes_max as u64,
+            });
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use wire::FrameKind;
+    use crate::FrameKind;
 
     fn frame(kind: FrameKind, body: &[u8]) -> Vec<u8> {
-        wire::control::frame(kind, body)
+        crate::control::frame(kind, body)
     }
 
     #[test]
     fn frames_split_anywhere_come_out_whole() {
         let a = frame(FrameKind::Stats, &[]);
-        let b = frame(FrameKind::Open, &wire::Open { name: "vol".into() }.encode());
+        let b = frame(FrameKind::Open, &crate::Open { name: "vol".into() }.encode());
         let stream: Vec<u8> = [a.clone(), b.clone(), a.clone()].concat();
         for cut in 0..stream.len() {
             let mut fb = FrameBuffer::new();
             let mut got = Vec::new();
             for chunk in [&stream[..cut], &stream[cut..]] {
                 fb.extend(chunk);
-                while let Some(f) = fb.next_frame(1 << 20).unwrap() {
+                while let Some(f) = fb.next_frame(frame_at_most(1 << 20)).unwrap() {
                     got.push((f.header.kind, fb.body(&f).to_vec()));
                 }
             }
@@ -211,29 +204,20 @@ mod tests {
     }
 
     #[test]
-    fn a_partial_frame_shows_its_header_and_the_body_so_far() {
-        let body = [5u8; 100];
-        let h = Header { kind: FrameKind::Requests, desc_count: 0, payload_len: body.len() as u32 };
-        let mut fb = FrameBuffer::new();
-        fb.extend(&h.to_bytes()[..10]);
-        assert!(fb.partial_frame(1 << 20).unwrap().is_none(), "no header yet");
-        fb.extend(&h.to_bytes()[10..]);
-        fb.extend(&body[..40]);
-        let (got, so_far) = fb.partial_frame(1 << 20).unwrap().unwrap();
-        assert_eq!((got, so_far), (h, &body[..40]));
-        assert!(matches!(fb.partial_frame(50), Err(FrameError::TooLarge { .. })));
-        fb.extend(&body[40..]);
-        assert!(fb.partial_frame(1 << 20).unwrap().is_none(), "complete frames are next_frame's");
-        fb.consume(HEADER_LEN + 60);
-        assert_eq!(fb.unconsumed(), &body[60..]);
-    }
-
-    #[test]
-    fn oversized_frames_are_refused_from_the_header() {
+    fn admit_sees_each_header_before_any_of_its_body() {
         let mut fb = FrameBuffer::new();
         let big = Header { kind: FrameKind::Requests, desc_count: 0, payload_len: 10 << 20 };
-        fb.extend(&big.to_bytes());
-        assert!(matches!(fb.next_frame(1 << 20), Err(FrameError::TooLarge { .. })));
+        fb.extend(&big.to_bytes()[..23]);
+        let mut seen = 0;
+        let counted = fb.next_frame(|_| -> Result<(), WireError> {
+            seen += 1;
+            Ok(())
+        });
+        assert!(counted.unwrap().is_none());
+        assert_eq!(seen, 0, "no header yet");
+        fb.extend(&big.to_bytes()[23..]);
+        assert!(matches!(fb.next_frame(frame_at_most(1 << 20)), Err(WireError::Limit { .. })));
+        assert_eq!(fb.pending(), HEADER_LEN, "a refused frame consumes nothing");
     }
 
     #[test]
@@ -243,13 +227,13 @@ mod tests {
         let mut fb = FrameBuffer::new();
         fb.extend(&h.to_bytes());
         fb.extend(&body[..1000]);
-        assert!(fb.next_frame(8 << 20).unwrap().is_none());
+        assert!(fb.next_frame(frame_at_most(8 << 20)).unwrap().is_none());
         fb.extend(&body[1000..]);
-        let f = fb.next_frame(8 << 20).unwrap().unwrap();
+        let f = fb.next_frame(frame_at_most(8 << 20)).unwrap().unwrap();
         assert_eq!(fb.body(&f).len(), body.len());
 
         let mut fb = FrameBuffer::new();
         fb.extend(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
-        assert!(matches!(fb.next_frame(1 << 20), Err(FrameError::Wire(WireError::BadMagic(_)))));
+        assert!(matches!(fb.next_frame(frame_at_most(1 << 20)), Err(WireError::BadMagic(_))));
     }
 }

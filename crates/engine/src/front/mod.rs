@@ -1,0 +1,138 @@
+//! Front ends: one connection's protocol on the target, run to completion against a [`Sink`].
+//!
+//! A front end takes the bytes a connection received (in its [`FrameBuffer`]), admits and
+//! parses them, executes requests on the exports through the engine, and appends every reply
+//! to the connection's [`Sink`]. It never touches a socket, a poll loop or a clock: the server's
+//! worker is its driver over TCP and Unix sockets, and the simulator drives the same code over
+//! an in-memory pipe with faults. [`native`] speaks skiff's protocol (docs/PROTOCOL.md),
+//! [`nbd`] the NBD front end (docs/NBD.md).
+
+pub mod native;
+pub mod nbd;
+
+use std::ops::Range;
+use std::sync::atomic::AtomicU64;
+
+use wire::{FrameBuffer, StatsReply, Status};
+
+use crate::stats::{bump, OpCounters};
+use crate::{Export, ExportTable, Io};
+
+/// Where a front end's replies go, in order: the driver sends them.
+pub trait Sink {
+    /// Bytes queued and not yet handed to the driver's socket.
+    fn len(&self) -> usize;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Append `bytes`.
+    fn append(&mut self, bytes: &[u8]);
+
+    /// Append `len` bytes to be filled in later (descriptor slots); returns where they are.
+    fn reserve(&mut self, len: usize) -> Range<usize>;
+
+    /// The queued bytes at `range`, which this sink has not yet sent.
+    fn bytes_mut(&mut self, range: Range<usize>) -> &mut [u8];
+
+    /// Remove the bytes of `gap`, closing it up.
+    fn remove(&mut self, gap: Range<usize>);
+
+    /// Drop everything queued from `len` on (an answer taken back).
+    fn truncate(&mut self, len: usize);
+
+    /// Append a validated read's data. On failure nothing is appended. The default reads into
+    /// new space here; a sink that can send straight from a RAM export's memory overrides it.
+    fn append_read(&mut self, export: &Export, io: &Io) -> Status {
+        let range = self.reserve(io.length as usize);
+        let start = range.start;
+        let status = crate::execute(export, io, &[], self.bytes_mut(range));
+        if !status.is_ok() {
+            self.truncate(start);
+        }
+        status
+    }
+}
+
+/// A plain growable sink, for tests, fuzzing and the simulator.
+impl Sink for Vec<u8> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn append(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+
+    fn reserve(&mut self, len: usize) -> Range<usize> {
+        let start = Vec::len(self);
+        self.resize(start + len, 0);
+        start..start + len
+    }
+
+    fn bytes_mut(&mut self, range: Range<usize>) -> &mut [u8] {
+        &mut self[range]
+    }
+
+    fn remove(&mut self, gap: Range<usize>) {
+        self.drain(gap);
+    }
+
+    fn truncate(&mut self, len: usize) {
+        Vec::truncate(self, len);
+    }
+}
+
+/// What a front end needs from the target that runs it.
+pub trait Host {
+    fn exports(&self) -> &ExportTable;
+    /// The largest READ or WRITE the target accepts.
+    fn io_bytes_max(&self) -> u32;
+    /// The target's counters, for a STATS request.
+    fn stats_reply(&self) -> StatsReply;
+}
+
+/// Upper bounds of the caravan-size histogram buckets; the last bucket is unbounded.
+pub const CARAVAN_BUCKETS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+/// What front ends count, per worker (single writer, see [`crate::stats`]).
+#[derive(Debug, Default)]
+pub struct FrontStats {
+    pub ops: OpCounters,
+    pub caravans_received: AtomicU64,
+    pub caravans_sent: AtomicU64,
+    pub caravan_reqs_total: AtomicU64,
+    /// Received caravans by size, bucketed by [`CARAVAN_BUCKETS`].
+    pub caravan_hist: [AtomicU64; CARAVAN_BUCKETS.len() + 1],
+    pub connections_closed_protocol_error: AtomicU64,
+}
+
+impl FrontStats {
+    pub(crate) fn record_caravan(&self, reqs: usize) {
+        bump(&self.caravans_received, 1);
+        bump(&self.caravan_reqs_total, reqs as u64);
+        let bucket = CARAVAN_BUCKETS.iter().position(|&b| reqs as u32 <= b).unwrap_or(CARAVAN_BUCKETS.len());
+        bump(&self.caravan_hist[bucket], 1);
+    }
+}
+
+/// What a front end may touch of its connection.
+pub struct Link<'a, S: ?Sized> {
+    pub rx: &'a mut FrameBuffer,
+    pub tx: &'a mut S,
+    /// Set to stop reading: the driver closes the connection once the queued bytes are sent.
+    pub closing: &'a mut bool,
+    /// The peer, for logs.
+    pub peer: &'a str,
+    pub stats: &'a FrontStats,
+}
+
+impl<S: ?Sized> Link<'_, S> {
+    /// The peer broke the protocol: log why, count it, and close once queued bytes are sent.
+    pub fn protocol_error(&mut self, reason: &str) {
+        tracing::warn!(peer = %self.peer, reason, "closing connection: protocol error");
+        bump(&self.stats.connections_closed_protocol_error, 1);
+        *self.closing = true;
+    }
+}

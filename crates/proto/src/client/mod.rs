@@ -1,0 +1,14 @@
+//! The initiator's side of the protocol: the handshake, and the session that carries one lane's
+//! requests and completions ([`ClientSession`]).
+
+mod handshake;
+mod outbox;
+mod placement;
+mod session;
+
+pub use handshake::{expect, handle_open_reply, ClientHandshake};
+pub use outbox::Outbox;
+pub use session::{
+    Batching, ClientSession, Completion, IoBuf, Refused, RxProgress, SessionConfig, SessionStats, Submission,
+    SubmitError, DIRECT_OFF, LEVEL_LOG_MAX,
+};

@@ -1,0 +1,614 @@
+//! The initiator's session on one lane: everything between a caller's request and the bytes on
+//! the wire, with no socket, clock or thread.
+//!
+//! A [`ClientSession`] owns the lane's slots (tags), the [`Outbox`] of request caravans, the
+//! doorbell and the adaptive batch controller, completion matching and every check on what the
+//! target sends back, the bookkeeping of direct placement, and failing everything when the
+//! connection dies. A driver (a lane over a socket, a shared lane, the simulator) moves bytes
+//! and time in and out:
+//!
+//! - inputs: [`submit`](ClientSession::submit) and [`commit`](ClientSession::commit) from the
+//!   caller; [`handle_rx`](ClientSession::handle_rx) with received bytes;
+//!   [`handle_sent`](ClientSession::handle_sent) after a send;
+//!   [`handle_timeout`](ClientSession::handle_timeout) when [`poll_timeout`] falls due;
+//!   [`handle_closed`](ClientSession::handle_closed) when the transport fails;
+//! - outputs: [`poll_transmit`](ClientSession::poll_transmit) (what to send, gathered from the
+//!   callers' buffers), [`recv_destinations`](ClientSession::recv_destinations) (where read
+//!   data may be received directly), [`poll_timeout`](ClientSession::poll_timeout) (when to
+//!   call back), and completions ([`take_completions`](ClientSession::take_completions)).
+//!
+//! Time is a `now_us` passed in, microseconds on any clock that does not go backwards.
+//!
+//! [`poll_timeout`]: ClientSession::poll_timeout
+
+use std::collections::VecDeque;
+use std::io::{IoSlice, IoSliceMut};
+
+use wire::caravan::CompletionCaravan;
+use wire::control::CONTROL_BODY_MAX;
+use wire::framing::peek_header;
+use wire::{FrameKind, GoAway, Header, Limits, Opcode, ReqFlags, Request, Status, WireError};
+use wire::{COMPLETION_DESC_LEN, HEADER_LEN};
+
+use super::outbox::Outbox;
+use super::placement::{Placed, Placement};
+use crate::batch::{BatchConfig, BatchController};
+use crate::caravan::Doorbell;
+use crate::slots::SlotTable;
+use crate::ProtoError;
+
+/// A buffer a session can hold for a request until it completes: write data is sent from it,
+/// read data lands in it. `Vec<u8>` is the usual one; the C API passes the caller's memory.
+pub trait IoBuf: AsRef<[u8]> + AsMut<[u8]> {}
+
+impl<T: AsRef<[u8]> + AsMut<[u8]>> IoBuf for T {}
+
+/// How requests are gathered into caravans (the ablation switch of the fast path).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Batching {
+    /// Every request leaves on its own: the doorbell rings after each submit.
+    Off,
+    /// The fixed doorbell policy of [`SessionConfig::doorbell`] (i10's caravans).
+    Static,
+    /// The Tyche controller sets the caravan size and the doorbell delay from measured
+    /// throughput ([`crate::batch`]).
+    Adaptive(BatchConfig),
+}
+
+/// [`SessionConfig::direct_min_bytes`] that places no read directly.
+pub const DIRECT_OFF: u32 = u32::MAX;
+
+/// Most batch-level changes a session remembers for telemetry.
+pub const LEVEL_LOG_MAX: usize = 4096;
+
+/// How a session batches and receives.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionConfig {
+    pub doorbell: Doorbell,
+    pub batching: Batching,
+    /// Direct placement while the reads in flight average at least this many bytes; smaller
+    /// reads are received into the frame buffer and copied out. 0 places every read,
+    /// [`DIRECT_OFF`] none.
+    pub direct_min_bytes: u32,
+}
+
+/// What a caller asks for.
+#[derive(Debug)]
+pub struct Submission<B> {
+    pub opcode: Opcode,
+    pub flags: ReqFlags,
+    pub offset: u64,
+    pub length: usize,
+    /// For reads and writes, exactly `length` bytes: the data to write or the room to read into.
+    pub buf: Option<B>,
+    /// The caller's; handed back in the completion.
+    pub user_data: u64,
+}
+
+/// The outcome of one request, with the caller's buffer back.
+#[derive(Debug)]
+pub struct Completion<B = Vec<u8>> {
+    pub user_data: u64,
+    pub opcode: Opcode,
+    pub status: Status,
+    /// For reads, filled with the data when `status` is OK.
+    pub buf: Option<B>,
+}
+
+/// Why a session did not take a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The connection failed; nothing more is accepted.
+    Closed,
+    /// The request cannot be framed (the target would judge everything else).
+    Invalid(&'static str),
+    /// Every slot is in flight; holds how many.
+    QueueFull(usize),
+}
+
+/// A request the session did not take, with its buffer returned.
+#[derive(Debug)]
+pub struct Refused<B> {
+    pub error: SubmitError,
+    pub buf: Option<B>,
+}
+
+/// What a session did, for benchmarks and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SessionStats {
+    pub submitted: u64,
+    pub completed: u64,
+    pub caravans_sent: u64,
+    /// Caravans sent by size: at most 1, 2, 4, ... 64 requests, then more.
+    pub caravan_hist: [u64; 8],
+    pub completion_caravans: u64,
+    /// Read data received straight into callers' buffers, and read data copied into them from
+    /// the frame buffer.
+    pub read_bytes_placed: u64,
+    pub read_bytes_copied: u64,
+}
+
+/// What [`ClientSession::handle_rx`] did with the bytes it was shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RxProgress {
+    /// Bytes taken from the front; the driver drops them from its buffer.
+    pub consumed: usize,
+    /// Length of the frame that starts right after them and has not wholly arrived (its header
+    /// was checked), so the driver can make room; 0 when nothing is known of the next frame.
+    pub need: usize,
+}
+
+/// A request between `submit` and its completion.
+#[derive(Debug)]
+pub(super) struct Pending<B> {
+    pub opcode: Opcode,
+    pub length: u32,
+    pub buf: Option<B>,
+    pub user_data: u64,
+    /// Its caravan has left whole: only now may the target answer it.
+    pub sent: bool,
+}
+
+/// Reads submitted and not yet answered.
+#[derive(Debug, Default, Clone, Copy)]
+struct ReadsInFlight {
+    count: u64,
+    bytes: u64,
+}
+
+/// One lane's protocol state on the initiator. See the module documentation.
+#[derive(Debug)]
+pub struct ClientSession<B> {
+    limits: Limits,
+    /// Export handle every request names.
+    handle: u32,
+    slots: SlotTable<Pending<B>>,
+    outbox: Outbox,
+    /// When the open caravan's first request arrived.
+    first_queued_us: Option<u64>,
+    doorbell: Doorbell,
+    batching: Batching,
+    controller: Option<BatchController>,
+    /// (milliseconds, batch level) at every adaptive decision, at most [`LEVEL_LOG_MAX`].
+    level_log: Vec<(u64, u32)>,
+    done: VecDeque<Completion<B>>,
+    /// The completion caravan whose read data is arriving straight into callers' buffers.
+    placement: Placement<B>,
+    reads: ReadsInFlight,
+    direct_min_bytes: u32,
+    broken: bool,
+    stats: SessionStats,
+}
+
+impl<B: IoBuf> ClientSession<B> {
+    /// A session under the negotiated `limits` for export `handle`. Allocates everything it
+    /// will ever need now, sized by the queue depth.
+    pub fn new(config: &SessionConfig, limits: Limits, handle: u32) -> ClientSession<B> {
+        let queue_depth = (limits.queue_depth as usize).clamp(1, crate::slots::SLOTS_MAX);
+        let doorbell = match config.batching {
+            Batching::Adaptive(_) => Doorbell { aggregation_reqs: 1, delay_us: 0, ..config.doorbell },
+            _ => config.doorbell,
+        };
+        ClientSession {
+            limits,
+            handle,
+            slots: SlotTable::new(queue_depth),
+            outbox: Outbox::new(&limits, queue_depth),
+            first_queued_us: None,
+            doorbell,
+            batching: config.batching,
+            controller: match config.batching {
+                Batching::Adaptive(cfg) => Some(BatchController::new(cfg)),
+                _ => None,
+            },
+            level_log: Vec::new(),
+            done: VecDeque::with_capacity(queue_depth),
+            placement: Placement::new(),
+            reads: ReadsInFlight::default(),
+            direct_min_bytes: config.direct_min_bytes,
+            broken: false,
+            stats: SessionStats::default(),
+        }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn queue_depth(&self) -> usize {
+        self.slots.capacity()
+    }
+
+    /// Requests accepted and not yet taken back by the caller.
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() + self.placement.len() + self.done.len()
+    }
+
+    /// Requests sent whole and not yet answered.
+    pub fn on_the_wire(&self) -> usize {
+        self.slots.len() - self.outbox.queued_reqs() + self.placement.len()
+    }
+
+    /// Completions waiting for the caller.
+    pub fn ready(&self) -> usize {
+        self.done.len()
+    }
+
+    /// The connection failed: every request has completed or will complete with an I/O error.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    pub fn stats(&self) -> SessionStats {
+        SessionStats {
+            read_bytes_placed: self.placement.placed_bytes,
+            read_bytes_copied: self.stats.read_bytes_copied + self.placement.copied_bytes,
+            ..self.stats
+        }
+    }
+
+    /// The caravan size the session aims for now (the adaptive level, or the static one).
+    pub fn batch_level(&self) -> u32 {
+        if self.batching == Batching::Off {
+            1
+        } else {
+            self.doorbell.aggregation_reqs
+        }
+    }
+
+    /// Every adaptive decision so far: (milliseconds of the driver's clock, batch level).
+    pub fn batch_level_log(&self) -> &[(u64, u32)] {
+        &self.level_log
+    }
+
+    /// Queue a request in the open caravan. The target judges range, alignment and
+    /// permissions; the session refuses only what it cannot frame. An accepted request
+    /// completes exactly once.
+    pub fn submit(&mut self, now_us: u64, sub: Submission<B>) -> Result<(), Refused<B>> {
+        let Submission { opcode, flags, offset, length, buf, user_data } = sub;
+        let refuse = |error, buf| Err(Refused { error, buf });
+        if self.broken {
+            return refuse(SubmitError::Closed, buf);
+        }
+        let Ok(length) = u32::try_from(length) else {
+            return refuse(SubmitError::Invalid("length over 4 GiB"), buf);
+        };
+        if opcode == Opcode::Write && length > self.limits.caravan_bytes_max {
+            return refuse(SubmitError::Invalid("write larger than a caravan may carry"), buf);
+        }
+        if matches!(opcode, Opcode::Read | Opcode::Write)
+            && buf.as_ref().map(|b| b.as_ref().len()) != Some(length as usize)
+        {
+            return refuse(SubmitError::Invalid("a read or write needs a buffer of exactly its length"), buf);
+        }
+        if self.slots.is_full() {
+            return refuse(SubmitError::QueueFull(self.slots.len()), buf);
+        }
+        let probe = Request { opcode, flags, tag: 0, handle: self.handle, offset, length };
+        if !self.outbox.fits(&probe) {
+            self.seal();
+        }
+        let Ok(tag) = self.slots.insert(Pending { opcode, length, buf, user_data, sent: false }) else {
+            unreachable!("checked not full above");
+        };
+        self.outbox.push(&Request { tag, ..probe });
+        if opcode == Opcode::Read {
+            self.reads.count += 1;
+            self.reads.bytes += u64::from(length);
+        }
+        self.stats.submitted += 1;
+        self.first_queued_us.get_or_insert(now_us);
+        if let Some(c) = self.controller.as_mut() {
+            // Tyche counts requests waiting in its batch queue. A lane sends at once at level 1,
+            // so nothing would ever wait; what could be batched is what the caller has
+            // outstanding on the lane, so that is the controller's a_out.
+            c.handle_arrival(self.slots.len() as u32);
+        }
+        self.adapt(now_us);
+        let ring = self.batching == Batching::Off
+            || self.doorbell.ring_after_submit(
+                self.outbox.open_len(),
+                self.outbox.open_payload_bytes(),
+                flags,
+            );
+        if ring {
+            self.seal();
+        }
+        Ok(())
+    }
+
+    /// Close the open caravan now: the caller is about to wait, or has nothing more to add.
+    pub fn commit(&mut self) {
+        self.seal();
+    }
+
+    /// When the doorbell's delay bound closes the open caravan if nothing else does first;
+    /// `None` when nothing is held back.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.first_queued_us.map(|first| first.saturating_add(self.doorbell.delay_us))
+    }
+
+    /// The clock reached `now_us`: close the open caravan if its delay bound has passed.
+    pub fn handle_timeout(&mut self, now_us: u64) {
+        if self.poll_timeout().is_some_and(|due| now_us >= due) {
+            self.seal();
+        }
+    }
+
+    /// Whether bytes wait to be sent ([`poll_transmit`](Self::poll_transmit)).
+    pub fn has_transmit(&self) -> bool {
+        self.outbox.has_sealed()
+    }
+
+    /// Fill `iov` with the bytes to send next, in order: the sealed caravans' headers and
+    /// descriptors and their writes' payloads, straight from the callers' buffers. Returns how
+    /// many entries it filled (0: nothing to send). Report what went with
+    /// [`handle_sent`](Self::handle_sent).
+    pub fn poll_transmit<'a>(&'a self, iov: &mut [IoSlice<'a>]) -> usize {
+        let slots = &self.slots;
+        let payload = |tag| match slots.get(tag) {
+            Some(Pending { opcode: Opcode::Write, buf: Some(b), .. }) => b.as_ref(),
+            _ => &[],
+        };
+        self.outbox.gather(payload, iov)
+    }
+
+    /// `n` bytes of what [`poll_transmit`](Self::poll_transmit) offered were sent.
+    pub fn handle_sent(&mut self, n: usize) {
+        let slots = &mut self.slots;
+        self.outbox.advance(n, |tag| {
+            if let Some(p) = slots.get_mut(tag) {
+                p.sent = true;
+            }
+        });
+    }
+
+    /// Most bytes the next receive may put into the frame buffer. While reads large enough to
+    /// place directly are in flight, only what the next frame's header and descriptors can
+    /// need: their read data then arrives after the descriptors have said where it goes.
+    pub fn rx_cap(&self) -> usize {
+        if self.placing_directly() {
+            HEADER_LEN + COMPLETION_DESC_LEN * self.slots.len().max(1)
+        } else {
+            usize::MAX
+        }
+    }
+
+    /// Where the next receive should put its first bytes: the unfilled parts of the buffers of
+    /// the caravan being placed, in order. Returns how many entries of `iov` it filled and
+    /// whether they cover all the data still to come (only then may the frame buffer follow
+    /// them in the same receive). `(0, true)` when nothing is being placed.
+    pub fn recv_destinations<'a>(&'a mut self, iov: &mut [IoSliceMut<'a>]) -> (usize, bool) {
+        if !self.placement.is_active() || self.placement.is_complete() {
+            return (0, true);
+        }
+        self.placement.destinations(iov)
+    }
+
+    /// `n` bytes were received into the [`recv_destinations`](Self::recv_destinations) (and,
+    /// past them, into the frame buffer). Returns how many of them were placed data; the rest
+    /// belongs to the frame buffer.
+    pub fn handle_placed(&mut self, n: usize) -> usize {
+        self.placement.receive(n)
+    }
+
+    /// Handle received bytes: `rx` is everything in the driver's frame buffer not yet consumed.
+    /// Completes what arrived whole, checks every header from the header alone (kind and the
+    /// negotiated limits) before waiting for its body, and begins direct placement of a
+    /// completion caravan whose descriptors are in. On error the session has failed every
+    /// request ([`is_broken`](Self::is_broken)) and the driver closes the connection.
+    pub fn handle_rx(&mut self, now_us: u64, rx: &[u8]) -> Result<RxProgress, ProtoError> {
+        if self.broken {
+            return Ok(RxProgress { consumed: 0, need: 0 });
+        }
+        let result = self.process_rx(rx);
+        if result.is_err() {
+            self.fail();
+        }
+        self.adapt(now_us);
+        result
+    }
+
+    /// The connection failed or closed: every request completes with an I/O error, so callers
+    /// get their buffers back.
+    pub fn handle_closed(&mut self) {
+        self.fail();
+    }
+
+    /// Move the completions that arrived to `out`; returns how many.
+    pub fn take_completions(&mut self, out: &mut Vec<Completion<B>>) -> usize {
+        let n = self.done.len();
+        self.stats.completed += n as u64;
+        out.extend(self.done.drain(..));
+        n
+    }
+
+    /// Take the first arrived completion with this `user_data`, if any.
+    pub fn take_completion_of(&mut self, user_data: u64) -> Option<Completion<B>> {
+        let i = self.done.iter().position(|c| c.user_data == user_data)?;
+        self.stats.completed += 1;
+        self.done.remove(i)
+    }
+
+    fn process_rx(&mut self, rx: &[u8]) -> Result<RxProgress, ProtoError> {
+        let mut consumed = 0;
+        if self.placement.is_active() {
+            consumed += self.placement.absorb(rx);
+            if !self.placement.is_complete() {
+                return Ok(RxProgress { consumed, need: 0 });
+            }
+            for Placed { pending, completion } in self.placement.take() {
+                finish(&mut self.done, &mut self.controller, &mut self.reads, pending, completion.status);
+            }
+        }
+        loop {
+            let rest = &rx[consumed..];
+            let Some(header) = peek_header(rest)? else {
+                return Ok(RxProgress { consumed, need: 0 });
+            };
+            self.admit(&header)?;
+            let len = header.frame_len();
+            if rest.len() >= len {
+                self.handle_frame(&header, &rest[HEADER_LEN..len])?;
+                consumed += len;
+                continue;
+            }
+            return Ok(match self.begin_placement(&header, &rest[HEADER_LEN..])? {
+                Some(taken) => RxProgress { consumed: consumed + HEADER_LEN + taken, need: 0 },
+                None => RxProgress { consumed, need: len },
+            });
+        }
+    }
+
+    /// Judge a frame from its header alone: only completions and GOAWAY come on a lane, and a
+    /// completion caravan keeps to the negotiated limits.
+    fn admit(&self, h: &Header) -> Result<(), ProtoError> {
+        let l = &self.limits;
+        match h.kind {
+            FrameKind::Completions => {
+                within("descriptors per caravan", h.desc_count.into(), l.caravan_reqs_max.into())?;
+                within("caravan payload bytes", h.payload_len.into(), l.caravan_bytes_max.into())
+            }
+            FrameKind::GoAway => within("control body bytes", h.payload_len.into(), CONTROL_BODY_MAX as u64),
+            other => Err(ProtoError::Unexpected(other, "on a lane")),
+        }
+    }
+
+    fn handle_frame(&mut self, header: &Header, body: &[u8]) -> Result<(), ProtoError> {
+        if header.kind == FrameKind::GoAway {
+            let g = GoAway::decode(body)?;
+            return Err(ProtoError::GoAway { status: g.status, message: g.message });
+        }
+        let caravan = CompletionCaravan::parse(header, body)?;
+        self.stats.completion_caravans += 1;
+        for (c, data) in caravan.iter() {
+            let want = self.expected_data(&c)?;
+            let mut p = self.slots.remove(c.tag).ok_or(ProtoError::UnknownTag(c.tag))?;
+            if let Some(buf) = p.buf.as_mut().filter(|_| want > 0) {
+                buf.as_mut().copy_from_slice(data);
+                self.stats.read_bytes_copied += data.len() as u64;
+            }
+            finish(&mut self.done, &mut self.controller, &mut self.reads, p, c.status);
+        }
+        Ok(())
+    }
+
+    /// Check a completion against its request (in flight, sent, right data length); returns
+    /// the data length it must carry.
+    fn expected_data(&self, c: &wire::Completion) -> Result<u32, ProtoError> {
+        let p = self.slots.get(c.tag).filter(|p| p.sent).ok_or(ProtoError::UnknownTag(c.tag))?;
+        let want = if c.status.is_ok() && p.opcode == Opcode::Read { p.length } else { 0 };
+        if c.data_len != want {
+            return Err(ProtoError::DataLength { tag: c.tag, got: c.data_len, want });
+        }
+        Ok(want)
+    }
+
+    /// If a completion caravan's descriptors are in but its read data is not, and reads are
+    /// being placed directly, take its requests out of the slot table so that the rest of the
+    /// data is received straight into their buffers. Returns the body bytes it took.
+    fn begin_placement(&mut self, header: &Header, so_far: &[u8]) -> Result<Option<usize>, ProtoError> {
+        let desc_bytes = header.desc_count as usize * COMPLETION_DESC_LEN;
+        if !self.placing_directly() || header.kind != FrameKind::Completions || so_far.len() < desc_bytes {
+            return Ok(None);
+        }
+        let head = CompletionCaravan::parse_head(header, so_far)?;
+        // Check all of them before taking any: an error leaves the slots to `fail`.
+        for c in head.completions() {
+            self.expected_data(&c)?;
+        }
+        let slots = &mut self.slots;
+        let mut missing = None;
+        let entries = head.completions().map_while(|completion| match slots.remove(completion.tag) {
+            Some(pending) => Some(Placed { pending, completion }),
+            None => {
+                missing = Some(completion.tag);
+                None
+            }
+        });
+        self.placement.begin(entries, header.payload_len as usize);
+        self.stats.completion_caravans += 1;
+        if let Some(tag) = missing {
+            // A tag twice in one caravan: the second finds its slot gone.
+            return Err(ProtoError::UnknownTag(tag));
+        }
+        let arrived = self.placement.absorb(&so_far[desc_bytes..]);
+        Ok(Some(desc_bytes + arrived))
+    }
+
+    /// Whether reads now in flight are large enough to place directly.
+    fn placing_directly(&self) -> bool {
+        self.direct_min_bytes != DIRECT_OFF
+            && self.reads.count > 0
+            && self.reads.bytes >= self.reads.count * u64::from(self.direct_min_bytes)
+    }
+
+    /// Close the open caravan and queue it for the wire.
+    fn seal(&mut self) {
+        let reqs = self.outbox.seal();
+        if reqs == 0 {
+            return;
+        }
+        let bucket = match reqs {
+            n if n <= 64 => (usize::BITS - (n - 1).leading_zeros()) as usize,
+            _ => 7,
+        };
+        self.stats.caravan_hist[bucket.min(7)] += 1;
+        self.stats.caravans_sent += 1;
+        self.first_queued_us = None;
+    }
+
+    /// Let the adaptive controller close its interval, and follow its decision.
+    fn adapt(&mut self, now_us: u64) {
+        let Some(c) = self.controller.as_mut() else { return };
+        if let Some(d) = c.poll(now_us) {
+            self.doorbell.aggregation_reqs = d.level;
+            self.doorbell.delay_us = d.delay_us;
+            if self.level_log.len() < LEVEL_LOG_MAX {
+                self.level_log.push((now_us / 1000, d.level));
+            }
+        }
+    }
+
+    fn fail(&mut self) {
+        self.broken = true;
+        self.outbox.clear();
+        self.first_queued_us = None;
+        self.reads = ReadsInFlight::default();
+        let placed = self.placement.take().map(|p| p.pending);
+        for p in placed.chain(self.slots.drain()) {
+            self.done.push_back(Completion {
+                user_data: p.user_data,
+                opcode: p.opcode,
+                status: Status::IoError,
+                buf: p.buf,
+            });
+        }
+    }
+}
+
+fn within(what: &'static str, value: u64, limit: u64) -> Result<(), ProtoError> {
+    if value > limit {
+        return Err(WireError::Limit { what, value, limit }.into());
+    }
+    Ok(())
+}
+
+/// Hand a finished request back to its caller, and tell the controller what it moved.
+fn finish<B>(
+    done: &mut VecDeque<Completion<B>>,
+    controller: &mut Option<BatchController>,
+    reads: &mut ReadsInFlight,
+    p: Pending<B>,
+    status: Status,
+) {
+    if p.opcode == Opcode::Read {
+        reads.count -= 1;
+        reads.bytes -= u64::from(p.length);
+    }
+    if let Some(ctl) = controller.as_mut() {
+        let moved = matches!(p.opcode, Opcode::Read | Opcode::Write) && status.is_ok();
+        ctl.handle_completion(if moved { p.length.into() } else { 0 });
+    }
+    done.push_back(Completion { user_data: p.user_data, opcode: p.opcode, status, buf: p.buf });
+}
