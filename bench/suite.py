@@ -20,11 +20,20 @@ Experiments (4 KiB random unless said; docs/BENCHMARKS.md says which paper figur
   qd1      QD 1, 4/8/64/128 KiB, read and write                   (Tyche Table II)
            skiff-native also through `skiff bench`, for its per-stage breakdown
 
-    python3 bench/suite.py --quick                        # about two minutes, a few points
-    python3 bench/suite.py                                # the full matrix, about 16 minutes
-    python3 bench/suite.py --systems skiff-nbd,nbdkit --experiments load,qd1 --runtime 3
+Placement models two machines by default: every server (skiff serve, nbdkit, qemu-nbd,
+iperf3 -s) runs under `taskset -c 1`, every client (fio, skiff bench, iperf3 -c) under
+`taskset -c 0`; a wake-up across cores costs tens of microseconds on a small VM, so unpinned
+runs measure the scheduler's luck (docs/BENCHMARKS.md). --placement same puts both on CPU 0,
+--placement none runs without taskset. Every point runs --repeat times (default 3; --quick 1),
+the systems alternating within each round, and each figure reported is the median.
 
-Writes bench/results/<timestamp>/: records.jsonl (one JSON record per run; `skiff bench` runs
+    python3 bench/suite.py --quick                        # a few points, one repetition, about 2 minutes
+    python3 bench/suite.py                                # the full matrix, 3 repetitions, about 46 minutes
+    python3 bench/suite.py --systems skiff-nbd,nbdkit --experiments load,qd1 --runtime 3
+    python3 bench/suite.py --quick --placement none       # unpinned, as before
+
+Writes bench/results/<timestamp>/: records.jsonl (one JSON record per point and system, the
+median of its repetitions, which it keeps under "repetitions"; `skiff bench` runs
 carry "client": "skiff bench" and stages_us), meta.json (machine, versions, link reference),
 report.md (a table per experiment) and PNG plots.
 """
@@ -43,7 +52,8 @@ import time
 
 sys.dont_write_bytecode = True  # no bench/__pycache__ from importing compare.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Server, cpu_s, free_port, link_reference, make_scratch, precondition, stop  # noqa: E402  (shared with compare.py)
+from compare import (Placement, Server, add_placement_args, cpu_s, free_port, link_reference,  # noqa: E402
+                     make_scratch, median_record, precondition, rotate, stop)  # (shared with compare.py)
 
 SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit", "qemu-nbd"]
 # skiff-native on shared lanes with one batching mode each, for the thread sweep's batching
@@ -65,7 +75,26 @@ SKIFF_BENCH = "skiff bench"
 QUICK_SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit"]
 EXPERIMENTS = ["load", "mix", "threads", "sizes", "qd1"]
 ENGINE = "target/fio/skiff-engine.so"
-TITLE_MACHINE = f"{os.cpu_count()} cores, loopback"
+
+
+def title_machine(meta):
+    """The machine, the placement and the repetitions, for plot titles."""
+    return f"{meta['machine']['cores']} cores, loopback, {placement_short(meta)}, {reps_short(meta)}"
+
+
+def placement_short(meta):
+    pl = Placement.from_record(meta.get("placement"))
+    return pl.short() if pl else "unpinned (placement not recorded)"
+
+
+def placement_long(meta):
+    pl = Placement.from_record(meta.get("placement"))
+    return pl.describe() if pl else "not recorded (a run from before placement existed: unpinned)"
+
+
+def reps_short(meta):
+    n = meta.get("repeat", 1)
+    return f"median of {n}" if n > 1 else "1 repetition"
 COLORS = {"skiff-native": "#d62728", "skiff-nbd": "#ff7f0e", "nbdkit": "#1f77b4", "qemu-nbd": "#2ca02c"}
 MARKERS = {"skiff-native": "o", "skiff-nbd": "s", "nbdkit": "^", "qemu-nbd": "D"}
 # The batching variants: one fixed colour each, so both panels of a plot agree.
@@ -167,26 +196,31 @@ class Target:
 
 
 def start_target(system, a, scratch):
+    """Start one system's server where servers run (a separate `skiff serve` for skiff, never
+    skiff bench's in-process target, so that it can be placed)."""
     port = free_port()
+    pin = a.pl.server
     if system == "skiff-native" or system in BATCHING_VARIANTS:
         nbd_port = free_port()
-        srv = Server([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--nbd", f"127.0.0.1:{nbd_port}",
-                      "--export", "vol=ram:1G"], port)
+        srv = Server(pin([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--nbd", f"127.0.0.1:{nbd_port}",
+                          "--export", "vol=ram:1G"]), port)
         t = Target(system, srv, [f"--ioengine=external:{a.engine}", f"--target=127.0.0.1:{port}",
                                  "--export=vol"] + BATCHING_VARIANTS.get(system, []), "fio skiff engine")
         t.precondition_uri = f"nbd://127.0.0.1:{nbd_port}/vol"
         t.native_addr = f"127.0.0.1:{port}"
         return t
     if system == "skiff-nbd":
-        srv = Server([a.skiff, "serve", "--no-tcp", "--nbd", f"127.0.0.1:{port}", "--export", "vol=ram:1G"], port)
+        srv = Server(pin([a.skiff, "serve", "--no-tcp", "--nbd", f"127.0.0.1:{port}", "--export", "vol=ram:1G"]),
+                     port)
         uri = f"nbd://127.0.0.1:{port}/vol"
     elif system == "nbdkit":
-        srv = Server(["nbdkit", "--foreground", "--ipaddr", "127.0.0.1", "--port", str(port), "memory", "1G"], port)
+        srv = Server(pin(["nbdkit", "--foreground", "--ipaddr", "127.0.0.1", "--port", str(port), "memory", "1G"]),
+                     port)
         uri = f"nbd://127.0.0.1:{port}/"
     elif system == "qemu-nbd":
         # --shared=0: any number of clients (the thread sweep opens up to 64 connections).
-        srv = Server(["qemu-nbd", "--persistent", "--shared=0", "--bind", "127.0.0.1", "--port", str(port),
-                      "--format", "raw", scratch], port)
+        srv = Server(pin(["qemu-nbd", "--persistent", "--shared=0", "--bind", "127.0.0.1", "--port", str(port),
+                          "--format", "raw", scratch]), port)
         uri = f"nbd://127.0.0.1:{port}/"
     else:
         raise ValueError(system)
@@ -258,7 +292,7 @@ def measure(target, a, *, rw, bs="4k", qd=1, numjobs=1, rwmixread=None, runtime=
         raise RuntimeError(f"{target.system} server exited")
     c0 = cpu_s(target.pid)
     t0 = time.time()
-    d, tree_cpu = run_fio(argv)
+    d, tree_cpu = run_fio(a.pl.client(argv))
     wall = time.time() - t0
     server_cpu = cpu_s(target.pid) - c0
     jobs = d["jobs"]
@@ -328,7 +362,7 @@ def measure_stages(target, a, *, rw, bs, qd):
         raise RuntimeError(f"{target.system} server exited")
     c0 = cpu_s(target.pid)
     t0 = time.time()
-    r = run_skiff_bench(argv, a.runtime)
+    r = run_skiff_bench(a.pl.client(argv), a.runtime)
     wall = time.time() - t0
     server_cpu = cpu_s(target.pid) - c0
     ios, secs = r["ios"], r["duration_s"]
@@ -405,7 +439,8 @@ def plan(a):
 
 
 def run_estimate(a, exp):
-    """Seconds one run takes here: its runtime plus fio's start-up (forking and connecting jobs)."""
+    """Seconds one run (one repetition) takes here: its runtime plus fio's start-up (forking and
+    connecting jobs)."""
     if exp == "sizes":
         return a.interval * (a.streams + 1) + 0.8
     return a.runtime + (0.9 if exp == "threads" else 0.35)
@@ -567,11 +602,19 @@ def stages_table(records, plots):
 def write_report(outdir, a, meta, records, plots):
     link = meta.get("link", {}).get("bytes_per_s")
     L = []
-    L.append(f"# skiff benchmark suite: {meta['started']}\n")
+    L.append(f"# skiff benchmark suite: {meta['started']} ({placement_short(meta)}, {reps_short(meta)})\n")
     m = meta["machine"]
+    n_rep = meta.get("repeat", 1)
     L.append(f"Machine: {m['cores']} cores ({m['cpu']}), {(m['mem_bytes'] or 0) / 2**30:.0f} GiB, Linux "
              f"{m['kernel']}, loopback TCP. Mode: {'--quick' if a.quick else 'full'}, {a.runtime} s per point. "
              f"Systems: {', '.join(meta['systems'])}.  ")
+    pinned = (meta.get("placement") or {}).get("mode", "none") != "none"
+    L.append(f"**Placement**: {placement_long(meta)}" + (", with `taskset -c`; the link reference is placed the same "
+                                                          "way.  " if pinned else ".  "))
+    L.append(f"**Repetitions**: {n_rep} per point, the systems alternating within each round"
+             + ("; every figure below is the median of its repetitions, figure by figure (records.jsonl keeps "
+                "each repetition under `repetitions`).  " if n_rep > 1 else
+                "; one repetition, so the figures are single runs, not medians.  "))
     L.append("Tools: " + "; ".join(f"{k}: {v}" for k, v in meta["versions"].items() if v) + ".  ")
     L.append(f"Command: `{meta['command']}`; wall time {meta.get('wall_s', 0) / 60:.1f} min.\n")
     if meta.get("link"):
@@ -616,6 +659,11 @@ def write_report(outdir, a, meta, records, plots):
         for r in errs:
             L.append(f"| {point_label(exp, r['point'])} | {r['system']} | failed: {r['error'][:80]} |"
                      + " |" * 12)
+        for r in recs:
+            if r.get("rep_errors"):
+                L.append(f"\n{point_label(exp, r['point'])}, {r['system']}: {len(r['rep_errors'])} of "
+                         f"{r.get('repeat', 1)} repetitions failed ({r['rep_errors'][0][:80]}); the median is of "
+                         f"the rest.")
         L.append("")
         if exp == "sizes":
             L.append("Per phase (average over the phase's 0.5 s windows):\n")
@@ -632,8 +680,9 @@ def write_report(outdir, a, meta, records, plots):
             L += stages_table([r for r in records if r["experiment"] == exp and from_skiff_bench(r)],
                               plots.get("qd1-stages", []))
     L.append("## Notes\n")
-    L.append("- Systems alternate at every point (the order rotates from point to point), so drift on this "
-             "shared machine spreads over all of them; compare ratios within one run.")
+    L.append("- Systems alternate at every point (the order rotates from point to point and from repetition to "
+             "repetition), so drift on this shared machine spreads over all of them; compare ratios within one "
+             "run.")
     L.append("- \"cores busy\" is CPU seconds per second of the run, all fio jobs together / the server. On two "
              "cores a fio job near 1.0 is the bottleneck: it polls or works flat out, and its CPU per I/O is then "
              "one core divided by its IOPS, not a cost the server imposes. fio's nbd engine (libnbd) and skiff's "
@@ -657,7 +706,8 @@ def plot_all(outdir, a, meta, records):
 
     plots = {}
     systems = meta["systems"]
-    sub = f"{TITLE_MACHINE}, fio, {a.runtime} s per point"
+    machine_title = title_machine(meta)
+    sub = f"{machine_title}, fio, {a.runtime} s per point"
     kfmt = FuncFormatter(lambda v, _: f"{v / 1000:,.0f}K" if v >= 1000 else f"{v:,.0f}")
 
     def ok(exp):
@@ -782,7 +832,7 @@ def plot_all(outdir, a, meta, records):
         axes[1].set_ylabel("128 KiB streams, MB/s")
         axes[1].set_title("128 KiB reads (all streams)")
         fig.suptitle(f"Mixed sizes over time: 32x4 KiB + 1 x 128 KiB stream per {T} s "
-                     f"({TITLE_MACHINE}, fio, 0.5 s windows)")
+                     f"({machine_title}, fio, 0.5 s windows)")
         save(fig, "sizes.png", "sizes")
 
     # QD 1 latency and CPU by size.
@@ -821,7 +871,7 @@ def plot_all(outdir, a, meta, records):
     # QD 1 per-stage breakdown of skiff-native, from skiff bench.
     recs = [r for r in records if r["experiment"] == "qd1" and from_skiff_bench(r) and "error" not in r]
     if recs:
-        save(plot_qd1_stages(plt, recs, a), "qd1-stages.png", "qd1-stages")
+        save(plot_qd1_stages(plt, recs, a, machine_title), "qd1-stages.png", "qd1-stages")
     return plots
 
 
@@ -857,7 +907,7 @@ def stage_panel(ax, by_bs, sizes, keys):
     ax.grid(True, axis="x", alpha=0.3)
 
 
-def plot_qd1_stages(plt, recs, a):
+def plot_qd1_stages(plt, recs, a, machine_title):
     """skiff bench's per-stage breakdown at QD 1: a panel per direction, a bar per size."""
     rws = list(dict.fromkeys(r["point"]["rw"] for r in recs))
     sizes = sorted({r["point"]["bs"] for r in recs}, key=size_bytes)
@@ -873,7 +923,7 @@ def plot_qd1_stages(plt, recs, a):
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     overlap = any((r["stages_us"].get("elsewhere") or 0) < 0 for r in recs)
     fig.suptitle(f"QD 1 per-stage breakdown: skiff-native, random, 1 thread "
-                 f"({TITLE_MACHINE}, skiff bench, {a.runtime} s per point)"
+                 f"({machine_title}, skiff bench, {a.runtime} s per point)"
                  + ("\nstages overlapped where the mean mark sits inside its bar (elsewhere < 0, drawn as 0)"
                     if overlap else ""))
     fig.tight_layout(rect=(0, 0.07, 1, 1))
@@ -886,7 +936,8 @@ def plot_qd1_stages(plt, recs, a):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--quick", action="store_true", help="a few points, 2 s each, 3 systems: about two minutes")
+    p.add_argument("--quick", action="store_true",
+                   help="a few points, 2 s each, 3 systems, one repetition (no median): about two minutes")
     p.add_argument("--systems", help=f"comma-separated, from {','.join(SYSTEMS)}")
     p.add_argument("--experiments", default=",".join(EXPERIMENTS), help=f"from {','.join(EXPERIMENTS)}")
     p.add_argument("--runtime", type=int, help="seconds per point (default 4, --quick 2)")
@@ -898,7 +949,12 @@ def main():
     p.add_argument("--out", default="bench/results")
     p.add_argument("--dry-run", action="store_true", help="print the runs and the time estimate, run nothing")
     p.add_argument("--replot", metavar="DIR", help="redo report.md and the plots from DIR's records")
+    add_placement_args(p, "runs per point, systems alternating in each round; each figure reported is the median "
+                          "(default 3, --quick 1)")
     a = p.parse_args()
+    a.repeat = a.repeat if a.repeat is not None else (1 if a.quick else 3)
+    if a.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
     a.runtime = a.runtime or (2 if a.quick else 4)
     a.interval = a.interval or (2 if a.quick else 4)
     a.streams = a.streams if a.streams is not None else (2 if a.quick else 3)
@@ -910,6 +966,8 @@ def main():
         with open(os.path.join(a.replot, "records.jsonl")) as f:
             records = [json.loads(l) for l in f if l.strip()]
         a.quick, a.runtime = meta["quick"], meta["runtime_s"]
+        # the placement and repetitions of the run being replotted, not of this command line
+        a.repeat = meta.get("repeat", 1)
         plots = plot_all(a.replot, a, meta, records)
         write_report(a.replot, a, meta, records, plots)
         log(f"rewrote {a.replot}/report.md")
@@ -924,14 +982,19 @@ def main():
         if e not in EXPERIMENTS:
             raise SystemExit(f"unknown experiment {e}: choose from {','.join(EXPERIMENTS)}")
     a.skiff, a.engine = os.path.abspath(a.skiff), os.path.abspath(a.engine)
+    a.pl = Placement.from_args(a)  # refuses a placement this machine cannot give
+    reps_text = (f"{a.repeat} repetitions per point, median reported" if a.repeat > 1 else
+                 "1 repetition per point (no median)" + (": --quick; --repeat 3 for medians" if a.quick else ""))
+    log(f"placement: {a.pl.describe()}; {reps_text}")
     if a.dry_run:
         pl = plan(a)
         for e in exps:
             log(f"{e}: " + "; ".join(point_label(e, pt) for pt, _ in pl[e]))
         n = sum(len(pl[e]) for e in exps)
-        total = sum(len(runners(e, systems)) for e in exps for _ in pl[e])
-        est = sum(run_estimate(a, e) * len(runners(e, systems)) for e in exps for _ in pl[e])
-        log(f"{len(systems)} systems x {n} points = {total} runs, about {est / 60 + 0.5:.1f} min")
+        total = sum(len(runners(e, systems)) for e in exps for _ in pl[e]) * a.repeat
+        est = sum(run_estimate(a, e) * len(runners(e, systems)) for e in exps for _ in pl[e]) * a.repeat
+        log(f"{len(systems)} systems x {n} points x {a.repeat} repetition{'s' if a.repeat > 1 else ''} = {total} runs, "
+            f"about {est / 60 + 0.5:.1f} min")
         return 0
     ensure_needs(a, systems)
     # SIGTERM unwinds like Ctrl-C, through the finally that stops every server.
@@ -942,7 +1005,7 @@ def main():
     os.makedirs(outdir, exist_ok=True)
     meta = {"started": started, "command": " ".join(["python3"] + sys.argv), "quick": a.quick,
             "runtime_s": a.runtime, "systems": systems, "experiments": exps, "machine": machine(),
-            "versions": versions()}
+            "versions": versions(), "placement": a.pl.record(), "repeat": a.repeat}
     try:
         meta["skiff_git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                            text=True).stdout.strip()
@@ -955,10 +1018,11 @@ def main():
 
     pl = plan(a)
     runs = [(e, pt, kw) for e in exps for pt, kw in pl[e]]
-    total_runs = sum(len(runners(e, systems)) for e, _, _ in runs)
-    est = sum(run_estimate(a, e) * len(runners(e, systems)) for e, _, _ in runs)
-    log(f"skiff suite -> {outdir}: {len(systems)} systems x {len(runs)} points = {total_runs} runs, "
-        f"about {est / 60 + 0.5:.1f} min")
+    total_runs = sum(len(runners(e, systems)) for e, _, _ in runs) * a.repeat
+    est = sum(run_estimate(a, e) * len(runners(e, systems)) for e, _, _ in runs) * a.repeat
+    log(f"skiff suite -> {outdir}: {len(systems)} systems x {len(runs)} points x {a.repeat} "
+        f"repetition{'s' if a.repeat > 1 else ''} = "
+        f"{total_runs} runs, about {est / 60 + 0.5:.1f} min; placement {a.pl.describe()}")
 
     t_start = time.time()
     records = []
@@ -969,7 +1033,7 @@ def main():
     logdir = tempfile.mkdtemp(prefix="skiff-suite-")
     try:
         log(f"link reference: iperf3 on loopback, {a.link_seconds} s ...")
-        lk = link_reference(a.link_seconds)
+        lk = link_reference(a.link_seconds, a.pl)
         if lk:
             link_samples.append(lk["bytes_per_s"])
             log(f"  {lk['bytes_per_s'] / 1e9:.2f} GB/s = {lk['payloads_4k_per_s'] / 1e6:.2f} M 4 KiB payloads/s")
@@ -980,7 +1044,7 @@ def main():
             t0 = time.time()
             t = start_target(s, a, scratch.name if scratch else None)
             targets[s] = t
-            precondition(t.precondition_uri)
+            precondition(t.precondition_uri, a.pl)
             log(f"started {s} (pid {t.pid}) and wrote its 1 GiB volume in {time.time() - t0:.1f} s")
         link_bps = link_samples[0] if link_samples else None
 
@@ -989,37 +1053,57 @@ def main():
         t_runs = time.time()
         for pi, (exp, pt, kw) in enumerate(runs):
             rs = runners(exp, systems)
-            order = rs[pi % len(rs):] + rs[:pi % len(rs)]
-            for s, client in order:
-                n += 1
-                who = f"{s} ({client})" if client else s
-                label = f"[{n:>3}/{total_runs}] {exp:<7} {point_label(exp, pt):<24} {who:<{who_width}}"
+            good = {r: [] for r in rs}
+            errors = {r: [] for r in rs}
+            for rep in range(a.repeat):
+                # the order rotates from point to point and from round to round
+                for s, client in rotate(rs, pi + rep):
+                    n += 1
+                    who = f"{s} ({client})" if client else s
+                    label = (f"[{n:>3}/{total_runs}] {exp:<7} {point_label(exp, pt):<24} {who:<{who_width}} "
+                             f"rep {rep + 1}/{a.repeat}")
+                    try:
+                        if client == SKIFF_BENCH:
+                            r = measure_stages(targets[s], a, **kw)
+                        elif exp == "sizes":
+                            r = run_sizes(targets[s], a, logdir)
+                        else:
+                            r = measure(targets[s], a, **kw)
+                        r["time"] = time.strftime("%H:%M:%S")
+                        if link_bps:
+                            r["link_util"] = r["bw_bytes_s"] / link_bps
+                        good[(s, client)].append(r)
+                        el = time.time() - t_runs
+                        eta = el / n * (total_runs - n)
+                        log(f"{label} {r['iops']:>9,.0f} IOPS {r['lat_mean_us']:>8.1f} µs mean "
+                            f"{r['lat_p99_us'] or 0:>8.1f} p99  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
+                            f"{r['server_cpu_us_per_io']:.2f}  (eta {eta / 60:.1f} min)")
+                    except RuntimeError as e:
+                        errors[(s, client)].append(str(e))
+                        log(f"{label} FAILED: {str(e).splitlines()[0][:200]}")
+                        if not targets[s].alive():
+                            log(f"  {s} exited: restarting it")
+                            targets[s].server.stop()
+                            targets[s] = start_target(s, a, scratch.name if scratch else None)
+                            precondition(targets[s].precondition_uri, a.pl)
+            for s, client in rs:
                 rec = {"experiment": exp, "system": s, "point": pt, "runtime_s": a.runtime,
                        "time": time.strftime("%H:%M:%S")}
                 if client:
                     rec["client"] = client
-                try:
-                    if client == SKIFF_BENCH:
-                        rec.update(measure_stages(targets[s], a, **kw))
-                    elif exp == "sizes":
-                        rec.update(run_sizes(targets[s], a, logdir))
-                    else:
-                        rec.update(measure(targets[s], a, **kw))
-                    if link_bps:
-                        rec["link_util"] = rec["bw_bytes_s"] / link_bps
-                    el = time.time() - t_runs
-                    eta = el / n * (total_runs - n)
-                    log(f"{label} {rec['iops']:>9,.0f} IOPS {rec['lat_mean_us']:>8.1f} µs mean "
-                        f"{rec['lat_p99_us'] or 0:>8.1f} p99  CPU µs/IO {rec['client_cpu_us_per_io']:.2f} + "
-                        f"{rec['server_cpu_us_per_io']:.2f}  (eta {eta / 60:.1f} min)")
-                except RuntimeError as e:
-                    rec["error"] = str(e)
-                    log(f"{label} FAILED: {str(e).splitlines()[0][:200]}")
-                    if not targets[s].alive():
-                        log(f"  {s} exited: restarting it")
-                        targets[s].server.stop()
-                        targets[s] = start_target(s, a, scratch.name if scratch else None)
-                        precondition(targets[s].precondition_uri)
+                reps = good[(s, client)]
+                if reps:
+                    rec.update(median_record(reps))
+                    rec["time"] = reps[0]["time"]
+                    if a.repeat > 1:
+                        who = f"{s} ({client})" if client else s
+                        log(f"{'':>9} {exp:<7} {point_label(exp, pt):<24} {who:<{who_width}} median of {len(reps)}"
+                            f" {rec['iops']:>9,.0f} IOPS {rec['lat_mean_us']:>8.1f} µs mean")
+                else:
+                    rec["error"] = errors[(s, client)][0]
+                if errors[(s, client)]:
+                    rec["rep_errors"] = errors[(s, client)]
+                rec.update(placement=a.pl.record(), repeat=a.repeat, repetitions=reps)
                 records.append(rec)
                 recfile.write(json.dumps(rec) + "\n")
                 recfile.flush()
@@ -1032,18 +1116,19 @@ def main():
             scratch.close()
         recfile.close()
         shutil.rmtree(logdir, ignore_errors=True)
-    lk2 = link_reference(a.link_seconds)
+    lk2 = link_reference(a.link_seconds, a.pl)
     if lk2:
         link_samples.append(lk2["bytes_per_s"])
         log(f"  {lk2['bytes_per_s'] / 1e9:.2f} GB/s")
     if link_samples:
         bps = sum(link_samples) / len(link_samples)
         meta["link"] = {"bytes_per_s": bps, "payloads_4k_per_s": bps / 4096, "samples_bytes_per_s": link_samples,
-                        "seconds": a.link_seconds, "tool": "iperf3 -c 127.0.0.1"}
+                        "seconds": a.link_seconds, "tool": "iperf3 -c 127.0.0.1", "placement": a.pl.record()}
         # utilisation against the mean of both samples
         for r in records:
-            if "bw_bytes_s" in r:
-                r["link_util"] = r["bw_bytes_s"] / bps
+            for x in [r] + r.get("repetitions", []):
+                if "bw_bytes_s" in x:
+                    x["link_util"] = x["bw_bytes_s"] / bps
         with open(os.path.join(outdir, "records.jsonl"), "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
@@ -1054,7 +1139,7 @@ def main():
     write_report(outdir, a, meta, records, plots)
     log(f"done in {meta['wall_s'] / 60:.1f} min: {outdir}/report.md, records.jsonl, "
         f"{sum(len(v) for v in plots.values())} plots")
-    return 1 if any("error" in r for r in records) else 0
+    return 1 if any("error" in r or r.get("rep_errors") for r in records) else 0
 
 
 if __name__ == "__main__":
