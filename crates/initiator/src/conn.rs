@@ -95,7 +95,7 @@ impl Conn {
         let spare = self.rx.spare();
         let cap = cap.min(spare.len());
         let started = Instant::now();
-        let got = self.stream.recv_vectored(&mut [IoSliceMut::new(&mut spare[..cap])]);
+        let got = FrameIo::recv(&mut self.stream, &mut [IoSliceMut::new(&mut spare[..cap])]);
         self.recv_ns += started.elapsed().as_nanos() as u64;
         let n = received(got)?;
         self.rx.commit(n);

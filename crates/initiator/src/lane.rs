@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use proto::caravan::Doorbell;
 use proto::client::{ClientSession, SessionConfig, SessionStats, Submission, SubmitError};
-use transport::Endpoint;
+use transport::{Endpoint, FrameIo};
 use wire::{ExportInfo, FrameKind, Limits, Opcode, ReqFlags, Status};
 
 use crate::conn::Conn;
@@ -463,7 +463,7 @@ fn receive<B: IoBuf>(conn: &mut Conn, session: &mut ClientSession<B>) -> Result<
             used += 1;
         }
         let started = Instant::now();
-        let got = conn.stream.recv_vectored(&mut iov[..used]);
+        let got = FrameIo::recv(&mut conn.stream, &mut iov[..used]);
         conn.recv_ns += started.elapsed().as_nanos() as u64;
         (crate::conn::received(got)?, direct_len)
     };

@@ -11,9 +11,8 @@ use std::io::{self, IoSlice};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use engine::front::{nbd::NbdConn, Link, Sink};
+use engine::front::{native::NativeConn, nbd::NbdConn, Link, Sink};
 use engine::{Export, Io, RegionBytes};
-use proto::server::ServerSession;
 use transport::{FrameBuffer, FrameIo, Stream};
 use wire::Status;
 
@@ -280,7 +279,7 @@ pub enum Protocol {
 }
 
 enum Kind {
-    Native(ServerSession),
+    Native(NativeConn),
     Nbd(Box<NbdConn>),
 }
 
@@ -309,7 +308,7 @@ impl Conn {
                 tx.append(&greeting);
                 Kind::Nbd(Box::new(conn))
             }
-            _ => Kind::Native(ServerSession::new(shared.config.limits)),
+            _ => Kind::Native(NativeConn::new(shared.config.limits)),
         };
         Conn { stream, peer, rx: FrameBuffer::new(), tx, closing: false, kind }
     }
@@ -371,7 +370,7 @@ impl Conn {
         let Conn { rx, tx, closing, peer, kind, .. } = self;
         let mut link = Link { rx, tx, closing, peer, stats: &stats.front };
         match kind {
-            Kind::Native(session) => engine::front::native::process(session, &mut link, shared),
+            Kind::Native(conn) => conn.process(&mut link, shared),
             Kind::Nbd(conn) => conn.process(&mut link, shared),
         }
     }
@@ -397,7 +396,7 @@ mod tests {
     }
 
     impl FrameIo for Trickle {
-        fn fill(&mut self, _: &mut FrameBuffer) -> io::Result<usize> {
+        fn recv(&mut self, _: &mut [std::io::IoSliceMut<'_>]) -> io::Result<usize> {
             unreachable!("only sends here")
         }
         fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {

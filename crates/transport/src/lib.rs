@@ -1,8 +1,9 @@
 //! Moving frames between peers.
 //!
 //! Transports know frame boundaries (the 24-byte header says how long a frame is) and nothing
-//! else of the protocol. The seam is [`FrameIo`]: pull whatever the OS has into a
-//! [`FrameBuffer`], push a gather list of byte slices out. TCP and Unix stream sockets
+//! else of the protocol. The seam is [`FrameIo`]: receive into a scatter list (read data straight
+//! into callers' buffers, the rest into a [`FrameBuffer`]), push a gather list of byte slices
+//! out. TCP and Unix stream sockets
 //! implement it here, for the target's event loop ([`Stream`], non-blocking under `mio`) and
 //! for the initiator's lanes ([`ClientStream`]); a datagram transport with its own reliable,
 //! in-order delivery implements the same trait by placing each delivered frame's bytes into the
@@ -15,13 +16,19 @@ pub use endpoint::Endpoint;
 pub use stream::{wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
 pub use wire::{FrameBuffer, FrameRef};
 
-use std::io::{self, IoSlice};
+use std::io::{self, IoSlice, IoSliceMut};
 
-/// A connection that carries frames.
+/// A connection that carries frames. Non-blocking: `WouldBlock` means "not now".
 pub trait FrameIo {
-    /// Move bytes the OS holds into `rx`. `Ok(0)` means the peer closed; `WouldBlock` means
-    /// nothing is there now.
-    fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize>;
+    /// Receive what is there into `bufs`, filling them in order. `Ok(0)` means the peer
+    /// closed; `WouldBlock` means nothing is there now.
+    fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize>;
     /// Send from the gather list what the OS takes now; returns the bytes taken.
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize>;
+    /// Move what is there into `rx`'s spare room; as [`recv`](Self::recv).
+    fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
+        let n = self.recv(&mut [IoSliceMut::new(rx.spare())])?;
+        rx.commit(n);
+        Ok(n)
+    }
 }

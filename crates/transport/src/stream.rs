@@ -27,6 +27,15 @@ fn fill_from(r: &mut impl Read, rx: &mut FrameBuffer) -> io::Result<usize> {
     }
 }
 
+fn recv_from(r: &mut impl Read, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+    loop {
+        match r.read_vectored(bufs) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            other => return other,
+        }
+    }
+}
+
 fn send_to(w: &mut impl Write, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
     loop {
         match w.write_vectored(bufs) {
@@ -133,6 +142,12 @@ impl Stream {
 }
 
 impl FrameIo for Stream {
+    fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => recv_from(s, bufs),
+            Stream::Unix(s) => recv_from(s, bufs),
+        }
+    }
     fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => fill_from(s, rx),
@@ -200,23 +215,6 @@ impl ClientStream {
     }
 }
 
-impl ClientStream {
-    /// One vectored receive into `bufs`, filled in order: read data straight into the buffers
-    /// callers posted, and whatever follows into the frame buffer. Retries on EINTR.
-    pub fn recv_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        loop {
-            let got = match self {
-                ClientStream::Tcp(s) => s.read_vectored(bufs),
-                ClientStream::Unix(s) => s.read_vectored(bufs),
-            };
-            match got {
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                other => return other,
-            }
-        }
-    }
-}
-
 impl AsRawFd for ClientStream {
     fn as_raw_fd(&self) -> RawFd {
         match self {
@@ -227,6 +225,14 @@ impl AsRawFd for ClientStream {
 }
 
 impl FrameIo for ClientStream {
+    /// One vectored receive: read data straight into the buffers callers posted, and whatever
+    /// follows into the frame buffer.
+    fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        match self {
+            ClientStream::Tcp(s) => recv_from(s, bufs),
+            ClientStream::Unix(s) => recv_from(s, bufs),
+        }
+    }
     fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
         match self {
             ClientStream::Tcp(s) => fill_from(s, rx),

@@ -19,8 +19,54 @@ use super::{FrontStats, Host, Link, Sink};
 use crate::stats::bump;
 use crate::{Export, Io};
 
-/// Handle every frame that has arrived whole on a native connection.
-pub fn process<S: Sink + ?Sized>(session: &mut ServerSession, link: &mut Link<'_, S>, host: &impl Host) {
+/// One native connection's protocol state on the target.
+#[derive(Debug)]
+pub struct NativeConn {
+    session: ServerSession,
+    #[cfg(feature = "mutations")]
+    mutation: mutation::Mutation,
+    #[cfg(feature = "mutations")]
+    deferred: Vec<(Io, Vec<u8>)>,
+}
+
+impl NativeConn {
+    /// A connection that will offer `limits` in the handshake.
+    pub fn new(limits: wire::Limits) -> NativeConn {
+        NativeConn {
+            session: ServerSession::new(limits),
+            #[cfg(feature = "mutations")]
+            mutation: mutation::Mutation::None,
+            #[cfg(feature = "mutations")]
+            deferred: Vec::new(),
+        }
+    }
+
+    /// Plant a bug, for the simulator's proof that it catches them.
+    #[cfg(feature = "mutations")]
+    pub fn set_mutation(&mut self, mutation: mutation::Mutation) {
+        self.mutation = mutation;
+    }
+
+    /// Handle every frame that has arrived whole.
+    pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
+        #[cfg(feature = "mutations")]
+        let NativeConn { session, mutation, deferred } = self;
+        #[cfg(feature = "mutations")]
+        let mut bug = mutation::Bug { mutation: *mutation, deferred };
+        #[cfg(not(feature = "mutations"))]
+        let NativeConn { session } = self;
+        #[cfg(not(feature = "mutations"))]
+        let mut bug = mutation::Bug(std::marker::PhantomData);
+        process(session, link, host, &mut bug);
+    }
+}
+
+fn process<S: Sink + ?Sized>(
+    session: &mut ServerSession,
+    link: &mut Link<'_, S>,
+    host: &impl Host,
+    bug: &mut mutation::Bug<'_>,
+) {
     while !*link.closing {
         let f = match link.rx.next_frame(|h| session.admit(h)) {
             Ok(Some(f)) => f,
@@ -51,7 +97,10 @@ pub fn process<S: Sink + ?Sized>(session: &mut ServerSession, link: &mut Link<'_
             Inbound::Stats => {
                 link.tx.append(&frame(FrameKind::StatsReply, &host.stats_reply().encode()));
             }
-            Inbound::Requests(caravan) => execute_caravan(&caravan, session, link.tx, host, link.stats),
+            Inbound::Requests(caravan) => {
+                bug.before_caravan(host);
+                execute_caravan(&caravan, session, link.tx, host, link.stats, bug);
+            }
             Inbound::GoAway(goaway) => {
                 // The initiator is done: what it sent before is answered (it was executed in
                 // order), then the connection closes with nothing more said.
@@ -151,6 +200,7 @@ fn execute_caravan<S: Sink + ?Sized>(
     tx: &mut S,
     host: &impl Host,
     stats: &FrontStats,
+    bug: &mut mutation::Bug<'_>,
 ) {
     stats.record_caravan(caravan.len());
     let limits = session.limits();
@@ -175,10 +225,72 @@ fn execute_caravan<S: Sink + ?Sized>(
                 let status = out.read(tx, export, &io, stats);
                 (status, if status.is_ok() { req.length } else { 0 })
             }
-            Ok(export) => (crate::execute(export, &io, payload, &mut []), 0),
+            Ok(export) => match bug.write(req.handle, &io, payload) {
+                Some(status) => (status, 0),
+                None => (crate::execute(export, &io, payload, &mut []), 0),
+            },
         };
         stats.ops.record(req.opcode, req.length, status);
         out.push(tx, Completion { tag: req.tag, status, data_len });
     }
     out.seal(tx, stats);
+}
+
+/// Deliberately broken variants, compiled only for the simulator's proof that it catches them
+/// (feature `mutations`); without the feature every hook is an empty inline function.
+#[cfg(feature = "mutations")]
+pub mod mutation {
+    use super::Host;
+    use crate::Io;
+
+    /// A planted bug of the native front end.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Mutation {
+        None,
+        /// Acknowledge a write at once and execute it only when the next caravan arrives: a
+        /// write acknowledged before it reached the backend, lost if the connection drops.
+        AckBeforeBackend,
+    }
+
+    pub(super) struct Bug<'a> {
+        pub mutation: Mutation,
+        pub deferred: &'a mut Vec<(Io, Vec<u8>)>,
+    }
+
+    impl Bug<'_> {
+        pub fn before_caravan(&mut self, host: &impl Host) {
+            let Some(export) = host.exports().get(0) else { return };
+            for (io, data) in self.deferred.drain(..) {
+                crate::execute(export, &io, &data, &mut []);
+            }
+        }
+
+        /// Some(status) when the bug answered the write instead of the backend.
+        pub fn write(&mut self, handle: u32, io: &Io, payload: &[u8]) -> Option<wire::Status> {
+            if self.mutation != Mutation::AckBeforeBackend || io.opcode != wire::Opcode::Write || handle != 0
+            {
+                return None;
+            }
+            self.deferred.push((*io, payload.to_vec()));
+            Some(wire::Status::Ok)
+        }
+    }
+}
+
+#[cfg(not(feature = "mutations"))]
+mod mutation {
+    use super::Host;
+    use crate::Io;
+
+    pub(super) struct Bug<'a>(pub std::marker::PhantomData<&'a ()>);
+
+    impl Bug<'_> {
+        #[inline(always)]
+        pub fn before_caravan(&mut self, _: &impl Host) {}
+
+        #[inline(always)]
+        pub fn write(&mut self, _: u32, _: &Io, _: &[u8]) -> Option<wire::Status> {
+            None
+        }
+    }
 }

@@ -8,6 +8,8 @@ mod session;
 
 pub use handshake::{expect, handle_open_reply, ClientHandshake};
 pub use outbox::Outbox;
+#[cfg(feature = "mutations")]
+pub use session::Mutation;
 pub use session::{
     Batching, ClientSession, Completion, IoBuf, Refused, RxProgress, SessionConfig, SessionStats, Submission,
     SubmitError, DIRECT_OFF, LEVEL_LOG_MAX,

@@ -37,6 +37,20 @@ use crate::caravan::Doorbell;
 use crate::slots::SlotTable;
 use crate::ProtoError;
 
+/// Names a planted bug where the feature exists, and nothing where it does not.
+#[cfg(feature = "mutations")]
+macro_rules! mutation {
+    ($m:ident) => {
+        Mutation::$m
+    };
+}
+#[cfg(not(feature = "mutations"))]
+macro_rules! mutation {
+    ($m:ident) => {
+        ()
+    };
+}
+
 /// A buffer a session can hold for a request until it completes: write data is sent from it,
 /// read data lands in it. `Vec<u8>` is the usual one; the C API passes the caller's memory.
 pub trait IoBuf: AsRef<[u8]> + AsMut<[u8]> {}
@@ -178,6 +192,24 @@ pub struct ClientSession<B> {
     direct_min_bytes: u32,
     broken: bool,
     stats: SessionStats,
+    #[cfg(feature = "mutations")]
+    mutation: Mutation,
+}
+
+/// Deliberately broken variants of the session, compiled only for the simulator's proof that
+/// it catches them (feature `mutations`; never in the product's binaries).
+#[cfg(feature = "mutations")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mutation {
+    None,
+    /// The first two completions of every completion caravan are matched to each other's tag.
+    SwapTags,
+    /// When the connection fails, requests not yet wholly sent are dropped instead of being
+    /// completed with an error: their callers wait forever.
+    ForgetUnsent,
+    /// The doorbell's delay bound is never honoured: a caravan that does not fill waits for the
+    /// next submit or commit.
+    IgnoreDeadline,
 }
 
 impl<B: IoBuf> ClientSession<B> {
@@ -208,7 +240,26 @@ impl<B: IoBuf> ClientSession<B> {
             direct_min_bytes: config.direct_min_bytes,
             broken: false,
             stats: SessionStats::default(),
+            #[cfg(feature = "mutations")]
+            mutation: Mutation::None,
         }
+    }
+
+    /// Plant a bug, for the simulator's proof that it catches them.
+    #[cfg(feature = "mutations")]
+    pub fn set_mutation(&mut self, mutation: Mutation) {
+        self.mutation = mutation;
+    }
+
+    #[cfg(feature = "mutations")]
+    fn mutated(&self, m: Mutation) -> bool {
+        self.mutation == m
+    }
+
+    #[cfg(not(feature = "mutations"))]
+    #[inline(always)]
+    fn mutated(&self, _: ()) -> bool {
+        false
     }
 
     pub fn limits(&self) -> &Limits {
@@ -330,6 +381,9 @@ impl<B: IoBuf> ClientSession<B> {
 
     /// The clock reached `now_us`: close the open caravan if its delay bound has passed.
     pub fn handle_timeout(&mut self, now_us: u64) {
+        if self.mutated(mutation!(IgnoreDeadline)) {
+            return;
+        }
         if self.poll_timeout().is_some_and(|due| now_us >= due) {
             self.seal();
         }
@@ -481,7 +535,18 @@ impl<B: IoBuf> ClientSession<B> {
         }
         let caravan = CompletionCaravan::parse(header, body)?;
         self.stats.completion_caravans += 1;
-        for (c, data) in caravan.iter() {
+        #[cfg(feature = "mutations")]
+        let swapped: Vec<u32> = {
+            let mut tags: Vec<u32> = caravan.iter().map(|(c, _)| c.tag).collect();
+            if self.mutation == Mutation::SwapTags && tags.len() >= 2 {
+                tags.swap(0, 1);
+            }
+            tags
+        };
+        #[cfg_attr(not(feature = "mutations"), allow(unused_variables))]
+        for (i, (c, data)) in caravan.iter().enumerate() {
+            #[cfg(feature = "mutations")]
+            let c = wire::Completion { tag: swapped[i], ..c };
             let want = self.expected_data(&c)?;
             let mut p = self.slots.remove(c.tag).ok_or(ProtoError::UnknownTag(c.tag))?;
             if let Some(buf) = p.buf.as_mut().filter(|_| want > 0) {
@@ -575,8 +640,12 @@ impl<B: IoBuf> ClientSession<B> {
         self.outbox.clear();
         self.first_queued_us = None;
         self.reads = ReadsInFlight::default();
+        let forget_unsent = self.mutated(mutation!(ForgetUnsent));
         let placed = self.placement.take().map(|p| p.pending);
         for p in placed.chain(self.slots.drain()) {
+            if forget_unsent && !p.sent {
+                continue;
+            }
             self.done.push_back(Completion {
                 user_data: p.user_data,
                 opcode: p.opcode,

@@ -1,0 +1,143 @@
+//! `skiff-sim`: run the deterministic simulation over many seeds.
+//!
+//! ```text
+//! cargo run --release -p skiff-sim -- --seeds 1000                 # seeds 0..1000, all faults
+//! cargo run --release -p skiff-sim -- --seed 4242 --faults net     # replay one seed
+//! cargo run --release -p skiff-sim -- --seeds 100 --planted swap-tags   # show a planted bug caught
+//! ```
+//!
+//! Every failing seed is printed with the command that replays it; the last line is
+//! `N seeds, M failed`, and the exit status is 1 when M > 0.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use skiff_sim::disk::DiskFaults;
+use skiff_sim::faults::NetFaults;
+use skiff_sim::{run, Options, Planted, Report};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Faults {
+    All,
+    None,
+    Net,
+    Disk,
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Deterministic simulation of a skiff initiator and target with faults")]
+struct Args {
+    /// Run seeds `first..first+N`.
+    #[arg(long, default_value_t = 100)]
+    seeds: u64,
+    /// The first seed of the range (with --seeds), or the one seed to replay (alone).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Which faults to inject.
+    #[arg(long, value_enum, default_value_t = Faults::All)]
+    faults: Faults,
+    /// Requests each run issues.
+    #[arg(long, default_value_t = 300)]
+    ops: usize,
+    /// Plant a known bug (the simulation must catch it).
+    #[arg(long, value_enum, default_value_t = Planted::None)]
+    planted: Planted,
+    /// Print a line for every seed, not only failures.
+    #[arg(long)]
+    verbose: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let (net, disk) = match args.faults {
+        Faults::All => (NetFaults::typical(), DiskFaults::typical()),
+        Faults::None => (NetFaults::NONE, DiskFaults::NONE),
+        Faults::Net => (NetFaults::typical(), DiskFaults::NONE),
+        Faults::Disk => (NetFaults::NONE, DiskFaults::typical()),
+    };
+    let seeds = match (args.seed, std::env::args().any(|a| a == "--seeds")) {
+        (Some(s), false) => s..s + 1,
+        (Some(s), true) => s..s + args.seeds,
+        (None, _) => 0..args.seeds,
+    };
+    let count = seeds.end - seeds.start;
+    let started = Instant::now();
+    let mut last_progress = Instant::now();
+    let mut failed = 0u64;
+    let mut total = Report::default();
+    for (i, seed) in seeds.enumerate() {
+        let opts = Options { seed, ops: args.ops, net, disk, planted: args.planted };
+        match run(&opts) {
+            Ok(r) => {
+                if args.verbose {
+                    println!(
+                        "seed {seed}: ok, {} requests ok, {} failed, {} connections, {} µs virtual",
+                        r.ops_ok, r.ops_failed, r.connections, r.virtual_us
+                    );
+                }
+                add(&mut total, &r);
+            }
+            Err(f) => {
+                failed += 1;
+                println!("{f}");
+                println!(
+                    "  replay: cargo run --release -p skiff-sim -- --seed {seed} --faults {} --ops {}{}",
+                    args.faults.to_possible_value().expect("named").get_name(),
+                    args.ops,
+                    match args.planted {
+                        Planted::None => String::new(),
+                        p => format!(" --planted {}", p.to_possible_value().expect("named").get_name()),
+                    }
+                );
+            }
+        }
+        if last_progress.elapsed().as_secs() >= 5 {
+            eprintln!(
+                "skiff-sim: {}/{count} seeds, {failed} failed, {:.0} s",
+                i + 1,
+                started.elapsed().as_secs_f64()
+            );
+            last_progress = Instant::now();
+        }
+    }
+    let [short, blocked, delayed, disconnects, flips] = total.net_faults;
+    println!(
+        "faults injected: {short} short I/Os, {blocked} would-block bursts, {delayed} delays, {disconnects} disconnects, \
+         {flips} header bit flips ({} caught by a target), {} disk errors",
+        total.goaways, total.disk_errors
+    );
+    println!(
+        "work done: {} requests ok, {} failed; {} connections; {} caravans sent ({:.1} requests each), {} completion \
+         caravans; read data {} KiB placed directly, {} KiB copied",
+        total.ops_ok,
+        total.ops_failed,
+        total.connections,
+        total.caravans_sent,
+        (total.ops_ok + total.ops_failed) as f64 / total.caravans_sent.max(1) as f64,
+        total.completion_caravans,
+        total.read_bytes_placed >> 10,
+        total.read_bytes_copied >> 10
+    );
+    println!("{count} seeds, {failed} failed");
+    if failed > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn add(total: &mut Report, r: &Report) {
+    total.ops_ok += r.ops_ok;
+    total.ops_failed += r.ops_failed;
+    total.connections += r.connections;
+    total.disk_errors += r.disk_errors;
+    total.caravans_sent += r.caravans_sent;
+    total.completion_caravans += r.completion_caravans;
+    total.read_bytes_placed += r.read_bytes_placed;
+    total.read_bytes_copied += r.read_bytes_copied;
+    total.goaways += r.goaways;
+    for (t, n) in total.net_faults.iter_mut().zip(r.net_faults) {
+        *t += n;
+    }
+}

@@ -1,0 +1,783 @@
+//! One seeded run: an initiator session and a target front end, stepped on one thread over a
+//! faulty in-memory pipe and a faulty backend, every read checked against the [`Shadow`].
+//!
+//! Each step advances the virtual clock a little, lets the initiator submit new requests
+//! (never two in flight on the same block, the one ordering a block device leaves to its
+//! user), honours the session's deadline, moves bytes both ways through the pipe, and checks
+//! every completion: read data against the model, statuses against the faults that could
+//! explain them. A connection that dies (a disconnect, a flipped header bit caught by the CRC)
+//! fails its requests with an error and the initiator connects again after a pause; one that
+//! dies without any injected fault is a bug. At the end every request must have completed and
+//! the volume, read directly from the backend, must hold every acknowledged write.
+
+use std::collections::BTreeMap;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use backend::Backend;
+use engine::front::native::mutation::Mutation as TargetMutation;
+use engine::front::native::NativeConn;
+use engine::front::{FrontStats, Host, Link};
+use engine::{BackendSpec, Export, ExportTable};
+use proto::batch::BatchConfig;
+use proto::caravan::Doorbell;
+use proto::client::{
+    Batching, ClientHandshake, ClientSession, Completion, Mutation as ClientMutation, SessionConfig,
+    Submission, SubmitError, DIRECT_OFF,
+};
+use proto::ProtoError;
+use transport::FrameIo;
+use wire::control::CONTROL_BODY_MAX;
+use wire::{FrameBuffer, FrameKind, Header, Limits, Opcode, ReqFlags, Status};
+
+use crate::clock::Clock;
+use crate::disk::{DiskFaults, FaultyBackend};
+use crate::faults::{FaultyIo, NetFaults};
+use crate::pipe::{pipe, PipeEnd};
+use crate::rng::Rng;
+use crate::shadow::{Shadow, BLOCK_BYTES};
+
+/// Blocks in the simulated volume.
+const VOLUME_BLOCKS: usize = 256;
+/// Most blocks one request covers.
+const REQUEST_BLOCKS_MAX: usize = 8;
+/// Steps before a run that has not finished counts as stuck.
+const STEPS_MAX: u64 = 400_000;
+/// Calls of each kind (send, receive) one side makes per step, at most.
+const CALLS_PER_STEP: usize = 8;
+/// Response bytes the target queues before it stops reading, as the server does.
+const TX_BACKLOG_MAX: usize = 1 << 20;
+
+/// A bug to plant, to show that the simulation catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Planted {
+    None,
+    /// Client: the first two completions of a caravan get each other's tag.
+    SwapTags,
+    /// Client: a failed connection drops unsent requests instead of failing them.
+    ForgetUnsent,
+    /// Client: the doorbell's delay bound is never honoured.
+    IgnoreDeadline,
+    /// Target: a write is acknowledged before it reaches the backend.
+    AckBeforeBackend,
+}
+
+impl Planted {
+    pub const ALL: [Planted; 4] =
+        [Planted::SwapTags, Planted::ForgetUnsent, Planted::IgnoreDeadline, Planted::AckBeforeBackend];
+}
+
+/// What one run does.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    pub seed: u64,
+    /// Requests to issue.
+    pub ops: usize,
+    pub net: NetFaults,
+    pub disk: DiskFaults,
+    pub planted: Planted,
+}
+
+/// What a run did, when it passed.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Report {
+    pub ops_ok: u64,
+    pub ops_failed: u64,
+    pub connections: u32,
+    pub steps: u64,
+    pub virtual_us: u64,
+    /// Network faults injected: short, would-block bursts, delays, disconnects, flips.
+    pub net_faults: [u64; 5],
+    pub disk_errors: u64,
+    /// What the initiator's sessions did, summed over connections: caravans sent, completion
+    /// caravans received, read bytes placed directly and copied.
+    pub caravans_sent: u64,
+    pub completion_caravans: u64,
+    pub read_bytes_placed: u64,
+    pub read_bytes_copied: u64,
+    /// Connections the target closed with a GOAWAY (a flipped header bit it caught).
+    pub goaways: u64,
+}
+
+/// Why a run failed.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub seed: u64,
+    pub step: u64,
+    pub virtual_us: u64,
+    pub message: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "seed {} failed at step {} ({} µs): {}",
+            self.seed, self.step, self.virtual_us, self.message
+        )
+    }
+}
+
+/// Run one seed.
+pub fn run(opts: &Options) -> Result<Report, Failure> {
+    let mut sim = Sim::new(opts);
+    let result = sim.run();
+    result.map_err(|message| Failure {
+        seed: opts.seed,
+        step: sim.step,
+        virtual_us: sim.clock.now_us(),
+        message,
+    })
+}
+
+/// One request the initiator has submitted.
+#[derive(Debug, Clone, Copy)]
+struct Op {
+    opcode: Opcode,
+    first: usize,
+    count: usize,
+    /// The generation a write carries (0 for write-zeroes).
+    gen: u32,
+    connection: u32,
+}
+
+struct SimHost {
+    exports: ExportTable,
+    io_bytes_max: u32,
+}
+
+impl Host for SimHost {
+    fn exports(&self) -> &ExportTable {
+        &self.exports
+    }
+    fn io_bytes_max(&self) -> u32 {
+        self.io_bytes_max
+    }
+    fn stats_reply(&self) -> wire::StatsReply {
+        wire::StatsReply { entries: Vec::new() }
+    }
+}
+
+enum ClientState {
+    Hello(ClientHandshake),
+    Open,
+    Ready(Box<ClientSession<Vec<u8>>>),
+}
+
+struct Connection {
+    id: u32,
+    client_io: FaultyIo<PipeEnd>,
+    target_io: FaultyIo<PipeEnd>,
+    client: ClientState,
+    client_rx: FrameBuffer,
+    /// Control frames the client still has to send.
+    client_out: Vec<u8>,
+    /// The limits the handshake agreed, once it has.
+    client_rx_limits: Limits,
+    session_config: SessionConfig,
+    client_mutation: ClientMutation,
+    target: NativeConn,
+    target_rx: FrameBuffer,
+    target_tx: Vec<u8>,
+    target_sent: usize,
+    target_closing: bool,
+    target_closed: bool,
+    target_stats: FrontStats,
+    /// The target's replies wait until then (a slow backend).
+    target_gate_us: u64,
+}
+
+struct Sim {
+    opts: Options,
+    clock: Clock,
+    rng: Rng,
+    shadow: Shadow,
+    host: SimHost,
+    faulty: Arc<FaultyBackend>,
+    volume: Arc<dyn Backend>,
+    session_config: SessionConfig,
+    proposed: Limits,
+    offered: Limits,
+    latency_us: u64,
+    pipe_bytes: usize,
+    conn: Option<Connection>,
+    connections: u32,
+    reconnect_at_us: u64,
+    ops: BTreeMap<u64, Op>,
+    busy: Vec<bool>,
+    issued: usize,
+    next_user_data: u64,
+    done: Vec<Completion<Vec<u8>>>,
+    step: u64,
+    report: Report,
+    /// (virtual µs, user_data, op, what happened) for every request event, so that a failure
+    /// can tell the story of the block it is about.
+    history: Vec<(u64, u64, Op, &'static str)>,
+}
+
+impl Sim {
+    fn new(opts: &Options) -> Sim {
+        let mut rng = Rng::new(opts.seed);
+        let clock = Clock::new();
+        let spec = BackendSpec::Ram { size_bytes: (VOLUME_BLOCKS * BLOCK_BYTES) as u64 };
+        let volume = Export::open("sim", &spec, false).expect("a small RAM volume").backend;
+        let faulty = Arc::new(FaultyBackend::new(volume.clone(), rng.fork(1), opts.disk));
+        let offered = Limits {
+            queue_depth: rng.range(4, 256) as u32,
+            caravan_reqs_max: rng.range(1, 64) as u32,
+            caravan_bytes_max: rng.pick(&[4096, 16384, 2 << 20]),
+            io_bytes_max: rng.pick(&[2048, 4096]),
+        };
+        let exports =
+            ExportTable::new(vec![Export { name: "sim".into(), backend: faulty.clone(), read_only: false }]);
+        let batching = match rng.below(3) {
+            0 => Batching::Off,
+            1 => Batching::Static,
+            _ => Batching::Adaptive(BatchConfig {
+                interval_us: rng.range(200, 2000),
+                ..BatchConfig::default()
+            }),
+        };
+        let session_config = SessionConfig {
+            doorbell: Doorbell {
+                aggregation_reqs: rng.range(1, 16) as u32,
+                aggregation_bytes: rng.pick(&[4096, 16384, 65536]),
+                delay_us: rng.range(0, 300),
+            },
+            batching,
+            direct_min_bytes: rng.pick(&[DIRECT_OFF, 0, 2048]),
+        };
+        let proposed = Limits {
+            queue_depth: rng.range(1, 64) as u32,
+            caravan_reqs_max: rng.range(0, 16) as u32,
+            caravan_bytes_max: rng.pick(&[0, 8192]),
+            io_bytes_max: 0,
+        };
+        Sim {
+            opts: *opts,
+            shadow: Shadow::new(opts.seed, VOLUME_BLOCKS),
+            host: SimHost { exports, io_bytes_max: offered.io_bytes_max },
+            faulty,
+            volume,
+            session_config,
+            proposed,
+            offered,
+            latency_us: rng.range(1, 50),
+            pipe_bytes: rng.pick(&[700, 4096, 65536, 1 << 20]),
+            conn: None,
+            connections: 0,
+            reconnect_at_us: 0,
+            ops: BTreeMap::new(),
+            busy: vec![false; VOLUME_BLOCKS],
+            issued: 0,
+            next_user_data: 1,
+            done: Vec::new(),
+            step: 0,
+            report: Report::default(),
+            history: Vec::new(),
+            rng,
+            clock,
+        }
+    }
+
+    fn run(&mut self) -> Result<Report, String> {
+        while self.step < STEPS_MAX {
+            self.step += 1;
+            let tick = self.rng.range(1, 30);
+            self.clock.advance(tick);
+            if self.conn.is_none() {
+                if self.finished() {
+                    break;
+                }
+                if self.clock.now_us() >= self.reconnect_at_us {
+                    self.connect();
+                }
+                continue;
+            }
+            let failed = self.client_step()?;
+            self.target_step();
+            if let Some(reason) = failed {
+                self.connection_failed(&reason)?;
+            } else if self.finished() {
+                break;
+            }
+        }
+        if !self.finished() {
+            return Err(format!(
+                "stuck: {} of {} requests issued, {} still in flight after {} steps",
+                self.issued,
+                self.opts.ops,
+                self.ops.len(),
+                self.step
+            ));
+        }
+        self.check_volume()?;
+        if let Some(conn) = self.conn.take() {
+            self.count_connection(&conn);
+        }
+        self.report.steps = self.step;
+        self.report.virtual_us = self.clock.now_us();
+        self.report.connections = self.connections;
+        self.report.disk_errors = self.faulty.errors.load(Relaxed);
+        Ok(self.report)
+    }
+
+    fn finished(&self) -> bool {
+        self.issued == self.opts.ops && self.ops.is_empty()
+    }
+
+    fn connect(&mut self) {
+        self.connections += 1;
+        let (client_end, target_end) = pipe(&self.clock, self.latency_us, self.pipe_bytes);
+        let id = self.connections;
+        let hs = ClientHandshake::new(self.proposed);
+        let mut target = NativeConn::new(self.offered);
+        if self.opts.planted == Planted::AckBeforeBackend {
+            target.set_mutation(TargetMutation::AckBeforeBackend);
+        }
+        self.conn = Some(Connection {
+            id,
+            client_io: FaultyIo::new(client_end, self.rng.fork(u64::from(id) * 2), self.opts.net),
+            target_io: FaultyIo::new(target_end, self.rng.fork(u64::from(id) * 2 + 1), self.opts.net),
+            client_out: hs.hello_frame(),
+            client_rx_limits: self.proposed,
+            session_config: self.session_config,
+            client_mutation: match self.opts.planted {
+                Planted::SwapTags => ClientMutation::SwapTags,
+                Planted::ForgetUnsent => ClientMutation::ForgetUnsent,
+                Planted::IgnoreDeadline => ClientMutation::IgnoreDeadline,
+                _ => ClientMutation::None,
+            },
+            client: ClientState::Hello(hs),
+            client_rx: FrameBuffer::new(),
+            target,
+            target_rx: FrameBuffer::new(),
+            target_tx: Vec::new(),
+            target_sent: 0,
+            target_closing: false,
+            target_closed: false,
+            target_stats: FrontStats::default(),
+            target_gate_us: 0,
+        });
+    }
+
+    /// The initiator's turn. Returns why the connection failed, if it did.
+    fn client_step(&mut self) -> Result<Option<String>, String> {
+        let now = self.clock.now_us();
+        let conn = self.conn.as_mut().expect("a connection");
+        if let ClientState::Ready(session) = &mut conn.client {
+            let session = &mut **session;
+            Self::issue(
+                session,
+                &mut self.rng,
+                &mut self.shadow,
+                &mut self.ops,
+                &mut self.busy,
+                &mut self.issued,
+                &mut self.next_user_data,
+                self.opts.ops,
+                conn.id,
+                now,
+                &mut self.history,
+            );
+            if self.rng.chance(5_000) {
+                session.commit();
+            }
+            session.handle_timeout(now);
+            if let Some(due) = session.poll_timeout().filter(|&due| due <= now) {
+                return Err(format!("the open caravan was due at {due} µs and still waits at {now} µs"));
+            }
+        }
+        let failed = client_io(conn, now);
+        if let ClientState::Ready(session) = &mut conn.client {
+            if failed.is_some() {
+                session.handle_closed();
+            }
+            session.take_completions(&mut self.done);
+        }
+        self.check_completions()?;
+        Ok(failed)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn issue(
+        session: &mut ClientSession<Vec<u8>>,
+        rng: &mut Rng,
+        shadow: &mut Shadow,
+        ops: &mut BTreeMap<u64, Op>,
+        busy: &mut [bool],
+        issued: &mut usize,
+        next_user_data: &mut u64,
+        ops_max: usize,
+        connection: u32,
+        now: u64,
+        history: &mut Vec<(u64, u64, Op, &'static str)>,
+    ) {
+        let blocks_max = (session.limits().io_bytes_max as usize / BLOCK_BYTES).clamp(1, REQUEST_BLOCKS_MAX);
+        while *issued < ops_max && session.in_flight() < session.queue_depth() && rng.chance(600_000) {
+            let opcode = match rng.below(100) {
+                0..45 => Opcode::Read,
+                45..88 => Opcode::Write,
+                88..94 => Opcode::WriteZeroes,
+                _ => Opcode::Flush,
+            };
+            let (first, count) = if opcode == Opcode::Flush {
+                (0, 0)
+            } else {
+                let count = rng.range(1, blocks_max as u64) as usize;
+                let first = rng.below((shadow.blocks() - count + 1) as u64) as usize;
+                if busy[first..first + count].iter().any(|&b| b) {
+                    return;
+                }
+                (first, count)
+            };
+            let gen = if opcode == Opcode::Write { shadow.new_gen() } else { 0 };
+            let buf = match opcode {
+                Opcode::Read => Some(vec![0xA5; count * BLOCK_BYTES]),
+                Opcode::Write => Some(shadow.data(first, count, gen)),
+                _ => None,
+            };
+            let mut flags = ReqFlags::empty();
+            if opcode.is_mutating() && rng.chance(200_000) {
+                flags = flags | ReqFlags::FUA;
+            }
+            if rng.chance(50_000) {
+                flags = flags | ReqFlags::NO_DELAY;
+            }
+            let user_data = *next_user_data;
+            let sub = Submission {
+                opcode,
+                flags,
+                offset: (first * BLOCK_BYTES) as u64,
+                length: count * BLOCK_BYTES,
+                buf,
+                user_data,
+            };
+            match session.submit(now, sub) {
+                Ok(()) => {}
+                Err(r) if matches!(r.error, SubmitError::QueueFull(_) | SubmitError::Closed) => return,
+                Err(r) => panic!("the simulation built a request the session refused: {:?}", r.error),
+            }
+            *next_user_data += 1;
+            *issued += 1;
+            busy[first..first + count].fill(true);
+            let op = Op { opcode, first, count, gen, connection };
+            history.push((now, user_data, op, "submitted"));
+            ops.insert(user_data, op);
+        }
+    }
+
+    /// The target's turn: receive, execute, send what the backend has let go.
+    fn target_step(&mut self) {
+        let now = self.clock.now_us();
+        let conn = self.conn.as_mut().expect("a connection");
+        if conn.target_closed {
+            return;
+        }
+        for _ in 0..CALLS_PER_STEP {
+            if conn.target_closing || conn.target_tx.len() - conn.target_sent > TX_BACKLOG_MAX {
+                break;
+            }
+            match conn.target_io.fill(&mut conn.target_rx) {
+                Ok(0) => {
+                    conn.target_closed = true;
+                    return;
+                }
+                Ok(_) => {
+                    let mut link = Link {
+                        rx: &mut conn.target_rx,
+                        tx: &mut conn.target_tx,
+                        closing: &mut conn.target_closing,
+                        peer: "sim",
+                        stats: &conn.target_stats,
+                    };
+                    conn.target.process(&mut link, &self.host);
+                    let slow = self.faulty.take_delay_us();
+                    conn.target_gate_us = conn.target_gate_us.max(now + slow);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    conn.target_closed = true;
+                    return;
+                }
+            }
+        }
+        if now < conn.target_gate_us {
+            return;
+        }
+        for _ in 0..CALLS_PER_STEP {
+            if conn.target_sent == conn.target_tx.len() {
+                break;
+            }
+            match conn.target_io.send(&[IoSlice::new(&conn.target_tx[conn.target_sent..])]) {
+                Ok(n) => conn.target_sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    conn.target_closed = true;
+                    return;
+                }
+            }
+        }
+        if conn.target_sent == conn.target_tx.len() {
+            conn.target_tx.clear();
+            conn.target_sent = 0;
+            if conn.target_closing {
+                // Everything said, the GOAWAY included: close, as the server does.
+                conn.target_io.inner().shutdown();
+                conn.target_closed = true;
+            }
+        }
+    }
+
+    /// The connection died: every request on it must have completed (with an error), and it
+    /// must have died of an injected fault. The initiator connects again after a pause.
+    fn connection_failed(&mut self, reason: &str) -> Result<(), String> {
+        let conn = self.conn.take().expect("a connection");
+        self.count_connection(&conn);
+        let fault = conn.client_io.injected.or(conn.target_io.injected);
+        if fault.is_none() {
+            return Err(format!("connection {} failed without an injected fault: {reason}", conn.id));
+        }
+        if let Some((user_data, op)) = self.ops.iter().find(|(_, op)| op.connection == conn.id) {
+            return Err(format!(
+                "request {user_data} ({op:?}) never completed although its connection failed ({reason})"
+            ));
+        }
+        conn.client_io.inner().reset();
+        self.reconnect_at_us = self.clock.now_us() + self.rng.range(50, 500);
+        Ok(())
+    }
+
+    /// Add what a connection did to the report.
+    fn count_connection(&mut self, conn: &Connection) {
+        let r = &mut self.report;
+        for io in [&conn.client_io, &conn.target_io] {
+            for (sum, n) in r.net_faults.iter_mut().zip(io.counts) {
+                *sum += n;
+            }
+        }
+        if let ClientState::Ready(session) = &conn.client {
+            let st = session.stats();
+            r.caravans_sent += st.caravans_sent;
+            r.completion_caravans += st.completion_caravans;
+            r.read_bytes_placed += st.read_bytes_placed;
+            r.read_bytes_copied += st.read_bytes_copied;
+        }
+        r.goaways += conn.target_stats.connections_closed_protocol_error.load(Relaxed);
+    }
+
+    /// Check every completion against the request it answers and the model.
+    fn check_completions(&mut self) -> Result<(), String> {
+        let disk_faults = self.opts.disk != DiskFaults::NONE;
+        for c in std::mem::take(&mut self.done) {
+            let op = self
+                .ops
+                .remove(&c.user_data)
+                .ok_or_else(|| format!("completion for request {}, which is not in flight", c.user_data))?;
+            self.busy[op.first..op.first + op.count].fill(false);
+            let what = if c.status.is_ok() { "completed ok" } else { "failed" };
+            self.history.push((self.clock.now_us(), c.user_data, op, what));
+            if c.opcode != op.opcode {
+                return Err(format!("request {} ({op:?}) completed as a {:?}", c.user_data, c.opcode));
+            }
+            if c.status.is_ok() {
+                self.report.ops_ok += 1;
+                match op.opcode {
+                    Opcode::Read => {
+                        let data = c.buf.as_deref().unwrap_or_default();
+                        if data.len() != op.count * BLOCK_BYTES {
+                            return Err(format!("read {} came back with {} bytes", c.user_data, data.len()));
+                        }
+                        self.shadow.check_read(op.first, data).map_err(|e| {
+                            format!("read {} ({op:?}): {e}{}", c.user_data, self.story(op.first, op.count))
+                        })?;
+                    }
+                    Opcode::Write | Opcode::WriteZeroes => {
+                        self.shadow.acknowledged(op.first, op.count, op.gen)
+                    }
+                    _ => {}
+                }
+                continue;
+            }
+            self.report.ops_failed += 1;
+            // An I/O error is what a failed connection gives every request, and what a
+            // failing disk gives; running out of space only a failing disk.
+            let explained = match c.status {
+                Status::IoError => true,
+                Status::NoSpace => disk_faults,
+                _ => false,
+            };
+            if !explained {
+                return Err(format!("request {} ({op:?}) failed with {}", c.user_data, c.status));
+            }
+            if matches!(op.opcode, Opcode::Write | Opcode::WriteZeroes) {
+                self.shadow.maybe(op.first, op.count, op.gen);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every event of the requests that touched blocks `first..first + count`, oldest first.
+    fn story(&self, first: usize, count: usize) -> String {
+        let mut out = String::from("\n  requests on these blocks:");
+        for (at, user_data, op, what) in &self.history {
+            if op.count > 0 && op.first < first + count && first < op.first + op.count {
+                out += &format!(
+                    "\n    {at:>8} µs  #{user_data} {:?} blocks {}..{} gen {} (connection {}): {what}",
+                    op.opcode,
+                    op.first,
+                    op.first + op.count,
+                    op.gen,
+                    op.connection
+                );
+            }
+        }
+        out
+    }
+
+    /// At the end, read the whole volume straight from the backend: every block must hold
+    /// what the model allows, so no acknowledged write was lost.
+    fn check_volume(&mut self) -> Result<(), String> {
+        let mut data = vec![0u8; VOLUME_BLOCKS * BLOCK_BYTES];
+        self.volume.read_at(&mut data, 0).map_err(|e| format!("reading the volume back: {e}"))?;
+        self.shadow.check_read(0, &data).map_err(|e| format!("final check of the volume: {e}"))
+    }
+}
+
+/// Move the initiator's bytes: control frames or caravans out, replies in. Returns why the
+/// connection failed, if it did.
+fn client_io(conn: &mut Connection, now: u64) -> Option<String> {
+    if let Err(e) = client_send(conn) {
+        return Some(e);
+    }
+    for _ in 0..CALLS_PER_STEP {
+        let got = match &mut conn.client {
+            ClientState::Ready(session) => receive(&mut conn.client_io, &mut conn.client_rx, session),
+            _ => conn.client_io.fill(&mut conn.client_rx),
+        };
+        match got {
+            Ok(0) => return Some("the target closed the connection".into()),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Some(format!("receive: {e}")),
+        }
+        if let Err(e) = client_handle(conn, now) {
+            return Some(e);
+        }
+    }
+    None
+}
+
+/// Send what the client has to send: control frames during the handshake, then caravans.
+fn client_send(conn: &mut Connection) -> Result<(), String> {
+    for _ in 0..CALLS_PER_STEP {
+        let sent = match &mut conn.client {
+            ClientState::Ready(session) => {
+                if !session.has_transmit() {
+                    return Ok(());
+                }
+                let mut iov = [IoSlice::new(&[]); 16];
+                let n = session.poll_transmit(&mut iov);
+                let sent = conn.client_io.send(&iov[..n]);
+                if let Ok(n) = sent {
+                    session.handle_sent(n);
+                }
+                sent
+            }
+            _ => {
+                if conn.client_out.is_empty() {
+                    return Ok(());
+                }
+                let sent = conn.client_io.send(&[IoSlice::new(&conn.client_out)]);
+                if let Ok(n) = sent {
+                    conn.client_out.drain(..n);
+                }
+                sent
+            }
+        };
+        match sent {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) => return Err(format!("send: {e}")),
+        }
+    }
+    Ok(())
+}
+
+/// Handle what the client received: handshake replies, then everything through the session.
+fn client_handle(conn: &mut Connection, now: u64) -> Result<(), String> {
+    loop {
+        match &mut conn.client {
+            ClientState::Ready(session) => {
+                let progress = session
+                    .handle_rx(now, conn.client_rx.unconsumed())
+                    .map_err(|e| format!("client session: {e}"))?;
+                conn.client_rx.consume(progress.consumed);
+                if progress.need > 0 {
+                    conn.client_rx.reserve(progress.need);
+                }
+                return Ok(());
+            }
+            ClientState::Hello(hs) => {
+                let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };
+                let limits = hs.handle_reply(&h, &body).map_err(|e| format!("handshake: {e}"))?;
+                conn.client_out =
+                    wire::control::frame(FrameKind::Open, &wire::Open { name: "sim".into() }.encode());
+                conn.client = ClientState::Open;
+                conn.client_rx_limits = limits;
+            }
+            ClientState::Open => {
+                let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };
+                let reply = proto::client::handle_open_reply(&h, &body).map_err(|e| format!("open: {e}"))?;
+                let mut session =
+                    ClientSession::new(&conn.session_config, conn.client_rx_limits, reply.handle);
+                session.set_mutation(conn.client_mutation);
+                conn.client = ClientState::Ready(Box::new(session));
+            }
+        }
+    }
+}
+
+/// The next control frame the client received, whole, judged from its header first.
+fn next_control(rx: &mut FrameBuffer) -> Result<Option<(Header, Vec<u8>)>, String> {
+    let admit = |h: &Header| -> Result<(), ProtoError> {
+        if h.kind.is_caravan() || h.payload_len as usize > CONTROL_BODY_MAX {
+            return Err(ProtoError::Unexpected(h.kind, "during the handshake"));
+        }
+        Ok(())
+    };
+    match rx.next_frame(admit) {
+        Ok(Some(f)) => Ok(Some((f.header, rx.body(&f).to_vec()))),
+        Ok(None) => Ok(None),
+        Err(e) => Err(format!("handshake frame: {e}")),
+    }
+}
+
+/// One receive as a lane does it: into the buffers of the caravan being placed, then the
+/// frame buffer, within the session's cap.
+fn receive(
+    io: &mut impl FrameIo,
+    rx: &mut FrameBuffer,
+    session: &mut ClientSession<Vec<u8>>,
+) -> io::Result<usize> {
+    let cap = session.rx_cap();
+    let (got, direct_len) = {
+        let mut iov: [IoSliceMut<'_>; 17] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
+        let (n, all) = session.recv_destinations(&mut iov[..16]);
+        let direct_len: usize = iov[..n].iter().map(|d| d.len()).sum();
+        let mut used = n;
+        if all {
+            let spare = rx.spare();
+            let cap = cap.min(spare.len());
+            iov[n] = IoSliceMut::new(&mut spare[..cap]);
+            used += 1;
+        }
+        (io.recv(&mut iov[..used])?, direct_len)
+    };
+    session.handle_placed(got.min(direct_len));
+    if got > direct_len {
+        rx.commit(got - direct_len);
+    }
+    Ok(got)
+}
