@@ -9,7 +9,7 @@ use proto::client::ClientHandshake;
 use proto::ProtoError;
 use transport::{wait_fd, ClientStream, Endpoint, FrameBuffer, FrameIo, FrameRef};
 use wire::control::CONTROL_BODY_MAX;
-use wire::{FrameKind, Header, Limits, WireError};
+use wire::{FrameKind, Header, Limits};
 
 use crate::{Error, Result};
 
@@ -29,13 +29,7 @@ fn admit_control(h: &Header) -> std::result::Result<(), ProtoError> {
     if h.kind.is_caravan() {
         return Err(ProtoError::Unexpected(h.kind, "as a reply to a control frame"));
     }
-    let limit = CONTROL_BODY_MAX as u64;
-    if u64::from(h.payload_len) > limit {
-        return Err(
-            WireError::Limit { what: "control body bytes", value: h.payload_len.into(), limit }.into()
-        );
-    }
-    Ok(())
+    ProtoError::check_limit("control body bytes", h.payload_len.into(), CONTROL_BODY_MAX as u64)
 }
 
 pub(crate) struct Conn {

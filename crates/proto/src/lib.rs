@@ -36,6 +36,10 @@ pub enum ProtoError {
     UnknownTag(u32),
     #[error("completion for tag {tag:#x} carries {got} bytes of data, expected {want}")]
     DataLength { tag: u32, got: u32, want: u32 },
+    /// A frame's header announces more than the negotiated limits (or the control body limit)
+    /// allow: refused before any of its body is read.
+    #[error("{what} is {value}, limit {limit}")]
+    OverLimit { what: &'static str, value: u64, limit: u64 },
     /// The peer closed the connection with GOAWAY.
     #[error("peer closed the connection: {status}: {message}")]
     GoAway { status: wire::Status, message: String },
@@ -43,13 +47,22 @@ pub enum ProtoError {
 
 impl ProtoError {
     /// The status a GOAWAY carries for this error (docs/PROTOCOL.md, section 10.2): a bad
-    /// version is `VersionMismatch`, an exceeded limit `TooLarge`, anything else `Invalid`.
-    /// The one mapping from protocol errors to wire statuses.
+    /// header version is `VersionMismatch`, a header over a limit `TooLarge`, anything else
+    /// (a malformed body too, even one whose string is over its limit) `Invalid`. The one
+    /// mapping from protocol errors to wire statuses.
     pub fn goaway_status(&self) -> wire::Status {
         match self {
             ProtoError::Wire(wire::WireError::BadVersion(_)) => wire::Status::VersionMismatch,
-            ProtoError::Wire(wire::WireError::Limit { .. }) => wire::Status::TooLarge,
+            ProtoError::OverLimit { .. } => wire::Status::TooLarge,
             _ => wire::Status::Invalid,
         }
+    }
+
+    /// `value` against `limit`, for a check made from a frame's header.
+    pub fn check_limit(what: &'static str, value: u64, limit: u64) -> Result<(), ProtoError> {
+        if value > limit {
+            return Err(ProtoError::OverLimit { what, value, limit });
+        }
+        Ok(())
     }
 }

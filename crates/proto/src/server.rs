@@ -83,10 +83,18 @@ impl ServerSession {
         }
         if header.kind.is_caravan() {
             let l = &self.limits;
-            check_limit("descriptors per caravan", header.desc_count.into(), l.caravan_reqs_max.into())?;
-            check_limit("caravan payload bytes", header.payload_len.into(), l.caravan_bytes_max.into())
+            ProtoError::check_limit(
+                "descriptors per caravan",
+                header.desc_count.into(),
+                l.caravan_reqs_max.into(),
+            )?;
+            ProtoError::check_limit(
+                "caravan payload bytes",
+                header.payload_len.into(),
+                l.caravan_bytes_max.into(),
+            )
         } else {
-            check_limit("control body bytes", header.payload_len.into(), CONTROL_BODY_MAX as u64)
+            ProtoError::check_limit("control body bytes", header.payload_len.into(), CONTROL_BODY_MAX as u64)
         }
     }
 
@@ -151,13 +159,6 @@ fn empty(body: &[u8], what: &'static str) -> Result<(), ProtoError> {
     }
 }
 
-fn check_limit(what: &'static str, value: u64, limit: u64) -> Result<(), ProtoError> {
-    if value > limit {
-        return Err(WireError::Limit { what, value, limit }.into());
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,7 +216,7 @@ mod tests {
         s.handle_frame(&header(FrameKind::Hello, 0, body.len() as u32), &body).unwrap();
         let too_many = header(FrameKind::Requests, 5, 0);
         let err = s.handle_frame(&too_many, &[0u8; 5 * 32]).unwrap_err();
-        assert!(matches!(err, ProtoError::Wire(WireError::Limit { what: "descriptors per caravan", .. })));
+        assert!(matches!(err, ProtoError::OverLimit { what: "descriptors per caravan", .. }));
         let too_big = header(FrameKind::Requests, 0, 8193);
         assert!(s.handle_frame(&too_big, &vec![0u8; 8193]).is_err());
         assert!(matches!(

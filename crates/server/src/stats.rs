@@ -5,21 +5,8 @@
 //! the CPU time and context switches of the target's own threads, read from procfs, so the
 //! figures are right both for `skiff serve` and for a target running inside `skiff bench`.
 //!
-//! Counter names (stable; new ones may be added):
-//! - `req_<op>`, `bytes_<op>` for `read`, `write`, `flush`, `trim`, `write_zeroes`;
-//!   `req_errors` (requests answered with a status other than OK);
-//! - `caravans_received`, `caravans_sent`, `caravan_reqs_total`, and the histogram
-//!   `caravan_reqs_le_<N>` (received caravans with at most N requests, N = 1, 2, 4, ... 64, and
-//!   `caravan_reqs_le_inf`), each bucket counting only its own range;
-//! - `rx_bytes`, `tx_bytes`, `loop_passes`;
-//! - `stage_recv_ns`, `stage_exec_ns`, `stage_send_ns`: wall time the workers spent in receive
-//!   calls, in processing what arrived (parsing, the backend, building replies), and in send
-//!   calls (two clock reads around each, a few per loop pass, not per request);
-//! - `connections_open`, `connections_accepted`, `connections_closed_protocol_error`;
-//! - `cpu_user_us`, `cpu_sys_us` (clock-tick resolution), `cpu_ns` (scheduler run time),
-//!   `ctx_switches_voluntary`, `ctx_switches_involuntary`: summed over the target's threads;
-//! - `workers`, `exports`; `backend_syncs`, `backend_dsync_writes`, `backend_direct_ios`,
-//!   `backend_buffered_ios` summed over exports.
+//! Counter names, their order and meaning are documented for initiators in docs/PROTOCOL.md,
+//! section 6.6; `tests/tests/stats_names.rs` keeps that list and [`collect`] in step.
 
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
 

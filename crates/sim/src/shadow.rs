@@ -84,11 +84,13 @@ impl Shadow {
             });
             match found {
                 Some(gen) => self.acknowledged(block, 1, gen),
-                None => return Err(format!(
+                None => {
+                    return Err(format!(
                     "block {block} holds data of no write it could hold (possible generations {:?}, read {})",
                     self.blocks[block],
                     describe(self, block, got)
-                )),
+                ))
+                }
             }
         }
         Ok(())

@@ -203,6 +203,10 @@ fn execute_caravan<S: Sink + ?Sized>(
     bug: &mut mutation::Bug<'_>,
 ) {
     stats.record_caravan(caravan.len());
+    if caravan.is_empty() {
+        // Well-formed, and carries nothing: nothing to answer.
+        return;
+    }
     let limits = session.limits();
     let mut out = CompletionWriter::begin(tx, caravan.len(), limits.caravan_bytes_max as usize);
     for (parsed, payload) in caravan.iter() {

@@ -27,7 +27,7 @@ use std::io::{IoSlice, IoSliceMut};
 use wire::caravan::CompletionCaravan;
 use wire::control::CONTROL_BODY_MAX;
 use wire::framing::peek_header;
-use wire::{FrameKind, GoAway, Header, Limits, Opcode, ReqFlags, Request, Status, WireError};
+use wire::{FrameKind, GoAway, Header, Limits, Opcode, ReqFlags, Request, Status};
 use wire::{COMPLETION_DESC_LEN, HEADER_LEN};
 
 use super::outbox::Outbox;
@@ -520,10 +520,20 @@ impl<B: IoBuf> ClientSession<B> {
         let l = &self.limits;
         match h.kind {
             FrameKind::Completions => {
-                within("descriptors per caravan", h.desc_count.into(), l.caravan_reqs_max.into())?;
-                within("caravan payload bytes", h.payload_len.into(), l.caravan_bytes_max.into())
+                ProtoError::check_limit(
+                    "descriptors per caravan",
+                    h.desc_count.into(),
+                    l.caravan_reqs_max.into(),
+                )?;
+                ProtoError::check_limit(
+                    "caravan payload bytes",
+                    h.payload_len.into(),
+                    l.caravan_bytes_max.into(),
+                )
             }
-            FrameKind::GoAway => within("control body bytes", h.payload_len.into(), CONTROL_BODY_MAX as u64),
+            FrameKind::GoAway => {
+                ProtoError::check_limit("control body bytes", h.payload_len.into(), CONTROL_BODY_MAX as u64)
+            }
             other => Err(ProtoError::Unexpected(other, "on a lane")),
         }
     }
@@ -654,13 +664,6 @@ impl<B: IoBuf> ClientSession<B> {
             });
         }
     }
-}
-
-fn within(what: &'static str, value: u64, limit: u64) -> Result<(), ProtoError> {
-    if value > limit {
-        return Err(WireError::Limit { what, value, limit }.into());
-    }
-    Ok(())
 }
 
 /// Hand a finished request back to its caller, and tell the controller what it moved.
