@@ -13,6 +13,8 @@
 #![forbid(unsafe_code)]
 
 pub mod front;
+#[doc(hidden)]
+pub mod fuzz_api;
 pub mod stats;
 
 use std::sync::Arc;

@@ -20,6 +20,8 @@
 pub mod batch;
 pub mod caravan;
 pub mod client;
+#[doc(hidden)]
+pub mod fuzz_api;
 pub mod server;
 pub mod slots;
 

@@ -16,6 +16,8 @@
 pub mod caravan;
 pub mod control;
 pub mod framing;
+#[doc(hidden)]
+pub mod fuzz_api;
 pub mod header;
 pub mod status;
 
