@@ -92,7 +92,7 @@ fn check_replies(mut out: &[u8], closing: bool) {
         match h.kind {
             FrameKind::Completions => {
                 let c = CompletionCaravan::parse(&h, body).expect("a broken completion caravan");
-                assert!(c.len() > 0, "an empty completion caravan");
+                assert!(!c.is_empty(), "an empty completion caravan");
             }
             FrameKind::GoAway => {
                 GoAway::decode(body).expect("a broken GOAWAY");
