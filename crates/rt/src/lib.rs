@@ -2,8 +2,10 @@
 //!
 //! `rt` owns the unsafe edges of skiff other than sockets: page-aligned memory regions
 //! ([`mem`]), hole queries on files ([`fs`]), per-thread CPU and context-switch accounting
-//! ([`usage`]) and signal handling ([`signals`]). It has no protocol knowledge.
+//! ([`usage`]), signal handling ([`signals`]) and a counting allocator for tests that prove
+//! a path allocates nothing ([`alloc`]). It has no protocol knowledge.
 
+pub mod alloc;
 pub mod fs;
 pub mod mem;
 pub mod signals;
