@@ -1597,7 +1597,7 @@ fn s9_negotiation_caps_descriptors_at_65535() {
     let target = Limits::new(1 << 20, 1 << 20, 8 << 20, 4 << 20);
     let t = start_target_with(&EXPORTS, |c| {
         c.workers = 1;
-        c.limits = wire::Limits {
+        c.bounds.limits = wire::Limits {
             queue_depth: target.queue_depth,
             caravan_reqs_max: target.caravan_reqs_max,
             caravan_bytes_max: target.caravan_bytes_max,
@@ -1615,7 +1615,7 @@ fn s9_negotiation_caps_descriptors_at_65535() {
 fn s9_negotiation_floors_lift_a_target_that_offers_nothing() {
     let t = start_target_with(&EXPORTS, |c| {
         c.workers = 1;
-        c.limits =
+        c.bounds.limits =
             wire::Limits { queue_depth: 0, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 };
     });
     for proposal in [NO_PREFERENCE, Limits::new(5, 5, 5, 5), DEFAULTS] {

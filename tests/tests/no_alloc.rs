@@ -64,6 +64,11 @@ fn steady_state_io_allocates_nothing_on_either_side() {
     ALLOC.count(false);
 
     let (allocations, bytes) = (ALLOC.allocations(), ALLOC.bytes());
-    assert_eq!(allocations, 0, "{allocations} allocations ({bytes} bytes) in 50,000 steady-state I/Os");
+    assert_eq!(
+        allocations,
+        0,
+        "{allocations} allocations ({bytes} bytes) in 50,000 steady-state I/Os; (size up to, count): {:?}",
+        ALLOC.sizes()
+    );
     assert!(lane.stats().completed >= 70_000);
 }

@@ -76,9 +76,8 @@ pub fn run(args: ServeArgs) -> CliResult {
         exports: args.exports,
         read_only: args.read_only,
         workers: args.workers,
-        limits,
+        bounds: server::Bounds { limits, ..server::Bounds::default() },
         poll_spin: args.poll,
-        ..TargetConfig::default()
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal
     // is taken synchronously below.

@@ -2,13 +2,30 @@
 
 use std::time::Duration;
 
+/// Why a command-line value does not parse.
+#[derive(Debug, thiserror::Error)]
+pub enum ArgError {
+    #[error(transparent)]
+    Size(#[from] backend::SpecError),
+    #[error("bad duration {0:?} (try 10s, 500ms, 2m)")]
+    Duration(String),
+    #[error("duration {0:?} must be positive")]
+    DurationNotPositive(String),
+    #[error("{0:?}: at most 4 GiB - 2, or off")]
+    DirectMin(String),
+    #[error("{0:?}: expected off, hybrid or hybrid:MICROSECONDS")]
+    Poll(String),
+    #[error("{0:?}: expected off, static, static:N (N >= 1) or adaptive")]
+    Batching(String),
+}
+
 /// `4k`, `64KiB`, `1G`, `4096`: binary units.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    backend::parse_size(s).map_err(|e| e.to_string())
+pub fn parse_size(s: &str) -> Result<u64, ArgError> {
+    Ok(backend::parse_size(s)?)
 }
 
 /// `10s`, `500ms`, `2m`, `1.5s`, or plain seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> Result<Duration, ArgError> {
     let s = s.trim();
     let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
         (n, 1e-3)
@@ -19,21 +36,21 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     } else {
         (s, 1.0)
     };
-    let v: f64 = num.trim().parse().map_err(|_| format!("bad duration {s:?} (try 10s, 500ms, 2m)"))?;
+    let v: f64 = num.trim().parse().map_err(|_| ArgError::Duration(s.to_owned()))?;
     if !(v.is_finite() && v > 0.0) {
-        return Err(format!("duration {s:?} must be positive"));
+        return Err(ArgError::DurationNotPositive(s.to_owned()));
     }
     Ok(Duration::from_secs_f64(v * scale))
 }
 
 /// `--direct-min SIZE | off`: the average read size from which lanes place read data directly
 /// in the callers' buffers (`off`: never).
-pub fn parse_direct_min(s: &str) -> Result<u32, String> {
+pub fn parse_direct_min(s: &str) -> Result<u32, ArgError> {
     if s == "off" {
         return Ok(u32::MAX);
     }
-    let n = parse_size(s)?;
-    u32::try_from(n).ok().filter(|&n| n < u32::MAX).ok_or_else(|| format!("{s:?}: at most 4 GiB - 2, or off"))
+    let n = parse_size(s).map_err(|_| ArgError::DirectMin(s.to_owned()))?;
+    u32::try_from(n).ok().filter(|&n| n < u32::MAX).ok_or_else(|| ArgError::DirectMin(s.to_owned()))
 }
 
 /// Spin budget of hybrid polling when `--poll hybrid` names none: long enough to cover a
@@ -41,13 +58,13 @@ pub fn parse_direct_min(s: &str) -> Result<u32, String> {
 pub const HYBRID_SPIN_DEFAULT_US: u64 = 50;
 
 /// `--poll off | hybrid | hybrid:US`: how long to spin before sleeping.
-pub fn parse_poll(s: &str) -> Result<Duration, String> {
+pub fn parse_poll(s: &str) -> Result<Duration, ArgError> {
     match s {
         "off" => Ok(Duration::ZERO),
         "hybrid" => Ok(Duration::from_micros(HYBRID_SPIN_DEFAULT_US)),
         _ => match s.strip_prefix("hybrid:").map(str::parse::<u64>) {
             Some(Ok(us)) if us > 0 => Ok(Duration::from_micros(us)),
-            _ => Err(format!("{s:?}: expected off, hybrid or hybrid:MICROSECONDS")),
+            _ => Err(ArgError::Poll(s.to_owned())),
         },
     }
 }

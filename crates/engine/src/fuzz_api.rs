@@ -69,7 +69,7 @@ pub fn native_conn(data: &[u8]) {
     }
     let host = host();
     let stats = FrontStats::default();
-    let mut conn = NativeConn::new(offered);
+    let mut conn = NativeConn::new(offered, 4);
     let (mut rx, mut tx, mut closing) = (FrameBuffer::new(), Vec::new(), false);
     for piece in stream.chunks(chunk) {
         rx.extend(piece);

@@ -20,7 +20,7 @@ pub mod stats;
 use std::sync::Arc;
 
 use backend::Backend;
-pub use backend::{BackendCounters, BackendError, BackendSpec, RegionBytes};
+pub use backend::{BackendCounters, BackendError, BackendSpec, RegionBytes, SpecError};
 use wire::control::{ExportFlags, ExportInfo};
 use wire::{Opcode, ReqFlags, Status};
 

@@ -19,9 +19,6 @@ use wire::{caravan::RequestCaravan, FrameKind, Header, Status, WireError, VERSIO
 
 use crate::ProtoError;
 
-/// Most exports one connection may hold open.
-pub const OPEN_HANDLES_MAX: usize = 16;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     AwaitHello,
@@ -53,15 +50,19 @@ pub struct ServerSession {
     limits: Limits,
     /// Export indices (into the target's export table) by handle.
     handles: Vec<u32>,
+    open_handles_max: usize,
 }
 
 impl ServerSession {
-    pub fn new(offered: Limits) -> ServerSession {
+    /// A connection offering `offered` in the handshake and allowing `open_handles_max`
+    /// exports open at once.
+    pub fn new(offered: Limits, open_handles_max: usize) -> ServerSession {
         ServerSession {
             state: State::AwaitHello,
             offered,
             limits: offered,
-            handles: Vec::with_capacity(OPEN_HANDLES_MAX),
+            handles: Vec::with_capacity(open_handles_max),
+            open_handles_max,
         }
     }
 
@@ -138,7 +139,7 @@ impl ServerSession {
         if let Some(h) = self.handles.iter().position(|&e| e == export_index) {
             return Ok(h as u32);
         }
-        if self.handles.len() >= OPEN_HANDLES_MAX {
+        if self.handles.len() >= self.open_handles_max {
             return Err(Status::TooManyOpen);
         }
         self.handles.push(export_index);
@@ -173,7 +174,7 @@ mod tests {
 
     #[test]
     fn hello_first_then_anything() {
-        let mut s = ServerSession::new(Limits::default());
+        let mut s = ServerSession::new(Limits::default(), 16);
         let err = s.handle_frame(&header(FrameKind::List, 0, 0), &[]).unwrap_err();
         assert!(matches!(err, ProtoError::Unexpected(FrameKind::List, _)));
 
@@ -193,7 +194,7 @@ mod tests {
 
     #[test]
     fn version_mismatch_is_answered_not_accepted() {
-        let mut s = ServerSession::new(Limits::default());
+        let mut s = ServerSession::new(Limits::default(), 16);
         let body = Hello { version_min: 2, version_max: 3, features: 0, limits: Limits::default() }.encode();
         let h = header(FrameKind::Hello, 0, body.len() as u32);
         match s.handle_frame(&h, &body).unwrap() {
@@ -206,7 +207,7 @@ mod tests {
 
     #[test]
     fn caravans_over_the_limits_break_the_connection() {
-        let mut s = ServerSession::new(Limits::default());
+        let mut s = ServerSession::new(Limits::default(), 16);
         let body = hello(Limits {
             caravan_reqs_max: 4,
             caravan_bytes_max: 8192,
@@ -227,13 +228,13 @@ mod tests {
 
     #[test]
     fn handles_are_bounded_and_stable() {
-        let mut s = ServerSession::new(Limits::default());
-        for i in 0..OPEN_HANDLES_MAX as u32 {
+        let mut s = ServerSession::new(Limits::default(), 16);
+        for i in 0..16 {
             assert_eq!(s.open_handle(i * 10), Ok(i));
         }
         assert_eq!(s.open_handle(30), Ok(3), "reopening returns the same handle");
         assert_eq!(s.open_handle(999), Err(Status::TooManyOpen));
         assert_eq!(s.resolve(2), Some(20));
-        assert_eq!(s.resolve(OPEN_HANDLES_MAX as u32), None);
+        assert_eq!(s.resolve(16), None);
     }
 }

@@ -9,16 +9,29 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 /// The system allocator, counting allocations and reallocations (in all threads) while
 /// switched on.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Counting {
     on: AtomicBool,
     allocations: AtomicU64,
     bytes: AtomicU64,
+    /// Allocations by size: `by_size[i]` counts those of `2^(i-1) + 1 ..= 2^i` bytes.
+    by_size: [AtomicU64; 64],
+}
+
+impl Default for Counting {
+    fn default() -> Counting {
+        Counting::new()
+    }
 }
 
 impl Counting {
     pub const fn new() -> Counting {
-        Counting { on: AtomicBool::new(false), allocations: AtomicU64::new(0), bytes: AtomicU64::new(0) }
+        Counting {
+            on: AtomicBool::new(false),
+            allocations: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            by_size: [const { AtomicU64::new(0) }; 64],
+        }
     }
 
     /// Start or stop counting.
@@ -36,10 +49,19 @@ impl Counting {
         self.bytes.load(Relaxed)
     }
 
+    /// The sizes counted, as (largest size of a bucket, allocations in it), for a message that
+    /// says what allocated.
+    pub fn sizes(&self) -> Vec<(u64, u64)> {
+        let buckets = self.by_size.iter().enumerate().map(|(i, n)| (1u64 << i.min(63), n.load(Relaxed)));
+        buckets.filter(|&(_, n)| n > 0).collect()
+    }
+
     fn note(&self, size: usize) {
         if self.on.load(Relaxed) {
             self.allocations.fetch_add(1, Relaxed);
             self.bytes.fetch_add(size as u64, Relaxed);
+            let bucket = (usize::BITS - size.saturating_sub(1).leading_zeros()) as usize;
+            self.by_size[bucket.min(63)].fetch_add(1, Relaxed);
         }
     }
 }

@@ -74,7 +74,7 @@ impl Acceptor {
                 }
             };
             let open = self.shared.connections.load(Ordering::Relaxed);
-            if open >= self.shared.config.connections_max {
+            if open >= self.shared.config.bounds.connections_max {
                 tracing::warn!(peer = %stream.peer(), open, "connection refused: connections_max reached");
                 continue;
             }

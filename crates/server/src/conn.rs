@@ -46,6 +46,8 @@ pub(crate) struct TxBuf {
     /// Bytes from an earlier pass still wait for the socket: new read data is copied, since
     /// it would be copied when this pass ends anyway.
     backlogged: bool,
+    /// The other buffer of [`own_the_rest`](Self::own_the_rest), kept for reuse.
+    spare: Vec<u8>,
 }
 
 #[derive(Debug, Clone)]
@@ -202,10 +204,14 @@ impl TxBuf {
         }
     }
 
-    /// Copy every unsent byte, by-address pieces included, into a fresh owned buffer (the
-    /// socket is full; the addresses may not wait for it).
+    /// Copy every unsent byte, by-address pieces included, into the spare owned buffer, which
+    /// becomes the buffer (the socket is full; the addresses may not wait for it). The two
+    /// buffers trade places, so a connection that backs up often stops allocating once both
+    /// have grown to its backlog.
     fn own_the_rest(&mut self) {
-        let mut rest = Vec::with_capacity(self.pending().next_power_of_two());
+        let mut rest = std::mem::take(&mut self.spare);
+        rest.clear();
+        rest.reserve(self.pending());
         self.each_unsent(|piece| {
             rest.extend_from_slice(piece);
             true
@@ -213,7 +219,7 @@ impl TxBuf {
         let len = rest.len();
         rest.resize(rest.capacity(), 0);
         self.reset();
-        self.buf = rest;
+        self.spare = std::mem::replace(&mut self.buf, rest);
         self.len = len;
     }
 
@@ -294,9 +300,6 @@ pub(crate) enum ReadOutcome {
     Closed,
 }
 
-/// Reads per connection per loop pass, so one busy peer cannot starve the others.
-const READS_PER_PASS: usize = 8;
-
 impl Conn {
     pub fn new(stream: Stream, protocol: Protocol, shared: &Shared) -> Conn {
         let peer = stream.peer();
@@ -304,22 +307,29 @@ impl Conn {
         let kind = match (protocol, &shared.nbd) {
             (Protocol::Nbd, Some(config)) => {
                 let mut greeting = Vec::new();
-                let conn = NbdConn::new(config.clone(), &mut greeting);
+                let conn = NbdConn::new(
+                    config.clone(),
+                    shared.config.bounds.nbd_extents_per_reply_max,
+                    &mut greeting,
+                );
                 tx.append(&greeting);
                 Kind::Nbd(Box::new(conn))
             }
-            _ => Kind::Native(NativeConn::new(shared.config.limits)),
+            _ => Kind::Native(NativeConn::new(
+                shared.config.bounds.limits,
+                shared.config.bounds.open_handles_max,
+            )),
         };
         Conn { stream, peer, rx: FrameBuffer::new(), tx, closing: false, kind }
     }
 
     /// Read and process what the peer sent, within this pass's budget.
     pub fn service(&mut self, shared: &Shared, stats: &WorkerStats) -> ReadOutcome {
-        for _ in 0..READS_PER_PASS {
+        for _ in 0..shared.config.bounds.reads_per_pass {
             if self.closing {
                 return ReadOutcome::Drained;
             }
-            if self.tx.pending() > shared.config.tx_backlog_bytes_max {
+            if self.tx.pending() > shared.config.bounds.tx_backlog_bytes_max {
                 // The peer is not reading its completions; stop reading its requests until it
                 // does (the writable event brings us back).
                 return ReadOutcome::Drained;

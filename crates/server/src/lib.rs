@@ -8,6 +8,7 @@
 //! the data path crosses threads or takes a lock.
 
 mod acceptor;
+mod bounds;
 mod conn;
 pub mod stats;
 mod worker;
@@ -19,8 +20,8 @@ use std::thread::JoinHandle;
 
 use engine::{BackendSpec, Export, ExportTable};
 use transport::{Endpoint, Listener};
-use wire::Limits;
 
+pub use bounds::Bounds;
 pub use conn::Protocol;
 pub use stats::WorkerStats;
 
@@ -32,18 +33,30 @@ pub struct ExportConfig {
     pub read_only: bool,
 }
 
+/// Why an `--export` argument does not describe an export.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportConfigError {
+    #[error("export {0:?}: expected NAME=SPEC")]
+    MissingEquals(String),
+    #[error("export {0:?}: name must be 1 to {max} bytes", max = wire::control::EXPORT_NAME_MAX)]
+    BadName(String),
+    #[error("export {name:?}: {source}")]
+    Spec { name: String, source: engine::SpecError },
+}
+
 impl std::str::FromStr for ExportConfig {
-    type Err = String;
-    fn from_str(s: &str) -> Result<ExportConfig, String> {
-        let (name, spec) = s.split_once('=').ok_or_else(|| format!("export {s:?}: expected NAME=SPEC"))?;
+    type Err = ExportConfigError;
+    fn from_str(s: &str) -> Result<ExportConfig, ExportConfigError> {
+        let (name, spec) = s.split_once('=').ok_or_else(|| ExportConfigError::MissingEquals(s.to_owned()))?;
         if name.is_empty() || name.len() > wire::control::EXPORT_NAME_MAX {
-            return Err(format!("export {s:?}: name must be 1 to {} bytes", wire::control::EXPORT_NAME_MAX));
+            return Err(ExportConfigError::BadName(s.to_owned()));
         }
         let (spec, read_only) = match spec.strip_suffix(",ro") {
             Some(spec) => (spec, true),
             None => (spec, false),
         };
-        let spec = BackendSpec::parse(spec).map_err(|e| format!("export {name:?}: {e}"))?;
+        let spec = BackendSpec::parse(spec)
+            .map_err(|source| ExportConfigError::Spec { name: name.to_owned(), source })?;
         Ok(ExportConfig { name: name.to_owned(), spec, read_only })
     }
 }
@@ -60,13 +73,8 @@ pub struct TargetConfig {
     pub read_only: bool,
     /// Worker threads; zero means one per core.
     pub workers: usize,
-    /// The most this target offers in the handshake.
-    pub limits: Limits,
-    /// Connections open at once across all workers; more are refused at accept.
-    pub connections_max: usize,
-    /// Response bytes queued on one connection before the worker stops reading from it (the
-    /// peer is not draining its socket).
-    pub tx_backlog_bytes_max: usize,
+    /// Every limit the target holds to ([`Bounds`]).
+    pub bounds: Bounds,
     /// Hybrid polling: after its last activity a worker keeps polling without blocking for
     /// this long before it sleeps (zero, the default, always sleeps). Saves the sleep and
     /// wake-up when requests arrive back to back; costs a busy core while spinning.
@@ -81,9 +89,7 @@ impl Default for TargetConfig {
             exports: Vec::new(),
             read_only: false,
             workers: 0,
-            limits: Limits::default(),
-            connections_max: 1024,
-            tx_backlog_bytes_max: 8 << 20,
+            bounds: Bounds::default(),
             poll_spin: std::time::Duration::ZERO,
         }
     }
@@ -126,7 +132,7 @@ impl engine::front::Host for Shared {
     }
 
     fn io_bytes_max(&self) -> u32 {
-        self.config.limits.io_bytes_max
+        self.config.bounds.limits.io_bytes_max
     }
 
     fn stats_reply(&self) -> wire::StatsReply {
@@ -165,7 +171,7 @@ impl Target {
         let nbd = if config.nbd_listen.is_empty() {
             None
         } else {
-            let c = engine::front::nbd::handshake_config(&exports, config.limits.io_bytes_max)
+            let c = engine::front::nbd::handshake_config(&exports, config.bounds.limits.io_bytes_max)
                 .map_err(TargetError::Nbd)?;
             Some(Arc::new(c))
         };

@@ -21,7 +21,6 @@ const WAKE: Token = Token(usize::MAX);
 
 /// Where the acceptor hands a worker its new connections, and how it wakes the worker.
 pub(crate) type Inbox = (Sender<(Stream, Protocol)>, Arc<Waker>);
-const EVENTS_PER_POLL: usize = 256;
 
 pub(crate) struct Worker {
     id: usize,
@@ -74,7 +73,7 @@ impl Worker {
 
     pub fn run(mut self) {
         self.stats.tid.store(rt::usage::thread_id(), Ordering::Relaxed);
-        let mut events = Events::with_capacity(EVENTS_PER_POLL);
+        let mut events = Events::with_capacity(self.shared.config.bounds.events_per_poll);
         let spin = self.shared.config.poll_spin;
         let mut last_activity = std::time::Instant::now();
         loop {

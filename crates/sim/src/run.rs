@@ -332,7 +332,7 @@ impl Sim {
         let (client_end, target_end) = pipe(&self.clock, self.latency_us, self.pipe_bytes);
         let id = self.connections;
         let hs = ClientHandshake::new(self.proposed);
-        let mut target = NativeConn::new(self.offered);
+        let mut target = NativeConn::new(self.offered, 16);
         if self.opts.planted == Planted::AckBeforeBackend {
             target.set_mutation(TargetMutation::AckBeforeBackend);
         }

@@ -6,6 +6,15 @@ use std::path::PathBuf;
 /// Native protocol's default TCP port.
 pub const DEFAULT_PORT: u16 = 7070;
 
+/// Why a string is not an endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    #[error("unix: needs a socket path")]
+    EmptyUnixPath,
+    #[error("empty address")]
+    Empty,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
     /// `host:port`; a bare host gets [`DEFAULT_PORT`].
@@ -14,15 +23,15 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    pub fn parse(s: &str) -> Result<Endpoint, String> {
+    pub fn parse(s: &str) -> Result<Endpoint, EndpointError> {
         if let Some(path) = s.strip_prefix("unix:") {
             if path.is_empty() {
-                return Err("unix: needs a socket path".into());
+                return Err(EndpointError::EmptyUnixPath);
             }
             return Ok(Endpoint::Unix(PathBuf::from(path)));
         }
         if s.is_empty() {
-            return Err("empty address".into());
+            return Err(EndpointError::Empty);
         }
         // A bracketed IPv6 literal or a host with a port keeps its port.
         let has_port = match s.rfind(':') {
@@ -43,8 +52,8 @@ impl fmt::Display for Endpoint {
 }
 
 impl std::str::FromStr for Endpoint {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Endpoint, String> {
+    type Err = EndpointError;
+    fn from_str(s: &str) -> Result<Endpoint, EndpointError> {
         Endpoint::parse(s)
     }
 }
@@ -59,8 +68,8 @@ mod tests {
         assert_eq!(Endpoint::parse("localhost").unwrap(), Endpoint::Tcp("localhost:7070".into()));
         assert_eq!(Endpoint::parse("[::1]:9").unwrap(), Endpoint::Tcp("[::1]:9".into()));
         assert_eq!(Endpoint::parse("unix:/run/s.sock").unwrap(), Endpoint::Unix("/run/s.sock".into()));
-        assert!(Endpoint::parse("unix:").is_err());
-        assert!(Endpoint::parse("").is_err());
+        assert_eq!(Endpoint::parse("unix:"), Err(EndpointError::EmptyUnixPath));
+        assert_eq!(Endpoint::parse(""), Err(EndpointError::Empty));
         assert_eq!(Endpoint::parse("unix:/a").unwrap().to_string(), "unix:/a");
     }
 }

@@ -12,7 +12,7 @@
 pub mod endpoint;
 pub mod stream;
 
-pub use endpoint::Endpoint;
+pub use endpoint::{Endpoint, EndpointError};
 pub use stream::{wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
 pub use wire::{FrameBuffer, FrameRef};
 

@@ -101,14 +101,14 @@ pub enum BatchingArg {
     Adaptive,
 }
 
-fn parse_batching(s: &str) -> Result<BatchingArg, String> {
+fn parse_batching(s: &str) -> Result<BatchingArg, crate::units::ArgError> {
     match s {
         "off" => Ok(BatchingArg::Off),
         "static" => Ok(BatchingArg::Static(None)),
         "adaptive" => Ok(BatchingArg::Adaptive),
         _ => match s.strip_prefix("static:").map(str::parse::<u32>) {
             Some(Ok(n)) if n >= 1 => Ok(BatchingArg::Static(Some(n))),
-            _ => Err(format!("{s:?}: expected off, static, static:N (N >= 1) or adaptive")),
+            _ => Err(crate::units::ArgError::Batching(s.to_owned())),
         },
     }
 }

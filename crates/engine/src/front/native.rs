@@ -30,10 +30,11 @@ pub struct NativeConn {
 }
 
 impl NativeConn {
-    /// A connection that will offer `limits` in the handshake.
-    pub fn new(limits: wire::Limits) -> NativeConn {
+    /// A connection that will offer `limits` in the handshake and let its peer hold
+    /// `open_handles_max` exports open.
+    pub fn new(limits: wire::Limits, open_handles_max: usize) -> NativeConn {
         NativeConn {
-            session: ServerSession::new(limits),
+            session: ServerSession::new(limits, open_handles_max),
             #[cfg(feature = "mutations")]
             mutation: mutation::Mutation::None,
             #[cfg(feature = "mutations")]

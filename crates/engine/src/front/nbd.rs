@@ -26,9 +26,6 @@ use wire::{Opcode, ReqFlags, Status};
 
 use super::{Host, Link, Sink};
 
-/// Most extents one BLOCK_STATUS reply describes; the client asks again for the rest.
-const EXTENTS_PER_REPLY_MAX: usize = 1024;
-
 /// The NBD description of the target's exports, built once at start-up. The first export is
 /// also served for the empty name.
 pub fn handshake_config(
@@ -74,14 +71,27 @@ pub struct NbdConn {
     drain_bytes: u64,
     /// Reused for replies built by the codec before they join the response buffer.
     scratch: Vec<u8>,
+    /// Most extents one BLOCK_STATUS reply describes; the client asks again for the rest.
+    extents_per_reply_max: usize,
 }
 
 impl NbdConn {
     /// A new connection; the greeting is queued on `link`'s response buffer by the caller.
-    pub fn new(config: Arc<nbd::HandshakeConfig>, greeting: &mut Vec<u8>) -> NbdConn {
+    /// A new connection answering at most `extents_per_reply_max` extents per BLOCK_STATUS;
+    /// the greeting is queued in `greeting` for the caller to send.
+    pub fn new(
+        config: Arc<nbd::HandshakeConfig>,
+        extents_per_reply_max: usize,
+        greeting: &mut Vec<u8>,
+    ) -> NbdConn {
         let hs = Handshake::new(config);
         hs.greeting(greeting);
-        NbdConn { state: State::Negotiating(hs), drain_bytes: 0, scratch: Vec::with_capacity(64) }
+        NbdConn {
+            state: State::Negotiating(hs),
+            drain_bytes: 0,
+            scratch: Vec::with_capacity(64),
+            extents_per_reply_max: extents_per_reply_max.max(1),
+        }
     }
 
     /// Handle everything complete in the receive buffer.
@@ -276,7 +286,7 @@ impl NbdConn {
                 &e.to_string(),
             );
         }
-        let most = if req.flags.contains(CmdFlags::REQ_ONE) { 1 } else { EXTENTS_PER_REPLY_MAX };
+        let most = if req.flags.contains(CmdFlags::REQ_ONE) { 1 } else { self.extents_per_reply_max };
         let pairs: Vec<(u32, u32)> = extents
             .iter()
             .take(most)

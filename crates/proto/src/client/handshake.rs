@@ -91,7 +91,7 @@ mod tests {
             caravan_bytes_max: 0,
             io_bytes_max: 128 << 10,
         });
-        let mut server = ServerSession::new(Limits::default());
+        let mut server = ServerSession::new(Limits::default(), 16);
         let hello = client.hello_frame();
         let h = Header::parse(&hello).unwrap();
         let Inbound::Hello { reply } = server.handle_frame(&h, &hello[wire::HEADER_LEN..]).unwrap() else {

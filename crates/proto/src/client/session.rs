@@ -545,18 +545,20 @@ impl<B: IoBuf> ClientSession<B> {
         }
         let caravan = CompletionCaravan::parse(header, body)?;
         self.stats.completion_caravans += 1;
+        // The planted bug swaps the first two tags; nothing is allocated unless it is planted.
         #[cfg(feature = "mutations")]
-        let swapped: Vec<u32> = {
-            let mut tags: Vec<u32> = caravan.iter().map(|(c, _)| c.tag).collect();
-            if self.mutation == Mutation::SwapTags && tags.len() >= 2 {
+        let swapped: Vec<u32> = match self.mutation {
+            Mutation::SwapTags if caravan.len() >= 2 => {
+                let mut tags: Vec<u32> = caravan.iter().map(|(c, _)| c.tag).collect();
                 tags.swap(0, 1);
+                tags
             }
-            tags
+            _ => Vec::new(),
         };
         #[cfg_attr(not(feature = "mutations"), allow(unused_variables))]
         for (i, (c, data)) in caravan.iter().enumerate() {
             #[cfg(feature = "mutations")]
-            let c = wire::Completion { tag: swapped[i], ..c };
+            let c = wire::Completion { tag: swapped.get(i).copied().unwrap_or(c.tag), ..c };
             let want = self.expected_data(&c)?;
             let mut p = self.slots.remove(c.tag).ok_or(ProtoError::UnknownTag(c.tag))?;
             if let Some(buf) = p.buf.as_mut().filter(|_| want > 0) {
