@@ -5,7 +5,7 @@ use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use mio::{Events, Interest, Poll, Token, Waker};
+use transport::event::{Events, Interest, Poll, Token, Waker};
 use transport::Listener;
 
 use crate::conn::Protocol;

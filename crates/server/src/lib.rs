@@ -144,7 +144,7 @@ impl engine::front::Host for Shared {
 pub struct Target {
     shared: Arc<Shared>,
     endpoints: Vec<(Endpoint, Protocol)>,
-    wakers: Vec<Arc<mio::Waker>>,
+    wakers: Vec<Arc<transport::event::Waker>>,
     threads: Vec<JoinHandle<()>>,
 }
 

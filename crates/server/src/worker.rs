@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 
-use mio::{Events, Interest, Poll, Token, Waker};
+use transport::event::{Events, Interest, Poll, Token, Waker};
 use transport::Stream;
 
 use crate::conn::{Conn, Protocol, ReadOutcome};

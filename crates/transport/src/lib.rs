@@ -12,6 +12,12 @@
 pub mod endpoint;
 pub mod stream;
 
+/// The readiness loop the target's workers run on: `mio`'s poll, re-exported so that the
+/// server reaches the network only through this crate.
+pub mod event {
+    pub use mio::{Events, Interest, Poll, Token, Waker};
+}
+
 pub use endpoint::{Endpoint, EndpointError};
 pub use stream::{wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
 pub use wire::{FrameBuffer, FrameRef};
