@@ -33,11 +33,15 @@ impl Host for FuzzHost {
     }
 }
 
-fn host() -> FuzzHost {
-    let ram = |name, read_only| {
-        Export::open(name, &BackendSpec::Ram { size_bytes: 1 << 20 }, read_only).expect("a RAM export")
-    };
-    FuzzHost { exports: ExportTable::new(vec![ram("vol", false), ram("ro", true)]) }
+/// One host for every input: mapping fresh volumes per input would cost more than the input.
+fn host() -> &'static FuzzHost {
+    static HOST: std::sync::OnceLock<FuzzHost> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        let ram = |name, read_only| {
+            Export::open(name, &BackendSpec::Ram { size_bytes: 1 << 20 }, read_only).expect("a RAM export")
+        };
+        FuzzHost { exports: ExportTable::new(vec![ram("vol", false), ram("ro", true)]) }
+    })
 }
 
 pub fn native_conn(data: &[u8]) {
@@ -70,11 +74,11 @@ pub fn native_conn(data: &[u8]) {
     let host = host();
     let stats = FrontStats::default();
     let mut conn = NativeConn::new(offered, 4);
-    let (mut rx, mut tx, mut closing) = (FrameBuffer::new(), Vec::new(), false);
+    let (mut rx, mut tx, mut closing) = (FrameBuffer::with_capacity(16 << 10), Vec::new(), false);
     for piece in stream.chunks(chunk) {
         rx.extend(piece);
         let mut link = Link { rx: &mut rx, tx: &mut tx, closing: &mut closing, peer: "fuzz", stats: &stats };
-        conn.process(&mut link, &host);
+        conn.process(&mut link, host);
         if closing {
             break;
         }

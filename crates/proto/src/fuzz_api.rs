@@ -64,7 +64,7 @@ pub fn client_session(data: &[u8]) {
     while let Some(frame) = next_frame(&mut input, &TARGET_KINDS) {
         stream.extend(frame);
     }
-    let mut rx = FrameBuffer::new();
+    let mut rx = FrameBuffer::with_capacity(16 << 10);
     let mut done = Vec::new();
     let mut rest = &stream[..];
     while !rest.is_empty() && !s.is_broken() {

@@ -104,7 +104,7 @@ impl Hello {
     }
 
     pub fn decode(body: &[u8]) -> Result<Hello> {
-        let mut r = Reader::new(body, "HELLO");
+        let mut r = Reader::new(body, "HELLO")?;
         let version_min = r.u8()?;
         let version_max = r.u8()?;
         r.zero(2)?;
@@ -136,7 +136,7 @@ impl HelloReply {
     }
 
     pub fn decode(body: &[u8]) -> Result<HelloReply> {
-        let mut r = Reader::new(body, "HELLO_REPLY");
+        let mut r = Reader::new(body, "HELLO_REPLY")?;
         let status = Status::from_u16(r.u16()?);
         let version = r.u8()?;
         r.zero(1)?;
@@ -161,7 +161,7 @@ impl Open {
     }
 
     pub fn decode(body: &[u8]) -> Result<Open> {
-        let mut r = Reader::new(body, "OPEN");
+        let mut r = Reader::new(body, "OPEN")?;
         let name = r.str16(EXPORT_NAME_MAX)?;
         r.end()?;
         Ok(Open { name })
@@ -211,7 +211,7 @@ impl OpenReply {
     }
 
     pub fn decode(body: &[u8]) -> Result<OpenReply> {
-        let mut r = Reader::new(body, "OPEN_REPLY");
+        let mut r = Reader::new(body, "OPEN_REPLY")?;
         let status = Status::from_u16(r.u16()?);
         r.zero(2)?;
         let reply = OpenReply {
@@ -257,7 +257,7 @@ impl ExportInfo {
     }
 
     pub fn decode_list(body: &[u8]) -> Result<Vec<ExportInfo>> {
-        let mut r = Reader::new(body, "LIST_REPLY");
+        let mut r = Reader::new(body, "LIST_REPLY")?;
         let count = r.u16()?;
         let mut out = Vec::with_capacity(usize::from(count).min(1024));
         for _ in 0..count {
@@ -298,7 +298,7 @@ impl StatsReply {
     }
 
     pub fn decode(body: &[u8]) -> Result<StatsReply> {
-        let mut r = Reader::new(body, "STATS_REPLY");
+        let mut r = Reader::new(body, "STATS_REPLY")?;
         let count = r.u16()?;
         let mut entries = Vec::with_capacity(usize::from(count).min(1024));
         for _ in 0..count {
@@ -328,7 +328,7 @@ impl GoAway {
     }
 
     pub fn decode(body: &[u8]) -> Result<GoAway> {
-        let mut r = Reader::new(body, "GOAWAY");
+        let mut r = Reader::new(body, "GOAWAY")?;
         let status = Status::from_u16(r.u16()?);
         let message = r.str16(MESSAGE_MAX)?;
         r.end()?;
@@ -361,8 +361,17 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn new(bytes: &'a [u8], what: &'static str) -> Reader<'a> {
-        Reader { bytes, what }
+    /// A reader over a control body, which may not be longer than [`CONTROL_BODY_MAX`]
+    /// whoever sent it: a decoder never accepts what its encoder could not have produced.
+    fn new(bytes: &'a [u8], what: &'static str) -> Result<Reader<'a>> {
+        if bytes.len() > CONTROL_BODY_MAX {
+            return Err(WireError::Limit {
+                what: "control body bytes",
+                value: bytes.len() as u64,
+                limit: CONTROL_BODY_MAX as u64,
+            });
+        }
+        Ok(Reader { bytes, what })
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {

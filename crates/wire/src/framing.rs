@@ -36,6 +36,8 @@ pub struct FrameBuffer {
     end: usize,
     /// The last read filled all the space it was given, so the socket may hold more.
     last_read_full: bool,
+    /// Read at least this much at a time ([`READ_CHUNK_MIN`], less for a small buffer).
+    chunk_min: usize,
 }
 
 impl Default for FrameBuffer {
@@ -46,7 +48,14 @@ impl Default for FrameBuffer {
 
 impl FrameBuffer {
     pub fn new() -> FrameBuffer {
-        FrameBuffer { buf: vec![0; INITIAL_BYTES], start: 0, end: 0, last_read_full: false }
+        FrameBuffer::with_capacity(INITIAL_BYTES)
+    }
+
+    /// A buffer that starts at `bytes` (it grows as frames need), reading at least a quarter
+    /// of that at a time.
+    pub fn with_capacity(bytes: usize) -> FrameBuffer {
+        let chunk_min = READ_CHUNK_MIN.min(bytes / 4).max(1);
+        FrameBuffer { buf: vec![0; bytes], start: 0, end: 0, last_read_full: false, chunk_min }
     }
 
     /// Bytes received and not yet handed out.
@@ -56,10 +65,10 @@ impl FrameBuffer {
 
     /// Free space to read into, making room first when little is left.
     pub fn spare(&mut self) -> &mut [u8] {
-        if self.buf.len() - self.end < READ_CHUNK_MIN {
+        if self.buf.len() - self.end < self.chunk_min {
             self.compact();
-            if self.buf.len() - self.end < READ_CHUNK_MIN {
-                let grown = (self.buf.len() * 2).max(self.end + READ_CHUNK_MIN);
+            if self.buf.len() - self.end < self.chunk_min {
+                let grown = (self.buf.len() * 2).max(self.end + self.chunk_min);
                 self.buf.resize(grown, 0);
             }
         }
