@@ -1,11 +1,13 @@
 //! The skiff initiator: connect to a target, open exports, and move data through lanes.
 //!
 //! - [`Client`] is a control connection: list exports, read target stats, check an export.
-//! - [`Lane`] is one data connection owned by one thread (no locks): `submit_*` queue requests
-//!   into the open caravan, the doorbell sends it (when full, on `commit`/`wait`, for a
-//!   `NO_DELAY` request, or when the delay bound has passed at the next call), and
-//!   `poll`/`wait` return completions, in the order they arrive. Buffers are moved into the
-//!   lane with the request and handed back in its [`Completion`], with read data in them.
+//! - [`Lane`] is one data connection owned by one thread (no locks), the driver of a
+//!   [`proto::client::ClientSession`] over a socket: `submit_*` queue requests into the open
+//!   caravan, the doorbell sends it (when full, on `commit`/`wait`, for a `NO_DELAY` request,
+//!   or once its delay bound has passed, a deadline the lane honours in `poll` and shared
+//!   lanes honour while they sleep), and `poll`/`wait` return completions, in the order they
+//!   arrive. Buffers are moved into the lane with the request and handed back in its
+//!   [`Completion`], with read data in them.
 //! - `read_at`, `write_at` and `flush` on a lane are a blocking convenience API.
 //! - [`SharedLanes`] serve many threads with few requests each (a FUSE mount, a blocking API):
 //!   each thread's [`SharedHandle`] feeds one of a few lanes, where the requests of all its

@@ -8,20 +8,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 const SEED: u64 = 0xc11e_47f0_5e55_1011;
 const CASES: u64 = 20_000;
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use wire::fuzz_api::SplitMix64 as Rng;
 
 /// An input in `fuzz_api`'s format whose frames are mostly plausible completion caravans for
 /// the requests it submits.

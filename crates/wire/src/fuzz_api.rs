@@ -22,6 +22,25 @@ pub const KINDS: [FrameKind; 11] = [
     FrameKind::Completions,
 ];
 
+/// SplitMix64, for the seeded smoke tests that drive these entry points on stable: tiny,
+/// fast, and good enough to drive a mutator.
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform enough in `0..n` (`n` > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
 /// Bytes taken from the front of a fuzz input.
 pub struct Input<'a>(pub &'a [u8]);
 
