@@ -97,6 +97,21 @@ pub fn caravan(reqs: &[Request], payload: &[u8]) -> Vec<u8> {
 }
 
 /// A target with an NBD listener on 127.0.0.1 (ephemeral port) besides the native one.
+/// An NBD transmission request, encoded by hand from the NBD specification (magic, flags,
+/// type, cookie, offset, length, then a WRITE's payload), so tests never check the NBD front
+/// end against skiff's own codec.
+pub fn nbd_request(cmd: u16, flags: u16, cookie: u64, offset: u64, len: u32, payload: &[u8]) -> Vec<u8> {
+    let mut r = Vec::with_capacity(28 + payload.len());
+    r.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+    r.extend_from_slice(&flags.to_be_bytes());
+    r.extend_from_slice(&cmd.to_be_bytes());
+    r.extend_from_slice(&cookie.to_be_bytes());
+    r.extend_from_slice(&offset.to_be_bytes());
+    r.extend_from_slice(&len.to_be_bytes());
+    r.extend_from_slice(payload);
+    r
+}
+
 pub fn start_nbd_target(exports: &[&str]) -> (Target, String) {
     let t = start_target_with(exports, |c| c.nbd_listen = vec![Endpoint::Tcp("127.0.0.1:0".into())]);
     let Endpoint::Tcp(addr) = t.endpoints_of(server::Protocol::Nbd)[0].clone() else { unreachable!() };

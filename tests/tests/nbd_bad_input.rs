@@ -43,15 +43,7 @@ impl RawNbd {
     }
 
     fn send(&mut self, cmd: u16, flags: u16, cookie: u64, offset: u64, len: u32, payload: &[u8]) {
-        let mut r = Vec::with_capacity(28 + payload.len());
-        r.extend_from_slice(&0x25609513u32.to_be_bytes());
-        r.extend_from_slice(&flags.to_be_bytes());
-        r.extend_from_slice(&cmd.to_be_bytes());
-        r.extend_from_slice(&cookie.to_be_bytes());
-        r.extend_from_slice(&offset.to_be_bytes());
-        r.extend_from_slice(&len.to_be_bytes());
-        r.extend_from_slice(payload);
-        self.s.write_all(&r).unwrap();
+        self.s.write_all(&skiff_tests::nbd_request(cmd, flags, cookie, offset, len, payload)).unwrap();
     }
 
     /// A simple reply: (cookie, error).

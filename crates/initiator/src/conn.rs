@@ -6,9 +6,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use proto::client::ClientHandshake;
-use proto::ProtoError;
 use transport::{wait_fd, ClientStream, Endpoint, FrameBuffer, FrameIo, FrameRef};
-use wire::control::CONTROL_BODY_MAX;
 use wire::{FrameKind, Header, Limits};
 
 use crate::{Error, Result};
@@ -21,15 +19,6 @@ pub(crate) fn received(got: io::Result<usize>) -> Result<usize> {
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
         Err(e) => Err(e.into()),
     }
-}
-
-/// Only control replies come on a connection before it carries a lane, each within the
-/// control body limit: judged from the header, before the body is waited for.
-fn admit_control(h: &Header) -> std::result::Result<(), ProtoError> {
-    if h.kind.is_caravan() {
-        return Err(ProtoError::Unexpected(h.kind, "as a reply to a control frame"));
-    }
-    ProtoError::check_limit("control body bytes", h.payload_len.into(), CONTROL_BODY_MAX as u64)
 }
 
 pub(crate) struct Conn {
@@ -81,7 +70,7 @@ impl Conn {
     }
 
     fn next_control(&mut self) -> Result<Option<FrameRef>> {
-        Ok(self.rx.next_frame(admit_control)?)
+        Ok(self.rx.next_frame(proto::client::admit_control)?)
     }
 
     /// Receive what is there without waiting, at most `cap` bytes. Returns bytes received.

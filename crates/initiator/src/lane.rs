@@ -9,7 +9,7 @@
 //! waits. While a caravan waits for room in the socket the lane keeps receiving, so two peers
 //! can never deadlock on full buffers.
 
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::time::{Duration, Instant};
 
 use proto::caravan::Doorbell;
@@ -33,8 +33,6 @@ pub const DIRECT_MIN_BYTES: u32 = proto::client::DIRECT_OFF;
 const SYNC_USER_DATA: u64 = u64::MAX;
 /// Most slices handed to one vectored send.
 const SEND_IOV_MAX: usize = 64;
-/// Most direct-placement slices handed to one vectored receive.
-const RECV_IOV_MAX: usize = 64;
 
 /// How a lane behaves.
 #[derive(Debug, Clone, Copy)]
@@ -428,7 +426,7 @@ impl<B: IoBuf> Lane<B> {
     fn handle_rx(&mut self) -> Result<bool> {
         let before = self.session.ready();
         let started = Instant::now();
-        let now = self.epoch.elapsed().as_micros() as u64;
+        let now = self.now_us();
         let handled = self.session.handle_rx(now, self.conn.rx.unconsumed());
         self.complete_ns += started.elapsed().as_nanos() as u64;
         let progress = handled?;
@@ -447,31 +445,16 @@ impl<B: IoBuf> Lane<B> {
     }
 }
 
-/// One receive without waiting: first into the buffers of the caravan being placed (if any),
-/// then, once they cover all its remaining data, at most `rx_cap` bytes into the frame buffer.
+/// One receive without waiting, laid out by the session (placed data first), timed.
 fn receive<B: IoBuf>(conn: &mut Conn, session: &mut ClientSession<B>) -> Result<usize> {
-    let cap = session.rx_cap();
-    let (got, direct_len) = {
-        let mut iov: [IoSliceMut<'_>; RECV_IOV_MAX + 1] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
-        let (n, all) = session.recv_destinations(&mut iov[..RECV_IOV_MAX]);
-        let direct_len: usize = iov[..n].iter().map(|d| d.len()).sum();
-        let mut used = n;
-        if all {
-            let spare = conn.rx.spare();
-            let cap = cap.min(spare.len());
-            iov[n] = IoSliceMut::new(&mut spare[..cap]);
-            used += 1;
-        }
+    let Conn { stream, rx, recv_ns, .. } = conn;
+    let got = session.receive_with(rx, |iov| {
         let started = Instant::now();
-        let got = FrameIo::recv(&mut conn.stream, &mut iov[..used]);
-        conn.recv_ns += started.elapsed().as_nanos() as u64;
-        (crate::conn::received(got)?, direct_len)
-    };
-    session.handle_placed(got.min(direct_len));
-    if got > direct_len {
-        conn.rx.commit(got - direct_len);
-    }
-    Ok(got)
+        let got = FrameIo::recv(stream, iov);
+        *recv_ns += started.elapsed().as_nanos() as u64;
+        got
+    });
+    crate::conn::received(got)
 }
 
 pub(crate) fn status_result(status: Status) -> Result<()> {

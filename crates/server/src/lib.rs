@@ -271,3 +271,21 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
     }
     Ok(ExportTable::new(exports))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn export_arguments_parse_or_say_what_is_wrong() {
+        let ok: ExportConfig = "vol=ram:1M,ro".parse().unwrap();
+        assert_eq!((ok.name.as_str(), ok.read_only), ("vol", true));
+        assert!(matches!("ram:1M".parse::<ExportConfig>(), Err(ExportConfigError::MissingEquals(_))));
+        assert!(matches!("=ram:1M".parse::<ExportConfig>(), Err(ExportConfigError::BadName(_))));
+        let long = format!("{}=ram:1M", "n".repeat(256));
+        assert!(matches!(long.parse::<ExportConfig>(), Err(ExportConfigError::BadName(_))));
+        let err = "vol=tape:9".parse::<ExportConfig>().unwrap_err();
+        assert!(matches!(err, ExportConfigError::Spec { .. }));
+        assert!(err.to_string().starts_with("export \"vol\": "), "{err}");
+    }
+}

@@ -76,7 +76,7 @@ fn main() -> ExitCode {
                         r.ops_ok, r.ops_failed, r.connections, r.virtual_us
                     );
                 }
-                add(&mut total, &r);
+                total.add(&r);
             }
             Err(f) => {
                 failed += 1;
@@ -124,20 +124,5 @@ fn main() -> ExitCode {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
-    }
-}
-
-fn add(total: &mut Report, r: &Report) {
-    total.ops_ok += r.ops_ok;
-    total.ops_failed += r.ops_failed;
-    total.connections += r.connections;
-    total.disk_errors += r.disk_errors;
-    total.caravans_sent += r.caravans_sent;
-    total.completion_caravans += r.completion_caravans;
-    total.read_bytes_placed += r.read_bytes_placed;
-    total.read_bytes_copied += r.read_bytes_copied;
-    total.goaways += r.goaways;
-    for (t, n) in total.net_faults.iter_mut().zip(r.net_faults) {
-        *t += n;
     }
 }

@@ -11,7 +11,7 @@
 //! the volume, read directly from the backend, must hold every acknowledged write.
 
 use std::collections::BTreeMap;
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io::{self, IoSlice};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -26,9 +26,7 @@ use proto::client::{
     Batching, ClientHandshake, ClientSession, Completion, Mutation as ClientMutation, SessionConfig,
     Submission, SubmitError, DIRECT_OFF,
 };
-use proto::ProtoError;
 use transport::FrameIo;
-use wire::control::CONTROL_BODY_MAX;
 use wire::{FrameBuffer, FrameKind, Header, Limits, Opcode, ReqFlags, Status};
 
 use crate::clock::Clock;
@@ -98,6 +96,26 @@ pub struct Report {
     pub read_bytes_copied: u64,
     /// Connections the target closed with a GOAWAY (a flipped header bit it caught).
     pub goaways: u64,
+}
+
+impl Report {
+    /// Add another run's figures to these (a summary over seeds).
+    pub fn add(&mut self, r: &Report) {
+        self.ops_ok += r.ops_ok;
+        self.ops_failed += r.ops_failed;
+        self.connections += r.connections;
+        self.steps += r.steps;
+        self.virtual_us += r.virtual_us;
+        for (t, n) in self.net_faults.iter_mut().zip(r.net_faults) {
+            *t += n;
+        }
+        self.disk_errors += r.disk_errors;
+        self.caravans_sent += r.caravans_sent;
+        self.completion_caravans += r.completion_caravans;
+        self.read_bytes_placed += r.read_bytes_placed;
+        self.read_bytes_copied += r.read_bytes_copied;
+        self.goaways += r.goaways;
+    }
 }
 
 /// Why a run failed.
@@ -365,22 +383,16 @@ impl Sim {
     /// The initiator's turn. Returns why the connection failed, if it did.
     fn client_step(&mut self) -> Result<Option<String>, String> {
         let now = self.clock.now_us();
-        let conn = self.conn.as_mut().expect("a connection");
+        let mut conn = self.conn.take().expect("a connection");
+        let turn = self.client_turn(&mut conn, now);
+        self.conn = Some(conn);
+        turn
+    }
+
+    fn client_turn(&mut self, conn: &mut Connection, now: u64) -> Result<Option<String>, String> {
         if let ClientState::Ready(session) = &mut conn.client {
             let session = &mut **session;
-            Self::issue(
-                session,
-                &mut self.rng,
-                &mut self.shadow,
-                &mut self.ops,
-                &mut self.busy,
-                &mut self.issued,
-                &mut self.next_user_data,
-                self.opts.ops,
-                conn.id,
-                now,
-                &mut self.history,
-            );
+            self.issue(session, conn.id, now);
             if self.rng.chance(5_000) {
                 session.commit();
             }
@@ -400,20 +412,11 @@ impl Sim {
         Ok(failed)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn issue(
-        session: &mut ClientSession<Vec<u8>>,
-        rng: &mut Rng,
-        shadow: &mut Shadow,
-        ops: &mut BTreeMap<u64, Op>,
-        busy: &mut [bool],
-        issued: &mut usize,
-        next_user_data: &mut u64,
-        ops_max: usize,
-        connection: u32,
-        now: u64,
-        history: &mut Vec<(u64, u64, Op, &'static str)>,
-    ) {
+    /// Submit new requests while the queue has room (and a coin says so), never two in flight
+    /// on one block.
+    fn issue(&mut self, session: &mut ClientSession<Vec<u8>>, connection: u32, now: u64) {
+        let Sim { rng, shadow, ops, busy, issued, next_user_data, history, .. } = self;
+        let ops_max = self.opts.ops;
         let blocks_max = (session.limits().io_bytes_max as usize / BLOCK_BYTES).clamp(1, REQUEST_BLOCKS_MAX);
         while *issued < ops_max && session.in_flight() < session.queue_depth() && rng.chance(600_000) {
             let opcode = match rng.below(100) {
@@ -653,7 +656,10 @@ fn client_io(conn: &mut Connection, now: u64) -> Option<String> {
     }
     for _ in 0..CALLS_PER_STEP {
         let got = match &mut conn.client {
-            ClientState::Ready(session) => receive(&mut conn.client_io, &mut conn.client_rx, session),
+            ClientState::Ready(session) => {
+                let io = &mut conn.client_io;
+                session.receive_with(&mut conn.client_rx, |iov| io.recv(iov))
+            }
             _ => conn.client_io.fill(&mut conn.client_rx),
         };
         match got {
@@ -741,43 +747,9 @@ fn client_handle(conn: &mut Connection, now: u64) -> Result<(), String> {
 
 /// The next control frame the client received, whole, judged from its header first.
 fn next_control(rx: &mut FrameBuffer) -> Result<Option<(Header, Vec<u8>)>, String> {
-    let admit = |h: &Header| -> Result<(), ProtoError> {
-        if h.kind.is_caravan() || h.payload_len as usize > CONTROL_BODY_MAX {
-            return Err(ProtoError::Unexpected(h.kind, "during the handshake"));
-        }
-        Ok(())
-    };
-    match rx.next_frame(admit) {
+    match rx.next_frame(proto::client::admit_control) {
         Ok(Some(f)) => Ok(Some((f.header, rx.body(&f).to_vec()))),
         Ok(None) => Ok(None),
         Err(e) => Err(format!("handshake frame: {e}")),
     }
-}
-
-/// One receive as a lane does it: into the buffers of the caravan being placed, then the
-/// frame buffer, within the session's cap.
-fn receive(
-    io: &mut impl FrameIo,
-    rx: &mut FrameBuffer,
-    session: &mut ClientSession<Vec<u8>>,
-) -> io::Result<usize> {
-    let cap = session.rx_cap();
-    let (got, direct_len) = {
-        let mut iov: [IoSliceMut<'_>; 17] = std::array::from_fn(|_| IoSliceMut::new(&mut []));
-        let (n, all) = session.recv_destinations(&mut iov[..16]);
-        let direct_len: usize = iov[..n].iter().map(|d| d.len()).sum();
-        let mut used = n;
-        if all {
-            let spare = rx.spare();
-            let cap = cap.min(spare.len());
-            iov[n] = IoSliceMut::new(&mut spare[..cap]);
-            used += 1;
-        }
-        (io.recv(&mut iov[..used])?, direct_len)
-    };
-    session.handle_placed(got.min(direct_len));
-    if got > direct_len {
-        rx.commit(got - direct_len);
-    }
-    Ok(got)
 }

@@ -16,17 +16,14 @@ fn all_faults(seed: u64, planted: Planted) -> Options {
 #[test]
 fn a_thousand_seeds_with_every_fault_pass() {
     let mut failures = Vec::new();
-    let mut faults = [0u64; 5];
+    let mut total = skiff_sim::Report::default();
     for seed in 0..SEEDS {
         match run(&all_faults(seed, Planted::None)) {
-            Ok(r) => {
-                for (sum, n) in faults.iter_mut().zip(r.net_faults) {
-                    *sum += n;
-                }
-            }
+            Ok(r) => total.add(&r),
             Err(f) => failures.push(f.to_string()),
         }
     }
+    let faults = total.net_faults;
     assert!(failures.is_empty(), "{} of {SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
     // The faults were real: every kind struck, many times.
     assert!(

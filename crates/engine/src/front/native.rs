@@ -23,42 +23,26 @@ use crate::{Export, Io};
 #[derive(Debug)]
 pub struct NativeConn {
     session: ServerSession,
-    #[cfg(feature = "mutations")]
-    mutation: mutation::Mutation,
-    #[cfg(feature = "mutations")]
-    deferred: Vec<(Io, Vec<u8>)>,
+    /// The planted bug's state (nothing without the feature `mutations`).
+    bug: mutation::Bug,
 }
 
 impl NativeConn {
     /// A connection that will offer `limits` in the handshake and let its peer hold
     /// `open_handles_max` exports open.
     pub fn new(limits: wire::Limits, open_handles_max: usize) -> NativeConn {
-        NativeConn {
-            session: ServerSession::new(limits, open_handles_max),
-            #[cfg(feature = "mutations")]
-            mutation: mutation::Mutation::None,
-            #[cfg(feature = "mutations")]
-            deferred: Vec::new(),
-        }
+        NativeConn { session: ServerSession::new(limits, open_handles_max), bug: mutation::Bug::new() }
     }
 
     /// Plant a bug, for the simulator's proof that it catches them.
     #[cfg(feature = "mutations")]
     pub fn set_mutation(&mut self, mutation: mutation::Mutation) {
-        self.mutation = mutation;
+        self.bug.mutation = mutation;
     }
 
     /// Handle every frame that has arrived whole.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
-        #[cfg(feature = "mutations")]
-        let NativeConn { session, mutation, deferred } = self;
-        #[cfg(feature = "mutations")]
-        let mut bug = mutation::Bug { mutation: *mutation, deferred };
-        #[cfg(not(feature = "mutations"))]
-        let NativeConn { session } = self;
-        #[cfg(not(feature = "mutations"))]
-        let mut bug = mutation::Bug(std::marker::PhantomData);
-        process(session, link, host, &mut bug);
+        process(&mut self.session, link, host, &mut self.bug);
     }
 }
 
@@ -66,7 +50,7 @@ fn process<S: Sink + ?Sized>(
     session: &mut ServerSession,
     link: &mut Link<'_, S>,
     host: &impl Host,
-    bug: &mut mutation::Bug<'_>,
+    bug: &mut mutation::Bug,
 ) {
     while !*link.closing {
         let f = match link.rx.next_frame(|h| session.admit(h)) {
@@ -201,7 +185,7 @@ fn execute_caravan<S: Sink + ?Sized>(
     tx: &mut S,
     host: &impl Host,
     stats: &FrontStats,
-    bug: &mut mutation::Bug<'_>,
+    bug: &mut mutation::Bug,
 ) {
     stats.record_caravan(caravan.len());
     if caravan.is_empty() {
@@ -249,20 +233,27 @@ pub mod mutation {
     use crate::Io;
 
     /// A planted bug of the native front end.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
     pub enum Mutation {
+        #[default]
         None,
         /// Acknowledge a write at once and execute it only when the next caravan arrives: a
         /// write acknowledged before it reached the backend, lost if the connection drops.
         AckBeforeBackend,
     }
 
-    pub(super) struct Bug<'a> {
+    #[derive(Debug, Default)]
+    pub(super) struct Bug {
         pub mutation: Mutation,
-        pub deferred: &'a mut Vec<(Io, Vec<u8>)>,
+        /// Acknowledged writes not yet executed.
+        deferred: Vec<(Io, Vec<u8>)>,
     }
 
-    impl Bug<'_> {
+    impl Bug {
+        pub fn new() -> Bug {
+            Bug::default()
+        }
+
         pub fn before_caravan(&mut self, host: &impl Host) {
             let Some(export) = host.exports().get(0) else { return };
             for (io, data) in self.deferred.drain(..) {
@@ -287,9 +278,14 @@ mod mutation {
     use super::Host;
     use crate::Io;
 
-    pub(super) struct Bug<'a>(pub std::marker::PhantomData<&'a ()>);
+    #[derive(Debug)]
+    pub(super) struct Bug;
 
-    impl Bug<'_> {
+    impl Bug {
+        pub fn new() -> Bug {
+            Bug
+        }
+
         #[inline(always)]
         pub fn before_caravan(&mut self, _: &impl Host) {}
 

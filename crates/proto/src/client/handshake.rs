@@ -48,6 +48,19 @@ impl ClientHandshake {
     }
 }
 
+/// Judge a frame on a connection that carries no lane yet, from its header alone: only
+/// control replies come, each within the control body limit.
+pub fn admit_control(h: &Header) -> Result<(), ProtoError> {
+    if h.kind.is_caravan() {
+        return Err(ProtoError::Unexpected(h.kind, "as a reply to a control frame"));
+    }
+    ProtoError::check_limit(
+        "control body bytes",
+        h.payload_len.into(),
+        wire::control::CONTROL_BODY_MAX as u64,
+    )
+}
+
 /// Decode a control reply of the expected kind; a GOAWAY becomes a refusal with its status.
 pub fn expect<T>(
     header: &Header,

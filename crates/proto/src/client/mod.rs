@@ -6,9 +6,8 @@ mod outbox;
 mod placement;
 mod session;
 
-pub use handshake::{expect, handle_open_reply, ClientHandshake};
+pub use handshake::{admit_control, expect, handle_open_reply, ClientHandshake};
 pub use outbox::Outbox;
-#[cfg(feature = "mutations")]
 pub use session::Mutation;
 pub use session::{
     Batching, ClientSession, Completion, IoBuf, Refused, RxProgress, SessionConfig, SessionStats, Submission,

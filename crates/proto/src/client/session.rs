@@ -22,12 +22,12 @@
 //! [`poll_timeout`]: ClientSession::poll_timeout
 
 use std::collections::VecDeque;
-use std::io::{IoSlice, IoSliceMut};
+use std::io::{self, IoSlice, IoSliceMut};
 
 use wire::caravan::CompletionCaravan;
 use wire::control::CONTROL_BODY_MAX;
 use wire::framing::peek_header;
-use wire::{FrameKind, GoAway, Header, Limits, Opcode, ReqFlags, Request, Status};
+use wire::{FrameBuffer, FrameKind, GoAway, Header, Limits, Opcode, ReqFlags, Request, Status};
 use wire::{COMPLETION_DESC_LEN, HEADER_LEN};
 
 use super::outbox::Outbox;
@@ -36,20 +36,6 @@ use crate::batch::{BatchConfig, BatchController};
 use crate::caravan::Doorbell;
 use crate::slots::SlotTable;
 use crate::ProtoError;
-
-/// Names a planted bug where the feature exists, and nothing where it does not.
-#[cfg(feature = "mutations")]
-macro_rules! mutation {
-    ($m:ident) => {
-        Mutation::$m
-    };
-}
-#[cfg(not(feature = "mutations"))]
-macro_rules! mutation {
-    ($m:ident) => {
-        ()
-    };
-}
 
 /// A buffer a session can hold for a request until it completes: write data is sent from it,
 /// read data lands in it. `Vec<u8>` is the usual one; the C API passes the caller's memory.
@@ -196,9 +182,9 @@ pub struct ClientSession<B> {
     mutation: Mutation,
 }
 
-/// Deliberately broken variants of the session, compiled only for the simulator's proof that
-/// it catches them (feature `mutations`; never in the product's binaries).
-#[cfg(feature = "mutations")]
+/// Deliberately broken variants of the session, for the simulator's proof that it catches
+/// them. Only the feature `mutations` (never on in the product's binaries) lets one be planted;
+/// without it every check of [`ClientSession::planted`] is a constant `None` and folds away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mutation {
     None,
@@ -251,15 +237,16 @@ impl<B: IoBuf> ClientSession<B> {
         self.mutation = mutation;
     }
 
+    /// The bug planted in this session.
     #[cfg(feature = "mutations")]
-    fn mutated(&self, m: Mutation) -> bool {
-        self.mutation == m
+    fn planted(&self) -> Mutation {
+        self.mutation
     }
 
     #[cfg(not(feature = "mutations"))]
     #[inline(always)]
-    fn mutated(&self, _: ()) -> bool {
-        false
+    fn planted(&self) -> Mutation {
+        Mutation::None
     }
 
     pub fn limits(&self) -> &Limits {
@@ -381,7 +368,7 @@ impl<B: IoBuf> ClientSession<B> {
 
     /// The clock reached `now_us`: close the open caravan if its delay bound has passed.
     pub fn handle_timeout(&mut self, now_us: u64) {
-        if self.mutated(mutation!(IgnoreDeadline)) {
+        if self.planted() == Mutation::IgnoreDeadline {
             return;
         }
         if self.poll_timeout().is_some_and(|due| now_us >= due) {
@@ -444,6 +431,39 @@ impl<B: IoBuf> ClientSession<B> {
     /// belongs to the frame buffer.
     pub fn handle_placed(&mut self, n: usize) -> usize {
         self.placement.receive(n)
+    }
+
+    /// One receive laid out as the session wants it: the buffers of the caravan being placed
+    /// first, then (once they cover all its remaining data) at most [`rx_cap`](Self::rx_cap)
+    /// bytes of `rx`'s spare room. `recv` is the driver's I/O, called once with that scatter
+    /// list; its result is accounted ([`handle_placed`](Self::handle_placed), `rx` committed)
+    /// and returned. Call [`handle_rx`](Self::handle_rx) afterwards.
+    pub fn receive_with(
+        &mut self,
+        rx: &mut FrameBuffer,
+        recv: impl FnOnce(&mut [IoSliceMut<'_>]) -> io::Result<usize>,
+    ) -> io::Result<usize> {
+        const DIRECT_IOV_MAX: usize = 64;
+        let cap = self.rx_cap();
+        let (got, direct_len) = {
+            let mut iov: [IoSliceMut<'_>; DIRECT_IOV_MAX + 1] =
+                std::array::from_fn(|_| IoSliceMut::new(&mut []));
+            let (n, all) = self.recv_destinations(&mut iov[..DIRECT_IOV_MAX]);
+            let direct_len: usize = iov[..n].iter().map(|d| d.len()).sum();
+            let mut used = n;
+            if all {
+                let spare = rx.spare();
+                let cap = cap.min(spare.len());
+                iov[n] = IoSliceMut::new(&mut spare[..cap]);
+                used += 1;
+            }
+            (recv(&mut iov[..used])?, direct_len)
+        };
+        self.handle_placed(got.min(direct_len));
+        if got > direct_len {
+            rx.commit(got - direct_len);
+        }
+        Ok(got)
     }
 
     /// Handle received bytes: `rx` is everything in the driver's frame buffer not yet consumed.
@@ -547,7 +567,7 @@ impl<B: IoBuf> ClientSession<B> {
         self.stats.completion_caravans += 1;
         // The planted bug swaps the first two tags; nothing is allocated unless it is planted.
         #[cfg(feature = "mutations")]
-        let swapped: Vec<u32> = match self.mutation {
+        let swapped: Vec<u32> = match self.planted() {
             Mutation::SwapTags if caravan.len() >= 2 => {
                 let mut tags: Vec<u32> = caravan.iter().map(|(c, _)| c.tag).collect();
                 tags.swap(0, 1);
@@ -652,7 +672,7 @@ impl<B: IoBuf> ClientSession<B> {
         self.outbox.clear();
         self.first_queued_us = None;
         self.reads = ReadsInFlight::default();
-        let forget_unsent = self.mutated(mutation!(ForgetUnsent));
+        let forget_unsent = self.planted() == Mutation::ForgetUnsent;
         let placed = self.placement.take().map(|p| p.pending);
         for p in placed.chain(self.slots.drain()) {
             if forget_unsent && !p.sent {
@@ -685,4 +705,90 @@ fn finish<B>(
         ctl.handle_completion(if moved { p.length.into() } else { 0 });
     }
     done.push_back(Completion { user_data: p.user_data, opcode: p.opcode, status, buf: p.buf });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session(queue_depth: u32) -> ClientSession<Vec<u8>> {
+        let config = SessionConfig {
+            doorbell: Doorbell::default(),
+            batching: Batching::Off,
+            direct_min_bytes: DIRECT_OFF,
+        };
+        let limits = Limits { queue_depth, caravan_reqs_max: 4, caravan_bytes_max: 8192, io_bytes_max: 4096 };
+        ClientSession::new(&config, limits, 0)
+    }
+
+    fn read(user_data: u64) -> Submission<Vec<u8>> {
+        Submission {
+            opcode: Opcode::Read,
+            flags: ReqFlags::empty(),
+            offset: 0,
+            length: 512,
+            buf: Some(vec![0; 512]),
+            user_data,
+        }
+    }
+
+    /// A completion caravan answering `tag` with `data_len` bytes of data.
+    fn completion(tag: u32, data_len: u32) -> Vec<u8> {
+        let mut desc = [0u8; COMPLETION_DESC_LEN];
+        wire::Completion { tag, status: Status::Ok, data_len }.emit(&mut desc);
+        let header = Header { kind: FrameKind::Completions, desc_count: 1, payload_len: data_len };
+        let mut frame = header.to_bytes().to_vec();
+        frame.extend_from_slice(&desc);
+        frame.resize(frame.len() + data_len as usize, 0x42);
+        frame
+    }
+
+    /// Send everything the session has sealed, all at once.
+    fn send_all(s: &mut ClientSession<Vec<u8>>) {
+        let mut iov = [IoSlice::new(&[]); 8];
+        let n = s.poll_transmit(&mut iov);
+        let sent = iov[..n].iter().map(|b| b.len()).sum();
+        s.handle_sent(sent);
+    }
+
+    #[test]
+    fn a_completion_for_a_request_not_yet_sent_fails_the_session() {
+        let mut s = session(4);
+        s.submit(0, read(7)).unwrap();
+        assert!(s.has_transmit(), "batching off: the caravan is sealed at once");
+        // The caravan has not left, so the target cannot have seen tag 0 (slot 0, generation 0).
+        let err = s.handle_rx(0, &completion(0, 512)).unwrap_err();
+        assert_eq!(err, ProtoError::UnknownTag(0));
+        assert!(s.is_broken());
+        let mut done = Vec::new();
+        s.take_completions(&mut done);
+        assert_eq!(done.len(), 1, "the request comes back, failed, with its buffer");
+        assert_eq!(
+            (done[0].user_data, done[0].status, done[0].buf.as_ref().map(Vec::len)),
+            (7, Status::IoError, Some(512))
+        );
+    }
+
+    #[test]
+    fn once_sent_the_same_completion_is_taken() {
+        let mut s = session(4);
+        s.submit(0, read(7)).unwrap();
+        send_all(&mut s);
+        let frame = completion(0, 512);
+        assert_eq!(s.handle_rx(0, &frame).unwrap(), RxProgress { consumed: frame.len(), need: 0 });
+        let c = s.take_completion_of(7).expect("completed");
+        assert_eq!((c.status, c.buf.unwrap()), (Status::Ok, vec![0x42; 512]));
+    }
+
+    #[test]
+    fn an_oversized_completion_caravan_is_refused_from_its_header() {
+        let mut s = session(4);
+        s.submit(0, read(7)).unwrap();
+        send_all(&mut s);
+        // Only the header of a caravan with more descriptors than negotiated: no body needed.
+        let header = Header { kind: FrameKind::Completions, desc_count: 5, payload_len: 0 };
+        let err = s.handle_rx(0, &header.to_bytes()).unwrap_err();
+        assert!(matches!(err, ProtoError::OverLimit { what: "descriptors per caravan", .. }), "{err:?}");
+        assert_eq!(err.goaway_status(), Status::TooLarge);
+    }
 }
