@@ -111,7 +111,7 @@ fn fuzz_transmission(mut data: &[u8], session: &Session) {
 }
 
 fn answer_every_way(out: &mut Vec<u8>, req: &tx::Request, session: &Session) {
-    const STATUSES: [Status; 16] = [
+    const STATUSES: [Status; 18] = [
         Status::Ok,
         Status::Invalid,
         Status::OutOfRange,
@@ -126,6 +126,8 @@ fn answer_every_way(out: &mut Vec<u8>, req: &tx::Request, session: &Session) {
         Status::NotFound,
         Status::VersionMismatch,
         Status::TooManyOpen,
+        Status::TimedOut,
+        Status::ShuttingDown,
         Status::Other(0),
         Status::Other(u16::MAX),
     ];

@@ -275,7 +275,9 @@ pub fn error_of(status: Status, cmd: Cmd, flags: CmdFlags) -> u32 {
         | Status::NotFound
         | Status::VersionMismatch
         | Status::TooManyOpen
+        | Status::TimedOut
         | Status::Other(_) => EIO,
+        Status::ShuttingDown => ESHUTDOWN,
     }
 }
 

@@ -4,6 +4,8 @@
 //! bound what one peer can make the target hold or do, so that one misbehaving peer never
 //! disturbs another. The command line and the C-free library share these defaults.
 
+use std::time::Duration;
+
 use wire::Limits;
 
 /// The target's bounds. `Bounds::default()` is what `skiff serve` uses unless told otherwise.
@@ -27,6 +29,23 @@ pub struct Bounds {
     pub events_per_poll: usize,
     /// Extents in one NBD `BLOCK_STATUS` reply; the client asks again for the rest. 1,024.
     pub nbd_extents_per_reply_max: usize,
+    /// Connections still in their handshake (native: before `HELLO`; NBD: before `GO` or
+    /// `EXPORT_NAME`) at once. One more arriving evicts the oldest of them, so stalled
+    /// handshakes can never lock out a client that completes its own. 256.
+    pub handshakes_max: usize,
+    /// Connections open at once from one client address; past it, a new one evicts that
+    /// address's oldest connection still in its handshake, or is refused. 256.
+    pub connections_per_address_max: usize,
+    /// A connection that has not finished its handshake this long after it was accepted is
+    /// closed (native: `GOAWAY` `TimedOut`). 10 s.
+    pub handshake_timeout: Duration,
+    /// A native connection that sends nothing for this long, with nothing of its own queued,
+    /// gets `GOAWAY` `TimedOut` and is closed; an initiator with reconnection on reconnects
+    /// when it next has work. Zero: never. 300 s.
+    pub idle_timeout: Duration,
+    /// The same for NBD connections after their handshake. Zero (the default): never, since
+    /// NBD clients such as the kernel's do not reconnect on their own.
+    pub nbd_idle_timeout: Duration,
 }
 
 impl Default for Bounds {
@@ -39,6 +58,11 @@ impl Default for Bounds {
             reads_per_pass: 8,
             events_per_poll: 256,
             nbd_extents_per_reply_max: 1024,
+            handshakes_max: 256,
+            connections_per_address_max: 256,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(300),
+            nbd_idle_timeout: Duration::ZERO,
         }
     }
 }

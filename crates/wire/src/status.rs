@@ -33,6 +33,11 @@ pub enum Status {
     VersionMismatch,
     /// Too many exports open on one connection.
     TooManyOpen,
+    /// The connection was closed for silence: its handshake did not finish, or it sent
+    /// nothing, within the target's timeout (`GOAWAY`).
+    TimedOut,
+    /// The target is shutting down (`GOAWAY`); an initiator may reconnect once it is back.
+    ShuttingDown,
     /// A code this implementation does not know.
     Other(u16),
 }
@@ -54,6 +59,8 @@ impl Status {
             Status::NotFound => 11,
             Status::VersionMismatch => 12,
             Status::TooManyOpen => 13,
+            Status::TimedOut => 14,
+            Status::ShuttingDown => 15,
             Status::Other(v) => v,
         }
     }
@@ -74,6 +81,8 @@ impl Status {
             11 => Status::NotFound,
             12 => Status::VersionMismatch,
             13 => Status::TooManyOpen,
+            14 => Status::TimedOut,
+            15 => Status::ShuttingDown,
             other => Status::Other(other),
         }
     }
@@ -97,6 +106,8 @@ impl Status {
             Status::NotFound => 2,                                          // ENOENT
             Status::VersionMismatch => 71,                                  // EPROTO
             Status::TooManyOpen => 24,                                      // EMFILE
+            Status::TimedOut => 110,                                        // ETIMEDOUT
+            Status::ShuttingDown => 108,                                    // ESHUTDOWN
         }
     }
 }
@@ -118,6 +129,8 @@ impl std::fmt::Display for Status {
             Status::NotFound => "no such export",
             Status::VersionMismatch => "no common protocol version",
             Status::TooManyOpen => "too many exports open",
+            Status::TimedOut => "timed out",
+            Status::ShuttingDown => "target shutting down",
             Status::Other(v) => return write!(f, "status {v}"),
         };
         f.write_str(text)

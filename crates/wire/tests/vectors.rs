@@ -158,15 +158,17 @@ fn status_codes_and_errnos() {
         (NotFound, 11, 2),
         (VersionMismatch, 12, 71),
         (TooManyOpen, 13, 24),
+        (TimedOut, 14, 110),
+        (ShuttingDown, 15, 108),
     ];
     for (status, code, errno) in table {
         assert_eq!(status.to_u16(), code);
         assert_eq!(Status::from_u16(code), status);
         assert_eq!(status.errno(), errno, "{status:?}");
     }
-    assert_eq!(Status::from_u16(14), Other(14));
+    assert_eq!(Status::from_u16(16), Other(16));
     assert_eq!(Other(0xBEEF).to_u16(), 0xBEEF);
-    assert_eq!(Other(14).errno(), 5);
+    assert_eq!(Other(16).errno(), 5);
 }
 
 // ---------------------------------------------------------------------------------------------
