@@ -23,7 +23,7 @@ use transport::{Endpoint, Listener};
 
 pub use bounds::Bounds;
 pub use conn::Protocol;
-pub use stats::WorkerStats;
+pub use stats::{ListenerStats, WorkerStats};
 
 /// One export on the command line: `NAME=SPEC`, or `NAME=SPEC,ro` for a read-only export.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,6 +122,7 @@ pub(crate) struct Shared {
     pub workers: Vec<Arc<WorkerStats>>,
     pub shutdown: AtomicBool,
     pub connections: std::sync::atomic::AtomicUsize,
+    pub listener: ListenerStats,
     /// Thread ids of the acceptor, for CPU accounting beside the workers'.
     pub acceptor_tid: std::sync::atomic::AtomicI32,
 }
@@ -181,6 +182,7 @@ impl Target {
             workers: (0..workers).map(|_| Arc::new(WorkerStats::default())).collect(),
             shutdown: AtomicBool::new(false),
             connections: Default::default(),
+            listener: Default::default(),
             acceptor_tid: Default::default(),
             config,
         });

@@ -32,6 +32,22 @@ pub struct WorkerStats {
     pub tid: AtomicI32,
 }
 
+/// What the listeners turned away or closed for the target's own bounds: counted by the
+/// acceptor and the workers (rarely, never on the data path), shared by all of them.
+#[derive(Debug, Default)]
+pub struct ListenerStats {
+    /// Connections refused at accept (`connections_max`, or the per-address cap with no
+    /// handshake of that address to evict).
+    pub connections_refused: AtomicU64,
+    /// Connections still in their handshake closed to make room for a new one
+    /// (`handshakes_max`, `connections_per_address_max`).
+    pub connections_evicted: AtomicU64,
+    /// Connections closed because their handshake outlived `handshake_timeout`.
+    pub handshake_timeouts: AtomicU64,
+    /// Connections closed because they were silent for the idle timeout.
+    pub idle_timeouts: AtomicU64,
+}
+
 pub(crate) use engine::stats::bump;
 
 /// Picks one counter out of a worker's stats.
