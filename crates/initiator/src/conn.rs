@@ -35,7 +35,7 @@ pub(crate) struct Conn {
 
 impl Conn {
     pub fn connect(endpoint: &Endpoint, proposed: &Limits, timeout: Duration) -> Result<Conn> {
-        let stream = ClientStream::connect(endpoint)?;
+        let stream = ClientStream::connect(endpoint, timeout)?;
         let mut conn = Conn {
             stream,
             rx: FrameBuffer::new(),

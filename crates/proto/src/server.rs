@@ -70,6 +70,12 @@ impl ServerSession {
         &self.limits
     }
 
+    /// Whether the handshake is done (a `HELLO` was answered): from then on the connection
+    /// counts as established, no longer as a handshake the target may evict or time out.
+    pub fn is_established(&self) -> bool {
+        self.state == State::Ready
+    }
+
     /// Judge a frame from its header alone, before its body is read: is this kind allowed now
     /// from an initiator, and is it within the limits? An error means the connection must
     /// close (with the GOAWAY status [`ProtoError::goaway_status`] gives).

@@ -1,5 +1,6 @@
-//! The acceptor: takes new connections and deals them to workers round-robin. It is the only
-//! thread that ever hands work to a worker, and only once per connection.
+//! The acceptor: takes new connections, admits them ([`crate::admission`]), and deals them to
+//! workers round-robin. It is the only thread that ever hands work to a worker, and only once
+//! per connection; it wakes a worker otherwise only to have it close a connection it evicted.
 
 use std::io;
 use std::sync::atomic::Ordering;
@@ -73,15 +74,28 @@ impl Acceptor {
                     return;
                 }
             };
-            let open = self.shared.connections.load(Ordering::Relaxed);
-            if open >= self.shared.config.bounds.connections_max {
-                tracing::warn!(peer = %stream.peer(), open, "connection refused: connections_max reached");
-                continue;
-            }
-            self.shared.connections.fetch_add(1, Ordering::Relaxed);
-            let (inbox, waker) = &self.inboxes[self.next % self.inboxes.len()];
+            let worker = self.next % self.inboxes.len();
+            let shared = &self.shared;
+            let admitted =
+                shared.admission.admit(stream.peer_ip(), worker, &shared.config.bounds, &shared.connections);
+            let admitted = match admitted {
+                Ok(a) => a,
+                Err(why) => {
+                    let refused = shared.listener.connections_refused.fetch_add(1, Ordering::Relaxed) + 1;
+                    // Said at 1, 2, 4, 8, ... refusals: a flood must not flood the log too.
+                    if refused.is_power_of_two() {
+                        tracing::warn!(peer = %stream.peer(), refused, "connection refused: {why}");
+                    }
+                    continue;
+                }
+            };
             self.next += 1;
-            if inbox.send((stream, protocol)).is_ok() {
+            for victim in &admitted.evicted {
+                shared.listener.connections_evicted.fetch_add(1, Ordering::Relaxed);
+                let _ = self.inboxes[victim.worker].1.wake();
+            }
+            let (inbox, waker) = &self.inboxes[worker];
+            if inbox.send((stream, protocol, admitted.ticket)).is_ok() {
                 let _ = waker.wake();
             }
         }

@@ -9,6 +9,7 @@
 
 use std::io::{self, IoSlice};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::front::{native::NativeConn, nbd::NbdConn, Link, Sink};
@@ -16,8 +17,9 @@ use engine::{Export, Io, RegionBytes};
 use transport::{FrameBuffer, FrameIo, Stream};
 use wire::Status;
 
+use crate::admission::Ticket;
 use crate::stats::{bump, WorkerStats};
-use crate::Shared;
+use crate::{Bounds, Shared};
 
 /// Most gather-list entries handed to one send.
 const IOV_BATCH: usize = 128;
@@ -274,6 +276,13 @@ pub(crate) struct Conn {
     /// Stop reading; close once the queued bytes are sent.
     pub closing: bool,
     kind: Kind,
+    /// Its place in the admission book.
+    pub ticket: Arc<Ticket>,
+    accepted_at: Instant,
+    /// When bytes last arrived.
+    last_rx: Instant,
+    /// The handshake is done.
+    established: bool,
 }
 
 /// The protocol a connection speaks, chosen by the listener it arrived on.
@@ -301,7 +310,7 @@ pub(crate) enum ReadOutcome {
 }
 
 impl Conn {
-    pub fn new(stream: Stream, protocol: Protocol, shared: &Shared) -> Conn {
+    pub fn new(stream: Stream, protocol: Protocol, ticket: Arc<Ticket>, shared: &Shared) -> Conn {
         let peer = stream.peer();
         let mut tx = TxBuf::default();
         let kind = match (protocol, &shared.nbd) {
@@ -320,7 +329,69 @@ impl Conn {
                 shared.config.bounds.open_handles_max,
             )),
         };
-        Conn { stream, peer, rx: FrameBuffer::new(), tx, closing: false, kind }
+        let now = Instant::now();
+        Conn {
+            stream,
+            peer,
+            rx: FrameBuffer::new(),
+            tx,
+            closing: false,
+            kind,
+            ticket,
+            accepted_at: now,
+            last_rx: now,
+            established: false,
+        }
+    }
+
+    /// Start closing the connection if it outlived a timeout of `bounds` at `now`: its
+    /// handshake (`handshake_timeout`) or its silence (`idle_timeout`, `nbd_idle_timeout`).
+    /// A native peer is told why (`GOAWAY` `TimedOut`). Returns whether it did.
+    pub fn expire(&mut self, now: Instant, bounds: &Bounds, shared: &Shared) -> bool {
+        if self.closing {
+            return false;
+        }
+        let (limit, since, what, counter) = if !self.established {
+            (bounds.handshake_timeout, self.accepted_at, "handshake", &shared.listener.handshake_timeouts)
+        } else {
+            let idle = match self.kind {
+                Kind::Native(_) => bounds.idle_timeout,
+                Kind::Nbd(_) => bounds.nbd_idle_timeout,
+            };
+            (idle, self.last_rx, "idle", &shared.listener.idle_timeouts)
+        };
+        // A connection whose replies the peer is still taking is not idle.
+        if limit.is_zero() || now.duration_since(since) < limit || (self.established && self.tx.pending() > 0)
+        {
+            return false;
+        }
+        tracing::info!(peer = %self.peer, timeout = ?limit, "closing connection: {what} timeout");
+        bump(counter, 1);
+        self.say_goaway(Status::TimedOut, &format!("{what} timeout ({limit:?})"));
+        true
+    }
+
+    /// Tell a native peer why the connection ends (NBD has no such message), and close it
+    /// once that is sent.
+    pub fn say_goaway(&mut self, status: Status, message: &str) {
+        if let Kind::Native(_) = self.kind {
+            let goaway = wire::GoAway { status, message: message.to_owned() };
+            self.tx.append(&wire::control::frame(wire::FrameKind::GoAway, &goaway.encode()));
+        }
+        self.closing = true;
+    }
+
+    /// Whether the handshake finished during the last [`service`](Self::service) and has not
+    /// been reported yet (the caller tells the admission book, once).
+    pub fn newly_established(&mut self) -> bool {
+        if self.established {
+            return false;
+        }
+        self.established = match &self.kind {
+            Kind::Native(c) => c.is_established(),
+            Kind::Nbd(c) => c.is_established(),
+        };
+        self.established
     }
 
     /// Read and process what the peer sent, within this pass's budget.
@@ -342,6 +413,7 @@ impl Conn {
                 Ok(0) => return ReadOutcome::Closed,
                 Ok(n) => {
                     bump(&stats.rx_bytes, n as u64);
+                    self.last_rx = received;
                     let more = self.rx.last_read_full();
                     self.process(shared, stats);
                     bump(&stats.stage_exec_ns, nanos(received.elapsed()));

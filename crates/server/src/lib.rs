@@ -8,6 +8,7 @@
 //! the data path crosses threads or takes a lock.
 
 mod acceptor;
+mod admission;
 mod bounds;
 mod conn;
 pub mod stats;
@@ -123,6 +124,7 @@ pub(crate) struct Shared {
     pub shutdown: AtomicBool,
     pub connections: std::sync::atomic::AtomicUsize,
     pub listener: ListenerStats,
+    pub admission: admission::Admission,
     /// Thread ids of the acceptor, for CPU accounting beside the workers'.
     pub acceptor_tid: std::sync::atomic::AtomicI32,
 }
@@ -183,6 +185,7 @@ impl Target {
             shutdown: AtomicBool::new(false),
             connections: Default::default(),
             listener: Default::default(),
+            admission: Default::default(),
             acceptor_tid: Default::default(),
             config,
         });

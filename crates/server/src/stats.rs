@@ -81,6 +81,15 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         e.push((format!("caravan_reqs_le_{bound}"), sum(&|w| w.front.caravan_hist[i].load(Relaxed))));
     }
     e.push(("connections_open".into(), shared.connections.load(Relaxed) as u64));
+    let l = &shared.listener;
+    for (name, counter) in [
+        ("connections_refused", &l.connections_refused),
+        ("connections_evicted", &l.connections_evicted),
+        ("handshake_timeouts", &l.handshake_timeouts),
+        ("idle_timeouts", &l.idle_timeouts),
+    ] {
+        e.push((name.into(), counter.load(Relaxed)));
+    }
 
     let mut usage = rt::usage::Usage::default();
     let tids = shared.workers.iter().map(|w| w.tid.load(Relaxed)).chain([shared.acceptor_tid.load(Relaxed)]);

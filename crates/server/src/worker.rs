@@ -9,25 +9,32 @@ use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use transport::event::{Events, Interest, Poll, Token, Waker};
 use transport::Stream;
 
+use crate::admission::Ticket;
 use crate::conn::{Conn, Protocol, ReadOutcome};
 use crate::stats::{bump, WorkerStats};
 use crate::Shared;
 
 const WAKE: Token = Token(usize::MAX);
+/// How often a worker looks for connections past their handshake or idle timeout: timeouts
+/// are enforced to within this much.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
+/// A connection on its way from the acceptor to a worker.
+pub(crate) type Arrival = (Stream, Protocol, Arc<Ticket>);
 /// Where the acceptor hands a worker its new connections, and how it wakes the worker.
-pub(crate) type Inbox = (Sender<(Stream, Protocol)>, Arc<Waker>);
+pub(crate) type Inbox = (Sender<Arrival>, Arc<Waker>);
 
 pub(crate) struct Worker {
     id: usize,
     poll: Poll,
     waker: Arc<Waker>,
-    inbox_tx: Sender<(Stream, Protocol)>,
-    inbox: Receiver<(Stream, Protocol)>,
+    inbox_tx: Sender<Arrival>,
+    inbox: Receiver<Arrival>,
     shared: Arc<Shared>,
     stats: Arc<WorkerStats>,
     conns: Vec<Option<Conn>>,
@@ -75,11 +82,23 @@ impl Worker {
         self.stats.tid.store(rt::usage::thread_id(), Ordering::Relaxed);
         let mut events = Events::with_capacity(self.shared.config.bounds.events_per_poll);
         let spin = self.shared.config.poll_spin;
-        let mut last_activity = std::time::Instant::now();
+        let mut last_activity = Instant::now();
+        let mut next_sweep = last_activity + SWEEP_INTERVAL;
         loop {
-            let spinning = !spin.is_zero() && last_activity.elapsed() < spin;
-            let timeout =
-                if self.carry.is_empty() && !spinning { None } else { Some(std::time::Duration::ZERO) };
+            let now = Instant::now();
+            if now >= next_sweep {
+                self.sweep(now);
+                next_sweep = now + SWEEP_INTERVAL;
+            }
+            let spinning = !spin.is_zero() && now.duration_since(last_activity) < spin;
+            let timeout = if !self.carry.is_empty() || spinning {
+                Some(Duration::ZERO)
+            } else if self.free.len() < self.conns.len() {
+                // Connections to watch: wake for the next sweep even if none of them speaks.
+                Some(next_sweep.saturating_duration_since(now))
+            } else {
+                None
+            };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(worker = self.id, error = %e, "poll failed; worker stops");
@@ -94,13 +113,16 @@ impl Worker {
                 continue;
             }
             if !spin.is_zero() {
-                last_activity = std::time::Instant::now();
+                last_activity = Instant::now();
             }
             bump(&self.stats.loop_passes, 1);
             self.readable.append(&mut self.carry);
             for ev in events.iter() {
                 match ev.token() {
-                    WAKE => self.adopt_new(),
+                    WAKE => {
+                        self.adopt_new();
+                        self.close_evicted();
+                    }
                     Token(i) => {
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                             self.readable.push(i);
@@ -117,13 +139,49 @@ impl Worker {
             self.read_pass();
             self.flush_pass();
         }
-        let open = self.conns.iter().filter(|c| c.is_some()).count();
-        self.shared.connections.fetch_sub(open, Ordering::Relaxed);
-        tracing::debug!(worker = self.id, open, "worker stopped");
+        self.say_goodbye();
+        tracing::debug!(worker = self.id, "worker stopped");
+    }
+
+    /// The target is stopping: tell every native peer (`GOAWAY` `ShuttingDown`, so an
+    /// initiator knows to reconnect rather than fail), with one send that does not wait, and
+    /// close every connection.
+    fn say_goodbye(&mut self) {
+        for i in 0..self.conns.len() {
+            if let Some(conn) = self.conns[i].as_mut() {
+                if !conn.closing {
+                    conn.say_goaway(wire::Status::ShuttingDown, "target shutting down");
+                    conn.flush(&self.stats);
+                }
+                self.close(i);
+            }
+        }
+    }
+
+    /// Close connections whose handshake or silence outlived its timeout.
+    fn sweep(&mut self, now: Instant) {
+        let bounds = self.shared.config.bounds;
+        for i in 0..self.conns.len() {
+            if let Some(conn) = self.conns[i].as_mut() {
+                if conn.expire(now, &bounds, &self.shared) {
+                    self.dirty.push(i);
+                }
+            }
+        }
+        self.flush_pass();
+    }
+
+    /// Close the connections the acceptor evicted to make room for new ones.
+    fn close_evicted(&mut self) {
+        for i in 0..self.conns.len() {
+            if self.conns[i].as_ref().is_some_and(|c| c.ticket.is_evicted()) {
+                self.close(i);
+            }
+        }
     }
 
     fn adopt_new(&mut self) {
-        while let Ok((mut stream, protocol)) = self.inbox.try_recv() {
+        while let Ok((mut stream, protocol, ticket)) = self.inbox.try_recv() {
             let index = self.free.pop().unwrap_or_else(|| {
                 self.conns.push(None);
                 self.conns.len() - 1
@@ -132,10 +190,16 @@ impl Worker {
             if let Err(e) = self.poll.registry().register(&mut stream, Token(index), interest) {
                 tracing::warn!(error = %e, "cannot register connection");
                 self.free.push(index);
-                self.shared.connections.fetch_sub(1, Ordering::Relaxed);
+                self.shared.admission.closed(&ticket, &self.shared.connections);
                 continue;
             }
-            let conn = Conn::new(stream, protocol, &self.shared);
+            if ticket.is_evicted() {
+                // Evicted before it got here: it never starts.
+                self.free.push(index);
+                let _ = self.poll.registry().deregister(&mut stream);
+                continue;
+            }
+            let conn = Conn::new(stream, protocol, ticket, &self.shared);
             tracing::debug!(worker = self.id, peer = %conn.peer, ?protocol, "connection");
             bump(&self.stats.connections_accepted, 1);
             self.conns[index] = Some(conn);
@@ -155,7 +219,11 @@ impl Worker {
             let Some(conn) = self.conns.get_mut(i).and_then(Option::as_mut) else {
                 continue;
             };
-            match conn.service(&self.shared, &self.stats) {
+            let outcome = conn.service(&self.shared, &self.stats);
+            if conn.newly_established() {
+                self.shared.admission.established(&conn.ticket);
+            }
+            match outcome {
                 ReadOutcome::Drained => {}
                 ReadOutcome::More => self.carry.push(i),
                 ReadOutcome::Closed => {
@@ -191,7 +259,7 @@ impl Worker {
             let _ = self.poll.registry().deregister(&mut conn.stream);
             tracing::debug!(worker = self.id, peer = %conn.peer, "connection closed");
             self.free.push(index);
-            self.shared.connections.fetch_sub(1, Ordering::Relaxed);
+            self.shared.admission.closed(&conn.ticket, &self.shared.connections);
             self.carry.retain(|&c| c != index);
         }
     }

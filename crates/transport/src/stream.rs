@@ -14,6 +14,26 @@ use mio::{Interest, Registry, Token};
 
 use crate::{Endpoint, FrameBuffer, FrameIo};
 
+/// How both sides notice a peer that vanished without closing (power loss, a cable, a
+/// partition): TCP keepalive probes an idle connection after `KEEPALIVE_IDLE`, every
+/// `KEEPALIVE_INTERVAL`, and gives up after `KEEPALIVE_PROBES` unanswered ones (16 s in all);
+/// data left unacknowledged for `USER_TIMEOUT` fails the connection while it is busy. Either
+/// way the next receive or send reports an error, which the target treats as a close and the
+/// initiator as a reason to reconnect.
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+pub const KEEPALIVE_PROBES: u32 = 3;
+pub const USER_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn watch_peer(socket: socket2::SockRef<'_>) -> io::Result<()> {
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    socket.set_tcp_keepalive(&keepalive)?;
+    socket.set_tcp_user_timeout(Some(USER_TIMEOUT))
+}
+
 fn fill_from(r: &mut impl Read, rx: &mut FrameBuffer) -> io::Result<usize> {
     loop {
         match r.read(rx.spare()) {
@@ -89,6 +109,7 @@ impl Listener {
                 let (s, _) = l.accept()?;
                 // Caravans are already batched by the sender; Nagle would only add delay.
                 s.set_nodelay(true)?;
+                watch_peer(socket2::SockRef::from(&s))?;
                 Ok(Stream::Tcp(s))
             }
             Listener::Unix(l, _) => Ok(Stream::Unix(l.accept()?.0)),
@@ -137,6 +158,14 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp:?".into()),
             Stream::Unix(_) => "unix".into(),
+        }
+    }
+
+    /// The peer's IP address (`None` on a Unix socket), for per-address bounds.
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        match self {
+            Stream::Tcp(s) => s.peer_addr().ok().map(|a| a.ip()),
+            Stream::Unix(_) => None,
         }
     }
 }
@@ -190,11 +219,14 @@ pub enum ClientStream {
 }
 
 impl ClientStream {
-    pub fn connect(endpoint: &Endpoint) -> io::Result<ClientStream> {
+    /// Connect, waiting at most `timeout` for each address `endpoint` resolves to (a host
+    /// that is gone would otherwise hold the caller for the kernel's SYN retries, minutes).
+    pub fn connect(endpoint: &Endpoint, timeout: Duration) -> io::Result<ClientStream> {
         let s = match endpoint {
             Endpoint::Tcp(addr) => {
-                let s = std::net::TcpStream::connect(addr.as_str())?;
+                let s = connect_tcp(addr, timeout)?;
                 s.set_nodelay(true)?;
+                watch_peer(socket2::SockRef::from(&s))?;
                 ClientStream::Tcp(s)
             }
             Endpoint::Unix(path) => ClientStream::Unix(std::os::unix::net::UnixStream::connect(path)?),
@@ -213,6 +245,18 @@ impl ClientStream {
             ClientStream::Unix(u) => u.shutdown(std::net::Shutdown::Both),
         };
     }
+}
+
+fn connect_tcp(addr: &str, timeout: Duration) -> io::Result<std::net::TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = io::Error::new(io::ErrorKind::InvalidInput, format!("{addr}: no address"));
+    for a in addr.to_socket_addrs()? {
+        match std::net::TcpStream::connect_timeout(&a, timeout.max(Duration::from_millis(1))) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
 }
 
 impl AsRawFd for ClientStream {

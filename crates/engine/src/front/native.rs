@@ -40,6 +40,11 @@ impl NativeConn {
         self.bug.mutation = mutation;
     }
 
+    /// Whether the handshake is done ([`ServerSession::is_established`]).
+    pub fn is_established(&self) -> bool {
+        self.session.is_established()
+    }
+
     /// Handle every frame that has arrived whole.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
         process(&mut self.session, link, host, &mut self.bug);

@@ -94,6 +94,11 @@ impl NbdConn {
         }
     }
 
+    /// Whether the handshake is done (the client chose an export and transmission began).
+    pub fn is_established(&self) -> bool {
+        matches!(self.state, State::Transmitting { .. })
+    }
+
     /// Handle everything complete in the receive buffer.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
         while !*link.closing {
