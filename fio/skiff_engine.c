@@ -34,6 +34,9 @@ struct skiff_options {
 	unsigned int timeout_ms;
 	unsigned int batching;
 	unsigned int shared_lanes;
+	unsigned int reconnect_delay_ms;
+	unsigned int ctrl_loss_timeout_ms;
+	unsigned int fast_io_fail_timeout_ms;
 };
 
 /* Per-job state: the lane and the completions of the last getevents, for event(). */
@@ -141,6 +144,40 @@ static struct fio_option options[] = {
 		.group = FIO_OPT_G_INVALID,
 	},
 	{
+		.name = "reconnect_delay_ms",
+		.lname = "skiff reconnect delay",
+		.type = FIO_OPT_INT,
+		.off1 = offsetof(struct skiff_options, reconnect_delay_ms),
+		.minval = 0,
+		.def = "1000",
+		.help = "After a lost connection, reconnect at most this many ms apart, re-sending what was not "
+			"answered; 0: no reconnection (default 1000)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
+		.name = "ctrl_loss_timeout_ms",
+		.lname = "skiff controller loss timeout",
+		.type = FIO_OPT_INT,
+		.off1 = offsetof(struct skiff_options, ctrl_loss_timeout_ms),
+		.minval = 0,
+		.def = "60000",
+		.help = "Give up reconnecting after this many ms (default 60000)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
+		.name = "fast_io_fail_timeout_ms",
+		.lname = "skiff fast I/O fail timeout",
+		.type = FIO_OPT_INT,
+		.off1 = offsetof(struct skiff_options, fast_io_fail_timeout_ms),
+		.minval = 0,
+		.def = "0",
+		.help = "Fail waiting I/O after this many ms while reconnecting goes on; 0: off (default)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
 		.name = NULL,
 	},
 };
@@ -165,6 +202,9 @@ static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int may_sh
 	cfg.timeout_ms = o->timeout_ms;
 	cfg.batching = o->batching;
 	cfg.shared_lanes = may_share ? o->shared_lanes : 0;
+	cfg.reconnect_delay_ms = o->reconnect_delay_ms;
+	cfg.ctrl_loss_timeout_ms = o->ctrl_loss_timeout_ms;
+	cfg.fast_io_fail_timeout_ms = o->fast_io_fail_timeout_ms;
 	rc = skiff_lane_open(o->target, o->export_name, &cfg, lane);
 	if (rc) {
 		log_err("fio: skiff: cannot open %s on %s: %s\n", o->export_name, o->target,

@@ -57,6 +57,13 @@ typedef struct skiff_lane_config {
                                  * shared by every skiff_lane opened in this process with the same
                                  * target, export and config (queue_depth is then the depth of each
                                  * shared lane, for all its handles together) */
+    uint32_t reconnect_delay_ms;      /* after a lost connection, reconnect at most this far apart,
+                                       * re-sending every request not yet answered; 0: no
+                                       * reconnection, fail at once (default 1000) */
+    uint32_t ctrl_loss_timeout_ms;    /* give up reconnecting after this long; requests then fail
+                                       * with -ENOTCONN (default 60000) */
+    uint32_t fast_io_fail_timeout_ms; /* fail waiting requests (-EIO) after this long while
+                                       * reconnecting goes on; 0: off (default) */
 } skiff_lane_config;
 
 typedef struct skiff_completion {

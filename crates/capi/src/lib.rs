@@ -38,6 +38,9 @@ pub struct SkiffLaneConfig {
     pub timeout_ms: u32,
     pub batching: u32,
     pub shared_lanes: u32,
+    pub reconnect_delay_ms: u32,
+    pub ctrl_loss_timeout_ms: u32,
+    pub fast_io_fail_timeout_ms: u32,
 }
 
 /// `skiff_completion` in `skiff.h`.
@@ -177,6 +180,7 @@ fn errno_of(e: &Error) -> i32 {
         Error::TimedOut(_) => libc::ETIMEDOUT,
         Error::InvalidArgument(_) => libc::EINVAL,
         Error::QueueFull(_) => libc::EAGAIN,
+        Error::Lost(_) => libc::ENOTCONN,
     }
 }
 
@@ -203,6 +207,9 @@ fn defaults() -> SkiffLaneConfig {
         timeout_ms: d.timeout.as_millis() as u32,
         batching: SKIFF_BATCHING_STATIC,
         shared_lanes: 0,
+        reconnect_delay_ms: (d.reconnect.reconnect_delay_us / 1000) as u32,
+        ctrl_loss_timeout_ms: (d.reconnect.ctrl_loss_timeout_us / 1000) as u32,
+        fast_io_fail_timeout_ms: d.reconnect.fast_io_fail_timeout_us.map_or(0, |us| (us / 1000) as u32),
     }
 }
 
@@ -223,6 +230,12 @@ fn lane_config(c: &SkiffLaneConfig) -> Option<LaneConfig> {
         },
         timeout: Duration::from_millis(c.timeout_ms.max(1).into()),
         batching,
+        reconnect: initiator::ReconnectConfig {
+            reconnect_delay_us: u64::from(c.reconnect_delay_ms) * 1000,
+            ctrl_loss_timeout_us: u64::from(c.ctrl_loss_timeout_ms) * 1000,
+            fast_io_fail_timeout_us: (c.fast_io_fail_timeout_ms > 0)
+                .then(|| u64::from(c.fast_io_fail_timeout_ms) * 1000),
+        },
         ..d
     })
 }

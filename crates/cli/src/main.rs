@@ -9,6 +9,7 @@
 
 mod bench;
 mod info;
+mod reconnect;
 mod serve;
 mod units;
 

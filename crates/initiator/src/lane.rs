@@ -13,7 +13,10 @@ use std::io::IoSlice;
 use std::time::{Duration, Instant};
 
 use proto::caravan::Doorbell;
-use proto::client::{ClientSession, SessionConfig, SessionStats, Submission, SubmitError};
+use proto::client::reconnect::Action;
+use proto::client::{
+    ClientSession, Reconnect, ReconnectConfig, SessionConfig, SessionStats, Submission, SubmitError,
+};
 use transport::{Endpoint, FrameIo};
 use wire::{ExportInfo, FrameKind, Limits, Opcode, ReqFlags, Status};
 
@@ -51,6 +54,10 @@ pub struct LaneConfig {
     /// reads are received in bulk into the frame buffer and copied out. 0 places every read,
     /// `u32::MAX` (the default, [`DIRECT_MIN_BYTES`]) none.
     pub direct_min_bytes: u32,
+    /// What to do when the connection is lost ([`proto::client::reconnect`]): by default,
+    /// reconnect at most a second apart for 60 s, re-sending every request not yet answered;
+    /// callers see nothing unless the target stays away that long.
+    pub reconnect: ReconnectConfig,
 }
 
 impl Default for LaneConfig {
@@ -62,6 +69,7 @@ impl Default for LaneConfig {
             poll_spin: Duration::ZERO,
             timeout: crate::DEFAULT_TIMEOUT,
             direct_min_bytes: DIRECT_MIN_BYTES,
+            reconnect: ReconnectConfig::default(),
         }
     }
 }
@@ -92,10 +100,13 @@ pub struct LaneStats {
     /// little is in flight).
     pub read_bytes_placed: u64,
     pub read_bytes_copied: u64,
+    /// Connections lost (and reconnected or given up on), and connection attempts after them.
+    pub reconnects: u64,
+    pub reconnect_attempts: u64,
 }
 
 impl LaneStats {
-    fn of(s: SessionStats, conn: &Conn, complete_ns: u64) -> LaneStats {
+    fn of(s: SessionStats, conn: &Conn, complete_ns: u64, reconnect: &Reconnect) -> LaneStats {
         LaneStats {
             submitted: s.submitted,
             completed: s.completed,
@@ -107,6 +118,8 @@ impl LaneStats {
             complete_ns,
             read_bytes_placed: s.read_bytes_placed,
             read_bytes_copied: s.read_bytes_copied,
+            reconnects: reconnect.losses,
+            reconnect_attempts: reconnect.attempts,
         }
     }
 
@@ -124,6 +137,8 @@ impl LaneStats {
         self.complete_ns += other.complete_ns;
         self.read_bytes_placed += other.read_bytes_placed;
         self.read_bytes_copied += other.read_bytes_copied;
+        self.reconnects += other.reconnects;
+        self.reconnect_attempts += other.reconnect_attempts;
     }
 
     /// Field-wise `self - earlier`: what happened between two snapshots.
@@ -143,6 +158,8 @@ impl LaneStats {
             complete_ns: self.complete_ns - earlier.complete_ns,
             read_bytes_placed: self.read_bytes_placed - earlier.read_bytes_placed,
             read_bytes_copied: self.read_bytes_copied - earlier.read_bytes_copied,
+            reconnects: self.reconnects - earlier.reconnects,
+            reconnect_attempts: self.reconnect_attempts - earlier.reconnect_attempts,
         }
     }
 }
@@ -151,6 +168,10 @@ pub struct Lane<B = Vec<u8>> {
     conn: Conn,
     session: ClientSession<B>,
     export: ExportInfo,
+    /// Where and how to connect again after a loss.
+    endpoint: Endpoint,
+    proposed: Limits,
+    reconnect: Reconnect,
     /// Time zero of the session's clock.
     epoch: Instant,
     /// Wall time in the session's handling of received bytes.
@@ -201,10 +222,7 @@ impl<B: IoBuf> Lane<B> {
         if proposed.caravan_reqs_max == 0 {
             proposed.caravan_reqs_max = LANE_CARAVAN_REQS_MAX;
         }
-        let mut conn = Conn::connect(endpoint, &proposed, config.timeout)?;
-        conn.spin = config.poll_spin;
-        let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
-        let reply = proto::client::handle_open_reply(&h, &body)?;
+        let (conn, reply) = open_lane(endpoint, export, &proposed, config.timeout, config.poll_spin)?;
         let session_config = SessionConfig {
             doorbell: config.doorbell,
             batching: config.batching,
@@ -218,6 +236,9 @@ impl<B: IoBuf> Lane<B> {
                 block_size: reply.block_size,
                 flags: reply.flags,
             },
+            endpoint: endpoint.clone(),
+            proposed,
+            reconnect: Reconnect::new(config.reconnect),
             epoch: Instant::now(),
             complete_ns: 0,
             scratch: Vec::new(),
@@ -243,7 +264,7 @@ impl<B: IoBuf> Lane<B> {
     }
 
     pub fn stats(&self) -> LaneStats {
-        LaneStats::of(self.session.stats(), &self.conn, self.complete_ns)
+        LaneStats::of(self.session.stats(), &self.conn, self.complete_ns, &self.reconnect)
     }
 
     /// Queue any request; the typed `submit_*` methods of [`crate::Queue`] are the usual entry
@@ -301,8 +322,31 @@ impl<B: IoBuf> Lane<B> {
         self.session.is_broken()
     }
 
-    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
-        std::os::fd::AsRawFd::as_raw_fd(&self.conn.stream)
+    /// The socket to sleep on for completions; `None` while the connection is lost (sleep
+    /// until [`reconnect_due`](Self::reconnect_due) instead).
+    pub(crate) fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
+        (!self.reconnect.is_lost()).then(|| std::os::fd::AsRawFd::as_raw_fd(&self.conn.stream))
+    }
+
+    /// The connection is lost and attempts to restore it go on.
+    pub fn is_reconnecting(&self) -> bool {
+        self.reconnect.is_lost() && !self.session.is_broken()
+    }
+
+    /// When the reconnection policy next wants to act (`None`: connected).
+    pub(crate) fn reconnect_due(&self) -> Option<Instant> {
+        self.reconnect.poll_timeout().map(|us| self.epoch + Duration::from_micros(us))
+    }
+
+    /// Requests are on the wire and nothing has arrived for the lane's timeout: with
+    /// reconnection on, treat the connection as lost (the peer may be gone without a word) and
+    /// return true; otherwise the caller reports the timeout.
+    pub(crate) fn handle_silence(&mut self) -> bool {
+        if !self.reconnect.config().is_on() || self.on_the_wire() == 0 || self.session.is_broken() {
+            return false;
+        }
+        let _ = self.lose(&Error::TimedOut(self.conn.timeout));
+        true
     }
 
     pub(crate) fn timeout(&self) -> Duration {
@@ -318,6 +362,11 @@ impl<B: IoBuf> Lane<B> {
     /// Collect completions that have arrived, without waiting. Sends the open caravan first if
     /// its delay bound has passed.
     pub fn poll(&mut self, out: &mut Vec<Completion<B>>) -> Result<usize> {
+        if self.reconnect.is_lost() {
+            let recovered = self.recover(false);
+            let n = self.session.take_completions(out);
+            return recovered.map(|()| n);
+        }
         let now = self.now_us();
         self.session.handle_timeout(now);
         // Even when the connection fails, what it completed (with an error) reaches `out`.
@@ -333,12 +382,16 @@ impl<B: IoBuf> Lane<B> {
         let sent = self.commit();
         let mut got = self.session.take_completions(out);
         sent?;
-        let deadline = Instant::now() + self.conn.timeout;
+        let mut deadline = Instant::now() + self.conn.timeout;
         while got < min {
+            let losses = self.reconnect.losses;
             let pumped = self.pump(true);
             got += self.session.take_completions(out);
             pumped?;
-            if got < min && Instant::now() >= deadline {
+            if self.reconnect.losses != losses || self.reconnect.is_lost() {
+                // While the connection is restored, the reconnection policy's timeouts rule.
+                deadline = Instant::now() + self.conn.timeout;
+            } else if got < min && Instant::now() >= deadline && !self.handle_silence() {
                 return Err(Error::TimedOut(self.conn.timeout));
             }
         }
@@ -360,12 +413,14 @@ impl<B: IoBuf> Lane<B> {
     ) -> Result<Completion<B>> {
         self.submit(opcode, ReqFlags::empty(), offset, length, buf, SYNC_USER_DATA).map_err(|r| r.error)?;
         self.commit()?;
-        let deadline = Instant::now() + self.conn.timeout;
+        let mut deadline = Instant::now() + self.conn.timeout;
         loop {
             if let Some(c) = self.session.take_completion_of(SYNC_USER_DATA) {
                 return Ok(c);
             }
-            if Instant::now() >= deadline {
+            if self.reconnect.is_lost() {
+                deadline = Instant::now() + self.conn.timeout;
+            } else if Instant::now() >= deadline && !self.handle_silence() {
                 return Err(Error::TimedOut(self.conn.timeout));
             }
             self.pump(true)?;
@@ -381,6 +436,10 @@ impl<B: IoBuf> Lane<B> {
     fn transmit(&mut self) -> Result<()> {
         if self.session.is_broken() {
             return if self.session.has_transmit() { Err(Error::Closed) } else { Ok(()) };
+        }
+        if self.reconnect.is_lost() {
+            // Queued in the session; it goes out when the connection is back.
+            return self.recover(false);
         }
         let deadline = Instant::now() + self.conn.timeout;
         while self.session.has_transmit() {
@@ -398,7 +457,9 @@ impl<B: IoBuf> Lane<B> {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.conn.wait_writable(deadline),
                 Err(e) => Err(e.into()),
             };
-            result.inspect_err(|_| self.fail())?;
+            if let Err(e) = result {
+                return self.lose(&e);
+            }
         }
         Ok(())
     }
@@ -408,6 +469,9 @@ impl<B: IoBuf> Lane<B> {
     fn pump(&mut self, block: bool) -> Result<()> {
         if self.session.is_broken() {
             return Err(Error::Closed);
+        }
+        if self.reconnect.is_lost() {
+            return self.recover(block);
         }
         let result = self.handle_rx().and_then(|progressed| {
             if block && !progressed {
@@ -419,7 +483,10 @@ impl<B: IoBuf> Lane<B> {
             }
             self.handle_rx().map(|_| ())
         });
-        result.inspect_err(|_| self.fail())
+        match result {
+            Ok(()) => Ok(()),
+            Err(e) => self.lose(&e),
+        }
     }
 
     /// Give the session what the frame buffer holds. Returns whether a completion became ready.
@@ -437,11 +504,130 @@ impl<B: IoBuf> Lane<B> {
         Ok(self.session.ready() > before)
     }
 
-    /// The connection is gone: the session completes every request with an I/O error, and the
-    /// peer sees the socket close.
-    fn fail(&mut self) {
-        self.session.handle_closed();
+    /// The connection is gone. If it was lost (a failed socket, the peer's close, silence, a
+    /// GOAWAY saying the target times out or stops) and reconnection is on, the session parks
+    /// every request and the lane starts reconnecting: the call goes on as if nothing
+    /// happened. A target that broke the protocol, or said the initiator did, is not retried:
+    /// every request completes with an I/O error and `why` is returned, as it is once the
+    /// policy gives up.
+    fn lose(&mut self, why: &Error) -> Result<()> {
         self.conn.stream.shutdown();
+        let now = self.now_us();
+        let lost = match why {
+            Error::Io(_) | Error::Closed | Error::TimedOut(_) => true,
+            Error::GoAway { status, .. } => matches!(status, Status::TimedOut | Status::ShuttingDown),
+            _ => false,
+        };
+        if self.session.is_broken() || !lost || !self.reconnect.handle_lost(now) {
+            self.session.handle_closed();
+            return Err(clone_error(why));
+        }
+        if self.reconnect.losses == 1 || self.reconnect.losses.is_power_of_two() {
+            tracing::warn!(export = %self.export.name, error = %why, losses = self.reconnect.losses, "connection lost; reconnecting");
+        }
+        self.session.handle_disconnected();
+        Ok(())
+    }
+
+    /// Drive the reconnection policy while the connection is lost: attempt when due, fail
+    /// what waits at `fast_io_fail_timeout`, give up at `ctrl_loss_timeout`. With `block`,
+    /// sleeps between attempts until the connection is back, or requests were failed, or it
+    /// gives up; without, does only what is due now.
+    fn recover(&mut self, block: bool) -> Result<()> {
+        loop {
+            let now = self.now_us();
+            match self.reconnect.poll_action(now) {
+                Action::Wait { until } => {
+                    if !self.reconnect.is_lost() || !block {
+                        return Ok(());
+                    }
+                    std::thread::sleep(Duration::from_micros(until.saturating_sub(now)));
+                }
+                Action::Attempt => match self.reattach() {
+                    Ok(()) => {
+                        self.reconnect.handle_connected();
+                        tracing::info!(export = %self.export.name, losses = self.reconnect.losses, "reconnected");
+                        return self.transmit();
+                    }
+                    Err(Error::Protocol(e)) => {
+                        // The target is back but cannot take these requests: no attempt helps.
+                        tracing::error!(export = %self.export.name, error = %e, "reconnected to a different target; giving up");
+                        self.session.handle_closed();
+                        return Err(Error::Protocol(e));
+                    }
+                    Err(e) => {
+                        tracing::debug!(export = %self.export.name, error = %e, "reconnect attempt failed");
+                        self.reconnect.handle_attempt_failed(self.now_us());
+                    }
+                },
+                Action::FailIo => {
+                    tracing::warn!(export = %self.export.name, "fast_io_fail_timeout: failing requests while reconnecting");
+                    self.session.fail_parked();
+                    if block {
+                        return Ok(());
+                    }
+                }
+                Action::GiveUp => {
+                    tracing::error!(export = %self.export.name, endpoint = %self.endpoint, "ctrl_loss_timeout: target gone; giving up");
+                    self.session.handle_closed();
+                    return Err(Error::Lost(self.endpoint.to_string()));
+                }
+            }
+        }
+    }
+
+    /// One attempt: connect, negotiate, open the export, and hand the session the new
+    /// connection.
+    fn reattach(&mut self) -> Result<()> {
+        let timeout = self.conn.timeout.min(CONNECT_TIMEOUT_MAX);
+        let (mut conn, reply) =
+            open_lane(&self.endpoint, &self.export.name, &self.proposed, timeout, self.conn.spin)?;
+        if reply.size_bytes != self.export.size_bytes || reply.block_size != self.export.block_size {
+            return Err(Error::Protocol(proto::ProtoError::Unexpected(
+                FrameKind::OpenReply,
+                "after reconnecting: the export's size or block size changed",
+            )));
+        }
+        self.session.reattach(conn.limits, reply.handle)?;
+        conn.timeout = self.conn.timeout;
+        conn.send_ns += self.conn.send_ns;
+        conn.recv_ns += self.conn.recv_ns;
+        self.conn = conn;
+        Ok(())
+    }
+}
+
+/// Longest a reconnection attempt waits for the target to accept and answer.
+const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(5);
+
+/// Connect to `endpoint`, negotiate `proposed`, and open `export`.
+fn open_lane(
+    endpoint: &Endpoint,
+    export: &str,
+    proposed: &Limits,
+    timeout: Duration,
+    spin: Duration,
+) -> Result<(Conn, wire::OpenReply)> {
+    let mut conn = Conn::connect(endpoint, proposed, timeout)?;
+    conn.spin = spin;
+    let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
+    let reply = proto::client::handle_open_reply(&h, &body)?;
+    Ok((conn, reply))
+}
+
+/// An error to hand back again (the lane keeps its cause for the log).
+fn clone_error(e: &Error) -> Error {
+    match e {
+        Error::Io(io) => Error::Io(std::io::Error::new(io.kind(), io.to_string())),
+        Error::Protocol(p) => Error::Protocol(p.clone()),
+        Error::Refused(s) => Error::Refused(*s),
+        Error::GoAway { status, message } => Error::GoAway { status: *status, message: message.clone() },
+        Error::Closed => Error::Closed,
+        Error::TimedOut(d) => Error::TimedOut(*d),
+        Error::Status(s) => Error::Status(*s),
+        Error::InvalidArgument(a) => Error::InvalidArgument(a),
+        Error::QueueFull(n) => Error::QueueFull(*n),
+        Error::Lost(t) => Error::Lost(t.clone()),
     }
 }
 

@@ -24,6 +24,7 @@ mod shared;
 pub use lane::{Batching, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected, DIRECT_MIN_BYTES};
 pub use proto::batch::BatchConfig;
 pub use proto::caravan::Doorbell;
+pub use proto::client::ReconnectConfig;
 pub use queue::Queue;
 pub use shared::{SharedHandle, SharedLanes, HANDLES_MAX, USER_DATA_MAX};
 pub use transport::Endpoint;
@@ -56,6 +57,9 @@ pub enum Error {
     InvalidArgument(&'static str),
     #[error("queue full: {0} requests in flight")]
     QueueFull(usize),
+    /// The connection was lost and could not be restored within `ctrl_loss_timeout`.
+    #[error("lost the target at {0}: reconnection gave up (ctrl_loss_timeout)")]
+    Lost(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -21,12 +21,12 @@
 //! threads' requests costs one send and, usually, one receive.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use transport::{wait_readable2, Endpoint, Kick};
+use transport::{wait_fd, wait_readable2, Endpoint, Kick};
 use wire::{ExportInfo, Opcode, ReqFlags};
 
 use crate::lane::{status_result, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected};
@@ -106,7 +106,6 @@ impl<B: IoBuf + Send> SharedLanes<B> {
 struct SharedLane<B> {
     state: Mutex<State<B>>,
     kick: Kick,
-    fd: RawFd,
     timeout: Duration,
     spin: Duration,
 }
@@ -140,7 +139,6 @@ impl<B: IoBuf + Send> SharedLane<B> {
     fn connect(endpoint: &Endpoint, export: &str, config: &LaneConfig) -> Result<SharedLane<B>> {
         let lane = Lane::connect_with(endpoint, export, config)?;
         Ok(SharedLane {
-            fd: lane.raw_fd(),
             timeout: lane.timeout(),
             spin: config.poll_spin,
             kick: Kick::new()?,
@@ -190,7 +188,7 @@ impl<B: IoBuf + Send> SharedLane<B> {
         id: u16,
         done: impl Fn(&State<B>) -> bool,
     ) -> Result<MutexGuard<'a, State<B>>> {
-        let deadline = Instant::now() + self.timeout;
+        let mut deadline = Instant::now() + self.timeout;
         loop {
             if done(&st) {
                 return Ok(st);
@@ -213,8 +211,14 @@ impl<B: IoBuf + Send> SharedLane<B> {
                 return Err(Error::Closed);
             }
             let now = Instant::now();
-            if now >= deadline {
-                return Err(Error::TimedOut(self.timeout));
+            if st.lane.is_reconnecting() {
+                // While the connection is restored, the reconnection policy's timeouts rule.
+                deadline = now + self.timeout;
+            } else if now >= deadline {
+                if !st.lane.handle_silence() {
+                    return Err(Error::TimedOut(self.timeout));
+                }
+                deadline = now + self.timeout;
             }
             if st.receiving {
                 st.mailboxes[id as usize].sleeper = Some(std::thread::current());
@@ -244,10 +248,19 @@ impl<B: IoBuf + Send> SharedLane<B> {
                 st.pass_on();
                 continue;
             }
-            let wake_at = st.lane.doorbell_due().map_or(deadline, |due| due.min(deadline));
+            let wake_at = [st.lane.doorbell_due(), st.lane.reconnect_due()]
+                .into_iter()
+                .flatten()
+                .fold(deadline, Instant::min);
             st.receiver_wakes_at = Some(wake_at);
+            let fd = st.lane.wake_fd();
             drop(st);
-            let slept = wait_readable2(self.fd, self.kick.as_raw_fd(), Some(wake_at - now.min(wake_at)));
+            let sleep = Some(wake_at - now.min(wake_at));
+            let slept = match fd {
+                Some(fd) => wait_readable2(fd, self.kick.as_raw_fd(), sleep),
+                // Reconnecting: no socket to watch until the next attempt.
+                None => wait_fd(self.kick.as_raw_fd(), false, sleep).map(|r| (false, r.readable)),
+            };
             st = self.lock();
             st.receiver_wakes_at = None;
             st.receiving = false;

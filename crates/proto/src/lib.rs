@@ -45,6 +45,9 @@ pub enum ProtoError {
     /// The peer closed the connection with GOAWAY.
     #[error("peer closed the connection: {status}: {message}")]
     GoAway { status: wire::Status, message: String },
+    /// A reconnection negotiated less than the requests waiting to be re-sent need.
+    #[error("the target now allows {what} {now}, less than the {before} this session was built on")]
+    LimitsShrank { what: &'static str, before: u32, now: u32 },
 }
 
 impl ProtoError {

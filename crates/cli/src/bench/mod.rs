@@ -91,6 +91,8 @@ pub struct BenchArgs {
     /// (0: every read; off, the default: never). Smaller reads are received in bulk and copied.
     #[arg(long, default_value = "off", value_parser = crate::units::parse_direct_min)]
     direct_min: u32,
+    #[command(flatten)]
+    reconnect: crate::reconnect::ReconnectArgs,
 }
 
 /// `--batching` as typed.
@@ -178,6 +180,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         batching,
         poll_spin: args.poll,
         direct_min_bytes: args.direct_min,
+        reconnect: args.reconnect.config(),
         ..LaneConfig::default()
     };
     let connect_error = |e| format!("{endpoint} export {:?}: {e}", args.export);
@@ -230,7 +233,8 @@ pub fn run(args: BenchArgs) -> CliResult {
         return Err("--size is too small for --bs × --qd per thread".into());
     }
 
-    let mut stats_client = Client::connect(&endpoint)?;
+    let mut stats_client =
+        TargetStats { endpoint: endpoint.clone(), client: Some(Client::connect(&endpoint)?) };
     let phases = Arc::new(Phases {
         timed_start: Barrier::new(args.threads + 1),
         timed_end: Barrier::new(args.threads + 1),
@@ -271,19 +275,29 @@ pub fn run(args: BenchArgs) -> CliResult {
 
     let progress = report::Progress::new(args.duration, args.verify, args.json);
     phases.timed_start.wait();
-    let stats_before = stats_client.stats()?;
+    let stats_before = stats_client.take();
     let shared_before = shared.as_ref().map(SharedLanes::stats);
     let started = Instant::now();
     progress.timed(&phases.ios_done, started, args.duration);
     phases.timed_end.wait();
     let elapsed = started.elapsed();
-    let stats_after = stats_client.stats()?;
+    let stats_after = stats_client.take();
     let shared_after = shared.as_ref().map(SharedLanes::stats);
     progress.verifying();
 
     let mut results = Vec::new();
+    let mut failed = None;
     for h in threads {
-        results.push(h.join().map_err(|_| "a bench thread panicked")??);
+        match h.join().map_err(|_| "a bench thread panicked")? {
+            Ok(r) => results.push(r),
+            // Report what the other threads did, then the failure (e.g. the target gone for
+            // longer than ctrl_loss_timeout).
+            Err(e) => failed = failed.or(Some(e)),
+        }
+    }
+    if results.is_empty() {
+        let e = failed.expect("no results means a failure");
+        return Err(format!("{endpoint} export {:?}: {e}", args.export).into());
     }
     let telemetry = match (&shared, shared_before, shared_after) {
         (Some(shared), Some(before), Some(after)) => report::Telemetry {
@@ -315,6 +329,9 @@ pub fn run(args: BenchArgs) -> CliResult {
         report::print_table(&summary);
     }
     drop(embedded);
+    if let Some(e) = failed {
+        return Err(format!("{endpoint} export {:?}: {e}", args.export).into());
+    }
     Ok(if summary.verify_errors > 0 || summary.io_errors > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 
@@ -332,5 +349,32 @@ impl Queues {
             Queues::Private(lanes) => lanes[0].export(),
             Queues::Shared(shared, _) => shared.export(),
         }
+    }
+}
+
+/// The target's counters around the timed phase. A target restarted meanwhile (the lanes
+/// reconnect) needs a new control connection too; if the target cannot be asked, the
+/// server-side figures come out as zero rather than the run failing.
+struct TargetStats {
+    endpoint: Endpoint,
+    client: Option<Client>,
+}
+
+impl TargetStats {
+    fn take(&mut self) -> initiator::StatsReply {
+        for _ in 0..2 {
+            if self.client.is_none() {
+                self.client = Client::connect(&self.endpoint).ok();
+            }
+            match self.client.as_mut().map(Client::stats) {
+                Some(Ok(stats)) => return stats,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "target stats unavailable; reconnecting once");
+                    self.client = None;
+                }
+                None => break,
+            }
+        }
+        initiator::StatsReply { entries: Vec::new() }
     }
 }

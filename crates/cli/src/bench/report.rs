@@ -117,6 +117,10 @@ pub struct Summary {
     pub server_caravans_received: u64,
     pub server_reqs_per_caravan: f64,
     pub server_caravans_sent: u64,
+    /// Connections the lanes lost and restored (or gave up on) during the timed phase, and
+    /// the attempts it took.
+    pub reconnects: u64,
+    pub reconnect_attempts: u64,
     pub io_errors: u64,
     pub first_io_error: Option<String>,
     pub verify_errors: u64,
@@ -259,6 +263,8 @@ pub fn summarize(
         server_caravans_received: received,
         server_reqs_per_caravan: per(delta(before, after, "caravan_reqs_total") as f64, received),
         server_caravans_sent: delta(before, after, "caravans_sent"),
+        reconnects: telemetry.lanes.reconnects,
+        reconnect_attempts: telemetry.lanes.reconnect_attempts,
         io_errors,
         first_io_error: results.iter().find_map(|r| r.first_error).map(|s| s.to_string()),
         verify_errors,
@@ -335,6 +341,10 @@ pub fn print_table(s: &Summary) {
             s.read_placed_share
                 .map(|p| format!("{:.0}% placed directly in callers' buffers, the rest copied", p * 100.0))
                 .unwrap_or_else(|| "none".into()),
+        ),
+        (
+            "reconnects",
+            format!("{} ({} attempts)", s.reconnects, s.reconnect_attempts),
         ),
         (
             "I/O errors",

@@ -127,6 +127,8 @@ struct Runner<'a, Q> {
     done: Vec<Completion>,
     r: ThreadResult,
     timing: bool,
+    /// Barriers of [`Phases`] this thread has passed (0, 1 or 2).
+    barriers_passed: u8,
 }
 
 pub fn run<Q: BenchQueue>(
@@ -168,13 +170,19 @@ pub fn run<Q: BenchQueue>(
             batch_level_log: Vec::new(),
         },
         timing: false,
+        barriers_passed: 0,
         w,
     };
     let outcome = run.phases(&phases);
     if outcome.is_err() {
-        // Never leave the main thread waiting at a barrier for a thread that failed.
-        phases.timed_start.wait();
-        phases.timed_end.wait();
+        // Never leave the main thread waiting at a barrier for a thread that failed: pass the
+        // ones this thread has not passed yet, and only those.
+        if run.barriers_passed < 1 {
+            phases.timed_start.wait();
+        }
+        if run.barriers_passed < 2 {
+            phases.timed_end.wait();
+        }
     }
     outcome?;
     Ok(run.r)
@@ -186,6 +194,7 @@ impl<Q: BenchQueue> Runner<'_, Q> {
             self.sweep(Opcode::Write)?;
         }
         phases.timed_start.wait();
+        self.barriers_passed = 1;
         let before = rt::usage::this_thread();
         let lane_before = self.lane.lane_stats();
         self.timing = true;
@@ -198,6 +207,7 @@ impl<Q: BenchQueue> Runner<'_, Q> {
         self.r.batch_level = self.lane.batch_level();
         self.r.batch_level_log = self.lane.batch_level_log();
         phases.timed_end.wait();
+        self.barriers_passed = 2;
         if self.w.verify {
             self.sweep(Opcode::Read)?;
         }

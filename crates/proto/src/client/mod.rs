@@ -4,10 +4,12 @@
 mod handshake;
 mod outbox;
 mod placement;
+pub mod reconnect;
 mod session;
 
 pub use handshake::{admit_control, expect, handle_open_reply, ClientHandshake};
 pub use outbox::Outbox;
+pub use reconnect::{Reconnect, ReconnectConfig};
 pub use session::Mutation;
 pub use session::{
     Batching, ClientSession, Completion, IoBuf, Refused, RxProgress, SessionConfig, SessionStats, Submission,

@@ -11,13 +11,27 @@
 //!   caller; [`handle_rx`](ClientSession::handle_rx) with received bytes;
 //!   [`handle_sent`](ClientSession::handle_sent) after a send;
 //!   [`handle_timeout`](ClientSession::handle_timeout) when [`poll_timeout`] falls due;
-//!   [`handle_closed`](ClientSession::handle_closed) when the transport fails;
+//!   [`handle_closed`](ClientSession::handle_closed) when the transport fails for good;
+//!   [`handle_disconnected`](ClientSession::handle_disconnected) and
+//!   [`reattach`](ClientSession::reattach) around a reconnection;
 //! - outputs: [`poll_transmit`](ClientSession::poll_transmit) (what to send, gathered from the
 //!   callers' buffers), [`recv_destinations`](ClientSession::recv_destinations) (where read
 //!   data may be received directly), [`poll_timeout`](ClientSession::poll_timeout) (when to
 //!   call back), and completions ([`take_completions`](ClientSession::take_completions)).
 //!
 //! Time is a `now_us` passed in, microseconds on any clock that does not go backwards.
+//!
+//! **Losing the connection.** Whatever ends a connection (a receive the session refuses, a
+//! GOAWAY, the driver's [`handle_disconnected`](ClientSession::handle_disconnected)), the
+//! session first *detaches*: every request not yet answered is parked, whole, in the order it
+//! was submitted; nothing is sent and new submissions queue behind them. The driver then
+//! either reconnects and calls [`reattach`](ClientSession::reattach), which gives the parked
+//! requests fresh tags and sends them again, in order, on the new connection; or gives up with
+//! [`handle_closed`](ClientSession::handle_closed) (each request completes with an I/O error);
+//! or, while it keeps trying, fails what waits with
+//! [`fail_parked`](ClientSession::fail_parked) (SPDK's `fast_io_fail_timeout`). A request
+//! re-sent may have been executed before the connection was lost; every opcode is idempotent
+//! in isolation, and no completion was given for it, so the caller cannot tell.
 //!
 //! [`poll_timeout`]: ClientSession::poll_timeout
 
@@ -147,6 +161,11 @@ pub(super) struct Pending<B> {
     pub user_data: u64,
     /// Its caravan has left whole: only now may the target answer it.
     pub sent: bool,
+    /// What a re-send needs besides the above.
+    pub flags: ReqFlags,
+    pub offset: u64,
+    /// Submission order, kept across reconnections.
+    pub seq: u64,
 }
 
 /// Reads submitted and not yet answered.
@@ -177,6 +196,14 @@ pub struct ClientSession<B> {
     reads: ReadsInFlight,
     direct_min_bytes: u32,
     broken: bool,
+    /// The connection is gone; requests wait in `parked` (and new ones in the slots) for
+    /// [`reattach`](Self::reattach) or [`handle_closed`](Self::handle_closed).
+    detached: bool,
+    /// Requests not answered when the connection was lost, sized once to the queue depth.
+    parked: Vec<Pending<B>>,
+    next_seq: u64,
+    /// Refuse submissions until the next reattach ([`fail_parked`](Self::fail_parked)).
+    failing_fast: bool,
     stats: SessionStats,
     #[cfg(feature = "mutations")]
     mutation: Mutation,
@@ -225,6 +252,10 @@ impl<B: IoBuf> ClientSession<B> {
             reads: ReadsInFlight::default(),
             direct_min_bytes: config.direct_min_bytes,
             broken: false,
+            detached: false,
+            parked: Vec::with_capacity(queue_depth),
+            next_seq: 0,
+            failing_fast: false,
             stats: SessionStats::default(),
             #[cfg(feature = "mutations")]
             mutation: Mutation::None,
@@ -259,7 +290,7 @@ impl<B: IoBuf> ClientSession<B> {
 
     /// Requests accepted and not yet taken back by the caller.
     pub fn in_flight(&self) -> usize {
-        self.slots.len() + self.placement.len() + self.done.len()
+        self.slots.len() + self.placement.len() + self.parked.len() + self.done.len()
     }
 
     /// Requests sent whole and not yet answered.
@@ -272,9 +303,16 @@ impl<B: IoBuf> ClientSession<B> {
         self.done.len()
     }
 
-    /// The connection failed: every request has completed or will complete with an I/O error.
+    /// The connection failed for good: every request has completed or will complete with an
+    /// I/O error.
     pub fn is_broken(&self) -> bool {
         self.broken
+    }
+
+    /// The connection is lost and the session waits for [`reattach`](Self::reattach) (or
+    /// [`handle_closed`](Self::handle_closed)); requests are kept.
+    pub fn is_detached(&self) -> bool {
+        self.detached
     }
 
     pub fn stats(&self) -> SessionStats {
@@ -305,7 +343,7 @@ impl<B: IoBuf> ClientSession<B> {
     pub fn submit(&mut self, now_us: u64, sub: Submission<B>) -> Result<(), Refused<B>> {
         let Submission { opcode, flags, offset, length, buf, user_data } = sub;
         let refuse = |error, buf| Err(Refused { error, buf });
-        if self.broken {
+        if self.broken || self.failing_fast {
             return refuse(SubmitError::Closed, buf);
         }
         let Ok(length) = u32::try_from(length) else {
@@ -326,7 +364,10 @@ impl<B: IoBuf> ClientSession<B> {
         if !self.outbox.fits(&probe) {
             self.seal();
         }
-        let Ok(tag) = self.slots.insert(Pending { opcode, length, buf, user_data, sent: false }) else {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let pending = Pending { opcode, length, buf, user_data, sent: false, flags, offset, seq };
+        let Ok(tag) = self.slots.insert(pending) else {
             unreachable!("checked not full above");
         };
         self.outbox.push(&Request { tag, ..probe });
@@ -376,9 +417,10 @@ impl<B: IoBuf> ClientSession<B> {
         }
     }
 
-    /// Whether bytes wait to be sent ([`poll_transmit`](Self::poll_transmit)).
+    /// Whether bytes wait to be sent ([`poll_transmit`](Self::poll_transmit)); never while
+    /// detached.
     pub fn has_transmit(&self) -> bool {
-        self.outbox.has_sealed()
+        !self.detached && self.outbox.has_sealed()
     }
 
     /// Fill `iov` with the bytes to send next, in order: the sealed caravans' headers and
@@ -386,6 +428,9 @@ impl<B: IoBuf> ClientSession<B> {
     /// many entries it filled (0: nothing to send). Report what went with
     /// [`handle_sent`](Self::handle_sent).
     pub fn poll_transmit<'a>(&'a self, iov: &mut [IoSlice<'a>]) -> usize {
+        if self.detached {
+            return 0;
+        }
         let slots = &self.slots;
         let payload = |tag| match slots.get(tag) {
             Some(Pending { opcode: Opcode::Write, buf: Some(b), .. }) => b.as_ref(),
@@ -472,21 +517,117 @@ impl<B: IoBuf> ClientSession<B> {
     /// completion caravan whose descriptors are in. On error the session has failed every
     /// request ([`is_broken`](Self::is_broken)) and the driver closes the connection.
     pub fn handle_rx(&mut self, now_us: u64, rx: &[u8]) -> Result<RxProgress, ProtoError> {
-        if self.broken {
+        if self.broken || self.detached {
             return Ok(RxProgress { consumed: 0, need: 0 });
         }
         let result = self.process_rx(rx);
         if result.is_err() {
-            self.fail();
+            // Nothing more from this connection can be trusted; the driver reconnects or
+            // gives up.
+            self.handle_disconnected();
         }
         self.adapt(now_us);
         result
     }
 
-    /// The connection failed or closed: every request completes with an I/O error, so callers
-    /// get their buffers back.
+    /// The connection failed or closed for good: every request completes with an I/O error,
+    /// so callers get their buffers back, and nothing more is accepted.
     pub fn handle_closed(&mut self) {
-        self.fail();
+        self.handle_disconnected();
+        self.broken = true;
+        self.detached = false;
+        self.fail_parked();
+        self.failing_fast = false;
+    }
+
+    /// The connection is lost but the driver will try another: park every request not yet
+    /// answered, in submission order, to be sent again by [`reattach`](Self::reattach). What
+    /// was received is dropped (the driver starts its new connection with an empty buffer).
+    pub fn handle_disconnected(&mut self) {
+        if self.broken || self.detached {
+            return;
+        }
+        self.detached = true;
+        self.outbox.clear();
+        self.first_queued_us = None;
+        let placed = self.placement.take().map(|p| p.pending);
+        self.parked.extend(placed.chain(self.slots.drain()));
+    }
+
+    /// Complete every parked request with an I/O error and refuse new ones until the next
+    /// reattach: the connection has been lost too long for callers to wait
+    /// (`fast_io_fail_timeout`). The driver keeps reconnecting.
+    pub fn fail_parked(&mut self) {
+        if !self.detached && !self.broken {
+            return;
+        }
+        self.failing_fast = true;
+        let forget_unsent = self.planted() == Mutation::ForgetUnsent;
+        self.parked.extend(self.slots.drain());
+        for p in self.parked.drain(..) {
+            if p.opcode == Opcode::Read {
+                self.reads.count -= 1;
+                self.reads.bytes -= u64::from(p.length);
+            }
+            if forget_unsent && !p.sent {
+                continue;
+            }
+            self.done.push_back(Completion {
+                user_data: p.user_data,
+                opcode: p.opcode,
+                status: Status::IoError,
+                buf: p.buf,
+            });
+        }
+    }
+
+    /// A new connection is up, with `limits` negotiated and the export open as `handle`: send
+    /// every parked request and every request queued meanwhile again, in submission order,
+    /// under fresh tags. Fails (and the driver should give up with
+    /// [`handle_closed`](Self::handle_closed)) if the target now allows less than this
+    /// session was built on.
+    pub fn reattach(&mut self, limits: Limits, handle: u32) -> Result<(), ProtoError> {
+        if self.broken {
+            return Err(ProtoError::Unexpected(FrameKind::OpenReply, "after the session closed"));
+        }
+        let was = self.limits;
+        for (what, before, now) in [
+            ("queue depth", was.queue_depth, limits.queue_depth),
+            ("requests per caravan", was.caravan_reqs_max, limits.caravan_reqs_max),
+            ("bytes per caravan", was.caravan_bytes_max, limits.caravan_bytes_max),
+            ("bytes per I/O", was.io_bytes_max, limits.io_bytes_max),
+        ] {
+            if now < before {
+                return Err(ProtoError::LimitsShrank { what, before, now });
+            }
+        }
+        self.handle = handle;
+        self.detached = false;
+        self.failing_fast = false;
+        self.outbox.clear();
+        self.first_queued_us = None;
+        self.parked.extend(self.slots.drain());
+        self.parked.sort_unstable_by_key(|p| p.seq);
+        for mut p in self.parked.drain(..) {
+            p.sent = false;
+            let probe = Request {
+                opcode: p.opcode,
+                flags: p.flags,
+                tag: 0,
+                handle,
+                offset: p.offset,
+                length: p.length,
+            };
+            if !self.outbox.fits(&probe) {
+                seal(&mut self.outbox, &mut self.stats);
+            }
+            let Ok(tag) = self.slots.insert(p) else {
+                unreachable!("the parked requests held these slots");
+            };
+            self.outbox.push(&Request { tag, ..probe });
+        }
+        self.seal();
+        Ok(())
     }
 
     /// Move the completions that arrived to `out`; returns how many.
@@ -642,17 +783,9 @@ impl<B: IoBuf> ClientSession<B> {
 
     /// Close the open caravan and queue it for the wire.
     fn seal(&mut self) {
-        let reqs = self.outbox.seal();
-        if reqs == 0 {
-            return;
+        if seal(&mut self.outbox, &mut self.stats) > 0 {
+            self.first_queued_us = None;
         }
-        let bucket = match reqs {
-            n if n <= 64 => (usize::BITS - (n - 1).leading_zeros()) as usize,
-            _ => 7,
-        };
-        self.stats.caravan_hist[bucket.min(7)] += 1;
-        self.stats.caravans_sent += 1;
-        self.first_queued_us = None;
     }
 
     /// Let the adaptive controller close its interval, and follow its decision.
@@ -666,26 +799,20 @@ impl<B: IoBuf> ClientSession<B> {
             }
         }
     }
+}
 
-    fn fail(&mut self) {
-        self.broken = true;
-        self.outbox.clear();
-        self.first_queued_us = None;
-        self.reads = ReadsInFlight::default();
-        let forget_unsent = self.planted() == Mutation::ForgetUnsent;
-        let placed = self.placement.take().map(|p| p.pending);
-        for p in placed.chain(self.slots.drain()) {
-            if forget_unsent && !p.sent {
-                continue;
-            }
-            self.done.push_back(Completion {
-                user_data: p.user_data,
-                opcode: p.opcode,
-                status: Status::IoError,
-                buf: p.buf,
-            });
-        }
+/// Close the open caravan of `outbox` and count it; returns its requests.
+fn seal(outbox: &mut Outbox, stats: &mut SessionStats) -> usize {
+    let reqs = outbox.seal();
+    if reqs > 0 {
+        let bucket = match reqs {
+            n if n <= 64 => (usize::BITS - (n - 1).leading_zeros()) as usize,
+            _ => 7,
+        };
+        stats.caravan_hist[bucket.min(7)] += 1;
+        stats.caravans_sent += 1;
     }
+    reqs
 }
 
 /// Hand a finished request back to its caller, and tell the controller what it moved.
@@ -759,6 +886,8 @@ mod tests {
         // The caravan has not left, so the target cannot have seen tag 0 (slot 0, generation 0).
         let err = s.handle_rx(0, &completion(0, 512)).unwrap_err();
         assert_eq!(err, ProtoError::UnknownTag(0));
+        assert!(s.is_detached(), "the connection is distrusted; the driver decides what next");
+        s.handle_closed();
         assert!(s.is_broken());
         let mut done = Vec::new();
         s.take_completions(&mut done);
@@ -790,5 +919,106 @@ mod tests {
         let err = s.handle_rx(0, &header.to_bytes()).unwrap_err();
         assert!(matches!(err, ProtoError::OverLimit { what: "descriptors per caravan", .. }), "{err:?}");
         assert_eq!(err.goaway_status(), Status::TooLarge);
+    }
+
+    fn write(user_data: u64, offset: u64, byte: u8) -> Submission<Vec<u8>> {
+        Submission {
+            opcode: Opcode::Write,
+            flags: ReqFlags::FUA,
+            offset,
+            length: 512,
+            buf: Some(vec![byte; 512]),
+            user_data,
+        }
+    }
+
+    /// The requests of the frames `poll_transmit` offers now: (tag, opcode, offset, flags).
+    fn on_the_way(s: &ClientSession<Vec<u8>>) -> Vec<(u32, Opcode, u64, ReqFlags)> {
+        let mut iov = [IoSlice::new(&[]); 16];
+        let n = s.poll_transmit(&mut iov);
+        let bytes: Vec<u8> = iov[..n].iter().flat_map(|b| b.iter().copied()).collect();
+        let mut out = Vec::new();
+        let mut rest = &bytes[..];
+        while !rest.is_empty() {
+            let h = Header::parse(&rest[..HEADER_LEN]).unwrap();
+            let caravan = wire::caravan::RequestCaravan::parse(&h, &rest[HEADER_LEN..h.frame_len()]).unwrap();
+            out.extend(caravan.iter().map(|(r, _)| r.unwrap()).map(|r| (r.tag, r.opcode, r.offset, r.flags)));
+            rest = &rest[h.frame_len()..];
+        }
+        out
+    }
+
+    #[test]
+    fn a_lost_connection_parks_every_request_and_reattach_sends_them_again_in_order() {
+        let mut s = session(8);
+        s.submit(0, write(1, 4096, 0xA1)).unwrap();
+        s.submit(0, read(2)).unwrap();
+        send_all(&mut s);
+        s.submit(0, write(3, 8192, 0xA3)).unwrap(); // sealed, not sent
+        let before = on_the_way(&s);
+        assert_eq!(before.len(), 1);
+        s.handle_disconnected();
+        assert!(s.is_detached() && !s.is_broken());
+        assert!(!s.has_transmit(), "nothing goes out without a connection");
+        // Queued while detached: goes after the parked ones.
+        s.submit(0, read(4)).unwrap();
+        assert_eq!(s.in_flight(), 4);
+
+        s.reattach(s.limits, 9).unwrap();
+        let resent = on_the_way(&s);
+        let order: Vec<(Opcode, u64, ReqFlags)> = resent.iter().map(|&(_, o, off, f)| (o, off, f)).collect();
+        assert_eq!(
+            order,
+            [
+                (Opcode::Write, 4096, ReqFlags::FUA),
+                (Opcode::Read, 0, ReqFlags::empty()),
+                (Opcode::Write, 8192, ReqFlags::FUA),
+                (Opcode::Read, 0, ReqFlags::empty()),
+            ],
+            "every request again, in submission order, flags kept"
+        );
+        send_all(&mut s);
+        // A completion for a tag of the old connection is not taken for a new request.
+        let (tag_read, tag_write) = (resent[1].0, resent[0].0);
+        let mut frames = completion(tag_read, 512);
+        let mut desc = [0u8; COMPLETION_DESC_LEN];
+        wire::Completion { tag: tag_write, status: Status::Ok, data_len: 0 }.emit(&mut desc);
+        frames.extend(Header { kind: FrameKind::Completions, desc_count: 1, payload_len: 0 }.to_bytes());
+        frames.extend(desc);
+        s.handle_rx(0, &frames).unwrap();
+        let c = s.take_completion_of(2).unwrap();
+        assert_eq!((c.status, c.buf.unwrap()), (Status::Ok, vec![0x42; 512]));
+        assert_eq!(s.take_completion_of(1).unwrap().status, Status::Ok);
+        assert_eq!(s.in_flight(), 2);
+    }
+
+    #[test]
+    fn fail_parked_fails_what_waits_and_refuses_more_until_the_connection_is_back() {
+        let mut s = session(8);
+        s.submit(0, read(1)).unwrap();
+        send_all(&mut s);
+        s.handle_disconnected();
+        s.fail_parked();
+        let mut done = Vec::new();
+        s.take_completions(&mut done);
+        assert_eq!((done.len(), done[0].status), (1, Status::IoError));
+        assert_eq!(s.submit(0, read(2)).unwrap_err().error, SubmitError::Closed);
+        s.reattach(s.limits, 1).unwrap();
+        s.submit(0, read(3)).unwrap();
+        assert_eq!(on_the_way(&s).len(), 1);
+    }
+
+    #[test]
+    fn a_target_that_now_allows_less_is_refused_at_reattach() {
+        let mut s = session(8);
+        s.submit(0, read(1)).unwrap();
+        s.handle_disconnected();
+        let smaller = Limits { queue_depth: 4, ..s.limits };
+        let err = s.reattach(smaller, 1).unwrap_err();
+        assert!(matches!(err, ProtoError::LimitsShrank { what: "queue depth", before: 8, now: 4 }), "{err}");
+        s.handle_closed();
+        let mut done = Vec::new();
+        s.take_completions(&mut done);
+        assert_eq!(done[0].status, Status::IoError);
     }
 }

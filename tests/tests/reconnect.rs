@@ -1,0 +1,183 @@
+//! Reconnection in the initiator library (issue 13): private and shared lanes ride through a
+//! target restart with every request answered and every byte right; `fast_io_fail_timeout`
+//! fails what waits while attempts go on; `ctrl_loss_timeout` gives up with a clear error.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use initiator::{Error, Lane, LaneConfig, Queue, ReconnectConfig, ReqFlags, SharedLanes, Status};
+use server::{ExportConfig, Target, TargetConfig};
+use transport::Endpoint;
+
+const BLOCK: usize = 4096;
+
+fn free_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    format!("127.0.0.1:{port}")
+}
+
+fn start(addr: &str, file: &str) -> Target {
+    Target::start(TargetConfig {
+        listen: vec![Endpoint::Tcp(addr.to_owned())],
+        exports: vec![format!("disk=file:{file}").parse::<ExportConfig>().unwrap()],
+        workers: 1,
+        ..TargetConfig::default()
+    })
+    .expect("target starts")
+}
+
+fn fast_reconnect() -> LaneConfig {
+    LaneConfig {
+        reconnect: ReconnectConfig {
+            reconnect_delay_us: 50_000,
+            ctrl_loss_timeout_us: 30_000_000,
+            fast_io_fail_timeout_us: None,
+        },
+        ..LaneConfig::default()
+    }
+}
+
+fn scratch(blocks: usize) -> tempfile::NamedTempFile {
+    let f = tempfile::Builder::new().prefix("skiff-reconnect-").tempfile_in("/var/tmp").unwrap();
+    f.as_file().set_len((blocks * BLOCK) as u64).unwrap();
+    f
+}
+
+fn pattern(thread: usize, round: usize, block: usize) -> Vec<u8> {
+    vec![(thread * 31 + round * 7 + block) as u8 | 1; BLOCK]
+}
+
+/// Eight threads on two shared lanes write and read back their own blocks in rounds while
+/// the target is stopped and started again, twice. No call fails and every byte reads back.
+#[test]
+fn shared_lanes_ride_through_target_restarts() {
+    const THREADS: usize = 8;
+    const BLOCKS_EACH: usize = 16;
+    let file = scratch(THREADS * BLOCKS_EACH);
+    let path = file.path().to_str().unwrap().to_owned();
+    let addr = free_addr();
+    let mut target = Some(start(&addr, &path));
+    let endpoint = Endpoint::parse(&addr).unwrap();
+    let lanes = Arc::new(SharedLanes::<Vec<u8>>::connect(&endpoint, "disk", &fast_reconnect(), 2).unwrap());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let mut h = lanes.handle().unwrap();
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut rounds = 0;
+                let mut back = vec![0u8; BLOCK];
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) || rounds < 3 {
+                    for b in 0..BLOCKS_EACH {
+                        let offset = ((t * BLOCKS_EACH + b) * BLOCK) as u64;
+                        h.write_at(&pattern(t, rounds, b), offset).expect("write through a restart");
+                        h.read_at(&mut back, offset).expect("read through a restart");
+                        assert!(back == pattern(t, rounds, b), "thread {t} round {rounds} block {b}");
+                    }
+                    rounds += 1;
+                }
+                rounds
+            })
+        })
+        .collect();
+    for _ in 0..2 {
+        std::thread::sleep(Duration::from_millis(300));
+        target.take().unwrap().shutdown();
+        std::thread::sleep(Duration::from_millis(300));
+        target = Some(start(&addr, &path));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for w in workers {
+        assert!(w.join().expect("a worker failed") >= 3);
+    }
+    let stats = lanes.stats();
+    assert!(stats.reconnects >= 2, "the lanes never lost their connection: {stats:?}");
+}
+
+/// A private lane with requests on the wire when the target stops: they are sent again on
+/// the new connection and complete OK.
+#[test]
+fn a_private_lane_resends_what_was_in_flight() {
+    let file = scratch(64);
+    let path = file.path().to_str().unwrap().to_owned();
+    let addr = free_addr();
+    let target = start(&addr, &path);
+    let mut lane = Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &fast_reconnect()).unwrap();
+    for i in 0..32u64 {
+        lane.submit_write(i * BLOCK as u64, vec![i as u8; BLOCK], ReqFlags::empty(), i).unwrap();
+    }
+    target.shutdown();
+    let restarter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        start(&addr, &path)
+    });
+    let mut done = Vec::new();
+    while done.len() < 32 {
+        lane.wait(1, &mut done).expect("completions after the restart");
+    }
+    assert!(done.iter().all(|c| c.status == Status::Ok), "{done:?}");
+    let _target = restarter.join().unwrap();
+    let mut back = vec![0u8; BLOCK];
+    for i in 0..32u64 {
+        lane.read_at(&mut back, i * BLOCK as u64).unwrap();
+        assert!(back.iter().all(|&b| b == i as u8), "block {i}");
+    }
+}
+
+#[test]
+fn fast_io_fail_fails_what_waits_and_the_lane_recovers_when_the_target_is_back() {
+    let file = scratch(16);
+    let path = file.path().to_str().unwrap().to_owned();
+    let addr = free_addr();
+    let target = start(&addr, &path);
+    let config = LaneConfig {
+        reconnect: ReconnectConfig {
+            reconnect_delay_us: 50_000,
+            ctrl_loss_timeout_us: 30_000_000,
+            fast_io_fail_timeout_us: Some(200_000),
+        },
+        ..LaneConfig::default()
+    };
+    let mut lane = Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &config).unwrap();
+    target.shutdown();
+    lane.submit_read(0, vec![0; BLOCK], 7).unwrap();
+    let mut done = Vec::new();
+    lane.wait(1, &mut done).unwrap();
+    assert_eq!((done[0].user_data, done[0].status), (7, Status::IoError));
+    // Refused while the target stays away.
+    assert!(matches!(lane.submit_read(0, vec![0; BLOCK], 8), Err(r) if matches!(r.error, Error::Closed)));
+    let _target = start(&addr, &path);
+    // Back: a blocking read waits for the reconnection and succeeds.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut buf = vec![0u8; BLOCK];
+    while lane.read_at(&mut buf, 0).is_err() {
+        assert!(std::time::Instant::now() < deadline, "the lane never came back");
+        std::thread::sleep(Duration::from_millis(20));
+        let mut drained = Vec::new();
+        let _ = lane.poll(&mut drained);
+    }
+}
+
+#[test]
+fn ctrl_loss_timeout_gives_up_with_a_clear_error() {
+    let file = scratch(16);
+    let path = file.path().to_str().unwrap().to_owned();
+    let addr = free_addr();
+    let target = start(&addr, &path);
+    let config = LaneConfig {
+        reconnect: ReconnectConfig {
+            reconnect_delay_us: 50_000,
+            ctrl_loss_timeout_us: 300_000,
+            fast_io_fail_timeout_us: None,
+        },
+        ..LaneConfig::default()
+    };
+    let mut lane = Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &config).unwrap();
+    target.shutdown();
+    let mut buf = vec![0u8; BLOCK];
+    let err = lane.read_at(&mut buf, 0).unwrap_err();
+    assert!(matches!(err, Error::Lost(_)), "{err}");
+    assert!(err.to_string().contains("ctrl_loss_timeout"), "{err}");
+    assert!(lane.is_broken());
+}
