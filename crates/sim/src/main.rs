@@ -108,6 +108,11 @@ fn main() -> ExitCode {
         total.goaways, total.disk_errors
     );
     println!(
+        "reconnection: {} of {count} seeds resumed their session across connections, {} reattaches (every request \
+         re-sent, none failed for a lost connection)",
+        total.resuming_runs, total.reattaches
+    );
+    println!(
         "work done: {} requests ok, {} failed; {} connections; {} caravans sent ({:.1} requests each), {} completion \
          caravans; read data {} KiB placed directly, {} KiB copied",
         total.ops_ok,

@@ -6,9 +6,13 @@
 //! user), honours the session's deadline, moves bytes both ways through the pipe, and checks
 //! every completion: read data against the model, statuses against the faults that could
 //! explain them. A connection that dies (a disconnect, a flipped header bit caught by the CRC)
-//! fails its requests with an error and the initiator connects again after a pause; one that
-//! dies without any injected fault is a bug. At the end every request must have completed and
-//! the volume, read directly from the backend, must hold every acknowledged write.
+//! must have died of an injected fault, and the initiator connects again after a pause. Half
+//! the seeds (chosen by the seed) run without reconnection: the session fails every request
+//! of the dead connection with an error. The other half resume: the session parks its
+//! requests and re-sends them on the next connection ([`ClientSession::reattach`]), so no
+//! request may fail for a lost connection at all. At the end every request must have
+//! completed and the volume, read directly from the backend, must hold every acknowledged
+//! write.
 
 use std::collections::BTreeMap;
 use std::io::{self, IoSlice};
@@ -96,6 +100,9 @@ pub struct Report {
     pub read_bytes_copied: u64,
     /// Connections the target closed with a GOAWAY (a flipped header bit it caught).
     pub goaways: u64,
+    /// Seeds that resumed their session across connections, and the reattaches they made.
+    pub resuming_runs: u64,
+    pub reattaches: u64,
 }
 
 impl Report {
@@ -115,6 +122,8 @@ impl Report {
         self.read_bytes_placed += r.read_bytes_placed;
         self.read_bytes_copied += r.read_bytes_copied;
         self.goaways += r.goaways;
+        self.resuming_runs += r.resuming_runs;
+        self.reattaches += r.reattaches;
     }
 }
 
@@ -204,6 +213,9 @@ struct Connection {
     target_stats: FrontStats,
     /// The target's replies wait until then (a slow backend).
     target_gate_us: u64,
+    /// A session parked by a lost connection, to reattach once this one has opened the export.
+    resume: Option<Box<ClientSession<Vec<u8>>>>,
+    reattached: bool,
 }
 
 struct Sim {
@@ -222,6 +234,9 @@ struct Sim {
     conn: Option<Connection>,
     connections: u32,
     reconnect_at_us: u64,
+    /// Resume sessions across connections (seeded), and the session waiting for the next one.
+    resuming: bool,
+    parked: Option<Box<ClientSession<Vec<u8>>>>,
     ops: BTreeMap<u64, Op>,
     busy: Vec<bool>,
     issued: usize,
@@ -286,6 +301,8 @@ impl Sim {
             conn: None,
             connections: 0,
             reconnect_at_us: 0,
+            resuming: rng.below(2) == 1,
+            parked: None,
             ops: BTreeMap::new(),
             busy: vec![false; VOLUME_BLOCKS],
             issued: 0,
@@ -332,11 +349,12 @@ impl Sim {
         }
         self.check_volume()?;
         if let Some(conn) = self.conn.take() {
-            self.count_connection(&conn);
+            self.count_connection(&conn, true);
         }
         self.report.steps = self.step;
         self.report.virtual_us = self.clock.now_us();
         self.report.connections = self.connections;
+        self.report.resuming_runs = u64::from(self.resuming);
         self.report.disk_errors = self.faulty.errors.load(Relaxed);
         Ok(self.report)
     }
@@ -377,6 +395,8 @@ impl Sim {
             target_closed: false,
             target_stats: FrontStats::default(),
             target_gate_us: 0,
+            resume: self.parked.take(),
+            reattached: false,
         });
     }
 
@@ -404,7 +424,11 @@ impl Sim {
         let failed = client_io(conn, now);
         if let ClientState::Ready(session) = &mut conn.client {
             if failed.is_some() {
-                session.handle_closed();
+                if self.resuming {
+                    session.handle_disconnected();
+                } else {
+                    session.handle_closed();
+                }
             }
             session.take_completions(&mut self.done);
         }
@@ -536,11 +560,23 @@ impl Sim {
     /// The connection died: every request on it must have completed (with an error), and it
     /// must have died of an injected fault. The initiator connects again after a pause.
     fn connection_failed(&mut self, reason: &str) -> Result<(), String> {
-        let conn = self.conn.take().expect("a connection");
-        self.count_connection(&conn);
+        let mut conn = self.conn.take().expect("a connection");
+        // A resuming session's counters run on across connections: counted once, at the end.
+        self.count_connection(&conn, !self.resuming);
         let fault = conn.client_io.injected.or(conn.target_io.injected);
         if fault.is_none() {
             return Err(format!("connection {} failed without an injected fault: {reason}", conn.id));
+        }
+        if self.resuming {
+            // The session (or the one still waiting to reattach, if the connection died in its
+            // handshake) keeps every request for the next connection.
+            self.parked = match std::mem::replace(&mut conn.client, ClientState::Open) {
+                ClientState::Ready(session) => Some(session),
+                _ => conn.resume.take(),
+            };
+            conn.client_io.inner().reset();
+            self.reconnect_at_us = self.clock.now_us() + self.rng.range(50, 500);
+            return Ok(());
         }
         if let Some((user_data, op)) = self.ops.iter().find(|(_, op)| op.connection == conn.id) {
             return Err(format!(
@@ -553,14 +589,14 @@ impl Sim {
     }
 
     /// Add what a connection did to the report.
-    fn count_connection(&mut self, conn: &Connection) {
+    fn count_connection(&mut self, conn: &Connection, with_session: bool) {
         let r = &mut self.report;
         for io in [&conn.client_io, &conn.target_io] {
             for (sum, n) in r.net_faults.iter_mut().zip(io.counts) {
                 *sum += n;
             }
         }
-        if let ClientState::Ready(session) = &conn.client {
+        if let (true, ClientState::Ready(session)) = (with_session, &conn.client) {
             let st = session.stats();
             r.caravans_sent += st.caravans_sent;
             r.completion_caravans += st.completion_caravans;
@@ -568,6 +604,7 @@ impl Sim {
             r.read_bytes_copied += st.read_bytes_copied;
         }
         r.goaways += conn.target_stats.connections_closed_protocol_error.load(Relaxed);
+        r.reattaches += u64::from(conn.reattached);
     }
 
     /// Check every completion against the request it answers and the model.
@@ -607,7 +644,8 @@ impl Sim {
             // An I/O error is what a failed connection gives every request, and what a
             // failing disk gives; running out of space only a failing disk.
             let explained = match c.status {
-                Status::IoError => true,
+                // A resuming session fails nothing for a lost connection.
+                Status::IoError => disk_faults || !self.resuming,
                 Status::NoSpace => disk_faults,
                 _ => false,
             };
@@ -736,10 +774,22 @@ fn client_handle(conn: &mut Connection, now: u64) -> Result<(), String> {
             ClientState::Open => {
                 let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };
                 let reply = proto::client::handle_open_reply(&h, &body).map_err(|e| format!("open: {e}"))?;
-                let mut session =
-                    ClientSession::new(&conn.session_config, conn.client_rx_limits, reply.handle);
-                session.set_mutation(conn.client_mutation);
-                conn.client = ClientState::Ready(Box::new(session));
+                let session = match conn.resume.take() {
+                    Some(mut session) => {
+                        session
+                            .reattach(conn.client_rx_limits, reply.handle)
+                            .map_err(|e| format!("reattach: {e}"))?;
+                        conn.reattached = true;
+                        session
+                    }
+                    None => {
+                        let mut session =
+                            ClientSession::new(&conn.session_config, conn.client_rx_limits, reply.handle);
+                        session.set_mutation(conn.client_mutation);
+                        Box::new(session)
+                    }
+                };
+                conn.client = ClientState::Ready(session);
             }
         }
     }

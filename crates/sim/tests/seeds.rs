@@ -30,6 +30,13 @@ fn a_thousand_seeds_with_every_fault_pass() {
         faults.iter().all(|&n| n > 50),
         "faults injected (short, blocked, delayed, disconnects, flips): {faults:?}"
     );
+    // Reconnection was exercised: about half the seeds resumed, many times over.
+    assert!(
+        total.resuming_runs > SEEDS / 4 && total.resuming_runs < SEEDS * 3 / 4 && total.reattaches > 300,
+        "{} seeds resumed, {} reattaches",
+        total.resuming_runs,
+        total.reattaches
+    );
 }
 
 #[test]
