@@ -61,13 +61,20 @@ pub enum Planted {
     ForgetUnsent,
     /// Client: the doorbell's delay bound is never honoured.
     IgnoreDeadline,
+    /// Client: on a lost connection, writes already sent are completed OK instead of re-sent.
+    AckSentWrites,
     /// Target: a write is acknowledged before it reaches the backend.
     AckBeforeBackend,
 }
 
 impl Planted {
-    pub const ALL: [Planted; 4] =
-        [Planted::SwapTags, Planted::ForgetUnsent, Planted::IgnoreDeadline, Planted::AckBeforeBackend];
+    pub const ALL: [Planted; 5] = [
+        Planted::SwapTags,
+        Planted::ForgetUnsent,
+        Planted::IgnoreDeadline,
+        Planted::AckSentWrites,
+        Planted::AckBeforeBackend,
+    ];
 }
 
 /// What one run does.
@@ -383,6 +390,7 @@ impl Sim {
                 Planted::SwapTags => ClientMutation::SwapTags,
                 Planted::ForgetUnsent => ClientMutation::ForgetUnsent,
                 Planted::IgnoreDeadline => ClientMutation::IgnoreDeadline,
+                Planted::AckSentWrites => ClientMutation::AckSentWrites,
                 _ => ClientMutation::None,
             },
             client: ClientState::Hello(hs),

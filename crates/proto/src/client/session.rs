@@ -223,6 +223,9 @@ pub enum Mutation {
     /// The doorbell's delay bound is never honoured: a caravan that does not fill waits for the
     /// next submit or commit.
     IgnoreDeadline,
+    /// When the connection is lost, writes already sent are taken as done and completed OK
+    /// instead of being parked and re-sent: "sent" mistaken for "executed".
+    AckSentWrites,
 }
 
 impl<B: IoBuf> ClientSession<B> {
@@ -552,6 +555,14 @@ impl<B: IoBuf> ClientSession<B> {
         self.first_queued_us = None;
         let placed = self.placement.take().map(|p| p.pending);
         self.parked.extend(placed.chain(self.slots.drain()));
+        if self.planted() == Mutation::AckSentWrites {
+            let (acked, kept): (Vec<_>, Vec<_>) =
+                self.parked.drain(..).partition(|p| p.sent && p.opcode == Opcode::Write);
+            self.parked = kept;
+            for p in acked {
+                finish(&mut self.done, &mut self.controller, &mut self.reads, p, Status::Ok);
+            }
+        }
     }
 
     /// Complete every parked request with an I/O error and refuse new ones until the next
