@@ -172,6 +172,8 @@ pub struct Lane<B = Vec<u8>> {
     endpoint: Endpoint,
     proposed: Limits,
     reconnect: Reconnect,
+    /// The outcome of the reconnection attempt running on a connector thread, if one is.
+    attempt: Option<std::sync::mpsc::Receiver<Result<(Conn, wire::OpenReply)>>>,
     /// Time zero of the session's clock.
     epoch: Instant,
     /// Wall time in the session's handling of received bytes.
@@ -239,6 +241,7 @@ impl<B: IoBuf> Lane<B> {
             endpoint: endpoint.clone(),
             proposed,
             reconnect: Reconnect::new(config.reconnect),
+            attempt: None,
             epoch: Instant::now(),
             complete_ns: 0,
             scratch: Vec::new(),
@@ -333,9 +336,11 @@ impl<B: IoBuf> Lane<B> {
         self.reconnect.is_lost() && !self.session.is_broken()
     }
 
-    /// When the reconnection policy next wants to act (`None`: connected).
+    /// When the reconnection policy next wants to act (`None`: connected). While an attempt
+    /// runs in the background, soon: its outcome is polled for.
     pub(crate) fn reconnect_due(&self) -> Option<Instant> {
-        self.reconnect.poll_timeout().map(|us| self.epoch + Duration::from_micros(us))
+        let due = self.reconnect.poll_timeout().map(|us| self.epoch + Duration::from_micros(us))?;
+        Some(if self.attempt.is_some() { due.min(Instant::now() + ATTEMPT_POLL) } else { due })
     }
 
     /// Requests are on the wire and nothing has arrived for the lane's timeout: with
@@ -529,37 +534,40 @@ impl<B: IoBuf> Lane<B> {
         Ok(())
     }
 
-    /// Drive the reconnection policy while the connection is lost: attempt when due, fail
-    /// what waits at `fast_io_fail_timeout`, give up at `ctrl_loss_timeout`. With `block`,
-    /// sleeps between attempts until the connection is back, or requests were failed, or it
-    /// gives up; without, does only what is due now.
+    /// Drive the reconnection policy while the connection is lost: start an attempt when due,
+    /// fail what waits at `fast_io_fail_timeout`, give up at `ctrl_loss_timeout`. Attempts
+    /// (connect, handshake, open) run on a connector thread, so no caller ever blocks in a
+    /// connect. With `block`, sleeps until the connection is back, or requests were failed,
+    /// or it gives up; without, does only what is due now.
     fn recover(&mut self, block: bool) -> Result<()> {
         loop {
+            if let Some(outcome) = self.attempt_outcome() {
+                match self.finish_attempt(outcome) {
+                    Ok(true) => return self.transmit(),
+                    Ok(false) => {}
+                    Err(e) => return Err(e),
+                }
+            }
             let now = self.now_us();
             match self.reconnect.poll_action(now) {
                 Action::Wait { until } => {
                     if !self.reconnect.is_lost() || !block {
                         return Ok(());
                     }
-                    std::thread::sleep(Duration::from_micros(until.saturating_sub(now)));
+                    let sleep = Duration::from_micros(until.saturating_sub(now));
+                    if self.attempt.is_some() {
+                        if let Some(outcome) = self.attempt_outcome_within(sleep) {
+                            match self.finish_attempt(outcome) {
+                                Ok(true) => return self.transmit(),
+                                Ok(false) => {}
+                                Err(e) => return Err(e),
+                            }
+                        }
+                    } else {
+                        std::thread::sleep(sleep);
+                    }
                 }
-                Action::Attempt => match self.reattach() {
-                    Ok(()) => {
-                        self.reconnect.handle_connected();
-                        tracing::info!(export = %self.export.name, losses = self.reconnect.losses, "reconnected");
-                        return self.transmit();
-                    }
-                    Err(Error::Protocol(e)) => {
-                        // The target is back but cannot take these requests: no attempt helps.
-                        tracing::error!(export = %self.export.name, error = %e, "reconnected to a different target; giving up");
-                        self.session.handle_closed();
-                        return Err(Error::Protocol(e));
-                    }
-                    Err(e) => {
-                        tracing::debug!(export = %self.export.name, error = %e, "reconnect attempt failed");
-                        self.reconnect.handle_attempt_failed(self.now_us());
-                    }
-                },
+                Action::Attempt => self.start_attempt(),
                 Action::FailIo => {
                     tracing::warn!(export = %self.export.name, "fast_io_fail_timeout: failing requests while reconnecting");
                     self.session.fail_parked();
@@ -569,6 +577,7 @@ impl<B: IoBuf> Lane<B> {
                 }
                 Action::GiveUp => {
                     tracing::error!(export = %self.export.name, endpoint = %self.endpoint, "ctrl_loss_timeout: target gone; giving up");
+                    self.attempt = None;
                     self.session.handle_closed();
                     return Err(Error::Lost(self.endpoint.to_string()));
                 }
@@ -576,12 +585,76 @@ impl<B: IoBuf> Lane<B> {
         }
     }
 
-    /// One attempt: connect, negotiate, open the export, and hand the session the new
-    /// connection.
-    fn reattach(&mut self) -> Result<()> {
+    /// Connect, negotiate and open the export on a connector thread.
+    fn start_attempt(&mut self) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let endpoint = self.endpoint.clone();
+        let export = self.export.name.clone();
+        let proposed = self.proposed;
         let timeout = self.conn.timeout.min(CONNECT_TIMEOUT_MAX);
-        let (mut conn, reply) =
-            open_lane(&self.endpoint, &self.export.name, &self.proposed, timeout, self.conn.spin)?;
+        let spin = self.conn.spin;
+        let spawned = std::thread::Builder::new().name("skiff-reconnect".into()).spawn(move || {
+            let _ = tx.send(open_lane(&endpoint, &export, &proposed, timeout, spin));
+        });
+        match spawned {
+            Ok(_) => self.attempt = Some(rx),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a reconnection attempt");
+                self.reconnect.handle_attempt_failed(self.now_us());
+            }
+        }
+    }
+
+    /// The running attempt's outcome, if it has ended.
+    fn attempt_outcome(&mut self) -> Option<Result<(Conn, wire::OpenReply)>> {
+        use std::sync::mpsc::TryRecvError;
+        let outcome = match self.attempt.as_ref()?.try_recv() {
+            Ok(outcome) => outcome,
+            Err(TryRecvError::Empty) => return None,
+            Err(TryRecvError::Disconnected) => Err(Error::Closed),
+        };
+        self.attempt = None;
+        Some(outcome)
+    }
+
+    /// The running attempt's outcome, waiting for it at most `limit`.
+    fn attempt_outcome_within(&mut self, limit: Duration) -> Option<Result<(Conn, wire::OpenReply)>> {
+        use std::sync::mpsc::RecvTimeoutError;
+        let outcome = match self.attempt.as_ref()?.recv_timeout(limit) {
+            Ok(outcome) => outcome,
+            Err(RecvTimeoutError::Timeout) => return None,
+            Err(RecvTimeoutError::Disconnected) => Err(Error::Closed),
+        };
+        self.attempt = None;
+        Some(outcome)
+    }
+
+    /// Take an attempt's outcome: `Ok(true)` when the session runs on the new connection,
+    /// `Ok(false)` when the attempt failed (the next one is scheduled), an error when no
+    /// attempt can help (the target came back different).
+    fn finish_attempt(&mut self, outcome: Result<(Conn, wire::OpenReply)>) -> Result<bool> {
+        let attached = outcome.and_then(|(conn, reply)| self.reattach(conn, reply));
+        match attached {
+            Ok(()) => {
+                self.reconnect.handle_connected();
+                tracing::info!(export = %self.export.name, losses = self.reconnect.losses, "reconnected");
+                Ok(true)
+            }
+            Err(Error::Protocol(e)) => {
+                tracing::error!(export = %self.export.name, error = %e, "reconnected to a different target; giving up");
+                self.session.handle_closed();
+                Err(Error::Protocol(e))
+            }
+            Err(e) => {
+                tracing::debug!(export = %self.export.name, error = %e, "reconnect attempt failed");
+                self.reconnect.handle_attempt_failed(self.now_us());
+                Ok(false)
+            }
+        }
+    }
+
+    /// Hand the session a new connection on which the export is open.
+    fn reattach(&mut self, mut conn: Conn, reply: wire::OpenReply) -> Result<()> {
         if reply.size_bytes != self.export.size_bytes || reply.block_size != self.export.block_size {
             return Err(Error::Protocol(proto::ProtoError::Unexpected(
                 FrameKind::OpenReply,
@@ -596,6 +669,9 @@ impl<B: IoBuf> Lane<B> {
         Ok(())
     }
 }
+
+/// How often a shared lane's receiver looks for the outcome of a background attempt.
+const ATTEMPT_POLL: Duration = Duration::from_millis(5);
 
 /// Longest a reconnection attempt waits for the target to accept and answer.
 const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(5);

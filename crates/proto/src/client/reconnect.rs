@@ -72,6 +72,8 @@ pub struct Reconnect {
     next_attempt_us: u64,
     retry_us: u64,
     io_failed: bool,
+    /// An attempt is under way (its outcome not yet reported).
+    attempting: bool,
     /// Connections lost, and attempts made, since the start.
     pub losses: u64,
     pub attempts: u64,
@@ -85,6 +87,7 @@ impl Reconnect {
             next_attempt_us: 0,
             retry_us: FIRST_RETRY_US,
             io_failed: false,
+            attempting: false,
             losses: 0,
             attempts: 0,
         }
@@ -117,17 +120,25 @@ impl Reconnect {
 
     /// An attempt at `now_us` failed: the next waits longer, up to `reconnect_delay`.
     pub fn handle_attempt_failed(&mut self, now_us: u64) {
+        self.attempting = false;
         self.next_attempt_us = now_us + self.retry_us;
         self.retry_us = (self.retry_us * 2).min(self.config.reconnect_delay_us);
     }
 
     /// The connection is back.
     pub fn handle_connected(&mut self) {
+        self.attempting = false;
         self.lost_at_us = None;
         self.io_failed = false;
     }
 
-    /// What to do at `now_us`. `Attempt` counts as an attempt made.
+    /// Whether an attempt is under way: the driver reports its outcome before another starts.
+    pub fn is_attempting(&self) -> bool {
+        self.attempting
+    }
+
+    /// What to do at `now_us`. `Attempt` starts an attempt (none starts while one is under
+    /// way); the driver may carry it out in the background and report when it ends.
     pub fn poll_action(&mut self, now_us: u64) -> Action {
         let Some(lost) = self.lost_at_us else {
             return Action::Wait { until: u64::MAX };
@@ -141,8 +152,9 @@ impl Reconnect {
                 return Action::FailIo;
             }
         }
-        if now_us >= self.next_attempt_us {
+        if !self.attempting && now_us >= self.next_attempt_us {
             self.attempts += 1;
+            self.attempting = true;
             return Action::Attempt;
         }
         Action::Wait { until: self.poll_timeout().unwrap_or(u64::MAX) }
@@ -151,7 +163,10 @@ impl Reconnect {
     /// When to ask [`poll_action`](Self::poll_action) again (`None`: connected).
     pub fn poll_timeout(&self) -> Option<u64> {
         let lost = self.lost_at_us?;
-        let mut due = self.next_attempt_us.min(lost.saturating_add(self.config.ctrl_loss_timeout_us));
+        let mut due = lost.saturating_add(self.config.ctrl_loss_timeout_us);
+        if !self.attempting {
+            due = due.min(self.next_attempt_us);
+        }
         if let Some(fail) = self.config.fast_io_fail_timeout_us.filter(|_| !self.io_failed) {
             due = due.min(lost.saturating_add(fail));
         }
@@ -200,6 +215,19 @@ mod tests {
         let gaps: Vec<u64> = attempts_at.windows(2).map(|w| (w[1] - w[0]) / MS).collect();
         assert_eq!(gaps, [20, 40, 80, 160, 200, 200, 200], "attempts at {attempts_at:?}");
         assert_eq!(r.attempts, attempts_at.len() as u64);
+    }
+
+    #[test]
+    fn no_second_attempt_starts_while_one_is_under_way() {
+        let mut r = Reconnect::new(ReconnectConfig::default());
+        r.handle_lost(0);
+        assert_eq!(r.poll_action(0), Action::Attempt);
+        assert!(r.is_attempting());
+        // Long past its retry time, but the first attempt has not reported: only the loss
+        // deadline is pending.
+        assert_eq!(r.poll_action(5_000_000), Action::Wait { until: 60_000_000 });
+        r.handle_attempt_failed(5_000_000);
+        assert_eq!(r.poll_action(5_000_000 + FIRST_RETRY_US), Action::Attempt);
     }
 
     #[test]
