@@ -208,3 +208,40 @@ fn acknowledged_fua_writes_and_flushed_writes_survive_kill_9() {
         assert!(back == pattern(i), "block {block}: acknowledged write {i} lost after kill -9");
     }
 }
+
+/// A target that stops answering without closing anything (here: SIGSTOP; on a network, a
+/// dead host or a partition) is found dead by the lane's silence bound: the lane reconnects,
+/// re-sends what was unanswered, and the caller sees its data once the target answers again.
+#[test]
+fn a_silent_target_is_found_dead_and_the_lane_recovers_when_it_answers_again() {
+    let _ = tracing_subscriber::fmt().with_env_filter("skiff_initiator=debug").with_test_writer().try_init();
+    let file = scratch_file(1 << 20);
+    let path = file.path().to_str().unwrap().to_owned();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut procs = Reaper::default();
+    let target = procs.add(serve(&addr, &path));
+    let pid = procs.0[target].id().to_string();
+    let config = LaneConfig {
+        timeout: Duration::from_millis(500),
+        reconnect: ReconnectConfig {
+            reconnect_delay_us: 100_000,
+            ctrl_loss_timeout_us: 60_000_000,
+            fast_io_fail_timeout_us: None,
+        },
+        ..LaneConfig::default()
+    };
+    let mut lane = Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &config).unwrap();
+    lane.write_at(&[0x5A; 4096], 0).unwrap();
+    let signal = move |sig: &str| assert!(Command::new("kill").args([sig, &pid]).status().unwrap().success());
+    signal("-STOP");
+    let resume = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(2000));
+        signal("-CONT");
+    });
+    let mut back = vec![0u8; 4096];
+    lane.read_at(&mut back, 0).expect("the read is answered once the target is back");
+    resume.join().unwrap();
+    assert!(back.iter().all(|&b| b == 0x5A));
+    let stats = lane.stats();
+    assert!(stats.reconnects >= 1, "silence was not taken for a dead connection: {stats:?}");
+}

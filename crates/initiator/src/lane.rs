@@ -172,6 +172,10 @@ pub struct Lane<B = Vec<u8>> {
     endpoint: Endpoint,
     proposed: Limits,
     reconnect: Reconnect,
+    /// Since when the lane has waited for the target without hearing from it: the later of
+    /// the last bytes received, the last (re)connection, and the moment requests went on an
+    /// idle wire. Requests on the wire and silence for the timeout mean a dead connection.
+    quiet_since: Instant,
     /// The outcome of the reconnection attempt running on a connector thread, if one is.
     attempt: Option<std::sync::mpsc::Receiver<Result<(Conn, wire::OpenReply)>>>,
     /// Time zero of the session's clock.
@@ -242,6 +246,7 @@ impl<B: IoBuf> Lane<B> {
             proposed,
             reconnect: Reconnect::new(config.reconnect),
             attempt: None,
+            quiet_since: Instant::now(),
             epoch: Instant::now(),
             complete_ns: 0,
             scratch: Vec::new(),
@@ -354,6 +359,17 @@ impl<B: IoBuf> Lane<B> {
         true
     }
 
+    /// When silence since the last sign of life would reach the timeout (`None`: nothing on
+    /// the wire, or reconnecting).
+    pub(crate) fn silence_due(&self) -> Option<Instant> {
+        (!self.reconnect.is_lost() && self.on_the_wire() > 0).then(|| self.quiet_since + self.conn.timeout)
+    }
+
+    /// Requests are on the wire and nothing has come back for the lane's timeout.
+    pub(crate) fn is_silent(&self) -> bool {
+        !self.reconnect.is_lost() && self.on_the_wire() > 0 && self.quiet_since.elapsed() >= self.conn.timeout
+    }
+
     pub(crate) fn timeout(&self) -> Duration {
         self.conn.timeout
     }
@@ -387,16 +403,12 @@ impl<B: IoBuf> Lane<B> {
         let sent = self.commit();
         let mut got = self.session.take_completions(out);
         sent?;
-        let mut deadline = Instant::now() + self.conn.timeout;
         while got < min {
-            let losses = self.reconnect.losses;
             let pumped = self.pump(true);
             got += self.session.take_completions(out);
             pumped?;
-            if self.reconnect.losses != losses || self.reconnect.is_lost() {
-                // While the connection is restored, the reconnection policy's timeouts rule.
-                deadline = Instant::now() + self.conn.timeout;
-            } else if got < min && Instant::now() >= deadline && !self.handle_silence() {
+            // While the connection is restored, the reconnection policy's timeouts rule.
+            if got < min && self.is_silent() && !self.handle_silence() {
                 return Err(Error::TimedOut(self.conn.timeout));
             }
         }
@@ -418,14 +430,11 @@ impl<B: IoBuf> Lane<B> {
     ) -> Result<Completion<B>> {
         self.submit(opcode, ReqFlags::empty(), offset, length, buf, SYNC_USER_DATA).map_err(|r| r.error)?;
         self.commit()?;
-        let mut deadline = Instant::now() + self.conn.timeout;
         loop {
             if let Some(c) = self.session.take_completion_of(SYNC_USER_DATA) {
                 return Ok(c);
             }
-            if self.reconnect.is_lost() {
-                deadline = Instant::now() + self.conn.timeout;
-            } else if Instant::now() >= deadline && !self.handle_silence() {
+            if self.is_silent() && !self.handle_silence() {
                 return Err(Error::TimedOut(self.conn.timeout));
             }
             self.pump(true)?;
@@ -447,6 +456,9 @@ impl<B: IoBuf> Lane<B> {
             return self.recover(false);
         }
         let deadline = Instant::now() + self.conn.timeout;
+        if self.session.has_transmit() && self.on_the_wire() == 0 {
+            self.quiet_since = Instant::now();
+        }
         while self.session.has_transmit() {
             let sent = {
                 let mut iov = [IoSlice::new(&[]); SEND_IOV_MAX];
@@ -479,12 +491,18 @@ impl<B: IoBuf> Lane<B> {
             return self.recover(block);
         }
         let result = self.handle_rx().and_then(|progressed| {
-            if block && !progressed {
-                let deadline = Instant::now() + self.conn.timeout;
+            let got = if block && !progressed {
+                // Silence is measured from the last sign of life, not from this call.
+                let since = if self.on_the_wire() > 0 { self.quiet_since } else { Instant::now() };
+                let deadline = since + self.conn.timeout;
                 let Lane { conn, session, .. } = self;
                 conn.receive_blocking(deadline, &mut |conn| receive(conn, session))?;
+                1
             } else {
-                receive(&mut self.conn, &mut self.session)?;
+                receive(&mut self.conn, &mut self.session)?
+            };
+            if got > 0 {
+                self.quiet_since = Instant::now();
             }
             self.handle_rx().map(|_| ())
         });
@@ -666,6 +684,7 @@ impl<B: IoBuf> Lane<B> {
         conn.send_ns += self.conn.send_ns;
         conn.recv_ns += self.conn.recv_ns;
         self.conn = conn;
+        self.quiet_since = Instant::now();
         Ok(())
     }
 }

@@ -188,7 +188,6 @@ impl<B: IoBuf + Send> SharedLane<B> {
         id: u16,
         done: impl Fn(&State<B>) -> bool,
     ) -> Result<MutexGuard<'a, State<B>>> {
-        let mut deadline = Instant::now() + self.timeout;
         loop {
             if done(&st) {
                 return Ok(st);
@@ -211,15 +210,12 @@ impl<B: IoBuf + Send> SharedLane<B> {
                 return Err(Error::Closed);
             }
             let now = Instant::now();
-            if st.lane.is_reconnecting() {
-                // While the connection is restored, the reconnection policy's timeouts rule.
-                deadline = now + self.timeout;
-            } else if now >= deadline {
-                if !st.lane.handle_silence() {
-                    return Err(Error::TimedOut(self.timeout));
-                }
-                deadline = now + self.timeout;
+            // Requests on the wire and nothing back for the timeout: a dead connection (the
+            // lane reconnects, or reports it). While it reconnects, the policy's timeouts rule.
+            if st.lane.is_silent() && !st.lane.handle_silence() {
+                return Err(Error::TimedOut(self.timeout));
             }
+            let deadline = st.lane.silence_due().unwrap_or(now + self.timeout).max(now);
             if st.receiving {
                 st.mailboxes[id as usize].sleeper = Some(std::thread::current());
                 st.sleepers += 1;
