@@ -45,6 +45,10 @@ pub struct ServeArgs {
     /// Largest single I/O in bytes (e.g. 1M).
     #[arg(long, value_parser = crate::units::parse_size, default_value = "1M")]
     io_max: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9470); see
+    /// docs/METRICS.md.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
 }
 
 pub fn run(args: ServeArgs) -> CliResult {
@@ -78,6 +82,7 @@ pub fn run(args: ServeArgs) -> CliResult {
         workers: args.workers,
         bounds: server::Bounds { limits, ..server::Bounds::default() },
         poll_spin: args.poll,
+        metrics_listen: args.metrics,
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal
     // is taken synchronously below.
