@@ -125,11 +125,26 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
     // is taken synchronously below.
     rt::signals::block_termination()?;
     let target = Target::start(config)?;
+    // Every listener accepts connections now: tell systemd (Type=notify), if it is listening.
+    let protocols = [server::Protocol::Native, server::Protocol::Nbd];
+    let listening: Vec<String> =
+        protocols.iter().flat_map(|&p| target.endpoints_of(p)).map(|e| e.to_string()).collect();
+    let status = format!("listening on {}", listening.join(", "));
+    notify(rt::notify::ready(&status));
     let sig = rt::signals::wait_termination()?;
     tracing::info!(signal = sig, "shutting down");
+    notify(rt::notify::stopping());
     target.shutdown();
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// A failed notification is worth a warning, not an exit: the service manager will time out
+/// on its own and say so.
+fn notify(sent: std::io::Result<bool>) {
+    if let Err(e) = sent {
+        tracing::warn!(error = %e, "cannot notify the service manager ($NOTIFY_SOCKET)");
+    }
 }
 
 /// The bounds the flags (and the config file through them) set.
