@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use initiator::{Lane, LaneConfig};
 use server::Target;
-use skiff_tests::{caravan, start_target_with, tcp_endpoint, tool, RawPeer};
+use skiff_tests::{caravan, run_ok, start_target_with, tcp_endpoint, tool, RawPeer};
 use wire::{Limits, Opcode, ReqFlags, Request, Status};
 
 const BS: usize = 4096;
@@ -147,6 +147,46 @@ fn counters_move_under_load_and_promtool_accepts_the_exposition() {
     for name in ["skiff_connections_refused_total", "skiff_handshake_timeouts_total"] {
         assert!(value(&after, name, &[]).is_some(), "{name}");
     }
+}
+
+#[test]
+fn nbd_requests_count_under_their_export_and_opcode() {
+    let t = start_target_with(&["vol=ram:16M", "nbdvol=ram:1M"], |c| {
+        c.workers = 1;
+        c.nbd_listen = vec![transport::Endpoint::Tcp("127.0.0.1:0".into())];
+        c.metrics_listen = Some("127.0.0.1:0".into());
+    });
+    let transport::Endpoint::Tcp(addr) = t.endpoints_of(server::Protocol::Nbd)[0].clone() else {
+        unreachable!()
+    };
+    let uri = format!("nbd://{addr}/nbdvol");
+    // Each 4 KiB command is one NBD request; qemu also flushes when it closes.
+    run_ok(tool("qemu-io", "qemu-utils").args([
+        "-f",
+        "raw",
+        &uri,
+        "-c",
+        "write -P 0x11 0 4k",
+        "-c",
+        "read -P 0x11 0 4k",
+        "-c",
+        "flush",
+    ]));
+    let text = scrape(t.metrics_addr().unwrap());
+    promtool_check(&text);
+    for op in ["write", "read"] {
+        let labels = [("export", "nbdvol"), ("opcode", op), ("status", "ok")];
+        assert_eq!(value(&text, "skiff_requests_total", &labels), Some(1.0), "{op}:\n{text}");
+        let timed = [("export", "nbdvol"), ("opcode", op)];
+        assert_eq!(value(&text, "skiff_request_duration_seconds_count", &timed), Some(1.0), "{op}");
+    }
+    let flushes = [("export", "nbdvol"), ("opcode", "flush"), ("status", "ok")];
+    assert!(value(&text, "skiff_requests_total", &flushes) >= Some(1.0), "{text}");
+    assert_eq!(
+        value(&text, "skiff_request_bytes_total", &[("export", "nbdvol"), ("opcode", "read")]),
+        Some(4096.0)
+    );
+    assert_eq!(value(&text, "skiff_requests_total", &[("export", "vol")]), None, "only the export asked for");
 }
 
 /// The metric names in the table of docs/METRICS.md, in order.
