@@ -13,8 +13,9 @@ fi
 
 # System packages the tests use: strace proves that FLUSH and FUA reach the file as syscalls;
 # qemu-utils (qemu-io, qemu-img), libnbd-bin (nbdinfo, nbdcopy, nbdfuse), fuse3 and fio are the
-# real NBD clients of the interop tests.
-apt_packages=(strace qemu-utils libnbd-bin fuse3 fio)
+# real NBD clients of the interop tests; prometheus brings promtool, which checks the metrics
+# endpoint's exposition; systemd brings systemd-analyze, which checks contrib/skiff.service.
+apt_packages=(strace qemu-utils libnbd-bin fuse3 fio prometheus systemd)
 if [ ${#apt_packages[@]} -gt 0 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

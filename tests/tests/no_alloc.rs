@@ -5,7 +5,7 @@
 //! state runs.
 
 use initiator::{Completion, Lane, LaneConfig, Limits, Queue, ReqFlags};
-use skiff_tests::{start_target, tcp_endpoint};
+use skiff_tests::{start_target_with, tcp_endpoint};
 
 #[global_allocator]
 static ALLOC: rt::alloc::Counting = rt::alloc::Counting::new();
@@ -41,7 +41,11 @@ fn resubmit(lane: &mut Lane, buf: Vec<u8>, next: &mut u64) {
 
 #[test]
 fn steady_state_io_allocates_nothing_on_either_side() {
-    let t = start_target(&["vol=ram:64M"], 1);
+    // Metrics on, so the service-time clock runs on the worker's data path as well.
+    let t = start_target_with(&["vol=ram:64M"], |c| {
+        c.workers = 1;
+        c.metrics_listen = Some("127.0.0.1:0".into());
+    });
     let config = LaneConfig {
         limits: Limits {
             queue_depth: QD as u32,

@@ -15,7 +15,7 @@ mod units;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "skiff", version, about = "CPU-efficient networked block storage for small I/O")]
@@ -43,11 +43,15 @@ fn init_logging(default: &str) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Kept beside the parsed arguments: `skiff serve --config` needs to know which flags were
+    // given on the command line, so that those override the file.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Serve(args) => {
             init_logging("info");
-            serve::run(args)
+            let serve = matches.subcommand_matches("serve").expect("clap parsed a serve command");
+            serve::run(args, serve)
         }
         Command::Bench(args) => {
             init_logging("warn");

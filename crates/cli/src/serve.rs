@@ -1,8 +1,11 @@
 //! `skiff serve`.
 
-use std::process::ExitCode;
+mod config;
 
-use clap::Args;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{ArgMatches, Args};
 use initiator::Endpoint;
 use server::{ExportConfig, Target, TargetConfig};
 
@@ -10,6 +13,10 @@ use crate::CliResult;
 
 #[derive(Args)]
 pub struct ServeArgs {
+    /// Read settings from this TOML file (keys are the flags' names; contrib/skiff.toml is an
+    /// example). Flags given here override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     /// TCP address to listen on (native protocol).
     #[arg(long, default_value = "127.0.0.1:7070")]
     listen: String,
@@ -27,7 +34,7 @@ pub struct ServeArgs {
     nbd_unix: Option<std::path::PathBuf>,
     /// An export: NAME=SPEC[,ro], SPEC being ram:SIZE, file:PATH or null:SIZE; `,ro` makes
     /// that export read-only. Repeatable.
-    #[arg(long = "export", value_name = "NAME=SPEC", required = true)]
+    #[arg(long = "export", value_name = "NAME=SPEC", required_unless_present = "config")]
     exports: Vec<ExportConfig>,
     /// Serve every export read-only.
     #[arg(long)]
@@ -45,9 +52,51 @@ pub struct ServeArgs {
     /// Largest single I/O in bytes (e.g. 1M).
     #[arg(long, value_parser = crate::units::parse_size, default_value = "1M")]
     io_max: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9470); see
+    /// docs/METRICS.md.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
+    /// Connections open at once; more are refused.
+    #[arg(long, value_name = "N", default_value_t = server::Bounds::default().connections_max, value_parser = at_least_one)]
+    connections_max: usize,
+    /// Connections still in their handshake at once; one more evicts the oldest of them.
+    #[arg(long, value_name = "N", default_value_t = server::Bounds::default().handshakes_max, value_parser = at_least_one)]
+    handshakes_max: usize,
+    /// Connections open at once from one client address.
+    #[arg(long, value_name = "N", default_value_t = server::Bounds::default().connections_per_address_max, value_parser = at_least_one)]
+    connections_per_address_max: usize,
+    /// Close connections that have not finished their handshake after this long [default: 10s].
+    #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_duration)]
+    handshake_timeout: Option<Duration>,
+    /// Close native connections silent this long, or off [default: 5m].
+    #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_timeout)]
+    idle_timeout: Option<Duration>,
+    /// Close NBD connections silent this long, or off [default: off].
+    #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_timeout)]
+    nbd_idle_timeout: Option<Duration>,
 }
 
-pub fn run(args: ServeArgs) -> CliResult {
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?}: expected a whole number of at least 1")),
+    }
+}
+
+pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
+    let tuning = config::apply(&mut args, matches)?;
+    if args.exports.is_empty() {
+        return Err("no exports: give --export NAME=SPEC, or `export` in the config file".into());
+    }
+    let io_bytes_max = u32::try_from(args.io_max).map_err(|_| "--io-max must be below 4 GiB")?;
+    let defaults = wire::Limits::default();
+    let limits = wire::Limits {
+        queue_depth: args.queue_depth.max(1),
+        io_bytes_max,
+        caravan_bytes_max: defaults.caravan_bytes_max.max(io_bytes_max),
+        ..defaults
+    };
+    let bounds = tuning.apply(bounds(&args, limits))?;
     let mut listen = Vec::new();
     if !args.no_tcp {
         listen.push(Endpoint::parse(&args.listen)?);
@@ -62,30 +111,53 @@ pub fn run(args: ServeArgs) -> CliResult {
     if listen.is_empty() && nbd_listen.is_empty() {
         return Err("nothing to listen on: --no-tcp needs --unix, --nbd or --nbd-unix".into());
     }
-    let io_bytes_max = u32::try_from(args.io_max).map_err(|_| "--io-max must be below 4 GiB")?;
-    let defaults = wire::Limits::default();
-    let limits = wire::Limits {
-        queue_depth: args.queue_depth.max(1),
-        io_bytes_max,
-        caravan_bytes_max: defaults.caravan_bytes_max.max(io_bytes_max),
-        ..defaults
-    };
     let config = TargetConfig {
         listen,
         nbd_listen,
         exports: args.exports,
         read_only: args.read_only,
         workers: args.workers,
-        bounds: server::Bounds { limits, ..server::Bounds::default() },
+        bounds,
         poll_spin: args.poll,
+        metrics_listen: args.metrics,
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal
     // is taken synchronously below.
     rt::signals::block_termination()?;
     let target = Target::start(config)?;
+    // Every listener accepts connections now: tell systemd (Type=notify), if it is listening.
+    let protocols = [server::Protocol::Native, server::Protocol::Nbd];
+    let listening: Vec<String> =
+        protocols.iter().flat_map(|&p| target.endpoints_of(p)).map(|e| e.to_string()).collect();
+    let status = format!("listening on {}", listening.join(", "));
+    notify(rt::notify::ready(&status));
     let sig = rt::signals::wait_termination()?;
     tracing::info!(signal = sig, "shutting down");
+    notify(rt::notify::stopping());
     target.shutdown();
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// A failed notification is worth a warning, not an exit: the service manager will time out
+/// on its own and say so.
+fn notify(sent: std::io::Result<bool>) {
+    if let Err(e) = sent {
+        tracing::warn!(error = %e, "cannot notify the service manager ($NOTIFY_SOCKET)");
+    }
+}
+
+/// The bounds the flags (and the config file through them) set.
+fn bounds(args: &ServeArgs, limits: wire::Limits) -> server::Bounds {
+    let defaults = server::Bounds::default();
+    server::Bounds {
+        limits,
+        connections_max: args.connections_max,
+        handshakes_max: args.handshakes_max,
+        connections_per_address_max: args.connections_per_address_max,
+        handshake_timeout: args.handshake_timeout.unwrap_or(defaults.handshake_timeout),
+        idle_timeout: args.idle_timeout.unwrap_or(defaults.idle_timeout),
+        nbd_idle_timeout: args.nbd_idle_timeout.unwrap_or(defaults.nbd_idle_timeout),
+        ..defaults
+    }
 }

@@ -43,6 +43,14 @@ pub fn parse_duration(s: &str) -> Result<Duration, ArgError> {
     Ok(Duration::from_secs_f64(v * scale))
 }
 
+/// A timeout that may be off: `off` or `0` for never, else a duration as [`parse_duration`].
+pub fn parse_timeout(s: &str) -> Result<Duration, ArgError> {
+    match s.trim() {
+        "off" | "0" => Ok(Duration::ZERO),
+        _ => parse_duration(s),
+    }
+}
+
 /// `--direct-min SIZE | off`: the average read size from which lanes place read data directly
 /// in the callers' buffers (`off`: never).
 pub fn parse_direct_min(s: &str) -> Result<u32, ArgError> {
@@ -106,6 +114,9 @@ mod tests {
         assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
         assert!(parse_duration("0s").is_err());
         assert!(parse_duration("fast").is_err());
+        assert_eq!(parse_timeout("off").unwrap(), Duration::ZERO);
+        assert_eq!(parse_timeout("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_timeout("5m").unwrap(), Duration::from_secs(300));
         assert_eq!(grouped(1234567), "1,234,567");
         assert_eq!(grouped(999), "999");
         assert_eq!(human_bytes(1536.0), "1.5 KiB");

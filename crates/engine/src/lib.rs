@@ -103,6 +103,14 @@ impl ExportTable {
         self.exports.get(index as usize)
     }
 
+    pub fn len(&self) -> usize {
+        self.exports.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.exports.is_empty()
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &Export> {
         self.exports.iter()
     }

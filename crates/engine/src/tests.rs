@@ -52,9 +52,9 @@ fn execute_moves_data_and_counts() {
     assert!(back.iter().all(|&b| b == 0));
 
     let c = OpCounters::default();
-    c.record(Opcode::Read, 4096, Status::Ok);
-    c.record(Opcode::Read, 4096, Status::OutOfRange);
-    c.record(Opcode::Write, 512, Status::Ok);
+    c.record(None, Opcode::Read, 4096, Status::Ok, None);
+    c.record(None, Opcode::Read, 4096, Status::OutOfRange, None);
+    c.record(None, Opcode::Write, 512, Status::Ok, None);
     assert_eq!((c.reqs(Opcode::Read), c.bytes(Opcode::Read), c.errors()), (2, 4096, 1));
     assert_eq!(c.bytes(Opcode::Write), 512);
 }

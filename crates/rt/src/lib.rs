@@ -2,11 +2,13 @@
 //!
 //! `rt` owns the unsafe edges of skiff other than sockets: page-aligned memory regions
 //! ([`mem`]), hole queries on files ([`fs`]), per-thread CPU and context-switch accounting
-//! ([`usage`]), signal handling ([`signals`]) and a counting allocator for tests that prove
-//! a path allocates nothing ([`alloc`]). It has no protocol knowledge.
+//! ([`usage`]), signal handling ([`signals`]), readiness notifications to a service manager
+//! ([`notify`]) and a counting allocator for tests that prove a path allocates nothing
+//! ([`alloc`]). It has no protocol knowledge.
 
 pub mod alloc;
 pub mod fs;
 pub mod mem;
+pub mod notify;
 pub mod signals;
 pub mod usage;

@@ -146,11 +146,14 @@ mod tests {
     fn procfs_sees_another_thread_block() {
         let (tx, rx) = std::sync::mpsc::channel();
         let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
         let t = std::thread::spawn(move || {
             tx.send(thread_id()).unwrap();
             // Blocking on a channel is a voluntary context switch.
             go_rx.recv().unwrap();
             std::hint::black_box(burn());
+            // Stay alive until measured: procfs forgets a thread once it exits.
+            let _ = done_rx.recv();
         });
         let tid = rx.recv().unwrap();
         std::thread::sleep(std::time::Duration::from_millis(20));
@@ -163,6 +166,7 @@ mod tests {
             }
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
+        done_tx.send(()).unwrap();
         t.join().unwrap();
         assert!(seen.ctx_voluntary >= 1, "{seen:?}");
         assert!(seen.cpu_ns > 0, "{seen:?}");

@@ -1,16 +1,18 @@
-//! The skiff target daemon: listeners, workers, exports, stats.
+//! The skiff target daemon: listeners, workers, exports, stats, metrics.
 //!
 //! [`Target::start`] opens the backends, binds the listeners and starts one acceptor thread and
 //! one worker per core. A worker owns its connections outright and runs each request to
 //! completion on its own thread: read a caravan, execute every request on the backend, append
 //! the completions to the connection's response buffer, and send all responses at the end of
 //! the loop pass. The acceptor hands a connection to a worker once, at connect time; nothing on
-//! the data path crosses threads or takes a lock.
+//! the data path crosses threads or takes a lock. With a metrics address configured, a side
+//! thread serves the workers' counters to Prometheus ([`metrics`]); it only ever reads them.
 
 mod acceptor;
 mod admission;
 mod bounds;
 mod conn;
+mod metrics;
 pub mod stats;
 mod worker;
 
@@ -80,6 +82,9 @@ pub struct TargetConfig {
     /// this long before it sleeps (zero, the default, always sleeps). Saves the sleep and
     /// wake-up when requests arrive back to back; costs a busy core while spinning.
     pub poll_spin: std::time::Duration,
+    /// Serve Prometheus metrics at `GET /metrics` on this TCP address (`HOST:PORT`). Also
+    /// turns on the measurement of request service times, one clock read per request.
+    pub metrics_listen: Option<String>,
 }
 
 impl Default for TargetConfig {
@@ -92,6 +97,7 @@ impl Default for TargetConfig {
             workers: 0,
             bounds: Bounds::default(),
             poll_spin: std::time::Duration::ZERO,
+            metrics_listen: None,
         }
     }
 }
@@ -112,6 +118,8 @@ pub enum TargetError {
     Listen { endpoint: Endpoint, source: io::Error },
     #[error("start worker: {0}")]
     Spawn(io::Error),
+    #[error("metrics on {addr}: {source}")]
+    Metrics { addr: String, source: io::Error },
 }
 
 /// State every thread of one target can see.
@@ -127,6 +135,10 @@ pub(crate) struct Shared {
     pub admission: admission::Admission,
     /// Thread ids of the acceptor, for CPU accounting beside the workers'.
     pub acceptor_tid: std::sync::atomic::AtomicI32,
+    /// The epoch of service-time measurement, when metrics are on ([`Host::now_ns`]).
+    ///
+    /// [`Host::now_ns`]: engine::front::Host::now_ns
+    pub clock: Option<std::time::Instant>,
 }
 
 impl engine::front::Host for Shared {
@@ -141,6 +153,10 @@ impl engine::front::Host for Shared {
     fn stats_reply(&self) -> wire::StatsReply {
         stats::collect(self)
     }
+
+    fn now_ns(&self) -> Option<u64> {
+        self.clock.map(|epoch| epoch.elapsed().as_nanos() as u64)
+    }
 }
 
 /// A running target. Dropping it shuts the target down and waits for its threads.
@@ -149,12 +165,22 @@ pub struct Target {
     endpoints: Vec<(Endpoint, Protocol)>,
     wakers: Vec<Arc<transport::event::Waker>>,
     threads: Vec<JoinHandle<()>>,
+    /// The metrics endpoint's address and thread, when configured.
+    metrics: Option<(std::net::SocketAddr, JoinHandle<()>)>,
 }
 
 impl Target {
     /// Open the exports, bind the listeners and start serving.
     pub fn start(config: TargetConfig) -> Result<Target, TargetError> {
         let exports = open_exports(&config)?;
+        let metrics_listener = match &config.metrics_listen {
+            Some(addr) => Some(
+                std::net::TcpListener::bind(addr)
+                    .and_then(|l| Ok((l.local_addr()?, l)))
+                    .map_err(|source| TargetError::Metrics { addr: addr.clone(), source })?,
+            ),
+            None => None,
+        };
         let mut listeners = Vec::new();
         let mut endpoints = Vec::new();
         let tagged = config.listen.iter().map(|e| (e, Protocol::Native));
@@ -178,15 +204,17 @@ impl Target {
                 .map_err(TargetError::Nbd)?;
             Some(Arc::new(c))
         };
+        let export_count = exports.len();
         let shared = Arc::new(Shared {
             exports,
             nbd,
-            workers: (0..workers).map(|_| Arc::new(WorkerStats::default())).collect(),
+            workers: (0..workers).map(|_| Arc::new(WorkerStats::new(export_count))).collect(),
             shutdown: AtomicBool::new(false),
             connections: Default::default(),
             listener: Default::default(),
             admission: Default::default(),
             acceptor_tid: Default::default(),
+            clock: metrics_listener.is_some().then(std::time::Instant::now),
             config,
         });
         for e in shared.exports.iter() {
@@ -219,7 +247,26 @@ impl Target {
         for (ep, protocol) in &endpoints {
             tracing::info!(%ep, ?protocol, workers, "listening");
         }
-        Ok(Target { shared, endpoints, wakers, threads })
+        let mut target = Target { shared, endpoints, wakers, threads, metrics: None };
+        if let Some((addr, listener)) = metrics_listener {
+            let shared = target.shared.clone();
+            let fixed = metrics::Static { start_time_s: unix_time_s() };
+            let thread = std::thread::Builder::new()
+                .name("skiff-metrics".into())
+                .spawn(move || {
+                    let render = || metrics::render(&shared, &fixed);
+                    metrics::http::serve(listener, Default::default(), &shared.shutdown, render)
+                })
+                .map_err(TargetError::Spawn)?;
+            tracing::info!(%addr, "metrics at http://{addr}/metrics");
+            target.metrics = Some((addr, thread));
+        }
+        Ok(target)
+    }
+
+    /// The address of the metrics endpoint (with its real port when port 0 was asked for).
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics.as_ref().map(|(addr, _)| *addr)
     }
 
     /// The native-protocol addresses actually bound (with real ports when port 0 was asked
@@ -251,6 +298,14 @@ impl Target {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        if let Some((addr, thread)) = self.metrics.take() {
+            if metrics::http::wake(addr) {
+                let _ = thread.join();
+            } else {
+                // Blocked in accept with no way in: it exits at its next scrape.
+                tracing::warn!(%addr, "metrics thread not woken; left to exit on its own");
+            }
+        }
     }
 }
 
@@ -258,6 +313,10 @@ impl Drop for Target {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+fn unix_time_s() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {

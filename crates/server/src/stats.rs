@@ -32,6 +32,13 @@ pub struct WorkerStats {
     pub tid: AtomicI32,
 }
 
+impl WorkerStats {
+    /// A worker's counters for a target with `exports` exports.
+    pub fn new(exports: usize) -> WorkerStats {
+        WorkerStats { front: FrontStats::new(exports), ..WorkerStats::default() }
+    }
+}
+
 /// What the listeners turned away or closed for the target's own bounds: counted by the
 /// acceptor and the workers (rarely, never on the data path), shared by all of them.
 #[derive(Debug, Default)]

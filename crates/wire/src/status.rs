@@ -87,6 +87,30 @@ impl Status {
         }
     }
 
+    /// A short snake_case name, stable across releases: for logs and metric labels. Codes
+    /// this implementation does not know are all `other`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Invalid => "invalid",
+            Status::OutOfRange => "out_of_range",
+            Status::Misaligned => "misaligned",
+            Status::TooLarge => "too_large",
+            Status::ReadOnly => "read_only",
+            Status::UnknownOpcode => "unknown_opcode",
+            Status::BadHandle => "bad_handle",
+            Status::Unsupported => "unsupported",
+            Status::IoError => "io_error",
+            Status::NoSpace => "no_space",
+            Status::NotFound => "not_found",
+            Status::VersionMismatch => "version_mismatch",
+            Status::TooManyOpen => "too_many_open",
+            Status::TimedOut => "timed_out",
+            Status::ShuttingDown => "shutting_down",
+            Status::Other(_) => "other",
+        }
+    }
+
     pub fn is_ok(self) -> bool {
         self == Status::Ok
     }
@@ -147,5 +171,13 @@ mod tests {
             assert_eq!(Status::from_u16(v).to_u16(), v);
         }
         assert_eq!(Status::from_u16(999), Status::Other(999));
+    }
+
+    #[test]
+    fn names_are_distinct_for_known_codes() {
+        let names: std::collections::HashSet<_> = (0..=15u16).map(|v| Status::from_u16(v).name()).collect();
+        assert_eq!(names.len(), 16);
+        assert!(!names.contains("other"));
+        assert_eq!(Status::from_u16(999).name(), "other");
     }
 }

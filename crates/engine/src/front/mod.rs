@@ -91,6 +91,35 @@ pub trait Host {
     fn io_bytes_max(&self) -> u32;
     /// The target's counters, for a STATS request.
     fn stats_reply(&self) -> StatsReply;
+
+    /// Nanoseconds on the host's monotonic clock, for the service-time histograms; `None`
+    /// (the default) when the host does not measure service times. Front ends read it once
+    /// per request ([`Laps`]), so a host that measures pays one clock read per request.
+    fn now_ns(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// Service times of requests served one after another: each request's time runs from the end
+/// of the one before it in the same batch (or from the batch's start), so a batch of `n`
+/// requests costs `n + 1` clock reads, not `2n`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Laps {
+    last_ns: Option<u64>,
+}
+
+impl Laps {
+    pub(crate) fn start(host: &impl Host) -> Laps {
+        Laps { last_ns: host.now_ns() }
+    }
+
+    /// The time since the last lap (or the start), or `None` when the host does not measure.
+    pub(crate) fn lap(&mut self, host: &impl Host) -> Option<u64> {
+        let last = self.last_ns?;
+        let now = host.now_ns()?;
+        self.last_ns = Some(now);
+        Some(now.saturating_sub(last))
+    }
 }
 
 /// Upper bounds of the caravan-size histogram buckets; the last bucket is unbounded.
@@ -109,6 +138,11 @@ pub struct FrontStats {
 }
 
 impl FrontStats {
+    /// Counters for a target with `exports` exports, one row each ([`OpCounters::new`]).
+    pub fn new(exports: usize) -> FrontStats {
+        FrontStats { ops: OpCounters::new(exports), ..FrontStats::default() }
+    }
+
     pub(crate) fn record_caravan(&self, reqs: usize) {
         bump(&self.caravans_received, 1);
         bump(&self.caravan_reqs_total, reqs as u64);

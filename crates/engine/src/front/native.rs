@@ -15,7 +15,7 @@ use wire::caravan::RequestCaravan;
 use wire::control::{frame, OpenReply};
 use wire::{Completion, FrameKind, GoAway, Header, Opcode, Status, COMPLETION_DESC_LEN, HEADER_LEN};
 
-use super::{FrontStats, Host, Link, Sink};
+use super::{FrontStats, Host, Laps, Link, Sink};
 use crate::stats::bump;
 use crate::{Export, Io};
 
@@ -199,17 +199,19 @@ fn execute_caravan<S: Sink + ?Sized>(
     }
     let limits = session.limits();
     let mut out = CompletionWriter::begin(tx, caravan.len(), limits.caravan_bytes_max as usize);
+    let mut laps = Laps::start(host);
     for (parsed, payload) in caravan.iter() {
         let req = match parsed {
             Ok(req) => req,
             Err(refused) => {
-                stats.ops.record_refused();
+                stats.ops.record_refused(refused.status);
                 out.push(tx, Completion { tag: refused.tag, status: refused.status, data_len: 0 });
                 continue;
             }
         };
         let io = Io::from(&req);
-        let export = session.resolve(req.handle).and_then(|i| host.exports().get(i));
+        let index = session.resolve(req.handle);
+        let export = index.and_then(|i| host.exports().get(i));
         let checked = export
             .ok_or(Status::BadHandle)
             .and_then(|e| crate::validate(e, &io, limits.io_bytes_max).map(|()| e));
@@ -224,7 +226,7 @@ fn execute_caravan<S: Sink + ?Sized>(
                 None => (crate::execute(export, &io, payload, &mut []), 0),
             },
         };
-        stats.ops.record(req.opcode, req.length, status);
+        stats.ops.record(index, req.opcode, req.length, status, laps.lap(host));
         out.push(tx, Completion { tag: req.tag, status, data_len });
     }
     out.seal(tx, stats);

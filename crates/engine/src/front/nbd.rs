@@ -19,12 +19,13 @@ use std::sync::Arc;
 use crate::{Export, ExportTable, Io};
 use nbd::handshake::BASE_ALLOCATION_ID;
 use nbd::transmission::{
-    chunk_block_status, chunk_offset_data_header, error_reply, simple_reply, EINVAL, STATE_HOLE, STATE_ZERO,
+    chunk_block_status, chunk_offset_data_header, error_reply, simple_reply, EINVAL, EPERM, STATE_HOLE,
+    STATE_ZERO,
 };
 use nbd::{Cmd, CmdFlags, Handshake, Request, Session, Step};
 use wire::{Opcode, ReqFlags, Status};
 
-use super::{Host, Link, Sink};
+use super::{Host, Laps, Link, Sink};
 
 /// The NBD description of the target's exports, built once at start-up. The first export is
 /// also served for the empty name.
@@ -101,10 +102,11 @@ impl NbdConn {
 
     /// Handle everything complete in the receive buffer.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
+        let mut laps = Laps::start(host);
         while !*link.closing {
             let progressed = match &mut self.state {
                 State::Negotiating(_) => self.negotiate(link),
-                State::Transmitting { .. } => self.transmit(link, host),
+                State::Transmitting { .. } => self.transmit(link, host, &mut laps),
             };
             if !progressed {
                 return;
@@ -143,7 +145,12 @@ impl NbdConn {
     }
 
     /// One request (or a piece of a refused write's payload). Returns whether it progressed.
-    fn transmit<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) -> bool {
+    fn transmit<S: Sink + ?Sized>(
+        &mut self,
+        link: &mut Link<'_, S>,
+        host: &impl Host,
+        laps: &mut Laps,
+    ) -> bool {
         if self.drain_bytes > 0 {
             let n = self.drain_bytes.min(link.rx.pending() as u64);
             link.rx.consume(n as usize);
@@ -151,7 +158,7 @@ impl NbdConn {
             return n > 0;
         }
         let State::Transmitting { session, export } = &self.state else { return false };
-        let (session, export) = (*session, *export);
+        let (session, index) = (*session, *export);
         let (req, header_len) = match nbd::parse_request(link.rx.unconsumed()) {
             Ok(Some(found)) => found,
             Ok(None) => return false,
@@ -160,7 +167,7 @@ impl NbdConn {
                 return false;
             }
         };
-        let Some(export) = host.exports().get(export) else {
+        let Some(export) = host.exports().get(index) else {
             link.protocol_error("NBD export vanished");
             return false;
         };
@@ -174,7 +181,8 @@ impl NbdConn {
                 // Answer now and skip the payload as it arrives.
                 link.rx.consume(header_len);
                 self.drain_bytes = payload as u64;
-                self.refuse(link, &session, &req, refusal);
+                let status = self.refuse(link, &session, &req, refusal);
+                count(link, index, &req, status, laps.lap(host));
                 return true;
             }
             if link.rx.pending() < header_len + payload {
@@ -183,22 +191,25 @@ impl NbdConn {
             }
         }
         link.rx.consume(header_len);
-        match verdict {
+        let status = match verdict {
             Err(refusal) => self.refuse(link, &session, &req, refusal),
             Ok(()) => self.execute(link, &session, export, &req),
-        }
+        };
+        count(link, index, &req, status, laps.lap(host));
         true
     }
 
+    /// Execute a request and queue its reply; returns the status to count, if it is counted
+    /// ([`count`]).
     fn execute<S: Sink + ?Sized>(
         &mut self,
         link: &mut Link<'_, S>,
         session: &Session,
         export: &Export,
         req: &Request,
-    ) {
+    ) -> Option<Status> {
         match req.cmd {
-            Cmd::Read => self.read(link, session, export, req),
+            Cmd::Read => Some(self.read(link, session, export, req)),
             Cmd::Write => {
                 let len = req.length as usize;
                 let status = {
@@ -206,19 +217,30 @@ impl NbdConn {
                     crate::execute(export, &io_of(req, Opcode::Write), payload, &mut [])
                 };
                 link.rx.consume(len);
-                self.finish(link, session, req, Opcode::Write, status);
+                self.finish(link, session, req, status);
+                Some(status)
             }
-            Cmd::Flush => self.simple(link, session, export, req, Opcode::Flush),
-            Cmd::Trim => self.simple(link, session, export, req, Opcode::Trim),
-            Cmd::WriteZeroes => self.simple(link, session, export, req, Opcode::WriteZeroes),
+            Cmd::Flush => Some(self.simple(link, session, export, req, Opcode::Flush)),
+            Cmd::Trim => Some(self.simple(link, session, export, req, Opcode::Trim)),
+            Cmd::WriteZeroes => Some(self.simple(link, session, export, req, Opcode::WriteZeroes)),
             // Data is already as close as it gets (RAM, or the page cache for files).
-            Cmd::Cache => self.reply_status(link, session, req, 0),
-            Cmd::BlockStatus => self.block_status(link, session, export, req),
+            Cmd::Cache => {
+                self.reply_status(link, session, req, 0);
+                None
+            }
+            Cmd::BlockStatus => {
+                self.block_status(link, session, export, req);
+                None
+            }
             Cmd::Disc => {
                 tracing::debug!(peer = %link.peer, "NBD client disconnected");
                 *link.closing = true;
+                None
             }
-            Cmd::Unknown(_) => self.reply_status(link, session, req, EINVAL),
+            Cmd::Unknown(_) => {
+                self.reply_status(link, session, req, EINVAL);
+                Some(Status::UnknownOpcode)
+            }
         }
     }
 
@@ -228,7 +250,7 @@ impl NbdConn {
         session: &Session,
         export: &Export,
         req: &Request,
-    ) {
+    ) -> Status {
         let start = link.tx.len();
         self.scratch.clear();
         if session.structured_replies {
@@ -238,13 +260,13 @@ impl NbdConn {
         }
         link.tx.append(&self.scratch);
         let status = link.tx.append_read(export, &io_of(req, Opcode::Read));
-        link.stats.ops.record(Opcode::Read, req.length, status);
         if !status.is_ok() {
             // Take the header and the unread data back; answer with the error instead.
             link.tx.truncate(start);
             let errno = nbd::error_of(status, req.cmd, req.flags);
             self.reply_error(link, session, req, errno, &status.to_string());
         }
+        status
     }
 
     /// Commands whose whole answer is a status.
@@ -255,9 +277,10 @@ impl NbdConn {
         export: &Export,
         req: &Request,
         op: Opcode,
-    ) {
+    ) -> Status {
         let status = crate::execute(export, &io_of(req, op), &[], &mut []);
-        self.finish(link, session, req, op, status);
+        self.finish(link, session, req, status);
+        status
     }
 
     fn finish<S: Sink + ?Sized>(
@@ -265,10 +288,8 @@ impl NbdConn {
         link: &mut Link<'_, S>,
         session: &Session,
         req: &Request,
-        op: Opcode,
         status: Status,
     ) {
-        link.stats.ops.record(op, req.length, status);
         let errno = if status.is_ok() { 0 } else { nbd::error_of(status, req.cmd, req.flags) };
         self.reply_status(link, session, req, errno);
     }
@@ -313,17 +334,17 @@ impl NbdConn {
         session: &Session,
         req: &Request,
         refusal: Refusal,
-    ) {
-        link.stats.ops.record_refused();
-        let errno = match refusal {
-            Refusal::Errno(e) => e,
-            Refusal::Status(s) => nbd::error_of(s, req.cmd, req.flags),
+    ) -> Option<Status> {
+        let (errno, status) = match refusal {
+            Refusal::Errno(e) => (e, status_of_errno(req, e)),
+            Refusal::Status(s) => (nbd::error_of(s, req.cmd, req.flags), s),
         };
         if req.cmd == Cmd::Disc {
             *link.closing = true;
-            return;
+            return None;
         }
         self.reply_error(link, session, req, errno, "request refused");
+        Some(status)
     }
 
     /// A status reply: simple for everything but READ and BLOCK_STATUS in structured mode.
@@ -366,6 +387,44 @@ enum Refusal {
     Errno(u32),
     /// The export refuses it (range, alignment, size, permission).
     Status(Status),
+}
+
+/// Count an answered request on export `index`: under its opcode when it has one in the
+/// native protocol, and otherwise (CACHE, BLOCK_STATUS, unknown commands) only if it failed,
+/// as a request refused before its opcode was known.
+fn count<S: Sink + ?Sized>(
+    link: &Link<'_, S>,
+    index: u32,
+    req: &Request,
+    status: Option<Status>,
+    service_ns: Option<u64>,
+) {
+    let Some(status) = status else { return };
+    match opcode_of(req.cmd) {
+        Some(op) => link.stats.ops.record(Some(index), op, req.length, status, service_ns),
+        None if !status.is_ok() => link.stats.ops.record_refused(status),
+        None => {}
+    }
+}
+
+fn opcode_of(cmd: Cmd) -> Option<Opcode> {
+    Some(match cmd {
+        Cmd::Read => Opcode::Read,
+        Cmd::Write => Opcode::Write,
+        Cmd::Flush => Opcode::Flush,
+        Cmd::Trim => Opcode::Trim,
+        Cmd::WriteZeroes => Opcode::WriteZeroes,
+        Cmd::Cache | Cmd::BlockStatus | Cmd::Disc | Cmd::Unknown(_) => return None,
+    })
+}
+
+/// The status a request refused by the session's own checks counts as.
+fn status_of_errno(req: &Request, errno: u32) -> Status {
+    match (req.cmd, errno) {
+        (Cmd::Unknown(_), _) => Status::UnknownOpcode,
+        (_, EPERM) => Status::ReadOnly,
+        _ => Status::Invalid,
+    }
 }
 
 fn io_of(req: &Request, opcode: Opcode) -> Io {
