@@ -1,12 +1,14 @@
 //! The runtime layer: everything that touches the OS below the protocol.
 //!
 //! `rt` owns the unsafe edges of skiff other than sockets: page-aligned memory regions
-//! ([`mem`]), hole queries on files ([`fs`]), per-thread CPU and context-switch accounting
-//! ([`usage`]), signal handling ([`signals`]) and a counting allocator for tests that prove
-//! a path allocates nothing ([`alloc`]). It has no protocol knowledge.
+//! ([`mem`]), hole queries on files and unmounting ([`fs`]), the I/O-flusher state of a thread
+//! ([`task`]), per-thread CPU and context-switch accounting ([`usage`]), signal handling
+//! ([`signals`]) and a counting allocator for tests that prove a path allocates nothing
+//! ([`alloc`]). It has no protocol knowledge.
 
 pub mod alloc;
 pub mod fs;
 pub mod mem;
 pub mod signals;
+pub mod task;
 pub mod usage;
