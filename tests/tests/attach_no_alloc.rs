@@ -50,7 +50,7 @@ fn serving_requests_allocates_nothing_after_warm_up() {
         .map(|t| {
             let (vol, phases) = (vol.clone(), phases.clone());
             let mut w = vol.worker().unwrap();
-            let data: Vec<u8> = (0..BLOCK).map(|i| (i as u64 * 31 + t) as u8).collect();
+            let data: Vec<u8> = (0..BLOCK).map(|i| (i * 31 + t) as u8).collect();
             std::thread::spawn(move || {
                 mix(&mut w, &vol, t, 400, &data);
                 // Larger writes and reads than the measured mix sends, from every thread at
