@@ -102,7 +102,7 @@ class Stack:
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wait_port(port)
             self.daemon = subprocess.Popen(pl.client([a.skiff, "attach", "--target", f"127.0.0.1:{port}",
-                                                      "--export", "vol", self.fuse_dir]),
+                                                      "--export", "vol", self.fuse_dir] + a.attach_args.split()),
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         else:
             self.server = subprocess.Popen(pl.server(["nbdkit", "--foreground", "--ipaddr", "127.0.0.1",
@@ -234,6 +234,8 @@ def main():
     p.add_argument("--files", type=int, default=5000, help="files in the smallfiles cycle")
     p.add_argument("--volume-mib", type=int, default=1024, help="export size in MiB")
     p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--attach-args", default="", metavar="ARGS",
+                   help="more flags for skiff attach, e.g. \"--batching off\" or \"--threads 64\"")
     p.add_argument("--out", default="bench/results")
     add_placement_args(p, "set-ups per stack, stacks alternating in each round; the median is reported (default 3)")
     a = p.parse_args()
