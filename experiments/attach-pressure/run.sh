@@ -16,7 +16,7 @@ stall_s=${STALL_S:-120}
 port=$((20000 + RANDOM % 20000))
 work=$(mktemp -d /var/tmp/skiff-pressure.XXXXXX)
 cg=/sys/fs/cgroup/memory/skiff-pressure-$$
-serve_pid= attach_pid= dev=
+serve_pid= attach_pid= dev= fusectl_mounted=
 
 cleanup() {
     set +e
@@ -30,10 +30,13 @@ cleanup() {
         rmdir "$cg"
     fi
     rm -rf "$work"
+    [ -n "$fusectl_mounted" ] && umount /sys/fs/fuse/connections
 }
 trap cleanup EXIT
 
-mountpoint -q /sys/fs/fuse/connections || mount -t fusectl none /sys/fs/fuse/connections
+if ! mountpoint -q /sys/fs/fuse/connections; then
+    mount -t fusectl none /sys/fs/fuse/connections && fusectl_mounted=1
+fi
 mkdir -p "$work/fuse" "$work/fs" "$cg"
 echo $((limit_mib << 20)) > "$cg/memory.limit_in_bytes"
 
