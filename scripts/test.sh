@@ -14,8 +14,10 @@ fi
 # System packages the tests use: strace proves that FLUSH and FUA reach the file as syscalls;
 # qemu-utils (qemu-io, qemu-img), libnbd-bin (nbdinfo, nbdcopy, nbdfuse), fuse3 and fio are the
 # real NBD clients of the interop tests; prometheus brings promtool, which checks the metrics
-# endpoint's exposition; systemd brings systemd-analyze, which checks contrib/skiff.service.
-apt_packages=(strace qemu-utils libnbd-bin fuse3 fio prometheus systemd)
+# endpoint's exposition; systemd brings systemd-analyze, which checks contrib/skiff.service;
+# e2fsprogs (mkfs.ext4, fsck.ext4), mount and util-linux (losetup, fallocate, unshare) put ext4
+# on a loop device over a skiff attach file (root tests).
+apt_packages=(strace qemu-utils libnbd-bin fuse3 fio prometheus systemd e2fsprogs mount util-linux)
 if [ ${#apt_packages[@]} -gt 0 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -142,3 +142,116 @@ pub fn run_ok(cmd: &mut std::process::Command) -> String {
     );
     stdout
 }
+
+/// Devices and mounts for the root-only tests (`skiff attach` under a loop device), each
+/// undone by `Drop` even when a test fails, in the reverse order of their creation.
+pub mod devices {
+    use std::os::unix::fs::MetadataExt;
+    use std::path::{Path, PathBuf};
+
+    use super::{run_ok, tool};
+
+    /// Whether this run may use root, FUSE and loop devices. A missing one fails the test
+    /// under CI (`CI=true`: CI runs as root on a kernel with all three, so a missing one is a
+    /// broken runner, never a reason to pass); elsewhere the test says loudly that it skips.
+    pub fn available(test: &str) -> bool {
+        let missing = if std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(u32::MAX) != 0 {
+            Some("not running as root")
+        } else if !Path::new("/dev/fuse").exists() {
+            Some("/dev/fuse is missing (modprobe fuse)")
+        } else if !Path::new("/dev/loop-control").exists() {
+            Some("/dev/loop-control is missing (modprobe loop)")
+        } else {
+            None
+        };
+        let Some(why) = missing else { return true };
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{test}: {why}; under CI this test must run (root, FUSE and loop devices)"
+        );
+        eprintln!("SKIPPED {test}: {why} (with CI=true this is a failure)");
+        false
+    }
+
+    /// A loop device over a file, detached on drop.
+    pub struct LoopDevice {
+        pub path: String,
+        attached: bool,
+    }
+
+    impl LoopDevice {
+        /// `losetup --find --show --direct-io=on FILE`.
+        pub fn attach(file: &Path) -> LoopDevice {
+            let out = run_ok(tool("losetup", "mount").args(["--find", "--show", "--direct-io=on"]).arg(file));
+            LoopDevice { path: out.trim().to_owned(), attached: true }
+        }
+
+        /// Whether the loop device really does direct I/O (losetup falls back to buffered I/O
+        /// with only a warning when the backing file refuses it).
+        pub fn direct_io(&self) -> bool {
+            let name = self.path.trim_start_matches("/dev/");
+            std::fs::read_to_string(format!("/sys/block/{name}/loop/dio"))
+                .map(|s| s.trim() == "1")
+                .unwrap_or(false)
+        }
+
+        /// `losetup -d`, which must succeed.
+        pub fn detach(mut self) {
+            self.attached = false;
+            assert!(detach_loop(&self.path), "losetup -d {} failed", self.path);
+        }
+    }
+
+    /// `losetup -d`, retried for a while: the kernel may hold the device a moment after an
+    /// unmount.
+    fn detach_loop(path: &str) -> bool {
+        for _ in 0..50 {
+            let ok = std::process::Command::new("losetup").arg("-d").arg(path).status();
+            if ok.map(|s| s.success()).unwrap_or(false) {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        false
+    }
+
+    impl Drop for LoopDevice {
+        fn drop(&mut self) {
+            if self.attached && !detach_loop(&self.path) {
+                eprintln!("could not detach {}", self.path);
+            }
+        }
+    }
+
+    /// A file system mounted on a directory, unmounted on drop.
+    pub struct Mounted {
+        pub dir: PathBuf,
+        mounted: bool,
+    }
+
+    impl Mounted {
+        pub fn mount(device: &str, dir: &Path) -> Mounted {
+            run_ok(tool("mount", "mount").arg(device).arg(dir));
+            Mounted { dir: dir.to_owned(), mounted: true }
+        }
+
+        /// `umount`, which must succeed.
+        pub fn unmount(mut self) {
+            self.mounted = false;
+            run_ok(std::process::Command::new("umount").arg(&self.dir));
+        }
+    }
+
+    impl Drop for Mounted {
+        fn drop(&mut self) {
+            if !self.mounted {
+                return;
+            }
+            let ok = std::process::Command::new("umount").arg(&self.dir).status();
+            if !ok.map(|s| s.success()).unwrap_or(false) {
+                // Never leave a mount behind a failed test.
+                let _ = std::process::Command::new("umount").arg("-l").arg(&self.dir).status();
+            }
+        }
+    }
+}

@@ -4,9 +4,11 @@
 //! - `skiff bench`: drive a target with lanes and report IOPS, latency and CPU per I/O; with no
 //!   `--target`, it starts a target in-process on loopback with a 1 GiB RAM export.
 //! - `skiff info`: list a target's exports and limits.
+//! - `skiff attach`: an export as a file through FUSE, until SIGINT or SIGTERM unmounts it.
 //!
 //! Argument parsing and presentation live here; everything else is in the library crates.
 
+mod attach;
 mod bench;
 mod info;
 mod reconnect;
@@ -32,6 +34,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// List a target's exports and limits.
     Info(info::InfoArgs),
+    /// Expose an export as one file through FUSE (for losetup), until SIGINT or SIGTERM.
+    Attach(attach::AttachArgs),
 }
 
 fn init_logging(default: &str) {
@@ -60,6 +64,10 @@ fn main() -> ExitCode {
         Command::Info(args) => {
             init_logging("warn");
             info::run(args)
+        }
+        Command::Attach(args) => {
+            init_logging("info");
+            attach::run(args)
         }
     };
     match result {

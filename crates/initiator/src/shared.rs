@@ -138,6 +138,8 @@ struct Mailbox<B> {
 impl<B: IoBuf + Send> SharedLane<B> {
     fn connect(endpoint: &Endpoint, export: &str, config: &LaneConfig) -> Result<SharedLane<B>> {
         let lane = Lane::connect_with(endpoint, export, config)?;
+        // One receive completes at most a queue's worth: room for it now, none on the data path.
+        let scratch = Vec::with_capacity(lane.queue_depth());
         Ok(SharedLane {
             timeout: lane.timeout(),
             spin: config.poll_spin,
@@ -151,7 +153,7 @@ impl<B: IoBuf + Send> SharedLane<B> {
                 sleepers: 0,
                 live_handles: 0,
                 waiting: 0,
-                scratch: Vec::new(),
+                scratch,
             }),
         })
     }

@@ -35,6 +35,39 @@ pub fn seek(file: &impl AsRawFd, offset: u64, what: Seek) -> io::Result<Option<u
     }
 }
 
+/// `umount(2)` of `path`, without forcing and without detaching lazily: it fails with
+/// `EBUSY` while anything still uses the mount (an open file, a loop device over it), which is
+/// what a daemon asked to stop wants to know rather than pull the data out from under a user.
+pub fn unmount(path: &std::path::Path) -> io::Result<()> {
+    let c_path = c_path(path)?;
+    // SAFETY: the path is a NUL-terminated string that lives across the call; no flags.
+    let rc = unsafe { libc::umount2(c_path.as_ptr(), 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// `umount2(path, MNT_DETACH)`: take the mount out of the namespace now; the kernel ends it once
+/// its last user lets go. For cleanup paths that must not leave a mount behind.
+pub fn unmount_lazily(path: &std::path::Path) -> io::Result<()> {
+    let c_path = c_path(path)?;
+    // SAFETY: as in `unmount`; MNT_DETACH is a valid flag.
+    let rc = unsafe { libc::umount2(c_path.as_ptr(), libc::MNT_DETACH) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn c_path(path: &std::path::Path) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -52,6 +85,18 @@ mod tests {
         let hole = seek(&f, data, Seek::Hole).unwrap().unwrap();
         assert!(((1 << 20) + 4096..=4 << 20).contains(&hole), "{hole}");
         assert_eq!(seek(&f, 4 << 20, Seek::Data).unwrap(), None);
+    }
+
+    #[test]
+    fn unmounting_what_is_not_a_mount_point_fails_cleanly() {
+        // A fresh directory: never a mount point (the temporary directory itself may be one).
+        let dir = std::env::temp_dir().join(format!("skiff-rt-unmount-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let err = unmount(&dir).unwrap_err();
+        std::fs::remove_dir(&dir).unwrap();
+        // EINVAL as root (not a mount point), EPERM otherwise: never a crash, never a success.
+        assert!(matches!(err.raw_os_error(), Some(libc::EINVAL) | Some(libc::EPERM)), "{err}");
+        assert!(unmount(std::path::Path::new("a\0b")).is_err());
     }
 
     fn tempfile_in_var_tmp() -> std::fs::File {

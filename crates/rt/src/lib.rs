@@ -1,9 +1,10 @@
 //! The runtime layer: everything that touches the OS below the protocol.
 //!
 //! `rt` owns the unsafe edges of skiff other than sockets: page-aligned memory regions
-//! ([`mem`]), hole queries on files ([`fs`]), per-thread CPU and context-switch accounting
-//! ([`usage`]), signal handling ([`signals`]), readiness notifications to a service manager
-//! ([`notify`]) and a counting allocator for tests that prove a path allocates nothing
+//! ([`mem`]), hole queries on files and unmounting ([`fs`]), the I/O-flusher state of a thread
+//! ([`task`]), per-thread CPU and context-switch accounting ([`usage`]), signal handling
+//! ([`signals`]), readiness notifications to a service manager ([`notify`]) and a counting
+//! allocator for tests that prove a path allocates nothing
 //! ([`alloc`]). It has no protocol knowledge.
 
 pub mod alloc;
@@ -11,4 +12,5 @@ pub mod fs;
 pub mod mem;
 pub mod notify;
 pub mod signals;
+pub mod task;
 pub mod usage;

@@ -103,7 +103,7 @@ pub enum BatchingArg {
     Adaptive,
 }
 
-fn parse_batching(s: &str) -> Result<BatchingArg, crate::units::ArgError> {
+pub(crate) fn parse_batching(s: &str) -> Result<BatchingArg, crate::units::ArgError> {
     match s {
         "off" => Ok(BatchingArg::Off),
         "static" => Ok(BatchingArg::Static(None)),

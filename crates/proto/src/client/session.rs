@@ -249,7 +249,12 @@ impl<B: IoBuf> ClientSession<B> {
                 Batching::Adaptive(cfg) => Some(BatchController::new(cfg)),
                 _ => None,
             },
-            level_log: Vec::new(),
+            // Its full size up front (64 KiB) when it will be used: it grows on the data path
+            // otherwise.
+            level_log: match config.batching {
+                Batching::Adaptive(_) => Vec::with_capacity(LEVEL_LOG_MAX),
+                _ => Vec::new(),
+            },
             done: VecDeque::with_capacity(queue_depth),
             placement: Placement::new(),
             reads: ReadsInFlight::default(),
