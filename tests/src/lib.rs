@@ -255,3 +255,48 @@ pub mod devices {
         }
     }
 }
+
+/// A tree of files with known contents, for tests that put a file system on an export.
+pub mod files {
+    use std::collections::BTreeMap;
+    use std::path::{Path, PathBuf};
+
+    /// Deterministic bytes for a file: its index seeds a xorshift generator.
+    pub fn content(seed: u64, len: usize) -> Vec<u8> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// A tree of files of awkward sizes in nested directories: path → CRC32C of its bytes.
+    pub fn write_tree(root: &Path) -> BTreeMap<PathBuf, (usize, u32)> {
+        let sizes = [0, 1, 511, 512, 4095, 4096, 4097, 65_536, 100_003, 1 << 20, (3 << 20) + 7];
+        let mut sums = BTreeMap::new();
+        for (i, size) in sizes.iter().cycle().take(40).enumerate() {
+            let dir = root.join(format!("d{}", i % 4)).join(format!("e{}", i % 3));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join(format!("f{i}"));
+            let bytes = content(i as u64 + 1, *size);
+            std::fs::write(&path, &bytes).unwrap();
+            sums.insert(path.strip_prefix(root).unwrap().to_owned(), (bytes.len(), crc32c::crc32c(&bytes)));
+        }
+        sums
+    }
+
+    /// Every file of the tree, read back: its length, checksum and every byte.
+    pub fn verify_tree(root: &Path, sums: &BTreeMap<PathBuf, (usize, u32)>) {
+        for (i, (rel, (len, sum))) in sums.iter().enumerate() {
+            let bytes = std::fs::read(root.join(rel)).unwrap_or_else(|e| panic!("{}: {e}", rel.display()));
+            assert_eq!(bytes.len(), *len, "{}", rel.display());
+            assert_eq!(crc32c::crc32c(&bytes), *sum, "{}", rel.display());
+            let index: u64 = rel.file_name().unwrap().to_str().unwrap()[1..].parse().unwrap();
+            assert!(bytes == content(index + 1, *len), "{} (file {i}) differs", rel.display());
+        }
+    }
+}

@@ -33,6 +33,8 @@ pub struct AttachArgs {
     /// Refuse writes even when the export takes them.
     #[arg(long)]
     read_only: bool,
+    #[command(flatten)]
+    reconnect: crate::reconnect::ReconnectArgs,
 }
 
 pub fn run(args: AttachArgs) -> CliResult {
@@ -40,6 +42,9 @@ pub fn run(args: AttachArgs) -> CliResult {
     config.threads = args.threads.max(1);
     config.lanes = args.lanes;
     config.read_only = args.read_only;
+    // A target restart costs the file system time, not errors: the lanes reconnect and
+    // re-send what was in flight (docs/ATTACH.md).
+    config.lane.reconnect = args.reconnect.config();
     config.lane.batching = match args.batching {
         BatchingArg::Off => Batching::Off,
         BatchingArg::Static(n) => {
