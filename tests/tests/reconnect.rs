@@ -26,15 +26,31 @@ fn start(addr: &str, file: &str) -> Target {
     .expect("target starts")
 }
 
-fn fast_reconnect() -> LaneConfig {
+/// Lanes that retry every 50 ms at most, give up after `loss_ms` and fail waiting requests
+/// after `fast_fail_ms`.
+fn reconnecting(loss_ms: u64, fast_fail_ms: Option<u64>) -> LaneConfig {
     LaneConfig {
         reconnect: ReconnectConfig {
             reconnect_delay_us: 50_000,
-            ctrl_loss_timeout_us: 30_000_000,
-            fast_io_fail_timeout_us: None,
+            ctrl_loss_timeout_us: loss_ms * 1000,
+            fast_io_fail_timeout_us: fast_fail_ms.map(|ms| ms * 1000),
         },
         ..LaneConfig::default()
     }
+}
+
+fn fast_reconnect() -> LaneConfig {
+    reconnecting(30_000, None)
+}
+
+/// A target on a fixed address over a fresh file of `blocks` blocks: (file, address, path,
+/// target). The address stays the same across restarts.
+fn target_on_file(blocks: usize) -> (tempfile::NamedTempFile, String, String, Target) {
+    let file = scratch(blocks);
+    let path = file.path().to_str().unwrap().to_owned();
+    let addr = free_addr();
+    let target = start(&addr, &path);
+    (file, addr, path, target)
 }
 
 fn scratch(blocks: usize) -> tempfile::NamedTempFile {
@@ -99,10 +115,7 @@ fn shared_lanes_ride_through_target_restarts() {
 /// the new connection and complete OK.
 #[test]
 fn a_private_lane_resends_what_was_in_flight() {
-    let file = scratch(64);
-    let path = file.path().to_str().unwrap().to_owned();
-    let addr = free_addr();
-    let target = start(&addr, &path);
+    let (_file, addr, path, target) = target_on_file(64);
     let mut lane = Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &fast_reconnect()).unwrap();
     for i in 0..32u64 {
         lane.submit_write(i * BLOCK as u64, vec![i as u8; BLOCK], ReqFlags::empty(), i).unwrap();
@@ -127,19 +140,9 @@ fn a_private_lane_resends_what_was_in_flight() {
 
 #[test]
 fn fast_io_fail_fails_what_waits_and_the_lane_recovers_when_the_target_is_back() {
-    let file = scratch(16);
-    let path = file.path().to_str().unwrap().to_owned();
-    let addr = free_addr();
-    let target = start(&addr, &path);
-    let config = LaneConfig {
-        reconnect: ReconnectConfig {
-            reconnect_delay_us: 50_000,
-            ctrl_loss_timeout_us: 30_000_000,
-            fast_io_fail_timeout_us: Some(200_000),
-        },
-        ..LaneConfig::default()
-    };
-    let mut lane = Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &config).unwrap();
+    let (_file, addr, path, target) = target_on_file(16);
+    let mut lane =
+        Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &reconnecting(30_000, Some(200))).unwrap();
     target.shutdown();
     lane.submit_read(0, vec![0; BLOCK], 7).unwrap();
     let mut done = Vec::new();
@@ -161,19 +164,8 @@ fn fast_io_fail_fails_what_waits_and_the_lane_recovers_when_the_target_is_back()
 
 #[test]
 fn ctrl_loss_timeout_gives_up_with_a_clear_error() {
-    let file = scratch(16);
-    let path = file.path().to_str().unwrap().to_owned();
-    let addr = free_addr();
-    let target = start(&addr, &path);
-    let config = LaneConfig {
-        reconnect: ReconnectConfig {
-            reconnect_delay_us: 50_000,
-            ctrl_loss_timeout_us: 300_000,
-            fast_io_fail_timeout_us: None,
-        },
-        ..LaneConfig::default()
-    };
-    let mut lane = Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &config).unwrap();
+    let (_file, addr, _path, target) = target_on_file(16);
+    let mut lane = Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &reconnecting(300, None)).unwrap();
     target.shutdown();
     let mut buf = vec![0u8; BLOCK];
     let err = lane.read_at(&mut buf, 0).unwrap_err();
