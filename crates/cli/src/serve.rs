@@ -68,7 +68,7 @@ pub struct ServeArgs {
     /// Close connections that have not finished their handshake after this long [default: 10s].
     #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_duration)]
     handshake_timeout: Option<Duration>,
-    /// Close native connections silent this long, or off [default: 5m].
+    /// Close native connections silent this long, or off [default: 1m].
     #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_timeout)]
     idle_timeout: Option<Duration>,
     /// Close NBD connections silent this long, or off [default: off].
@@ -159,5 +159,36 @@ fn bounds(args: &ServeArgs, limits: wire::Limits) -> server::Bounds {
         idle_timeout: args.idle_timeout.unwrap_or(defaults.idle_timeout),
         nbd_idle_timeout: args.nbd_idle_timeout.unwrap_or(defaults.nbd_idle_timeout),
         ..defaults
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// How the help text spells a duration default.
+    fn spelled(d: Duration) -> String {
+        match d.as_secs() {
+            0 => "off".into(),
+            s if s % 60 == 0 => format!("{}m", s / 60),
+            s => format!("{s}s"),
+        }
+    }
+
+    /// The timeouts' defaults are written into their help by hand (clap cannot show an
+    /// `Option`'s fallback): they must say what `server::Bounds::default()` does.
+    #[test]
+    fn the_help_states_the_true_timeout_defaults() {
+        let cmd = <ServeArgs as clap::Args>::augment_args(clap::Command::new("serve"));
+        let b = server::Bounds::default();
+        for (flag, default) in [
+            ("handshake_timeout", b.handshake_timeout),
+            ("idle_timeout", b.idle_timeout),
+            ("nbd_idle_timeout", b.nbd_idle_timeout),
+        ] {
+            let arg = cmd.get_arguments().find(|a| a.get_id() == flag).expect(flag);
+            let help = arg.get_help().expect("help").to_string();
+            assert!(help.contains(&format!("[default: {}]", spelled(default))), "--{flag}: {help}");
+        }
     }
 }

@@ -41,7 +41,7 @@ pub struct Bounds {
     pub handshake_timeout: Duration,
     /// A native connection that sends nothing for this long, with nothing of its own queued,
     /// gets `GOAWAY` `TimedOut` and is closed; an initiator with reconnection on reconnects
-    /// when it next has work. Zero: never. 300 s.
+    /// when it next has work. Zero: never. 60 s.
     pub idle_timeout: Duration,
     /// The same for NBD connections after their handshake. Zero (the default): never, since
     /// NBD clients such as the kernel's do not reconnect on their own.
@@ -61,7 +61,7 @@ impl Default for Bounds {
             handshakes_max: 256,
             connections_per_address_max: 256,
             handshake_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(300),
+            idle_timeout: Duration::from_secs(60),
             nbd_idle_timeout: Duration::ZERO,
         }
     }
