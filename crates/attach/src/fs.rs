@@ -18,7 +18,6 @@
 
 use std::cell::RefCell;
 use std::ffi::OsStr;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -40,9 +39,6 @@ const FILE_IN_DIRECTORY: INodeNo = INodeNo(2);
 thread_local! {
     static WORKER: RefCell<Option<Worker<FuseReply>>> = const { RefCell::new(None) };
 }
-
-/// Said once per process when a thread cannot become an I/O flusher.
-static FLUSHER_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// fuser's reply object for a read, a write or a flush, answered by whichever thread has the
 /// outcome. Each is made for its kind of request, so a mismatch is a bug here; it gets EIO.
@@ -100,6 +96,8 @@ pub(crate) struct ExportFs {
     since: SystemTime,
     /// Requests the kernel may have outstanding in the background (`max_background`).
     background_max: u16,
+    /// FUSE threads run under `SCHED_BATCH` ([`crate::AttachConfig::sched_batch`]).
+    sched_batch: bool,
 }
 
 impl ExportFs {
@@ -107,6 +105,7 @@ impl ExportFs {
         volume: Arc<Volume<FuseReply>>,
         mount_point: &MountPoint,
         background_max: usize,
+        sched_batch: bool,
     ) -> ExportFs {
         let file_ino = match mount_point.layout {
             Layout::Directory { .. } => FILE_IN_DIRECTORY,
@@ -120,6 +119,7 @@ impl ExportFs {
             gid: mount_point.gid,
             since: SystemTime::now(),
             background_max: background_max.clamp(1, usize::from(u16::MAX)) as u16,
+            sched_batch,
         }
     }
 
@@ -184,7 +184,7 @@ impl ExportFs {
             let worker = match &mut *slot {
                 Some(w) if w.serves(&self.volume) => w,
                 stale => {
-                    become_io_flusher();
+                    crate::prepare_io_thread(self.sched_batch);
                     stale.insert(self.volume.worker())
                 }
             };
@@ -198,20 +198,6 @@ impl ExportFs {
             i if i == self.file_ino => None,
             INodeNo::ROOT => Some(Errno::EISDIR),
             _ => Some(Errno::ENOENT),
-        }
-    }
-}
-
-/// A thread that serves block I/O (a FUSE thread, an I/O thread) must not wait, when it
-/// allocates, for the writeback it is there to do (docs/ATTACH.md); the kernel's answer is
-/// `PR_SET_IO_FLUSHER`.
-pub(crate) fn become_io_flusher() {
-    if let Err(e) = rt::task::set_io_flusher() {
-        if !FLUSHER_WARNED.swap(true, Relaxed) {
-            tracing::warn!(
-                "the FUSE and I/O threads are not I/O flushers ({e}; needs CAP_SYS_RESOURCE and Linux 5.6): a loop \
-                 device over this file may stall under memory pressure"
-            );
         }
     }
 }

@@ -245,6 +245,8 @@ pub(crate) struct IoThread<R> {
     returned: Vec<Chunk>,
     /// The lane failed for good, and that was said.
     failed: bool,
+    /// Run under `SCHED_BATCH` ([`crate::AttachConfig::sched_batch`]).
+    sched_batch: bool,
 }
 
 impl<R: Reply> IoThread<R> {
@@ -254,6 +256,7 @@ impl<R: Reply> IoThread<R> {
         queue: Arc<Queue<R>>,
         writes: Arc<Writes>,
         name: String,
+        sched_batch: bool,
     ) -> std::io::Result<JoinHandle<()>> {
         let slots = lane.queue_depth();
         let pool = lock(&queue.state).buffers.capacity();
@@ -267,18 +270,21 @@ impl<R: Reply> IoThread<R> {
             done: Vec::with_capacity(slots),
             returned: Vec::with_capacity(pool),
             failed: false,
+            sched_batch,
         };
         std::thread::Builder::new().name(name).spawn(move || thread.run())
     }
 
     fn run(mut self) {
-        crate::fs::become_io_flusher();
+        crate::prepare_io_thread(self.sched_batch);
         loop {
+            // Completions first, so that their buffers are back in the pool on the visit to the
+            // queue that follows, before the kernel's next requests need them.
+            let settled = self.complete();
             if self.take_queued() {
                 break;
             }
             let submitted = self.submit();
-            let settled = self.complete();
             if submitted == 0 && settled == 0 {
                 self.sleep();
             }

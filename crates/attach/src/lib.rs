@@ -48,9 +48,13 @@ pub use volume::{Chunk, IoError, Volume, VolumeConfig, Worker};
 /// Largest FUSE read or write asked of the kernel: what FUSE allows by default
 /// (`fs.fuse.max_pages_limit`, 256 pages), and the target's limit if that is lower.
 pub const FUSE_IO_BYTES_MAX: u32 = 1 << 20;
-/// FUSE threads by default. A thread only reads a request, queues it and reads the next, so a
-/// few keep up with many requests in flight; more of them only take turns sleeping.
-pub const THREADS_DEFAULT: usize = 32;
+/// FUSE threads by default. A thread only reads a request, queues it and reads the next, so
+/// one keeps up with a loop device's requests; every other one adds wake-ups (the kernel wakes
+/// an idle thread for each request rather than let a busy one come back for it), measured as
+/// fewer IOPS at more CPU per request (docs/ATTACH.md). More threads help only a file that sees
+/// much misaligned I/O or zeroing, whose requests wait for the network on the thread that took
+/// them.
+pub const THREADS_DEFAULT: usize = 1;
 /// Requests the kernel may have in flight in the background by default (FUSE's
 /// `max_background`): enough for 4 jobs × queue depth 8 through a loop device.
 pub const IN_FLIGHT_DEFAULT: usize = 32;
@@ -80,6 +84,12 @@ pub struct AttachConfig {
     pub in_flight: usize,
     /// Refuse writes even when the export takes them.
     pub read_only: bool,
+    /// Run the FUSE and I/O threads under `SCHED_BATCH`: woken while something else runs on
+    /// their CPU (the process submitting I/O), they wait for it to sleep or for the next tick
+    /// instead of preempting it, and find the requests it queued meanwhile; on a busy CPU this
+    /// turns one wake-up per request into one per batch (docs/ATTACH.md). Off, a request is
+    /// picked up at once even when the CPU is busy with something else.
+    pub sched_batch: bool,
 }
 
 impl AttachConfig {
@@ -99,6 +109,7 @@ impl AttachConfig {
             threads: THREADS_DEFAULT,
             in_flight: IN_FLIGHT_DEFAULT,
             read_only: false,
+            sched_batch: true,
         }
     }
 }
@@ -155,8 +166,8 @@ impl Attachment {
             lanes,
             io_bytes_max: io_bytes_max.min(FUSE_IO_BYTES_MAX),
             read_only: config.read_only,
-            // Every request in flight may be on one lane, and each thread holds a spare.
-            buffers_per_lane: in_flight + threads.div_ceil(lanes),
+            buffers_per_lane: buffers_per_lane(in_flight, threads, lanes),
+            sched_batch: config.sched_batch,
         };
         let volume = Arc::new(Volume::connect(&config.endpoint, &config.export, &volume_config).map_err(
             |e| match e {
@@ -164,7 +175,7 @@ impl Attachment {
                 other => Error::Volume(other),
             },
         )?);
-        let fs = fs::ExportFs::new(volume.clone(), &mount_point, in_flight);
+        let fs = fs::ExportFs::new(volume.clone(), &mount_point, in_flight, config.sched_batch);
         let mut session = fuser::Session::new(fs, &mount_point.path, &fuse_config(config, &volume, threads))
             .map_err(|source| Error::Mount { path: mount_point.path.clone(), source })?;
         let finished = Arc::new(AtomicBool::new(false));
@@ -321,6 +332,42 @@ impl Unmounter {
             source: std::io::Error::other(stderr.trim().to_owned()),
         })
     }
+}
+
+/// Said once per process when a thread cannot become an I/O flusher, and when it cannot be
+/// put under `SCHED_BATCH`.
+static FLUSHER_WARNED: AtomicBool = AtomicBool::new(false);
+static BATCH_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Ready the calling thread (a FUSE thread on its first request, an I/O thread as it starts)
+/// to serve block I/O. It must not wait, when it allocates, for the writeback it is there to
+/// do (docs/ATTACH.md): the kernel's answer is `PR_SET_IO_FLUSHER`. With `sched_batch`, it is
+/// put under `SCHED_BATCH` ([`AttachConfig::sched_batch`]).
+pub(crate) fn prepare_io_thread(sched_batch: bool) {
+    if let Err(e) = rt::task::set_io_flusher() {
+        if !FLUSHER_WARNED.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "the FUSE and I/O threads are not I/O flushers ({e}; needs CAP_SYS_RESOURCE and Linux \
+                 5.6): a loop device over this file may stall under memory pressure"
+            );
+        }
+    }
+    if sched_batch {
+        if let Err(e) = rt::task::set_batch_scheduling() {
+            if !BATCH_WARNED.swap(true, Ordering::Relaxed) {
+                tracing::info!("threads stay under the normal scheduling policy: SCHED_BATCH: {e}");
+            }
+        }
+    }
+}
+
+/// Buffers for each lane's pool, so that no FUSE thread waits for one: every request in
+/// flight may be on one lane, each of its threads holds a spare, and the buffers of as many
+/// requests again may be answered and not yet back in the pool (the I/O thread returns them
+/// after replying to a whole batch). Each is the largest I/O, but only the pages a request
+/// touches are ever allocated, and the pool is used last in, first out.
+fn buffers_per_lane(in_flight: usize, threads: usize, lanes: usize) -> usize {
+    2 * in_flight + threads.div_ceil(lanes)
 }
 
 /// Ask the target, on a control connection, for the export; returns the largest I/O the

@@ -148,12 +148,21 @@ pub struct VolumeConfig {
     /// the kernel may have in flight plus one spare per FUSE thread, so that no thread waits
     /// for one (more requests than that wait for a buffer to come back).
     pub buffers_per_lane: usize,
+    /// Run the I/O threads under `SCHED_BATCH` (see [`crate::AttachConfig::sched_batch`]).
+    pub sched_batch: bool,
 }
 
 impl VolumeConfig {
-    /// One lane per core, `buffers_per_lane` 64.
+    /// One lane per core, `buffers_per_lane` 64, normal scheduling.
     pub fn new(lane: LaneConfig, io_bytes_max: u32) -> VolumeConfig {
-        VolumeConfig { lane, lanes: 0, io_bytes_max, read_only: false, buffers_per_lane: 64 }
+        VolumeConfig {
+            lane,
+            lanes: 0,
+            io_bytes_max,
+            read_only: false,
+            buffers_per_lane: 64,
+            sched_batch: false,
+        }
     }
 }
 
@@ -208,8 +217,10 @@ impl<R: Reply> Volume<R> {
             // A read-only volume never takes a pool buffer for a write, but reads need them all.
             let pool = (0..config.buffers_per_lane.max(1)).map(|_| Chunk::new(volume.io_bytes_max)).collect();
             let queue = Arc::new(Queue::new(lane.queue_depth(), pool).map_err(IoError::Thread)?);
-            let thread = IoThread::start(lane, queue.clone(), volume.writes.clone(), format!("skiff-io-{i}"))
-                .map_err(IoError::Thread)?;
+            let name = format!("skiff-io-{i}");
+            let thread =
+                IoThread::start(lane, queue.clone(), volume.writes.clone(), name, config.sched_batch)
+                    .map_err(IoError::Thread)?;
             volume.queues.push(queue);
             volume.io_threads.get_mut().unwrap_or_else(|p| p.into_inner()).push(thread);
         }

@@ -39,6 +39,11 @@ pub struct AttachArgs {
     /// Refuse writes even when the export takes them.
     #[arg(long)]
     read_only: bool,
+    /// Scheduling policy of the FUSE and I/O threads: batch (the default: a thread woken while
+    /// the CPU is busy waits for the running task instead of preempting it, and finds a batch)
+    /// or normal (it preempts: lower latency under CPU contention, more context switches).
+    #[arg(long, default_value = "batch", value_parser = ["batch", "normal"])]
+    sched: String,
     #[command(flatten)]
     reconnect: crate::reconnect::ReconnectArgs,
 }
@@ -49,6 +54,7 @@ pub fn run(args: AttachArgs) -> CliResult {
     config.lanes = args.lanes;
     config.in_flight = args.in_flight.max(1);
     config.read_only = args.read_only;
+    config.sched_batch = args.sched == "batch";
     // A target restart costs the file system time, not errors: the lanes reconnect and
     // re-send what was in flight (docs/ATTACH.md).
     config.lane.reconnect = args.reconnect.config();
