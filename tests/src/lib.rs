@@ -300,3 +300,83 @@ pub mod files {
         }
     }
 }
+
+/// A [`attach::Reply`] for driving a volume without FUSE: the answer lands in an [`Inbox`]
+/// that the test waits on. The inbox's data buffer is made once, so answering allocates
+/// nothing after warm-up.
+pub mod inbox {
+    use std::sync::{Arc, Condvar, Mutex};
+
+    /// What a request was answered with.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Answered {
+        /// Read data, copied into the waiter's buffer.
+        Data,
+        Written(usize),
+        Ok,
+        Error(i32),
+    }
+
+    /// One request's answer; reusable once taken.
+    pub struct Inbox {
+        state: Mutex<(Option<Answered>, Vec<u8>)>,
+        ready: Condvar,
+    }
+
+    impl Inbox {
+        /// An inbox for answers of up to `data_bytes_max` bytes of read data.
+        pub fn new(data_bytes_max: usize) -> Arc<Inbox> {
+            Arc::new(Inbox {
+                state: Mutex::new((None, Vec::with_capacity(data_bytes_max))),
+                ready: Condvar::new(),
+            })
+        }
+
+        /// A reply for the next request, into this inbox.
+        pub fn reply(self: &Arc<Self>) -> ToInbox {
+            ToInbox(self.clone())
+        }
+
+        /// Wait for the answer; read data is copied into `data` (cleared first).
+        pub fn wait(&self, data: &mut Vec<u8>) -> Answered {
+            let mut st = self.state.lock().unwrap();
+            loop {
+                if let Some(answered) = st.0.take() {
+                    data.clear();
+                    data.extend_from_slice(&st.1);
+                    return answered;
+                }
+                st = self.ready.wait(st).unwrap();
+            }
+        }
+
+        fn put(&self, answered: Answered, bytes: &[u8]) {
+            let mut st = self.state.lock().unwrap();
+            assert!(st.0.is_none(), "answered twice, or answered before the last answer was taken");
+            st.1.clear();
+            st.1.extend_from_slice(bytes);
+            st.0 = Some(answered);
+            self.ready.notify_all();
+        }
+    }
+
+    pub struct ToInbox(Arc<Inbox>);
+
+    impl attach::Reply for ToInbox {
+        fn data(self, bytes: &[u8]) {
+            self.0.put(Answered::Data, bytes)
+        }
+
+        fn written(self, bytes: usize) {
+            self.0.put(Answered::Written(bytes), &[])
+        }
+
+        fn ok(self) {
+            self.0.put(Answered::Ok, &[])
+        }
+
+        fn error(self, errno: i32) {
+            self.0.put(Answered::Error(errno), &[])
+        }
+    }
+}

@@ -1,8 +1,8 @@
 //! The whole FUSE path of `skiff attach`, kernel to target and back, allocates nothing per
 //! request after warm-up: an in-process attachment, four threads reading and writing its
 //! file (direct I/O, as a loop device does), and every thread of this process counted:
-//! fuser's request loop and replies, the workers, the shared lanes and the target. This is one
-//! of the things that keeps a loop device over the file out of the memory-reclaim deadlock
+//! fuser's request loop, the workers, the I/O threads and their replies, and the target. This
+//! is one of the things that keeps a loop device over the file out of the memory-reclaim deadlock
 //! (docs/ATTACH.md). Root and FUSE are needed (see `skiff_tests::devices::available`). The
 //! counting allocator sees every thread, so this test has a binary of its own.
 
@@ -72,6 +72,7 @@ fn the_fuse_path_allocates_nothing_after_warm_up() {
     ALLOC.count(false);
     let files: Vec<_> = threads.into_iter().map(|j| j.join().unwrap()).collect();
     drop(files);
+    assert_eq!(attachment.stalls(), 0, "a FUSE thread waited for a request buffer");
     let stats = attachment.unmount().unwrap();
     assert_eq!(ALLOC.allocations(), 0, "allocations by size (bytes, count): {:?}", ALLOC.sizes());
     assert!(stats.completed >= 2 * THREADS * 4000, "{stats:?}");

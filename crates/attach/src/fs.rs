@@ -6,16 +6,18 @@
 //! for this daemon to write it back, which is half of what keeps a loop device over it out of
 //! the memory-reclaim deadlock (docs/ATTACH.md). Direct writes may run in parallel
 //! (`FOPEN_PARALLEL_DIRECT_WRITES`) and asynchronous direct I/O, which a loop device issues,
-//! stays asynchronous (`FUSE_ASYNC_DIO`): many requests reach the daemon's threads at once,
-//! which is what lets shared lanes batch them.
+//! stays asynchronous (`FUSE_ASYNC_DIO`): many requests reach the daemon at once, which is
+//! what lets the I/O threads batch them.
 //!
 //! fuser calls these methods from several threads; each thread finds its own [`Worker`] in a
 //! thread-local, made on its first request, so requests take no lock here and reuse their
-//! buffers.
+//! buffers. Reads, writes and flushes hand fuser's reply object to the volume with the
+//! request ([`FuseReply`]) and return at once: the I/O thread answers the kernel when the
+//! target has (the common path), or the worker does before returning (the rare ones).
+//! Everything else is answered here.
 
 use std::cell::RefCell;
 use std::ffi::OsStr;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -25,8 +27,9 @@ use fuser::{
     ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, WriteFlags,
 };
 
+use crate::io::Reply;
 use crate::mountpoint::{Layout, MountPoint};
-use crate::volume::{IoError, IoResult, Volume, Worker};
+use crate::volume::{Volume, Worker};
 
 /// How long the kernel may cache names and attributes: nothing here ever changes.
 const TTL: Duration = Duration::from_secs(3600);
@@ -34,25 +37,76 @@ const TTL: Duration = Duration::from_secs(3600);
 const FILE_IN_DIRECTORY: INodeNo = INodeNo(2);
 
 thread_local! {
-    static WORKER: RefCell<Option<Worker>> = const { RefCell::new(None) };
+    static WORKER: RefCell<Option<Worker<FuseReply>>> = const { RefCell::new(None) };
 }
 
-/// Said once per process when a FUSE thread cannot become an I/O flusher.
-static FLUSHER_WARNED: AtomicBool = AtomicBool::new(false);
+/// fuser's reply object for a read, a write or a flush, answered by whichever thread has the
+/// outcome. Each is made for its kind of request, so a mismatch is a bug here; it gets EIO.
+pub(crate) enum FuseReply {
+    Data(ReplyData),
+    Written(ReplyWrite),
+    Empty(ReplyEmpty),
+}
+
+impl Reply for FuseReply {
+    fn data(self, bytes: &[u8]) {
+        match self {
+            FuseReply::Data(r) => r.data(bytes),
+            other => other.mismatch(),
+        }
+    }
+
+    fn written(self, bytes: usize) {
+        match self {
+            FuseReply::Written(r) => r.written(bytes as u32),
+            other => other.mismatch(),
+        }
+    }
+
+    fn ok(self) {
+        match self {
+            FuseReply::Empty(r) => r.ok(),
+            other => other.mismatch(),
+        }
+    }
+
+    fn error(self, errno: i32) {
+        let e = Errno::from_i32(errno);
+        match self {
+            FuseReply::Data(r) => r.error(e),
+            FuseReply::Written(r) => r.error(e),
+            FuseReply::Empty(r) => r.error(e),
+        }
+    }
+}
+
+impl FuseReply {
+    fn mismatch(self) {
+        debug_assert!(false, "a reply of the wrong kind");
+        self.error(libc::EIO)
+    }
+}
 
 pub(crate) struct ExportFs {
-    volume: Arc<Volume>,
+    volume: Arc<Volume<FuseReply>>,
     layout: Layout,
     file_ino: INodeNo,
     uid: u32,
     gid: u32,
     since: SystemTime,
-    /// FUSE threads, and so the background requests the kernel may have outstanding.
-    threads: u16,
+    /// Requests the kernel may have outstanding in the background (`max_background`).
+    background_max: u16,
+    /// FUSE threads run under `SCHED_BATCH` ([`crate::AttachConfig::sched_batch`]).
+    sched_batch: bool,
 }
 
 impl ExportFs {
-    pub(crate) fn new(volume: Arc<Volume>, mount_point: &MountPoint, threads: usize) -> ExportFs {
+    pub(crate) fn new(
+        volume: Arc<Volume<FuseReply>>,
+        mount_point: &MountPoint,
+        background_max: usize,
+        sched_batch: bool,
+    ) -> ExportFs {
         let file_ino = match mount_point.layout {
             Layout::Directory { .. } => FILE_IN_DIRECTORY,
             Layout::File => INodeNo::ROOT,
@@ -64,7 +118,8 @@ impl ExportFs {
             uid: mount_point.uid,
             gid: mount_point.gid,
             since: SystemTime::now(),
-            threads: threads.clamp(1, usize::from(u16::MAX)) as u16,
+            background_max: background_max.clamp(1, usize::from(u16::MAX)) as u16,
+            sched_batch,
         }
     }
 
@@ -123,14 +178,14 @@ impl ExportFs {
     }
 
     /// Run `f` with this thread's worker, making it on the thread's first request.
-    fn with_worker<T>(&self, f: impl FnOnce(&mut Worker, &Volume) -> IoResult<T>) -> IoResult<T> {
+    fn with_worker<T>(&self, f: impl FnOnce(&mut Worker<FuseReply>, &Volume<FuseReply>) -> T) -> T {
         WORKER.with(|cell| {
             let mut slot = cell.borrow_mut();
             let worker = match &mut *slot {
                 Some(w) if w.serves(&self.volume) => w,
                 stale => {
-                    become_io_flusher();
-                    stale.insert(self.volume.worker()?)
+                    crate::prepare_io_thread(self.sched_batch);
+                    stale.insert(self.volume.worker())
                 }
             };
             f(worker, &self.volume)
@@ -147,23 +202,6 @@ impl ExportFs {
     }
 }
 
-/// A thread that serves block I/O must not wait, when it allocates, for the writeback it is
-/// there to do (docs/ATTACH.md); the kernel's answer is `PR_SET_IO_FLUSHER`.
-fn become_io_flusher() {
-    if let Err(e) = rt::task::set_io_flusher() {
-        if !FLUSHER_WARNED.swap(true, Relaxed) {
-            tracing::warn!(
-                "FUSE threads are not I/O flushers ({e}; needs CAP_SYS_RESOURCE and Linux 5.6): a loop \
-                 device over this file may stall under memory pressure"
-            );
-        }
-    }
-}
-
-fn errno(e: &IoError) -> Errno {
-    Errno::from_i32(e.errno())
-}
-
 impl Filesystem for ExportFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         if config.add_capabilities(InitFlags::FUSE_ASYNC_DIO).is_err() {
@@ -173,8 +211,8 @@ impl Filesystem for ExportFs {
         if let Err(nearest) = config.set_max_write(io_max) {
             let _ = config.set_max_write(nearest);
         }
-        let _ = config.set_max_background(self.threads);
-        let _ = config.set_congestion_threshold((u32::from(self.threads) * 3 / 4).max(1) as u16);
+        let _ = config.set_max_background(self.background_max);
+        let _ = config.set_congestion_threshold((u32::from(self.background_max) * 3 / 4).max(1) as u16);
         Ok(())
     }
 
@@ -246,17 +284,7 @@ impl Filesystem for ExportFs {
         if let Some(e) = self.not_the_file(ino) {
             return reply.error(e);
         }
-        let mut reply = Some(reply);
-        let done = self.with_worker(|w, vol| {
-            let data = w.read(vol, offset, size as usize)?;
-            if let Some(r) = reply.take() {
-                r.data(data);
-            }
-            Ok(())
-        });
-        if let (Err(e), Some(r)) = (done, reply) {
-            r.error(errno(&e));
-        }
+        self.with_worker(|w, vol| w.handle_read(vol, offset, size as usize, FuseReply::Data(reply)))
     }
 
     /// `O_DSYNC` or `O_SYNC` on the file (or `RWF_DSYNC` on the write) makes the write FUA:
@@ -278,10 +306,7 @@ impl Filesystem for ExportFs {
             return reply.error(e);
         }
         let fua = flags.0 & libc::O_DSYNC != 0;
-        match self.with_worker(|w, vol| w.write(vol, offset, data, fua)) {
-            Ok(n) => reply.written(n as u32),
-            Err(e) => reply.error(errno(&e)),
-        }
+        self.with_worker(|w, vol| w.handle_write(vol, offset, data, fua, FuseReply::Written(reply)))
     }
 
     /// `close`: the export's FLUSH, so that what was written through a descriptor is durable
@@ -325,7 +350,7 @@ impl Filesystem for ExportFs {
             libc::FALLOC_FL_PUNCH_HOLE if !keep_size => Err(Errno::EINVAL),
             libc::FALLOC_FL_ZERO_RANGE if beyond && !keep_size => Err(Errno::EFBIG),
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE => {
-                self.with_worker(|w, vol| w.zero(vol, offset, length)).map_err(|e| errno(&e))
+                self.with_worker(|w, vol| w.zero(vol, offset, length)).map_err(|e| Errno::from_i32(e.errno()))
             }
             _ => Err(Errno::EOPNOTSUPP),
         };
@@ -414,9 +439,6 @@ impl ExportFs {
         if let Some(e) = self.not_the_file(ino) {
             return reply.error(e);
         }
-        match self.with_worker(|w, vol| w.flush(vol)) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(&e)),
-        }
+        self.with_worker(|w, vol| w.handle_flush(vol, FuseReply::Empty(reply)))
     }
 }

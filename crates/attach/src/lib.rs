@@ -2,24 +2,35 @@
 //! a block device.
 //!
 //! The kernel has no nbd or ublk driver here, so the way to a local disk is a FUSE file and
-//! `losetup --direct-io=on` over it (docs/ATTACH.md). The kernel sends FUSE requests from many
-//! threads with one request each, the workload shared lanes exist for: every FUSE thread has a
-//! handle on one of a few [`initiator::SharedLanes`] (one per core by default), its requests
-//! meet the other threads' in that lane's caravans, and the adaptive batch controller decides
-//! how many travel together.
+//! `losetup --direct-io=on` over it (docs/ATTACH.md). The kernel hands FUSE requests to many
+//! threads, one request each. What owns what:
+//!
+//! - fuser's threads (`--threads`) each read their own clone of the FUSE device and own a
+//!   [`Worker`]. For the common request (an aligned read or write of at most the largest I/O,
+//!   and a flush) a worker queues it, with its buffer and fuser's reply object, for an I/O
+//!   thread and goes back to the kernel for the next one: it never waits for the network.
+//! - One I/O thread per lane (`--lanes`, default one per core) owns its `initiator::Lane`. It
+//!   takes everything queued for it into one caravan, sends it, and answers the kernel from
+//!   the completions; it sleeps on the lane's socket and its queue's eventfd at once.
+//! - The [`Volume`] owns the I/O threads, their queues and buffer pools (made at start-up), and
+//!   what writes share: the write gate (aligned writes shared until their completion,
+//!   read-modify-writes exclusive) and the flush counters.
 //!
 //! - [`Attachment::mount`] checks FUSE and the mount point, asks the target for the export,
-//!   connects the shared lanes, mounts, and serves in background threads.
+//!   connects the lanes and starts their I/O threads, mounts, and serves in background threads.
 //! - [`Unmounter::unmount`] ends it cleanly: a plain `umount`, which fails with
 //!   [`Error::InUse`] while a loop device, a mount or an open file still uses the file; the
 //!   session keeps serving them.
 //! - [`Attachment::wait`] returns once the file system is unmounted, by us or by anyone.
 //!
 //! The layers: `mountpoint` checks before mounting, `volume` turns byte ranges into block
-//! requests (no FUSE in it), `fs` answers the kernel's FUSE requests through it.
-//! Reconnection to a restarted target is not here yet.
+//! requests (no FUSE in it), `io` runs the I/O threads, `gate` is the write gate, `fs` answers
+//! the kernel's FUSE requests through the volume. The lanes reconnect to a restarted target on
+//! their own (`LaneConfig::reconnect`).
 
 mod fs;
+mod gate;
+pub mod io;
 pub mod mountpoint;
 pub mod volume;
 
@@ -28,17 +39,31 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use initiator::{BatchConfig, Batching, Client, Endpoint, LaneConfig, LaneStats, SharedLanes};
+use initiator::{Batching, Client, Doorbell, Endpoint, LaneConfig, LaneStats};
 
+pub use io::Reply;
 pub use mountpoint::{Layout, MountPoint};
-pub use volume::{Chunk, IoError, Volume, Worker};
+pub use volume::{Chunk, IoError, Volume, VolumeConfig, Worker};
 
 /// Largest FUSE read or write asked of the kernel: what FUSE allows by default
 /// (`fs.fuse.max_pages_limit`, 256 pages), and the target's limit if that is lower.
 pub const FUSE_IO_BYTES_MAX: u32 = 1 << 20;
-/// FUSE threads by default: enough for 4 jobs × queue depth 8 through a loop device to all be
-/// in the daemon at once. Threads wait in the kernel while idle.
-pub const THREADS_DEFAULT: usize = 32;
+/// FUSE threads by default. A thread only reads a request, queues it and reads the next, so
+/// one keeps up with a loop device's requests; every other one adds wake-ups (the kernel wakes
+/// an idle thread for each request rather than let a busy one come back for it), measured as
+/// fewer IOPS at more CPU per request (docs/ATTACH.md). More threads help only a file that sees
+/// much misaligned I/O or zeroing, whose requests wait for the network on the thread that took
+/// them.
+pub const THREADS_DEFAULT: usize = 1;
+/// Requests the kernel may have in flight in the background by default (FUSE's
+/// `max_background`): enough for 4 jobs × queue depth 8 through a loop device.
+pub const IN_FLIGHT_DEFAULT: usize = 32;
+
+/// The lanes' doorbell for `skiff attach`: a caravan is whatever an I/O thread found queued
+/// (up to the negotiated caravan limits), sent as soon as it has taken it; nothing is held
+/// back waiting for more.
+pub const DRAIN_DOORBELL: Doorbell =
+    Doorbell { aggregation_reqs: u32::MAX, aggregation_bytes: u32::MAX, delay_us: 1 };
 
 /// What to attach, where, and how.
 #[derive(Debug, Clone)]
@@ -48,30 +73,43 @@ pub struct AttachConfig {
     /// A directory (the export appears in it as a file named after the export) or a regular
     /// file (the export is mounted over it).
     pub mountpoint: PathBuf,
-    /// The shared lanes' configuration; its queue depth is what one lane's threads share.
+    /// Every lane's configuration.
     pub lane: LaneConfig,
-    /// Shared lanes (0: one per core).
+    /// Lanes, each with its I/O thread (0: one per core).
     pub lanes: usize,
     /// FUSE threads.
     pub threads: usize,
+    /// Requests the kernel may have in flight in the background (`max_background`); with the
+    /// threads, it sizes the buffer pools.
+    pub in_flight: usize,
     /// Refuse writes even when the export takes them.
     pub read_only: bool,
+    /// Run the FUSE and I/O threads under `SCHED_BATCH`: woken while something else runs on
+    /// their CPU (the process submitting I/O), they wait for it to sleep or for the next tick
+    /// instead of preempting it, and find the requests it queued meanwhile; on a busy CPU this
+    /// turns one wake-up per request into one per batch (docs/ATTACH.md). Off, a request is
+    /// picked up at once even when the CPU is busy with something else.
+    pub sched_batch: bool,
 }
 
 impl AttachConfig {
-    /// The defaults: adaptive batching, one shared lane per core, [`THREADS_DEFAULT`] threads.
+    /// The defaults: caravans of what is queued ([`DRAIN_DOORBELL`]), one lane per core,
+    /// [`THREADS_DEFAULT`] threads, [`IN_FLIGHT_DEFAULT`] requests in flight.
     pub fn new(endpoint: Endpoint, export: &str, mountpoint: impl Into<PathBuf>) -> AttachConfig {
         AttachConfig {
             endpoint,
             export: export.to_owned(),
             mountpoint: mountpoint.into(),
             lane: LaneConfig {
-                batching: Batching::Adaptive(BatchConfig::default()),
+                batching: Batching::Static,
+                doorbell: DRAIN_DOORBELL,
                 ..LaneConfig::default()
             },
             lanes: 0,
             threads: THREADS_DEFAULT,
+            in_flight: IN_FLIGHT_DEFAULT,
             read_only: false,
+            sched_batch: true,
         }
     }
 }
@@ -107,7 +145,7 @@ pub enum Error {
 /// A mounted export, served by background threads until it is unmounted.
 pub struct Attachment {
     mount_point: MountPoint,
-    volume: Arc<Volume>,
+    volume: Arc<Volume<fs::FuseReply>>,
     unmounter: Unmounter,
     session: Option<JoinHandle<std::io::Result<()>>>,
 }
@@ -120,11 +158,24 @@ impl Attachment {
         let mount_point = mountpoint::inspect(&config.mountpoint, &config.export)?;
         let io_bytes_max = find_export(config)?;
         let target_error = |source| Error::Target { endpoint: config.endpoint.to_string(), source };
-        let lanes = SharedLanes::connect(&config.endpoint, &config.export, &config.lane, config.lanes)
-            .map_err(target_error)?;
-        let volume = Arc::new(Volume::new(lanes, io_bytes_max.min(FUSE_IO_BYTES_MAX), config.read_only)?);
         let threads = config.threads.max(1);
-        let fs = fs::ExportFs::new(volume.clone(), &mount_point, threads);
+        let in_flight = config.in_flight.max(1);
+        let lanes = volume::lane_count(config.lanes);
+        let volume_config = VolumeConfig {
+            lane: config.lane,
+            lanes,
+            io_bytes_max: io_bytes_max.min(FUSE_IO_BYTES_MAX),
+            read_only: config.read_only,
+            buffers_per_lane: buffers_per_lane(in_flight, threads, lanes),
+            sched_batch: config.sched_batch,
+        };
+        let volume = Arc::new(Volume::connect(&config.endpoint, &config.export, &volume_config).map_err(
+            |e| match e {
+                IoError::Lane(source) => target_error(source),
+                other => Error::Volume(other),
+            },
+        )?);
+        let fs = fs::ExportFs::new(volume.clone(), &mount_point, in_flight, config.sched_batch);
         let mut session = fuser::Session::new(fs, &mount_point.path, &fuse_config(config, &volume, threads))
             .map_err(|source| Error::Mount { path: mount_point.path.clone(), source })?;
         let finished = Arc::new(AtomicBool::new(false));
@@ -133,10 +184,13 @@ impl Attachment {
             finished: finished.clone(),
             fuser: Arc::new(Mutex::new(Some(session.unmount_callable()))),
         };
+        let serving = volume.clone();
         let session = std::thread::Builder::new()
             .name("skiff-attach".into())
             .spawn(move || {
                 let ended = session.run();
+                // Every FUSE thread has ended: nothing more comes, nobody waits.
+                serving.stop();
                 finished.store(true, Ordering::Release);
                 ended
             })
@@ -145,8 +199,9 @@ impl Attachment {
             export = %config.export,
             file = %mount_point.file().display(),
             size_bytes = volume.size_bytes(),
-            lanes = volume.lanes().lanes(),
+            lanes = volume.lanes(),
             threads,
+            in_flight,
             "attached"
         );
         Ok(Attachment { mount_point, volume, unmounter, session: Some(session) })
@@ -162,13 +217,15 @@ impl Attachment {
         &self.mount_point.path
     }
 
-    pub fn volume(&self) -> &Volume {
-        &self.volume
+    /// Every lane's counters, summed.
+    pub fn lane_stats(&self) -> LaneStats {
+        self.volume.stats()
     }
 
-    /// Every shared lane's counters, summed.
-    pub fn lane_stats(&self) -> LaneStats {
-        self.volume.lanes().stats()
+    /// How often a FUSE thread had to wait for a request buffer or for queue room (the pools
+    /// are sized so that this stays zero under the configured load).
+    pub fn stalls(&self) -> u64 {
+        self.volume.stalls()
     }
 
     /// Something that can unmount from another thread (a signal handler's).
@@ -277,6 +334,42 @@ impl Unmounter {
     }
 }
 
+/// Said once per process when a thread cannot become an I/O flusher, and when it cannot be
+/// put under `SCHED_BATCH`.
+static FLUSHER_WARNED: AtomicBool = AtomicBool::new(false);
+static BATCH_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Ready the calling thread (a FUSE thread on its first request, an I/O thread as it starts)
+/// to serve block I/O. It must not wait, when it allocates, for the writeback it is there to
+/// do (docs/ATTACH.md): the kernel's answer is `PR_SET_IO_FLUSHER`. With `sched_batch`, it is
+/// put under `SCHED_BATCH` ([`AttachConfig::sched_batch`]).
+pub(crate) fn prepare_io_thread(sched_batch: bool) {
+    if let Err(e) = rt::task::set_io_flusher() {
+        if !FLUSHER_WARNED.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "the FUSE and I/O threads are not I/O flushers ({e}; needs CAP_SYS_RESOURCE and Linux \
+                 5.6): a loop device over this file may stall under memory pressure"
+            );
+        }
+    }
+    if sched_batch {
+        if let Err(e) = rt::task::set_batch_scheduling() {
+            if !BATCH_WARNED.swap(true, Ordering::Relaxed) {
+                tracing::info!("threads stay under the normal scheduling policy: SCHED_BATCH: {e}");
+            }
+        }
+    }
+}
+
+/// Buffers for each lane's pool, so that no FUSE thread waits for one: every request in
+/// flight may be on one lane, each of its threads holds a spare, and the buffers of as many
+/// requests again may be answered and not yet back in the pool (the I/O thread returns them
+/// after replying to a whole batch). Each is the largest I/O, but only the pages a request
+/// touches are ever allocated, and the pool is used last in, first out.
+fn buffers_per_lane(in_flight: usize, threads: usize, lanes: usize) -> usize {
+    2 * in_flight + threads.div_ceil(lanes)
+}
+
 /// Ask the target, on a control connection, for the export; returns the largest I/O the
 /// target takes. A missing export gets the list of those there are.
 fn find_export(config: &AttachConfig) -> Result<u32, Error> {
@@ -295,7 +388,7 @@ fn find_export(config: &AttachConfig) -> Result<u32, Error> {
 /// The mount options: a name that says what is mounted, permission checks by the kernel from
 /// the file's mode, reads no larger than a request can be, and as many threads as configured,
 /// each with its own clone of the FUSE device.
-fn fuse_config(config: &AttachConfig, volume: &Volume, threads: usize) -> fuser::Config {
+fn fuse_config(config: &AttachConfig, volume: &Volume<fs::FuseReply>, threads: usize) -> fuser::Config {
     use fuser::MountOption;
     let mut options = vec![
         MountOption::FSName(format!("skiff:{}", config.export)),

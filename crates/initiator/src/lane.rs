@@ -17,7 +17,7 @@ use proto::client::reconnect::Action;
 use proto::client::{
     ClientSession, Reconnect, ReconnectConfig, SessionConfig, SessionStats, Submission, SubmitError,
 };
-use transport::{Endpoint, FrameIo};
+use transport::{wait_fd, wait_readable2, Endpoint, FrameIo, Kick};
 use wire::{ExportInfo, FrameKind, Limits, Opcode, ReqFlags, Status};
 
 use crate::conn::Conn;
@@ -413,6 +413,38 @@ impl<B: IoBuf> Lane<B> {
             }
         }
         Ok(got)
+    }
+
+    /// For a thread that owns the lane and serves a queue of its own besides (`skiff attach`'s
+    /// I/O threads): sleep until the lane may have something to do (bytes from the target, the
+    /// open caravan's delay bound, a step of reconnection, the silence deadline) or `kick` is
+    /// rung, and return whether it was (clearing it). [`poll`](Self::poll) then does what is
+    /// due. A target silent for the timeout with requests on the wire is dealt with here, as
+    /// `wait` deals with it: with reconnection on, the connection counts as lost and the lane
+    /// reconnects and re-sends; without, the lane fails (every request completes with an error,
+    /// delivered by the next `poll`) and the error is returned.
+    pub fn sleep(&mut self, kick: &Kick) -> Result<bool> {
+        let now = Instant::now();
+        // A failed lane has nothing due, and its socket is shut down (always readable): only a
+        // kick can matter.
+        let (socket, wake_at) = if self.session.is_broken() {
+            (None, None)
+        } else {
+            let due = [self.doorbell_due(), self.reconnect_due(), self.silence_due()];
+            (self.wake_fd(), due.into_iter().flatten().min())
+        };
+        let timeout = wake_at.map(|at| at.saturating_duration_since(now));
+        let kicked = match socket {
+            Some(fd) => wait_readable2(fd, std::os::fd::AsRawFd::as_raw_fd(kick), timeout)?.1,
+            None => wait_fd(std::os::fd::AsRawFd::as_raw_fd(kick), false, timeout)?.readable,
+        };
+        if kicked {
+            kick.clear();
+        }
+        if self.is_silent() {
+            self.lose(&Error::TimedOut(self.conn.timeout))?;
+        }
+        Ok(kicked)
     }
 
     /// Blocking flush.

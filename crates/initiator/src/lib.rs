@@ -27,7 +27,7 @@ pub use proto::caravan::Doorbell;
 pub use proto::client::ReconnectConfig;
 pub use queue::Queue;
 pub use shared::{SharedHandle, SharedLanes, HANDLES_MAX, USER_DATA_MAX};
-pub use transport::Endpoint;
+pub use transport::{Endpoint, Kick};
 pub use wire::{ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status};
 
 use std::time::Duration;

@@ -1,5 +1,5 @@
-//! Flags the kernel keeps per thread (task) that change how it treats the thread's memory
-//! allocations.
+//! What the kernel keeps per thread (task) that changes how it treats the thread: the
+//! I/O-flusher state for its memory allocations, and its scheduling policy.
 //!
 //! A thread that serves block I/O for the kernel (a FUSE daemon under a loop device, a
 //! user-space target on the same machine) must not wait, while allocating, for the very
@@ -7,6 +7,11 @@
 //! its allocations never start I/O to reclaim memory (`PF_MEMALLOC_NOIO`) and it is throttled
 //! only on its own device's dirty pages (`PF_LOCAL_THROTTLE`). Threads it creates afterwards
 //! inherit the state.
+//!
+//! A thread woken once per request (a FUSE daemon's) preempts, by default, whatever runs on
+//! its CPU when it is woken: the submitter, who had more requests to queue. `SCHED_BATCH`
+//! (no privilege needed) turns wake-up preemption off for the thread: it runs when the task
+//! that woke it sleeps or at the next tick, and finds the requests queued meanwhile.
 
 use std::io;
 
@@ -54,6 +59,30 @@ pub fn is_io_flusher() -> io::Result<bool> {
     }
 }
 
+/// Put the calling thread under `SCHED_BATCH`: same share of the CPU as `SCHED_OTHER`, but
+/// it never preempts the running task when woken.
+pub fn set_batch_scheduling() -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param that outlives the call; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Whether the calling thread is under `SCHED_BATCH`.
+pub fn is_batch_scheduled() -> io::Result<bool> {
+    // SAFETY: plain syscall; pid 0 is the calling thread.
+    let policy = unsafe { libc::sched_getscheduler(0) };
+    if policy < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(policy == libc::SCHED_BATCH)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,5 +104,17 @@ mod tests {
         .join()
         .unwrap();
         assert!(!is_io_flusher().unwrap_or(false), "other threads are untouched");
+    }
+
+    #[test]
+    fn batch_scheduling_is_per_thread() {
+        let before = is_batch_scheduled().unwrap();
+        std::thread::spawn(|| {
+            set_batch_scheduling().unwrap();
+            assert!(is_batch_scheduled().unwrap());
+        })
+        .join()
+        .unwrap();
+        assert_eq!(is_batch_scheduled().unwrap(), before, "other threads are untouched");
     }
 }
