@@ -12,6 +12,7 @@
 //! [`null`] (reads zeroes, discards writes: for measuring protocol overhead).
 #![forbid(unsafe_code)]
 
+pub mod cache;
 pub mod file;
 pub mod null;
 pub mod ram;

@@ -15,9 +15,11 @@
 //! - [`batch::BatchController`]: the Tyche adaptive batch level, extended to set the doorbell
 //!   delay.
 //! - [`caravan::Doorbell`]: deciding when to send the open caravan.
+//! - [`capability::CapKey`]: sealing and checking the capabilities of direct reads.
 #![forbid(unsafe_code)]
 
 pub mod batch;
+pub mod capability;
 pub mod caravan;
 pub mod client;
 #[doc(hidden)]

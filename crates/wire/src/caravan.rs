@@ -59,11 +59,16 @@ pub enum Opcode {
     Flush = 3,
     Trim = 4,
     WriteZeroes = 5,
+    /// A read served from the memory a capability names, the capability being the request's
+    /// payload (docs/PROTOCOL.md, section 8).
+    DirectRead = 6,
 }
 
 impl Opcode {
-    pub const ALL: [Opcode; 5] =
-        [Opcode::Read, Opcode::Write, Opcode::Flush, Opcode::Trim, Opcode::WriteZeroes];
+    /// How many opcodes there are (the size of per-opcode tables).
+    pub const COUNT: usize = 6;
+    pub const ALL: [Opcode; Opcode::COUNT] =
+        [Opcode::Read, Opcode::Write, Opcode::Flush, Opcode::Trim, Opcode::WriteZeroes, Opcode::DirectRead];
 
     pub fn from_u8(v: u8) -> Option<Opcode> {
         Some(match v {
@@ -72,11 +77,12 @@ impl Opcode {
             3 => Opcode::Flush,
             4 => Opcode::Trim,
             5 => Opcode::WriteZeroes,
+            6 => Opcode::DirectRead,
             _ => return None,
         })
     }
 
-    /// Index into per-opcode tables (0..5).
+    /// Index into per-opcode tables (0..[`Opcode::COUNT`]).
     pub fn index(self) -> usize {
         self as usize - 1
     }
@@ -88,12 +94,18 @@ impl Opcode {
             Opcode::Flush => "flush",
             Opcode::Trim => "trim",
             Opcode::WriteZeroes => "write_zeroes",
+            Opcode::DirectRead => "direct_read",
         }
     }
 
     /// Whether the opcode changes the volume (refused on read-only exports).
     pub fn is_mutating(self) -> bool {
-        !matches!(self, Opcode::Read | Opcode::Flush)
+        !matches!(self, Opcode::Read | Opcode::Flush | Opcode::DirectRead)
+    }
+
+    /// Whether a successful completion carries `length` bytes of read data.
+    pub fn returns_data(self) -> bool {
+        matches!(self, Opcode::Read | Opcode::DirectRead)
     }
 }
 
@@ -107,7 +119,11 @@ impl ReqFlags {
     /// The initiator rang the doorbell for this request at once; the target answers it without
     /// waiting to fill a response caravan.
     pub const NO_DELAY: ReqFlags = ReqFlags(0x02);
-    const KNOWN: u8 = 0x03;
+    /// On a read: the initiator would like a capability for the bytes read, to read them
+    /// directly next time. Only with direct reads negotiated (HELLO feature bit 1); the target
+    /// answers with a `CAPABILITIES` frame when it can, and ignores the flag when it cannot.
+    pub const WANT_CAP: ReqFlags = ReqFlags(0x04);
+    const KNOWN: u8 = 0x07;
 
     pub const fn empty() -> ReqFlags {
         ReqFlags(0)
@@ -145,10 +161,10 @@ pub struct Request {
 impl Request {
     /// Payload bytes this request carries on the wire.
     pub fn payload_len(&self) -> u32 {
-        if self.opcode == Opcode::Write {
-            self.length
-        } else {
-            0
+        match self.opcode {
+            Opcode::Write => self.length,
+            Opcode::DirectRead => crate::CAPABILITY_LEN as u32,
+            _ => 0,
         }
     }
 

@@ -84,12 +84,17 @@ impl Limits {
     }
 }
 
+/// HELLO feature bit 1: the initiator reads directly with capabilities (`WANT_CAP` reads,
+/// `DIRECT_READ` requests, `CAPABILITIES` frames; docs/PROTOCOL.md, section 8). The target
+/// echoes it in HELLO_REPLY when it serves direct reads.
+pub const FEATURE_DIRECT_READS: u64 = 1 << 1;
+
 /// First frame from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     pub version_min: u8,
     pub version_max: u8,
-    /// Feature bits the initiator wants; version 1 defines none.
+    /// Feature bits the initiator wants ([`FEATURE_DIRECT_READS`]).
     pub features: u64,
     pub limits: Limits,
 }

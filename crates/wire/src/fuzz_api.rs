@@ -8,7 +8,7 @@
 use crate::{FrameKind, Header, HEADER_LEN};
 
 /// Every frame kind, in code order.
-pub const KINDS: [FrameKind; 11] = [
+pub const KINDS: [FrameKind; 12] = [
     FrameKind::Hello,
     FrameKind::HelloReply,
     FrameKind::Open,
@@ -18,6 +18,7 @@ pub const KINDS: [FrameKind; 11] = [
     FrameKind::Stats,
     FrameKind::StatsReply,
     FrameKind::GoAway,
+    FrameKind::Capabilities,
     FrameKind::Requests,
     FrameKind::Completions,
 ];

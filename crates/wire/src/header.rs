@@ -43,6 +43,9 @@ pub enum FrameKind {
     Stats = 7,
     StatsReply = 8,
     GoAway = 9,
+    /// References to data the initiator may read directly (target to initiator, with direct
+    /// reads negotiated): see [`crate::capability`].
+    Capabilities = 18,
     /// A caravan of request descriptors and write payloads (initiator to target).
     Requests = 16,
     /// A caravan of completion descriptors and read payloads (target to initiator).
@@ -62,6 +65,7 @@ impl FrameKind {
             7 => Stats,
             8 => StatsReply,
             9 => GoAway,
+            18 => Capabilities,
             16 => Requests,
             17 => Completions,
             _ => return None,

@@ -13,6 +13,7 @@
 //! raw bytes again.
 #![forbid(unsafe_code)]
 
+pub mod capability;
 pub mod caravan;
 pub mod control;
 pub mod framing;
@@ -21,6 +22,7 @@ pub mod fuzz_api;
 pub mod header;
 pub mod status;
 
+pub use capability::{CapKind, CapRights, Capability, CAPABILITY_LEN};
 pub use caravan::{
     Completion, CompletionDesc, Opcode, ReqFlags, Request, RequestDesc, RequestError, COMPLETION_DESC_LEN,
     REQUEST_DESC_LEN,

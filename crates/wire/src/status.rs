@@ -38,6 +38,12 @@ pub enum Status {
     TimedOut,
     /// The target is shutting down (`GOAWAY`); an initiator may reconnect once it is back.
     ShuttingDown,
+    /// A direct read's capability is no longer valid (expired, key epoch rotated, cache slot
+    /// evicted or invalidated): a recoverable fault, the initiator reads the ordinary way.
+    StaleCapability,
+    /// A direct read's capability is not one this target sealed (forged or altered), names
+    /// another export, lacks the read right, or does not cover the request: never served.
+    BadCapability,
     /// A code this implementation does not know.
     Other(u16),
 }
@@ -61,6 +67,8 @@ impl Status {
             Status::TooManyOpen => 13,
             Status::TimedOut => 14,
             Status::ShuttingDown => 15,
+            Status::StaleCapability => 20,
+            Status::BadCapability => 21,
             Status::Other(v) => v,
         }
     }
@@ -83,6 +91,8 @@ impl Status {
             13 => Status::TooManyOpen,
             14 => Status::TimedOut,
             15 => Status::ShuttingDown,
+            20 => Status::StaleCapability,
+            21 => Status::BadCapability,
             other => Status::Other(other),
         }
     }
@@ -107,6 +117,8 @@ impl Status {
             Status::TooManyOpen => "too_many_open",
             Status::TimedOut => "timed_out",
             Status::ShuttingDown => "shutting_down",
+            Status::StaleCapability => "stale_capability",
+            Status::BadCapability => "bad_capability",
             Status::Other(_) => "other",
         }
     }
@@ -132,6 +144,8 @@ impl Status {
             Status::TooManyOpen => 24,                                      // EMFILE
             Status::TimedOut => 110,                                        // ETIMEDOUT
             Status::ShuttingDown => 108,                                    // ESHUTDOWN
+            Status::StaleCapability => 116,                                 // ESTALE
+            Status::BadCapability => 13,                                    // EACCES
         }
     }
 }
@@ -155,6 +169,8 @@ impl std::fmt::Display for Status {
             Status::TooManyOpen => "too many exports open",
             Status::TimedOut => "timed out",
             Status::ShuttingDown => "target shutting down",
+            Status::StaleCapability => "stale capability",
+            Status::BadCapability => "capability refused",
             Status::Other(v) => return write!(f, "status {v}"),
         };
         f.write_str(text)
@@ -167,7 +183,7 @@ mod tests {
 
     #[test]
     fn every_code_round_trips() {
-        for v in 0..=20u16 {
+        for v in 0..=21u16 {
             assert_eq!(Status::from_u16(v).to_u16(), v);
         }
         assert_eq!(Status::from_u16(999), Status::Other(999));

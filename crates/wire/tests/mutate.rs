@@ -150,6 +150,23 @@ fn seed_frames() -> Vec<Vec<u8>> {
             FrameKind::GoAway,
             GoAway { status: Status::Invalid, message: "bad frame: CRC".into() }.encode(),
         ),
+        control_frame(FrameKind::Capabilities, {
+            let cap = skiff_wire::Capability {
+                export: 0,
+                kind: skiff_wire::CapKind::Slot,
+                rights: skiff_wire::CapRights::READ,
+                epoch: 1,
+                generation: 2,
+                offset: 8192,
+                length: 4096,
+                slot: 3,
+                expires_ms: 60_000,
+                mac: [7; 16],
+            };
+            let mut body = Vec::new();
+            skiff_wire::Capability::encode_list(&[cap, cap], &mut body);
+            body
+        }),
         requests_frame(&[
             (req(Opcode::Read, ReqFlags::empty(), 1, 0, 4096), &[]),
             (req(Opcode::Write, ReqFlags::FUA, 2, 4096, 64), &write_data),
@@ -366,6 +383,14 @@ fn check_control(kind: FrameKind, body: &[u8], reached: &mut Reached) {
         FrameKind::ListReply => ExportInfo::decode_list(body).map(|v| ExportInfo::encode_list(&v)),
         FrameKind::StatsReply => StatsReply::decode(body).map(|v| v.encode()),
         FrameKind::GoAway => GoAway::decode(body).map(|v| v.encode()),
+        FrameKind::Capabilities => {
+            let mut caps = Vec::new();
+            skiff_wire::Capability::decode_list(body, |c| caps.push(c)).map(|()| {
+                let mut out = Vec::new();
+                skiff_wire::Capability::encode_list(&caps, &mut out);
+                out
+            })
+        }
         // LIST and STATS have no body and no decoder; the receiver checks for emptiness.
         FrameKind::List | FrameKind::Stats => return,
         FrameKind::Requests | FrameKind::Completions => unreachable!(),
@@ -385,6 +410,7 @@ fn check_control_decoders(body: &[u8], reached: &mut Reached) {
         FrameKind::ListReply,
         FrameKind::StatsReply,
         FrameKind::GoAway,
+        FrameKind::Capabilities,
     ] {
         check_control(kind, body, reached);
     }

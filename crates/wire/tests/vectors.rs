@@ -101,6 +101,7 @@ fn frame_kind_codes() {
         (Stats, 7),
         (StatsReply, 8),
         (GoAway, 9),
+        (Capabilities, 18),
         (Requests, 16),
         (Completions, 17),
     ];
@@ -124,13 +125,15 @@ fn opcode_and_flag_codes() {
     assert_eq!(Opcode::Flush as u8, 3);
     assert_eq!(Opcode::Trim as u8, 4);
     assert_eq!(Opcode::WriteZeroes as u8, 5);
+    assert_eq!(Opcode::DirectRead as u8, 6);
     for v in 0..=255u8 {
-        assert_eq!(Opcode::from_u8(v).is_some(), (1..=5).contains(&v), "opcode {v}");
+        assert_eq!(Opcode::from_u8(v).is_some(), (1..=6).contains(&v), "opcode {v}");
     }
     assert_eq!(ReqFlags::FUA.bits(), 0x01);
     assert_eq!(ReqFlags::NO_DELAY.bits(), 0x02);
+    assert_eq!(ReqFlags::WANT_CAP.bits(), 0x04);
     for v in 0..=255u8 {
-        assert_eq!(ReqFlags::from_bits(v).is_some(), v & !0x03 == 0, "flags {v:#04x}");
+        assert_eq!(ReqFlags::from_bits(v).is_some(), v & !0x07 == 0, "flags {v:#04x}");
     }
     assert_eq!(ExportFlags::READ_ONLY, 0x01);
     assert_eq!(ExportFlags::CAN_FLUSH, 0x02);
@@ -593,7 +596,7 @@ fn bad_version() {
 
 #[test]
 fn unknown_kind() {
-    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x0A, "73 DE D0 31"), (0x12, "5E 4B 15 67")] {
+    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x0A, "73 DE D0 31"), (0x13, "5F B6 9B 00")] {
         let bytes = hex(&format!(
             "53 4B 46 31 | 01 | {kind:02X} | 00 00 | 00 00 00 00 | 00 00 00 00 00 00 00 00 | {crc}"
         ));
@@ -725,8 +728,8 @@ fn per_request_errors() {
     let bytes = hex(
         "53 4B 46 31 | 01 | 10 | 0A 00 | 10 00 00 00 | 00 00 00 00 00 00 00 00 | 11 84 CD B2
          00 | 00 | 00 00 | 0A 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
-         06 | 00 | 00 00 | 0B 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
-         01 | 04 | 00 00 | 0C 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
+         07 | 00 | 00 00 | 0B 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
+         01 | 08 | 00 00 | 0C 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
          01 | 80 | 00 00 | 0D 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
          02 | 00 | 00 00 | 0E 00 00 00 | 01 00 00 00 | 10 00 00 00 | 00 00 00 00 00 00 00 00 | 08 00 00 00 | 00 00 00 00
          01 | 00 | 00 00 | 0F 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 04 00 00 00 | 00 00 00 00
@@ -740,10 +743,10 @@ fn per_request_errors() {
     let caravan = RequestCaravan::parse(&header, &bytes[HEADER_LEN..]).unwrap();
     let refused = |tag, status| Err(RequestError { tag, status });
     let want: Vec<(Result<Request, RequestError>, &[u8])> = vec![
-        // Opcode 0 and 6 are not defined.
+        // Opcode 0 and 7 are not defined.
         (refused(0x0A, Status::UnknownOpcode), &[]),
         (refused(0x0B, Status::UnknownOpcode), &[]),
-        // Flag bits other than FUA and NO_DELAY.
+        // Flag bits other than FUA, NO_DELAY and WANT_CAP.
         (refused(0x0C, Status::Invalid), &[]),
         (refused(0x0D, Status::Invalid), &[]),
         // A WRITE whose payload_len (8) is not its length (16): the 8 bytes are still skipped.

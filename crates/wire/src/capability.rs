@@ -1,0 +1,296 @@
+//! Capabilities: the target's sealed references to bytes it can serve without the backend
+//! (ODAFS's keyed references), and the `CAPABILITIES` frame that carries them to an initiator.
+//!
+//! A capability is 56 bytes: 40 bytes of fields, then a 16-byte keyed MAC over them that only
+//! the target can compute (its key never leaves it; `proto::capability` seals and checks). The
+//! initiator treats a capability as opaque except for the fields that say which bytes it
+//! covers ([`Capability::covers`]); it sends one back whole as the payload of a `DIRECT_READ`
+//! request. Layout, little-endian (docs/PROTOCOL.md, section 8):
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | export: the target's export index (not a handle: valid on every connection) |
+//! | 4 | 1 | kind: 1 = region (a RAM export's own memory), 2 = cache slot |
+//! | 5 | 1 | rights: bit 0 read, bit 1 write; other bits zero |
+//! | 6 | 2 | reserved, zero |
+//! | 8 | 4 | key epoch of the export when sealed |
+//! | 12 | 4 | generation of the cache slot (zero for a region) |
+//! | 16 | 8 | offset: first volume byte covered |
+//! | 24 | 4 | length: bytes covered |
+//! | 28 | 4 | slot: cache slot index (zero for a region) |
+//! | 32 | 8 | expiry, in milliseconds of the target's clock (opaque to initiators) |
+//! | 40 | 16 | MAC |
+//!
+//! A `CAPABILITIES` frame (kind 18, target to initiator) has no descriptors; its body is a
+//! `u16` count, two reserved zero bytes, then that many capabilities.
+
+use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+use crate::{Result, WireError};
+
+/// Bytes of one capability on the wire.
+pub const CAPABILITY_LEN: usize = 56;
+/// Bytes of a capability the MAC covers (everything before the MAC).
+pub const SEALED_LEN: usize = 40;
+/// Bytes of the MAC.
+pub const MAC_LEN: usize = 16;
+/// Most capabilities one `CAPABILITIES` frame carries (its body stays under the control
+/// body limit).
+pub const CAPABILITIES_PER_FRAME_MAX: usize = 1024;
+
+/// A capability exactly as on the wire.
+#[derive(Debug, Clone, Copy, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+struct RawCapability {
+    export: U32,
+    kind: u8,
+    rights: u8,
+    reserved: U16,
+    epoch: U32,
+    generation: U32,
+    offset: U64,
+    length: U32,
+    slot: U32,
+    expires_ms: U64,
+    mac: [u8; MAC_LEN],
+}
+
+const _: () = assert!(std::mem::size_of::<RawCapability>() == CAPABILITY_LEN);
+
+/// What a capability names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CapKind {
+    /// A range of an export that is its own cache (RAM): valid until the key epoch changes.
+    Region,
+    /// One slot of an export's block cache, valid while the slot keeps its generation.
+    Slot,
+}
+
+/// The rights a capability grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct CapRights(u8);
+
+impl CapRights {
+    pub const READ: CapRights = CapRights(0x01);
+    pub const WRITE: CapRights = CapRights(0x02);
+    const KNOWN: u8 = 0x03;
+
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+    pub fn contains(self, other: CapRights) -> bool {
+        self.0 & other.0 == other.0
+    }
+    pub fn from_bits(bits: u8) -> Option<CapRights> {
+        (bits & !Self::KNOWN == 0).then_some(CapRights(bits))
+    }
+}
+
+/// A parsed capability. Parsing checks the layout only; whether the MAC is right, and whether
+/// the reference is still fresh, is the target's to judge (`proto::capability`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Capability {
+    pub export: u32,
+    pub kind: CapKind,
+    pub rights: CapRights,
+    pub epoch: u32,
+    pub generation: u32,
+    pub offset: u64,
+    pub length: u32,
+    pub slot: u32,
+    pub expires_ms: u64,
+    pub mac: [u8; MAC_LEN],
+}
+
+impl Capability {
+    /// The 40 bytes the MAC covers, as they are laid out on the wire.
+    pub fn sealed_bytes(&self) -> [u8; SEALED_LEN] {
+        let mut out = [0u8; SEALED_LEN];
+        out.copy_from_slice(&self.encode()[..SEALED_LEN]);
+        out
+    }
+
+    /// The whole 56-byte wire form.
+    pub fn encode(&self) -> [u8; CAPABILITY_LEN] {
+        let raw = RawCapability {
+            export: self.export.into(),
+            kind: match self.kind {
+                CapKind::Region => 1,
+                CapKind::Slot => 2,
+            },
+            rights: self.rights.bits(),
+            reserved: 0.into(),
+            epoch: self.epoch.into(),
+            generation: self.generation.into(),
+            offset: self.offset.into(),
+            length: self.length.into(),
+            slot: self.slot.into(),
+            expires_ms: self.expires_ms.into(),
+            mac: self.mac,
+        };
+        let mut out = [0u8; CAPABILITY_LEN];
+        out.copy_from_slice(raw.as_bytes());
+        out
+    }
+
+    /// Parse exactly [`CAPABILITY_LEN`] bytes. Fails on a wrong length, an unknown kind or
+    /// rights bit, non-zero reserved bytes, or a covered range that overflows.
+    pub fn decode(bytes: &[u8]) -> Result<Capability> {
+        let raw = RawCapability::read_from_bytes(bytes).map_err(|_| WireError::Body("capability"))?;
+        let kind = match raw.kind {
+            1 => CapKind::Region,
+            2 => CapKind::Slot,
+            _ => return Err(WireError::Body("capability kind")),
+        };
+        let rights = CapRights::from_bits(raw.rights).ok_or(WireError::Body("capability rights"))?;
+        if raw.reserved.get() != 0 {
+            return Err(WireError::Reserved("capability.reserved"));
+        }
+        let cap = Capability {
+            export: raw.export.get(),
+            kind,
+            rights,
+            epoch: raw.epoch.get(),
+            generation: raw.generation.get(),
+            offset: raw.offset.get(),
+            length: raw.length.get(),
+            slot: raw.slot.get(),
+            expires_ms: raw.expires_ms.get(),
+            mac: raw.mac,
+        };
+        if cap.offset.checked_add(u64::from(cap.length)).is_none() {
+            return Err(WireError::Body("capability range"));
+        }
+        Ok(cap)
+    }
+
+    /// Whether the capability covers `len` bytes from `offset`, wholly.
+    pub fn covers(&self, offset: u64, len: u32) -> bool {
+        let end = offset.checked_add(u64::from(len));
+        offset >= self.offset && end.is_some_and(|end| end <= self.offset + u64::from(self.length))
+    }
+
+    /// Body of a `CAPABILITIES` frame carrying `caps` (at most
+    /// [`CAPABILITIES_PER_FRAME_MAX`]), appended to `out`.
+    pub fn encode_list(caps: &[Capability], out: &mut Vec<u8>) {
+        debug_assert!(caps.len() <= CAPABILITIES_PER_FRAME_MAX);
+        out.extend_from_slice(&(caps.len() as u16).to_le_bytes());
+        out.extend_from_slice(&[0, 0]);
+        for c in caps {
+            out.extend_from_slice(&c.encode());
+        }
+    }
+
+    /// Length of a `CAPABILITIES` body carrying `count` capabilities.
+    pub fn list_len(count: usize) -> usize {
+        4 + count * CAPABILITY_LEN
+    }
+
+    /// Parse a `CAPABILITIES` frame body, calling `each` for every capability in order.
+    pub fn decode_list(body: &[u8], mut each: impl FnMut(Capability)) -> Result<()> {
+        if body.len() < 4 {
+            return Err(WireError::Body("CAPABILITIES"));
+        }
+        let count = u16::from_le_bytes([body[0], body[1]]) as usize;
+        if body[2] != 0 || body[3] != 0 {
+            return Err(WireError::Reserved("CAPABILITIES"));
+        }
+        if count > CAPABILITIES_PER_FRAME_MAX {
+            return Err(WireError::Limit {
+                what: "capabilities per frame",
+                value: count as u64,
+                limit: CAPABILITIES_PER_FRAME_MAX as u64,
+            });
+        }
+        if body.len() != Self::list_len(count) {
+            return Err(WireError::Body("CAPABILITIES"));
+        }
+        for chunk in body[4..].chunks_exact(CAPABILITY_LEN) {
+            each(Capability::decode(chunk)?);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Capability {
+        Capability {
+            export: 3,
+            kind: CapKind::Slot,
+            rights: CapRights::READ,
+            epoch: 7,
+            generation: 42,
+            offset: 0x1_0000,
+            length: 4096,
+            slot: 99,
+            expires_ms: 123_456,
+            mac: [0xAB; MAC_LEN],
+        }
+    }
+
+    #[test]
+    fn round_trip_and_fixed_bytes() {
+        let cap = sample();
+        let bytes = cap.encode();
+        assert_eq!(Capability::decode(&bytes).unwrap(), cap);
+        assert_eq!(&bytes[0..4], &[3, 0, 0, 0]);
+        assert_eq!(bytes[4], 2, "kind slot");
+        assert_eq!(bytes[5], 1, "rights read");
+        assert_eq!(&bytes[8..12], &[7, 0, 0, 0]);
+        assert_eq!(&bytes[12..16], &[42, 0, 0, 0]);
+        assert_eq!(&bytes[16..24], &0x1_0000u64.to_le_bytes());
+        assert_eq!(&bytes[24..28], &4096u32.to_le_bytes());
+        assert_eq!(&bytes[28..32], &99u32.to_le_bytes());
+        assert_eq!(&bytes[32..40], &123_456u64.to_le_bytes());
+        assert_eq!(&bytes[40..], &[0xAB; 16]);
+        assert_eq!(&cap.sealed_bytes()[..], &bytes[..SEALED_LEN]);
+    }
+
+    #[test]
+    fn bad_layouts_are_refused() {
+        let good = sample().encode();
+        assert!(Capability::decode(&good[..55]).is_err());
+        for (at, value) in [(4, 0u8), (4, 3), (5, 0x04), (6, 1), (7, 1)] {
+            let mut bad = good;
+            bad[at] = value;
+            assert!(Capability::decode(&bad).is_err(), "byte {at} = {value}");
+        }
+        let mut overflow = sample();
+        overflow.offset = u64::MAX - 10;
+        assert!(Capability::decode(&overflow.encode()).is_err());
+    }
+
+    #[test]
+    fn covers_only_whole_ranges() {
+        let cap = sample();
+        assert!(cap.covers(0x1_0000, 4096));
+        assert!(cap.covers(0x1_0200, 512));
+        assert!(!cap.covers(0x1_0200, 4096));
+        assert!(!cap.covers(0xFE00, 1024));
+        assert!(!cap.covers(u64::MAX, 2));
+    }
+
+    #[test]
+    fn lists_round_trip_and_check_their_count() {
+        let caps = [sample(), Capability { slot: 5, ..sample() }];
+        let mut body = Vec::new();
+        Capability::encode_list(&caps, &mut body);
+        assert_eq!(body.len(), Capability::list_len(2));
+        let mut back = Vec::new();
+        Capability::decode_list(&body, |c| back.push(c)).unwrap();
+        assert_eq!(back, caps);
+        let mut short = body.clone();
+        short.pop();
+        assert!(Capability::decode_list(&short, |_| ()).is_err());
+        let mut lying = body.clone();
+        lying[0] = 3;
+        assert!(Capability::decode_list(&lying, |_| ()).is_err());
+        let mut reserved = body;
+        reserved[2] = 1;
+        assert!(Capability::decode_list(&reserved, |_| ()).is_err());
+    }
+}
