@@ -45,11 +45,13 @@ impl RawPeer {
 
     /// Connect, say HELLO with `limits`, and open `export`; returns the handle.
     pub fn ready(t: &Target, limits: Limits, export: &str) -> (RawPeer, u32) {
+        RawPeer::ready_with_features(t, limits, export, 0)
+    }
+
+    /// [`ready`](Self::ready), asking for HELLO feature bits `features`.
+    pub fn ready_with_features(t: &Target, limits: Limits, export: &str, features: u64) -> (RawPeer, u32) {
         let mut p = RawPeer::connect(t);
-        p.send(&frame(
-            FrameKind::Hello,
-            &Hello { version_min: 1, version_max: 1, features: 0, limits }.encode(),
-        ));
+        p.send(&frame(FrameKind::Hello, &Hello { version_min: 1, version_max: 1, features, limits }.encode()));
         let (h, body) = p.recv().expect("hello reply");
         assert_eq!(h.kind, FrameKind::HelloReply);
         assert!(HelloReply::decode(&body).unwrap().status.is_ok());

@@ -12,6 +12,7 @@
 //! its [`BackendSpec`].
 #![forbid(unsafe_code)]
 
+pub mod direct;
 pub mod front;
 #[doc(hidden)]
 pub mod fuzz_api;
@@ -20,7 +21,8 @@ pub mod stats;
 use std::sync::Arc;
 
 use backend::Backend;
-pub use backend::{BackendCounters, BackendError, BackendSpec, RegionBytes, SpecError};
+pub use backend::cache::CacheCounters;
+pub use backend::{parse_size, BackendCounters, BackendError, BackendSpec, RegionBytes, SpecError};
 use wire::control::{ExportFlags, ExportInfo};
 use wire::{Opcode, ReqFlags, Status};
 
@@ -32,6 +34,8 @@ pub struct Export {
     pub backend: Arc<dyn Backend>,
     /// Refuse writes even if the backend could take them (`--read-only`).
     pub read_only: bool,
+    /// Capabilities and direct reads, when the driver enabled them ([`direct`]).
+    pub direct: Option<direct::DirectReads>,
 }
 
 impl std::fmt::Debug for Export {
@@ -49,7 +53,26 @@ impl Export {
     /// Open the backend `spec` describes as export `name`.
     pub fn open(name: &str, spec: &BackendSpec, read_only: bool) -> Result<Export, BackendError> {
         let backend = backend::open(spec, read_only)?;
-        Ok(Export { name: name.to_owned(), backend, read_only })
+        Ok(Export { name: name.to_owned(), backend, read_only, direct: None })
+    }
+
+    /// Serve direct reads on this export, sealing capabilities with `secret` (drawn by the
+    /// driver from the OS: it never leaves the target), with a block cache of `cache_bytes`
+    /// for a backend that does not hold its data in memory (0: no cache, so such an export
+    /// hands out no capabilities).
+    pub fn enable_direct_reads(
+        &mut self,
+        secret: [u8; proto::capability::KEY_LEN],
+        cache_bytes: u64,
+    ) -> std::io::Result<()> {
+        let in_memory = self.backend.read_in_place(0, 0).is_some();
+        let cache = if in_memory || cache_bytes == 0 {
+            None
+        } else {
+            Some(backend::cache::BlockCache::new(cache_bytes)?)
+        };
+        self.direct = Some(direct::DirectReads::new(secret, cache, in_memory));
+        Ok(())
     }
 
     pub fn is_read_only(&self) -> bool {
@@ -182,12 +205,19 @@ pub fn execute(export: &Export, io: &Io, payload: &[u8], read_into: &mut [u8]) -
     let b = &export.backend;
     let fua = io.flags.contains(ReqFlags::FUA);
     let result = match io.opcode {
-        Opcode::Read => b.read_at(read_into, io.offset),
+        Opcode::Read | Opcode::DirectRead => b.read_at(read_into, io.offset),
         Opcode::Write => b.write_at(payload, io.offset, fua),
         Opcode::Flush => b.flush(),
         Opcode::Trim => b.trim(io.offset, io.length.into()),
         Opcode::WriteZeroes => b.write_zeroes(io.offset, io.length.into(), fua),
     };
+    if io.opcode.is_mutating() {
+        // Before the write is acknowledged, and whether or not the backend took all of it:
+        // the cache must never serve bytes older than what the volume may now hold.
+        if let Some(d) = &export.direct {
+            d.invalidate(io.offset, io.length.into());
+        }
+    }
     match result {
         Ok(()) => Status::Ok,
         Err(e) => {
@@ -201,7 +231,7 @@ pub fn execute(export: &Export, io: &Io, payload: &[u8], read_into: &mut [u8]) -
 /// there without copying it into its reply buffer first. `None` when the backend holds no such
 /// memory: call [`execute`] with a buffer instead. The bytes stay valid while the export does.
 pub fn read_in_place(export: &Export, io: &Io) -> Option<Result<RegionBytes, Status>> {
-    debug_assert_eq!(io.opcode, Opcode::Read);
+    debug_assert!(io.opcode.returns_data());
     let found = export.backend.read_in_place(io.offset, io.length as usize)?;
     Some(found.map_err(|e| {
         tracing::warn!(export = %export.name, offset = io.offset, length = io.length, error = %e, "backend error");

@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use wire::{Opcode, Status};
 
-/// Status counters per opcode: wire codes 0 to 15, and one slot for every other code.
-pub const STATUS_SLOTS: usize = 17;
+/// Status counters per opcode: wire codes 0 to 21, and one slot for every other code.
+pub const STATUS_SLOTS: usize = 23;
 
 /// Service-time buckets: upper bounds of 2^8 ns (256 ns) to 2^30 ns (about 1.07 s), doubling,
 /// then one unbounded bucket. 256 ns is below any request a backend serves; a second is far
@@ -77,9 +77,9 @@ impl ServiceTimes {
 #[derive(Debug, Default)]
 #[repr(align(64))]
 pub struct ExportOps {
-    reqs: [[AtomicU64; STATUS_SLOTS]; 5],
-    bytes: [AtomicU64; 5],
-    service: [ServiceTimes; 5],
+    reqs: [[AtomicU64; STATUS_SLOTS]; Opcode::COUNT],
+    bytes: [AtomicU64; Opcode::COUNT],
+    service: [ServiceTimes; Opcode::COUNT],
 }
 
 impl ExportOps {
@@ -137,7 +137,7 @@ impl OpCounters {
         let row = export.and_then(|i| self.exports.get(i as usize)).unwrap_or(&self.no_export);
         let op = opcode.index();
         bump(&row.reqs[op][status_slot(status)], 1);
-        if status.is_ok() && matches!(opcode, Opcode::Read | Opcode::Write) {
+        if status.is_ok() && matches!(opcode, Opcode::Read | Opcode::Write | Opcode::DirectRead) {
             bump(&row.bytes[op], length.into());
         }
         if let Some(ns) = service_ns {

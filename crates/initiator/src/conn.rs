@@ -31,10 +31,22 @@ pub(crate) struct Conn {
     /// Wall time in receive and send calls so far (not in waiting for readiness).
     pub recv_ns: u64,
     pub send_ns: u64,
+    /// HELLO feature bits the target agreed to.
+    pub features: u64,
 }
 
 impl Conn {
     pub fn connect(endpoint: &Endpoint, proposed: &Limits, timeout: Duration) -> Result<Conn> {
+        Conn::connect_with_features(endpoint, proposed, timeout, 0)
+    }
+
+    /// [`connect`](Self::connect), asking for HELLO feature bits `features`.
+    pub fn connect_with_features(
+        endpoint: &Endpoint,
+        proposed: &Limits,
+        timeout: Duration,
+        features: u64,
+    ) -> Result<Conn> {
         let stream = ClientStream::connect(endpoint, timeout)?;
         let mut conn = Conn {
             stream,
@@ -44,11 +56,12 @@ impl Conn {
             spin: Duration::ZERO,
             recv_ns: 0,
             send_ns: 0,
+            features: 0,
         };
-        let handshake = ClientHandshake::new(*proposed);
+        let handshake = ClientHandshake::new(*proposed).with_features(features);
         conn.send_all(&[&handshake.hello_frame()])?;
         let (h, body) = conn.recv_control()?;
-        conn.limits = handshake.handle_reply(&h, &body)?;
+        (conn.limits, conn.features) = handshake.handle_reply_features(&h, &body)?;
         Ok(conn)
     }
 

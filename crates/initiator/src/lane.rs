@@ -58,6 +58,10 @@ pub struct LaneConfig {
     /// reconnect at most a second apart for 60 s, re-sending every request not yet answered;
     /// callers see nothing unless the target stays away that long.
     pub reconnect: ReconnectConfig,
+    /// Direct reads (ODAFS, docs/DIRECT_READS.md): how many capabilities the lane's directory
+    /// holds. 0 (the default) turns them off; otherwise reads ask the target for capabilities
+    /// and later reads of the same bytes use them, falling back to ordinary reads on a fault.
+    pub directory_entries: u32,
 }
 
 impl Default for LaneConfig {
@@ -70,6 +74,7 @@ impl Default for LaneConfig {
             timeout: crate::DEFAULT_TIMEOUT,
             direct_min_bytes: DIRECT_MIN_BYTES,
             reconnect: ReconnectConfig::default(),
+            directory_entries: 0,
         }
     }
 }
@@ -103,6 +108,12 @@ pub struct LaneStats {
     /// Connections lost (and reconnected or given up on), and connection attempts after them.
     pub reconnects: u64,
     pub reconnect_attempts: u64,
+    /// Reads served from capabilities, direct reads refused as stale or bad, ordinary reads
+    /// issued in their place, and capabilities received ([`LaneConfig::directory_entries`]).
+    pub direct_reads: u64,
+    pub direct_faults: u64,
+    pub fallbacks: u64,
+    pub capabilities_received: u64,
 }
 
 impl LaneStats {
@@ -118,6 +129,10 @@ impl LaneStats {
             complete_ns,
             read_bytes_placed: s.read_bytes_placed,
             read_bytes_copied: s.read_bytes_copied,
+            direct_reads: s.direct_reads,
+            direct_faults: s.direct_faults,
+            fallbacks: s.fallbacks,
+            capabilities_received: s.capabilities_received,
             reconnects: reconnect.losses,
             reconnect_attempts: reconnect.attempts,
         }
@@ -137,6 +152,10 @@ impl LaneStats {
         self.complete_ns += other.complete_ns;
         self.read_bytes_placed += other.read_bytes_placed;
         self.read_bytes_copied += other.read_bytes_copied;
+        self.direct_reads += other.direct_reads;
+        self.direct_faults += other.direct_faults;
+        self.fallbacks += other.fallbacks;
+        self.capabilities_received += other.capabilities_received;
         self.reconnects += other.reconnects;
         self.reconnect_attempts += other.reconnect_attempts;
     }
@@ -160,6 +179,10 @@ impl LaneStats {
             read_bytes_copied: self.read_bytes_copied - earlier.read_bytes_copied,
             reconnects: self.reconnects - earlier.reconnects,
             reconnect_attempts: self.reconnect_attempts - earlier.reconnect_attempts,
+            direct_reads: self.direct_reads - earlier.direct_reads,
+            direct_faults: self.direct_faults - earlier.direct_faults,
+            fallbacks: self.fallbacks - earlier.fallbacks,
+            capabilities_received: self.capabilities_received - earlier.capabilities_received,
         }
     }
 }
@@ -228,11 +251,17 @@ impl<B: IoBuf> Lane<B> {
         if proposed.caravan_reqs_max == 0 {
             proposed.caravan_reqs_max = LANE_CARAVAN_REQS_MAX;
         }
-        let (conn, reply) = open_lane(endpoint, export, &proposed, config.timeout, config.poll_spin)?;
+        let features = if config.directory_entries > 0 { wire::control::FEATURE_DIRECT_READS } else { 0 };
+        let (conn, reply) = open_lane(endpoint, export, &proposed, features, config.timeout, config.poll_spin)?;
         let session_config = SessionConfig {
             doorbell: config.doorbell,
             batching: config.batching,
             direct_min_bytes: config.direct_min_bytes,
+            directory_entries: if conn.features & wire::control::FEATURE_DIRECT_READS != 0 {
+                config.directory_entries
+            } else {
+                0
+            },
         };
         Ok(Lane {
             session: ClientSession::new(&session_config, conn.limits, reply.handle),
@@ -556,6 +585,11 @@ impl<B: IoBuf> Lane<B> {
         if progress.need > 0 {
             self.conn.rx.reserve(progress.need);
         }
+        if self.session.has_transmit() {
+            // What answers brought about: direct reads the target refused, re-sent as
+            // ordinary reads in the same call.
+            self.transmit()?;
+        }
         Ok(self.session.ready() > before)
     }
 
@@ -641,10 +675,11 @@ impl<B: IoBuf> Lane<B> {
         let endpoint = self.endpoint.clone();
         let export = self.export.name.clone();
         let proposed = self.proposed;
+        let features = self.conn.features;
         let timeout = self.conn.timeout.min(CONNECT_TIMEOUT_MAX);
         let spin = self.conn.spin;
         let spawned = std::thread::Builder::new().name("skiff-reconnect".into()).spawn(move || {
-            let _ = tx.send(open_lane(&endpoint, &export, &proposed, timeout, spin));
+            let _ = tx.send(open_lane(&endpoint, &export, &proposed, features, timeout, spin));
         });
         match spawned {
             Ok(_) => self.attempt = Some(rx),
@@ -732,10 +767,11 @@ fn open_lane(
     endpoint: &Endpoint,
     export: &str,
     proposed: &Limits,
+    features: u64,
     timeout: Duration,
     spin: Duration,
 ) -> Result<(Conn, wire::OpenReply)> {
-    let mut conn = Conn::connect(endpoint, proposed, timeout)?;
+    let mut conn = Conn::connect_with_features(endpoint, proposed, timeout, features)?;
     conn.spin = spin;
     let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
     let reply = proto::client::handle_open_reply(&h, &body)?;

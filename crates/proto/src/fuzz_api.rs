@@ -34,6 +34,7 @@ pub fn client_session(data: &[u8]) {
         doorbell: Doorbell { aggregation_reqs: 1 + u32::from(flags % 4), ..Doorbell::default() },
         batching: if flags & 0x10 != 0 { Batching::Off } else { Batching::Static },
         direct_min_bytes: if flags & 0x20 != 0 { 0 } else { DIRECT_OFF },
+        directory_entries: if flags & 0x40 != 0 { 64 } else { 0 },
     };
     let limits =
         Limits { queue_depth: 16, caravan_reqs_max: 8, caravan_bytes_max: 16384, io_bytes_max: 8192 };

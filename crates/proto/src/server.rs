@@ -51,6 +51,8 @@ pub struct ServerSession {
     /// Export indices (into the target's export table) by handle.
     handles: Vec<u32>,
     open_handles_max: usize,
+    /// Direct reads were negotiated (HELLO feature bit 1).
+    direct_reads: bool,
 }
 
 impl ServerSession {
@@ -63,6 +65,7 @@ impl ServerSession {
             limits: offered,
             handles: Vec::with_capacity(open_handles_max),
             open_handles_max,
+            direct_reads: false,
         }
     }
 
@@ -134,8 +137,10 @@ impl ServerSession {
         }
         self.limits = self.offered.negotiate(&hello.limits);
         self.state = State::Ready;
-        // Version 1 defines no feature bits, so the agreed set is empty whatever was asked.
-        let reply = HelloReply { status: Status::Ok, version: VERSION, features: 0, limits: self.limits };
+        // The agreed features are those asked for that this target speaks.
+        let features = hello.features & wire::control::FEATURE_DIRECT_READS;
+        self.direct_reads = features & wire::control::FEATURE_DIRECT_READS != 0;
+        let reply = HelloReply { status: Status::Ok, version: VERSION, features, limits: self.limits };
         Ok(Inbound::Hello { reply })
     }
 
@@ -150,6 +155,12 @@ impl ServerSession {
         }
         self.handles.push(export_index);
         Ok(self.handles.len() as u32 - 1)
+    }
+
+    /// Whether the initiator asked for direct reads in its HELLO (and so understands
+    /// `CAPABILITIES` frames).
+    pub fn direct_reads(&self) -> bool {
+        self.direct_reads
     }
 
     /// The export index behind `handle`, if this connection opened it.

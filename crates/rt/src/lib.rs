@@ -3,7 +3,7 @@
 //! `rt` owns the unsafe edges of skiff other than sockets: page-aligned memory regions
 //! ([`mem`]), hole queries on files and unmounting ([`fs`]), the I/O-flusher state of a thread
 //! ([`task`]), per-thread CPU and context-switch accounting ([`usage`]), signal handling
-//! ([`signals`]), readiness notifications to a service manager ([`notify`]) and a counting
+//! ([`signals`]), kernel randomness for secrets ([`random`]), readiness notifications to a service manager ([`notify`]) and a counting
 //! allocator for tests that prove a path allocates nothing
 //! ([`alloc`]). It has no protocol knowledge.
 
@@ -11,6 +11,7 @@ pub mod alloc;
 pub mod fs;
 pub mod mem;
 pub mod notify;
+pub mod random;
 pub mod signals;
 pub mod task;
 pub mod usage;

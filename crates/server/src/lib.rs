@@ -28,12 +28,15 @@ pub use bounds::Bounds;
 pub use conn::Protocol;
 pub use stats::{ListenerStats, WorkerStats};
 
-/// One export on the command line: `NAME=SPEC`, or `NAME=SPEC,ro` for a read-only export.
+/// One export on the command line: `NAME=SPEC[,OPTION...]`. Options: `ro` (read-only),
+/// `cache=SIZE` (a block cache for direct reads of a file export; docs/DIRECT_READS.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportConfig {
     pub name: String,
     pub spec: BackendSpec,
     pub read_only: bool,
+    /// Bytes of block cache serving direct reads (file exports); 0 for none.
+    pub cache_bytes: u64,
 }
 
 /// Why an `--export` argument does not describe an export.
@@ -45,6 +48,8 @@ pub enum ExportConfigError {
     BadName(String),
     #[error("export {name:?}: {source}")]
     Spec { name: String, source: engine::SpecError },
+    #[error("export {name:?}: cache={value:?}: {source}")]
+    CacheSize { name: String, value: String, source: engine::SpecError },
 }
 
 impl std::str::FromStr for ExportConfig {
@@ -54,13 +59,26 @@ impl std::str::FromStr for ExportConfig {
         if name.is_empty() || name.len() > wire::control::EXPORT_NAME_MAX {
             return Err(ExportConfigError::BadName(s.to_owned()));
         }
-        let (spec, read_only) = match spec.strip_suffix(",ro") {
-            Some(spec) => (spec, true),
-            None => (spec, false),
-        };
+        // Options trail the spec (`,ro`, `,cache=SIZE`); a path may hold commas of its own, so
+        // only known options are taken from the end.
+        let (mut spec, mut read_only, mut cache_bytes) = (spec, false, 0);
+        while let Some((head, option)) = spec.rsplit_once(',') {
+            if option == "ro" {
+                read_only = true;
+            } else if let Some(value) = option.strip_prefix("cache=") {
+                cache_bytes = engine::parse_size(value).map_err(|source| ExportConfigError::CacheSize {
+                    name: name.to_owned(),
+                    value: value.to_owned(),
+                    source,
+                })?;
+            } else {
+                break;
+            }
+            spec = head;
+        }
         let spec = BackendSpec::parse(spec)
             .map_err(|source| ExportConfigError::Spec { name: name.to_owned(), source })?;
-        Ok(ExportConfig { name: name.to_owned(), spec, read_only })
+        Ok(ExportConfig { name: name.to_owned(), spec, read_only, cache_bytes })
     }
 }
 
@@ -139,6 +157,10 @@ pub(crate) struct Shared {
     ///
     /// [`Host::now_ns`]: engine::front::Host::now_ns
     pub clock: Option<std::time::Instant>,
+    /// When the target started: the clock capabilities expire on ([`Host::clock_ms`]).
+    ///
+    /// [`Host::clock_ms`]: engine::front::Host::clock_ms
+    pub started: std::time::Instant,
 }
 
 impl engine::front::Host for Shared {
@@ -156,6 +178,10 @@ impl engine::front::Host for Shared {
 
     fn now_ns(&self) -> Option<u64> {
         self.clock.map(|epoch| epoch.elapsed().as_nanos() as u64)
+    }
+
+    fn clock_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
     }
 }
 
@@ -215,6 +241,7 @@ impl Target {
             admission: Default::default(),
             acceptor_tid: Default::default(),
             clock: metrics_listener.is_some().then(std::time::Instant::now),
+            started: std::time::Instant::now(),
             config,
         });
         for e in shared.exports.iter() {
@@ -281,6 +308,27 @@ impl Target {
     }
 
     /// Counters of the whole target, as a STATS request would see them.
+    /// Revoke every capability of export `name` by rotating its key epoch (docs/DIRECT_READS.md);
+    /// returns the new epoch, or `None` when there is no such export serving direct reads.
+    pub fn rotate_epoch(&self, name: &str) -> Option<u32> {
+        let (_, export) = self.shared.exports.find(name)?;
+        let epoch = export.direct.as_ref()?.rotate_epoch();
+        tracing::info!(export = name, epoch, "capability key epoch rotated: every capability of the export is stale");
+        Some(epoch)
+    }
+
+    /// Drop the cached blocks of export `name` that `len` bytes from `offset` touch: their
+    /// capabilities become stale. Returns false when there is no such export.
+    pub fn invalidate(&self, name: &str, offset: u64, len: u64) -> bool {
+        match self.shared.exports.find(name).and_then(|(_, e)| e.direct.as_ref()) {
+            Some(d) => {
+                d.invalidate(offset, len);
+                true
+            }
+            None => false,
+        }
+    }
+
     pub fn stats(&self) -> wire::StatsReply {
         stats::collect(&self.shared)
     }
@@ -329,8 +377,16 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
             return Err(TargetError::DuplicateExport(ec.name.clone()));
         }
         let read_only = config.read_only || ec.read_only;
-        let export = Export::open(&ec.name, &ec.spec, read_only)
+        let mut export = Export::open(&ec.name, &ec.spec, read_only)
             .map_err(|source| TargetError::Backend { name: ec.name.clone(), source })?;
+        if ec.cache_bytes > 0 && export.backend.read_in_place(0, 0).is_some() {
+            tracing::warn!(export = %ec.name, "cache= ignored: a RAM export is its own cache for direct reads");
+        }
+        // Every export serves direct reads under a secret of its own that never leaves this
+        // process; capabilities die with it.
+        rt::random::bytes()
+            .and_then(|secret| export.enable_direct_reads(secret, ec.cache_bytes))
+            .map_err(|e| TargetError::Backend { name: ec.name.clone(), source: e.into() })?;
         exports.push(export);
     }
     Ok(ExportTable::new(exports))
@@ -344,6 +400,11 @@ mod tests {
     fn export_arguments_parse_or_say_what_is_wrong() {
         let ok: ExportConfig = "vol=ram:1M,ro".parse().unwrap();
         assert_eq!((ok.name.as_str(), ok.read_only), ("vol", true));
+        let cached: ExportConfig = "vol=file:/var/tmp/a,b,cache=64M,ro".parse().unwrap();
+        assert_eq!((cached.cache_bytes, cached.read_only), (64 << 20, true));
+        assert_eq!(cached.spec, BackendSpec::File { path: "/var/tmp/a,b".into() });
+        let err = "vol=file:/x,cache=lots".parse::<ExportConfig>().unwrap_err();
+        assert!(err.to_string().contains("cache=\"lots\""), "{err}");
         assert!(matches!("ram:1M".parse::<ExportConfig>(), Err(ExportConfigError::MissingEquals(_))));
         assert!(matches!("=ram:1M".parse::<ExportConfig>(), Err(ExportConfigError::BadName(_))));
         let long = format!("{}=ram:1M", "n".repeat(256));

@@ -68,7 +68,7 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         e.push((format!("bytes_{}", op.name()), sum(&|w| w.front.ops.bytes(op))));
     }
     e.push(("req_errors".into(), sum(&|w| w.front.ops.errors())));
-    let named: [(&str, Field); 11] = [
+    let named: [(&str, Field); 12] = [
         ("caravans_received", |w| &w.front.caravans_received),
         ("caravans_sent", |w| &w.front.caravans_sent),
         ("caravan_reqs_total", |w| &w.front.caravan_reqs_total),
@@ -80,6 +80,7 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         ("stage_send_ns", |w| &w.stage_send_ns),
         ("connections_accepted", |w| &w.connections_accepted),
         ("connections_closed_protocol_error", |w| &w.front.connections_closed_protocol_error),
+        ("capabilities_sent", |w| &w.front.capabilities_sent),
     ];
     for (name, field) in named {
         e.push((name.into(), sum(&|w| field(w).load(Relaxed))));
@@ -113,8 +114,18 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
     e.push(("workers".into(), shared.workers.len() as u64));
 
     let mut backend = engine::BackendCounters::default();
+    let mut cache = engine::CacheCounters::default();
     let mut exports = 0;
     for x in shared.exports.iter() {
+        if let Some(c) = x.direct.as_ref().and_then(|d| d.cache()) {
+            let c = c.counters();
+            cache.fills += c.fills;
+            cache.fills_raced += c.fills_raced;
+            cache.evictions += c.evictions;
+            cache.invalidations += c.invalidations;
+            cache.hits += c.hits;
+            cache.stale += c.stale;
+        }
         let c = x.backend.counters();
         backend.syncs += c.syncs;
         backend.dsync_writes += c.dsync_writes;
@@ -127,5 +138,15 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
     e.push(("backend_dsync_writes".into(), backend.dsync_writes));
     e.push(("backend_direct_ios".into(), backend.direct_ios));
     e.push(("backend_buffered_ios".into(), backend.buffered_ios));
+    for (name, value) in [
+        ("cache_fills", cache.fills),
+        ("cache_fills_raced", cache.fills_raced),
+        ("cache_evictions", cache.evictions),
+        ("cache_invalidations", cache.invalidations),
+        ("cache_hits", cache.hits),
+        ("cache_stale", cache.stale),
+    ] {
+        e.push((name.into(), value));
+    }
     StatsReply { entries: e }
 }

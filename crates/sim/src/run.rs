@@ -270,7 +270,7 @@ impl Sim {
             io_bytes_max: rng.pick(&[2048, 4096]),
         };
         let exports =
-            ExportTable::new(vec![Export { name: "sim".into(), backend: faulty.clone(), read_only: false }]);
+            ExportTable::new(vec![Export { name: "sim".into(), backend: faulty.clone(), read_only: false, direct: None }]);
         let batching = match rng.below(3) {
             0 => Batching::Off,
             1 => Batching::Static,
@@ -287,6 +287,7 @@ impl Sim {
             },
             batching,
             direct_min_bytes: rng.pick(&[DIRECT_OFF, 0, 2048]),
+            directory_entries: 0,
         };
         let proposed = Limits {
             queue_depth: rng.range(1, 64) as u32,

@@ -98,6 +98,12 @@ pub trait Host {
     fn now_ns(&self) -> Option<u64> {
         None
     }
+
+    /// Milliseconds on the host's clock, for sealing and checking capability expiry. The
+    /// default, for hosts without a clock, is always 0: capabilities then never expire.
+    fn clock_ms(&self) -> u64 {
+        0
+    }
 }
 
 /// Service times of requests served one after another: each request's time runs from the end
@@ -135,6 +141,8 @@ pub struct FrontStats {
     /// Received caravans by size, bucketed by [`CARAVAN_BUCKETS`].
     pub caravan_hist: [AtomicU64; CARAVAN_BUCKETS.len() + 1],
     pub connections_closed_protocol_error: AtomicU64,
+    /// Capabilities handed out on reads that asked for them.
+    pub capabilities_sent: AtomicU64,
 }
 
 impl FrontStats {

@@ -11,11 +11,15 @@
 
 use proto::server::{Inbound, ServerSession};
 use proto::ProtoError;
+use wire::capability::CAPABILITIES_PER_FRAME_MAX;
 use wire::caravan::RequestCaravan;
 use wire::control::{frame, OpenReply};
-use wire::{Completion, FrameKind, GoAway, Header, Opcode, Status, COMPLETION_DESC_LEN, HEADER_LEN};
+use wire::{
+    Capability, Completion, FrameKind, GoAway, Header, Opcode, ReqFlags, Status, COMPLETION_DESC_LEN, HEADER_LEN,
+};
 
 use super::{FrontStats, Host, Laps, Link, Sink};
+use crate::direct::Plan;
 use crate::stats::bump;
 use crate::{Export, Io};
 
@@ -23,6 +27,8 @@ use crate::{Export, Io};
 #[derive(Debug)]
 pub struct NativeConn {
     session: ServerSession,
+    /// Capabilities earned by the caravan being answered, sent after its completions.
+    caps: Vec<Capability>,
     /// The planted bug's state (nothing without the feature `mutations`).
     bug: mutation::Bug,
 }
@@ -31,7 +37,11 @@ impl NativeConn {
     /// A connection that will offer `limits` in the handshake and let its peer hold
     /// `open_handles_max` exports open.
     pub fn new(limits: wire::Limits, open_handles_max: usize) -> NativeConn {
-        NativeConn { session: ServerSession::new(limits, open_handles_max), bug: mutation::Bug::new() }
+        NativeConn {
+            session: ServerSession::new(limits, open_handles_max),
+            caps: Vec::new(),
+            bug: mutation::Bug::new(),
+        }
     }
 
     /// Plant a bug, for the simulator's proof that it catches them.
@@ -47,7 +57,7 @@ impl NativeConn {
 
     /// Handle every frame that has arrived whole.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
-        process(&mut self.session, link, host, &mut self.bug);
+        process(&mut self.session, link, host, &mut self.caps, &mut self.bug);
     }
 }
 
@@ -55,6 +65,7 @@ fn process<S: Sink + ?Sized>(
     session: &mut ServerSession,
     link: &mut Link<'_, S>,
     host: &impl Host,
+    caps: &mut Vec<Capability>,
     bug: &mut mutation::Bug,
 ) {
     while !*link.closing {
@@ -89,7 +100,7 @@ fn process<S: Sink + ?Sized>(
             }
             Inbound::Requests(caravan) => {
                 bug.before_caravan(host);
-                execute_caravan(&caravan, session, link.tx, host, link.stats, bug);
+                execute_caravan(&caravan, session, link.tx, host, link.stats, caps, bug);
             }
             Inbound::GoAway(goaway) => {
                 // The initiator is done: what it sent before is answered (it was executed in
@@ -143,21 +154,52 @@ impl CompletionWriter {
         CompletionWriter { frame_start, slots, used: 0, data_bytes: 0, data_bytes_max }
     }
 
-    /// Append a read's data, first starting a new response caravan when this one would exceed
-    /// the caravan byte limit. On failure nothing was appended and the request completes with
-    /// the status alone.
-    fn read<S: Sink + ?Sized>(&mut self, tx: &mut S, export: &Export, io: &Io, stats: &FrontStats) -> Status {
-        let len = io.length as usize;
+    /// Make room for `len` bytes of read data, first starting a new response caravan when this
+    /// one would exceed the caravan byte limit.
+    fn room<S: Sink + ?Sized>(&mut self, tx: &mut S, len: usize, stats: &FrontStats) {
         if self.data_bytes + len > self.data_bytes_max && self.used > 0 {
             let rest = self.slots - self.used;
             self.seal(tx, stats);
             *self = CompletionWriter::begin(tx, rest, self.data_bytes_max);
         }
+    }
+
+    /// Append a read's data. On failure nothing was appended and the request completes with
+    /// the status alone. Returns where the data starts in the sink when the sink copied it
+    /// there (not for data sent by address).
+    fn read<S: Sink + ?Sized>(&mut self, tx: &mut S, export: &Export, io: &Io, stats: &FrontStats) -> (Status, usize) {
+        let len = io.length as usize;
+        self.room(tx, len, stats);
+        let start = tx.len();
         let status = tx.append_read(export, io);
         if status.is_ok() {
             self.data_bytes += len;
         }
-        status
+        (status, start)
+    }
+
+    /// Append `len` bytes that `fill` writes (a direct read from a cache slot); on failure
+    /// nothing is appended.
+    fn read_with<S: Sink + ?Sized, E>(
+        &mut self,
+        tx: &mut S,
+        len: usize,
+        stats: &FrontStats,
+        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        self.room(tx, len, stats);
+        let range = tx.reserve(len);
+        let start = range.start;
+        match fill(tx.bytes_mut(range)) {
+            Ok(()) => {
+                self.data_bytes += len;
+                Ok(())
+            }
+            Err(e) => {
+                tx.truncate(start);
+                Err(e)
+            }
+        }
     }
 
     fn push<S: Sink + ?Sized>(&mut self, tx: &mut S, c: Completion) {
@@ -190,6 +232,7 @@ fn execute_caravan<S: Sink + ?Sized>(
     tx: &mut S,
     host: &impl Host,
     stats: &FrontStats,
+    caps: &mut Vec<Capability>,
     bug: &mut mutation::Bug,
 ) {
     stats.record_caravan(caravan.len());
@@ -212,13 +255,33 @@ fn execute_caravan<S: Sink + ?Sized>(
         let io = Io::from(&req);
         let index = session.resolve(req.handle);
         let export = index.and_then(|i| host.exports().get(i));
+        if req.opcode == Opcode::DirectRead {
+            let status = match (index, export) {
+                (Some(index), Some(export)) => {
+                    direct_read(&mut out, tx, index, export, &io, payload, host, limits.io_bytes_max, stats)
+                }
+                _ => Status::BadHandle,
+            };
+            let data_len = if status.is_ok() { req.length } else { 0 };
+            stats.ops.record(index, req.opcode, req.length, status, laps.lap(host));
+            out.push(tx, Completion { tag: req.tag, status, data_len });
+            continue;
+        }
         let checked = export
             .ok_or(Status::BadHandle)
             .and_then(|e| crate::validate(e, &io, limits.io_bytes_max).map(|()| e));
         let (status, data_len) = match checked {
             Err(status) => (status, 0),
             Ok(export) if req.opcode == Opcode::Read => {
-                let status = out.read(tx, export, &io, stats);
+                let wants = req.flags.contains(ReqFlags::WANT_CAP) && session.direct_reads();
+                let plan = match (&export.direct, index) {
+                    (Some(d), Some(_)) if wants => d.plan(io.offset, io.length),
+                    _ => Plan::None,
+                };
+                let (status, start) = out.read(tx, export, &io, stats);
+                if status.is_ok() {
+                    earn(caps, tx, export, index.unwrap_or(0), &io, plan, start, host);
+                }
                 (status, if status.is_ok() { req.length } else { 0 })
             }
             Ok(export) => match bug.write(req.handle, &io, payload) {
@@ -230,6 +293,83 @@ fn execute_caravan<S: Sink + ?Sized>(
         out.push(tx, Completion { tag: req.tag, status, data_len });
     }
     out.seal(tx, stats);
+    send_capabilities(caps, tx, stats);
+}
+
+/// Seal the capabilities a successful read earned (see [`crate::direct`]) into `caps`.
+#[allow(clippy::too_many_arguments)]
+fn earn<S: Sink + ?Sized>(
+    caps: &mut Vec<Capability>,
+    tx: &mut S,
+    export: &Export,
+    index: u32,
+    io: &Io,
+    plan: Plan,
+    start: usize,
+    host: &impl Host,
+) {
+    let Some(d) = &export.direct else { return };
+    match plan {
+        Plan::None => {}
+        Plan::Region => caps.push(d.seal_region(index, export.backend.size_bytes(), io.offset, host.clock_ms())),
+        Plan::Fill(ticket) => {
+            let data = tx.bytes_mut(start..start + io.length as usize);
+            d.fill(index, &ticket, data, host.clock_ms(), |c| caps.push(c));
+        }
+    }
+}
+
+/// Send the capabilities a caravan earned, after its completions, in as few frames as fit.
+fn send_capabilities<S: Sink + ?Sized>(caps: &mut Vec<Capability>, tx: &mut S, stats: &FrontStats) {
+    for chunk in caps.chunks(CAPABILITIES_PER_FRAME_MAX) {
+        let body_len = Capability::list_len(chunk.len());
+        let at = tx.reserve(HEADER_LEN + body_len);
+        let frame = tx.bytes_mut(at);
+        Header { kind: FrameKind::Capabilities, desc_count: 0, payload_len: body_len as u32 }
+            .emit(&mut frame[..HEADER_LEN]);
+        let body = &mut frame[HEADER_LEN..];
+        body[..2].copy_from_slice(&(chunk.len() as u16).to_le_bytes());
+        body[2..4].fill(0);
+        for (c, out) in chunk.iter().zip(body[4..].chunks_exact_mut(wire::CAPABILITY_LEN)) {
+            out.copy_from_slice(&c.encode());
+        }
+        bump(&stats.capabilities_sent, chunk.len() as u64);
+    }
+    caps.clear();
+}
+
+/// Serve a direct read: check the capability in the payload against the export the handle
+/// names, then send the bytes from the memory it names (the RAM volume by address, or a copy
+/// of the cache slot checked against its generation), never from the backend.
+#[allow(clippy::too_many_arguments)]
+fn direct_read<S: Sink + ?Sized>(
+    out: &mut CompletionWriter,
+    tx: &mut S,
+    index: u32,
+    export: &Export,
+    io: &Io,
+    payload: &[u8],
+    host: &impl Host,
+    io_bytes_max: u32,
+    stats: &FrontStats,
+) -> Status {
+    if io.length == 0 || io.length > io_bytes_max {
+        return if io.length == 0 { Status::Invalid } else { Status::TooLarge };
+    }
+    let Some(d) = &export.direct else { return Status::BadCapability };
+    let Ok(cap) = Capability::decode(payload) else { return Status::BadCapability };
+    if let Err(fault) = d.check(&cap, index, io.offset, io.length, host.clock_ms()) {
+        return fault.status();
+    }
+    match cap.kind {
+        wire::CapKind::Region => out.read(tx, export, io, stats).0,
+        wire::CapKind::Slot => {
+            match out.read_with(tx, io.length as usize, stats, |dst| d.read_slot(&cap, io.offset, dst)) {
+                Ok(()) => Status::Ok,
+                Err(fault) => fault.status(),
+            }
+        }
+    }
 }
 
 /// Deliberately broken variants, compiled only for the simulator's proof that it catches them

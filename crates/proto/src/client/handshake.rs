@@ -9,21 +9,34 @@ use crate::ProtoError;
 #[derive(Debug, Clone, Copy)]
 pub struct ClientHandshake {
     proposed: Limits,
+    features: u64,
 }
 
 impl ClientHandshake {
     pub fn new(proposed: Limits) -> ClientHandshake {
-        ClientHandshake { proposed }
+        ClientHandshake { proposed, features: 0 }
+    }
+
+    /// Ask for these HELLO feature bits too (`wire::control::FEATURE_*`).
+    pub fn with_features(self, features: u64) -> ClientHandshake {
+        ClientHandshake { features, ..self }
     }
 
     /// The HELLO frame to send first.
     pub fn hello_frame(&self) -> Vec<u8> {
-        let hello = Hello { version_min: VERSION, version_max: VERSION, features: 0, limits: self.proposed };
+        let hello =
+            Hello { version_min: VERSION, version_max: VERSION, features: self.features, limits: self.proposed };
         wire::control::frame(FrameKind::Hello, &hello.encode())
     }
 
     /// Check HELLO_REPLY; returns the limits both sides now live by.
     pub fn handle_reply(&self, header: &Header, body: &[u8]) -> Result<Limits, ProtoError> {
+        self.handle_reply_features(header, body).map(|(limits, _)| limits)
+    }
+
+    /// Check HELLO_REPLY; returns the limits both sides now live by and the features agreed
+    /// (only bits this side asked for: a target that grants more is broken).
+    pub fn handle_reply_features(&self, header: &Header, body: &[u8]) -> Result<(Limits, u64), ProtoError> {
         let reply = expect(header, body, FrameKind::HelloReply, HelloReply::decode)?;
         if reply.status != Status::Ok {
             return Err(ProtoError::Refused(reply.status));
@@ -44,7 +57,10 @@ impl ClientHandshake {
         {
             return Err(wire::WireError::Body("HELLO_REPLY limits").into());
         }
-        Ok(l)
+        if reply.features & !self.features != 0 {
+            return Err(wire::WireError::Body("HELLO_REPLY features not asked for").into());
+        }
+        Ok((l, reply.features))
     }
 }
 

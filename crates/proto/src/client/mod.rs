@@ -2,6 +2,7 @@
 //! requests and completions ([`ClientSession`]).
 
 mod handshake;
+mod directory;
 mod outbox;
 mod placement;
 pub mod reconnect;

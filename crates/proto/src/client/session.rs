@@ -41,9 +41,11 @@ use std::io::{self, IoSlice, IoSliceMut};
 use wire::caravan::CompletionCaravan;
 use wire::control::CONTROL_BODY_MAX;
 use wire::framing::peek_header;
-use wire::{FrameBuffer, FrameKind, GoAway, Header, Limits, Opcode, ReqFlags, Request, Status};
+use wire::{Capability, FrameBuffer, FrameKind, GoAway, Header, Limits, Opcode, ReqFlags, Request, Status};
+use wire::CAPABILITY_LEN;
 use wire::{COMPLETION_DESC_LEN, HEADER_LEN};
 
+use super::directory::Directory;
 use super::outbox::Outbox;
 use super::placement::{Placed, Placement};
 use crate::batch::{BatchConfig, BatchController};
@@ -84,6 +86,9 @@ pub struct SessionConfig {
     /// reads are received into the frame buffer and copied out. 0 places every read,
     /// [`DIRECT_OFF`] none.
     pub direct_min_bytes: u32,
+    /// Direct reads (ODAFS): the number of capabilities the directory holds; 0 turns direct
+    /// reads off. Only when the target agreed to direct reads in the handshake.
+    pub directory_entries: u32,
 }
 
 /// What a caller asks for.
@@ -140,6 +145,14 @@ pub struct SessionStats {
     /// the frame buffer.
     pub read_bytes_placed: u64,
     pub read_bytes_copied: u64,
+    /// Reads served by the target from a capability, without its backend.
+    pub direct_reads: u64,
+    /// Direct reads the target refused (stale or bad capability)...
+    pub direct_faults: u64,
+    /// ...and re-issued as ordinary reads in the same call.
+    pub fallbacks: u64,
+    /// Capabilities received from the target.
+    pub capabilities_received: u64,
 }
 
 /// What [`ClientSession::handle_rx`] did with the bytes it was shown.
@@ -166,6 +179,8 @@ pub(super) struct Pending<B> {
     pub offset: u64,
     /// Submission order, kept across reconnections.
     pub seq: u64,
+    /// A direct read's capability, sent as its payload.
+    pub cap: Option<[u8; CAPABILITY_LEN]>,
 }
 
 /// Reads submitted and not yet answered.
@@ -204,6 +219,10 @@ pub struct ClientSession<B> {
     next_seq: u64,
     /// Refuse submissions until the next reattach ([`fail_parked`](Self::fail_parked)).
     failing_fast: bool,
+    /// Capabilities for direct reads, when they were negotiated.
+    directory: Option<Directory>,
+    /// Direct reads the target refused, to be sent again as ordinary reads.
+    fallback: Vec<Pending<B>>,
     stats: SessionStats,
     #[cfg(feature = "mutations")]
     mutation: Mutation,
@@ -257,6 +276,8 @@ impl<B: IoBuf> ClientSession<B> {
             },
             done: VecDeque::with_capacity(queue_depth),
             placement: Placement::new(),
+            directory: (config.directory_entries > 0).then(|| Directory::new(config.directory_entries as usize)),
+            fallback: Vec::with_capacity(if config.directory_entries > 0 { queue_depth } else { 0 }),
             reads: ReadsInFlight::default(),
             direct_min_bytes: config.direct_min_bytes,
             broken: false,
@@ -368,18 +389,15 @@ impl<B: IoBuf> ClientSession<B> {
         if self.slots.is_full() {
             return refuse(SubmitError::QueueFull(self.slots.len()), buf);
         }
-        let probe = Request { opcode, flags, tag: 0, handle: self.handle, offset, length };
-        if !self.outbox.fits(&probe) {
-            self.seal();
+        if opcode == Opcode::DirectRead {
+            return refuse(SubmitError::Invalid("direct reads are the session's to choose: submit a read"), buf);
         }
         let seq = self.next_seq;
         self.next_seq += 1;
-        let pending = Pending { opcode, length, buf, user_data, sent: false, flags, offset, seq };
-        let Ok(tag) = self.slots.insert(pending) else {
-            unreachable!("checked not full above");
-        };
-        self.outbox.push(&Request { tag, ..probe });
-        if opcode == Opcode::Read {
+        let (opcode, flags, cap) = self.choose_read(opcode, flags, offset, length);
+        let pending = Pending { opcode, length, buf, user_data, sent: false, flags, offset, seq, cap };
+        self.enqueue(pending);
+        if opcode.returns_data() {
             self.reads.count += 1;
             self.reads.bytes += u64::from(length);
         }
@@ -402,6 +420,43 @@ impl<B: IoBuf> ClientSession<B> {
             self.seal();
         }
         Ok(())
+    }
+
+    /// With a directory, a read becomes a direct read when a capability covers it, and
+    /// otherwise asks the target for capabilities for what it reads.
+    fn choose_read(
+        &self,
+        opcode: Opcode,
+        flags: ReqFlags,
+        offset: u64,
+        length: u32,
+    ) -> (Opcode, ReqFlags, Option<[u8; CAPABILITY_LEN]>) {
+        let Some(dir) = self.directory.as_ref().filter(|_| opcode == Opcode::Read) else {
+            return (opcode, flags, None);
+        };
+        match dir.find(offset, length) {
+            Some(cap) => (Opcode::DirectRead, flags, Some(cap.encode())),
+            None => (Opcode::Read, flags | ReqFlags::WANT_CAP, None),
+        }
+    }
+
+    /// Put a request into a slot and the open caravan (a free slot is the caller's to ensure).
+    fn enqueue(&mut self, pending: Pending<B>) {
+        let probe = Request {
+            opcode: pending.opcode,
+            flags: pending.flags,
+            tag: 0,
+            handle: self.handle,
+            offset: pending.offset,
+            length: pending.length,
+        };
+        if !self.outbox.fits(&probe) {
+            self.seal();
+        }
+        let Ok(tag) = self.slots.insert(pending) else {
+            unreachable!("a slot is free");
+        };
+        self.outbox.push(&Request { tag, ..probe });
     }
 
     /// Close the open caravan now: the caller is about to wait, or has nothing more to add.
@@ -442,6 +497,7 @@ impl<B: IoBuf> ClientSession<B> {
         let slots = &self.slots;
         let payload = |tag| match slots.get(tag) {
             Some(Pending { opcode: Opcode::Write, buf: Some(b), .. }) => b.as_ref(),
+            Some(Pending { opcode: Opcode::DirectRead, cap: Some(c), .. }) => &c[..],
             _ => &[],
         };
         self.outbox.gather(payload, iov)
@@ -565,7 +621,7 @@ impl<B: IoBuf> ClientSession<B> {
                 self.parked.drain(..).partition(|p| p.sent && p.opcode == Opcode::Write);
             self.parked = kept;
             for p in acked {
-                finish(&mut self.done, &mut self.controller, &mut self.reads, p, Status::Ok);
+                finish(&mut self.done, &mut self.controller, &mut self.reads, &mut self.stats, p, Status::Ok);
             }
         }
     }
@@ -581,7 +637,7 @@ impl<B: IoBuf> ClientSession<B> {
         let forget_unsent = self.planted() == Mutation::ForgetUnsent;
         self.parked.extend(self.slots.drain());
         for p in self.parked.drain(..) {
-            if p.opcode == Opcode::Read {
+            if p.opcode.returns_data() {
                 self.reads.count -= 1;
                 self.reads.bytes -= u64::from(p.length);
             }
@@ -590,7 +646,7 @@ impl<B: IoBuf> ClientSession<B> {
             }
             self.done.push_back(Completion {
                 user_data: p.user_data,
-                opcode: p.opcode,
+                opcode: caller_opcode(p.opcode),
                 status: Status::IoError,
                 buf: p.buf,
             });
@@ -618,6 +674,10 @@ impl<B: IoBuf> ClientSession<B> {
             }
         }
         self.handle = handle;
+        if let Some(d) = self.directory.as_mut() {
+            // Perhaps another target process, with other keys: start learning again.
+            d.clear();
+        }
         self.detached = false;
         self.failing_fast = false;
         self.outbox.clear();
@@ -669,8 +729,18 @@ impl<B: IoBuf> ClientSession<B> {
                 return Ok(RxProgress { consumed, need: 0 });
             }
             for Placed { pending, completion } in self.placement.take() {
-                finish(&mut self.done, &mut self.controller, &mut self.reads, pending, completion.status);
+                settle(
+                    &mut self.done,
+                    &mut self.controller,
+                    &mut self.reads,
+                    &mut self.stats,
+                    &mut self.directory,
+                    &mut self.fallback,
+                    pending,
+                    completion.status,
+                );
             }
+            self.fall_back();
         }
         loop {
             let rest = &rx[consumed..];
@@ -711,6 +781,9 @@ impl<B: IoBuf> ClientSession<B> {
             FrameKind::GoAway => {
                 ProtoError::check_limit("control body bytes", h.payload_len.into(), CONTROL_BODY_MAX as u64)
             }
+            FrameKind::Capabilities if self.directory.is_some() => {
+                ProtoError::check_limit("control body bytes", h.payload_len.into(), CONTROL_BODY_MAX as u64)
+            }
             other => Err(ProtoError::Unexpected(other, "on a lane")),
         }
     }
@@ -719,6 +792,16 @@ impl<B: IoBuf> ClientSession<B> {
         if header.kind == FrameKind::GoAway {
             let g = GoAway::decode(body)?;
             return Err(ProtoError::GoAway { status: g.status, message: g.message });
+        }
+        if header.kind == FrameKind::Capabilities {
+            let (dir, stats) = (self.directory.as_mut(), &mut self.stats);
+            if let Some(dir) = dir {
+                Capability::decode_list(body, |c| {
+                    stats.capabilities_received += 1;
+                    dir.insert(c);
+                })?;
+            }
+            return Ok(());
         }
         let caravan = CompletionCaravan::parse(header, body)?;
         self.stats.completion_caravans += 1;
@@ -742,16 +825,43 @@ impl<B: IoBuf> ClientSession<B> {
                 buf.as_mut().copy_from_slice(data);
                 self.stats.read_bytes_copied += data.len() as u64;
             }
-            finish(&mut self.done, &mut self.controller, &mut self.reads, p, c.status);
+            settle(
+                &mut self.done,
+                &mut self.controller,
+                &mut self.reads,
+                &mut self.stats,
+                &mut self.directory,
+                &mut self.fallback,
+                p,
+                c.status,
+            );
         }
+        self.fall_back();
         Ok(())
+    }
+
+    /// Send the direct reads the target refused again as ordinary reads, in the slots their
+    /// completions just freed.
+    fn fall_back(&mut self) {
+        if self.fallback.is_empty() {
+            return;
+        }
+        while let Some(mut p) = self.fallback.pop() {
+            p.opcode = Opcode::Read;
+            p.flags = p.flags | ReqFlags::WANT_CAP;
+            p.cap = None;
+            p.sent = false;
+            self.stats.fallbacks += 1;
+            self.enqueue(p);
+        }
+        self.seal();
     }
 
     /// Check a completion against its request (in flight, sent, right data length); returns
     /// the data length it must carry.
     fn expected_data(&self, c: &wire::Completion) -> Result<u32, ProtoError> {
         let p = self.slots.get(c.tag).filter(|p| p.sent).ok_or(ProtoError::UnknownTag(c.tag))?;
-        let want = if c.status.is_ok() && p.opcode == Opcode::Read { p.length } else { 0 };
+        let want = if c.status.is_ok() && p.opcode.returns_data() { p.length } else { 0 };
         if c.data_len != want {
             return Err(ProtoError::DataLength { tag: c.tag, got: c.data_len, want });
         }
@@ -831,23 +941,62 @@ fn seal(outbox: &mut Outbox, stats: &mut SessionStats) -> usize {
     reqs
 }
 
+/// A request the target answered: a direct read it refused goes to `fallback` (its
+/// reference forgotten) to be read the ordinary way; anything else is finished.
+#[allow(clippy::too_many_arguments)]
+fn settle<B>(
+    done: &mut VecDeque<Completion<B>>,
+    controller: &mut Option<BatchController>,
+    reads: &mut ReadsInFlight,
+    stats: &mut SessionStats,
+    directory: &mut Option<Directory>,
+    fallback: &mut Vec<Pending<B>>,
+    p: Pending<B>,
+    status: Status,
+) {
+    if p.opcode == Opcode::DirectRead {
+        if matches!(status, Status::StaleCapability | Status::BadCapability) {
+            stats.direct_faults += 1;
+            if let Some(d) = directory.as_mut() {
+                d.forget(p.offset);
+            }
+            fallback.push(p);
+            return;
+        }
+        if status.is_ok() {
+            stats.direct_reads += 1;
+        }
+    }
+    finish(done, controller, reads, stats, p, status);
+}
+
 /// Hand a finished request back to its caller, and tell the controller what it moved.
 fn finish<B>(
     done: &mut VecDeque<Completion<B>>,
     controller: &mut Option<BatchController>,
     reads: &mut ReadsInFlight,
+    _stats: &mut SessionStats,
     p: Pending<B>,
     status: Status,
 ) {
-    if p.opcode == Opcode::Read {
+    if p.opcode.returns_data() {
         reads.count -= 1;
         reads.bytes -= u64::from(p.length);
     }
     if let Some(ctl) = controller.as_mut() {
-        let moved = matches!(p.opcode, Opcode::Read | Opcode::Write) && status.is_ok();
+        let moved = matches!(p.opcode, Opcode::Read | Opcode::Write | Opcode::DirectRead) && status.is_ok();
         ctl.handle_completion(if moved { p.length.into() } else { 0 });
     }
-    done.push_back(Completion { user_data: p.user_data, opcode: p.opcode, status, buf: p.buf });
+    done.push_back(Completion { user_data: p.user_data, opcode: caller_opcode(p.opcode), status, buf: p.buf });
+}
+
+/// The opcode a caller submitted: a direct read was the session's choice for a read.
+fn caller_opcode(op: Opcode) -> Opcode {
+    if op == Opcode::DirectRead {
+        Opcode::Read
+    } else {
+        op
+    }
 }
 
 #[cfg(test)]
@@ -859,6 +1008,7 @@ mod tests {
             doorbell: Doorbell::default(),
             batching: Batching::Off,
             direct_min_bytes: DIRECT_OFF,
+            directory_entries: 0,
         };
         let limits = Limits { queue_depth, caravan_reqs_max: 4, caravan_bytes_max: 8192, io_bytes_max: 4096 };
         ClientSession::new(&config, limits, 0)

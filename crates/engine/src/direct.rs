@@ -1,0 +1,171 @@
+//! Direct reads (ODAFS): capabilities for an export's bytes, handed out on ordinary reads that
+//! ask for them, and reads served from the memory a capability names without the backend.
+//!
+//! An export serves direct reads once its driver gives it a secret ([`DirectReads::new`]; the
+//! server draws one from the OS per export at start-up, the simulator from its seed). What a
+//! capability names depends on the backend:
+//!
+//! - a RAM export is its own cache: a **region** capability covers the aligned
+//!   [`REGION_BYTES`] window around a read, and stays valid until the key epoch rotates
+//!   (writes change the bytes in place, so a direct read always sees the latest data);
+//! - a file export with a block cache (`file:PATH,cache=SIZE`): an ordinary read that asks
+//!   for capabilities fills the blocks it read into the cache, and each gets a **slot**
+//!   capability, valid while the slot keeps its generation (no eviction, no write since);
+//! - anything else hands out nothing, and refuses direct reads.
+//!
+//! Revocation: [`DirectReads::rotate_epoch`] makes every capability of the export stale;
+//! [`DirectReads::invalidate`] (and every write through [`crate::execute`]) drops cached
+//! blocks. Neither tracks who holds what.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use backend::cache::{BlockCache, FillTicket, SLOT_BYTES};
+use proto::capability::{CapFault, CapKey};
+use wire::{CapKind, CapRights, Capability};
+
+/// Bytes a region capability of a RAM export covers: the aligned window around the read.
+pub const REGION_BYTES: u64 = 1 << 20;
+/// How long a capability is valid after it is sealed, unless configured otherwise.
+pub const LIFETIME_MS_DEFAULT: u64 = 10 * 60 * 1000;
+
+/// One export's capability state.
+#[derive(Debug)]
+pub struct DirectReads {
+    key: CapKey,
+    epoch: AtomicU32,
+    cache: Option<BlockCache>,
+    lifetime_ms: u64,
+    /// RAM: the export is its own cache and hands out region capabilities.
+    in_memory: bool,
+}
+
+impl DirectReads {
+    /// Direct reads sealed with `secret`; `cache` for a file export (None for RAM, whose own
+    /// memory serves them); `in_memory` when the backend serves reads from memory in place.
+    pub fn new(secret: [u8; proto::capability::KEY_LEN], cache: Option<BlockCache>, in_memory: bool) -> DirectReads {
+        DirectReads {
+            key: CapKey::new(secret),
+            epoch: AtomicU32::new(1),
+            cache,
+            lifetime_ms: LIFETIME_MS_DEFAULT,
+            in_memory,
+        }
+    }
+
+    /// Capabilities sealed from now on expire `lifetime_ms` after sealing.
+    pub fn with_lifetime_ms(mut self, lifetime_ms: u64) -> DirectReads {
+        self.lifetime_ms = lifetime_ms.max(1);
+        self
+    }
+
+    pub fn epoch(&self) -> u32 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Revoke every capability of this export: they all become stale.
+    pub fn rotate_epoch(&self) -> u32 {
+        self.epoch.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// Drop the cached blocks `len` bytes from `offset` touch (their capabilities become stale).
+    pub fn invalidate(&self, offset: u64, len: u64) {
+        if let Some(c) = &self.cache {
+            c.invalidate(offset, len);
+        }
+    }
+
+    pub fn cache(&self) -> Option<&BlockCache> {
+        self.cache.as_ref()
+    }
+
+    /// Whether a read of `len` bytes from `offset` can earn capabilities, and the fill ticket
+    /// to take before reading it from the backend (cached exports).
+    pub fn plan(&self, offset: u64, len: u32) -> Plan {
+        if self.in_memory {
+            let window = offset / REGION_BYTES;
+            let end = offset + u64::from(len);
+            return if end.div_ceil(REGION_BYTES) == window + 1 { Plan::Region } else { Plan::None };
+        }
+        match self.cache.as_ref().and_then(|c| c.fill_ticket(offset, len as usize)) {
+            Some(t) => Plan::Fill(t),
+            None => Plan::None,
+        }
+    }
+
+    /// The region capability for a read that [`plan`](Self::plan)ned [`Plan::Region`].
+    pub fn seal_region(&self, export: u32, size_bytes: u64, offset: u64, now_ms: u64) -> Capability {
+        let start = offset / REGION_BYTES * REGION_BYTES;
+        let length = REGION_BYTES.min(size_bytes - start) as u32;
+        self.seal(export, CapKind::Region, start, length, 0, 0, now_ms)
+    }
+
+    /// Fill the blocks of a planned read (`data`, read from the backend after `ticket` was
+    /// taken) into the cache, calling `each` with a slot capability for every block filled.
+    pub fn fill(&self, export: u32, ticket: &FillTicket, data: &[u8], now_ms: u64, mut each: impl FnMut(Capability)) {
+        let Some(cache) = &self.cache else { return };
+        cache.fill(ticket, data, |f| {
+            each(self.seal(export, CapKind::Slot, f.offset, SLOT_BYTES as u32, f.slot, f.generation, now_ms))
+        });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn seal(
+        &self,
+        export: u32,
+        kind: CapKind,
+        offset: u64,
+        length: u32,
+        slot: u32,
+        generation: u32,
+        now_ms: u64,
+    ) -> Capability {
+        self.key.seal(Capability {
+            export,
+            kind,
+            rights: CapRights::READ,
+            epoch: self.epoch(),
+            generation,
+            offset,
+            length,
+            slot,
+            expires_ms: now_ms.saturating_add(self.lifetime_ms),
+            mac: [0; wire::capability::MAC_LEN],
+        })
+    }
+
+    /// Judge a direct read of `len` bytes from `offset` on export `export` with `cap`: the MAC,
+    /// export, rights, range, epoch and expiry ([`CapKey::check`]). Generations are checked
+    /// when the slot is read ([`read_slot`](Self::read_slot)).
+    pub fn check(&self, cap: &Capability, export: u32, offset: u64, len: u32, now_ms: u64) -> Result<(), CapFault> {
+        self.key.check(cap, export, self.epoch(), now_ms, offset, len)?;
+        match cap.kind {
+            CapKind::Region if self.in_memory => Ok(()),
+            CapKind::Slot if self.cache.is_some() => Ok(()),
+            // Sealed by this key for a kind this export does not serve: cannot happen unless
+            // the export changed; refuse rather than guess.
+            _ => Err(CapFault::NotCovered),
+        }
+    }
+
+    /// Copy a checked slot capability's bytes into `dst`; `Err(Evicted)` when the slot's
+    /// generation moved on.
+    pub fn read_slot(&self, cap: &Capability, offset: u64, dst: &mut [u8]) -> Result<(), CapFault> {
+        let cache = self.cache.as_ref().ok_or(CapFault::NotCovered)?;
+        if cache.read(cap.slot, cap.generation, offset, dst) {
+            Ok(())
+        } else {
+            Err(CapFault::Evicted)
+        }
+    }
+}
+
+/// What an ordinary read that asks for capabilities can earn.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // lives on the stack for one request; never stored
+pub enum Plan {
+    None,
+    /// A region capability (RAM).
+    Region,
+    /// Slot capabilities for the blocks filled into the cache.
+    Fill(FillTicket),
+}

@@ -1,0 +1,119 @@
+//! The initiator's directory of capabilities (ODAFS's reference directory, section 4.2).
+//!
+//! A bounded, direct-mapped table: each capability goes to the entry its start offset hashes
+//! to, replacing whatever was there, so the directory never grows, never allocates after it
+//! is made, and a lookup is one probe. Entries are small (a capability, 56 bytes) next to the
+//! data they stand for, so a directory holds references to much more data than any cache on
+//! the initiator would: ODAFS's "empty headers".
+//!
+//! Every capability of one export covers the same length (a cache slot, or a RAM region), so
+//! the directory learns that length from the first one it stores and finds the entry for a
+//! read from its offset alone. A reference is a hint: it may be stale at any moment, and the
+//! target says so with a fault, after which the session drops it ([`Directory::forget`]).
+
+use wire::Capability;
+
+#[derive(Debug)]
+pub struct Directory {
+    entries: Box<[Option<Capability>]>,
+    /// Bytes every capability covers; 0 until the first arrives.
+    grain: u64,
+    pub stored: u64,
+}
+
+impl Directory {
+    /// A directory of `entries` references (at least one).
+    pub fn new(entries: usize) -> Directory {
+        Directory { entries: vec![None; entries.max(1)].into_boxed_slice(), grain: 0, stored: 0 }
+    }
+
+    fn index(&self, start: u64) -> usize {
+        ((start / self.grain).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 11) as usize % self.entries.len()
+    }
+
+    /// Remember `cap`. One of another grain than the directory learned is ignored.
+    pub fn insert(&mut self, cap: Capability) {
+        let grain = u64::from(cap.length);
+        if grain == 0 {
+            return;
+        }
+        if self.grain == 0 {
+            self.grain = grain;
+        }
+        if grain != self.grain || cap.offset % grain != 0 {
+            return;
+        }
+        let i = self.index(cap.offset);
+        self.entries[i] = Some(cap);
+        self.stored += 1;
+    }
+
+    /// A capability covering `len` bytes from `offset`, if the directory holds one.
+    pub fn find(&self, offset: u64, len: u32) -> Option<&Capability> {
+        if self.grain == 0 {
+            return None;
+        }
+        let start = offset / self.grain * self.grain;
+        self.entries[self.index(start)].as_ref().filter(|c| c.offset == start && c.covers(offset, len))
+    }
+
+    /// Drop the reference covering `offset`, after the target refused it.
+    pub fn forget(&mut self, offset: u64) {
+        if self.grain == 0 {
+            return;
+        }
+        let start = offset / self.grain * self.grain;
+        let i = self.index(start);
+        if self.entries[i].is_some_and(|c| c.offset == start) {
+            self.entries[i] = None;
+        }
+    }
+
+    /// Drop every reference (the target is a new one, after a reconnection).
+    pub fn clear(&mut self) {
+        self.entries.iter_mut().for_each(|e| *e = None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wire::{CapKind, CapRights};
+
+    fn cap(offset: u64, length: u32) -> Capability {
+        Capability {
+            export: 0,
+            kind: CapKind::Slot,
+            rights: CapRights::READ,
+            epoch: 1,
+            generation: 2,
+            offset,
+            length,
+            slot: 0,
+            expires_ms: 1,
+            mac: [0; 16],
+        }
+    }
+
+    #[test]
+    fn finds_what_covers_forgets_on_request_and_stays_bounded() {
+        let mut d = Directory::new(4);
+        assert!(d.find(0, 4096).is_none());
+        d.insert(cap(8192, 4096));
+        assert_eq!(d.find(8192, 4096).map(|c| c.offset), Some(8192));
+        assert_eq!(d.find(8192 + 1024, 512).map(|c| c.offset), Some(8192));
+        assert!(d.find(8192 + 1024, 4096).is_none(), "reaches past the reference");
+        assert!(d.find(4096, 4096).is_none());
+        d.insert(cap(0, 1 << 20));
+        assert!(d.find(0, 4096).is_none(), "another grain is ignored");
+        d.forget(8192 + 512);
+        assert!(d.find(8192, 4096).is_none());
+        for i in 0..100 {
+            d.insert(cap(i * 4096, 4096));
+        }
+        let held = (0..100).filter(|&i| d.find(i * 4096, 4096).is_some()).count();
+        assert!(held <= 4 && held >= 1, "bounded: {held}");
+        d.clear();
+        assert!((0..100).all(|i| d.find(i * 4096, 4096).is_none()));
+    }
+}
