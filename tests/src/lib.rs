@@ -51,7 +51,10 @@ impl RawPeer {
     /// [`ready`](Self::ready), asking for HELLO feature bits `features`.
     pub fn ready_with_features(t: &Target, limits: Limits, export: &str, features: u64) -> (RawPeer, u32) {
         let mut p = RawPeer::connect(t);
-        p.send(&frame(FrameKind::Hello, &Hello { version_min: 1, version_max: 1, features, limits }.encode()));
+        p.send(&frame(
+            FrameKind::Hello,
+            &Hello { version_min: 1, version_max: 1, features, limits }.encode(),
+        ));
         let (h, body) = p.recv().expect("hello reply");
         assert_eq!(h.kind, FrameKind::HelloReply);
         assert!(HelloReply::decode(&body).unwrap().status.is_ok());

@@ -134,7 +134,14 @@ fn without_the_feature_nothing_changes() {
 /// A raw peer that asked for direct reads: read one block asking for a capability.
 fn earn(t: &server::Target, export: &str) -> (RawPeer, u32, Capability) {
     let (mut peer, handle) = RawPeer::ready_with_features(t, Limits::default(), export, FEATURE_DIRECT_READS);
-    let req = Request { opcode: Opcode::Read, flags: ReqFlags::WANT_CAP, tag: 1, handle, offset: 8192, length: 4096 };
+    let req = Request {
+        opcode: Opcode::Read,
+        flags: ReqFlags::WANT_CAP,
+        tag: 1,
+        handle,
+        offset: 8192,
+        length: 4096,
+    };
     peer.send(&caravan(&[req], &[]));
     let (h, _) = peer.recv().expect("completions");
     assert_eq!(h.kind, FrameKind::Completions);
@@ -147,7 +154,8 @@ fn earn(t: &server::Target, export: &str) -> (RawPeer, u32, Capability) {
 }
 
 fn direct(peer: &mut RawPeer, handle: u32, cap: &Capability, offset: u64, length: u32) -> Status {
-    let req = Request { opcode: Opcode::DirectRead, flags: ReqFlags::empty(), tag: 2, handle, offset, length };
+    let req =
+        Request { opcode: Opcode::DirectRead, flags: ReqFlags::empty(), tag: 2, handle, offset, length };
     peer.send(&caravan(&[req], &cap.encode()));
     let (h, body) = peer.recv().expect("completion");
     let c = CompletionCaravan::parse(&h, &body).unwrap();
@@ -171,7 +179,14 @@ fn forged_altered_misused_and_revoked_capabilities_are_never_served() {
         Capability { slot: cap.slot + 1, ..cap },
         Capability { expires_ms: u64::MAX, ..cap },
         Capability { export: 1, ..cap },
-        Capability { mac: { let mut m = cap.mac; m[0] ^= 1; m }, ..cap },
+        Capability {
+            mac: {
+                let mut m = cap.mac;
+                m[0] ^= 1;
+                m
+            },
+            ..cap
+        },
     ] {
         assert_eq!(direct(&mut peer, handle, &altered, 8192, 4096), Status::BadCapability, "{altered:?}");
     }
@@ -183,7 +198,14 @@ fn forged_altered_misused_and_revoked_capabilities_are_never_served() {
         RawPeer::ready_with_features(&t, Limits::default(), "mem", FEATURE_DIRECT_READS);
     assert_eq!(direct(&mut mem_peer, mem_handle, &cap, 8192, 4096), Status::BadCapability);
     // Garbage for a capability.
-    let req = Request { opcode: Opcode::DirectRead, flags: ReqFlags::empty(), tag: 3, handle, offset: 8192, length: 4096 };
+    let req = Request {
+        opcode: Opcode::DirectRead,
+        flags: ReqFlags::empty(),
+        tag: 3,
+        handle,
+        offset: 8192,
+        length: 4096,
+    };
     peer.send(&caravan(&[req], &[0xEE; wire::CAPABILITY_LEN]));
     let (h, body) = peer.recv().unwrap();
     let (c, _) = CompletionCaravan::parse(&h, &body).unwrap().iter().next().unwrap();
@@ -194,14 +216,28 @@ fn forged_altered_misused_and_revoked_capabilities_are_never_served() {
     // A fresh one works, until a write to its block.
     let (mut peer, handle, cap) = earn(&t, "vol");
     assert_eq!(direct(&mut peer, handle, &cap, 8192, 4096), Status::Ok);
-    let write = Request { opcode: Opcode::Write, flags: ReqFlags::empty(), tag: 4, handle, offset: 8192 + 512, length: 512 };
+    let write = Request {
+        opcode: Opcode::Write,
+        flags: ReqFlags::empty(),
+        tag: 4,
+        handle,
+        offset: 8192 + 512,
+        length: 512,
+    };
     peer.send(&caravan(&[write], &[7u8; 512]));
     let (h, body) = peer.recv().unwrap();
     let (c, _) = CompletionCaravan::parse(&h, &body).unwrap().iter().next().unwrap();
     assert_eq!(c.status, Status::Ok);
     assert_eq!(direct(&mut peer, handle, &cap, 8192, 4096), Status::StaleCapability);
     // The connection survived every refusal: an ordinary read still works on it.
-    let req = Request { opcode: Opcode::Read, flags: ReqFlags::empty(), tag: 5, handle, offset: 8192, length: 4096 };
+    let req = Request {
+        opcode: Opcode::Read,
+        flags: ReqFlags::empty(),
+        tag: 5,
+        handle,
+        offset: 8192,
+        length: 4096,
+    };
     peer.send(&caravan(&[req], &[]));
     let (h, body) = peer.recv().unwrap();
     let (c, data) = CompletionCaravan::parse(&h, &body).unwrap().iter().next().unwrap();

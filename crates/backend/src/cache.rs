@@ -432,7 +432,7 @@ mod tests {
                         let blk = (i * 7 + u64::from(t)) % 64;
                         // Every block's bytes are its own number: a foreign block shows.
                         fill_one(&cache, blk * SLOT_BYTES as u64, &block(blk as u8));
-                        if i % 3 == 0 {
+                        if i.is_multiple_of(3) {
                             cache.invalidate(blk * SLOT_BYTES as u64, 1);
                         }
                         i += 1;

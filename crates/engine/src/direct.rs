@@ -37,19 +37,45 @@ pub struct DirectReads {
     lifetime_ms: u64,
     /// RAM: the export is its own cache and hands out region capabilities.
     in_memory: bool,
+    /// The planted bug of the simulator's proof (feature `mutations`): writes leave the cache
+    /// alone, so it serves data older than an acknowledged write.
+    #[cfg(feature = "mutations")]
+    stale_cache: std::sync::atomic::AtomicBool,
 }
 
 impl DirectReads {
     /// Direct reads sealed with `secret`; `cache` for a file export (None for RAM, whose own
     /// memory serves them); `in_memory` when the backend serves reads from memory in place.
-    pub fn new(secret: [u8; proto::capability::KEY_LEN], cache: Option<BlockCache>, in_memory: bool) -> DirectReads {
+    pub fn new(
+        secret: [u8; proto::capability::KEY_LEN],
+        cache: Option<BlockCache>,
+        in_memory: bool,
+    ) -> DirectReads {
         DirectReads {
             key: CapKey::new(secret),
             epoch: AtomicU32::new(1),
             cache,
             lifetime_ms: LIFETIME_MS_DEFAULT,
             in_memory,
+            #[cfg(feature = "mutations")]
+            stale_cache: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Plant the bug that writes do not invalidate the cache (feature `mutations`).
+    #[cfg(feature = "mutations")]
+    pub fn plant_stale_cache(&self) {
+        self.stale_cache.store(true, Ordering::Relaxed);
+    }
+
+    /// A write to `len` bytes from `offset` reached the backend: drop what the cache holds of
+    /// them, before the write is acknowledged.
+    pub fn written(&self, offset: u64, len: u64) {
+        #[cfg(feature = "mutations")]
+        if self.stale_cache.load(Ordering::Relaxed) {
+            return;
+        }
+        self.invalidate(offset, len);
     }
 
     /// Capabilities sealed from now on expire `lifetime_ms` after sealing.
@@ -101,7 +127,14 @@ impl DirectReads {
 
     /// Fill the blocks of a planned read (`data`, read from the backend after `ticket` was
     /// taken) into the cache, calling `each` with a slot capability for every block filled.
-    pub fn fill(&self, export: u32, ticket: &FillTicket, data: &[u8], now_ms: u64, mut each: impl FnMut(Capability)) {
+    pub fn fill(
+        &self,
+        export: u32,
+        ticket: &FillTicket,
+        data: &[u8],
+        now_ms: u64,
+        mut each: impl FnMut(Capability),
+    ) {
         let Some(cache) = &self.cache else { return };
         cache.fill(ticket, data, |f| {
             each(self.seal(export, CapKind::Slot, f.offset, SLOT_BYTES as u32, f.slot, f.generation, now_ms))
@@ -136,7 +169,14 @@ impl DirectReads {
     /// Judge a direct read of `len` bytes from `offset` on export `export` with `cap`: the MAC,
     /// export, rights, range, epoch and expiry ([`CapKey::check`]). Generations are checked
     /// when the slot is read ([`read_slot`](Self::read_slot)).
-    pub fn check(&self, cap: &Capability, export: u32, offset: u64, len: u32, now_ms: u64) -> Result<(), CapFault> {
+    pub fn check(
+        &self,
+        cap: &Capability,
+        export: u32,
+        offset: u64,
+        len: u32,
+        now_ms: u64,
+    ) -> Result<(), CapFault> {
         self.key.check(cap, export, self.epoch(), now_ms, offset, len)?;
         match cap.kind {
             CapKind::Region if self.in_memory => Ok(()),

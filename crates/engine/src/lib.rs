@@ -20,8 +20,8 @@ pub mod stats;
 
 use std::sync::Arc;
 
-use backend::Backend;
 pub use backend::cache::CacheCounters;
+use backend::Backend;
 pub use backend::{parse_size, BackendCounters, BackendError, BackendSpec, RegionBytes, SpecError};
 use wire::control::{ExportFlags, ExportInfo};
 use wire::{Opcode, ReqFlags, Status};
@@ -215,7 +215,7 @@ pub fn execute(export: &Export, io: &Io, payload: &[u8], read_into: &mut [u8]) -
         // Before the write is acknowledged, and whether or not the backend took all of it:
         // the cache must never serve bytes older than what the volume may now hold.
         if let Some(d) = &export.direct {
-            d.invalidate(io.offset, io.length.into());
+            d.written(io.offset, io.length.into());
         }
     }
     match result {

@@ -252,7 +252,8 @@ impl<B: IoBuf> Lane<B> {
             proposed.caravan_reqs_max = LANE_CARAVAN_REQS_MAX;
         }
         let features = if config.directory_entries > 0 { wire::control::FEATURE_DIRECT_READS } else { 0 };
-        let (conn, reply) = open_lane(endpoint, export, &proposed, features, config.timeout, config.poll_spin)?;
+        let (conn, reply) =
+            open_lane(endpoint, export, &proposed, features, config.timeout, config.poll_spin)?;
         let session_config = SessionConfig {
             doorbell: config.doorbell,
             batching: config.batching,

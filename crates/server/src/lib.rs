@@ -313,7 +313,11 @@ impl Target {
     pub fn rotate_epoch(&self, name: &str) -> Option<u32> {
         let (_, export) = self.shared.exports.find(name)?;
         let epoch = export.direct.as_ref()?.rotate_epoch();
-        tracing::info!(export = name, epoch, "capability key epoch rotated: every capability of the export is stale");
+        tracing::info!(
+            export = name,
+            epoch,
+            "capability key epoch rotated: every capability of the export is stale"
+        );
         Some(epoch)
     }
 

@@ -13,6 +13,7 @@
 //! what it claims to.
 
 pub mod clock;
+pub mod direct;
 pub mod disk;
 pub mod faults;
 pub mod pipe;

@@ -70,3 +70,33 @@ fn every_planted_bug_is_caught_within_the_seed_budget() {
         eprintln!("{planted:?}: caught by seed {}: {}", f.seed, f.message.lines().next().unwrap_or_default());
     }
 }
+
+/// Direct reads (ODAFS): two initiators, writes, evictions, key rotations, invalidations and
+/// expiries against direct reads; every byte read checked.
+#[test]
+fn a_thousand_direct_read_seeds_pass_and_a_stale_cache_is_caught() {
+    use skiff_sim::direct;
+    let mut total = direct::Report::default();
+    let mut failures = Vec::new();
+    for seed in 0..SEEDS {
+        match direct::run(&direct::Options { seed, ops: OPS, stale_cache: false }) {
+            Ok(r) => total.add(&r),
+            Err(e) => failures.push(format!("seed {seed}: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{} of {SEEDS} seeds failed:\n{}", failures.len(), failures.join("\n"));
+    eprintln!("direct reads over {SEEDS} seeds: {total:?}");
+    assert!(total.direct_reads > SEEDS * 20, "{total:?}");
+    assert!(total.direct_faults > SEEDS && total.fallbacks == total.direct_faults, "{total:?}");
+    assert!(
+        total.rotations > SEEDS / 2 && total.invalidations > SEEDS && total.cache_evictions > SEEDS * 10,
+        "{total:?}"
+    );
+    let a = direct::run(&direct::Options { seed: 42, ops: OPS, stale_cache: false }).unwrap();
+    let b = direct::run(&direct::Options { seed: 42, ops: OPS, stale_cache: false }).unwrap();
+    assert_eq!(format!("{a:?}"), format!("{b:?}"), "a seed replays exactly");
+    let caught =
+        (0..SEEDS).find_map(|seed| direct::run(&direct::Options { seed, ops: OPS, stale_cache: true }).err());
+    let message = caught.expect("a cache that writes do not invalidate survived every seed");
+    eprintln!("stale cache caught: {}", message.lines().next().unwrap_or_default());
+}

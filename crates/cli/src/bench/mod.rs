@@ -91,6 +91,19 @@ pub struct BenchArgs {
     /// (0: every read; off, the default: never). Smaller reads are received in bulk and copied.
     #[arg(long, default_value = "off", value_parser = crate::units::parse_direct_min)]
     direct_min: u32,
+    /// Direct reads (ODAFS, docs/DIRECT_READS.md): reads ask the target for capabilities, and
+    /// later reads of the same bytes are served from them without the target's backend; a
+    /// stale one falls back to an ordinary read in the same call.
+    #[arg(long)]
+    direct_reads: bool,
+    /// Capabilities each lane's directory holds with --direct-reads (the default covers 1 GiB
+    /// of 4 KiB cache slots, about 16 MiB per lane).
+    #[arg(long, default_value_t = 1 << 18, requires = "direct_reads")]
+    directory_entries: u32,
+    /// Read the whole range once before the timed phase (after --verify's fill), so that the
+    /// timed phase meets warm caches and directories: ODAFS's second pass.
+    #[arg(long)]
+    warm: bool,
     #[command(flatten)]
     reconnect: crate::reconnect::ReconnectArgs,
 }
@@ -181,6 +194,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         poll_spin: args.poll,
         direct_min_bytes: args.direct_min,
         reconnect: args.reconnect.config(),
+        directory_entries: if args.direct_reads { args.directory_entries.max(1) } else { 0 },
         ..LaneConfig::default()
     };
     let connect_error = |e| format!("{endpoint} export {:?}: {e}", args.export);
@@ -249,6 +263,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         region_len: slice,
         duration: args.duration,
         verify: args.verify,
+        warm: args.warm,
         seed: args.seed,
     };
     fn spawn<Q: workload::BenchQueue + 'static>(

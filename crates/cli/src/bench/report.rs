@@ -121,6 +121,12 @@ pub struct Summary {
     /// the attempts it took.
     pub reconnects: u64,
     pub reconnect_attempts: u64,
+    /// With --direct-reads: reads served from capabilities, direct reads the target refused
+    /// (stale or bad), the ordinary reads issued in their place, and capabilities received.
+    pub direct_reads: u64,
+    pub direct_faults: u64,
+    pub fallbacks: u64,
+    pub capabilities_received: u64,
     pub io_errors: u64,
     pub first_io_error: Option<String>,
     pub verify_errors: u64,
@@ -265,6 +271,10 @@ pub fn summarize(
         server_caravans_sent: delta(before, after, "caravans_sent"),
         reconnects: telemetry.lanes.reconnects,
         reconnect_attempts: telemetry.lanes.reconnect_attempts,
+        direct_reads: telemetry.lanes.direct_reads,
+        direct_faults: telemetry.lanes.direct_faults,
+        fallbacks: telemetry.lanes.fallbacks,
+        capabilities_received: telemetry.lanes.capabilities_received,
         io_errors,
         first_io_error: results.iter().find_map(|r| r.first_error).map(|s| s.to_string()),
         verify_errors,
@@ -345,6 +355,16 @@ pub fn print_table(s: &Summary) {
         (
             "reconnects",
             format!("{} ({} attempts)", s.reconnects, s.reconnect_attempts),
+        ),
+        (
+            "direct reads",
+            format!(
+                "{} served, {} faults, {} fallbacks, {} capabilities received",
+                grouped(s.direct_reads),
+                grouped(s.direct_faults),
+                grouped(s.fallbacks),
+                grouped(s.capabilities_received)
+            ),
         ),
         (
             "I/O errors",

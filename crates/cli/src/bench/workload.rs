@@ -79,6 +79,8 @@ pub struct Workload {
     pub region_len: u64,
     pub duration: Duration,
     pub verify: bool,
+    /// Read the whole region once before the timed phase.
+    pub warm: bool,
     pub seed: u64,
 }
 
@@ -192,6 +194,9 @@ impl<Q: BenchQueue> Runner<'_, Q> {
     fn phases(&mut self, phases: &Phases) -> Result<(), initiator::Error> {
         if self.w.verify {
             self.sweep(Opcode::Write)?;
+        }
+        if self.w.warm {
+            self.sweep(Opcode::Read)?;
         }
         phases.timed_start.wait();
         self.barriers_passed = 1;

@@ -15,7 +15,8 @@ use wire::capability::CAPABILITIES_PER_FRAME_MAX;
 use wire::caravan::RequestCaravan;
 use wire::control::{frame, OpenReply};
 use wire::{
-    Capability, Completion, FrameKind, GoAway, Header, Opcode, ReqFlags, Status, COMPLETION_DESC_LEN, HEADER_LEN,
+    Capability, Completion, FrameKind, GoAway, Header, Opcode, ReqFlags, Status, COMPLETION_DESC_LEN,
+    HEADER_LEN,
 };
 
 use super::{FrontStats, Host, Laps, Link, Sink};
@@ -167,7 +168,13 @@ impl CompletionWriter {
     /// Append a read's data. On failure nothing was appended and the request completes with
     /// the status alone. Returns where the data starts in the sink when the sink copied it
     /// there (not for data sent by address).
-    fn read<S: Sink + ?Sized>(&mut self, tx: &mut S, export: &Export, io: &Io, stats: &FrontStats) -> (Status, usize) {
+    fn read<S: Sink + ?Sized>(
+        &mut self,
+        tx: &mut S,
+        export: &Export,
+        io: &Io,
+        stats: &FrontStats,
+    ) -> (Status, usize) {
         let len = io.length as usize;
         self.room(tx, len, stats);
         let start = tx.len();
@@ -311,7 +318,9 @@ fn earn<S: Sink + ?Sized>(
     let Some(d) = &export.direct else { return };
     match plan {
         Plan::None => {}
-        Plan::Region => caps.push(d.seal_region(index, export.backend.size_bytes(), io.offset, host.clock_ms())),
+        Plan::Region => {
+            caps.push(d.seal_region(index, export.backend.size_bytes(), io.offset, host.clock_ms()))
+        }
         Plan::Fill(ticket) => {
             let data = tx.bytes_mut(start..start + io.length as usize);
             d.fill(index, &ticket, data, host.clock_ms(), |c| caps.push(c));

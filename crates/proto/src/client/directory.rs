@@ -40,7 +40,7 @@ impl Directory {
         if self.grain == 0 {
             self.grain = grain;
         }
-        if grain != self.grain || cap.offset % grain != 0 {
+        if grain != self.grain || !cap.offset.is_multiple_of(grain) {
             return;
         }
         let i = self.index(cap.offset);
@@ -112,7 +112,7 @@ mod tests {
             d.insert(cap(i * 4096, 4096));
         }
         let held = (0..100).filter(|&i| d.find(i * 4096, 4096).is_some()).count();
-        assert!(held <= 4 && held >= 1, "bounded: {held}");
+        assert!((1..=4).contains(&held), "bounded: {held}");
         d.clear();
         assert!((0..100).all(|i| d.find(i * 4096, 4096).is_none()));
     }

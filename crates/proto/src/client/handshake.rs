@@ -24,8 +24,12 @@ impl ClientHandshake {
 
     /// The HELLO frame to send first.
     pub fn hello_frame(&self) -> Vec<u8> {
-        let hello =
-            Hello { version_min: VERSION, version_max: VERSION, features: self.features, limits: self.proposed };
+        let hello = Hello {
+            version_min: VERSION,
+            version_max: VERSION,
+            features: self.features,
+            limits: self.proposed,
+        };
         wire::control::frame(FrameKind::Hello, &hello.encode())
     }
 

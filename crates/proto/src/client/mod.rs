@@ -1,8 +1,8 @@
 //! The initiator's side of the protocol: the handshake, and the session that carries one lane's
 //! requests and completions ([`ClientSession`]).
 
-mod handshake;
 mod directory;
+mod handshake;
 mod outbox;
 mod placement;
 pub mod reconnect;

@@ -41,8 +41,8 @@ use std::io::{self, IoSlice, IoSliceMut};
 use wire::caravan::CompletionCaravan;
 use wire::control::CONTROL_BODY_MAX;
 use wire::framing::peek_header;
-use wire::{Capability, FrameBuffer, FrameKind, GoAway, Header, Limits, Opcode, ReqFlags, Request, Status};
 use wire::CAPABILITY_LEN;
+use wire::{Capability, FrameBuffer, FrameKind, GoAway, Header, Limits, Opcode, ReqFlags, Request, Status};
 use wire::{COMPLETION_DESC_LEN, HEADER_LEN};
 
 use super::directory::Directory;
@@ -276,7 +276,8 @@ impl<B: IoBuf> ClientSession<B> {
             },
             done: VecDeque::with_capacity(queue_depth),
             placement: Placement::new(),
-            directory: (config.directory_entries > 0).then(|| Directory::new(config.directory_entries as usize)),
+            directory: (config.directory_entries > 0)
+                .then(|| Directory::new(config.directory_entries as usize)),
             fallback: Vec::with_capacity(if config.directory_entries > 0 { queue_depth } else { 0 }),
             reads: ReadsInFlight::default(),
             direct_min_bytes: config.direct_min_bytes,
@@ -390,7 +391,10 @@ impl<B: IoBuf> ClientSession<B> {
             return refuse(SubmitError::QueueFull(self.slots.len()), buf);
         }
         if opcode == Opcode::DirectRead {
-            return refuse(SubmitError::Invalid("direct reads are the session's to choose: submit a read"), buf);
+            return refuse(
+                SubmitError::Invalid("direct reads are the session's to choose: submit a read"),
+                buf,
+            );
         }
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -987,7 +991,12 @@ fn finish<B>(
         let moved = matches!(p.opcode, Opcode::Read | Opcode::Write | Opcode::DirectRead) && status.is_ok();
         ctl.handle_completion(if moved { p.length.into() } else { 0 });
     }
-    done.push_back(Completion { user_data: p.user_data, opcode: caller_opcode(p.opcode), status, buf: p.buf });
+    done.push_back(Completion {
+        user_data: p.user_data,
+        opcode: caller_opcode(p.opcode),
+        status,
+        buf: p.buf,
+    });
 }
 
 /// The opcode a caller submitted: a direct read was the session's choice for a read.
