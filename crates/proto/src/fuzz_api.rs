@@ -112,3 +112,76 @@ fn place(s: &mut ClientSession<Vec<u8>>, piece: &[u8]) -> usize {
     s.handle_placed(placed);
     placed
 }
+
+/// Capabilities from fuzzer bytes (target `capability`): the first byte picks the check.
+///
+/// - 0: bytes as one capability: decodes only at exactly 56 bytes with a known kind and rights,
+///   and re-encodes to the same bytes; checked under a key, it is refused as forged (a fuzzer
+///   does not find BLAKE3 MACs), and the same fields sealed under that key pass every check
+///   they should and no other.
+/// - 1: bytes as a `CAPABILITIES` body: decodes only when its count matches its length, and
+///   re-encodes to the same bytes.
+/// - 2: a sealed capability with fuzzed bytes XORed over it: if it still decodes and is not
+///   the original, it is refused.
+pub fn capability(data: &[u8]) {
+    use crate::capability::{CapFault, CapKey};
+    use wire::Capability;
+    let Some((&which, rest)) = data.split_first() else { return };
+    let key = CapKey::new([0x5A; crate::capability::KEY_LEN]);
+    match which % 3 {
+        0 => {
+            let Ok(cap) = Capability::decode(rest) else { return };
+            assert_eq!(&cap.encode()[..], rest);
+            let check = |c: &Capability| key.check(c, c.export, c.epoch, 0, c.offset, c.length.max(1));
+            if cap != key.seal(cap) {
+                assert_eq!(check(&cap), Err(CapFault::Forged));
+            }
+            let sealed = key.seal(cap);
+            let outcome = check(&sealed);
+            let expect = if !sealed.rights.contains(wire::CapRights::READ) {
+                Err(CapFault::NoRight)
+            } else if !sealed.covers(sealed.offset, sealed.length.max(1)) {
+                Err(CapFault::NotCovered)
+            } else if sealed.expires_ms == 0 {
+                Err(CapFault::Expired)
+            } else {
+                Ok(())
+            };
+            assert_eq!(outcome, expect);
+        }
+        1 => {
+            let mut caps = Vec::new();
+            if Capability::decode_list(rest, |c| caps.push(c)).is_ok() {
+                let mut out = Vec::new();
+                Capability::encode_list(&caps, &mut out);
+                assert_eq!(out, rest);
+            }
+        }
+        _ => {
+            let original = key.seal(Capability {
+                export: 1,
+                kind: wire::CapKind::Slot,
+                rights: wire::CapRights::READ,
+                epoch: 2,
+                generation: 4,
+                offset: 8192,
+                length: 4096,
+                slot: 9,
+                expires_ms: 1_000,
+                mac: [0; 16],
+            });
+            let mut bytes = original.encode();
+            for (b, x) in bytes.iter_mut().zip(rest) {
+                *b ^= x;
+            }
+            if let Ok(altered) = Capability::decode(&bytes) {
+                let verdict = key.check(&altered, 1, 2, 0, 8192, 4096);
+                if altered == original {
+                    assert_eq!(verdict, Ok(()));
+                } else {
+                    assert_eq!(verdict, Err(CapFault::Forged));
+                }
+            }
+        }
+    }
+}

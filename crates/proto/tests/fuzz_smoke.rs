@@ -79,3 +79,42 @@ fn hostile_completion_streams_never_break_the_session() {
         assert!(outcome.is_ok(), "case {case} broke an invariant; input: {input:02x?}");
     }
 }
+
+/// The `capability` target's checks on seeded inputs: plausible capabilities and bodies, and
+/// mutations of them.
+#[test]
+fn capability_smoke() {
+    let mut rng = Rng(SEED ^ 0xcab);
+    for case in 0..CASES {
+        let which = (case % 3) as u8;
+        let mut input = vec![which];
+        let len = match which {
+            0 => 56,
+            1 => 4 + 56 * rng.below(3) as usize,
+            _ => rng.below(64) as usize,
+        };
+        input.extend((0..len).map(|_| rng.below(256) as u8));
+        if which == 0 {
+            input[5] = 1 + rng.below(2) as u8; // kind
+            input[6] = rng.below(4) as u8; // rights
+            input[7] = 0;
+            input[8] = 0;
+        }
+        if which == 1 {
+            let count = ((len - 4) / 56) as u16;
+            input[1..3].copy_from_slice(&count.to_le_bytes());
+            input[3] = 0;
+            input[4] = 0;
+            for c in 0..count as usize {
+                input[5 + c * 56 + 4] = 1 + rng.below(2) as u8;
+                input[5 + c * 56 + 5] = rng.below(4) as u8;
+                input[5 + c * 56 + 6] = 0;
+                input[5 + c * 56 + 7] = 0;
+            }
+        }
+        let input = mutate(&mut rng, input);
+        if catch_unwind(AssertUnwindSafe(|| skiff_proto::fuzz_api::capability(&input))).is_err() {
+            panic!("capability case {case} failed; input: {input:02x?}");
+        }
+    }
+}
