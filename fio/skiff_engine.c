@@ -37,6 +37,7 @@ struct skiff_options {
 	unsigned int reconnect_delay_ms;
 	unsigned int ctrl_loss_timeout_ms;
 	unsigned int fast_io_fail_timeout_ms;
+	unsigned int directory_entries;
 };
 
 /* Per-job state: the lane and the completions of the last getevents, for event(). */
@@ -178,6 +179,17 @@ static struct fio_option options[] = {
 		.group = FIO_OPT_G_INVALID,
 	},
 	{
+		.name = "directory_entries",
+		.lname = "skiff direct-read directory entries",
+		.type = FIO_OPT_INT,
+		.off1 = offsetof(struct skiff_options, directory_entries),
+		.minval = 0,
+		.def = "0",
+		.help = "Direct reads with capabilities: how many the lane's directory holds; 0: off (default)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
 		.name = NULL,
 	},
 };
@@ -205,6 +217,7 @@ static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int may_sh
 	cfg.reconnect_delay_ms = o->reconnect_delay_ms;
 	cfg.ctrl_loss_timeout_ms = o->ctrl_loss_timeout_ms;
 	cfg.fast_io_fail_timeout_ms = o->fast_io_fail_timeout_ms;
+	cfg.directory_entries = o->directory_entries;
 	rc = skiff_lane_open(o->target, o->export_name, &cfg, lane);
 	if (rc) {
 		log_err("fio: skiff: cannot open %s on %s: %s\n", o->export_name, o->target,

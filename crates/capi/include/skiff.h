@@ -64,6 +64,8 @@ typedef struct skiff_lane_config {
                                        * with -ENOTCONN (default 60000) */
     uint32_t fast_io_fail_timeout_ms; /* fail waiting requests (-EIO) after this long while
                                        * reconnecting goes on; 0: off (default) */
+    uint32_t directory_entries;       /* direct reads (docs/DIRECT_READS.md): capabilities the
+                                       * lane's directory holds; 0: off (default) */
 } skiff_lane_config;
 
 typedef struct skiff_completion {

@@ -41,6 +41,7 @@ pub struct SkiffLaneConfig {
     pub reconnect_delay_ms: u32,
     pub ctrl_loss_timeout_ms: u32,
     pub fast_io_fail_timeout_ms: u32,
+    pub directory_entries: u32,
 }
 
 /// `skiff_completion` in `skiff.h`.
@@ -210,6 +211,7 @@ fn defaults() -> SkiffLaneConfig {
         reconnect_delay_ms: (d.reconnect.reconnect_delay_us / 1000) as u32,
         ctrl_loss_timeout_ms: (d.reconnect.ctrl_loss_timeout_us / 1000) as u32,
         fast_io_fail_timeout_ms: d.reconnect.fast_io_fail_timeout_us.map_or(0, |us| (us / 1000) as u32),
+        directory_entries: d.directory_entries,
     }
 }
 
@@ -236,6 +238,7 @@ fn lane_config(c: &SkiffLaneConfig) -> Option<LaneConfig> {
             fast_io_fail_timeout_us: (c.fast_io_fail_timeout_ms > 0)
                 .then(|| u64::from(c.fast_io_fail_timeout_ms) * 1000),
         },
+        directory_entries: c.directory_entries,
         ..d
     })
 }

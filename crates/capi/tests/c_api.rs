@@ -43,7 +43,14 @@ fn c_program_moves_data_through_the_header_api() {
         ..TargetConfig::default()
     };
     let t = Target::start(config).unwrap();
-    let out = Command::new(&exe).arg(t.endpoints()[0].to_string()).arg("vol").output().unwrap();
+    // The library this test built, not a stale copy that `cargo build` left in target/debug,
+    // which cargo's LD_LIBRARY_PATH would otherwise put before the rpath.
+    let out = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", &lib_dir)
+        .arg(t.endpoints()[0].to_string())
+        .arg("vol")
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("size 4194304 block 512 qd 8"), "{stdout}");
@@ -66,9 +73,15 @@ fn c_program_moves_data_through_the_header_api() {
     assert!(stdout.contains(&completion), "{completion} vs {stdout}");
     assert!(stdout.contains(&config), "{config} vs {stdout}");
     assert!(stdout.contains("shared ok"), "{stdout}");
+    assert!(stdout.contains("direct ok"), "{stdout}");
 
     let s = t.stats();
-    assert_eq!(s.get("req_write"), Some(9), "8 on a lane of its own, 1 on a shared one");
+    assert_eq!(
+        s.get("req_write"),
+        Some(10),
+        "8 on a lane of its own, 1 on a shared one, 1 before direct reads"
+    );
+    assert_eq!(s.get("req_direct_read"), Some(1), "the second read of the block was direct");
     assert_eq!(s.get("backend_syncs").unwrap_or(0), 0, "RAM flushes need no sync");
 }
 

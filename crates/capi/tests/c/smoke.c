@@ -119,6 +119,25 @@ int main(int argc, char **argv) {
     skiff_lane_close(b);
     printf("shared ok\n");
 
+    /* Direct reads: the first read earns a capability, the second is served from it. */
+    skiff_lane_config_default(&cfg);
+    if (cfg.directory_entries != 0) return fail("direct reads are off by default", (int)cfg.directory_entries);
+    cfg.directory_entries = 64;
+    rc = skiff_lane_open(argv[1], argv[2], &cfg, &lane);
+    if (rc != 0) return fail("open direct", rc);
+    memset(bufs[1], 'D', BS);
+    rc = skiff_lane_submit(lane, SKIFF_OP_WRITE, 0, 16 * BS, bufs[1], BS, 600);
+    if (rc != 0 || skiff_lane_reap(lane, done, QD, 1) != 1 || done[0].result != 0) return fail("direct write", rc);
+    for (int pass = 0; pass < 2; pass++) {
+        memset(bufs[2], 0, BS);
+        rc = skiff_lane_submit(lane, SKIFF_OP_READ, 0, 16 * BS, bufs[2], BS, 601);
+        if (rc != 0 || skiff_lane_reap(lane, done, QD, 1) != 1 || done[0].result != 0) return fail("direct read", rc);
+        for (int i = 0; i < BS; i++)
+            if (bufs[2][i] != 'D') return fail("direct read data", i);
+    }
+    skiff_lane_close(lane);
+    printf("direct ok\n");
+
     rc = skiff_lane_open(argv[1], "no-such-export", NULL, &lane);
     if (rc == 0) return fail("open of a missing export succeeded", 0);
     printf("missing export: %d %s\n", rc, skiff_last_error());
