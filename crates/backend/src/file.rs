@@ -140,13 +140,19 @@ impl FileBackend {
     /// The volume size is the file's size, found by seeking to its end (which works for block
     /// devices too), rounded down to whole 512-byte blocks. An empty file is an error.
     pub fn open(path: &Path, read_only: bool) -> Result<Self> {
+        FileBackend::open_with(path, read_only, true)
+    }
+
+    /// [`open`](Self::open); with `use_direct` false every request goes through the page cache
+    /// (`,direct=off` on an export: for measuring what the page cache gives).
+    pub fn open_with(path: &Path, read_only: bool, use_direct: bool) -> Result<Self> {
         let buffered = open_fd(path, !read_only, 0).map_err(|e| with_path(path, "open", e))?;
         let file_type = buffered.metadata().map_err(|e| with_path(path, "stat", e))?.file_type();
         if !file_type.is_file() && !file_type.is_block_device() {
             return Err(invalid(path, "not a regular file or block device"));
         }
         let size_bytes = volume_size(path, &buffered)?;
-        let direct = open_direct(path, !read_only);
+        let direct = if use_direct { open_direct(path, !read_only) } else { None };
         let write_fds = if read_only { None } else { Some(open_write_fds(path, direct.is_some())?) };
         Ok(FileBackend {
             path: path.to_owned(),

@@ -158,9 +158,14 @@ pub trait Backend: Send + Sync {
 
 /// Open a backend from a parsed spec. `read_only` opens files read-only.
 pub fn open(spec: &BackendSpec, read_only: bool) -> Result<Arc<dyn Backend>> {
+    open_with(spec, read_only, true)
+}
+
+/// [`open`]; with `use_direct` false a file is read and written through the page cache only.
+pub fn open_with(spec: &BackendSpec, read_only: bool, use_direct: bool) -> Result<Arc<dyn Backend>> {
     Ok(match spec {
         BackendSpec::Ram { size_bytes } => Arc::new(ram::RamBackend::new(*size_bytes, read_only)?),
         BackendSpec::Null { size_bytes } => Arc::new(null::NullBackend::new(*size_bytes, read_only)),
-        BackendSpec::File { path } => Arc::new(file::FileBackend::open(path, read_only)?),
+        BackendSpec::File { path } => Arc::new(file::FileBackend::open_with(path, read_only, use_direct)?),
     })
 }

@@ -52,7 +52,13 @@ impl std::fmt::Debug for Export {
 impl Export {
     /// Open the backend `spec` describes as export `name`.
     pub fn open(name: &str, spec: &BackendSpec, read_only: bool) -> Result<Export, BackendError> {
-        let backend = backend::open(spec, read_only)?;
+        Export::open_with(name, spec, read_only, true)
+    }
+
+    /// [`open`](Self::open); with `use_direct` false a file export bypasses `O_DIRECT` and
+    /// goes through the page cache.
+    pub fn open_with(name: &str, spec: &BackendSpec, read_only: bool, use_direct: bool) -> Result<Export, BackendError> {
+        let backend = backend::open_with(spec, read_only, use_direct)?;
         Ok(Export { name: name.to_owned(), backend, read_only, direct: None })
     }
 

@@ -29,7 +29,8 @@ pub use conn::Protocol;
 pub use stats::{ListenerStats, WorkerStats};
 
 /// One export on the command line: `NAME=SPEC[,OPTION...]`. Options: `ro` (read-only),
-/// `cache=SIZE` (a block cache for direct reads of a file export; docs/DIRECT_READS.md).
+/// `cache=SIZE` (a block cache for direct reads of a file export; docs/DIRECT_READS.md),
+/// `direct=off` (a file export through the page cache instead of `O_DIRECT`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportConfig {
     pub name: String,
@@ -37,6 +38,9 @@ pub struct ExportConfig {
     pub read_only: bool,
     /// Bytes of block cache serving direct reads (file exports); 0 for none.
     pub cache_bytes: u64,
+    /// `O_DIRECT` where the file system takes it (the default); `,direct=off` goes through
+    /// the page cache.
+    pub use_direct: bool,
 }
 
 /// Why an `--export` argument does not describe an export.
@@ -61,10 +65,12 @@ impl std::str::FromStr for ExportConfig {
         }
         // Options trail the spec (`,ro`, `,cache=SIZE`); a path may hold commas of its own, so
         // only known options are taken from the end.
-        let (mut spec, mut read_only, mut cache_bytes) = (spec, false, 0);
+        let (mut spec, mut read_only, mut cache_bytes, mut use_direct) = (spec, false, 0, true);
         while let Some((head, option)) = spec.rsplit_once(',') {
             if option == "ro" {
                 read_only = true;
+            } else if option == "direct=off" || option == "direct=on" {
+                use_direct = option == "direct=on";
             } else if let Some(value) = option.strip_prefix("cache=") {
                 cache_bytes = engine::parse_size(value).map_err(|source| ExportConfigError::CacheSize {
                     name: name.to_owned(),
@@ -78,7 +84,7 @@ impl std::str::FromStr for ExportConfig {
         }
         let spec = BackendSpec::parse(spec)
             .map_err(|source| ExportConfigError::Spec { name: name.to_owned(), source })?;
-        Ok(ExportConfig { name: name.to_owned(), spec, read_only, cache_bytes })
+        Ok(ExportConfig { name: name.to_owned(), spec, read_only, cache_bytes, use_direct })
     }
 }
 
@@ -381,7 +387,7 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
             return Err(TargetError::DuplicateExport(ec.name.clone()));
         }
         let read_only = config.read_only || ec.read_only;
-        let mut export = Export::open(&ec.name, &ec.spec, read_only)
+        let mut export = Export::open_with(&ec.name, &ec.spec, read_only, ec.use_direct)
             .map_err(|source| TargetError::Backend { name: ec.name.clone(), source })?;
         if ec.cache_bytes > 0 && export.backend.read_in_place(0, 0).is_some() {
             tracing::warn!(export = %ec.name, "cache= ignored: a RAM export is its own cache for direct reads");
@@ -405,7 +411,9 @@ mod tests {
         let ok: ExportConfig = "vol=ram:1M,ro".parse().unwrap();
         assert_eq!((ok.name.as_str(), ok.read_only), ("vol", true));
         let cached: ExportConfig = "vol=file:/var/tmp/a,b,cache=64M,ro".parse().unwrap();
-        assert_eq!((cached.cache_bytes, cached.read_only), (64 << 20, true));
+        assert_eq!((cached.cache_bytes, cached.read_only, cached.use_direct), (64 << 20, true, true));
+        let buffered: ExportConfig = "vol=file:/x,direct=off".parse().unwrap();
+        assert!(!buffered.use_direct);
         assert_eq!(cached.spec, BackendSpec::File { path: "/var/tmp/a,b".into() });
         let err = "vol=file:/x,cache=lots".parse::<ExportConfig>().unwrap_err();
         assert!(err.to_string().contains("cache=\"lots\""), "{err}");
