@@ -179,9 +179,11 @@ impl BlockCache {
         }
     }
 
+    /// A block's set: its number modulo the sets, as a hardware cache indexes, so that a
+    /// contiguous range as large as the cache fits it with no conflict at all (hashing would
+    /// overflow some sets long before the cache is full).
     fn set_of(&self, block: u64) -> usize {
-        // Fibonacci hashing spreads sequential blocks over all sets.
-        (block.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16) as usize % self.sets.len()
+        (block % self.sets.len() as u64) as usize
     }
 
     /// The set versions a fill of `len` bytes from `offset` must still see when it installs.
@@ -459,5 +461,26 @@ mod tests {
             w.join().unwrap();
         }
         assert!(served > 0);
+    }
+}
+
+#[cfg(test)]
+mod capacity {
+    use super::*;
+
+    #[test]
+    fn a_contiguous_range_as_large_as_the_cache_is_held_whole() {
+        let cache = BlockCache::new((SLOT_BYTES * WAYS * 5) as u64).unwrap();
+        let blocks = (WAYS * 5) as u64;
+        let mut filled = Vec::new();
+        for b in 0..blocks {
+            let offset = (77 + b) * SLOT_BYTES as u64;
+            let ticket = cache.fill_ticket(offset, SLOT_BYTES).unwrap();
+            cache.fill(&ticket, &vec![b as u8; SLOT_BYTES], |f| filled.push(f));
+        }
+        assert_eq!(cache.counters().evictions, 0);
+        for f in filled {
+            assert!(cache.read(f.slot, f.generation, f.offset, &mut [0u8; 64]));
+        }
     }
 }

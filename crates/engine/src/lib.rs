@@ -57,7 +57,12 @@ impl Export {
 
     /// [`open`](Self::open); with `use_direct` false a file export bypasses `O_DIRECT` and
     /// goes through the page cache.
-    pub fn open_with(name: &str, spec: &BackendSpec, read_only: bool, use_direct: bool) -> Result<Export, BackendError> {
+    pub fn open_with(
+        name: &str,
+        spec: &BackendSpec,
+        read_only: bool,
+        use_direct: bool,
+    ) -> Result<Export, BackendError> {
         let backend = backend::open_with(spec, read_only, use_direct)?;
         Ok(Export { name: name.to_owned(), backend, read_only, direct: None })
     }

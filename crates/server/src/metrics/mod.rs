@@ -298,7 +298,7 @@ fn workers(out: &mut Families, workers: &[std::sync::Arc<WorkerStats>]) {
         "Requests per received request caravan, by worker: the batch level the initiators chose.",
         caravans,
     );
-    let counters: [(&str, &str, Field); 6] = [
+    let counters: [(&str, &str, Field); 7] = [
         ("skiff_response_caravans_total", "Completion caravans sent, by worker.", |w| &w.front.caravans_sent),
         ("skiff_loop_passes_total", "Worker loop passes that found work.", |w| &w.loop_passes),
         ("skiff_received_bytes_total", "Bytes received from sockets, by worker.", |w| &w.rx_bytes),
@@ -310,6 +310,11 @@ fn workers(out: &mut Families, workers: &[std::sync::Arc<WorkerStats>]) {
             "skiff_protocol_errors_total",
             "Connections closed because the peer broke the protocol, by worker.",
             |w| &w.front.connections_closed_protocol_error,
+        ),
+        (
+            "skiff_capabilities_sent_total",
+            "Capabilities for direct reads handed out on reads that asked for them, by worker.",
+            |w| &w.front.capabilities_sent,
         ),
     ];
     for (name, help, field) in counters {
@@ -369,6 +374,8 @@ fn exports(out: &mut Families, shared: &Shared) {
     let mut size = Vec::new();
     let mut info = Vec::new();
     let mut backend: [Vec<(Labels, u64)>; 4] = Default::default();
+    let mut cache: [Vec<(Labels, u64)>; 6] = Default::default();
+    let mut epochs = Vec::new();
     for e in shared.exports.iter() {
         let name = || vec![("export", e.name.clone())];
         size.push((name(), e.backend.size_bytes() as f64));
@@ -380,7 +387,45 @@ fn exports(out: &mut Families, shared: &Shared) {
         for (series, v) in backend.iter_mut().zip([c.syncs, c.dsync_writes, c.direct_ios, c.buffered_ios]) {
             series.push((name(), v));
         }
+        if let Some(d) = &e.direct {
+            epochs.push((name(), f64::from(d.epoch())));
+            if let Some(c) = d.cache() {
+                let c = c.counters();
+                let values = [c.fills, c.fills_raced, c.evictions, c.invalidations, c.hits, c.stale];
+                for (series, v) in cache.iter_mut().zip(values) {
+                    series.push((name(), v));
+                }
+            }
+        }
     }
+    out.gauge(
+        "skiff_capability_key_epoch",
+        "Each export's capability key epoch: it moves on when every capability of the export is revoked.",
+        epochs,
+    );
+    let [fills, raced, evictions, invalidations, hits, stale] = cache;
+    out.counter(
+        "skiff_cache_fills_total",
+        "Blocks copied into the direct-read cache by reads that asked for capabilities.",
+        fills,
+    );
+    out.counter(
+        "skiff_cache_fills_raced_total",
+        "Blocks not cached because a write touched them between the backend read and the fill.",
+        raced,
+    );
+    out.counter("skiff_cache_evictions_total", "Cached blocks pushed out to make room.", evictions);
+    out.counter(
+        "skiff_cache_invalidations_total",
+        "Cached blocks dropped by writes, trims, write-zeroes or an explicit invalidation.",
+        invalidations,
+    );
+    out.counter("skiff_cache_hits_total", "Direct reads served from the cache.", hits);
+    out.counter(
+        "skiff_cache_stale_total",
+        "Direct reads refused because their cache slot had moved on.",
+        stale,
+    );
     out.gauge("skiff_export_size_bytes", "Size of each export.", size);
     out.gauge(
         "skiff_export_info",
