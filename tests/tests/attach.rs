@@ -35,6 +35,20 @@ fn checksum_file(path: &Path) -> u32 {
     }
 }
 
+/// Unmount once nothing uses the file. Tests run in parallel, and a process another test is
+/// spawning holds a copy of every descriptor between its fork and its exec, so a mount may be
+/// busy for a moment after its last user here closed it: retry a refusal for a few seconds.
+fn unmount(attachment: Attachment) -> initiator::LaneStats {
+    for _ in 0..100 {
+        match attachment.unmounter().unmount() {
+            Ok(()) => break,
+            Err(Error::InUse(_)) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            Err(e) => panic!("unmount: {e}"),
+        }
+    }
+    attachment.unmount().expect("unmount once nothing uses it")
+}
+
 fn attach(t: &server::Target, export: &str, at: &Path) -> Attachment {
     let config = AttachConfig { threads: 8, ..AttachConfig::new(tcp_endpoint(t), export, at) };
     Attachment::mount(&config).unwrap_or_else(|e| panic!("attach {export} at {}: {e}", at.display()))
@@ -63,7 +77,7 @@ fn ext4_on_a_loop_device_keeps_every_byte_across_attachments() {
     mounted.unmount();
     dev.detach();
     let whole = checksum_file(&attachment.file());
-    let stats = attachment.unmount().expect("unmount once nothing uses it");
+    let stats = unmount(attachment);
     assert!(stats.completed > 0 && stats.caravans_sent > 0, "{stats:?}");
     assert!(std::fs::read_dir(&at).unwrap().next().is_none(), "the FUSE mount is gone");
 
@@ -76,7 +90,7 @@ fn ext4_on_a_loop_device_keeps_every_byte_across_attachments() {
     verify_tree(&fs_dir, &sums);
     mounted.unmount();
     dev.detach();
-    attachment.unmount().unwrap();
+    unmount(attachment);
 }
 
 #[test]
@@ -139,7 +153,7 @@ fn the_file_takes_unaligned_io_holes_and_keeps_its_size() {
     f.sync_all().unwrap();
     assert_eq!(f.metadata().unwrap().len(), 4 << 20);
     drop(f);
-    attachment.unmount().unwrap();
+    unmount(attachment);
     assert_eq!(std::fs::metadata(&file).unwrap().len(), 0, "the file under the mount is back");
 }
 
@@ -160,7 +174,7 @@ fn a_read_only_export_refuses_writers() {
     let err = std::fs::OpenOptions::new().write(true).open(attachment.file()).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
     assert_eq!(std::fs::read(attachment.file()).unwrap(), vec![0; 1 << 20]);
-    attachment.unmount().unwrap();
+    unmount(attachment);
 }
 
 #[test]
@@ -205,5 +219,5 @@ fn errors_say_what_is_wrong() {
     let mut sector = vec![0u8; 512];
     std::fs::File::open(&dev.path).unwrap().read_exact_at(&mut sector, 0).unwrap();
     dev.detach();
-    attachment.unmount().unwrap();
+    unmount(attachment);
 }

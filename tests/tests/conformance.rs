@@ -945,13 +945,14 @@ fn s5_hello_without_a_common_version_is_refused_and_closed() {
 }
 
 #[test]
-fn s5_no_feature_bits_are_agreed_in_version_1() {
+fn s5_only_known_feature_bits_that_were_asked_for_are_agreed() {
     let t = start_target(&EXPORTS, 1);
-    for features in [1u64, 0x8000_0000_0000_0000, u64::MAX] {
+    // Section 12: bit 1 (DIRECT_READS) is the only one defined.
+    for (features, agreed) in [(1u64, 0), (0x8000_0000_0000_0000, 0), (u64::MAX, 2), (2, 2), (0, 0)] {
         let mut p = Peer::connect(&t);
         p.send(&control(HELLO, &hello_body(1, 1, features, NO_PREFERENCE)));
         let r = parse_hello_reply(&p.expect(HELLO_REPLY, "HELLO"));
-        assert_eq!((r.status, r.features), (OK, 0), "HELLO asking for features {features:#x}");
+        assert_eq!((r.status, r.features), (OK, agreed), "HELLO asking for features {features:#x}");
     }
 }
 
@@ -1718,7 +1719,8 @@ fn same(n: usize, status: u16) -> Vec<u16> {
 #[test]
 fn r01_an_unknown_opcode_is_unknown_opcode() {
     let (_t, mut p, vol, _) = requests_lane();
-    let cases: Vec<(Req, Vec<u8>)> = [0u8, 6, 7, 15, 16, 0x7F, 0x80, 0xFF]
+    // Opcode 6 is DIRECT_READ (section 14): no longer unknown.
+    let cases: Vec<(Req, Vec<u8>)> = [0u8, 7, 8, 15, 16, 0x7F, 0x80, 0xFF]
         .iter()
         .enumerate()
         .map(|(i, &op)| {
@@ -1731,9 +1733,9 @@ fn r01_an_unknown_opcode_is_unknown_opcode() {
 }
 
 #[test]
-fn r02_flag_bits_other_than_fua_and_no_delay_are_invalid() {
+fn r02_flag_bits_other_than_fua_no_delay_and_want_cap_are_invalid() {
     let (_t, mut p, vol, _) = requests_lane();
-    let cases: Vec<(Req, Vec<u8>)> = [0x04u8, 0x08, 0x10, 0x20, 0x40, 0x80, 0xFF, FUA | 0x04]
+    let cases: Vec<(Req, Vec<u8>)> = [0x08u8, 0x10, 0x20, 0x40, 0x80, 0xFF, FUA | 0x08, 0x0C]
         .iter()
         .enumerate()
         .flat_map(|(i, &flags)| {

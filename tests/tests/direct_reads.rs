@@ -244,3 +244,37 @@ fn forged_altered_misused_and_revoked_capabilities_are_never_served() {
     assert_eq!(c.status, Status::Ok);
     assert_eq!(&data[512..1024], &[7u8; 512]);
 }
+
+#[test]
+fn revoke_rotates_or_invalidates_over_the_wire_and_only_where_one_may_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("vol");
+    std::fs::File::create(&path).unwrap().set_len(64 << 20).unwrap();
+    let t = start_target(
+        &[&format!("vol=file:{},cache=1M", path.display()), &format!("ro=file:{},ro", path.display())],
+        1,
+    );
+    let (mut lane, _) = two_passes(&t, "vol");
+    let mut admin = initiator::Client::connect(&tcp_endpoint(&t)).unwrap();
+    // Invalidate the first four blocks: only their reads fault.
+    let before = lane.stats();
+    admin.revoke("vol", Some((0, blocks().nth(3).unwrap() + 1))).unwrap();
+    for b in blocks() {
+        assert_eq!(read(&mut lane, b), pattern(1, b));
+    }
+    assert_eq!(lane.stats().since(&before).direct_faults, 4);
+    // Rotate: the epoch moves on and every reference faults once.
+    let epoch = admin.revoke("vol", None).unwrap();
+    assert_eq!(admin.revoke("vol", None).unwrap(), epoch + 1);
+    let before = lane.stats();
+    for b in blocks() {
+        assert_eq!(read(&mut lane, b), pattern(1, b));
+    }
+    assert_eq!(lane.stats().since(&before).direct_faults, blocks().count() as u64);
+    // A read-only export may not be revoked through this target; no export, no handle.
+    match admin.revoke("ro", None) {
+        Err(initiator::Error::Status(Status::ReadOnly)) => {}
+        other => panic!("revoking a read-only export: {other:?}"),
+    }
+    assert!(admin.revoke("nothing", None).is_err());
+}

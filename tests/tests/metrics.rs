@@ -17,7 +17,12 @@ const BS: usize = 4096;
 const IOS: u64 = 256;
 
 fn start() -> Target {
-    start_target_with(&["vol=ram:16M", "golden=ram:1M,ro"], |c| {
+    // A file export with a direct-read cache too, so that its families are served. The file
+    // is unlinked once the target holds it open.
+    let file = tempfile::NamedTempFile::new_in("/var/tmp").expect("a temporary file");
+    file.as_file().set_len(1 << 20).unwrap();
+    let cached = format!("cached=file:{},cache=64k", file.path().display());
+    start_target_with(&["vol=ram:16M", "golden=ram:1M,ro", &cached], |c| {
         c.workers = 2;
         c.metrics_listen = Some("127.0.0.1:0".into());
     })

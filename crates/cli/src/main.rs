@@ -12,6 +12,7 @@ mod attach;
 mod bench;
 mod info;
 mod reconnect;
+mod revoke;
 mod serve;
 mod units;
 
@@ -36,6 +37,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Expose an export as one file through FUSE (for losetup), until SIGINT or SIGTERM.
     Attach(attach::AttachArgs),
+    /// Revoke an export's capabilities for direct reads (all of them, or a range's).
+    Revoke(revoke::RevokeArgs),
 }
 
 fn init_logging(default: &str) {
@@ -68,6 +71,10 @@ fn main() -> ExitCode {
         Command::Attach(args) => {
             init_logging("info");
             attach::run(args)
+        }
+        Command::Revoke(args) => {
+            init_logging("warn");
+            revoke::run(args)
         }
     };
     match result {

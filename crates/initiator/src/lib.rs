@@ -101,6 +101,25 @@ impl Client {
         Ok(proto::client::expect(&h, &body, FrameKind::StatsReply, StatsReply::decode)?)
     }
 
+    /// Revoke capabilities of `export` (docs/DIRECT_READS.md): rotate its key epoch, or, with a
+    /// range, invalidate that range of its cache. Needs an export this target lets us write.
+    /// Returns the export's key epoch afterwards.
+    pub fn revoke(&mut self, export: &str, range: Option<(u64, u64)>) -> Result<u32> {
+        let (h, body) = self.conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
+        let open = proto::client::handle_open_reply(&h, &body)?;
+        let (action, offset, length) = match range {
+            None => (wire::RevokeAction::RotateEpoch, 0, 0),
+            Some((offset, length)) => (wire::RevokeAction::Invalidate, offset, length),
+        };
+        let revoke = wire::Revoke { handle: open.handle, action, offset, length };
+        let (h, body) = self.conn.call(FrameKind::Revoke, &revoke.encode())?;
+        let reply = proto::client::expect(&h, &body, FrameKind::RevokeReply, wire::RevokeReply::decode)?;
+        if !reply.status.is_ok() {
+            return Err(Error::Status(reply.status));
+        }
+        Ok(reply.epoch)
+    }
+
     /// The limits negotiated on this connection (what a lane would get by default).
     pub fn limits(&self) -> &Limits {
         &self.conn.limits

@@ -36,6 +36,7 @@ pub enum Inbound<'a> {
     List,
     Stats,
     Requests(RequestCaravan<'a>),
+    Revoke(wire::Revoke),
     /// The initiator is closing the connection (status `Ok` for a clean close).
     GoAway(wire::GoAway),
 }
@@ -88,7 +89,7 @@ impl ServerSession {
             (State::AwaitHello, Hello) => {}
             (State::AwaitHello, kind) => return Err(ProtoError::Unexpected(kind, "before HELLO")),
             (State::Ready, Hello) => return Err(ProtoError::Unexpected(Hello, "twice")),
-            (State::Ready, Open | List | Stats | GoAway | Requests) => {}
+            (State::Ready, Open | List | Stats | GoAway | Requests | Revoke) => {}
             (State::Ready, kind) => return Err(ProtoError::Unexpected(kind, "from an initiator")),
         }
         if header.kind.is_caravan() {
@@ -117,6 +118,7 @@ impl ServerSession {
             FrameKind::Open => Ok(Inbound::Open(Open::decode(body)?)),
             FrameKind::List => empty(body, "LIST").map(|_| Inbound::List),
             FrameKind::Stats => empty(body, "STATS").map(|_| Inbound::Stats),
+            FrameKind::Revoke => Ok(Inbound::Revoke(wire::Revoke::decode(body)?)),
             FrameKind::GoAway => Ok(Inbound::GoAway(wire::GoAway::decode(body)?)),
             FrameKind::Requests => Ok(Inbound::Requests(RequestCaravan::parse(header, body)?)),
             kind => Err(ProtoError::Unexpected(kind, "from an initiator")),

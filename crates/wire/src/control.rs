@@ -316,6 +316,80 @@ impl StatsReply {
     }
 }
 
+/// What a REVOKE does to an export's capabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RevokeAction {
+    /// Rotate the export's key epoch: every capability of it becomes stale.
+    RotateEpoch = 1,
+    /// Drop the cached blocks of a range: their capabilities become stale.
+    Invalidate = 2,
+}
+
+/// REVOKE (24 bytes): revoke capabilities of an export this connection opened for writing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Revoke {
+    pub handle: u32,
+    pub action: RevokeAction,
+    /// The range, for [`RevokeAction::Invalidate`]; zero otherwise.
+    pub offset: u64,
+    pub length: u64,
+}
+
+impl Revoke {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Vec::with_capacity(24);
+        w.extend_from_slice(&self.handle.to_le_bytes());
+        w.extend_from_slice(&[self.action as u8, 0, 0, 0]);
+        w.extend_from_slice(&self.offset.to_le_bytes());
+        w.extend_from_slice(&self.length.to_le_bytes());
+        w
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Revoke> {
+        let mut r = Reader::new(body, "REVOKE")?;
+        let handle = r.u32()?;
+        let action = match r.u8()? {
+            1 => RevokeAction::RotateEpoch,
+            2 => RevokeAction::Invalidate,
+            _ => return Err(WireError::Body("REVOKE action")),
+        };
+        r.zero(3)?;
+        let offset = r.u64()?;
+        let length = r.u64()?;
+        r.end()?;
+        if action == RevokeAction::RotateEpoch && (offset != 0 || length != 0) {
+            return Err(WireError::Body("REVOKE range with a key rotation"));
+        }
+        Ok(Revoke { handle, action, offset, length })
+    }
+}
+
+/// REVOKE_REPLY (8 bytes): the status, and the export's key epoch after the REVOKE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RevokeReply {
+    pub status: Status,
+    pub epoch: u32,
+}
+
+impl RevokeReply {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Vec::with_capacity(8);
+        w.extend_from_slice(&self.status.to_u16().to_le_bytes());
+        w.extend_from_slice(&[0, 0]);
+        w.extend_from_slice(&self.epoch.to_le_bytes());
+        w
+    }
+
+    pub fn decode(body: &[u8]) -> Result<RevokeReply> {
+        let mut r = Reader::new(body, "REVOKE_REPLY")?;
+        let status = Status::from_u16(r.u16()?);
+        r.zero(2)?;
+        let epoch = r.u32()?;
+        r.end()?;
+        Ok(RevokeReply { status, epoch })
+    }
+}
+
 /// GOAWAY: the sender is about to close the connection, and says why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GoAway {

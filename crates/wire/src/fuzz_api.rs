@@ -8,7 +8,7 @@
 use crate::{FrameKind, Header, HEADER_LEN};
 
 /// Every frame kind, in code order.
-pub const KINDS: [FrameKind; 12] = [
+pub const KINDS: [FrameKind; 14] = [
     FrameKind::Hello,
     FrameKind::HelloReply,
     FrameKind::Open,
@@ -19,6 +19,8 @@ pub const KINDS: [FrameKind; 12] = [
     FrameKind::StatsReply,
     FrameKind::GoAway,
     FrameKind::Capabilities,
+    FrameKind::Revoke,
+    FrameKind::RevokeReply,
     FrameKind::Requests,
     FrameKind::Completions,
 ];

@@ -46,6 +46,9 @@ pub enum FrameKind {
     /// References to data the initiator may read directly (target to initiator, with direct
     /// reads negotiated): see [`crate::capability`].
     Capabilities = 18,
+    /// Revoke an export's capabilities (initiator to target; docs/PROTOCOL.md, section 14.5).
+    Revoke = 12,
+    RevokeReply = 13,
     /// A caravan of request descriptors and write payloads (initiator to target).
     Requests = 16,
     /// A caravan of completion descriptors and read payloads (target to initiator).
@@ -66,6 +69,8 @@ impl FrameKind {
             8 => StatsReply,
             9 => GoAway,
             18 => Capabilities,
+            12 => Revoke,
+            13 => RevokeReply,
             16 => Requests,
             17 => Completions,
             _ => return None,

@@ -27,7 +27,10 @@ pub use caravan::{
     Completion, CompletionDesc, Opcode, ReqFlags, Request, RequestDesc, RequestError, COMPLETION_DESC_LEN,
     REQUEST_DESC_LEN,
 };
-pub use control::{ExportFlags, ExportInfo, GoAway, Hello, HelloReply, Limits, Open, OpenReply, StatsReply};
+pub use control::{
+    ExportFlags, ExportInfo, GoAway, Hello, HelloReply, Limits, Open, OpenReply, Revoke, RevokeAction,
+    RevokeReply, StatsReply,
+};
 pub use framing::{FrameBuffer, FrameRef};
 pub use header::{FrameHeader, FrameKind, Header, HEADER_LEN, MAGIC, VERSION};
 pub use status::Status;

@@ -150,6 +150,20 @@ fn seed_frames() -> Vec<Vec<u8>> {
             FrameKind::GoAway,
             GoAway { status: Status::Invalid, message: "bad frame: CRC".into() }.encode(),
         ),
+        control_frame(
+            FrameKind::Revoke,
+            skiff_wire::Revoke {
+                handle: 1,
+                action: skiff_wire::RevokeAction::Invalidate,
+                offset: 4096,
+                length: 8192,
+            }
+            .encode(),
+        ),
+        control_frame(
+            FrameKind::RevokeReply,
+            skiff_wire::RevokeReply { status: Status::Ok, epoch: 3 }.encode(),
+        ),
         control_frame(FrameKind::Capabilities, {
             let cap = skiff_wire::Capability {
                 export: 0,
@@ -383,6 +397,8 @@ fn check_control(kind: FrameKind, body: &[u8], reached: &mut Reached) {
         FrameKind::ListReply => ExportInfo::decode_list(body).map(|v| ExportInfo::encode_list(&v)),
         FrameKind::StatsReply => StatsReply::decode(body).map(|v| v.encode()),
         FrameKind::GoAway => GoAway::decode(body).map(|v| v.encode()),
+        FrameKind::Revoke => skiff_wire::Revoke::decode(body).map(|v| v.encode()),
+        FrameKind::RevokeReply => skiff_wire::RevokeReply::decode(body).map(|v| v.encode()),
         FrameKind::Capabilities => {
             let mut caps = Vec::new();
             skiff_wire::Capability::decode_list(body, |c| caps.push(c)).map(|()| {
@@ -411,6 +427,8 @@ fn check_control_decoders(body: &[u8], reached: &mut Reached) {
         FrameKind::StatsReply,
         FrameKind::GoAway,
         FrameKind::Capabilities,
+        FrameKind::Revoke,
+        FrameKind::RevokeReply,
     ] {
         check_control(kind, body, reached);
     }

@@ -102,6 +102,8 @@ fn frame_kind_codes() {
         (StatsReply, 8),
         (GoAway, 9),
         (Capabilities, 18),
+        (Revoke, 12),
+        (RevokeReply, 13),
         (Requests, 16),
         (Completions, 17),
     ];

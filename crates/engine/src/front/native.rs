@@ -96,6 +96,10 @@ fn process<S: Sink + ?Sized>(
                 let body = wire::ExportInfo::encode_list(&host.exports().infos());
                 link.tx.append(&frame(FrameKind::ListReply, &body));
             }
+            Inbound::Revoke(revoke) => {
+                let reply = revoke_capabilities(session, host, &revoke, link.peer);
+                link.tx.append(&frame(FrameKind::RevokeReply, &reply.encode()));
+            }
             Inbound::Stats => {
                 link.tx.append(&frame(FrameKind::StatsReply, &host.stats_reply().encode()));
             }
@@ -130,6 +134,33 @@ fn open_export(session: &mut ServerSession, host: &impl Host, name: &str) -> Ope
         }
         Err(status) => OpenReply::refused(status),
     }
+}
+
+/// REVOKE: rotate the key epoch of, or invalidate a range of the cache of, an export this
+/// connection opened; only where it may write (a reader cannot revoke what others read).
+fn revoke_capabilities(
+    session: &ServerSession,
+    host: &impl Host,
+    revoke: &wire::Revoke,
+    peer: &str,
+) -> wire::RevokeReply {
+    let refuse = |status| wire::RevokeReply { status, epoch: 0 };
+    let Some(export) = session.resolve(revoke.handle).and_then(|i| host.exports().get(i)) else {
+        return refuse(Status::BadHandle);
+    };
+    if export.is_read_only() {
+        return refuse(Status::ReadOnly);
+    }
+    let Some(d) = &export.direct else { return refuse(Status::Unsupported) };
+    let epoch = match revoke.action {
+        wire::RevokeAction::RotateEpoch => d.rotate_epoch(),
+        wire::RevokeAction::Invalidate => {
+            d.invalidate(revoke.offset, revoke.length);
+            d.epoch()
+        }
+    };
+    tracing::info!(peer, export = %export.name, action = ?revoke.action, offset = revoke.offset, length = revoke.length, epoch, "capabilities revoked");
+    wire::RevokeReply { status: Status::Ok, epoch }
 }
 
 /// Queue a GOAWAY and stop reading: the framing can no longer be trusted.

@@ -398,6 +398,25 @@ fn exports(out: &mut Families, shared: &Shared) {
             }
         }
     }
+    out.gauge("skiff_export_size_bytes", "Size of each export.", size);
+    out.gauge(
+        "skiff_export_info",
+        "Each export's backend kind and whether it is read-only; the value is always 1.",
+        info,
+    );
+    let [syncs, dsync, direct, buffered] = backend;
+    out.counter(
+        "skiff_backend_syncs_total",
+        "fdatasync calls issued by file exports (flush, and FUA without O_DSYNC).",
+        syncs,
+    );
+    out.counter("skiff_backend_dsync_writes_total", "Writes issued through O_DSYNC for FUA.", dsync);
+    out.counter("skiff_backend_direct_ios_total", "Reads and writes that went through O_DIRECT.", direct);
+    out.counter(
+        "skiff_backend_buffered_ios_total",
+        "Reads and writes that went through the page cache.",
+        buffered,
+    );
     out.gauge(
         "skiff_capability_key_epoch",
         "Each export's capability key epoch: it moves on when every capability of the export is revoked.",
@@ -425,25 +444,6 @@ fn exports(out: &mut Families, shared: &Shared) {
         "skiff_cache_stale_total",
         "Direct reads refused because their cache slot had moved on.",
         stale,
-    );
-    out.gauge("skiff_export_size_bytes", "Size of each export.", size);
-    out.gauge(
-        "skiff_export_info",
-        "Each export's backend kind and whether it is read-only; the value is always 1.",
-        info,
-    );
-    let [syncs, dsync, direct, buffered] = backend;
-    out.counter(
-        "skiff_backend_syncs_total",
-        "fdatasync calls issued by file exports (flush, and FUA without O_DSYNC).",
-        syncs,
-    );
-    out.counter("skiff_backend_dsync_writes_total", "Writes issued through O_DSYNC for FUA.", dsync);
-    out.counter("skiff_backend_direct_ios_total", "Reads and writes that went through O_DIRECT.", direct);
-    out.counter(
-        "skiff_backend_buffered_ios_total",
-        "Reads and writes that went through the page cache.",
-        buffered,
     );
 }
 
