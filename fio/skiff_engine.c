@@ -38,6 +38,8 @@ struct skiff_options {
 	unsigned int ctrl_loss_timeout_ms;
 	unsigned int fast_io_fail_timeout_ms;
 	unsigned int directory_entries;
+	char *key_file;
+	char *key_name;
 };
 
 /* Per-job state: the lane and the completions of the last getevents, for event(). */
@@ -190,6 +192,24 @@ static struct fio_option options[] = {
 		.group = FIO_OPT_G_INVALID,
 	},
 	{
+		.name = "key_file",
+		.lname = "skiff key file",
+		.type = FIO_OPT_STR_STORE,
+		.off1 = offsetof(struct skiff_options, key_file),
+		.help = "Authenticate with a key from this file (NAME:HEXSECRET per line)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
+		.name = "key",
+		.lname = "skiff key name",
+		.type = FIO_OPT_STR_STORE,
+		.off1 = offsetof(struct skiff_options, key_name),
+		.help = "Which key of key_file (default: its only key)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
 		.name = NULL,
 	},
 };
@@ -218,6 +238,8 @@ static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int may_sh
 	cfg.ctrl_loss_timeout_ms = o->ctrl_loss_timeout_ms;
 	cfg.fast_io_fail_timeout_ms = o->fast_io_fail_timeout_ms;
 	cfg.directory_entries = o->directory_entries;
+	cfg.key_file = o->key_file && *o->key_file ? o->key_file : NULL;
+	cfg.key_name = o->key_name && *o->key_name ? o->key_name : NULL;
 	rc = skiff_lane_open(o->target, o->export_name, &cfg, lane);
 	if (rc) {
 		log_err("fio: skiff: cannot open %s on %s: %s\n", o->export_name, o->target,

@@ -1,21 +1,22 @@
 //! Control bodies straight into their decoders, without a header in the way.
 //!
 //! The first input byte picks the decoder (HELLO, HELLO_REPLY, OPEN, OPEN_REPLY, LIST_REPLY,
-//! STATS_REPLY, GOAWAY, modulo 7); the rest is the body. A body that decodes must encode back to
+//! STATS_REPLY, GOAWAY, AUTH, AUTH_REPLY, REVOKE, REVOKE_REPLY, modulo 11); the rest is the body. A body that decodes must encode back to
 //! the same bytes. A decoded HELLO is also negotiated against the default limits, whose result
 //! must respect the floors and orderings in `docs/PROTOCOL.md`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use skiff_wire::{
-    ExportInfo, GoAway, Hello, HelloReply, Limits, Open, OpenReply, StatsReply, HEADER_LEN,
+    Auth, AuthReply, ExportInfo, GoAway, Hello, HelloReply, Limits, Open, OpenReply, Revoke, RevokeReply,
+    StatsReply, HEADER_LEN,
 };
 
 fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else {
         return;
     };
-    let encoded = match which % 7 {
+    let encoded = match which % 11 {
         0 => Hello::decode(body).map(|hello| {
             check_negotiation(&hello.limits);
             hello.encode()
@@ -25,7 +26,11 @@ fuzz_target!(|data: &[u8]| {
         3 => OpenReply::decode(body).map(|v| v.encode()),
         4 => ExportInfo::decode_list(body).map(|v| ExportInfo::encode_list(&v)),
         5 => StatsReply::decode(body).map(|v| v.encode()),
-        _ => GoAway::decode(body).map(|v| v.encode()),
+        6 => GoAway::decode(body).map(|v| v.encode()),
+        7 => Auth::decode(body).map(|v| v.encode()),
+        8 => AuthReply::decode(body).map(|v| v.encode()),
+        9 => Revoke::decode(body).map(|v| v.encode()),
+        _ => RevokeReply::decode(body).map(|v| v.encode()),
     };
     if let Ok(encoded) = encoded {
         assert_eq!(encoded, body);

@@ -53,7 +53,7 @@ impl RawPeer {
         let mut p = RawPeer::connect(t);
         p.send(&frame(
             FrameKind::Hello,
-            &Hello { version_min: 1, version_max: 1, features, limits }.encode(),
+            &Hello { version_min: 1, version_max: 1, features, limits, auth: None }.encode(),
         ));
         let (h, body) = p.recv().expect("hello reply");
         assert_eq!(h.kind, FrameKind::HelloReply);

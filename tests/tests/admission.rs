@@ -186,8 +186,14 @@ fn one_address_cannot_hold_more_than_its_share() {
         let mut again = RawPeer::connect(&t);
         again.send(&wire::control::frame(
             FrameKind::Hello,
-            &wire::Hello { version_min: 1, version_max: 1, features: 0, limits: wire::Limits::default() }
-                .encode(),
+            &wire::Hello {
+                version_min: 1,
+                version_max: 1,
+                features: 0,
+                limits: wire::Limits::default(),
+                auth: None,
+            }
+            .encode(),
         ));
         if again.recv().is_some() {
             break;

@@ -95,7 +95,8 @@ fn a_version_we_do_not_speak_is_answered_then_closed() {
     let mut p = RawPeer::connect(&t);
     p.send(&frame(
         FrameKind::Hello,
-        &Hello { version_min: 2, version_max: 9, features: 0, limits: Limits::default() }.encode(),
+        &Hello { version_min: 2, version_max: 9, features: 0, limits: Limits::default(), auth: None }
+            .encode(),
     ));
     let (h, body) = p.recv().unwrap();
     assert_eq!(h.kind, FrameKind::HelloReply);

@@ -45,7 +45,8 @@ impl Scripted {
             stream.set_nodelay(true).unwrap();
             let mut t = Scripted { stream };
             t.recv().expect("hello");
-            let hello = HelloReply { status: Status::Ok, version: 1, features: 0, limits: LIMITS };
+            let hello =
+                HelloReply { status: Status::Ok, version: 1, features: 0, limits: LIMITS, auth_nonce: None };
             t.send_all(&frame(FrameKind::HelloReply, &hello.encode()));
             t.recv().expect("open");
             let open = OpenReply {

@@ -33,7 +33,8 @@ fn hostile(header: Header) -> (Endpoint, std::thread::JoinHandle<()>) {
     let t = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         read_frame(&mut s);
-        let hello = HelloReply { status: Status::Ok, version: 1, features: 0, limits: LIMITS };
+        let hello =
+            HelloReply { status: Status::Ok, version: 1, features: 0, limits: LIMITS, auth_nonce: None };
         s.write_all(&frame(FrameKind::HelloReply, &hello.encode())).unwrap();
         read_frame(&mut s);
         let open = OpenReply {

@@ -68,7 +68,7 @@ fn silent_target() -> (Endpoint, std::thread::JoinHandle<()>) {
         let (mut s, _) = listener.accept().unwrap();
         read_frame(&mut s);
         let limits = LaneConfig::default().limits;
-        let hello = HelloReply { status: Status::Ok, version: 1, features: 0, limits };
+        let hello = HelloReply { status: Status::Ok, version: 1, features: 0, limits, auth_nonce: None };
         s.write_all(&frame(FrameKind::HelloReply, &hello.encode())).unwrap();
         read_frame(&mut s);
         let open = OpenReply {

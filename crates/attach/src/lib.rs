@@ -162,7 +162,7 @@ impl Attachment {
         let in_flight = config.in_flight.max(1);
         let lanes = volume::lane_count(config.lanes);
         let volume_config = VolumeConfig {
-            lane: config.lane,
+            lane: config.lane.clone(),
             lanes,
             io_bytes_max: io_bytes_max.min(FUSE_IO_BYTES_MAX),
             read_only: config.read_only,

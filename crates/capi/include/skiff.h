@@ -66,6 +66,10 @@ typedef struct skiff_lane_config {
                                        * reconnecting goes on; 0: off (default) */
     uint32_t directory_entries;       /* direct reads (docs/DIRECT_READS.md): capabilities the
                                        * lane's directory holds; 0: off (default) */
+    const char *key_file;             /* authenticate with a key from this file (nbdkit's PSK
+                                       * format, NAME:HEXSECRET per line); NULL: no key (default).
+                                       * Read by skiff_lane_open only. */
+    const char *key_name;             /* which key of key_file; NULL: its only key */
 } skiff_lane_config;
 
 typedef struct skiff_completion {

@@ -42,6 +42,8 @@ pub struct SkiffLaneConfig {
     pub ctrl_loss_timeout_ms: u32,
     pub fast_io_fail_timeout_ms: u32,
     pub directory_entries: u32,
+    pub key_file: *const c_char,
+    pub key_name: *const c_char,
 }
 
 /// `skiff_completion` in `skiff.h`.
@@ -212,7 +214,40 @@ fn defaults() -> SkiffLaneConfig {
         ctrl_loss_timeout_ms: (d.reconnect.ctrl_loss_timeout_us / 1000) as u32,
         fast_io_fail_timeout_ms: d.reconnect.fast_io_fail_timeout_us.map_or(0, |us| (us / 1000) as u32),
         directory_entries: d.directory_entries,
+        key_file: std::ptr::null(),
+        key_name: std::ptr::null(),
     }
+}
+
+/// The key `config` names, if any.
+///
+/// # Safety
+/// `key_file` and `key_name` are null or NUL-terminated strings.
+unsafe fn config_key(
+    c: &SkiffLaneConfig,
+) -> std::result::Result<Option<std::sync::Arc<proto::auth::Key>>, String> {
+    if c.key_file.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-null, so NUL-terminated per the contract.
+    let path = unsafe { CStr::from_ptr(c.key_file) }.to_string_lossy().into_owned();
+    let name = if c.key_name.is_null() {
+        None
+    } else {
+        // SAFETY: as above.
+        Some(unsafe { CStr::from_ptr(c.key_name) }.to_string_lossy().into_owned())
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("key file {path}: {e}"))?;
+    let keys = proto::auth::Key::parse_file(&text).map_err(|e| format!("key file {path}: {e}"))?;
+    let key = match name {
+        Some(name) => keys
+            .into_iter()
+            .find(|k| k.name == name)
+            .ok_or_else(|| format!("key file {path}: no key {name:?}"))?,
+        None if keys.len() == 1 => keys.into_iter().next().expect("one key"),
+        None => return Err(format!("key file {path} holds {} keys: set key_name", keys.len())),
+    };
+    Ok(Some(std::sync::Arc::new(key)))
 }
 
 fn lane_config(c: &SkiffLaneConfig) -> Option<LaneConfig> {
@@ -274,11 +309,19 @@ pub unsafe extern "C" fn skiff_lane_open(
         };
         // SAFETY: non-null, so a valid `skiff_lane_config` per the contract.
         let config = if config.is_null() { defaults() } else { unsafe { *config } };
-        let Some(lane_config) = lane_config(&config) else {
+        let Some(mut lane_config) = lane_config(&config) else {
             return fail(&Error::InvalidArgument(
                 "skiff_lane_config.batching is not a SKIFF_BATCHING_* value",
             ));
         };
+        // SAFETY: the config's strings are null or NUL-terminated per the contract.
+        match unsafe { config_key(&config) } {
+            Ok(key) => lane_config.key = key,
+            Err(message) => {
+                set_error(message);
+                return -libc::EINVAL;
+            }
+        }
         let endpoint = match Endpoint::parse(target) {
             Ok(e) => e,
             Err(msg) => {

@@ -46,6 +46,8 @@ pub struct AttachArgs {
     sched: String,
     #[command(flatten)]
     reconnect: crate::reconnect::ReconnectArgs,
+    #[command(flatten)]
+    keys: crate::keys::KeyArgs,
 }
 
 pub fn run(args: AttachArgs) -> CliResult {
@@ -58,6 +60,7 @@ pub fn run(args: AttachArgs) -> CliResult {
     // A target restart costs the file system time, not errors: the lanes reconnect and
     // re-send what was in flight (docs/ATTACH.md).
     config.lane.reconnect = args.reconnect.config();
+    config.lane.key = args.keys.key()?;
     // The I/O threads send what they have taken whenever their queue is empty, so a doorbell
     // only splits caravans; its delay never holds a request back.
     let doorbell = Doorbell { delay_us: 1, ..Doorbell::default() };

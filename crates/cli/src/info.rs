@@ -15,6 +15,8 @@ pub struct InfoArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    keys: crate::keys::KeyArgs,
 }
 
 fn flag_names(f: ExportFlags) -> Vec<&'static str> {
@@ -33,7 +35,9 @@ fn flag_names(f: ExportFlags) -> Vec<&'static str> {
 
 pub fn run(args: InfoArgs) -> CliResult {
     let endpoint = Endpoint::parse(&args.target)?;
-    let mut client = Client::connect(&endpoint).map_err(|e| format!("{endpoint}: {e}"))?;
+    let key = args.keys.key()?;
+    let mut client =
+        Client::connect_with_key(&endpoint, key.as_deref()).map_err(|e| format!("{endpoint}: {e}"))?;
     let exports = client.list()?;
     let l = *client.limits();
     if args.json {

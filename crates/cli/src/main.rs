@@ -11,6 +11,7 @@
 mod attach;
 mod bench;
 mod info;
+mod keys;
 mod reconnect;
 mod revoke;
 mod serve;

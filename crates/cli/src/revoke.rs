@@ -18,6 +18,8 @@ pub struct RevokeArgs {
     /// 4096:64k), instead of rotating the export's key epoch (which revokes everything).
     #[arg(long, value_parser = parse_range)]
     range: Option<(u64, u64)>,
+    #[command(flatten)]
+    keys: crate::keys::KeyArgs,
 }
 
 fn parse_range(s: &str) -> Result<(u64, u64), String> {
@@ -32,7 +34,9 @@ fn parse_range(s: &str) -> Result<(u64, u64), String> {
 
 pub fn run(args: RevokeArgs) -> CliResult {
     let endpoint = Endpoint::parse(&args.target)?;
-    let mut client = Client::connect(&endpoint).map_err(|e| format!("{endpoint}: {e}"))?;
+    let key = args.keys.key()?;
+    let mut client =
+        Client::connect_with_key(&endpoint, key.as_deref()).map_err(|e| format!("{endpoint}: {e}"))?;
     let epoch = client
         .revoke(&args.export, args.range)
         .map_err(|e| format!("{endpoint} export {:?}: {e}", args.export))?;

@@ -32,13 +32,19 @@ pub struct ServeArgs {
     /// Serve NBD clients on this Unix socket path.
     #[arg(long, value_name = "PATH")]
     nbd_unix: Option<std::path::PathBuf>,
-    /// An export: NAME=SPEC[,ro], SPEC being ram:SIZE, file:PATH or null:SIZE; `,ro` makes
-    /// that export read-only. Repeatable.
+    /// An export: NAME=SPEC[,OPTION...], SPEC being ram:SIZE, file:PATH or null:SIZE; options
+    /// are ro (read-only), cache=SIZE (direct-read cache of a file export), direct=off (page
+    /// cache instead of O_DIRECT) and allow=NAME:rw+NAME:ro+*:ro (who may open it, with which
+    /// rights; * is anyone without a key). Repeatable.
     #[arg(long = "export", value_name = "NAME=SPEC", required_unless_present = "config")]
     exports: Vec<ExportConfig>,
     /// Serve every export read-only.
     #[arg(long)]
     read_only: bool,
+    /// Keys initiators may authenticate with (nbdkit's PSK format, NAME:HEXSECRET per line);
+    /// exports name them in allow=. Repeatable.
+    #[arg(long = "key-file", value_name = "PATH")]
+    key_files: Vec<std::path::PathBuf>,
     /// Worker threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     workers: usize,
@@ -74,6 +80,24 @@ pub struct ServeArgs {
     /// Close NBD connections silent this long, or off [default: off].
     #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_timeout)]
     nbd_idle_timeout: Option<Duration>,
+}
+
+/// Every key of every key file; a name may appear in one file only.
+fn load_keys(paths: &[std::path::PathBuf]) -> Result<Vec<proto::auth::Key>, String> {
+    let mut keys: Vec<proto::auth::Key> = Vec::new();
+    for path in paths {
+        for key in crate::keys::load(path)? {
+            if keys.iter().any(|k| k.name == key.name) {
+                return Err(format!(
+                    "key {:?} is given by two key files (the second: {})",
+                    key.name,
+                    path.display()
+                ));
+            }
+            keys.push(key);
+        }
+    }
+    Ok(keys)
 }
 
 fn at_least_one(s: &str) -> Result<usize, String> {
@@ -120,6 +144,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         bounds,
         poll_spin: args.poll,
         metrics_listen: args.metrics,
+        keys: load_keys(&args.key_files)?,
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal
     // is taken synchronously below.

@@ -11,11 +11,15 @@ fn skiff() -> Command {
 
 /// `skiff serve` on an ephemeral port; returns the child and the address it logged.
 fn serve(exports: &[&str]) -> (Child, String) {
+    let args: Vec<&str> = exports.iter().flat_map(|e| ["--export", e]).collect();
+    serve_args(&args)
+}
+
+/// `skiff serve` on an ephemeral port with these arguments besides.
+fn serve_args(args: &[&str]) -> (Child, String) {
     let mut cmd = skiff();
     cmd.args(["serve", "--listen", "127.0.0.1:0", "--workers", "2"]);
-    for e in exports {
-        cmd.args(["--export", e]);
-    }
+    cmd.args(args);
     let mut child = cmd.stderr(Stdio::piped()).stdout(Stdio::null()).spawn().expect("spawn skiff serve");
     let stderr = child.stderr.take().unwrap();
     let mut lines = BufReader::new(stderr).lines();
@@ -217,4 +221,76 @@ fn bad_arguments_get_clear_errors() {
 
     let out = skiff().args(["info", "127.0.0.1:1"]).output().unwrap();
     assert!(!out.status.success());
+}
+
+#[test]
+fn keys_on_the_command_line_authenticate_and_limit_every_client() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.psk");
+    std::fs::write(
+        &keys,
+        "# skiff keys\nalice:00112233445566778899aabbccddeeff\nbob:ffeeddccbbaa99887766554433221100\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let keys = keys.to_str().unwrap();
+    let (child, addr) = serve_args(&[
+        "--key-file",
+        keys,
+        "--export",
+        "vol=ram:16M,allow=alice:rw+bob:ro",
+        "--export",
+        "pub=ram:1M",
+    ]);
+    let bench = |extra: &[&str]| {
+        skiff()
+            .args([
+                "bench",
+                "--target",
+                &addr,
+                "--export",
+                "vol",
+                "--duration",
+                "1s",
+                "--size",
+                "4M",
+                "--qd",
+                "4",
+                "--json",
+            ])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let ok = bench(&["--key-file", keys, "--key", "alice", "--verify"]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert_eq!(json(&ok)["verify_errors"], 0);
+    let stderr = |o: &std::process::Output| String::from_utf8_lossy(&o.stderr).into_owned();
+    let none = bench(&[]);
+    assert!(!none.status.success() && stderr(&none).contains("a key is required"), "{}", stderr(&none));
+    let reader = bench(&["--key-file", keys, "--key", "bob", "--rw", "randwrite"]);
+    assert!(!reader.status.success() || json(&reader)["io_errors"].as_u64() > Some(0), "bob wrote to vol");
+    let ambiguous = bench(&["--key-file", keys]);
+    assert!(stderr(&ambiguous).contains("pick one with --key"), "{}", stderr(&ambiguous));
+    let info = skiff().args(["info", &addr, "--key-file", keys, "--key", "bob"]).output().unwrap();
+    let listing = String::from_utf8_lossy(&info.stdout);
+    assert!(info.status.success() && listing.contains("vol") && listing.contains("read-only"), "{listing}");
+    let anonymous = skiff().args(["info", &addr]).output().unwrap();
+    assert!(
+        !String::from_utf8_lossy(&anonymous.stdout).contains("vol"),
+        "a keyed export listed without a key"
+    );
+    let revoke = |key: &str| {
+        skiff().args(["revoke", &addr, "vol", "--key-file", keys, "--key", key]).output().unwrap()
+    };
+    assert!(!revoke("bob").status.success(), "a read-only key revoked");
+    assert!(revoke("alice").status.success(), "{}", stderr(&revoke("alice")));
+    assert!(terminate(child).success());
+    // An access list naming a key no file gives is refused at start-up.
+    let bad = skiff()
+        .args(["serve", "--listen", "127.0.0.1:0", "--key-file", keys, "--export", "v=ram:1M,allow=carol:rw"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success() && stderr(&bad).contains("carol"), "{}", stderr(&bad));
 }

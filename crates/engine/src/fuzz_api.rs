@@ -62,7 +62,7 @@ pub fn native_conn(data: &[u8]) {
             caravan_bytes_max: u32::from(input.u16()),
             io_bytes_max: u32::from(input.u16()),
         };
-        let hello = Hello { version_min: 1, version_max: 1, features: 0, limits: proposal };
+        let hello = Hello { version_min: 1, version_max: 1, features: 0, limits: proposal, auth: None };
         stream.extend(frame(FrameKind::Hello, &hello.encode()));
         if preface % 4 != 0 {
             stream.extend(frame(FrameKind::Open, &wire::Open { name: "vol".into() }.encode()));

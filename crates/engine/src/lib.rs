@@ -36,6 +36,9 @@ pub struct Export {
     pub read_only: bool,
     /// Capabilities and direct reads, when the driver enabled them ([`direct`]).
     pub direct: Option<direct::DirectReads>,
+    /// Who may open the export and with which rights; `None` lets anyone open it with the
+    /// export's own rights (`read_only`).
+    pub access: Option<proto::auth::AccessList>,
 }
 
 impl std::fmt::Debug for Export {
@@ -64,7 +67,7 @@ impl Export {
         use_direct: bool,
     ) -> Result<Export, BackendError> {
         let backend = backend::open_with(spec, read_only, use_direct)?;
-        Ok(Export { name: name.to_owned(), backend, read_only, direct: None })
+        Ok(Export { name: name.to_owned(), backend, read_only, direct: None, access: None })
     }
 
     /// Serve direct reads on this export, sealing capabilities with `secret` (drawn by the
@@ -88,6 +91,29 @@ impl Export {
 
     pub fn is_read_only(&self) -> bool {
         self.read_only || self.backend.is_read_only()
+    }
+
+    /// Whether `principal` (a proven key name, `None` without one) may open this export, and
+    /// if so whether read-only. Refusals: `AuthRequired` without a key where one is needed,
+    /// `AccessDenied` for a key the export does not list.
+    pub fn grant(&self, principal: Option<&str>) -> Result<bool, Status> {
+        let Some(list) = &self.access else { return Ok(self.is_read_only()) };
+        match list.rights_of(principal) {
+            Some(proto::auth::Rights::ReadWrite) => Ok(self.is_read_only()),
+            Some(proto::auth::Rights::ReadOnly) => Ok(true),
+            None if principal.is_none() => Err(Status::AuthRequired),
+            None => Err(Status::AccessDenied),
+        }
+    }
+
+    /// The flags of a handle granted read-only (`read_only`) or not.
+    pub fn flags_granted(&self, read_only: bool) -> ExportFlags {
+        let mut f = self.flags();
+        if read_only {
+            f.0 |= ExportFlags::READ_ONLY;
+            f.0 &= !(ExportFlags::CAN_FUA | ExportFlags::CAN_TRIM | ExportFlags::CAN_WRITE_ZEROES);
+        }
+        f
     }
 
     pub fn flags(&self) -> ExportFlags {

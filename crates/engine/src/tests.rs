@@ -3,7 +3,13 @@ use backend::BackendSpec;
 
 fn export(spec: &str, read_only: bool) -> Export {
     let spec = BackendSpec::parse(spec).unwrap();
-    Export { name: "t".into(), backend: backend::open(&spec, false).unwrap(), read_only, direct: None }
+    Export {
+        name: "t".into(),
+        backend: backend::open(&spec, false).unwrap(),
+        read_only,
+        direct: None,
+        access: None,
+    }
 }
 
 fn io(opcode: Opcode, offset: u64, length: u32) -> Io {

@@ -5,6 +5,7 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
+use proto::auth::Key;
 use proto::client::ClientHandshake;
 use transport::{wait_fd, ClientStream, Endpoint, FrameBuffer, FrameIo, FrameRef};
 use wire::{FrameKind, Header, Limits};
@@ -36,16 +37,23 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    pub fn connect(endpoint: &Endpoint, proposed: &Limits, timeout: Duration) -> Result<Conn> {
-        Conn::connect_with_features(endpoint, proposed, timeout, 0)
+    pub fn connect(
+        endpoint: &Endpoint,
+        proposed: &Limits,
+        timeout: Duration,
+        key: Option<&Key>,
+    ) -> Result<Conn> {
+        Conn::connect_with_features(endpoint, proposed, timeout, 0, key)
     }
 
-    /// [`connect`](Self::connect), asking for HELLO feature bits `features`.
+    /// [`connect`](Self::connect), asking for HELLO feature bits `features`, and proving `key`
+    /// when there is one (docs/PROTOCOL.md, section 15).
     pub fn connect_with_features(
         endpoint: &Endpoint,
         proposed: &Limits,
         timeout: Duration,
         features: u64,
+        key: Option<&Key>,
     ) -> Result<Conn> {
         let stream = ClientStream::connect(endpoint, timeout)?;
         let mut conn = Conn {
@@ -58,10 +66,18 @@ impl Conn {
             send_ns: 0,
             features: 0,
         };
-        let handshake = ClientHandshake::new(*proposed).with_features(features);
+        let mut handshake = ClientHandshake::new(*proposed).with_features(features);
+        if let Some(key) = key {
+            handshake = handshake.with_key(key.clone(), rt::random::bytes()?);
+        }
         conn.send_all(&[&handshake.hello_frame()])?;
         let (h, body) = conn.recv_control()?;
         (conn.limits, conn.features) = handshake.handle_reply_features(&h, &body)?;
+        if let Some(auth) = handshake.auth_frame() {
+            conn.send_all(&[&auth])?;
+            let (h, body) = conn.recv_control()?;
+            handshake.handle_auth_reply(&h, &body)?;
+        }
         Ok(conn)
     }
 

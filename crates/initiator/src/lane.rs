@@ -38,7 +38,7 @@ const SYNC_USER_DATA: u64 = u64::MAX;
 const SEND_IOV_MAX: usize = 64;
 
 /// How a lane behaves.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LaneConfig {
     /// What the lane proposes in the handshake (zero fields mean "the target's choice").
     pub limits: Limits,
@@ -62,6 +62,9 @@ pub struct LaneConfig {
     /// holds. 0 (the default) turns them off; otherwise reads ask the target for capabilities
     /// and later reads of the same bytes use them, falling back to ordinary reads on a fault.
     pub directory_entries: u32,
+    /// The key to prove in the handshake, on every connection and reconnection (docs/
+    /// PROTOCOL.md, section 15); `None` connects without one.
+    pub key: Option<std::sync::Arc<proto::auth::Key>>,
 }
 
 impl Default for LaneConfig {
@@ -75,6 +78,7 @@ impl Default for LaneConfig {
             direct_min_bytes: DIRECT_MIN_BYTES,
             reconnect: ReconnectConfig::default(),
             directory_entries: 0,
+            key: None,
         }
     }
 }
@@ -194,6 +198,7 @@ pub struct Lane<B = Vec<u8>> {
     /// Where and how to connect again after a loss.
     endpoint: Endpoint,
     proposed: Limits,
+    key: Option<std::sync::Arc<proto::auth::Key>>,
     reconnect: Reconnect,
     /// Since when the lane has waited for the target without hearing from it: the later of
     /// the last bytes received, the last (re)connection, and the moment requests went on an
@@ -252,8 +257,16 @@ impl<B: IoBuf> Lane<B> {
             proposed.caravan_reqs_max = LANE_CARAVAN_REQS_MAX;
         }
         let features = if config.directory_entries > 0 { wire::control::FEATURE_DIRECT_READS } else { 0 };
-        let (conn, reply) =
-            open_lane(endpoint, export, &proposed, features, config.timeout, config.poll_spin)?;
+        let key = config.key.clone();
+        let (conn, reply) = open_lane(
+            endpoint,
+            export,
+            &proposed,
+            features,
+            key.as_deref(),
+            config.timeout,
+            config.poll_spin,
+        )?;
         let session_config = SessionConfig {
             doorbell: config.doorbell,
             batching: config.batching,
@@ -274,6 +287,7 @@ impl<B: IoBuf> Lane<B> {
             },
             endpoint: endpoint.clone(),
             proposed,
+            key,
             reconnect: Reconnect::new(config.reconnect),
             attempt: None,
             quiet_since: Instant::now(),
@@ -677,10 +691,12 @@ impl<B: IoBuf> Lane<B> {
         let export = self.export.name.clone();
         let proposed = self.proposed;
         let features = self.conn.features;
+        let key = self.key.clone();
         let timeout = self.conn.timeout.min(CONNECT_TIMEOUT_MAX);
         let spin = self.conn.spin;
         let spawned = std::thread::Builder::new().name("skiff-reconnect".into()).spawn(move || {
-            let _ = tx.send(open_lane(&endpoint, &export, &proposed, features, timeout, spin));
+            let _ =
+                tx.send(open_lane(&endpoint, &export, &proposed, features, key.as_deref(), timeout, spin));
         });
         match spawned {
             Ok(_) => self.attempt = Some(rx),
@@ -769,10 +785,11 @@ fn open_lane(
     export: &str,
     proposed: &Limits,
     features: u64,
+    key: Option<&proto::auth::Key>,
     timeout: Duration,
     spin: Duration,
 ) -> Result<(Conn, wire::OpenReply)> {
-    let mut conn = Conn::connect_with_features(endpoint, proposed, timeout, features)?;
+    let mut conn = Conn::connect_with_features(endpoint, proposed, timeout, features, key)?;
     conn.spin = spin;
     let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
     let reply = proto::client::handle_open_reply(&h, &body)?;

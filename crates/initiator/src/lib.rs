@@ -84,9 +84,14 @@ impl Client {
     /// Connect and complete the handshake. A control connection proposes no limits of its own,
     /// so [`Client::limits`] shows what the target offers.
     pub fn connect(endpoint: &Endpoint) -> Result<Client> {
+        Client::connect_with_key(endpoint, None)
+    }
+
+    /// [`connect`](Self::connect), proving `key` in the handshake.
+    pub fn connect_with_key(endpoint: &Endpoint, key: Option<&proto::auth::Key>) -> Result<Client> {
         let no_preference =
             Limits { queue_depth: 0, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 };
-        Ok(Client { conn: Conn::connect(endpoint, &no_preference, DEFAULT_TIMEOUT)? })
+        Ok(Client { conn: Conn::connect(endpoint, &no_preference, DEFAULT_TIMEOUT, key)? })
     }
 
     /// The exports the target offers.

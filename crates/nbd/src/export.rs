@@ -40,6 +40,9 @@ pub struct ExportDesc {
     pub can_cache: bool,
     /// Flush and FUA are visible across every connection to this export.
     pub can_multi_conn: bool,
+    /// Not offered to this handshake's clients at all (an export they have no access to): LIST
+    /// leaves it out, and asking for it is answered as for a name that does not exist.
+    pub hidden: bool,
 }
 
 impl ExportDesc {
@@ -58,6 +61,7 @@ impl ExportDesc {
             can_trim: false,
             can_write_zeroes: false,
             can_fast_zero: false,
+            hidden: false,
             can_cache: false,
             can_multi_conn: false,
         }
@@ -161,9 +165,9 @@ impl HandshakeConfig {
     pub fn find(&self, name: &[u8]) -> Option<(usize, &ExportDesc)> {
         if name.is_empty() {
             let index = self.default_export?;
-            return self.exports.get(index).map(|e| (index, e));
+            return self.exports.get(index).filter(|e| !e.hidden).map(|e| (index, e));
         }
-        self.exports.iter().enumerate().find(|(_, e)| e.name.as_bytes() == name)
+        self.exports.iter().enumerate().find(|(_, e)| !e.hidden && e.name.as_bytes() == name)
     }
 }
 

@@ -295,7 +295,7 @@ impl Handshake {
         if !data.is_empty() {
             return put_error(out, opt::LIST, rep::ERR_INVALID, "LIST takes no data");
         }
-        for export in self.config.exports() {
+        for export in self.config.exports().iter().filter(|e| !e.hidden) {
             let (name, description) = (export.name.as_bytes(), export.description.as_bytes());
             put_reply(out, opt::LIST, rep::SERVER, 4 + name.len() + description.len());
             put_u32(out, name.len());

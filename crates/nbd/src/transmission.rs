@@ -280,6 +280,7 @@ pub fn error_of(status: Status, cmd: Cmd, flags: CmdFlags) -> u32 {
         | Status::BadCapability
         | Status::Other(_) => EIO,
         Status::ShuttingDown => ESHUTDOWN,
+        Status::AuthRequired | Status::AuthFailed | Status::AccessDenied => EPERM,
     }
 }
 

@@ -185,3 +185,23 @@ pub fn capability(data: &[u8]) {
         }
     }
 }
+
+/// Key files and access lists from fuzzer bytes (target `keys`): the first byte picks which.
+/// No panic; a key file that parses has only valid names, secrets of allowed lengths and no
+/// name twice; an access list that parses prints back to a string that parses to the same.
+pub fn keys(data: &[u8]) {
+    use crate::auth::{valid_name, AccessList, Key, SECRET_MAX_BYTES};
+    let Some((&which, rest)) = data.split_first() else { return };
+    let Ok(text) = std::str::from_utf8(rest) else { return };
+    if which % 2 == 0 {
+        if let Ok(keys) = Key::parse_file(text) {
+            for (i, k) in keys.iter().enumerate() {
+                assert!(valid_name(&k.name));
+                assert!(keys[..i].iter().all(|o| o.name != k.name));
+                assert!(Key::new(&k.name, &[0; SECRET_MAX_BYTES + 1]).is_err());
+            }
+        }
+    } else if let Ok(list) = AccessList::parse(text) {
+        assert_eq!(AccessList::parse(&list.to_string()).as_ref(), Ok(&list));
+    }
+}

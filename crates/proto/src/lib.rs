@@ -15,9 +15,11 @@
 //! - [`batch::BatchController`]: the Tyche adaptive batch level, extended to set the doorbell
 //!   delay.
 //! - [`caravan::Doorbell`]: deciding when to send the open caravan.
+//! - [`auth`]: keys, key files, access lists and the handshake's challenge-response proofs.
 //! - [`capability::CapKey`]: sealing and checking the capabilities of direct reads.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod batch;
 pub mod capability;
 pub mod caravan;
@@ -47,6 +49,12 @@ pub enum ProtoError {
     /// The peer closed the connection with GOAWAY.
     #[error("peer closed the connection: {status}: {message}")]
     GoAway { status: wire::Status, message: String },
+    /// The target did not prove that it holds the key this side authenticated with: it does not
+    /// authenticate, or it is not the target it claims to be.
+    #[error(
+        "the target did not prove that it holds the key (it does not authenticate, or it is an impostor)"
+    )]
+    TargetNotAuthenticated,
     /// A reconnection negotiated less than the requests waiting to be re-sent need.
     #[error("the target now allows {what} {now}, less than the {before} this session was built on")]
     LimitsShrank { what: &'static str, before: u32, now: u32 },

@@ -14,15 +14,34 @@
 //! [`admit`]: ServerSession::admit
 //! [`handle_frame`]: ServerSession::handle_frame
 
-use wire::control::{Hello, HelloReply, Limits, Open, CONTROL_BODY_MAX};
+use wire::control::{
+    Hello, HelloReply, Limits, Open, CONTROL_BODY_MAX, FEATURE_AUTH, FEATURE_DIRECT_READS, NONCE_LEN,
+    PROOF_LEN,
+};
 use wire::{caravan::RequestCaravan, FrameKind, Header, Status, WireError, VERSION};
 
+use crate::auth::{proofs_equal, Key};
 use crate::ProtoError;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
     AwaitHello,
+    /// HELLO asked to authenticate with key `name` (`None` in `key` when the target knows no
+    /// such key); waiting for AUTH.
+    AwaitAuth {
+        name: String,
+        key: Option<Key>,
+        client_nonce: [u8; NONCE_LEN],
+    },
     Ready,
+}
+
+/// What a target authenticates with: the keys it knows, and this connection's nonce (drawn by
+/// the driver from the OS).
+#[derive(Debug, Clone)]
+pub struct AuthConfig {
+    pub keys: std::sync::Arc<Vec<Key>>,
+    pub nonce: [u8; NONCE_LEN],
 }
 
 /// A frame from the initiator, classified and checked.
@@ -31,6 +50,13 @@ pub enum Inbound<'a> {
     /// HELLO accepted: send this HELLO_REPLY body. `refused` means close after sending.
     Hello {
         reply: HelloReply,
+    },
+    /// AUTH judged: send this AUTH_REPLY; on a status other than `Ok` close after sending.
+    /// `key` names the key tried, and `reason` says what failed, for the log (never sent).
+    Auth {
+        reply: wire::AuthReply,
+        key: String,
+        reason: Option<&'static str>,
     },
     Open(Open),
     List,
@@ -49,8 +75,12 @@ pub struct ServerSession {
     offered: Limits,
     /// What was agreed; equal to `offered` until HELLO.
     limits: Limits,
-    /// Export indices (into the target's export table) by handle.
-    handles: Vec<u32>,
+    /// Export indices (into the target's export table) by handle, and whether the handle was
+    /// granted read-only.
+    handles: Vec<(u32, bool)>,
+    auth: Option<AuthConfig>,
+    /// The key this initiator proved, once it has.
+    principal: Option<String>,
     open_handles_max: usize,
     /// Direct reads were negotiated (HELLO feature bit 1).
     direct_reads: bool,
@@ -65,9 +95,23 @@ impl ServerSession {
             offered,
             limits: offered,
             handles: Vec::with_capacity(open_handles_max),
+            auth: None,
+            principal: None,
             open_handles_max,
             direct_reads: false,
         }
+    }
+
+    /// Authenticate initiators that ask with these keys and this connection's nonce. Without,
+    /// an initiator asking to authenticate fails: this target knows no keys.
+    pub fn with_auth(mut self, auth: AuthConfig) -> ServerSession {
+        self.auth = Some(auth);
+        self
+    }
+
+    /// The key the initiator proved (`None`: it gave none).
+    pub fn principal(&self) -> Option<&str> {
+        self.principal.as_deref()
     }
 
     pub fn limits(&self) -> &Limits {
@@ -80,14 +124,21 @@ impl ServerSession {
         self.state == State::Ready
     }
 
+    /// Whether a HELLO asked to authenticate and AUTH has not come yet.
+    pub fn is_authenticating(&self) -> bool {
+        matches!(self.state, State::AwaitAuth { .. })
+    }
+
     /// Judge a frame from its header alone, before its body is read: is this kind allowed now
     /// from an initiator, and is it within the limits? An error means the connection must
     /// close (with the GOAWAY status [`ProtoError::goaway_status`] gives).
     pub fn admit(&self, header: &Header) -> Result<(), ProtoError> {
         use FrameKind::*;
-        match (self.state, header.kind) {
+        match (&self.state, header.kind) {
             (State::AwaitHello, Hello) => {}
             (State::AwaitHello, kind) => return Err(ProtoError::Unexpected(kind, "before HELLO")),
+            (State::AwaitAuth { .. }, Auth | GoAway) => {}
+            (State::AwaitAuth { .. }, kind) => return Err(ProtoError::Unexpected(kind, "before AUTH")),
             (State::Ready, Hello) => return Err(ProtoError::Unexpected(Hello, "twice")),
             (State::Ready, Open | List | Stats | GoAway | Requests | Revoke) => {}
             (State::Ready, kind) => return Err(ProtoError::Unexpected(kind, "from an initiator")),
@@ -115,6 +166,7 @@ impl ServerSession {
         self.admit(header)?;
         match header.kind {
             FrameKind::Hello => self.handle_hello(body),
+            FrameKind::Auth => self.handle_auth(body),
             FrameKind::Open => Ok(Inbound::Open(Open::decode(body)?)),
             FrameKind::List => empty(body, "LIST").map(|_| Inbound::List),
             FrameKind::Stats => empty(body, "STATS").map(|_| Inbound::Stats),
@@ -134,29 +186,74 @@ impl ServerSession {
                 version: VERSION,
                 features: 0,
                 limits: self.offered,
+                auth_nonce: None,
             };
             return Ok(Inbound::Hello { reply });
         }
         self.limits = self.offered.negotiate(&hello.limits);
-        self.state = State::Ready;
         // The agreed features are those asked for that this target speaks.
-        let features = hello.features & wire::control::FEATURE_DIRECT_READS;
-        self.direct_reads = features & wire::control::FEATURE_DIRECT_READS != 0;
-        let reply = HelloReply { status: Status::Ok, version: VERSION, features, limits: self.limits };
+        let features = hello.features & (FEATURE_DIRECT_READS | FEATURE_AUTH);
+        self.direct_reads = features & FEATURE_DIRECT_READS != 0;
+        let auth_nonce = match hello.auth {
+            Some(a) => {
+                // An unknown key goes on to AUTH like a known one, and fails there: whether a
+                // key name exists is not for the initiator to learn.
+                let key =
+                    self.auth.as_ref().and_then(|c| c.keys.iter().find(|k| k.name == a.key_name).cloned());
+                self.state = State::AwaitAuth { name: a.key_name, key, client_nonce: a.nonce };
+                Some(self.auth.as_ref().map_or([0; NONCE_LEN], |c| c.nonce))
+            }
+            None => {
+                self.state = State::Ready;
+                None
+            }
+        };
+        let reply =
+            HelloReply { status: Status::Ok, version: VERSION, features, limits: self.limits, auth_nonce };
         Ok(Inbound::Hello { reply })
     }
 
-    /// Record that this connection opened export `export_index`; returns its handle, or
-    /// `TooManyOpen`. Opening the same export twice returns the same handle.
-    pub fn open_handle(&mut self, export_index: u32) -> Result<u32, Status> {
-        if let Some(h) = self.handles.iter().position(|&e| e == export_index) {
+    fn handle_auth<'a>(&mut self, body: &[u8]) -> Result<Inbound<'a>, ProtoError> {
+        let auth = wire::Auth::decode(body)?;
+        let State::AwaitAuth { name, key, client_nonce } =
+            std::mem::replace(&mut self.state, State::AwaitHello)
+        else {
+            return Err(ProtoError::Unexpected(FrameKind::Auth, "without a HELLO asking for it"));
+        };
+        let target_nonce = self.auth.as_ref().map_or([0; NONCE_LEN], |c| c.nonce);
+        let refuse = |reason| Inbound::Auth {
+            reply: wire::AuthReply { status: Status::AuthFailed, proof: [0; PROOF_LEN] },
+            key: name.clone(),
+            reason: Some(reason),
+        };
+        let Some(key) = key else { return Ok(refuse("unknown key")) };
+        if !proofs_equal(&key.client_proof(&client_nonce, &target_nonce), &auth.proof) {
+            return Ok(refuse("wrong proof: not this key's secret"));
+        }
+        self.state = State::Ready;
+        self.principal = Some(name.clone());
+        let reply =
+            wire::AuthReply { status: Status::Ok, proof: key.target_proof(&client_nonce, &target_nonce) };
+        Ok(Inbound::Auth { reply, key: name, reason: None })
+    }
+
+    /// Record that this connection opened export `export_index`, read-only or not; returns its
+    /// handle, or `TooManyOpen`. Opening the same export twice returns the same handle.
+    pub fn open_handle(&mut self, export_index: u32, read_only: bool) -> Result<u32, Status> {
+        if let Some(h) = self.handles.iter().position(|&(e, _)| e == export_index) {
+            self.handles[h].1 = read_only;
             return Ok(h as u32);
         }
         if self.handles.len() >= self.open_handles_max {
             return Err(Status::TooManyOpen);
         }
-        self.handles.push(export_index);
+        self.handles.push((export_index, read_only));
         Ok(self.handles.len() as u32 - 1)
+    }
+
+    /// Whether `handle` was granted read-only (true for a handle never opened).
+    pub fn is_read_only(&self, handle: u32) -> bool {
+        self.handles.get(handle as usize).is_none_or(|&(_, ro)| ro)
     }
 
     /// Whether the initiator asked for direct reads in its HELLO (and so understands
@@ -167,7 +264,7 @@ impl ServerSession {
 
     /// The export index behind `handle`, if this connection opened it.
     pub fn resolve(&self, handle: u32) -> Option<u32> {
-        self.handles.get(handle as usize).copied()
+        self.handles.get(handle as usize).map(|&(e, _)| e)
     }
 }
 
@@ -184,7 +281,7 @@ mod tests {
     use super::*;
 
     fn hello(limits: Limits) -> Vec<u8> {
-        Hello { version_min: 1, version_max: 1, features: 0, limits }.encode()
+        Hello { version_min: 1, version_max: 1, features: 0, limits, auth: None }.encode()
     }
 
     fn header(kind: FrameKind, desc_count: u16, payload_len: u32) -> Header {
@@ -214,7 +311,9 @@ mod tests {
     #[test]
     fn version_mismatch_is_answered_not_accepted() {
         let mut s = ServerSession::new(Limits::default(), 16);
-        let body = Hello { version_min: 2, version_max: 3, features: 0, limits: Limits::default() }.encode();
+        let body =
+            Hello { version_min: 2, version_max: 3, features: 0, limits: Limits::default(), auth: None }
+                .encode();
         let h = header(FrameKind::Hello, 0, body.len() as u32);
         match s.handle_frame(&h, &body).unwrap() {
             Inbound::Hello { reply } => assert_eq!(reply.status, Status::VersionMismatch),
@@ -249,10 +348,11 @@ mod tests {
     fn handles_are_bounded_and_stable() {
         let mut s = ServerSession::new(Limits::default(), 16);
         for i in 0..16 {
-            assert_eq!(s.open_handle(i * 10), Ok(i));
+            assert_eq!(s.open_handle(i * 10, false), Ok(i));
         }
-        assert_eq!(s.open_handle(30), Ok(3), "reopening returns the same handle");
-        assert_eq!(s.open_handle(999), Err(Status::TooManyOpen));
+        assert_eq!(s.open_handle(30, true), Ok(3), "reopening returns the same handle");
+        assert!(s.is_read_only(3) && !s.is_read_only(2) && s.is_read_only(99));
+        assert_eq!(s.open_handle(999, false), Err(Status::TooManyOpen));
         assert_eq!(s.resolve(2), Some(20));
         assert_eq!(s.resolve(16), None);
     }

@@ -118,3 +118,21 @@ fn capability_smoke() {
         }
     }
 }
+
+/// The `keys` target's checks on seeded key files and access lists, and mutations of them.
+#[test]
+fn keys_smoke() {
+    let mut rng = Rng(SEED ^ 0x6b65);
+    let seeds: [&[u8]; 4] = [
+        b"\0alice:00112233445566778899aabbccddeeff\n# c\nbob:ffeeddccbbaa99887766554433221100\n",
+        b"\0a:0011\n\nb c:zz\n",
+        b"\x01alice:rw+bob:ro+*:ro",
+        b"\x01*:rw+x:r",
+    ];
+    for case in 0..CASES {
+        let input = mutate(&mut rng, seeds[(case % 4) as usize].to_vec());
+        if catch_unwind(AssertUnwindSafe(|| skiff_proto::fuzz_api::keys(&input))).is_err() {
+            panic!("keys case {case} failed; input: {input:02x?}");
+        }
+    }
+}

@@ -294,7 +294,7 @@ pub enum Protocol {
 }
 
 enum Kind {
-    Native(NativeConn),
+    Native(Box<NativeConn>),
     Nbd(Box<NbdConn>),
 }
 
@@ -324,10 +324,20 @@ impl Conn {
                 tx.append(&greeting);
                 Kind::Nbd(Box::new(conn))
             }
-            _ => Kind::Native(NativeConn::new(
-                shared.config.bounds.limits,
-                shared.config.bounds.open_handles_max,
-            )),
+            _ => {
+                let conn =
+                    NativeConn::new(shared.config.bounds.limits, shared.config.bounds.open_handles_max);
+                // Each connection proves keys against a nonce of its own.
+                match rt::random::bytes() {
+                    Ok(nonce) => Kind::Native(Box::new(
+                        conn.with_auth(proto::server::AuthConfig { keys: shared.keys.clone(), nonce }),
+                    )),
+                    Err(e) => {
+                        tracing::error!(error = %e, "no randomness for a handshake nonce: this connection cannot authenticate");
+                        Kind::Native(Box::new(conn))
+                    }
+                }
+            }
         };
         let now = Instant::now();
         Conn {

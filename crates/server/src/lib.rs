@@ -30,7 +30,9 @@ pub use stats::{ListenerStats, WorkerStats};
 
 /// One export on the command line: `NAME=SPEC[,OPTION...]`. Options: `ro` (read-only),
 /// `cache=SIZE` (a block cache for direct reads of a file export; docs/DIRECT_READS.md),
-/// `direct=off` (a file export through the page cache instead of `O_DIRECT`).
+/// `direct=off` (a file export through the page cache instead of `O_DIRECT`),
+/// `allow=NAME:rw+NAME:ro+*:ro` (which keys may open it, with which rights; `*` is anyone
+/// without a key).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExportConfig {
     pub name: String,
@@ -38,6 +40,8 @@ pub struct ExportConfig {
     pub read_only: bool,
     /// Bytes of block cache serving direct reads (file exports); 0 for none.
     pub cache_bytes: u64,
+    /// Who may open the export (`,allow=NAME:rw+NAME:ro+*:ro`); `None`: anyone.
+    pub access: Option<proto::auth::AccessList>,
     /// `O_DIRECT` where the file system takes it (the default); `,direct=off` goes through
     /// the page cache.
     pub use_direct: bool,
@@ -54,6 +58,8 @@ pub enum ExportConfigError {
     Spec { name: String, source: engine::SpecError },
     #[error("export {name:?}: cache={value:?}: {source}")]
     CacheSize { name: String, value: String, source: engine::SpecError },
+    #[error("export {name:?}: allow=: {message}")]
+    Access { name: String, message: String },
 }
 
 impl std::str::FromStr for ExportConfig {
@@ -66,9 +72,14 @@ impl std::str::FromStr for ExportConfig {
         // Options trail the spec (`,ro`, `,cache=SIZE`); a path may hold commas of its own, so
         // only known options are taken from the end.
         let (mut spec, mut read_only, mut cache_bytes, mut use_direct) = (spec, false, 0, true);
+        let mut access = None;
         while let Some((head, option)) = spec.rsplit_once(',') {
             if option == "ro" {
                 read_only = true;
+            } else if let Some(list) = option.strip_prefix("allow=") {
+                let parsed = proto::auth::AccessList::parse(list)
+                    .map_err(|message| ExportConfigError::Access { name: name.to_owned(), message })?;
+                access = Some(parsed);
             } else if option == "direct=off" || option == "direct=on" {
                 use_direct = option == "direct=on";
             } else if let Some(value) = option.strip_prefix("cache=") {
@@ -84,7 +95,7 @@ impl std::str::FromStr for ExportConfig {
         }
         let spec = BackendSpec::parse(spec)
             .map_err(|source| ExportConfigError::Spec { name: name.to_owned(), source })?;
-        Ok(ExportConfig { name: name.to_owned(), spec, read_only, cache_bytes, use_direct })
+        Ok(ExportConfig { name: name.to_owned(), spec, read_only, cache_bytes, use_direct, access })
     }
 }
 
@@ -106,6 +117,9 @@ pub struct TargetConfig {
     /// this long before it sleeps (zero, the default, always sleeps). Saves the sleep and
     /// wake-up when requests arrive back to back; costs a busy core while spinning.
     pub poll_spin: std::time::Duration,
+    /// The keys initiators may authenticate with (docs/PROTOCOL.md, section 15); exports name
+    /// them in their access lists.
+    pub keys: Vec<proto::auth::Key>,
     /// Serve Prometheus metrics at `GET /metrics` on this TCP address (`HOST:PORT`). Also
     /// turns on the measurement of request service times, one clock read per request.
     pub metrics_listen: Option<String>,
@@ -122,6 +136,7 @@ impl Default for TargetConfig {
             bounds: Bounds::default(),
             poll_spin: std::time::Duration::ZERO,
             metrics_listen: None,
+            keys: Vec::new(),
         }
     }
 }
@@ -134,6 +149,8 @@ pub enum TargetError {
     NothingToListenOn,
     #[error("NBD export table: {0}")]
     Nbd(::nbd::NbdError),
+    #[error("export {export:?} allows key {key:?}, which no key file gives")]
+    UnknownKey { export: String, key: String },
     #[error("export name {0:?} given twice")]
     DuplicateExport(String),
     #[error("export {name:?}: {source}")]
@@ -167,6 +184,8 @@ pub(crate) struct Shared {
     ///
     /// [`Host::clock_ms`]: engine::front::Host::clock_ms
     pub started: std::time::Instant,
+    /// The keys of [`TargetConfig::keys`], shared with every connection's handshake.
+    pub keys: Arc<Vec<proto::auth::Key>>,
 }
 
 impl engine::front::Host for Shared {
@@ -248,6 +267,7 @@ impl Target {
             acceptor_tid: Default::default(),
             clock: metrics_listener.is_some().then(std::time::Instant::now),
             started: std::time::Instant::now(),
+            keys: Arc::new(config.keys.clone()),
             config,
         });
         for e in shared.exports.iter() {
@@ -389,6 +409,16 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
         let read_only = config.read_only || ec.read_only;
         let mut export = Export::open_with(&ec.name, &ec.spec, read_only, ec.use_direct)
             .map_err(|source| TargetError::Backend { name: ec.name.clone(), source })?;
+        if let Some(list) = &ec.access {
+            for (key, _) in &list.keys {
+                if !config.keys.iter().any(|k| &k.name == key) {
+                    return Err(TargetError::UnknownKey { export: ec.name.clone(), key: key.clone() });
+                }
+            }
+        } else if !config.keys.is_empty() {
+            tracing::warn!(export = %ec.name, "no allow= list: anyone who reaches this target may open the export, key or not");
+        }
+        export.access = ec.access.clone();
         if ec.cache_bytes > 0 && export.backend.read_in_place(0, 0).is_some() {
             tracing::warn!(export = %ec.name, "cache= ignored: a RAM export is its own cache for direct reads");
         }

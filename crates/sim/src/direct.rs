@@ -134,7 +134,7 @@ pub fn run(opts: &Options) -> Result<Report, String> {
     } else {
         volume.clone()
     };
-    let mut export = Export { name: "sim".into(), backend, read_only: false, direct: None };
+    let mut export = Export { name: "sim".into(), backend, read_only: false, direct: None, access: None };
     let cache_slots = WAYS * rng.range(1, 4) as usize;
     let secret: [u8; 32] = std::array::from_fn(|i| (rng.next_u64() >> (i % 8)) as u8);
     export.enable_direct_reads(secret, (cache_slots * SLOT_BYTES) as u64).map_err(|e| e.to_string())?;
@@ -298,7 +298,7 @@ fn open_side(host: &SimHost, rng: &mut Rng, _index: usize) -> Result<Side, Strin
     let mut target = NativeConn::new(offered, 4);
     let stats = FrontStats::new(1);
     let (mut target_rx, mut target_tx, mut closing) = (FrameBuffer::new(), Vec::new(), false);
-    let hs = ClientHandshake::new(Limits {
+    let mut hs = ClientHandshake::new(Limits {
         queue_depth: 0,
         caravan_reqs_max: 0,
         caravan_bytes_max: 0,

@@ -274,6 +274,7 @@ impl Sim {
             backend: faulty.clone(),
             read_only: false,
             direct: None,
+            access: None,
         }]);
         let batching = match rng.below(3) {
             0 => Batching::Off,

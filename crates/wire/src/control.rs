@@ -84,27 +84,55 @@ impl Limits {
     }
 }
 
+/// HELLO feature bit 0: the initiator authenticates with a key (HELLO carries the key name and
+/// a nonce, HELLO_REPLY a nonce, then `AUTH` and `AUTH_REPLY`; docs/PROTOCOL.md, section 15).
+pub const FEATURE_AUTH: u64 = 1 << 0;
+/// Bytes of a handshake nonce and of an authentication proof.
+pub const NONCE_LEN: usize = 32;
+pub const PROOF_LEN: usize = 32;
+/// Longest key name.
+pub const KEY_NAME_MAX: usize = 64;
+
 /// HELLO feature bit 1: the initiator reads directly with capabilities (`WANT_CAP` reads,
 /// `DIRECT_READ` requests, `CAPABILITIES` frames; docs/PROTOCOL.md, section 8). The target
 /// echoes it in HELLO_REPLY when it serves direct reads.
 pub const FEATURE_DIRECT_READS: u64 = 1 << 1;
 
+/// What an authenticating initiator adds to HELLO ([`FEATURE_AUTH`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HelloAuth {
+    pub key_name: String,
+    pub nonce: [u8; NONCE_LEN],
+}
+
 /// First frame from the initiator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     pub version_min: u8,
     pub version_max: u8,
-    /// Feature bits the initiator wants ([`FEATURE_DIRECT_READS`]).
+    /// Feature bits the initiator wants ([`FEATURE_AUTH`], [`FEATURE_DIRECT_READS`]).
     pub features: u64,
     pub limits: Limits,
+    /// Present exactly when `features` has [`FEATURE_AUTH`].
+    pub auth: Option<HelloAuth>,
 }
 
 impl Hello {
+    /// A HELLO without authentication.
+    pub fn plain(version_min: u8, version_max: u8, features: u64, limits: Limits) -> Hello {
+        Hello { version_min, version_max, features: features & !FEATURE_AUTH, limits, auth: None }
+    }
+
     pub fn encode(&self) -> Vec<u8> {
+        debug_assert_eq!(self.auth.is_some(), self.features & FEATURE_AUTH != 0);
         let mut w = Vec::with_capacity(12 + Limits::ENCODED_LEN);
         w.extend_from_slice(&[self.version_min, self.version_max, 0, 0]);
         w.extend_from_slice(&self.features.to_le_bytes());
         self.limits.put(&mut w);
+        if let Some(a) = &self.auth {
+            put_str16(&mut w, truncate_utf8(&a.key_name, KEY_NAME_MAX));
+            w.extend_from_slice(&a.nonce);
+        }
         w
     }
 
@@ -115,8 +143,59 @@ impl Hello {
         r.zero(2)?;
         let features = r.u64()?;
         let limits = Limits::get(&mut r)?;
+        let auth = if features & FEATURE_AUTH != 0 {
+            let key_name = r.str16(KEY_NAME_MAX)?;
+            Some(HelloAuth { key_name, nonce: r.array()? })
+        } else {
+            None
+        };
         r.end()?;
-        Ok(Hello { version_min, version_max, features, limits })
+        Ok(Hello { version_min, version_max, features, limits, auth })
+    }
+}
+
+/// AUTH (32 bytes): the initiator's proof of its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Auth {
+    pub proof: [u8; PROOF_LEN],
+}
+
+impl Auth {
+    pub fn encode(&self) -> Vec<u8> {
+        self.proof.to_vec()
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Auth> {
+        let mut r = Reader::new(body, "AUTH")?;
+        let proof = r.array()?;
+        r.end()?;
+        Ok(Auth { proof })
+    }
+}
+
+/// AUTH_REPLY (36 bytes): the verdict and, when it is `Ok`, the target's proof of the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuthReply {
+    pub status: Status,
+    pub proof: [u8; PROOF_LEN],
+}
+
+impl AuthReply {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Vec::with_capacity(4 + PROOF_LEN);
+        w.extend_from_slice(&self.status.to_u16().to_le_bytes());
+        w.extend_from_slice(&[0, 0]);
+        w.extend_from_slice(&self.proof);
+        w
+    }
+
+    pub fn decode(body: &[u8]) -> Result<AuthReply> {
+        let mut r = Reader::new(body, "AUTH_REPLY")?;
+        let status = Status::from_u16(r.u16()?);
+        r.zero(2)?;
+        let proof = r.array()?;
+        r.end()?;
+        Ok(AuthReply { status, proof })
     }
 }
 
@@ -128,6 +207,9 @@ pub struct HelloReply {
     pub version: u8,
     pub features: u64,
     pub limits: Limits,
+    /// The target's nonce, present exactly when `status` is `Ok` and `features` has
+    /// [`FEATURE_AUTH`].
+    pub auth_nonce: Option<[u8; NONCE_LEN]>,
 }
 
 impl HelloReply {
@@ -137,6 +219,9 @@ impl HelloReply {
         w.extend_from_slice(&[self.version, 0]);
         w.extend_from_slice(&self.features.to_le_bytes());
         self.limits.put(&mut w);
+        if let Some(nonce) = &self.auth_nonce {
+            w.extend_from_slice(nonce);
+        }
         w
     }
 
@@ -147,8 +232,10 @@ impl HelloReply {
         r.zero(1)?;
         let features = r.u64()?;
         let limits = Limits::get(&mut r)?;
+        let auth_nonce =
+            if status == Status::Ok && features & FEATURE_AUTH != 0 { Some(r.array()?) } else { None };
         r.end()?;
-        Ok(HelloReply { status, version, features, limits })
+        Ok(HelloReply { status, version, features, limits, auth_nonce })
     }
 }
 

@@ -8,7 +8,7 @@
 use crate::{FrameKind, Header, HEADER_LEN};
 
 /// Every frame kind, in code order.
-pub const KINDS: [FrameKind; 14] = [
+pub const KINDS: [FrameKind; 16] = [
     FrameKind::Hello,
     FrameKind::HelloReply,
     FrameKind::Open,
@@ -18,6 +18,8 @@ pub const KINDS: [FrameKind; 14] = [
     FrameKind::Stats,
     FrameKind::StatsReply,
     FrameKind::GoAway,
+    FrameKind::Auth,
+    FrameKind::AuthReply,
     FrameKind::Capabilities,
     FrameKind::Revoke,
     FrameKind::RevokeReply,

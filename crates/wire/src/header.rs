@@ -43,6 +43,10 @@ pub enum FrameKind {
     Stats = 7,
     StatsReply = 8,
     GoAway = 9,
+    /// The initiator's proof of its key (docs/PROTOCOL.md, section 15).
+    Auth = 10,
+    /// The target's verdict and its own proof.
+    AuthReply = 11,
     /// References to data the initiator may read directly (target to initiator, with direct
     /// reads negotiated): see [`crate::capability`].
     Capabilities = 18,
@@ -68,6 +72,8 @@ impl FrameKind {
             7 => Stats,
             8 => StatsReply,
             9 => GoAway,
+            10 => Auth,
+            11 => AuthReply,
             18 => Capabilities,
             12 => Revoke,
             13 => RevokeReply,

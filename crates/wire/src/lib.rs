@@ -28,8 +28,8 @@ pub use caravan::{
     REQUEST_DESC_LEN,
 };
 pub use control::{
-    ExportFlags, ExportInfo, GoAway, Hello, HelloReply, Limits, Open, OpenReply, Revoke, RevokeAction,
-    RevokeReply, StatsReply,
+    Auth, AuthReply, ExportFlags, ExportInfo, GoAway, Hello, HelloAuth, HelloReply, Limits, Open, OpenReply,
+    Revoke, RevokeAction, RevokeReply, StatsReply,
 };
 pub use framing::{FrameBuffer, FrameRef};
 pub use header::{FrameHeader, FrameKind, Header, HEADER_LEN, MAGIC, VERSION};

@@ -38,6 +38,13 @@ pub enum Status {
     TimedOut,
     /// The target is shutting down (`GOAWAY`); an initiator may reconnect once it is back.
     ShuttingDown,
+    /// The export needs a key and the initiator gave none (`OPEN_REPLY`).
+    AuthRequired,
+    /// Authentication failed: an unknown key, or a wrong proof (`AUTH_REPLY`; which of the two is
+    /// not said).
+    AuthFailed,
+    /// The key may not open this export, or not with the rights asked for.
+    AccessDenied,
     /// A direct read's capability is no longer valid (expired, key epoch rotated, cache slot
     /// evicted or invalidated): a recoverable fault, the initiator reads the ordinary way.
     StaleCapability,
@@ -67,6 +74,9 @@ impl Status {
             Status::TooManyOpen => 13,
             Status::TimedOut => 14,
             Status::ShuttingDown => 15,
+            Status::AuthRequired => 16,
+            Status::AuthFailed => 17,
+            Status::AccessDenied => 18,
             Status::StaleCapability => 20,
             Status::BadCapability => 21,
             Status::Other(v) => v,
@@ -91,6 +101,9 @@ impl Status {
             13 => Status::TooManyOpen,
             14 => Status::TimedOut,
             15 => Status::ShuttingDown,
+            16 => Status::AuthRequired,
+            17 => Status::AuthFailed,
+            18 => Status::AccessDenied,
             20 => Status::StaleCapability,
             21 => Status::BadCapability,
             other => Status::Other(other),
@@ -117,6 +130,9 @@ impl Status {
             Status::TooManyOpen => "too_many_open",
             Status::TimedOut => "timed_out",
             Status::ShuttingDown => "shutting_down",
+            Status::AuthRequired => "auth_required",
+            Status::AuthFailed => "auth_failed",
+            Status::AccessDenied => "access_denied",
             Status::StaleCapability => "stale_capability",
             Status::BadCapability => "bad_capability",
             Status::Other(_) => "other",
@@ -144,6 +160,7 @@ impl Status {
             Status::TooManyOpen => 24,                                      // EMFILE
             Status::TimedOut => 110,                                        // ETIMEDOUT
             Status::ShuttingDown => 108,                                    // ESHUTDOWN
+            Status::AuthRequired | Status::AuthFailed | Status::AccessDenied => 13, // EACCES
             Status::StaleCapability => 116,                                 // ESTALE
             Status::BadCapability => 13,                                    // EACCES
         }
@@ -169,6 +186,9 @@ impl std::fmt::Display for Status {
             Status::TooManyOpen => "too many exports open",
             Status::TimedOut => "timed out",
             Status::ShuttingDown => "target shutting down",
+            Status::AuthRequired => "a key is required",
+            Status::AuthFailed => "authentication failed (unknown or wrong key)",
+            Status::AccessDenied => "access denied to this key",
             Status::StaleCapability => "stale capability",
             Status::BadCapability => "capability refused",
             Status::Other(v) => return write!(f, "status {v}"),

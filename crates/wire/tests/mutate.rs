@@ -98,11 +98,11 @@ fn seed_frames() -> Vec<Vec<u8>> {
     vec![
         control_frame(
             FrameKind::Hello,
-            Hello { version_min: 1, version_max: 1, features: 0, limits }.encode(),
+            Hello { version_min: 1, version_max: 1, features: 0, limits, auth: None }.encode(),
         ),
         control_frame(
             FrameKind::HelloReply,
-            HelloReply { status: Status::Ok, version: 1, features: 0, limits }.encode(),
+            HelloReply { status: Status::Ok, version: 1, features: 0, limits, auth_nonce: None }.encode(),
         ),
         control_frame(
             FrameKind::HelloReply,
@@ -111,8 +111,30 @@ fn seed_frames() -> Vec<Vec<u8>> {
                 version: 0,
                 features: 0,
                 limits: Limits { queue_depth: 0, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 },
+                auth_nonce: None,
             }
             .encode(),
+        ),
+        control_frame(
+            FrameKind::Hello,
+            Hello {
+                version_min: 1,
+                version_max: 1,
+                features: 1,
+                limits,
+                auth: Some(skiff_wire::HelloAuth { key_name: "alice".into(), nonce: [5; 32] }),
+            }
+            .encode(),
+        ),
+        control_frame(
+            FrameKind::HelloReply,
+            HelloReply { status: Status::Ok, version: 1, features: 1, limits, auth_nonce: Some([6; 32]) }
+                .encode(),
+        ),
+        control_frame(FrameKind::Auth, skiff_wire::Auth { proof: [7; 32] }.encode()),
+        control_frame(
+            FrameKind::AuthReply,
+            skiff_wire::AuthReply { status: Status::AuthFailed, proof: [0; 32] }.encode(),
         ),
         control_frame(FrameKind::Open, Open { name: "disk0".into() }.encode()),
         control_frame(FrameKind::Open, Open { name: "日本語-export".into() }.encode()),
@@ -398,6 +420,8 @@ fn check_control(kind: FrameKind, body: &[u8], reached: &mut Reached) {
         FrameKind::StatsReply => StatsReply::decode(body).map(|v| v.encode()),
         FrameKind::GoAway => GoAway::decode(body).map(|v| v.encode()),
         FrameKind::Revoke => skiff_wire::Revoke::decode(body).map(|v| v.encode()),
+        FrameKind::Auth => skiff_wire::Auth::decode(body).map(|v| v.encode()),
+        FrameKind::AuthReply => skiff_wire::AuthReply::decode(body).map(|v| v.encode()),
         FrameKind::RevokeReply => skiff_wire::RevokeReply::decode(body).map(|v| v.encode()),
         FrameKind::Capabilities => {
             let mut caps = Vec::new();
@@ -429,6 +453,8 @@ fn check_control_decoders(body: &[u8], reached: &mut Reached) {
         FrameKind::Capabilities,
         FrameKind::Revoke,
         FrameKind::RevokeReply,
+        FrameKind::Auth,
+        FrameKind::AuthReply,
     ] {
         check_control(kind, body, reached);
     }

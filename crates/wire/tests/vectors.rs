@@ -185,7 +185,7 @@ fn limits_128() -> Limits {
 
 #[test]
 fn hello() {
-    let hello = Hello { version_min: 1, version_max: 1, features: 0, limits: limits_128() };
+    let hello = Hello { version_min: 1, version_max: 1, features: 0, limits: limits_128(), auth: None };
     check_control(
         FrameKind::Hello,
         &hello,
@@ -199,7 +199,8 @@ fn hello() {
 
 #[test]
 fn hello_reply() {
-    let reply = HelloReply { status: Status::Ok, version: 1, features: 0, limits: limits_128() };
+    let reply =
+        HelloReply { status: Status::Ok, version: 1, features: 0, limits: limits_128(), auth_nonce: None };
     check_control(
         FrameKind::HelloReply,
         &reply,
@@ -212,15 +213,52 @@ fn hello_reply() {
 }
 
 #[test]
+fn hello_with_a_key() {
+    let hello = Hello {
+        version_min: 1,
+        version_max: 1,
+        features: 1,
+        limits: Limits { queue_depth: 0, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 },
+        auth: Some(skiff_wire::HelloAuth { key_name: "ab".into(), nonce: [0x5A; 32] }),
+    };
+    let mut body = hex("01 | 01 | 00 00 | 01 00 00 00 00 00 00 00
+         00 00 00 00 | 00 00 00 00 | 00 00 00 00 | 00 00 00 00 | 02 00 | 61 62");
+    body.extend([0x5A; 32]);
+    assert_eq!(hello.encode(), body);
+    assert_eq!(Hello::decode(&body).unwrap(), hello);
+    // The key part is there exactly when bit 0 is.
+    assert!(Hello::decode(&body[..28]).is_err());
+    let mut plain = body[..28].to_vec();
+    plain[4] = 0;
+    assert!(Hello::decode(&plain).is_ok());
+    plain.extend([0; 4]);
+    assert!(Hello::decode(&plain).is_err());
+    let reply = skiff_wire::HelloReply {
+        status: Status::Ok,
+        version: 1,
+        features: 1,
+        limits: Limits::default(),
+        auth_nonce: Some([0xA5; 32]),
+    };
+    let encoded = reply.encode();
+    assert_eq!(encoded.len(), 28 + 32);
+    assert_eq!(skiff_wire::HelloReply::decode(&encoded).unwrap(), reply);
+    let auth = skiff_wire::AuthReply { status: Status::AuthFailed, proof: [0; 32] }.encode();
+    assert_eq!(&auth[..4], &[17, 0, 0, 0]);
+}
+
+#[test]
 fn hello_features_are_little_endian_u64() {
-    // Version 1 defines no feature bits, but the field is carried as is.
+    // Unknown feature bits are carried as they are (bit 0, AUTH, would add a key name and a
+    // nonce: see hello_with_a_key below).
     let hello = Hello {
         version_min: 1,
         version_max: 3,
-        features: 0x0807_0605_0403_0201,
+        features: 0x0807_0605_0403_0200,
         limits: Limits { queue_depth: 0, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 },
+        auth: None,
     };
-    let body = hex("01 | 03 | 00 00 | 01 02 03 04 05 06 07 08
+    let body = hex("01 | 03 | 00 00 | 00 02 03 04 05 06 07 08
          00 00 00 00 | 00 00 00 00 | 00 00 00 00 | 00 00 00 00");
     assert_eq!(hello.encode(), body);
     assert_eq!(Hello::decode(&body).unwrap(), hello);
@@ -793,10 +831,11 @@ fn unknown_opcode_wins_over_other_faults() {
 // Negative vectors: control bodies.
 
 fn hello_body() -> Vec<u8> {
-    Hello { version_min: 1, version_max: 1, features: 0, limits: limits_128() }.encode()
+    Hello { version_min: 1, version_max: 1, features: 0, limits: limits_128(), auth: None }.encode()
 }
 fn hello_reply_body() -> Vec<u8> {
-    HelloReply { status: Status::Ok, version: 1, features: 0, limits: limits_128() }.encode()
+    HelloReply { status: Status::Ok, version: 1, features: 0, limits: limits_128(), auth_nonce: None }
+        .encode()
 }
 fn open_reply_body() -> Vec<u8> {
     OpenReply { status: Status::Ok, handle: 1, size_bytes: 1 << 30, block_size: 512, flags: ExportFlags(2) }

@@ -106,6 +106,8 @@ pub struct BenchArgs {
     warm: bool,
     #[command(flatten)]
     reconnect: crate::reconnect::ReconnectArgs,
+    #[command(flatten)]
+    keys: crate::keys::KeyArgs,
 }
 
 /// `--batching` as typed.
@@ -182,6 +184,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         BatchingArg::Static(_) => Batching::Static,
         BatchingArg::Adaptive => Batching::Adaptive(BatchConfig::default()),
     };
+    let lane_key = args.keys.key()?;
     let lane_config = LaneConfig {
         limits: Limits {
             queue_depth: args.qd as u32,
@@ -194,6 +197,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         poll_spin: args.poll,
         direct_min_bytes: args.direct_min,
         reconnect: args.reconnect.config(),
+        key: lane_key.clone(),
         directory_entries: if args.direct_reads { args.directory_entries.max(1) } else { 0 },
         ..LaneConfig::default()
     };
@@ -247,8 +251,11 @@ pub fn run(args: BenchArgs) -> CliResult {
         return Err("--size is too small for --bs × --qd per thread".into());
     }
 
-    let mut stats_client =
-        TargetStats { endpoint: endpoint.clone(), client: Some(Client::connect(&endpoint)?) };
+    let mut stats_client = TargetStats {
+        endpoint: endpoint.clone(),
+        client: Some(Client::connect_with_key(&endpoint, lane_key.as_deref())?),
+        key: lane_key.clone(),
+    };
     let phases = Arc::new(Phases {
         timed_start: Barrier::new(args.threads + 1),
         timed_end: Barrier::new(args.threads + 1),
@@ -373,13 +380,14 @@ impl Queues {
 struct TargetStats {
     endpoint: Endpoint,
     client: Option<Client>,
+    key: Option<std::sync::Arc<proto::auth::Key>>,
 }
 
 impl TargetStats {
     fn take(&mut self) -> initiator::StatsReply {
         for _ in 0..2 {
             if self.client.is_none() {
-                self.client = Client::connect(&self.endpoint).ok();
+                self.client = Client::connect_with_key(&self.endpoint, self.key.as_deref()).ok();
             }
             match self.client.as_mut().map(Client::stats) {
                 Some(Ok(stats)) => return stats,

@@ -52,6 +52,8 @@ pub(super) struct ServeFile {
     #[serde(default, rename = "export", deserialize_with = "exports")]
     exports: Option<Vec<ExportConfig>>,
     read_only: Option<bool>,
+    #[serde(rename = "key-file")]
+    key_files: Option<Vec<PathBuf>>,
     workers: Option<usize>,
     #[serde(default, deserialize_with = "count")]
     queue_depth: Option<u32>,
@@ -161,8 +163,8 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
         };
     }
     set!(
-        listen, no_tcp, nbd, exports, read_only, workers, queue_depth, poll, io_max, connections_max,
-        handshakes_max, connections_per_address_max;
+        listen, no_tcp, nbd, exports, read_only, key_files, workers, queue_depth, poll, io_max,
+        connections_max, handshakes_max, connections_per_address_max;
         options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout
     );
     Ok(tuning)

@@ -45,6 +45,13 @@ impl NativeConn {
         }
     }
 
+    /// Authenticate initiators that ask with `auth`'s keys and nonce (docs/PROTOCOL.md,
+    /// section 15).
+    pub fn with_auth(mut self, auth: proto::server::AuthConfig) -> NativeConn {
+        self.session = self.session.with_auth(auth);
+        self
+    }
+
     /// Plant a bug, for the simulator's proof that it catches them.
     #[cfg(feature = "mutations")]
     pub fn set_mutation(&mut self, mutation: mutation::Mutation) {
@@ -88,12 +95,30 @@ fn process<S: Sink + ?Sized>(
                     tracing::info!(peer = %link.peer, "no common protocol version");
                 }
             }
+            Inbound::Auth { reply, key, reason } => {
+                link.tx.append(&frame(FrameKind::AuthReply, &reply.encode()));
+                if let Some(reason) = reason {
+                    tracing::warn!(peer = %link.peer, key = %key, reason, "authentication failed");
+                    *link.closing = true;
+                } else {
+                    tracing::debug!(peer = %link.peer, key = %key, "authenticated");
+                }
+            }
             Inbound::Open(open) => {
-                let reply = open_export(session, host, &open.name);
+                let reply = open_export(session, host, &open.name, link.peer);
                 link.tx.append(&frame(FrameKind::OpenReply, &reply.encode()));
             }
             Inbound::List => {
-                let body = wire::ExportInfo::encode_list(&host.exports().infos());
+                // Only what this initiator may open, with the rights it would get.
+                let infos: Vec<wire::ExportInfo> = host
+                    .exports()
+                    .iter()
+                    .filter_map(|e| {
+                        let read_only = e.grant(session.principal()).ok()?;
+                        Some(wire::ExportInfo { flags: e.flags_granted(read_only), ..e.info() })
+                    })
+                    .collect();
+                let body = wire::ExportInfo::encode_list(&infos);
                 link.tx.append(&frame(FrameKind::ListReply, &body));
             }
             Inbound::Revoke(revoke) => {
@@ -117,11 +142,18 @@ fn process<S: Sink + ?Sized>(
     }
 }
 
-fn open_export(session: &mut ServerSession, host: &impl Host, name: &str) -> OpenReply {
+fn open_export(session: &mut ServerSession, host: &impl Host, name: &str, peer: &str) -> OpenReply {
     let Some((index, export)) = host.exports().find(name) else {
         return OpenReply::refused(Status::NotFound);
     };
-    match session.open_handle(index) {
+    let read_only = match export.grant(session.principal()) {
+        Ok(read_only) => read_only,
+        Err(status) => {
+            tracing::warn!(peer, export = name, key = session.principal().unwrap_or("(none)"), %status, "open refused");
+            return OpenReply::refused(status);
+        }
+    };
+    match session.open_handle(index, read_only) {
         Ok(handle) => {
             let info = export.info();
             OpenReply {
@@ -129,7 +161,7 @@ fn open_export(session: &mut ServerSession, host: &impl Host, name: &str) -> Ope
                 handle,
                 size_bytes: info.size_bytes,
                 block_size: info.block_size,
-                flags: info.flags,
+                flags: export.flags_granted(read_only),
             }
         }
         Err(status) => OpenReply::refused(status),
@@ -148,7 +180,7 @@ fn revoke_capabilities(
     let Some(export) = session.resolve(revoke.handle).and_then(|i| host.exports().get(i)) else {
         return refuse(Status::BadHandle);
     };
-    if export.is_read_only() {
+    if session.is_read_only(revoke.handle) {
         return refuse(Status::ReadOnly);
     }
     let Some(d) = &export.direct else { return refuse(Status::Unsupported) };
@@ -307,6 +339,15 @@ fn execute_caravan<S: Sink + ?Sized>(
         }
         let checked = export
             .ok_or(Status::BadHandle)
+            .and_then(|e| {
+                // A handle granted read-only refuses what changes the volume, whatever the
+                // export would allow another key.
+                if req.opcode.is_mutating() && session.is_read_only(req.handle) {
+                    Err(Status::ReadOnly)
+                } else {
+                    Ok(e)
+                }
+            })
             .and_then(|e| crate::validate(e, &io, limits.io_bytes_max).map(|()| e));
         let (status, data_len) = match checked {
             Err(status) => (status, 0),

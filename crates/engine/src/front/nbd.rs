@@ -38,13 +38,17 @@ pub fn handshake_config(
         .map(|e| {
             let b = &e.backend;
             let caps = b.capabilities();
-            let writable = !e.is_read_only();
+            // NBD clients have no key to prove (nothing but TLS identities could carry one, and
+            // skiff has no TLS yet): they get an export's anonymous rights, or do not see it.
+            let granted = e.grant(None);
+            let writable = granted == Ok(false);
             let mut d = nbd::ExportDesc::new(e.name.clone(), b.size_bytes());
             d.description = format!("skiff {} export", b.kind());
             d.block_min = b.block_size();
             d.block_preferred = 4096.max(b.block_size());
             d.block_max = io_bytes_max;
             d.read_only = !writable;
+            d.hidden = granted.is_err();
             d.can_flush = caps.flush;
             d.can_fua = writable && caps.fua;
             d.can_trim = writable && caps.trim;

@@ -1,25 +1,40 @@
 //! The initiator's side of the handshake.
 
-use wire::control::{Hello, HelloReply, Limits, OpenReply};
+use wire::control::{Hello, HelloReply, Limits, OpenReply, FEATURE_AUTH};
+use wire::control::{HelloAuth, NONCE_LEN};
 use wire::{FrameKind, Header, Status, VERSION};
 
+use crate::auth::{proofs_equal, Key};
 use crate::ProtoError;
 
-/// Builds the HELLO and checks the target's reply.
-#[derive(Debug, Clone, Copy)]
+/// Builds the HELLO (and, with a key, the AUTH) and checks the target's replies.
+#[derive(Debug, Clone)]
 pub struct ClientHandshake {
     proposed: Limits,
     features: u64,
+    /// The key to prove, this side's nonce, and the target's once HELLO_REPLY gave it.
+    auth: Option<(Key, [u8; NONCE_LEN], [u8; NONCE_LEN])>,
 }
 
 impl ClientHandshake {
     pub fn new(proposed: Limits) -> ClientHandshake {
-        ClientHandshake { proposed, features: 0 }
+        ClientHandshake { proposed, features: 0, auth: None }
     }
 
-    /// Ask for these HELLO feature bits too (`wire::control::FEATURE_*`).
+    /// Ask for these HELLO feature bits too (`wire::control::FEATURE_*`; authentication is
+    /// [`with_key`](Self::with_key)'s).
     pub fn with_features(self, features: u64) -> ClientHandshake {
-        ClientHandshake { features, ..self }
+        let auth = self.features & FEATURE_AUTH;
+        ClientHandshake { features: (features & !FEATURE_AUTH) | auth, ..self }
+    }
+
+    /// Authenticate with `key`, contributing `nonce` (random, from the driver).
+    pub fn with_key(self, key: Key, nonce: [u8; NONCE_LEN]) -> ClientHandshake {
+        ClientHandshake {
+            features: self.features | FEATURE_AUTH,
+            auth: Some((key, nonce, [0; NONCE_LEN])),
+            ..self
+        }
     }
 
     /// The HELLO frame to send first.
@@ -29,18 +44,48 @@ impl ClientHandshake {
             version_max: VERSION,
             features: self.features,
             limits: self.proposed,
+            auth: self
+                .auth
+                .as_ref()
+                .map(|(key, nonce, _)| HelloAuth { key_name: key.name.clone(), nonce: *nonce }),
         };
         wire::control::frame(FrameKind::Hello, &hello.encode())
     }
 
+    /// With a key, the AUTH frame to send after HELLO_REPLY: this side's proof.
+    pub fn auth_frame(&self) -> Option<Vec<u8>> {
+        let (key, client_nonce, target_nonce) = self.auth.as_ref()?;
+        let auth = wire::Auth { proof: key.client_proof(client_nonce, target_nonce) };
+        Some(wire::control::frame(FrameKind::Auth, &auth.encode()))
+    }
+
+    /// Check AUTH_REPLY: the target accepted the proof, and proved the key back.
+    pub fn handle_auth_reply(&self, header: &Header, body: &[u8]) -> Result<(), ProtoError> {
+        let reply = expect(header, body, FrameKind::AuthReply, wire::AuthReply::decode)?;
+        if reply.status != Status::Ok {
+            return Err(ProtoError::Refused(reply.status));
+        }
+        let Some((key, client_nonce, target_nonce)) = &self.auth else {
+            return Err(ProtoError::Unexpected(FrameKind::AuthReply, "without an AUTH"));
+        };
+        if !proofs_equal(&key.target_proof(client_nonce, target_nonce), &reply.proof) {
+            return Err(ProtoError::TargetNotAuthenticated);
+        }
+        Ok(())
+    }
+
     /// Check HELLO_REPLY; returns the limits both sides now live by.
-    pub fn handle_reply(&self, header: &Header, body: &[u8]) -> Result<Limits, ProtoError> {
+    pub fn handle_reply(&mut self, header: &Header, body: &[u8]) -> Result<Limits, ProtoError> {
         self.handle_reply_features(header, body).map(|(limits, _)| limits)
     }
 
     /// Check HELLO_REPLY; returns the limits both sides now live by and the features agreed
     /// (only bits this side asked for: a target that grants more is broken).
-    pub fn handle_reply_features(&self, header: &Header, body: &[u8]) -> Result<(Limits, u64), ProtoError> {
+    pub fn handle_reply_features(
+        &mut self,
+        header: &Header,
+        body: &[u8],
+    ) -> Result<(Limits, u64), ProtoError> {
         let reply = expect(header, body, FrameKind::HelloReply, HelloReply::decode)?;
         if reply.status != Status::Ok {
             return Err(ProtoError::Refused(reply.status));
@@ -63,6 +108,12 @@ impl ClientHandshake {
         }
         if reply.features & !self.features != 0 {
             return Err(wire::WireError::Body("HELLO_REPLY features not asked for").into());
+        }
+        if let Some((_, _, target_nonce)) = self.auth.as_mut() {
+            match reply.auth_nonce {
+                Some(nonce) if reply.features & FEATURE_AUTH != 0 => *target_nonce = nonce,
+                _ => return Err(ProtoError::TargetNotAuthenticated),
+            }
         }
         Ok((l, reply.features))
     }
@@ -118,7 +169,7 @@ mod tests {
     /// Run the handshake through both state machines in memory.
     #[test]
     fn both_sides_agree_on_limits() {
-        let client = ClientHandshake::new(Limits {
+        let mut client = ClientHandshake::new(Limits {
             queue_depth: 32,
             caravan_reqs_max: 16,
             caravan_bytes_max: 0,
@@ -140,15 +191,101 @@ mod tests {
         assert_eq!(limits.caravan_bytes_max, Limits::default().caravan_bytes_max);
     }
 
+    /// The authenticated handshake in memory: `client_key` against a target knowing
+    /// `target_keys`. Returns the AUTH_REPLY status and the client's verdict on it.
+    fn authenticate(
+        client_key: Key,
+        target_keys: Vec<Key>,
+    ) -> (Status, Result<(), ProtoError>, Option<String>) {
+        let mut client = ClientHandshake::new(Limits::default()).with_key(client_key, [7; NONCE_LEN]);
+        let auth =
+            crate::server::AuthConfig { keys: std::sync::Arc::new(target_keys), nonce: [9; NONCE_LEN] };
+        let mut server = ServerSession::new(Limits::default(), 16).with_auth(auth);
+        let hello = client.hello_frame();
+        let h = Header::parse(&hello).unwrap();
+        let Inbound::Hello { reply } = server.handle_frame(&h, &hello[wire::HEADER_LEN..]).unwrap() else {
+            panic!("not a hello");
+        };
+        assert!(server.is_authenticating() && !server.is_established());
+        let reply_frame = wire::control::frame(FrameKind::HelloReply, &reply.encode());
+        client.handle_reply(&Header::parse(&reply_frame).unwrap(), &reply_frame[wire::HEADER_LEN..]).unwrap();
+        // Nothing but AUTH (or GOAWAY) is accepted before it.
+        let open = wire::control::frame(FrameKind::Open, &wire::Open { name: "x".into() }.encode());
+        assert!(server.admit(&Header::parse(&open).unwrap()).is_err());
+        let auth = client.auth_frame().unwrap();
+        let Inbound::Auth { reply, .. } =
+            server.handle_frame(&Header::parse(&auth).unwrap(), &auth[wire::HEADER_LEN..]).unwrap()
+        else {
+            panic!("not an auth reply");
+        };
+        let frame = wire::control::frame(FrameKind::AuthReply, &reply.encode());
+        let verdict = client.handle_auth_reply(&Header::parse(&frame).unwrap(), &frame[wire::HEADER_LEN..]);
+        (reply.status, verdict, server.principal().map(str::to_owned))
+    }
+
+    #[test]
+    fn keys_prove_themselves_both_ways_and_every_wrong_key_fails() {
+        let alice = Key::new("alice", &[1; 16]).unwrap();
+        let (status, verdict, principal) = authenticate(alice.clone(), vec![alice.clone()]);
+        assert_eq!((status, verdict, principal.as_deref()), (Status::Ok, Ok(()), Some("alice")));
+        // A wrong secret and an unknown name look the same to the initiator.
+        let wrong = Key::new("alice", &[2; 16]).unwrap();
+        let (status, verdict, principal) = authenticate(wrong, vec![alice.clone()]);
+        assert_eq!(
+            (status, verdict, principal),
+            (Status::AuthFailed, Err(ProtoError::Refused(Status::AuthFailed)), None)
+        );
+        let unknown = Key::new("mallory", &[1; 16]).unwrap();
+        assert_eq!(authenticate(unknown, vec![alice.clone()]).0, Status::AuthFailed);
+        assert_eq!(authenticate(alice.clone(), vec![]).0, Status::AuthFailed, "a target without keys");
+    }
+
+    #[test]
+    fn an_impostor_target_is_caught() {
+        let alice = Key::new("alice", &[1; 16]).unwrap();
+        let mut client = ClientHandshake::new(Limits::default()).with_key(alice.clone(), [7; NONCE_LEN]);
+        // A target that does not authenticate at all: refused at HELLO_REPLY.
+        let plain = HelloReply {
+            status: Status::Ok,
+            version: VERSION,
+            features: 0,
+            limits: Limits::default(),
+            auth_nonce: None,
+        };
+        let frame = wire::control::frame(FrameKind::HelloReply, &plain.encode());
+        let h = Header::parse(&frame).unwrap();
+        assert_eq!(
+            client.handle_reply(&h, &frame[wire::HEADER_LEN..]),
+            Err(ProtoError::TargetNotAuthenticated)
+        );
+        // One that says Ok to AUTH without knowing the key: its proof is wrong.
+        let reply = HelloReply { features: FEATURE_AUTH, auth_nonce: Some([3; NONCE_LEN]), ..plain };
+        let frame = wire::control::frame(FrameKind::HelloReply, &reply.encode());
+        client.handle_reply(&Header::parse(&frame).unwrap(), &frame[wire::HEADER_LEN..]).unwrap();
+        let forged = wire::AuthReply { status: Status::Ok, proof: [0xAB; 32] };
+        let frame = wire::control::frame(FrameKind::AuthReply, &forged.encode());
+        let h = Header::parse(&frame).unwrap();
+        assert_eq!(
+            client.handle_auth_reply(&h, &frame[wire::HEADER_LEN..]),
+            Err(ProtoError::TargetNotAuthenticated)
+        );
+    }
+
     #[test]
     fn a_target_raising_our_limits_is_refused() {
-        let client = ClientHandshake::new(Limits {
+        let mut client = ClientHandshake::new(Limits {
             queue_depth: 4,
             caravan_reqs_max: 4,
             caravan_bytes_max: 0,
             io_bytes_max: 0,
         });
-        let bad = HelloReply { status: Status::Ok, version: VERSION, features: 0, limits: Limits::default() };
+        let bad = HelloReply {
+            status: Status::Ok,
+            version: VERSION,
+            features: 0,
+            limits: Limits::default(),
+            auth_nonce: None,
+        };
         let frame = wire::control::frame(FrameKind::HelloReply, &bad.encode());
         let h = Header::parse(&frame).unwrap();
         assert!(client.handle_reply(&h, &frame[wire::HEADER_LEN..]).is_err());
