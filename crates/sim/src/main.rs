@@ -162,6 +162,10 @@ fn main() -> ExitCode {
         total.resuming_runs, total.reattaches
     );
     println!(
+        "authentication: {} of {count} seeds proved a key on every connection",
+        total.authenticated_runs
+    );
+    println!(
         "work done: {} requests ok, {} failed; {} connections; {} caravans sent ({:.1} requests each), {} completion \
          caravans; read data {} KiB placed directly, {} KiB copied",
         total.ops_ok,

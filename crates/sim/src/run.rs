@@ -109,6 +109,8 @@ pub struct Report {
     pub goaways: u64,
     /// Seeds that resumed their session across connections, and the reattaches they made.
     pub resuming_runs: u64,
+    /// Seeds whose connections authenticated with a key (HELLO, AUTH, AUTH_REPLY).
+    pub authenticated_runs: u64,
     pub reattaches: u64,
 }
 
@@ -130,6 +132,7 @@ impl Report {
         self.read_bytes_copied += r.read_bytes_copied;
         self.goaways += r.goaways;
         self.resuming_runs += r.resuming_runs;
+        self.authenticated_runs += r.authenticated_runs;
         self.reattaches += r.reattaches;
     }
 }
@@ -195,6 +198,8 @@ impl Host for SimHost {
 
 enum ClientState {
     Hello(ClientHandshake),
+    /// AUTH sent (the seed authenticates): waiting for AUTH_REPLY.
+    Auth(ClientHandshake),
     Open,
     Ready(Box<ClientSession<Vec<u8>>>),
 }
@@ -243,6 +248,8 @@ struct Sim {
     reconnect_at_us: u64,
     /// Resume sessions across connections (seeded), and the session waiting for the next one.
     resuming: bool,
+    /// Authenticate every connection with a key (seeded).
+    authenticating: bool,
     parked: Option<Box<ClientSession<Vec<u8>>>>,
     ops: BTreeMap<u64, Op>,
     busy: Vec<bool>,
@@ -315,6 +322,7 @@ impl Sim {
             connections: 0,
             reconnect_at_us: 0,
             resuming: rng.below(2) == 1,
+            authenticating: rng.below(2) == 1,
             parked: None,
             ops: BTreeMap::new(),
             busy: vec![false; VOLUME_BLOCKS],
@@ -368,6 +376,7 @@ impl Sim {
         self.report.virtual_us = self.clock.now_us();
         self.report.connections = self.connections;
         self.report.resuming_runs = u64::from(self.resuming);
+        self.report.authenticated_runs = u64::from(self.authenticating);
         self.report.disk_errors = self.faulty.errors.load(Relaxed);
         Ok(self.report)
     }
@@ -380,8 +389,16 @@ impl Sim {
         self.connections += 1;
         let (client_end, target_end) = pipe(&self.clock, self.latency_us, self.pipe_bytes);
         let id = self.connections;
-        let hs = ClientHandshake::new(self.proposed);
+        let mut hs = ClientHandshake::new(self.proposed);
         let mut target = NativeConn::new(self.offered, 16);
+        if self.authenticating {
+            let key = proto::auth::Key::new("sim", &self.rng.next_u64().to_le_bytes().repeat(2))
+                .expect("a 16-byte key");
+            let nonce = |rng: &mut Rng| std::array::from_fn(|_| rng.below(256) as u8);
+            hs = hs.with_key(key.clone(), nonce(&mut self.rng));
+            let auth = proto::server::AuthConfig { keys: Arc::new(vec![key]), nonce: nonce(&mut self.rng) };
+            target = target.with_auth(auth);
+        }
         if self.opts.planted == Planted::AckBeforeBackend {
             target.set_mutation(TargetMutation::AckBeforeBackend);
         }
@@ -780,10 +797,31 @@ fn client_handle(conn: &mut Connection, now: u64) -> Result<(), String> {
             ClientState::Hello(hs) => {
                 let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };
                 let limits = hs.handle_reply(&h, &body).map_err(|e| format!("handshake: {e}"))?;
+                conn.client_rx_limits = limits;
+                match hs.auth_frame() {
+                    Some(auth) => {
+                        conn.client_out = auth;
+                        let ClientState::Hello(hs) = std::mem::replace(&mut conn.client, ClientState::Open)
+                        else {
+                            unreachable!("matched above")
+                        };
+                        conn.client = ClientState::Auth(hs);
+                    }
+                    None => {
+                        conn.client_out = wire::control::frame(
+                            FrameKind::Open,
+                            &wire::Open { name: "sim".into() }.encode(),
+                        );
+                        conn.client = ClientState::Open;
+                    }
+                }
+            }
+            ClientState::Auth(hs) => {
+                let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };
+                hs.handle_auth_reply(&h, &body).map_err(|e| format!("authentication: {e}"))?;
                 conn.client_out =
                     wire::control::frame(FrameKind::Open, &wire::Open { name: "sim".into() }.encode());
                 conn.client = ClientState::Open;
-                conn.client_rx_limits = limits;
             }
             ClientState::Open => {
                 let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };

@@ -30,6 +30,12 @@ fn a_thousand_seeds_with_every_fault_pass() {
         faults.iter().all(|&n| n > 50),
         "faults injected (short, blocked, delayed, disconnects, flips): {faults:?}"
     );
+    // Authentication was exercised: about half the seeds proved a key on every connection.
+    assert!(
+        total.authenticated_runs > SEEDS / 4 && total.authenticated_runs < SEEDS * 3 / 4,
+        "{} seeds authenticated",
+        total.authenticated_runs
+    );
     // Reconnection was exercised: about half the seeds resumed, many times over.
     assert!(
         total.resuming_runs > SEEDS / 4 && total.resuming_runs < SEEDS * 3 / 4 && total.reattaches > 300,
