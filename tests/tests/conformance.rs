@@ -38,6 +38,11 @@ const LIST_REPLY: u8 = 6;
 const STATS: u8 = 7;
 const STATS_REPLY: u8 = 8;
 const GOAWAY: u8 = 9;
+const AUTH: u8 = 10;
+const AUTH_REPLY: u8 = 11;
+const REVOKE: u8 = 12;
+const REVOKE_REPLY: u8 = 13;
+const CAPABILITIES: u8 = 18;
 const REQUESTS: u8 = 16;
 const COMPLETIONS: u8 = 17;
 
@@ -333,7 +338,18 @@ fn check_target_header(h: &[u8; HEADER_LEN]) -> (u8, u16, u32) {
     assert_eq!(h[4], 1, "target header version");
     let kind = h[5];
     assert!(
-        matches!(kind, HELLO_REPLY | OPEN_REPLY | LIST_REPLY | STATS_REPLY | GOAWAY | COMPLETIONS),
+        matches!(
+            kind,
+            HELLO_REPLY
+                | OPEN_REPLY
+                | LIST_REPLY
+                | STATS_REPLY
+                | GOAWAY
+                | COMPLETIONS
+                | AUTH_REPLY
+                | REVOKE_REPLY
+                | CAPABILITIES
+        ),
         "target sent kind {kind}, not one of the target-to-initiator kinds"
     );
     assert_eq!(h[12..20], [0; 8], "target header reserved bytes");
@@ -2019,4 +2035,118 @@ fn s10_2_every_kind_of_framing_error_leaves_the_neighbour_working() {
     }
     fx.broken_first(&control(LIST, &[]), INVALID, "LIST before HELLO");
     assert_eq!(protocol_errors(&fx.t), before + n + 1, "every framing error is counted");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Section 14: capabilities and direct reads; section 15: authentication. Proofs are computed
+// here from the document's formulas with the RustCrypto HMAC, not with skiff's own code.
+
+const DIRECT_READ: u8 = 6;
+const WANT_CAP: u8 = 0x04;
+const FEATURE_AUTH: u64 = 1;
+const FEATURE_DIRECT_READS: u64 = 2;
+const STALE_CAPABILITY: u16 = 20;
+const BAD_CAPABILITY: u16 = 21;
+const AUTH_REQUIRED: u16 = 16;
+const AUTH_FAILED: u16 = 17;
+
+fn proof(secret: &[u8], label: &[u8], cn: &[u8; 32], tn: &[u8; 32], name: &str) -> [u8; 32] {
+    use hmac::{Hmac, Mac};
+    let mut mac = <Hmac<sha2::Sha256> as Mac>::new_from_slice(secret).unwrap();
+    for part in [label, cn, tn, &[name.len() as u8], name.as_bytes()] {
+        mac.update(part);
+    }
+    mac.finalize().into_bytes().into()
+}
+
+/// HELLO with feature bit 0, key `name` and nonce `cn`; returns the target's nonce.
+fn hello_with_key(p: &mut Peer, name: &str, cn: &[u8; 32]) -> [u8; 32] {
+    let mut body = hello_body(1, 1, FEATURE_AUTH, NO_PREFERENCE);
+    body.extend((name.len() as u16).to_le_bytes());
+    body.extend(name.as_bytes());
+    body.extend(cn);
+    p.send(&control(HELLO, &body));
+    let reply = p.expect(HELLO_REPLY, "HELLO with a key");
+    assert_eq!(reply.len(), 28 + 32, "HELLO_REPLY carries the target's nonce");
+    assert_eq!(u16::from_le_bytes([reply[0], reply[1]]), OK);
+    assert_eq!(u64::from_le_bytes(reply[4..12].try_into().unwrap()) & FEATURE_AUTH, FEATURE_AUTH);
+    reply[28..60].try_into().unwrap()
+}
+
+#[test]
+fn s15_a_key_is_proven_both_ways_and_a_wrong_proof_ends_the_connection() {
+    let secret = [0x42u8; 16];
+    let t = start_target_with(&["vol=ram:1M,allow=alice:rw"], |c| {
+        c.keys = vec![proto::auth::Key::new("alice", &secret).unwrap()]
+    });
+    // Without a key the export is refused with AuthRequired.
+    let mut anon = Peer::connect(&t);
+    anon.hello(NO_PREFERENCE);
+    assert_eq!(anon.open("vol").status, AUTH_REQUIRED);
+    // With the key: AUTH carries the client proof, AUTH_REPLY the target's.
+    let cn = [0x11u8; 32];
+    let mut p = Peer::connect(&t);
+    let tn = hello_with_key(&mut p, "alice", &cn);
+    p.send(&control(AUTH, &proof(&secret, b"skiff-v1 client proof", &cn, &tn, "alice")));
+    let reply = p.expect(AUTH_REPLY, "AUTH");
+    assert_eq!(u16::from_le_bytes([reply[0], reply[1]]), OK);
+    assert_eq!(reply[4..], proof(&secret, b"skiff-v1 target proof", &cn, &tn, "alice"), "the target's proof");
+    assert_eq!(p.open("vol").status, OK);
+    // A wrong proof: AuthFailed, a zero proof, then the end of the connection.
+    let mut q = Peer::connect(&t);
+    let tn = hello_with_key(&mut q, "alice", &cn);
+    q.send(&control(AUTH, &proof(&[0x43; 16], b"skiff-v1 client proof", &cn, &tn, "alice")));
+    let reply = q.expect(AUTH_REPLY, "a wrong AUTH");
+    assert_eq!(u16::from_le_bytes([reply[0], reply[1]]), AUTH_FAILED);
+    assert_eq!(reply[4..], [0u8; 32]);
+    q.expect_closed("after AuthFailed");
+    // Before AUTH nothing else is accepted.
+    let mut r = Peer::connect(&t);
+    hello_with_key(&mut r, "alice", &cn);
+    r.send(&open("vol"));
+    r.expect_goaway(INVALID, "OPEN before AUTH");
+}
+
+#[test]
+fn s14_want_cap_earns_a_capability_after_the_completion_and_direct_read_uses_it() {
+    let t = start_target(&["vol=ram:4M"], 1);
+    let mut p = Peer::connect(&t);
+    p.send(&control(HELLO, &hello_body(1, 1, FEATURE_DIRECT_READS, NO_PREFERENCE)));
+    let reply = p.expect(HELLO_REPLY, "HELLO");
+    assert_eq!(u64::from_le_bytes(reply[4..12].try_into().unwrap()), FEATURE_DIRECT_READS);
+    let vol = p.open("vol");
+    p.write(vol.handle, 8192, &[0x5A; 4096]);
+    p.send(&caravan(&[Req::new(READ, 1, vol.handle, 8192, 4096).flags(WANT_CAP)], &[]));
+    let f = p.frame("the read's completions");
+    assert_eq!(f.kind, COMPLETIONS, "completions come first");
+    let caps = p.expect(CAPABILITIES, "the capabilities after them");
+    let count = u16::from_le_bytes([caps[0], caps[1]]) as usize;
+    assert_eq!((count, caps.len()), (1, 4 + 56), "one 56-byte capability");
+    let cap = caps[4..60].to_vec();
+    let (offset, length) = (
+        u64::from_le_bytes(cap[16..24].try_into().unwrap()),
+        u32::from_le_bytes(cap[24..28].try_into().unwrap()),
+    );
+    assert!(offset <= 8192 && 8192 + 4096 <= offset + u64::from(length), "it covers the read");
+    let mut direct = Req::new(DIRECT_READ, 2, vol.handle, 8192, 4096);
+    direct.payload_len = 56;
+    p.send(&caravan(&[direct], &cap));
+    let (c, _) = p.collect(1, 0);
+    assert_eq!((c[0].status, c[0].data.clone()), (OK, vec![0x5A; 4096]), "DIRECT_READ returns the data");
+    let mut bad = cap.clone();
+    bad[50] ^= 1;
+    p.send(&caravan(&[Req { tag: 3, ..direct }], &bad));
+    let (c, _) = p.collect(1, 0);
+    assert_eq!(c[0].status, BAD_CAPABILITY, "an altered MAC");
+    assert!(c[0].data.is_empty());
+    // REVOKE rotating the export's key epoch (section 14.5): the same capability is now stale.
+    let mut revoke = vol.handle.to_le_bytes().to_vec();
+    revoke.extend([1, 0, 0, 0]);
+    revoke.extend([0u8; 16]);
+    p.send(&control(REVOKE, &revoke));
+    let reply = p.expect(REVOKE_REPLY, "REVOKE");
+    assert_eq!((u16::from_le_bytes([reply[0], reply[1]]), reply.len()), (OK, 8));
+    p.send(&caravan(&[Req { tag: 4, ..direct }], &cap));
+    let (c, _) = p.collect(1, 0);
+    assert_eq!(c[0].status, STALE_CAPABILITY, "revoked");
 }
