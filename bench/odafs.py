@@ -122,21 +122,16 @@ def main():
               f"| {med(key, lambda r: r['client_cpu_us_per_io']):.2f} "
               f"| {med(key, lambda r: r['direct_reads'] / max(r['ios'], 1)):.1%} "
               f"| {med(key, lambda r: r['direct_faults'] / max(r['ios'], 1)):.1%} |")
+    comparisons = [("page cache", "through the page cache", " (aims: x0.75 or less, x0.70 or less)"),
+                   ("O_DIRECT", "from the device (O_DIRECT)", "")]
     for qd in qds:
-        base = ("page cache, ordinary", qd)
-        fast = ("page cache, direct", qd)
-        if base in results and fast in results:
-            lat = med(fast, lambda r: r['lat_us']['mean']) / med(base, lambda r: r['lat_us']['mean'])
-            cpu = med(fast, lambda r: r['server_cpu_us_per_io']) / med(base, lambda r: r['server_cpu_us_per_io'])
-            print(f"QD {qd}: direct reads of cached data against ordinary reads through the page cache: "
-                  f"response time x{lat:.2f}, target CPU per read x{cpu:.2f} (aims: x0.75 or less, x0.70 or less)")
-        base = ("O_DIRECT, ordinary", qd)
-        fast = ("O_DIRECT, direct", qd)
-        if base in results and fast in results:
-            lat = med(fast, lambda r: r['lat_us']['mean']) / med(base, lambda r: r['lat_us']['mean'])
-            cpu = med(fast, lambda r: r['server_cpu_us_per_io']) / med(base, lambda r: r['server_cpu_us_per_io'])
-            print(f"QD {qd}: direct reads of cached data against ordinary reads from the device (O_DIRECT): "
-                  f"response time x{lat:.2f}, target CPU per read x{cpu:.2f}")
+        for backing, words, aims in comparisons:
+            base, fast = (f"{backing}, ordinary", qd), (f"{backing}, direct", qd)
+            if base in results and fast in results:
+                lat = med(fast, lambda r: r['lat_us']['mean']) / med(base, lambda r: r['lat_us']['mean'])
+                cpu = med(fast, lambda r: r['server_cpu_us_per_io']) / med(base, lambda r: r['server_cpu_us_per_io'])
+                print(f"QD {qd}: direct reads of cached data against ordinary reads {words}: "
+                      f"response time x{lat:.2f}, target CPU per read x{cpu:.2f}{aims}")
         mixed = ("working set 2x cache, direct", qd)
         hit = ("O_DIRECT, direct", qd)
         miss = ("O_DIRECT, ordinary", qd)
