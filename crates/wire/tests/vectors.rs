@@ -101,6 +101,8 @@ fn frame_kind_codes() {
         (Stats, 7),
         (StatsReply, 8),
         (GoAway, 9),
+        (Auth, 10),
+        (AuthReply, 11),
         (Capabilities, 18),
         (Revoke, 12),
         (RevokeReply, 13),
@@ -165,15 +167,21 @@ fn status_codes_and_errnos() {
         (TooManyOpen, 13, 24),
         (TimedOut, 14, 110),
         (ShuttingDown, 15, 108),
+        (AuthRequired, 16, 13),
+        (AuthFailed, 17, 13),
+        (AccessDenied, 18, 13),
+        (StaleCapability, 20, 116),
+        (BadCapability, 21, 13),
     ];
     for (status, code, errno) in table {
         assert_eq!(status.to_u16(), code);
         assert_eq!(Status::from_u16(code), status);
         assert_eq!(status.errno(), errno, "{status:?}");
     }
-    assert_eq!(Status::from_u16(16), Other(16));
+    assert_eq!(Status::from_u16(19), Other(19));
+    assert_eq!(Status::from_u16(22), Other(22));
     assert_eq!(Other(0xBEEF).to_u16(), 0xBEEF);
-    assert_eq!(Other(16).errno(), 5);
+    assert_eq!(Other(19).errno(), 5);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -636,7 +644,7 @@ fn bad_version() {
 
 #[test]
 fn unknown_kind() {
-    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x0A, "73 DE D0 31"), (0x13, "5F B6 9B 00")] {
+    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x0E, "86 5C 07 AA"), (0x13, "5F B6 9B 00")] {
         let bytes = hex(&format!(
             "53 4B 46 31 | 01 | {kind:02X} | 00 00 | 00 00 00 00 | 00 00 00 00 00 00 00 00 | {crc}"
         ));
