@@ -125,3 +125,46 @@ fn nbd_clients_get_the_anonymous_rights_only() {
     let hidden = tool("nbdinfo", "libnbd-bin").arg(format!("nbd://{addr}/secret")).output().unwrap();
     assert!(!hidden.status.success(), "an NBD client opened a keyed export");
 }
+
+/// A lane proves its key again on every reconnection: a keyed export served by a target that
+/// restarts (same address, same keys, new nonces) keeps answering, byte for byte.
+#[test]
+fn a_lane_authenticates_again_after_the_target_restarts() {
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let file = tempfile::Builder::new().prefix("skiff-auth-").tempfile_in("/var/tmp").unwrap();
+    file.as_file().set_len(1 << 20).unwrap();
+    let start = || {
+        server::Target::start(server::TargetConfig {
+            listen: vec![Endpoint::Tcp(addr.clone())],
+            exports: vec![format!("vol=file:{},allow=alice:rw", file.path().display()).parse().unwrap()],
+            keys: vec![key("alice", 1)],
+            workers: 1,
+            ..server::TargetConfig::default()
+        })
+        .expect("target starts")
+    };
+    let target = start();
+    let config = LaneConfig {
+        key: Some(Arc::new(key("alice", 1))),
+        reconnect: initiator::ReconnectConfig {
+            reconnect_delay_us: 50_000,
+            ctrl_loss_timeout_us: 30_000_000,
+            fast_io_fail_timeout_us: None,
+        },
+        ..LaneConfig::default()
+    };
+    let mut lane = Lane::connect(&Endpoint::Tcp(addr.clone()), "vol", &config).unwrap();
+    lane.write_at(&[0x11; 4096], 0).unwrap();
+    target.shutdown();
+    let target = start();
+    lane.write_at(&[0x22; 4096], 4096).unwrap();
+    let mut buf = vec![0u8; 8192];
+    lane.read_at(&mut buf, 0).unwrap();
+    assert_eq!(&buf[..4096], &[0x11; 4096][..]);
+    assert_eq!(&buf[4096..], &[0x22; 4096][..]);
+    assert!(lane.stats().reconnects >= 1, "the lane reconnected: {:?}", lane.stats());
+    drop(target);
+}
