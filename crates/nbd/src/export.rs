@@ -133,6 +133,20 @@ pub struct HandshakeConfig {
     exports: Vec<ExportDesc>,
     /// Index of the export served for the empty name, if any.
     default_export: Option<usize>,
+    tls: TlsPolicy,
+}
+
+/// Whether the server offers NBD_OPT_STARTTLS; the names are nbdkit's `--tls`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsPolicy {
+    /// STARTTLS is answered `NBD_REP_ERR_UNSUP`.
+    #[default]
+    Off,
+    /// STARTTLS is accepted; every option also works in plaintext.
+    On,
+    /// Before STARTTLS, every option but STARTTLS and ABORT is answered
+    /// `NBD_REP_ERR_TLS_REQD` (EXPORT_NAME closes the connection).
+    Require,
 }
 
 impl HandshakeConfig {
@@ -149,7 +163,17 @@ impl HandshakeConfig {
                 return Err(NbdError::BadExport { index, reason: "duplicate name" });
             }
         }
-        Ok(HandshakeConfig { exports, default_export })
+        Ok(HandshakeConfig { exports, default_export, tls: TlsPolicy::Off })
+    }
+
+    /// Offer STARTTLS as `tls` says (the driver must then be able to do the TLS handshake).
+    pub fn with_tls(mut self, tls: TlsPolicy) -> HandshakeConfig {
+        self.tls = tls;
+        self
+    }
+
+    pub fn tls(&self) -> TlsPolicy {
+        self.tls
     }
 
     pub fn exports(&self) -> &[ExportDesc] {

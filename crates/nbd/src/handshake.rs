@@ -38,7 +38,7 @@
 use std::sync::Arc;
 
 use crate::bytes::Reader;
-use crate::export::{ExportDesc, HandshakeConfig};
+use crate::export::{ExportDesc, HandshakeConfig, TlsPolicy};
 use crate::{
     NbdError, FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES, FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT,
     NBDMAGIC, OPTIONS_MAX, OPTION_DISCARD_BYTES_MAX, OPTION_HEADER_LEN, OPTION_LEN_MAX, OPTION_REPLY_MAGIC,
@@ -113,6 +113,11 @@ pub enum Step {
     Done { consumed: usize, session: Session },
     /// The client aborted; flush the output, then close.
     Close { consumed: usize },
+    /// STARTTLS was acknowledged: flush the output in plaintext, then run the TLS handshake
+    /// as the server; every later byte, both ways, goes through TLS, and negotiation goes on
+    /// with the next [`Handshake::handle`] call. Nothing may follow STARTTLS in the input
+    /// (that is an error, [`NbdError::DataAfterStartTls`]).
+    StartTls { consumed: usize },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +144,8 @@ pub struct Handshake {
     meta_export: Option<usize>,
     options_seen: u32,
     discarded_bytes: u64,
+    /// STARTTLS was acknowledged: the rest of the connection runs over TLS.
+    tls_active: bool,
 }
 
 impl Handshake {
@@ -151,6 +158,7 @@ impl Handshake {
             meta_export: None,
             options_seen: 0,
             discarded_bytes: 0,
+            tls_active: false,
         }
     }
 
@@ -165,7 +173,7 @@ impl Handshake {
     /// not yet consumed. After anything but `NeedMore`, every further call fails.
     pub fn handle(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<Step, NbdError> {
         let result = self.consume(input, out);
-        if !matches!(result, Ok(Step::NeedMore { .. })) {
+        if !matches!(result, Ok(Step::NeedMore { .. } | Step::StartTls { .. })) {
             self.state = State::Finished;
         }
         result
@@ -207,6 +215,9 @@ impl Handshake {
                         put_reply(out, option, rep::ACK, 0);
                         return Ok(Step::Close { consumed: consumed + OPTION_HEADER_LEN });
                     }
+                    if self.tls_required() && option == opt::EXPORT_NAME {
+                        return Err(NbdError::TlsRequired);
+                    }
                     if option == opt::EXPORT_NAME && len as usize > STRING_MAX {
                         return Err(NbdError::ExportNameTooLong(len));
                     }
@@ -223,12 +234,53 @@ impl Handshake {
                     };
                     self.count_option()?;
                     consumed += end;
+                    if option == opt::STARTTLS && self.handle_starttls(data, out) {
+                        let extra = input.len() - consumed;
+                        if extra > 0 {
+                            return Err(NbdError::DataAfterStartTls(extra));
+                        }
+                        self.tls_active = true;
+                        return Ok(Step::StartTls { consumed });
+                    }
+                    if option == opt::STARTTLS {
+                        continue;
+                    }
+                    if self.tls_required() {
+                        put_error(out, option, rep::ERR_TLS_REQD, "TLS required: send STARTTLS first");
+                        continue;
+                    }
                     if let Some(session) = self.handle_option(option, data, out)? {
                         return Ok(Step::Done { consumed, session });
                     }
                 }
             }
         }
+    }
+
+    /// Whether TLS is required and not started yet.
+    fn tls_required(&self) -> bool {
+        self.config.tls() == TlsPolicy::Require && !self.tls_active
+    }
+
+    /// Whether the connection has switched to TLS.
+    pub fn tls_active(&self) -> bool {
+        self.tls_active
+    }
+
+    /// Answer STARTTLS; `true` when it was acknowledged and the driver must upgrade now.
+    fn handle_starttls(&mut self, data: &[u8], out: &mut Vec<u8>) -> bool {
+        let option = opt::STARTTLS;
+        if self.config.tls() == TlsPolicy::Off {
+            put_error(out, option, rep::ERR_UNSUP, "option not supported");
+        } else if self.tls_active {
+            put_error(out, option, rep::ERR_INVALID, "TLS is already started");
+        } else if !data.is_empty() {
+            put_error(out, option, rep::ERR_INVALID, "STARTTLS takes no data");
+        } else {
+            put_reply(out, option, rep::ACK, 0);
+            return true;
+        }
+        false
     }
 
     fn count_option(&mut self) -> Result<(), NbdError> {
@@ -494,6 +546,86 @@ mod tests {
     fn handshake() -> Handshake {
         let config = HandshakeConfig::new(vec![ExportDesc::new("disk", 1 << 20)], Some(0)).unwrap();
         Handshake::new(Arc::new(config))
+    }
+
+    fn tls_handshake(tls: TlsPolicy) -> Handshake {
+        let config = HandshakeConfig::new(vec![ExportDesc::new("disk", 1 << 20)], Some(0)).unwrap();
+        Handshake::new(Arc::new(config.with_tls(tls)))
+    }
+
+    fn go() -> Vec<u8> {
+        option(opt::GO, &[0, 0, 0, 0, 0, 0])
+    }
+
+    #[test]
+    fn require_refuses_everything_but_starttls_and_abort_before_tls() {
+        let mut hs = tls_handshake(TlsPolicy::Require);
+        let mut input = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        input.extend(option(opt::LIST, &[]));
+        input.extend(go());
+        input.extend(option(opt::STRUCTURED_REPLY, &[]));
+        let mut out = Vec::new();
+        assert_eq!(hs.handle(&input, &mut out), Ok(Step::NeedMore { consumed: input.len() }));
+        assert_eq!(reply_types(&out), [rep::ERR_TLS_REQD; 3]);
+
+        // STARTTLS is acknowledged; after it, the same options work.
+        let starttls = option(opt::STARTTLS, &[]);
+        out.clear();
+        assert_eq!(hs.handle(&starttls, &mut out), Ok(Step::StartTls { consumed: starttls.len() }));
+        assert_eq!(reply_types(&out), [rep::ACK]);
+        assert!(hs.tls_active());
+
+        // A second STARTTLS is invalid; negotiation goes on.
+        out.clear();
+        assert_eq!(hs.handle(&starttls, &mut out), Ok(Step::NeedMore { consumed: starttls.len() }));
+        assert_eq!(reply_types(&out), [rep::ERR_INVALID]);
+        let go = go();
+        assert!(matches!(hs.handle(&go, &mut Vec::new()), Ok(Step::Done { .. })));
+    }
+
+    #[test]
+    fn require_closes_on_plaintext_export_name_and_abort_still_works() {
+        let mut hs = tls_handshake(TlsPolicy::Require);
+        let mut input = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        input.extend(option(opt::EXPORT_NAME, b"disk"));
+        assert_eq!(hs.handle(&input, &mut Vec::new()), Err(NbdError::TlsRequired));
+
+        let mut hs = tls_handshake(TlsPolicy::Require);
+        let mut input = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        input.extend(option(opt::ABORT, &[]));
+        assert!(matches!(hs.handle(&input, &mut Vec::new()), Ok(Step::Close { .. })));
+    }
+
+    #[test]
+    fn on_takes_both_and_off_does_not_offer_tls() {
+        let mut hs = tls_handshake(TlsPolicy::On);
+        let mut input = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        input.extend(go());
+        assert!(matches!(hs.handle(&input, &mut Vec::new()), Ok(Step::Done { .. })));
+
+        let mut hs = tls_handshake(TlsPolicy::Off);
+        let mut input = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        input.extend(option(opt::STARTTLS, &[]));
+        let mut out = Vec::new();
+        assert_eq!(hs.handle(&input, &mut out), Ok(Step::NeedMore { consumed: input.len() }));
+        assert_eq!(reply_types(&out), [rep::ERR_UNSUP]);
+        assert!(!hs.tls_active());
+    }
+
+    #[test]
+    fn starttls_with_data_or_bytes_behind_it_is_refused() {
+        let mut hs = tls_handshake(TlsPolicy::On);
+        let mut input = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        input.extend(option(opt::STARTTLS, &[1]));
+        let mut out = Vec::new();
+        assert_eq!(hs.handle(&input, &mut out), Ok(Step::NeedMore { consumed: input.len() }));
+        assert_eq!(reply_types(&out), [rep::ERR_INVALID]);
+
+        let mut hs = tls_handshake(TlsPolicy::On);
+        let mut input = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        input.extend(option(opt::STARTTLS, &[]));
+        input.extend(go());
+        assert_eq!(hs.handle(&input, &mut Vec::new()), Err(NbdError::DataAfterStartTls(go().len())));
     }
 
     fn option(code: u32, data: &[u8]) -> Vec<u8> {

@@ -17,10 +17,11 @@
 //! the reply emitters append to a buffer the driver reuses.
 //!
 //! Source of truth: `doc/proto.md` in the NetworkBlockDevice/nbd repository. Implemented:
-//! NOTLS mode, the fixed-newstyle handshake with EXPORT_NAME, ABORT, LIST, INFO, GO,
+//! NOTLS mode and, with a [`TlsPolicy`] other than `Off`, NBD_OPT_STARTTLS (the driver
+//! does the TLS handshake when [`Step::StartTls`] says so), the fixed-newstyle handshake with EXPORT_NAME, ABORT, LIST, INFO, GO,
 //! STRUCTURED_REPLY, LIST_META_CONTEXT and SET_META_CONTEXT (the `base:allocation` context
 //! only), and the transmission phase with simple and structured replies. Everything else
-//! (STARTTLS, extended headers, other metadata namespaces) is answered with
+//! (extended headers, other metadata namespaces) is answered with
 //! `NBD_REP_ERR_UNSUP` or simply not selected, as the spec requires of a server that does
 //! not know it.
 #![forbid(unsafe_code)]
@@ -32,7 +33,7 @@ pub mod fuzz_api;
 pub mod handshake;
 pub mod transmission;
 
-pub use export::{ExportDesc, HandshakeConfig};
+pub use export::{ExportDesc, HandshakeConfig, TlsPolicy};
 pub use handshake::{Handshake, Session, Step};
 pub use transmission::{check_request, error_of, parse_request, Cmd, CmdFlags, Request};
 
@@ -135,4 +136,11 @@ pub enum NbdError {
     BadExport { index: usize, reason: &'static str },
     #[error("handshake config: {0}")]
     BadConfig(&'static str),
+    /// TLS is required and the client sent EXPORT_NAME in plaintext (which cannot be refused
+    /// with a reply).
+    #[error("EXPORT_NAME before STARTTLS on a TLS-only server")]
+    TlsRequired,
+    /// The client sent more bytes after NBD_OPT_STARTTLS, before the TLS handshake.
+    #[error("{0} bytes after NBD_OPT_STARTTLS, before the TLS handshake")]
+    DataAfterStartTls(usize),
 }

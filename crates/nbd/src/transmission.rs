@@ -276,6 +276,7 @@ pub fn error_of(status: Status, cmd: Cmd, flags: CmdFlags) -> u32 {
         | Status::VersionMismatch
         | Status::TooManyOpen
         | Status::TimedOut
+        | Status::TlsRequired
         | Status::StaleCapability
         | Status::BadCapability
         | Status::Other(_) => EIO,

@@ -11,6 +11,7 @@
 
 pub mod endpoint;
 pub mod stream;
+pub mod tls;
 
 /// The readiness loop the target's workers run on: `mio`'s poll, re-exported so that the
 /// server reaches the network only through this crate.
@@ -36,5 +37,16 @@ pub trait FrameIo {
         let n = self.recv(&mut [IoSliceMut::new(rx.spare())])?;
         rx.commit(n);
         Ok(n)
+    }
+    /// Bytes the transport took in `send` but has not yet handed to the OS (TLS ciphertext the
+    /// socket refused): while true, wait for writability too, and call `send` (an empty list
+    /// only flushes). Plain sockets keep nothing back.
+    fn pending_send(&self) -> bool {
+        false
+    }
+    /// Received bytes the transport holds already (TLS plaintext decrypted ahead): while true,
+    /// call `recv` again instead of sleeping on readability. Plain sockets hold nothing.
+    fn buffered_recv(&self) -> bool {
+        false
     }
 }

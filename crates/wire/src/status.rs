@@ -45,6 +45,8 @@ pub enum Status {
     AuthFailed,
     /// The key may not open this export, or not with the rights asked for.
     AccessDenied,
+    /// The listener takes TLS only and the peer's first frame came in plaintext (`GOAWAY`).
+    TlsRequired,
     /// A direct read's capability is no longer valid (expired, key epoch rotated, cache slot
     /// evicted or invalidated): a recoverable fault, the initiator reads the ordinary way.
     StaleCapability,
@@ -77,6 +79,7 @@ impl Status {
             Status::AuthRequired => 16,
             Status::AuthFailed => 17,
             Status::AccessDenied => 18,
+            Status::TlsRequired => 19,
             Status::StaleCapability => 20,
             Status::BadCapability => 21,
             Status::Other(v) => v,
@@ -104,6 +107,7 @@ impl Status {
             16 => Status::AuthRequired,
             17 => Status::AuthFailed,
             18 => Status::AccessDenied,
+            19 => Status::TlsRequired,
             20 => Status::StaleCapability,
             21 => Status::BadCapability,
             other => Status::Other(other),
@@ -133,6 +137,7 @@ impl Status {
             Status::AuthRequired => "auth_required",
             Status::AuthFailed => "auth_failed",
             Status::AccessDenied => "access_denied",
+            Status::TlsRequired => "tls_required",
             Status::StaleCapability => "stale_capability",
             Status::BadCapability => "bad_capability",
             Status::Other(_) => "other",
@@ -161,6 +166,7 @@ impl Status {
             Status::TimedOut => 110,                                        // ETIMEDOUT
             Status::ShuttingDown => 108,                                    // ESHUTDOWN
             Status::AuthRequired | Status::AuthFailed | Status::AccessDenied => 13, // EACCES
+            Status::TlsRequired => 71,                                      // EPROTO
             Status::StaleCapability => 116,                                 // ESTALE
             Status::BadCapability => 13,                                    // EACCES
         }
@@ -189,6 +195,7 @@ impl std::fmt::Display for Status {
             Status::AuthRequired => "a key is required",
             Status::AuthFailed => "authentication failed (unknown or wrong key)",
             Status::AccessDenied => "access denied to this key",
+            Status::TlsRequired => "TLS required",
             Status::StaleCapability => "stale capability",
             Status::BadCapability => "capability refused",
             Status::Other(v) => return write!(f, "status {v}"),

@@ -141,6 +141,12 @@ impl NbdConn {
                 *link.closing = true;
                 false
             }
+            Ok(Step::StartTls { .. }) => {
+                // Only a config built `with_tls` acknowledges STARTTLS, and this front end
+                // does not build one yet: the TLS upgrade is not wired into its driver.
+                link.protocol_error("NBD STARTTLS: this driver cannot upgrade to TLS");
+                false
+            }
             Err(e) => {
                 link.protocol_error(&format!("NBD handshake: {e}"));
                 false
