@@ -16,8 +16,9 @@ fi
 # real NBD clients of the interop tests; prometheus brings promtool, which checks the metrics
 # endpoint's exposition; systemd brings systemd-analyze, which checks contrib/skiff.service;
 # e2fsprogs (mkfs.ext4, fsck.ext4), mount and util-linux (losetup, fallocate, unshare) put ext4
-# on a loop device over a skiff attach file (root tests).
-apt_packages=(strace qemu-utils libnbd-bin fuse3 fio prometheus systemd e2fsprogs mount util-linux)
+# on a loop device over a skiff attach file (root tests); openssl makes the certificates of the
+# TLS tests.
+apt_packages=(strace qemu-utils libnbd-bin fuse3 fio prometheus systemd e2fsprogs mount util-linux openssl)
 if [ ${#apt_packages[@]} -gt 0 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
