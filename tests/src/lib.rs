@@ -385,3 +385,75 @@ pub mod inbox {
         }
     }
 }
+
+/// Certificates for the TLS tests, made by the real `openssl` CLI in a directory laid out as
+/// nbdkit and qemu expect: `ca-cert.pem`, `server-cert.pem` and `server-key.pem` for
+/// `localhost` and 127.0.0.1, and `client-cert.pem` / `client-key.pem`.
+pub mod certs {
+    use std::path::Path;
+
+    fn openssl(dir: &Path, args: &[&str]) {
+        let out =
+            super::tool("openssl", "openssl").args(args).current_dir(dir).output().expect("run openssl");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// A CA and the server and client certificates it signs, in `dir`.
+    pub fn make(dir: &Path) {
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
+        let mut ca = vec!["req", "-x509"];
+        ca.extend(ec);
+        ca.extend([
+            "-keyout",
+            "ca-key.pem",
+            "-out",
+            "ca-cert.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=skiff test CA",
+        ]);
+        openssl(dir, &ca);
+        for (name, cn, ext) in [
+            (
+                "server",
+                "localhost",
+                "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+            ),
+            ("client", "alice", "extendedKeyUsage=clientAuth\n"),
+        ] {
+            let (key, csr, cert, extfile) = (
+                format!("{name}-key.pem"),
+                format!("{name}.csr"),
+                format!("{name}-cert.pem"),
+                format!("{name}.ext"),
+            );
+            std::fs::write(dir.join(&extfile), ext).unwrap();
+            let mut req = vec!["req"];
+            req.extend(ec);
+            let subj = format!("/CN={cn}");
+            req.extend(["-keyout", key.as_str(), "-out", csr.as_str(), "-subj", subj.as_str()]);
+            openssl(dir, &req);
+            openssl(
+                dir,
+                &[
+                    "x509",
+                    "-req",
+                    "-in",
+                    &csr,
+                    "-CA",
+                    "ca-cert.pem",
+                    "-CAkey",
+                    "ca-key.pem",
+                    "-CAcreateserial",
+                    "-out",
+                    &cert,
+                    "-days",
+                    "2",
+                    "-extfile",
+                    &extfile,
+                ],
+            );
+        }
+    }
+}

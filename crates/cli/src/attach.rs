@@ -48,6 +48,8 @@ pub struct AttachArgs {
     reconnect: crate::reconnect::ReconnectArgs,
     #[command(flatten)]
     keys: crate::keys::KeyArgs,
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
 }
 
 pub fn run(args: AttachArgs) -> CliResult {
@@ -61,6 +63,7 @@ pub fn run(args: AttachArgs) -> CliResult {
     // re-send what was in flight (docs/ATTACH.md).
     config.lane.reconnect = args.reconnect.config();
     config.lane.key = args.keys.key()?;
+    config.lane.tls = args.tls.config()?;
     // The I/O threads send what they have taken whenever their queue is empty, so a doorbell
     // only splits caravans; its delay never holds a request back.
     let doorbell = Doorbell { delay_us: 1, ..Doorbell::default() };

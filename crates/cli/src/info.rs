@@ -17,6 +17,8 @@ pub struct InfoArgs {
     json: bool,
     #[command(flatten)]
     keys: crate::keys::KeyArgs,
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
 }
 
 fn flag_names(f: ExportFlags) -> Vec<&'static str> {
@@ -36,8 +38,9 @@ fn flag_names(f: ExportFlags) -> Vec<&'static str> {
 pub fn run(args: InfoArgs) -> CliResult {
     let endpoint = Endpoint::parse(&args.target)?;
     let key = args.keys.key()?;
-    let mut client =
-        Client::connect_with_key(&endpoint, key.as_deref()).map_err(|e| format!("{endpoint}: {e}"))?;
+    let tls = args.tls.config()?;
+    let mut client = Client::connect_with(&endpoint, key.as_deref(), tls.as_ref())
+        .map_err(|e| format!("{endpoint}: {e}"))?;
     let exports = client.list()?;
     let l = *client.limits();
     if args.json {

@@ -15,6 +15,7 @@ mod keys;
 mod reconnect;
 mod revoke;
 mod serve;
+mod tls;
 mod units;
 
 use std::process::ExitCode;

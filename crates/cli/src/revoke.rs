@@ -20,6 +20,8 @@ pub struct RevokeArgs {
     range: Option<(u64, u64)>,
     #[command(flatten)]
     keys: crate::keys::KeyArgs,
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
 }
 
 fn parse_range(s: &str) -> Result<(u64, u64), String> {
@@ -35,8 +37,9 @@ fn parse_range(s: &str) -> Result<(u64, u64), String> {
 pub fn run(args: RevokeArgs) -> CliResult {
     let endpoint = Endpoint::parse(&args.target)?;
     let key = args.keys.key()?;
-    let mut client =
-        Client::connect_with_key(&endpoint, key.as_deref()).map_err(|e| format!("{endpoint}: {e}"))?;
+    let tls = args.tls.config()?;
+    let mut client = Client::connect_with(&endpoint, key.as_deref(), tls.as_ref())
+        .map_err(|e| format!("{endpoint}: {e}"))?;
     let epoch = client
         .revoke(&args.export, args.range)
         .map_err(|e| format!("{endpoint} export {:?}: {e}", args.export))?;

@@ -45,6 +45,16 @@ pub struct ServeArgs {
     /// exports name them in allow=. Repeatable.
     #[arg(long = "key-file", value_name = "PATH")]
     key_files: Vec<std::path::PathBuf>,
+    /// TLS on the native listeners: off, on (TLS or plaintext, told apart from the first byte)
+    /// or require (a plaintext client gets GOAWAY TlsRequired). NBD has no TLS yet.
+    #[arg(long, value_name = "MODE", default_value = "off")]
+    tls: transport::tls::TlsMode,
+    /// The target's certificate directory: ca-cert.pem, server-cert.pem, server-key.pem.
+    #[arg(long, value_name = "DIR")]
+    tls_certificates: Option<std::path::PathBuf>,
+    /// Require client certificates signed by DIR/ca-cert.pem.
+    #[arg(long)]
+    tls_verify_peer: bool,
     /// Worker threads (default: one per core).
     #[arg(long, default_value_t = 0)]
     workers: usize,
@@ -145,6 +155,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         poll_spin: args.poll,
         metrics_listen: args.metrics,
         keys: load_keys(&args.key_files)?,
+        tls: crate::tls::listen(args.tls, args.tls_certificates.as_ref(), args.tls_verify_peer)?,
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal
     // is taken synchronously below.

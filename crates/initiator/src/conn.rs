@@ -6,6 +6,9 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use proto::auth::Key;
+
+/// A TLS client configuration (the CA to trust, and perhaps a client certificate).
+pub type TlsConfig = std::sync::Arc<transport::tls::ClientTlsConfig>;
 use proto::client::ClientHandshake;
 use transport::{wait_fd, ClientStream, Endpoint, FrameBuffer, FrameIo, FrameRef};
 use wire::{FrameKind, Header, Limits};
@@ -42,8 +45,9 @@ impl Conn {
         proposed: &Limits,
         timeout: Duration,
         key: Option<&Key>,
+        tls: Option<&TlsConfig>,
     ) -> Result<Conn> {
-        Conn::connect_with_features(endpoint, proposed, timeout, 0, key)
+        Conn::connect_with_features(endpoint, proposed, timeout, 0, key, tls)
     }
 
     /// [`connect`](Self::connect), asking for HELLO feature bits `features`, and proving `key`
@@ -54,8 +58,12 @@ impl Conn {
         timeout: Duration,
         features: u64,
         key: Option<&Key>,
+        tls: Option<&TlsConfig>,
     ) -> Result<Conn> {
-        let stream = ClientStream::connect(endpoint, timeout)?;
+        let stream = match tls {
+            Some(config) => ClientStream::connect_tls(endpoint, timeout, config.clone())?,
+            None => ClientStream::connect(endpoint, timeout)?,
+        };
         let mut conn = Conn {
             stream,
             rx: FrameBuffer::new(),
@@ -148,7 +156,8 @@ impl Conn {
             if left.is_zero() {
                 return Err(Error::TimedOut(self.timeout));
             }
-            wait_fd(self.stream.as_raw_fd(), false, Some(left))?;
+            // Ciphertext TLS could not write yet must go out before the reply can come.
+            wait_fd(self.stream.as_raw_fd(), self.stream.pending_send(), Some(left))?;
         }
     }
 

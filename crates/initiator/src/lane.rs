@@ -17,7 +17,7 @@ use proto::client::reconnect::Action;
 use proto::client::{
     ClientSession, Reconnect, ReconnectConfig, SessionConfig, SessionStats, Submission, SubmitError,
 };
-use transport::{wait_fd, wait_readable2, Endpoint, FrameIo, Kick};
+use transport::{wait_either, wait_fd, Endpoint, FrameIo, Kick};
 use wire::{ExportInfo, FrameKind, Limits, Opcode, ReqFlags, Status};
 
 use crate::conn::Conn;
@@ -65,6 +65,9 @@ pub struct LaneConfig {
     /// The key to prove in the handshake, on every connection and reconnection (docs/
     /// PROTOCOL.md, section 15); `None` connects without one.
     pub key: Option<std::sync::Arc<proto::auth::Key>>,
+    /// TLS to the target (docs/PROTOCOL.md, section 2), on every connection and reconnection;
+    /// `None` is plaintext.
+    pub tls: Option<crate::conn::TlsConfig>,
 }
 
 impl Default for LaneConfig {
@@ -79,6 +82,7 @@ impl Default for LaneConfig {
             reconnect: ReconnectConfig::default(),
             directory_entries: 0,
             key: None,
+            tls: None,
         }
     }
 }
@@ -199,6 +203,7 @@ pub struct Lane<B = Vec<u8>> {
     endpoint: Endpoint,
     proposed: Limits,
     key: Option<std::sync::Arc<proto::auth::Key>>,
+    tls: Option<crate::conn::TlsConfig>,
     reconnect: Reconnect,
     /// Since when the lane has waited for the target without hearing from it: the later of
     /// the last bytes received, the last (re)connection, and the moment requests went on an
@@ -258,12 +263,14 @@ impl<B: IoBuf> Lane<B> {
         }
         let features = if config.directory_entries > 0 { wire::control::FEATURE_DIRECT_READS } else { 0 };
         let key = config.key.clone();
+        let tls = config.tls.clone();
         let (conn, reply) = open_lane(
             endpoint,
             export,
             &proposed,
             features,
             key.as_deref(),
+            tls.as_ref(),
             config.timeout,
             config.poll_spin,
         )?;
@@ -288,6 +295,7 @@ impl<B: IoBuf> Lane<B> {
             endpoint: endpoint.clone(),
             proposed,
             key,
+            tls,
             reconnect: Reconnect::new(config.reconnect),
             attempt: None,
             quiet_since: Instant::now(),
@@ -376,6 +384,16 @@ impl<B: IoBuf> Lane<B> {
 
     /// The socket to sleep on for completions; `None` while the connection is lost (sleep
     /// until [`reconnect_due`](Self::reconnect_due) instead).
+    /// TLS holds ciphertext the socket did not take yet: wait for writability too.
+    pub(crate) fn tls_wants_write(&self) -> bool {
+        self.conn.stream.pending_send()
+    }
+
+    /// TLS holds decrypted bytes not received yet: there is something to do without waiting.
+    pub(crate) fn tls_buffered(&self) -> bool {
+        self.conn.stream.buffered_recv()
+    }
+
     pub(crate) fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
         (!self.reconnect.is_lost()).then(|| std::os::fd::AsRawFd::as_raw_fd(&self.conn.stream))
     }
@@ -477,9 +495,15 @@ impl<B: IoBuf> Lane<B> {
             let due = [self.doorbell_due(), self.reconnect_due(), self.silence_due()];
             (self.wake_fd(), due.into_iter().flatten().min())
         };
-        let timeout = wake_at.map(|at| at.saturating_duration_since(now));
+        let mut timeout = wake_at.map(|at| at.saturating_duration_since(now));
+        if socket.is_some() && self.tls_buffered() {
+            // Decrypted bytes already wait inside TLS: the socket will not say so.
+            timeout = Some(Duration::ZERO);
+        }
         let kicked = match socket {
-            Some(fd) => wait_readable2(fd, std::os::fd::AsRawFd::as_raw_fd(kick), timeout)?.1,
+            Some(fd) => {
+                wait_either(fd, self.tls_wants_write(), std::os::fd::AsRawFd::as_raw_fd(kick), timeout)?.1
+            }
             None => wait_fd(std::os::fd::AsRawFd::as_raw_fd(kick), false, timeout)?.readable,
         };
         if kicked {
@@ -692,11 +716,20 @@ impl<B: IoBuf> Lane<B> {
         let proposed = self.proposed;
         let features = self.conn.features;
         let key = self.key.clone();
+        let tls = self.tls.clone();
         let timeout = self.conn.timeout.min(CONNECT_TIMEOUT_MAX);
         let spin = self.conn.spin;
         let spawned = std::thread::Builder::new().name("skiff-reconnect".into()).spawn(move || {
-            let _ =
-                tx.send(open_lane(&endpoint, &export, &proposed, features, key.as_deref(), timeout, spin));
+            let _ = tx.send(open_lane(
+                &endpoint,
+                &export,
+                &proposed,
+                features,
+                key.as_deref(),
+                tls.as_ref(),
+                timeout,
+                spin,
+            ));
         });
         match spawned {
             Ok(_) => self.attempt = Some(rx),
@@ -780,16 +813,18 @@ const ATTEMPT_POLL: Duration = Duration::from_millis(5);
 const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(5);
 
 /// Connect to `endpoint`, negotiate `proposed`, and open `export`.
+#[allow(clippy::too_many_arguments)] // each is one setting of a connection; a struct would only rename them
 fn open_lane(
     endpoint: &Endpoint,
     export: &str,
     proposed: &Limits,
     features: u64,
     key: Option<&proto::auth::Key>,
+    tls: Option<&crate::conn::TlsConfig>,
     timeout: Duration,
     spin: Duration,
 ) -> Result<(Conn, wire::OpenReply)> {
-    let mut conn = Conn::connect_with_features(endpoint, proposed, timeout, features, key)?;
+    let mut conn = Conn::connect_with_features(endpoint, proposed, timeout, features, key, tls)?;
     conn.spin = spin;
     let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
     let reply = proto::client::handle_open_reply(&h, &body)?;

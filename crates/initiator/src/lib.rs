@@ -33,6 +33,7 @@ pub use wire::{ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status};
 use std::time::Duration;
 
 use conn::Conn;
+pub use conn::TlsConfig;
 use wire::FrameKind;
 
 /// Everything that can go wrong on the initiator side.
@@ -89,9 +90,18 @@ impl Client {
 
     /// [`connect`](Self::connect), proving `key` in the handshake.
     pub fn connect_with_key(endpoint: &Endpoint, key: Option<&proto::auth::Key>) -> Result<Client> {
+        Client::connect_with(endpoint, key, None)
+    }
+
+    /// [`connect`](Self::connect), proving `key` and over TLS with `tls`, each when given.
+    pub fn connect_with(
+        endpoint: &Endpoint,
+        key: Option<&proto::auth::Key>,
+        tls: Option<&TlsConfig>,
+    ) -> Result<Client> {
         let no_preference =
             Limits { queue_depth: 0, caravan_reqs_max: 0, caravan_bytes_max: 0, io_bytes_max: 0 };
-        Ok(Client { conn: Conn::connect(endpoint, &no_preference, DEFAULT_TIMEOUT, key)? })
+        Ok(Client { conn: Conn::connect(endpoint, &no_preference, DEFAULT_TIMEOUT, key, tls)? })
     }
 
     /// The exports the target offers.

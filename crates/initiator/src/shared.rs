@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use transport::{wait_fd, wait_readable2, Endpoint, Kick};
+use transport::{wait_either, wait_fd, Endpoint, Kick};
 use wire::{ExportInfo, Opcode, ReqFlags};
 
 use crate::lane::{status_result, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected};
@@ -252,10 +252,12 @@ impl<B: IoBuf + Send> SharedLane<B> {
                 .fold(deadline, Instant::min);
             st.receiver_wakes_at = Some(wake_at);
             let fd = st.lane.wake_fd();
+            let (tls_write, tls_buffered) = (st.lane.tls_wants_write(), st.lane.tls_buffered());
             drop(st);
-            let sleep = Some(wake_at - now.min(wake_at));
+            // Decrypted bytes already inside TLS are there to take without waiting.
+            let sleep = if tls_buffered { Some(Duration::ZERO) } else { Some(wake_at - now.min(wake_at)) };
             let slept = match fd {
-                Some(fd) => wait_readable2(fd, self.kick.as_raw_fd(), sleep),
+                Some(fd) => wait_either(fd, tls_write, self.kick.as_raw_fd(), sleep),
                 // Reconnecting: no socket to watch until the next attempt.
                 None => wait_fd(self.kick.as_raw_fd(), false, sleep).map(|r| (false, r.readable)),
             };

@@ -283,6 +283,9 @@ pub(crate) struct Conn {
     last_rx: Instant,
     /// The handshake is done.
     established: bool,
+    /// A native TCP connection on a listener with TLS, until its first byte says whether the
+    /// peer starts TLS.
+    tls_undecided: Option<crate::TlsListen>,
 }
 
 /// The protocol a connection speaks, chosen by the listener it arrived on.
@@ -340,7 +343,12 @@ impl Conn {
             }
         };
         let now = Instant::now();
+        let tls_undecided = match (&kind, &stream, &shared.config.tls) {
+            (Kind::Native(_), Stream::Tcp(_), Some(tls)) => Some(tls.clone()),
+            _ => None,
+        };
         Conn {
+            tls_undecided,
             stream,
             peer,
             rx: FrameBuffer::new(),
@@ -406,6 +414,16 @@ impl Conn {
 
     /// Read and process what the peer sent, within this pass's budget.
     pub fn service(&mut self, shared: &Shared, stats: &WorkerStats) -> ReadOutcome {
+        if self.tls_undecided.is_some() {
+            match self.decide_tls() {
+                Ok(true) => {}
+                Ok(false) => return ReadOutcome::Drained,
+                Err(e) => {
+                    tracing::debug!(peer = %self.peer, error = %e, "closed before its first byte");
+                    return ReadOutcome::Closed;
+                }
+            }
+        }
         for _ in 0..shared.config.bounds.reads_per_pass {
             if self.closing {
                 return ReadOutcome::Drained;
@@ -424,7 +442,8 @@ impl Conn {
                 Ok(n) => {
                     bump(&stats.rx_bytes, n as u64);
                     self.last_rx = received;
-                    let more = self.rx.last_read_full();
+                    // A full read, or plaintext rustls decrypted and still holds: read again.
+                    let more = self.rx.last_read_full() || self.stream.buffered_recv();
                     self.process(shared, stats);
                     bump(&stats.stage_exec_ns, nanos(received.elapsed()));
                     if !more {
@@ -441,11 +460,39 @@ impl Conn {
         ReadOutcome::More
     }
 
+    /// On a listener that serves TLS: look at the peer's first byte. A TLS handshake record
+    /// turns the stream into TLS; anything else stays plaintext, unless TLS is required, when
+    /// the peer is told so (`GOAWAY` `TlsRequired`, in plaintext it can read) and the
+    /// connection closes. `Ok(false)`: nothing to decide from yet, or the connection closes.
+    fn decide_tls(&mut self) -> io::Result<bool> {
+        let Some(first) = self.stream.peek_first_byte()? else { return Ok(false) };
+        let tls = self.tls_undecided.take().expect("called while undecided");
+        if transport::tls::looks_like_tls(first) {
+            self.stream.start_tls(tls.config)?;
+            return Ok(true);
+        }
+        if tls.mode == transport::tls::TlsMode::Require {
+            tracing::warn!(peer = %self.peer, "plaintext connection refused: this listener requires TLS");
+            self.say_goaway(Status::TlsRequired, "this target requires TLS");
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Bytes still to go out: responses not yet sent, and ciphertext rustls could not write.
+    pub fn pending(&self) -> usize {
+        self.tx.pending() + usize::from(self.stream.pending_send())
+    }
+
     /// Send queued responses. Returns false when the connection is finished (failed, or a
     /// GOAWAY went out).
     pub fn flush(&mut self, stats: &WorkerStats) -> bool {
         let started = Instant::now();
-        let flushed = self.tx.flush(&mut self.stream);
+        let mut flushed = self.tx.flush(&mut self.stream);
+        if flushed.is_ok() && self.stream.pending_send() {
+            // Ciphertext the socket refused earlier: an empty send only flushes it.
+            flushed = self.stream.send(&[]);
+        }
         bump(&stats.stage_send_ns, nanos(started.elapsed()));
         match flushed {
             Ok(n) => bump(&stats.tx_bytes, n as u64),
@@ -455,7 +502,7 @@ impl Conn {
                 return false;
             }
         }
-        !(self.closing && self.tx.pending() == 0)
+        !(self.closing && self.pending() == 0)
     }
 
     fn process(&mut self, shared: &Shared, stats: &WorkerStats) {

@@ -99,6 +99,19 @@ impl std::str::FromStr for ExportConfig {
     }
 }
 
+/// TLS on the native listeners: whether it is offered or required, and the certificate.
+#[derive(Clone)]
+pub struct TlsListen {
+    pub mode: transport::tls::TlsMode,
+    pub config: Arc<transport::tls::ServerTlsConfig>,
+}
+
+impl std::fmt::Debug for TlsListen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsListen").field("mode", &self.mode).finish_non_exhaustive()
+    }
+}
+
 /// Everything a target needs to start. Bounds live here with their defaults.
 #[derive(Debug, Clone)]
 pub struct TargetConfig {
@@ -120,6 +133,8 @@ pub struct TargetConfig {
     /// The keys initiators may authenticate with (docs/PROTOCOL.md, section 15); exports name
     /// them in their access lists.
     pub keys: Vec<proto::auth::Key>,
+    /// TLS on the native TCP listeners (`--tls on|require`); `None` is plaintext only.
+    pub tls: Option<TlsListen>,
     /// Serve Prometheus metrics at `GET /metrics` on this TCP address (`HOST:PORT`). Also
     /// turns on the measurement of request service times, one clock read per request.
     pub metrics_listen: Option<String>,
@@ -137,6 +152,7 @@ impl Default for TargetConfig {
             poll_spin: std::time::Duration::ZERO,
             metrics_listen: None,
             keys: Vec::new(),
+            tls: None,
         }
     }
 }

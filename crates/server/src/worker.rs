@@ -245,8 +245,8 @@ impl Worker {
             let Some(conn) = self.conns.get_mut(i).and_then(Option::as_mut) else {
                 continue;
             };
-            let failed = conn.tx.pending() > 0 && !conn.flush(&self.stats);
-            if failed || (conn.closing && conn.tx.pending() == 0) {
+            let failed = conn.pending() > 0 && !conn.flush(&self.stats);
+            if failed || (conn.closing && conn.pending() == 0) {
                 self.close(i);
             }
         }

@@ -20,7 +20,7 @@ pub mod event {
 }
 
 pub use endpoint::{Endpoint, EndpointError};
-pub use stream::{wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
+pub use stream::{wait_either, wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
 pub use wire::{FrameBuffer, FrameRef};
 
 use std::io::{self, IoSlice, IoSliceMut};
@@ -44,8 +44,10 @@ pub trait FrameIo {
     fn pending_send(&self) -> bool {
         false
     }
-    /// Received bytes the transport holds already (TLS plaintext decrypted ahead): while true,
-    /// call `recv` again instead of sleeping on readability. Plain sockets hold nothing.
+    /// Received bytes the transport may hold already, or may read without the socket saying so
+    /// again (TLS: plaintext decrypted ahead, or ciphertext left in the socket because rustls
+    /// reads a record at a time): while true, call `recv` again instead of sleeping on
+    /// readability, until it reports `WouldBlock`. Plain sockets hold nothing.
     fn buffered_recv(&self) -> bool {
         false
     }

@@ -12,6 +12,7 @@ use std::time::Duration;
 use mio::event::Source;
 use mio::{Interest, Registry, Token};
 
+use crate::tls::TlsStream;
 use crate::{Endpoint, FrameBuffer, FrameIo};
 
 /// How both sides notice a peer that vanished without closing (power loss, a cable, a
@@ -150,6 +151,8 @@ impl Source for Listener {
 pub enum Stream {
     Tcp(mio::net::TcpStream),
     Unix(mio::net::UnixStream),
+    /// TCP carrying TLS ([`crate::tls`]).
+    Tls(Box<TlsStream<mio::net::TcpStream>>),
 }
 
 impl Stream {
@@ -157,6 +160,9 @@ impl Stream {
     pub fn peer(&self) -> String {
         match self {
             Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp:?".into()),
+            Stream::Tls(s) => {
+                s.get_ref().peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tls:?".into())
+            }
             Stream::Unix(_) => "unix".into(),
         }
     }
@@ -165,8 +171,36 @@ impl Stream {
     pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
         match self {
             Stream::Tcp(s) => s.peer_addr().ok().map(|a| a.ip()),
+            Stream::Tls(s) => s.get_ref().peer_addr().ok().map(|a| a.ip()),
             Stream::Unix(_) => None,
         }
+    }
+
+    /// The first byte the peer sent, without taking it: `Ok(None)` when nothing has come yet
+    /// (or on a stream that is not plain TCP, where there is nothing to decide), `Ok(Some(_))`
+    /// or an end-of-file error otherwise. For a listener that serves TLS and plaintext both.
+    pub fn peek_first_byte(&self) -> io::Result<Option<u8>> {
+        let Stream::Tcp(s) = self else { return Ok(None) };
+        let mut b = [0u8; 1];
+        match s.peek(&mut b) {
+            Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(_) => Ok(Some(b[0])),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Turn a plain TCP stream into the target side of TLS, in place (the socket stays
+    /// registered with the poller: it is the same descriptor). Other streams are left alone.
+    pub fn start_tls(&mut self, config: std::sync::Arc<rustls::ServerConfig>) -> io::Result<()> {
+        if !matches!(self, Stream::Tcp(_)) {
+            return Ok(());
+        }
+        // A stand-in for the moment the TCP stream moves into its TLS wrapper.
+        let stand_in = Stream::Unix(mio::net::UnixStream::pair()?.0);
+        let Stream::Tcp(s) = std::mem::replace(self, stand_in) else { unreachable!("checked above") };
+        *self = Stream::Tls(Box::new(TlsStream::server(s, config)?));
+        Ok(())
     }
 }
 
@@ -175,19 +209,28 @@ impl FrameIo for Stream {
         match self {
             Stream::Tcp(s) => recv_from(s, bufs),
             Stream::Unix(s) => recv_from(s, bufs),
+            Stream::Tls(s) => s.recv(bufs),
         }
     }
     fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => fill_from(s, rx),
             Stream::Unix(s) => fill_from(s, rx),
+            Stream::Tls(s) => s.fill(rx),
         }
     }
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => send_to(s, bufs),
             Stream::Unix(s) => send_to(s, bufs),
+            Stream::Tls(s) => s.send(bufs),
         }
+    }
+    fn pending_send(&self) -> bool {
+        matches!(self, Stream::Tls(s) if s.pending_send())
+    }
+    fn buffered_recv(&self) -> bool {
+        matches!(self, Stream::Tls(s) if s.buffered_recv())
     }
 }
 
@@ -196,18 +239,21 @@ impl Source for Stream {
         match self {
             Stream::Tcp(s) => s.register(r, t, i),
             Stream::Unix(s) => s.register(r, t, i),
+            Stream::Tls(s) => s.get_mut().register(r, t, i),
         }
     }
     fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.reregister(r, t, i),
             Stream::Unix(s) => s.reregister(r, t, i),
+            Stream::Tls(s) => s.get_mut().reregister(r, t, i),
         }
     }
     fn deregister(&mut self, r: &Registry) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s.deregister(r),
             Stream::Unix(s) => s.deregister(r),
+            Stream::Tls(s) => s.get_mut().deregister(r),
         }
     }
 }
@@ -216,6 +262,8 @@ impl Source for Stream {
 pub enum ClientStream {
     Tcp(std::net::TcpStream),
     Unix(std::os::unix::net::UnixStream),
+    /// TCP carrying TLS ([`crate::tls`]); the handshake runs in the first sends and receives.
+    Tls(Box<TlsStream<std::net::TcpStream>>),
 }
 
 impl ClientStream {
@@ -234,8 +282,30 @@ impl ClientStream {
         match &s {
             ClientStream::Tcp(t) => t.set_nonblocking(true)?,
             ClientStream::Unix(u) => u.set_nonblocking(true)?,
+            ClientStream::Tls(t) => t.get_ref().set_nonblocking(true)?,
         }
         Ok(s)
+    }
+
+    /// [`connect`](Self::connect) over TLS, checking the target's certificate against the
+    /// endpoint's host with `config`. Only TCP endpoints carry TLS.
+    pub fn connect_tls(
+        endpoint: &Endpoint,
+        timeout: Duration,
+        config: std::sync::Arc<rustls::ClientConfig>,
+    ) -> io::Result<ClientStream> {
+        let Endpoint::Tcp(addr) = endpoint else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "TLS needs a TCP endpoint, not a Unix socket",
+            ));
+        };
+        let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
+        let name = crate::tls::server_name(host)?;
+        let ClientStream::Tcp(s) = ClientStream::connect(endpoint, timeout)? else {
+            unreachable!("a TCP endpoint gives a TCP stream")
+        };
+        Ok(ClientStream::Tls(Box::new(TlsStream::client(s, config, name)?)))
     }
 
     /// Close both directions now (the peer sees end of stream).
@@ -243,6 +313,7 @@ impl ClientStream {
         let _ = match self {
             ClientStream::Tcp(t) => t.shutdown(std::net::Shutdown::Both),
             ClientStream::Unix(u) => u.shutdown(std::net::Shutdown::Both),
+            ClientStream::Tls(t) => t.get_ref().shutdown(std::net::Shutdown::Both),
         };
     }
 }
@@ -264,6 +335,7 @@ impl AsRawFd for ClientStream {
         match self {
             ClientStream::Tcp(t) => t.as_raw_fd(),
             ClientStream::Unix(u) => u.as_raw_fd(),
+            ClientStream::Tls(t) => t.get_ref().as_raw_fd(),
         }
     }
 }
@@ -275,19 +347,28 @@ impl FrameIo for ClientStream {
         match self {
             ClientStream::Tcp(s) => recv_from(s, bufs),
             ClientStream::Unix(s) => recv_from(s, bufs),
+            ClientStream::Tls(s) => s.recv(bufs),
         }
     }
     fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
         match self {
             ClientStream::Tcp(s) => fill_from(s, rx),
             ClientStream::Unix(s) => fill_from(s, rx),
+            ClientStream::Tls(s) => s.fill(rx),
         }
     }
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             ClientStream::Tcp(s) => send_to(s, bufs),
             ClientStream::Unix(s) => send_to(s, bufs),
+            ClientStream::Tls(s) => s.send(bufs),
         }
+    }
+    fn pending_send(&self) -> bool {
+        matches!(self, ClientStream::Tls(s) if s.pending_send())
+    }
+    fn buffered_recv(&self) -> bool {
+        matches!(self, ClientStream::Tls(s) if s.buffered_recv())
     }
 }
 
@@ -312,9 +393,20 @@ pub fn wait_fd(fd: RawFd, want_write: bool, timeout: Option<Duration>) -> io::Re
 
 /// Sleep until `a` or `b` is readable, or `timeout` passes; says which are.
 pub fn wait_readable2(a: RawFd, b: RawFd, timeout: Option<Duration>) -> io::Result<(bool, bool)> {
-    let mut pfds = [a, b].map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+    wait_either(a, false, b, timeout)
+}
+
+/// Sleep until `a` is readable (or writable, with `a_write`: a TLS stream with ciphertext to
+/// flush) or `b` is readable, or `timeout` passes; says whether `a` and `b` are ready.
+pub fn wait_either(a: RawFd, a_write: bool, b: RawFd, timeout: Option<Duration>) -> io::Result<(bool, bool)> {
+    let a_events = if a_write { libc::POLLIN | libc::POLLOUT } else { libc::POLLIN };
+    let mut pfds = [
+        libc::pollfd { fd: a, events: a_events, revents: 0 },
+        libc::pollfd { fd: b, events: libc::POLLIN, revents: 0 },
+    ];
     poll_fds(&mut pfds, timeout)?;
-    Ok((ready_of(&pfds[0]).readable, ready_of(&pfds[1]).readable))
+    let a_ready = ready_of(&pfds[0]);
+    Ok((a_ready.readable || a_ready.writable, ready_of(&pfds[1]).readable))
 }
 
 fn ready_of(pfd: &libc::pollfd) -> Ready {

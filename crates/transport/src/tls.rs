@@ -44,6 +44,8 @@ use rustls_pki_types::pem::PemObject;
 
 use crate::FrameIo;
 
+pub use rustls::{ClientConfig as ClientTlsConfig, ServerConfig as ServerTlsConfig};
+
 /// The first byte of a TLS handshake record (a ClientHello); a native frame starts with the
 /// magic `SKF1` (0x53), so a listener in mode [`TlsMode::On`] tells the two apart from one byte.
 pub const TLS_HANDSHAKE_RECORD: u8 = 0x16;
@@ -198,6 +200,10 @@ pub struct TlsStream<S> {
     plaintext_pending: usize,
     /// The peer sent close_notify, or the socket reached end of file.
     closed: bool,
+    /// The last read of the socket would have blocked: everything it had is inside rustls. A
+    /// read of fewer plaintext bytes than asked for does not mean the socket is empty (rustls
+    /// reads it a record at a time), so an edge-triggered driver reads until this is true.
+    drained: bool,
 }
 
 fn tls_error(e: rustls::Error) -> io::Error {
@@ -219,7 +225,7 @@ impl<S: Read + Write> TlsStream<S> {
 
     fn wrap(sock: S, mut conn: Connection) -> TlsStream<S> {
         conn.set_buffer_limit(Some(SEND_BUFFER_LIMIT));
-        TlsStream { sock, conn, plaintext_pending: 0, closed: false }
+        TlsStream { sock, conn, plaintext_pending: 0, closed: false, drained: false }
     }
 
     /// The socket underneath (for registering with a poller, or its fd).
@@ -266,9 +272,14 @@ impl<S: Read + Write> TlsStream<S> {
         let n = loop {
             match self.conn.read_tls(&mut self.sock) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.drained = true;
+                    return Err(e);
+                }
                 other => break other?,
             }
         };
+        self.drained = false;
         if n == 0 {
             return Ok(false);
         }
@@ -337,7 +348,7 @@ impl<S: Read + Write> FrameIo for TlsStream<S> {
     }
 
     fn buffered_recv(&self) -> bool {
-        self.plaintext_pending > 0
+        self.plaintext_pending > 0 || !(self.drained || self.closed)
     }
 }
 

@@ -108,6 +108,8 @@ pub struct BenchArgs {
     reconnect: crate::reconnect::ReconnectArgs,
     #[command(flatten)]
     keys: crate::keys::KeyArgs,
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
 }
 
 /// `--batching` as typed.
@@ -185,6 +187,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         BatchingArg::Adaptive => Batching::Adaptive(BatchConfig::default()),
     };
     let lane_key = args.keys.key()?;
+    let lane_tls = args.tls.config()?;
     let lane_config = LaneConfig {
         limits: Limits {
             queue_depth: args.qd as u32,
@@ -198,6 +201,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         direct_min_bytes: args.direct_min,
         reconnect: args.reconnect.config(),
         key: lane_key.clone(),
+        tls: lane_tls.clone(),
         directory_entries: if args.direct_reads { args.directory_entries.max(1) } else { 0 },
         ..LaneConfig::default()
     };
@@ -253,8 +257,9 @@ pub fn run(args: BenchArgs) -> CliResult {
 
     let mut stats_client = TargetStats {
         endpoint: endpoint.clone(),
-        client: Some(Client::connect_with_key(&endpoint, lane_key.as_deref())?),
+        client: Some(Client::connect_with(&endpoint, lane_key.as_deref(), lane_tls.as_ref())?),
         key: lane_key.clone(),
+        tls: lane_tls.clone(),
     };
     let phases = Arc::new(Phases {
         timed_start: Barrier::new(args.threads + 1),
@@ -381,13 +386,15 @@ struct TargetStats {
     endpoint: Endpoint,
     client: Option<Client>,
     key: Option<std::sync::Arc<proto::auth::Key>>,
+    tls: Option<initiator::TlsConfig>,
 }
 
 impl TargetStats {
     fn take(&mut self) -> initiator::StatsReply {
         for _ in 0..2 {
             if self.client.is_none() {
-                self.client = Client::connect_with_key(&self.endpoint, self.key.as_deref()).ok();
+                self.client =
+                    Client::connect_with(&self.endpoint, self.key.as_deref(), self.tls.as_ref()).ok();
             }
             match self.client.as_mut().map(Client::stats) {
                 Some(Ok(stats)) => return stats,

@@ -54,6 +54,10 @@ pub(super) struct ServeFile {
     read_only: Option<bool>,
     #[serde(rename = "key-file")]
     key_files: Option<Vec<PathBuf>>,
+    #[serde(default, deserialize_with = "tls_mode")]
+    tls: Option<transport::tls::TlsMode>,
+    tls_certificates: Option<PathBuf>,
+    tls_verify_peer: Option<bool>,
     workers: Option<usize>,
     #[serde(default, deserialize_with = "count")]
     queue_depth: Option<u32>,
@@ -163,9 +167,9 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
         };
     }
     set!(
-        listen, no_tcp, nbd, exports, read_only, key_files, workers, queue_depth, poll, io_max,
-        connections_max, handshakes_max, connections_per_address_max;
-        options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout
+        listen, no_tcp, nbd, exports, read_only, key_files, tls, tls_verify_peer, workers, queue_depth, poll,
+        io_max, connections_max, handshakes_max, connections_per_address_max;
+        options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates
     );
     Ok(tuning)
 }
@@ -301,6 +305,12 @@ fn count<'de, D: Deserializer<'de>, T: TryFrom<u64>>(d: D) -> Result<Option<T>, 
         return Err(de::Error::custom("must be at least 1"));
     }
     T::try_from(n).map(Some).map_err(|_| de::Error::custom(format!("{n} is too large")))
+}
+
+/// `tls = "off" | "on" | "require"`.
+fn tls_mode<'de, D: Deserializer<'de>>(d: D) -> Result<Option<transport::tls::TlsMode>, D::Error> {
+    let s = String::deserialize(d)?;
+    s.parse().map(Some).map_err(de::Error::custom)
 }
 
 #[cfg(test)]
