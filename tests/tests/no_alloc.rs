@@ -61,7 +61,14 @@ fn steady_state_io_allocates_nothing_on_either_side() {
     for _ in 0..QD {
         resubmit(&mut lane, vec![0x5a; BS], &mut next);
     }
+    // Warm up for at least 20,000 I/Os and 1.5 s, so that every buffer has met its largest
+    // caravan and the worker's once-a-second sweep has run before counting starts (a slow
+    // machine once saw two small first-time growths inside the counted phase).
+    let warm_until = std::time::Instant::now() + std::time::Duration::from_millis(1500);
     run(&mut lane, &mut out, 20_000, &mut next);
+    while std::time::Instant::now() < warm_until {
+        run(&mut lane, &mut out, 2_000, &mut next);
+    }
 
     ALLOC.count(true);
     run(&mut lane, &mut out, 50_000, &mut next);
