@@ -388,7 +388,7 @@ pub mod inbox {
 
 /// Certificates for the TLS tests, made by the real `openssl` CLI in a directory laid out as
 /// nbdkit and qemu expect: `ca-cert.pem`, `server-cert.pem` and `server-key.pem` for
-/// `localhost` and 127.0.0.1, and `client-cert.pem` / `client-key.pem`.
+/// `localhost` and 127.0.0.1, and `client-cert.pem` / `client-key.pem` (CN `alice`).
 pub mod certs {
     use std::path::Path;
 
@@ -398,11 +398,12 @@ pub mod certs {
         assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
 
+    const EC: [&str; 5] = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
+
     /// A CA and the server and client certificates it signs, in `dir`.
     pub fn make(dir: &Path) {
-        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
         let mut ca = vec!["req", "-x509"];
-        ca.extend(ec);
+        ca.extend(EC);
         ca.extend([
             "-keyout",
             "ca-key.pem",
@@ -414,46 +415,43 @@ pub mod certs {
             "/CN=skiff test CA",
         ]);
         openssl(dir, &ca);
-        for (name, cn, ext) in [
-            (
-                "server",
-                "localhost",
-                "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
-            ),
-            ("client", "alice", "extendedKeyUsage=clientAuth\n"),
-        ] {
-            let (key, csr, cert, extfile) = (
-                format!("{name}-key.pem"),
-                format!("{name}.csr"),
-                format!("{name}-cert.pem"),
-                format!("{name}.ext"),
-            );
-            std::fs::write(dir.join(&extfile), ext).unwrap();
-            let mut req = vec!["req"];
-            req.extend(ec);
-            let subj = format!("/CN={cn}");
-            req.extend(["-keyout", key.as_str(), "-out", csr.as_str(), "-subj", subj.as_str()]);
-            openssl(dir, &req);
-            openssl(
-                dir,
-                &[
-                    "x509",
-                    "-req",
-                    "-in",
-                    &csr,
-                    "-CA",
-                    "ca-cert.pem",
-                    "-CAkey",
-                    "ca-key.pem",
-                    "-CAcreateserial",
-                    "-out",
-                    &cert,
-                    "-days",
-                    "2",
-                    "-extfile",
-                    &extfile,
-                ],
-            );
+        sign(
+            dir,
+            "server",
+            "localhost",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+        );
+        sign(dir, "client", "alice", "extendedKeyUsage=clientAuth\n");
+    }
+
+    /// A client certificate for `cn` signed by the CA of `ca_dir` (made by [`make`]), in `dir`
+    /// with a copy of the CA's certificate: a client's certificate directory.
+    pub fn client(ca_dir: &Path, dir: &Path, cn: &str) {
+        for f in ["ca-cert.pem", "ca-key.pem"] {
+            std::fs::copy(ca_dir.join(f), dir.join(f)).unwrap();
         }
+        sign(dir, "client", cn, "extendedKeyUsage=clientAuth\n");
+        std::fs::remove_file(dir.join("ca-key.pem")).unwrap();
+    }
+
+    /// `NAME-key.pem` and `NAME-cert.pem` for `cn`, signed by the CA in `dir`.
+    fn sign(dir: &Path, name: &str, cn: &str, ext: &str) {
+        let (key, csr, cert, extfile) = (
+            format!("{name}-key.pem"),
+            format!("{name}.csr"),
+            format!("{name}-cert.pem"),
+            format!("{name}.ext"),
+        );
+        std::fs::write(dir.join(&extfile), ext).unwrap();
+        let mut req = vec!["req"];
+        req.extend(EC);
+        let subj = format!("/CN={cn}");
+        req.extend(["-keyout", key.as_str(), "-out", csr.as_str(), "-subj", subj.as_str()]);
+        openssl(dir, &req);
+        let ca = ["-CA", "ca-cert.pem", "-CAkey", "ca-key.pem", "-CAcreateserial", "-days", "2"];
+        let mut x509 =
+            vec!["x509", "-req", "-in", csr.as_str(), "-out", cert.as_str(), "-extfile", extfile.as_str()];
+        x509.extend(ca);
+        openssl(dir, &x509);
     }
 }

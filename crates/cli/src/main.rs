@@ -44,8 +44,10 @@ enum Command {
 }
 
 fn init_logging(default: &str) {
+    // libnbd (through GnuTLS) sends an IP address as SNI when it connects by address, which
+    // rustls notes at WARN on every such connection; by default only its errors are shown.
     let filter = tracing_subscriber::EnvFilter::try_from_env("SKIFF_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},rustls=error")));
     // Colour only for a person at a terminal; logs captured by files or tools stay plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();

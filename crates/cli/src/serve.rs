@@ -45,14 +45,16 @@ pub struct ServeArgs {
     /// exports name them in allow=. Repeatable.
     #[arg(long = "key-file", value_name = "PATH")]
     key_files: Vec<std::path::PathBuf>,
-    /// TLS on the native listeners: off, on (TLS or plaintext, told apart from the first byte)
-    /// or require (a plaintext client gets GOAWAY TlsRequired). NBD has no TLS yet.
+    /// TLS: off, on (TLS or plaintext: native clients are told apart by their first byte, NBD
+    /// clients by STARTTLS) or require (a plaintext native client gets GOAWAY TlsRequired, an
+    /// NBD client NBD_REP_ERR_TLS_REQD).
     #[arg(long, value_name = "MODE", default_value = "off")]
     tls: transport::tls::TlsMode,
     /// The target's certificate directory: ca-cert.pem, server-cert.pem, server-key.pem.
     #[arg(long, value_name = "DIR")]
     tls_certificates: Option<std::path::PathBuf>,
-    /// Require client certificates signed by DIR/ca-cert.pem.
+    /// Require client certificates signed by DIR/ca-cert.pem; a certificate's CN is then a
+    /// principal that allow= may name (the rights of NBD clients over TLS).
     #[arg(long)]
     tls_verify_peer: bool,
     /// Worker threads (default: one per core).

@@ -36,7 +36,7 @@ pub fn listen(
         (_, None) => Err(format!("--tls {mode} needs --tls-certificates DIR")),
         (mode, Some(dir)) => {
             let config = CertDir::new(dir.clone()).server_config(verify_peer).map_err(|e| e.to_string())?;
-            Ok(Some(server::TlsListen { mode, config }))
+            Ok(Some(server::TlsListen { mode, config, verify_peer }))
         }
     }
 }

@@ -262,6 +262,21 @@ impl Handshake {
         self.config.tls() == TlsPolicy::Require && !self.tls_active
     }
 
+    /// Replace the exports this negotiation offers, as a driver does once a TLS peer has
+    /// proved who it is (each identity sees the exports, and the rights, it is granted). Only
+    /// the export list and its flags change: the TLS policy stays what the connection began
+    /// with, so an upgraded connection cannot be talked out of TLS.
+    pub fn set_config(&mut self, config: Arc<HandshakeConfig>) {
+        let tls = self.config.tls();
+        self.config = if config.tls() == tls {
+            config
+        } else {
+            Arc::new(HandshakeConfig::clone(&config).with_tls(tls))
+        };
+        // A meta context selected for an export of the old list names nothing now.
+        self.meta_export = None;
+    }
+
     /// Whether the connection has switched to TLS.
     pub fn tls_active(&self) -> bool {
         self.tls_active
@@ -626,6 +641,41 @@ mod tests {
         input.extend(option(opt::STARTTLS, &[]));
         input.extend(go());
         assert_eq!(hs.handle(&input, &mut Vec::new()), Err(NbdError::DataAfterStartTls(go().len())));
+    }
+
+    #[test]
+    fn a_new_config_after_starttls_changes_the_exports_but_not_the_tls_policy() {
+        let mut hs = tls_handshake(TlsPolicy::Require);
+        let mut input = FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        input.extend(option(opt::STARTTLS, &[]));
+        assert!(matches!(hs.handle(&input, &mut Vec::new()), Ok(Step::StartTls { .. })));
+        // The identity proved over TLS may only read "disk", and does not see "secret".
+        let mut disk = ExportDesc::new("disk", 1 << 20);
+        disk.read_only = true;
+        let mut secret = ExportDesc::new("secret", 1 << 20);
+        secret.hidden = true;
+        hs.set_config(Arc::new(HandshakeConfig::new(vec![disk, secret], Some(0)).unwrap()));
+        assert_eq!(hs.config.tls(), TlsPolicy::Require, "the policy the connection began with stays");
+        let mut out = Vec::new();
+        let name_go = |name: &[u8]| {
+            let mut data = (name.len() as u32).to_be_bytes().to_vec();
+            data.extend_from_slice(name);
+            data.extend_from_slice(&[0, 0]);
+            option(opt::GO, &data)
+        };
+        let refused = name_go(b"secret");
+        assert_eq!(hs.handle(&refused, &mut out), Ok(Step::NeedMore { consumed: refused.len() }));
+        assert_eq!(reply_types(&out), [rep::ERR_UNKNOWN]);
+        match hs.handle(&name_go(b"disk"), &mut Vec::new()) {
+            Ok(Step::Done { session, .. }) => {
+                assert_ne!(
+                    session.transmission_flags & crate::tflags::READ_ONLY,
+                    0,
+                    "read-only for this identity"
+                )
+            }
+            other => panic!("GO disk: {other:?}"),
+        }
     }
 
     fn option(code: u32, data: &[u8]) -> Vec<u8> {

@@ -286,6 +286,12 @@ pub(crate) struct Conn {
     /// A native TCP connection on a listener with TLS, until its first byte says whether the
     /// peer starts TLS.
     tls_undecided: Option<crate::TlsListen>,
+    /// NBD STARTTLS was acknowledged: the reply goes out in plaintext, then the stream turns
+    /// to TLS before another byte is read.
+    starttls: bool,
+    /// An NBD connection upgraded to TLS whose client has not been identified yet: once the
+    /// TLS handshake is done, a verified client certificate's CN picks the exports it sees.
+    identify: bool,
 }
 
 /// The protocol a connection speaks, chosen by the listener it arrived on.
@@ -319,11 +325,15 @@ impl Conn {
         let kind = match (protocol, &shared.nbd) {
             (Protocol::Nbd, Some(config)) => {
                 let mut greeting = Vec::new();
-                let conn = NbdConn::new(
-                    config.clone(),
-                    shared.config.bounds.nbd_extents_per_reply_max,
-                    &mut greeting,
-                );
+                // TLS runs over TCP only: where it is merely offered, a Unix socket client is
+                // not offered it (STARTTLS gets ERR_UNSUP); where it is required, it is refused.
+                let config = if matches!(stream, Stream::Unix(_)) && config.tls() == ::nbd::TlsPolicy::On {
+                    Arc::new(::nbd::HandshakeConfig::clone(config).with_tls(::nbd::TlsPolicy::Off))
+                } else {
+                    config.clone()
+                };
+                let conn =
+                    NbdConn::new(config, shared.config.bounds.nbd_extents_per_reply_max, &mut greeting);
                 tx.append(&greeting);
                 Kind::Nbd(Box::new(conn))
             }
@@ -349,6 +359,8 @@ impl Conn {
         };
         Conn {
             tls_undecided,
+            starttls: false,
+            identify: false,
             stream,
             peer,
             rx: FrameBuffer::new(),
@@ -424,6 +436,9 @@ impl Conn {
                 }
             }
         }
+        if self.starttls && !self.upgrade(shared, stats) {
+            return if self.closing { ReadOutcome::Closed } else { ReadOutcome::Drained };
+        }
         for _ in 0..shared.config.bounds.reads_per_pass {
             if self.closing {
                 return ReadOutcome::Drained;
@@ -443,8 +458,16 @@ impl Conn {
                     bump(&stats.rx_bytes, n as u64);
                     self.last_rx = received;
                     // A full read, or plaintext rustls decrypted and still holds: read again.
-                    let more = self.rx.last_read_full() || self.stream.buffered_recv();
+                    let mut more = self.rx.last_read_full() || self.stream.buffered_recv();
                     self.process(shared, stats);
+                    if self.starttls {
+                        if !self.upgrade(shared, stats) {
+                            return if self.closing { ReadOutcome::Closed } else { ReadOutcome::Drained };
+                        }
+                        // The ClientHello may be waiting already, and the poller reports
+                        // edges: read on.
+                        more = true;
+                    }
                     bump(&stats.stage_exec_ns, nanos(received.elapsed()));
                     if !more {
                         return ReadOutcome::Drained;
@@ -479,6 +502,55 @@ impl Conn {
         Ok(true)
     }
 
+    /// NBD STARTTLS: send the acknowledgement in plaintext, then turn the stream into TLS.
+    /// Returns whether the stream is TLS now; `false` while the reply is still going out (the
+    /// writable event brings the connection back) or when the connection fails (`closing`).
+    fn upgrade(&mut self, shared: &Shared, stats: &WorkerStats) -> bool {
+        if self.tx.pending() > 0 && !self.flush(stats) {
+            self.closing = true;
+            return false;
+        }
+        if self.tx.pending() > 0 {
+            return false;
+        }
+        self.starttls = false;
+        let Some(tls) = &shared.config.tls else {
+            // Only a listener with TLS acknowledges STARTTLS (its handshake config says so).
+            tracing::error!(peer = %self.peer, "NBD STARTTLS acknowledged without a TLS configuration");
+            self.closing = true;
+            return false;
+        };
+        if let Err(e) = self.stream.start_tls(tls.config.clone()) {
+            tracing::warn!(peer = %self.peer, error = %e, "NBD STARTTLS: cannot start TLS");
+            self.closing = true;
+            return false;
+        }
+        self.identify = true;
+        true
+    }
+
+    /// Once an upgraded NBD connection's TLS handshake is done: if the client presented a
+    /// certificate (verified: the target asks for one only with `verify_peer`), its CN is the
+    /// principal whose rights pick the exports offered from now on.
+    fn identify_nbd(&mut self, shared: &Shared) {
+        if !self.identify || !self.stream.tls_established() {
+            return;
+        }
+        self.identify = false;
+        let Kind::Nbd(conn) = &mut self.kind else { return };
+        let Some(principal) = self.stream.peer_principal() else { return };
+        let io_bytes_max = shared.config.bounds.limits.io_bytes_max;
+        match engine::front::nbd::handshake_config(&shared.exports, io_bytes_max, Some(&principal)) {
+            Ok(config) => {
+                tracing::info!(peer = %self.peer, principal, "NBD client identified by its TLS certificate");
+                conn.set_config(Arc::new(config));
+            }
+            Err(e) => {
+                tracing::warn!(peer = %self.peer, principal, error = %e, "NBD exports for this principal")
+            }
+        }
+    }
+
     /// Bytes still to go out: responses not yet sent, and ciphertext rustls could not write.
     pub fn pending(&self) -> usize {
         self.tx.pending() + usize::from(self.stream.pending_send())
@@ -506,11 +578,15 @@ impl Conn {
     }
 
     fn process(&mut self, shared: &Shared, stats: &WorkerStats) {
+        self.identify_nbd(shared);
         let Conn { rx, tx, closing, peer, kind, .. } = self;
         let mut link = Link { rx, tx, closing, peer, stats: &stats.front };
         match kind {
             Kind::Native(conn) => conn.process(&mut link, shared),
-            Kind::Nbd(conn) => conn.process(&mut link, shared),
+            Kind::Nbd(conn) => {
+                conn.process(&mut link, shared);
+                self.starttls |= conn.take_starttls();
+            }
         }
     }
 }

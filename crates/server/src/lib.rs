@@ -99,16 +99,23 @@ impl std::str::FromStr for ExportConfig {
     }
 }
 
-/// TLS on the native listeners: whether it is offered or required, and the certificate.
+/// TLS on the listeners (native: by the first byte; NBD: by STARTTLS): whether it is offered
+/// or required, and the certificate.
 #[derive(Clone)]
 pub struct TlsListen {
     pub mode: transport::tls::TlsMode,
     pub config: Arc<transport::tls::ServerTlsConfig>,
+    /// Clients must present a certificate the CA signed (`config` was built to ask for one):
+    /// its CN is then a principal that `allow=` lists may name, as they name keys.
+    pub verify_peer: bool,
 }
 
 impl std::fmt::Debug for TlsListen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TlsListen").field("mode", &self.mode).finish_non_exhaustive()
+        f.debug_struct("TlsListen")
+            .field("mode", &self.mode)
+            .field("verify_peer", &self.verify_peer)
+            .finish_non_exhaustive()
     }
 }
 
@@ -133,7 +140,8 @@ pub struct TargetConfig {
     /// The keys initiators may authenticate with (docs/PROTOCOL.md, section 15); exports name
     /// them in their access lists.
     pub keys: Vec<proto::auth::Key>,
-    /// TLS on the native TCP listeners (`--tls on|require`); `None` is plaintext only.
+    /// TLS on the native TCP and the NBD listeners (`--tls on|require`); `None` is plaintext
+    /// only.
     pub tls: Option<TlsListen>,
     /// Serve Prometheus metrics at `GET /metrics` on this TCP address (`HOST:PORT`). Also
     /// turns on the measurement of request service times, one clock read per request.
@@ -165,7 +173,7 @@ pub enum TargetError {
     NothingToListenOn,
     #[error("NBD export table: {0}")]
     Nbd(::nbd::NbdError),
-    #[error("export {export:?} allows key {key:?}, which no key file gives")]
+    #[error("export {export:?} allows {key:?}, which no key file gives (nor can a TLS client certificate name it: that needs --tls-verify-peer)")]
     UnknownKey { export: String, key: String },
     #[error("export name {0:?} given twice")]
     DuplicateExport(String),
@@ -267,9 +275,15 @@ impl Target {
         let nbd = if config.nbd_listen.is_empty() {
             None
         } else {
-            let c = engine::front::nbd::handshake_config(&exports, config.bounds.limits.io_bytes_max)
+            let c = engine::front::nbd::handshake_config(&exports, config.bounds.limits.io_bytes_max, None)
                 .map_err(TargetError::Nbd)?;
-            Some(Arc::new(c))
+            // The NBD listeners offer TLS as the native ones do, through STARTTLS.
+            let policy = match config.tls.as_ref().map(|t| t.mode) {
+                None | Some(transport::tls::TlsMode::Off) => ::nbd::TlsPolicy::Off,
+                Some(transport::tls::TlsMode::On) => ::nbd::TlsPolicy::On,
+                Some(transport::tls::TlsMode::Require) => ::nbd::TlsPolicy::Require,
+            };
+            Some(Arc::new(c.with_tls(policy)))
         };
         let export_count = exports.len();
         let shared = Arc::new(Shared {
@@ -425,9 +439,12 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
         let read_only = config.read_only || ec.read_only;
         let mut export = Export::open_with(&ec.name, &ec.spec, read_only, ec.use_direct)
             .map_err(|source| TargetError::Backend { name: ec.name.clone(), source })?;
+        // A principal is a key's name, or the CN of a verified client certificate: with
+        // certificates in play, any name may be one, so only a typo without them is caught.
+        let certificates_name_principals = config.tls.as_ref().is_some_and(|t| t.verify_peer);
         if let Some(list) = &ec.access {
             for (key, _) in &list.keys {
-                if !config.keys.iter().any(|k| &k.name == key) {
+                if !certificates_name_principals && !config.keys.iter().any(|k| &k.name == key) {
                     return Err(TargetError::UnknownKey { export: ec.name.clone(), key: key.clone() });
                 }
             }

@@ -190,11 +190,30 @@ impl Stream {
         }
     }
 
+    /// Who the peer proved to be over TLS with a client certificate
+    /// ([`crate::tls::certificate_principal`]); `None` on plaintext streams.
+    pub fn peer_principal(&self) -> Option<String> {
+        match self {
+            Stream::Tls(s) => s.peer_principal(),
+            _ => None,
+        }
+    }
+
+    /// Whether this stream runs TLS and its handshake is finished.
+    pub fn tls_established(&self) -> bool {
+        matches!(self, Stream::Tls(s) if !s.is_handshaking())
+    }
+
     /// Turn a plain TCP stream into the target side of TLS, in place (the socket stays
-    /// registered with the poller: it is the same descriptor). Other streams are left alone.
+    /// registered with the poller: it is the same descriptor). TLS runs over TCP only: on a
+    /// Unix socket this fails (`Unsupported`), and a stream already in TLS is left alone.
     pub fn start_tls(&mut self, config: std::sync::Arc<rustls::ServerConfig>) -> io::Result<()> {
-        if !matches!(self, Stream::Tcp(_)) {
-            return Ok(());
+        match self {
+            Stream::Tcp(_) => {}
+            Stream::Tls(_) => return Ok(()),
+            Stream::Unix(_) => {
+                return Err(io::Error::new(io::ErrorKind::Unsupported, "TLS over a Unix socket"))
+            }
         }
         // A stand-in for the moment the TCP stream moves into its TLS wrapper.
         let stand_in = Stream::Unix(mio::net::UnixStream::pair()?.0);

@@ -192,6 +192,18 @@ pub fn server_name(host: &str) -> io::Result<ServerName<'static>> {
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("TLS server name {host:?}: {e}")))
 }
 
+/// The principal a certificate names: the first Common Name (CN) of its subject, as nbdkit's
+/// `nbdkit_peer_tls_dn` users and qemu's `tls-authz` match on. Trust it only for a certificate
+/// the TLS handshake verified against the CA (a target with `verify_peer`): the name is what
+/// the CA vouched for. `None` for DER that does not parse, a subject without a CN, or an empty
+/// one.
+pub fn certificate_principal(cert: &CertificateDer<'_>) -> Option<String> {
+    use x509_cert::der::Decode;
+    let cert = x509_cert::Certificate::from_der(cert.as_ref()).ok()?;
+    let cn = cert.tbs_certificate().subject().common_name().ok()??;
+    Some(cn.value().into_owned()).filter(|name| !name.is_empty())
+}
+
 /// A byte stream (a non-blocking socket) carrying TLS, presented as plaintext [`FrameIo`].
 pub struct TlsStream<S> {
     sock: S,
@@ -245,6 +257,13 @@ impl<S: Read + Write> TlsStream<S> {
     /// done and only if it presented one; on the target with `verify_peer` it is verified.
     pub fn peer_certificates(&self) -> Option<&[CertificateDer<'static>]> {
         self.conn.peer_certificates()
+    }
+
+    /// Who the peer proved to be: the Common Name of the subject of the certificate it
+    /// presented (see [`certificate_principal`]). `None` before the handshake is done, when it
+    /// presented none, or when the subject has no usable CN.
+    pub fn peer_principal(&self) -> Option<String> {
+        certificate_principal(self.peer_certificates()?.first()?)
     }
 
     /// Write queued ciphertext to the socket until it is all out or the socket would block.
@@ -356,5 +375,17 @@ impl<S: Read + Write> FrameIo for TlsStream<S> {
 impl AsRef<Path> for CertDir {
     fn as_ref(&self) -> &Path {
         &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_principal_comes_only_from_a_certificate_that_parses() {
+        for junk in [&b""[..], b"\x30", b"\x30\x03\x02\x01\x01", &[0xff; 64]] {
+            assert_eq!(certificate_principal(&CertificateDer::from(junk)), None, "{junk:?}");
+        }
     }
 }

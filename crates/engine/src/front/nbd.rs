@@ -27,20 +27,23 @@ use wire::{Opcode, ReqFlags, Status};
 
 use super::{Host, Laps, Link, Sink};
 
-/// The NBD description of the target's exports, built once at start-up. The first export is
-/// also served for the empty name.
+/// The NBD description of the target's exports as `principal` may use them: built once at
+/// start-up for anonymous clients (`None`), and per connection for a TLS client whose verified
+/// certificate names a principal. An export the principal has no rights to is hidden; a
+/// read-only grant is a read-only export. The first export is also served for the empty name.
 pub fn handshake_config(
     shared_exports: &ExportTable,
     io_bytes_max: u32,
+    principal: Option<&str>,
 ) -> Result<nbd::HandshakeConfig, nbd::NbdError> {
     let descs = shared_exports
         .iter()
         .map(|e| {
             let b = &e.backend;
             let caps = b.capabilities();
-            // NBD clients have no key to prove (nothing but TLS identities could carry one, and
-            // skiff has no TLS yet): they get an export's anonymous rights, or do not see it.
-            let granted = e.grant(None);
+            // NBD has no key exchange of its own: a client is anonymous unless a verified TLS
+            // client certificate names it.
+            let granted = e.grant(principal);
             let writable = granted == Ok(false);
             let mut d = nbd::ExportDesc::new(e.name.clone(), b.size_bytes());
             d.description = format!("skiff {} export", b.kind());
@@ -78,6 +81,8 @@ pub struct NbdConn {
     scratch: Vec<u8>,
     /// Most extents one BLOCK_STATUS reply describes; the client asks again for the rest.
     extents_per_reply_max: usize,
+    /// STARTTLS was acknowledged and the driver has not taken the news yet.
+    starttls: bool,
 }
 
 impl NbdConn {
@@ -96,6 +101,21 @@ impl NbdConn {
             drain_bytes: 0,
             scratch: Vec::with_capacity(64),
             extents_per_reply_max: extents_per_reply_max.max(1),
+            starttls: false,
+        }
+    }
+
+    /// Whether STARTTLS was just acknowledged (once): the driver sends the queued reply in
+    /// plaintext, then runs the TLS handshake before it reads another byte.
+    pub fn take_starttls(&mut self) -> bool {
+        std::mem::take(&mut self.starttls)
+    }
+
+    /// Offer the exports of `config` from now on, as seen by the identity a TLS handshake
+    /// proved; ignored once transmission began.
+    pub fn set_config(&mut self, config: Arc<nbd::HandshakeConfig>) {
+        if let State::Negotiating(hs) = &mut self.state {
+            hs.set_config(config);
         }
     }
 
@@ -141,10 +161,11 @@ impl NbdConn {
                 *link.closing = true;
                 false
             }
-            Ok(Step::StartTls { .. }) => {
-                // Only a config built `with_tls` acknowledges STARTTLS, and this front end
-                // does not build one yet: the TLS upgrade is not wired into its driver.
-                link.protocol_error("NBD STARTTLS: this driver cannot upgrade to TLS");
+            Ok(Step::StartTls { consumed }) => {
+                // Nothing follows STARTTLS in plaintext (the handshake checked): stop here
+                // until the driver has switched the stream to TLS.
+                link.rx.consume(consumed);
+                self.starttls = true;
                 false
             }
             Err(e) => {
