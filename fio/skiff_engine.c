@@ -40,6 +40,7 @@ struct skiff_options {
 	unsigned int directory_entries;
 	char *key_file;
 	char *key_name;
+	char *tls_certificates;
 };
 
 /* Per-job state: the lane and the completions of the last getevents, for event(). */
@@ -210,6 +211,15 @@ static struct fio_option options[] = {
 		.group = FIO_OPT_G_INVALID,
 	},
 	{
+		.name = "tls_certificates",
+		.lname = "skiff TLS certificates",
+		.type = FIO_OPT_STR_STORE,
+		.off1 = offsetof(struct skiff_options, tls_certificates),
+		.help = "Connect over TLS with the certificates in this directory (ca-cert.pem; client-cert.pem and client-key.pem to present one)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
 		.name = NULL,
 	},
 };
@@ -240,6 +250,7 @@ static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int may_sh
 	cfg.directory_entries = o->directory_entries;
 	cfg.key_file = o->key_file && *o->key_file ? o->key_file : NULL;
 	cfg.key_name = o->key_name && *o->key_name ? o->key_name : NULL;
+	cfg.tls_certificates = o->tls_certificates && *o->tls_certificates ? o->tls_certificates : NULL;
 	rc = skiff_lane_open(o->target, o->export_name, &cfg, lane);
 	if (rc) {
 		log_err("fio: skiff: cannot open %s on %s: %s\n", o->export_name, o->target,

@@ -192,6 +192,51 @@ fn a_missing_export_fails_the_job() {
 }
 
 #[test]
+fn a_key_and_tls_reach_a_target_that_requires_both() {
+    let dir = tempfile::tempdir().unwrap();
+    skiff_tests::certs::make(dir.path());
+    let keys = dir.path().join("keys.psk");
+    std::fs::write(&keys, format!("alice:{}\n", "07".repeat(16))).unwrap();
+    let tls = transport::tls::CertDir::new(dir.path()).server_config(false).unwrap();
+    let t = skiff_tests::start_target_with(&["vol=ram:64M,allow=alice:rw"], |c| {
+        c.tls = Some(server::TlsListen {
+            mode: transport::tls::TlsMode::Require,
+            config: tls,
+            verify_peer: false,
+        });
+        c.keys = vec![proto::auth::Key::new("alice", &[7; 16]).unwrap()];
+    });
+    let key_file = format!("--key_file={}", keys.display());
+    let certs = format!("--tls_certificates={}", dir.path().display());
+    let report = fio_json(
+        &t,
+        &[
+            &key_file,
+            &certs,
+            "--name=tls",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=4M",
+            "--iodepth=16",
+            "--verify=crc32c",
+        ],
+    );
+    assert_no_error(&report);
+    assert_eq!(io_bytes(&jobs(&report)[0], "write"), 4 * MIB);
+
+    // Without TLS, or without the key, the job fails.
+    for args in [vec![key_file.as_str()], vec![certs.as_str()]] {
+        let out = fio()
+            .arg(format!("--target={}", tcp_endpoint(&t)))
+            .args(["--export=vol", "--name=x", "--rw=read", "--size=1M"])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "fio {args:?} reached a target needing TLS and a key");
+    }
+}
+
+#[test]
 fn enghelp_lists_the_engine_options() {
     let help = run_ok(tool("fio", "fio").arg(format!("--enghelp={}", engine().display())));
     for option in [
@@ -203,6 +248,9 @@ fn enghelp_lists_the_engine_options() {
         "timeout_ms",
         "batching",
         "shared_lanes",
+        "key_file",
+        "key",
+        "tls_certificates",
     ] {
         assert!(
             help.lines().any(|l| l.split_whitespace().next() == Some(option)),

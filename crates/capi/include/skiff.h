@@ -70,6 +70,10 @@ typedef struct skiff_lane_config {
                                        * format, NAME:HEXSECRET per line); NULL: no key (default).
                                        * Read by skiff_lane_open only. */
     const char *key_name;             /* which key of key_file; NULL: its only key */
+    const char *tls_certificates;     /* connect over TLS with the certificates in this
+                                       * directory (ca-cert.pem, and client-cert.pem and
+                                       * client-key.pem to present one); NULL: plaintext
+                                       * (default). Read by skiff_lane_open only. */
 } skiff_lane_config;
 
 typedef struct skiff_completion {

@@ -44,6 +44,7 @@ pub struct SkiffLaneConfig {
     pub directory_entries: u32,
     pub key_file: *const c_char,
     pub key_name: *const c_char,
+    pub tls_certificates: *const c_char,
 }
 
 /// `skiff_completion` in `skiff.h`.
@@ -216,6 +217,7 @@ fn defaults() -> SkiffLaneConfig {
         directory_entries: d.directory_entries,
         key_file: std::ptr::null(),
         key_name: std::ptr::null(),
+        tls_certificates: std::ptr::null(),
     }
 }
 
@@ -248,6 +250,20 @@ unsafe fn config_key(
         None => return Err(format!("key file {path} holds {} keys: set key_name", keys.len())),
     };
     Ok(Some(std::sync::Arc::new(key)))
+}
+
+/// The TLS client configuration `config` asks for, if any.
+///
+/// # Safety
+/// `tls_certificates` is null or a NUL-terminated string.
+unsafe fn config_tls(c: &SkiffLaneConfig) -> std::result::Result<Option<initiator::TlsConfig>, String> {
+    if c.tls_certificates.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-null, so NUL-terminated per the contract.
+    let dir = unsafe { CStr::from_ptr(c.tls_certificates) }.to_string_lossy().into_owned();
+    let certs = transport::tls::CertDir::new(dir);
+    certs.client_config().map(Some).map_err(|e| format!("TLS certificates: {e}"))
 }
 
 fn lane_config(c: &SkiffLaneConfig) -> Option<LaneConfig> {
@@ -317,6 +333,14 @@ pub unsafe extern "C" fn skiff_lane_open(
         // SAFETY: the config's strings are null or NUL-terminated per the contract.
         match unsafe { config_key(&config) } {
             Ok(key) => lane_config.key = key,
+            Err(message) => {
+                set_error(message);
+                return -libc::EINVAL;
+            }
+        }
+        // SAFETY: as above.
+        match unsafe { config_tls(&config) } {
+            Ok(tls) => lane_config.tls = tls,
             Err(message) => {
                 set_error(message);
                 return -libc::EINVAL;
