@@ -362,7 +362,7 @@ impl<B: IoBuf> Lane<B> {
     }
 
     /// Every adaptive decision so far: (milliseconds since the lane opened, batch level).
-    pub fn batch_level_log(&self) -> &[(u64, u32)] {
+    pub fn batch_level_log(&self) -> &[proto::batch::Decision] {
         self.session.batch_level_log()
     }
 

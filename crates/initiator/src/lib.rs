@@ -22,7 +22,7 @@ mod queue;
 mod shared;
 
 pub use lane::{Batching, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected, DIRECT_MIN_BYTES};
-pub use proto::batch::BatchConfig;
+pub use proto::batch::{BatchConfig, Decision as BatchDecision};
 pub use proto::caravan::Doorbell;
 pub use proto::client::ReconnectConfig;
 pub use queue::Queue;

@@ -97,8 +97,8 @@ impl<B: IoBuf + Send> SharedLanes<B> {
         self.lanes.iter().map(|l| l.lock().lane.batch_level()).collect()
     }
 
-    /// Lane `i`'s adaptive decisions: (milliseconds since it opened, batch level).
-    pub fn batch_level_log(&self, i: usize) -> Vec<(u64, u32)> {
+    /// Lane `i`'s adaptive decisions (times in µs since it opened).
+    pub fn batch_level_log(&self, i: usize) -> Vec<crate::BatchDecision> {
         self.lanes[i].lock().lane.batch_level_log().to_vec()
     }
 }

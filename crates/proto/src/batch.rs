@@ -1,32 +1,43 @@
-//! The adaptive batch controller of Tyche (section VI.A), extended to set the doorbell delay.
+//! The adaptive batch controller: Tyche's idea (section VI.A), choosing how many requests a
+//! caravan carries (the *batch level*) from the throughput batching achieves, made to hold
+//! under any placement of client and target.
 //!
-//! The controller decides how many requests a caravan should carry (the *batch level*) from
-//! what batching achieved: each interval it compares the throughput of the last interval with
-//! the one before and moves the level, using the average number of requests that were waiting
-//! to be sent (`a_out`):
+//! Tyche moves the level each interval from the change in throughput since the interval before,
+//! aiming raises at the average number of requests waiting (`a_out`). Measured with client and
+//! target on different cores of this VM (docs/PERFORMANCE.md, "The adaptive controller"), that
+//! rule lost twice: one interval's noise read as a trend moved the level, and a raise aimed at
+//! what waits jumped from 1 straight to half the outstanding requests, a level that only fills
+//! by waiting, so the move failed, was undone, and the controller never saw that level 2 was
+//! 1.2-1.4× better than 1. This controller keeps Tyche's inputs (throughput per interval, the
+//! requests outstanding) and its bound (never more than `level_max`, never more than ever
+//! waits), and changes how it decides:
 //!
-//! - improvement above `threshold_pct`: keep moving the way the last move went; up is
-//!   `level = (level + min(a_peak, level_max)) / 2`, down is `level = (1 + min(a_out, level)) / 2`;
-//! - improvement below `-threshold_pct`: if fewer requests waited than the level gathers
-//!   (`a_peak < level`: the load fell), the paper's decrease `(1 + min(a_out, level)) / 2`; else,
-//!   if the last interval moved the level, the move is undone and the next interval only sets a
-//!   new baseline; else (nothing moved, the load held) the dip is noise and the level stays;
-//! - otherwise the level stays. After `probe_after` unchanged intervals it *probes*: one
-//!   interval at `level - 1`, one at `level + 1`; a neighbour at least `threshold_pct` better
-//!   than the current level becomes the new level, else the level returns to where it was.
+//! - **Levels on a doubling grid** (1, 2, 4, ... `level_max`): neighbours differ enough to
+//!   measure, and any level is a few steps from any other.
+//! - **Paired comparisons, not trends.** To judge a neighbour it runs interleaved intervals,
+//!   home, neighbour, home, neighbour (the first home one is the interval just measured), and
+//!   moves only if the neighbour's mean beats home's by `threshold_pct` and it won both
+//!   pairs. Interleaving cancels
+//!   drift from outside load; a lone noisy interval cannot move the level. A neighbour that
+//!   wins or loses by far (20%) after one pair is decided at once.
+//! - **Hill climbing with memory.** After a move it tries the next level the same way at once;
+//!   after a failed comparison it tries the other side; when neither side is better it holds
+//!   for `probe_after` intervals and then checks one neighbour again (alternating sides). Each
+//!   probe that finds nothing doubles the next hold (up to 8×), so a settled controller spends
+//!   less and less time away from home; a move or a change of load resets it.
+//! - **A start from the load.** The first interval, a quarter of the others, runs at level 1
+//!   and measures how many requests are outstanding at most (`a_peak`); the search starts at the grid level nearest
+//!   `a_peak / 8` (a caravan every eighth of the outstanding requests; where that is wrong the
+//!   climb corrects it). When the outstanding count later moves by 2× either way, the search
+//!   starts again from the same rule.
 //!
-//! Two departures from the paper's formulas, both from measurement (docs/PERFORMANCE.md): the
-//! paper states "keep moving in the same direction" in words but its formulas lower the level
-//! on any drop, so one noisy interval (frequent at 100 ms on a shared 2-core machine) halved a
-//! good level and the next drop halved it again; and the raise aims at the *peak* number
-//! waiting (`a_peak`) rather than the average, because in a closed loop (threads that each keep
-//! a few requests outstanding) the average sits below what a caravan can gather and the level
-//! never reached the best static one.
+//! The doorbell delay follows the level as before (i10 left it static and called a dynamic one
+//! future work): the time the last interval's arrival rate needs to gather `level` requests,
+//! with headroom, capped at `delay_max_us`; zero at level 1, so a caravan of one goes at once.
 //!
-//! i10 leaves the doorbell delay static and calls a dynamic one future work; here the delay
-//! follows the level: it is the time the last interval's arrival rate needs to gather `level`
-//! requests, with headroom, capped at `delay_max_us`. At level 1 it is zero, so a caravan of one
-//! goes at once and costs nothing over no batching.
+//! The decisions are tested against pure throughput curves below and against a closed-loop
+//! model of a lane, a link and a target on a virtual clock (`model` in the tests), whose best
+//! static level is found by running every one.
 //!
 //! No clock and no I/O: the driver reports completions and queue samples and calls
 //! [`BatchController::poll`] with the time, in microseconds.
@@ -40,9 +51,9 @@ pub struct BatchConfig {
     pub level_max: u32,
     /// Longest a request may wait for its caravan to fill (the paper's `max_delay`, 5 ms).
     pub delay_max_us: u64,
-    /// Throughput change that counts as a change (3%).
+    /// Throughput gain a neighbouring level must show to be chosen (3%).
     pub threshold_pct: f64,
-    /// Unchanged intervals before probing the neighbours (10).
+    /// Intervals held at a settled level before checking a neighbour again (10).
     pub probe_after: u32,
 }
 
@@ -62,26 +73,39 @@ impl Default for BatchConfig {
 /// fills the caravan before the delay bound expires.
 const DELAY_HEADROOM: f64 = 2.0;
 
-/// Where a probe stands.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Probe {
-    /// Running one interval at `level - 1`; `base` is the throughput at `level`.
-    Below { home: u32, base: f64 },
-    /// Running one interval at `level + 1`.
-    Above { home: u32, base: f64, below: f64 },
-}
+/// The starting level is the grid level nearest `a_peak / START_SHARE`.
+const START_SHARE: f64 = 8.0;
 
-/// The controller's last change of level, and where it came from.
+/// A neighbour whose first interval beats home's by this much (%) is taken at once, and one
+/// that trails it by this much is given up at once: a climb of several steps (level 1 to 64 is
+/// six) then costs one interval a step instead of three, and a probe of a bad neighbour one
+/// interval instead of two.
+const CLEAR_GAIN_PCT: f64 = 20.0;
+
+/// A settled controller's hold doubles after each fruitless probe, at most this many times
+/// (`probe_after` × 8: 8 s between probes with the defaults).
+const HOLD_DOUBLINGS_MAX: u32 = 3;
+
+/// A change of the outstanding count by this factor either way restarts the search.
+const LOAD_CHANGE: f64 = 2.0;
+
+/// What the controller is doing.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Move {
-    None,
-    Up(u32),
-    Down(u32),
+enum Phase {
+    /// The first interval, at level 1: measuring the load.
+    Start,
+    /// At `home`, for `held` intervals since the last comparison.
+    Hold { held: u32 },
+    /// Comparing `home` with `other` over four intervals, home at even steps and `other` at odd
+    /// ones: `step` is the one running now, `xput` what the ones before measured.
+    Compare { other: u32, step: u8, xput: [f64; 4] },
 }
 
 /// What the controller decided at the end of an interval, for telemetry.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Decision {
+    /// When it was decided, on the driver's clock (µs).
+    pub at_us: u64,
     pub level: u32,
     pub delay_us: u64,
     /// Throughput of the interval that just ended, in bytes per second.
@@ -93,6 +117,7 @@ pub struct Decision {
 #[derive(Debug, Clone)]
 pub struct BatchController {
     cfg: BatchConfig,
+    /// The level of the interval running now.
     level: u32,
     delay_us: u64,
     interval_start_us: Option<u64>,
@@ -102,14 +127,18 @@ pub struct BatchController {
     waiting_samples: u64,
     /// Most requests waiting at once during the interval.
     waiting_max: u32,
-    previous: Option<f64>,
-    last_move: Move,
-    /// The running probe tries the level above as well.
-    probe_above: bool,
-    /// The next interval only sets the baseline (the level was just put back).
-    rebase: bool,
-    unchanged: u32,
-    probe: Option<Probe>,
+    phase: Phase,
+    /// The level believed best.
+    home: u32,
+    /// The most requests ever waiting at once, as measured when the search last started.
+    load: f64,
+    /// The side of `home` to compare next: up when true.
+    try_up: bool,
+    /// Sides of `home` compared without gain since it last moved.
+    failed_sides: u8,
+    /// Probes in a row that found nothing better: each doubles the next hold, up to
+    /// `HOLD_DOUBLINGS_MAX` times, so a settled controller explores less and less.
+    failed_probes: u32,
 }
 
 impl BatchController {
@@ -126,12 +155,12 @@ impl BatchController {
             waiting_sum: 0,
             waiting_samples: 0,
             waiting_max: 0,
-            previous: None,
-            last_move: Move::None,
-            probe_above: false,
-            rebase: false,
-            unchanged: 0,
-            probe: None,
+            phase: Phase::Start,
+            home: 1,
+            load: 0.0,
+            try_up: true,
+            failed_sides: 0,
+            failed_probes: 0,
         }
     }
 
@@ -163,7 +192,13 @@ impl BatchController {
     pub fn poll(&mut self, now_us: u64) -> Option<Decision> {
         let start = *self.interval_start_us.get_or_insert(now_us);
         let elapsed_us = now_us.saturating_sub(start);
-        if elapsed_us < self.cfg.interval_us {
+        // The first interval only measures the load, and at level 1, which may be far from
+        // the best: a quarter interval is enough for that.
+        let interval_us = match self.phase {
+            Phase::Start => (self.cfg.interval_us / 4).max(1),
+            _ => self.cfg.interval_us,
+        };
+        if elapsed_us < interval_us {
             return None;
         }
         let secs = elapsed_us as f64 / 1e6;
@@ -174,7 +209,7 @@ impl BatchController {
             self.waiting_sum as f64 / self.waiting_samples as f64
         };
         let arrivals_per_us = self.arrivals as f64 / elapsed_us as f64;
-        self.adjust(bytes_per_s, a_out, f64::from(self.waiting_max));
+        self.adjust(bytes_per_s, f64::from(self.waiting_max));
         self.delay_us = self.delay_for(arrivals_per_us);
         self.interval_start_us = Some(now_us);
         self.bytes = 0;
@@ -182,115 +217,129 @@ impl BatchController {
         self.waiting_sum = 0;
         self.waiting_samples = 0;
         self.waiting_max = 0;
-        Some(Decision { level: self.level, delay_us: self.delay_us, bytes_per_s, a_out })
+        Some(Decision { at_us: now_us, level: self.level, delay_us: self.delay_us, bytes_per_s, a_out })
     }
 
-    fn adjust(&mut self, xput: f64, a_out: f64, a_peak: f64) {
-        if let Some(probe) = self.probe {
-            return self.continue_probe(probe, xput);
+    /// The interval that just ran at `self.level` measured `xput` with at most `a_peak`
+    /// requests waiting at once; choose the next interval's level.
+    fn adjust(&mut self, xput: f64, a_peak: f64) {
+        match self.phase {
+            Phase::Start => self.restart(a_peak, xput),
+            Phase::Hold { held } => {
+                if self.load_changed(a_peak) {
+                    self.restart(a_peak, xput);
+                } else if held + 1 >= self.cfg.probe_after << self.failed_probes.min(HOLD_DOUBLINGS_MAX) {
+                    // Probe one side, alternating; the other side if this one does not exist.
+                    self.try_up = !self.try_up;
+                    self.failed_sides = 0;
+                    match self.neighbour(self.try_up, a_peak).or_else(|| self.neighbour(!self.try_up, a_peak))
+                    {
+                        Some(other) => self.compare(other, Some(xput)),
+                        None => self.hold(true),
+                    }
+                } else {
+                    self.phase = Phase::Hold { held: held + 1 };
+                }
+            }
+            Phase::Compare { other, step, xput: mut seen } => {
+                seen[usize::from(step)] = xput;
+                let gain = |home: f64, other: f64| other > home * (1.0 + self.cfg.threshold_pct / 100.0);
+                // After one pair, only a clear win counts; after two, the neighbour must be better
+                // on average and in each pair, so that one outlier cannot carry the mean.
+                let clear_win = step == 1 && seen[1] > seen[0] * (1.0 + CLEAR_GAIN_PCT / 100.0);
+                let clear_loss = step == 1 && seen[1] < seen[0] * (1.0 - CLEAR_GAIN_PCT / 100.0);
+                let won = step == 3
+                    && seen[1] > seen[0]
+                    && seen[3] > seen[2]
+                    && gain(seen[0] + seen[2], seen[1] + seen[3]);
+                if step < 3 && !clear_win && !clear_loss {
+                    let step = step + 1;
+                    self.level = if step % 2 == 1 { other } else { self.home };
+                    self.phase = Phase::Compare { other, step, xput: seen };
+                } else if clear_win || won {
+                    // Better: move there, and try the next level the same way at once with
+                    // this interval (run at the new home) as its first home sample.
+                    let up = other > self.home;
+                    self.home = other;
+                    self.failed_sides = 0;
+                    self.failed_probes = 0;
+                    match self.neighbour(up, a_peak) {
+                        Some(next) => self.compare(next, Some(xput)),
+                        None => self.hold(false),
+                    }
+                } else {
+                    // Not better: try the other side, once, then hold.
+                    self.failed_sides += 1;
+                    let other_side = self.neighbour(other < self.home, a_peak);
+                    match other_side.filter(|_| self.failed_sides < 2) {
+                        Some(next) => self.compare(next, None),
+                        None => self.hold(true),
+                    }
+                }
+            }
         }
-        let Some(previous) = self.previous.replace(xput) else {
-            // The first interval has nothing to compare with: try batching if requests queued.
-            if a_out > 1.0 {
-                self.move_to(self.raised(a_peak));
-            }
-            return;
-        };
-        if std::mem::take(&mut self.rebase) {
-            // The level just went back: this interval is the new baseline, not a trend.
-            return;
+    }
+
+    /// Begin the search again from the level the load suggests.
+    fn restart(&mut self, a_peak: f64, xput: f64) {
+        self.load = a_peak.max(1.0);
+        self.failed_probes = 0;
+        let measured_home = self.level == self.grid_level(self.load / START_SHARE);
+        self.home = self.grid_level(self.load / START_SHARE);
+        self.failed_sides = 0;
+        match self.neighbour(true, a_peak).or_else(|| self.neighbour(false, a_peak)) {
+            Some(other) => self.compare(other, measured_home.then_some(xput)),
+            None => self.hold(true),
         }
-        let change_pct = if previous > 0.0 { (xput - previous) / previous * 100.0 } else { 0.0 };
-        let before = self.level;
-        let lowered = |waiting: f64, level: u32| ((1.0 + waiting.min(f64::from(level))) / 2.0).floor() as u32;
-        if change_pct > self.cfg.threshold_pct {
-            // Better: keep moving the way the last move went.
-            match self.last_move {
-                Move::Down(_) => self.move_to(lowered(a_out, self.level)),
-                _ => self.move_to(self.raised(a_peak)),
+    }
+
+    /// Compare home with `other` over four interleaved intervals; `home_sample` is the
+    /// throughput of an interval that just ran at home, which then counts as the first.
+    fn compare(&mut self, other: u32, home_sample: Option<f64>) {
+        match home_sample {
+            Some(xput) => {
+                self.level = other;
+                self.phase = Phase::Compare { other, step: 1, xput: [xput, 0.0, 0.0, 0.0] };
             }
-        } else if change_pct < -self.cfg.threshold_pct {
-            if a_peak < f64::from(self.level) {
-                // Load fell: fewer requests than the level gathers. The paper's decrease.
-                self.move_to(lowered(a_out, self.level));
-            } else if let Move::Up(from) | Move::Down(from) = self.last_move {
-                // The last move made things worse: undo it.
-                self.set_level(from);
-                self.last_move = Move::None;
-                self.rebase = true;
+            None => {
+                self.level = self.home;
+                self.phase = Phase::Compare { other, step: 0, xput: [0.0; 4] };
             }
-            // Otherwise nothing moved and the load did not fall: noise, or a peer's doing.
         }
-        if self.level == before {
-            self.unchanged += 1;
-            if self.unchanged >= self.cfg.probe_after {
-                self.start_probe(xput, a_peak);
-            }
+    }
+
+    /// Settle at home until the next probe, which comes later the more probes found nothing.
+    /// `fruitless`: the comparisons that led here found nothing better.
+    fn hold(&mut self, fruitless: bool) {
+        self.level = self.home;
+        self.failed_sides = 0;
+        self.failed_probes += u32::from(fruitless);
+        self.phase = Phase::Hold { held: 0 };
+    }
+
+    /// The grid level next to home, up or down; up only while it does not exceed what waits
+    /// at most (a caravan larger than that fills only by waiting out the delay bound).
+    fn neighbour(&self, up: bool, a_peak: f64) -> Option<u32> {
+        if up {
+            let next = (self.home * 2).min(self.cfg.level_max);
+            (next > self.home && f64::from(next) <= a_peak.max(1.0)).then_some(next)
         } else {
-            self.unchanged = 0;
+            (self.home > 1).then(|| self.grid_level(f64::from(self.home) / 2.0))
         }
     }
 
-    /// Set the level and remember the way it went.
-    fn move_to(&mut self, level: u32) {
-        let from = self.level;
-        self.set_level(level);
-        self.last_move = match self.level.cmp(&from) {
-            std::cmp::Ordering::Greater => Move::Up(from),
-            std::cmp::Ordering::Less => Move::Down(from),
-            std::cmp::Ordering::Equal => Move::None,
-        };
+    fn load_changed(&self, a_peak: f64) -> bool {
+        let ratio = a_peak.max(1.0) / self.load;
+        !(1.0 / LOAD_CHANGE..LOAD_CHANGE).contains(&ratio)
     }
 
-    /// The paper's raise: halfway from the level to what was waiting (at most `level_max`).
-    fn raised(&self, a_out: f64) -> u32 {
-        let target = a_out.min(f64::from(self.cfg.level_max));
-        ((f64::from(self.level) + target) / 2.0).ceil() as u32
-    }
-
-    fn start_probe(&mut self, base: f64, a_peak: f64) {
-        self.unchanged = 0;
-        let home = self.level;
-        // A level above what ever waits at once cannot fill a caravan: every caravan would wait
-        // out the delay bound. Probe it only when more requests waited.
-        self.probe_above = f64::from(home) < a_peak && home < self.cfg.level_max;
-        if home > 1 {
-            self.probe = Some(Probe::Below { home, base });
-            self.level = home - 1;
-        } else {
-            // Nothing below level 1: go straight to the level above.
-            self.probe = Some(Probe::Above { home, base, below: 0.0 });
-            self.level = (home + 1).min(self.cfg.level_max);
+    /// The largest grid level (a power of two, or `level_max`) not above `x`, at least 1.
+    fn grid_level(&self, x: f64) -> u32 {
+        let mut level = 1u32;
+        while level < self.cfg.level_max && f64::from(level * 2) <= x {
+            level *= 2;
         }
-    }
-
-    fn continue_probe(&mut self, probe: Probe, xput: f64) {
-        match probe {
-            Probe::Below { home, base } if self.probe_above => {
-                self.probe = Some(Probe::Above { home, base, below: xput });
-                self.level = home + 1;
-            }
-            Probe::Below { home, base } => {
-                // No level above to try: decide on the one below alone.
-                self.continue_probe(Probe::Above { home, base, below: xput }, 0.0);
-            }
-            Probe::Above { home, base, below } => {
-                self.probe = None;
-                self.last_move = Move::None;
-                let better = |x: f64| x >= base * (1.0 + self.cfg.threshold_pct / 100.0);
-                self.level = match (better(below), better(xput)) {
-                    (_, true) if xput >= below => (home + 1).min(self.cfg.level_max),
-                    (true, _) => home.saturating_sub(1).max(1),
-                    _ => home,
-                };
-                // Compare the next interval with this one's figure at the chosen level.
-                self.previous = Some(if self.level == home { base } else { xput.max(below) });
-            }
-        }
-    }
-
-    fn set_level(&mut self, level: u32) {
-        self.level = level.clamp(1, self.cfg.level_max);
+        level.min(self.cfg.level_max)
     }
 
     fn delay_for(&self, arrivals_per_us: f64) -> u64 {
@@ -331,84 +380,85 @@ mod tests {
         (c, 0)
     }
 
-    #[test]
-    fn rising_load_raises_the_level() {
-        let (mut c, mut now) = controller();
-        // Throughput grows with the level up to 32 requests per caravan, and 48 are waiting.
-        let xput = |level: u32| 1e9 * f64::from(level.min(32)) / 32.0;
-        let mut levels = Vec::new();
-        for _ in 0..8 {
-            levels.push(run_interval(&mut c, &mut now, 48, xput).level);
+    /// Levels of `n` intervals with at most `waiting` requests waiting and throughput `xput`.
+    fn levels(
+        c: &mut BatchController,
+        now: &mut u64,
+        n: usize,
+        waiting: u32,
+        xput: impl Fn(u32) -> f64,
+    ) -> Vec<u32> {
+        (0..n).map(|_| run_interval(c, now, waiting, &xput).level).collect()
+    }
+
+    /// Throughput that peaks at level `best` and falls by 15% per doubling away from it.
+    fn peak_at(best: u32) -> impl Fn(u32) -> f64 {
+        move |level: u32| {
+            let steps = (f64::from(level).log2() - f64::from(best).log2()).abs();
+            1e9 * 0.85f64.powf(steps)
         }
-        assert!(levels.windows(2).all(|w| w[1] >= w[0]), "levels only rise: {levels:?}");
-        assert!(c.level() >= 24, "climbs toward what is waiting: {levels:?}");
-        assert!(c.level() <= 48);
     }
 
     #[test]
-    fn falling_load_lowers_the_level() {
+    fn climbs_to_the_best_level_and_stays_there_but_for_probes() {
         let (mut c, mut now) = controller();
-        for _ in 0..6 {
-            run_interval(&mut c, &mut now, 48, |l| 1e9 * f64::from(l.min(32)));
-        }
-        let high = c.level();
-        assert!(high > 8);
-        // Load falls: fewer requests wait and throughput drops by half.
-        let d = run_interval(&mut c, &mut now, 4, |_| 1e8);
-        assert!(d.level < high, "{} -> {}", high, d.level);
-        assert_eq!(d.level, 2, "(1 + min(a_out = 4, level)) / 2, rounded down");
-        let d = run_interval(&mut c, &mut now, 1, |_| 5e7);
-        assert_eq!(d.level, 1, "one waiting request: back to no batching");
-        assert_eq!(d.delay_us, 0, "level 1 sends at once");
+        // 256 outstanding: the search starts at 32, the best is 8.
+        let seen = levels(&mut c, &mut now, 40, 256, peak_at(8));
+        assert_eq!(seen[0], 32, "starts at an eighth of what is outstanding: {seen:?}");
+        let settled = &seen[12..];
+        let at_best = settled.iter().filter(|&&l| l == 8).count();
+        assert!(at_best * 10 >= settled.len() * 7, "mostly at 8 once found: {seen:?}");
+        assert!(settled.iter().all(|&l| (4..=16).contains(&l)), "probes go one step only: {seen:?}");
     }
 
     #[test]
-    fn a_move_that_hurts_is_undone_and_a_dip_alone_moves_nothing() {
+    fn a_lone_noisy_interval_moves_nothing() {
         let (mut c, mut now) = controller();
-        // Eight requests wait at most; throughput peaks at level 7.
-        let peak_at = |p: u32| move |level: u32| 1e9 - (f64::from(level) - f64::from(p)).abs() * 1e8;
-        let levels: Vec<u32> = (0..4).map(|_| run_interval(&mut c, &mut now, 8, peak_at(7)).level).collect();
-        // 1 -> 5 (halfway to 8) -> 7 (better, so on up) -> 8 (better again) -> worse: back to 7.
-        assert_eq!(levels, vec![5, 7, 8, 7], "{levels:?}");
-        let d = run_interval(&mut c, &mut now, 8, peak_at(7));
-        assert_eq!(d.level, 7, "the interval after an undo only sets the baseline");
-        // The peak moves to level 6: throughput at 7 dips by 10% although nothing moved and
-        // the load held. That alone moves nothing; the probe, ten intervals on, finds level 6.
-        let mut levels = Vec::new();
-        for _ in 0..14 {
-            levels.push(run_interval(&mut c, &mut now, 8, peak_at(6)).level);
+        // Flat throughput with 64 outstanding: home is 8, and neither neighbour is better.
+        levels(&mut c, &mut now, 12, 64, |_| 1e9);
+        assert_eq!(c.home, 8);
+        // One interval at a neighbour reads 10% high (noise): the paired comparison, which
+        // runs home and neighbour twice each, does not move for it.
+        let mut noisy = 0;
+        for _ in 0..30 {
+            let level = c.level();
+            let boost = if level != 8 && noisy == 0 { 1.1 } else { 1.0 };
+            noisy += usize::from(boost > 1.0);
+            run_interval(&mut c, &mut now, 64, move |_| 1e9 * boost);
+            assert_eq!(c.home, 8, "one noisy interval moved the level");
         }
-        assert!(levels[..9].iter().all(|&l| l == 7), "a dip is not a trend: {levels:?}");
-        assert_eq!(*levels.last().unwrap(), 6, "the probe found the new peak: {levels:?}");
+        assert_eq!(noisy, 1, "a probe ran");
     }
 
     #[test]
-    fn stable_load_triggers_a_probe_that_finds_a_better_level() {
+    fn a_clear_win_is_taken_after_one_interval() {
         let (mut c, mut now) = controller();
-        // Throughput peaks at level 5 and six requests wait at most: the level climbs to 5, one
-        // step to 6 is undone, and from then on probes keep checking both neighbours.
-        let xput = |level: u32| 1e9 - (f64::from(level) - 5.0).abs() * 1e8;
-        let mut levels = Vec::new();
-        for _ in 0..90 {
-            levels.push(run_interval(&mut c, &mut now, 6, xput).level);
-        }
-        assert_eq!(*levels.last().unwrap(), 5, "probing walks to the peak: {levels:?}");
-        // Settled at the peak, probes try 4 and 6 and come back.
-        let tail = &levels[levels.len() - 24..];
-        assert!(tail.iter().all(|&l| (4..=6).contains(&l)), "{tail:?}");
-        assert!(tail.contains(&4) && tail.contains(&6), "probes both neighbours: {tail:?}");
+        // 512 outstanding, every doubling 30% better up to 64: from 64 (the start) nothing
+        // to climb; from 8 (64 outstanding), each step up is taken after one interval.
+        let rising = |level: u32| 1e8 * 1.3f64.powf(f64::from(level).log2());
+        let seen = levels(&mut c, &mut now, 4, 64, rising);
+        assert_eq!(seen, [8, 16, 32, 64], "home measured once, then a step per interval: {seen:?}");
     }
 
     #[test]
-    fn no_probe_above_what_ever_waits() {
+    fn no_level_above_what_ever_waits() {
         let (mut c, mut now) = controller();
-        // Four requests wait at most and throughput is flat: the level settles at 3 or 4 and
-        // never tries 5, which could only fill caravans by waiting out the delay bound.
-        let mut levels = Vec::new();
-        for _ in 0..60 {
-            levels.push(run_interval(&mut c, &mut now, 4, |_| 1e9).level);
-        }
-        assert!(levels.iter().all(|&l| l <= 4), "{levels:?}");
+        // Four requests wait at most and more batching always looks better: never above 4.
+        let seen = levels(&mut c, &mut now, 60, 4, |l| 1e9 * f64::from(l));
+        assert!(seen.iter().all(|&l| l <= 4), "{seen:?}");
+        assert_eq!(c.home, 4);
+    }
+
+    #[test]
+    fn a_change_of_load_restarts_the_search() {
+        let (mut c, mut now) = controller();
+        levels(&mut c, &mut now, 20, 512, peak_at(64));
+        assert_eq!(c.home, 64);
+        // The load falls to 16 outstanding and batching stops paying: back down within a few
+        // intervals, not after a walk of many comparisons.
+        let seen = levels(&mut c, &mut now, 12, 16, peak_at(1));
+        assert!(seen[0] <= 4, "restarted from the new load: {seen:?}");
+        assert_eq!(c.home, 1, "{seen:?}");
     }
 
     #[test]
@@ -440,7 +490,8 @@ mod tests {
     fn nothing_changes_before_an_interval_ends() {
         let (mut c, _) = controller();
         c.handle_arrival(10);
-        assert_eq!(c.poll(INTERVAL_US - 1), None);
+        // The first interval, which only measures the load, is a quarter of the others.
+        assert_eq!(c.poll(INTERVAL_US / 4 - 1), None);
         assert_eq!((c.level(), c.delay_us()), (1, 0));
     }
 }

@@ -107,8 +107,9 @@ pub struct Summary {
     pub client_caravan_hist: [u64; 8],
     /// Batch level at the end of the run, per lane.
     pub batch_level_final: Vec<u32>,
-    /// The first lane's adaptive decisions: [milliseconds since it opened, level].
-    pub batch_level_log: Vec<(u64, u32)>,
+    /// The first lane's adaptive decisions, one per interval: the level and delay chosen, and
+    /// what the interval that just ended measured.
+    pub batch_level_log: Vec<LevelPoint>,
     /// Where the time goes, in µs per I/O (Tyche Table II's stages, as far as they are ours).
     pub stages_us: Stages,
     /// Share of read data the lanes received straight into the callers' buffers (direct
@@ -167,7 +168,7 @@ fn per(n: f64, ios: u64) -> f64 {
 pub struct Telemetry {
     pub lanes: LaneStats,
     pub batch_levels: Vec<u32>,
-    pub batch_level_log: Vec<(u64, u32)>,
+    pub batch_level_log: Vec<initiator::BatchDecision>,
 }
 
 impl Telemetry {
@@ -260,7 +261,7 @@ pub fn summarize(
         client_reqs_per_caravan: per(telemetry.lanes.submitted as f64, telemetry.lanes.caravans_sent),
         client_caravan_hist: telemetry.lanes.caravan_hist,
         batch_level_final: telemetry.batch_levels.clone(),
-        batch_level_log: telemetry.batch_level_log.clone(),
+        batch_level_log: telemetry.batch_level_log.iter().map(LevelPoint::from).collect(),
         stages_us: stages,
         read_placed_share: {
             let (placed, copied) = (telemetry.lanes.read_bytes_placed, telemetry.lanes.read_bytes_copied);
@@ -389,5 +390,30 @@ pub fn print_table(s: &Summary) {
     ];
     for (k, v) in rows {
         println!("  {k:<14} {v}");
+    }
+}
+
+/// One adaptive decision, as `--json` reports it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LevelPoint {
+    /// Milliseconds since the lane opened.
+    pub ms: u64,
+    pub level: u32,
+    pub delay_us: u64,
+    /// Payload throughput of the interval that just ended.
+    pub mb_per_s: f64,
+    /// Requests outstanding on the lane, on average over that interval.
+    pub a_out: f64,
+}
+
+impl From<&initiator::BatchDecision> for LevelPoint {
+    fn from(d: &initiator::BatchDecision) -> LevelPoint {
+        LevelPoint {
+            ms: d.at_us / 1000,
+            level: d.level,
+            delay_us: d.delay_us,
+            mb_per_s: d.bytes_per_s / 1e6,
+            a_out: d.a_out,
+        }
     }
 }

@@ -39,7 +39,7 @@ pub trait BenchQueue: initiator::Queue<Vec<u8>> + Send {
     /// The lane's counters, when the lane is this thread's alone.
     fn lane_stats(&self) -> Option<LaneStats>;
     fn batch_level(&self) -> u32;
-    fn batch_level_log(&self) -> Vec<(u64, u32)>;
+    fn batch_level_log(&self) -> Vec<initiator::BatchDecision>;
 }
 
 impl BenchQueue for Lane {
@@ -49,7 +49,7 @@ impl BenchQueue for Lane {
     fn batch_level(&self) -> u32 {
         Lane::batch_level(self)
     }
-    fn batch_level_log(&self) -> Vec<(u64, u32)> {
+    fn batch_level_log(&self) -> Vec<initiator::BatchDecision> {
         Lane::batch_level_log(self).to_vec()
     }
 }
@@ -62,7 +62,7 @@ impl BenchQueue for SharedHandle {
     fn batch_level(&self) -> u32 {
         0
     }
-    fn batch_level_log(&self) -> Vec<(u64, u32)> {
+    fn batch_level_log(&self) -> Vec<initiator::BatchDecision> {
         Vec::new()
     }
 }
@@ -96,7 +96,7 @@ pub struct ThreadResult {
     pub usage: Usage,
     pub lane: LaneStats,
     pub batch_level: u32,
-    pub batch_level_log: Vec<(u64, u32)>,
+    pub batch_level_log: Vec<initiator::BatchDecision>,
 }
 
 /// Barriers the main thread uses to take target stats exactly around the timed phase.

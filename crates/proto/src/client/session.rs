@@ -48,7 +48,7 @@ use wire::{COMPLETION_DESC_LEN, HEADER_LEN};
 use super::directory::Directory;
 use super::outbox::Outbox;
 use super::placement::{Placed, Placement};
-use crate::batch::{BatchConfig, BatchController};
+use crate::batch::{BatchConfig, BatchController, Decision};
 use crate::caravan::Doorbell;
 use crate::slots::SlotTable;
 use crate::ProtoError;
@@ -203,8 +203,8 @@ pub struct ClientSession<B> {
     doorbell: Doorbell,
     batching: Batching,
     controller: Option<BatchController>,
-    /// (milliseconds, batch level) at every adaptive decision, at most [`LEVEL_LOG_MAX`].
-    level_log: Vec<(u64, u32)>,
+    /// Every adaptive decision, at most [`LEVEL_LOG_MAX`].
+    level_log: Vec<Decision>,
     done: VecDeque<Completion<B>>,
     /// The completion caravan whose read data is arriving straight into callers' buffers.
     placement: Placement<B>,
@@ -362,8 +362,8 @@ impl<B: IoBuf> ClientSession<B> {
         }
     }
 
-    /// Every adaptive decision so far: (milliseconds of the driver's clock, batch level).
-    pub fn batch_level_log(&self) -> &[(u64, u32)] {
+    /// Every adaptive decision so far (times on the driver's clock).
+    pub fn batch_level_log(&self) -> &[Decision] {
         &self.level_log
     }
 
@@ -925,7 +925,7 @@ impl<B: IoBuf> ClientSession<B> {
             self.doorbell.aggregation_reqs = d.level;
             self.doorbell.delay_us = d.delay_us;
             if self.level_log.len() < LEVEL_LOG_MAX {
-                self.level_log.push((now_us / 1000, d.level));
+                self.level_log.push(d);
             }
         }
     }
