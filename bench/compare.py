@@ -284,6 +284,8 @@ def run_fio(system, a, rw, qd, scratch):
         "iops": ios / runtime_s,
         "lat_mean_us": lat["mean"] / 1000,
         "lat_p99_us": lat["percentile"]["99.000000"] / 1000,
+        # fio's `lat`: submission to completion (`clat` above leaves out the submission).
+        "lat_submit_mean_us": side["lat_ns"]["mean"] / 1000,
         "client_cpu_us_per_io": (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * runtime_s * 1e6 / ios,
         "server_cpu_us_per_io": server_cpu * 1e6 / ios,
         "client_ctx_per_io": job["ctx"] / ios,

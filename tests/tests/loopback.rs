@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use initiator::{
-    BatchConfig, Batching, Completion, Endpoint, Lane, LaneConfig, Limits, Queue, ReqFlags, Status,
+    BatchConfig, Batching, Completion, Endpoint, Lane, LaneConfig, Limits, PollMode, Queue, ReqFlags,
+    SharedLanes, Status,
 };
 use skiff_tests::{start_target, start_target_with, tcp_endpoint};
 
@@ -158,18 +159,51 @@ fn every_batching_mode_keeps_data_intact() {
 
 #[test]
 fn hybrid_polling_on_both_sides_keeps_data_intact() {
-    let spin = std::time::Duration::from_micros(50);
+    let bound = std::time::Duration::from_micros(50);
+    for mode in [PollMode::Fixed(bound), PollMode::Adaptive(bound)] {
+        let t = start_target_with(&["vol=ram:16M"], |c| {
+            c.workers = 1;
+            c.poll = mode;
+        });
+        let config = LaneConfig { poll: mode, ..LaneConfig::default() };
+        let mut lane = Lane::connect(&tcp_endpoint(&t), "vol", &config).unwrap();
+        for i in 0..256u64 {
+            let data = block(i, i * 4096, 4096);
+            lane.write_at(&data, i * 4096).unwrap();
+            let mut back = vec![0; 4096];
+            lane.read_at(&mut back, i * 4096).unwrap();
+            assert_eq!(back, data, "{mode:?} block {i}");
+        }
+        // Every wait went through the policy, and each ended one way or another.
+        let s = lane.poll_stats();
+        assert!(s.waits > 0, "{mode:?}: {s:?}");
+        assert!(s.caught + s.missed + s.held_off + s.timed_sleeps <= s.waits + s.timed_sleeps, "{s:?}");
+    }
+}
+
+#[test]
+fn adaptive_polling_on_shared_lanes_keeps_data_intact() {
+    let mode = PollMode::Adaptive(std::time::Duration::from_micros(50));
     let t = start_target_with(&["vol=ram:16M"], |c| {
         c.workers = 1;
-        c.poll_spin = spin;
+        c.poll = mode;
     });
-    let config = LaneConfig { poll_spin: spin, ..LaneConfig::default() };
-    let mut lane = Lane::connect(&tcp_endpoint(&t), "vol", &config).unwrap();
-    for i in 0..256u64 {
-        let data = block(i, i * 4096, 4096);
-        lane.write_at(&data, i * 4096).unwrap();
-        let mut back = vec![0; 4096];
-        lane.read_at(&mut back, i * 4096).unwrap();
-        assert_eq!(back, data, "block {i}");
-    }
+    let config = LaneConfig { poll: mode, ..LaneConfig::default() };
+    let lanes = SharedLanes::<Vec<u8>>::connect(&tcp_endpoint(&t), "vol", &config, 1).unwrap();
+    std::thread::scope(|scope| {
+        for thread in 0..4u64 {
+            let mut h = lanes.handle().unwrap();
+            scope.spawn(move || {
+                for i in 0..128u64 {
+                    let at = (thread * 128 + i) * 4096;
+                    let data = block(thread, at, 4096);
+                    h.write_at(&data, at).unwrap();
+                    let mut back = vec![0; 4096];
+                    h.read_at(&mut back, at).unwrap();
+                    assert_eq!(back, data, "thread {thread} block {i}");
+                }
+            });
+        }
+    });
+    assert!(lanes.poll_stats().waits > 0);
 }

@@ -63,10 +63,12 @@ pub struct ServeArgs {
     /// Largest queue depth a lane may negotiate.
     #[arg(long, default_value_t = wire::Limits::default().queue_depth)]
     queue_depth: u32,
-    /// Hybrid polling: off, hybrid (spin 50 us before sleeping) or hybrid:US. Lowers latency
-    /// at low queue depth; a worker spins on a core while it waits.
+    /// Hybrid polling: off; hybrid (spin 50 us before sleeping; hybrid:US); or adaptive (spin
+    /// only while it saves more wake-ups than it wastes, up to 50 us or adaptive:US, and sleep
+    /// on a timer through long waits). Lowers latency at low queue depth, at the price of a
+    /// worker spinning on a core while it waits.
     #[arg(long, default_value = "off", value_parser = crate::units::parse_poll)]
-    poll: std::time::Duration,
+    poll: rt::poll::PollMode,
     /// Largest single I/O in bytes (e.g. 1M).
     #[arg(long, value_parser = crate::units::parse_size, default_value = "1M")]
     io_max: u64,
@@ -154,7 +156,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         read_only: args.read_only,
         workers: args.workers,
         bounds,
-        poll_spin: args.poll,
+        poll: args.poll,
         metrics_listen: args.metrics,
         keys: load_keys(&args.key_files)?,
         tls: crate::tls::listen(args.tls, args.tls_certificates.as_ref(), args.tls_verify_peer)?,

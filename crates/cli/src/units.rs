@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use rt::poll::PollMode;
+
 /// Why a command-line value does not parse.
 #[derive(Debug, thiserror::Error)]
 pub enum ArgError {
@@ -13,7 +15,7 @@ pub enum ArgError {
     DurationNotPositive(String),
     #[error("{0:?}: at most 4 GiB - 2, or off")]
     DirectMin(String),
-    #[error("{0:?}: expected off, hybrid or hybrid:MICROSECONDS")]
+    #[error("{0:?}: expected off, hybrid, hybrid:MICROSECONDS, adaptive or adaptive:MICROSECONDS")]
     Poll(String),
     #[error("{0:?}: expected off, static, static:N (N >= 1) or adaptive")]
     Batching(String),
@@ -61,19 +63,26 @@ pub fn parse_direct_min(s: &str) -> Result<u32, ArgError> {
     u32::try_from(n).ok().filter(|&n| n < u32::MAX).ok_or_else(|| ArgError::DirectMin(s.to_owned()))
 }
 
-/// Spin budget of hybrid polling when `--poll hybrid` names none: long enough to cover a
-/// loopback round trip at queue depth 1.
+/// Spin bound of hybrid polling when `--poll hybrid` or `adaptive` names none: long enough to
+/// cover a loopback round trip at queue depth 1, and two wake-ups on a small VM.
 pub const HYBRID_SPIN_DEFAULT_US: u64 = 50;
 
-/// `--poll off | hybrid | hybrid:US`: how long to spin before sleeping.
-pub fn parse_poll(s: &str) -> Result<Duration, ArgError> {
-    match s {
-        "off" => Ok(Duration::ZERO),
-        "hybrid" => Ok(Duration::from_micros(HYBRID_SPIN_DEFAULT_US)),
-        _ => match s.strip_prefix("hybrid:").map(str::parse::<u64>) {
-            Some(Ok(us)) if us > 0 => Ok(Duration::from_micros(us)),
-            _ => Err(ArgError::Poll(s.to_owned())),
+/// `--poll off | hybrid[:US] | adaptive[:US]`: sleep at once, spin US on every wait, or learn
+/// when and how long to spin (at most US per wait).
+pub fn parse_poll(s: &str) -> Result<PollMode, ArgError> {
+    let bad = || ArgError::Poll(s.to_owned());
+    let (name, bound) = match s.split_once(':') {
+        None => (s, Duration::from_micros(HYBRID_SPIN_DEFAULT_US)),
+        Some((name, us)) => match us.parse::<u64>() {
+            Ok(us) if us > 0 && name != "off" => (name, Duration::from_micros(us)),
+            _ => return Err(bad()),
         },
+    };
+    match name {
+        "off" => Ok(PollMode::Off),
+        "hybrid" => Ok(PollMode::Fixed(bound)),
+        "adaptive" => Ok(PollMode::Adaptive(bound)),
+        _ => Err(bad()),
     }
 }
 
@@ -120,12 +129,19 @@ mod tests {
         assert_eq!(grouped(1234567), "1,234,567");
         assert_eq!(grouped(999), "999");
         assert_eq!(human_bytes(1536.0), "1.5 KiB");
-        assert_eq!(parse_poll("off").unwrap(), Duration::ZERO);
+        assert_eq!(parse_poll("off").unwrap(), PollMode::Off);
         assert_eq!(parse_direct_min("128k").unwrap(), 128 << 10);
         assert_eq!((parse_direct_min("0").unwrap(), parse_direct_min("off").unwrap()), (0, u32::MAX));
         assert!(parse_direct_min("8G").is_err() && parse_direct_min("some").is_err());
-        assert_eq!(parse_poll("hybrid").unwrap(), Duration::from_micros(HYBRID_SPIN_DEFAULT_US));
-        assert_eq!(parse_poll("hybrid:20").unwrap(), Duration::from_micros(20));
-        assert!(parse_poll("hybrid:0").is_err() && parse_poll("busy").is_err());
+        assert_eq!(
+            parse_poll("hybrid").unwrap(),
+            PollMode::Fixed(Duration::from_micros(HYBRID_SPIN_DEFAULT_US))
+        );
+        assert_eq!(parse_poll("hybrid:20").unwrap(), PollMode::Fixed(Duration::from_micros(20)));
+        assert_eq!(parse_poll("adaptive").unwrap(), PollMode::Adaptive(Duration::from_micros(50)));
+        assert_eq!(parse_poll("adaptive:80").unwrap(), PollMode::Adaptive(Duration::from_micros(80)));
+        for bad in ["hybrid:0", "busy", "off:5", "adaptive:", "adaptive:x", "hybrid:-1"] {
+            assert!(parse_poll(bad).is_err(), "{bad}");
+        }
     }
 }

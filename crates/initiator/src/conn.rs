@@ -6,6 +6,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use proto::auth::Key;
+use rt::poll::{PollMode, Wait, Waiter};
 
 /// A TLS client configuration (the CA to trust, and perhaps a client certificate).
 pub type TlsConfig = std::sync::Arc<transport::tls::ClientTlsConfig>;
@@ -30,8 +31,8 @@ pub(crate) struct Conn {
     pub rx: FrameBuffer,
     pub limits: Limits,
     pub timeout: Duration,
-    /// Hybrid polling: how long to keep trying non-blocking receives before sleeping.
-    pub spin: Duration,
+    /// Hybrid polling: how a wait for the target tries non-blocking receives before sleeping.
+    pub waiter: Waiter,
     /// Wall time in receive and send calls so far (not in waiting for readiness).
     pub recv_ns: u64,
     pub send_ns: u64,
@@ -69,7 +70,7 @@ impl Conn {
             rx: FrameBuffer::new(),
             limits: *proposed,
             timeout,
-            spin: Duration::ZERO,
+            waiter: Waiter::new(PollMode::Off),
             recv_ns: 0,
             send_ns: 0,
             features: 0,
@@ -130,23 +131,24 @@ impl Conn {
         sent
     }
 
-    /// Receive at least one byte with `receive`, waiting until `deadline` (spinning first
-    /// under hybrid polling).
+    /// Receive at least one byte with `receive`, waiting until `deadline` (by the hybrid
+    /// polling policy of `waiter`: perhaps a timed sleep, then spinning, then sleeping).
     pub fn receive_blocking(
         &mut self,
         deadline: Instant,
         receive: &mut dyn FnMut(&mut Conn) -> Result<usize>,
     ) -> Result<()> {
-        if !self.spin.is_zero() {
-            // Hybrid polling: a reply due within the spin budget is taken without the sleep
-            // and wake-up a blocking wait costs, at the price of a busy core meanwhile.
-            let spin_until = Instant::now() + self.spin;
-            while Instant::now() < spin_until {
-                if receive(self)? > 0 {
-                    return Ok(());
-                }
-                std::hint::spin_loop();
-            }
+        if receive(self)? > 0 {
+            return Ok(());
+        }
+        let mut waiter = std::mem::take(&mut self.waiter);
+        let mut w = ReceiveWait { conn: self, receive, deadline, got: false };
+        let waited = rt::poll::wait(&mut waiter, &mut w);
+        let got = w.got;
+        self.waiter = waiter;
+        waited?;
+        if got {
+            return Ok(());
         }
         loop {
             if receive(self)? > 0 {
@@ -196,6 +198,36 @@ impl Conn {
             }
         }
         Ok(())
+    }
+}
+
+/// One wait of [`Conn::receive_blocking`] for `rt::poll` to drive. A receive that gets bytes
+/// ends it; they stay in the frame buffer for the caller.
+struct ReceiveWait<'a> {
+    conn: &'a mut Conn,
+    receive: &'a mut dyn FnMut(&mut Conn) -> Result<usize>,
+    deadline: Instant,
+    /// A receive got bytes.
+    got: bool,
+}
+
+impl Wait for ReceiveWait<'_> {
+    type Error = Error;
+
+    fn ready(&mut self) -> Result<bool> {
+        self.got = (self.receive)(self.conn)? > 0;
+        Ok(self.got)
+    }
+
+    fn sleep(&mut self, timeout: Option<Duration>) -> Result<bool> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let t = timeout.map_or(left, |t| t.min(left));
+        if t.is_zero() {
+            return Ok(true);
+        }
+        let stream = &self.conn.stream;
+        let ready = wait_fd(stream.as_raw_fd(), stream.pending_send(), Some(t))?;
+        Ok(ready.readable || (ready.writable && stream.pending_send()))
     }
 }
 

@@ -17,6 +17,7 @@ use proto::client::reconnect::Action;
 use proto::client::{
     ClientSession, Reconnect, ReconnectConfig, SessionConfig, SessionStats, Submission, SubmitError,
 };
+use rt::poll::{PollMode, WaitStats};
 use transport::{wait_either, wait_fd, Endpoint, FrameIo, Kick};
 use wire::{ExportInfo, FrameKind, Limits, Opcode, ReqFlags, Status};
 
@@ -44,10 +45,10 @@ pub struct LaneConfig {
     pub limits: Limits,
     pub doorbell: Doorbell,
     pub batching: Batching,
-    /// Hybrid polling: spin this long on non-blocking receives before sleeping in `wait`
-    /// (zero, the default, always sleeps). Lowers latency at low queue depth; costs a busy
-    /// core while spinning.
-    pub poll_spin: Duration,
+    /// Hybrid polling (`rt::poll`): how `wait` tries non-blocking receives before sleeping.
+    /// `Off`, the default, always sleeps; spinning lowers latency at low queue depth and
+    /// costs a busy core while it lasts.
+    pub poll: PollMode,
     /// How long a blocking call waits for the target before failing.
     pub timeout: Duration,
     /// Direct placement while the reads in flight average at least this many bytes; smaller
@@ -76,7 +77,7 @@ impl Default for LaneConfig {
             limits: Limits { queue_depth: 256, caravan_reqs_max: 64, caravan_bytes_max: 0, io_bytes_max: 0 },
             doorbell: Doorbell::default(),
             batching: Batching::Static,
-            poll_spin: Duration::ZERO,
+            poll: PollMode::Off,
             timeout: crate::DEFAULT_TIMEOUT,
             direct_min_bytes: DIRECT_MIN_BYTES,
             reconnect: ReconnectConfig::default(),
@@ -272,7 +273,7 @@ impl<B: IoBuf> Lane<B> {
             key.as_deref(),
             tls.as_ref(),
             config.timeout,
-            config.poll_spin,
+            config.poll,
         )?;
         let session_config = SessionConfig {
             doorbell: config.doorbell,
@@ -359,6 +360,11 @@ impl<B: IoBuf> Lane<B> {
     /// The caravan size the lane aims for now (the adaptive level, or the static one).
     pub fn batch_level(&self) -> u32 {
         self.session.batch_level()
+    }
+
+    /// How the lane's waits went under hybrid polling (since its last connection).
+    pub fn poll_stats(&self) -> WaitStats {
+        self.conn.waiter.stats()
     }
 
     /// Every adaptive decision so far: (milliseconds since the lane opened, batch level).
@@ -718,7 +724,7 @@ impl<B: IoBuf> Lane<B> {
         let key = self.key.clone();
         let tls = self.tls.clone();
         let timeout = self.conn.timeout.min(CONNECT_TIMEOUT_MAX);
-        let spin = self.conn.spin;
+        let poll = self.conn.waiter.mode();
         let spawned = std::thread::Builder::new().name("skiff-reconnect".into()).spawn(move || {
             let _ = tx.send(open_lane(
                 &endpoint,
@@ -728,7 +734,7 @@ impl<B: IoBuf> Lane<B> {
                 key.as_deref(),
                 tls.as_ref(),
                 timeout,
-                spin,
+                poll,
             ));
         });
         match spawned {
@@ -822,10 +828,10 @@ fn open_lane(
     key: Option<&proto::auth::Key>,
     tls: Option<&crate::conn::TlsConfig>,
     timeout: Duration,
-    spin: Duration,
+    poll: PollMode,
 ) -> Result<(Conn, wire::OpenReply)> {
     let mut conn = Conn::connect_with_features(endpoint, proposed, timeout, features, key, tls)?;
-    conn.spin = spin;
+    conn.waiter = rt::poll::Waiter::new(poll);
     let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
     let reply = proto::client::handle_open_reply(&h, &body)?;
     Ok((conn, reply))

@@ -26,6 +26,7 @@ pub use proto::batch::{BatchConfig, Decision as BatchDecision};
 pub use proto::caravan::Doorbell;
 pub use proto::client::ReconnectConfig;
 pub use queue::Queue;
+pub use rt::poll::{PollMode, WaitStats};
 pub use shared::{SharedHandle, SharedLanes, HANDLES_MAX, USER_DATA_MAX};
 pub use transport::{Endpoint, Kick};
 pub use wire::{ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status};

@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use rt::poll::{Wait, Waiter};
 use transport::{wait_either, wait_fd, Endpoint, Kick};
 use wire::{ExportInfo, Opcode, ReqFlags};
 
@@ -92,6 +93,15 @@ impl<B: IoBuf + Send> SharedLanes<B> {
         total
     }
 
+    /// How the shared lanes' receivers waited under hybrid polling.
+    pub fn poll_stats(&self) -> rt::poll::WaitStats {
+        let mut all = rt::poll::WaitStats::default();
+        for l in &self.lanes {
+            all.add(&l.waiter.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).stats());
+        }
+        all
+    }
+
     /// Each lane's batch level now.
     pub fn batch_levels(&self) -> Vec<u32> {
         self.lanes.iter().map(|l| l.lock().lane.batch_level()).collect()
@@ -107,7 +117,8 @@ struct SharedLane<B> {
     state: Mutex<State<B>>,
     kick: Kick,
     timeout: Duration,
-    spin: Duration,
+    /// Hybrid polling of whichever caller receives for everyone.
+    waiter: Mutex<Waiter>,
 }
 
 struct State<B> {
@@ -142,7 +153,7 @@ impl<B: IoBuf + Send> SharedLane<B> {
         let scratch = Vec::with_capacity(lane.queue_depth());
         Ok(SharedLane {
             timeout: lane.timeout(),
-            spin: config.poll_spin,
+            waiter: Mutex::new(Waiter::new(config.poll)),
             kick: Kick::new()?,
             state: Mutex::new(State {
                 lane,
@@ -230,52 +241,97 @@ impl<B: IoBuf + Send> SharedLane<B> {
                 continue;
             }
             st.receiving = true;
-            let mut received = st.receive();
-            if !self.spin.is_zero() {
-                // Hybrid polling: keep receiving for a while before the sleep and wake-up.
-                let spin_until = Instant::now() + self.spin;
-                while received.is_ok() && !done(&st) && Instant::now() < spin_until {
-                    drop(st);
-                    std::hint::spin_loop();
-                    st = self.lock();
-                    received = st.receive();
-                }
-            }
-            if received.is_err() || done(&st) {
+            if st.receive().is_err() || done(&st) {
                 st.receiving = false;
                 st.pass_on();
                 continue;
             }
-            let wake_at = [st.lane.doorbell_due(), st.lane.reconnect_due()]
-                .into_iter()
-                .flatten()
-                .fold(deadline, Instant::min);
-            st.receiver_wakes_at = Some(wake_at);
-            let fd = st.lane.wake_fd();
-            let (tls_write, tls_buffered) = (st.lane.tls_wants_write(), st.lane.tls_buffered());
-            drop(st);
-            // Decrypted bytes already inside TLS are there to take without waiting.
-            let sleep = if tls_buffered { Some(Duration::ZERO) } else { Some(wake_at - now.min(wake_at)) };
-            let slept = match fd {
-                Some(fd) => wait_either(fd, tls_write, self.kick.as_raw_fd(), sleep),
-                // Reconnecting: no socket to watch until the next attempt.
-                None => wait_fd(self.kick.as_raw_fd(), false, sleep).map(|r| (false, r.readable)),
+            let mut w = ReceiverWait { lane: self, st: Some(st), done: &done, deadline, caught: false };
+            let waited = {
+                let mut waiter = self.waiter.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                rt::poll::wait(&mut waiter, &mut w)
             };
-            st = self.lock();
-            st.receiver_wakes_at = None;
+            let caught = w.caught;
+            st = w.st.take().unwrap_or_else(|| self.lock());
             st.receiving = false;
-            match slept {
-                Ok((_, kicked)) => {
-                    if kicked {
-                        self.kick.clear();
-                    }
-                }
-                Err(e) => {
-                    st.pass_on();
-                    return Err(e.into());
-                }
+            if let Err(e) = waited {
+                st.pass_on();
+                return Err(e);
+            }
+            if caught {
+                st.pass_on();
             }
         }
+    }
+}
+
+/// The receiver's wait on a shared lane, for `rt::poll` to drive: spinning receives for
+/// everyone and looks at the caller's mailbox, without holding the lock between looks;
+/// sleeping watches the socket and the kick until the lane's next deadline.
+struct ReceiverWait<'a, 'd, B> {
+    lane: &'a SharedLane<B>,
+    /// The lock, while this wait holds it.
+    st: Option<MutexGuard<'a, State<B>>>,
+    done: &'d dyn Fn(&State<B>) -> bool,
+    deadline: Instant,
+    /// A look while spinning found the caller done (or the lane failed).
+    caught: bool,
+}
+
+impl<'a, B: IoBuf + Send> ReceiverWait<'a, '_, B> {
+    fn state(&mut self) -> &mut MutexGuard<'a, State<B>> {
+        let lane = self.lane;
+        self.st.get_or_insert_with(|| lane.lock())
+    }
+}
+
+impl<B: IoBuf + Send> Wait for ReceiverWait<'_, '_, B> {
+    type Error = Error;
+
+    fn ready(&mut self) -> Result<bool> {
+        let done = self.done;
+        let st = self.state();
+        let ready = st.receive().is_err() || done(st);
+        if ready {
+            self.caught = true;
+        } else {
+            // Let the other handles submit while this one spins.
+            self.st = None;
+        }
+        Ok(ready)
+    }
+
+    fn sleep(&mut self, timeout: Option<Duration>) -> Result<bool> {
+        let deadline = self.deadline;
+        let st = self.state();
+        let now = Instant::now();
+        let due = [st.lane.doorbell_due(), st.lane.reconnect_due()]
+            .into_iter()
+            .flatten()
+            .fold(deadline, Instant::min);
+        let wake_at = timeout.map_or(due, |t| due.min(now + t));
+        st.receiver_wakes_at = Some(wake_at);
+        let fd = st.lane.wake_fd();
+        let (tls_write, tls_buffered) = (st.lane.tls_wants_write(), st.lane.tls_buffered());
+        self.st = None;
+        // Decrypted bytes already inside TLS are there to take without waiting.
+        let sleep = if tls_buffered { Duration::ZERO } else { wake_at - now.min(wake_at) };
+        let kick = self.lane.kick.as_raw_fd();
+        let slept = match fd {
+            Some(fd) => wait_either(fd, tls_write, kick, Some(sleep)),
+            // Reconnecting: no socket to watch until the next attempt.
+            None => wait_fd(kick, false, Some(sleep)).map(|r| (false, r.readable)),
+        };
+        let st = self.state();
+        st.receiver_wakes_at = None;
+        let (readable, kicked) = slept?;
+        if kicked {
+            self.lane.kick.clear();
+        }
+        // A timed sleep that ran out with nothing to do goes on to spin; one that ended at the
+        // lane's own deadline (doorbell, reconnection, silence) goes back to the caller.
+        let lane_due = timeout.is_none_or(|t| due <= now + t);
+        Ok(readable || kicked || tls_buffered || lane_due)
     }
 }
 

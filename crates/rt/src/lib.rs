@@ -11,6 +11,7 @@ pub mod alloc;
 pub mod fs;
 pub mod mem;
 pub mod notify;
+pub mod poll;
 pub mod random;
 pub mod signals;
 pub mod task;

@@ -133,10 +133,10 @@ pub struct TargetConfig {
     pub workers: usize,
     /// Every limit the target holds to ([`Bounds`]).
     pub bounds: Bounds,
-    /// Hybrid polling: after its last activity a worker keeps polling without blocking for
-    /// this long before it sleeps (zero, the default, always sleeps). Saves the sleep and
-    /// wake-up when requests arrive back to back; costs a busy core while spinning.
-    pub poll_spin: std::time::Duration,
+    /// Hybrid polling (`rt::poll`): how a worker waits for its connections' next requests.
+    /// Spinning saves the sleep and wake-up when requests arrive back to back and costs a busy
+    /// core meanwhile; `Off`, the default, always sleeps.
+    pub poll: rt::poll::PollMode,
     /// The keys initiators may authenticate with (docs/PROTOCOL.md, section 15); exports name
     /// them in their access lists.
     pub keys: Vec<proto::auth::Key>,
@@ -157,7 +157,7 @@ impl Default for TargetConfig {
             read_only: false,
             workers: 0,
             bounds: Bounds::default(),
-            poll_spin: std::time::Duration::ZERO,
+            poll: rt::poll::PollMode::Off,
             metrics_listen: None,
             keys: Vec::new(),
             tls: None,

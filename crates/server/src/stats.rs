@@ -29,6 +29,13 @@ pub struct WorkerStats {
     pub stage_exec_ns: AtomicU64,
     pub stage_send_ns: AtomicU64,
     pub connections_accepted: AtomicU64,
+    /// The worker's waits under hybrid polling (`rt::poll::WaitStats`), published after each.
+    pub poll_waits: AtomicU64,
+    pub poll_caught: AtomicU64,
+    pub poll_missed: AtomicU64,
+    pub poll_timed_sleeps: AtomicU64,
+    pub poll_held_off: AtomicU64,
+    pub poll_spin_ns: AtomicU64,
     pub tid: AtomicI32,
 }
 
@@ -36,6 +43,16 @@ impl WorkerStats {
     /// A worker's counters for a target with `exports` exports.
     pub fn new(exports: usize) -> WorkerStats {
         WorkerStats { front: FrontStats::new(exports), ..WorkerStats::default() }
+    }
+
+    /// Publish the worker's polling totals (it is their only writer).
+    pub fn publish_poll(&self, s: &rt::poll::WaitStats) {
+        self.poll_waits.store(s.waits, Relaxed);
+        self.poll_caught.store(s.caught, Relaxed);
+        self.poll_missed.store(s.missed, Relaxed);
+        self.poll_timed_sleeps.store(s.timed_sleeps, Relaxed);
+        self.poll_held_off.store(s.held_off, Relaxed);
+        self.poll_spin_ns.store(s.spun_ns, Relaxed);
     }
 }
 
@@ -68,7 +85,7 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         e.push((format!("bytes_{}", op.name()), sum(&|w| w.front.ops.bytes(op))));
     }
     e.push(("req_errors".into(), sum(&|w| w.front.ops.errors())));
-    let named: [(&str, Field); 12] = [
+    let named: [(&str, Field); 18] = [
         ("caravans_received", |w| &w.front.caravans_received),
         ("caravans_sent", |w| &w.front.caravans_sent),
         ("caravan_reqs_total", |w| &w.front.caravan_reqs_total),
@@ -81,6 +98,12 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         ("connections_accepted", |w| &w.connections_accepted),
         ("connections_closed_protocol_error", |w| &w.front.connections_closed_protocol_error),
         ("capabilities_sent", |w| &w.front.capabilities_sent),
+        ("poll_waits", |w| &w.poll_waits),
+        ("poll_caught", |w| &w.poll_caught),
+        ("poll_missed", |w| &w.poll_missed),
+        ("poll_timed_sleeps", |w| &w.poll_timed_sleeps),
+        ("poll_held_off", |w| &w.poll_held_off),
+        ("poll_spin_ns", |w| &w.poll_spin_ns),
     ];
     for (name, field) in named {
         e.push((name.into(), sum(&|w| field(w).load(Relaxed))));

@@ -6,6 +6,7 @@
 //! per-pass read budget ran out) are serviced again on the next pass without sleeping.
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
@@ -13,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use transport::event::{Events, Interest, Poll, Token, Waker};
 use transport::Stream;
+
+use rt::poll::{Wait, Waiter};
 
 use crate::admission::Ticket;
 use crate::conn::{Conn, Protocol, ReadOutcome};
@@ -81,25 +84,31 @@ impl Worker {
     pub fn run(mut self) {
         self.stats.tid.store(rt::usage::thread_id(), Ordering::Relaxed);
         let mut events = Events::with_capacity(self.shared.config.bounds.events_per_poll);
-        let spin = self.shared.config.poll_spin;
-        let mut last_activity = Instant::now();
-        let mut next_sweep = last_activity + SWEEP_INTERVAL;
+        let mut waiter = Waiter::new(self.shared.config.poll);
+        let mut next_sweep = Instant::now() + SWEEP_INTERVAL;
         loop {
             let now = Instant::now();
             if now >= next_sweep {
                 self.sweep(now);
                 next_sweep = now + SWEEP_INTERVAL;
             }
-            let spinning = !spin.is_zero() && now.duration_since(last_activity) < spin;
-            let timeout = if !self.carry.is_empty() || spinning {
-                Some(Duration::ZERO)
+            let waited = if !self.carry.is_empty() {
+                // Data left from the last pass: look for more without waiting.
+                self.poll.poll(&mut events, Some(Duration::ZERO))
             } else if self.free.len() < self.conns.len() {
-                // Connections to watch: wake for the next sweep even if none of them speaks.
-                Some(next_sweep.saturating_duration_since(now))
+                // Connections to watch: wait by the polling policy, and wake for the next
+                // sweep even if none of them speaks.
+                let block = next_sweep.saturating_duration_since(now);
+                let mut w = PollWait { poll: &mut self.poll, events: &mut events, block };
+                let waited = rt::poll::wait(&mut waiter, &mut w).map(drop);
+                if !waiter.mode().is_off() {
+                    self.stats.publish_poll(&waiter.stats());
+                }
+                waited
             } else {
-                None
+                self.poll.poll(&mut events, None)
             };
-            if let Err(e) = self.poll.poll(&mut events, timeout) {
+            if let Err(e) = waited {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(worker = self.id, error = %e, "poll failed; worker stops");
                     break;
@@ -109,11 +118,7 @@ impl Worker {
                 break;
             }
             if events.is_empty() && self.carry.is_empty() {
-                // Nothing happened: a spin iteration of hybrid polling.
                 continue;
-            }
-            if !spin.is_zero() {
-                last_activity = Instant::now();
             }
             bump(&self.stats.loop_passes, 1);
             self.readable.append(&mut self.carry);
@@ -261,6 +266,40 @@ impl Worker {
             self.free.push(index);
             self.shared.admission.closed(&conn.ticket, &self.shared.connections);
             self.carry.retain(|&c| c != index);
+        }
+    }
+}
+
+/// A worker's wait for readiness on its connections, as `rt::poll` drives it.
+struct PollWait<'a> {
+    poll: &'a mut Poll,
+    events: &'a mut Events,
+    /// How long the final sleep may last (until the next sweep).
+    block: Duration,
+}
+
+impl Wait for PollWait<'_> {
+    type Error = io::Error;
+
+    fn ready(&mut self) -> io::Result<bool> {
+        self.poll.poll(self.events, Some(Duration::ZERO))?;
+        Ok(!self.events.is_empty())
+    }
+
+    fn sleep(&mut self, timeout: Option<Duration>) -> io::Result<bool> {
+        match timeout {
+            // A timed sleep: epoll's own timeout counts whole milliseconds, so sleep on the
+            // epoll descriptor itself, which is readable when any connection is.
+            Some(t) => {
+                if !transport::wait_fd(self.poll.as_raw_fd(), false, Some(t))?.readable {
+                    return Ok(false);
+                }
+                self.ready()
+            }
+            None => {
+                self.poll.poll(self.events, Some(self.block))?;
+                Ok(!self.events.is_empty())
+            }
         }
     }
 }

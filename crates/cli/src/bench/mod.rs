@@ -83,10 +83,11 @@ pub struct BenchArgs {
     /// Doorbell delay bound in microseconds for static batching (i10: 50).
     #[arg(long)]
     doorbell_us: Option<u64>,
-    /// Hybrid polling on the lanes (and the in-process target): off, hybrid (spin 50 us
-    /// before sleeping) or hybrid:US.
+    /// Hybrid polling on the lanes (and the in-process target): off; hybrid (spin 50 us
+    /// before sleeping; hybrid:US); or adaptive (spin only while it saves more wake-ups than
+    /// it wastes, up to 50 us or adaptive:US, and sleep on a timer through long waits).
     #[arg(long, default_value = "off", value_parser = crate::units::parse_poll)]
-    poll: Duration,
+    poll: initiator::PollMode,
     /// Direct placement of read data in the callers' buffers from this average read size on
     /// (0: every read; off, the default: never). Smaller reads are received in bulk and copied.
     #[arg(long, default_value = "off", value_parser = crate::units::parse_direct_min)]
@@ -158,7 +159,7 @@ pub fn run(args: BenchArgs) -> CliResult {
                 listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
                 exports: vec![format!("{EMBEDDED_EXPORT}={EMBEDDED_SIZE}").parse::<ExportConfig>()?],
                 workers: args.target_workers,
-                poll_spin: args.poll,
+                poll: args.poll,
                 ..TargetConfig::default()
             };
             let target = Target::start(config)?;
@@ -197,7 +198,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         },
         doorbell,
         batching,
-        poll_spin: args.poll,
+        poll: args.poll,
         direct_min_bytes: args.direct_min,
         reconnect: args.reconnect.config(),
         key: lane_key.clone(),
@@ -331,6 +332,7 @@ pub fn run(args: BenchArgs) -> CliResult {
             lanes: after.since(&before),
             batch_levels: shared.batch_levels(),
             batch_level_log: shared.batch_level_log(0),
+            poll: shared.poll_stats(),
         },
         _ => report::Telemetry::of_private_lanes(&results),
     };
@@ -347,7 +349,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         size_bytes: size,
         verify: args.verify,
         batching: args.batching.label(&doorbell),
-        poll_spin_us: args.poll.as_micros() as u64,
+        poll: args.poll.label(),
     };
     let summary = report::summarize(setup, &results, &telemetry, elapsed, &stats_before, &stats_after);
     if args.json {

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use initiator::LaneStats;
+use initiator::{LaneStats, WaitStats};
 use serde::Serialize;
 use wire::StatsReply;
 
@@ -70,8 +70,33 @@ pub struct Setup {
     pub size_bytes: u64,
     pub verify: bool,
     pub batching: String,
-    /// Hybrid polling spin budget in microseconds (0: off).
-    pub poll_spin_us: u64,
+    /// Hybrid polling of the lanes (and the in-process target): off, hybrid:US or adaptive:US.
+    pub poll: String,
+}
+
+/// Hybrid polling's waits: how many a spin caught (no wake-up), how many spun in vain, began
+/// with a timed sleep, or slept at once because spinning was not paying; time spun per wait.
+#[derive(Debug, Serialize)]
+pub struct PollReport {
+    pub waits: u64,
+    pub caught: u64,
+    pub missed: u64,
+    pub timed_sleeps: u64,
+    pub held_off: u64,
+    pub spin_us_per_wait: f64,
+}
+
+impl PollReport {
+    fn of(s: &WaitStats) -> PollReport {
+        PollReport {
+            waits: s.waits,
+            caught: s.caught,
+            missed: s.missed,
+            timed_sleeps: s.timed_sleeps,
+            held_off: s.held_off,
+            spin_us_per_wait: per(s.spun_ns as f64 / 1e3, s.waits),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -110,6 +135,10 @@ pub struct Summary {
     /// The first lane's adaptive decisions, one per interval: the level and delay chosen, and
     /// what the interval that just ended measured.
     pub batch_level_log: Vec<LevelPoint>,
+    /// How the lanes' waits for the target went under hybrid polling (whole run).
+    pub client_poll: PollReport,
+    /// The same for the target's workers over the timed phase (all zero when they do not poll).
+    pub server_poll: PollReport,
     /// Where the time goes, in µs per I/O (Tyche Table II's stages, as far as they are ours).
     pub stages_us: Stages,
     /// Share of read data the lanes received straight into the callers' buffers (direct
@@ -169,6 +198,7 @@ pub struct Telemetry {
     pub lanes: LaneStats,
     pub batch_levels: Vec<u32>,
     pub batch_level_log: Vec<initiator::BatchDecision>,
+    pub poll: WaitStats,
 }
 
 impl Telemetry {
@@ -182,6 +212,10 @@ impl Telemetry {
             lanes,
             batch_levels: results.iter().map(|r| r.batch_level).collect(),
             batch_level_log: results.first().map(|r| r.batch_level_log.clone()).unwrap_or_default(),
+            poll: results.iter().fold(WaitStats::default(), |mut all, r| {
+                all.add(&r.poll);
+                all
+            }),
         }
     }
 }
@@ -262,6 +296,15 @@ pub fn summarize(
         client_caravan_hist: telemetry.lanes.caravan_hist,
         batch_level_final: telemetry.batch_levels.clone(),
         batch_level_log: telemetry.batch_level_log.iter().map(LevelPoint::from).collect(),
+        client_poll: PollReport::of(&telemetry.poll),
+        server_poll: PollReport::of(&WaitStats {
+            waits: delta(before, after, "poll_waits"),
+            caught: delta(before, after, "poll_caught"),
+            missed: delta(before, after, "poll_missed"),
+            timed_sleeps: delta(before, after, "poll_timed_sleeps"),
+            held_off: delta(before, after, "poll_held_off"),
+            spun_ns: delta(before, after, "poll_spin_ns"),
+        }),
         stages_us: stages,
         read_placed_share: {
             let (placed, copied) = (telemetry.lanes.read_bytes_placed, telemetry.lanes.read_bytes_copied);

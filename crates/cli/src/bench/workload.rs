@@ -11,7 +11,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use initiator::{Completion, Lane, LaneStats, ReqFlags, SharedHandle, Status};
+use initiator::{Completion, Lane, LaneStats, ReqFlags, SharedHandle, Status, WaitStats};
 use rt::usage::Usage;
 use wire::Opcode;
 
@@ -40,6 +40,8 @@ pub trait BenchQueue: initiator::Queue<Vec<u8>> + Send {
     fn lane_stats(&self) -> Option<LaneStats>;
     fn batch_level(&self) -> u32;
     fn batch_level_log(&self) -> Vec<initiator::BatchDecision>;
+    /// How the lane's waits went under hybrid polling (zero for a shared lane's handle).
+    fn poll_stats(&self) -> WaitStats;
 }
 
 impl BenchQueue for Lane {
@@ -51,6 +53,9 @@ impl BenchQueue for Lane {
     }
     fn batch_level_log(&self) -> Vec<initiator::BatchDecision> {
         Lane::batch_level_log(self).to_vec()
+    }
+    fn poll_stats(&self) -> WaitStats {
+        Lane::poll_stats(self)
     }
 }
 
@@ -64,6 +69,9 @@ impl BenchQueue for SharedHandle {
     }
     fn batch_level_log(&self) -> Vec<initiator::BatchDecision> {
         Vec::new()
+    }
+    fn poll_stats(&self) -> WaitStats {
+        WaitStats::default()
     }
 }
 
@@ -97,6 +105,8 @@ pub struct ThreadResult {
     pub lane: LaneStats,
     pub batch_level: u32,
     pub batch_level_log: Vec<initiator::BatchDecision>,
+    /// The lane's hybrid polling over the whole run (warm-up included).
+    pub poll: WaitStats,
 }
 
 /// Barriers the main thread uses to take target stats exactly around the timed phase.
@@ -170,6 +180,7 @@ pub fn run<Q: BenchQueue>(
             lane: LaneStats::default(),
             batch_level: 0,
             batch_level_log: Vec::new(),
+            poll: WaitStats::default(),
         },
         timing: false,
         barriers_passed: 0,
@@ -211,6 +222,7 @@ impl<Q: BenchQueue> Runner<'_, Q> {
         }
         self.r.batch_level = self.lane.batch_level();
         self.r.batch_level_log = self.lane.batch_level_log();
+        self.r.poll = self.lane.poll_stats();
         phases.timed_end.wait();
         self.barriers_passed = 2;
         if self.w.verify {

@@ -62,7 +62,7 @@ pub(super) struct ServeFile {
     #[serde(default, deserialize_with = "count")]
     queue_depth: Option<u32>,
     #[serde(default, deserialize_with = "poll")]
-    poll: Option<Duration>,
+    poll: Option<rt::poll::PollMode>,
     #[serde(default, deserialize_with = "size")]
     io_max: Option<u64>,
     metrics: Option<String>,
@@ -273,8 +273,8 @@ fn timeout<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error
     text_with(d, "a duration such as \"5m\", or \"off\"", units::parse_timeout)
 }
 
-fn poll<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-    text_with(d, "\"off\", \"hybrid\" or \"hybrid:MICROSECONDS\"", units::parse_poll)
+fn poll<'de, D: Deserializer<'de>>(d: D) -> Result<Option<rt::poll::PollMode>, D::Error> {
+    text_with(d, "\"off\", \"hybrid[:MICROSECONDS]\" or \"adaptive[:MICROSECONDS]\"", units::parse_poll)
 }
 
 /// A size: a string with binary units (`"1M"`), or a whole number of bytes.
@@ -343,7 +343,7 @@ mod tests {
         assert_eq!(f.listen.as_deref(), Some("0.0.0.0:7070"));
         assert_eq!(f.exports.as_ref().map(Vec::len), Some(2));
         assert_eq!((f.io_max, f.queue_depth), (Some(1 << 20), Some(128)));
-        assert_eq!(f.poll, Some(Duration::from_micros(20)));
+        assert_eq!(f.poll, Some(rt::poll::PollMode::Fixed(Duration::from_micros(20))));
         assert_eq!(
             (f.idle_timeout, f.handshake_timeout),
             (Some(Duration::ZERO), Some(Duration::from_secs(10)))

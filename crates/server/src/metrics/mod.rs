@@ -298,7 +298,7 @@ fn workers(out: &mut Families, workers: &[std::sync::Arc<WorkerStats>]) {
         "Requests per received request caravan, by worker: the batch level the initiators chose.",
         caravans,
     );
-    let counters: [(&str, &str, Field); 7] = [
+    let counters: [(&str, &str, Field); 9] = [
         ("skiff_response_caravans_total", "Completion caravans sent, by worker.", |w| &w.front.caravans_sent),
         ("skiff_loop_passes_total", "Worker loop passes that found work.", |w| &w.loop_passes),
         ("skiff_received_bytes_total", "Bytes received from sockets, by worker.", |w| &w.rx_bytes),
@@ -310,6 +310,12 @@ fn workers(out: &mut Families, workers: &[std::sync::Arc<WorkerStats>]) {
             "skiff_protocol_errors_total",
             "Connections closed because the peer broke the protocol, by worker.",
             |w| &w.front.connections_closed_protocol_error,
+        ),
+        ("skiff_poll_waits_total", "Waits for work under hybrid polling, by worker.", |w| &w.poll_waits),
+        (
+            "skiff_poll_caught_total",
+            "Waits under hybrid polling whose work a spin caught without a wake-up, by worker.",
+            |w| &w.poll_caught,
         ),
         (
             "skiff_capabilities_sent_total",

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Hybrid polling at low queue depth: skiff with --poll off, hybrid and adaptive against nbdkit.
+
+Every skiff run starts `skiff serve --workers 1 --poll MODE` and `skiff bench --poll MODE` (the
+same mode on both sides); nbdkit (`memory 1G`) is driven by fio's nbd engine, its volume
+written once first (compare.py's precondition). 4 KiB random reads at each queue depth, the
+systems alternating within every round, median of --repeat rounds per cell.
+
+Placements (one or more, in one invocation): apart (server CPU 1, client CPU 0: two machines
+modelled, the default), same (both on CPU 0) and none (unpinned). Latency is submission to
+completion on both clients (skiff bench's mean; fio's `lat`, not `clat`). CPU per I/O: skiff
+from bench's JSON (its lane threads, and the target's threads from STATS), nbdkit from
+/proc/PID/stat and fio's own usr+sys.
+
+    python3 bench/polling.py                              # apart, QD 1/32/128, 3 rounds of 5 s
+    python3 bench/polling.py --placements apart,same,none --qds 1,32,128
+Writes bench/results/polling-<time>.json and a plot beside it, and prints Markdown tables.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare  # noqa: E402  (shared placement, server and fio helpers)
+
+MODES = ["off", "hybrid", "adaptive"]
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_skiff(a, pl, mode, qd):
+    port = compare.free_port()
+    server = compare.Server(pl.server([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--workers", "1",
+                                       "--export", "vol=ram:1G", "--poll", mode]), port)
+    try:
+        out = subprocess.run(pl.client([a.skiff, "bench", "--target", f"127.0.0.1:{port}", "--export", "vol",
+                                        "--rw", "randread", "--qd", str(qd), "--duration", f"{a.runtime}s",
+                                        "--poll", mode, "--json"]),
+                             check=True, capture_output=True, text=True).stdout
+    finally:
+        server.stop()
+    r = json.loads(out)
+    return {
+        "iops": r["iops"],
+        "lat_mean_us": r["lat_us"]["mean"],
+        "lat_p99_us": r["lat_us"]["p99"],
+        "client_cpu_us_per_io": r["client_cpu_us_per_io"],
+        "server_cpu_us_per_io": r["server_cpu_us_per_io"],
+        "client_ctx_per_io": r["client_ctx_switches_per_io"],
+        "server_ctx_per_io": r["server_ctx_switches_per_io"],
+        "client_poll": r["client_poll"],
+        "server_poll": r["server_poll"],
+    }
+
+
+class FioArgs:
+    """What compare.run_fio reads from its argument namespace."""
+
+    def __init__(self, pl, runtime):
+        self.pl, self.bs, self.runtime = pl, "4k", runtime
+
+
+def run_nbdkit(a, pl, qd):
+    r = compare.run_fio("nbdkit", FioArgs(pl, a.runtime), "randread", qd, None)
+    r["lat_mean_us"] = r.pop("lat_submit_mean_us")  # submission to completion, like skiff bench
+    return r
+
+
+def measure(a, placements):
+    records = []
+    systems = [f"skiff:{m}" for m in MODES] + ["nbdkit"]
+    total = len(placements) * len(a.qds) * a.repeat * len(systems)
+    done = 0
+    for pl in placements:
+        for qd in a.qds:
+            for rnd in range(a.repeat):
+                for system in compare.rotate(systems, rnd):
+                    done += 1
+                    log(f"[{done}/{total}] {pl.mode}: {system} QD {qd}, round {rnd + 1}")
+                    if system == "nbdkit":
+                        r = run_nbdkit(a, pl, qd)
+                    else:
+                        r = run_skiff(a, pl, system.split(":")[1], qd)
+                    r.update(system=system, qd=qd, round=rnd, placement=pl.mode, where=pl.describe())
+                    records.append(r)
+    return records
+
+
+def cells(records):
+    """(placement, system, qd) -> the median record of its rounds."""
+    groups = {}
+    for r in records:
+        groups.setdefault((r["placement"], r["system"], r["qd"]), []).append(r)
+    return {k: compare.median_record(v) for k, v in groups.items()}
+
+
+def table(records, placement, a):
+    c = cells(records)
+    where = next(r["where"] for r in records if r["placement"] == placement)
+    out = [f"### {where}; median of {a.repeat}, {a.runtime} s per run", "",
+           "| QD | system | IOPS | mean µs | × nbdkit latency | CPU µs/I/O client + server | total | × nbdkit CPU |"
+           " of QD 128 IOPS |",
+           "|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    top = max(a.qds)
+    for qd in a.qds:
+        peer = c.get((placement, "nbdkit", qd))
+        for system in [f"skiff:{m}" for m in MODES] + ["nbdkit"]:
+            r = c.get((placement, system, qd))
+            if r is None:
+                continue
+            cpu = r["client_cpu_us_per_io"] + r["server_cpu_us_per_io"]
+            peer_cpu = peer["client_cpu_us_per_io"] + peer["server_cpu_us_per_io"] if peer else None
+            at_top = c.get((placement, system, top))
+            out.append(
+                f"| {qd} | {system} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | "
+                f"{r['lat_mean_us'] / peer['lat_mean_us']:.2f} | "
+                f"{r['client_cpu_us_per_io']:.2f} + {r['server_cpu_us_per_io']:.2f} | {cpu:.2f} | "
+                f"{cpu / peer_cpu:.2f} | {r['iops'] / at_top['iops']:.0%} |" if peer and at_top else
+                f"| {qd} | {system} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | | | {cpu:.2f} | | |")
+    return "\n".join(out)
+
+
+def plot(records, placements, a, path):
+    if importlib.util.find_spec("matplotlib") is None:
+        log("matplotlib is missing (python3 -m pip install matplotlib): no plot")
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    c = cells(records)
+    systems = [f"skiff:{m}" for m in MODES] + ["nbdkit"]
+    fig, axes = plt.subplots(2, len(placements), figsize=(5.5 * len(placements), 7), squeeze=False)
+    for col, pl in enumerate(placements):
+        for row, (key, label) in enumerate([("lat", "mean latency µs (log)"), ("cpu", "CPU µs per I/O, total (log)")]):
+            ax = axes[row][col]
+            width = 0.8 / len(systems)
+            for i, s in enumerate(systems):
+                ys = []
+                for qd in a.qds:
+                    r = c.get((pl.mode, s, qd))
+                    if r is None:
+                        ys.append(0)
+                    elif key == "lat":
+                        ys.append(r["lat_mean_us"])
+                    else:
+                        ys.append(r["client_cpu_us_per_io"] + r["server_cpu_us_per_io"])
+                ax.bar([j + i * width for j in range(len(a.qds))], ys, width, label=s)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(a.qds))], [f"QD {q}" for q in a.qds])
+            ax.set_yscale("log")
+            ax.set_ylabel(label)
+            ax.set_title(pl.short())
+            ax.grid(alpha=0.3, axis="y")
+            if row == 0 and col == 0:
+                ax.legend(fontsize=8)
+    fig.suptitle(f"4 KiB random reads, median of {a.repeat}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--placements", default="apart", help="comma-separated: apart, same, none")
+    p.add_argument("--qds", default="1,32,128")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--runtime", type=int, default=5, help="seconds per run")
+    p.add_argument("--out", default="bench/results")
+    a = p.parse_args()
+    a.qds = [int(q) for q in a.qds.split(",")]
+    placements = []
+    for mode in a.placements.split(","):
+        ns = argparse.Namespace(placement=mode, server_cpu=None, client_cpu=None)
+        placements.append(compare.Placement.from_args(ns))
+    records = measure(a, placements)
+    os.makedirs(a.out, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(a.out, f"polling-{stamp}.json")
+    with open(path, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "repeat": a.repeat, "runtime_s": a.runtime,
+                   "placements": [pl.record() for pl in placements], "records": records}, f, indent=1)
+    for pl in placements:
+        print(table(records, pl.mode, a))
+        print()
+    made = plot(records, placements, a, os.path.join(a.out, f"polling-{stamp}.png"))
+    log(f"records: {path}" + (f"; plot: {made}" if made else ""))
+
+
+if __name__ == "__main__":
+    main()
