@@ -41,6 +41,8 @@ struct skiff_options {
 	char *key_file;
 	char *key_name;
 	char *tls_certificates;
+	unsigned int poll;
+	unsigned int poll_spin_us;
 };
 
 /* Per-job state: the lane and the completions of the last getevents, for event(). */
@@ -211,6 +213,35 @@ static struct fio_option options[] = {
 		.group = FIO_OPT_G_INVALID,
 	},
 	{
+		.name = "poll",
+		.lname = "skiff hybrid polling",
+		.type = FIO_OPT_STR,
+		.off1 = offsetof(struct skiff_options, poll),
+		.def = "off",
+		.help = "How a wait for the target spins before it sleeps (default off)",
+		.posval = {
+			{ .ival = "off", .oval = SKIFF_POLL_OFF,
+			  .help = "sleep at once" },
+			{ .ival = "hybrid", .oval = SKIFF_POLL_HYBRID,
+			  .help = "spin poll_spin_us on every wait, then sleep" },
+			{ .ival = "adaptive", .oval = SKIFF_POLL_ADAPTIVE,
+			  .help = "spin only while it saves more wake-ups than it wastes" },
+		},
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
+		.name = "poll_spin_us",
+		.lname = "skiff hybrid polling spin bound",
+		.type = FIO_OPT_INT,
+		.off1 = offsetof(struct skiff_options, poll_spin_us),
+		.minval = 1,
+		.def = "50",
+		.help = "The most a wait spins under poll=hybrid or adaptive, in microseconds (default 50)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
 		.name = "tls_certificates",
 		.lname = "skiff TLS certificates",
 		.type = FIO_OPT_STR_STORE,
@@ -251,6 +282,8 @@ static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int may_sh
 	cfg.key_file = o->key_file && *o->key_file ? o->key_file : NULL;
 	cfg.key_name = o->key_name && *o->key_name ? o->key_name : NULL;
 	cfg.tls_certificates = o->tls_certificates && *o->tls_certificates ? o->tls_certificates : NULL;
+	cfg.poll = o->poll;
+	cfg.poll_spin_us = o->poll_spin_us;
 	rc = skiff_lane_open(o->target, o->export_name, &cfg, lane);
 	if (rc) {
 		log_err("fio: skiff: cannot open %s on %s: %s\n", o->export_name, o->target,

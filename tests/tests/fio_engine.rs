@@ -97,6 +97,29 @@ fn random_writes_read_back_verified() {
 }
 
 #[test]
+fn adaptive_polling_verifies_at_queue_depth_one() {
+    let t = start_target(&["vol=ram:64M"], 1);
+    let report = fio_json(
+        &t,
+        &[
+            "--name=polled",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=4M",
+            "--iodepth=1",
+            "--poll=adaptive",
+            "--poll_spin_us=30",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+        ],
+    );
+    assert_no_error(&report);
+    let job = &jobs(&report)[0];
+    assert_eq!(io_bytes(job, "read"), 4 * MIB, "the verify pass reads all back: {job}");
+}
+
+#[test]
 fn jobs_as_threads_share_lanes_and_verify() {
     let t = start_target(&["vol=ram:64M"], 2);
     let accepted_before = t.stats().get("connections_accepted").unwrap_or(0);
@@ -251,6 +274,8 @@ fn enghelp_lists_the_engine_options() {
         "key_file",
         "key",
         "tls_certificates",
+        "poll",
+        "poll_spin_us",
     ] {
         assert!(
             help.lines().any(|l| l.split_whitespace().next() == Some(option)),

@@ -44,6 +44,12 @@ extern "C" {
 #define SKIFF_BATCHING_OFF 1      /* every request is sent on its own */
 #define SKIFF_BATCHING_ADAPTIVE 2 /* Tyche's controller sets caravan size and doorbell delay */
 
+/* Hybrid polling: how a wait for the target spins before it sleeps (docs/PERFORMANCE.md). */
+#define SKIFF_POLL_OFF 0      /* sleep at once; the default */
+#define SKIFF_POLL_HYBRID 1   /* spin poll_spin_us on every wait, then sleep */
+#define SKIFF_POLL_ADAPTIVE 2 /* spin (at most poll_spin_us) only while it saves more wake-ups
+                               * than it wastes; sleep on a timer through long waits */
+
 typedef struct skiff_lane skiff_lane;
 
 typedef struct skiff_lane_config {
@@ -74,6 +80,8 @@ typedef struct skiff_lane_config {
                                        * directory (ca-cert.pem, and client-cert.pem and
                                        * client-key.pem to present one); NULL: plaintext
                                        * (default). Read by skiff_lane_open only. */
+    uint32_t poll;                    /* SKIFF_POLL_* (default SKIFF_POLL_OFF) */
+    uint32_t poll_spin_us;            /* the spin bound of hybrid polling; 0: 50 (default 50) */
 } skiff_lane_config;
 
 typedef struct skiff_completion {

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use initiator::{
     BatchConfig, Batching, Completion, Doorbell, Endpoint, Error, ExportInfo, Lane, LaneConfig, Limits,
-    ReqFlags, SharedHandle, SharedLanes,
+    PollMode, ReqFlags, SharedHandle, SharedLanes,
 };
 use wire::Opcode;
 
@@ -26,6 +26,13 @@ pub const SKIFF_FLAG_NO_DELAY: u32 = 0x02;
 pub const SKIFF_BATCHING_STATIC: u32 = 0;
 pub const SKIFF_BATCHING_OFF: u32 = 1;
 pub const SKIFF_BATCHING_ADAPTIVE: u32 = 2;
+
+/// Hybrid polling modes, as in `skiff.h`.
+pub const SKIFF_POLL_OFF: u32 = 0;
+pub const SKIFF_POLL_HYBRID: u32 = 1;
+pub const SKIFF_POLL_ADAPTIVE: u32 = 2;
+/// The spin bound when `poll_spin_us` is 0.
+const POLL_SPIN_DEFAULT_US: u32 = 50;
 
 /// `skiff_lane_config` in `skiff.h`.
 #[repr(C)]
@@ -45,6 +52,8 @@ pub struct SkiffLaneConfig {
     pub key_file: *const c_char,
     pub key_name: *const c_char,
     pub tls_certificates: *const c_char,
+    pub poll: u32,
+    pub poll_spin_us: u32,
 }
 
 /// `skiff_completion` in `skiff.h`.
@@ -218,6 +227,8 @@ fn defaults() -> SkiffLaneConfig {
         key_file: std::ptr::null(),
         key_name: std::ptr::null(),
         tls_certificates: std::ptr::null(),
+        poll: SKIFF_POLL_OFF,
+        poll_spin_us: POLL_SPIN_DEFAULT_US,
     }
 }
 
@@ -274,7 +285,16 @@ fn lane_config(c: &SkiffLaneConfig) -> Option<LaneConfig> {
         SKIFF_BATCHING_ADAPTIVE => Batching::Adaptive(BatchConfig::default()),
         _ => return None,
     };
+    let spin =
+        Duration::from_micros(if c.poll_spin_us == 0 { POLL_SPIN_DEFAULT_US } else { c.poll_spin_us }.into());
+    let poll = match c.poll {
+        SKIFF_POLL_OFF => PollMode::Off,
+        SKIFF_POLL_HYBRID => PollMode::Fixed(spin),
+        SKIFF_POLL_ADAPTIVE => PollMode::Adaptive(spin),
+        _ => return None,
+    };
     Some(LaneConfig {
+        poll,
         limits: Limits { queue_depth: c.queue_depth, ..d.limits },
         doorbell: Doorbell {
             aggregation_reqs: c.aggregation_reqs.max(1),
@@ -327,7 +347,7 @@ pub unsafe extern "C" fn skiff_lane_open(
         let config = if config.is_null() { defaults() } else { unsafe { *config } };
         let Some(mut lane_config) = lane_config(&config) else {
             return fail(&Error::InvalidArgument(
-                "skiff_lane_config.batching is not a SKIFF_BATCHING_* value",
+                "skiff_lane_config.batching or .poll is not a SKIFF_BATCHING_* or SKIFF_POLL_* value",
             ));
         };
         // SAFETY: the config's strings are null or NUL-terminated per the contract.

@@ -93,6 +93,23 @@ int main(int argc, char **argv) {
     if (rc != 1 || done[0].result != 0 || bufs[0][0] != 'a') return fail("adaptive read", rc);
     skiff_lane_close(lane);
 
+    /* An unknown polling mode is refused; adaptive polling reads the same bytes. */
+    skiff_lane_config_default(&cfg);
+    if (cfg.poll != SKIFF_POLL_OFF || cfg.poll_spin_us != 50) return fail("poll defaults", (int)cfg.poll);
+    cfg.poll = 7;
+    rc = skiff_lane_open(argv[1], argv[2], &cfg, &lane);
+    if (rc != -EINVAL) return fail("open with an unknown polling mode", rc);
+    cfg.poll = SKIFF_POLL_ADAPTIVE;
+    rc = skiff_lane_open(argv[1], argv[2], &cfg, &lane);
+    if (rc != 0) return fail("open with adaptive polling", rc);
+    for (int i = 0; i < 64; i++) {
+        rc = skiff_lane_submit(lane, SKIFF_OP_READ, 0, 0, bufs[0], BS, 500);
+        if (rc != 0) return fail("submit polled read", rc);
+        rc = skiff_lane_reap(lane, done, QD, 1);
+        if (rc != 1 || done[0].result != 0 || bufs[0][0] != 'a') return fail("polled read", rc);
+    }
+    skiff_lane_close(lane);
+
     /* Two handles on one shared lane (same target, export and config): what one writes, the
      * other reads; commit is a no-op and reaping waits for the doorbell or the idle rule. */
     skiff_lane_config_default(&cfg);
