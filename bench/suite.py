@@ -13,12 +13,15 @@ Systems (all serve a 1 GiB RAM-backed volume, written once before anything is me
 Experiments (4 KiB random unless said; docs/BENCHMARKS.md says which paper figure each mirrors):
 
   load     randread and randwrite, QD 1..256, one job            (i10 Fig. 6)
-  mix      read share 0/30/50/70/100 %, QD 32, one job            (i10 Fig. 8)
-  threads  1..64 jobs x QD 4, randread and randwrite              (Tyche Fig. 5)
-  sizes    32 jobs x QD 4 of 4 KiB reads, plus one 128 KiB stream (Tyche Fig. 8)
-           added every interval
+  mix      read share 0/30/50/70/100 %, QD 128, one job           (i10 Fig. 8)
+  threads  1..128 jobs x QD 4, randread and randwrite             (Tyche Fig. 5 and 7)
+           with the batching variants, static levels at Tyche's max_delay (5 ms)
+  sizes    32 jobs x QD 4 of 4 KiB reads, plus one 128 KiB reader (Tyche Fig. 8)
+           at QD 1 added every interval; skiff adaptive against skiff with batching off
   qd1      QD 1, 4/8/64/128 KiB, read and write                   (Tyche Table II)
            skiff-native also through `skiff bench`, for its per-stage breakdown
+  ablation i10's mechanisms added one by one: lanes only, + caravans, (i10 Fig. 10)
+           + delayed doorbells, + adaptive control; 1 and 2 jobs (a lane per core) x QD 128
 
 Placement models two machines by default: every server (skiff serve, nbdkit, qemu-nbd,
 iperf3 -s) runs under `taskset -c 1`, every client (fio, skiff bench, iperf3 -c) under
@@ -61,19 +64,38 @@ SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit", "qemu-nbd"]
 # one process and share one lane per core (the engine's shared_lanes=), so the caravans carry
 # many jobs' requests as in the paper. Chosen with --systems.
 SHARED = ["--thread", f"--shared_lanes={os.cpu_count()}"]
+# The static levels wait at most Tyche's max_delay (5 ms, section VI.D) for their caravan to fill,
+# as in the paper's Figures 5 and 7 (skiff's own default is i10's 50 µs).
+TYCHE_MAX_DELAY = "--doorbell_us=5000"
 BATCHING_VARIANTS = {
     "skiff-native-off": SHARED + ["--batching=off"],
-    "skiff-native-b2": SHARED + ["--aggregation=2"],
-    "skiff-native-b8": SHARED + ["--aggregation=8"],
-    "skiff-native-b64": SHARED + ["--aggregation=64", "--aggregation_bytes=262144"],
+    "skiff-native-b2": SHARED + ["--aggregation=2", TYCHE_MAX_DELAY],
+    "skiff-native-b8": SHARED + ["--aggregation=8", TYCHE_MAX_DELAY],
+    "skiff-native-b64": SHARED + ["--aggregation=64", "--aggregation_bytes=262144", TYCHE_MAX_DELAY],
     "skiff-native-adaptive": SHARED + ["--batching=adaptive"],
 }
+# Tyche's Figure 8 compares its adaptive batching with no batching, both on shared lanes.
+SIZES_PAIR = ["skiff-native-adaptive", "skiff-native-off"]
+# i10's Figure 10: its mechanisms added one at a time, a lane (fio job) of its own per core.
+# fio hands the engine up to 16 requests per commit in every step, as a block layer hands a
+# driver what queued up meanwhile; without that, fio commits one request at a time and a
+# caravan sent at once could only ever hold one.
+ABLATION_SUBMIT = ["--iodepth_batch_submit=16", "--iodepth_batch_complete_min=1"]
+ABLATION_VARIANTS = {
+    "skiff-lanes": ABLATION_SUBMIT + ["--batching=off"],  # lanes only: every request on its own
+    # + caravans: sent when 16 requests or 64 KiB are in, or when fio waits for completions;
+    # never on a timer (a doorbell delay of 0 would send each request on its own).
+    "skiff-caravans": ABLATION_SUBMIT + ["--doorbell_us=1000000"],
+    "skiff-doorbells": ABLATION_SUBMIT,  # + delayed doorbells (16 requests, 64 KiB or 50 µs): the default
+    "skiff-adaptive": ABLATION_SUBMIT + ["--batching=adaptive"],  # + adaptive control of size and delay
+}
+VARIANTS = {**BATCHING_VARIANTS, **ABLATION_VARIANTS}
 # At QD 1 this system is also measured with skiff's own client, whose JSON has the per-stage
 # breakdown (Tyche Table II); those records carry "client": SKIFF_BENCH.
 STAGES_SYSTEM = "skiff-native"
 SKIFF_BENCH = "skiff bench"
 QUICK_SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit"]
-EXPERIMENTS = ["load", "mix", "threads", "sizes", "qd1"]
+EXPERIMENTS = ["load", "mix", "threads", "sizes", "qd1", "ablation"]
 ENGINE = "target/fio/skiff-engine.so"
 
 
@@ -102,6 +124,8 @@ COLORS.update({"skiff-native-off": "#7f7f7f", "skiff-native-b2": "#bcbd22", "ski
                "skiff-native-b64": "#9467bd", "skiff-native-adaptive": "#8c564b"})
 MARKERS.update({"skiff-native-off": "x", "skiff-native-b2": "v", "skiff-native-b8": "<",
                 "skiff-native-b64": ">", "skiff-native-adaptive": "*"})
+COLORS.update({"skiff-lanes": "#c6dbef", "skiff-caravans": "#6baed6", "skiff-doorbells": "#2171b5",
+               "skiff-adaptive": "#08306b"})
 
 
 def log(msg):
@@ -200,12 +224,12 @@ def start_target(system, a, scratch):
     skiff bench's in-process target, so that it can be placed)."""
     port = free_port()
     pin = a.pl.server
-    if system == "skiff-native" or system in BATCHING_VARIANTS:
+    if system == "skiff-native" or system in VARIANTS:
         nbd_port = free_port()
         srv = Server(pin([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--nbd", f"127.0.0.1:{nbd_port}",
                           "--export", "vol=ram:1G"]), port)
         t = Target(system, srv, [f"--ioengine=external:{a.engine}", f"--target=127.0.0.1:{port}",
-                                 "--export=vol"] + BATCHING_VARIANTS.get(system, []), "fio skiff engine")
+                                 "--export=vol"] + VARIANTS.get(system, []), "fio skiff engine")
         t.precondition_uri = f"nbd://127.0.0.1:{nbd_port}/vol"
         t.native_addr = f"127.0.0.1:{port}"
         return t
@@ -398,8 +422,13 @@ def from_skiff_bench(r):
 
 def runners(exp, systems):
     """What is measured at each point of `exp`: (system, client) pairs, client None for fio. At
-    QD 1, skiff-native is measured a second time with `skiff bench`, for its stages."""
-    out = [(s, None) for s in systems]
+    QD 1, skiff-native is measured a second time with `skiff bench`, for its stages. The ablation
+    runs its own variants, and only it; `sizes` adds Tyche's pair (adaptive, batching off)."""
+    if exp == "ablation":
+        return [(s, None) for s in ABLATION_VARIANTS]
+    out = [(s, None) for s in systems if s not in ABLATION_VARIANTS]
+    if exp == "sizes":
+        out += [(s, None) for s in SIZES_PAIR if s not in systems]
     if exp == "qd1" and STAGES_SYSTEM in systems:
         out.append((STAGES_SYSTEM, SKIFF_BENCH))
     return out
@@ -423,18 +452,21 @@ def plan(a):
     p["load"] = [({"rw": rw, "qd": qd}, dict(rw=rw, qd=qd))
                  for rw in (["randread", "randwrite"])
                  for qd in ([1, 16, 128] if q and rw == "randread" else [1, 128] if q else pow2(1, 256))]
-    p["mix"] = [({"rw": "randrw", "read_pct": r, "qd": 32},
-                 dict(rw="randread" if r == 100 else "randwrite" if r == 0 else "randrw", qd=32,
+    p["mix"] = [({"rw": "randrw", "read_pct": r, "qd": 128},
+                 dict(rw="randread" if r == 100 else "randwrite" if r == 0 else "randrw", qd=128,
                       rwmixread=None if r in (0, 100) else r))
                 for r in ([0, 50, 100] if q else [0, 30, 50, 70, 100])]
     p["threads"] = [({"rw": rw, "numjobs": n, "qd": 4}, dict(rw=rw, qd=4, numjobs=n))
                     for rw in (["randread"] if q else ["randread", "randwrite"])
-                    for n in ([1, 4, 16] if q else pow2(1, 64))]
+                    for n in ([1, 4, 16] if q else pow2(1, 128))]
     p["sizes"] = [({"rw": "randread", "numjobs": 32, "qd": 4, "streams": a.streams,
                     "interval_s": a.interval}, None)]
     p["qd1"] = [({"rw": rw, "bs": bs, "qd": 1}, dict(rw=rw, bs=bs, qd=1))
                 for rw in (["randread"] if q else ["randread", "randwrite"])
                 for bs in (["4k", "64k"] if q else ["4k", "8k", "64k", "128k"])]
+    p["ablation"] = [({"rw": rw, "numjobs": n, "qd": 128}, dict(rw=rw, qd=128, numjobs=n))
+                     for rw in (["randread"] if q else ["randread", "randwrite"])
+                     for n in (1, 2)]
     return p
 
 
@@ -447,13 +479,13 @@ def run_estimate(a, exp):
 
 
 def run_sizes(target, a, logdir):
-    """32 jobs x QD 4 of 4 KiB reads for the whole run, plus one 128 KiB stream (QD 4) added at
-    every interval; per-interval throughput from fio's bandwidth logs."""
+    """32 jobs x QD 4 of 4 KiB reads for the whole run, plus one 128 KiB reader (QD 1, as
+    Tyche's) added at every interval; per-interval throughput from fio's bandwidth logs."""
     T, S = a.interval, a.streams
     total = T * (S + 1)
     extra = []
     for k in range(1, S + 1):
-        extra.append(["--new_group", f"--name=stream{k}", "--rw=randread", "--bs=128k", "--iodepth=4",
+        extra.append(["--new_group", f"--name=stream{k}", "--rw=randread", "--bs=128k", "--iodepth=1",
                       "--numjobs=1", f"--startdelay={k * T}", f"--runtime={total - k * T}"])
     # --new_group belongs to the job it follows on fio's command line: place it after --name.
     extra = [[e[1], e[0]] + e[2:] for e in extra]
@@ -531,6 +563,8 @@ def point_label(exp, pt):
         return f"{pt['rw']} {pt['bs'].upper()}iB"
     if exp == "sizes":
         return f"32x4 KiB + {pt['streams']} x 128 KiB"
+    if exp == "ablation":
+        return f"{pt['rw']} {pt['numjobs']} job{'s' if pt['numjobs'] > 1 else ''} x QD {pt['qd']}"
     return str(pt)
 
 
@@ -540,15 +574,18 @@ def same_point(r, s):
 
 EXPLAIN = {
     "load": ("Load sweep (i10 Fig. 6)", "4 KiB random, one fio job, queue depth 1 to 256."),
-    "mix": ("Read/write mix (i10 Fig. 8)", "4 KiB random, one fio job, QD 32, read share 0 to 100%."),
-    "threads": ("Thread sweep (Tyche Fig. 5)",
+    "mix": ("Read/write mix (i10 Fig. 8)", "4 KiB random, one fio job, QD 128, read share 0 to 100%."),
+    "threads": ("Thread sweep (Tyche Fig. 5 and 7)",
                 "4 KiB random, N fio jobs x QD 4. skiff-native, skiff-nbd and the peers: each job a process "
                 "with its own connection (lane). skiff-native-off/-b2/-b8/-b64/-adaptive: the jobs are "
                 "threads of one fio process sharing one lane per core (engine option shared_lanes), with "
-                "batching off, static 2/8/64 requests per caravan, or Tyche's adaptive controller."),
+                "batching off, static 2/8/64 requests per caravan waiting at most Tyche's max_delay of "
+                "5 ms, or the adaptive controller."),
     "sizes": ("Mixed sizes over time (Tyche Fig. 8)",
-              "32 jobs x QD 4 of 4 KiB random reads for the whole run; one more 128 KiB random-read stream "
-              "(QD 4) starts every interval (fio startdelay). The table gives the whole run; the phase "
+              "32 jobs x QD 4 of 4 KiB random reads for the whole run; one more 128 KiB random reader at "
+              "QD 1 starts every interval (fio startdelay). skiff-native-adaptive and skiff-native-off are "
+              "Tyche's pair: adaptive batching and no batching, both on shared lanes. The table gives the "
+              "whole run; the phase "
               "table averages fio's 0.5 s bandwidth-log windows within each phase (first window of a phase "
               "skipped). IOPS is the 4 KiB group's; MB/s and link utilisation count all payload; CPU and "
               "ctx per I/O count every I/O of both sizes."),
@@ -556,6 +593,14 @@ EXPLAIN = {
             "One job, one outstanding I/O, random, end-to-end latency (fio's submission-to-completion `lat`) "
             "and CPU per I/O. skiff-native is also measured with `skiff bench` (one thread, same server, "
             "export and runtime), which times each stage on both sides: the per-stage table below."),
+    "ablation": ("i10's mechanisms one by one (i10 Fig. 10)",
+                 "4 KiB random, N fio jobs (a lane each, one per core) x QD 128 through skiff's engine: "
+                 "fio commits up to 16 requests at a time in every step (iodepth_batch_submit=16). "
+                 "skiff-lanes sends every request on its own; skiff-caravans gathers requests into caravans "
+                 "sent when 16 requests or 64 KiB are in or when fio waits for completions, never on a timer "
+                 "(doorbell_us=1000000); skiff-doorbells adds the delayed doorbell's timer (50 µs: skiff's "
+                 "default); skiff-adaptive lets the adaptive controller "
+                 "set caravan size and delay. The step table gives each step's IOPS gain over the one before."),
 }
 
 
@@ -676,6 +721,22 @@ def write_report(outdir, a, meta, records, plots):
                     L.append(f"| {r['system']} | {ph['streams']} | {ph['small_iops']:,.0f} | "
                              f"{ph['big_bytes_s'] / 1e6:,.0f} | {tot / 1e6:,.0f} | {util} |")
             L.append("")
+        if exp == "ablation":
+            L.append("Each step against the one before it:\n")
+            L.append("| point | step | IOPS | gain | CPU µs/I/O (sum) |")
+            L.append("|---|---|---:|---:|---:|")
+            for pt in dict.fromkeys(json.dumps(r["point"], sort_keys=True) for r in recs):
+                prev = None
+                for name in ABLATION_VARIANTS:
+                    r = next((x for x in recs if x["system"] == name
+                              and json.dumps(x["point"], sort_keys=True) == pt), None)
+                    if r is None:
+                        continue
+                    gain = f"{r['iops'] / prev['iops'] - 1:+.0%}" if prev and prev["iops"] else "-"
+                    L.append(f"| {point_label(exp, r['point'])} | {name} | {fmt(r['iops'])} | {gain} | "
+                             f"{fmt(r.get('total_cpu_us_per_io'), 2)} |")
+                    prev = r
+            L.append("")
         if exp == "qd1":
             L += stages_table([r for r in records if r["experiment"] == exp and from_skiff_bench(r)],
                               plots.get("qd1-stages", []))
@@ -788,7 +849,7 @@ def plot_all(outdir, a, meta, records):
             ax.set_xticks(sorted({r["point"]["read_pct"] for r in recs}))
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-        fig.suptitle(f"Read/write mix: 4 KiB random, 1 job, QD 32 ({sub})")
+        fig.suptitle(f"Read/write mix: 4 KiB random, 1 job, QD {recs[0]['point']['qd']} ({sub})")
         save(fig, "mix.png", "mix")
 
     # Thread sweep: IOPS and CPU per I/O against jobs, one figure per direction.
@@ -809,8 +870,9 @@ def plot_all(outdir, a, meta, records):
 
     # Mixed sizes over time.
     recs = ok("sizes")
+    link = meta.get("link", {}).get("bytes_per_s")
     if recs:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        fig, axes = plt.subplots(1, 3 if link else 2, figsize=(18 if link else 12, 4.6))
         T = recs[0]["point"]["interval_s"]
         S = recs[0]["point"]["streams"]
         for r in sorted(recs, key=lambda r: systems.index(r["system"])):
@@ -819,6 +881,11 @@ def plot_all(outdir, a, meta, records):
             xs = [i["t_s"] for i in iv]
             line(axes[0], xs, [i["small_iops"] for i in iv], s)
             line(axes[1], xs, [i["big_bytes_s"] / 1e6 for i in iv], s)
+            if link:
+                line(axes[2], xs, [100 * (i["small_iops"] * 4096 + i["big_bytes_s"]) / link for i in iv], s)
+        if link:
+            axes[2].set_ylabel("payload bytes/s, % of the bulk TCP stream")
+            axes[2].set_title("Link utilisation (Tyche Fig. 8)")
         for ax in axes:
             for k in range(1, S + 1):
                 ax.axvline(k * T, color="grey", linestyle="--", linewidth=0.8)
@@ -831,9 +898,37 @@ def plot_all(outdir, a, meta, records):
         axes[0].set_title("4 KiB reads")
         axes[1].set_ylabel("128 KiB streams, MB/s")
         axes[1].set_title("128 KiB reads (all streams)")
-        fig.suptitle(f"Mixed sizes over time: 32x4 KiB + 1 x 128 KiB stream per {T} s "
+        fig.suptitle(f"Mixed sizes over time: 32x4 KiB + one 128 KiB reader (QD 1) more every {T} s "
                      f"({machine_title}, fio, 0.5 s windows)")
         save(fig, "sizes.png", "sizes")
+
+    # The ablation: IOPS and CPU per I/O of each step, a group of bars per point.
+    recs = ok("ablation")
+    if recs:
+        pts = list(dict.fromkeys(json.dumps(r["point"], sort_keys=True) for r in recs))
+        steps = list(ABLATION_VARIANTS)
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        width = 0.8 / len(steps)
+        for i, name in enumerate(steps):
+            got = [next((r for r in recs if r["system"] == name and json.dumps(r["point"], sort_keys=True) == pt),
+                        None) for pt in pts]
+            xs = [g + (i - (len(steps) - 1) / 2) * width for g in range(len(pts))]
+            axes[0].bar(xs, [r["iops"] if r else 0 for r in got], width, color=COLORS.get(name), label=name)
+            axes[1].bar(xs, [(r.get("total_cpu_us_per_io") or 0) if r else 0 for r in got], width,
+                        color=COLORS.get(name), label=name)
+        labels = [point_label("ablation", json.loads(pt)).replace(" x ", "\nx ") for pt in pts]
+        for ax in axes:
+            ax.set_xticks(range(len(pts)))
+            ax.set_xticklabels(labels, fontsize=8)
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0].set_ylabel("IOPS")
+        axes[0].yaxis.set_major_formatter(kfmt)
+        axes[0].set_title("Throughput")
+        axes[1].set_ylabel("CPU µs per I/O, fio client + server")
+        axes[1].set_title("CPU per I/O")
+        fig.suptitle(f"i10's mechanisms one by one (i10 Fig. 10; {sub})")
+        save(fig, "ablation.png", "ablation")
 
     # QD 1 latency and CPU by size.
     recs = ok("qd1")
@@ -975,12 +1070,14 @@ def main():
 
     systems = a.systems.split(",") if a.systems else (QUICK_SYSTEMS if a.quick else SYSTEMS)
     for s in systems:
-        if s not in SYSTEMS and s not in BATCHING_VARIANTS:
-            raise SystemExit(f"unknown system {s}: choose from {','.join(SYSTEMS + list(BATCHING_VARIANTS))}")
+        if s not in SYSTEMS and s not in VARIANTS:
+            raise SystemExit(f"unknown system {s}: choose from {','.join(SYSTEMS + list(VARIANTS))}")
     exps = a.experiments.split(",")
     for e in exps:
         if e not in EXPERIMENTS:
             raise SystemExit(f"unknown experiment {e}: choose from {','.join(EXPERIMENTS)}")
+    # Servers to start: the systems asked for, and what experiments add of their own (runners).
+    servers = list(dict.fromkeys(systems + [s for e in exps for s, _ in runners(e, systems)]))
     a.skiff, a.engine = os.path.abspath(a.skiff), os.path.abspath(a.engine)
     a.pl = Placement.from_args(a)  # refuses a placement this machine cannot give
     reps_text = (f"{a.repeat} repetitions per point, median reported" if a.repeat > 1 else
@@ -993,10 +1090,10 @@ def main():
         n = sum(len(pl[e]) for e in exps)
         total = sum(len(runners(e, systems)) for e in exps for _ in pl[e]) * a.repeat
         est = sum(run_estimate(a, e) * len(runners(e, systems)) for e in exps for _ in pl[e]) * a.repeat
-        log(f"{len(systems)} systems x {n} points x {a.repeat} repetition{'s' if a.repeat > 1 else ''} = {total} runs, "
+        log(f"{len(servers)} systems x {n} points x {a.repeat} repetition{'s' if a.repeat > 1 else ''} = {total} runs, "
             f"about {est / 60 + 0.5:.1f} min")
         return 0
-    ensure_needs(a, systems)
+    ensure_needs(a, servers)
     # SIGTERM unwinds like Ctrl-C, through the finally that stops every server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -1004,7 +1101,7 @@ def main():
     outdir = os.path.join(a.out, started)
     os.makedirs(outdir, exist_ok=True)
     meta = {"started": started, "command": " ".join(["python3"] + sys.argv), "quick": a.quick,
-            "runtime_s": a.runtime, "systems": systems, "experiments": exps, "machine": machine(),
+            "runtime_s": a.runtime, "systems": servers, "experiments": exps, "machine": machine(),
             "versions": versions(), "placement": a.pl.record(), "repeat": a.repeat}
     try:
         meta["skiff_git"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
@@ -1020,7 +1117,7 @@ def main():
     runs = [(e, pt, kw) for e in exps for pt, kw in pl[e]]
     total_runs = sum(len(runners(e, systems)) for e, _, _ in runs) * a.repeat
     est = sum(run_estimate(a, e) * len(runners(e, systems)) for e, _, _ in runs) * a.repeat
-    log(f"skiff suite -> {outdir}: {len(systems)} systems x {len(runs)} points x {a.repeat} "
+    log(f"skiff suite -> {outdir}: {len(servers)} systems x {len(runs)} points x {a.repeat} "
         f"repetition{'s' if a.repeat > 1 else ''} = "
         f"{total_runs} runs, about {est / 60 + 0.5:.1f} min; placement {a.pl.describe()}")
 
@@ -1040,7 +1137,7 @@ def main():
         if "qemu-nbd" in systems:
             scratch, scratch_dir = make_scratch()
             meta["qemu_nbd_file_dir"] = scratch_dir
-        for s in systems:
+        for s in servers:
             t0 = time.time()
             t = start_target(s, a, scratch.name if scratch else None)
             targets[s] = t
