@@ -261,14 +261,15 @@ def precondition(uri, placement=UNPINNED):
                    check=True, capture_output=True)
 
 
-def run_fio(system, a, rw, qd, scratch):
+def run_fio(system, a, rw, qd, scratch, extra=()):
     server, uri = start_nbd_server(system, a, scratch)
     try:
         precondition(uri, a.pl)
         server.cpu0 = cpu_s(server.proc.pid)
         out = subprocess.run(a.pl.client(
             ["fio", f"--name={system}", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={a.bs}",
-             f"--iodepth={qd}", f"--runtime={a.runtime}", "--time_based", "--size=1G", "--output-format=json"]),
+             f"--iodepth={qd}", f"--runtime={a.runtime}", "--time_based", "--size=1G", "--output-format=json",
+             *extra]),
             check=True, capture_output=True, text=True).stdout
         server_cpu = server.cpu()
     finally:

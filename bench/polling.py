@@ -14,6 +14,10 @@ from bench's JSON (its lane threads, and the target's threads from STATS), nbdki
 
     python3 bench/polling.py                              # apart, QD 1/32/128, 3 rounds of 5 s
     python3 bench/polling.py --placements apart,same,none --qds 1,32,128
+    python3 bench/polling.py --qds 1 --rate 2000          # a light open-loop load: 2000 I/Os a second
+
+With --rate both clients start that many I/Os a second (skiff bench --rate, fio --rate_iops)
+instead of keeping the queue full: the case where a fixed spin burns CPU for nothing.
 Writes bench/results/polling-<time>.json and a plot beside it, and prints Markdown tables.
 """
 import argparse
@@ -35,13 +39,14 @@ def log(msg):
 
 
 def run_skiff(a, pl, mode, qd):
+    rate = ["--rate", str(a.rate)] if a.rate else []
     port = compare.free_port()
     server = compare.Server(pl.server([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--workers", "1",
                                        "--export", "vol=ram:1G", "--poll", mode]), port)
     try:
         out = subprocess.run(pl.client([a.skiff, "bench", "--target", f"127.0.0.1:{port}", "--export", "vol",
                                         "--rw", "randread", "--qd", str(qd), "--duration", f"{a.runtime}s",
-                                        "--poll", mode, "--json"]),
+                                        "--poll", mode, "--json", *rate]),
                              check=True, capture_output=True, text=True).stdout
     finally:
         server.stop()
@@ -67,7 +72,8 @@ class FioArgs:
 
 
 def run_nbdkit(a, pl, qd):
-    r = compare.run_fio("nbdkit", FioArgs(pl, a.runtime), "randread", qd, None)
+    extra = [f"--rate_iops={a.rate}"] if a.rate else []
+    r = compare.run_fio("nbdkit", FioArgs(pl, a.runtime), "randread", qd, None, extra)
     r["lat_mean_us"] = r.pop("lat_submit_mean_us")  # submission to completion, like skiff bench
     return r
 
@@ -103,7 +109,8 @@ def cells(records):
 def table(records, placement, a):
     c = cells(records)
     where = next(r["where"] for r in records if r["placement"] == placement)
-    out = [f"### {where}; median of {a.repeat}, {a.runtime} s per run", "",
+    load = f"; open loop, {a.rate:,} I/Os a second" if a.rate else ""
+    out = [f"### {where}; median of {a.repeat}, {a.runtime} s per run{load}", "",
            "| QD | system | IOPS | mean µs | × nbdkit latency | CPU µs/I/O client + server | total | × nbdkit CPU |"
            " of QD 128 IOPS |",
            "|---:|---|---:|---:|---:|---|---:|---:|---:|"]
@@ -171,6 +178,7 @@ def main():
     p.add_argument("--qds", default="1,32,128")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--runtime", type=int, default=5, help="seconds per run")
+    p.add_argument("--rate", type=int, help="I/Os per second each client starts (open loop); default: a full queue")
     p.add_argument("--out", default="bench/results")
     a = p.parse_args()
     a.qds = [int(q) for q in a.qds.split(",")]
@@ -183,7 +191,7 @@ def main():
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = os.path.join(a.out, f"polling-{stamp}.json")
     with open(path, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "repeat": a.repeat, "runtime_s": a.runtime,
+        json.dump({"command": " ".join(sys.argv), "repeat": a.repeat, "runtime_s": a.runtime, "rate": a.rate,
                    "placements": [pl.record() for pl in placements], "records": records}, f, indent=1)
     for pl in placements:
         print(table(records, pl.mode, a))

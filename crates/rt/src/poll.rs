@@ -14,9 +14,10 @@
 //!   at most the mode's bound);
 //! - it sleeps through the predictable part of a wait too long to spin through (a timed sleep
 //!   until a wake-up cost and a margin before the wait's expected end, then a short spin);
-//! - it stops spinning while spinning does not pay: over each window of spins, the time spent
-//!   spinning in vain must not exceed the wake-ups that spinning saved. Then it sleeps at once
-//!   for a stretch of waits (doubling while spinning keeps failing) before it tries again.
+//! - it stops spinning while spinning does not pay, which is its CPU bound: over each window of
+//!   spins, all the time spent spinning (in vain or not) must not exceed the wake-ups that
+//!   spinning saved, each worth the measured cost of a wake-up. Then it sleeps at once for a
+//!   stretch of waits (doubling while spinning keeps failing) before it tries again.
 //!
 //! [`Waiter`] is the policy alone, with no clock: its caller measures and reports each wait,
 //! so the policy is tested on a virtual clock (the tests below). [`wait`] drives one wait with
@@ -156,10 +157,10 @@ pub struct Waiter {
     short_share: Ewma,
     /// What a wake-up from a sleep costs, as timed sleeps overshoot.
     wake_cost: Ewma,
-    // The current window: spins, wake-ups they saved, and time spun in vain.
+    // The current window: spins, wake-ups they saved, and the time they took.
     window_spins: u32,
     window_caught: u32,
-    window_wasted_ns: u64,
+    window_spun_ns: u64,
     /// Waits left that sleep at once, and the length of the next such stretch.
     hold_off_left: u32,
     hold_off_next: u32,
@@ -188,7 +189,7 @@ impl Waiter {
             wake_cost: Ewma(WAKE_COST_GUESS_NS),
             window_spins: 0,
             window_caught: 0,
-            window_wasted_ns: 0,
+            window_spun_ns: 0,
             hold_off_left: 0,
             hold_off_next: HOLD_OFF_MIN,
             stats: WaitStats::default(),
@@ -226,7 +227,7 @@ impl Waiter {
         // Long waits: sleep until a wake-up and a margin before one is expected to end, then
         // spin across the margin (twice it, for the spread of the wait and of the wake-up).
         let expected = self.long.0;
-        let margin = (expected / 16).max(SPIN_MIN_NS);
+        let margin = (expected / 32).max(SPIN_MIN_NS);
         let spin_ns = (2 * margin).min(bound_ns.max(SPIN_MIN_NS));
         let sleep_ns = expected.saturating_sub(self.wake_cost.0 + margin);
         if sleep_ns < SLEEP_MIN_NS {
@@ -278,10 +279,13 @@ impl Waiter {
             Ended::Spinning if !o.preempted => {
                 self.stats.caught += 1;
                 self.window_caught += 1;
+                // Even a spin that catches costs its time: worth it only when shorter than the
+                // wake-up it saves.
+                self.window_spun_ns += o.spun_ns;
             }
             Ended::Spinning | Ended::Blocked => {
                 self.stats.missed += 1;
-                self.window_wasted_ns += o.spun_ns;
+                self.window_spun_ns += o.spun_ns;
             }
             // The event came early, before any spin: says nothing of spinning.
             Ended::Sleeping | Ended::Immediately => return,
@@ -292,10 +296,10 @@ impl Waiter {
         }
     }
 
-    /// Spinning pays when the wake-ups it saved outweigh the time it spun in vain.
+    /// Spinning pays when the wake-ups it saved outweigh all the time it spun: the CPU bound.
     fn judge_window(&mut self) {
         let saved_ns = u64::from(self.window_caught) * self.wake_cost.0;
-        if self.window_wasted_ns > saved_ns {
+        if self.window_spun_ns > saved_ns {
             self.hold_off_left = self.hold_off_next;
             self.hold_off_next = (self.hold_off_next * 2).min(HOLD_OFF_MAX);
         } else {
@@ -303,7 +307,7 @@ impl Waiter {
         }
         self.window_spins = 0;
         self.window_caught = 0;
-        self.window_wasted_ns = 0;
+        self.window_spun_ns = 0;
     }
 }
 

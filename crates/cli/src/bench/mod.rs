@@ -56,6 +56,10 @@ pub struct BenchArgs {
     lanes: usize,
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     duration: Duration,
+    /// Open loop: start this many I/Os per second in all (each thread its share, evenly
+    /// spaced) instead of keeping every queue full; --qd bounds what may be in flight.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    rate: Option<u64>,
     /// Bytes of the export to use (default: all of it).
     #[arg(long, value_parser = parse_size)]
     size: Option<u64>,
@@ -278,6 +282,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         verify: args.verify,
         warm: args.warm,
         seed: args.seed,
+        pace: args.rate.map(|rate| Duration::from_secs_f64(args.threads as f64 / rate as f64)),
     };
     fn spawn<Q: workload::BenchQueue + 'static>(
         t: usize,

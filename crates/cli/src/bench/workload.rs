@@ -90,6 +90,9 @@ pub struct Workload {
     /// Read the whole region once before the timed phase.
     pub warm: bool,
     pub seed: u64,
+    /// Open loop: start an I/O every this long (each thread its share of `--rate`), whatever
+    /// is in flight; `None` keeps the queue full.
+    pub pace: Option<Duration>,
 }
 
 /// What one thread measured in its timed phase (and, for verification, around it).
@@ -232,6 +235,9 @@ impl<Q: BenchQueue> Runner<'_, Q> {
     }
 
     fn timed(&mut self, phases: &Phases) -> Result<(), initiator::Error> {
+        if let Some(pace) = self.w.pace {
+            return self.timed_paced(phases, pace);
+        }
         let deadline = Instant::now() + self.w.duration;
         let mut unreported = 0u64;
         while Instant::now() < deadline {
@@ -251,6 +257,44 @@ impl<Q: BenchQueue> Runner<'_, Q> {
         }
         self.drain()?;
         phases.ios_done.fetch_add(unreported, Relaxed);
+        Ok(())
+    }
+
+    /// The open loop of `--rate`: one I/O every `pace`, on time (a tick missed is skipped, not
+    /// made up in a burst); completions are reaped as they come, waited for only when every
+    /// slot is busy. The thread sleeps between ticks, so a light load shows what each side's
+    /// waiting costs.
+    fn timed_paced(&mut self, phases: &Phases, pace: Duration) -> Result<(), initiator::Error> {
+        rt::poll::tight_timer_slack();
+        let start = Instant::now();
+        let deadline = start + self.w.duration;
+        let mut next = start;
+        let mut ios = 0u64;
+        while next < deadline {
+            let now = Instant::now();
+            if now < next {
+                std::thread::sleep(next - now);
+            }
+            next = (next + pace).max(Instant::now());
+            if self.free.is_empty() {
+                self.lane.wait(1, &mut self.done)?;
+                ios += self.complete_all() as u64;
+            }
+            let i = self.free.pop().expect("a slot is free after the wait");
+            match self.choose() {
+                Some((op, block)) => self.submit(i, op, block)?,
+                None => self.free.push(i),
+            }
+            // Reap what is due now; at QD 1 that is the I/O just sent, so wait for it.
+            if self.free.is_empty() {
+                self.lane.wait(1, &mut self.done)?;
+            } else {
+                self.lane.poll(&mut self.done)?;
+            }
+            ios += self.complete_all() as u64;
+        }
+        self.drain()?;
+        phases.ios_done.fetch_add(ios, Relaxed);
         Ok(())
     }
 
