@@ -96,6 +96,23 @@ fn bench_on_the_embedded_default_verifies_and_reports_json() {
 }
 
 #[test]
+fn bench_at_a_rate_starts_no_more_than_asked_with_adaptive_polling() {
+    let out = skiff()
+        .args(["bench", "--duration", "1s", "--size", "16M", "--verify", "--json", "--qd", "4"])
+        .args(["--rate", "400", "--poll", "adaptive"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let v = json(&out);
+    assert_eq!((v["verify_errors"].as_u64(), v["io_errors"].as_u64()), (Some(0), Some(0)), "{v}");
+    // One I/O per 2.5 ms tick over a timed second: at most 400 (and the tick at 0), never a burst.
+    let ios = v["ios"].as_u64().unwrap();
+    assert!((1..=401).contains(&ios), "{ios} I/Os at --rate 400 for 1 s: {v}");
+    assert_eq!(v["poll"], "adaptive:50", "{v}");
+    assert!(v["client_poll"]["waits"].as_u64().unwrap() > 0, "every reply was waited for by the policy: {v}");
+}
+
+#[test]
 fn bench_through_shared_lanes_verifies_in_every_batching_mode() {
     for batching in ["off", "static:8", "adaptive"] {
         let out = skiff()
