@@ -59,6 +59,11 @@ struct Borrowed {
 }
 
 impl TxBuf {
+    /// A buffer with room for `len` owned bytes from the start.
+    pub fn with_room(len: usize) -> TxBuf {
+        TxBuf { buf: vec![0; len], ..TxBuf::default() }
+    }
+
     pub fn pending(&self) -> usize {
         self.len - self.sent + self.borrowed_bytes - self.borrowed_sent
     }
@@ -321,7 +326,13 @@ pub(crate) enum ReadOutcome {
 impl Conn {
     pub fn new(stream: Stream, protocol: Protocol, ticket: Arc<Ticket>, shared: &Shared) -> Conn {
         let peer = stream.peer();
-        let mut tx = TxBuf::default();
+        // Room from the start for a completion caravan as large as a lane may have in flight,
+        // so that the first pass to answer more requests at once than any before it does not
+        // grow the buffer on the data path (tests/tests/attach_fuse_no_alloc.rs caught one).
+        let depth = shared.config.bounds.limits.queue_depth as usize;
+        let mut tx = TxBuf::with_room(
+            (wire::header::HEADER_LEN + depth * wire::caravan::COMPLETION_DESC_LEN).next_power_of_two(),
+        );
         let kind = match (protocol, &shared.nbd) {
             (Protocol::Nbd, Some(config)) => {
                 let mut greeting = Vec::new();
