@@ -783,6 +783,23 @@ def plot_all(outdir, a, meta, records):
         plt.close(fig)
         plots.setdefault(exp, []).append(name)
 
+    def grouped_bars(axes, labels, series, fontsize=None):
+        """Two panels of bar groups, one group per label and one bar per series in each:
+        `series` is [(name, [(left value, right value) per label])]. A series with nothing to
+        show keeps its slot, so every system sits at the same offset in every plot."""
+        width = 0.8 / max(1, len(series))
+        for i, (name, vals) in enumerate(series):
+            if not any(left for left, _ in vals):
+                continue
+            xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(labels))]
+            axes[0].bar(xs, [v[0] for v in vals], width, color=COLORS.get(name), label=name)
+            axes[1].bar(xs, [v[1] for v in vals], width, color=COLORS.get(name), label=name)
+        for ax in axes:
+            ax.set_xticks(range(len(labels)))
+            ax.set_xticklabels(labels, fontsize=fontsize)
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
+
     def pow2_axis(ax, vals):
         ax.set_xscale("log", base=2)
         ax.set_xticks(vals)
@@ -908,20 +925,13 @@ def plot_all(outdir, a, meta, records):
         pts = list(dict.fromkeys(json.dumps(r["point"], sort_keys=True) for r in recs))
         steps = list(ABLATION_VARIANTS)
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-        width = 0.8 / len(steps)
-        for i, name in enumerate(steps):
+        series = []
+        for name in steps:
             got = [next((r for r in recs if r["system"] == name and json.dumps(r["point"], sort_keys=True) == pt),
                         None) for pt in pts]
-            xs = [g + (i - (len(steps) - 1) / 2) * width for g in range(len(pts))]
-            axes[0].bar(xs, [r["iops"] if r else 0 for r in got], width, color=COLORS.get(name), label=name)
-            axes[1].bar(xs, [(r.get("total_cpu_us_per_io") or 0) if r else 0 for r in got], width,
-                        color=COLORS.get(name), label=name)
+            series.append((name, [(r["iops"], r.get("total_cpu_us_per_io") or 0) if r else (0, 0) for r in got]))
         labels = [point_label("ablation", json.loads(pt)).replace(" x ", "\nx ") for pt in pts]
-        for ax in axes:
-            ax.set_xticks(range(len(pts)))
-            ax.set_xticklabels(labels, fontsize=8)
-            ax.grid(True, axis="y", alpha=0.3)
-            ax.legend(fontsize=8)
+        grouped_bars(axes, labels, series, fontsize=8)
         axes[0].set_ylabel("IOPS")
         axes[0].yaxis.set_major_formatter(kfmt)
         axes[0].set_title("Throughput")
@@ -936,26 +946,13 @@ def plot_all(outdir, a, meta, records):
         rws = list(dict.fromkeys(r["point"]["rw"] for r in recs))
         sizes = sorted({r["point"]["bs"] for r in recs}, key=size_bytes)
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-        width = 0.8 / max(1, len(systems))
         groups = [(rw, bs) for rw in rws for bs in sizes]
-        for i, s in enumerate(systems):
-            lat, cpu = [], []
-            for rw, bs in groups:
-                r = next((r for r in recs if r["system"] == s and r["point"]["rw"] == rw and r["point"]["bs"] == bs),
-                         None)
-                lat.append(r["lat_mean_us"] if r else 0)
-                cpu.append(r.get("total_cpu_us_per_io") or 0 if r else 0)
-            if not any(lat):
-                continue
-            xs = [g + (i - (len(systems) - 1) / 2) * width for g in range(len(groups))]
-            axes[0].bar(xs, lat, width, color=COLORS.get(s), label=s)
-            axes[1].bar(xs, cpu, width, color=COLORS.get(s), label=s)
-        labels = [f"{rw.replace('rand', '')}\n{bs.upper()}iB" for rw, bs in groups]
-        for ax in axes:
-            ax.set_xticks(range(len(groups)))
-            ax.set_xticklabels(labels)
-            ax.grid(True, axis="y", alpha=0.3)
-            ax.legend(fontsize=8)
+        series = []
+        for s in systems:
+            got = [next((r for r in recs if r["system"] == s and r["point"]["rw"] == rw and r["point"]["bs"] == bs),
+                        None) for rw, bs in groups]
+            series.append((s, [(r["lat_mean_us"], r.get("total_cpu_us_per_io") or 0) if r else (0, 0) for r in got]))
+        grouped_bars(axes, [f"{rw.replace('rand', '')}\n{bs.upper()}iB" for rw, bs in groups], series)
         axes[0].set_ylabel("mean end-to-end latency (µs)")
         axes[0].set_title("Latency at QD 1")
         axes[1].set_ylabel("CPU µs per I/O, client + server")

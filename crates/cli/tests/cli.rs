@@ -236,6 +236,19 @@ fn bad_arguments_get_clear_errors() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--bs"));
 
+    // Polling and pacing: a bad value names itself and nothing runs.
+    for (args, says) in [
+        (&["bench", "--poll", "adaptive:0", "--duration", "1s"][..], "adaptive:0"),
+        (&["bench", "--poll", "spin", "--duration", "1s"][..], "spin"),
+        (&["bench", "--rate", "0", "--duration", "1s"][..], "--rate"),
+        (&["serve", "--poll", "hybrid:x", "--export", "vol=ram:1M"][..], "hybrid:x"),
+    ] {
+        let out = skiff().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+
     let out = skiff().args(["info", "127.0.0.1:1"]).output().unwrap();
     assert!(!out.status.success());
 }

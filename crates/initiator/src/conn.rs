@@ -141,26 +141,22 @@ impl Conn {
         if receive(self)? > 0 {
             return Ok(());
         }
+        let timeout = self.timeout;
         let mut waiter = std::mem::take(&mut self.waiter);
         let mut w = ReceiveWait { conn: self, receive, deadline, got: false };
-        let waited = rt::poll::wait(&mut waiter, &mut w);
-        let got = w.got;
-        self.waiter = waiter;
-        waited?;
-        if got {
-            return Ok(());
-        }
-        loop {
-            if receive(self)? > 0 {
+        // The policy's wait, then plain sleeps until bytes come (a wake-up may bring none:
+        // only TLS records to write, or a spurious one) or the deadline passes.
+        let result = rt::poll::wait(&mut waiter, &mut w).and_then(|_| loop {
+            if w.got || w.ready()? {
                 return Ok(());
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::TimedOut(self.timeout));
+            if Instant::now() >= deadline {
+                return Err(Error::TimedOut(timeout));
             }
-            // Ciphertext TLS could not write yet must go out before the reply can come.
-            wait_fd(self.stream.as_raw_fd(), self.stream.pending_send(), Some(left))?;
-        }
+            w.sleep(None)?;
+        });
+        self.waiter = waiter;
+        result
     }
 
     /// Wait until the socket takes more bytes, receiving whatever the peer sends meanwhile into

@@ -97,7 +97,7 @@ impl<B: IoBuf + Send> SharedLanes<B> {
     pub fn poll_stats(&self) -> rt::poll::WaitStats {
         let mut all = rt::poll::WaitStats::default();
         for l in &self.lanes {
-            all.add(&l.waiter.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).stats());
+            all.add(&l.waiter().stats());
         }
         all
     }
@@ -167,6 +167,12 @@ impl<B: IoBuf + Send> SharedLane<B> {
                 scratch,
             }),
         })
+    }
+
+    /// The receivers' polling policy: only the receiver of the moment takes it, and a panic
+    /// cannot leave it inconsistent (it is a few counters).
+    fn waiter(&self) -> MutexGuard<'_, Waiter> {
+        self.waiter.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn lock(&self) -> MutexGuard<'_, State<B>> {
@@ -247,10 +253,7 @@ impl<B: IoBuf + Send> SharedLane<B> {
                 continue;
             }
             let mut w = ReceiverWait { lane: self, st: Some(st), done: &done, deadline, caught: false };
-            let waited = {
-                let mut waiter = self.waiter.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                rt::poll::wait(&mut waiter, &mut w)
-            };
+            let waited = rt::poll::wait(&mut self.waiter(), &mut w);
             let caught = w.caught;
             st = w.st.take().unwrap_or_else(|| self.lock());
             st.receiving = false;

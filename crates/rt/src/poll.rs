@@ -92,7 +92,8 @@ pub struct Outcome {
 /// Counters of a waiter's decisions, for reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WaitStats {
-    /// Waits that had to wait (the event not there at the first look).
+    /// Waits that had to wait (the event not there at the first look); none are counted with
+    /// polling off.
     pub waits: u64,
     /// Waits whose event a spin caught (no wake-up).
     pub caught: u64,
@@ -324,8 +325,11 @@ pub trait Wait {
 /// Drive one wait by `waiter`'s plan with a real clock: a timed sleep, a spin on
 /// [`Wait::ready`], then [`Wait::sleep`] without a timeout. Returns what ended it: `true` when
 /// the event (or a wake-up) came, `false` when the final sleep ran out. An error ends the wait
-/// at once.
+/// at once. With polling off it only sleeps, reads no clock and counts nothing.
 pub fn wait<W: Wait>(waiter: &mut Waiter, w: &mut W) -> Result<bool, W::Error> {
+    if waiter.mode.is_off() {
+        return w.sleep(None);
+    }
     let plan = waiter.plan();
     let start = Instant::now();
     let mut preempted = false;
