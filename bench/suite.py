@@ -22,6 +22,10 @@ Experiments (4 KiB random unless said; docs/BENCHMARKS.md says which paper figur
            skiff-native also through `skiff bench`, for its per-stage breakdown
   ablation i10's mechanisms added one by one: lanes only, + caravans, (i10 Fig. 10)
            + delayed doorbells, + adaptive control; 1 and 2 jobs (a lane per core) x QD 128
+  stages   QD 1, 4/8/64/128 KiB, read and write, through `skiff bench` (Tyche Tables V, VI)
+           against three targets: run to completion (skiff's design), completions sent by a
+           second thread through a queue (what Tyche-NoWQ removed), and requests received by
+           a second thread and handed over (what Tyche-Rec removed): `skiff serve --stages`
 
 Placement models two machines by default: every server (skiff serve, nbdkit, qemu-nbd,
 iperf3 -s) runs under `taskset -c 1`, every client (fio, skiff bench, iperf3 -c) under
@@ -90,12 +94,16 @@ ABLATION_VARIANTS = {
     "skiff-adaptive": ABLATION_SUBMIT + ["--batching=adaptive"],  # + adaptive control of size and delay
 }
 VARIANTS = {**BATCHING_VARIANTS, **ABLATION_VARIANTS}
+# Tyche's Tables V and VI: the designs it removed, rebuilt on skiff's target (`--stages`), beside
+# skiff-native, which runs each request to completion on one thread. Measured with skiff bench.
+STAGED = {"skiff-send-thread": "send-thread", "skiff-recv-thread": "recv-thread"}
+DESIGNS = ["skiff-native", *STAGED]
 # At QD 1 this system is also measured with skiff's own client, whose JSON has the per-stage
 # breakdown (Tyche Table II); those records carry "client": SKIFF_BENCH.
 STAGES_SYSTEM = "skiff-native"
 SKIFF_BENCH = "skiff bench"
 QUICK_SYSTEMS = ["skiff-native", "skiff-nbd", "nbdkit"]
-EXPERIMENTS = ["load", "mix", "threads", "sizes", "qd1", "ablation"]
+EXPERIMENTS = ["load", "mix", "threads", "sizes", "qd1", "ablation", "stages"]
 ENGINE = "target/fio/skiff-engine.so"
 
 
@@ -126,6 +134,7 @@ MARKERS.update({"skiff-native-off": "x", "skiff-native-b2": "v", "skiff-native-b
                 "skiff-native-b64": ">", "skiff-native-adaptive": "*"})
 COLORS.update({"skiff-lanes": "#c6dbef", "skiff-caravans": "#6baed6", "skiff-doorbells": "#2171b5",
                "skiff-adaptive": "#08306b"})
+COLORS.update({"skiff-send-thread": "#fdae6b", "skiff-recv-thread": "#a63603"})
 
 
 def log(msg):
@@ -224,10 +233,11 @@ def start_target(system, a, scratch):
     skiff bench's in-process target, so that it can be placed)."""
     port = free_port()
     pin = a.pl.server
-    if system == "skiff-native" or system in VARIANTS:
+    if system == "skiff-native" or system in VARIANTS or system in STAGED:
         nbd_port = free_port()
+        stages = ["--stages", STAGED[system]] if system in STAGED else []
         srv = Server(pin([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--nbd", f"127.0.0.1:{nbd_port}",
-                          "--export", "vol=ram:1G"]), port)
+                          "--export", "vol=ram:1G"] + stages), port)
         t = Target(system, srv, [f"--ioengine=external:{a.engine}", f"--target=127.0.0.1:{port}",
                                  "--export=vol"] + VARIANTS.get(system, []), "fio skiff engine")
         t.precondition_uri = f"nbd://127.0.0.1:{nbd_port}/vol"
@@ -407,6 +417,7 @@ def measure_stages(target, a, *, rw, bs, qd):
         "server_cpu_us_per_io": server_cpu * 1e6 / ios,
         "server_stats_cpu_us_per_io": r["server_cpu_us_per_io"],
         "ctx_per_io": r["client_ctx_switches_per_io"],
+        "server_ctx_per_io": r["server_ctx_switches_per_io"],
         "client_cores": r["client_cpu_us_per_io"] * ios / 1e6 / secs,
         "server_cores": server_cpu / secs,
         # µs per I/O in each stage; at QD 1 with one thread `elsewhere` is the rest of the mean
@@ -426,6 +437,8 @@ def runners(exp, systems):
     runs its own variants, and only it; `sizes` adds Tyche's pair (adaptive, batching off)."""
     if exp == "ablation":
         return [(s, None) for s in ABLATION_VARIANTS]
+    if exp == "stages":
+        return [(s, SKIFF_BENCH) for s in DESIGNS]
     out = [(s, None) for s in systems if s not in ABLATION_VARIANTS]
     if exp == "sizes":
         out += [(s, None) for s in SIZES_PAIR if s not in systems]
@@ -464,6 +477,7 @@ def plan(a):
     p["qd1"] = [({"rw": rw, "bs": bs, "qd": 1}, dict(rw=rw, bs=bs, qd=1))
                 for rw in (["randread"] if q else ["randread", "randwrite"])
                 for bs in (["4k", "64k"] if q else ["4k", "8k", "64k", "128k"])]
+    p["stages"] = [(pt, kw) for pt, kw in p["qd1"]]
     p["ablation"] = [({"rw": rw, "numjobs": n, "qd": 128}, dict(rw=rw, qd=128, numjobs=n))
                      for rw in (["randread"] if q else ["randread", "randwrite"])
                      for n in (1, 2)]
@@ -559,7 +573,7 @@ def point_label(exp, pt):
         return f"{pt['read_pct']}% reads"
     if exp == "threads":
         return f"{pt['rw']} {pt['numjobs']} jobs"
-    if exp == "qd1":
+    if exp in ("qd1", "stages"):
         return f"{pt['rw']} {pt['bs'].upper()}iB"
     if exp == "sizes":
         return f"32x4 KiB + {pt['streams']} x 128 KiB"
@@ -641,6 +655,53 @@ def stages_table(records, plots):
         if "error" in r:
             L.append(f"| {point_label('qd1', r['point'])} | failed: {r['error'][:80]} |" + " |" * len(keys))
     L.append("")
+    return L
+
+
+DESIGNS_TEXT = (
+    "Tyche removed two hand-offs between threads from its target: completions sent by a work queue "
+    "(Tyche-NoWQ, Table V) and received requests handed to another thread (Tyche-Rec, Table VI). "
+    "`skiff serve --stages` rebuilds both on skiff's own worker: skiff-send-thread executes as usual "
+    "and queues each response caravan (copied out) to a second thread that sends it; skiff-recv-thread "
+    "has a second thread receive and queue what arrived (copied) to the worker, which executes and "
+    "sends. skiff-native runs every request to completion on one thread. All three are measured with "
+    "`skiff bench --qd 1 --threads 1` against the same export; the server's threads share its CPU, so "
+    "a hand-off is a wake-up and a context switch there. Server CPU and context switches per I/O come "
+    "from the target's STATS (every worker and stage thread), over the timed phase; \"cost\" is the "
+    "design's latency minus skiff-native's at the same point: what running to completion saves.")
+
+
+def designs_table(records, plots):
+    """The Markdown lines of the `stages` experiment: Tyche's Tables V and VI on skiff's target."""
+    recs = [r for r in records if r["experiment"] == "stages"]
+    if not recs:
+        return []
+    L = ["## Run to completion against the designs Tyche removed (Tyche Tables V and VI)\n", DESIGNS_TEXT + "\n"]
+    L += [f"![stages]({p})\n" for p in plots]
+    L.append("| point | design | IOPS | mean µs | cost µs | p99 µs | server CPU µs/I/O | server ctx/I/O | "
+             "client CPU µs/I/O | target recv | target exec | target send |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for pt in dict.fromkeys(json.dumps(r["point"], sort_keys=True) for r in recs):
+        at = {r["system"]: r for r in recs if json.dumps(r["point"], sort_keys=True) == pt}
+        base = at.get("skiff-native")
+        for name in DESIGNS:
+            r = at.get(name)
+            if r is None:
+                continue
+            label = point_label("stages", r["point"])
+            if "error" in r:
+                L.append(f"| {label} | {name} | failed: {r['error'][:80]} |" + " |" * 9)
+                continue
+            cost = (f"{r['lat_mean_us'] - base['lat_mean_us']:+.1f}" if base and "error" not in base
+                    and name != "skiff-native" else "-")
+            st = r.get("stages_us", {})
+            L.append(f"| {label} | {name} | {fmt(r['iops'])} | {fmt(r['lat_mean_us'])} | {cost} | "
+                     f"{fmt(r['lat_p99_us'])} | {fmt(r.get('server_stats_cpu_us_per_io'), 2)} | "
+                     f"{fmt(r.get('server_ctx_per_io'), 2)} | {fmt(r['client_cpu_us_per_io'], 2)} | "
+                     f"{fmt(st.get('target_recv'), 2)} | {fmt(st.get('target_exec'), 2)} | "
+                     f"{fmt(st.get('target_send'), 2)} |")
+    L.append("\nThe target stages are the worker's calls only: with a receive thread, its receives are not "
+             "in `target recv`; with a send thread, its sends are not in `target send`.\n")
     return L
 
 
@@ -740,6 +801,7 @@ def write_report(outdir, a, meta, records, plots):
         if exp == "qd1":
             L += stages_table([r for r in records if r["experiment"] == exp and from_skiff_bench(r)],
                               plots.get("qd1-stages", []))
+    L += designs_table(records, plots.get("stages", []))
     L.append("## Notes\n")
     L.append("- Systems alternate at every point (the order rotates from point to point and from repetition to "
              "repetition), so drift on this shared machine spreads over all of them; compare ratios within one "
@@ -959,6 +1021,28 @@ def plot_all(outdir, a, meta, records):
         axes[1].set_title("CPU per I/O at QD 1")
         fig.suptitle(f"QD 1 by size: random, 1 job ({sub})")
         save(fig, "qd1.png", "qd1")
+
+    # Tyche Tables V and VI: latency and server CPU of the three designs by size.
+    recs = [r for r in records if r["experiment"] == "stages" and "error" not in r]
+    if recs:
+        rws = list(dict.fromkeys(r["point"]["rw"] for r in recs))
+        sizes = sorted({r["point"]["bs"] for r in recs}, key=size_bytes)
+        groups = [(rw, bs) for rw in rws for bs in sizes]
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+        series = []
+        for s in DESIGNS:
+            got = [next((r for r in recs if r["system"] == s and r["point"]["rw"] == rw and r["point"]["bs"] == bs),
+                        None) for rw, bs in groups]
+            series.append((s, [(r["lat_mean_us"], r.get("server_stats_cpu_us_per_io") or 0) if r else (0, 0)
+                               for r in got]))
+        grouped_bars(axes, [f"{rw.replace('rand', '')}\n{bs.upper()}iB" for rw, bs in groups], series)
+        axes[0].set_ylabel("mean latency (µs), skiff bench")
+        axes[0].set_title("Latency at QD 1")
+        axes[1].set_ylabel("server CPU µs per I/O (STATS)")
+        axes[1].set_title("Target CPU per I/O")
+        fig.suptitle(f"Run to completion against a send thread and a receive thread (Tyche Tables V, VI; "
+                     f"{machine_title}, skiff bench, {a.runtime} s per point)")
+        save(fig, "stages.png", "stages")
 
     # QD 1 per-stage breakdown of skiff-native, from skiff bench.
     recs = [r for r in records if r["experiment"] == "qd1" and from_skiff_bench(r) and "error" not in r]

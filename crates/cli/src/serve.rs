@@ -69,6 +69,13 @@ pub struct ServeArgs {
     /// worker spinning on a core while it waits.
     #[arg(long, default_value = "off", value_parser = crate::units::parse_poll)]
     poll: rt::poll::PollMode,
+    /// How workers divide a request's path among threads, to measure what run to completion
+    /// saves (Tyche Tables V and VI): rtc (receive, execute and send on one thread, the
+    /// design to run); send-thread (completions sent by a second thread through a queue);
+    /// recv-thread (requests received by a second thread and handed over). Native
+    /// connections without TLS only.
+    #[arg(long, value_name = "DESIGN", default_value = "rtc")]
+    stages: server::Stages,
     /// Largest single I/O in bytes (e.g. 1M).
     #[arg(long, value_parser = crate::units::parse_size, default_value = "1M")]
     io_max: u64,
@@ -157,6 +164,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         workers: args.workers,
         bounds,
         poll: args.poll,
+        stages: args.stages,
         metrics_listen: args.metrics,
         keys: load_keys(&args.key_files)?,
         tls: crate::tls::listen(args.tls, args.tls_certificates.as_ref(), args.tls_verify_peer)?,

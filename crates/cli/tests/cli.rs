@@ -242,6 +242,7 @@ fn bad_arguments_get_clear_errors() {
         (&["bench", "--poll", "spin", "--duration", "1s"][..], "spin"),
         (&["bench", "--rate", "0", "--duration", "1s"][..], "--rate"),
         (&["serve", "--poll", "hybrid:x", "--export", "vol=ram:1M"][..], "hybrid:x"),
+        (&["serve", "--stages", "two-threads", "--export", "vol=ram:1M"][..], "two-threads"),
     ] {
         let out = skiff().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?}");

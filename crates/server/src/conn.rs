@@ -230,6 +230,18 @@ impl TxBuf {
         self.len = len;
     }
 
+    /// Move every unsent byte, by-address pieces included, into a new buffer (a hand-off to
+    /// the send thread of a staged target, `crate::stages`); nothing stays queued here.
+    pub fn take_unsent(&mut self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.pending());
+        self.each_unsent(|piece| {
+            out.extend_from_slice(piece);
+            true
+        });
+        self.reset();
+        out
+    }
+
     /// Nothing queued: start over at the front, keeping the allocations.
     fn reset(&mut self) {
         self.len = 0;
@@ -297,6 +309,9 @@ pub(crate) struct Conn {
     /// An NBD connection upgraded to TLS whose client has not been identified yet: once the
     /// TLS handshake is done, a verified client certificate's CN picks the exports it sees.
     identify: bool,
+    /// Its name on a staged target's stage thread (`crate::stages`), for a connection whose
+    /// receiving or sending another thread does; `None` when it runs to completion.
+    pub staged: Option<u64>,
 }
 
 /// The protocol a connection speaks, chosen by the listener it arrived on.
@@ -382,6 +397,7 @@ impl Conn {
             accepted_at: now,
             last_rx: now,
             established: false,
+            staged: None,
         }
     }
 
@@ -492,6 +508,20 @@ impl Conn {
             }
         }
         ReadOutcome::More
+    }
+
+    /// Process bytes the receive thread of a staged target received on this connection
+    /// (`crate::stages`), as [`service`](Self::service) processes what it reads itself.
+    pub fn take_in(&mut self, bytes: &[u8], shared: &Shared, stats: &WorkerStats) {
+        if self.closing {
+            return;
+        }
+        let started = Instant::now();
+        bump(&stats.rx_bytes, bytes.len() as u64);
+        self.last_rx = started;
+        self.rx.extend(bytes);
+        self.process(shared, stats);
+        bump(&stats.stage_exec_ns, nanos(started.elapsed()));
     }
 
     /// On a listener that serves TLS: look at the peer's first byte. A TLS handshake record

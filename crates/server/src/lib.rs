@@ -13,6 +13,7 @@ mod admission;
 mod bounds;
 mod conn;
 mod metrics;
+mod stages;
 pub mod stats;
 mod worker;
 
@@ -26,6 +27,7 @@ use transport::{Endpoint, Listener};
 
 pub use bounds::Bounds;
 pub use conn::Protocol;
+pub use stages::Stages;
 pub use stats::{ListenerStats, WorkerStats};
 
 /// One export on the command line: `NAME=SPEC[,OPTION...]`. Options: `ro` (read-only),
@@ -137,6 +139,10 @@ pub struct TargetConfig {
     /// Spinning saves the sleep and wake-up when requests arrive back to back and costs a busy
     /// core meanwhile; `Off`, the default, always sleeps.
     pub poll: rt::poll::PollMode,
+    /// How the workers divide a request's path among threads: run to completion (the
+    /// default, and the only design for production), or one of the staged designs Tyche
+    /// removed, kept to measure what removing them saves ([`Stages`]).
+    pub stages: Stages,
     /// The keys initiators may authenticate with (docs/PROTOCOL.md, section 15); exports name
     /// them in their access lists.
     pub keys: Vec<proto::auth::Key>,
@@ -158,6 +164,7 @@ impl Default for TargetConfig {
             workers: 0,
             bounds: Bounds::default(),
             poll: rt::poll::PollMode::Off,
+            stages: Stages::RunToCompletion,
             metrics_listen: None,
             keys: Vec::new(),
             tls: None,
@@ -181,6 +188,8 @@ pub enum TargetError {
     Backend { name: String, source: engine::BackendError },
     #[error("listen on {endpoint}: {source}")]
     Listen { endpoint: Endpoint, source: io::Error },
+    #[error("--stages {0} serves plaintext native connections only: it cannot be combined with TLS")]
+    StagedTls(Stages),
     #[error("start worker: {0}")]
     Spawn(io::Error),
     #[error("metrics on {addr}: {source}")]
@@ -247,6 +256,9 @@ pub struct Target {
 impl Target {
     /// Open the exports, bind the listeners and start serving.
     pub fn start(config: TargetConfig) -> Result<Target, TargetError> {
+        if config.stages != Stages::RunToCompletion && config.tls.is_some() {
+            return Err(TargetError::StagedTls(config.stages));
+        }
         let exports = open_exports(&config)?;
         let metrics_listener = match &config.metrics_listen {
             Some(addr) => Some(

@@ -36,7 +36,14 @@ pub struct WorkerStats {
     pub poll_timed_sleeps: AtomicU64,
     pub poll_held_off: AtomicU64,
     pub poll_spin_ns: AtomicU64,
+    /// Hand-offs between the worker and its stage thread on a staged target
+    /// ([`crate::Stages`]): response caravans queued to the send thread, or receives taken
+    /// from the receive thread.
+    pub stage_handoffs: AtomicU64,
     pub tid: AtomicI32,
+    /// The thread id of the worker's stage thread, when the target is staged
+    /// ([`crate::Stages`]): its CPU time counts with the worker's.
+    pub stage_tid: AtomicI32,
 }
 
 impl WorkerStats {
@@ -85,7 +92,7 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         e.push((format!("bytes_{}", op.name()), sum(&|w| w.front.ops.bytes(op))));
     }
     e.push(("req_errors".into(), sum(&|w| w.front.ops.errors())));
-    let named: [(&str, Field); 18] = [
+    let named: [(&str, Field); 19] = [
         ("caravans_received", |w| &w.front.caravans_received),
         ("caravans_sent", |w| &w.front.caravans_sent),
         ("caravan_reqs_total", |w| &w.front.caravan_reqs_total),
@@ -104,6 +111,7 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
         ("poll_timed_sleeps", |w| &w.poll_timed_sleeps),
         ("poll_held_off", |w| &w.poll_held_off),
         ("poll_spin_ns", |w| &w.poll_spin_ns),
+        ("stage_handoffs", |w| &w.stage_handoffs),
     ];
     for (name, field) in named {
         e.push((name.into(), sum(&|w| field(w).load(Relaxed))));
@@ -123,7 +131,8 @@ pub(crate) fn collect(shared: &Shared) -> StatsReply {
     }
 
     let mut usage = rt::usage::Usage::default();
-    let tids = shared.workers.iter().map(|w| w.tid.load(Relaxed)).chain([shared.acceptor_tid.load(Relaxed)]);
+    let tids = shared.workers.iter().flat_map(|w| [w.tid.load(Relaxed), w.stage_tid.load(Relaxed)]);
+    let tids = tids.chain([shared.acceptor_tid.load(Relaxed)]);
     for tid in tids.filter(|&t| t != 0) {
         if let Ok(u) = rt::usage::of_thread(tid) {
             usage.add(&u);

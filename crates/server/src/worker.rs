@@ -19,6 +19,7 @@ use rt::poll::{Wait, Waiter};
 
 use crate::admission::Ticket;
 use crate::conn::{Conn, Protocol, ReadOutcome};
+use crate::stages::{Stage, Stages};
 use crate::stats::{bump, WorkerStats};
 use crate::Shared;
 
@@ -48,6 +49,11 @@ pub(crate) struct Worker {
     carry: Vec<usize>,
     /// Connections with responses queued.
     dirty: Vec<usize>,
+    /// The thread that receives or sends for this worker's native connections, on a staged
+    /// target (`crate::stages`).
+    stage: Option<Stage>,
+    /// Connections adopted so far: with the slot, a staged connection's name.
+    adopted: u64,
 }
 
 impl Worker {
@@ -56,7 +62,13 @@ impl Worker {
         let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
         let (inbox_tx, inbox) = mpsc::channel();
         let stats = shared.workers[id].clone();
+        let stage = match shared.config.stages {
+            Stages::RunToCompletion => None,
+            stages => Some(Stage::start(stages, id, stats.clone(), waker.clone())?),
+        };
         Ok(Worker {
+            stage,
+            adopted: 0,
             id,
             poll,
             waker,
@@ -127,9 +139,15 @@ impl Worker {
                     WAKE => {
                         self.adopt_new();
                         self.close_evicted();
+                        self.take_received();
                     }
                     Token(i) => {
-                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                        if self.receives_elsewhere(i) {
+                            // The receive thread reads this one, and reports its end.
+                            if ev.is_writable() {
+                                self.dirty.push(i);
+                            }
+                        } else if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                             self.readable.push(i);
                         }
                         if ev.is_writable() {
@@ -191,7 +209,14 @@ impl Worker {
                 self.conns.push(None);
                 self.conns.len() - 1
             });
-            let interest = Interest::READABLE | Interest::WRITABLE;
+            let staged = self.stage.is_some() && protocol == Protocol::Native;
+            let interest = match (staged, self.shared.config.stages) {
+                // The send thread waits for room in the socket itself.
+                (true, Stages::SendThread) => Interest::READABLE,
+                // The receive thread reads; the worker sends.
+                (true, Stages::RecvThread) => Interest::WRITABLE,
+                _ => Interest::READABLE | Interest::WRITABLE,
+            };
             if let Err(e) = self.poll.registry().register(&mut stream, Token(index), interest) {
                 tracing::warn!(error = %e, "cannot register connection");
                 self.free.push(index);
@@ -204,13 +229,60 @@ impl Worker {
                 let _ = self.poll.registry().deregister(&mut stream);
                 continue;
             }
-            let conn = Conn::new(stream, protocol, ticket, &self.shared);
+            let second = if staged { Some(stream.try_clone_plain()) } else { None };
+            let mut conn = Conn::new(stream, protocol, ticket, &self.shared);
             tracing::debug!(worker = self.id, peer = %conn.peer, ?protocol, "connection");
             bump(&self.stats.connections_accepted, 1);
+            self.adopted += 1;
+            match (second, &self.stage) {
+                (Some(Ok(handle)), Some(stage)) => {
+                    let serial = (self.adopted << 32) | index as u64;
+                    stage.adopt(serial, handle);
+                    conn.staged = Some(serial);
+                }
+                (Some(Err(e)), _) => {
+                    tracing::warn!(error = %e, "cannot hand a connection to the stage thread; closing it");
+                    conn.closing = true;
+                }
+                _ => {}
+            }
             self.conns[index] = Some(conn);
             // Data may have arrived before registration; edge-triggered polling would not
-            // report it, so read once now.
-            self.readable.push(index);
+            // report it, so read once now (the receive thread does the same for its own).
+            if !self.receives_elsewhere(index) {
+                self.readable.push(index);
+            }
+            self.dirty.push(index);
+        }
+    }
+
+    /// Whether the receive thread of a staged target reads connection `index`.
+    fn receives_elsewhere(&self, index: usize) -> bool {
+        self.shared.config.stages == Stages::RecvThread
+            && self.conns.get(index).and_then(Option::as_ref).is_some_and(|c| c.staged.is_some())
+    }
+
+    /// Execute what the receive thread of a staged target received.
+    fn take_received(&mut self) {
+        loop {
+            let received = self.stage.as_ref().and_then(|s| s.received.as_ref());
+            let Some(Ok((serial, bytes))) = received.map(|r| r.try_recv()) else { return };
+            let index = (serial & u64::from(u32::MAX)) as usize;
+            let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else { continue };
+            if conn.staged != Some(serial) {
+                continue; // a connection closed since, whose slot is reused
+            }
+            match bytes {
+                Some(bytes) => {
+                    bump(&self.stats.stage_handoffs, 1);
+                    conn.take_in(&bytes, &self.shared, &self.stats);
+                    if conn.newly_established() {
+                        self.shared.admission.established(&conn.ticket);
+                    }
+                    self.dirty.push(index);
+                }
+                None => self.close(index),
+            }
         }
     }
 
@@ -250,6 +322,18 @@ impl Worker {
             let Some(conn) = self.conns.get_mut(i).and_then(Option::as_mut) else {
                 continue;
             };
+            if let (Some(serial), Some(stage)) = (conn.staged, &self.stage) {
+                if self.shared.config.stages == Stages::SendThread {
+                    if conn.tx.pending() > 0 {
+                        bump(&self.stats.stage_handoffs, 1);
+                        stage.send(serial, conn.tx.take_unsent());
+                    }
+                    if conn.closing {
+                        self.close(i);
+                    }
+                    continue;
+                }
+            }
             let failed = conn.pending() > 0 && !conn.flush(&self.stats);
             if failed || (conn.closing && conn.pending() == 0) {
                 self.close(i);
@@ -263,6 +347,10 @@ impl Worker {
         if let Some(mut conn) = self.conns[index].take() {
             let _ = self.poll.registry().deregister(&mut conn.stream);
             tracing::debug!(worker = self.id, peer = %conn.peer, "connection closed");
+            if let (Some(serial), Some(stage)) = (conn.staged, &self.stage) {
+                // Its other handle closes once the stage thread has done what was queued.
+                stage.forget(serial);
+            }
             self.free.push(index);
             self.shared.admission.closed(&conn.ticket, &self.shared.connections);
             self.carry.retain(|&c| c != index);

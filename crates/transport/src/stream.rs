@@ -223,6 +223,44 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// A second handle on a plaintext stream's socket (a `dup` of its descriptor), for a
+    /// thread beside the one that owns the stream: the staged targets of `server::Stages`
+    /// send or receive on it. The socket stays open until both handles are dropped. A TLS
+    /// stream has one session state and cannot be shared this way.
+    pub fn try_clone_plain(&self) -> io::Result<Stream> {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        let fd = match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tls(_) => {
+                return Err(io::Error::new(io::ErrorKind::Unsupported, "a TLS stream has no second handle"))
+            }
+        };
+        // SAFETY: `fd` is open for as long as `self` lives; fcntl(F_DUPFD_CLOEXEC) only reads it.
+        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if dup < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `dup` is a new descriptor that nothing else owns.
+        let owned = unsafe { OwnedFd::from_raw_fd(dup) };
+        Ok(match self {
+            Stream::Unix(_) => Stream::Unix(mio::net::UnixStream::from_std(owned.into())),
+            _ => Stream::Tcp(mio::net::TcpStream::from_std(owned.into())),
+        })
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tls(s) => s.get_ref().as_raw_fd(),
+        }
+    }
+}
+
 impl FrameIo for Stream {
     fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
         match self {
