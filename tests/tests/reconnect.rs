@@ -31,6 +31,27 @@ fn start(addr: &str, file: &str) -> Target {
 
 /// Lanes that retry every 50 ms at most, give up after `loss_ms` and fail waiting requests
 /// after `fast_fail_ms`.
+/// A reconnect keeps the lane's polling policy, what it learned and its counters: the waits
+/// before the restart still count after it.
+#[test]
+fn a_lane_keeps_its_polling_through_a_reconnect() {
+    let (_file, addr, path, target) = target_on_file(64);
+    let config =
+        LaneConfig { poll: initiator::PollMode::Adaptive(Duration::from_micros(50)), ..fast_reconnect() };
+    let mut lane = Lane::connect(&Endpoint::parse(&addr).unwrap(), "disk", &config).unwrap();
+    let mut back = vec![0u8; BLOCK];
+    for i in 0..200u64 {
+        lane.read_at(&mut back, (i % 64) * BLOCK as u64).unwrap();
+    }
+    let before = lane.poll_stats().waits;
+    assert!(before >= 200, "{before} waits for 200 reads");
+    target.shutdown();
+    let _target = start(&addr, &path);
+    lane.read_at(&mut back, 0).expect("a read after the restart");
+    let after = lane.poll_stats().waits;
+    assert!(after > before, "the waits before the reconnect were forgotten: {before} then {after}");
+}
+
 fn reconnecting(loss_ms: u64, fast_fail_ms: Option<u64>) -> LaneConfig {
     LaneConfig {
         reconnect: ReconnectConfig {

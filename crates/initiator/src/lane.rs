@@ -806,6 +806,9 @@ impl<B: IoBuf> Lane<B> {
         conn.timeout = self.conn.timeout;
         conn.send_ns += self.conn.send_ns;
         conn.recv_ns += self.conn.recv_ns;
+        // The same target, most likely the same service times: keep what the polling policy
+        // learned, and its counters.
+        conn.waiter = std::mem::take(&mut self.conn.waiter);
         self.conn = conn;
         self.quiet_since = Instant::now();
         Ok(())
