@@ -455,3 +455,89 @@ pub mod certs {
         openssl(dir, &x509);
     }
 }
+
+/// Network namespaces and veth pairs for the raw-Ethernet tests (root only).
+pub mod netns {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::{run_ok, tool};
+
+    /// Whether this run may make namespaces and veth pairs. As [`super::devices::available`]:
+    /// under CI (`CI=true`, root) a missing feature fails the test; elsewhere it says loudly
+    /// that it skips.
+    pub fn available(test: &str) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let missing = if std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(u32::MAX) != 0 {
+            Some("not running as root".to_owned())
+        } else if !std::path::Path::new("/proc/self/ns/net").exists() {
+            Some("this kernel has no network namespaces".to_owned())
+        } else {
+            match std::process::Command::new("ip").arg("-V").output() {
+                Ok(o) if o.status.success() => None,
+                _ => Some("the ip tool (iproute2) is missing".to_owned()),
+            }
+        };
+        let Some(why) = missing else { return true };
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{test}: {why}; under CI this test must run (root, network namespaces, veth)"
+        );
+        eprintln!("SKIPPED {test}: {why} (with CI=true this is a failure)");
+        false
+    }
+
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+    /// A veth pair: `host` stays in this namespace, `peer` lives in a namespace of its own
+    /// (`ns`), both up with the MTU asked for. Dropping it deletes both (a failed test too).
+    pub struct VethPair {
+        pub ns: String,
+        pub host: String,
+        pub peer: String,
+    }
+
+    impl VethPair {
+        pub fn new(mtu: u32) -> VethPair {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            // Interface names have 15 bytes at most.
+            let tag = format!("{}{n}", std::process::id() % 100_000);
+            let pair = VethPair {
+                ns: format!("skiff-t{tag}"),
+                host: format!("skh{tag}"),
+                peer: format!("skp{tag}"),
+            };
+            run_ok(tool("ip", "iproute2").args(["netns", "add", &pair.ns]));
+            let mtu = mtu.to_string();
+            let ip = |args: &[&str]| run_ok(tool("ip", "iproute2").args(args));
+            ip(&[
+                "link", "add", &pair.host, "mtu", &mtu, "type", "veth", "peer", "name", &pair.peer, "mtu",
+                &mtu,
+            ]);
+            ip(&["link", "set", &pair.peer, "netns", &pair.ns]);
+            ip(&["link", "set", &pair.host, "up"]);
+            ip(&["-n", &pair.ns, "link", "set", &pair.peer, "up"]);
+            ip(&["-n", &pair.ns, "link", "set", "lo", "up"]);
+            pair
+        }
+
+        /// Run `f` on a thread of its own inside the pair's namespace: sockets it opens stay
+        /// in that namespace wherever they are used afterwards.
+        pub fn in_ns<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+            let path = format!("/run/netns/{}", self.ns);
+            std::thread::spawn(move || {
+                rt::netns::enter(std::path::Path::new(&path)).unwrap_or_else(|e| panic!("{e}"));
+                f()
+            })
+            .join()
+            .expect("the thread in the namespace panicked")
+        }
+    }
+
+    impl Drop for VethPair {
+        fn drop(&mut self) {
+            // Deleting one end deletes both; deleting the namespace would too.
+            let _ = tool("ip", "iproute2").args(["link", "del", &self.host]).output();
+            let _ = tool("ip", "iproute2").args(["netns", "del", &self.ns]).output();
+        }
+    }
+}

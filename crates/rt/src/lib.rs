@@ -10,6 +10,7 @@
 pub mod alloc;
 pub mod fs;
 pub mod mem;
+pub mod netns;
 pub mod notify;
 pub mod poll;
 pub mod random;
