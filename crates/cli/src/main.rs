@@ -5,6 +5,7 @@
 //!   `--target`, it starts a target in-process on loopback with a 1 GiB RAM export.
 //! - `skiff info`: list a target's exports and limits.
 //! - `skiff attach`: an export as a file through FUSE, until SIGINT or SIGTERM unmounts it.
+//! - `skiff relay`: a fault relay between two interfaces, for testing raw-Ethernet delivery.
 //!
 //! Argument parsing and presentation live here; everything else is in the library crates.
 
@@ -13,6 +14,7 @@ mod bench;
 mod info;
 mod keys;
 mod reconnect;
+mod relay;
 mod revoke;
 mod serve;
 mod tls;
@@ -41,6 +43,9 @@ enum Command {
     Attach(attach::AttachArgs),
     /// Revoke an export's capabilities for direct reads (all of them, or a range's).
     Revoke(revoke::RevokeArgs),
+    /// Bridge two interfaces, dropping, duplicating, reordering and corrupting raw-Ethernet
+    /// frames at seeded rates (a fault relay for tests), until SIGINT or SIGTERM.
+    Relay(relay::RelayArgs),
 }
 
 fn init_logging(default: &str) {
@@ -79,6 +84,10 @@ fn main() -> ExitCode {
         Command::Revoke(args) => {
             init_logging("warn");
             revoke::run(args)
+        }
+        Command::Relay(args) => {
+            init_logging("info");
+            relay::run(args)
         }
     };
     match result {

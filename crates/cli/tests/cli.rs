@@ -243,6 +243,7 @@ fn bad_arguments_get_clear_errors() {
         (&["bench", "--rate", "0", "--duration", "1s"][..], "--rate"),
         (&["serve", "--poll", "hybrid:x", "--export", "vol=ram:1M"][..], "hybrid:x"),
         (&["serve", "--stages", "two-threads", "--export", "vol=ram:1M"][..], "two-threads"),
+        (&["relay", "--left", "lo", "--right", "lo", "--drop", "1.5"][..], "drop rate 1.5"),
     ] {
         let out = skiff().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?}");

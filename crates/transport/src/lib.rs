@@ -11,6 +11,7 @@
 
 pub mod endpoint;
 pub mod packet;
+pub mod relay;
 pub mod stream;
 pub mod tls;
 

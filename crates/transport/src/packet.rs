@@ -348,13 +348,18 @@ impl PacketSocket {
     /// readable when one arrives).
     pub fn receive(&mut self, mut f: impl FnMut(Mac, &[u8])) -> usize {
         let ethertype = self.ethertype.to_be_bytes();
-        let mut n = 0;
-        let mut deliver = |frame: &[u8]| {
+        self.receive_frames(|frame| {
             if frame.len() >= ETH_HEADER_LEN && frame[12..14] == ethertype {
                 let src: Mac = frame[6..12].try_into().expect("six bytes");
                 f(src, &frame[ETH_HEADER_LEN..]);
             }
-        };
+        })
+    }
+
+    /// As [`receive`](Self::receive), with each whole Ethernet frame (headers included), for
+    /// a bridge that forwards frames as they are.
+    pub fn receive_frames(&mut self, mut deliver: impl FnMut(&[u8])) -> usize {
+        let mut n = 0;
         loop {
             // SAFETY: rx_next < rx_units, so the unit lies inside the receive ring.
             let unit = unsafe { self.ring.add(self.rx_next * self.rx_unit_bytes) };
@@ -414,6 +419,22 @@ impl PacketSocket {
     /// `Ok(false)`: the ring is full (wait for the descriptor to be writable, after a
     /// [`flush`](Self::flush)); an error when the payload exceeds the MTU.
     pub fn queue(&mut self, dst: Mac, parts: &[&[u8]]) -> io::Result<bool> {
+        let mut header = [0u8; ETH_HEADER_LEN];
+        header[0..6].copy_from_slice(&dst);
+        header[6..12].copy_from_slice(&self.mac);
+        header[12..14].copy_from_slice(&self.ethertype.to_be_bytes());
+        self.queue_parts(&header, parts)
+    }
+
+    /// Queue a whole Ethernet frame as it is (a bridge forwarding what it received).
+    pub fn queue_frame(&mut self, frame: &[u8]) -> io::Result<bool> {
+        if frame.len() < ETH_HEADER_LEN {
+            return Err(invalid(format!("a {}-byte frame has no Ethernet header", frame.len())));
+        }
+        self.queue_parts(&frame[..ETH_HEADER_LEN], &[&frame[ETH_HEADER_LEN..]])
+    }
+
+    fn queue_parts(&mut self, header: &[u8], parts: &[&[u8]]) -> io::Result<bool> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         if len > self.mtu {
             return Err(invalid(format!("a {len}-byte payload exceeds the MTU of {}", self.mtu)));
@@ -437,9 +458,7 @@ impl PacketSocket {
         // SAFETY: the slot is ours (status AVAILABLE) and holds data_off + frame_len bytes
         // (the MTU check in `open` and above).
         let frame = unsafe { std::slice::from_raw_parts_mut(slot.add(data_off), frame_len) };
-        frame[0..6].copy_from_slice(&dst);
-        frame[6..12].copy_from_slice(&self.mac);
-        frame[12..14].copy_from_slice(&self.ethertype.to_be_bytes());
+        frame[..ETH_HEADER_LEN].copy_from_slice(header);
         let mut at = ETH_HEADER_LEN;
         for p in parts {
             frame[at..at + p.len()].copy_from_slice(p);
