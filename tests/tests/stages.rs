@@ -144,3 +144,18 @@ fn a_staged_target_refuses_tls() {
     let err = server::Target::start(c).err().expect("a staged target with TLS must not start");
     assert!(err.to_string().contains("TLS"), "{err}");
 }
+
+/// A staged target that stops tells its peers so, through the same thread as every reply.
+#[test]
+fn a_stopping_staged_target_says_goodbye() {
+    for stages in [Stages::SendThread, Stages::RecvThread] {
+        let t = staged(stages);
+        let limits = wire::control::Limits { queue_depth: 8, ..LaneConfig::default().limits };
+        let (mut p, _) = RawPeer::ready(&t, limits, "vol");
+        t.shutdown();
+        let (h, body) = p.recv().unwrap_or_else(|| panic!("{stages}: no GOAWAY"));
+        assert_eq!(h.kind, FrameKind::GoAway, "{stages}");
+        assert_eq!(GoAway::decode(&body).unwrap().status, Status::ShuttingDown, "{stages}");
+        assert!(p.closed(), "{stages}: connection left open");
+    }
+}

@@ -174,10 +174,15 @@ impl Worker {
             if let Some(conn) = self.conns[i].as_mut() {
                 if !conn.closing {
                     conn.say_goaway(wire::Status::ShuttingDown, "target shutting down");
-                    conn.flush(&self.stats);
                 }
-                self.close(i);
+                self.dirty.push(i);
             }
+        }
+        // One send each, the way every reply goes (through the send thread on a staged
+        // target, behind what it already holds), then close whatever is left.
+        self.flush_pass();
+        for i in 0..self.conns.len() {
+            self.close(i);
         }
     }
 
