@@ -17,6 +17,8 @@
 //! - [`caravan::Doorbell`]: deciding when to send the open caravan.
 //! - [`auth`]: keys, key files, access lists and the handshake's challenge-response proofs.
 //! - [`capability::CapKey`]: sealing and checking the capabilities of direct reads.
+//! - [`reliable::DatagramStream`]: reliable, ordered byte streams over lossy datagrams, for the
+//!   raw-Ethernet transport.
 #![forbid(unsafe_code)]
 
 pub mod auth;
@@ -26,6 +28,7 @@ pub mod caravan;
 pub mod client;
 #[doc(hidden)]
 pub mod fuzz_api;
+pub mod reliable;
 pub mod server;
 pub mod slots;
 

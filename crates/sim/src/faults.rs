@@ -5,8 +5,8 @@
 //! Bit flips land only in the 24-byte frame headers, which skiff v1 protects with a CRC: the
 //! receiver must catch every one and close the connection. The rest of a frame has no checksum
 //! of its own in v1 (TCP's covers it on a real wire), so a flip there would be undetectable by
-//! design, not a bug the simulation could find; the raw-Ethernet transport will need a frame
-//! checksum of its own before this wrapper may flip body bytes.
+//! design, not a bug the simulation could find. The raw-Ethernet transport's datagrams carry a
+//! CRC over their payload, so [`crate::datagram`]'s link flips any bit.
 
 use std::io::{self, IoSlice, IoSliceMut};
 

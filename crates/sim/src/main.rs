@@ -4,6 +4,7 @@
 //! cargo run --release -p skiff-sim -- --seeds 1000                 # seeds 0..1000, all faults
 //! cargo run --release -p skiff-sim -- --seed 4242 --faults net     # replay one seed
 //! cargo run --release -p skiff-sim -- --seeds 100 --planted swap-tags   # show a planted bug caught
+//! cargo run --release -p skiff-sim -- --seeds 1000 --link datagram --loss-ppm 50000   # raw Ethernet
 //! ```
 //!
 //! Every failing seed is printed with the command that replays it; the last line is
@@ -13,9 +14,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
+use skiff_sim::datagram::LinkFaults;
 use skiff_sim::disk::DiskFaults;
 use skiff_sim::faults::NetFaults;
-use skiff_sim::{run, Options, Planted, Report};
+use skiff_sim::{run, LinkKind, Options, Planted, Report};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Faults {
@@ -23,6 +25,16 @@ enum Faults {
     None,
     Net,
     Disk,
+}
+
+/// The connection between the two sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Link {
+    /// A byte pipe (TCP), with short I/O, would-block bursts, delays, resets and header flips.
+    Pipe,
+    /// A datagram link (raw Ethernet) under the reliable streams of `proto::reliable`, with
+    /// loss, duplication, reordering, corruption anywhere, flaps and resets.
+    Datagram,
 }
 
 #[derive(Debug, Parser)]
@@ -43,6 +55,12 @@ struct Args {
     /// Plant a known bug (the simulation must catch it).
     #[arg(long, value_enum, default_value_t = Planted::None)]
     planted: Planted,
+    /// The link between initiator and target.
+    #[arg(long, value_enum, default_value_t = Link::Pipe)]
+    link: Link,
+    /// With `--link datagram` and network faults: datagrams lost, per million.
+    #[arg(long, default_value_t = 50_000)]
+    loss_ppm: u32,
     /// Print a line for every seed, not only failures.
     #[arg(long)]
     verbose: bool,
@@ -110,13 +128,18 @@ fn main() -> ExitCode {
     if args.direct_reads {
         return direct_reads(&args, seeds);
     }
+    let link = match (args.link, net == NetFaults::NONE) {
+        (Link::Pipe, _) => LinkKind::Pipe,
+        (Link::Datagram, true) => LinkKind::Datagram(LinkFaults::NONE),
+        (Link::Datagram, false) => LinkKind::Datagram(LinkFaults::with_loss(args.loss_ppm)),
+    };
     let count = seeds.end - seeds.start;
     let started = Instant::now();
     let mut last_progress = Instant::now();
     let mut failed = 0u64;
     let mut total = Report::default();
     for (i, seed) in seeds.enumerate() {
-        let opts = Options { seed, ops: args.ops, net, disk, planted: args.planted };
+        let opts = Options { seed, ops: args.ops, net, disk, planted: args.planted, link };
         match run(&opts) {
             Ok(r) => {
                 if args.verbose {
@@ -131,12 +154,16 @@ fn main() -> ExitCode {
                 failed += 1;
                 println!("{f}");
                 println!(
-                    "  replay: cargo run --release -p skiff-sim -- --seed {seed} --faults {} --ops {}{}",
+                    "  replay: cargo run --release -p skiff-sim -- --seed {seed} --faults {} --ops {}{}{}",
                     args.faults.to_possible_value().expect("named").get_name(),
                     args.ops,
                     match args.planted {
                         Planted::None => String::new(),
                         p => format!(" --planted {}", p.to_possible_value().expect("named").get_name()),
+                    },
+                    match args.link {
+                        Link::Pipe => String::new(),
+                        Link::Datagram => format!(" --link datagram --loss-ppm {}", args.loss_ppm),
                     }
                 );
             }
@@ -177,6 +204,26 @@ fn main() -> ExitCode {
         total.read_bytes_placed >> 10,
         total.read_bytes_copied >> 10
     );
+    if args.link == Link::Datagram {
+        let (l, st) = (total.link, total.streams);
+        println!(
+            "datagram link: {} datagrams sent, {} lost, {} duplicated, {} reordered, {} corrupted ({} caught by the \
+             CRC), {} flaps ({} lost while down)",
+            l.sent, l.lost, l.duplicated, l.reordered, l.corrupted, st.corrupt, l.flaps, l.lost_down
+        );
+        println!(
+            "reliable streams: {} data datagrams, {} resent on gaps, {} on timeouts, {} duplicates and {} out of order \
+             received, {} acks, {} probes; {} KiB delivered",
+            st.data_sent,
+            st.retransmitted_gap,
+            st.retransmitted_timeout,
+            st.duplicates,
+            st.out_of_order,
+            st.acks_sent,
+            st.probes,
+            st.stream_bytes_read >> 10
+        );
+    }
     println!("{count} seeds, {failed} failed");
     if failed > 0 {
         ExitCode::FAILURE

@@ -34,9 +34,10 @@ use transport::FrameIo;
 use wire::{FrameBuffer, FrameKind, Header, Limits, Opcode, ReqFlags, Status};
 
 use crate::clock::Clock;
+use crate::datagram::{add_counters, LinkCounts};
 use crate::disk::{DiskFaults, FaultyBackend};
-use crate::faults::{FaultyIo, NetFaults};
-use crate::pipe::{pipe, PipeEnd};
+use crate::faults::NetFaults;
+use crate::link::{ConnIo, LinkKind};
 use crate::rng::Rng;
 use crate::shadow::{Shadow, BLOCK_BYTES};
 
@@ -86,6 +87,8 @@ pub struct Options {
     pub net: NetFaults,
     pub disk: DiskFaults,
     pub planted: Planted,
+    /// The byte pipe (TCP), or a datagram link under reliable streams (raw Ethernet).
+    pub link: LinkKind,
 }
 
 /// What a run did, when it passed.
@@ -112,6 +115,10 @@ pub struct Report {
     /// Seeds whose connections authenticated with a key (HELLO, AUTH, AUTH_REPLY).
     pub authenticated_runs: u64,
     pub reattaches: u64,
+    /// With a datagram link: what the link did, and the reliable streams' counters (both
+    /// ends, every connection).
+    pub link: LinkCounts,
+    pub streams: proto::reliable::Counters,
 }
 
 impl Report {
@@ -134,6 +141,8 @@ impl Report {
         self.resuming_runs += r.resuming_runs;
         self.authenticated_runs += r.authenticated_runs;
         self.reattaches += r.reattaches;
+        self.link.add(&r.link);
+        add_counters(&mut self.streams, &r.streams);
     }
 }
 
@@ -206,8 +215,8 @@ enum ClientState {
 
 struct Connection {
     id: u32,
-    client_io: FaultyIo<PipeEnd>,
-    target_io: FaultyIo<PipeEnd>,
+    client_io: ConnIo,
+    target_io: ConnIo,
     client: ClientState,
     client_rx: FrameBuffer,
     /// Control frames the client still has to send.
@@ -351,6 +360,11 @@ impl Sim {
                 }
                 continue;
             }
+            if let Some(conn) = self.conn.as_mut() {
+                // A datagram link's timers and acks run whether or not the sides move bytes.
+                conn.client_io.pump();
+                conn.target_io.pump();
+            }
             let failed = self.client_step()?;
             self.target_step();
             if let Some(reason) = failed {
@@ -387,7 +401,6 @@ impl Sim {
 
     fn connect(&mut self) {
         self.connections += 1;
-        let (client_end, target_end) = pipe(&self.clock, self.latency_us, self.pipe_bytes);
         let id = self.connections;
         let mut hs = ClientHandshake::new(self.proposed);
         let mut target = NativeConn::new(self.offered, 16);
@@ -402,10 +415,19 @@ impl Sim {
         if self.opts.planted == Planted::AckBeforeBackend {
             target.set_mutation(TargetMutation::AckBeforeBackend);
         }
+        let (client_io, target_io) = ConnIo::pair(
+            self.opts.link,
+            &self.clock,
+            &mut self.rng,
+            id,
+            self.latency_us,
+            self.pipe_bytes,
+            self.opts.net,
+        );
         self.conn = Some(Connection {
             id,
-            client_io: FaultyIo::new(client_end, self.rng.fork(u64::from(id) * 2), self.opts.net),
-            target_io: FaultyIo::new(target_end, self.rng.fork(u64::from(id) * 2 + 1), self.opts.net),
+            client_io,
+            target_io,
             client_out: hs.hello_frame(),
             client_rx_limits: self.proposed,
             session_config: self.session_config,
@@ -582,7 +604,7 @@ impl Sim {
             conn.target_sent = 0;
             if conn.target_closing {
                 // Everything said, the GOAWAY included: close, as the server does.
-                conn.target_io.inner().shutdown();
+                conn.target_io.shutdown();
                 conn.target_closed = true;
             }
         }
@@ -594,7 +616,7 @@ impl Sim {
         let mut conn = self.conn.take().expect("a connection");
         // A resuming session's counters run on across connections: counted once, at the end.
         self.count_connection(&conn, !self.resuming);
-        let fault = conn.client_io.injected.or(conn.target_io.injected);
+        let fault = conn.client_io.injected().or(conn.target_io.injected());
         if fault.is_none() {
             return Err(format!("connection {} failed without an injected fault: {reason}", conn.id));
         }
@@ -605,7 +627,7 @@ impl Sim {
                 ClientState::Ready(session) => Some(session),
                 _ => conn.resume.take(),
             };
-            conn.client_io.inner().reset();
+            conn.client_io.reset();
             self.reconnect_at_us = self.clock.now_us() + self.rng.range(50, 500);
             return Ok(());
         }
@@ -614,7 +636,7 @@ impl Sim {
                 "request {user_data} ({op:?}) never completed although its connection failed ({reason})"
             ));
         }
-        conn.client_io.inner().reset();
+        conn.client_io.reset();
         self.reconnect_at_us = self.clock.now_us() + self.rng.range(50, 500);
         Ok(())
     }
@@ -623,9 +645,15 @@ impl Sim {
     fn count_connection(&mut self, conn: &Connection, with_session: bool) {
         let r = &mut self.report;
         for io in [&conn.client_io, &conn.target_io] {
-            for (sum, n) in r.net_faults.iter_mut().zip(io.counts) {
+            for (sum, n) in r.net_faults.iter_mut().zip(io.fault_counts()) {
                 *sum += n;
             }
+            if let Some((_, stream)) = io.datagram_counts() {
+                add_counters(&mut r.streams, &stream);
+            }
+        }
+        if let Some((link, _)) = conn.client_io.datagram_counts() {
+            r.link.add(&link);
         }
         if let (true, ClientState::Ready(session)) = (with_session, &conn.client) {
             let st = session.stats();

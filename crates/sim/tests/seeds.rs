@@ -3,14 +3,21 @@
 
 use skiff_sim::disk::DiskFaults;
 use skiff_sim::faults::NetFaults;
-use skiff_sim::{run, Options, Planted};
+use skiff_sim::{run, LinkKind, Options, Planted};
 
 /// The CI budget: seeds per run of the suite.
 const SEEDS: u64 = 1000;
 const OPS: usize = 300;
 
 fn all_faults(seed: u64, planted: Planted) -> Options {
-    Options { seed, ops: OPS, net: NetFaults::typical(), disk: DiskFaults::typical(), planted }
+    Options {
+        seed,
+        ops: OPS,
+        net: NetFaults::typical(),
+        disk: DiskFaults::typical(),
+        planted,
+        link: LinkKind::Pipe,
+    }
 }
 
 #[test]

@@ -7,6 +7,9 @@
 //! handshake, export listing, stats) carry a small hand-encoded body. `docs/PROTOCOL.md`
 //! describes every byte.
 //!
+//! Over raw Ethernet, the same frames ride a byte stream cut into datagrams, each behind a
+//! 28-byte [`datagram::DatagramHeader`] with a CRC32C over header and payload.
+//!
 //! This crate does no I/O, reads no clock and allocates only for control bodies and a
 //! connection's receive buffer ([`framing::FrameBuffer`]). Parsing turns
 //! untrusted bytes into validated types once, at the boundary; the layers above never look at
@@ -16,6 +19,7 @@
 pub mod capability;
 pub mod caravan;
 pub mod control;
+pub mod datagram;
 pub mod framing;
 #[doc(hidden)]
 pub mod fuzz_api;
@@ -31,6 +35,7 @@ pub use control::{
     Auth, AuthReply, ExportFlags, ExportInfo, GoAway, Hello, HelloAuth, HelloReply, Limits, Open, OpenReply,
     Revoke, RevokeAction, RevokeReply, StatsReply,
 };
+pub use datagram::{DatagramError, DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 pub use framing::{FrameBuffer, FrameRef};
 pub use header::{FrameHeader, FrameKind, Header, HEADER_LEN, MAGIC, VERSION};
 pub use status::Status;

@@ -1,0 +1,468 @@
+//! Two streams wired together in memory on a virtual clock (the Pair harness), with a fate
+//! for every datagram chosen by the test.
+
+use super::*;
+
+/// What happens to one datagram on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    Deliver,
+    Drop,
+    Duplicate,
+    /// Delivered this much later than the latency.
+    Delay(u64),
+}
+
+/// What a fate is decided on: the sending side, the datagram's header, and how many datagrams
+/// that side has sent before it.
+type FateFn = Box<dyn FnMut(usize, &DatagramHeader, u64) -> Fate>;
+
+struct Pair {
+    now: u64,
+    ends: [DatagramStream; 2],
+    /// (deliver at, to side, bytes), in the order sent.
+    wire: Vec<(u64, usize, Vec<u8>)>,
+    latency_us: u64,
+    fate: FateFn,
+    sent: [u64; 2],
+    /// Stream bytes each side has written and read so far.
+    written: [u64; 2],
+    read: [Vec<u8>; 2],
+    buf: Vec<u8>,
+}
+
+fn pattern(side: usize, at: u64) -> u8 {
+    (at.wrapping_mul(131) ^ (at >> 9) ^ (side as u64 * 0x5A)) as u8
+}
+
+impl Pair {
+    fn new(config: ReliableConfig, seq: [u32; 2], latency_us: u64) -> Pair {
+        Pair {
+            now: 0,
+            ends: [
+                DatagramStream::new(&config, 7, seq[0], seq[1]),
+                DatagramStream::new(&config, 7, seq[1], seq[0]),
+            ],
+            wire: Vec::new(),
+            latency_us,
+            fate: Box::new(|_, _, _| Fate::Deliver),
+            sent: [0; 2],
+            written: [0; 2],
+            read: [Vec::new(), Vec::new()],
+            buf: vec![0; config.datagram_len_max()],
+        }
+    }
+
+    fn with_fate(mut self, fate: impl FnMut(usize, &DatagramHeader, u64) -> Fate + 'static) -> Pair {
+        self.fate = Box::new(fate);
+        self
+    }
+
+    /// Side `side` writes up to `n` more bytes of its pattern; returns how many it took.
+    fn write(&mut self, side: usize, n: usize) -> usize {
+        let bytes: Vec<u8> = (0..n as u64).map(|i| pattern(side, self.written[side] + i)).collect();
+        let took = self.ends[side].write(&[IoSlice::new(&bytes)]);
+        self.written[side] += took as u64;
+        took
+    }
+
+    /// Side `side` reads everything there is.
+    fn read(&mut self, side: usize) -> usize {
+        let mut total = 0;
+        loop {
+            let mut chunk = [0u8; 3000];
+            let (first, second) = chunk.split_at_mut(1000);
+            let n = self.ends[side].read(&mut [IoSliceMut::new(first), IoSliceMut::new(second)]);
+            if n == 0 {
+                return total;
+            }
+            self.read[side].extend_from_slice(&chunk[..n]);
+            total += n;
+        }
+    }
+
+    /// Every byte side `side` read is the peer's pattern, in order.
+    fn check_read(&self, side: usize) {
+        for (i, &b) in self.read[side].iter().enumerate() {
+            assert_eq!(b, pattern(1 - side, i as u64), "side {side}, stream byte {i}");
+        }
+    }
+
+    /// Deliver what is due, run timers, send what the ends have to send.
+    fn step(&mut self) {
+        let now = self.now;
+        let mut due = Vec::new();
+        self.wire.retain(|(at, to, bytes)| {
+            if *at <= now {
+                due.push((*at, *to, bytes.clone()));
+                false
+            } else {
+                true
+            }
+        });
+        due.sort_by_key(|(at, _, _)| *at);
+        for (_, to, bytes) in due {
+            self.ends[to].handle_datagram(now, &bytes);
+        }
+        for side in 0..2 {
+            self.ends[side].handle_timeout(now);
+            while let Some(n) = self.ends[side].poll_transmit(now, &mut self.buf) {
+                let (h, _) = DatagramHeader::parse(&self.buf[..n]).expect("a stream emits valid datagrams");
+                let fate = (self.fate)(side, &h, self.sent[side]);
+                self.sent[side] += 1;
+                let at = now + self.latency_us;
+                let bytes = self.buf[..n].to_vec();
+                match fate {
+                    Fate::Deliver => self.wire.push((at, 1 - side, bytes)),
+                    Fate::Drop => {}
+                    Fate::Duplicate => {
+                        self.wire.push((at, 1 - side, bytes.clone()));
+                        self.wire.push((at + 1, 1 - side, bytes));
+                    }
+                    Fate::Delay(us) => self.wire.push((at + us, 1 - side, bytes)),
+                }
+            }
+        }
+    }
+
+    /// The next time something happens, if anything will.
+    fn next_event(&self) -> Option<u64> {
+        let wire = self.wire.iter().map(|(at, _, _)| *at).min();
+        [wire, self.ends[0].poll_timeout(), self.ends[1].poll_timeout()].into_iter().flatten().min()
+    }
+
+    /// Step until `done` holds (checked after every step) or nothing is left to happen.
+    /// Returns whether `done` held.
+    fn run_until(&mut self, limit_us: u64, mut done: impl FnMut(&mut Pair) -> bool) -> bool {
+        // What `done` wrote is sent by the next step, even when no event is pending.
+        let mut idle_steps = 0;
+        loop {
+            self.step();
+            if done(self) {
+                return true;
+            }
+            let next = match self.next_event() {
+                Some(at) => {
+                    idle_steps = 0;
+                    at.max(self.now + 1)
+                }
+                None if idle_steps == 0 => {
+                    idle_steps += 1;
+                    self.now + 1
+                }
+                None => return false,
+            };
+            if next > limit_us {
+                return false;
+            }
+            self.now = next;
+        }
+    }
+
+    /// Side 0 sends `total` bytes to side 1, which reads as they come.
+    fn transfer(&mut self, total: u64, limit_us: u64) {
+        let ok = self.run_until(limit_us, |p| {
+            let left = total - p.written[0];
+            if left > 0 {
+                p.write(0, left.min(10_000) as usize);
+            }
+            p.read(1);
+            p.read[1].len() as u64 == total && p.ends[0].all_acked()
+        });
+        assert!(ok, "transfer stalled at {} µs: {} of {total} bytes read", self.now, self.read[1].len());
+        self.check_read(1);
+    }
+}
+
+fn config() -> ReliableConfig {
+    ReliableConfig { payload_bytes_max: 1000, ..ReliableConfig::default() }
+}
+
+#[test]
+fn in_order_delivery_without_loss() {
+    let mut pair = Pair::new(config(), [100, 5000], 20);
+    pair.transfer(200_000, 1_000_000);
+    let (a, b) = (pair.ends[0].counters(), pair.ends[1].counters());
+    assert_eq!(a.data_sent, 200);
+    assert_eq!((a.retransmitted_gap, a.retransmitted_timeout, a.timeouts), (0, 0, 0));
+    assert_eq!((b.duplicates, b.out_of_order, b.corrupt), (0, 0, 0));
+    // Acks: datagrams arriving together share one; never more than one per datagram.
+    assert!(b.acks_sent >= 200 / 64 && b.acks_sent <= 200, "{b:?}");
+    assert_eq!(b.stream_bytes_read, 200_000);
+}
+
+#[test]
+fn a_lost_datagram_in_the_middle_is_resent_on_the_gap() {
+    let mut dropped = false;
+    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(move |side, h, _| {
+        if side == 0 && h.kind == DatagramKind::Data && h.seq == 5 && !dropped {
+            dropped = true;
+            return Fate::Drop;
+        }
+        Fate::Deliver
+    });
+    pair.transfer(20_000, 1_000_000);
+    let (a, b) = (pair.ends[0].counters(), pair.ends[1].counters());
+    assert_eq!((a.retransmitted_gap, a.retransmitted_timeout), (1, 0), "{a:?}");
+    assert!(b.out_of_order >= 3, "{b:?}");
+    assert_eq!(b.duplicates, 0);
+}
+
+#[test]
+fn a_lost_last_datagram_is_resent_on_timeout() {
+    let mut dropped = false;
+    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(move |side, h, _| {
+        if side == 0 && h.kind == DatagramKind::Data && h.seq == 2 && !dropped {
+            dropped = true;
+            return Fate::Drop;
+        }
+        Fate::Deliver
+    });
+    pair.transfer(3_000, 1_000_000);
+    let a = pair.ends[0].counters();
+    assert_eq!((a.retransmitted_gap, a.retransmitted_timeout, a.timeouts), (0, 1, 1), "{a:?}");
+    // It took one timeout: at least the minimum RTO.
+    assert!(pair.now >= config().rto_min_us);
+}
+
+#[test]
+fn duplicated_and_reordered_datagrams_deliver_once_in_order() {
+    let mut pair = Pair::new(config(), [9, 9], 20).with_fate(|side, _, n| match (side, n % 7) {
+        (0, 1) => Fate::Duplicate,
+        (0, 3) => Fate::Delay(100),
+        (1, 4) => Fate::Duplicate,
+        _ => Fate::Deliver,
+    });
+    pair.transfer(100_000, 10_000_000);
+    let (a, b) = (pair.ends[0].counters(), pair.ends[1].counters());
+    assert!(b.duplicates > 5 && b.out_of_order > 5, "{b:?}");
+    assert_eq!(b.stream_bytes_read, 100_000);
+    assert!(a.datagrams_received > 0);
+}
+
+#[test]
+fn a_full_window_stalls_the_sender_until_the_reader_reads() {
+    let cfg = ReliableConfig { send_slots: 32, recv_slots: 16, peer_window_initial: 16, ..config() };
+    let mut pair = Pair::new(cfg, [0, 0], 20);
+    // The reader reads nothing: the sender fills the receiver's 16 buffers, then its own 32.
+    pair.run_until(100_000, |p| {
+        p.write(0, 100_000);
+        false
+    });
+    // 16 datagrams sit acknowledged in the receiver's buffers, 32 more in the sender's.
+    assert_eq!(pair.written[0], 48_000, "the send buffer bounds what write takes");
+    assert_eq!(pair.ends[0].in_flight(), 0, "everything sent was acknowledged");
+    assert_eq!(pair.ends[0].counters().data_sent, 16, "no more than the window was sent");
+    assert_eq!(pair.ends[1].counters().out_of_window, 0);
+    assert!(pair.ends[0].counters().probes > 0, "a shut window is probed");
+    assert_eq!(pair.ends[0].state(), State::Open, "a peer that answers probes is alive");
+    // The reader drains its buffers: the window opens, and the rest flows.
+    pair.transfer(100_000, 10_000_000);
+}
+
+#[test]
+fn a_lost_window_update_is_recovered_by_a_probe() {
+    let cfg = ReliableConfig { recv_slots: 8, peer_window_initial: 8, ..config() };
+    // Drop every Ack the receiver sends between 1 ms and 3 ms (the update after the read).
+    let clock = std::rc::Rc::new(std::cell::Cell::new(0u64));
+    let seen = clock.clone();
+    let mut pair = Pair::new(cfg, [0, 0], 20).with_fate(move |side, h, _| {
+        let t = seen.get();
+        if side == 1 && h.kind == DatagramKind::Ack && (1_000..3_000).contains(&t) {
+            Fate::Drop
+        } else {
+            Fate::Deliver
+        }
+    });
+    pair.write(0, 20_000);
+    pair.run_until(1_000, |p| {
+        clock.set(p.now);
+        false
+    });
+    assert_eq!(pair.ends[0].counters().data_sent, 8);
+    pair.now = 1_000;
+    pair.read(1);
+    let ok = pair.run_until(1_000_000, |p| {
+        clock.set(p.now);
+        p.read(1);
+        p.read[1].len() == 20_000
+    });
+    assert!(ok);
+    pair.check_read(1);
+    assert!(pair.ends[0].counters().probes >= 1, "{:?}", pair.ends[0].counters());
+}
+
+#[test]
+fn the_rtt_estimate_converges_on_the_path() {
+    let mut pair = Pair::new(config(), [0, 0], 50);
+    // A steady flow, one datagram at a time, acknowledged at once (ACK_NOW is not needed:
+    // two in-order arrivals force an ack), so each sample is the bare round trip or that plus
+    // at most one ack delay.
+    for _ in 0..200 {
+        pair.write(0, 2000);
+        let ok = pair.run_until(pair.now + 1_000_000, |p| {
+            p.read(1);
+            p.ends[0].all_acked()
+        });
+        assert!(ok);
+    }
+    let a = pair.ends[0].counters();
+    assert!((100..=110).contains(&a.srtt_us), "{a:?}");
+    assert!(a.rttvar_us <= 10, "{a:?}");
+    assert_eq!(a.rto_us, config().rto_min_us, "a short steady path sits on the minimum RTO");
+    pair.check_read(1);
+}
+
+#[test]
+fn the_rto_backs_off_and_follows_a_slower_path() {
+    let cfg = ReliableConfig { rto_min_us: 10, ack_delay_us: 5, ..config() };
+    let mut pair = Pair::new(cfg, [0, 0], 2_000);
+    pair.transfer(50_000, 10_000_000);
+    let a = pair.ends[0].counters();
+    // The initial 2 ms RTO is shorter than the 4 ms round trip: it expires and doubles
+    // (Karn: the datagrams sent twice give no sample), then the samples of the later ones
+    // set it above the round trip and it never expires again.
+    assert!((1..=2).contains(&a.timeouts) && a.retransmitted_timeout > 0, "{a:?}");
+    assert!(a.srtt_us >= 4_000 && a.srtt_us <= 4_010, "{a:?}");
+    assert!(a.rto_us > a.srtt_us, "{a:?}");
+    let before = a.timeouts;
+    pair.transfer(100_000, 100_000_000);
+    assert_eq!(pair.ends[0].counters().timeouts, before);
+}
+
+#[test]
+fn a_dead_peer_is_declared_within_the_bound() {
+    let cfg = config();
+    let clock = std::rc::Rc::new(std::cell::Cell::new(0u64));
+    let seen = clock.clone();
+    let mut pair =
+        Pair::new(cfg, [0, 0], 20)
+            .with_fate(move |_, _, _| if seen.get() >= 500 { Fate::Drop } else { Fate::Deliver });
+    let ok = pair.run_until(10_000_000, |p| {
+        clock.set(p.now);
+        if p.now < 500 || p.written[0] < 100_000 {
+            p.write(0, 1_000);
+        }
+        p.read(1);
+        matches!(p.ends[0].state(), State::Dead(_))
+    });
+    assert!(ok, "never declared dead");
+    assert_eq!(pair.ends[0].state(), State::Dead(DeadReason::Timeout(cfg.backoffs_max)));
+    assert!(pair.now <= 500 + cfg.dead_after_us_max(), "dead at {} µs", pair.now);
+    assert_eq!(pair.ends[0].counters().timeouts, u64::from(cfg.backoffs_max) + 1);
+    assert_eq!(pair.ends[0].poll_timeout(), None);
+    assert_eq!(pair.ends[0].write(&[IoSlice::new(b"x")]), 0);
+    // The receiver, which has nothing to send, learns it from its keepalive probes.
+    // It last heard from the sender just after 500 µs (the latency is 20 µs).
+    let last_heard = 520;
+    let ok = pair.run_until(10_000_000, |p| matches!(p.ends[1].state(), State::Dead(_)));
+    assert!(ok);
+    assert_eq!(pair.ends[1].state(), State::Dead(DeadReason::Timeout(cfg.backoffs_max)));
+    assert!(pair.now <= last_heard + cfg.keepalive_us + cfg.dead_after_us_max(), "dead at {} µs", pair.now);
+}
+
+#[test]
+fn without_keepalives_an_idle_stream_never_dies() {
+    let cfg = ReliableConfig { keepalive_us: 0, ..config() };
+    let mut pair = Pair::new(cfg, [0, 0], 20).with_fate(|_, _, _| Fate::Drop);
+    assert!(!pair.run_until(100_000_000, |p| p.ends.iter().any(|e| e.state() != State::Open)));
+    assert_eq!(pair.ends.map(|e| e.poll_timeout()), [None, None]);
+}
+
+#[test]
+fn sequence_numbers_wrap_around() {
+    let start = [u32::MAX - 20, u32::MAX - 3];
+    let mut pair =
+        Pair::new(config(), start, 20)
+            .with_fate(|_, _, n| if n % 11 == 5 { Fate::Drop } else { Fate::Deliver });
+    // Both directions at once, past the wrap.
+    let total = 150_000u64;
+    let ok = pair.run_until(100_000_000, |p| {
+        for side in 0..2 {
+            let left = total - p.written[side];
+            if left > 0 {
+                p.write(side, left.min(3_333) as usize);
+            }
+            p.read(side);
+        }
+        p.read[0].len() as u64 == total
+            && p.read[1].len() as u64 == total
+            && p.ends.iter().all(|e| e.all_acked())
+    });
+    assert!(ok);
+    pair.check_read(0);
+    pair.check_read(1);
+    for end in &pair.ends {
+        let c = end.counters();
+        assert!(c.retransmitted_gap + c.retransmitted_timeout > 0, "{c:?}");
+    }
+    assert!(seq_lt(u32::MAX, 0) && !seq_lt(0, u32::MAX) && seq_lt(u32::MAX - 5, 3));
+}
+
+#[test]
+fn close_ends_the_stream_after_every_byte_and_reset_kills_it() {
+    let mut pair =
+        Pair::new(config(), [1, 2], 20)
+            .with_fate(|_, _, n| if n % 4 == 1 { Fate::Drop } else { Fate::Deliver });
+    pair.write(0, 5_000);
+    pair.write(1, 3_000);
+    pair.ends[0].close();
+    pair.ends[1].close();
+    assert_eq!(pair.ends[0].write(&[IoSlice::new(b"late")]), 0, "nothing after close");
+    let ok = pair.run_until(10_000_000, |p| {
+        p.read(0);
+        p.read(1);
+        p.ends.iter().all(|e| e.state() == State::Closed)
+    });
+    assert!(ok, "{:?} {:?}", pair.ends[0].state(), pair.ends[1].state());
+    assert_eq!((pair.read[0].len(), pair.read[1].len()), (3_000, 5_000));
+    pair.check_read(0);
+    pair.check_read(1);
+    assert!(pair.ends[0].peer_closed() && pair.ends[1].peer_closed());
+    // Closed streams expect nothing more: no keepalives, no timers, once the last acks settle.
+    pair.run_until(10_000_000, |_| false);
+    assert_eq!(pair.ends.each_ref().map(|e| (e.state(), e.poll_timeout())), [(State::Closed, None); 2]);
+
+    let mut pair = Pair::new(config(), [1, 2], 20);
+    pair.write(0, 500);
+    pair.run_until(1_000, |p| p.read(1) > 0);
+    pair.ends[0].reset();
+    pair.run_until(1_000_000, |_| false);
+    assert_eq!(pair.ends[0].state(), State::Dead(DeadReason::LocalReset));
+    assert_eq!(pair.ends[1].state(), State::Dead(DeadReason::PeerReset));
+    assert_eq!(pair.ends[1].poll_timeout(), None);
+}
+
+#[test]
+fn corrupt_foreign_and_bogus_datagrams_are_counted_and_ignored() {
+    let cfg = config();
+    let mut a = DatagramStream::new(&cfg, 1, 0, 0);
+    let mut b = DatagramStream::new(&cfg, 1, 0, 0);
+    let mut other = DatagramStream::new(&cfg, 2, 0, 0);
+    let mut buf = vec![0u8; cfg.datagram_len_max()];
+    a.write(&[IoSlice::new(b"hello")]);
+    let n = a.poll_transmit(0, &mut buf).unwrap();
+    let good = buf[..n].to_vec();
+    let mut flipped = good.clone();
+    flipped[30] ^= 4;
+    b.handle_datagram(1, &flipped);
+    b.handle_datagram(1, &good[..10]);
+    other.handle_datagram(1, &good);
+    assert_eq!((b.counters().corrupt, other.counters().wrong_session), (2, 1));
+    assert!(!b.readable() && !other.readable());
+    // An ack of a sequence number never sent is dropped whole, data and all.
+    other.write(&[IoSlice::new(b"x")]);
+    let mut bogus = DatagramStream::new(&cfg, 1, 0, 0);
+    bogus.rcv_nxt = 50;
+    bogus.write(&[IoSlice::new(b"x")]);
+    let n = bogus.poll_transmit(0, &mut buf).unwrap();
+    b.handle_datagram(1, &buf[..n]);
+    assert_eq!(b.counters().ignored, 1);
+    b.handle_datagram(2, &good);
+    let mut got = [0u8; 16];
+    assert_eq!(b.read(&mut [IoSliceMut::new(&mut got)]), 5);
+    assert_eq!(&got[..5], b"hello");
+    b.handle_datagram(3, &good);
+    assert_eq!(b.counters().duplicates, 1);
+    assert_eq!(b.read(&mut [IoSliceMut::new(&mut got)]), 0, "delivered exactly once");
+}

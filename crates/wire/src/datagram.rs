@@ -1,0 +1,369 @@
+//! The datagram header of the raw-Ethernet transport: 28 bytes at the start of every datagram,
+//! after the Ethernet header and before the stream bytes the datagram carries.
+//!
+//! On the wire a datagram is
+//!
+//! ```text
+//! | Ethernet header (14 bytes: dst MAC, src MAC, EtherType 0x88B5) |  <- the transport's
+//! | DatagramHeader (28 bytes, this module)                         |  <- this module
+//! | payload (payload_len bytes: a contiguous chunk of one session's byte stream) |
+//! ```
+//!
+//! The Ethernet header belongs to the transport (`crates/transport`), which strips it before
+//! calling [`DatagramHeader::parse`] and writes it in front of what [`DatagramHeader::emit`]
+//! produced. Skiff frames (24-byte [`crate::header`] and bodies) travel *inside* the payloads as
+//! an ordinary byte stream, cut wherever the sender's datagrams end: a frame may span many
+//! datagrams and a datagram may hold the end of one frame and the start of the next.
+//!
+//! One CRC32C covers the header (its first 24 bytes, the checksum field excluded) and then the
+//! payload, so a flipped bit anywhere in a datagram is caught here, including in stream bytes
+//! that the frame header's own CRC does not cover. The Ethernet FCS normally catches these
+//! first; this check also covers what the NIC, the driver and memory did after it.
+//!
+//! What the fields mean to the reliable-delivery state machine (`proto::reliable`) is described
+//! there and in docs/PROTOCOL.md, section 16. This module only validates layout: version, kind,
+//! flags, reserved bytes, lengths and the checksum.
+
+use zerocopy::little_endian::{U16, U32};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+/// The EtherType skiff's datagrams carry (IEEE 802 local experimental EtherType 1).
+pub const ETHERTYPE: u16 = 0x88B5;
+/// The only datagram header version this implementation speaks.
+pub const DATAGRAM_VERSION: u8 = 1;
+/// Size of [`DatagramHeaderRaw`] in bytes.
+pub const DATAGRAM_HEADER_LEN: usize = 28;
+/// The smallest Ethernet payload: shorter datagrams arrive padded with zeros up to it.
+pub const ETHERNET_PAYLOAD_MIN: usize = 46;
+/// Header bytes before the checksum field: the part of the header the CRC covers.
+const CRC_COVERED_LEN: usize = 24;
+
+/// The raw header exactly as it sits on the wire (little-endian, no padding).
+#[derive(Debug, Clone, Copy, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct DatagramHeaderRaw {
+    pub version: u8,
+    pub kind: u8,
+    pub flags: u8,
+    pub reserved: u8,
+    pub session_id: U32,
+    pub seq: U32,
+    pub ack: U32,
+    pub sack: U32,
+    pub window: U16,
+    pub payload_len: U16,
+    /// CRC32C of header bytes 0..24, then of the payload.
+    pub crc: U32,
+}
+
+const _: () = assert!(std::mem::size_of::<DatagramHeaderRaw>() == DATAGRAM_HEADER_LEN);
+const _: () = assert!(std::mem::offset_of!(DatagramHeaderRaw, crc) == CRC_COVERED_LEN);
+
+/// What a datagram is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DatagramKind {
+    /// Stream bytes (one or more), with a sequence number, plus the sender's acknowledgement.
+    Data = 1,
+    /// Only the acknowledgement fields (ack, sack, window); no payload.
+    Ack = 2,
+    /// The sender's stream ends: no payload, occupies a sequence number like data (TCP's FIN).
+    Close = 3,
+    /// Abort the session at once; no payload, not acknowledged.
+    Reset = 4,
+    // 16 and 17 are reserved for Discover and Offer (finding a target on a segment); until
+    // they are specified, they are unknown kinds like any other.
+}
+
+impl DatagramKind {
+    pub fn from_u8(v: u8) -> Option<DatagramKind> {
+        Some(match v {
+            1 => DatagramKind::Data,
+            2 => DatagramKind::Ack,
+            3 => DatagramKind::Close,
+            4 => DatagramKind::Reset,
+            _ => return None,
+        })
+    }
+
+    /// Whether datagrams of this kind occupy a sequence number (and so are acknowledged and
+    /// retransmitted).
+    pub fn is_sequenced(self) -> bool {
+        matches!(self, DatagramKind::Data | DatagramKind::Close)
+    }
+}
+
+/// Flag bits of the header's `flags` byte. Undefined bits must be zero.
+pub mod flags {
+    /// The receiver should acknowledge at once instead of delaying its ack: set on
+    /// retransmissions after a timeout and on window probes, whose answer the sender waits for.
+    pub const ACK_NOW: u8 = 0x01;
+    /// Every flag bit this version defines.
+    pub const ALL: u8 = ACK_NOW;
+}
+
+/// Why bytes are not a valid datagram. The receiver drops such a datagram and counts it; one
+/// bad datagram never ends a session.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DatagramError {
+    #[error("datagram too short: {have} bytes, the header alone is {DATAGRAM_HEADER_LEN}")]
+    Short { have: usize },
+    #[error("datagram checksum mismatch: carried {carried:#010x}, computed {computed:#010x}")]
+    BadCrc { carried: u32, computed: u32 },
+    #[error("unsupported datagram version {0}")]
+    BadVersion(u8),
+    #[error("unknown datagram kind {0}")]
+    UnknownKind(u8),
+    #[error("undefined datagram flags {0:#04x}")]
+    UnknownFlags(u8),
+    #[error("datagram reserved byte is {0:#04x}, not zero")]
+    Reserved(u8),
+    #[error("datagram payload is {have} bytes, its header says {declared}")]
+    PayloadLength { declared: usize, have: usize },
+    #[error("{kind:?} datagram with {len} payload bytes")]
+    PayloadForKind { kind: DatagramKind, len: usize },
+}
+
+/// A header that passed every check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DatagramHeader {
+    pub kind: DatagramKind,
+    pub flags: u8,
+    /// The session this datagram belongs to; the receiver ignores other sessions' datagrams.
+    pub session_id: u32,
+    /// The datagram's sequence number (Data, Close); the sender's next one otherwise.
+    pub seq: u32,
+    /// Cumulative acknowledgement: the next sequence number the sender of this datagram
+    /// expects from its peer (everything before it has arrived).
+    pub ack: u32,
+    /// Selective acknowledgement: bit `i` set means sequence number `ack + 1 + i` has arrived.
+    pub sack: u32,
+    /// Receive window: how many datagrams from `ack` on (`ack` included) the sender of this
+    /// datagram can still buffer.
+    pub window: u16,
+    pub payload_len: u16,
+}
+
+impl DatagramHeader {
+    /// Length of the whole datagram (Ethernet header excluded).
+    pub fn datagram_len(&self) -> usize {
+        DATAGRAM_HEADER_LEN + usize::from(self.payload_len)
+    }
+
+    /// Validate `bytes` (one whole datagram, Ethernet header stripped) and return its header
+    /// and payload. The checksum is checked first: a corrupted datagram says nothing else
+    /// reliably.
+    pub fn parse(bytes: &[u8]) -> Result<(DatagramHeader, &[u8]), DatagramError> {
+        let (raw, payload) = DatagramHeaderRaw::read_from_prefix(bytes)
+            .map_err(|_| DatagramError::Short { have: bytes.len() })?;
+        let declared = usize::from(raw.payload_len.get());
+        // The length must agree with the buffer, except for the pad a NIC adds to reach the
+        // minimum Ethernet frame: bytes after the payload are allowed only in a datagram of
+        // at most ETHERNET_PAYLOAD_MIN bytes.
+        let padded = bytes.len() <= ETHERNET_PAYLOAD_MIN && payload.len() > declared;
+        if payload.len() != declared && !padded {
+            return Err(DatagramError::PayloadLength { declared, have: payload.len() });
+        }
+        let payload = &payload[..declared];
+        let computed = crc32c::crc32c_append(crc32c::crc32c(&bytes[..CRC_COVERED_LEN]), payload);
+        if raw.crc.get() != computed {
+            return Err(DatagramError::BadCrc { carried: raw.crc.get(), computed });
+        }
+        if raw.version != DATAGRAM_VERSION {
+            return Err(DatagramError::BadVersion(raw.version));
+        }
+        let kind = DatagramKind::from_u8(raw.kind).ok_or(DatagramError::UnknownKind(raw.kind))?;
+        if raw.flags & !flags::ALL != 0 {
+            return Err(DatagramError::UnknownFlags(raw.flags & !flags::ALL));
+        }
+        if raw.reserved != 0 {
+            return Err(DatagramError::Reserved(raw.reserved));
+        }
+        let payload_ok = match kind {
+            DatagramKind::Data => declared > 0,
+            _ => declared == 0,
+        };
+        if !payload_ok {
+            return Err(DatagramError::PayloadForKind { kind, len: declared });
+        }
+        let header = DatagramHeader {
+            kind,
+            flags: raw.flags,
+            session_id: raw.session_id.get(),
+            seq: raw.seq.get(),
+            ack: raw.ack.get(),
+            sack: raw.sack.get(),
+            window: raw.window.get(),
+            payload_len: raw.payload_len.get(),
+        };
+        Ok((header, payload))
+    }
+
+    /// Write this header into `out[..DATAGRAM_HEADER_LEN]`, with the checksum over it and the
+    /// `payload_len` bytes that the caller has already placed at `out[DATAGRAM_HEADER_LEN..]`
+    /// (so a payload is copied once, straight into the transmit buffer). Returns the datagram's
+    /// length.
+    ///
+    /// # Panics
+    /// If `out` is shorter than [`datagram_len`](Self::datagram_len): callers size their
+    /// buffers from the largest payload they send.
+    pub fn emit(&self, out: &mut [u8]) -> usize {
+        let len = self.datagram_len();
+        let raw = DatagramHeaderRaw {
+            version: DATAGRAM_VERSION,
+            kind: self.kind as u8,
+            flags: self.flags,
+            reserved: 0,
+            session_id: self.session_id.into(),
+            seq: self.seq.into(),
+            ack: self.ack.into(),
+            sack: self.sack.into(),
+            window: self.window.into(),
+            payload_len: self.payload_len.into(),
+            crc: 0.into(),
+        };
+        out[..DATAGRAM_HEADER_LEN].copy_from_slice(raw.as_bytes());
+        let crc =
+            crc32c::crc32c_append(crc32c::crc32c(&out[..CRC_COVERED_LEN]), &out[DATAGRAM_HEADER_LEN..len]);
+        out[CRC_COVERED_LEN..DATAGRAM_HEADER_LEN].copy_from_slice(&crc.to_le_bytes());
+        len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(payload: &[u8]) -> Vec<u8> {
+        let h = DatagramHeader {
+            kind: DatagramKind::Data,
+            flags: flags::ACK_NOW,
+            session_id: 0x0102_0304,
+            seq: 0xFFFF_FFFE,
+            ack: 7,
+            sack: 0b101,
+            window: 64,
+            payload_len: payload.len() as u16,
+        };
+        let mut out = vec![0u8; h.datagram_len()];
+        out[DATAGRAM_HEADER_LEN..].copy_from_slice(payload);
+        assert_eq!(h.emit(&mut out), out.len());
+        out
+    }
+
+    /// Re-stamp the CRC after editing a header, so that the check after it is reached.
+    fn restamp(bytes: &mut [u8]) {
+        let len = DATAGRAM_HEADER_LEN + usize::from(u16::from_le_bytes([bytes[22], bytes[23]]));
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&bytes[..24]), &bytes[DATAGRAM_HEADER_LEN..len]);
+        bytes[24..28].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    #[test]
+    fn fixed_bytes() {
+        let bytes = data(b"hi");
+        let expected_head: [u8; 24] = [
+            0x01, 0x01, 0x01, 0x00, // version, kind Data, flags ACK_NOW, reserved
+            0x04, 0x03, 0x02, 0x01, // session id 0x01020304
+            0xFE, 0xFF, 0xFF, 0xFF, // seq 0xFFFFFFFE
+            0x07, 0x00, 0x00, 0x00, // ack 7
+            0x05, 0x00, 0x00, 0x00, // sack 0b101
+            0x40, 0x00, 0x02, 0x00, // window 64, payload_len 2
+        ];
+        assert_eq!(bytes[..24], expected_head);
+        let crc = crc32c::crc32c(&[&expected_head[..], b"hi"].concat());
+        assert_eq!(bytes[24..28], crc.to_le_bytes());
+        // The test vector of docs/PROTOCOL.md, section 16.1.
+        assert_eq!(crc, 0x11B5_898A);
+        assert_eq!(bytes[24..28], [0x8A, 0x89, 0xB5, 0x11]);
+        assert_eq!(&bytes[28..], b"hi");
+    }
+
+    #[test]
+    fn round_trip_every_kind() {
+        for (kind, payload) in [
+            (DatagramKind::Data, &b"x"[..]),
+            (DatagramKind::Data, &[0xAB; 1472][..]),
+            (DatagramKind::Ack, &[][..]),
+            (DatagramKind::Close, &[][..]),
+            (DatagramKind::Reset, &[][..]),
+        ] {
+            let h = DatagramHeader {
+                kind,
+                flags: 0,
+                session_id: 9,
+                seq: u32::MAX,
+                ack: 0,
+                sack: u32::MAX,
+                window: u16::MAX,
+                payload_len: payload.len() as u16,
+            };
+            let mut out = vec![0u8; h.datagram_len().max(ETHERNET_PAYLOAD_MIN)];
+            out[DATAGRAM_HEADER_LEN..h.datagram_len()].copy_from_slice(payload);
+            let n = h.emit(&mut out);
+            let (back, got) = DatagramHeader::parse(&out[..n]).unwrap();
+            assert_eq!((back, got), (h, payload));
+            // The pad up to a minimum-size Ethernet frame is ignored; nothing else may follow.
+            assert_eq!(DatagramHeader::parse(&out).unwrap().0, h);
+            out.push(0);
+            let have = out.len() - DATAGRAM_HEADER_LEN;
+            assert_eq!(
+                DatagramHeader::parse(&out),
+                Err(DatagramError::PayloadLength { declared: payload.len(), have })
+            );
+        }
+    }
+
+    #[test]
+    fn every_bit_flip_is_caught() {
+        let good = data(b"payload bytes");
+        for bit in 0..good.len() * 8 {
+            let mut bad = good.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            assert!(DatagramHeader::parse(&bad).is_err(), "flip of bit {bit} passed");
+        }
+    }
+
+    #[test]
+    fn precise_errors() {
+        let good = data(b"ab");
+        assert_eq!(DatagramHeader::parse(&good[..27]), Err(DatagramError::Short { have: 27 }));
+        assert_eq!(
+            DatagramHeader::parse(&good[..29]),
+            Err(DatagramError::PayloadLength { declared: 2, have: 1 })
+        );
+        let mut bad = good.clone();
+        bad[28] ^= 1;
+        assert!(matches!(DatagramHeader::parse(&bad), Err(DatagramError::BadCrc { .. })));
+        let edit = |at: usize, v: u8| {
+            let mut b = good.clone();
+            b[at] = v;
+            restamp(&mut b);
+            DatagramHeader::parse(&b).map(|(h, _)| h)
+        };
+        assert_eq!(edit(0, 2), Err(DatagramError::BadVersion(2)));
+        assert_eq!(edit(1, 16), Err(DatagramError::UnknownKind(16)));
+        assert_eq!(edit(1, 0), Err(DatagramError::UnknownKind(0)));
+        assert_eq!(edit(2, 0x81), Err(DatagramError::UnknownFlags(0x80)));
+        assert_eq!(edit(3, 1), Err(DatagramError::Reserved(1)));
+        assert_eq!(
+            edit(1, DatagramKind::Ack as u8),
+            Err(DatagramError::PayloadForKind { kind: DatagramKind::Ack, len: 2 })
+        );
+        let mut empty = vec![0u8; DATAGRAM_HEADER_LEN];
+        DatagramHeader {
+            kind: DatagramKind::Data,
+            flags: 0,
+            session_id: 1,
+            seq: 0,
+            ack: 0,
+            sack: 0,
+            window: 1,
+            payload_len: 0,
+        }
+        .emit(&mut empty);
+        assert_eq!(
+            DatagramHeader::parse(&empty),
+            Err(DatagramError::PayloadForKind { kind: DatagramKind::Data, len: 0 })
+        );
+    }
+}
