@@ -23,9 +23,13 @@ pub struct ServeArgs {
     /// Also (or instead, with --no-tcp) listen on this Unix socket path.
     #[arg(long)]
     unix: Option<std::path::PathBuf>,
-    /// Do not listen for the native protocol on TCP (use with --unix or --nbd).
+    /// Do not listen for the native protocol on TCP (use with --unix, --eth or --nbd).
     #[arg(long)]
     no_tcp: bool,
+    /// Also serve the native protocol over raw Ethernet on this interface (EtherType 0x88B5;
+    /// initiators connect to eth:IFACE/MAC; docs/ETHERNET.md). Repeatable. Needs CAP_NET_RAW.
+    #[arg(long, value_name = "IFACE")]
+    eth: Vec<String>,
     /// Serve NBD clients on this TCP address (NBD's port is 10809). Repeatable.
     #[arg(long, value_name = "ADDR")]
     nbd: Vec<String>,
@@ -149,12 +153,13 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
     if let Some(path) = args.unix {
         listen.push(Endpoint::Unix(path));
     }
+    listen.extend(args.eth.into_iter().map(|iface| Endpoint::Eth { iface, mac: None }));
     let mut nbd_listen = args.nbd.iter().map(|a| Endpoint::parse(a)).collect::<Result<Vec<_>, _>>()?;
     if let Some(path) = args.nbd_unix {
         nbd_listen.push(Endpoint::Unix(path));
     }
     if listen.is_empty() && nbd_listen.is_empty() {
-        return Err("nothing to listen on: --no-tcp needs --unix, --nbd or --nbd-unix".into());
+        return Err("nothing to listen on: --no-tcp needs --unix, --eth, --nbd or --nbd-unix".into());
     }
     let config = TargetConfig {
         listen,

@@ -163,13 +163,17 @@ impl Conn {
     /// the frame buffer (to be handled afterwards), so the peer is never blocked on us while
     /// we are blocked on it. That backlog is bounded by the replies to the requests in flight.
     pub fn wait_writable(&mut self, deadline: Instant) -> Result<()> {
+        // A raw-Ethernet session's send waits for acknowledgements: for readability, and
+        // its timers.
+        let for_writable = self.stream.send_waits_for_writable();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let ready = wait_fd(self.stream.as_raw_fd(), true, Some(left))?;
-            if ready.readable {
+            let left = self.stream.timer().map_or(left, |t| t.min(left));
+            let ready = wait_fd(self.stream.as_raw_fd(), for_writable, Some(left))?;
+            if ready.readable || !for_writable {
                 self.fill_now(usize::MAX)?;
             }
-            if ready.writable {
+            if ready.writable || !for_writable {
                 return Ok(());
             }
             if !ready.readable && Instant::now() >= deadline {
@@ -222,6 +226,8 @@ impl Wait for ReceiveWait<'_> {
             return Ok(true);
         }
         let stream = &self.conn.stream;
+        // A raw-Ethernet session's timer cuts the sleep short; the next receive drives it.
+        let t = stream.timer().map_or(t, |timer| timer.min(t));
         let ready = wait_fd(stream.as_raw_fd(), stream.pending_send(), Some(t))?;
         Ok(ready.readable || (ready.writable && stream.pending_send()))
     }

@@ -378,6 +378,12 @@ impl<B: IoBuf> Lane<B> {
         self.session.poll_timeout().map(|us| self.epoch + Duration::from_micros(us))
     }
 
+    /// When the connection itself must be driven though nothing arrives: a raw-Ethernet
+    /// session's retransmission or acknowledgement timer (`None` on sockets).
+    pub(crate) fn stream_due(&self) -> Option<Instant> {
+        self.conn.stream.timer().map(|t| Instant::now() + t)
+    }
+
     /// Requests sent and not yet answered.
     pub fn on_the_wire(&self) -> usize {
         self.session.on_the_wire()
@@ -498,7 +504,7 @@ impl<B: IoBuf> Lane<B> {
         let (socket, wake_at) = if self.session.is_broken() {
             (None, None)
         } else {
-            let due = [self.doorbell_due(), self.reconnect_due(), self.silence_due()];
+            let due = [self.doorbell_due(), self.reconnect_due(), self.silence_due(), self.stream_due()];
             (self.wake_fd(), due.into_iter().flatten().min())
         };
         let mut timeout = wake_at.map(|at| at.saturating_duration_since(now));

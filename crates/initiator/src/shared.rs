@@ -308,7 +308,7 @@ impl<B: IoBuf + Send> Wait for ReceiverWait<'_, '_, B> {
         let deadline = self.deadline;
         let st = self.state();
         let now = Instant::now();
-        let due = [st.lane.doorbell_due(), st.lane.reconnect_due()]
+        let due = [st.lane.doorbell_due(), st.lane.reconnect_due(), st.lane.stream_due()]
             .into_iter()
             .flatten()
             .fold(deadline, Instant::min);

@@ -63,7 +63,7 @@ impl Acceptor {
 
     fn accept_all(&mut self, index: usize) {
         loop {
-            let (listener, protocol) = &self.listeners[index];
+            let (listener, protocol) = &mut self.listeners[index];
             let protocol = *protocol;
             let stream = match listener.accept() {
                 Ok(s) => s,

@@ -54,6 +54,8 @@ pub(crate) struct Worker {
     stage: Option<Stage>,
     /// Connections adopted so far: with the slot, a staged connection's name.
     adopted: u64,
+    /// Connections with timers of their own: raw-Ethernet sessions.
+    timed: Vec<usize>,
 }
 
 impl Worker {
@@ -69,6 +71,7 @@ impl Worker {
         Ok(Worker {
             stage,
             adopted: 0,
+            timed: Vec::new(),
             id,
             poll,
             waker,
@@ -109,8 +112,11 @@ impl Worker {
                 self.poll.poll(&mut events, Some(Duration::ZERO))
             } else if self.free.len() < self.conns.len() {
                 // Connections to watch: wait by the polling policy, and wake for the next
-                // sweep even if none of them speaks.
-                let block = next_sweep.saturating_duration_since(now);
+                // sweep even if none of them speaks, or for a raw-Ethernet session's timer.
+                let mut block = next_sweep.saturating_duration_since(now);
+                if let Some(t) = self.timers() {
+                    block = block.min(t);
+                }
                 let mut w = PollWait { poll: &mut self.poll, events: &mut events, block };
                 let waited = rt::poll::wait(&mut waiter, &mut w).map(drop);
                 if !waiter.mode().is_off() {
@@ -129,7 +135,8 @@ impl Worker {
             if self.shared.shutdown.load(Ordering::Acquire) {
                 break;
             }
-            if events.is_empty() && self.carry.is_empty() {
+            self.fire_timers();
+            if events.is_empty() && self.carry.is_empty() && self.readable.is_empty() {
                 continue;
             }
             bump(&self.stats.loop_passes, 1);
@@ -214,7 +221,10 @@ impl Worker {
                 self.conns.push(None);
                 self.conns.len() - 1
             });
-            let staged = self.stage.is_some() && protocol == Protocol::Native;
+            // Sockets only: a raw-Ethernet session's timers and rings stay with its worker.
+            let staged = self.stage.is_some()
+                && protocol == Protocol::Native
+                && !matches!(stream, transport::Stream::Eth(_));
             let interest = match (staged, self.shared.config.stages) {
                 // The send thread waits for room in the socket itself.
                 (true, Stages::SendThread) => Interest::READABLE,
@@ -235,6 +245,9 @@ impl Worker {
                 continue;
             }
             let second = if staged { Some(stream.try_clone_plain()) } else { None };
+            if matches!(stream, transport::Stream::Eth(_)) {
+                self.timed.push(index);
+            }
             let mut conn = Conn::new(stream, protocol, ticket, &self.shared);
             tracing::debug!(worker = self.id, peer = %conn.peer, ?protocol, "connection");
             bump(&self.stats.connections_accepted, 1);
@@ -258,6 +271,25 @@ impl Worker {
                 self.readable.push(index);
             }
             self.dirty.push(index);
+        }
+    }
+
+    /// The soonest timer of the raw-Ethernet sessions (retransmission, acknowledgement,
+    /// keepalive); `None` without any.
+    fn timers(&self) -> Option<Duration> {
+        if self.timed.is_empty() {
+            return None;
+        }
+        self.timed.iter().filter_map(|&i| self.conns[i].as_ref().and_then(|c| c.stream.timer())).min()
+    }
+
+    /// Service the raw-Ethernet sessions whose timers are due: receiving drives them.
+    fn fire_timers(&mut self) {
+        for &i in &self.timed {
+            if self.conns[i].as_ref().and_then(|c| c.stream.timer()).is_some_and(|t| t.is_zero()) {
+                self.readable.push(i);
+                self.dirty.push(i);
+            }
         }
     }
 
@@ -359,6 +391,7 @@ impl Worker {
             self.free.push(index);
             self.shared.admission.closed(&conn.ticket, &self.shared.connections);
             self.carry.retain(|&c| c != index);
+            self.timed.retain(|&c| c != index);
         }
     }
 }

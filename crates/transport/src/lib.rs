@@ -10,6 +10,7 @@
 //! buffer, and everything above stays unchanged.
 
 pub mod endpoint;
+pub mod eth;
 pub mod packet;
 pub mod relay;
 pub mod stream;

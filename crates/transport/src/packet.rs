@@ -35,6 +35,54 @@ pub type Mac = [u8; 6];
 /// The broadcast address, for discovery.
 pub const BROADCAST: Mac = [0xff; 6];
 
+/// One classic BPF instruction: (code, jump if true, jump if false, k), as `struct
+/// sock_filter`; see [`bpf`] for the few a frame filter needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bpf(pub u16, pub u8, pub u8, pub u32);
+
+/// Builders of the instructions frame filters use. Loads read network (big-endian) order.
+pub mod bpf {
+    use super::Bpf;
+    /// A = the 32-bit word at byte `k`.
+    pub fn load_word(k: u32) -> Bpf {
+        Bpf(0x20, 0, 0, k)
+    }
+    /// A = the 16-bit half-word at byte `k`.
+    pub fn load_half(k: u32) -> Bpf {
+        Bpf(0x28, 0, 0, k)
+    }
+    /// A = the byte at `k`.
+    pub fn load_byte(k: u32) -> Bpf {
+        Bpf(0x30, 0, 0, k)
+    }
+    /// If A == k go on, else skip `skip` instructions.
+    pub fn require(k: u32, skip: u8) -> Bpf {
+        Bpf(0x15, 0, skip, k)
+    }
+    /// Accept the frame (up to 256 KiB of it).
+    pub fn accept() -> Bpf {
+        Bpf(0x06, 0, 0, 0x0004_0000)
+    }
+    /// Drop the frame.
+    pub fn reject() -> Bpf {
+        Bpf(0x06, 0, 0, 0)
+    }
+
+    /// A program that accepts a frame only if every `(load, value)` check holds.
+    pub fn all_of(checks: &[(Bpf, u32)]) -> Vec<Bpf> {
+        let n = checks.len();
+        let mut p = Vec::with_capacity(2 * n + 2);
+        for (i, (load, value)) in checks.iter().enumerate() {
+            p.push(*load);
+            // On a mismatch, skip the rest of the checks and the accept: land on the reject.
+            p.push(require(*value, (2 * (n - i - 1) + 1) as u8));
+        }
+        p.push(accept());
+        p.push(reject());
+        p
+    }
+}
+
 /// How the rings are laid out (`PACKET_VERSION`; both rings use the same).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RingVersion {
@@ -136,6 +184,7 @@ pub struct PacketSocket {
     ring_len: usize,
     config: RingConfig,
     ifindex: i32,
+    iface: String,
     mac: Mac,
     mtu: usize,
     ethertype: u16,
@@ -176,10 +225,12 @@ impl PacketSocket {
                 config.rx_slots, config.v3_block_slots
             )));
         }
-        let proto = i32::from(ethertype.to_be());
+        // Protocol 0: nothing is received until `bind` names the EtherType and the interface.
+        // (A socket opened with the EtherType would take that EtherType's frames from every
+        // interface of the namespace into its ring until it is bound.)
         // SAFETY: plain socket(2); the descriptor is owned below.
         let raw = unsafe {
-            libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, proto)
+            libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0)
         };
         if raw < 0 {
             let e = io::Error::last_os_error();
@@ -297,6 +348,7 @@ impl PacketSocket {
             ring_len,
             config,
             ifindex,
+            iface: ifname.to_owned(),
             mac,
             mtu,
             ethertype,
@@ -332,6 +384,11 @@ impl PacketSocket {
 
     pub fn ifindex(&self) -> i32 {
         self.ifindex
+    }
+
+    /// The interface's name.
+    pub fn iface(&self) -> &str {
+        &self.iface
     }
 
     pub fn config(&self) -> &RingConfig {
@@ -426,6 +483,31 @@ impl PacketSocket {
         self.queue_parts(&header, parts)
     }
 
+    /// Write a frame to `dst` whose payload `fill` writes in place, straight into the transmit
+    /// slot (no staging copy): it gets room for an MTU and returns the bytes it wrote; zero
+    /// queues nothing. `Ok(None)`: the ring is full and `fill` was not called.
+    pub fn queue_with(
+        &mut self,
+        dst: Mac,
+        fill: impl FnOnce(&mut [u8]) -> usize,
+    ) -> io::Result<Option<usize>> {
+        let Some((slot, data_off)) = self.free_tx_slot()? else { return Ok(None) };
+        let room = self.mtu;
+        // SAFETY: the slot is ours (status AVAILABLE) and holds data_off + an Ethernet header
+        // + an MTU (checked in `open`).
+        let frame = unsafe { std::slice::from_raw_parts_mut(slot.add(data_off), ETH_HEADER_LEN + room) };
+        let len = fill(&mut frame[ETH_HEADER_LEN..]);
+        if len == 0 {
+            return Ok(Some(0));
+        }
+        assert!(len <= room, "fill wrote {len} bytes into {room}");
+        frame[0..6].copy_from_slice(&dst);
+        frame[6..12].copy_from_slice(&self.mac);
+        frame[12..14].copy_from_slice(&self.ethertype.to_be_bytes());
+        self.commit_tx(slot, ETH_HEADER_LEN + len);
+        Ok(Some(len))
+    }
+
     /// Queue a whole Ethernet frame as it is (a bridge forwarding what it received).
     pub fn queue_frame(&mut self, frame: &[u8]) -> io::Result<bool> {
         if frame.len() < ETH_HEADER_LEN {
@@ -439,21 +521,7 @@ impl PacketSocket {
         if len > self.mtu {
             return Err(invalid(format!("a {len}-byte payload exceeds the MTU of {}", self.mtu)));
         }
-        let tx_base = self.config.slot_bytes * self.config.rx_slots;
-        // SAFETY: tx_next < tx_slots, so the slot lies inside the transmit ring.
-        let slot = unsafe { self.ring.add(tx_base + self.tx_next * self.config.slot_bytes) };
-        let (status_off, data_off) = match self.config.version {
-            RingVersion::V2 => (hdr::V2_STATUS, hdr::V2_TX_DATA),
-            RingVersion::V3 => (hdr::V3_STATUS, hdr::V3_TX_DATA),
-        };
-        let status = status_at(slot, status_off);
-        match status.load(Ordering::Acquire) {
-            TP_STATUS_AVAILABLE => {}
-            TP_STATUS_WRONG_FORMAT => {
-                return Err(io::Error::other("the kernel refused a queued frame (TP_STATUS_WRONG_FORMAT)"))
-            }
-            _ => return Ok(false),
-        }
+        let Some((slot, data_off)) = self.free_tx_slot()? else { return Ok(false) };
         let frame_len = ETH_HEADER_LEN + len;
         // SAFETY: the slot is ours (status AVAILABLE) and holds data_off + frame_len bytes
         // (the MTU check in `open` and above).
@@ -464,19 +532,70 @@ impl PacketSocket {
             frame[at..at + p.len()].copy_from_slice(p);
             at += p.len();
         }
-        match self.config.version {
-            RingVersion::V2 => write_u32(slot, hdr::V2_LEN, frame_len as u32),
+        self.commit_tx(slot, frame_len);
+        Ok(true)
+    }
+
+    /// The next transmit slot and where its frame starts, if the kernel is done with it.
+    fn free_tx_slot(&mut self) -> io::Result<Option<(*mut u8, usize)>> {
+        let tx_base = self.config.slot_bytes * self.config.rx_slots;
+        // SAFETY: tx_next < tx_slots, so the slot lies inside the transmit ring.
+        let slot = unsafe { self.ring.add(tx_base + self.tx_next * self.config.slot_bytes) };
+        let (status_off, data_off) = match self.config.version {
+            RingVersion::V2 => (hdr::V2_STATUS, hdr::V2_TX_DATA),
+            RingVersion::V3 => (hdr::V3_STATUS, hdr::V3_TX_DATA),
+        };
+        match status_at(slot, status_off).load(Ordering::Acquire) {
+            TP_STATUS_AVAILABLE => Ok(Some((slot, data_off))),
+            TP_STATUS_WRONG_FORMAT => {
+                Err(io::Error::other("the kernel refused a queued frame (TP_STATUS_WRONG_FORMAT)"))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Hand a filled slot of `frame_len` bytes to the kernel (sent at the next flush).
+    fn commit_tx(&mut self, slot: *mut u8, frame_len: usize) {
+        let status_off = match self.config.version {
+            RingVersion::V2 => {
+                write_u32(slot, hdr::V2_LEN, frame_len as u32);
+                hdr::V2_STATUS
+            }
             RingVersion::V3 => {
                 write_u32(slot, hdr::V3_NEXT, 0);
                 write_u32(slot, hdr::V3_LEN, frame_len as u32);
                 write_u32(slot, hdr::V3_SNAPLEN, frame_len as u32);
+                hdr::V3_STATUS
             }
-        }
-        status.store(TP_STATUS_SEND_REQUEST, Ordering::Release);
+        };
+        status_at(slot, status_off).store(TP_STATUS_SEND_REQUEST, Ordering::Release);
         self.tx_next = (self.tx_next + 1) % self.config.tx_slots;
         self.tx_queued += 1;
         self.stats.tx_frames += 1;
-        Ok(true)
+    }
+
+    /// Deliver only the frames `program` accepts: a classic BPF filter (`SO_ATTACH_FILTER`)
+    /// that the kernel runs on each frame, Ethernet header at offset 0, before the frame takes
+    /// a ring slot. Frames that arrived before the filter are discarded.
+    pub fn attach_filter(&mut self, program: &[Bpf]) -> io::Result<()> {
+        let mut code: Vec<libc::sock_filter> =
+            program.iter().map(|b| libc::sock_filter { code: b.0, jt: b.1, jf: b.2, k: b.3 }).collect();
+        let prog = libc::sock_fprog { len: code.len() as u16, filter: code.as_mut_ptr() };
+        // SAFETY: `prog` points at `code`, alive for the call; the kernel copies the program.
+        let r = unsafe {
+            libc::setsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_ATTACH_FILTER,
+                (&prog as *const libc::sock_fprog).cast(),
+                std::mem::size_of::<libc::sock_fprog>() as libc::socklen_t,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.receive_frames(|_| {});
+        Ok(())
     }
 
     /// Send every queued frame: one `sendto`, which does not wait for the frames to leave.

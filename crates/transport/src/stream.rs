@@ -12,6 +12,7 @@ use std::time::Duration;
 use mio::event::Source;
 use mio::{Interest, Registry, Token};
 
+use crate::eth::{EthConfig, EthListener, EthStream};
 use crate::tls::TlsStream;
 use crate::{Endpoint, FrameBuffer, FrameIo};
 
@@ -70,6 +71,8 @@ fn send_to(w: &mut impl Write, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
 pub enum Listener {
     Tcp(mio::net::TcpListener),
     Unix(mio::net::UnixListener, std::path::PathBuf),
+    /// Raw Ethernet on one interface ([`crate::eth`]).
+    Eth(Box<EthListener>),
 }
 
 impl Listener {
@@ -92,6 +95,9 @@ impl Listener {
                 }
                 Ok(Listener::Unix(mio::net::UnixListener::bind(path)?, path.clone()))
             }
+            Endpoint::Eth { iface, .. } => {
+                Ok(Listener::Eth(Box::new(EthListener::bind(iface, EthConfig::default())?)))
+            }
         }
     }
 
@@ -100,11 +106,12 @@ impl Listener {
         match self {
             Listener::Tcp(l) => Ok(Endpoint::Tcp(l.local_addr()?.to_string())),
             Listener::Unix(_, path) => Ok(Endpoint::Unix(path.clone())),
+            Listener::Eth(l) => Ok(Endpoint::Eth { iface: l.iface().to_owned(), mac: Some(l.mac()) }),
         }
     }
 
     /// Accept one pending connection, if any.
-    pub fn accept(&self) -> io::Result<Stream> {
+    pub fn accept(&mut self) -> io::Result<Stream> {
         match self {
             Listener::Tcp(l) => {
                 let (s, _) = l.accept()?;
@@ -114,6 +121,7 @@ impl Listener {
                 Ok(Stream::Tcp(s))
             }
             Listener::Unix(l, _) => Ok(Stream::Unix(l.accept()?.0)),
+            Listener::Eth(l) => Ok(Stream::Eth(Box::new(l.accept()?))),
         }
     }
 }
@@ -131,18 +139,21 @@ impl Source for Listener {
         match self {
             Listener::Tcp(l) => l.register(r, t, i),
             Listener::Unix(l, _) => l.register(r, t, i),
+            Listener::Eth(l) => mio::unix::SourceFd(&l.as_raw_fd()).register(r, t, i),
         }
     }
     fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
         match self {
             Listener::Tcp(l) => l.reregister(r, t, i),
             Listener::Unix(l, _) => l.reregister(r, t, i),
+            Listener::Eth(l) => mio::unix::SourceFd(&l.as_raw_fd()).reregister(r, t, i),
         }
     }
     fn deregister(&mut self, r: &Registry) -> io::Result<()> {
         match self {
             Listener::Tcp(l) => l.deregister(r),
             Listener::Unix(l, _) => l.deregister(r),
+            Listener::Eth(l) => mio::unix::SourceFd(&l.as_raw_fd()).deregister(r),
         }
     }
 }
@@ -153,9 +164,20 @@ pub enum Stream {
     Unix(mio::net::UnixStream),
     /// TCP carrying TLS ([`crate::tls`]).
     Tls(Box<TlsStream<mio::net::TcpStream>>),
+    /// A raw-Ethernet session ([`crate::eth`]).
+    Eth(Box<EthStream>),
 }
 
 impl Stream {
+    /// When the stream must be driven again even if nothing arrives: a raw-Ethernet
+    /// session's next retransmission or acknowledgement timer. Sockets need none.
+    pub fn timer(&self) -> Option<Duration> {
+        match self {
+            Stream::Eth(s) => s.timeout(),
+            _ => None,
+        }
+    }
+
     /// A description of the peer for logs.
     pub fn peer(&self) -> String {
         match self {
@@ -164,6 +186,7 @@ impl Stream {
                 s.get_ref().peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tls:?".into())
             }
             Stream::Unix(_) => "unix".into(),
+            Stream::Eth(s) => s.describe(),
         }
     }
 
@@ -172,7 +195,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.peer_addr().ok().map(|a| a.ip()),
             Stream::Tls(s) => s.get_ref().peer_addr().ok().map(|a| a.ip()),
-            Stream::Unix(_) => None,
+            Stream::Unix(_) | Stream::Eth(_) => None,
         }
     }
 
@@ -214,6 +237,9 @@ impl Stream {
             Stream::Unix(_) => {
                 return Err(io::Error::new(io::ErrorKind::Unsupported, "TLS over a Unix socket"))
             }
+            Stream::Eth(_) => {
+                return Err(io::Error::new(io::ErrorKind::Unsupported, "TLS over raw Ethernet"))
+            }
         }
         // A stand-in for the moment the TCP stream moves into its TLS wrapper.
         let stand_in = Stream::Unix(mio::net::UnixStream::pair()?.0);
@@ -236,6 +262,12 @@ impl Stream {
             Stream::Tls(_) => {
                 return Err(io::Error::new(io::ErrorKind::Unsupported, "a TLS stream has no second handle"))
             }
+            Stream::Eth(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "a raw-Ethernet session has no second handle",
+                ))
+            }
         };
         // SAFETY: `fd` is open for as long as `self` lives; fcntl(F_DUPFD_CLOEXEC) only reads it.
         let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
@@ -257,6 +289,7 @@ impl AsRawFd for Stream {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
             Stream::Tls(s) => s.get_ref().as_raw_fd(),
+            Stream::Eth(s) => s.as_raw_fd(),
         }
     }
 }
@@ -267,6 +300,7 @@ impl FrameIo for Stream {
             Stream::Tcp(s) => recv_from(s, bufs),
             Stream::Unix(s) => recv_from(s, bufs),
             Stream::Tls(s) => s.recv(bufs),
+            Stream::Eth(s) => s.recv(bufs),
         }
     }
     fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
@@ -274,6 +308,7 @@ impl FrameIo for Stream {
             Stream::Tcp(s) => fill_from(s, rx),
             Stream::Unix(s) => fill_from(s, rx),
             Stream::Tls(s) => s.fill(rx),
+            Stream::Eth(s) => s.fill(rx),
         }
     }
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
@@ -281,13 +316,18 @@ impl FrameIo for Stream {
             Stream::Tcp(s) => send_to(s, bufs),
             Stream::Unix(s) => send_to(s, bufs),
             Stream::Tls(s) => s.send(bufs),
+            Stream::Eth(s) => s.send(bufs),
         }
     }
     fn pending_send(&self) -> bool {
         matches!(self, Stream::Tls(s) if s.pending_send())
     }
     fn buffered_recv(&self) -> bool {
-        matches!(self, Stream::Tls(s) if s.buffered_recv())
+        match self {
+            Stream::Tls(s) => s.buffered_recv(),
+            Stream::Eth(s) => s.buffered_recv(),
+            _ => false,
+        }
     }
 }
 
@@ -297,6 +337,7 @@ impl Source for Stream {
             Stream::Tcp(s) => s.register(r, t, i),
             Stream::Unix(s) => s.register(r, t, i),
             Stream::Tls(s) => s.get_mut().register(r, t, i),
+            Stream::Eth(s) => mio::unix::SourceFd(&s.as_raw_fd()).register(r, t, i),
         }
     }
     fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
@@ -304,6 +345,7 @@ impl Source for Stream {
             Stream::Tcp(s) => s.reregister(r, t, i),
             Stream::Unix(s) => s.reregister(r, t, i),
             Stream::Tls(s) => s.get_mut().reregister(r, t, i),
+            Stream::Eth(s) => mio::unix::SourceFd(&s.as_raw_fd()).reregister(r, t, i),
         }
     }
     fn deregister(&mut self, r: &Registry) -> io::Result<()> {
@@ -311,6 +353,7 @@ impl Source for Stream {
             Stream::Tcp(s) => s.deregister(r),
             Stream::Unix(s) => s.deregister(r),
             Stream::Tls(s) => s.get_mut().deregister(r),
+            Stream::Eth(s) => mio::unix::SourceFd(&s.as_raw_fd()).deregister(r),
         }
     }
 }
@@ -321,6 +364,8 @@ pub enum ClientStream {
     Unix(std::os::unix::net::UnixStream),
     /// TCP carrying TLS ([`crate::tls`]); the handshake runs in the first sends and receives.
     Tls(Box<TlsStream<std::net::TcpStream>>),
+    /// A raw-Ethernet session ([`crate::eth`]).
+    Eth(Box<EthStream>),
 }
 
 impl ClientStream {
@@ -335,13 +380,38 @@ impl ClientStream {
                 ClientStream::Tcp(s)
             }
             Endpoint::Unix(path) => ClientStream::Unix(std::os::unix::net::UnixStream::connect(path)?),
+            Endpoint::Eth { iface, mac } => {
+                let Some(mac) = mac else {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("eth:{iface} names no target: give eth:{iface}/MAC (discovery on a segment is not built yet)"),
+                    ));
+                };
+                ClientStream::Eth(Box::new(EthStream::connect(iface, *mac, &EthConfig::default())?))
+            }
         };
         match &s {
             ClientStream::Tcp(t) => t.set_nonblocking(true)?,
             ClientStream::Unix(u) => u.set_nonblocking(true)?,
             ClientStream::Tls(t) => t.get_ref().set_nonblocking(true)?,
+            ClientStream::Eth(_) => {}
         }
         Ok(s)
+    }
+
+    /// When the stream must be driven again even if nothing arrives (a raw-Ethernet
+    /// session's timers); sockets need none.
+    pub fn timer(&self) -> Option<Duration> {
+        match self {
+            ClientStream::Eth(s) => s.timeout(),
+            _ => None,
+        }
+    }
+
+    /// Whether a send that would block waits for the descriptor to be writable. A
+    /// raw-Ethernet session's send waits for acknowledgements instead: for it to be readable.
+    pub fn send_waits_for_writable(&self) -> bool {
+        !matches!(self, ClientStream::Eth(_))
     }
 
     /// [`connect`](Self::connect) over TLS, checking the target's certificate against the
@@ -371,6 +441,8 @@ impl ClientStream {
             ClientStream::Tcp(t) => t.shutdown(std::net::Shutdown::Both),
             ClientStream::Unix(u) => u.shutdown(std::net::Shutdown::Both),
             ClientStream::Tls(t) => t.get_ref().shutdown(std::net::Shutdown::Both),
+            // A session ends by Close from a mutable stream (or by its peer's death timer).
+            ClientStream::Eth(_) => Ok(()),
         };
     }
 }
@@ -393,6 +465,7 @@ impl AsRawFd for ClientStream {
             ClientStream::Tcp(t) => t.as_raw_fd(),
             ClientStream::Unix(u) => u.as_raw_fd(),
             ClientStream::Tls(t) => t.get_ref().as_raw_fd(),
+            ClientStream::Eth(s) => s.as_raw_fd(),
         }
     }
 }
@@ -405,6 +478,7 @@ impl FrameIo for ClientStream {
             ClientStream::Tcp(s) => recv_from(s, bufs),
             ClientStream::Unix(s) => recv_from(s, bufs),
             ClientStream::Tls(s) => s.recv(bufs),
+            ClientStream::Eth(s) => s.recv(bufs),
         }
     }
     fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
@@ -412,6 +486,7 @@ impl FrameIo for ClientStream {
             ClientStream::Tcp(s) => fill_from(s, rx),
             ClientStream::Unix(s) => fill_from(s, rx),
             ClientStream::Tls(s) => s.fill(rx),
+            ClientStream::Eth(s) => s.fill(rx),
         }
     }
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
@@ -419,13 +494,18 @@ impl FrameIo for ClientStream {
             ClientStream::Tcp(s) => send_to(s, bufs),
             ClientStream::Unix(s) => send_to(s, bufs),
             ClientStream::Tls(s) => s.send(bufs),
+            ClientStream::Eth(s) => s.send(bufs),
         }
     }
     fn pending_send(&self) -> bool {
         matches!(self, ClientStream::Tls(s) if s.pending_send())
     }
     fn buffered_recv(&self) -> bool {
-        matches!(self, ClientStream::Tls(s) if s.buffered_recv())
+        match self {
+            ClientStream::Tls(s) => s.buffered_recv(),
+            ClientStream::Eth(s) => s.buffered_recv(),
+            _ => false,
+        }
     }
 }
 

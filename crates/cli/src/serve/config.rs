@@ -49,6 +49,7 @@ pub(super) struct ServeFile {
     #[serde(default, deserialize_with = "endpoints")]
     nbd: Option<Vec<String>>,
     nbd_unix: Option<PathBuf>,
+    eth: Option<Vec<String>>,
     #[serde(default, rename = "export", deserialize_with = "exports")]
     exports: Option<Vec<ExportConfig>>,
     read_only: Option<bool>,
@@ -167,7 +168,7 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
         };
     }
     set!(
-        listen, no_tcp, nbd, exports, read_only, key_files, tls, tls_verify_peer, workers, queue_depth, poll,
+        listen, no_tcp, nbd, eth, exports, read_only, key_files, tls, tls_verify_peer, workers, queue_depth, poll,
         io_max, connections_max, handshakes_max, connections_per_address_max;
         options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates
     );
