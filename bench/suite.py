@@ -659,8 +659,9 @@ def stages_table(records, plots):
 
 
 DESIGNS_TEXT = (
-    "Tyche removed two hand-offs between threads from its target: completions sent by a work queue "
-    "(Tyche-NoWQ, Table V) and received requests handed to another thread (Tyche-Rec, Table VI). "
+    "Tyche removed two hand-offs between threads from its target: received requests handed from the "
+    "network thread to the block thread (gone in Tyche-Rec, Table V) and completions sent by a work "
+    "queue (gone in Tyche-NoWQ, Table VI). "
     "`skiff serve --stages` rebuilds both on skiff's own worker: skiff-send-thread executes as usual "
     "and queues each response caravan (copied out) to a second thread that sends it; skiff-recv-thread "
     "has a second thread receive and queue what arrived (copied) to the worker, which executes and "
