@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""skiff over raw Ethernet against skiff over TCP and nbdkit over TCP, on one veth pair.
+
+Makes a network namespace and a veth pair (MTU 9000), runs the servers in the namespace on the
+far end and the clients on the near end, both directions crossing the same pair:
+
+  skiff-eth   `skiff serve --eth IFACE`, driven by `skiff bench --target eth:IFACE/MAC`
+  skiff-tcp   the same `skiff serve` over TCP on the pair, `skiff bench --target ADDR`
+  nbdkit      `nbdkit memory 1G` over TCP on the pair, fio's nbd engine
+
+4 KiB random reads at each queue depth, every system at every point, --repeat rounds with the
+order rotating, medians reported. Placement models two machines by default: servers under
+`taskset -c 1`, clients under `taskset -c 0`. Root (namespaces, CAP_NET_RAW); everything it
+makes is removed at the end, even on failure.
+
+    python3 bench/ethernet.py                      # QD 1, 8, 32, 128; 3 rounds of 3 s
+    python3 bench/ethernet.py --qds 1,128 --repeat 5 --runtime 5
+
+Writes bench/results/ethernet-<timestamp>.json and .png, and prints a Markdown table.
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import Placement, add_placement_args, cpu_s, median_record, rotate, stop  # noqa: E402
+
+NS = "skiff-bench-eth"
+NEAR, FAR = "skbe0", "skbe1"
+NEAR_IP, FAR_IP = "10.77.0.1", "10.77.0.2"
+SYSTEMS = ["skiff-eth", "skiff-tcp", "nbdkit"]
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sh(argv, check=True):
+    return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+def setup():
+    teardown()
+    sh(["ip", "netns", "add", NS])
+    sh(["ip", "link", "add", NEAR, "mtu", "9000", "type", "veth", "peer", "name", FAR, "mtu", "9000"])
+    sh(["ip", "link", "set", FAR, "netns", NS])
+    sh(["ip", "addr", "add", f"{NEAR_IP}/24", "dev", NEAR])
+    sh(["ip", "link", "set", NEAR, "up"])
+    for args in (["addr", "add", f"{FAR_IP}/24", "dev", FAR], ["link", "set", FAR, "up"], ["link", "set", "lo", "up"]):
+        sh(["ip", "-n", NS, *args])
+    out = sh(["ip", "-n", NS, "-o", "link", "show", FAR]).stdout
+    return out.split("link/ether")[1].split()[0]
+
+
+def teardown():
+    sh(["ip", "link", "del", NEAR], check=False)
+    sh(["ip", "netns", "del", NS], check=False)
+
+
+def wait_tcp(host, port, timeout=15.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"nothing listening on {host}:{port}")
+
+
+def in_ns(argv):
+    return ["ip", "netns", "exec", NS] + argv
+
+
+def start(argv, host, port):
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_tcp(host, port)
+    return proc
+
+
+def precondition(uri, pl):
+    subprocess.run(pl.client(["fio", "--name=precondition", "--ioengine=nbd", f"--uri={uri}", "--rw=write",
+                              "--bs=1M", "--iodepth=8", "--size=1G", "--output-format=json"]),
+                   check=True, capture_output=True)
+
+
+def skiff_bench(a, target, qd):
+    argv = a.pl.client([a.skiff, "bench", "--target", target, "--export", "vol", "--size", "1G", "--rw", "randread",
+                        "--bs", "4k", "--qd", str(qd), "--duration", f"{a.runtime}s", "--json"])
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=a.runtime + 60)
+    if p.returncode != 0:
+        raise RuntimeError(f"skiff bench {target} QD {qd} failed: {p.stderr[-500:]}")
+    r = json.loads(p.stdout)
+    return {"iops": r["iops"], "lat_mean_us": r["lat_us"]["mean"], "lat_p99_us": r["lat_us"]["p99"],
+            "client_cpu_us_per_io": r["client_cpu_us_per_io"], "server_cpu_us_per_io": r["server_cpu_us_per_io"],
+            "client_ctx_per_io": r["client_ctx_switches_per_io"],
+            "server_ctx_per_io": r["server_ctx_switches_per_io"]}
+
+
+def fio_nbd(a, uri, qd, server_pid):
+    c0 = cpu_s(server_pid)
+    out = subprocess.run(a.pl.client(["fio", "--name=nbdkit", "--ioengine=nbd", f"--uri={uri}", "--rw=randread",
+                                      "--bs=4k", f"--iodepth={qd}", f"--runtime={a.runtime}", "--time_based",
+                                      "--size=1G", "--output-format=json"]),
+                         check=True, capture_output=True, text=True).stdout
+    server_cpu = cpu_s(server_pid) - c0
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    side = job["read"]
+    ios = side["total_ios"]
+    secs = side["runtime"] / 1000.0
+    return {"iops": ios / secs, "lat_mean_us": side["lat_ns"]["mean"] / 1000,
+            "lat_p99_us": side["clat_ns"]["percentile"]["99.000000"] / 1000,
+            "client_cpu_us_per_io": (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * secs * 1e6 / ios,
+            "server_cpu_us_per_io": server_cpu * 1e6 / ios, "client_ctx_per_io": job["ctx"] / ios,
+            "server_ctx_per_io": None}
+
+
+def plot(path, qds, med, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot (python3 -m pip install matplotlib)")
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for s in SYSTEMS:
+        xs = [q for q in qds if (s, q) in med]
+        axes[0].plot(xs, [med[(s, q)]["iops"] for q in xs], marker="o", label=s)
+        axes[1].plot(xs, [med[(s, q)]["client_cpu_us_per_io"] + med[(s, q)]["server_cpu_us_per_io"] for q in xs],
+                     marker="o", label=s)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(qds)
+        ax.set_xticklabels([str(q) for q in qds])
+        ax.set_xlabel("queue depth")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    axes[0].set_ylabel("IOPS (4 KiB random reads)")
+    axes[1].set_ylabel("CPU µs per I/O, client + server")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--qds", default="1,8,32,128")
+    p.add_argument("--runtime", type=int, default=3)
+    p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--out", default="bench/results")
+    add_placement_args(p, "rounds, the systems alternating (default 3)")
+    a = p.parse_args()
+    a.repeat = a.repeat or 3
+    a.pl = Placement.from_args(a)
+    a.skiff = os.path.abspath(a.skiff)
+    qds = [int(q) for q in a.qds.split(",")]
+    if os.geteuid() != 0:
+        raise SystemExit("root is needed: network namespaces and raw sockets")
+    mac = setup()
+    procs = []
+    try:
+        port, nbd_port, kit_port = 7070, 10809, 10810
+        skiff = start(in_ns(a.pl.server([a.skiff, "serve", "--listen", f"{FAR_IP}:{port}", "--nbd",
+                                         f"{FAR_IP}:{nbd_port}", "--eth", FAR, "--export", "vol=ram:1G",
+                                         "--workers", "1"])), FAR_IP, port)
+        procs.append(skiff)
+        kit = start(in_ns(a.pl.server(["nbdkit", "--foreground", "--ipaddr", FAR_IP, "--port", str(kit_port),
+                                       "memory", "1G"])), FAR_IP, kit_port)
+        procs.append(kit)
+        for uri in (f"nbd://{FAR_IP}:{nbd_port}/vol", f"nbd://{FAR_IP}:{kit_port}/"):
+            precondition(uri, a.pl)
+        log(f"veth pair {NEAR} - {FAR} (namespace {NS}), MTU 9000; target MAC {mac}; placement {a.pl.describe()}")
+        runs = {}
+        for i, qd in enumerate(qds):
+            for rep in range(a.repeat):
+                for s in rotate(SYSTEMS, i + rep):
+                    if s == "skiff-eth":
+                        r = skiff_bench(a, f"eth:{NEAR}/{mac}", qd)
+                    elif s == "skiff-tcp":
+                        r = skiff_bench(a, f"{FAR_IP}:{port}", qd)
+                    else:
+                        r = fio_nbd(a, f"nbd://{FAR_IP}:{kit_port}/", qd, kit.pid)
+                    runs.setdefault((s, qd), []).append(r)
+                    log(f"QD {qd:>3} {s:<9} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                        f"{r['lat_mean_us']:>7.1f} µs  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
+                        f"{r['server_cpu_us_per_io']:.2f}")
+    finally:
+        for proc in procs:
+            stop(proc)
+        teardown()
+    med = {k: median_record(v) for k, v in runs.items()}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"ethernet-{stamp}")
+    title = f"4 KiB random reads over one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat})"
+    with open(base + ".json", "w") as f:
+        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "target_mac": mac,
+                   "points": [{"system": s, "qd": q, **med[(s, q)], "repetitions": runs[(s, q)]}
+                              for (s, q) in runs]}, f, indent=1)
+    png = plot(base + ".png", qds, med, title)
+    print(f"{title}; {base}.json" + (f", {png}" if png else ""))
+    print()
+    print("| QD | system | IOPS | mean µs | p99 µs | CPU µs/I/O client | server | total | eth CPU ÷ TCP CPU |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for q in qds:
+        tcp = med.get(("skiff-tcp", q))
+        for s in SYSTEMS:
+            r = med.get((s, q))
+            if not r:
+                continue
+            total = r["client_cpu_us_per_io"] + r["server_cpu_us_per_io"]
+            ratio = ""
+            if s == "skiff-eth" and tcp:
+                ratio = f"{total / (tcp['client_cpu_us_per_io'] + tcp['server_cpu_us_per_io']):.2f}"
+            print(f"| {q} | {s} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | {r['lat_p99_us']:.1f} | "
+                  f"{r['client_cpu_us_per_io']:.2f} | {r['server_cpu_us_per_io']:.2f} | {total:.2f} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
