@@ -6,9 +6,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use initiator::{Completion, Lane, LaneConfig, Limits, Queue, ReqFlags, Status};
+use initiator::{Lane, LaneConfig, Limits};
 use skiff_tests::netns::{self, VethPair};
-use skiff_tests::start_target_with;
+use skiff_tests::{start_target_with, verify};
 use transport::packet::{PacketSocket, RingConfig, ETHERTYPE};
 use transport::relay::{self, FaultRates};
 use transport::Endpoint;
@@ -31,38 +31,6 @@ fn target_on(pair: &VethPair, near_iface: &str) -> (server::Target, Endpoint) {
     (t, Endpoint::Eth { iface: near_iface.to_owned(), mac: Some(mac) })
 }
 
-fn block(seed: u64, offset: u64, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (seed as usize * 131 + offset as usize / 512 * 7 + i) as u8).collect()
-}
-
-/// Write `bytes` from `base` in `bs` pieces with `qd` in flight, read them back, check.
-fn write_read_verify(lane: &mut Lane, seed: u64, base: u64, bytes: u64, bs: usize, qd: usize) {
-    let offsets: Vec<u64> = (0..bytes / bs as u64).map(|i| base + i * bs as u64).collect();
-    let mut out: Vec<Completion> = Vec::new();
-    for (n, &off) in offsets.iter().enumerate() {
-        while lane.in_flight() >= qd {
-            lane.wait(1, &mut out).unwrap();
-        }
-        lane.submit_write(off, block(seed, off, bs), ReqFlags::empty(), n as u64).unwrap();
-    }
-    lane.wait(usize::MAX, &mut out).unwrap();
-    assert!(out.iter().all(|c| c.status == Status::Ok), "a write failed");
-    out.clear();
-    for (n, &off) in offsets.iter().enumerate() {
-        while lane.in_flight() >= qd {
-            lane.wait(1, &mut out).unwrap();
-        }
-        lane.submit_read(off, vec![0; bs], n as u64).unwrap();
-    }
-    lane.wait(usize::MAX, &mut out).unwrap();
-    assert_eq!(out.len(), offsets.len());
-    for c in out {
-        assert_eq!(c.status, Status::Ok);
-        let off = offsets[c.user_data as usize];
-        assert!(c.buf.unwrap() == block(seed, off, bs), "offset {off} read back wrong");
-    }
-}
-
 fn lane_config() -> LaneConfig {
     LaneConfig { limits: Limits { queue_depth: 32, ..LaneConfig::default().limits }, ..LaneConfig::default() }
 }
@@ -75,8 +43,8 @@ fn exercise(endpoint: &Endpoint) {
             std::thread::spawn(move || {
                 let mut lane = Lane::connect(&ep, "vol", &lane_config()).expect("a lane over raw Ethernet");
                 let base = t * (16 << 20);
-                write_read_verify(&mut lane, t, base, 4 << 20, 4096, 32);
-                write_read_verify(&mut lane, t + 10, base + (8 << 20), 4 << 20, 128 << 10, 4);
+                verify::write_read(&mut lane, t, base, 4 << 20, 4096, 32);
+                verify::write_read(&mut lane, t + 10, base + (8 << 20), 4 << 20, 128 << 10, 4);
             })
         })
         .collect();

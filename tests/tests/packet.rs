@@ -267,25 +267,12 @@ fn the_fault_relay_does_what_its_counters_say() {
     }
 }
 
-/// Bytes of a seeded stream: what one side of a session writes.
-fn stream_bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// Push `len` bytes each way through two sessions' ends at once, in writes of varied sizes,
 /// until both sides have read everything; returns what each read.
 fn exchange(a: &mut EthStream, b: &mut EthStream, len: usize) -> (Vec<u8>, Vec<u8>) {
     use std::io::{IoSlice, IoSliceMut};
     use transport::FrameIo;
-    let (a_data, b_data) = (stream_bytes(1, len), stream_bytes(2, len));
+    let (a_data, b_data) = (skiff_tests::files::content(1, len), skiff_tests::files::content(2, len));
     let (mut a_sent, mut b_sent) = (0, 0);
     let (mut a_got, mut b_got) = (Vec::new(), Vec::new());
     let mut buf = vec![0u8; 64 << 10];

@@ -4,9 +4,9 @@
 //! come and go (their slots reused) while others run, and a protocol error's GOAWAY still
 //! delivered before the close.
 
-use initiator::{Completion, Lane, LaneConfig, Limits, Queue, ReqFlags, Status};
+use initiator::{Lane, LaneConfig, Limits, Status};
 use server::Stages;
-use skiff_tests::{certs, start_target_with, tcp_endpoint, RawPeer};
+use skiff_tests::{certs, start_target_with, tcp_endpoint, verify, RawPeer};
 use wire::{FrameKind, GoAway, Header};
 
 fn staged(stages: Stages) -> server::Target {
@@ -14,38 +14,6 @@ fn staged(stages: Stages) -> server::Target {
         c.workers = 2;
         c.stages = stages;
     })
-}
-
-fn block(seed: u64, offset: u64, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (seed as usize * 131 + offset as usize / 512 * 7 + i) as u8).collect()
-}
-
-/// Write a slice of the volume through one lane with `qd` in flight, read it back, check it.
-fn write_read_verify(lane: &mut Lane, seed: u64, base: u64, bytes: u64, bs: usize, qd: usize) {
-    let offsets: Vec<u64> = (0..bytes / bs as u64).map(|i| base + i * bs as u64).collect();
-    let mut out: Vec<Completion> = Vec::new();
-    for (n, &off) in offsets.iter().enumerate() {
-        while lane.in_flight() >= qd {
-            lane.wait(1, &mut out).unwrap();
-        }
-        lane.submit_write(off, block(seed, off, bs), ReqFlags::empty(), n as u64).unwrap();
-    }
-    lane.wait(usize::MAX, &mut out).unwrap();
-    assert!(out.iter().all(|c| c.status == Status::Ok), "a write failed");
-    out.clear();
-    for (n, &off) in offsets.iter().enumerate() {
-        while lane.in_flight() >= qd {
-            lane.wait(1, &mut out).unwrap();
-        }
-        lane.submit_read(off, vec![0; bs], n as u64).unwrap();
-    }
-    lane.wait(usize::MAX, &mut out).unwrap();
-    assert_eq!(out.len(), offsets.len());
-    for c in out {
-        assert_eq!(c.status, Status::Ok);
-        let off = offsets[c.user_data as usize];
-        assert!(c.buf.unwrap() == block(seed, off, bs), "seed {seed}: offset {off} read back wrong");
-    }
 }
 
 /// Four threads, each on its own slice: small I/Os at QD 32, then I/Os of 256 KiB (more than
@@ -64,12 +32,12 @@ fn serve_every_byte(stages: Stages) {
                 };
                 let base = th * slice;
                 let mut lane = Lane::connect(&ep, "vol", &config).expect("lane");
-                write_read_verify(&mut lane, th, base, slice / 2, 4096, 32);
-                write_read_verify(&mut lane, th + 100, base + slice / 2, slice / 2, 256 << 10, 8);
+                verify::write_read(&mut lane, th, base, slice / 2, 4096, 32);
+                verify::write_read(&mut lane, th + 100, base + slice / 2, slice / 2, 256 << 10, 8);
                 drop(lane);
                 for round in 0..3 {
                     let mut lane = Lane::connect(&ep, "vol", &config).expect("lane again");
-                    write_read_verify(&mut lane, th * 10 + round, base, 1 << 20, 8192, 16);
+                    verify::write_read(&mut lane, th * 10 + round, base, 1 << 20, 8192, 16);
                 }
             })
         })
@@ -107,7 +75,7 @@ fn a_target_with_a_receive_thread_serves_every_byte() {
 fn a_target_that_runs_to_completion_hands_nothing_off() {
     let t = staged(Stages::RunToCompletion);
     let mut lane = Lane::connect(&tcp_endpoint(&t), "vol", &LaneConfig::default()).unwrap();
-    write_read_verify(&mut lane, 7, 0, 1 << 20, 4096, 16);
+    verify::write_read(&mut lane, 7, 0, 1 << 20, 4096, 16);
     assert_eq!(t.stats().get("stage_handoffs"), Some(0));
 }
 
@@ -125,7 +93,7 @@ fn staged_targets_say_goodbye_before_closing() {
         assert_eq!(h.kind, FrameKind::GoAway, "{stages}");
         assert_eq!(GoAway::decode(&body).unwrap().status, Status::Invalid, "{stages}");
         assert!(p.closed(), "{stages}: connection left open");
-        write_read_verify(&mut neighbour, 3, 0, 1 << 20, 4096, 8);
+        verify::write_read(&mut neighbour, 3, 0, 1 << 20, 4096, 8);
     }
 }
 
