@@ -533,6 +533,32 @@ pub mod netns {
         }
     }
 
+    /// A bridge in this namespace joining the host ends of some veth pairs: one Ethernet
+    /// segment for the namespaces at their far ends. Deleted on drop.
+    pub struct Bridge {
+        pub name: String,
+    }
+
+    impl Bridge {
+        pub fn joining(pairs: &[&VethPair]) -> Bridge {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let bridge = Bridge { name: format!("skbr{}{n}", std::process::id() % 100_000) };
+            let ip = |args: &[&str]| run_ok(tool("ip", "iproute2").args(args));
+            ip(&["link", "add", &bridge.name, "mtu", "9000", "type", "bridge"]);
+            for p in pairs {
+                ip(&["link", "set", &p.host, "master", &bridge.name]);
+            }
+            ip(&["link", "set", &bridge.name, "up"]);
+            bridge
+        }
+    }
+
+    impl Drop for Bridge {
+        fn drop(&mut self) {
+            let _ = tool("ip", "iproute2").args(["link", "del", &self.name]).output();
+        }
+    }
+
     impl Drop for VethPair {
         fn drop(&mut self) {
             // Deleting one end deletes both; deleting the namespace would too.

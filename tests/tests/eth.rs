@@ -1,13 +1,15 @@
 //! The native protocol over raw Ethernet end to end (issue 16): a real target listening with
 //! `--eth` inside a network namespace, lanes connecting to `eth:IFACE/MAC` from outside, every
 //! byte written read back; then the same through the fault relay at 5% loss with duplicates,
-//! reordering and corruption, where every read must still be right. Root only.
+//! reordering and corruption, where every read must still be right; and discovery: a lane to
+//! `eth:IFACE` finds the one target on the segment, a silent segment or two targets are named
+//! in the error. Root only.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use initiator::{Lane, LaneConfig, Limits};
-use skiff_tests::netns::{self, VethPair};
+use skiff_tests::netns::{self, Bridge, VethPair};
 use skiff_tests::{start_target_with, verify};
 use transport::packet::{PacketSocket, RingConfig, ETHERTYPE};
 use transport::relay::{self, FaultRates};
@@ -97,4 +99,66 @@ fn lanes_over_raw_ethernet_ride_through_loss_duplicates_reordering_and_corruptio
     assert!(lr.corrupted + rl.corrupted > 5 && lr.duplicated + rl.duplicated > 5, "{lr:?} {rl:?}");
     let s = t.stats();
     assert_eq!(s.get("req_write"), Some(2 * (1024 + 32)), "every write ran exactly once");
+}
+
+/// Discovery finds the target on a segment, and a lane to `eth:IFACE` without a MAC uses it.
+#[test]
+fn a_lane_finds_the_target_on_its_segment() {
+    if !netns::available("discovery over raw Ethernet") {
+        return;
+    }
+    let pair = VethPair::new(MTU);
+    let (_t, endpoint) = target_on(&pair, &pair.host);
+    let Endpoint::Eth { mac: Some(mac), .. } = endpoint else { unreachable!() };
+    let found = transport::eth::discover(&pair.host, std::time::Duration::from_millis(300)).unwrap();
+    assert_eq!(found, vec![mac], "the one target on the segment answers, once");
+    let mut lane =
+        Lane::connect(&Endpoint::Eth { iface: pair.host.clone(), mac: None }, "vol", &lane_config())
+            .expect("a lane to the target discovery found");
+    verify::write_read(&mut lane, 5, 0, 1 << 20, 4096, 16);
+}
+
+/// No target on the segment, or two: a lane without a MAC fails and says why.
+#[test]
+fn discovery_names_a_silent_segment_and_a_crowded_one() {
+    if !netns::available("discovery errors") {
+        return;
+    }
+    let quiet = VethPair::new(MTU);
+    assert!(transport::eth::discover(&quiet.host, std::time::Duration::from_millis(200)).unwrap().is_empty());
+    let err = Lane::connect(&Endpoint::Eth { iface: quiet.host.clone(), mac: None }, "vol", &lane_config())
+        .err()
+        .expect("no target to connect to");
+    assert!(err.to_string().contains("no skiff target answered"), "{err}");
+
+    // One segment: a client and two targets, each in a namespace of its own, bridged.
+    let (client, one, two) = (VethPair::new(MTU), VethPair::new(MTU), VethPair::new(MTU));
+    let _segment = Bridge::joining(&[&client, &one, &two]);
+    let (_t1, e1) = target_on(&one, &client.peer);
+    let (_t2, e2) = target_on(&two, &client.peer);
+    let iface = client.peer.clone();
+    let (found, err) = client.in_ns(move || {
+        let found = transport::eth::discover(&iface, std::time::Duration::from_millis(300)).unwrap();
+        let err = Lane::connect(&Endpoint::Eth { iface, mac: None }, "vol", &lane_config())
+            .err()
+            .map(|e| e.to_string());
+        (found, err)
+    });
+    let macs = |e: &Endpoint| match e {
+        Endpoint::Eth { mac: Some(m), .. } => *m,
+        _ => unreachable!(),
+    };
+    let mut want = vec![macs(&e1), macs(&e2)];
+    let mut got = found.clone();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want, "both targets on the segment answer");
+    let err = err.expect("two targets: the lane must be told which");
+    assert!(err.contains("2 skiff targets answered"), "{err}");
+    // Named, each is reachable through the bridge.
+    let ep = Endpoint::Eth { iface: client.peer.clone(), mac: Some(found[0]) };
+    client.in_ns(move || {
+        let mut lane = Lane::connect(&ep, "vol", &lane_config()).expect("a lane to a named target");
+        verify::write_read(&mut lane, 6, 0, 1 << 20, 4096, 8);
+    });
 }

@@ -10,7 +10,8 @@ use crate::CliResult;
 
 #[derive(Args)]
 pub struct InfoArgs {
-    /// Target address: HOST:PORT or unix:PATH.
+    /// Target address: HOST:PORT, unix:PATH, or eth:IFACE[/MAC] (without a MAC: every target
+    /// that answers on the interface's segment).
     target: String,
     /// Print JSON instead of a table.
     #[arg(long)]
@@ -37,9 +38,38 @@ fn flag_names(f: ExportFlags) -> Vec<&'static str> {
 
 pub fn run(args: InfoArgs) -> CliResult {
     let endpoint = Endpoint::parse(&args.target)?;
+    let targets = match &endpoint {
+        // Every target on the segment that answers a Discover.
+        Endpoint::Eth { iface, mac: None } => {
+            let found = transport::eth::discover(iface, std::time::Duration::from_millis(300))
+                .map_err(|e| format!("{endpoint}: {e}"))?;
+            if found.is_empty() {
+                return Err(format!("no skiff target answered on {iface}").into());
+            }
+            found.into_iter().map(|mac| Endpoint::Eth { iface: iface.clone(), mac: Some(mac) }).collect()
+        }
+        one => vec![one.clone()],
+    };
+    let mut docs = Vec::new();
+    for (i, target) in targets.iter().enumerate() {
+        if i > 0 && !args.json {
+            println!();
+        }
+        docs.push(show(&args, target)?);
+    }
+    if args.json {
+        // One target: its document; several (found by discovery): an array of them.
+        let doc = if docs.len() == 1 { docs.remove(0) } else { serde_json::Value::Array(docs) };
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One target's limits and exports: printed as a table, or returned as JSON with `--json`.
+fn show(args: &InfoArgs, endpoint: &Endpoint) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
     let key = args.keys.key()?;
     let tls = args.tls.config()?;
-    let mut client = Client::connect_with(&endpoint, key.as_deref(), tls.as_ref())
+    let mut client = Client::connect_with(endpoint, key.as_deref(), tls.as_ref())
         .map_err(|e| format!("{endpoint}: {e}"))?;
     let exports = client.list()?;
     let l = *client.limits();
@@ -53,14 +83,12 @@ pub fn run(args: InfoArgs) -> CliResult {
                 })
             })
             .collect();
-        let doc = serde_json::json!({
+        return Ok(serde_json::json!({
             "target": endpoint.to_string(),
             "limits": { "queue_depth": l.queue_depth, "caravan_reqs_max": l.caravan_reqs_max,
                         "caravan_bytes_max": l.caravan_bytes_max, "io_bytes_max": l.io_bytes_max },
             "exports": list,
-        });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-        return Ok(ExitCode::SUCCESS);
+        }));
     }
     println!("target {endpoint}");
     println!(
@@ -81,5 +109,5 @@ pub fn run(args: InfoArgs) -> CliResult {
             flag_names(e.flags).join(",")
         );
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(serde_json::Value::Null)
 }

@@ -566,6 +566,11 @@ impl DatagramStream {
             self.counters.wrong_session += 1;
             return;
         }
+        if matches!(h.kind, DatagramKind::Discover | DatagramKind::Offer) {
+            // Discovery lives outside sessions (its query id may equal a session id).
+            self.counters.ignored += 1;
+            return;
+        }
         if matches!(self.state, State::Dead(_)) {
             self.counters.ignored += 1;
             return;

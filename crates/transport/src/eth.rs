@@ -13,7 +13,9 @@
 //! A session starts when the initiator sends its first datagram (sequence number 0) under a
 //! session id it drew at random. [`EthListener`] is the target's side of that: its socket
 //! sees only datagrams with sequence number 0, and each one from a (MAC, session id) it does
-//! not know yet opens a new session, whose own socket takes over from there.
+//! not know yet opens a new session, whose own socket takes over from there. The listener
+//! also answers [`discover`]'s broadcast Discover with an Offer, so an initiator can find the
+//! targets on its segment (docs/PROTOCOL.md, section 16.2).
 //!
 //! The caller waits for the socket to be readable or for [`EthStream::timeout`] to pass,
 //! whichever comes first, then drives the stream (`recv` and `send` drive it too): unlike a
@@ -29,7 +31,7 @@ use proto::reliable::{Counters, DatagramStream, ReliableConfig, State};
 use wire::datagram::{DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
 use crate::endpoint::format_mac;
-use crate::packet::{bpf, Mac, PacketSocket, RingConfig, ETHERTYPE, ETH_HEADER_LEN};
+use crate::packet::{bpf, Bpf, Mac, PacketSocket, RingConfig, BROADCAST, ETHERTYPE, ETH_HEADER_LEN};
 use crate::FrameIo;
 
 /// Where the datagram header's fields sit in a frame (after the 14-byte Ethernet header;
@@ -59,6 +61,49 @@ impl Default for EthConfig {
                 ..ReliableConfig::default()
             },
         }
+    }
+}
+
+/// A datagram with no payload outside any session: a Discover or an Offer, `id` its query id.
+fn discovery_datagram(kind: DatagramKind, id: u32, out: &mut [u8]) -> usize {
+    DatagramHeader { kind, flags: 0, session_id: id, seq: 0, ack: 0, sack: 0, window: 0, payload_len: 0 }
+        .emit(out)
+}
+
+/// Find the skiff targets on the segment of interface `iface`: broadcast a Discover and
+/// collect the MACs of the targets whose Offers come back within `wait` (each once, in the
+/// order they answered).
+pub fn discover(iface: &str, wait: Duration) -> io::Result<Vec<Mac>> {
+    let ring = RingConfig { rx_slots: 16, tx_slots: 2, ..RingConfig::default() };
+    let mut socket = PacketSocket::open(iface, ETHERTYPE, ring)?;
+    let query = loop {
+        let id = u32::from_le_bytes(rt::random::bytes::<4>()?);
+        if id != 0 {
+            break id;
+        }
+    };
+    socket.attach_filter(&bpf::all_of(&[
+        (bpf::load_half(12), u32::from(ETHERTYPE)),
+        (bpf::load_byte(KIND_OFFSET), DatagramKind::Offer as u32),
+        (bpf::load_word(SESSION_ID_OFFSET), u32::from_be_bytes(query.to_le_bytes())),
+    ]))?;
+    socket.queue_with(BROADCAST, |out| discovery_datagram(DatagramKind::Discover, query, out))?;
+    socket.flush()?;
+    let deadline = Instant::now() + wait;
+    let mut found: Vec<Mac> = Vec::new();
+    loop {
+        socket.receive(|src, datagram| {
+            let offer = DatagramHeader::parse(datagram)
+                .is_ok_and(|(h, _)| h.kind == DatagramKind::Offer && h.session_id == query);
+            if offer && !found.contains(&src) {
+                found.push(src);
+            }
+        });
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(found);
+        }
+        crate::wait_fd(socket.as_raw_fd(), false, Some(left))?;
     }
 }
 
@@ -255,14 +300,20 @@ pub struct EthListener {
 
 impl EthListener {
     pub fn bind(iface: &str, config: EthConfig) -> io::Result<EthListener> {
-        // Only first datagrams: Data with sequence number 0.
-        let listen_ring = RingConfig { rx_slots: 64, tx_slots: 1, ..config.ring };
+        let listen_ring = RingConfig { rx_slots: 64, tx_slots: 8, ..config.ring };
         let mut socket = PacketSocket::open(iface, ETHERTYPE, listen_ring)?;
-        socket.attach_filter(&bpf::all_of(&[
-            (bpf::load_half(12), u32::from(ETHERTYPE)),
-            (bpf::load_byte(KIND_OFFSET), DatagramKind::Data as u32),
-            (bpf::load_word(SEQ_OFFSET), 0),
-        ]))?;
+        // Only first datagrams (Data with sequence number 0) and Discovers.
+        socket.attach_filter(&[
+            bpf::load_half(12),
+            bpf::require(u32::from(ETHERTYPE), 6),
+            bpf::load_byte(KIND_OFFSET),
+            Bpf(0x15, 3, 0, DatagramKind::Discover as u32), // Discover: accept
+            bpf::require(DatagramKind::Data as u32, 3),
+            bpf::load_word(SEQ_OFFSET),
+            bpf::require(0, 1),
+            bpf::accept(),
+            bpf::reject(),
+        ])?;
         Ok(EthListener { socket, iface: iface.to_owned(), config, live: HashMap::new(), ready: Vec::new() })
     }
 
@@ -280,10 +331,18 @@ impl EthListener {
             let mut first: Vec<(Mac, Vec<u8>)> = Vec::new();
             self.socket.receive(|src, datagram| first.push((src, datagram.to_vec())));
             self.live.retain(|_, alive| alive.strong_count() > 0);
+            let mut offered = false;
             for (src, datagram) in first {
                 // A datagram that does not parse is not a session's start: the session's own
                 // checksum would refuse it too.
                 let Ok((h, _)) = DatagramHeader::parse(&datagram) else { continue };
+                if h.kind == DatagramKind::Discover {
+                    // Answer with an Offer; a full ring drops it, and the asker asks again.
+                    self.socket
+                        .queue_with(src, |out| discovery_datagram(DatagramKind::Offer, h.session_id, out))?;
+                    offered = true;
+                    continue;
+                }
                 if h.session_id == 0 || self.live.contains_key(&(src, h.session_id)) {
                     continue;
                 }
@@ -294,6 +353,9 @@ impl EthListener {
                 self.live.insert((src, h.session_id), Arc::downgrade(&alive));
                 stream._alive = Some(alive);
                 self.ready.push(stream);
+            }
+            if offered {
+                self.socket.flush()?;
             }
             self.ready.reverse();
         }

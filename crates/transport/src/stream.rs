@@ -381,13 +381,11 @@ impl ClientStream {
             }
             Endpoint::Unix(path) => ClientStream::Unix(std::os::unix::net::UnixStream::connect(path)?),
             Endpoint::Eth { iface, mac } => {
-                let Some(mac) = mac else {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        format!("eth:{iface} names no target: give eth:{iface}/MAC (discovery on a segment is not built yet)"),
-                    ));
+                let mac = match mac {
+                    Some(mac) => *mac,
+                    None => the_target_on(iface, timeout)?,
                 };
-                ClientStream::Eth(Box::new(EthStream::connect(iface, *mac, &EthConfig::default())?))
+                ClientStream::Eth(Box::new(EthStream::connect(iface, mac, &EthConfig::default())?))
             }
         };
         match &s {
@@ -444,6 +442,24 @@ impl ClientStream {
             // A session ends by Close from a mutable stream (or by its peer's death timer).
             ClientStream::Eth(_) => Ok(()),
         };
+    }
+}
+
+/// The one target that answers a Discover on `iface` (within a fifth of a second, or
+/// `timeout` if shorter); an error names none or several.
+fn the_target_on(iface: &str, timeout: Duration) -> io::Result<crate::packet::Mac> {
+    let found = crate::eth::discover(iface, timeout.min(Duration::from_millis(200)))?;
+    match found.as_slice() {
+        [one] => Ok(*one),
+        [] => Err(io::Error::new(io::ErrorKind::NotFound, format!("no skiff target answered on {iface}"))),
+        many => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{} skiff targets answered on {iface}: name one as eth:{iface}/MAC ({})",
+                many.len(),
+                many.iter().map(crate::endpoint::format_mac).collect::<Vec<_>>().join(", ")
+            ),
+        )),
     }
 }
 

@@ -71,8 +71,12 @@ pub enum DatagramKind {
     Close = 3,
     /// Abort the session at once; no payload, not acknowledged.
     Reset = 4,
-    // 16 and 17 are reserved for Discover and Offer (finding a target on a segment); until
-    // they are specified, they are unknown kinds like any other.
+    /// Who serves skiff on this segment? Broadcast by an initiator, `session_id` a query id of
+    /// its choosing; no payload, outside any session.
+    Discover = 16,
+    /// A target's answer to a Discover, unicast to the asker with the query id echoed in
+    /// `session_id`: the Offer's source MAC is the target's. No payload.
+    Offer = 17,
 }
 
 impl DatagramKind {
@@ -82,6 +86,8 @@ impl DatagramKind {
             2 => DatagramKind::Ack,
             3 => DatagramKind::Close,
             4 => DatagramKind::Reset,
+            16 => DatagramKind::Discover,
+            17 => DatagramKind::Offer,
             _ => return None,
         })
     }
@@ -341,7 +347,13 @@ mod tests {
             DatagramHeader::parse(&b).map(|(h, _)| h)
         };
         assert_eq!(edit(0, 2), Err(DatagramError::BadVersion(2)));
-        assert_eq!(edit(1, 16), Err(DatagramError::UnknownKind(16)));
+        assert_eq!(edit(1, 5), Err(DatagramError::UnknownKind(5)));
+        assert_eq!(edit(1, 18), Err(DatagramError::UnknownKind(18)));
+        // Discovery carries no payload either.
+        assert_eq!(
+            edit(1, DatagramKind::Discover as u8),
+            Err(DatagramError::PayloadForKind { kind: DatagramKind::Discover, len: 2 })
+        );
         assert_eq!(edit(1, 0), Err(DatagramError::UnknownKind(0)));
         assert_eq!(edit(2, 0x81), Err(DatagramError::UnknownFlags(0x80)));
         assert_eq!(edit(3, 1), Err(DatagramError::Reserved(1)));

@@ -466,3 +466,31 @@ fn corrupt_foreign_and_bogus_datagrams_are_counted_and_ignored() {
     assert_eq!(b.counters().duplicates, 1);
     assert_eq!(b.read(&mut [IoSliceMut::new(&mut got)]), 0, "delivered exactly once");
 }
+
+#[test]
+fn discovery_datagrams_are_no_session_business_even_with_its_id() {
+    use wire::datagram::DatagramKind;
+    let cfg = config();
+    let mut a = DatagramStream::new(&cfg, 9, 0, 0);
+    let mut buf = vec![0u8; cfg.datagram_len_max()];
+    for kind in [DatagramKind::Discover, DatagramKind::Offer] {
+        // A query id equal to the session id, and an ack that would otherwise be bogus.
+        let h = DatagramHeader {
+            kind,
+            flags: 0,
+            session_id: 9,
+            seq: 0,
+            ack: 40,
+            sack: 0,
+            window: 0,
+            payload_len: 0,
+        };
+        let n = h.emit(&mut buf);
+        a.handle_datagram(1, &buf[..n]);
+    }
+    assert_eq!(a.counters().ignored, 2);
+    assert_eq!(a.state(), State::Open);
+    // The session goes on as if nothing came.
+    a.write(&[IoSlice::new(b"still here")]);
+    assert!(a.poll_transmit(2, &mut buf).is_some());
+}
