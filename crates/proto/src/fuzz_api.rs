@@ -309,8 +309,14 @@ pub fn reliable_stream(data: &[u8]) {
             }
             4 => {
                 // A forged datagram of the session, with a correct checksum.
-                let kind = [DatagramKind::Data, DatagramKind::Ack, DatagramKind::Close, DatagramKind::Reset]
-                    [usize::from(input.byte() % 4)];
+                let kind = [
+                    DatagramKind::Data,
+                    DatagramKind::Ack,
+                    DatagramKind::Close,
+                    DatagramKind::Reset,
+                    DatagramKind::Discover,
+                    DatagramKind::Offer,
+                ][usize::from(input.byte() % 6)];
                 let len = if kind == DatagramKind::Data { 1 + usize::from(input.byte() % 200) } else { 0 };
                 let h = DatagramHeader {
                     kind,
