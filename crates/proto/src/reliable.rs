@@ -39,7 +39,10 @@
 //!   transmission gets a stamp from a counter; when the peer acknowledges (cumulatively or
 //!   selectively) a transmission at least `reorder_threshold` stamps younger than that of a
 //!   datagram still missing, that datagram is taken as lost and sent again at once. A lost
-//!   retransmission is caught the same way, because its new stamp needs new evidence.
+//!   retransmission is caught the same way, because its new stamp needs new evidence. With
+//!   fewer than `reorder_threshold + 1` datagrams in flight the threshold falls to one less than
+//!   what is in flight (at least 1: early retransmit, RFC 5827), so that a loss among a few
+//!   datagrams is repaired on the first evidence instead of the timeout.
 //! - **Dead peer.** Each expiry without acknowledgement progress since the last one counts a
 //!   backoff; at `backoffs_max + 1` in a row the stream is [`State::Dead`]. Since the timer
 //!   never waits longer than `rto_max_us`, that happens within
@@ -657,9 +660,13 @@ impl DatagramStream {
         true
     }
 
-    /// Mark as lost every missing datagram that a much younger transmission overtook.
+    /// Mark as lost every missing datagram that a much younger transmission overtook. With
+    /// few datagrams in flight there may never be `reorder_threshold` younger ones, and every
+    /// loss would wait for the timeout: the threshold then falls to one less than what is in
+    /// flight, at least 1 (early retransmit, after RFC 5827).
     fn detect_gaps(&mut self) {
-        let threshold = u64::from(self.config.reorder_threshold);
+        let in_flight = u64::from(self.in_flight());
+        let threshold = u64::from(self.config.reorder_threshold).min(in_flight.saturating_sub(1)).max(1);
         let mut seq = self.snd_una;
         while seq != self.snd_nxt {
             let delivered = self.delivered_stamp;

@@ -209,6 +209,25 @@ fn a_lost_datagram_in_the_middle_is_resent_on_the_gap() {
 }
 
 #[test]
+fn a_loss_among_two_datagrams_in_flight_is_resent_on_the_first_evidence() {
+    // 2,000 bytes: two datagrams, the first lost. Only one younger transmission can ever be
+    // acknowledged behind it, short of the threshold of 3: early retransmit resends it without
+    // waiting for the timeout.
+    let mut dropped = false;
+    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(move |side, h, _| {
+        if side == 0 && h.kind == DatagramKind::Data && h.seq == 0 && !dropped {
+            dropped = true;
+            return Fate::Drop;
+        }
+        Fate::Deliver
+    });
+    pair.transfer(2_000, 1_000_000);
+    let a = pair.ends[0].counters();
+    assert_eq!((a.retransmitted_gap, a.retransmitted_timeout, a.timeouts), (1, 0, 0), "{a:?}");
+    assert!(pair.now < config().rto_min_us, "repaired in {} µs, before any timeout", pair.now);
+}
+
+#[test]
 fn a_lost_last_datagram_is_resent_on_timeout() {
     let mut dropped = false;
     let mut pair = Pair::new(config(), [0, 0], 20).with_fate(move |side, h, _| {
