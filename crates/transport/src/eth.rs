@@ -53,11 +53,15 @@ impl Default for EthConfig {
         EthConfig {
             ring: RingConfig { rx_slots: 128, tx_slots: 64, ..RingConfig::default() },
             // Jumbo datagrams where the MTU allows (lowered to the MTU when a session opens),
-            // and a window that keeps a 64-deep queue of 4 KiB requests moving.
+            // and a window that keeps a 64-deep queue of 4 KiB requests moving. On a segment
+            // round trips are tens of microseconds: a lost datagram with nothing behind it
+            // (a lone caravan) waits out the minimum RTO, so it is 250 µs, still above the
+            // 100 µs delayed ack plus a round trip.
             reliable: ReliableConfig {
                 payload_bytes_max: 8972,
                 send_slots: 128,
                 recv_slots: 128,
+                rto_min_us: 250,
                 ..ReliableConfig::default()
             },
         }

@@ -11,7 +11,7 @@
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::packet::{PacketSocket, ETH_HEADER_LEN};
 
@@ -22,7 +22,8 @@ pub struct FaultRates {
     pub drop: f64,
     /// Sent twice.
     pub duplicate: f64,
-    /// Held back and sent after the next frame in its direction.
+    /// Held back and sent after the next frame in its direction, or after [`HOLD_MAX`] if no
+    /// frame comes by then (a network reorders; it does not keep a frame until traffic resumes).
     pub reorder: f64,
     /// One bit of the payload (after the Ethernet header) flipped.
     pub corrupt: f64,
@@ -43,6 +44,9 @@ impl FaultRates {
         Ok(())
     }
 }
+
+/// Longest a frame held back for reordering waits for the next one.
+pub const HOLD_MAX: Duration = Duration::from_micros(200);
 
 /// What happened to the frames of one direction.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -112,8 +116,9 @@ impl Fates {
 struct Direction {
     fates: Fates,
     counters: DirectionCounters,
-    /// A frame held back to go after the next one (and whether it goes twice).
-    held: Option<(Vec<u8>, bool)>,
+    /// A frame held back to go after the next one (whether it goes twice, and when it goes at
+    /// the latest).
+    held: Option<(Vec<u8>, bool, Instant)>,
     scratch: Vec<u8>,
 }
 
@@ -138,25 +143,45 @@ impl Direction {
                     let frame = self.scratch.clone();
                     if hold && self.held.is_none() {
                         self.counters.reordered += 1;
-                        self.held = Some((frame, twice));
+                        self.held = Some((frame, twice, Instant::now() + HOLD_MAX));
                         return;
                     }
                     out.push((frame, twice));
-                    out.extend(self.held.take());
+                    out.extend(self.held.take().map(|(h, twice, _)| (h, twice)));
                 }
             }
         });
         for (frame, twice) in out {
-            for _ in 0..if twice { 2 } else { 1 } {
-                if send(to, &frame)? {
-                    self.counters.forwarded += 1;
-                } else {
-                    self.counters.overflowed += 1;
-                }
-            }
+            self.forward(to, &frame, twice)?;
         }
         to.flush()?;
         Ok(n)
+    }
+
+    fn forward(&mut self, to: &mut PacketSocket, frame: &[u8], twice: bool) -> io::Result<()> {
+        for _ in 0..if twice { 2 } else { 1 } {
+            if send(to, frame)? {
+                self.counters.forwarded += 1;
+            } else {
+                self.counters.overflowed += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Send the held frame if its time is up (or `force`).
+    fn release(&mut self, to: &mut PacketSocket, force: bool) -> io::Result<()> {
+        if self.held.as_ref().is_some_and(|(_, _, until)| force || Instant::now() >= *until) {
+            let (frame, twice, _) = self.held.take().expect("checked");
+            self.forward(to, &frame, twice)?;
+            to.flush()?;
+        }
+        Ok(())
+    }
+
+    /// How long until the held frame must go.
+    fn hold_left(&self) -> Option<Duration> {
+        self.held.as_ref().map(|(_, _, until)| until.saturating_duration_since(Instant::now()))
     }
 }
 
@@ -174,7 +199,7 @@ fn send(to: &mut PacketSocket, frame: &[u8]) -> io::Result<bool> {
 
 /// Bridge `left` and `right` until `stop` is set, with `rates` of faults drawn from `seed`
 /// (the right-to-left direction from `seed + 1`). Returns the counters of (left to right,
-/// right to left). A frame held back for reordering when the relay stops is sent then.
+/// right to left). A frame still held back for reordering when the relay stops is sent then.
 pub fn run(
     mut left: PacketSocket,
     mut right: PacketSocket,
@@ -194,26 +219,24 @@ pub fn run(
     let mut last_report = std::time::Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let moved = lr.pump(&mut left, &mut right)? + rl.pump(&mut right, &mut left)?;
+        lr.release(&mut right, false)?;
+        rl.release(&mut left, false)?;
         if moved == 0 {
-            // Sleep until either side has frames (or a tenth of a second, to see `stop`).
-            let _ =
-                crate::wait_readable2(left.as_raw_fd(), right.as_raw_fd(), Some(Duration::from_millis(100)))?;
+            // Sleep until either side has frames, a held frame must go, or a tenth of a
+            // second passes (to see `stop`).
+            let wait = [lr.hold_left(), rl.hold_left(), Some(Duration::from_millis(100))]
+                .into_iter()
+                .flatten()
+                .min();
+            let _ = crate::wait_readable2(left.as_raw_fd(), right.as_raw_fd(), wait)?;
         }
         if last_report.elapsed() >= Duration::from_secs(1) {
             report(&lr.counters, &rl.counters);
             last_report = std::time::Instant::now();
         }
     }
-    for (d, to) in [(&mut lr, &mut right), (&mut rl, &mut left)] {
-        if let Some((h, twice)) = d.held.take() {
-            for _ in 0..if twice { 2 } else { 1 } {
-                if send(to, &h)? {
-                    d.counters.forwarded += 1;
-                }
-            }
-            to.flush()?;
-        }
-    }
+    lr.release(&mut right, true)?;
+    rl.release(&mut left, true)?;
     Ok((lr.counters, rl.counters))
 }
 
