@@ -27,7 +27,7 @@ pub struct RelayArgs {
     /// Share of frames sent twice.
     #[arg(long, default_value_t = 0.0)]
     duplicate: f64,
-    /// Share of frames held back and sent after the next one.
+    /// Share of frames held back and sent after the next one (or after 200 µs if none comes).
     #[arg(long, default_value_t = 0.0)]
     reorder: f64,
     /// Share of frames with one payload bit flipped.
