@@ -15,6 +15,12 @@ makes is removed at the end, even on failure.
 
     python3 bench/ethernet.py                      # QD 1, 8, 32, 128; 3 rounds of 3 s
     python3 bench/ethernet.py --qds 1,128 --repeat 5 --runtime 5
+    python3 bench/ethernet.py --shape 10gbit       # Tyche Fig. 5: link utilisation, 1-128 threads x QD 4
+
+With --shape RATE both ends of the pair are shaped with `tc qdisc ... tbf rate RATE` and the
+sweep is Tyche's (Figures 5 and 7): 1 to 128 threads x 4 outstanding 4 KiB random reads on
+shared lanes (`skiff bench --shared-lane`), skiff-eth against skiff-tcp, payload bytes per
+second as a share of the shaped rate.
 
 Writes bench/results/ethernet-<timestamp>.json and .png, and prints a Markdown table.
 """
@@ -42,6 +48,22 @@ def log(msg):
 
 def sh(argv, check=True):
     return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+def tc_rate_bytes(rate):
+    """tc's rate syntax (10gbit, 1gbit, 500mbit) in bytes per second."""
+    r = rate.lower()
+    for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1)):
+        if r.endswith(unit):
+            return float(r[:-len(unit)]) * mult / 8
+    raise SystemExit(f"--shape {rate}: use a tc rate such as 10gbit or 500mbit")
+
+
+def shape(rate):
+    """A token bucket on each end's egress: requests one way, replies the other."""
+    tbf = ["root", "tbf", "rate", rate, "burst", "2mb", "latency", "20ms"]
+    sh(["tc", "qdisc", "add", "dev", NEAR, *tbf])
+    sh(["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", FAR, *tbf])
 
 
 def setup():
@@ -89,14 +111,16 @@ def precondition(uri, pl):
                    check=True, capture_output=True)
 
 
-def skiff_bench(a, target, qd):
+def skiff_bench(a, target, qd, threads=None):
     argv = a.pl.client([a.skiff, "bench", "--target", target, "--export", "vol", "--size", "1G", "--rw", "randread",
-                        "--bs", "4k", "--qd", str(qd), "--duration", f"{a.runtime}s", "--json"])
+                        "--bs", "4k", "--qd", str(qd), "--duration", f"{a.runtime}s", "--json"]
+                       + (["--threads", str(threads), "--shared-lane"] if threads else []))
     p = subprocess.run(argv, capture_output=True, text=True, timeout=a.runtime + 60)
     if p.returncode != 0:
         raise RuntimeError(f"skiff bench {target} QD {qd} failed: {p.stderr[-500:]}")
     r = json.loads(p.stdout)
-    return {"iops": r["iops"], "lat_mean_us": r["lat_us"]["mean"], "lat_p99_us": r["lat_us"]["p99"],
+    return {"iops": r["iops"], "bytes_per_s": r["bytes_per_s"], "lat_mean_us": r["lat_us"]["mean"],
+            "lat_p99_us": r["lat_us"]["p99"],
             "client_cpu_us_per_io": r["client_cpu_us_per_io"], "server_cpu_us_per_io": r["server_cpu_us_per_io"],
             "client_ctx_per_io": r["client_ctx_switches_per_io"],
             "server_ctx_per_io": r["server_ctx_switches_per_io"]}
@@ -148,6 +172,55 @@ def plot(path, qds, med, title):
     return path
 
 
+def link_utilisation(a, mac):
+    """Tyche Figures 5 and 7 on a shaped pair: payload as a share of the shaped rate."""
+    rate = tc_rate_bytes(a.shape)
+    threads = [int(t) for t in a.threads.split(",")]
+    runs = {}
+    skiff = None
+    try:
+        port = 7070
+        skiff = start(in_ns(a.pl.server([a.skiff, "serve", "--listen", f"{FAR_IP}:{port}", "--eth", FAR,
+                                         "--export", "vol=ram:1G", "--workers", "1"])), FAR_IP, port)
+        log(f"veth pair shaped to {a.shape} each way (tbf); target MAC {mac}; placement {a.pl.describe()}")
+        systems = ["skiff-eth", "skiff-tcp"]
+        for i, t in enumerate(threads):
+            for rep in range(a.repeat):
+                for s in rotate(systems, i + rep):
+                    target = f"eth:{NEAR}/{mac}" if s == "skiff-eth" else f"{FAR_IP}:{port}"
+                    r = skiff_bench(a, target, 4, threads=t)
+                    r["link_util"] = r["bytes_per_s"] / rate
+                    runs.setdefault((s, t), []).append(r)
+                    log(f"{t:>3} threads {s:<9} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                        f"{100 * r['link_util']:5.1f}% of {a.shape}  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
+                        f"{r['server_cpu_us_per_io']:.2f}")
+    finally:
+        if skiff:
+            stop(skiff)
+        teardown()
+    med = {k: median_record(v) for k, v in runs.items()}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"ethernet-shaped-{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "shape": a.shape,
+                   "points": [{"system": s, "threads": t, **med[(s, t)], "repetitions": runs[(s, t)]}
+                              for (s, t) in runs]}, f, indent=1)
+    print(f"4 KiB random reads, threads x QD 4 on shared lanes, veth shaped to {a.shape} ({a.pl.short()}, "
+          f"median of {a.repeat}); {base}.json")
+    print()
+    print("| threads x QD 4 | skiff-eth IOPS | link util | CPU µs/I/O | skiff-tcp IOPS | link util | CPU µs/I/O |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for t in threads:
+        e, c = med.get(("skiff-eth", t)), med.get(("skiff-tcp", t))
+        cells = []
+        for r in (e, c):
+            cells += ([f"{r['iops']:,.0f}", f"{100 * r['link_util']:.1f}%",
+                       f"{r['client_cpu_us_per_io'] + r['server_cpu_us_per_io']:.2f}"] if r else ["-"] * 3)
+        print(f"| {t} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -155,6 +228,8 @@ def main():
     p.add_argument("--runtime", type=int, default=3)
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--shape", metavar="RATE", help="shape the pair with tc tbf (e.g. 10gbit) and sweep threads x QD 4")
+    p.add_argument("--threads", default="1,2,4,8,16,32,64,128", help="with --shape: thread counts")
     add_placement_args(p, "rounds, the systems alternating (default 3)")
     a = p.parse_args()
     a.repeat = a.repeat or 3
@@ -164,6 +239,13 @@ def main():
     if os.geteuid() != 0:
         raise SystemExit("root is needed: network namespaces and raw sockets")
     mac = setup()
+    if a.shape:
+        try:
+            shape(a.shape)
+        except BaseException:
+            teardown()
+            raise
+        return link_utilisation(a, mac)
     procs = []
     try:
         port, nbd_port, kit_port = 7070, 10809, 10810

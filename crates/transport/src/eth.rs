@@ -51,7 +51,9 @@ pub struct EthConfig {
 impl Default for EthConfig {
     fn default() -> EthConfig {
         EthConfig {
-            ring: RingConfig { rx_slots: 128, tx_slots: 64, ..RingConfig::default() },
+            // Through the interface's queueing discipline, so that `tc` can shape a session's
+            // link (on veth, whose discipline is noqueue, bypassing it saves nothing).
+            ring: RingConfig { rx_slots: 128, tx_slots: 64, qdisc_bypass: false, ..RingConfig::default() },
             // Jumbo datagrams where the MTU allows (lowered to the MTU when a session opens),
             // and a window that keeps a 64-deep queue of 4 KiB requests moving. On a segment
             // round trips are tens of microseconds: a lost datagram with nothing behind it
