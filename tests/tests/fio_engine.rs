@@ -49,8 +49,13 @@ fn fio() -> Command {
 
 /// fio on export `vol` of `t` with `args`; returns the JSON report.
 fn fio_json(t: &Target, args: &[&str]) -> Value {
+    fio_json_at(&tcp_endpoint(t).to_string(), args)
+}
+
+/// fio on export `vol` of the target at `target` (any endpoint syntax) with `args`.
+fn fio_json_at(target: &str, args: &[&str]) -> Value {
     let mut cmd = fio();
-    cmd.arg(format!("--target={}", tcp_endpoint(t)))
+    cmd.arg(format!("--target={target}"))
         .args(["--export=vol", "--output-format=json", "--verify_state_save=0"])
         .args(args);
     let stdout = run_ok(&mut cmd);
@@ -282,4 +287,49 @@ fn enghelp_lists_the_engine_options() {
             "{option} missing: {help}"
         );
     }
+}
+
+/// The engine over raw Ethernet (`--target=eth:IFACE/MAC`): a target listening with `--eth` in
+/// a namespace at the far end of a veth pair, fio's jobs as threads on shared lanes, every
+/// block verified. Root only (the raw-Ethernet tests' rule).
+#[test]
+fn fio_verifies_over_raw_ethernet() {
+    use skiff_tests::netns::{self, VethPair};
+    if !netns::available("fio over raw Ethernet") {
+        return;
+    }
+    let pair = VethPair::new(9000);
+    let iface = pair.peer.clone();
+    let t = pair.in_ns(move || {
+        skiff_tests::start_target_with(&["vol=ram:64M"], |c| {
+            c.listen = vec![transport::Endpoint::Eth { iface, mac: None }];
+        })
+    });
+    let Some(transport::Endpoint::Eth { mac: Some(mac), .. }) = t.endpoints().into_iter().next() else {
+        panic!("the target reports its Ethernet endpoint")
+    };
+    let target = transport::Endpoint::Eth { iface: pair.host.clone(), mac: Some(mac) }.to_string();
+    let report = fio_json_at(
+        &target,
+        &[
+            "--name=eth",
+            "--thread",
+            "--numjobs=2",
+            "--shared_lanes=1",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=8M",
+            "--offset_increment=8M",
+            "--iodepth=16",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+        ],
+    );
+    assert_no_error(&report);
+    for job in jobs(&report) {
+        assert_eq!(io_bytes(job, "write"), 8 * MIB, "{job}");
+        assert_eq!(io_bytes(job, "read"), 8 * MIB, "{job}");
+    }
+    assert_eq!(t.stats().get("req_write"), Some(2 * 2048));
 }
