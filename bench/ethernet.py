@@ -16,6 +16,8 @@ makes is removed at the end, even on failure.
     python3 bench/ethernet.py                      # QD 1, 8, 32, 128; 3 rounds of 3 s
     python3 bench/ethernet.py --qds 1,128 --repeat 5 --runtime 5
     python3 bench/ethernet.py --shape 10gbit       # Tyche Fig. 5: link utilisation, 1-128 threads x QD 4
+    python3 bench/ethernet.py --shape 10gbit --rw randwrite    # Tyche Fig. 7: the same for writes
+    python3 bench/ethernet.py --table2             # Tyche Table II: QD 1, 4-128 KiB, per stage, eth and TCP
 
 With --shape RATE both ends of the pair are shaped with `tc qdisc ... tbf rate RATE` and the
 sweep is Tyche's (Figures 5 and 7): 1 to 128 threads x 4 outstanding 4 KiB random reads on
@@ -111,9 +113,9 @@ def precondition(uri, pl):
                    check=True, capture_output=True)
 
 
-def skiff_bench(a, target, qd, threads=None):
-    argv = a.pl.client([a.skiff, "bench", "--target", target, "--export", "vol", "--size", "1G", "--rw", "randread",
-                        "--bs", "4k", "--qd", str(qd), "--duration", f"{a.runtime}s", "--json"]
+def skiff_bench(a, target, qd, threads=None, rw="randread", bs="4k"):
+    argv = a.pl.client([a.skiff, "bench", "--target", target, "--export", "vol", "--size", "1G", "--rw", rw,
+                        "--bs", bs, "--qd", str(qd), "--duration", f"{a.runtime}s", "--json"]
                        + (["--threads", str(threads), "--shared-lane"] if threads else []))
     p = subprocess.run(argv, capture_output=True, text=True, timeout=a.runtime + 60)
     if p.returncode != 0:
@@ -123,7 +125,7 @@ def skiff_bench(a, target, qd, threads=None):
             "lat_p99_us": r["lat_us"]["p99"],
             "client_cpu_us_per_io": r["client_cpu_us_per_io"], "server_cpu_us_per_io": r["server_cpu_us_per_io"],
             "client_ctx_per_io": r["client_ctx_switches_per_io"],
-            "server_ctx_per_io": r["server_ctx_switches_per_io"]}
+            "server_ctx_per_io": r["server_ctx_switches_per_io"], "stages_us": r["stages_us"]}
 
 
 def fio_nbd(a, uri, qd, server_pid):
@@ -188,7 +190,7 @@ def link_utilisation(a, mac):
             for rep in range(a.repeat):
                 for s in rotate(systems, i + rep):
                     target = f"eth:{NEAR}/{mac}" if s == "skiff-eth" else f"{FAR_IP}:{port}"
-                    r = skiff_bench(a, target, 4, threads=t)
+                    r = skiff_bench(a, target, 4, threads=t, rw=a.rw)
                     r["link_util"] = r["bytes_per_s"] / rate
                     runs.setdefault((s, t), []).append(r)
                     log(f"{t:>3} threads {s:<9} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
@@ -204,9 +206,10 @@ def link_utilisation(a, mac):
     base = os.path.join(a.out, f"ethernet-shaped-{stamp}")
     with open(base + ".json", "w") as f:
         json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "shape": a.shape,
+                   "rw": a.rw,
                    "points": [{"system": s, "threads": t, **med[(s, t)], "repetitions": runs[(s, t)]}
                               for (s, t) in runs]}, f, indent=1)
-    print(f"4 KiB random reads, threads x QD 4 on shared lanes, veth shaped to {a.shape} ({a.pl.short()}, "
+    print(f"4 KiB {a.rw}, threads x QD 4 on shared lanes, veth shaped to {a.shape} ({a.pl.short()}, "
           f"median of {a.repeat}); {base}.json")
     print()
     print("| threads x QD 4 | skiff-eth IOPS | link util | CPU µs/I/O | skiff-tcp IOPS | link util | CPU µs/I/O |")
@@ -221,6 +224,50 @@ def link_utilisation(a, mac):
     return 0
 
 
+def table2(a, mac):
+    """Tyche Table II over raw Ethernet and TCP: QD 1 by size, with skiff bench's stages."""
+    sizes = ["4k", "8k", "64k", "128k"]
+    runs = {}
+    skiff = None
+    try:
+        port = 7070
+        skiff = start(in_ns(a.pl.server([a.skiff, "serve", "--listen", f"{FAR_IP}:{port}", "--eth", FAR,
+                                         "--export", "vol=ram:1G", "--workers", "1"])), FAR_IP, port)
+        log(f"veth pair, MTU 9000; target MAC {mac}; placement {a.pl.describe()}")
+        systems = ["skiff-eth", "skiff-tcp"]
+        points = [(rw, bs) for rw in ("randread", "randwrite") for bs in sizes]
+        for i, (rw, bs) in enumerate(points):
+            for rep in range(a.repeat):
+                for s in rotate(systems, i + rep):
+                    target = f"eth:{NEAR}/{mac}" if s == "skiff-eth" else f"{FAR_IP}:{port}"
+                    r = skiff_bench(a, target, 1, rw=rw, bs=bs)
+                    runs.setdefault((s, rw, bs), []).append(r)
+                    log(f"{rw:<9} {bs:>4} {s:<9} rep {rep + 1}/{a.repeat}: {r['lat_mean_us']:7.1f} µs  "
+                        f"CPU µs/IO {r['client_cpu_us_per_io']:.2f} + {r['server_cpu_us_per_io']:.2f}")
+    finally:
+        if skiff:
+            stop(skiff)
+        teardown()
+    med = {k: median_record(v, key="lat_mean_us") for k, v in runs.items()}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"ethernet-table2-{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime,
+                   "points": [{"system": s, "rw": rw, "bs": bs, **med[(s, rw, bs)], "repetitions": runs[(s, rw, bs)]}
+                              for (s, rw, bs) in runs]}, f, indent=1)
+    keys = ["client_send", "target_recv", "target_exec", "target_send", "client_recv", "client_complete", "elsewhere"]
+    print(f"QD 1 by size over one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat}); {base}.json")
+    print()
+    print("| point | system | mean µs | CPU µs/I/O client + server | " + " | ".join(k.replace("_", " ") for k in keys) + " |")
+    print("|---|---|---:|---|" + "---:|" * len(keys))
+    for (s, rw, bs), r in med.items():
+        st = r.get("stages_us") or {}
+        print(f"| {rw} {bs.upper()}iB | {s} | {r['lat_mean_us']:.1f} | {r['client_cpu_us_per_io']:.1f} + "
+              f"{r['server_cpu_us_per_io']:.1f} | " + " | ".join(f"{st.get(k, 0):.1f}" for k in keys) + " |")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -230,6 +277,9 @@ def main():
     p.add_argument("--out", default="bench/results")
     p.add_argument("--shape", metavar="RATE", help="shape the pair with tc tbf (e.g. 10gbit) and sweep threads x QD 4")
     p.add_argument("--threads", default="1,2,4,8,16,32,64,128", help="with --shape: thread counts")
+    p.add_argument("--rw", default="randread", choices=["randread", "randwrite"], help="with --shape: the direction")
+    p.add_argument("--table2", action="store_true",
+                   help="Tyche Table II: QD 1 at 4, 8, 64 and 128 KiB, reads and writes, per stage, eth against TCP")
     add_placement_args(p, "rounds, the systems alternating (default 3)")
     a = p.parse_args()
     a.repeat = a.repeat or 3
@@ -239,6 +289,8 @@ def main():
     if os.geteuid() != 0:
         raise SystemExit("root is needed: network namespaces and raw sockets")
     mac = setup()
+    if a.table2:
+        return table2(a, mac)
     if a.shape:
         try:
             shape(a.shape)
