@@ -62,7 +62,10 @@ def tc_rate_bytes(rate):
 
 
 def shape(rate):
-    """A token bucket on each end's egress: requests one way, replies the other."""
+    """A token bucket on each end's egress: requests one way, replies the other. Sessions
+    then go through the queueing discipline (SKIFF_ETH_QDISC=on, for every skiff started here),
+    which they otherwise bypass."""
+    os.environ["SKIFF_ETH_QDISC"] = "on"
     tbf = ["root", "tbf", "rate", rate, "burst", "2mb", "latency", "20ms"]
     sh(["tc", "qdisc", "add", "dev", NEAR, *tbf])
     sh(["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", FAR, *tbf])

@@ -51,9 +51,15 @@ pub struct EthConfig {
 impl Default for EthConfig {
     fn default() -> EthConfig {
         EthConfig {
-            // Through the interface's queueing discipline, so that `tc` can shape a session's
-            // link (on veth, whose discipline is noqueue, bypassing it saves nothing).
-            ring: RingConfig { rx_slots: 128, tx_slots: 64, qdisc_bypass: false, ..RingConfig::default() },
+            // Past the interface's queueing discipline (PACKET_QDISC_BYPASS), which costs a
+            // fifth of the CPU per I/O at QD 32 even on veth's noqueue; SKIFF_ETH_QDISC=on
+            // goes through it, for links shaped with `tc` (bench/ethernet.py --shape).
+            ring: RingConfig {
+                rx_slots: 128,
+                tx_slots: 64,
+                qdisc_bypass: std::env::var("SKIFF_ETH_QDISC").map_or(true, |v| v != "on"),
+                ..RingConfig::default()
+            },
             // Jumbo datagrams where the MTU allows (lowered to the MTU when a session opens),
             // and a window that keeps a 64-deep queue of 4 KiB requests moving. On a segment
             // round trips are tens of microseconds: a lost datagram with nothing behind it
