@@ -117,6 +117,12 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
         assert!(json_u64(&bench, &["ios"]) > 1000, "{bench}");
         assert_eq!(json_u64(&bench, &["io_errors"]), 0, "{bench}");
         assert_eq!(json_u64(&bench, &["verify_errors"]), 0, "{bench}");
+        // The lanes repaired what the relay broke: retransmissions, and corrupt datagrams
+        // caught by their checksum.
+        let repaired = json_u64(&bench, &["client_link", "retransmitted_timeout"])
+            + json_u64(&bench, &["client_link", "retransmitted_gap"]);
+        assert!(repaired > 0, "no retransmission at {loss}: {}", bench["client_link"]);
+        assert!(json_u64(&bench, &["client_link", "corrupt"]) > 0, "{}", bench["client_link"]);
         let counters: serde_json::Value = serde_json::from_str(relay.finish().trim()).expect("relay JSON");
         for side in ["left_to_right", "right_to_left"] {
             let dropped = json_u64(&counters, &[side, "dropped"]);
@@ -128,7 +134,11 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
                 "{side} at {loss}: {counters}"
             );
         }
-        eprintln!("loss {loss}: {} I/Os verified; relay {counters}", json_u64(&bench, &["ios"]));
+        eprintln!(
+            "loss {loss}: {} I/Os verified; lanes {}; relay {counters}",
+            json_u64(&bench, &["ios"]),
+            bench["client_link"]
+        );
     }
     drop(serve);
 }

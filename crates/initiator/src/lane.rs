@@ -362,6 +362,15 @@ impl<B: IoBuf> Lane<B> {
         self.session.batch_level()
     }
 
+    /// A raw-Ethernet lane's reliable-delivery counters (its current connection's); `None`
+    /// over TCP and Unix sockets, whose kernel keeps its own.
+    pub fn link_stats(&self) -> Option<LinkStats> {
+        match &self.conn.stream {
+            transport::ClientStream::Eth(s) => Some(LinkStats::from(&s.counters())),
+            _ => None,
+        }
+    }
+
     /// How the lane's waits went under hybrid polling (since its last connection).
     pub fn poll_stats(&self) -> WaitStats {
         self.conn.waiter.stats()
@@ -826,6 +835,45 @@ const ATTEMPT_POLL: Duration = Duration::from_millis(5);
 
 /// Longest a reconnection attempt waits for the target to accept and answer.
 const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(5);
+
+/// What reliable delivery did on a raw-Ethernet lane (`proto::reliable::Counters`, the part
+/// a report needs): datagrams out, and the repairs that show the network's faults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    pub datagrams_sent: u64,
+    pub datagrams_received: u64,
+    pub retransmitted_timeout: u64,
+    pub retransmitted_gap: u64,
+    pub duplicates: u64,
+    pub out_of_order: u64,
+    pub corrupt: u64,
+}
+
+impl From<&proto::reliable::Counters> for LinkStats {
+    fn from(c: &proto::reliable::Counters) -> LinkStats {
+        LinkStats {
+            datagrams_sent: c.datagrams_sent,
+            datagrams_received: c.datagrams_received,
+            retransmitted_timeout: c.retransmitted_timeout,
+            retransmitted_gap: c.retransmitted_gap,
+            duplicates: c.duplicates,
+            out_of_order: c.out_of_order,
+            corrupt: c.corrupt,
+        }
+    }
+}
+
+impl LinkStats {
+    pub fn add(&mut self, o: &LinkStats) {
+        self.datagrams_sent += o.datagrams_sent;
+        self.datagrams_received += o.datagrams_received;
+        self.retransmitted_timeout += o.retransmitted_timeout;
+        self.retransmitted_gap += o.retransmitted_gap;
+        self.duplicates += o.duplicates;
+        self.out_of_order += o.out_of_order;
+        self.corrupt += o.corrupt;
+    }
+}
 
 /// Connect to `endpoint`, negotiate `proposed`, and open `export`.
 #[allow(clippy::too_many_arguments)] // each is one setting of a connection; a struct would only rename them

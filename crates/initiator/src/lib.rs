@@ -21,7 +21,9 @@ mod lane;
 mod queue;
 mod shared;
 
-pub use lane::{Batching, Completion, IoBuf, Lane, LaneConfig, LaneStats, Rejected, DIRECT_MIN_BYTES};
+pub use lane::{
+    Batching, Completion, IoBuf, Lane, LaneConfig, LaneStats, LinkStats, Rejected, DIRECT_MIN_BYTES,
+};
 pub use proto::batch::{BatchConfig, Decision as BatchDecision};
 pub use proto::caravan::Doorbell;
 pub use proto::client::ReconnectConfig;

@@ -93,6 +93,17 @@ impl<B: IoBuf + Send> SharedLanes<B> {
         total
     }
 
+    /// The lanes' reliable-delivery counters, summed, over raw Ethernet (`None` over sockets).
+    pub fn link_stats(&self) -> Option<crate::LinkStats> {
+        let mut total: Option<crate::LinkStats> = None;
+        for l in &self.lanes {
+            if let Some(s) = l.lock().lane.link_stats() {
+                total.get_or_insert_with(Default::default).add(&s);
+            }
+        }
+        total
+    }
+
     /// How the shared lanes' receivers waited under hybrid polling.
     pub fn poll_stats(&self) -> rt::poll::WaitStats {
         let mut all = rt::poll::WaitStats::default();

@@ -338,6 +338,7 @@ pub fn run(args: BenchArgs) -> CliResult {
             batch_levels: shared.batch_levels(),
             batch_level_log: shared.batch_level_log(0),
             poll: shared.poll_stats(),
+            link: shared.link_stats(),
         },
         _ => report::Telemetry::of_private_lanes(&results),
     };

@@ -139,6 +139,10 @@ pub struct Summary {
     pub client_poll: PollReport,
     /// The same for the target's workers over the timed phase (all zero when they do not poll).
     pub server_poll: PollReport,
+    /// Over raw Ethernet, what reliable delivery did on the lanes over the whole run: datagrams
+    /// and the repairs (retransmissions, duplicates and corrupt datagrams dropped); `null` over
+    /// TCP and Unix sockets.
+    pub client_link: Option<LinkReport>,
     /// Where the time goes, in µs per I/O (Tyche Table II's stages, as far as they are ours).
     pub stages_us: Stages,
     /// Share of read data the lanes received straight into the callers' buffers (direct
@@ -194,11 +198,25 @@ fn per(n: f64, ios: u64) -> f64 {
 }
 
 /// What the lanes did over the timed phase.
+/// [`Summary::client_link`], as JSON.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LinkReport {
+    pub datagrams_sent: u64,
+    pub datagrams_received: u64,
+    pub retransmitted_timeout: u64,
+    pub retransmitted_gap: u64,
+    pub duplicates: u64,
+    pub out_of_order: u64,
+    pub corrupt: u64,
+}
+
 pub struct Telemetry {
     pub lanes: LaneStats,
     pub batch_levels: Vec<u32>,
     pub batch_level_log: Vec<initiator::BatchDecision>,
     pub poll: WaitStats,
+    /// Reliable delivery over raw Ethernet, summed over the lanes (`None` over sockets).
+    pub link: Option<initiator::LinkStats>,
 }
 
 impl Telemetry {
@@ -215,6 +233,11 @@ impl Telemetry {
             poll: results.iter().fold(WaitStats::default(), |mut all, r| {
                 all.add(&r.poll);
                 all
+            }),
+            link: results.iter().filter_map(|r| r.link).fold(None, |all, l| {
+                let mut all: initiator::LinkStats = all.unwrap_or_default();
+                all.add(&l);
+                Some(all)
             }),
         }
     }
@@ -297,6 +320,15 @@ pub fn summarize(
         batch_level_final: telemetry.batch_levels.clone(),
         batch_level_log: telemetry.batch_level_log.iter().map(LevelPoint::from).collect(),
         client_poll: PollReport::of(&telemetry.poll),
+        client_link: telemetry.link.map(|l| LinkReport {
+            datagrams_sent: l.datagrams_sent,
+            datagrams_received: l.datagrams_received,
+            retransmitted_timeout: l.retransmitted_timeout,
+            retransmitted_gap: l.retransmitted_gap,
+            duplicates: l.duplicates,
+            out_of_order: l.out_of_order,
+            corrupt: l.corrupt,
+        }),
         server_poll: PollReport::of(&WaitStats {
             waits: delta(before, after, "poll_waits"),
             caught: delta(before, after, "poll_caught"),
@@ -399,6 +431,22 @@ pub fn print_table(s: &Summary) {
         (
             "reconnects",
             format!("{} ({} attempts)", s.reconnects, s.reconnect_attempts),
+        ),
+        (
+            "raw Ethernet",
+            s.client_link
+                .map(|l| {
+                    format!(
+                        "{} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped",
+                        grouped(l.datagrams_sent),
+                        grouped(l.datagrams_received),
+                        grouped(l.retransmitted_timeout),
+                        grouped(l.retransmitted_gap),
+                        grouped(l.duplicates),
+                        grouped(l.corrupt)
+                    )
+                })
+                .unwrap_or_else(|| "no (a socket: the kernel delivers reliably)".into()),
         ),
         (
             "direct reads",

@@ -42,6 +42,9 @@ pub trait BenchQueue: initiator::Queue<Vec<u8>> + Send {
     fn batch_level_log(&self) -> Vec<initiator::BatchDecision>;
     /// How the lane's waits went under hybrid polling (zero for a shared lane's handle).
     fn poll_stats(&self) -> WaitStats;
+    /// A raw-Ethernet lane's reliable-delivery counters (`None` for sockets and for a shared
+    /// lane's handle).
+    fn link_stats(&self) -> Option<initiator::LinkStats>;
 }
 
 impl BenchQueue for Lane {
@@ -56,6 +59,9 @@ impl BenchQueue for Lane {
     }
     fn poll_stats(&self) -> WaitStats {
         Lane::poll_stats(self)
+    }
+    fn link_stats(&self) -> Option<initiator::LinkStats> {
+        Lane::link_stats(self)
     }
 }
 
@@ -72,6 +78,9 @@ impl BenchQueue for SharedHandle {
     }
     fn poll_stats(&self) -> WaitStats {
         WaitStats::default()
+    }
+    fn link_stats(&self) -> Option<initiator::LinkStats> {
+        None
     }
 }
 
@@ -110,6 +119,8 @@ pub struct ThreadResult {
     pub batch_level_log: Vec<initiator::BatchDecision>,
     /// The lane's hybrid polling over the whole run (warm-up included).
     pub poll: WaitStats,
+    /// The lane's reliable delivery over raw Ethernet, over the whole run.
+    pub link: Option<initiator::LinkStats>,
 }
 
 /// Barriers the main thread uses to take target stats exactly around the timed phase.
@@ -184,6 +195,7 @@ pub fn run<Q: BenchQueue>(
             batch_level: 0,
             batch_level_log: Vec::new(),
             poll: WaitStats::default(),
+            link: None,
         },
         timing: false,
         barriers_passed: 0,
@@ -226,6 +238,7 @@ impl<Q: BenchQueue> Runner<'_, Q> {
         self.r.batch_level = self.lane.batch_level();
         self.r.batch_level_log = self.lane.batch_level_log();
         self.r.poll = self.lane.poll_stats();
+        self.r.link = self.lane.link_stats();
         phases.timed_end.wait();
         self.barriers_passed = 2;
         if self.w.verify {
