@@ -24,7 +24,8 @@ sweep is Tyche's (Figures 5 and 7): 1 to 128 threads x 4 outstanding 4 KiB rando
 shared lanes (`skiff bench --shared-lane`), skiff-eth against skiff-tcp, payload bytes per
 second as a share of the shaped rate.
 
-Writes bench/results/ethernet-<timestamp>.json and .png, and prints a Markdown table.
+Writes bench/results/ethernet-{qd,shaped,table2}-<timestamp>.json (and a .png of the QD sweep), and
+prints a Markdown table.
 """
 import argparse
 import json
@@ -177,50 +178,65 @@ def plot(path, qds, med, title):
     return path
 
 
-def link_utilisation(a, mac):
-    """Tyche Figures 5 and 7 on a shaped pair: payload as a share of the shaped rate."""
-    rate = tc_rate_bytes(a.shape)
-    threads = [int(t) for t in a.threads.split(",")]
+def eth_against_tcp(a, mac, points, measure, label):
+    """One `skiff serve` in the namespace, listening on TCP and raw Ethernet; at each point of
+    `points`, skiff-eth and skiff-tcp alternate for --repeat rounds, `measure(target, point)`
+    measuring one run. Returns {(system, point): [records]}; the pair is torn down after."""
     runs = {}
     skiff = None
     try:
         port = 7070
         skiff = start(in_ns(a.pl.server([a.skiff, "serve", "--listen", f"{FAR_IP}:{port}", "--eth", FAR,
                                          "--export", "vol=ram:1G", "--workers", "1"])), FAR_IP, port)
-        log(f"veth pair shaped to {a.shape} each way (tbf); target MAC {mac}; placement {a.pl.describe()}")
-        systems = ["skiff-eth", "skiff-tcp"]
-        for i, t in enumerate(threads):
+        log(f"veth pair {NEAR} - {FAR}, MTU 9000{f', shaped to {a.shape} each way (tbf)' if a.shape else ''}; "
+            f"target MAC {mac}; placement {a.pl.describe()}")
+        for i, pt in enumerate(points):
             for rep in range(a.repeat):
-                for s in rotate(systems, i + rep):
+                for s in rotate(["skiff-eth", "skiff-tcp"], i + rep):
                     target = f"eth:{NEAR}/{mac}" if s == "skiff-eth" else f"{FAR_IP}:{port}"
-                    r = skiff_bench(a, target, 4, threads=t, rw=a.rw)
-                    r["link_util"] = r["bytes_per_s"] / rate
-                    runs.setdefault((s, t), []).append(r)
-                    log(f"{t:>3} threads {s:<9} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
-                        f"{100 * r['link_util']:5.1f}% of {a.shape}  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
+                    r = measure(target, pt)
+                    runs.setdefault((s, pt), []).append(r)
+                    log(f"{label(pt)} {s:<9} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                        f"{r['lat_mean_us']:7.1f} µs  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
                         f"{r['server_cpu_us_per_io']:.2f}")
     finally:
         if skiff:
             stop(skiff)
         teardown()
-    med = {k: median_record(v) for k, v in runs.items()}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return runs
+
+
+def save(a, name, fields, points):
+    """bench/results/ethernet-NAME-<timestamp>.json; returns the path without its ending."""
     os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"ethernet-shaped-{stamp}")
+    base = os.path.join(a.out, f"ethernet-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     with open(base + ".json", "w") as f:
-        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "shape": a.shape,
-                   "rw": a.rw,
-                   "points": [{"system": s, "threads": t, **med[(s, t)], "repetitions": runs[(s, t)]}
-                              for (s, t) in runs]}, f, indent=1)
+        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, **fields,
+                   "points": points}, f, indent=1)
+    return base
+
+
+def link_utilisation(a, mac):
+    """Tyche Figures 5 and 7 on a shaped pair: payload as a share of the shaped rate."""
+    rate = tc_rate_bytes(a.shape)
+    threads = [int(t) for t in a.threads.split(",")]
+
+    def measure(target, t):
+        r = skiff_bench(a, target, 4, threads=t, rw=a.rw)
+        r["link_util"] = r["bytes_per_s"] / rate
+        return r
+    runs = eth_against_tcp(a, mac, threads, measure, lambda t: f"{t:>3} threads")
+    med = {k: median_record(v) for k, v in runs.items()}
+    base = save(a, "shaped", {"shape": a.shape, "rw": a.rw},
+                [{"system": s, "threads": t, **med[(s, t)], "repetitions": runs[(s, t)]} for (s, t) in runs])
     print(f"4 KiB {a.rw}, threads x QD 4 on shared lanes, veth shaped to {a.shape} ({a.pl.short()}, "
           f"median of {a.repeat}); {base}.json")
     print()
     print("| threads x QD 4 | skiff-eth IOPS | link util | CPU µs/I/O | skiff-tcp IOPS | link util | CPU µs/I/O |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for t in threads:
-        e, c = med.get(("skiff-eth", t)), med.get(("skiff-tcp", t))
         cells = []
-        for r in (e, c):
+        for r in (med.get(("skiff-eth", t)), med.get(("skiff-tcp", t))):
             cells += ([f"{r['iops']:,.0f}", f"{100 * r['link_util']:.1f}%",
                        f"{r['client_cpu_us_per_io'] + r['server_cpu_us_per_io']:.2f}"] if r else ["-"] * 3)
         print(f"| {t} | " + " | ".join(cells) + " |")
@@ -229,42 +245,18 @@ def link_utilisation(a, mac):
 
 def table2(a, mac):
     """Tyche Table II over raw Ethernet and TCP: QD 1 by size, with skiff bench's stages."""
-    sizes = ["4k", "8k", "64k", "128k"]
-    runs = {}
-    skiff = None
-    try:
-        port = 7070
-        skiff = start(in_ns(a.pl.server([a.skiff, "serve", "--listen", f"{FAR_IP}:{port}", "--eth", FAR,
-                                         "--export", "vol=ram:1G", "--workers", "1"])), FAR_IP, port)
-        log(f"veth pair, MTU 9000; target MAC {mac}; placement {a.pl.describe()}")
-        systems = ["skiff-eth", "skiff-tcp"]
-        points = [(rw, bs) for rw in ("randread", "randwrite") for bs in sizes]
-        for i, (rw, bs) in enumerate(points):
-            for rep in range(a.repeat):
-                for s in rotate(systems, i + rep):
-                    target = f"eth:{NEAR}/{mac}" if s == "skiff-eth" else f"{FAR_IP}:{port}"
-                    r = skiff_bench(a, target, 1, rw=rw, bs=bs)
-                    runs.setdefault((s, rw, bs), []).append(r)
-                    log(f"{rw:<9} {bs:>4} {s:<9} rep {rep + 1}/{a.repeat}: {r['lat_mean_us']:7.1f} µs  "
-                        f"CPU µs/IO {r['client_cpu_us_per_io']:.2f} + {r['server_cpu_us_per_io']:.2f}")
-    finally:
-        if skiff:
-            stop(skiff)
-        teardown()
+    points = [(rw, bs) for rw in ("randread", "randwrite") for bs in ("4k", "8k", "64k", "128k")]
+    runs = eth_against_tcp(a, mac, points, lambda target, pt: skiff_bench(a, target, 1, rw=pt[0], bs=pt[1]),
+                           lambda pt: f"{pt[0]:<9} {pt[1]:>4}")
     med = {k: median_record(v, key="lat_mean_us") for k, v in runs.items()}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"ethernet-table2-{stamp}")
-    with open(base + ".json", "w") as f:
-        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime,
-                   "points": [{"system": s, "rw": rw, "bs": bs, **med[(s, rw, bs)], "repetitions": runs[(s, rw, bs)]}
-                              for (s, rw, bs) in runs]}, f, indent=1)
+    base = save(a, "table2", {}, [{"system": s, "rw": rw, "bs": bs, **med[(s, (rw, bs))],
+                                   "repetitions": runs[(s, (rw, bs))]} for (s, (rw, bs)) in runs])
     keys = ["client_send", "target_recv", "target_exec", "target_send", "client_recv", "client_complete", "elsewhere"]
     print(f"QD 1 by size over one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat}); {base}.json")
     print()
     print("| point | system | mean µs | CPU µs/I/O client + server | " + " | ".join(k.replace("_", " ") for k in keys) + " |")
     print("|---|---|---:|---|" + "---:|" * len(keys))
-    for (s, rw, bs), r in med.items():
+    for (s, (rw, bs)), r in med.items():
         st = r.get("stages_us") or {}
         print(f"| {rw} {bs.upper()}iB | {s} | {r['lat_mean_us']:.1f} | {r['client_cpu_us_per_io']:.1f} + "
               f"{r['server_cpu_us_per_io']:.1f} | " + " | ".join(f"{st.get(k, 0):.1f}" for k in keys) + " |")
@@ -333,14 +325,9 @@ def main():
             stop(proc)
         teardown()
     med = {k: median_record(v) for k, v in runs.items()}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"ethernet-{stamp}")
     title = f"4 KiB random reads over one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat})"
-    with open(base + ".json", "w") as f:
-        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "target_mac": mac,
-                   "points": [{"system": s, "qd": q, **med[(s, q)], "repetitions": runs[(s, q)]}
-                              for (s, q) in runs]}, f, indent=1)
+    base = save(a, "qd", {"target_mac": mac},
+                [{"system": s, "qd": q, **med[(s, q)], "repetitions": runs[(s, q)]} for (s, q) in runs])
     png = plot(base + ".png", qds, med, title)
     print(f"{title}; {base}.json" + (f", {png}" if png else ""))
     print()

@@ -3,14 +3,10 @@
 use std::sync::Arc;
 
 use initiator::{
-    BatchConfig, Batching, Completion, Endpoint, Lane, LaneConfig, Limits, PollMode, Queue, ReqFlags,
-    SharedLanes, Status,
+    BatchConfig, Batching, Endpoint, Lane, LaneConfig, Limits, PollMode, Queue, ReqFlags, SharedLanes, Status,
 };
+use skiff_tests::verify::{self, block};
 use skiff_tests::{start_target, start_target_with, tcp_endpoint};
-
-fn block(seed: u64, offset: u64, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (seed as usize * 31 + offset as usize / 512 * 7 + i) as u8).collect()
-}
 
 /// Each thread owns a slice of the volume, writes it through its own lane with many requests in
 /// flight, then reads it back through the async API and checks every byte.
@@ -30,31 +26,7 @@ fn threads_verify_with(endpoint: Endpoint, threads: usize, qd: u32, bs: usize, b
                     ..LaneConfig::default()
                 };
                 let mut lane = Lane::connect(&ep, "vol", &config).expect("lane");
-                let base = t as u64 * slice;
-                let mut out: Vec<Completion> = Vec::new();
-                let offsets: Vec<u64> = (0..slice / bs as u64).map(|i| base + i * bs as u64).collect();
-                for (n, &off) in offsets.iter().enumerate() {
-                    while lane.in_flight() >= qd as usize {
-                        lane.wait(1, &mut out).unwrap();
-                    }
-                    lane.submit_write(off, block(t as u64, off, bs), ReqFlags::empty(), n as u64).unwrap();
-                }
-                lane.wait(usize::MAX, &mut out).unwrap();
-                assert!(out.iter().all(|c| c.status == Status::Ok));
-                out.clear();
-                for (n, &off) in offsets.iter().enumerate() {
-                    while lane.in_flight() >= qd as usize {
-                        lane.wait(1, &mut out).unwrap();
-                    }
-                    lane.submit_read(off, vec![0; bs], n as u64).unwrap();
-                }
-                lane.wait(usize::MAX, &mut out).unwrap();
-                assert_eq!(out.len(), offsets.len());
-                for c in out {
-                    assert_eq!(c.status, Status::Ok);
-                    let off = offsets[c.user_data as usize];
-                    assert!(c.buf.unwrap() == block(t as u64, off, bs), "thread {t} offset {off}");
-                }
+                verify::write_read(&mut lane, t as u64, t as u64 * slice, slice, bs, qd as usize);
                 lane.stats().caravans_sent
             })
         })

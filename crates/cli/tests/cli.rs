@@ -244,6 +244,10 @@ fn bad_arguments_get_clear_errors() {
         (&["serve", "--poll", "hybrid:x", "--export", "vol=ram:1M"][..], "hybrid:x"),
         (&["serve", "--stages", "two-threads", "--export", "vol=ram:1M"][..], "two-threads"),
         (&["relay", "--left", "lo", "--right", "lo", "--drop", "1.5"][..], "drop rate 1.5"),
+        // Raw Ethernet: a MAC that is not one, and an interface that is not there (as root, the
+        // interface is named; without CAP_NET_RAW the socket itself is refused, and says so).
+        (&["bench", "--target", "eth:eth0/zz", "--duration", "1s"][..], "\"zz\" is not a MAC address"),
+        (&["bench", "--target", "eth:", "--duration", "1s"][..], "eth: needs an interface name"),
     ] {
         let out = skiff().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?}");
@@ -325,4 +329,21 @@ fn keys_on_the_command_line_authenticate_and_limit_every_client() {
         .output()
         .unwrap();
     assert!(!bad.status.success() && stderr(&bad).contains("carol"), "{}", stderr(&bad));
+}
+
+#[test]
+fn a_missing_ethernet_interface_is_named() {
+    for args in [
+        &["serve", "--no-tcp", "--eth", "nosuchif0", "--export", "vol=ram:1M"][..],
+        &["bench", "--target", "eth:nosuchif0/02:00:00:00:00:01", "--export", "vol", "--duration", "1s"][..],
+    ] {
+        let out = skiff().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // Root reaches the interface lookup; anyone else is stopped at the raw socket.
+        assert!(
+            stderr.contains("nosuchif0: No such device") || stderr.contains("needs CAP_NET_RAW"),
+            "{args:?}: {stderr}"
+        );
+    }
 }

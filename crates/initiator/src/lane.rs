@@ -838,7 +838,7 @@ const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(5);
 
 /// What reliable delivery did on a raw-Ethernet lane (`proto::reliable::Counters`, the part
 /// a report needs): datagrams out, and the repairs that show the network's faults.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LinkStats {
     pub datagrams_sent: u64,
     pub datagrams_received: u64,

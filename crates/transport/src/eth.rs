@@ -212,21 +212,6 @@ impl EthStream {
         self.stream.poll_timeout().map(|due| Duration::from_micros(due.saturating_sub(self.now_us())))
     }
 
-    /// Sleep until the socket is readable, the next timer or `max`, whichever is first; then
-    /// drive.
-    pub fn wait(&mut self, max: Option<Duration>) -> io::Result<()> {
-        let limit = match (self.timeout(), max) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        crate::wait_fd(self.socket.as_raw_fd(), false, limit)?;
-        self.drive()
-    }
-
-    pub fn state(&self) -> State {
-        self.stream.state()
-    }
-
     pub fn counters(&self) -> Counters {
         self.stream.counters()
     }
@@ -242,12 +227,6 @@ impl EthStream {
     /// The peer, for logs: `eth:IFACE/MAC#SESSION`.
     pub fn describe(&self) -> String {
         format!("eth:{}/{}#{:08x}", self.socket.iface(), format_mac(&self.peer), self.session_id())
-    }
-
-    /// End the stream after what was written (the peer reads end of stream).
-    pub fn close(&mut self) -> io::Result<()> {
-        self.stream.close();
-        self.drive()
     }
 
     fn dead_error(&self) -> Option<io::Error> {

@@ -183,7 +183,6 @@ pub struct PacketSocket {
     ring: *mut u8,
     ring_len: usize,
     config: RingConfig,
-    ifindex: i32,
     iface: String,
     mac: Mac,
     mtu: usize,
@@ -347,7 +346,6 @@ impl PacketSocket {
             ring: ring.cast(),
             ring_len,
             config,
-            ifindex,
             iface: ifname.to_owned(),
             mac,
             mtu,
@@ -382,17 +380,9 @@ impl PacketSocket {
         self.mtu
     }
 
-    pub fn ifindex(&self) -> i32 {
-        self.ifindex
-    }
-
     /// The interface's name.
     pub fn iface(&self) -> &str {
         &self.iface
-    }
-
-    pub fn config(&self) -> &RingConfig {
-        &self.config
     }
 
     pub fn stats(&self) -> PacketStats {

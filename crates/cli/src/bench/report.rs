@@ -142,7 +142,7 @@ pub struct Summary {
     /// Over raw Ethernet, what reliable delivery did on the lanes over the whole run: datagrams
     /// and the repairs (retransmissions, duplicates and corrupt datagrams dropped); `null` over
     /// TCP and Unix sockets.
-    pub client_link: Option<LinkReport>,
+    pub client_link: Option<initiator::LinkStats>,
     /// Where the time goes, in µs per I/O (Tyche Table II's stages, as far as they are ours).
     pub stages_us: Stages,
     /// Share of read data the lanes received straight into the callers' buffers (direct
@@ -198,18 +198,6 @@ fn per(n: f64, ios: u64) -> f64 {
 }
 
 /// What the lanes did over the timed phase.
-/// [`Summary::client_link`], as JSON.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct LinkReport {
-    pub datagrams_sent: u64,
-    pub datagrams_received: u64,
-    pub retransmitted_timeout: u64,
-    pub retransmitted_gap: u64,
-    pub duplicates: u64,
-    pub out_of_order: u64,
-    pub corrupt: u64,
-}
-
 pub struct Telemetry {
     pub lanes: LaneStats,
     pub batch_levels: Vec<u32>,
@@ -320,15 +308,7 @@ pub fn summarize(
         batch_level_final: telemetry.batch_levels.clone(),
         batch_level_log: telemetry.batch_level_log.iter().map(LevelPoint::from).collect(),
         client_poll: PollReport::of(&telemetry.poll),
-        client_link: telemetry.link.map(|l| LinkReport {
-            datagrams_sent: l.datagrams_sent,
-            datagrams_received: l.datagrams_received,
-            retransmitted_timeout: l.retransmitted_timeout,
-            retransmitted_gap: l.retransmitted_gap,
-            duplicates: l.duplicates,
-            out_of_order: l.out_of_order,
-            corrupt: l.corrupt,
-        }),
+        client_link: telemetry.link,
         server_poll: PollReport::of(&WaitStats {
             waits: delta(before, after, "poll_waits"),
             caught: delta(before, after, "poll_caught"),
