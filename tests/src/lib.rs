@@ -494,19 +494,34 @@ pub mod netns {
         pub ns: String,
         pub host: String,
         pub peer: String,
+        /// The namespace was made for this pair (and goes with it).
+        owns_ns: bool,
     }
 
     impl VethPair {
         pub fn new(mtu: u32) -> VethPair {
+            VethPair::into_ns(mtu, None)
+        }
+
+        /// A second pair whose far end joins `other`'s namespace: two links between the same
+        /// two namespaces (a bundle). `other`'s namespace must outlive it.
+        pub fn beside(other: &VethPair, mtu: u32) -> VethPair {
+            VethPair::into_ns(mtu, Some(&other.ns))
+        }
+
+        fn into_ns(mtu: u32, ns: Option<&str>) -> VethPair {
             let n = NEXT.fetch_add(1, Ordering::Relaxed);
             // Interface names have 15 bytes at most.
             let tag = format!("{}{n}", std::process::id() % 100_000);
             let pair = VethPair {
-                ns: format!("skiff-t{tag}"),
+                ns: ns.map_or_else(|| format!("skiff-t{tag}"), str::to_owned),
                 host: format!("skh{tag}"),
                 peer: format!("skp{tag}"),
+                owns_ns: ns.is_none(),
             };
-            run_ok(tool("ip", "iproute2").args(["netns", "add", &pair.ns]));
+            if pair.owns_ns {
+                run_ok(tool("ip", "iproute2").args(["netns", "add", &pair.ns]));
+            }
             let mtu = mtu.to_string();
             let ip = |args: &[&str]| run_ok(tool("ip", "iproute2").args(args));
             ip(&[
@@ -518,6 +533,11 @@ pub mod netns {
             ip(&["-n", &pair.ns, "link", "set", &pair.peer, "up"]);
             ip(&["-n", &pair.ns, "link", "set", "lo", "up"]);
             pair
+        }
+
+        /// Take the host end down or bring it back up (a link that fails mid-run).
+        pub fn set_host_up(&self, up: bool) {
+            run_ok(tool("ip", "iproute2").args(["link", "set", &self.host, if up { "up" } else { "down" }]));
         }
 
         /// Run `f` on a thread of its own inside the pair's namespace: sockets it opens stay
@@ -563,7 +583,9 @@ pub mod netns {
         fn drop(&mut self) {
             // Deleting one end deletes both; deleting the namespace would too.
             let _ = tool("ip", "iproute2").args(["link", "del", &self.host]).output();
-            let _ = tool("ip", "iproute2").args(["netns", "del", &self.ns]).output();
+            if self.owns_ns {
+                let _ = tool("ip", "iproute2").args(["netns", "del", &self.ns]).output();
+            }
         }
     }
 }

@@ -23,14 +23,14 @@ fn target_on(pair: &VethPair, near_iface: &str) -> (server::Target, Endpoint) {
     let iface = pair.peer.clone();
     let t = pair.in_ns(move || {
         start_target_with(&["vol=ram:64M"], |c| {
-            c.listen = vec![Endpoint::Eth { iface, mac: None }];
+            c.listen = vec![Endpoint::eth(iface, None)];
             c.workers = 2;
         })
     });
     let Some(Endpoint::Eth { mac: Some(mac), .. }) = t.endpoints().into_iter().next() else {
         panic!("the target reports its Ethernet endpoint with its MAC")
     };
-    (t, Endpoint::Eth { iface: near_iface.to_owned(), mac: Some(mac) })
+    (t, Endpoint::eth(near_iface.to_owned(), Some(mac)))
 }
 
 fn lane_config() -> LaneConfig {
@@ -112,9 +112,8 @@ fn a_lane_finds_the_target_on_its_segment() {
     let Endpoint::Eth { mac: Some(mac), .. } = endpoint else { unreachable!() };
     let found = transport::eth::discover(&pair.host, std::time::Duration::from_millis(300)).unwrap();
     assert_eq!(found, vec![mac], "the one target on the segment answers, once");
-    let mut lane =
-        Lane::connect(&Endpoint::Eth { iface: pair.host.clone(), mac: None }, "vol", &lane_config())
-            .expect("a lane to the target discovery found");
+    let mut lane = Lane::connect(&Endpoint::eth(pair.host.clone(), None), "vol", &lane_config())
+        .expect("a lane to the target discovery found");
     verify::write_read(&mut lane, 5, 0, 1 << 20, 4096, 16);
 }
 
@@ -126,7 +125,7 @@ fn discovery_names_a_silent_segment_and_a_crowded_one() {
     }
     let quiet = VethPair::new(MTU);
     assert!(transport::eth::discover(&quiet.host, std::time::Duration::from_millis(200)).unwrap().is_empty());
-    let err = Lane::connect(&Endpoint::Eth { iface: quiet.host.clone(), mac: None }, "vol", &lane_config())
+    let err = Lane::connect(&Endpoint::eth(quiet.host.clone(), None), "vol", &lane_config())
         .err()
         .expect("no target to connect to");
     assert!(err.to_string().contains("no skiff target answered"), "{err}");
@@ -139,9 +138,8 @@ fn discovery_names_a_silent_segment_and_a_crowded_one() {
     let iface = client.peer.clone();
     let (found, err) = client.in_ns(move || {
         let found = transport::eth::discover(&iface, std::time::Duration::from_millis(300)).unwrap();
-        let err = Lane::connect(&Endpoint::Eth { iface, mac: None }, "vol", &lane_config())
-            .err()
-            .map(|e| e.to_string());
+        let err =
+            Lane::connect(&Endpoint::eth(iface, None), "vol", &lane_config()).err().map(|e| e.to_string());
         (found, err)
     });
     let macs = |e: &Endpoint| match e {
@@ -156,9 +154,102 @@ fn discovery_names_a_silent_segment_and_a_crowded_one() {
     let err = err.expect("two targets: the lane must be told which");
     assert!(err.contains("2 skiff targets answered"), "{err}");
     // Named, each is reachable through the bridge.
-    let ep = Endpoint::Eth { iface: client.peer.clone(), mac: Some(found[0]) };
+    let ep = Endpoint::eth(client.peer.clone(), Some(found[0]));
     client.in_ns(move || {
         let mut lane = Lane::connect(&ep, "vol", &lane_config()).expect("a lane to a named target");
         verify::write_read(&mut lane, 6, 0, 1 << 20, 4096, 8);
     });
+}
+
+/// NIC bundling: a target listening on two interfaces as one bundle, a lane over both
+/// (`eth:A+B/MAC`). Both links carry datagrams; taking one down mid-run fails no request and
+/// leaves it out; bringing it back up lets it rejoin and carry traffic again. Every byte read
+/// back, every write run once, the lane never reconnected.
+#[test]
+fn a_bundle_of_two_links_spreads_traffic_and_rides_through_a_link_going_down() {
+    if !netns::available("NIC bundling over raw Ethernet") {
+        return;
+    }
+    let a = VethPair::new(MTU);
+    let b = VethPair::beside(&a, MTU);
+    let ifaces = vec![a.peer.clone(), b.peer.clone()];
+    let t = a.in_ns(move || {
+        start_target_with(&["vol=ram:64M"], |c| {
+            c.listen = vec![Endpoint::Eth { ifaces, mac: None }];
+            c.workers = 2;
+        })
+    });
+    let Some(Endpoint::Eth { mac: Some(mac), .. }) = t.endpoints().into_iter().next() else {
+        panic!("the target reports its Ethernet endpoint with its MAC")
+    };
+    let endpoint =
+        Endpoint::parse(&format!("eth:{}+{}/{}", a.host, b.host, transport::endpoint::format_mac(&mac)))
+            .unwrap();
+    let mut lane = Lane::connect(&endpoint, "vol", &lane_config()).expect("a lane over a bundle");
+    let paths = |lane: &Lane| lane.link_stats().expect("a raw-Ethernet lane has link counters").paths;
+    let mut writes = 0u64;
+    let mut round = |lane: &mut Lane, seed: u64, mib: u64| {
+        verify::write_read(lane, seed, (seed % 8) * (8 << 20), mib << 20, 4096, 32);
+        writes += (mib << 20) / 4096;
+    };
+
+    // Both links carry the session once the second has been found by its probes.
+    let mut seed = 1;
+    while paths(&lane)[1].datagrams_received == 0 && seed < 50 {
+        round(&mut lane, seed, 1);
+        seed += 1;
+    }
+    round(&mut lane, seed, 4);
+    let before = paths(&lane);
+    assert_eq!(before.len(), 2);
+    for p in &before {
+        assert!(
+            p.up && p.datagrams_sent > 100 && p.datagrams_received > 100,
+            "both links carry traffic: {before:?}"
+        );
+        assert!(p.probes_answered > 0 && p.srtt_us > 0, "each link's round trip is measured: {before:?}");
+    }
+
+    // Link B goes down while I/O runs: nothing fails, B is left out.
+    let down = std::thread::spawn({
+        let host = b.host.clone();
+        move || {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let ok = std::process::Command::new("ip").args(["link", "set", &host, "down"]).status().unwrap();
+            assert!(ok.success(), "ip link set {host} down");
+        }
+    });
+    round(&mut lane, seed + 1, 16);
+    down.join().unwrap();
+    round(&mut lane, seed + 2, 2);
+    let during = paths(&lane);
+    assert!(!during[1].up && during[1].downs >= 1, "the link that went down is left out: {during:?}");
+    round(&mut lane, seed + 3, 2);
+    let later = paths(&lane);
+    assert_eq!(
+        later[1].datagrams_sent, during[1].datagrams_sent,
+        "nothing goes out on a down link but probes"
+    );
+    assert!(later[0].datagrams_sent > during[0].datagrams_sent);
+
+    // B comes back: probes find it and it carries traffic again.
+    b.set_host_up(true);
+    let mut tries = 0;
+    while !paths(&lane)[1].up && tries < 2000 {
+        round(&mut lane, seed + 4, 1);
+        tries += 1;
+    }
+    let back = paths(&lane);
+    assert!(back[1].up && back[1].rejoins >= 1, "the link rejoins: {back:?}");
+    round(&mut lane, seed + 5, 4);
+    let after = paths(&lane);
+    assert!(
+        after[1].datagrams_sent > back[1].datagrams_sent + 100,
+        "the rejoined link carries traffic: {after:?}"
+    );
+
+    eprintln!("paths before: {before:?}\nduring: {during:?}\nafter: {after:?}\nrounds to rejoin: {tries}");
+    assert_eq!(lane.stats().reconnects, 0, "the session itself never broke");
+    drop(lane);
+    assert_eq!(t.stats().get("req_write"), Some(writes), "every write ran exactly once");
 }

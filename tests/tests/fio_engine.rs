@@ -302,13 +302,13 @@ fn fio_verifies_over_raw_ethernet() {
     let iface = pair.peer.clone();
     let t = pair.in_ns(move || {
         skiff_tests::start_target_with(&["vol=ram:64M"], |c| {
-            c.listen = vec![transport::Endpoint::Eth { iface, mac: None }];
+            c.listen = vec![transport::Endpoint::eth(iface, None)];
         })
     });
     let Some(transport::Endpoint::Eth { mac: Some(mac), .. }) = t.endpoints().into_iter().next() else {
         panic!("the target reports its Ethernet endpoint")
     };
-    let target = transport::Endpoint::Eth { iface: pair.host.clone(), mac: Some(mac) }.to_string();
+    let target = transport::Endpoint::eth(pair.host.clone(), Some(mac)).to_string();
     let report = fio_json_at(
         &target,
         &[

@@ -315,8 +315,8 @@ fn exchange(a: &mut EthStream, b: &mut EthStream, len: usize) -> (Vec<u8>, Vec<u
             let limit =
                 [a.timeout(), b.timeout(), Some(Duration::from_millis(5))].into_iter().flatten().min();
             let _ = transport::wait_readable2(
-                std::os::fd::AsRawFd::as_raw_fd(a.socket()),
-                std::os::fd::AsRawFd::as_raw_fd(b.socket()),
+                std::os::fd::AsRawFd::as_raw_fd(&*a),
+                std::os::fd::AsRawFd::as_raw_fd(&*b),
                 limit,
             );
         }

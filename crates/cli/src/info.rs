@@ -40,13 +40,13 @@ pub fn run(args: InfoArgs) -> CliResult {
     let endpoint = Endpoint::parse(&args.target)?;
     let targets = match &endpoint {
         // Every target on the segment that answers a Discover.
-        Endpoint::Eth { iface, mac: None } => {
-            let found = transport::eth::discover(iface, std::time::Duration::from_millis(300))
+        Endpoint::Eth { ifaces, mac: None } => {
+            let found = transport::eth::discover(&ifaces[0], std::time::Duration::from_millis(300))
                 .map_err(|e| format!("{endpoint}: {e}"))?;
             if found.is_empty() {
-                return Err(format!("no skiff target answered on {iface}").into());
+                return Err(format!("no skiff target answered on {}", ifaces[0]).into());
             }
-            found.into_iter().map(|mac| Endpoint::Eth { iface: iface.clone(), mac: Some(mac) }).collect()
+            found.into_iter().map(|mac| Endpoint::Eth { ifaces: ifaces.clone(), mac: Some(mac) }).collect()
         }
         one => vec![one.clone()],
     };

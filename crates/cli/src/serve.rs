@@ -27,7 +27,9 @@ pub struct ServeArgs {
     #[arg(long)]
     no_tcp: bool,
     /// Also serve the native protocol over raw Ethernet on this interface (EtherType 0x88B5;
-    /// initiators connect to eth:IFACE/MAC; docs/ETHERNET.md). Repeatable. Needs CAP_NET_RAW.
+    /// initiators connect to eth:IFACE/MAC; docs/ETHERNET.md). Repeatable: the interfaces
+    /// (also IFACE+IFACE) form one bundle, which initiators with several interfaces use as one
+    /// path (eth:IFACE+IFACE/MAC). Needs CAP_NET_RAW.
     #[arg(long, value_name = "IFACE")]
     eth: Vec<String>,
     /// Serve NBD clients on this TCP address (NBD's port is 10809). Repeatable.
@@ -153,7 +155,13 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
     if let Some(path) = args.unix {
         listen.push(Endpoint::Unix(path));
     }
-    listen.extend(args.eth.into_iter().map(|iface| Endpoint::Eth { iface, mac: None }));
+    if !args.eth.is_empty() {
+        // Every --eth joins one bundle, checked as an eth: endpoint is.
+        match Endpoint::parse(&format!("eth:{}", args.eth.join("+")))? {
+            Endpoint::Eth { ifaces, .. } => listen.push(Endpoint::Eth { ifaces, mac: None }),
+            _ => unreachable!("an eth: address parses as raw Ethernet"),
+        }
+    }
     let mut nbd_listen = args.nbd.iter().map(|a| Endpoint::parse(a)).collect::<Result<Vec<_>, _>>()?;
     if let Some(path) = args.nbd_unix {
         nbd_listen.push(Endpoint::Unix(path));

@@ -142,3 +142,49 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
     }
     drop(serve);
 }
+
+/// NIC bundling from the command line: `skiff serve --eth A --eth B` forms one bundle, and
+/// `skiff bench --target eth:A+B/MAC --verify` spreads its lanes' datagrams over both links,
+/// every read verified.
+#[test]
+fn bench_verifies_over_a_bundle_of_two_links() {
+    if !netns::available("skiff bench over a raw-Ethernet bundle") {
+        return;
+    }
+    let a = VethPair::new(9000);
+    let b = VethPair::beside(&a, 9000);
+    let serve = Proc(
+        skiff_in(&a.ns)
+            .args(["serve", "--no-tcp", "--eth", &a.peer, "--eth", &b.peer, "--export", "vol=ram:32M"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("skiff serve"),
+    );
+    let mac = mac_of(&a.ns, &a.peer);
+    // Let the target open its sockets before the first frame.
+    std::thread::sleep(Duration::from_millis(300));
+    let out = skiff()
+        .args(["bench", "--target", &format!("eth:{}+{}/{mac}", a.host, b.host), "--export", "vol"])
+        .args(["--size", "32M", "--rw", "randrw", "--qd", "16", "--threads", "2", "--duration", "2s"])
+        .args(["--verify", "--json"])
+        .output()
+        .expect("skiff bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "skiff bench: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    let bench: serde_json::Value = serde_json::from_str(&stdout).expect("bench JSON");
+    assert!(json_u64(&bench, &["ios"]) > 1000, "{bench}");
+    assert_eq!(json_u64(&bench, &["io_errors"]), 0, "{bench}");
+    assert_eq!(json_u64(&bench, &["verify_errors"]), 0, "{bench}");
+    let paths = bench["client_link"]["paths"].as_array().expect("per-path counters").clone();
+    assert_eq!(paths.len(), 2, "{}", bench["client_link"]);
+    for p in &paths {
+        assert!(
+            json_u64(p, &["datagrams_sent"]) > 1000 && json_u64(p, &["datagrams_received"]) > 1000,
+            "both links carry the lanes: {}",
+            bench["client_link"]
+        );
+    }
+    eprintln!("bundle: {} I/Os verified; lanes {}", json_u64(&bench, &["ios"]), bench["client_link"]);
+    drop(serve);
+}

@@ -366,7 +366,9 @@ impl<B: IoBuf> Lane<B> {
     /// over TCP and Unix sockets, whose kernel keeps its own.
     pub fn link_stats(&self) -> Option<LinkStats> {
         match &self.conn.stream {
-            transport::ClientStream::Eth(s) => Some(LinkStats::from(&s.counters())),
+            transport::ClientStream::Eth(s) => {
+                Some(LinkStats { paths: s.paths(), ..LinkStats::from(&s.counters()) })
+            }
             _ => None,
         }
     }
@@ -837,8 +839,9 @@ const ATTEMPT_POLL: Duration = Duration::from_millis(5);
 const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(5);
 
 /// What reliable delivery did on a raw-Ethernet lane (`proto::reliable::Counters`, the part
-/// a report needs): datagrams out, and the repairs that show the network's faults.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+/// a report needs): datagrams out, and the repairs that show the network's faults; and what
+/// each interface of its bundle carried.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LinkStats {
     pub datagrams_sent: u64,
     pub datagrams_received: u64,
@@ -847,6 +850,8 @@ pub struct LinkStats {
     pub duplicates: u64,
     pub out_of_order: u64,
     pub corrupt: u64,
+    /// Each interface's share, round trip and outages (one entry unless bundled).
+    pub paths: Vec<transport::eth::PathStats>,
 }
 
 impl From<&proto::reliable::Counters> for LinkStats {
@@ -859,6 +864,7 @@ impl From<&proto::reliable::Counters> for LinkStats {
             duplicates: c.duplicates,
             out_of_order: c.out_of_order,
             corrupt: c.corrupt,
+            paths: Vec::new(),
         }
     }
 }
@@ -872,6 +878,22 @@ impl LinkStats {
         self.duplicates += o.duplicates;
         self.out_of_order += o.out_of_order;
         self.corrupt += o.corrupt;
+        // Lanes over one bundle: the same interfaces in the same order.
+        for (i, p) in o.paths.iter().enumerate() {
+            match self.paths.get_mut(i) {
+                Some(all) => {
+                    all.up &= p.up;
+                    all.datagrams_sent += p.datagrams_sent;
+                    all.datagrams_received += p.datagrams_received;
+                    all.probes_sent += p.probes_sent;
+                    all.probes_answered += p.probes_answered;
+                    all.srtt_us = all.srtt_us.max(p.srtt_us);
+                    all.downs += p.downs;
+                    all.rejoins += p.rejoins;
+                }
+                None => self.paths.push(p.clone()),
+            }
+        }
     }
 }
 

@@ -364,3 +364,93 @@ pub fn reliable_stream(data: &[u8]) {
         }
     }
 }
+
+/// The `bundle` target: a [`Bundle`](crate::bundle::Bundle) of up to four paths driven by
+/// arbitrary moves (sends, arrivals, probes and answers with arbitrary fields, refused sends,
+/// deliveries, time), its own probes answered or lost as the input says. No panic, and: a send
+/// only goes on a path whose peer is known; a path that works has a known peer; counters only
+/// grow; a path rejoins no more often than it went down; a probe comes out only on a bundle
+/// of two paths or more, and never before its due time.
+pub fn bundle(data: &[u8]) {
+    use crate::bundle::{Bundle, BundleConfig, PathCounters};
+    use wire::datagram::{DatagramHeader, DatagramKind};
+
+    let mut input = Input(data);
+    let n = 1 + usize::from(input.byte() % 4);
+    let known: Vec<bool> = (0..n).map(|i| i == 0 || input.byte() & 1 == 1).collect();
+    let session = 0xb0b;
+    let mut b = Bundle::new(BundleConfig::default(), session, &known, input.byte() & 1 == 1);
+    let mut now = 0u64;
+    let mut seq = 0u32;
+    let mut before: Vec<PathCounters> = (0..n).map(|i| b.counters(i)).collect();
+    let mut probes_out: Vec<(usize, DatagramHeader)> = Vec::new();
+    while !input.is_empty() {
+        let op = input.byte();
+        let path = usize::from(input.byte()) % n;
+        match op % 8 {
+            0 => {
+                if let Some(p) = b.pick() {
+                    assert!(b.known(p), "a send on a path whose peer is unknown");
+                    seq = seq.wrapping_add(1);
+                    b.on_sent(p, now, 1 + u64::from(op >> 4), (op & 8 != 0).then_some(seq));
+                }
+            }
+            1 => b.on_received(path, now, u64::from(op >> 3)),
+            2 => {
+                // Anything that parses: a peer's probe or answer, or a forgery.
+                let kind = if op & 8 == 0 { DatagramKind::Probe } else { DatagramKind::ProbeAck };
+                let kinds = [kind, DatagramKind::Data, DatagramKind::Ack];
+                let h = DatagramHeader {
+                    kind: kinds[usize::from(op >> 4) % 3],
+                    flags: 0,
+                    session_id: if op & 0x80 == 0 { session } else { u32::from(input.u16()) },
+                    seq: u32::from(input.u16()),
+                    ack: 0,
+                    sack: 0,
+                    window: 0,
+                    payload_len: 0,
+                };
+                if let Some(ack) = b.on_probe(path, now, &h) {
+                    assert_eq!((ack.kind, ack.seq, ack.session_id), (DatagramKind::ProbeAck, h.seq, session));
+                }
+            }
+            3 => b.on_send_failed(path, now),
+            4 => {
+                let cut = seq.wrapping_sub(u32::from(input.byte()));
+                b.on_delivered(|s| (s.wrapping_sub(cut) as i32) < 0);
+            }
+            5 => {
+                now += u64::from(input.u16()) * 16;
+                b.check(now);
+            }
+            6 => {
+                let due = b.poll_timeout();
+                while let Some((p, probe)) = b.poll_probe(now) {
+                    assert!(n > 1, "a lone path is never probed");
+                    assert!(due.is_some_and(|d| d <= now), "a probe before its time");
+                    assert_eq!(probe.kind, DatagramKind::Probe);
+                    probes_out.push((p, probe));
+                }
+            }
+            _ => {
+                // The peer answers the probes out there, or they are lost.
+                for (p, probe) in std::mem::take(&mut probes_out) {
+                    if input.byte() & 1 == 0 {
+                        let ack = DatagramHeader { kind: DatagramKind::ProbeAck, ..probe };
+                        assert_eq!(b.on_probe(p, now, &ack), None);
+                    }
+                }
+            }
+        }
+        while b.poll_event().is_some() {}
+        for (i, was) in before.iter_mut().enumerate() {
+            let c = b.counters(i);
+            assert!(!c.up || b.known(i), "a working path with no known peer");
+            assert!(c.datagrams_sent >= was.datagrams_sent && c.datagrams_received >= was.datagrams_received);
+            assert!(c.probes_sent >= was.probes_sent && c.probes_answered >= was.probes_answered);
+            assert!(c.downs >= was.downs && c.rejoins >= was.rejoins && c.rejoins <= c.downs);
+            assert!(c.probes_answered <= c.probes_sent);
+            *was = c;
+        }
+    }
+}

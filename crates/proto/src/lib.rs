@@ -19,10 +19,13 @@
 //! - [`capability::CapKey`]: sealing and checking the capabilities of direct reads.
 //! - [`reliable::DatagramStream`]: reliable, ordered byte streams over lossy datagrams, for the
 //!   raw-Ethernet transport.
+//! - [`bundle::Bundle`]: the paths of a raw-Ethernet session bundled over several interfaces:
+//!   which path a send takes, probes, leaving out a path that stops working.
 #![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod batch;
+pub mod bundle;
 pub mod capability;
 pub mod caravan;
 pub mod client;

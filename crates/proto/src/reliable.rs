@@ -405,6 +405,16 @@ impl DatagramStream {
         self.snd_nxt.wrapping_sub(self.snd_una)
     }
 
+    /// Whether the datagram with sequence number `seq` has reached the peer: it is
+    /// acknowledged, cumulatively or selectively (a bundle's paths learn from this whether
+    /// what they carried arrived, whichever path brought the acknowledgement back).
+    pub fn delivered(&self, seq: u32) -> bool {
+        if seq_lt(seq, self.snd_una) {
+            return true;
+        }
+        seq_lt(seq, self.snd_nxt) && self.tx_slots[(seq & self.tx_mask) as usize].sacked
+    }
+
     /// Everything written (and the Close, if any) has been acknowledged.
     pub fn all_acked(&self) -> bool {
         self.snd_una == self.snd_end && (!self.closing || self.close_queued)
@@ -569,8 +579,12 @@ impl DatagramStream {
             self.counters.wrong_session += 1;
             return;
         }
-        if matches!(h.kind, DatagramKind::Discover | DatagramKind::Offer) {
-            // Discovery lives outside sessions (its query id may equal a session id).
+        if matches!(
+            h.kind,
+            DatagramKind::Discover | DatagramKind::Offer | DatagramKind::Probe | DatagramKind::ProbeAck
+        ) {
+            // Discovery lives outside sessions (its query id may equal a session id); link
+            // probes belong to the link layer under the stream (a bundle's paths).
             self.counters.ignored += 1;
             return;
         }

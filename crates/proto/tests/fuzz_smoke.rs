@@ -158,3 +158,15 @@ fn reliable_stream_smoke() {
         assert!(outcome.is_ok(), "case {case} broke an invariant; input: {input:02x?}");
     }
 }
+
+/// The `bundle` target's checks on seeded inputs (every byte is a valid move).
+#[test]
+fn bundle_smoke() {
+    let mut rng = Rng(SEED ^ 0xb0b);
+    for case in 0..CASES / 4 {
+        let len = rng.below(400) as usize;
+        let input: Vec<u8> = (0..len).map(|_| rng.below(256) as u8).collect();
+        let outcome = catch_unwind(AssertUnwindSafe(|| skiff_proto::fuzz_api::bundle(&input)));
+        assert!(outcome.is_ok(), "case {case} broke an invariant; input: {input:02x?}");
+    }
+}

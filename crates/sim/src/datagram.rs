@@ -16,8 +16,10 @@ use std::collections::BinaryHeap;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::rc::Rc;
 
+use proto::bundle::{is_probe, Bundle, BundleConfig, PathCounters};
 use proto::reliable::{Counters, DatagramStream, ReliableConfig, State};
 use transport::FrameIo;
+use wire::datagram::{DatagramHeader, DatagramKind};
 
 use crate::clock::Clock;
 use crate::rng::Rng;
@@ -200,6 +202,18 @@ impl LinkEnd {
         self.link.borrow().queues[self.side].peek().map(|d| d.0.at)
     }
 
+    /// Take the link down until `until_us` (both ways; what is in flight is lost): a cable
+    /// pulled and plugged back, a switch port that flaps.
+    pub fn take_down(&self, until_us: u64) {
+        let mut link = self.link.borrow_mut();
+        let link = &mut *link;
+        link.down_until_us = link.down_until_us.max(until_us);
+        for q in &mut link.queues {
+            link.counts.lost_down += q.len() as u64;
+            q.clear();
+        }
+    }
+
     /// Take the link down for good from now on (a dead peer, a pulled cable).
     pub fn cut(&self) {
         let mut link = self.link.borrow_mut();
@@ -312,10 +326,22 @@ pub struct StreamOptions {
     pub bytes_max: u64,
     /// Cut the link for good at this virtual time: both sides must end up dead.
     pub cut_at_us: Option<u64>,
+    /// Links between the two sides, bundled ([`Bundle`]); 1 is a plain session.
+    pub paths: usize,
+    /// Take the last path down at `.0` for `.1` µs (a bundle's link failing mid-run); the
+    /// others keep working, so the streams must not notice beyond retransmissions.
+    pub outage: Option<(u64, u64)>,
+}
+
+impl StreamOptions {
+    /// A plain session (one link) of seed `seed`.
+    pub fn new(seed: u64, faults: LinkFaults, bytes_max: u64) -> StreamOptions {
+        StreamOptions { seed, faults, bytes_max, cut_at_us: None, paths: 1, outage: None }
+    }
 }
 
 /// What a stream run did.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct StreamReport {
     pub bytes: u64,
     pub virtual_us: u64,
@@ -323,6 +349,8 @@ pub struct StreamReport {
     pub link: LinkCounts,
     /// The two streams' counters, summed.
     pub streams: Counters,
+    /// Each path's counters, both sides summed (datagrams, probes, downs, rejoins).
+    pub paths: Vec<PathCounters>,
 }
 
 /// The stream byte at `at` of side `side`'s stream: every byte of a run is checkable.
@@ -361,13 +389,31 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
     // Initial sequence numbers: random, or just below the wrap.
     let random_isn = rng.next_u64() as u32;
     let isn = [rng.next_u64() as u32, rng.pick(&[u32::MAX - 10, 0, random_isn])];
-    let (a, b) = link(&clock, rng.fork(1), rng.range(1, 50), opts.faults);
+    let latency = rng.range(1, 50);
+    let (a, b) = link(&clock, rng.fork(1), latency, opts.faults);
     let session = rng.next_u64() as u32;
     let mut ends = [
-        (DatagramStream::new(&config, session, isn[0], isn[1]), a),
-        (DatagramStream::new(&config, session, isn[1], isn[0]), b),
+        Side::new(DatagramStream::new(&config, session, isn[0], isn[1]), a, true),
+        Side::new(DatagramStream::new(&config, session, isn[1], isn[0]), b, false),
     ];
     let totals = [rng.range(0, opts.bytes_max), rng.range(0, opts.bytes_max)];
+    if opts.paths > 1 {
+        // More links between the two sides: each side knows its peer on the first only, the
+        // initiator (side 0) finds it on the others by its probes.
+        let mut ends_of = [vec![ends[0].ends[0].clone()], vec![ends[1].ends[0].clone()]];
+        for p in 1..opts.paths {
+            let (a, b) = link(&clock, rng.fork(100 + p as u64), latency + rng.range(0, 20), opts.faults);
+            ends_of[0].push(a);
+            ends_of[1].push(b);
+        }
+        for (side, links) in ends.iter_mut().zip(ends_of) {
+            let mut known = vec![false; links.len()];
+            known[0] = true;
+            side.bundle = Bundle::new(BundleConfig::default(), session, &known, side.bundle.seeks());
+            side.ends = links;
+        }
+    }
+    let mut outage = opts.outage.filter(|_| opts.paths > 1);
     let mut written = [0u64; 2];
     let mut read = [0u64; 2];
     let mut buf = vec![0u8; config.datagram_len_max()];
@@ -384,21 +430,24 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
                 &clock,
                 format!(
                     "stuck: written {written:?} of {totals:?}, read {read:?}; {config:?}; {:?}; {:?}",
-                    ends[0].0.counters(),
-                    ends[1].0.counters()
+                    ends[0].stream.counters(),
+                    ends[1].stream.counters()
                 ),
             ));
         }
         let now = clock.now_us();
         if opts.cut_at_us.is_some_and(|at| now >= at) {
-            ends[0].1.cut();
+            for end in &ends[0].ends {
+                end.cut();
+            }
+        }
+        if let Some((at, len)) = outage.filter(|(at, _)| now >= *at) {
+            ends[0].ends.last().expect("a path").take_down(at + len);
+            outage = None;
         }
         for side in 0..2 {
-            let (stream, end) = &mut ends[side];
-            while let Some(n) = end.recv(&mut buf) {
-                stream.handle_datagram(now, &buf[..n]);
-            }
-            stream.handle_timeout(now);
+            ends[side].take_in(now, &mut buf);
+            let stream = &mut ends[side].stream;
             // The application: a write of random size, a read into random pieces, a close.
             if written[side] < totals[side] && stream.writable() && rng.chance(500_000) {
                 let n = rng.range(1, (totals[side] - written[side]).min(WRITE_BYTES_MAX)) as usize;
@@ -426,11 +475,9 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
                     return Err(fail(step, &clock, format!("side {side} read more than was written")));
                 }
             }
-            while let Some(n) = stream.poll_transmit(now, &mut buf) {
-                end.send(&buf[..n]);
-            }
+            ends[side].send_out(now, &mut buf);
         }
-        let states = [ends[0].0.state(), ends[1].0.state()];
+        let states = [ends[0].stream.state(), ends[1].stream.state()];
         if let Some(cut) = opts.cut_at_us {
             if states.iter().all(|s| matches!(s, State::Dead(_))) {
                 let bound = cut + config.keepalive_us + config.dead_after_us_max() + 1000;
@@ -440,7 +487,7 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
                 break;
             }
         } else if states == [State::Closed, State::Closed] {
-            if read != [totals[1], totals[0]] || !ends.iter().all(|e| e.0.peer_closed()) {
+            if read != [totals[1], totals[0]] || !ends.iter().all(|e| e.stream.peer_closed()) {
                 return Err(fail(step, &clock, format!("closed with {read:?} read of {totals:?}")));
             }
             break;
@@ -448,18 +495,10 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
             return Err(fail(step, &clock, format!("a stream died on a working link: {dead:?}")));
         }
         // Advance: a small random step, or straight to the next event when nothing is due.
-        let next = [
-            ends[0].0.poll_timeout(),
-            ends[1].0.poll_timeout(),
-            ends[0].1.next_arrival_us(),
-            ends[1].1.next_arrival_us(),
-        ]
-        .into_iter()
-        .flatten()
-        .min();
+        let next = ends.iter().filter_map(Side::next_event_us).chain(outage.map(|(at, _)| at)).min();
         // The application can act when it has bytes to write and room, or bytes to read.
         let busy = (0..2).any(|side| {
-            let stream = &ends[side].0;
+            let stream = &ends[side].stream;
             (written[side] < totals[side] && stream.writable()) || stream.readable()
         });
         let tick = rng.range(1, 40);
@@ -470,15 +509,106 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
         };
         clock.advance(to - now);
     }
-    let mut streams = ends[0].0.counters();
-    add_counters(&mut streams, &ends[1].0.counters());
+    let mut streams = ends[0].stream.counters();
+    add_counters(&mut streams, &ends[1].stream.counters());
+    let mut link = LinkCounts::default();
+    for end in &ends[0].ends {
+        link.add(&end.counts());
+    }
+    let paths = (0..opts.paths.max(1))
+        .map(|p| {
+            let (a, b) = (ends[0].bundle.counters(p), ends[1].bundle.counters(p));
+            PathCounters {
+                up: a.up && b.up,
+                datagrams_sent: a.datagrams_sent + b.datagrams_sent,
+                datagrams_received: a.datagrams_received + b.datagrams_received,
+                probes_sent: a.probes_sent + b.probes_sent,
+                probes_answered: a.probes_answered + b.probes_answered,
+                srtt_us: a.srtt_us.max(b.srtt_us),
+                downs: a.downs + b.downs,
+                rejoins: a.rejoins + b.rejoins,
+            }
+        })
+        .collect();
     Ok(StreamReport {
         bytes: totals[0] + totals[1],
         virtual_us: clock.now_us(),
         steps: step,
-        link: ends[0].1.counts(),
+        link,
         streams,
+        paths,
     })
+}
+
+/// One side of a [`stream_run`]: its stream, and the links it reaches its peer by, bundled.
+struct Side {
+    stream: DatagramStream,
+    bundle: Bundle,
+    ends: Vec<LinkEnd>,
+}
+
+impl Side {
+    fn new(stream: DatagramStream, end: LinkEnd, seeks: bool) -> Side {
+        let bundle = Bundle::new(BundleConfig::default(), stream.session_id(), &[true], seeks);
+        Side { stream, bundle, ends: vec![end] }
+    }
+
+    /// What arrived on every link: probes to the bundle (answered on their link), the rest to
+    /// the stream (from links whose peer is known); then the bundle's checks and the timers.
+    /// The raw-Ethernet driver (`transport::eth`) does the same with its sockets.
+    fn take_in(&mut self, now: u64, buf: &mut [u8]) {
+        for (p, end) in self.ends.iter().enumerate() {
+            let mut data = 0;
+            while let Some(n) = end.recv(buf) {
+                let datagram = &buf[..n];
+                if is_probe(datagram) {
+                    if let Ok((h, _)) = DatagramHeader::parse(datagram) {
+                        if let Some(ack) = self.bundle.on_probe(p, now, &h) {
+                            let mut out = [0u8; wire::datagram::DATAGRAM_HEADER_LEN];
+                            let len = ack.emit(&mut out);
+                            end.send(&out[..len]);
+                        }
+                    }
+                } else if self.bundle.known(p) {
+                    self.stream.handle_datagram(now, datagram);
+                    data += 1;
+                }
+            }
+            self.bundle.on_received(p, now, data);
+        }
+        let stream = &self.stream;
+        self.bundle.on_delivered(|seq| stream.delivered(seq));
+        self.bundle.check(now);
+        while self.bundle.poll_event().is_some() {}
+        self.stream.handle_timeout(now);
+    }
+
+    /// What the stream has to send, on the path the bundle picks; then the probes due.
+    fn send_out(&mut self, now: u64, buf: &mut [u8]) {
+        if let Some(p) = self.bundle.pick() {
+            let (mut sent, mut sequenced) = (0, None);
+            while let Some(n) = self.stream.poll_transmit(now, buf) {
+                if DatagramKind::from_u8(buf[1]).is_some_and(DatagramKind::is_sequenced) {
+                    sequenced = Some(u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]));
+                }
+                self.ends[p].send(&buf[..n]);
+                sent += 1;
+            }
+            if sent > 0 {
+                self.bundle.on_sent(p, now, sent, sequenced);
+            }
+        }
+        while let Some((p, probe)) = self.bundle.poll_probe(now) {
+            let len = probe.emit(buf);
+            self.ends[p].send(&buf[..len]);
+        }
+    }
+
+    fn next_event_us(&self) -> Option<u64> {
+        let arrivals = self.ends.iter().filter_map(LinkEnd::next_arrival_us);
+        let timers = [self.stream.poll_timeout(), self.bundle.poll_timeout()].into_iter().flatten();
+        arrivals.chain(timers).min()
+    }
 }
 
 /// Sum the event counters of `b` into `a` (the RTT estimates are left alone).

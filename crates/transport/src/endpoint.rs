@@ -1,5 +1,5 @@
 //! Where a target listens or an initiator connects: `HOST:PORT`, `unix:PATH`, or raw Ethernet
-//! `eth:IFACE[/MAC]` (docs/ETHERNET.md).
+//! `eth:IFACE[+IFACE…][/MAC]` (docs/ETHERNET.md).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -14,8 +14,10 @@ pub enum EndpointError {
     EmptyUnixPath,
     #[error("empty address")]
     Empty,
-    #[error("eth: needs an interface name (eth:IFACE or eth:IFACE/MAC)")]
+    #[error("eth: needs an interface name (eth:IFACE, eth:IFACE/MAC or eth:IFACE+IFACE/MAC)")]
     EmptyInterface,
+    #[error("interface {0:?} appears twice in one bundle")]
+    RepeatedInterface(String),
     #[error("{0:?} is not a MAC address (six hex bytes, such as 02:00:00:00:00:01)")]
     BadMac(String),
 }
@@ -25,25 +27,38 @@ pub enum Endpoint {
     /// `host:port`; a bare host gets [`DEFAULT_PORT`].
     Tcp(String),
     Unix(PathBuf),
-    /// Raw Ethernet on interface `iface`; to connect, the target's `mac` (a target listens on
-    /// the interface and needs none).
+    /// Raw Ethernet on interface `ifaces[0]`, bundled with the others if there are more; to
+    /// connect, the target's `mac` on the first interface (found by discovery when absent; a
+    /// target listens on the interfaces and needs none).
     Eth {
-        iface: String,
+        ifaces: Vec<String>,
         mac: Option<[u8; 6]>,
     },
 }
 
 impl Endpoint {
+    /// Raw Ethernet on the one interface `iface`.
+    pub fn eth(iface: impl Into<String>, mac: Option<[u8; 6]>) -> Endpoint {
+        Endpoint::Eth { ifaces: vec![iface.into()], mac }
+    }
+
     pub fn parse(s: &str) -> Result<Endpoint, EndpointError> {
         if let Some(rest) = s.strip_prefix("eth:") {
-            let (iface, mac) = match rest.split_once('/') {
+            let (bundle, mac) = match rest.split_once('/') {
                 Some((i, m)) => (i, Some(parse_mac(m)?)),
                 None => (rest, None),
             };
-            if iface.is_empty() {
-                return Err(EndpointError::EmptyInterface);
+            let mut ifaces: Vec<String> = Vec::new();
+            for iface in bundle.split('+') {
+                if iface.is_empty() {
+                    return Err(EndpointError::EmptyInterface);
+                }
+                if ifaces.iter().any(|i| i == iface) {
+                    return Err(EndpointError::RepeatedInterface(iface.to_owned()));
+                }
+                ifaces.push(iface.to_owned());
             }
-            return Ok(Endpoint::Eth { iface: iface.to_owned(), mac });
+            return Ok(Endpoint::Eth { ifaces, mac });
         }
         if let Some(path) = s.strip_prefix("unix:") {
             if path.is_empty() {
@@ -90,8 +105,10 @@ impl fmt::Display for Endpoint {
         match self {
             Endpoint::Tcp(a) => f.write_str(a),
             Endpoint::Unix(p) => write!(f, "unix:{}", p.display()),
-            Endpoint::Eth { iface, mac: None } => write!(f, "eth:{iface}"),
-            Endpoint::Eth { iface, mac: Some(mac) } => write!(f, "eth:{iface}/{}", format_mac(mac)),
+            Endpoint::Eth { ifaces, mac: None } => write!(f, "eth:{}", ifaces.join("+")),
+            Endpoint::Eth { ifaces, mac: Some(mac) } => {
+                write!(f, "eth:{}/{}", ifaces.join("+"), format_mac(mac))
+            }
         }
     }
 }
@@ -116,10 +133,17 @@ mod tests {
         assert_eq!(Endpoint::parse("unix:"), Err(EndpointError::EmptyUnixPath));
         assert_eq!(Endpoint::parse(""), Err(EndpointError::Empty));
         assert_eq!(Endpoint::parse("unix:/a").unwrap().to_string(), "unix:/a");
-        assert_eq!(Endpoint::parse("eth:veth0").unwrap(), Endpoint::Eth { iface: "veth0".into(), mac: None });
+        let one = |i: &str| vec![i.to_owned()];
+        assert_eq!(Endpoint::parse("eth:veth0").unwrap(), Endpoint::Eth { ifaces: one("veth0"), mac: None });
         let with_mac = Endpoint::parse("eth:veth0/02:00:0A:ff:00:01").unwrap();
-        assert_eq!(with_mac, Endpoint::Eth { iface: "veth0".into(), mac: Some([2, 0, 10, 255, 0, 1]) });
+        assert_eq!(with_mac, Endpoint::Eth { ifaces: one("veth0"), mac: Some([2, 0, 10, 255, 0, 1]) });
         assert_eq!(with_mac.to_string(), "eth:veth0/02:00:0a:ff:00:01");
+        let bundle = Endpoint::parse("eth:veth0+veth2/02:00:00:00:00:01").unwrap();
+        let both = vec!["veth0".to_owned(), "veth2".to_owned()];
+        assert_eq!(bundle, Endpoint::Eth { ifaces: both, mac: Some([2, 0, 0, 0, 0, 1]) });
+        assert_eq!(bundle.to_string(), "eth:veth0+veth2/02:00:00:00:00:01");
+        assert_eq!(Endpoint::parse("eth:veth0+"), Err(EndpointError::EmptyInterface));
+        assert_eq!(Endpoint::parse("eth:a+b+a"), Err(EndpointError::RepeatedInterface("a".into())));
         assert_eq!(Endpoint::parse("eth:"), Err(EndpointError::EmptyInterface));
         assert_eq!(Endpoint::parse("eth:/02:00:00:00:00:01"), Err(EndpointError::EmptyInterface));
         assert!(matches!(Endpoint::parse("eth:v/02:00:00:00:00"), Err(EndpointError::BadMac(_))));

@@ -23,10 +23,11 @@
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use proto::bundle::{is_probe, Bundle, BundleConfig, PathEvent};
 use proto::reliable::{Counters, DatagramStream, ReliableConfig, State};
 use wire::datagram::{DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
@@ -119,10 +120,82 @@ pub fn discover(iface: &str, wait: Duration) -> io::Result<Vec<Mac>> {
     }
 }
 
-/// A session's byte stream over raw Ethernet.
-pub struct EthStream {
+/// What one path (interface) of a session did: its share of the traffic, its probes' round
+/// trips and answers, and how often it was left out ([`proto::bundle::PathCounters`], with the
+/// interface's name).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PathStats {
+    pub iface: String,
+    /// Whether datagrams go out on it now.
+    pub up: bool,
+    pub datagrams_sent: u64,
+    pub datagrams_received: u64,
+    pub probes_sent: u64,
+    pub probes_answered: u64,
+    /// Smoothed round trip of its probes (0 before the first answer).
+    pub srtt_us: u64,
+    /// How often it was left out (its interface refused to send, its probes went unanswered,
+    /// or it fell silent while another path did not), and how often it came back.
+    pub downs: u64,
+    pub rejoins: u64,
+}
+
+/// One interface of a session: a socket filtered to the session, and the peer's MAC on it.
+struct Path {
     socket: PacketSocket,
-    peer: Mac,
+    /// `None` until the peer is found on this link (a bundle's other interfaces).
+    peer: Option<Mac>,
+    /// Frames were queued on the socket in this drive.
+    queued: bool,
+}
+
+impl Path {
+    /// The filter for the session's datagrams on this path: from its peer once that is known.
+    fn filter(&mut self, session_id: u32) -> io::Result<()> {
+        // Filters load big-endian words: the session id is little-endian on the wire.
+        let session_be = u32::from_be_bytes(session_id.to_le_bytes());
+        let mut checks =
+            vec![(bpf::load_half(12), u32::from(ETHERTYPE)), (bpf::load_word(SESSION_ID_OFFSET), session_be)];
+        if let Some(peer) = self.peer {
+            checks.push((bpf::load_word(6), u32::from_be_bytes([peer[0], peer[1], peer[2], peer[3]])));
+            checks.push((bpf::load_half(10), u32::from(u16::from_be_bytes([peer[4], peer[5]]))));
+        }
+        self.socket.attach_filter(&bpf::all_of(&checks))
+    }
+}
+
+/// An epoll set of the descriptors `fds`: readable when any of them is (a bundle's sockets,
+/// waited on as one).
+fn poll_set(fds: impl IntoIterator<Item = RawFd>) -> io::Result<OwnedFd> {
+    // SAFETY: plain epoll_create1; the descriptor is owned below.
+    let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a new descriptor that nothing else owns.
+    let set = unsafe { OwnedFd::from_raw_fd(raw) };
+    for fd in fds {
+        let mut event = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 0 };
+        // SAFETY: both descriptors are open; `event` is a valid epoll_event.
+        if unsafe { libc::epoll_ctl(set.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(set)
+}
+
+/// A session's byte stream over raw Ethernet, on one interface or on a bundle of several.
+///
+/// A bundle's paths share one [`DatagramStream`] (one sequence space); [`Bundle`] decides which
+/// path each drive's datagrams take (round robin over the working ones), probes every path,
+/// and leaves out one that stops working until it answers again; what was lost on it the
+/// stream retransmits on the others, as it retransmits any loss (docs/PROTOCOL.md, 16.8).
+pub struct EthStream {
+    paths: Vec<Path>,
+    bundle: Bundle,
+    /// A bundle's sockets in one epoll set, readable when any of them is; a session on one
+    /// interface is waited on through its socket.
+    poller: Option<OwnedFd>,
     stream: DatagramStream,
     epoch: Instant,
     /// While this lives, the listener that opened the session knows it (a target's side).
@@ -134,50 +207,68 @@ impl EthStream {
     /// numbers at zero. `config.payload_bytes_max` is lowered to what the interface's MTU
     /// carries. The socket is filtered to the session.
     pub fn open(
-        mut socket: PacketSocket,
+        socket: PacketSocket,
         peer: Mac,
         session_id: u32,
         config: &ReliableConfig,
     ) -> io::Result<EthStream> {
-        let fits = socket.mtu().saturating_sub(DATAGRAM_HEADER_LEN);
+        EthStream::open_bundle(vec![(socket, Some(peer))], session_id, config, false)
+    }
+
+    /// A session over one socket per interface, each with its peer's MAC where known (one at
+    /// least). `seeks`: look for the peer on the other interfaces (the initiator's side).
+    fn open_bundle(
+        sockets: Vec<(PacketSocket, Option<Mac>)>,
+        session_id: u32,
+        config: &ReliableConfig,
+        seeks: bool,
+    ) -> io::Result<EthStream> {
+        let mtu = sockets.iter().map(|(s, _)| s.mtu()).min().unwrap_or(0);
+        let fits = mtu.saturating_sub(DATAGRAM_HEADER_LEN);
         if fits == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!("an MTU of {} carries no datagram", socket.mtu()),
+                format!("an MTU of {mtu} carries no datagram"),
             ));
         }
         let config = ReliableConfig {
             payload_bytes_max: config.payload_bytes_max.min(u16::try_from(fits).unwrap_or(u16::MAX)),
             ..*config
         };
-        // Filters load big-endian words: the session id is little-endian on the wire.
-        let session_be = u32::from_be_bytes(session_id.to_le_bytes());
-        socket.attach_filter(&bpf::all_of(&[
-            (bpf::load_half(12), u32::from(ETHERTYPE)),
-            (bpf::load_word(SESSION_ID_OFFSET), session_be),
-            (bpf::load_word(6), u32::from_be_bytes([peer[0], peer[1], peer[2], peer[3]])),
-            (bpf::load_half(10), u32::from(u16::from_be_bytes([peer[4], peer[5]]))),
-        ]))?;
+        let known: Vec<bool> = sockets.iter().map(|(_, peer)| peer.is_some()).collect();
+        let mut paths = Vec::with_capacity(sockets.len());
+        for (socket, peer) in sockets {
+            let mut path = Path { socket, peer, queued: false };
+            path.filter(session_id)?;
+            paths.push(path);
+        }
+        let poller =
+            if paths.len() > 1 { Some(poll_set(paths.iter().map(|p| p.socket.as_raw_fd()))?) } else { None };
         Ok(EthStream {
-            socket,
-            peer,
+            paths,
+            bundle: Bundle::new(BundleConfig::default(), session_id, &known, seeks),
+            poller,
             stream: DatagramStream::new(&config, session_id, 0, 0),
             epoch: Instant::now(),
             _alive: None,
         })
     }
 
-    /// An initiator's session with the target at `peer` on interface `iface`, under a session
-    /// id drawn at random. Nothing is sent until the first write.
-    pub fn connect(iface: &str, peer: Mac, config: &EthConfig) -> io::Result<EthStream> {
-        let socket = PacketSocket::open(iface, ETHERTYPE, config.ring)?;
+    /// An initiator's session with the target at `peer` on the first of `ifaces`, under a
+    /// session id drawn at random; the other interfaces join it as a bundle once the target
+    /// answers on them. Nothing is sent until the first write.
+    pub fn connect(ifaces: &[String], peer: Mac, config: &EthConfig) -> io::Result<EthStream> {
+        let mut sockets = Vec::with_capacity(ifaces.len());
+        for (i, iface) in ifaces.iter().enumerate() {
+            sockets.push((PacketSocket::open(iface, ETHERTYPE, config.ring)?, (i == 0).then_some(peer)));
+        }
         let session_id = loop {
             let id = u32::from_le_bytes(rt::random::bytes::<4>()?);
             if id != 0 {
                 break id;
             }
         };
-        EthStream::open(socket, peer, session_id, &config.reliable)
+        EthStream::open_bundle(sockets, session_id, &config.reliable, true)
     }
 
     fn now_us(&self) -> u64 {
@@ -188,45 +279,165 @@ impl EthStream {
     /// readable or [`timeout`](Self::timeout) has passed (`recv` and `send` call it too).
     pub fn drive(&mut self) -> io::Result<()> {
         let now = self.now_us();
-        let EthStream { socket, peer, stream, .. } = self;
-        let from = *peer;
-        socket.receive(|src, datagram| {
-            if src == from {
-                stream.handle_datagram(now, datagram);
-            }
-        });
-        if stream.poll_timeout().is_some_and(|due| due <= now) {
-            stream.handle_timeout(now);
+        let bundled = self.paths.len() > 1;
+        let mut arrived = 0;
+        let mut probes: Vec<(usize, Mac, DatagramHeader)> = Vec::new();
+        let EthStream { paths, stream, bundle, .. } = self;
+        for (i, path) in paths.iter_mut().enumerate() {
+            let peer = path.peer;
+            let mut data = 0u64;
+            arrived += path.socket.receive(|src, datagram| {
+                if peer.is_some_and(|p| p != src) {
+                    return;
+                }
+                if is_probe(datagram) {
+                    // The link layer's: checked here, the stream never sees them.
+                    if let Ok((h, _)) = DatagramHeader::parse(datagram) {
+                        probes.push((i, src, h));
+                    }
+                } else if peer.is_some() {
+                    // Until its peer is known, a path takes nothing but probes.
+                    stream.handle_datagram(now, datagram);
+                    data += 1;
+                }
+            });
+            bundle.on_received(i, now, data);
         }
-        // Straight into the transmit ring; when it is full, what is left goes at the next drive.
-        while let Some(n) = socket.queue_with(from, |room| stream.poll_transmit(now, room).unwrap_or(0))? {
-            if n == 0 {
-                break;
+        for (i, src, h) in probes {
+            let answer = self.bundle.on_probe(i, now, &h);
+            let path = &mut self.paths[i];
+            if path.peer.is_none() && self.bundle.known(i) {
+                path.peer = Some(src);
+                path.filter(self.stream.session_id())?;
+            }
+            if let Some(ack) = answer {
+                path.queued |= path.socket.queue_with(src, |out| ack.emit(out))?.is_some();
             }
         }
-        socket.flush()
+        if bundled {
+            if arrived == 0 {
+                // Woken with nothing to read: perhaps by the error an interface going down
+                // leaves on its socket, which keeps it ready until taken.
+                for (i, path) in self.paths.iter().enumerate() {
+                    if matches!(path.socket.take_error(), Ok(Some(_))) {
+                        self.bundle.on_send_failed(i, now);
+                    }
+                }
+            }
+            let stream = &self.stream;
+            self.bundle.on_delivered(|seq| stream.delivered(seq));
+            self.bundle.check(now);
+        }
+        if self.stream.poll_timeout().is_some_and(|due| due <= now) {
+            self.stream.handle_timeout(now);
+        }
+        // What the stream has to send goes on one path, straight into its transmit ring; when
+        // the ring is full, what is left goes at the next drive.
+        let EthStream { paths, stream, bundle, .. } = self;
+        if let Some(i) = bundle.pick() {
+            let path = &mut paths[i];
+            let to = path.peer.expect("a path the bundle picks has a peer");
+            let (mut sent, mut sequenced) = (0, None);
+            while let Some(n) = path.socket.queue_with(to, |room| {
+                let n = stream.poll_transmit(now, room).unwrap_or(0);
+                // Data and Close are acknowledged; a bare ack expects no answer.
+                if n > 0 && DatagramKind::from_u8(room[1]).is_some_and(DatagramKind::is_sequenced) {
+                    sequenced = Some(u32::from_le_bytes([room[8], room[9], room[10], room[11]]));
+                }
+                n
+            })? {
+                if n == 0 {
+                    break;
+                }
+                sent += 1;
+            }
+            if sent > 0 {
+                path.queued = true;
+                bundle.on_sent(i, now, sent, sequenced);
+            }
+        }
+        while let Some((i, probe)) = self.bundle.poll_probe(now) {
+            let path = &mut self.paths[i];
+            let to = path.peer.unwrap_or(BROADCAST);
+            path.queued |= path.socket.queue_with(to, |out| probe.emit(out))?.is_some();
+        }
+        for (i, path) in self.paths.iter_mut().enumerate() {
+            if !std::mem::take(&mut path.queued) {
+                continue;
+            }
+            if let Err(e) = path.socket.flush() {
+                if !bundled {
+                    return Err(e);
+                }
+                // The frames stay in the ring and leave if the interface comes back; the
+                // stream retransmits what they carried meanwhile.
+                let _ = path.socket.take_error();
+                self.bundle.on_send_failed(i, now);
+            }
+        }
+        while let Some(event) = self.bundle.poll_event() {
+            self.log(event);
+        }
+        Ok(())
     }
 
-    /// How long until the stream's next timer (retransmission, delayed ack, keepalive).
+    fn log(&self, event: PathEvent) {
+        let session = format_args!("{:08x}", self.session_id());
+        match event {
+            PathEvent::Down { path, reason } => {
+                let iface = self.paths[path].socket.iface();
+                tracing::warn!(iface, %session, ?reason, "raw-Ethernet path left out of its bundle");
+            }
+            PathEvent::Rejoined { path } => {
+                tracing::info!(iface = self.paths[path].socket.iface(), %session, "raw-Ethernet path back in its bundle");
+            }
+            PathEvent::Found { path } => {
+                tracing::debug!(iface = self.paths[path].socket.iface(), %session, "raw-Ethernet path joined its bundle");
+            }
+        }
+    }
+
+    /// How long until the stream's next timer (retransmission, delayed ack, keepalive) or, in
+    /// a bundle, the next probe.
     pub fn timeout(&self) -> Option<Duration> {
-        self.stream.poll_timeout().map(|due| Duration::from_micros(due.saturating_sub(self.now_us())))
+        let due = self.stream.poll_timeout().into_iter().chain(self.bundle.poll_timeout()).min();
+        due.map(|due| Duration::from_micros(due.saturating_sub(self.now_us())))
     }
 
     pub fn counters(&self) -> Counters {
         self.stream.counters()
     }
 
-    pub fn socket(&self) -> &PacketSocket {
-        &self.socket
+    /// Each path's counters, in the order of the interfaces.
+    pub fn paths(&self) -> Vec<PathStats> {
+        (0..self.paths.len())
+            .map(|i| {
+                let c = self.bundle.counters(i);
+                PathStats {
+                    iface: self.paths[i].socket.iface().to_owned(),
+                    up: c.up,
+                    datagrams_sent: c.datagrams_sent,
+                    datagrams_received: c.datagrams_received,
+                    probes_sent: c.probes_sent,
+                    probes_answered: c.probes_answered,
+                    srtt_us: c.srtt_us,
+                    downs: c.downs,
+                    rejoins: c.rejoins,
+                }
+            })
+            .collect()
     }
 
     pub fn session_id(&self) -> u32 {
         self.stream.session_id()
     }
 
-    /// The peer, for logs: `eth:IFACE/MAC#SESSION`.
+    /// The peer, for logs: `eth:IFACE[+IFACE…]/MAC#SESSION` (its MAC on the first path it is
+    /// known on).
     pub fn describe(&self) -> String {
-        format!("eth:{}/{}#{:08x}", self.socket.iface(), format_mac(&self.peer), self.session_id())
+        let ifaces: Vec<&str> = self.paths.iter().map(|p| p.socket.iface()).collect();
+        let mac = self.paths.iter().find_map(|p| p.peer).map_or_else(String::new, |m| format_mac(&m));
+        format!("eth:{}/{}#{:08x}", ifaces.join("+"), mac, self.session_id())
     }
 
     fn dead_error(&self) -> Option<io::Error> {
@@ -274,14 +485,19 @@ impl FrameIo for EthStream {
 
 impl AsRawFd for EthStream {
     fn as_raw_fd(&self) -> RawFd {
-        self.socket.as_raw_fd()
+        match &self.poller {
+            Some(set) => set.as_raw_fd(),
+            None => self.paths[0].socket.as_raw_fd(),
+        }
     }
 }
 
-/// A target's listener on one interface: opens a session for each new initiator.
+/// A target's listener on one interface or a bundle of several: opens a session for each new
+/// initiator, with a path on every interface of the bundle.
 pub struct EthListener {
-    socket: PacketSocket,
-    iface: String,
+    sockets: Vec<PacketSocket>,
+    ifaces: Vec<String>,
+    poller: Option<OwnedFd>,
     config: EthConfig,
     /// The sessions opened and still alive, by (initiator MAC, session id): a repeated first
     /// datagram of one of them (its ack was lost) must not open it twice.
@@ -290,72 +506,110 @@ pub struct EthListener {
 }
 
 impl EthListener {
-    pub fn bind(iface: &str, config: EthConfig) -> io::Result<EthListener> {
+    /// Listen on `ifaces`, which form one bundle.
+    pub fn bind(ifaces: &[String], config: EthConfig) -> io::Result<EthListener> {
         let listen_ring = RingConfig { rx_slots: 64, tx_slots: 8, ..config.ring };
-        let mut socket = PacketSocket::open(iface, ETHERTYPE, listen_ring)?;
-        // Only first datagrams (Data with sequence number 0) and Discovers.
-        socket.attach_filter(&[
-            bpf::load_half(12),
-            bpf::require(u32::from(ETHERTYPE), 6),
-            bpf::load_byte(KIND_OFFSET),
-            Bpf(0x15, 3, 0, DatagramKind::Discover as u32), // Discover: accept
-            bpf::require(DatagramKind::Data as u32, 3),
-            bpf::load_word(SEQ_OFFSET),
-            bpf::require(0, 1),
-            bpf::accept(),
-            bpf::reject(),
-        ])?;
-        Ok(EthListener { socket, iface: iface.to_owned(), config, live: HashMap::new(), ready: Vec::new() })
+        let mut sockets = Vec::with_capacity(ifaces.len());
+        for iface in ifaces {
+            let mut socket = PacketSocket::open(iface, ETHERTYPE, listen_ring)?;
+            // Only first datagrams (Data with sequence number 0) and Discovers.
+            socket.attach_filter(&[
+                bpf::load_half(12),
+                bpf::require(u32::from(ETHERTYPE), 6),
+                bpf::load_byte(KIND_OFFSET),
+                Bpf(0x15, 3, 0, DatagramKind::Discover as u32), // Discover: accept
+                bpf::require(DatagramKind::Data as u32, 3),
+                bpf::load_word(SEQ_OFFSET),
+                bpf::require(0, 1),
+                bpf::accept(),
+                bpf::reject(),
+            ])?;
+            sockets.push(socket);
+        }
+        let poller =
+            if sockets.len() > 1 { Some(poll_set(sockets.iter().map(|s| s.as_raw_fd()))?) } else { None };
+        Ok(EthListener {
+            sockets,
+            ifaces: ifaces.to_vec(),
+            poller,
+            config,
+            live: HashMap::new(),
+            ready: Vec::new(),
+        })
     }
 
-    pub fn iface(&self) -> &str {
-        &self.iface
+    /// The interfaces of the bundle.
+    pub fn ifaces(&self) -> &[String] {
+        &self.ifaces
     }
 
+    /// The target's MAC on the first interface.
     pub fn mac(&self) -> Mac {
-        self.socket.mac()
+        self.sockets[0].mac()
     }
 
     /// The next new session, if one has started (`WouldBlock` otherwise).
     pub fn accept(&mut self) -> io::Result<EthStream> {
         if self.ready.is_empty() {
-            let mut first: Vec<(Mac, Vec<u8>)> = Vec::new();
-            self.socket.receive(|src, datagram| first.push((src, datagram.to_vec())));
             self.live.retain(|_, alive| alive.strong_count() > 0);
-            let mut offered = false;
-            for (src, datagram) in first {
-                // A datagram that does not parse is not a session's start: the session's own
-                // checksum would refuse it too.
-                let Ok((h, _)) = DatagramHeader::parse(&datagram) else { continue };
-                if h.kind == DatagramKind::Discover {
-                    // Answer with an Offer; a full ring drops it, and the asker asks again.
-                    self.socket
-                        .queue_with(src, |out| discovery_datagram(DatagramKind::Offer, h.session_id, out))?;
-                    offered = true;
-                    continue;
-                }
-                if h.session_id == 0 || self.live.contains_key(&(src, h.session_id)) {
-                    continue;
-                }
-                let socket = PacketSocket::open(&self.iface, ETHERTYPE, self.config.ring)?;
-                let mut stream = EthStream::open(socket, src, h.session_id, &self.config.reliable)?;
-                stream.stream.handle_datagram(stream.now_us(), &datagram);
-                let alive = Arc::new(());
-                self.live.insert((src, h.session_id), Arc::downgrade(&alive));
-                stream._alive = Some(alive);
-                self.ready.push(stream);
-            }
-            if offered {
-                self.socket.flush()?;
+            for on in 0..self.sockets.len() {
+                self.take_first_datagrams(on)?;
             }
             self.ready.reverse();
         }
         self.ready.pop().ok_or_else(|| io::ErrorKind::WouldBlock.into())
     }
+
+    /// Answer the Discovers and open the sessions whose first datagrams wait on interface `on`.
+    fn take_first_datagrams(&mut self, on: usize) -> io::Result<()> {
+        let mut first: Vec<(Mac, Vec<u8>)> = Vec::new();
+        self.sockets[on].receive(|src, datagram| first.push((src, datagram.to_vec())));
+        let mut offered = false;
+        for (src, datagram) in first {
+            // A datagram that does not parse is not a session's start: the session's own
+            // checksum would refuse it too.
+            let Ok((h, _)) = DatagramHeader::parse(&datagram) else { continue };
+            if h.kind == DatagramKind::Discover {
+                // Answer with an Offer; a full ring drops it, and the asker asks again.
+                self.sockets[on]
+                    .queue_with(src, |out| discovery_datagram(DatagramKind::Offer, h.session_id, out))?;
+                offered = true;
+                continue;
+            }
+            if h.session_id == 0 || self.live.contains_key(&(src, h.session_id)) {
+                continue;
+            }
+            // A path on every interface of the bundle; the initiator's MAC is known on this one
+            // and learnt on the others from its probes.
+            let mut sockets = Vec::with_capacity(self.ifaces.len());
+            for (i, iface) in self.ifaces.iter().enumerate() {
+                sockets.push((
+                    PacketSocket::open(iface, ETHERTYPE, self.config.ring)?,
+                    (i == on).then_some(src),
+                ));
+            }
+            let mut stream = EthStream::open_bundle(sockets, h.session_id, &self.config.reliable, false)?;
+            stream.bundle.prefer(on);
+            let now = stream.now_us();
+            stream.stream.handle_datagram(now, &datagram);
+            stream.bundle.on_received(on, now, 1);
+            let alive = Arc::new(());
+            self.live.insert((src, h.session_id), Arc::downgrade(&alive));
+            stream._alive = Some(alive);
+            self.ready.push(stream);
+        }
+        if offered {
+            self.sockets[on].flush()?;
+        }
+        Ok(())
+    }
 }
 
 impl AsRawFd for EthListener {
     fn as_raw_fd(&self) -> RawFd {
-        self.socket.as_raw_fd()
+        match &self.poller {
+            Some(set) => set.as_raw_fd(),
+            None => self.sockets[0].as_raw_fd(),
+        }
     }
 }

@@ -621,6 +621,27 @@ impl PacketSocket {
         Ok(())
     }
 
+    /// Take the socket's pending error (`SO_ERROR`, which clears it): the kernel sets one when
+    /// the interface goes down, and until it is taken the descriptor polls as ready.
+    pub fn take_error(&self) -> io::Result<Option<io::Error>> {
+        let mut err: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: `err` is writable for `len` bytes.
+        let r = unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_ERROR,
+                (&mut err as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((err != 0).then(|| io::Error::from_raw_os_error(err)))
+    }
+
     /// Frames the kernel dropped for want of a free receive slot since the last call
     /// (`PACKET_STATISTICS`, which resets on reading); added to [`PacketStats::rx_ring_drops`].
     pub fn kernel_drops(&mut self) -> io::Result<u64> {

@@ -95,8 +95,8 @@ impl Listener {
                 }
                 Ok(Listener::Unix(mio::net::UnixListener::bind(path)?, path.clone()))
             }
-            Endpoint::Eth { iface, .. } => {
-                Ok(Listener::Eth(Box::new(EthListener::bind(iface, EthConfig::default())?)))
+            Endpoint::Eth { ifaces, .. } => {
+                Ok(Listener::Eth(Box::new(EthListener::bind(ifaces, EthConfig::default())?)))
             }
         }
     }
@@ -106,7 +106,7 @@ impl Listener {
         match self {
             Listener::Tcp(l) => Ok(Endpoint::Tcp(l.local_addr()?.to_string())),
             Listener::Unix(_, path) => Ok(Endpoint::Unix(path.clone())),
-            Listener::Eth(l) => Ok(Endpoint::Eth { iface: l.iface().to_owned(), mac: Some(l.mac()) }),
+            Listener::Eth(l) => Ok(Endpoint::Eth { ifaces: l.ifaces().to_vec(), mac: Some(l.mac()) }),
         }
     }
 
@@ -380,12 +380,12 @@ impl ClientStream {
                 ClientStream::Tcp(s)
             }
             Endpoint::Unix(path) => ClientStream::Unix(std::os::unix::net::UnixStream::connect(path)?),
-            Endpoint::Eth { iface, mac } => {
+            Endpoint::Eth { ifaces, mac } => {
                 let mac = match mac {
                     Some(mac) => *mac,
-                    None => the_target_on(iface, timeout)?,
+                    None => the_target_on(&ifaces[0], timeout)?,
                 };
-                ClientStream::Eth(Box::new(EthStream::connect(iface, mac, &EthConfig::default())?))
+                ClientStream::Eth(Box::new(EthStream::connect(ifaces, mac, &EthConfig::default())?))
             }
         };
         match &s {

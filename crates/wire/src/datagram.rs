@@ -77,6 +77,13 @@ pub enum DatagramKind {
     /// A target's answer to a Discover, unicast to the asker with the query id echoed in
     /// `session_id`: the Offer's source MAC is the target's. No payload.
     Offer = 17,
+    /// Is this link of a bundle alive? Sent by either side of a session on one link of a bundle
+    /// (docs/PROTOCOL.md, section 16.8), `seq` a probe number of the sender's choosing, every
+    /// other field 0 but `session_id`. No payload; handled by the link layer, not the stream.
+    Probe = 18,
+    /// The answer to a Probe, sent back on the link the Probe came in on, with its `seq`
+    /// echoed. No payload.
+    ProbeAck = 19,
 }
 
 impl DatagramKind {
@@ -88,6 +95,8 @@ impl DatagramKind {
             4 => DatagramKind::Reset,
             16 => DatagramKind::Discover,
             17 => DatagramKind::Offer,
+            18 => DatagramKind::Probe,
+            19 => DatagramKind::ProbeAck,
             _ => return None,
         })
     }

@@ -222,9 +222,9 @@ impl Telemetry {
                 all.add(&r.poll);
                 all
             }),
-            link: results.iter().filter_map(|r| r.link).fold(None, |all, l| {
+            link: results.iter().filter_map(|r| r.link.as_ref()).fold(None, |all, l| {
                 let mut all: initiator::LinkStats = all.unwrap_or_default();
-                all.add(&l);
+                all.add(l);
                 Some(all)
             }),
         }
@@ -308,7 +308,7 @@ pub fn summarize(
         batch_level_final: telemetry.batch_levels.clone(),
         batch_level_log: telemetry.batch_level_log.iter().map(LevelPoint::from).collect(),
         client_poll: PollReport::of(&telemetry.poll),
-        client_link: telemetry.link,
+        client_link: telemetry.link.clone(),
         server_poll: PollReport::of(&WaitStats {
             waits: delta(before, after, "poll_waits"),
             caught: delta(before, after, "poll_caught"),
@@ -415,8 +415,9 @@ pub fn print_table(s: &Summary) {
         (
             "raw Ethernet",
             s.client_link
+                .as_ref()
                 .map(|l| {
-                    format!(
+                    let mut line = format!(
                         "{} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped",
                         grouped(l.datagrams_sent),
                         grouped(l.datagrams_received),
@@ -424,7 +425,21 @@ pub fn print_table(s: &Summary) {
                         grouped(l.retransmitted_gap),
                         grouped(l.duplicates),
                         grouped(l.corrupt)
-                    )
+                    );
+                    if l.paths.len() > 1 {
+                        for p in &l.paths {
+                            line.push_str(&format!(
+                                "; {}: {} sent, {} received, probe RTT {} µs, {} down{}",
+                                p.iface,
+                                grouped(p.datagrams_sent),
+                                grouped(p.datagrams_received),
+                                p.srtt_us,
+                                p.downs,
+                                if p.up { "" } else { " (down now)" }
+                            ));
+                        }
+                    }
+                    line
                 })
                 .unwrap_or_else(|| "no (a socket: the kernel delivers reliably)".into()),
         ),

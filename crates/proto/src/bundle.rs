@@ -1,0 +1,520 @@
+//! NIC bundling: the paths of one raw-Ethernet session, sans-I/O.
+//!
+//! A session may run over several interfaces at once (`eth:veth0+veth2`). One
+//! [`DatagramStream`](crate::reliable::DatagramStream) carries the session (one sequence space);
+//! a [`Bundle`] decides which path each burst of its datagrams takes, watches every path, and
+//! leaves out those that stop working, so that a link going down costs the retransmission of
+//! what was on it and fails no request. The driver (`transport::eth`, or the simulator) owns
+//! the sockets and the peer addresses; this module owns the decisions.
+//!
+//! # The mechanism (docs/PROTOCOL.md, section 16.8, is the specification)
+//!
+//! - **Spreading.** Each send of the driver (all the datagrams one drive has ready) goes on one
+//!   working path, the next send on the next working path, round robin ([`Bundle::pick`]): the
+//!   datagrams of a burst stay in order on one link, so the receiver sees little reordering.
+//!   When no path works, sends go round robin over the paths whose peer is known, and the
+//!   stream's own timers decide whether the peer is dead.
+//! - **Probes.** Once the peer has been heard from, every path is probed with a Probe datagram
+//!   (`kind` 18), answered with a ProbeAck (`kind` 19) on the same path, its number echoed
+//!   ([`Bundle::poll_probe`], [`Bundle::on_probe`]). Probes belong to the link layer; the
+//!   stream never sees them. A working path is probed every `probe_up_us`: its round trip
+//!   (smoothed, as SRTT) and, while the session is idle, its liveness. A path that is down is
+//!   probed from `probe_down_min_us` on, the gap doubling up to `probe_down_max_us`.
+//! - **Finding the peer on a path.** At start a side knows its peer's address on one path
+//!   (the initiator: the target's MAC it connected to; the target: the path the session
+//!   started on). On the others the seeking side (the initiator) sends its probes to the
+//!   broadcast address; the peer's paths are filtered by session id, so only the session's
+//!   own peer answers, and each side learns the other's address from the probe or its answer
+//!   ([`PathEvent::Found`]). A path is used once its peer is known.
+//! - **Leaving a path out.** A working path is down when the interface refuses to send
+//!   ([`Bundle::on_send_failed`]), when `probes_missed_down` of its probes in a row go
+//!   unanswered, or when a datagram it carried that the peer acknowledges (Data, Close) has
+//!   not been acknowledged within `silence_down_us`, by an ack on any path, while another path
+//!   heard from the peer after it left ([`Bundle::on_sent`], [`Bundle::on_delivered`],
+//!   [`Bundle::check`]). One such datagram per path is watched at a time, as TCP times one
+//!   segment. Anything heard on a down path (data, a probe, an answer) brings it back.
+//!
+//! Nothing here reads a clock or does I/O; time is a `now` in microseconds passed in. A bundle
+//! of one path never probes: the stream's keepalives already watch its only link.
+
+use wire::datagram::{DatagramHeader, DatagramKind};
+
+/// The timers and thresholds of a [`Bundle`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BundleConfig {
+    /// How often a working path is probed.
+    pub probe_up_us: u64,
+    /// The first probe interval of a down path, and of a path whose peer is not yet known; it
+    /// doubles up to the next two.
+    pub probe_down_min_us: u64,
+    pub probe_down_max_us: u64,
+    pub probe_unknown_max_us: u64,
+    /// A working path whose probes go unanswered this many times in a row is down.
+    pub probes_missed_down: u32,
+    /// A working path silent this long after carrying acknowledged datagrams, while another
+    /// path heard from the peer, is down.
+    pub silence_down_us: u64,
+}
+
+impl Default for BundleConfig {
+    fn default() -> BundleConfig {
+        BundleConfig {
+            probe_up_us: 100_000,
+            probe_down_min_us: 5_000,
+            probe_down_max_us: 200_000,
+            probe_unknown_max_us: 1_000_000,
+            probes_missed_down: 3,
+            silence_down_us: 5_000,
+        }
+    }
+}
+
+/// What one path did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PathCounters {
+    /// Whether sends go on it now.
+    pub up: bool,
+    pub datagrams_sent: u64,
+    pub datagrams_received: u64,
+    pub probes_sent: u64,
+    pub probes_answered: u64,
+    /// Smoothed round trip of its probes (0 before the first answer).
+    pub srtt_us: u64,
+    /// How often it was left out, and how often it came back after.
+    pub downs: u64,
+    pub rejoins: u64,
+}
+
+/// Why a path was left out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DownReason {
+    /// The interface refused to send (it is down, or gone).
+    SendFailed,
+    /// Its probes went unanswered.
+    ProbesUnanswered,
+    /// It heard nothing back for what it carried while another path heard from the peer.
+    Silent,
+}
+
+/// A change of a path's state, for the driver to log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathEvent {
+    Down {
+        path: usize,
+        reason: DownReason,
+    },
+    Rejoined {
+        path: usize,
+    },
+    /// The peer was found on a path it was not known on: its address is the source of the
+    /// datagram just handed to [`Bundle::on_probe`].
+    Found {
+        path: usize,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct PathState {
+    /// The peer's address on this path is known (to the driver, which keeps it).
+    known: bool,
+    /// One datagram sent on the path and not yet known to have arrived: (sequence number,
+    /// sent at). Armed at a send when none is; cleared when the stream learns it arrived
+    /// ([`Bundle::on_delivered`]), by an acknowledgement that came back on any path.
+    marker: Option<(u32, u64)>,
+    /// When the path last heard from the peer (`None`: never).
+    last_heard_us: Option<u64>,
+    next_probe_us: u64,
+    probe_gap_us: u64,
+    /// The probe waiting for its answer: (number, sent at).
+    probe_out: Option<(u32, u64)>,
+    probes_missed: u32,
+    counters: PathCounters,
+}
+
+/// The paths of one session.
+#[derive(Debug, Clone)]
+pub struct Bundle {
+    config: BundleConfig,
+    session_id: u32,
+    paths: Vec<PathState>,
+    /// Where the next round robin starts.
+    turn: usize,
+    /// This side looks for its peer on the paths where it is unknown (the initiator).
+    seeks: bool,
+    probe_number: u32,
+    events: Vec<PathEvent>,
+}
+
+impl Bundle {
+    /// A bundle of `known.len()` paths of session `session_id`, `known[i]` saying whether the
+    /// peer's address on path `i` is known (at least one should be; those paths start
+    /// working). `seeks`: probe the other paths by broadcast once the peer has answered.
+    pub fn new(config: BundleConfig, session_id: u32, known: &[bool], seeks: bool) -> Bundle {
+        let paths = known
+            .iter()
+            .map(|&known| PathState {
+                known,
+                marker: None,
+                last_heard_us: None,
+                next_probe_us: 0,
+                probe_gap_us: config.probe_down_min_us,
+                probe_out: None,
+                probes_missed: 0,
+                counters: PathCounters { up: known, ..PathCounters::default() },
+            })
+            .collect();
+        Bundle { config, session_id, paths, turn: 0, seeks, probe_number: 0, events: Vec::new() }
+    }
+
+    pub fn len(&self) -> usize {
+        self.paths.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.paths.is_empty()
+    }
+
+    /// Whether this side looks for its peer on the paths where it is unknown.
+    pub fn seeks(&self) -> bool {
+        self.seeks
+    }
+
+    pub fn counters(&self, path: usize) -> PathCounters {
+        self.paths[path].counters
+    }
+
+    /// Whether the peer's address on `path` is known.
+    pub fn known(&self, path: usize) -> bool {
+        self.paths[path].known
+    }
+
+    /// Start the round robin at `path` (a target's session, on the path it started on).
+    pub fn prefer(&mut self, path: usize) {
+        self.turn = path % self.paths.len().max(1);
+    }
+
+    /// The path the next send goes on: the next working one, round robin; when none works,
+    /// the next one whose peer is known.
+    pub fn pick(&self) -> Option<usize> {
+        let n = self.paths.len();
+        let mut order = (0..n).map(|k| (self.turn + k) % n);
+        order.clone().find(|&i| self.paths[i].counters.up).or_else(|| order.find(|&i| self.paths[i].known))
+    }
+
+    /// `datagrams` left on `path`, `sequenced` the sequence number of one of them that the
+    /// peer acknowledges (Data, Close), if any did. The next send goes on the next path.
+    pub fn on_sent(&mut self, path: usize, now: u64, datagrams: u64, sequenced: Option<u32>) {
+        let p = &mut self.paths[path];
+        p.counters.datagrams_sent += datagrams;
+        if let (None, Some(seq)) = (p.marker, sequenced) {
+            p.marker = Some((seq, now));
+        }
+        self.turn = path + 1;
+    }
+
+    /// Clear the markers of the paths whose marked datagram has arrived: `delivered(seq)` says
+    /// whether the stream has had it acknowledged
+    /// ([`DatagramStream::delivered`](crate::reliable::DatagramStream::delivered)).
+    pub fn on_delivered(&mut self, delivered: impl Fn(u32) -> bool) {
+        for p in &mut self.paths {
+            if p.marker.is_some_and(|(seq, _)| delivered(seq)) {
+                p.marker = None;
+            }
+        }
+    }
+
+    /// `datagrams` of the session's stream arrived on `path` (from the peer it knows there).
+    pub fn on_received(&mut self, path: usize, now: u64, datagrams: u64) {
+        if datagrams == 0 || !self.paths[path].known {
+            return;
+        }
+        self.paths[path].counters.datagrams_received += datagrams;
+        self.heard(path, now);
+    }
+
+    /// A valid Probe or ProbeAck of this session arrived on `path`. Returns the ProbeAck to
+    /// send back on the same path, to the probe's source, when it was a Probe. A path whose
+    /// peer was unknown learns it from this datagram's source ([`PathEvent::Found`]).
+    pub fn on_probe(&mut self, path: usize, now: u64, h: &DatagramHeader) -> Option<DatagramHeader> {
+        if h.session_id != self.session_id || !matches!(h.kind, DatagramKind::Probe | DatagramKind::ProbeAck)
+        {
+            return None;
+        }
+        let p = &mut self.paths[path];
+        if !p.known {
+            p.known = true;
+            self.events.push(PathEvent::Found { path });
+        }
+        p.counters.datagrams_received += 1;
+        let answer = match h.kind {
+            DatagramKind::Probe => Some(DatagramHeader { kind: DatagramKind::ProbeAck, ..*h }),
+            _ => {
+                if let Some((_, sent)) = p.probe_out.filter(|(number, _)| *number == h.seq) {
+                    let sample = now.saturating_sub(sent);
+                    let srtt = &mut p.counters.srtt_us;
+                    *srtt = if p.counters.probes_answered == 0 { sample } else { (*srtt * 7 + sample) / 8 };
+                    p.counters.probes_answered += 1;
+                    p.probe_out = None;
+                }
+                None
+            }
+        };
+        self.heard(path, now);
+        answer
+    }
+
+    /// The interface of `path` refused to send (down, or gone).
+    pub fn on_send_failed(&mut self, path: usize, now: u64) {
+        self.down(path, now, DownReason::SendFailed);
+    }
+
+    /// Leave out the working paths whose marked datagram has not arrived within
+    /// `silence_down_us` while another path heard from the peer after it left.
+    pub fn check(&mut self, now: u64) {
+        if self.paths.len() < 2 {
+            return;
+        }
+        for i in 0..self.paths.len() {
+            let p = &self.paths[i];
+            let Some((_, since)) = p.marker.filter(|_| p.counters.up) else { continue };
+            let others_heard = self
+                .paths
+                .iter()
+                .enumerate()
+                .any(|(j, o)| j != i && o.last_heard_us.is_some_and(|t| t > since));
+            if now.saturating_sub(since) > self.config.silence_down_us && others_heard {
+                self.down(i, now, DownReason::Silent);
+            }
+        }
+    }
+
+    /// The next probe due by `now`: its path and header (to the peer's address on that path,
+    /// or to the broadcast address where it is not known). Call until `None`.
+    pub fn poll_probe(&mut self, now: u64) -> Option<(usize, DatagramHeader)> {
+        if self.paths.len() < 2 {
+            return None;
+        }
+        let established = self.established();
+        let i = (0..self.paths.len())
+            .find(|&i| self.probed(i, established) && self.paths[i].next_probe_us <= now)?;
+        if self.paths[i].counters.up && self.paths[i].probe_out.is_some() {
+            self.paths[i].probes_missed += 1;
+            if self.paths[i].probes_missed >= self.config.probes_missed_down {
+                self.down(i, now, DownReason::ProbesUnanswered);
+            }
+        }
+        self.probe_number = self.probe_number.wrapping_add(1);
+        let config = self.config;
+        let p = &mut self.paths[i];
+        p.counters.probes_sent += 1;
+        p.probe_out = Some((self.probe_number, now));
+        let (gap, max) = match (p.counters.up, p.known) {
+            (true, _) => (config.probe_up_us, config.probe_up_us),
+            (false, true) => (p.probe_gap_us, config.probe_down_max_us),
+            (false, false) => (p.probe_gap_us, config.probe_unknown_max_us),
+        };
+        p.next_probe_us = now + gap.max(1);
+        if !p.counters.up {
+            p.probe_gap_us = (p.probe_gap_us * 2).min(max);
+        }
+        Some((
+            i,
+            DatagramHeader {
+                kind: DatagramKind::Probe,
+                flags: 0,
+                session_id: self.session_id,
+                seq: self.probe_number,
+                ack: 0,
+                sack: 0,
+                window: 0,
+                payload_len: 0,
+            },
+        ))
+    }
+
+    /// When the next probe is due.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        if self.paths.len() < 2 {
+            return None;
+        }
+        let established = self.established();
+        (0..self.paths.len())
+            .filter(|&i| self.probed(i, established))
+            .map(|i| self.paths[i].next_probe_us)
+            .min()
+    }
+
+    /// The next change of a path's state, oldest first.
+    pub fn poll_event(&mut self) -> Option<PathEvent> {
+        (!self.events.is_empty()).then(|| self.events.remove(0))
+    }
+
+    /// The peer has been heard from: the session is open at both ends, and probes get answers.
+    fn established(&self) -> bool {
+        self.paths.iter().any(|p| p.last_heard_us.is_some())
+    }
+
+    /// Whether `path` is probed: once the session is established, if its peer is known or
+    /// this side seeks it.
+    fn probed(&self, path: usize, established: bool) -> bool {
+        established && (self.paths[path].known || self.seeks)
+    }
+
+    fn heard(&mut self, path: usize, now: u64) {
+        let p = &mut self.paths[path];
+        p.last_heard_us = Some(now);
+        p.probes_missed = 0;
+        if !p.counters.up && p.known {
+            p.counters.up = true;
+            p.next_probe_us = now + self.config.probe_up_us;
+            if p.counters.downs > 0 {
+                p.counters.rejoins += 1;
+                self.events.push(PathEvent::Rejoined { path });
+            }
+        }
+    }
+
+    fn down(&mut self, path: usize, now: u64, reason: DownReason) {
+        let p = &mut self.paths[path];
+        if !p.counters.up {
+            return;
+        }
+        p.counters.up = false;
+        p.counters.downs += 1;
+        p.marker = None;
+        p.probe_gap_us = self.config.probe_down_min_us;
+        p.next_probe_us = now;
+        p.probe_out = None;
+        self.events.push(PathEvent::Down { path, reason });
+    }
+}
+
+/// Whether a datagram (header first) is a link-layer one (Probe, ProbeAck), for the driver to
+/// hand to [`Bundle::on_probe`] instead of the stream. Only the kind byte is looked at; the
+/// driver still parses (and checks) what this says yes to.
+pub fn is_probe(datagram: &[u8]) -> bool {
+    matches!(datagram.get(1), Some(&k) if k == DatagramKind::Probe as u8 || k == DatagramKind::ProbeAck as u8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn two(seeks: bool) -> Bundle {
+        Bundle::new(BundleConfig::default(), 7, &[true, false], seeks)
+    }
+
+    /// Wire one bundle's probes to another's answers, path for path.
+    fn answer(a: &mut Bundle, b: &mut Bundle, now: u64) {
+        while let Some((path, probe)) = a.poll_probe(now) {
+            if let Some(ack) = b.on_probe(path, now, &probe) {
+                a.on_probe(path, now, &ack);
+            }
+        }
+    }
+
+    #[test]
+    fn sends_alternate_over_working_paths_and_a_path_joins_when_its_peer_answers() {
+        let (mut a, mut b) = (two(true), two(false));
+        assert_eq!(a.pick(), Some(0));
+        a.on_sent(0, 0, 3, Some(0));
+        assert_eq!(a.pick(), Some(0), "path 1 is not known yet");
+        // Nothing is sought before the peer has answered.
+        assert_eq!(a.poll_probe(0), None);
+        a.on_received(0, 10, 1);
+        assert_eq!(a.poll_timeout(), Some(0));
+        answer(&mut a, &mut b, 20);
+        assert!(a.known(1) && b.known(1) && a.counters(1).up && b.counters(1).up);
+        assert_eq!(b.poll_event(), Some(PathEvent::Found { path: 1 }));
+        assert_eq!(a.poll_event(), Some(PathEvent::Found { path: 1 }));
+        assert_eq!(a.counters(1).probes_answered, 1);
+        a.on_sent(0, 30, 1, Some(3));
+        assert_eq!(a.pick(), Some(1));
+        a.on_sent(1, 31, 1, Some(4));
+        assert_eq!(a.pick(), Some(0));
+    }
+
+    #[test]
+    fn a_silent_path_is_left_out_and_rejoins_when_heard() {
+        let mut a = Bundle::new(BundleConfig::default(), 7, &[true, true], false);
+        a.on_sent(1, 1_000, 4, Some(10));
+        a.on_received(0, 2_000, 4);
+        // Acknowledgements of what path 0 carried do not clear path 1's marker.
+        a.on_delivered(|seq| seq < 10);
+        a.check(5_000);
+        assert!(a.counters(1).up, "not silent for long enough yet");
+        a.check(6_001);
+        assert!(!a.counters(1).up);
+        assert_eq!(a.poll_event(), Some(PathEvent::Down { path: 1, reason: DownReason::Silent }));
+        assert_eq!(a.pick(), Some(0));
+        // Probed at once (path 0 too: its first probe is due), then at doubling gaps.
+        let probed: Vec<usize> = std::iter::from_fn(|| a.poll_probe(6_001).map(|(p, _)| p)).collect();
+        assert_eq!(probed, [0, 1]);
+        assert_eq!(a.poll_timeout(), Some(11_001));
+        a.on_received(1, 7_000, 1);
+        assert!(a.counters(1).up);
+        assert_eq!(a.counters(1).rejoins, 1);
+        assert_eq!(a.poll_event(), Some(PathEvent::Rejoined { path: 1 }));
+    }
+
+    #[test]
+    fn delivered_datagrams_bare_acks_and_a_lone_path_are_never_taken_for_silence() {
+        let mut a = Bundle::new(BundleConfig::default(), 7, &[true, true], false);
+        a.on_sent(1, 1_000, 1, None);
+        a.on_received(0, 2_000, 1);
+        a.check(1_000_000);
+        assert!(a.counters(1).up, "a bare ack expects no answer");
+        // Path 1's datagram was acknowledged through path 0: path 1 works.
+        a.on_sent(1, 1_000_000, 1, Some(5));
+        a.on_received(0, 1_000_100, 1);
+        a.on_delivered(|seq| seq <= 5);
+        a.check(2_000_000);
+        assert!(a.counters(1).up);
+        let mut one = Bundle::new(BundleConfig::default(), 7, &[true], true);
+        one.on_sent(0, 0, 1, Some(0));
+        one.check(1_000_000);
+        assert!(one.counters(0).up);
+        assert_eq!(one.poll_probe(1_000_000), None);
+        assert_eq!(one.poll_timeout(), None);
+    }
+
+    #[test]
+    fn unanswered_probes_and_refused_sends_take_a_path_down() {
+        let mut a = Bundle::new(BundleConfig::default(), 7, &[true, true], false);
+        assert_eq!(a.poll_probe(0), None, "no probe before the peer is heard from");
+        a.on_received(0, 0, 1);
+        let mut now = 0;
+        for _ in 0..3 {
+            while a.poll_probe(now).is_some() {}
+            now += BundleConfig::default().probe_up_us;
+        }
+        while a.poll_probe(now).is_some() {}
+        assert!(!a.counters(0).up && !a.counters(1).up);
+        assert_eq!(a.pick(), Some(0), "with none working, the known paths still carry sends");
+        let mut b = Bundle::new(BundleConfig::default(), 7, &[true, true], false);
+        b.on_send_failed(1, 5);
+        assert_eq!(b.poll_event(), Some(PathEvent::Down { path: 1, reason: DownReason::SendFailed }));
+        assert_eq!(b.counters(1).downs, 1);
+    }
+
+    #[test]
+    fn probes_of_another_session_or_kind_are_ignored() {
+        let mut a = two(false);
+        let other = DatagramHeader {
+            kind: DatagramKind::Probe,
+            flags: 0,
+            session_id: 8,
+            seq: 1,
+            ack: 0,
+            sack: 0,
+            window: 0,
+            payload_len: 0,
+        };
+        assert_eq!(a.on_probe(1, 0, &other), None);
+        assert!(!a.known(1));
+        let ack = DatagramHeader { kind: DatagramKind::Ack, session_id: 7, ..other };
+        assert_eq!(a.on_probe(1, 0, &ack), None);
+        assert!(!a.known(1));
+        assert!(is_probe(&[1, 18]) && is_probe(&[1, 19]) && !is_probe(&[1, 1]) && !is_probe(&[1]));
+    }
+}
