@@ -18,16 +18,29 @@ makes is removed at the end, even on failure.
     python3 bench/ethernet.py --shape 10gbit       # Tyche Fig. 5: link utilisation, 1-128 threads x QD 4
     python3 bench/ethernet.py --shape 10gbit --rw randwrite    # Tyche Fig. 7: the same for writes
     python3 bench/ethernet.py --table2             # Tyche Table II: QD 1, 4-128 KiB, per stage, eth and TCP
+    python3 bench/ethernet.py --shape 10gbit --data-batching   # Tyche VI.B: 4 KiB frames against 8 KiB
+    python3 bench/ethernet.py --bundle [--shape 2gbit]         # NIC bundling: 1 link against 2
 
 With --shape RATE both ends of the pair are shaped with `tc qdisc ... tbf rate RATE` and the
 sweep is Tyche's (Figures 5 and 7): 1 to 128 threads x 4 outstanding 4 KiB random reads on
 shared lanes (`skiff bench --shared-lane`), skiff-eth against skiff-tcp, payload bytes per
 second as a share of the shaped rate.
 
-Writes bench/results/ethernet-{qd,shaped,table2}-<timestamp>.json (and a .png of the QD sweep), and
+With --data-batching (and --shape) skiff-eth runs the same sweep twice: with 8972-byte datagrams,
+where two 4 KiB data messages share a jumbo frame (the default; Tyche's data-message batching,
+its Fig. 7), and with SKIFF_ETH_FRAME=4096, each 4 KiB of data in a frame of its own (Fig. 5);
+the target restarts with the setting for each run.
+
+With --bundle a second veth pair joins the namespace, the target serves both as one bundle
+(`--eth FAR --eth FAR2`), and the sweep runs skiff-eth over one link (eth:NEAR/MAC) against
+the same over both (eth:NEAR+NEAR2/MAC); with --shape each of the four ends is shaped, so the
+bundle's ceiling is twice one link's.
+
+Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle}-<timestamp>.json (and a .png of the QD sweep), and
 prints a Markdown table.
 """
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -41,6 +54,7 @@ from compare import Placement, add_placement_args, cpu_s, median_record, rotate,
 
 NS = "skiff-bench-eth"
 NEAR, FAR = "skbe0", "skbe1"
+NEAR2, FAR2 = "skbe2", "skbe3"  # the second pair of --bundle
 NEAR_IP, FAR_IP = "10.77.0.1", "10.77.0.2"
 SYSTEMS = ["skiff-eth", "skiff-tcp", "nbdkit"]
 
@@ -62,24 +76,29 @@ def tc_rate_bytes(rate):
     raise SystemExit(f"--shape {rate}: use a tc rate such as 10gbit or 500mbit")
 
 
-def shape(rate):
-    """A token bucket on each end's egress: requests one way, replies the other. Sessions
-    then go through the queueing discipline (SKIFF_ETH_QDISC=on, for every skiff started here),
-    which they otherwise bypass."""
+def shape(rate, pairs):
+    """A token bucket on each end's egress of each (near, far) pair: requests one way, replies
+    the other. Sessions then go through the queueing discipline (SKIFF_ETH_QDISC=on, for every
+    skiff started here), which they otherwise bypass."""
     os.environ["SKIFF_ETH_QDISC"] = "on"
     tbf = ["root", "tbf", "rate", rate, "burst", "2mb", "latency", "20ms"]
-    sh(["tc", "qdisc", "add", "dev", NEAR, *tbf])
-    sh(["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", FAR, *tbf])
+    for near, far in pairs:
+        sh(["tc", "qdisc", "add", "dev", near, *tbf])
+        sh(["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", far, *tbf])
 
 
-def setup():
+def setup(bundle=False):
+    """The namespace and the pair (and with `bundle` a second pair, no addresses: raw
+    Ethernet only); returns the target's MAC on the first."""
     teardown()
     sh(["ip", "netns", "add", NS])
-    sh(["ip", "link", "add", NEAR, "mtu", "9000", "type", "veth", "peer", "name", FAR, "mtu", "9000"])
-    sh(["ip", "link", "set", FAR, "netns", NS])
+    for near, far in [(NEAR, FAR)] + ([(NEAR2, FAR2)] if bundle else []):
+        sh(["ip", "link", "add", near, "mtu", "9000", "type", "veth", "peer", "name", far, "mtu", "9000"])
+        sh(["ip", "link", "set", far, "netns", NS])
+        sh(["ip", "link", "set", near, "up"])
+        sh(["ip", "-n", NS, "link", "set", far, "up"])
     sh(["ip", "addr", "add", f"{NEAR_IP}/24", "dev", NEAR])
-    sh(["ip", "link", "set", NEAR, "up"])
-    for args in (["addr", "add", f"{FAR_IP}/24", "dev", FAR], ["link", "set", FAR, "up"], ["link", "set", "lo", "up"]):
+    for args in (["addr", "add", f"{FAR_IP}/24", "dev", FAR], ["link", "set", "lo", "up"]):
         sh(["ip", "-n", NS, *args])
     out = sh(["ip", "-n", NS, "-o", "link", "show", FAR]).stdout
     return out.split("link/ether")[1].split()[0]
@@ -87,6 +106,7 @@ def setup():
 
 def teardown():
     sh(["ip", "link", "del", NEAR], check=False)
+    sh(["ip", "link", "del", NEAR2], check=False)
     sh(["ip", "netns", "del", NS], check=False)
 
 
@@ -129,7 +149,8 @@ def skiff_bench(a, target, qd, threads=None, rw="randread", bs="4k"):
             "lat_p99_us": r["lat_us"]["p99"],
             "client_cpu_us_per_io": r["client_cpu_us_per_io"], "server_cpu_us_per_io": r["server_cpu_us_per_io"],
             "client_ctx_per_io": r["client_ctx_switches_per_io"],
-            "server_ctx_per_io": r["server_ctx_switches_per_io"], "stages_us": r["stages_us"]}
+            "server_ctx_per_io": r["server_ctx_switches_per_io"], "stages_us": r["stages_us"],
+            "client_link": r.get("client_link")}
 
 
 def fio_nbd(a, uri, qd, server_pid):
@@ -178,32 +199,68 @@ def plot(path, qds, med, title):
     return path
 
 
-def eth_against_tcp(a, mac, points, measure, label):
-    """One `skiff serve` in the namespace, listening on TCP and raw Ethernet; at each point of
-    `points`, skiff-eth and skiff-tcp alternate for --repeat rounds, `measure(target, point)`
-    measuring one run. Returns {(system, point): [records]}; the pair is torn down after."""
-    runs = {}
-    skiff = None
+def serve_argv(a, port, eth=(FAR,)):
+    """`skiff serve` in the namespace: TCP on the pair (also how readiness is seen) and raw
+    Ethernet on `eth` (one bundle)."""
+    eths = [arg for iface in eth for arg in ("--eth", iface)]
+    return in_ns(a.pl.server([a.skiff, "serve", "--listen", f"{FAR_IP}:{port}", *eths, "--export", "vol=ram:1G",
+                              "--workers", "1"]))
+
+
+@contextlib.contextmanager
+def environ(env):
+    """`env` set in this process's environment (so in the processes it starts) meanwhile."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        port = 7070
-        skiff = start(in_ns(a.pl.server([a.skiff, "serve", "--listen", f"{FAR_IP}:{port}", "--eth", FAR,
-                                         "--export", "vol=ram:1G", "--workers", "1"])), FAR_IP, port)
-        log(f"veth pair {NEAR} - {FAR}, MTU 9000{f', shaped to {a.shape} each way (tbf)' if a.shape else ''}; "
-            f"target MAC {mac}; placement {a.pl.describe()}")
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def alternate(a, variants, points, measure, label, eth=(FAR,)):
+    """At each point of `points`, the `variants` (name, target, environment or None) take
+    turns for --repeat rounds, `measure(target, point)` measuring one run. One `skiff serve`
+    serves them all, unless a variant needs an environment of its own: then the target starts
+    afresh, with it, for each of that variant's runs. Returns {(name, point): [records]}; the
+    pairs are torn down after."""
+    runs = {}
+    port = 7070
+    shared = None
+    try:
+        if all(env is None for _, _, env in variants):
+            shared = start(serve_argv(a, port, eth), FAR_IP, port)
+        log(f"veth pair {NEAR} - {FAR}{f' and {NEAR2} - {FAR2}' if len(eth) > 1 else ''}, MTU 9000"
+            f"{f', shaped to {a.shape} each way (tbf)' if a.shape else ''}; placement {a.pl.describe()}")
         for i, pt in enumerate(points):
             for rep in range(a.repeat):
-                for s in rotate(["skiff-eth", "skiff-tcp"], i + rep):
-                    target = f"eth:{NEAR}/{mac}" if s == "skiff-eth" else f"{FAR_IP}:{port}"
-                    r = measure(target, pt)
-                    runs.setdefault((s, pt), []).append(r)
-                    log(f"{label(pt)} {s:<9} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                for name, target, env in rotate(variants, i + rep):
+                    with environ(env or {}):
+                        own = start(serve_argv(a, port, eth), FAR_IP, port) if env is not None else None
+                        try:
+                            r = measure(target, pt)
+                        finally:
+                            if own:
+                                stop(own)
+                    runs.setdefault((name, pt), []).append(r)
+                    log(f"{label(pt)} {name:<10} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
                         f"{r['lat_mean_us']:7.1f} µs  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
                         f"{r['server_cpu_us_per_io']:.2f}")
     finally:
-        if skiff:
-            stop(skiff)
+        if shared:
+            stop(shared)
         teardown()
     return runs
+
+
+def eth_against_tcp(a, mac, points, measure, label):
+    """skiff-eth against skiff-tcp on the pair (`alternate`)."""
+    return alternate(a, [("skiff-eth", f"eth:{NEAR}/{mac}", None), ("skiff-tcp", f"{FAR_IP}:7070", None)],
+                     points, measure, label)
 
 
 def save(a, name, fields, points):
@@ -216,31 +273,66 @@ def save(a, name, fields, points):
     return base
 
 
-def link_utilisation(a, mac):
-    """Tyche Figures 5 and 7 on a shaped pair: payload as a share of the shaped rate."""
-    rate = tc_rate_bytes(a.shape)
+def shaped_sweep(a, variants, name, fields, title, eth=(FAR,), links=1):
+    """Tyche's sweep (1 to 128 threads x 4 outstanding 4 KiB I/Os on shared lanes) over
+    `variants`; with --shape, payload as a share of the shaped rate of one link (`links`
+    links: the share of all of them too). Prints a table; returns 0."""
+    rate = tc_rate_bytes(a.shape) if a.shape else None
     threads = [int(t) for t in a.threads.split(",")]
 
     def measure(target, t):
         r = skiff_bench(a, target, 4, threads=t, rw=a.rw)
-        r["link_util"] = r["bytes_per_s"] / rate
+        r["link_util"] = r["bytes_per_s"] / rate if rate else None
         return r
-    runs = eth_against_tcp(a, mac, threads, measure, lambda t: f"{t:>3} threads")
+    runs = alternate(a, variants, threads, measure, lambda t: f"{t:>3} threads", eth=eth)
     med = {k: median_record(v) for k, v in runs.items()}
-    base = save(a, "shaped", {"shape": a.shape, "rw": a.rw},
+    base = save(a, name, {"shape": a.shape, "rw": a.rw, **fields},
                 [{"system": s, "threads": t, **med[(s, t)], "repetitions": runs[(s, t)]} for (s, t) in runs])
-    print(f"4 KiB {a.rw}, threads x QD 4 on shared lanes, veth shaped to {a.shape} ({a.pl.short()}, "
-          f"median of {a.repeat}); {base}.json")
+    print(f"{title}: 4 KiB {a.rw}, threads x QD 4 on shared lanes"
+          f"{f', each link shaped to {a.shape}' if a.shape else ', unshaped'} ({a.pl.short()}, median of {a.repeat});"
+          f" {base}.json")
     print()
-    print("| threads x QD 4 | skiff-eth IOPS | link util | CPU µs/I/O | skiff-tcp IOPS | link util | CPU µs/I/O |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    head = "| threads x QD 4 |"
+    for v, _, _ in variants:
+        head += f" {v} IOPS |" + (" of one link |" if rate else "") + " CPU µs/I/O |"
+    print(head)
+    print("|---:|" + ("---:|" * (3 if rate else 2)) * len(variants))
     for t in threads:
         cells = []
-        for r in (med.get(("skiff-eth", t)), med.get(("skiff-tcp", t))):
-            cells += ([f"{r['iops']:,.0f}", f"{100 * r['link_util']:.1f}%",
-                       f"{r['client_cpu_us_per_io'] + r['server_cpu_us_per_io']:.2f}"] if r else ["-"] * 3)
+        for v, _, _ in variants:
+            r = med.get((v, t))
+            if not r:
+                cells += ["-"] * (3 if rate else 2)
+                continue
+            cells.append(f"{r['iops']:,.0f}")
+            if rate:
+                cells.append(f"{100 * r['link_util']:.1f}%")
+            cells.append(f"{r['client_cpu_us_per_io'] + r['server_cpu_us_per_io']:.2f}")
         print(f"| {t} | " + " | ".join(cells) + " |")
+    if links > 1 and rate:
+        print(f"\n(The bundle's ceiling is {links} links: {100 * links:.0f}% of one.)")
     return 0
+
+
+def link_utilisation(a, mac):
+    """Tyche Figures 5 and 7 on a shaped pair: payload as a share of the shaped rate."""
+    variants = [("skiff-eth", f"eth:{NEAR}/{mac}", None), ("skiff-tcp", f"{FAR_IP}:7070", None)]
+    return shaped_sweep(a, variants, "shaped", {}, "Link utilisation, raw Ethernet against TCP")
+
+
+def data_batching(a, mac):
+    """Tyche VI.B: data messages batched two 4 KiB to a jumbo frame (8972-byte datagrams, the
+    default), against one 4 KiB of data per frame (SKIFF_ETH_FRAME=4096)."""
+    target = f"eth:{NEAR}/{mac}"
+    variants = [("8K-frames", target, {"SKIFF_ETH_FRAME": "8972"}), ("4K-frames", target, {"SKIFF_ETH_FRAME": "4096"})]
+    return shaped_sweep(a, variants, "batching", {}, "Data-message batching on (8K frames) and off (4K frames)")
+
+
+def bundle(a, mac):
+    """NIC bundling: skiff-eth over one link of the bundle against the same over both."""
+    variants = [("1-link", f"eth:{NEAR}/{mac}", None), ("2-links", f"eth:{NEAR}+{NEAR2}/{mac}", None)]
+    return shaped_sweep(a, variants, "bundle", {"links": 2}, "NIC bundling, one link against two",
+                        eth=(FAR, FAR2), links=2)
 
 
 def table2(a, mac):
@@ -275,6 +367,10 @@ def main():
     p.add_argument("--rw", default="randread", choices=["randread", "randwrite"], help="with --shape: the direction")
     p.add_argument("--table2", action="store_true",
                    help="Tyche Table II: QD 1 at 4, 8, 64 and 128 KiB, reads and writes, per stage, eth against TCP")
+    p.add_argument("--data-batching", action="store_true",
+                   help="with --shape: skiff-eth with 8 KiB frames (two 4 KiB data messages each) against 4 KiB frames")
+    p.add_argument("--bundle", action="store_true",
+                   help="a second veth pair: skiff-eth over one link against a bundle of two (with --shape: each shaped)")
     add_placement_args(p, "rounds, the systems alternating (default 3)")
     a = p.parse_args()
     a.repeat = a.repeat or 3
@@ -283,16 +379,21 @@ def main():
     qds = [int(q) for q in a.qds.split(",")]
     if os.geteuid() != 0:
         raise SystemExit("root is needed: network namespaces and raw sockets")
-    mac = setup()
+    if a.data_batching and not a.shape:
+        raise SystemExit("--data-batching needs --shape RATE: it measures link utilisation")
+    mac = setup(bundle=a.bundle)
     if a.table2:
         return table2(a, mac)
     if a.shape:
         try:
-            shape(a.shape)
+            shape(a.shape, [(NEAR, FAR)] + ([(NEAR2, FAR2)] if a.bundle else []))
         except BaseException:
             teardown()
             raise
-        return link_utilisation(a, mac)
+    if a.bundle:
+        return bundle(a, mac)
+    if a.shape:
+        return data_batching(a, mac) if a.data_batching else link_utilisation(a, mac)
     procs = []
     try:
         port, nbd_port, kit_port = 7070, 10809, 10810

@@ -128,6 +128,8 @@ struct PathState {
     /// The probe waiting for its answer: (number, sent at).
     probe_out: Option<(u32, u64)>,
     probes_missed: u32,
+    /// Bytes sent on the path while it worked, the measure the spreading evens out.
+    load_bytes: u64,
     counters: PathCounters,
 }
 
@@ -160,6 +162,7 @@ impl Bundle {
                 probe_gap_us: config.probe_down_min_us,
                 probe_out: None,
                 probes_missed: 0,
+                load_bytes: 0,
                 counters: PathCounters { up: known, ..PathCounters::default() },
             })
             .collect();
@@ -193,19 +196,28 @@ impl Bundle {
         self.turn = path % self.paths.len().max(1);
     }
 
-    /// The path the next send goes on: the next working one, round robin; when none works,
-    /// the next one whose peer is known.
+    /// The path the next send goes on: the working one that has carried the fewest bytes
+    /// (ties in round robin), so that links of one speed queue alike and the datagrams of the
+    /// two reach the peer in about the order they left; when none works, the next one whose
+    /// peer is known.
     pub fn pick(&self) -> Option<usize> {
         let n = self.paths.len();
-        let mut order = (0..n).map(|k| (self.turn + k) % n);
-        order.clone().find(|&i| self.paths[i].counters.up).or_else(|| order.find(|&i| self.paths[i].known))
+        let order = (0..n).map(|k| (self.turn + k) % n);
+        order
+            .clone()
+            .filter(|&i| self.paths[i].counters.up)
+            .min_by_key(|&i| self.paths[i].load_bytes)
+            .or_else(|| order.clone().find(|&i| self.paths[i].known))
     }
 
-    /// `datagrams` left on `path`, `sequenced` the sequence number of one of them that the
-    /// peer acknowledges (Data, Close), if any did. The next send goes on the next path.
-    pub fn on_sent(&mut self, path: usize, now: u64, datagrams: u64, sequenced: Option<u32>) {
+    /// `datagrams` of `bytes` left on `path`, `sequenced` the sequence number of one of them
+    /// that the peer acknowledges (Data, Close), if any did.
+    pub fn on_sent(&mut self, path: usize, now: u64, datagrams: u64, bytes: u64, sequenced: Option<u32>) {
         let p = &mut self.paths[path];
         p.counters.datagrams_sent += datagrams;
+        if p.counters.up {
+            p.load_bytes += bytes;
+        }
         if let (None, Some(seq)) = (p.marker, sequenced) {
             p.marker = Some((seq, now));
         }
@@ -269,11 +281,14 @@ impl Bundle {
     }
 
     /// Leave out the working paths whose marked datagram has not arrived within
-    /// `silence_down_us` while another path heard from the peer after it left.
-    pub fn check(&mut self, now: u64) {
+    /// `silence_down_us`, or three of the stream's retransmission timeouts (`rto_us`, as its
+    /// round trips call for, before any backoff: queues can hold a datagram that long), while
+    /// another path heard from the peer after it left.
+    pub fn check(&mut self, now: u64, rto_us: u64) {
         if self.paths.len() < 2 {
             return;
         }
+        let silence = self.config.silence_down_us.max(rto_us.saturating_mul(3));
         for i in 0..self.paths.len() {
             let p = &self.paths[i];
             let Some((_, since)) = p.marker.filter(|_| p.counters.up) else { continue };
@@ -282,7 +297,7 @@ impl Bundle {
                 .iter()
                 .enumerate()
                 .any(|(j, o)| j != i && o.last_heard_us.is_some_and(|t| t > since));
-            if now.saturating_sub(since) > self.config.silence_down_us && others_heard {
+            if now.saturating_sub(since) > silence && others_heard {
                 self.down(i, now, DownReason::Silent);
             }
         }
@@ -361,11 +376,18 @@ impl Bundle {
     }
 
     fn heard(&mut self, path: usize, now: u64) {
+        // A path that starts working again starts level with the others, not behind them.
+        let level = (0..self.paths.len())
+            .filter(|&j| j != path && self.paths[j].counters.up)
+            .map(|j| self.paths[j].load_bytes)
+            .min()
+            .unwrap_or(0);
         let p = &mut self.paths[path];
         p.last_heard_us = Some(now);
         p.probes_missed = 0;
         if !p.counters.up && p.known {
             p.counters.up = true;
+            p.load_bytes = p.load_bytes.max(level);
             p.next_probe_us = now + self.config.probe_up_us;
             if p.counters.downs > 0 {
                 p.counters.rejoins += 1;
@@ -417,7 +439,7 @@ mod tests {
     fn sends_alternate_over_working_paths_and_a_path_joins_when_its_peer_answers() {
         let (mut a, mut b) = (two(true), two(false));
         assert_eq!(a.pick(), Some(0));
-        a.on_sent(0, 0, 3, Some(0));
+        a.on_sent(0, 0, 3, 300, Some(0));
         assert_eq!(a.pick(), Some(0), "path 1 is not known yet");
         // Nothing is sought before the peer has answered.
         assert_eq!(a.poll_probe(0), None);
@@ -428,22 +450,26 @@ mod tests {
         assert_eq!(b.poll_event(), Some(PathEvent::Found { path: 1 }));
         assert_eq!(a.poll_event(), Some(PathEvent::Found { path: 1 }));
         assert_eq!(a.counters(1).probes_answered, 1);
-        a.on_sent(0, 30, 1, Some(3));
+        // Path 1 starts level with path 0, then the one with fewer bytes carries the next send.
         assert_eq!(a.pick(), Some(1));
-        a.on_sent(1, 31, 1, Some(4));
+        a.on_sent(1, 30, 1, 1_000, Some(3));
         assert_eq!(a.pick(), Some(0));
+        a.on_sent(0, 31, 1, 100, Some(4));
+        assert_eq!(a.pick(), Some(0), "path 0 has carried 400 bytes, path 1 1,300");
+        a.on_sent(0, 32, 1, 1_000, Some(5));
+        assert_eq!(a.pick(), Some(1));
     }
 
     #[test]
     fn a_silent_path_is_left_out_and_rejoins_when_heard() {
         let mut a = Bundle::new(BundleConfig::default(), 7, &[true, true], false);
-        a.on_sent(1, 1_000, 4, Some(10));
+        a.on_sent(1, 1_000, 4, 4_000, Some(10));
         a.on_received(0, 2_000, 4);
         // Acknowledgements of what path 0 carried do not clear path 1's marker.
         a.on_delivered(|seq| seq < 10);
-        a.check(5_000);
+        a.check(5_000, 500);
         assert!(a.counters(1).up, "not silent for long enough yet");
-        a.check(6_001);
+        a.check(6_001, 500);
         assert!(!a.counters(1).up);
         assert_eq!(a.poll_event(), Some(PathEvent::Down { path: 1, reason: DownReason::Silent }));
         assert_eq!(a.pick(), Some(0));
@@ -460,19 +486,24 @@ mod tests {
     #[test]
     fn delivered_datagrams_bare_acks_and_a_lone_path_are_never_taken_for_silence() {
         let mut a = Bundle::new(BundleConfig::default(), 7, &[true, true], false);
-        a.on_sent(1, 1_000, 1, None);
+        a.on_sent(1, 1_000, 1, 40, None);
         a.on_received(0, 2_000, 1);
-        a.check(1_000_000);
+        a.check(1_000_000, 500);
         assert!(a.counters(1).up, "a bare ack expects no answer");
         // Path 1's datagram was acknowledged through path 0: path 1 works.
-        a.on_sent(1, 1_000_000, 1, Some(5));
+        a.on_sent(1, 1_000_000, 1, 100, Some(5));
         a.on_received(0, 1_000_100, 1);
         a.on_delivered(|seq| seq <= 5);
-        a.check(2_000_000);
+        a.check(2_000_000, 500);
         assert!(a.counters(1).up);
+        // Deep queues: a long retransmission timeout stretches the silence allowed.
+        a.on_sent(1, 2_000_000, 1, 100, Some(6));
+        a.on_received(0, 2_000_100, 1);
+        a.check(2_020_000, 10_000);
+        assert!(a.counters(1).up, "20 ms is less than three RTOs of 10 ms");
         let mut one = Bundle::new(BundleConfig::default(), 7, &[true], true);
-        one.on_sent(0, 0, 1, Some(0));
-        one.check(1_000_000);
+        one.on_sent(0, 0, 1, 100, Some(0));
+        one.check(1_000_000, 500);
         assert!(one.counters(0).up);
         assert_eq!(one.poll_probe(1_000_000), None);
         assert_eq!(one.poll_timeout(), None);

@@ -392,7 +392,13 @@ pub fn bundle(data: &[u8]) {
                 if let Some(p) = b.pick() {
                     assert!(b.known(p), "a send on a path whose peer is unknown");
                     seq = seq.wrapping_add(1);
-                    b.on_sent(p, now, 1 + u64::from(op >> 4), (op & 8 != 0).then_some(seq));
+                    b.on_sent(
+                        p,
+                        now,
+                        1 + u64::from(op >> 4),
+                        u64::from(input.u16()),
+                        (op & 8 != 0).then_some(seq),
+                    );
                 }
             }
             1 => b.on_received(path, now, u64::from(op >> 3)),
@@ -421,7 +427,7 @@ pub fn bundle(data: &[u8]) {
             }
             5 => {
                 now += u64::from(input.u16()) * 16;
-                b.check(now);
+                b.check(now, u64::from(input.u16()));
             }
             6 => {
                 let due = b.poll_timeout();

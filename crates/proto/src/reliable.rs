@@ -116,6 +116,12 @@ pub struct ReliableConfig {
     /// How many transmissions younger a delivered datagram must be before a missing one is
     /// taken as lost and sent again (3; reordering shallower than this costs nothing).
     pub reorder_threshold: u32,
+    /// 0 (the default): off. Otherwise a delivered datagram must also have left at least
+    /// `max(reorder_window_us, SRTT / 4)` after a missing one before that is taken as lost
+    /// (RACK's reordering window, RFC 8985): for sessions bundled over several links, whose
+    /// datagrams reach the peer in an order the links' queues decide. A loss then overtaken
+    /// only by datagrams sent at about the same time waits for the timeout.
+    pub reorder_window_us: u64,
 }
 
 impl Default for ReliableConfig {
@@ -133,6 +139,7 @@ impl Default for ReliableConfig {
             backoffs_max: 10,
             keepalive_us: 100_000,
             reorder_threshold: 3,
+            reorder_window_us: 0,
         }
     }
 }
@@ -279,8 +286,9 @@ pub struct DatagramStream {
     /// Datagrams marked for retransmission.
     lost: u32,
     stamp_next: u64,
-    /// The youngest transmission the peer has acknowledged.
+    /// The youngest transmission the peer has acknowledged, and when it left.
     delivered_stamp: u64,
+    delivered_sent_at_us: u64,
     rto_at_us: Option<u64>,
     rto_us: u64,
     backoffs: u32,
@@ -337,6 +345,7 @@ impl DatagramStream {
             lost: 0,
             stamp_next: 1,
             delivered_stamp: 0,
+            delivered_sent_at_us: 0,
             rto_at_us: None,
             rto_us,
             backoffs: 0,
@@ -403,6 +412,12 @@ impl DatagramStream {
     /// Datagrams sent and not yet acknowledged.
     pub fn in_flight(&self) -> u32 {
         self.snd_nxt.wrapping_sub(self.snd_una)
+    }
+
+    /// The retransmission timeout the round trips measured call for (`SRTT + 4·RTTVAR`,
+    /// clamped), without the doubling of timeouts in a row.
+    pub fn rto_estimate_us(&self) -> u64 {
+        self.rto_estimate()
     }
 
     /// Whether the datagram with sequence number `seq` has reached the peer: it is
@@ -619,7 +634,7 @@ impl DatagramStream {
         if seq_lt(self.snd_nxt, h.ack) {
             return false;
         }
-        let mut delivered = 0;
+        let (mut delivered, mut delivered_at) = (0, 0);
         let progressed = h.ack != self.snd_una;
         if progressed {
             let newest = *self.tx_slot(h.ack.wrapping_sub(1));
@@ -630,7 +645,9 @@ impl DatagramStream {
             while self.snd_una != h.ack {
                 let seq = self.snd_una;
                 let slot = *self.tx_slot(seq);
-                delivered = delivered.max(slot.stamp);
+                if slot.stamp > delivered {
+                    (delivered, delivered_at) = (slot.stamp, slot.sent_at_us);
+                }
                 if slot.loss != Loss::None {
                     self.lost -= 1;
                 }
@@ -656,8 +673,11 @@ impl DatagramStream {
             let slot = self.tx_slot(seq);
             if !slot.sacked {
                 slot.sacked = true;
-                let (stamp, loss) = (slot.stamp, std::mem::replace(&mut slot.loss, Loss::None));
-                delivered = delivered.max(stamp);
+                let (stamp, sent_at, loss) =
+                    (slot.stamp, slot.sent_at_us, std::mem::replace(&mut slot.loss, Loss::None));
+                if stamp > delivered {
+                    (delivered, delivered_at) = (stamp, sent_at);
+                }
                 if loss != Loss::None {
                     self.lost -= 1;
                 }
@@ -665,6 +685,7 @@ impl DatagramStream {
         }
         if delivered > self.delivered_stamp {
             self.delivered_stamp = delivered;
+            self.delivered_sent_at_us = delivered_at;
             self.detect_gaps();
         }
         self.queue_close();
@@ -681,11 +702,19 @@ impl DatagramStream {
     fn detect_gaps(&mut self) {
         let in_flight = u64::from(self.in_flight());
         let threshold = u64::from(self.config.reorder_threshold).min(in_flight.saturating_sub(1)).max(1);
+        let window = match self.config.reorder_window_us {
+            0 => 0,
+            w => w.max(self.srtt_us.unwrap_or(0) / 4),
+        };
         let mut seq = self.snd_una;
         while seq != self.snd_nxt {
-            let delivered = self.delivered_stamp;
+            let (delivered, delivered_at) = (self.delivered_stamp, self.delivered_sent_at_us);
             let slot = self.tx_slot(seq);
-            if !slot.sacked && slot.loss == Loss::None && slot.stamp + threshold <= delivered {
+            if !slot.sacked
+                && slot.loss == Loss::None
+                && slot.stamp + threshold <= delivered
+                && slot.sent_at_us + window <= delivered_at
+            {
                 slot.loss = Loss::Gap;
                 self.lost += 1;
             }

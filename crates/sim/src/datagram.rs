@@ -384,6 +384,8 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
         reorder_threshold: rng.range(1, 5) as u32,
         // A cut link must kill both sides, the idle one too: that takes keepalives.
         keepalive_us: if opts.cut_at_us.is_some() { 10_000 } else { rng.pick(&[0, 10_000]) },
+        // Bundled, as transport::eth sets it: links reorder among themselves.
+        reorder_window_us: if opts.paths > 1 { 100 } else { 0 },
         ..ReliableConfig::default()
     };
     // Initial sequence numbers: random, or just below the wrap.
@@ -578,7 +580,7 @@ impl Side {
         }
         let stream = &self.stream;
         self.bundle.on_delivered(|seq| stream.delivered(seq));
-        self.bundle.check(now);
+        self.bundle.check(now, stream.rto_estimate_us());
         while self.bundle.poll_event().is_some() {}
         self.stream.handle_timeout(now);
     }
@@ -586,16 +588,17 @@ impl Side {
     /// What the stream has to send, on the path the bundle picks; then the probes due.
     fn send_out(&mut self, now: u64, buf: &mut [u8]) {
         if let Some(p) = self.bundle.pick() {
-            let (mut sent, mut sequenced) = (0, None);
+            let (mut sent, mut bytes, mut sequenced) = (0, 0, None);
             while let Some(n) = self.stream.poll_transmit(now, buf) {
                 if DatagramKind::from_u8(buf[1]).is_some_and(DatagramKind::is_sequenced) {
                     sequenced = Some(u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]));
                 }
                 self.ends[p].send(&buf[..n]);
                 sent += 1;
+                bytes += n as u64;
             }
             if sent > 0 {
-                self.bundle.on_sent(p, now, sent, sequenced);
+                self.bundle.on_sent(p, now, sent, bytes, sequenced);
             }
         }
         while let Some((p, probe)) = self.bundle.poll_probe(now) {

@@ -41,6 +41,10 @@ const KIND_OFFSET: u32 = (ETH_HEADER_LEN + 1) as u32;
 const SESSION_ID_OFFSET: u32 = (ETH_HEADER_LEN + 4) as u32;
 const SEQ_OFFSET: u32 = (ETH_HEADER_LEN + 8) as u32;
 
+/// The least reordering window of a bundled session's stream (`ReliableConfig::reorder_window_us`;
+/// SRTT / 4 when that is more).
+const BUNDLE_REORDER_WINDOW_US: u64 = 100;
+
 /// The rings and the delivery settings of raw-Ethernet sessions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EthConfig {
@@ -67,13 +71,31 @@ impl Default for EthConfig {
             // (a lone caravan) waits out the minimum RTO, so it is 250 µs, still above the
             // 100 µs delayed ack plus a round trip.
             reliable: ReliableConfig {
-                payload_bytes_max: 8972,
+                payload_bytes_max: frame_payload_from_env(),
                 send_slots: 128,
                 recv_slots: 128,
                 rto_min_us: 250,
                 ..ReliableConfig::default()
             },
         }
+    }
+}
+
+/// The largest datagram payload: 8972 bytes (a 9000-byte jumbo frame, lowered to the MTU when
+/// a session opens), where two 4 KiB data messages share one frame, as in Tyche's data-message
+/// batching; `SKIFF_ETH_FRAME=BYTES` caps it lower (4096: each 4 KiB of data in a frame of its
+/// own, Tyche without data batching; bench/ethernet.py --data-batching compares the two).
+fn frame_payload_from_env() -> u16 {
+    const JUMBO: u16 = 9000 - DATAGRAM_HEADER_LEN as u16;
+    match std::env::var("SKIFF_ETH_FRAME") {
+        Ok(v) => match v.parse::<u16>() {
+            Ok(n) if (64..=JUMBO).contains(&n) => n,
+            _ => {
+                tracing::warn!(value = %v, "SKIFF_ETH_FRAME is not a payload size from 64 to {JUMBO}; using {JUMBO}");
+                JUMBO
+            }
+        },
+        Err(_) => JUMBO,
     }
 }
 
@@ -233,6 +255,13 @@ impl EthStream {
         }
         let config = ReliableConfig {
             payload_bytes_max: config.payload_bytes_max.min(u16::try_from(fits).unwrap_or(u16::MAX)),
+            // Over several links datagrams arrive in the order the links' queues decide: a
+            // datagram overtaken by a few sent just after it is not lost for that.
+            reorder_window_us: if sockets.len() > 1 {
+                config.reorder_window_us.max(BUNDLE_REORDER_WINDOW_US)
+            } else {
+                config.reorder_window_us
+            },
             ..*config
         };
         let known: Vec<bool> = sockets.iter().map(|(_, peer)| peer.is_some()).collect();
@@ -326,7 +355,7 @@ impl EthStream {
             }
             let stream = &self.stream;
             self.bundle.on_delivered(|seq| stream.delivered(seq));
-            self.bundle.check(now);
+            self.bundle.check(now, stream.rto_estimate_us());
         }
         if self.stream.poll_timeout().is_some_and(|due| due <= now) {
             self.stream.handle_timeout(now);
@@ -337,7 +366,7 @@ impl EthStream {
         if let Some(i) = bundle.pick() {
             let path = &mut paths[i];
             let to = path.peer.expect("a path the bundle picks has a peer");
-            let (mut sent, mut sequenced) = (0, None);
+            let (mut sent, mut bytes, mut sequenced) = (0, 0, None);
             while let Some(n) = path.socket.queue_with(to, |room| {
                 let n = stream.poll_transmit(now, room).unwrap_or(0);
                 // Data and Close are acknowledged; a bare ack expects no answer.
@@ -350,10 +379,11 @@ impl EthStream {
                     break;
                 }
                 sent += 1;
+                bytes += n as u64;
             }
             if sent > 0 {
                 path.queued = true;
-                bundle.on_sent(i, now, sent, sequenced);
+                bundle.on_sent(i, now, sent, bytes, sequenced);
             }
         }
         while let Some((i, probe)) = self.bundle.poll_probe(now) {

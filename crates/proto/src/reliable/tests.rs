@@ -513,3 +513,29 @@ fn discovery_datagrams_are_no_session_business_even_with_its_id() {
     a.write(&[IoSlice::new(b"still here")]);
     assert!(a.poll_transmit(2, &mut buf).is_some());
 }
+
+#[test]
+fn a_reordering_window_keeps_datagrams_overtaken_by_their_burst_from_being_resent() {
+    // Datagram 5 is held back 300 µs, so those after it overtake it. Without a reordering
+    // window the overtaking alone marks it lost and sends it again for nothing; with one (as
+    // a bundle of links sets) it is lost only if datagrams sent well after it arrive first.
+    let run = |window: u64| {
+        let mut delayed = false;
+        let config = ReliableConfig { reorder_window_us: window, ..config() };
+        let mut pair = Pair::new(config, [0, 0], 20).with_fate(move |side, h, _| {
+            if side == 0 && h.kind == DatagramKind::Data && h.seq == 5 && !delayed {
+                delayed = true;
+                return Fate::Delay(300);
+            }
+            Fate::Deliver
+        });
+        pair.transfer(20_000, 1_000_000);
+        (pair.ends[0].counters(), pair.ends[1].counters())
+    };
+    let (a, _) = run(0);
+    assert_eq!(a.retransmitted_gap, 1, "{a:?}");
+    let (a, b) = run(1_000);
+    assert_eq!((a.retransmitted_gap, a.retransmitted_timeout), (0, 0), "{a:?}");
+    assert_eq!(b.duplicates, 0, "{b:?}");
+    assert!(b.out_of_order >= 3, "{b:?}");
+}
