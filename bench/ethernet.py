@@ -36,7 +36,7 @@ With --bundle a second veth pair joins the namespace, the target serves both as 
 the same over both (eth:NEAR+NEAR2/MAC); with --shape each of the four ends is shaped, so the
 bundle's ceiling is twice one link's.
 
-Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle}-<timestamp>.json (and a .png of the QD sweep), and
+Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle}-<timestamp>.json (and a .png of each sweep), and
 prints a Markdown table.
 """
 import argparse
@@ -171,7 +171,8 @@ def fio_nbd(a, uri, qd, server_pid):
             "server_ctx_per_io": None}
 
 
-def plot(path, qds, med, title):
+def plot(path, xs, xlabel, med, names, title):
+    """IOPS and CPU per I/O (client + server) of each of `names` at each x: med[(name, x)]."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -180,19 +181,19 @@ def plot(path, qds, med, title):
         log("matplotlib missing: no plot (python3 -m pip install matplotlib)")
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for s in SYSTEMS:
-        xs = [q for q in qds if (s, q) in med]
-        axes[0].plot(xs, [med[(s, q)]["iops"] for q in xs], marker="o", label=s)
-        axes[1].plot(xs, [med[(s, q)]["client_cpu_us_per_io"] + med[(s, q)]["server_cpu_us_per_io"] for q in xs],
+    for s in names:
+        pts = [x for x in xs if (s, x) in med]
+        axes[0].plot(pts, [med[(s, x)]["iops"] for x in pts], marker="o", label=s)
+        axes[1].plot(pts, [med[(s, x)]["client_cpu_us_per_io"] + med[(s, x)]["server_cpu_us_per_io"] for x in pts],
                      marker="o", label=s)
     for ax in axes:
         ax.set_xscale("log", base=2)
-        ax.set_xticks(qds)
-        ax.set_xticklabels([str(q) for q in qds])
-        ax.set_xlabel("queue depth")
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_xlabel(xlabel)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    axes[0].set_ylabel("IOPS (4 KiB random reads)")
+    axes[0].set_ylabel("IOPS (4 KiB)")
     axes[1].set_ylabel("CPU µs per I/O, client + server")
     fig.suptitle(title)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -288,9 +289,10 @@ def shaped_sweep(a, variants, name, fields, title, eth=(FAR,), links=1):
     med = {k: median_record(v) for k, v in runs.items()}
     base = save(a, name, {"shape": a.shape, "rw": a.rw, **fields},
                 [{"system": s, "threads": t, **med[(s, t)], "repetitions": runs[(s, t)]} for (s, t) in runs])
-    print(f"{title}: 4 KiB {a.rw}, threads x QD 4 on shared lanes"
-          f"{f', each link shaped to {a.shape}' if a.shape else ', unshaped'} ({a.pl.short()}, median of {a.repeat});"
-          f" {base}.json")
+    what = (f"{title}: 4 KiB {a.rw}, threads x QD 4 on shared lanes"
+            f"{f', each link shaped to {a.shape}' if a.shape else ', unshaped'} ({a.pl.short()}, median of {a.repeat})")
+    png = plot(base + ".png", threads, "threads x QD 4", med, [v for v, _, _ in variants], what)
+    print(f"{what}; {base}.json" + (f", {png}" if png else ""))
     print()
     head = "| threads x QD 4 |"
     for v, _, _ in variants:
@@ -429,7 +431,7 @@ def main():
     title = f"4 KiB random reads over one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat})"
     base = save(a, "qd", {"target_mac": mac},
                 [{"system": s, "qd": q, **med[(s, q)], "repetitions": runs[(s, q)]} for (s, q) in runs])
-    png = plot(base + ".png", qds, med, title)
+    png = plot(base + ".png", qds, "queue depth", med, SYSTEMS, title)
     print(f"{title}; {base}.json" + (f", {png}" if png else ""))
     print()
     print("| QD | system | IOPS | mean µs | p99 µs | CPU µs/I/O client | server | total | eth CPU ÷ TCP CPU |")
