@@ -357,8 +357,12 @@ mod tests {
         };
         assert_eq!(edit(0, 2), Err(DatagramError::BadVersion(2)));
         assert_eq!(edit(1, 5), Err(DatagramError::UnknownKind(5)));
-        assert_eq!(edit(1, 18), Err(DatagramError::UnknownKind(18)));
-        // Discovery carries no payload either.
+        assert_eq!(edit(1, 20), Err(DatagramError::UnknownKind(20)));
+        // Discovery and link probes carry no payload either.
+        assert_eq!(
+            edit(1, DatagramKind::Probe as u8),
+            Err(DatagramError::PayloadForKind { kind: DatagramKind::Probe, len: 2 })
+        );
         assert_eq!(
             edit(1, DatagramKind::Discover as u8),
             Err(DatagramError::PayloadForKind { kind: DatagramKind::Discover, len: 2 })
