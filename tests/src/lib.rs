@@ -628,3 +628,111 @@ pub mod verify {
         }
     }
 }
+
+/// Real etcd processes (Debian's `etcd-server`) on loopback, for the control plane's tests:
+/// one member or a cluster of several, each with a data directory of its own, killed and
+/// removed on drop even when a test fails.
+pub mod etcd {
+    use std::net::TcpListener;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    /// A free loopback port (free when asked; etcd binds it right after).
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port()
+    }
+
+    /// The members of one etcd cluster.
+    pub struct Cluster {
+        members: Vec<Option<Child>>,
+        client_urls: Vec<String>,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Cluster {
+        /// Start `n` members and wait until the cluster answers.
+        pub fn start(n: usize) -> Cluster {
+            let _ = crate::tool("etcd", "etcd-server");
+            let dir = tempfile::tempdir().expect("a directory for etcd's data");
+            let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+            let token = format!("skiff-test-{}-{}", std::process::id(), ports[0].0);
+            let initial: Vec<String> = ports
+                .iter()
+                .enumerate()
+                .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+                .collect();
+            let mut members = Vec::new();
+            let mut client_urls = Vec::new();
+            for (i, (client, peer)) in ports.iter().enumerate() {
+                let client_url = format!("http://127.0.0.1:{client}");
+                let peer_url = format!("http://127.0.0.1:{peer}");
+                let child = Command::new("etcd")
+                    .args(["--name", &format!("m{i}")])
+                    .arg("--data-dir")
+                    .arg(dir.path().join(format!("m{i}")))
+                    .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
+                    .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+                    .args(["--initial-cluster", &initial.join(","), "--initial-cluster-state", "new"])
+                    .args(["--initial-cluster-token", &token])
+                    // Short elections: a test's cluster loses a member and must go on quickly.
+                    .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("start etcd");
+                members.push(Some(child));
+                client_urls.push(client_url);
+            }
+            let cluster = Cluster { members, client_urls, _dir: dir };
+            cluster.wait_ready();
+            cluster
+        }
+
+        /// Every member's client URL.
+        pub fn endpoints(&self) -> Vec<String> {
+            self.client_urls.clone()
+        }
+
+        /// The members' client URLs joined by commas (the `--coordinator` form).
+        pub fn url(&self) -> String {
+            self.client_urls.join(",")
+        }
+
+        /// Kill member `i` (SIGKILL), as a crash would.
+        pub fn kill(&mut self, i: usize) {
+            if let Some(mut child) = self.members[i].take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+
+        /// Wait until every running member serves reads through the cluster (a quorum
+        /// formed); a cluster that never does fails the test, with what etcd said.
+        fn wait_ready(&self) {
+            let start = Instant::now();
+            for (i, url) in self.client_urls.iter().enumerate() {
+                let etcd = coord::etcd::Etcd::new(std::slice::from_ref(url), Duration::from_secs(2));
+                loop {
+                    match etcd.get(b"/skiff-test/ready") {
+                        Ok(_) => break,
+                        Err(e) => {
+                            assert!(
+                                start.elapsed() < Duration::from_secs(60),
+                                "etcd member {i} at {url} never answered: {e}"
+                            );
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    impl Drop for Cluster {
+        fn drop(&mut self) {
+            for i in 0..self.members.len() {
+                self.kill(i);
+            }
+        }
+    }
+}

@@ -13,6 +13,7 @@ mod attach;
 mod bench;
 mod info;
 mod keys;
+mod ns;
 mod reconnect;
 mod relay;
 mod revoke;
@@ -46,6 +47,8 @@ enum Command {
     /// Bridge two interfaces, dropping, duplicating, reordering and corrupting raw-Ethernet
     /// frames at seeded rates (a fault relay for tests), until SIGINT or SIGTERM.
     Relay(relay::RelayArgs),
+    /// RStore namespaces on the coordinator (etcd): create, reserve, alloc, list, delete.
+    Ns(ns::NsArgs),
 }
 
 fn init_logging(default: &str) {
@@ -88,6 +91,10 @@ fn main() -> ExitCode {
         Command::Relay(args) => {
             init_logging("info");
             relay::run(args)
+        }
+        Command::Ns(args) => {
+            init_logging("warn");
+            ns::run(args)
         }
     };
     match result {

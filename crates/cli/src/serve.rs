@@ -1,6 +1,7 @@
 //! `skiff serve`.
 
 mod config;
+mod pool;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -42,8 +43,27 @@ pub struct ServeArgs {
     /// are ro (read-only), cache=SIZE (direct-read cache of a file export), direct=off (page
     /// cache instead of O_DIRECT) and allow=NAME:rw+NAME:ro+*:ro (who may open it, with which
     /// rights; * is anyone without a key). Repeatable.
-    #[arg(long = "export", value_name = "NAME=SPEC", required_unless_present = "config")]
+    #[arg(long = "export", value_name = "NAME=SPEC", required_unless_present_any = ["config", "pool"])]
     exports: Vec<ExportConfig>,
+    /// Be a memory server of RStore namespaces: donate RAM (ram:SIZE) or a file (file:PATH) as
+    /// a pool of chunks, served as export `pool` and registered with --coordinator
+    /// (docs/RSTORE.md).
+    #[arg(long, value_name = "SPEC", requires = "coordinator")]
+    pool: Option<String>,
+    /// The coordinator a pool registers with: etcd's client URLs, comma-separated.
+    #[arg(long, value_name = "URLS")]
+    coordinator: Option<String>,
+    /// The pool's chunk size (a power of two; namespaces use servers of their chunk size).
+    #[arg(long, value_parser = crate::units::parse_size, default_value = "4M")]
+    chunk: u64,
+    /// Where initiators reach this memory server, as registered [default: the TCP address it
+    /// listens on].
+    #[arg(long, value_name = "HOST:PORT")]
+    advertise: Option<String>,
+    /// The registration's lease: this long after the server stops renewing it, its chunks are
+    /// lost to their namespaces.
+    #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_duration, default_value = "10s")]
+    lease: Duration,
     /// Serve every export read-only.
     #[arg(long)]
     read_only: bool,
@@ -136,6 +156,24 @@ fn at_least_one(s: &str) -> Result<usize, String> {
 
 pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
     let tuning = config::apply(&mut args, matches)?;
+    let pool = args.pool.as_deref().map(pool::parse).transpose()?;
+    if let Some(p) = &pool {
+        if args.exports.iter().any(|e| e.name == pool::POOL_EXPORT) {
+            return Err(format!(
+                "--pool serves export {:?}: no --export may take that name",
+                pool::POOL_EXPORT
+            )
+            .into());
+        }
+        if args.chunk == 0 || !args.chunk.is_power_of_two() || p.bytes < args.chunk {
+            return Err(format!(
+                "--chunk {}: a power of two no larger than the pool ({} bytes)",
+                args.chunk, p.bytes
+            )
+            .into());
+        }
+        args.exports.push(p.export.clone());
+    }
     if args.exports.is_empty() {
         return Err("no exports: give --export NAME=SPEC, or `export` in the config file".into());
     }
@@ -190,11 +228,43 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
     let protocols = [server::Protocol::Native, server::Protocol::Nbd];
     let listening: Vec<String> =
         protocols.iter().flat_map(|&p| target.endpoints_of(p)).map(|e| e.to_string()).collect();
+    let registered = match (&pool, &args.coordinator) {
+        (Some(p), Some(urls)) => {
+            let endpoint = match &args.advertise {
+                Some(a) => a.clone(),
+                None => target
+                    .endpoints_of(server::Protocol::Native)
+                    .into_iter()
+                    .find_map(|e| matches!(e, Endpoint::Tcp(_)).then(|| e.to_string()))
+                    .ok_or("--pool without TCP: give --advertise")?,
+            };
+            let info = coord::ServerInfo {
+                id: endpoint.clone(),
+                endpoint,
+                export: pool::POOL_EXPORT.into(),
+                scope: p.scope,
+                bytes: p.bytes - p.bytes % args.chunk,
+                chunk_bytes: args.chunk,
+                incarnation: pool::incarnation(p.scope)?,
+            };
+            match pool::register(urls, info, args.lease) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    target.shutdown();
+                    return Err(e);
+                }
+            }
+        }
+        _ => None,
+    };
     let status = format!("listening on {}", listening.join(", "));
     notify(rt::notify::ready(&status));
     let sig = rt::signals::wait_termination()?;
     tracing::info!(signal = sig, "shutting down");
     notify(rt::notify::stopping());
+    if let Some(r) = registered {
+        r.end();
+    }
     target.shutdown();
     tracing::info!("stopped");
     Ok(ExitCode::SUCCESS)

@@ -79,6 +79,13 @@ pub(super) struct ServeFile {
     idle_timeout: Option<Duration>,
     #[serde(default, deserialize_with = "timeout")]
     nbd_idle_timeout: Option<Duration>,
+    pool: Option<String>,
+    coordinator: Option<String>,
+    #[serde(default, deserialize_with = "size")]
+    chunk: Option<u64>,
+    advertise: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    lease: Option<Duration>,
     // The bounds only the file sets ([`Tuning`]). Not a flattened struct: serde cannot refuse
     // unknown keys through one.
     #[serde(default, deserialize_with = "count")]
@@ -169,8 +176,9 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
     }
     set!(
         listen, no_tcp, nbd, eth, exports, read_only, key_files, tls, tls_verify_peer, workers, queue_depth, poll,
-        io_max, connections_max, handshakes_max, connections_per_address_max;
-        options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates
+        io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease;
+        options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates,
+            pool, coordinator, advertise
     );
     Ok(tuning)
 }

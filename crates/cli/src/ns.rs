@@ -1,0 +1,181 @@
+//! `skiff ns`: RStore namespaces on the coordinator (etcd): create, reserve, allocate, list,
+//! delete, and the memory servers that donate their chunks (docs/RSTORE.md).
+
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+use coord::{Coordinator, Namespace, Scope, ServerInfo};
+
+use crate::CliResult;
+
+#[derive(Args)]
+pub struct NsArgs {
+    /// The coordinator: etcd's client URLs, comma-separated [default: $SKIFF_COORDINATOR, or
+    /// http://127.0.0.1:2379].
+    #[arg(long, value_name = "URLS", global = true)]
+    coordinator: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    action: Action,
+}
+
+#[derive(Subcommand)]
+enum Action {
+    /// Create a namespace and reserve --size in it.
+    Create {
+        name: String,
+        /// Capacity to reserve at once (e.g. 1G; 0: none yet).
+        #[arg(long, value_parser = crate::units::parse_size, default_value = "0")]
+        size: u64,
+        /// Chunk size (a power of two; memory servers must use the same).
+        #[arg(long, value_parser = crate::units::parse_size, default_value = "4M")]
+        chunk: u64,
+        /// Copies of every chunk, on distinct servers.
+        #[arg(long, default_value_t = 1)]
+        replicas: u32,
+        /// ram (servers' memory) or file (their files: flash namespaces).
+        #[arg(long, default_value = "ram")]
+        scope: Scope,
+    },
+    /// Reserve more capacity in a namespace.
+    Reserve {
+        name: String,
+        #[arg(value_parser = crate::units::parse_size)]
+        size: u64,
+    },
+    /// Give unallocated capacity back to the servers.
+    Release {
+        name: String,
+        #[arg(value_parser = crate::units::parse_size)]
+        size: u64,
+    },
+    /// Allocate an raddress segment (at --at, or after the last one).
+    Alloc {
+        name: String,
+        #[arg(value_parser = crate::units::parse_size)]
+        size: u64,
+        #[arg(long, value_parser = crate::units::parse_size)]
+        at: Option<u64>,
+    },
+    /// Free the raddress segment at ADDR.
+    Free {
+        name: String,
+        #[arg(value_parser = crate::units::parse_size)]
+        addr: u64,
+    },
+    /// List the namespaces (with --json, each whole: reserve, allocations, chunk maps).
+    List,
+    /// Delete a namespace; its chunks go back to the servers.
+    Delete { name: String },
+    /// List the memory servers registered now.
+    Servers,
+}
+
+fn print_json(value: &impl serde::Serialize) {
+    println!("{}", serde_json::to_string_pretty(value).expect("JSON"));
+}
+
+fn summary(ns: &Namespace, live: &[ServerInfo]) -> String {
+    let lost = ns.lost(live).count();
+    format!(
+        "{}: {} x{}, chunks of {} KiB; {} MiB reserved, {} MiB in {} allocation(s){}",
+        ns.name,
+        ns.scope,
+        ns.replicas,
+        ns.chunk_bytes >> 10,
+        ns.reserved_bytes() >> 20,
+        ns.allocated_bytes() >> 20,
+        ns.allocs.len(),
+        if lost > 0 { format!("; {lost} chunk(s) LOST (their servers are gone)") } else { String::new() }
+    )
+}
+
+pub fn run(args: NsArgs) -> CliResult {
+    let urls = args
+        .coordinator
+        .or_else(|| std::env::var("SKIFF_COORDINATOR").ok())
+        .unwrap_or_else(|| "http://127.0.0.1:2379".into());
+    let c = Coordinator::connect(&[urls]);
+    match args.action {
+        Action::Create { name, size, chunk, replicas, scope } => {
+            let mut ns = c.create_ns(&name, scope, chunk, replicas)?;
+            if size > 0 {
+                ns = c.reserve(&name, size)?;
+            }
+            if args.json {
+                print_json(&ns);
+            } else {
+                println!("created {}", summary(&ns, &c.servers()?));
+            }
+        }
+        Action::Reserve { name, size } => {
+            let ns = c.reserve(&name, size)?;
+            if args.json {
+                print_json(&ns);
+            } else {
+                println!("{}", summary(&ns, &c.servers()?));
+            }
+        }
+        Action::Release { name, size } => {
+            let ns = c.release(&name, size)?;
+            if args.json {
+                print_json(&ns);
+            } else {
+                println!("{}", summary(&ns, &c.servers()?));
+            }
+        }
+        Action::Alloc { name, size, at } => {
+            let r = c.alloc(&name, size, at)?;
+            if args.json {
+                print_json(&r);
+            } else {
+                println!("{}: allocated {} bytes at {:#x} ({} chunks)", r.ns, r.len, r.addr, r.stripes.len());
+            }
+        }
+        Action::Free { name, addr } => {
+            c.free(&name, addr)?;
+            if !args.json {
+                println!("{name}: freed the allocation at {addr:#x}");
+            }
+        }
+        Action::List => {
+            let all = c.list_ns()?;
+            if args.json {
+                print_json(&all);
+            } else {
+                let live = c.servers()?;
+                for ns in &all {
+                    println!("{}", summary(ns, &live));
+                }
+            }
+        }
+        Action::Delete { name } => {
+            c.delete_ns(&name)?;
+            if !args.json {
+                println!("deleted {name}");
+            }
+        }
+        Action::Servers => {
+            let servers = c.servers()?;
+            if args.json {
+                print_json(&servers);
+            } else {
+                for s in &servers {
+                    println!(
+                        "{}: {} export {} ({}, {} MiB in {} chunks of {} KiB)",
+                        s.id,
+                        s.endpoint,
+                        s.export,
+                        s.scope,
+                        s.bytes >> 20,
+                        s.chunks(),
+                        s.chunk_bytes >> 10
+                    );
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

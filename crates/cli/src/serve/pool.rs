@@ -1,0 +1,110 @@
+//! `skiff serve --pool SPEC --coordinator URLS`: a memory server of RStore namespaces. The
+//! pool is an ordinary export (`pool`) that initiators reach on the data path like any other;
+//! the server registers it with the coordinator (etcd) under a lease and renews the lease from
+//! a thread of its own, so that the control plane never runs on a worker (docs/RSTORE.md).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use coord::{Coordinator, Registration, Scope, ServerInfo};
+
+/// The export a pool is served as.
+pub const POOL_EXPORT: &str = "pool";
+
+/// What `--pool` asked for.
+pub struct Pool {
+    pub export: server::ExportConfig,
+    pub scope: Scope,
+    pub bytes: u64,
+}
+
+/// `ram:SIZE` or `file:PATH` (the file's size is the pool's).
+pub fn parse(spec: &str) -> Result<Pool, String> {
+    let export: server::ExportConfig =
+        format!("{POOL_EXPORT}={spec}").parse().map_err(|e| format!("--pool {spec}: {e}"))?;
+    let (scope, bytes) = match &export.spec {
+        backend::BackendSpec::Ram { size_bytes } => (Scope::Ram, *size_bytes),
+        backend::BackendSpec::File { path } => {
+            let len = std::fs::metadata(path).map_err(|e| format!("--pool {spec}: {e}"))?.len();
+            (Scope::File, len)
+        }
+        backend::BackendSpec::Null { .. } => {
+            return Err(format!("--pool {spec}: a pool must hold data (ram: or file:)"))
+        }
+    };
+    Ok(Pool { export, scope, bytes })
+}
+
+/// This process's incarnation of a pool of `scope`: new for RAM, whose data dies with the
+/// process; 0 for a file, whose data does not.
+pub fn incarnation(scope: Scope) -> std::io::Result<u64> {
+    Ok(match scope {
+        Scope::Ram => u64::from_le_bytes(rt::random::bytes::<8>()?) | 1,
+        Scope::File => 0,
+    })
+}
+
+/// A registration kept alive by a thread until [`Registered::end`].
+pub struct Registered {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Option<Registration>>>,
+    coord: Arc<Coordinator>,
+}
+
+/// Register `info` with the coordinator at `urls`, and renew it every third of `lease` from a
+/// thread; a lease found expired (etcd unreachable for longer than `lease`) is taken again.
+pub fn register(
+    urls: &str,
+    info: ServerInfo,
+    lease: Duration,
+) -> Result<Registered, Box<dyn std::error::Error>> {
+    let coord = Arc::new(Coordinator::connect(&[urls.to_owned()]));
+    let first =
+        coord.register(&info, lease).map_err(|e| format!("registering with the coordinator {urls}: {e}"))?;
+    tracing::info!(id = %info.id, endpoint = %info.endpoint, bytes = info.bytes, chunk = info.chunk_bytes, scope = %info.scope,
+        "registered with the coordinator");
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread = {
+        let (stop, coord) = (stop.clone(), coord.clone());
+        std::thread::Builder::new().name("skiff-lease".into()).spawn(move || {
+            let mut reg = Some(first);
+            let tick = Duration::from_millis(50);
+            let mut waited = Duration::ZERO;
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(tick);
+                waited += tick;
+                let interval = reg.as_ref().map_or(Duration::from_secs(1), Registration::interval);
+                if waited < interval {
+                    continue;
+                }
+                waited = Duration::ZERO;
+                match reg.as_ref().map(|r| r.keep_alive(&coord)) {
+                    Some(Ok(true)) => {}
+                    Some(Err(e)) => tracing::warn!(error = %e, "cannot renew the registration; trying again"),
+                    Some(Ok(false)) | None => {
+                        tracing::warn!("the registration lapsed: registering again");
+                        reg = coord
+                            .register(&info, lease)
+                            .inspect_err(|e| tracing::warn!(error = %e, "cannot register again"))
+                            .ok();
+                    }
+                }
+            }
+            reg
+        })?
+    };
+    Ok(Registered { stop, thread: Some(thread), coord })
+}
+
+impl Registered {
+    /// Stop renewing and end the registration at once (a clean shutdown).
+    pub fn end(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(Some(reg)) = self.thread.take().map(|t| t.join().ok().flatten()) {
+            if let Err(e) = reg.revoke(&self.coord) {
+                tracing::warn!(error = %e, "cannot end the registration; it lapses with its lease");
+            }
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! RStore's control plane from the command line (issue 12): two memory servers (`skiff serve
+//! --pool ram:16M --coordinator URL`) register with a real etcd; `skiff ns` creates a
+//! namespace striped over both, allocates in it, lists it; a server killed with SIGKILL loses
+//! its lease and its chunks show as lost; one stopped cleanly ends its registration at once.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use skiff_tests::etcd::Cluster;
+
+fn skiff() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_skiff"))
+}
+
+/// A child killed on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn ns(url: &str, args: &[&str]) -> String {
+    let out = skiff().args(["ns", "--coordinator", url]).args(args).output().expect("skiff ns");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "skiff ns {args:?}: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+fn json(url: &str, args: &[&str]) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    serde_json::from_str(&ns(url, &all)).expect("JSON")
+}
+
+/// Wait until `skiff ns servers` lists `n` servers.
+fn wait_servers(url: &str, n: usize) -> serde_json::Value {
+    let start = Instant::now();
+    loop {
+        let servers = json(url, &["servers"]);
+        if servers.as_array().map(Vec::len) == Some(n) {
+            return servers;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "never {n} servers: {servers}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn memory_servers_register_and_namespaces_stripe_over_them() {
+    let etcd = Cluster::start(1);
+    let url = etcd.url();
+    let serve = |lease: &str| {
+        Proc(
+            skiff()
+                .args(["serve", "--listen", "127.0.0.1:0", "--pool", "ram:16M", "--chunk", "1M"])
+                .args(["--coordinator", &url, "--lease", lease])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("skiff serve --pool"),
+        )
+    };
+    let (mut first, mut second) = (serve("2s"), serve("2s"));
+    let servers = wait_servers(&url, 2);
+    for s in servers.as_array().unwrap() {
+        assert_eq!(
+            (s["export"].as_str(), s["bytes"].as_u64(), s["chunk_bytes"].as_u64()),
+            (Some("pool"), Some(16 << 20), Some(1 << 20))
+        );
+        assert!(s["endpoint"].as_str().unwrap().starts_with("127.0.0.1:"), "{s}");
+    }
+
+    let created = json(&url, &["create", "t", "--size", "8M", "--chunk", "1M"]);
+    let stripes = created["reserved"].as_array().unwrap();
+    assert_eq!(stripes.len(), 8);
+    let on: Vec<&str> = stripes.iter().map(|s| s[0]["server"].as_str().unwrap()).collect();
+    assert!(on.windows(2).all(|w| w[0] != w[1]), "consecutive chunks on different servers: {on:?}");
+    let a = json(&url, &["alloc", "t", "3M"]);
+    assert_eq!((a["addr"].as_u64(), a["stripes"].as_array().unwrap().len()), (Some(0), 3));
+    // The bootstrap address is taken now: a second allocation there is refused.
+    let out = skiff().args(["ns", "--coordinator", &url, "alloc", "t", "1M", "--at", "0"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("overlaps"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed = ns(&url, &["list"]);
+    assert!(
+        listed.contains("t: ram x1") && listed.contains("8 MiB reserved, 3 MiB in 1 allocation(s)"),
+        "{listed}"
+    );
+
+    // SIGKILL: the lease lapses after its 2 s and the chunks on that server are lost.
+    let killed = first.0.id();
+    let _ = first.0.kill();
+    let _ = first.0.wait();
+    wait_servers(&url, 1);
+    let listed = ns(&url, &["list"]);
+    assert!(listed.contains("4 chunk(s) LOST"), "pid {killed} gone: {listed}");
+
+    // SIGTERM: a clean stop ends the registration at once.
+    let _ = Command::new("kill").args(["-TERM", &second.0.id().to_string()]).status();
+    let _ = second.0.wait();
+    assert_eq!(json(&url, &["servers"]).as_array().map(Vec::len), Some(0));
+
+    ns(&url, &["delete", "t"]);
+    assert_eq!(json(&url, &["list"]).as_array().map(Vec::len), Some(0));
+}

@@ -1,0 +1,324 @@
+//! A small blocking client for etcd v3's JSON gateway (`POST /v3/kv/range` and friends): the
+//! few calls skiff's control plane needs, with failover across a cluster's members.
+//!
+//! The gateway maps etcd's gRPC messages to JSON: keys and values are base64, 64-bit integers
+//! travel as strings (and are accepted either way), enum values by name, and fields left at
+//! their default are omitted. Every call goes to the member that answered last and, when it
+//! cannot be reached, to the next; a member that answers with an error is not retried
+//! elsewhere (the error is etcd's answer, not the network's).
+
+use std::time::Duration;
+
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine as _;
+use serde::{Deserialize, Deserializer};
+use serde_json::{json, Value};
+
+/// Why an etcd call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    #[error("no etcd member answered ({tried}): {last}")]
+    Unreachable { tried: String, last: String },
+    #[error("etcd at {endpoint} refused {path}: HTTP {status}: {message}")]
+    Refused { endpoint: String, path: String, status: u16, message: String },
+    #[error("etcd at {endpoint} answered {path} with something unexpected: {why}")]
+    Malformed { endpoint: String, path: String, why: String },
+}
+
+/// One key and its value, with etcd's revisions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kv {
+    pub key: Vec<u8>,
+    pub value: Vec<u8>,
+    pub create_revision: i64,
+    pub mod_revision: i64,
+    pub lease: i64,
+}
+
+/// A condition of a transaction.
+#[derive(Debug, Clone)]
+pub enum Compare {
+    /// The key does not exist (its create revision is 0).
+    Absent(Vec<u8>),
+    /// The key was last modified at this revision (0: it does not exist).
+    ModRevision(Vec<u8>, i64),
+}
+
+/// An operation of a transaction.
+#[derive(Debug, Clone)]
+pub enum Op {
+    Put {
+        key: Vec<u8>,
+        value: Vec<u8>,
+        lease: i64,
+    },
+    Delete(Vec<u8>),
+    /// Every key with this prefix.
+    DeletePrefix(Vec<u8>),
+}
+
+/// A client of one etcd cluster.
+pub struct Etcd {
+    endpoints: Vec<String>,
+    /// The member that answered last.
+    current: std::sync::atomic::AtomicUsize,
+    agent: ureq::Agent,
+}
+
+fn b64(bytes: &[u8]) -> String {
+    B64.encode(bytes)
+}
+
+/// The first key after every key that starts with `prefix` (etcd's `range_end` for a prefix).
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0] // every key
+}
+
+fn int64<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        S(String),
+        N(i64),
+    }
+    match Either::deserialize(d)? {
+        Either::N(n) => Ok(n),
+        Either::S(s) => s.parse().map_err(serde::de::Error::custom),
+    }
+}
+
+#[derive(Deserialize)]
+struct RawKv {
+    #[serde(default)]
+    key: String,
+    #[serde(default)]
+    value: String,
+    #[serde(default, deserialize_with = "int64")]
+    create_revision: i64,
+    #[serde(default, deserialize_with = "int64")]
+    mod_revision: i64,
+    #[serde(default, deserialize_with = "int64")]
+    lease: i64,
+}
+
+#[derive(Deserialize)]
+struct RangeResponse {
+    #[serde(default)]
+    kvs: Vec<RawKv>,
+}
+
+#[derive(Deserialize)]
+struct TxnResponse {
+    #[serde(default)]
+    succeeded: bool,
+}
+
+#[derive(Deserialize)]
+struct LeaseGrant {
+    #[serde(rename = "ID", deserialize_with = "int64")]
+    id: i64,
+}
+
+#[derive(Deserialize)]
+struct KeepAliveResult {
+    #[serde(rename = "TTL", default, deserialize_with = "int64")]
+    ttl: i64,
+}
+
+#[derive(Deserialize)]
+struct KeepAlive {
+    result: Option<KeepAliveResult>,
+}
+
+impl Etcd {
+    /// A client of the cluster whose members' client URLs are `endpoints`
+    /// (`http://127.0.0.1:2379`, comma-separated in one string or given apart).
+    pub fn new(endpoints: &[String], timeout: Duration) -> Etcd {
+        let endpoints: Vec<String> = endpoints
+            .iter()
+            .flat_map(|e| e.split(','))
+            .map(|e| e.trim().trim_end_matches('/').to_owned())
+            .filter(|e| !e.is_empty())
+            .collect();
+        let config =
+            ureq::Agent::config_builder().timeout_global(Some(timeout)).http_status_as_error(false).build();
+        Etcd { endpoints, current: 0.into(), agent: ureq::Agent::new_with_config(config) }
+    }
+
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    /// POST `body` to `path` on a member that answers.
+    fn call(&self, path: &str, body: &Value) -> Result<Value, EtcdError> {
+        use std::sync::atomic::Ordering;
+        let n = self.endpoints.len();
+        let start = self.current.load(Ordering::Relaxed);
+        let mut last = String::from("no endpoints");
+        for k in 0..n {
+            let i = (start + k) % n;
+            let endpoint = &self.endpoints[i];
+            let mut response = match self.agent.post(format!("{endpoint}{path}")).send_json(body) {
+                Ok(r) => r,
+                Err(e) => {
+                    last = format!("{endpoint}: {e}");
+                    continue;
+                }
+            };
+            self.current.store(i, Ordering::Relaxed);
+            let status = response.status().as_u16();
+            let value: Value = response.body_mut().read_json().map_err(|e| EtcdError::Malformed {
+                endpoint: endpoint.clone(),
+                path: path.to_owned(),
+                why: e.to_string(),
+            })?;
+            if status != 200 {
+                let message = value
+                    .get("message")
+                    .or_else(|| value.get("error"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_owned();
+                return Err(EtcdError::Refused {
+                    endpoint: endpoint.clone(),
+                    path: path.to_owned(),
+                    status,
+                    message,
+                });
+            }
+            return Ok(value);
+        }
+        Err(EtcdError::Unreachable { tried: self.endpoints.join(", "), last })
+    }
+
+    fn parse<T: serde::de::DeserializeOwned>(&self, path: &str, v: Value) -> Result<T, EtcdError> {
+        serde_json::from_value(v).map_err(|e| EtcdError::Malformed {
+            endpoint: self.endpoints[self.current.load(std::sync::atomic::Ordering::Relaxed)].clone(),
+            path: path.to_owned(),
+            why: e.to_string(),
+        })
+    }
+
+    fn kvs(&self, path: &str, raw: Vec<RawKv>) -> Result<Vec<Kv>, EtcdError> {
+        raw.into_iter()
+            .map(|r| {
+                let decode = |s: &str| {
+                    B64.decode(s).map_err(|e| EtcdError::Malformed {
+                        endpoint: self.endpoints[0].clone(),
+                        path: path.to_owned(),
+                        why: format!("base64: {e}"),
+                    })
+                };
+                Ok(Kv {
+                    key: decode(&r.key)?,
+                    value: decode(&r.value)?,
+                    create_revision: r.create_revision,
+                    mod_revision: r.mod_revision,
+                    lease: r.lease,
+                })
+            })
+            .collect()
+    }
+
+    /// The key, if it exists.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Kv>, EtcdError> {
+        let v = self.call("/v3/kv/range", &json!({ "key": b64(key) }))?;
+        let r: RangeResponse = self.parse("/v3/kv/range", v)?;
+        Ok(self.kvs("/v3/kv/range", r.kvs)?.into_iter().next())
+    }
+
+    /// Every key with `prefix`, in key order.
+    pub fn prefix(&self, prefix: &[u8]) -> Result<Vec<Kv>, EtcdError> {
+        let v =
+            self.call("/v3/kv/range", &json!({ "key": b64(prefix), "range_end": b64(&prefix_end(prefix)) }))?;
+        let r: RangeResponse = self.parse("/v3/kv/range", v)?;
+        self.kvs("/v3/kv/range", r.kvs)
+    }
+
+    pub fn put(&self, key: &[u8], value: &[u8], lease: i64) -> Result<(), EtcdError> {
+        self.call(
+            "/v3/kv/put",
+            &json!({ "key": b64(key), "value": b64(value), "lease": lease.to_string() }),
+        )?;
+        Ok(())
+    }
+
+    /// Run `success` if every comparison holds, `failure` otherwise, atomically; says which.
+    pub fn txn(&self, compare: &[Compare], success: &[Op], failure: &[Op]) -> Result<bool, EtcdError> {
+        let compare: Vec<Value> = compare
+            .iter()
+            .map(|c| match c {
+                Compare::Absent(key) => json!({
+                    "target": "CREATE", "result": "EQUAL", "key": b64(key), "create_revision": "0"
+                }),
+                Compare::ModRevision(key, rev) => json!({
+                    "target": "MOD", "result": "EQUAL", "key": b64(key), "mod_revision": rev.to_string()
+                }),
+            })
+            .collect();
+        let ops = |ops: &[Op]| -> Vec<Value> {
+            ops.iter()
+                .map(|op| match op {
+                    Op::Put { key, value, lease } => json!({ "request_put": {
+                        "key": b64(key), "value": b64(value), "lease": lease.to_string()
+                    }}),
+                    Op::Delete(key) => json!({ "request_delete_range": { "key": b64(key) } }),
+                    Op::DeletePrefix(prefix) => json!({ "request_delete_range": {
+                        "key": b64(prefix), "range_end": b64(&prefix_end(prefix))
+                    }}),
+                })
+                .collect()
+        };
+        let v = self.call(
+            "/v3/kv/txn",
+            &json!({ "compare": compare, "success": ops(success), "failure": ops(failure) }),
+        )?;
+        Ok(self.parse::<TxnResponse>("/v3/kv/txn", v)?.succeeded)
+    }
+
+    /// A lease that expires `ttl` seconds after its last keepalive.
+    pub fn grant(&self, ttl: Duration) -> Result<i64, EtcdError> {
+        let v = self.call("/v3/lease/grant", &json!({ "TTL": ttl.as_secs().max(1) }))?;
+        Ok(self.parse::<LeaseGrant>("/v3/lease/grant", v)?.id)
+    }
+
+    /// Renew `lease`; `false` when it has already expired (its keys are gone).
+    pub fn keep_alive(&self, lease: i64) -> Result<bool, EtcdError> {
+        let v = self.call("/v3/lease/keepalive", &json!({ "ID": lease.to_string() }))?;
+        let k: KeepAlive = self.parse("/v3/lease/keepalive", v)?;
+        Ok(k.result.is_some_and(|r| r.ttl > 0))
+    }
+
+    /// End `lease` now: its keys go at once.
+    pub fn revoke(&self, lease: i64) -> Result<(), EtcdError> {
+        self.call("/v3/lease/revoke", &json!({ "ID": lease.to_string() }))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_ends_are_the_next_key_after_the_prefix() {
+        assert_eq!(prefix_end(b"/skiff/ns/"), b"/skiff/ns0".to_vec());
+        assert_eq!(prefix_end(&[b'a', 0xff]), b"b".to_vec());
+        assert_eq!(prefix_end(&[0xff, 0xff]), vec![0]);
+    }
+
+    #[test]
+    fn int64_fields_come_as_strings_or_numbers_and_may_be_missing() {
+        let kv: RawKv =
+            serde_json::from_str(r#"{"key":"Zm9v","mod_revision":"7","create_revision":3}"#).unwrap();
+        assert_eq!((kv.mod_revision, kv.create_revision, kv.lease), (7, 3, 0));
+        assert_eq!(kv.value, "");
+    }
+}

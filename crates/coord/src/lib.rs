@@ -1,0 +1,573 @@
+//! RStore's control plane on etcd (Trivedi's thesis, chapter 6; docs/RSTORE.md).
+//!
+//! Memory servers (ordinary `skiff serve` processes with `--pool`) donate RAM or a file as a
+//! pool of chunks and keep a registration alive under an etcd lease. Namespaces, the chunks
+//! they reserved and the `raddress` segments allocated in them live in etcd as JSON values;
+//! every change is one etcd transaction that checks the revisions it read, so two clients
+//! racing for the same thing (a namespace name, the bootstrap address) see exactly one win.
+//! This is the slow path: it runs when a client sets up, never per I/O. A mapped `raddress`
+//! says, for every chunk, which server (endpoint, export) holds it at which offset, and the
+//! data path goes there directly.
+//!
+//! Keys (all under `/skiff/`):
+//!
+//! | key | value | lifetime |
+//! |---|---|---|
+//! | `servers/<id>` | [`ServerInfo`]: where the server listens, its pool export, scope, size, chunk size | the server's lease |
+//! | `pools/<id>` | [`PoolState`]: the next never-used chunk and the chunks given back | until deleted by hand |
+//! | `ns/<name>` | [`Namespace`]: scope, chunk size, replicas, reserved stripes, allocations | until `delete_ns` |
+//!
+//! A server whose lease expires (it died, or lost etcd for longer than its TTL) vanishes from
+//! `servers/`; the chunks namespaces hold on it are then reported lost ([`Namespace::lost`]).
+
+pub mod etcd;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::etcd::{Compare, Etcd, EtcdError, Kv, Op};
+
+const SERVERS: &str = "/skiff/servers/";
+const POOLS: &str = "/skiff/pools/";
+const NAMESPACES: &str = "/skiff/ns/";
+
+/// Transactions retried when another client changed what one read, before giving up.
+const TXN_RETRIES: usize = 64;
+
+/// Most chunks (stripes times replicas) one namespace may hold: its record is one etcd value,
+/// and etcd takes requests of 1.5 MiB at most.
+pub const NAMESPACE_CHUNKS_MAX: usize = 16_384;
+
+/// Why a control-plane call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordError {
+    #[error(transparent)]
+    Etcd(#[from] EtcdError),
+    #[error("namespace {0:?} exists already")]
+    Exists(String),
+    #[error("no namespace {0:?}")]
+    NoNamespace(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("not enough {scope} capacity: {want} chunks of {chunk_bytes} bytes on {replicas} distinct servers wanted, {have} free")]
+    NoCapacity { scope: Scope, chunk_bytes: u64, replicas: u32, want: u64, have: u64 },
+    #[error("namespace {ns:?} has {have} reserved chunks free, {want} needed (reserve more first)")]
+    NotReserved { ns: String, want: u64, have: u64 },
+    #[error("address {addr:#x} of namespace {ns:?} overlaps the allocation at {other:#x}")]
+    AddressTaken { ns: String, addr: u64, other: u64 },
+    #[error("no allocation at address {addr:#x} of namespace {ns:?}")]
+    NoAllocation { ns: String, addr: u64 },
+    #[error("etcd holds a record that does not parse at {key}: {why}")]
+    Corrupt { key: String, why: String },
+    #[error("gave up after {TXN_RETRIES} conflicting transactions on {0}")]
+    Contended(String),
+}
+
+/// What a pool (and a namespace) is made of: RAM (FlashNet's DRAM namespaces) or a file
+/// (flash namespaces, thesis 7.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    Ram,
+    File,
+}
+
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Scope::Ram => "ram",
+            Scope::File => "file",
+        })
+    }
+}
+
+impl std::str::FromStr for Scope {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Scope, String> {
+        match s {
+            "ram" => Ok(Scope::Ram),
+            "file" => Ok(Scope::File),
+            _ => Err(format!("{s:?} is not a scope (ram or file)")),
+        }
+    }
+}
+
+/// A memory server's registration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerInfo {
+    /// Unique among the servers of one coordinator (by default its endpoint).
+    pub id: String,
+    /// Where initiators reach it (the native protocol's endpoint).
+    pub endpoint: String,
+    /// The export that holds its pool; chunk `i` is at byte `i * chunk_bytes` of it.
+    pub export: String,
+    pub scope: Scope,
+    pub bytes: u64,
+    pub chunk_bytes: u64,
+    /// Which life of the server this is: a RAM pool draws a new one each time it starts (its
+    /// old chunks' data died with the old process); a file pool keeps 0, its data outliving
+    /// the process. Chunks remember the incarnation they were reserved in.
+    #[serde(default)]
+    pub incarnation: u64,
+}
+
+impl ServerInfo {
+    pub fn chunks(&self) -> u64 {
+        self.bytes / self.chunk_bytes.max(1)
+    }
+}
+
+/// The allocation state of one server's pool.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolState {
+    /// Chunks from here on were never handed out.
+    pub next: u64,
+    /// Chunks handed out and given back.
+    pub free: Vec<u64>,
+}
+
+/// One chunk of a server's pool.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ChunkRef {
+    pub server: String,
+    pub index: u64,
+    /// The server's incarnation when the chunk was reserved.
+    #[serde(default)]
+    pub incarnation: u64,
+}
+
+/// A stripe: one chunk's worth of a namespace, on `replicas` distinct servers.
+pub type Stripe = Vec<ChunkRef>;
+
+/// An `raddress` segment's binding: its length and its stripes, in address order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocation {
+    pub len: u64,
+    pub stripes: Vec<Stripe>,
+}
+
+/// A namespace: a flat 64-bit address space over chunks of the servers of one scope.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Namespace {
+    pub name: String,
+    pub scope: Scope,
+    pub chunk_bytes: u64,
+    pub replicas: u32,
+    /// Stripes reserved and not bound to an address (`reserve` adds, `alloc` takes).
+    pub reserved: Vec<Stripe>,
+    /// Allocations by address.
+    pub allocs: BTreeMap<u64, Allocation>,
+    /// Where the next allocation without an address goes.
+    pub next_addr: u64,
+}
+
+impl Namespace {
+    /// Stripes held, reserved or allocated.
+    pub fn stripes(&self) -> usize {
+        self.reserved.len() + self.allocs.values().map(|a| a.stripes.len()).sum::<usize>()
+    }
+
+    pub fn reserved_bytes(&self) -> u64 {
+        self.stripes() as u64 * self.chunk_bytes
+    }
+
+    pub fn allocated_bytes(&self) -> u64 {
+        self.allocs.values().map(|a| a.stripes.len() as u64 * self.chunk_bytes).sum()
+    }
+
+    /// The chunks whose data is gone: their server is not registered now (its lease
+    /// expired), or registered in another incarnation (a RAM pool that restarted). A stripe
+    /// with a replica left still has its data there.
+    pub fn lost<'a>(&'a self, live: &'a [ServerInfo]) -> impl Iterator<Item = &'a ChunkRef> + 'a {
+        let stripes = self.reserved.iter().chain(self.allocs.values().flat_map(|a| a.stripes.iter()));
+        stripes
+            .flatten()
+            .filter(move |c| !live.iter().any(|s| s.id == c.server && s.incarnation == c.incarnation))
+    }
+}
+
+/// An allocated segment, resolved for the data path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RAddress {
+    pub ns: String,
+    pub addr: u64,
+    pub len: u64,
+    pub chunk_bytes: u64,
+    pub stripes: Vec<Stripe>,
+}
+
+/// A client of the control plane.
+pub struct Coordinator {
+    etcd: Etcd,
+}
+
+fn key(prefix: &str, name: &str) -> Vec<u8> {
+    format!("{prefix}{name}").into_bytes()
+}
+
+fn decode<T: serde::de::DeserializeOwned>(kv: &Kv) -> Result<T, CoordError> {
+    serde_json::from_slice(&kv.value).map_err(|e| CoordError::Corrupt {
+        key: String::from_utf8_lossy(&kv.key).into_owned(),
+        why: e.to_string(),
+    })
+}
+
+fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("control-plane records serialize")
+}
+
+/// A name for a key: letters, digits and `-_.:` only, 1 to 128 bytes.
+fn check_name(what: &str, name: &str) -> Result<(), CoordError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(CoordError::Invalid(format!("{what} {name:?}: use 1 to 128 letters, digits and -_.:")))
+    }
+}
+
+impl Coordinator {
+    /// The coordinator at `endpoints` (etcd client URLs, e.g. `http://127.0.0.1:2379`).
+    pub fn connect(endpoints: &[String]) -> Coordinator {
+        Coordinator { etcd: Etcd::new(endpoints, Duration::from_secs(5)) }
+    }
+
+    pub fn etcd(&self) -> &Etcd {
+        &self.etcd
+    }
+
+    // ---- memory servers ----
+
+    /// Register `server` under a lease of `ttl`; its pool record is created if it has none.
+    /// The registration lasts while [`Registration::keep_alive`] is called within `ttl`.
+    pub fn register(&self, server: &ServerInfo, ttl: Duration) -> Result<Registration, CoordError> {
+        check_name("server id", &server.id)?;
+        if server.chunk_bytes == 0 || server.chunks() == 0 {
+            return Err(CoordError::Invalid(format!(
+                "a pool of {} bytes holds no chunk of {} bytes",
+                server.bytes, server.chunk_bytes
+            )));
+        }
+        let lease = self.etcd.grant(ttl)?;
+        let pool = key(POOLS, &server.id);
+        self.etcd.txn(
+            &[Compare::Absent(pool.clone())],
+            &[Op::Put { key: pool, value: encode(&PoolState::default()), lease: 0 }],
+            &[],
+        )?;
+        self.etcd.put(&key(SERVERS, &server.id), &encode(server), lease)?;
+        Ok(Registration { lease, ttl })
+    }
+
+    /// The servers registered now.
+    pub fn servers(&self) -> Result<Vec<ServerInfo>, CoordError> {
+        self.etcd.prefix(SERVERS.as_bytes())?.iter().map(decode).collect()
+    }
+
+    // ---- namespaces ----
+
+    /// Create namespace `name` (nothing reserved yet). Fails if it exists: of two clients
+    /// creating one name at once, exactly one succeeds.
+    pub fn create_ns(
+        &self,
+        name: &str,
+        scope: Scope,
+        chunk_bytes: u64,
+        replicas: u32,
+    ) -> Result<Namespace, CoordError> {
+        check_name("namespace", name)?;
+        if chunk_bytes == 0 || !chunk_bytes.is_power_of_two() {
+            return Err(CoordError::Invalid(format!("chunk size {chunk_bytes}: use a power of two")));
+        }
+        if replicas == 0 {
+            return Err(CoordError::Invalid("replicas: at least 1".into()));
+        }
+        let ns = Namespace {
+            name: name.to_owned(),
+            scope,
+            chunk_bytes,
+            replicas,
+            reserved: Vec::new(),
+            allocs: BTreeMap::new(),
+            next_addr: 0,
+        };
+        let k = key(NAMESPACES, name);
+        let created = self.etcd.txn(
+            &[Compare::Absent(k.clone())],
+            &[Op::Put { key: k, value: encode(&ns), lease: 0 }],
+            &[],
+        )?;
+        if created {
+            Ok(ns)
+        } else {
+            Err(CoordError::Exists(name.to_owned()))
+        }
+    }
+
+    /// Namespace `name` as it stands.
+    pub fn join_ns(&self, name: &str) -> Result<Namespace, CoordError> {
+        Ok(self.read_ns(name)?.0)
+    }
+
+    /// Every namespace.
+    pub fn list_ns(&self) -> Result<Vec<Namespace>, CoordError> {
+        self.etcd.prefix(NAMESPACES.as_bytes())?.iter().map(decode).collect()
+    }
+
+    fn read_ns(&self, name: &str) -> Result<(Namespace, i64), CoordError> {
+        check_name("namespace", name)?;
+        let kv =
+            self.etcd.get(&key(NAMESPACES, name))?.ok_or_else(|| CoordError::NoNamespace(name.to_owned()))?;
+        Ok((decode(&kv)?, kv.mod_revision))
+    }
+
+    /// Delete namespace `name`, giving every chunk it holds back to its server's pool.
+    pub fn delete_ns(&self, name: &str) -> Result<(), CoordError> {
+        self.retry(name, || {
+            let (ns, rev) = self.read_ns(name)?;
+            let stripes: Vec<Stripe> = ns
+                .reserved
+                .iter()
+                .cloned()
+                .chain(ns.allocs.values().flat_map(|a| a.stripes.iter().cloned()))
+                .collect();
+            let (mut compare, mut ops) = self.give_back(&stripes)?;
+            compare.push(Compare::ModRevision(key(NAMESPACES, name), rev));
+            ops.push(Op::Delete(key(NAMESPACES, name)));
+            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(()))
+        })
+    }
+
+    /// Reserve `bytes` more in namespace `name`: stripes of chunks taken from the pools of
+    /// the live servers of its scope and chunk size, round robin (so consecutive stripes lie
+    /// on different servers), each stripe's replicas on distinct servers.
+    pub fn reserve(&self, name: &str, bytes: u64) -> Result<Namespace, CoordError> {
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let want = bytes.div_ceil(ns.chunk_bytes);
+            if ns.stripes() as u64 + want > (NAMESPACE_CHUNKS_MAX as u64) / u64::from(ns.replicas) {
+                return Err(CoordError::Invalid(format!(
+                    "namespace {name:?} would hold more than {NAMESPACE_CHUNKS_MAX} chunks; use larger chunks"
+                )));
+            }
+            let servers: Vec<ServerInfo> = self
+                .servers()?
+                .into_iter()
+                .filter(|s| s.scope == ns.scope && s.chunk_bytes == ns.chunk_bytes)
+                .collect();
+            let mut pools: Vec<(ServerInfo, PoolState, Compare)> = Vec::new();
+            for s in servers {
+                let k = key(POOLS, &s.id);
+                let (state, cmp) = match self.etcd.get(&k)? {
+                    Some(kv) => (decode::<PoolState>(&kv)?, Compare::ModRevision(k, kv.mod_revision)),
+                    None => (PoolState::default(), Compare::Absent(k)),
+                };
+                pools.push((s, state, cmp));
+            }
+            let free = |p: &(ServerInfo, PoolState, Compare)| {
+                p.1.free.len() as u64 + p.0.chunks().saturating_sub(p.1.next)
+            };
+            let have: u64 = pools.iter().map(free).sum();
+            let no_capacity = || CoordError::NoCapacity {
+                scope: ns.scope,
+                chunk_bytes: ns.chunk_bytes,
+                replicas: ns.replicas,
+                want: want * u64::from(ns.replicas),
+                have,
+            };
+            if pools.len() < ns.replicas as usize {
+                return Err(no_capacity());
+            }
+            // Round robin from where the namespace's last stripe ended.
+            let mut cursor = ns.stripes();
+            for _ in 0..want {
+                let mut stripe = Vec::with_capacity(ns.replicas as usize);
+                let mut tried = 0;
+                while stripe.len() < ns.replicas as usize && tried < pools.len() {
+                    let i = cursor % pools.len();
+                    cursor += 1;
+                    tried += 1;
+                    let (s, state, _) = &mut pools[i];
+                    let index = if let Some(c) = state.free.pop() {
+                        c
+                    } else if state.next < s.chunks() {
+                        state.next += 1;
+                        state.next - 1
+                    } else {
+                        continue;
+                    };
+                    stripe.push(ChunkRef { server: s.id.clone(), index, incarnation: s.incarnation });
+                }
+                if stripe.len() < ns.replicas as usize {
+                    return Err(no_capacity());
+                }
+                ns.reserved.push(stripe);
+            }
+            let mut compare = vec![Compare::ModRevision(key(NAMESPACES, name), rev)];
+            let mut ops = vec![Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }];
+            for (s, state, cmp) in pools {
+                compare.push(cmp);
+                ops.push(Op::Put { key: key(POOLS, &s.id), value: encode(&state), lease: 0 });
+            }
+            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(ns))
+        })
+    }
+
+    /// Give up to `bytes` of namespace `name`'s unallocated reserve back to the pools.
+    pub fn release(&self, name: &str, bytes: u64) -> Result<Namespace, CoordError> {
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let n = (bytes / ns.chunk_bytes).min(ns.reserved.len() as u64) as usize;
+            let back: Vec<Stripe> = ns.reserved.split_off(ns.reserved.len() - n);
+            let (mut compare, mut ops) = self.give_back(&back)?;
+            compare.push(Compare::ModRevision(key(NAMESPACES, name), rev));
+            ops.push(Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 });
+            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(ns))
+        })
+    }
+
+    /// Bind `len` bytes of namespace `name`'s reserve to an address: `at`, or after the last
+    /// allocation. Atomic: of clients racing to allocate one address (RStore's bootstrap
+    /// address, 0), exactly one succeeds and the others get [`CoordError::AddressTaken`].
+    pub fn alloc(&self, name: &str, len: u64, at: Option<u64>) -> Result<RAddress, CoordError> {
+        if len == 0 {
+            return Err(CoordError::Invalid("an allocation of 0 bytes".into()));
+        }
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let chunk = ns.chunk_bytes;
+            let want = len.div_ceil(chunk);
+            let addr = match at {
+                Some(a) if a % chunk != 0 => {
+                    return Err(CoordError::Invalid(format!(
+                        "address {a:#x} is not a multiple of the chunk size {chunk}"
+                    )))
+                }
+                Some(a) => a,
+                None => ns.next_addr,
+            };
+            let end = addr
+                .checked_add(want * chunk)
+                .ok_or_else(|| CoordError::Invalid("address overflows".into()))?;
+            if let Some((&other, _)) = ns
+                .allocs
+                .range(..end)
+                .next_back()
+                .filter(|(&a, al)| a + al.stripes.len() as u64 * chunk > addr)
+            {
+                return Err(CoordError::AddressTaken { ns: name.to_owned(), addr, other });
+            }
+            if (ns.reserved.len() as u64) < want {
+                return Err(CoordError::NotReserved {
+                    ns: name.to_owned(),
+                    want,
+                    have: ns.reserved.len() as u64,
+                });
+            }
+            let stripes: Vec<Stripe> = ns.reserved.drain(..want as usize).collect();
+            ns.allocs.insert(addr, Allocation { len, stripes: stripes.clone() });
+            ns.next_addr = ns.next_addr.max(end);
+            let ok = self.etcd.txn(
+                &[Compare::ModRevision(key(NAMESPACES, name), rev)],
+                &[Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }],
+                &[],
+            )?;
+            Ok(ok.then(|| RAddress { ns: name.to_owned(), addr, len, chunk_bytes: chunk, stripes }))
+        })
+    }
+
+    /// The allocation at `addr` of namespace `name` (RStore's `init`).
+    pub fn lookup(&self, name: &str, addr: u64) -> Result<RAddress, CoordError> {
+        let ns = self.join_ns(name)?;
+        let a = ns.allocs.get(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
+        Ok(RAddress {
+            ns: name.to_owned(),
+            addr,
+            len: a.len,
+            chunk_bytes: ns.chunk_bytes,
+            stripes: a.stripes.clone(),
+        })
+    }
+
+    /// Unbind the allocation at `addr`: its chunks return to the namespace's reserve.
+    pub fn free(&self, name: &str, addr: u64) -> Result<(), CoordError> {
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let a = ns.allocs.remove(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
+            ns.reserved.extend(a.stripes);
+            let ok = self.etcd.txn(
+                &[Compare::ModRevision(key(NAMESPACES, name), rev)],
+                &[Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }],
+                &[],
+            )?;
+            Ok(ok.then_some(()))
+        })
+    }
+
+    /// The comparisons and writes that give `stripes`' chunks back to their pools.
+    fn give_back(&self, stripes: &[Stripe]) -> Result<(Vec<Compare>, Vec<Op>), CoordError> {
+        let mut by_server: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        for c in stripes.iter().flatten() {
+            by_server.entry(&c.server).or_default().push(c.index);
+        }
+        let (mut compare, mut ops) = (Vec::new(), Vec::new());
+        for (server, chunks) in by_server {
+            let k = key(POOLS, server);
+            // A pool deleted by hand takes nothing back.
+            let Some(kv) = self.etcd.get(&k)? else { continue };
+            let mut state: PoolState = decode(&kv)?;
+            state.free.extend(chunks);
+            compare.push(Compare::ModRevision(k.clone(), kv.mod_revision));
+            ops.push(Op::Put { key: k, value: encode(&state), lease: 0 });
+        }
+        Ok((compare, ops))
+    }
+
+    /// Run `attempt` until its transaction goes through (`Some`), another client's change
+    /// having made it fail (`None`) at most [`TXN_RETRIES`] times.
+    fn retry<T>(
+        &self,
+        what: &str,
+        mut attempt: impl FnMut() -> Result<Option<T>, CoordError>,
+    ) -> Result<T, CoordError> {
+        for _ in 0..TXN_RETRIES {
+            if let Some(done) = attempt()? {
+                return Ok(done);
+            }
+        }
+        Err(CoordError::Contended(what.to_owned()))
+    }
+}
+
+/// A server's registration: renew it within its TTL, or it lapses and the server's chunks are
+/// lost to the namespaces that hold them.
+#[derive(Debug)]
+pub struct Registration {
+    lease: i64,
+    ttl: Duration,
+}
+
+impl Registration {
+    pub fn lease(&self) -> i64 {
+        self.lease
+    }
+
+    /// How often to renew: a third of the TTL.
+    pub fn interval(&self) -> Duration {
+        self.ttl / 3
+    }
+
+    /// Renew; `false` when the lease had already expired (the server must register again).
+    pub fn keep_alive(&self, coord: &Coordinator) -> Result<bool, CoordError> {
+        Ok(coord.etcd.keep_alive(self.lease)?)
+    }
+
+    /// End the registration now (a clean shutdown).
+    pub fn revoke(self, coord: &Coordinator) -> Result<(), CoordError> {
+        Ok(coord.etcd.revoke(self.lease)?)
+    }
+}
