@@ -198,6 +198,48 @@ pub struct RAddress {
     pub stripes: Vec<Stripe>,
 }
 
+/// Where one copy of a chunk lives, for the data path: the server's endpoint, its pool
+/// export, and the chunk's byte offset in it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Place {
+    pub endpoint: String,
+    pub export: String,
+    pub offset: u64,
+}
+
+impl RAddress {
+    /// Every stripe's copies, placed on the servers registered in `live` (RStore's `map`,
+    /// the control-plane half). A copy whose server is not live, or lives in another
+    /// incarnation, is left out; a stripe left with none is an error.
+    pub fn places(&self, live: &[ServerInfo]) -> Result<Vec<Vec<Place>>, CoordError> {
+        self.stripes
+            .iter()
+            .enumerate()
+            .map(|(i, stripe)| {
+                let copies: Vec<Place> = stripe
+                    .iter()
+                    .filter_map(|c| {
+                        let s = live.iter().find(|s| s.id == c.server && s.incarnation == c.incarnation)?;
+                        Some(Place {
+                            endpoint: s.endpoint.clone(),
+                            export: s.export.clone(),
+                            offset: c.index * self.chunk_bytes,
+                        })
+                    })
+                    .collect();
+                if copies.is_empty() {
+                    Err(CoordError::Invalid(format!(
+                        "stripe {i} of {:#x} in {:?} is lost: no copy on a live server",
+                        self.addr, self.ns
+                    )))
+                } else {
+                    Ok(copies)
+                }
+            })
+            .collect()
+    }
+}
+
 /// A client of the control plane.
 pub struct Coordinator {
     etcd: Etcd,
