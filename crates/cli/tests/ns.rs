@@ -94,6 +94,37 @@ fn memory_servers_register_and_namespaces_stripe_over_them() {
         "{listed}"
     );
 
+    // The data path: skiff bench over the allocation, every thread with a lane to each server,
+    // every block verified; the server figures come from both servers.
+    let out = skiff()
+        .args([
+            "bench",
+            "--namespace",
+            "t",
+            "--coordinator",
+            &url,
+            "--rw",
+            "randrw",
+            "--bs",
+            "64k",
+            "--qd",
+            "8",
+        ])
+        .args(["--threads", "2", "--duration", "1s", "--verify", "--json"])
+        .output()
+        .expect("skiff bench --namespace");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "skiff bench --namespace: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bench: serde_json::Value = serde_json::from_str(&stdout).expect("bench JSON");
+    assert!(bench["ios"].as_u64().unwrap() > 100, "{bench}");
+    assert_eq!((bench["io_errors"].as_u64(), bench["verify_errors"].as_u64()), (Some(0), Some(0)), "{bench}");
+    assert!(bench["target"].as_str().is_some_and(|t| t.contains("over 2 servers")), "{}", bench["target"]);
+    eprintln!("bench over the namespace: {} I/Os, target {}", bench["ios"], bench["target"]);
+
     // SIGKILL: the lease lapses after its 2 s and the chunks on that server are lost.
     let killed = first.0.id();
     let _ = first.0.kill();

@@ -4,31 +4,32 @@
 //! The control plane (`coord`, etcd) resolves a segment to a [`SegmentMap`]: its length, its
 //! chunk size, and for every chunk (a *stripe*) the places of its copies (server endpoint,
 //! export, byte offset). [`Segment::map`] opens one lane per distinct (server, export) and
-//! keeps them for the segment's life: reads and writes allocate nothing anywhere and never ask
-//! the coordinator. One `Segment` belongs to one thread, so its lanes are that thread's lanes
-//! to each server (i10's P×T): several threads map the segment each.
+//! keeps them for the segment's life: reads and writes allocate nothing on the servers and
+//! never ask the coordinator. One `Segment` belongs to one thread, so its lanes are that
+//! thread's lanes to each server (i10's P×T): several threads map the segment each.
 //!
-//! An I/O is split at chunk boundaries; the pieces go out on all their lanes before any is
-//! waited for, so the servers work in parallel. A write goes to every replica of its stripe
-//! and completes when every replica still in service holds it; a read asks the first replica in
-//! service and falls back to the next when that fails. A replica whose server fails (the
-//! connection is lost or a request fails) is taken out of service for the rest of the
-//! segment's life, so a server killed under load costs the I/Os in flight on it a retry and
-//! surfaces no error while one copy of every stripe it held is left. Lanes do not reconnect:
-//! the replica is the redundancy.
+//! A `Segment` is a [`Queue`] like a lane: requests in, completions out, many in flight. A
+//! request is split at chunk boundaries into pieces, each sent to its servers as an ordinary
+//! request on their lanes (a *sub*-request); the request completes when its last piece does.
+//! A write piece goes to every replica in service and succeeds when at least one holds it
+//! (every replica still in service does, since a replica that fails is taken out); a read
+//! piece asks the first replica in service and, when that fails, the next. A replica whose
+//! server fails (its connection is lost, or a request on it fails) is taken out of service for
+//! the rest of the segment's life: a server killed under load costs the requests in flight on
+//! it a retry elsewhere and surfaces no error while one copy of every stripe it held is left.
+//! Lanes do not reconnect: the replicas are the redundancy.
 //!
 //! Offsets and lengths must be multiples of 512 bytes, as on any export: RStore's one-byte
 //! writes need a byte-granular operation on the target, which the protocol does not have yet.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use wire::{Opcode, ReqFlags, Status};
 
+use crate::lane::Rejected;
 use crate::queue::Queue;
 use crate::{Completion, Endpoint, Error, Lane, LaneConfig, ReconnectConfig, Result};
 
-/// Requests one lane has in flight at most within one segment I/O.
-const LANE_DEPTH: usize = 32;
 /// The unit of alignment of segment I/O.
 const SECTOR: u64 = 512;
 
@@ -57,10 +58,38 @@ pub struct SegmentStats {
     pub writes: u64,
     /// Requests sent to servers (pieces times replicas, retries included).
     pub requests: u64,
-    /// Reads of a piece sent again to another replica after the first failed.
+    /// Read pieces sent again to another replica after the first failed.
     pub fallbacks: u64,
     /// Servers taken out of service.
     pub servers_failed: u64,
+}
+
+/// A request of the caller, split into pieces.
+struct Parent {
+    opcode: Opcode,
+    user_data: u64,
+    offset: u64,
+    /// The caller's buffer: a write's data (kept to resend nothing, but returned), a read's
+    /// destination.
+    buf: Vec<u8>,
+    /// Sub-requests still out.
+    subs: usize,
+    /// Pieces that reached no replica (a write) or no replica answered (a read).
+    failed: bool,
+    /// Per piece of a write: whether some replica holds it.
+    held: Vec<bool>,
+}
+
+/// One piece on one replica.
+#[derive(Clone, Copy)]
+struct Sub {
+    parent: usize,
+    /// The piece's index in its parent, its byte range in the segment, and its stripe.
+    piece: usize,
+    at: u64,
+    len: usize,
+    stripe: usize,
+    lane: usize,
 }
 
 /// A mapped segment: its lanes, one per server and export.
@@ -71,16 +100,16 @@ pub struct Segment {
     names: Vec<String>,
     /// `replicas[i][r]`: the lane of copy `r` of stripe `i`.
     replicas: Vec<Vec<usize>>,
+    parents: Vec<Option<Parent>>,
+    free_parents: Vec<usize>,
+    subs: Vec<Option<Sub>>,
+    free_subs: Vec<usize>,
+    /// Sub-requests waiting for room on their lane.
+    backlog: Vec<VecDeque<usize>>,
+    in_flight: usize,
+    done: Vec<Completion>,
+    scratch: Vec<Completion>,
     stats: SegmentStats,
-}
-
-/// One piece of an I/O: bytes `[at, at + len)` of the segment, in stripe `stripe`.
-#[derive(Debug, Clone, Copy)]
-struct Piece {
-    at: u64,
-    len: usize,
-    stripe: usize,
-    within: u64,
 }
 
 impl Segment {
@@ -119,8 +148,23 @@ impl Segment {
             }
             replicas.push(copies);
         }
-        let mut segment = Segment { map, lanes, names, replicas, stats: SegmentStats::default() };
-        segment.stats.servers_failed = segment.lanes.iter().filter(|l| l.is_none()).count() as u64;
+        let servers_failed = lanes.iter().filter(|l| l.is_none()).count() as u64;
+        let backlog = vec![VecDeque::new(); lanes.len()];
+        let segment = Segment {
+            map,
+            lanes,
+            names,
+            replicas,
+            parents: Vec::new(),
+            free_parents: Vec::new(),
+            subs: Vec::new(),
+            free_subs: Vec::new(),
+            backlog,
+            in_flight: 0,
+            done: Vec::new(),
+            scratch: Vec::new(),
+            stats: SegmentStats { servers_failed, ..SegmentStats::default() },
+        };
         if (0..segment.replicas.len()).any(|i| segment.in_service(i).next().is_none()) {
             return Err(Error::Lost(format!(
                 "every copy of a stripe is out of service: {}",
@@ -142,6 +186,11 @@ impl Segment {
         self.stats
     }
 
+    /// The lanes of the servers in service (for their counters).
+    pub fn lanes(&self) -> impl Iterator<Item = &Lane> {
+        self.lanes.iter().flatten()
+    }
+
     /// The servers (as `endpoint/export`) taken out of service.
     pub fn failed(&self) -> Vec<&str> {
         self.lanes.iter().zip(&self.names).filter(|(l, _)| l.is_none()).map(|(_, n)| n.as_str()).collect()
@@ -152,191 +201,316 @@ impl Segment {
         self.replicas[i].iter().copied().filter(|&l| self.lanes[l].is_some())
     }
 
-    fn pieces(&self, offset: u64, len: usize) -> Result<Vec<Piece>> {
-        if !offset.is_multiple_of(SECTOR) || !(len as u64).is_multiple_of(SECTOR) {
-            return Err(Error::InvalidArgument("segment I/O must be 512-byte aligned"));
+    fn take_out(&mut self, lane: usize, why: &str) {
+        if self.lanes[lane].take().is_none() {
+            return;
         }
-        if offset.checked_add(len as u64).is_none_or(|end| end > self.map.len) {
-            return Err(Error::InvalidArgument("segment I/O past the end of the segment"));
+        self.stats.servers_failed += 1;
+        tracing::warn!(server = %self.names[lane], why, "segment: a server is out of service");
+        // Everything sent or waiting on it failed with it.
+        let lost: Vec<usize> =
+            (0..self.subs.len()).filter(|&s| self.subs[s].is_some_and(|sub| sub.lane == lane)).collect();
+        self.backlog[lane].clear();
+        for s in lost {
+            self.sub_failed(s);
         }
+    }
+
+    fn new_sub(&mut self, sub: Sub) -> usize {
+        match self.free_subs.pop() {
+            Some(i) => {
+                self.subs[i] = Some(sub);
+                i
+            }
+            None => {
+                self.subs.push(Some(sub));
+                self.subs.len() - 1
+            }
+        }
+    }
+
+    /// Queue a piece on `lane`; its parent counts it.
+    fn queue_sub(&mut self, sub: Sub) {
+        let lane = sub.lane;
+        let i = self.new_sub(sub);
+        if let Some(p) = self.parents[sub.parent].as_mut() {
+            p.subs += 1;
+        }
+        self.backlog[lane].push_back(i);
+    }
+
+    /// Send what waits on each lane while it has room.
+    fn pump(&mut self) {
+        for lane in 0..self.lanes.len() {
+            let mut failed = None;
+            while let Some(&s) = self.backlog[lane].front() {
+                let Some(l) = self.lanes[lane].as_mut() else { break };
+                if l.in_flight() >= l.queue_depth() {
+                    break;
+                }
+                self.backlog[lane].pop_front();
+                let sub = self.subs[s].expect("a queued sub exists");
+                let parent = self.parents[sub.parent].as_ref().expect("a sub's parent exists");
+                let copy = self.replicas[sub.stripe]
+                    .iter()
+                    .position(|&r| r == lane)
+                    .expect("the lane holds the stripe");
+                let place = self.map.stripes[sub.stripe][copy].offset + sub.at % self.map.chunk_bytes;
+                self.stats.requests += 1;
+                let submitted = if parent.opcode == Opcode::Write {
+                    let from = (sub.at - parent.offset) as usize;
+                    l.submit_write(
+                        place,
+                        parent.buf[from..from + sub.len].to_vec(),
+                        ReqFlags::empty(),
+                        s as u64,
+                    )
+                } else {
+                    l.submit_read(place, vec![0; sub.len], s as u64)
+                };
+                if let Err(r) = submitted {
+                    failed = Some(r.error.to_string());
+                    break;
+                }
+            }
+            if failed.is_none() {
+                if let Some(l) = self.lanes[lane].as_mut() {
+                    if let Err(e) = l.commit() {
+                        failed = Some(e.to_string());
+                    }
+                }
+            }
+            if let Some(why) = failed {
+                self.take_out(lane, &why);
+            }
+        }
+    }
+
+    /// Take in what each lane has completed (waiting on none).
+    fn reap(&mut self, lane: usize, block: bool) {
+        let mut got = std::mem::take(&mut self.scratch);
+        got.clear();
+        let result = match self.lanes[lane].as_mut() {
+            Some(l) if block => l.wait(1, &mut got),
+            Some(l) => l.poll(&mut got),
+            None => Ok(0),
+        };
+        let mut failed = result.err().map(|e| e.to_string());
+        for c in got.drain(..) {
+            let s = c.user_data as usize;
+            if c.status == Status::Ok {
+                self.sub_done(s, c.buf);
+            } else {
+                failed.get_or_insert_with(|| format!("request failed: {}", c.status));
+                self.sub_failed(s);
+            }
+        }
+        self.scratch = got;
+        if let Some(why) = failed {
+            self.take_out(lane, &why);
+        }
+    }
+
+    fn sub_done(&mut self, s: usize, data: Option<Vec<u8>>) {
+        let Some(sub) = self.subs[s].take() else { return };
+        self.free_subs.push(s);
+        let p = self.parents[sub.parent].as_mut().expect("a sub's parent exists");
+        if p.opcode == Opcode::Write {
+            p.held[sub.piece] = true;
+        } else if let Some(data) = data {
+            let from = (sub.at - p.offset) as usize;
+            p.buf[from..from + sub.len].copy_from_slice(&data[..sub.len]);
+        }
+        self.parent_sub_ended(sub.parent);
+    }
+
+    fn sub_failed(&mut self, s: usize) {
+        let Some(sub) = self.subs[s].take() else { return };
+        self.free_subs.push(s);
+        let opcode = self.parents[sub.parent].as_ref().expect("a sub's parent exists").opcode;
+        if opcode != Opcode::Write {
+            // The next replica in service, if any, reads the piece instead.
+            let next = self.in_service(sub.stripe).find(|&l| l != sub.lane);
+            if let Some(next) = next {
+                self.stats.fallbacks += 1;
+                self.queue_sub(Sub { lane: next, ..sub });
+            } else if let Some(p) = self.parents[sub.parent].as_mut() {
+                p.failed = true;
+            }
+        }
+        self.parent_sub_ended(sub.parent);
+    }
+
+    fn parent_sub_ended(&mut self, i: usize) {
+        let p = self.parents[i].as_mut().expect("a parent exists");
+        p.subs -= 1;
+        if p.subs > 0 {
+            return;
+        }
+        let p = self.parents[i].take().expect("a parent exists");
+        self.free_parents.push(i);
+        self.in_flight -= 1;
+        let ok = !p.failed && p.held.iter().all(|&h| h);
+        self.done.push(Completion {
+            user_data: p.user_data,
+            opcode: p.opcode,
+            status: if ok { Status::Ok } else { Status::IoError },
+            buf: Some(p.buf),
+        });
+    }
+
+    /// Read `buf.len()` bytes at `offset` of the segment, blocking.
+    pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let data = self.blocking(Opcode::Read, offset, vec![0; buf.len()])?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+
+    /// Write `data` at `offset` of the segment, blocking.
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        self.blocking(Opcode::Write, offset, data.to_vec()).map(drop)
+    }
+
+    fn blocking(&mut self, opcode: Opcode, offset: u64, buf: Vec<u8>) -> Result<Vec<u8>> {
+        if self.in_flight > 0 {
+            return Err(Error::InvalidArgument("blocking segment I/O with requests in flight"));
+        }
+        let len = buf.len();
+        self.submit(opcode, ReqFlags::empty(), offset, len, Some(buf), u64::MAX).map_err(|r| r.error)?;
+        let mut out = Vec::new();
+        self.wait(1, &mut out)?;
+        let c = out.pop().expect("one completion");
+        if c.status != Status::Ok {
+            return Err(Error::Lost(format!(
+                "bytes {offset}..{} of the segment: every copy is out of service",
+                offset + len as u64
+            )));
+        }
+        Ok(c.buf.unwrap_or_default())
+    }
+}
+
+impl Queue<Vec<u8>> for Segment {
+    fn submit(
+        &mut self,
+        opcode: Opcode,
+        _flags: ReqFlags,
+        offset: u64,
+        length: usize,
+        buf: Option<Vec<u8>>,
+        user_data: u64,
+    ) -> std::result::Result<(), Rejected<Vec<u8>>> {
+        let reject = |error, buf| Err(Rejected { error, buf });
+        if !matches!(opcode, Opcode::Read | Opcode::Write) {
+            return reject(Error::InvalidArgument("a segment takes reads and writes"), buf);
+        }
+        let buf = match buf {
+            Some(b) if b.len() == length => b,
+            other => {
+                return reject(
+                    Error::InvalidArgument("a segment request needs a buffer of its length"),
+                    other,
+                )
+            }
+        };
+        if length == 0 || !offset.is_multiple_of(SECTOR) || !(length as u64).is_multiple_of(SECTOR) {
+            return reject(Error::InvalidArgument("segment I/O must be 512-byte aligned"), Some(buf));
+        }
+        if offset.checked_add(length as u64).is_none_or(|end| end > self.map.len) {
+            return reject(Error::InvalidArgument("segment I/O past the end of the segment"), Some(buf));
+        }
+        // The pieces, at chunk boundaries.
         let chunk = self.map.chunk_bytes;
         let mut pieces = Vec::new();
-        let mut at = offset;
-        let end = offset + len as u64;
+        let (mut at, end) = (offset, offset + length as u64);
         while at < end {
-            let stripe = (at / chunk) as usize;
-            let within = at % chunk;
-            let n = (chunk - within).min(end - at);
-            pieces.push(Piece { at, len: n as usize, stripe, within });
+            let n = (chunk - at % chunk).min(end - at);
+            pieces.push((at, n as usize, (at / chunk) as usize));
             at += n;
         }
-        Ok(pieces)
+        if pieces.iter().any(|&(_, _, stripe)| self.in_service(stripe).next().is_none()) {
+            return reject(Error::Lost("every copy of a stripe is out of service".into()), Some(buf));
+        }
+        let parent = Parent {
+            opcode,
+            user_data,
+            offset,
+            buf,
+            subs: 0,
+            failed: false,
+            held: vec![opcode != Opcode::Write; pieces.len()],
+        };
+        let pi = match self.free_parents.pop() {
+            Some(i) => {
+                self.parents[i] = Some(parent);
+                i
+            }
+            None => {
+                self.parents.push(Some(parent));
+                self.parents.len() - 1
+            }
+        };
+        self.in_flight += 1;
+        if opcode == Opcode::Write {
+            self.stats.writes += 1;
+        } else {
+            self.stats.reads += 1;
+        }
+        for (piece, &(at, len, stripe)) in pieces.iter().enumerate() {
+            let lanes: Vec<usize> = if opcode == Opcode::Write {
+                self.in_service(stripe).collect()
+            } else {
+                self.in_service(stripe).take(1).collect()
+            };
+            for lane in lanes {
+                self.queue_sub(Sub { parent: pi, piece, at, len, stripe, lane });
+            }
+        }
+        Ok(())
     }
 
-    fn take_out(&mut self, lane: usize, why: &str) {
-        if self.lanes[lane].take().is_some() {
-            self.stats.servers_failed += 1;
-            tracing::warn!(server = %self.names[lane], why, "segment: a server is out of service");
-        }
-    }
-
-    /// Send `(piece, lane)` requests and collect, for each, whether it succeeded (with the
-    /// data, for reads). `data` gives a write's bytes; reads get buffers of the piece's length.
-    fn run(
-        &mut self,
-        opcode: Opcode,
-        jobs: &[(usize, usize)],
-        pieces: &[Piece],
-        data: Option<&[u8]>,
-        base: u64,
-    ) -> Vec<Option<Vec<u8>>> {
-        let mut results: Vec<Option<Vec<u8>>> = vec![None; jobs.len()];
-        let mut pending: Vec<Vec<usize>> = vec![Vec::new(); self.lanes.len()];
-        for (j, &(_, lane)) in jobs.iter().enumerate() {
-            pending[lane].push(j);
-        }
-        let mut out: Vec<Completion> = Vec::new();
-        let mut queued: Vec<std::collections::VecDeque<usize>> =
-            pending.into_iter().map(std::collections::VecDeque::from).collect();
+    fn wait(&mut self, min: usize, out: &mut Vec<Completion>) -> Result<usize> {
+        let min = min.min(self.in_flight + self.done.len());
+        let mut got = 0;
         loop {
-            // Every lane's requests go out before any lane is waited for.
-            for (lane, queue) in queued.iter_mut().enumerate() {
-                if let Err(why) = self.submit_queued(lane, queue, opcode, jobs, pieces, data, base) {
-                    self.take_out(lane, &why);
-                }
-                if self.lanes[lane].is_none() {
-                    queue.clear();
-                }
+            self.pump();
+            for lane in 0..self.lanes.len() {
+                self.reap(lane, false);
             }
-            let mut busy = false;
-            for (lane, queue) in queued.iter_mut().enumerate() {
-                let Some(l) = self.lanes[lane].as_mut() else { continue };
-                if l.in_flight() == 0 {
-                    continue;
-                }
-                busy = true;
-                out.clear();
-                let mut failed = None;
-                match l.wait(1, &mut out) {
-                    Ok(_) => {
-                        for c in out.drain(..) {
-                            if c.status == Status::Ok {
-                                results[c.user_data as usize] = Some(c.buf.unwrap_or_default());
-                            } else {
-                                failed = Some(format!("request failed: {}", c.status));
-                            }
-                        }
-                    }
-                    Err(e) => failed = Some(e.to_string()),
-                }
-                if let Some(why) = failed {
-                    self.take_out(lane, &why);
-                    queue.clear();
-                }
+            got += self.done.len();
+            out.append(&mut self.done);
+            if got >= min {
+                return Ok(got);
             }
-            if !busy && queued.iter().all(|q| q.is_empty()) {
-                return results;
+            self.pump();
+            // Sleep on the lane with the most in flight; the others' completions wait in
+            // their sockets meanwhile.
+            let busiest = (0..self.lanes.len())
+                .filter_map(|i| self.lanes[i].as_ref().map(|l| (l.in_flight(), i)))
+                .max()
+                .filter(|(n, _)| *n > 0);
+            match busiest {
+                Some((_, lane)) => self.reap(lane, true),
+                None if self.backlog.iter().all(VecDeque::is_empty) && self.done.is_empty() => {
+                    // Nothing in flight anywhere and nothing to send: whatever is left failed.
+                    return Ok(got);
+                }
+                None => {}
             }
         }
     }
 
-    /// Submit `lane`'s queued jobs while it has room, and send them.
-    #[allow(clippy::too_many_arguments)] // the pieces of one I/O, passed down from `run`
-    fn submit_queued(
-        &mut self,
-        lane: usize,
-        queued: &mut std::collections::VecDeque<usize>,
-        opcode: Opcode,
-        jobs: &[(usize, usize)],
-        pieces: &[Piece],
-        data: Option<&[u8]>,
-        base: u64,
-    ) -> std::result::Result<(), String> {
-        let Some(l) = self.lanes[lane].as_mut() else { return Ok(()) };
-        while l.in_flight() < LANE_DEPTH {
-            let Some(j) = queued.pop_front() else { break };
-            let piece = pieces[jobs[j].0];
-            let copy = self.replicas[piece.stripe]
-                .iter()
-                .position(|&r| r == lane)
-                .expect("a job's lane holds its stripe");
-            let place = self.map.stripes[piece.stripe][copy].offset + piece.within;
-            let buf = match data {
-                Some(d) => {
-                    let from = (piece.at - base) as usize;
-                    d[from..from + piece.len].to_vec()
-                }
-                None => vec![0; piece.len],
-            };
-            self.stats.requests += 1;
-            let submitted = match opcode {
-                Opcode::Write => l.submit_write(place, buf, ReqFlags::empty(), j as u64),
-                _ => l.submit_read(place, buf, j as u64),
-            };
-            submitted.map_err(|r| r.error.to_string())?;
+    fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+        self.pump();
+        for lane in 0..self.lanes.len() {
+            self.reap(lane, false);
         }
-        l.commit().map_err(|e| e.to_string())
+        let n = self.done.len();
+        out.append(&mut self.done);
+        Ok(n)
     }
 
-    /// Write `data` at `offset` of the segment: every piece on every replica in service.
-    /// Fails only when some piece reached no replica.
-    pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        let pieces = self.pieces(offset, data.len())?;
-        self.stats.writes += 1;
-        let jobs: Vec<(usize, usize)> = pieces
-            .iter()
-            .enumerate()
-            .flat_map(|(p, piece)| self.in_service(piece.stripe).map(move |l| (p, l)).collect::<Vec<_>>())
-            .collect();
-        let results = self.run(Opcode::Write, &jobs, &pieces, Some(data), offset);
-        for (p, piece) in pieces.iter().enumerate() {
-            let held = jobs.iter().zip(&results).any(|(&(q, _), r)| q == p && r.is_some());
-            if !held {
-                return Err(Error::Lost(format!(
-                    "no copy of bytes {}..{} of the segment could be written",
-                    piece.at,
-                    piece.at + piece.len as u64
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// Read `buf.len()` bytes at `offset` of the segment, each piece from the first replica in
-    /// service, falling back to the next when one fails.
-    pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let pieces = self.pieces(offset, buf.len())?;
-        self.stats.reads += 1;
-        let mut todo: Vec<usize> = (0..pieces.len()).collect();
-        let mut first = true;
-        while !todo.is_empty() {
-            let mut jobs = Vec::with_capacity(todo.len());
-            for &p in &todo {
-                let lane = self.in_service(pieces[p].stripe).next().ok_or_else(|| {
-                    Error::Lost(format!(
-                        "every copy of bytes {}..{} of the segment is out of service",
-                        pieces[p].at,
-                        pieces[p].at + pieces[p].len as u64
-                    ))
-                })?;
-                jobs.push((p, lane));
-            }
-            if !first {
-                self.stats.fallbacks += jobs.len() as u64;
-            }
-            first = false;
-            let results = self.run(Opcode::Read, &jobs, &pieces, None, offset);
-            todo.clear();
-            for (&(p, _), r) in jobs.iter().zip(results) {
-                match r {
-                    Some(data) => {
-                        let from = (pieces[p].at - offset) as usize;
-                        buf[from..from + pieces[p].len].copy_from_slice(&data);
-                    }
-                    None => todo.push(p),
-                }
-            }
-        }
-        Ok(())
+    fn in_flight(&self) -> usize {
+        self.in_flight
     }
 }

@@ -28,8 +28,20 @@ const EMBEDDED_SIZE: &str = "ram:1G";
 pub struct BenchArgs {
     /// Target address (HOST:PORT or unix:PATH). Without it, a target with a 1 GiB RAM export
     /// runs in this process on loopback.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "namespace")]
     target: Option<String>,
+    /// Measure an RStore namespace instead of one target: the allocation at --raddress of
+    /// namespace NAME, striped over its memory servers, each thread with a lane to each of them
+    /// (docs/RSTORE.md). --size defaults to the allocation's length.
+    #[arg(long, value_name = "NAME")]
+    namespace: Option<String>,
+    /// The coordinator of --namespace: etcd's client URLs [default: $SKIFF_COORDINATOR, or
+    /// http://127.0.0.1:2379].
+    #[arg(long, value_name = "URLS", requires = "namespace")]
+    coordinator: Option<String>,
+    /// The allocation of --namespace to measure (its address; the first allocation is at 0).
+    #[arg(long, value_parser = parse_size, default_value = "0", requires = "namespace")]
+    raddress: u64,
     /// Export to open on --target.
     #[arg(long, default_value = EMBEDDED_EXPORT)]
     export: String,
@@ -155,10 +167,16 @@ pub fn run(args: BenchArgs) -> CliResult {
     if args.qd == 0 || args.threads == 0 {
         return Err("--qd and --threads must be at least 1".into());
     }
+    // An RStore namespace: a segment per thread, each with lanes to every memory server.
+    let segment = match &args.namespace {
+        Some(ns) => Some(crate::ns::segment_map(args.coordinator.as_deref(), ns, args.raddress)?),
+        None => None,
+    };
     // Keep the embedded target alive for the whole run; dropping it shuts it down.
-    let (endpoint, embedded, target_label) = match &args.target {
-        Some(t) => (Endpoint::parse(t)?, None, t.clone()),
-        None => {
+    let (endpoint, embedded, target_label) = match (&args.target, &segment) {
+        (_, Some((map, label))) => (map.stripes[0][0].endpoint.clone(), None, label.clone()),
+        (Some(t), None) => (Endpoint::parse(t)?, None, t.clone()),
+        (None, None) => {
             let config = TargetConfig {
                 listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
                 exports: vec![format!("{EMBEDDED_EXPORT}={EMBEDDED_SIZE}").parse::<ExportConfig>()?],
@@ -171,7 +189,7 @@ pub fn run(args: BenchArgs) -> CliResult {
             (ep, Some(target), format!("in-process {EMBEDDED_SIZE} on loopback"))
         }
     };
-    if embedded.is_some() && args.export != EMBEDDED_EXPORT {
+    if embedded.is_some() && segment.is_none() && args.export != EMBEDDED_EXPORT {
         return Err(format!("the in-process target has only the export {EMBEDDED_EXPORT:?}").into());
     }
 
@@ -211,7 +229,24 @@ pub fn run(args: BenchArgs) -> CliResult {
         ..LaneConfig::default()
     };
     let connect_error = |e| format!("{endpoint} export {:?}: {e}", args.export);
-    let queues = if args.shared_lane {
+    let queues = if let Some((map, label)) = &segment {
+        if args.shared_lane {
+            return Err(
+                "--shared-lane does not apply to --namespace (each thread has a lane to each server)".into(),
+            );
+        }
+        let segments = (0..args.threads)
+            .map(|_| initiator::Segment::map(map.clone(), &lane_config))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{label}: {e}"))?;
+        let info = initiator::ExportInfo {
+            name: label.clone(),
+            size_bytes: map.len / 512 * 512,
+            block_size: 512,
+            flags: initiator::ExportFlags(0),
+        };
+        Queues::Segments(segments, info)
+    } else if args.shared_lane {
         // The lanes' queue depth is what all their threads keep outstanding together.
         let lanes_n = if args.lanes == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -260,9 +295,22 @@ pub fn run(args: BenchArgs) -> CliResult {
         return Err("--size is too small for --bs × --qd per thread".into());
     }
 
+    // The server figures are summed over every server measured (one, or a namespace's).
+    let stats_endpoints: Vec<Endpoint> = match &segment {
+        Some((map, _)) => {
+            let mut all: Vec<Endpoint> = map.stripes.iter().flatten().map(|l| l.endpoint.clone()).collect();
+            all.sort_by_key(|e| e.to_string());
+            all.dedup();
+            all
+        }
+        None => vec![endpoint.clone()],
+    };
     let mut stats_client = TargetStats {
-        endpoint: endpoint.clone(),
-        client: Some(Client::connect_with(&endpoint, lane_key.as_deref(), lane_tls.as_ref())?),
+        clients: stats_endpoints
+            .iter()
+            .map(|e| Client::connect_with(e, lane_key.as_deref(), lane_tls.as_ref()).map(Some))
+            .collect::<Result<Vec<_>, _>>()?,
+        endpoints: stats_endpoints,
         key: lane_key.clone(),
         tls: lane_tls.clone(),
     };
@@ -303,6 +351,10 @@ pub fn run(args: BenchArgs) -> CliResult {
         Queues::Shared(shared, handles) => {
             let threads = handles.into_iter().enumerate().map(|(t, h)| spawn(t, workload(t), h, &phases));
             (Some(shared), threads.collect::<Result<Vec<_>, _>>()?)
+        }
+        Queues::Segments(segments, _) => {
+            let threads = segments.into_iter().enumerate().map(|(t, s)| spawn(t, workload(t), s, &phases));
+            (None, threads.collect::<Result<Vec<_>, _>>()?)
         }
     };
 
@@ -376,6 +428,8 @@ enum Queues {
     Private(Vec<Lane>),
     /// A handle per thread on a few shared lanes.
     Shared(SharedLanes, Vec<initiator::SharedHandle>),
+    /// A mapped RStore segment per thread, and what it looks like as a volume.
+    Segments(Vec<initiator::Segment>, initiator::ExportInfo),
 }
 
 impl Queues {
@@ -383,6 +437,7 @@ impl Queues {
         match self {
             Queues::Private(lanes) => lanes[0].export(),
             Queues::Shared(shared, _) => shared.export(),
+            Queues::Segments(_, info) => info,
         }
     }
 }
@@ -391,24 +446,38 @@ impl Queues {
 /// reconnect) needs a new control connection too; if the target cannot be asked, the
 /// server-side figures come out as zero rather than the run failing.
 struct TargetStats {
-    endpoint: Endpoint,
-    client: Option<Client>,
+    endpoints: Vec<Endpoint>,
+    clients: Vec<Option<Client>>,
     key: Option<std::sync::Arc<proto::auth::Key>>,
     tls: Option<initiator::TlsConfig>,
 }
 
 impl TargetStats {
+    /// Every target's counters, summed name by name.
     fn take(&mut self) -> initiator::StatsReply {
-        for _ in 0..2 {
-            if self.client.is_none() {
-                self.client =
-                    Client::connect_with(&self.endpoint, self.key.as_deref(), self.tls.as_ref()).ok();
+        let mut all = initiator::StatsReply { entries: Vec::new() };
+        for i in 0..self.endpoints.len() {
+            for (name, v) in self.take_one(i).entries {
+                match all.entries.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, sum)) => *sum += v,
+                    None => all.entries.push((name, v)),
+                }
             }
-            match self.client.as_mut().map(Client::stats) {
+        }
+        all
+    }
+
+    fn take_one(&mut self, i: usize) -> initiator::StatsReply {
+        for _ in 0..2 {
+            if self.clients[i].is_none() {
+                self.clients[i] =
+                    Client::connect_with(&self.endpoints[i], self.key.as_deref(), self.tls.as_ref()).ok();
+            }
+            match self.clients[i].as_mut().map(Client::stats) {
                 Some(Ok(stats)) => return stats,
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "target stats unavailable; reconnecting once");
-                    self.client = None;
+                    self.clients[i] = None;
                 }
                 None => break,
             }

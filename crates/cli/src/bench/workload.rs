@@ -84,6 +84,29 @@ impl BenchQueue for SharedHandle {
     }
 }
 
+/// A mapped RStore segment: its lanes' counters together; no batch level of its own.
+impl BenchQueue for initiator::Segment {
+    fn lane_stats(&self) -> Option<LaneStats> {
+        let mut all = LaneStats::default();
+        for lane in self.lanes() {
+            all.add(&lane.stats());
+        }
+        Some(all)
+    }
+    fn batch_level(&self) -> u32 {
+        0
+    }
+    fn batch_level_log(&self) -> Vec<initiator::BatchDecision> {
+        Vec::new()
+    }
+    fn poll_stats(&self) -> WaitStats {
+        WaitStats::default()
+    }
+    fn link_stats(&self) -> Option<initiator::LinkStats> {
+        None
+    }
+}
+
 /// What one thread does.
 #[derive(Debug, Clone)]
 pub struct Workload {
