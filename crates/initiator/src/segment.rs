@@ -69,9 +69,10 @@ struct Parent {
     opcode: Opcode,
     user_data: u64,
     offset: u64,
-    /// The caller's buffer: a write's data (kept to resend nothing, but returned), a read's
-    /// destination.
-    buf: Vec<u8>,
+    /// The caller's buffer: a write's data, a read's destination. `None` while it is lent to
+    /// a lane whole (a request of one piece: no copy), or when its lane failed with it.
+    buf: Option<Vec<u8>>,
+    len: usize,
     /// Sub-requests still out.
     subs: usize,
     /// Pieces that reached no replica (a write) or no replica answered (a read).
@@ -90,6 +91,8 @@ struct Sub {
     len: usize,
     stripe: usize,
     lane: usize,
+    /// The request is this one piece on this one lane: the caller's buffer goes as it is.
+    whole: bool,
 }
 
 /// A mapped segment: its lanes, one per server and export.
@@ -250,23 +253,26 @@ impl Segment {
                 }
                 self.backlog[lane].pop_front();
                 let sub = self.subs[s].expect("a queued sub exists");
-                let parent = self.parents[sub.parent].as_ref().expect("a sub's parent exists");
+                let parent = self.parents[sub.parent].as_mut().expect("a sub's parent exists");
                 let copy = self.replicas[sub.stripe]
                     .iter()
                     .position(|&r| r == lane)
                     .expect("the lane holds the stripe");
                 let place = self.map.stripes[sub.stripe][copy].offset + sub.at % self.map.chunk_bytes;
                 self.stats.requests += 1;
+                // One piece on one lane takes the caller's buffer as it is; otherwise each
+                // piece (and each replica of a write) has a buffer of its own.
+                let lent = if sub.whole { parent.buf.take() } else { None };
                 let submitted = if parent.opcode == Opcode::Write {
                     let from = (sub.at - parent.offset) as usize;
-                    l.submit_write(
-                        place,
-                        parent.buf[from..from + sub.len].to_vec(),
-                        ReqFlags::empty(),
-                        s as u64,
-                    )
+                    let buf = match lent {
+                        Some(b) => b,
+                        None => parent.buf.as_ref().expect("a write keeps its data")[from..from + sub.len]
+                            .to_vec(),
+                    };
+                    l.submit_write(place, buf, ReqFlags::empty(), s as u64)
                 } else {
-                    l.submit_read(place, vec![0; sub.len], s as u64)
+                    l.submit_read(place, lent.unwrap_or_else(|| vec![0; sub.len]), s as u64)
                 };
                 if let Err(r) = submitted {
                     failed = Some(r.error.to_string());
@@ -317,9 +323,17 @@ impl Segment {
         let p = self.parents[sub.parent].as_mut().expect("a sub's parent exists");
         if p.opcode == Opcode::Write {
             p.held[sub.piece] = true;
-        } else if let Some(data) = data {
-            let from = (sub.at - p.offset) as usize;
-            p.buf[from..from + sub.len].copy_from_slice(&data[..sub.len]);
+        }
+        match data {
+            // The caller's buffer comes back (a read's filled in place).
+            Some(data) if sub.whole => p.buf = Some(data),
+            Some(data) if p.opcode != Opcode::Write => {
+                let from = (sub.at - p.offset) as usize;
+                let len = p.len;
+                p.buf.get_or_insert_with(|| vec![0; len])[from..from + sub.len]
+                    .copy_from_slice(&data[..sub.len]);
+            }
+            _ => {}
         }
         self.parent_sub_ended(sub.parent);
     }
@@ -355,7 +369,9 @@ impl Segment {
             user_data: p.user_data,
             opcode: p.opcode,
             status: if ok { Status::Ok } else { Status::IoError },
-            buf: Some(p.buf),
+            // A buffer lent to a lane that failed is gone with it: the caller gets one of the
+            // same length.
+            buf: Some(p.buf.unwrap_or_else(|| vec![0; p.len])),
         });
     }
 
@@ -435,7 +451,8 @@ impl Queue<Vec<u8>> for Segment {
             opcode,
             user_data,
             offset,
-            buf,
+            buf: Some(buf),
+            len: length,
             subs: 0,
             failed: false,
             held: vec![opcode != Opcode::Write; pieces.len()],
@@ -462,8 +479,9 @@ impl Queue<Vec<u8>> for Segment {
             } else {
                 self.in_service(stripe).take(1).collect()
             };
+            let whole = pieces.len() == 1 && lanes.len() == 1;
             for lane in lanes {
-                self.queue_sub(Sub { parent: pi, piece, at, len, stripe, lane });
+                self.queue_sub(Sub { parent: pi, piece, at, len, stripe, lane, whole });
             }
         }
         Ok(())

@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""An RStore namespace striped over 1, 2 and 4 memory servers (i10 Figure 9, RStore's aggregate).
+
+Starts a one-member etcd on loopback, then for each server count N: N `skiff serve --pool
+ram:SIZE --coordinator URL` processes (each its own port), a namespace reserved and allocated
+over all of them, and `skiff bench --namespace` from one initiator process:
+
+  4k-randread   4 KiB random reads, --threads T x --qd 32 (each thread a lane to every server)
+  1m-read       1 MiB sequential reads, --threads T x --qd 4
+
+IOPS, bandwidth and CPU per I/O (the initiator's, and all servers' summed), median of --repeat
+runs. Placement models two machines by default: every server under `taskset -c 1`, the
+initiator under `taskset -c 0`; with 2 cores all servers share one, so the figure shows how
+the striping behaves, not what N machines would give (docs/RSTORE.md says what it predicts).
+
+    python3 bench/rstore.py                       # N = 1, 2, 4; 3 runs of 3 s each
+    python3 bench/rstore.py --servers 1,2 --threads 2 --repeat 5
+
+Writes bench/results/rstore-<timestamp>.json (and .png) and prints a Markdown table.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import Placement, add_placement_args, free_port, median_record, stop  # noqa: E402
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def start_etcd(scratch):
+    client, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{client}"
+    proc = subprocess.Popen(["etcd", "--name", "bench", "--data-dir", os.path.join(scratch, "etcd"),
+                             "--listen-client-urls", url, "--advertise-client-urls", url,
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"bench=http://127.0.0.1:{peer}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, url
+
+
+def ns(a, *args):
+    p = subprocess.run([a.skiff, "ns", "--coordinator", a.url, *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"skiff ns {' '.join(args)}: {p.stderr.strip()}")
+    return p.stdout
+
+
+def wait_servers(a, n):
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            if len(json.loads(ns(a, "servers", "--json"))) == n:
+                return
+        except (RuntimeError, json.JSONDecodeError):
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{n} memory servers never registered")
+
+
+def bench(a, name, rw, bs, qd):
+    argv = a.pl.client([a.skiff, "bench", "--namespace", name, "--coordinator", a.url, "--rw", rw, "--bs", bs,
+                        "--qd", str(qd), "--threads", str(a.threads), "--duration", f"{a.runtime}s", "--json"])
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=a.runtime + 60)
+    if p.returncode != 0:
+        raise RuntimeError(f"skiff bench --namespace {name} {rw} {bs}: {p.stderr[-500:]}")
+    r = json.loads(p.stdout)
+    return {"iops": r["iops"], "bytes_per_s": r["bytes_per_s"], "lat_mean_us": r["lat_us"]["mean"],
+            "client_cpu_us_per_io": r["client_cpu_us_per_io"], "server_cpu_us_per_io": r["server_cpu_us_per_io"]}
+
+
+WORKLOADS = [("4k-randread", "randread", "4k", 32), ("1m-read", "read", "1M", 4)]
+
+
+def plot(path, counts, med, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot (python3 -m pip install matplotlib)")
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, (w, _, _, _), key, label in [(axes[0], WORKLOADS[0], "iops", "IOPS (4 KiB random reads)"),
+                                         (axes[1], WORKLOADS[1], "bytes_per_s", "MB/s (1 MiB sequential reads)")]:
+        ys = [med[(w, n)][key] / (1e6 if key == "bytes_per_s" else 1) for n in counts]
+        ax.plot(counts, ys, marker="o")
+        ax.set_xticks(counts)
+        ax.set_xlabel("memory servers")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--servers", default="1,2,4")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--runtime", type=int, default=3)
+    p.add_argument("--pool", default="1G", help="RAM each memory server donates")
+    p.add_argument("--chunk", default="4M")
+    p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--out", default="bench/results")
+    add_placement_args(p, "runs per point (default 3)")
+    a = p.parse_args()
+    a.repeat = a.repeat or 3
+    a.pl = Placement.from_args(a)
+    a.skiff = os.path.abspath(a.skiff)
+    counts = [int(n) for n in a.servers.split(",")]
+    runs = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        etcd, a.url = start_etcd(scratch)
+        try:
+            deadline = time.time() + 30
+            while True:
+                try:
+                    ns(a, "list")
+                    break
+                except RuntimeError:
+                    if time.time() > deadline:
+                        raise SystemExit("etcd never answered")
+                    time.sleep(0.1)
+            log(f"etcd at {a.url}; placement {a.pl.describe()}; {a.threads} initiator thread(s)")
+            for n in counts:
+                servers = []
+                try:
+                    for _ in range(n):
+                        port = free_port()
+                        servers.append(subprocess.Popen(
+                            a.pl.server([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--workers", "1",
+                                         "--pool", f"ram:{a.pool}", "--chunk", a.chunk, "--coordinator", a.url]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                    wait_servers(a, n)
+                    name = f"fig9-{n}"
+                    ns(a, "create", name, "--size", f"{n * int(a.pool[:-1])}{a.pool[-1]}", "--chunk", a.chunk)
+                    ns(a, "alloc", name, f"{n * int(a.pool[:-1])}{a.pool[-1]}")
+                    for rep in range(a.repeat):
+                        for w, rw, bs, qd in WORKLOADS:
+                            r = bench(a, name, rw, bs, qd)
+                            runs.setdefault((w, n), []).append(r)
+                            log(f"{n} server(s) {w:<12} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                                f"{r['bytes_per_s'] / 1e6:8.1f} MB/s  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
+                                f"{r['server_cpu_us_per_io']:.2f}")
+                    ns(a, "delete", name)
+                finally:
+                    for s in servers:
+                        stop(s)
+                    # Registrations end with their servers; wait so the next count starts clean.
+                    wait_servers(a, 0)
+        finally:
+            stop(etcd)
+    med = {k: median_record(v) for k, v in runs.items()}
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"rstore-{time.strftime('%Y%m%d-%H%M%S')}")
+    with open(base + ".json", "w") as f:
+        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "threads": a.threads,
+                   "pool": a.pool, "chunk": a.chunk,
+                   "points": [{"workload": w, "servers": n, **med[(w, n)], "repetitions": runs[(w, n)]}
+                              for (w, n) in runs]}, f, indent=1)
+    title = (f"RStore namespace over N memory servers, one initiator ({a.threads} thread(s); "
+             f"{a.pl.short()}, median of {a.repeat})")
+    png = plot(base + ".png", counts, med, title)
+    print(f"{title}; {base}.json" + (f", {png}" if png else ""))
+    print()
+    print("| servers | workload | IOPS | MB/s | mean µs | CPU µs/I/O initiator | servers (sum) |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for n in counts:
+        for w, _, _, _ in WORKLOADS:
+            r = med[(w, n)]
+            print(f"| {n} | {w} | {r['iops']:,.0f} | {r['bytes_per_s'] / 1e6:,.1f} | {r['lat_mean_us']:.1f} | "
+                  f"{r['client_cpu_us_per_io']:.2f} | {r['server_cpu_us_per_io']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
