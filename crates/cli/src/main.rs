@@ -17,6 +17,7 @@ mod ns;
 mod reconnect;
 mod relay;
 mod revoke;
+mod rsort;
 mod serve;
 mod tls;
 mod units;
@@ -49,6 +50,9 @@ enum Command {
     Relay(relay::RelayArgs),
     /// RStore namespaces on the coordinator (etcd): create, reserve, alloc, list, delete.
     Ns(ns::NsArgs),
+    /// RSort: generate TeraSort records into an RStore namespace, sort them with worker
+    /// processes in two phases, check the result.
+    Rsort(rsort::RsortArgs),
 }
 
 fn init_logging(default: &str) {
@@ -95,6 +99,10 @@ fn main() -> ExitCode {
         Command::Ns(args) => {
             init_logging("warn");
             ns::run(args)
+        }
+        Command::Rsort(args) => {
+            init_logging("warn");
+            rsort::run(args)
         }
     };
     match result {

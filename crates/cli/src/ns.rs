@@ -92,28 +92,26 @@ fn summary(ns: &Namespace, live: &[ServerInfo]) -> String {
     )
 }
 
-/// The coordinator's URLs: given, or `$SKIFF_COORDINATOR`, or etcd's default on loopback.
-fn coordinator(given: Option<&str>) -> Coordinator {
+/// The coordinator at the URLs given, or `$SKIFF_COORDINATOR`, or etcd's default on
+/// loopback; and those URLs.
+pub fn coordinator(given: Option<&str>) -> (Coordinator, String) {
     let urls = given
         .map(str::to_owned)
         .or_else(|| std::env::var("SKIFF_COORDINATOR").ok())
         .unwrap_or_else(|| "http://127.0.0.1:2379".into());
-    Coordinator::connect(&[urls])
+    (Coordinator::connect(std::slice::from_ref(&urls)), urls)
 }
 
 /// The allocation at `addr` of namespace `name`, resolved to the live copies of its chunks
 /// for the data path (RStore's `init` and `map`), with a label for reports.
-pub fn segment_map(
-    urls: Option<&str>,
+pub fn resolve(
+    c: &Coordinator,
     name: &str,
     addr: u64,
 ) -> Result<(initiator::SegmentMap, String), Box<dyn std::error::Error>> {
-    let c = coordinator(urls);
     let r = c.lookup(name, addr)?;
-    let live = c.servers()?;
-    let places = r.places(&live)?;
-    let mut stripes = Vec::with_capacity(places.len());
-    for copies in places {
+    let mut stripes = Vec::new();
+    for copies in r.places(&c.servers()?)? {
         let mut locs = Vec::with_capacity(copies.len());
         for p in copies {
             locs.push(initiator::Location {
@@ -124,18 +122,15 @@ pub fn segment_map(
         }
         stripes.push(locs);
     }
-    let n = {
-        let mut e: Vec<String> = stripes.iter().flatten().map(|l| l.endpoint.to_string()).collect();
-        e.sort();
-        e.dedup();
-        e.len()
-    };
-    let label = format!("namespace {name} at {addr:#x} ({} MiB over {n} servers)", r.len >> 20);
+    let mut servers: Vec<String> = stripes.iter().flatten().map(|l| l.endpoint.to_string()).collect();
+    servers.sort();
+    servers.dedup();
+    let label = format!("namespace {name} at {addr:#x} ({} MiB over {} servers)", r.len >> 20, servers.len());
     Ok((initiator::SegmentMap { len: r.len, chunk_bytes: r.chunk_bytes, stripes }, label))
 }
 
 pub fn run(args: NsArgs) -> CliResult {
-    let c = coordinator(args.coordinator.as_deref());
+    let (c, _) = coordinator(args.coordinator.as_deref());
     match args.action {
         Action::Create { name, size, chunk, replicas, scope } => {
             let mut ns = c.create_ns(&name, scope, chunk, replicas)?;

@@ -169,7 +169,11 @@ pub fn run(args: BenchArgs) -> CliResult {
     }
     // An RStore namespace: a segment per thread, each with lanes to every memory server.
     let segment = match &args.namespace {
-        Some(ns) => Some(crate::ns::segment_map(args.coordinator.as_deref(), ns, args.raddress)?),
+        Some(ns) => Some(crate::ns::resolve(
+            &crate::ns::coordinator(args.coordinator.as_deref()).0,
+            ns,
+            args.raddress,
+        )?),
         None => None,
     };
     // Keep the embedded target alive for the whole run; dropping it shuts it down.

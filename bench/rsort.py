@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""RSort weak scaling (thesis Figure 6.13) against GNU sort and a single-process in-memory sort.
+
+Starts a one-member etcd and two memory servers (`skiff serve --pool`, RAM by default, files
+with --flash), then for W = 1, 2, 4 workers at a fixed number of records per worker:
+
+  rsort        `skiff rsort gen`, then `skiff rsort sort --workers W` (W worker processes, two
+               phases through RStore namespaces), then `skiff rsort check`
+  gnu-sort     `LC_ALL=C sort` of the same records in a local file (`gen --file`)
+  in-memory    `skiff rsort local`: the same records sorted in one process's memory
+
+Median of --repeat runs of each. Placement: servers under `taskset -c 1`, the sorters under
+`taskset -c 0` (RSort's workers all share that core; GNU sort gets it alone). This machine has
+two cores, so weak scaling cannot hold; the figure shows where the time goes.
+
+    python3 bench/rsort.py                          # 200,000 records per worker, W = 1, 2, 4
+    python3 bench/rsort.py --per-worker 1000000 --flash
+
+Writes bench/results/rsort-<timestamp>.json and prints a Markdown table.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import Placement, add_placement_args, free_port, median_record, stop  # noqa: E402
+from rstore import log, ns, start_etcd, wait_servers  # noqa: E402
+
+
+def rsort(a, *args):
+    argv = a.pl.client([a.skiff, "rsort", "--coordinator", a.url, "--chunk", a.chunk, "--json",
+                        *(["--scope", "file"] if a.flash else []), *args])
+    p = subprocess.run(argv, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"skiff rsort {' '.join(args)}: {p.stderr.strip()}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def timed(argv, **kw):
+    t = time.time()
+    subprocess.run(argv, check=True, **kw)
+    return time.time() - t
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--workers", default="1,2,4")
+    p.add_argument("--per-worker", type=int, default=200_000, help="records per worker (100 bytes each)")
+    p.add_argument("--pool", default="1G", help="what each of the two memory servers donates")
+    p.add_argument("--chunk", default="4M")
+    p.add_argument("--flash", action="store_true", help="file pools and file-scope namespaces (thesis 7.4)")
+    p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--out", default="bench/results")
+    add_placement_args(p, "runs per point (default 3)")
+    a = p.parse_args()
+    a.repeat = a.repeat or 3
+    a.pl = Placement.from_args(a)
+    a.skiff = os.path.abspath(a.skiff)
+    counts = [int(w) for w in a.workers.split(",")]
+    runs = {}
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch:
+        etcd, a.url = start_etcd(scratch)
+        servers = []
+        try:
+            for i in range(2):
+                if a.flash:
+                    path = os.path.join(scratch, f"pool{i}.img")
+                    subprocess.run(["truncate", "-s", a.pool, path], check=True)
+                    pool = f"file:{path}"
+                else:
+                    pool = f"ram:{a.pool}"
+                servers.append(subprocess.Popen(
+                    a.pl.server([a.skiff, "serve", "--listen", f"127.0.0.1:{free_port()}", "--workers", "1",
+                                 "--pool", pool, "--chunk", a.chunk, "--coordinator", a.url]),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            wait_servers(a, 2)
+            log(f"etcd at {a.url}; two memory servers ({'file' if a.flash else 'RAM'} pools of {a.pool}); "
+                f"placement {a.pl.describe()}")
+            records_file = os.path.join(scratch, "records")
+            for w in counts:
+                records = w * a.per_worker
+                for rep in range(a.repeat):
+                    gen = rsort(a, "gen", "--records", str(records), "--file", records_file)
+                    srt = rsort(a, "sort", "--workers", str(w))
+                    chk = rsort(a, "check")
+                    gnu = timed(a.pl.client(["sort", "-o", os.path.join(scratch, "sorted"), records_file]),
+                                env={**os.environ, "LC_ALL": "C"})
+                    mem = rsort(a, "local", "--records", str(records))
+                    r = {"records": records, "gen_s": gen["seconds"], "sort_s": srt["seconds"],
+                         "phase1_s": srt["phase1_s"], "wait_s": srt["wait_s"], "phase2_s": srt["phase2_s"],
+                         "check_s": chk["seconds"], "gnu_sort_s": gnu, "in_memory_sort_s": mem["sort_s"]}
+                    runs.setdefault(w, []).append(r)
+                    log(f"W={w} rep {rep + 1}/{a.repeat}: {records:,} records; rsort {r['sort_s']:.2f} s "
+                        f"(phase 1 {r['phase1_s']:.2f}, wait {r['wait_s']:.2f}, phase 2 {r['phase2_s']:.2f}); "
+                        f"GNU sort {gnu:.2f} s; in memory {r['in_memory_sort_s']:.2f} s")
+        finally:
+            for s in servers:
+                stop(s)
+            stop(etcd)
+    med = {w: median_record(v, key="sort_s") for w, v in runs.items()}
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"rsort-{time.strftime('%Y%m%d-%H%M%S')}")
+    with open(base + ".json", "w") as f:
+        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "per_worker": a.per_worker, "flash": a.flash,
+                   "points": [{"workers": w, **med[w], "repetitions": runs[w]} for w in counts]}, f, indent=1)
+    print(f"RSort weak scaling, {a.per_worker:,} records per worker, {'file' if a.flash else 'RAM'} namespaces "
+          f"({a.pl.short()}, median of {a.repeat}); {base}.json")
+    print()
+    print("| workers | records | rsort s | phase 1 | wait | phase 2 | GNU sort s | in-memory sort s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for w in counts:
+        r = med[w]
+        print(f"| {w} | {r['records']:,} | {r['sort_s']:.2f} | {r['phase1_s']:.2f} | {r['wait_s']:.2f} | "
+              f"{r['phase2_s']:.2f} | {r['gnu_sort_s']:.2f} | {r['in_memory_sort_s']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
