@@ -498,6 +498,7 @@ mod tests {
         assert_eq!(r, again, "seeded");
         assert_eq!(bucket(b"          ", 4), 0);
         assert_eq!(bucket(b"~~~~~~~~~~", 4), 3);
-        assert_eq!(bucket(b"O         ", 2), 1);
+        assert_eq!(bucket(b"N~        ", 2), 0);
+        assert_eq!(bucket(b"P         ", 2), 1);
     }
 }
