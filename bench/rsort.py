@@ -29,7 +29,7 @@ import time
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import Placement, add_placement_args, free_port, median_record, stop  # noqa: E402
-from rstore import log, ns, start_etcd, wait_servers  # noqa: E402
+from rstore import log, start_etcd, wait_etcd, wait_servers  # noqa: E402
 
 
 def rsort(a, *args):
@@ -68,6 +68,7 @@ def main():
         etcd, a.url = start_etcd(scratch)
         servers = []
         try:
+            wait_etcd(a)
             for i in range(2):
                 if a.flash:
                     path = os.path.join(scratch, f"pool{i}.img")

@@ -54,6 +54,18 @@ def ns(a, *args):
     return p.stdout
 
 
+def wait_etcd(a):
+    deadline = time.time() + 30
+    while True:
+        try:
+            ns(a, "list")
+            return
+        except RuntimeError:
+            if time.time() > deadline:
+                raise SystemExit("etcd never answered")
+            time.sleep(0.1)
+
+
 def wait_servers(a, n):
     deadline = time.time() + 30
     while time.time() < deadline:
@@ -122,15 +134,7 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         etcd, a.url = start_etcd(scratch)
         try:
-            deadline = time.time() + 30
-            while True:
-                try:
-                    ns(a, "list")
-                    break
-                except RuntimeError:
-                    if time.time() > deadline:
-                        raise SystemExit("etcd never answered")
-                    time.sleep(0.1)
+            wait_etcd(a)
             log(f"etcd at {a.url}; placement {a.pl.describe()}; {a.threads} initiator thread(s)")
             for n in counts:
                 servers = []
