@@ -117,7 +117,7 @@ def main():
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in counts:
         r = med[w]
-        print(f"| {w} | {r['records']:,} | {r['sort_s']:.2f} | {r['phase1_s']:.2f} | {r['wait_s']:.2f} | "
+        print(f"| {w} | {int(r['records']):,} | {r['sort_s']:.2f} | {r['phase1_s']:.2f} | {r['wait_s']:.2f} | "
               f"{r['phase2_s']:.2f} | {r['gnu_sort_s']:.2f} | {r['in_memory_sort_s']:.2f} |")
     return 0
 

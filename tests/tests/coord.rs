@@ -64,13 +64,26 @@ fn namespaces_reserve_alloc_free_release_and_delete() {
     let ns = c.release("tables", 2 * MIB).unwrap();
     assert_eq!(ns.reserved.len(), 1);
     c.reserve("tables", 10 * MIB).unwrap();
-    // 16 chunks in all: 4 held by the namespace's allocation and reserve, 10 just reserved.
-    assert!(matches!(c.reserve("tables", 3 * MIB), Err(CoordError::NoCapacity { have: 2, .. })));
+    // 16 chunks in all: 4 held by the namespace, 10 just reserved, and the 2 released still
+    // hold the namespace's bytes: nobody gets them until their server has zeroed them.
+    assert!(matches!(c.reserve("tables", 3 * MIB), Err(CoordError::NoCapacity { have: 0, .. })));
+    let clean = |c: &Coordinator| {
+        for id in ["a", "b"] {
+            let dirty = c.dirty(id).unwrap();
+            c.cleaned(id, &dirty).unwrap();
+            assert!(c.dirty(id).unwrap().is_empty());
+        }
+    };
+    assert_eq!(c.dirty("a").unwrap().len() + c.dirty("b").unwrap().len(), 2);
+    clean(&c);
+    c.reserve("tables", 2 * MIB).unwrap();
 
-    // Deleting the namespace gives every chunk back.
+    // Deleting the namespace gives every chunk back, to be zeroed first.
     c.delete_ns("tables").unwrap();
     assert!(matches!(c.join_ns("tables"), Err(CoordError::NoNamespace(_))));
     c.create_ns("again", Scope::Ram, MIB, 1).unwrap();
+    assert!(matches!(c.reserve("again", MIB), Err(CoordError::NoCapacity { .. })));
+    clean(&c);
     assert_eq!(c.reserve("again", 16 * MIB).unwrap().reserved.len(), 16);
     assert_eq!(c.list_ns().unwrap().len(), 1);
 }

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use coord::{Coordinator, RAddress, Scope, ServerInfo};
-use initiator::{Endpoint, Lane, LaneConfig, Location, Queue, Segment, SegmentMap};
+use initiator::{Lane, LaneConfig, Queue, Segment, SegmentMap};
 use skiff_tests::etcd::Cluster;
 use skiff_tests::{start_target, tcp_endpoint};
 
@@ -36,24 +36,7 @@ fn servers(c: &Coordinator) -> (Vec<server::Target>, Vec<coord::Registration>) {
 }
 
 fn segment_map(c: &Coordinator, r: &RAddress) -> SegmentMap {
-    let places = r.places(&c.servers().unwrap()).unwrap();
-    SegmentMap {
-        len: r.len,
-        chunk_bytes: r.chunk_bytes,
-        stripes: places
-            .into_iter()
-            .map(|copies| {
-                copies
-                    .into_iter()
-                    .map(|p| Location {
-                        endpoint: Endpoint::parse(&p.endpoint).unwrap(),
-                        export: p.export,
-                        offset: p.offset,
-                    })
-                    .collect()
-            })
-            .collect(),
-    }
+    skiff_tests::rstore::segment_map(c, &r.ns, r.addr)
 }
 
 fn pattern(seed: u64, at: u64, len: usize) -> Vec<u8> {

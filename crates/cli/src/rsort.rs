@@ -148,7 +148,19 @@ fn fresh(
         Err(e) => return Err(e.into()),
     }
     c.create_ns(name, args.scope, args.chunk, 1)?;
-    c.reserve(name, bytes)?;
+    // Chunks an earlier run gave back come free once their servers have zeroed them.
+    let start = Instant::now();
+    loop {
+        match c.reserve(name, bytes) {
+            Ok(_) => break,
+            Err(coord::CoordError::NoCapacity { zeroing, .. })
+                if zeroing > 0 && start.elapsed() < Duration::from_secs(60) =>
+            {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
     c.alloc(name, bytes, Some(0))?;
     Ok(())
 }

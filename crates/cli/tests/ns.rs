@@ -141,3 +141,50 @@ fn memory_servers_register_and_namespaces_stripe_over_them() {
     ns(&url, &["delete", "t"]);
     assert_eq!(json(&url, &["list"]).as_array().map(Vec::len), Some(0));
 }
+
+/// Chunks a namespace gives back hold its bytes until their server zeroes them: the next
+/// namespace on the same chunks reads zeros, never the last one's data.
+#[test]
+fn chunks_given_back_are_zeroed_before_another_namespace_gets_them() {
+    let etcd = Cluster::start(1);
+    let url = etcd.url();
+    let _server = Proc(
+        skiff()
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--pool",
+                "ram:4M",
+                "--chunk",
+                "1M",
+                "--coordinator",
+                &url,
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("skiff serve --pool"),
+    );
+    wait_servers(&url, 1);
+    ns(&url, &["create", "first", "--size", "4M", "--chunk", "1M"]);
+    ns(&url, &["alloc", "first", "4M"]);
+    let c = coord::Coordinator::connect(std::slice::from_ref(&url));
+    let mut seg = skiff_tests::rstore::segment(&c, "first", 0);
+    seg.write(0, &vec![0xA5; 4 << 20]).unwrap();
+    drop(seg);
+    ns(&url, &["delete", "first"]);
+    // Every chunk is taken: none is handed out until the server has zeroed it.
+    let start = Instant::now();
+    let id = json(&url, &["servers"])[0]["id"].as_str().unwrap().to_owned();
+    while !c.dirty(&id).unwrap().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(60), "the server never zeroed its chunks");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ns(&url, &["create", "second", "--size", "4M", "--chunk", "1M"]);
+    ns(&url, &["alloc", "second", "4M"]);
+    let mut seg = skiff_tests::rstore::segment(&c, "second", 0);
+    let mut buf = vec![0xFFu8; 4 << 20];
+    seg.read(0, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0), "the second namespace read the first one's bytes");
+}

@@ -67,26 +67,7 @@ fn rsort_sorts_terasort_records_with_worker_processes_and_check_proves_it() {
     // One sector of the output overwritten (through the data path, as any client could):
     // the check tells.
     let c = coord::Coordinator::connect(std::slice::from_ref(&url));
-    let r = c.lookup("rsort-out", 0).unwrap();
-    let places = r.places(&c.servers().unwrap()).unwrap();
-    let map = initiator::SegmentMap {
-        len: r.len,
-        chunk_bytes: r.chunk_bytes,
-        stripes: places
-            .into_iter()
-            .map(|copies| {
-                copies
-                    .into_iter()
-                    .map(|p| initiator::Location {
-                        endpoint: initiator::Endpoint::parse(&p.endpoint).unwrap(),
-                        export: p.export,
-                        offset: p.offset,
-                    })
-                    .collect()
-            })
-            .collect(),
-    };
-    let mut seg = initiator::Segment::map(map, &initiator::LaneConfig::default()).unwrap();
+    let mut seg = skiff_tests::rstore::segment(&c, "rsort-out", 0);
     seg.write(512 * 100, &[b'~'; 512]).unwrap();
     let out = run(&[&["rsort"][..], &common, &["check"]].concat());
     assert!(!out.status.success(), "a check of a damaged output passed");

@@ -51,8 +51,9 @@ pub enum CoordError {
     NoNamespace(String),
     #[error("{0}")]
     Invalid(String),
-    #[error("not enough {scope} capacity: {want} chunks of {chunk_bytes} bytes on {replicas} distinct servers wanted, {have} free")]
-    NoCapacity { scope: Scope, chunk_bytes: u64, replicas: u32, want: u64, have: u64 },
+    #[error("not enough {scope} capacity: {want} chunks of {chunk_bytes} bytes on {replicas} distinct servers wanted, {have} free{}",
+        if *zeroing > 0 { format!(" ({zeroing} more given back and being zeroed by their servers: try again shortly)") } else { String::new() })]
+    NoCapacity { scope: Scope, chunk_bytes: u64, replicas: u32, want: u64, have: u64, zeroing: u64 },
     #[error("namespace {ns:?} has {have} reserved chunks free, {want} needed (reserve more first)")]
     NotReserved { ns: String, want: u64, have: u64 },
     #[error("address {addr:#x} of namespace {ns:?} overlaps the allocation at {other:#x}")]
@@ -124,8 +125,13 @@ impl ServerInfo {
 pub struct PoolState {
     /// Chunks from here on were never handed out.
     pub next: u64,
-    /// Chunks handed out and given back.
+    /// Chunks given back and zeroed: free to hand out again.
     pub free: Vec<u64>,
+    /// Chunks given back and not yet zeroed: they still hold what their last namespace wrote,
+    /// so no namespace gets them until their server has zeroed them ([`Coordinator::dirty`],
+    /// [`Coordinator::cleaned`]).
+    #[serde(default)]
+    pub dirty: Vec<u64>,
 }
 
 /// One chunk of a server's pool.
@@ -414,12 +420,14 @@ impl Coordinator {
                 p.1.free.len() as u64 + p.0.chunks().saturating_sub(p.1.next)
             };
             let have: u64 = pools.iter().map(free).sum();
+            let zeroing: u64 = pools.iter().map(|p| p.1.dirty.len() as u64).sum();
             let no_capacity = || CoordError::NoCapacity {
                 scope: ns.scope,
                 chunk_bytes: ns.chunk_bytes,
                 replicas: ns.replicas,
                 want: want * u64::from(ns.replicas),
                 have,
+                zeroing,
             };
             if pools.len() < ns.replicas as usize {
                 return Err(no_capacity());
@@ -562,11 +570,40 @@ impl Coordinator {
             // A pool deleted by hand takes nothing back.
             let Some(kv) = self.etcd.get(&k)? else { continue };
             let mut state: PoolState = decode(&kv)?;
-            state.free.extend(chunks);
+            state.dirty.extend(chunks);
             compare.push(Compare::ModRevision(k.clone(), kv.mod_revision));
             ops.push(Op::Put { key: k, value: encode(&state), lease: 0 });
         }
         Ok((compare, ops))
+    }
+
+    /// The pool record of server `id`, if it has one.
+    pub fn pool(&self, id: &str) -> Result<Option<PoolState>, CoordError> {
+        check_name("server id", id)?;
+        self.etcd.get(&key(POOLS, id))?.as_ref().map(decode).transpose()
+    }
+
+    /// The chunks of server `id`'s pool waiting to be zeroed before they are handed out again.
+    pub fn dirty(&self, id: &str) -> Result<Vec<u64>, CoordError> {
+        Ok(self.pool(id)?.map(|p| p.dirty).unwrap_or_default())
+    }
+
+    /// Server `id` has zeroed `chunks`: they are free to hand out.
+    pub fn cleaned(&self, id: &str, chunks: &[u64]) -> Result<(), CoordError> {
+        self.retry(id, || {
+            let k = key(POOLS, id);
+            let Some(kv) = self.etcd.get(&k)? else { return Ok(Some(())) };
+            let mut state: PoolState = decode(&kv)?;
+            let clean: Vec<u64> = state.dirty.iter().copied().filter(|c| chunks.contains(c)).collect();
+            state.dirty.retain(|c| !chunks.contains(c));
+            state.free.extend(clean);
+            let ok = self.etcd.txn(
+                &[Compare::ModRevision(k.clone(), kv.mod_revision)],
+                &[Op::Put { key: k, value: encode(&state), lease: 0 }],
+                &[],
+            )?;
+            Ok(ok.then_some(()))
+        })
     }
 
     /// Run `attempt` until its transaction goes through (`Some`), another client's change

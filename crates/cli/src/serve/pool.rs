@@ -2,6 +2,8 @@
 //! pool is an ordinary export (`pool`) that initiators reach on the data path like any other;
 //! the server registers it with the coordinator (etcd) under a lease and renews the lease from
 //! a thread of its own, so that the control plane never runs on a worker (docs/RSTORE.md).
+//! The same thread zeroes the chunks namespaces gave back (through a lane to its own export,
+//! WRITE_ZEROES) before the coordinator hands them out again.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -45,6 +47,50 @@ pub fn incarnation(scope: Scope) -> std::io::Result<u64> {
     })
 }
 
+/// How often the server looks for chunks given back, to zero them.
+const ZERO_EVERY: Duration = Duration::from_millis(500);
+
+/// Zero the chunks of this server's pool that namespaces gave back, then tell the coordinator
+/// they are free: through a lane to the server's own pool export, so the bytes of a deleted
+/// namespace never reach the next one.
+fn zero_dirty(
+    coord: &Coordinator,
+    info: &ServerInfo,
+    lane: &mut Option<initiator::Lane>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use initiator::Queue;
+    let dirty = coord.dirty(&info.id)?;
+    if dirty.is_empty() {
+        return Ok(());
+    }
+    if lane.is_none() {
+        let endpoint = initiator::Endpoint::parse(&info.endpoint)?;
+        *lane = Some(initiator::Lane::connect(&endpoint, &info.export, &initiator::LaneConfig::default())?);
+    }
+    let l = lane.as_mut().expect("connected above");
+    const PIECE: u64 = 1 << 20;
+    let mut out = Vec::new();
+    for &chunk in &dirty {
+        let mut at = chunk * info.chunk_bytes;
+        let end = at + info.chunk_bytes;
+        while at < end {
+            let n = PIECE.min(end - at);
+            while l.in_flight() >= 32 {
+                l.wait(1, &mut out)?;
+            }
+            l.submit_write_zeroes(at, n as u32, initiator::ReqFlags::empty(), 0).map_err(|r| r.error)?;
+            at += n;
+        }
+    }
+    l.wait(usize::MAX, &mut out)?;
+    if let Some(c) = out.iter().find(|c| c.status != initiator::Status::Ok) {
+        return Err(format!("WRITE_ZEROES failed: {}", c.status).into());
+    }
+    coord.cleaned(&info.id, &dirty)?;
+    tracing::debug!(chunks = dirty.len(), "zeroed chunks given back");
+    Ok(())
+}
+
 /// A registration kept alive by a thread until [`Registered::end`].
 pub struct Registered {
     stop: Arc<AtomicBool>,
@@ -71,9 +117,19 @@ pub fn register(
             let mut reg = Some(first);
             let tick = Duration::from_millis(50);
             let mut waited = Duration::ZERO;
+            let mut lane: Option<initiator::Lane> = None;
+            let mut since_zeroing = Duration::ZERO;
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(tick);
                 waited += tick;
+                since_zeroing += tick;
+                if since_zeroing >= ZERO_EVERY {
+                    since_zeroing = Duration::ZERO;
+                    if let Err(e) = zero_dirty(&coord, &info, &mut lane) {
+                        tracing::warn!(error = %e, "cannot zero the chunks given back; trying again");
+                        lane = None;
+                    }
+                }
                 let interval = reg.as_ref().map_or(Duration::from_secs(1), Registration::interval);
                 if waited < interval {
                     continue;
