@@ -28,8 +28,8 @@ import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Placement, add_placement_args, free_port, median_record, stop  # noqa: E402
-from rstore import log, start_etcd, wait_etcd, wait_servers  # noqa: E402
+from compare import Placement, add_placement_args, median_record, stop  # noqa: E402
+from rstore import log, start_etcd, start_server, wait_etcd, wait_servers  # noqa: E402
 
 
 def rsort(a, *args):
@@ -76,10 +76,7 @@ def main():
                     pool = f"file:{path}"
                 else:
                     pool = f"ram:{a.pool}"
-                servers.append(subprocess.Popen(
-                    a.pl.server([a.skiff, "serve", "--listen", f"127.0.0.1:{free_port()}", "--workers", "1",
-                                 "--pool", pool, "--chunk", a.chunk, "--coordinator", a.url]),
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                servers.append(start_server(a, pool))
             wait_servers(a, 2)
             log(f"etcd at {a.url}; two memory servers ({'file' if a.flash else 'RAM'} pools of {a.pool}); "
                 f"placement {a.pl.describe()}")

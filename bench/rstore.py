@@ -78,6 +78,14 @@ def wait_servers(a, n):
     raise SystemExit(f"{n} memory servers never registered")
 
 
+def start_server(a, pool):
+    """One memory server (`skiff serve --pool POOL`) on a port of its own, pinned as a server."""
+    return subprocess.Popen(
+        a.pl.server([a.skiff, "serve", "--listen", f"127.0.0.1:{free_port()}", "--workers", "1",
+                     "--pool", pool, "--chunk", a.chunk, "--coordinator", a.url]),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def bench(a, name, rw, bs, qd):
     argv = a.pl.client([a.skiff, "bench", "--namespace", name, "--coordinator", a.url, "--rw", rw, "--bs", bs,
                         "--qd", str(qd), "--threads", str(a.threads), "--duration", f"{a.runtime}s", "--json"])
@@ -140,11 +148,7 @@ def main():
                 servers = []
                 try:
                     for _ in range(n):
-                        port = free_port()
-                        servers.append(subprocess.Popen(
-                            a.pl.server([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--workers", "1",
-                                         "--pool", f"ram:{a.pool}", "--chunk", a.chunk, "--coordinator", a.url]),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                        servers.append(start_server(a, f"ram:{a.pool}"))
                     wait_servers(a, n)
                     name = f"fig9-{n}"
                     ns(a, "create", name, "--size", f"{n * int(a.pool[:-1])}{a.pool[-1]}", "--chunk", a.chunk)

@@ -769,3 +769,13 @@ pub mod rstore {
         Segment::map(segment_map(c, ns, addr), &LaneConfig::default()).expect("the segment maps")
     }
 }
+
+/// A child process killed (SIGKILL) and reaped when dropped, a failed test's too.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

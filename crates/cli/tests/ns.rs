@@ -3,23 +3,14 @@
 //! namespace striped over both, allocates in it, lists it; a server killed with SIGKILL loses
 //! its lease and its chunks show as lost; one stopped cleanly ends its registration at once.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use skiff_tests::etcd::Cluster;
+use skiff_tests::KillOnDrop;
 
 fn skiff() -> Command {
     Command::new(env!("CARGO_BIN_EXE_skiff"))
-}
-
-/// A child killed on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn ns(url: &str, args: &[&str]) -> String {
@@ -53,7 +44,7 @@ fn memory_servers_register_and_namespaces_stripe_over_them() {
     let etcd = Cluster::start(1);
     let url = etcd.url();
     let serve = |lease: &str| {
-        Proc(
+        KillOnDrop(
             skiff()
                 .args(["serve", "--listen", "127.0.0.1:0", "--pool", "ram:16M", "--chunk", "1M"])
                 .args(["--coordinator", &url, "--lease", lease])
@@ -148,7 +139,7 @@ fn memory_servers_register_and_namespaces_stripe_over_them() {
 fn chunks_given_back_are_zeroed_before_another_namespace_gets_them() {
     let etcd = Cluster::start(1);
     let url = etcd.url();
-    let _server = Proc(
+    let _server = KillOnDrop(
         skiff()
             .args([
                 "serve",

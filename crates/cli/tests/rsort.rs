@@ -3,22 +3,14 @@
 //! processes through the bucket and output namespaces, `check` finds them in order and equal
 //! to the input; one sector of the output overwritten fails the check.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use skiff_tests::etcd::Cluster;
+use skiff_tests::KillOnDrop;
 
 fn skiff() -> Command {
     Command::new(env!("CARGO_BIN_EXE_skiff"))
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn run(args: &[&str]) -> std::process::Output {
@@ -37,9 +29,9 @@ fn ok(args: &[&str]) -> serde_json::Value {
 fn rsort_sorts_terasort_records_with_worker_processes_and_check_proves_it() {
     let etcd = Cluster::start(1);
     let url = etcd.url();
-    let _servers: Vec<Proc> = (0..2)
+    let _servers: Vec<KillOnDrop> = (0..2)
         .map(|_| {
-            Proc(
+            KillOnDrop(
                 skiff()
                     .args(["serve", "--listen", "127.0.0.1:0", "--pool", "ram:64M", "--chunk", "1M"])
                     .args(["--coordinator", &url])
