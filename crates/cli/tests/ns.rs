@@ -179,3 +179,47 @@ fn chunks_given_back_are_zeroed_before_another_namespace_gets_them() {
     seg.read(0, &mut buf).unwrap();
     assert!(buf.iter().all(|&b| b == 0), "the second namespace read the first one's bytes");
 }
+
+/// Replicas under load: three memory servers, a namespace with two copies of every chunk,
+/// `skiff bench --namespace --verify` writing and reading, and one server killed with SIGKILL
+/// in the middle of the timed phase. No I/O fails, and every block reads back as last written.
+#[test]
+fn with_two_replicas_a_memory_server_killed_under_load_costs_no_error_and_no_write() {
+    let etcd = Cluster::start(1);
+    let url = etcd.url();
+    let mut servers: Vec<KillOnDrop> = (0..3)
+        .map(|_| {
+            KillOnDrop(
+                skiff()
+                    .args(["serve", "--listen", "127.0.0.1:0", "--pool", "ram:16M", "--chunk", "1M"])
+                    .args(["--coordinator", &url])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("skiff serve --pool"),
+            )
+        })
+        .collect();
+    wait_servers(&url, 3);
+    ns(&url, &["create", "safe", "--size", "12M", "--chunk", "1M", "--replicas", "2"]);
+    ns(&url, &["alloc", "safe", "12M"]);
+    let mut bench = skiff()
+        .args(["bench", "--namespace", "safe", "--coordinator", &url, "--rw", "randrw", "--bs", "16k"])
+        .args(["--qd", "8", "--threads", "2", "--duration", "3s", "--verify", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("skiff bench --namespace");
+    // The verify phase writes the whole region first; then the timed phase runs for 3 s.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(bench.try_wait().unwrap().is_none(), "the bench ended before the kill: lengthen it");
+    let victim = servers.remove(1);
+    drop(victim); // SIGKILL, while the bench runs
+    let out = bench.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "skiff bench: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_str(&stdout).expect("bench JSON");
+    assert!(r["ios"].as_u64().unwrap() > 100, "{r}");
+    assert_eq!((r["io_errors"].as_u64(), r["verify_errors"].as_u64()), (Some(0), Some(0)), "{r}");
+    eprintln!("killed a server under load: {} I/Os, no error, every block verified", r["ios"]);
+}
