@@ -15,8 +15,14 @@ the striping behaves, not what N machines would give (docs/RSTORE.md says what i
 
     python3 bench/rstore.py                       # N = 1, 2, 4; 3 runs of 3 s each
     python3 bench/rstore.py --servers 1,2 --threads 2 --repeat 5
+    python3 bench/rstore.py --control              # control-path costs against the data path's
 
-Writes bench/results/rstore-<timestamp>.json (and .png) and prints a Markdown table.
+With --control each server count runs `skiff ns costs` instead: create, reserve, alloc, init,
+map and the first read of a scratch namespace of 64 MiB, 256 MiB and 512 MiB, each timed once
+in one process, beside the mean 4 KiB read on the data path (RStore's point: setup is paid once).
+
+Writes bench/results/rstore-<timestamp>.json (or rstore-control-…; and .png) and prints a
+Markdown table.
 """
 import argparse
 import json
@@ -122,6 +128,43 @@ def plot(path, counts, med, title):
     return path
 
 
+CONTROL_SIZES = ["64M", "256M", "512M"]
+
+
+def costs(a, size):
+    """`skiff ns costs` once; a pool short of chunks still being zeroed is waited for."""
+    for _ in range(50):
+        try:
+            return json.loads(ns(a, "costs", "--size", size, "--chunk", a.chunk, "--json"))["us"]
+        except RuntimeError as e:
+            if "being zeroed" not in str(e):
+                raise
+            time.sleep(0.2)
+    raise SystemExit("the pools never had the chunks back")
+
+
+def control(a, counts):
+    """The control path's costs at each server count and size; prints a table."""
+    runs = {}
+    for n in counts:
+        servers = []
+        try:
+            for _ in range(n):
+                servers.append(start_server(a, f"ram:{a.pool}"))
+            wait_servers(a, n)
+            for size in CONTROL_SIZES:
+                for rep in range(a.repeat):
+                    r = costs(a, size)
+                    runs.setdefault((n, size), []).append(r)
+                    log(f"{n} server(s) {size:>5} rep {rep + 1}/{a.repeat}: " +
+                        ", ".join(f"{k} {v:,.0f} us" for k, v in r.items()))
+        finally:
+            for s in servers:
+                stop(s)
+            wait_servers(a, 0)
+    return {k: median_record(v, key="reserve") for k, v in runs.items()}, runs
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -132,6 +175,7 @@ def main():
     p.add_argument("--chunk", default="4M")
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--control", action="store_true", help="control-path costs (skiff ns costs) instead")
     add_placement_args(p, "runs per point (default 3)")
     a = p.parse_args()
     a.repeat = a.repeat or 3
@@ -139,6 +183,30 @@ def main():
     a.skiff = os.path.abspath(a.skiff)
     counts = [int(n) for n in a.servers.split(",")]
     runs = {}
+    if a.control:
+        with tempfile.TemporaryDirectory() as scratch:
+            etcd, a.url = start_etcd(scratch)
+            try:
+                wait_etcd(a)
+                med, raw = control(a, counts)
+            finally:
+                stop(etcd)
+        os.makedirs(a.out, exist_ok=True)
+        base = os.path.join(a.out, f"rstore-control-{time.strftime('%Y%m%d-%H%M%S')}")
+        with open(base + ".json", "w") as f:
+            json.dump({"placement": a.pl.record(), "repeat": a.repeat, "chunk": a.chunk,
+                       "points": [{"servers": n, "size": sz, "us": med[(n, sz)], "repetitions": raw[(n, sz)]}
+                                  for (n, sz) in med]}, f, indent=1)
+        order = ["create_ns", "reserve", "alloc", "init (lookup and place)", "map (a lane to each server)",
+                 "first 4 KiB read", "4 KiB read, data path (mean)", "free", "delete_ns (release everything)"]
+        steps = [k for k in order if k in next(iter(med.values()))]
+        print(f"Control path against data path, µs, one process ({a.pl.short()}, median of {a.repeat}); {base}.json")
+        print()
+        print("| servers | size | " + " | ".join(steps) + " |")
+        print("|---:|---:|" + "---:|" * len(steps))
+        for (n, sz), r in med.items():
+            print(f"| {n} | {sz} | " + " | ".join(f"{r[k]:,.0f}" if r[k] >= 10 else f"{r[k]:.1f}" for k in steps) + " |")
+        return 0
     with tempfile.TemporaryDirectory() as scratch:
         etcd, a.url = start_etcd(scratch)
         try:

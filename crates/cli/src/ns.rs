@@ -71,6 +71,84 @@ enum Action {
     Delete { name: String },
     /// List the memory servers registered now.
     Servers,
+    /// Measure the control path against the data path: create, reserve, alloc, init (lookup),
+    /// map and the first read of a scratch namespace of --size, then 4 KiB reads one at a
+    /// time; everything is given back after.
+    Costs {
+        #[arg(long, value_parser = crate::units::parse_size, default_value = "256M")]
+        size: u64,
+        #[arg(long, value_parser = crate::units::parse_size, default_value = "4M")]
+        chunk: u64,
+        /// 4 KiB reads timed on the data path.
+        #[arg(long, default_value_t = 2000)]
+        reads: u32,
+    },
+}
+
+/// `skiff ns costs`: each control-path step timed once, against the data path's per-I/O time.
+fn costs(
+    c: &Coordinator,
+    size: u64,
+    chunk: u64,
+    reads: u32,
+    json: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use std::time::Instant;
+    let name = format!("costs-{}", std::process::id());
+    let mut steps: Vec<(&str, f64)> = Vec::new();
+    let us = |t: Instant| t.elapsed().as_secs_f64() * 1e6;
+    let t = Instant::now();
+    c.create_ns(&name, Scope::Ram, chunk, 1)?;
+    steps.push(("create_ns", us(t)));
+    let result = (|| -> Result<(), Box<dyn std::error::Error>> {
+        let t = Instant::now();
+        c.reserve(&name, size)?;
+        steps.push(("reserve", us(t)));
+        let t = Instant::now();
+        c.alloc(&name, size, Some(0))?;
+        steps.push(("alloc", us(t)));
+        let t = Instant::now();
+        let (map, _) = resolve(c, &name, 0)?;
+        steps.push(("init (lookup and place)", us(t)));
+        let t = Instant::now();
+        let mut seg = initiator::Segment::map(map, &initiator::LaneConfig::default())?;
+        steps.push(("map (a lane to each server)", us(t)));
+        let mut buf = vec![0u8; 4096];
+        let t = Instant::now();
+        seg.read(0, &mut buf)?;
+        steps.push(("first 4 KiB read", us(t)));
+        let blocks = size / 4096;
+        let t = Instant::now();
+        for i in 0..u64::from(reads) {
+            seg.read((i.wrapping_mul(2_654_435_761) % blocks) * 4096, &mut buf)?;
+        }
+        steps.push((
+            "4 KiB read, data path (mean)",
+            t.elapsed().as_secs_f64() * 1e6 / f64::from(reads.max(1)),
+        ));
+        let t = Instant::now();
+        c.free(&name, 0)?;
+        steps.push(("free", us(t)));
+        Ok(())
+    })();
+    let t = Instant::now();
+    let deleted = c.delete_ns(&name);
+    steps.push(("delete_ns (release everything)", us(t)));
+    result?;
+    deleted?;
+    if json {
+        let map: serde_json::Map<String, serde_json::Value> =
+            steps.iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!(v))).collect();
+        print_json(
+            &serde_json::json!({ "size": size, "chunk": chunk, "servers": c.servers()?.len(), "us": map }),
+        );
+    } else {
+        println!("{} MiB in chunks of {} KiB over {} servers:", size >> 20, chunk >> 10, c.servers()?.len());
+        for (what, us) in &steps {
+            println!("  {what:<32} {us:>10.1} us");
+        }
+    }
+    Ok(())
 }
 
 fn print_json(value: &impl serde::Serialize) {
@@ -190,6 +268,7 @@ pub fn run(args: NsArgs) -> CliResult {
                 println!("deleted {name}");
             }
         }
+        Action::Costs { size, chunk, reads } => costs(&c, size, chunk, reads, args.json)?,
         Action::Servers => {
             let servers = c.servers()?;
             if args.json {
