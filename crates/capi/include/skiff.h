@@ -119,6 +119,43 @@ int skiff_lane_reap(skiff_lane *lane, skiff_completion *out, uint32_t max, uint3
 /* Completions not yet reaped plus requests in flight. */
 uint32_t skiff_lane_in_flight(const skiff_lane *lane);
 
+/*
+ * RStore namespaces (docs/RSTORE.md): RStore's API (Trivedi's thesis, Table 6.1) over a
+ * coordinator (etcd) and memory servers (skiff serve --pool). The control path (connect,
+ * create/join/delete, reserve/release, alloc/free, map) talks to the coordinator; a mapped
+ * segment's reads and writes go straight to the memory servers, striped, with replicas.
+ * Segment offsets and lengths are multiples of 512. Errors as above: -EEXIST (namespace
+ * exists), -ENOENT (no namespace or allocation), -ENOSPC (no capacity, or not enough
+ * reserved), -EADDRINUSE (address taken), -EHOSTUNREACH (coordinator unreachable).
+ */
+#define SKIFF_SCOPE_RAM 0  /* the servers' memory */
+#define SKIFF_SCOPE_FILE 1 /* the servers' files (flash namespaces) */
+#define SKIFF_ALLOC_AT 0x01 /* skiff_rstore_alloc: at `at`, not after the last allocation */
+
+typedef struct skiff_rstore skiff_rstore;
+typedef struct skiff_segment skiff_segment;
+
+/* Connect to the coordinator: etcd's client URLs, comma-separated. */
+int skiff_rstore_connect(const char *coordinator, skiff_rstore **out);
+void skiff_rstore_close(skiff_rstore *r);
+int skiff_rstore_create_ns(skiff_rstore *r, const char *ns, uint64_t chunk_bytes, uint32_t replicas,
+                           uint32_t scope);
+int skiff_rstore_join_ns(skiff_rstore *r, const char *ns);
+int skiff_rstore_delete_ns(skiff_rstore *r, const char *ns);
+int skiff_rstore_reserve(skiff_rstore *r, const char *ns, uint64_t bytes);
+int skiff_rstore_release(skiff_rstore *r, const char *ns, uint64_t bytes);
+/* Allocate len bytes (after the last allocation, or at `at` with SKIFF_ALLOC_AT); *addr gets
+ * the address. Of clients racing for one address, exactly one succeeds. */
+int skiff_rstore_alloc(skiff_rstore *r, const char *ns, uint64_t len, uint64_t at, uint32_t flags,
+                       uint64_t *addr);
+int skiff_rstore_free(skiff_rstore *r, const char *ns, uint64_t addr);
+/* Init and map the allocation at addr: a lane to each of its servers, for this thread. */
+int skiff_rstore_map(skiff_rstore *r, const char *ns, uint64_t addr, skiff_segment **out);
+void skiff_segment_unmap(skiff_segment *s);
+uint64_t skiff_segment_len(const skiff_segment *s);
+int skiff_segment_read(skiff_segment *s, uint64_t offset, void *buf, uint64_t len);
+int skiff_segment_write(skiff_segment *s, uint64_t offset, const void *buf, uint64_t len);
+
 /* A description of the last failure on this thread ("" if none). */
 const char *skiff_last_error(void);
 

@@ -535,6 +535,327 @@ pub unsafe extern "C" fn skiff_lane_reap(
     })
 }
 
+// ---- RStore namespaces (docs/RSTORE.md) ----
+
+/// Scopes of `skiff_rstore_create_ns`, as in `skiff.h`.
+pub const SKIFF_SCOPE_RAM: u32 = 0;
+pub const SKIFF_SCOPE_FILE: u32 = 1;
+/// `skiff_rstore_alloc` flag: allocate at `at`, not after the last allocation.
+pub const SKIFF_ALLOC_AT: u32 = 0x01;
+
+/// The handle behind `skiff_rstore *`: a client of one coordinator.
+pub struct SkiffRstore {
+    coord: coord::Coordinator,
+}
+
+/// The handle behind `skiff_segment *`: a mapped allocation.
+pub struct SkiffSegment {
+    segment: initiator::Segment,
+}
+
+/// The one mapping from control-plane errors to errno.
+fn coord_errno(e: &coord::CoordError) -> i32 {
+    use coord::CoordError as E;
+    match e {
+        E::Etcd(_) => libc::EHOSTUNREACH,
+        E::Exists(_) => libc::EEXIST,
+        E::NoNamespace(_) | E::NoAllocation { .. } => libc::ENOENT,
+        E::Invalid(_) => libc::EINVAL,
+        E::NoCapacity { .. } | E::NotReserved { .. } => libc::ENOSPC,
+        E::AddressTaken { .. } => libc::EADDRINUSE,
+        E::Corrupt { .. } => libc::EIO,
+        E::Contended(_) => libc::EBUSY,
+    }
+}
+
+fn coord_fail(e: &coord::CoordError) -> c_int {
+    set_error(e.to_string());
+    -coord_errno(e)
+}
+
+/// A C string argument, or -EINVAL.
+///
+/// # Safety
+/// `s` is null or a NUL-terminated string.
+unsafe fn text<'a>(s: *const c_char, what: &str) -> std::result::Result<&'a str, c_int> {
+    if s.is_null() {
+        set_error(format!("{what} is NULL"));
+        return Err(-libc::EINVAL);
+    }
+    // SAFETY: non-null, so NUL-terminated per the contract.
+    unsafe { CStr::from_ptr(s) }.to_str().map_err(|_| {
+        set_error(format!("{what} is not UTF-8"));
+        -libc::EINVAL
+    })
+}
+
+/// Run a control-plane call on the handle behind `r` with the name `ns`.
+///
+/// # Safety
+/// `r` is null or a live handle; `ns` is null or a NUL-terminated string.
+unsafe fn with_ns(
+    r: *mut SkiffRstore,
+    ns: *const c_char,
+    f: impl FnOnce(&coord::Coordinator, &str) -> Result<(), coord::CoordError>,
+) -> c_int {
+    guard(|| {
+        // SAFETY: null or a live handle per the contract, used by one thread at a time.
+        let Some(r) = (unsafe { r.as_ref() }) else {
+            set_error("skiff_rstore is NULL".into());
+            return -libc::EINVAL;
+        };
+        // SAFETY: per the contract.
+        let name = match unsafe { text(ns, "namespace") } {
+            Ok(n) => n,
+            Err(e) => return e,
+        };
+        f(&r.coord, name).map_or_else(|e| coord_fail(&e), |()| 0)
+    })
+}
+
+/// # Safety
+/// `coordinator` is a NUL-terminated string; `out` points to writable storage.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_connect(
+    coordinator: *const c_char,
+    out: *mut *mut SkiffRstore,
+) -> c_int {
+    guard(|| {
+        // SAFETY: per the contract.
+        let urls = match unsafe { text(coordinator, "coordinator") } {
+            Ok(u) => u,
+            Err(e) => return e,
+        };
+        if out.is_null() {
+            set_error("out is NULL".into());
+            return -libc::EINVAL;
+        }
+        let coord = coord::Coordinator::connect(&[urls.to_owned()]);
+        // The coordinator answers, or the caller learns now rather than at the first call.
+        if let Err(e) = coord.list_ns() {
+            return coord_fail(&e);
+        }
+        // SAFETY: `out` is writable per the contract.
+        unsafe { out.write(Box::into_raw(Box::new(SkiffRstore { coord }))) };
+        0
+    })
+}
+
+/// # Safety
+/// `r` must come from `skiff_rstore_connect` and not be used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_close(r: *mut SkiffRstore) {
+    if !r.is_null() {
+        // SAFETY: made by Box::into_raw in skiff_rstore_connect and closed once.
+        drop(unsafe { Box::from_raw(r) });
+    }
+}
+
+/// # Safety
+/// As `with_ns`.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_create_ns(
+    r: *mut SkiffRstore,
+    ns: *const c_char,
+    chunk_bytes: u64,
+    replicas: u32,
+    scope: u32,
+) -> c_int {
+    let scope = match scope {
+        SKIFF_SCOPE_RAM => coord::Scope::Ram,
+        SKIFF_SCOPE_FILE => coord::Scope::File,
+        _ => {
+            set_error(format!("scope {scope}: SKIFF_SCOPE_RAM or SKIFF_SCOPE_FILE"));
+            return -libc::EINVAL;
+        }
+    };
+    // SAFETY: per the contract.
+    unsafe { with_ns(r, ns, |c, name| c.create_ns(name, scope, chunk_bytes, replicas).map(drop)) }
+}
+
+/// # Safety
+/// As `with_ns`.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_join_ns(r: *mut SkiffRstore, ns: *const c_char) -> c_int {
+    // SAFETY: per the contract.
+    unsafe { with_ns(r, ns, |c, name| c.join_ns(name).map(drop)) }
+}
+
+/// # Safety
+/// As `with_ns`.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_delete_ns(r: *mut SkiffRstore, ns: *const c_char) -> c_int {
+    // SAFETY: per the contract.
+    unsafe { with_ns(r, ns, |c, name| c.delete_ns(name)) }
+}
+
+/// # Safety
+/// As `with_ns`.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_reserve(r: *mut SkiffRstore, ns: *const c_char, bytes: u64) -> c_int {
+    // SAFETY: per the contract.
+    unsafe { with_ns(r, ns, |c, name| c.reserve(name, bytes).map(drop)) }
+}
+
+/// # Safety
+/// As `with_ns`.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_release(r: *mut SkiffRstore, ns: *const c_char, bytes: u64) -> c_int {
+    // SAFETY: per the contract.
+    unsafe { with_ns(r, ns, |c, name| c.release(name, bytes).map(drop)) }
+}
+
+/// # Safety
+/// As `with_ns`; `addr` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_alloc(
+    r: *mut SkiffRstore,
+    ns: *const c_char,
+    len: u64,
+    at: u64,
+    flags: u32,
+    addr: *mut u64,
+) -> c_int {
+    let at = (flags & SKIFF_ALLOC_AT != 0).then_some(at);
+    // SAFETY: per the contract.
+    unsafe {
+        with_ns(r, ns, |c, name| {
+            let got = c.alloc(name, len, at)?;
+            if !addr.is_null() {
+                // SAFETY: non-null, so writable per the contract.
+                addr.write(got.addr);
+            }
+            Ok(())
+        })
+    }
+}
+
+/// # Safety
+/// As `with_ns`.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_free(r: *mut SkiffRstore, ns: *const c_char, addr: u64) -> c_int {
+    // SAFETY: per the contract.
+    unsafe { with_ns(r, ns, |c, name| c.free(name, addr)) }
+}
+
+/// # Safety
+/// As `with_ns`; `out` points to writable storage.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_rstore_map(
+    r: *mut SkiffRstore,
+    ns: *const c_char,
+    addr: u64,
+    out: *mut *mut SkiffSegment,
+) -> c_int {
+    guard(|| {
+        // SAFETY: null or a live handle per the contract.
+        let Some(r) = (unsafe { r.as_ref() }) else {
+            set_error("skiff_rstore is NULL".into());
+            return -libc::EINVAL;
+        };
+        // SAFETY: per the contract.
+        let name = match unsafe { text(ns, "namespace") } {
+            Ok(n) => n,
+            Err(e) => return e,
+        };
+        if out.is_null() {
+            set_error("out is NULL".into());
+            return -libc::EINVAL;
+        }
+        match r.coord.map(name, addr, &LaneConfig::default()) {
+            Ok(segment) => {
+                // SAFETY: `out` is writable per the contract.
+                unsafe { out.write(Box::into_raw(Box::new(SkiffSegment { segment }))) };
+                0
+            }
+            Err(e) => match (e.downcast_ref::<coord::CoordError>(), e.downcast_ref::<Error>()) {
+                (Some(c), _) => coord_fail(c),
+                (_, Some(i)) => fail(i),
+                _ => {
+                    set_error(e.to_string());
+                    -libc::EIO
+                }
+            },
+        }
+    })
+}
+
+/// # Safety
+/// `s` must come from `skiff_rstore_map` and not be used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_segment_unmap(s: *mut SkiffSegment) {
+    if !s.is_null() {
+        // SAFETY: made by Box::into_raw in skiff_rstore_map and unmapped once.
+        drop(unsafe { Box::from_raw(s) });
+    }
+}
+
+/// # Safety
+/// `s` is null or a live segment.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_segment_len(s: *const SkiffSegment) -> u64 {
+    // SAFETY: null or a live handle per the contract.
+    unsafe { s.as_ref() }.map_or(0, |s| s.segment.len())
+}
+
+/// # Safety
+/// `s` is a live segment used by one thread at a time; `buf` is valid for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_segment_read(
+    s: *mut SkiffSegment,
+    offset: u64,
+    buf: *mut c_void,
+    len: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: null or a live handle per the contract.
+        let Some(s) = (unsafe { s.as_mut() }) else {
+            set_error("skiff_segment is NULL".into());
+            return -libc::EINVAL;
+        };
+        if buf.is_null() && len > 0 {
+            set_error("buf is NULL".into());
+            return -libc::EINVAL;
+        }
+        let dst: &mut [u8] = if len == 0 {
+            &mut []
+        } else {
+            // SAFETY: valid for `len` bytes per the contract.
+            unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), len as usize) }
+        };
+        s.segment.read(offset, dst).map_or_else(|e| fail(&e), |()| 0)
+    })
+}
+
+/// # Safety
+/// `s` is a live segment used by one thread at a time; `buf` is valid for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_segment_write(
+    s: *mut SkiffSegment,
+    offset: u64,
+    buf: *const c_void,
+    len: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: null or a live handle per the contract.
+        let Some(s) = (unsafe { s.as_mut() }) else {
+            set_error("skiff_segment is NULL".into());
+            return -libc::EINVAL;
+        };
+        if buf.is_null() && len > 0 {
+            set_error("buf is NULL".into());
+            return -libc::EINVAL;
+        }
+        let src: &[u8] = if len == 0 {
+            &[]
+        } else {
+            // SAFETY: valid for `len` bytes per the contract.
+            unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len as usize) }
+        };
+        s.segment.write(offset, src).map_or_else(|e| fail(&e), |()| 0)
+    })
+}
+
 #[no_mangle]
 pub extern "C" fn skiff_last_error() -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())

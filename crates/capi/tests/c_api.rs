@@ -18,23 +18,9 @@ fn deps_dir() -> PathBuf {
 
 #[test]
 fn c_program_moves_data_through_the_header_api() {
-    let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let lib_dir = deps_dir();
     assert!(lib_dir.join("libskiff.so").exists(), "libskiff.so not built in {}", lib_dir.display());
-    let out_dir = tempfile_dir();
-    let exe = out_dir.join("smoke");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let status = Command::new(&cc)
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(crate_dir.join("tests/c/smoke.c"))
-        .arg(format!("-I{}", crate_dir.join("include").display()))
-        .arg(format!("-L{}", lib_dir.display()))
-        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
-        .arg("-lskiff")
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run the C compiler {cc}: {e}"));
-    assert!(status.success(), "smoke.c does not compile against skiff.h");
+    let exe = compile("smoke");
 
     let config = TargetConfig {
         listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
@@ -85,6 +71,65 @@ fn c_program_moves_data_through_the_header_api() {
     assert_eq!(s.get("backend_syncs").unwrap_or(0), 0, "RAM flushes need no sync");
 }
 
+/// Compile `tests/c/NAME.c` against the header and the cdylib this test built; returns the
+/// program's path.
+fn compile(name: &str) -> PathBuf {
+    let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let lib_dir = deps_dir();
+    let exe = tempfile_dir().join(name);
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(crate_dir.join(format!("tests/c/{name}.c")))
+        .arg(format!("-I{}", crate_dir.join("include").display()))
+        .arg(format!("-L{}", lib_dir.display()))
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .arg("-lskiff")
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler {cc}: {e}"));
+    assert!(status.success(), "{name}.c does not compile against skiff.h");
+    exe
+}
+
+/// RStore's API from C: a real etcd, two memory servers (targets with a `pool` export,
+/// registered with it), and a C program that creates, reserves, allocates, maps, writes and
+/// reads back across servers, and meets the errnos the header names.
+#[test]
+fn c_program_uses_rstore_namespaces() {
+    let exe = compile("rstore");
+    let etcd = skiff_tests::etcd::Cluster::start(1);
+    let c = coord::Coordinator::connect(&etcd.endpoints());
+    let targets: Vec<Target> = (0..2).map(|_| skiff_tests::start_target(&["pool=ram:8M"], 1)).collect();
+    let _regs: Vec<coord::Registration> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let endpoint = skiff_tests::tcp_endpoint(t).to_string();
+            let info = coord::ServerInfo {
+                id: endpoint.clone(),
+                endpoint,
+                export: "pool".into(),
+                scope: coord::Scope::Ram,
+                bytes: 8 << 20,
+                chunk_bytes: 1 << 20,
+                incarnation: 1 + i as u64,
+            };
+            c.register(&info, std::time::Duration::from_secs(30)).unwrap()
+        })
+        .collect();
+    let out = Command::new(&exe).env("LD_LIBRARY_PATH", deps_dir()).arg(etcd.url()).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("create again: -17"), "-EEXIST: {stdout}");
+    assert!(stdout.trim_end().ends_with("ok"), "{stdout}");
+    // Both servers took writes: the 4 MiB were striped.
+    for t in &targets {
+        assert!(t.stats().get("req_write").unwrap_or(0) > 0, "a server took no write");
+    }
+    assert!(c.list_ns().unwrap().is_empty(), "the C program deleted its namespace");
+}
+
 #[test]
 fn header_constants_match_the_protocol() {
     let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/skiff.h")).unwrap();
@@ -109,6 +154,9 @@ fn header_constants_match_the_protocol() {
     assert_eq!(define("SKIFF_BATCHING_ADAPTIVE"), skiff::SKIFF_BATCHING_ADAPTIVE);
     assert_eq!(define("SKIFF_FLAG_FUA"), u32::from(wire::ReqFlags::FUA.bits()));
     assert_eq!(define("SKIFF_FLAG_NO_DELAY"), u32::from(wire::ReqFlags::NO_DELAY.bits()));
+    assert_eq!(define("SKIFF_SCOPE_RAM"), skiff::SKIFF_SCOPE_RAM);
+    assert_eq!(define("SKIFF_SCOPE_FILE"), skiff::SKIFF_SCOPE_FILE);
+    assert_eq!(define("SKIFF_ALLOC_AT"), skiff::SKIFF_ALLOC_AT);
 }
 
 fn tempfile_dir() -> PathBuf {

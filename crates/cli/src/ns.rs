@@ -188,23 +188,13 @@ pub fn resolve(
     addr: u64,
 ) -> Result<(initiator::SegmentMap, String), Box<dyn std::error::Error>> {
     let r = c.lookup(name, addr)?;
-    let mut stripes = Vec::new();
-    for copies in r.places(&c.servers()?)? {
-        let mut locs = Vec::with_capacity(copies.len());
-        for p in copies {
-            locs.push(initiator::Location {
-                endpoint: initiator::Endpoint::parse(&p.endpoint)?,
-                export: p.export,
-                offset: p.offset,
-            });
-        }
-        stripes.push(locs);
-    }
+    let map = coord::segment_map(&r, &c.servers()?)?;
+    let stripes = &map.stripes;
     let mut servers: Vec<String> = stripes.iter().flatten().map(|l| l.endpoint.to_string()).collect();
     servers.sort();
     servers.dedup();
     let label = format!("namespace {name} at {addr:#x} ({} MiB over {} servers)", r.len >> 20, servers.len());
-    Ok((initiator::SegmentMap { len: r.len, chunk_bytes: r.chunk_bytes, stripes }, label))
+    Ok((map, label))
 }
 
 pub fn run(args: NsArgs) -> CliResult {

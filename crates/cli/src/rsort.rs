@@ -167,8 +167,7 @@ fn fresh(
 
 /// The allocation at 0 of namespace `name`, mapped.
 fn map(c: &Coordinator, name: &str) -> Result<Segment, Box<dyn std::error::Error>> {
-    let (map, _) = crate::ns::resolve(c, name, 0)?;
-    Ok(Segment::map(map, &LaneConfig::default()).map_err(|e| format!("mapping {name}: {e}"))?)
+    Ok(c.map(name, 0, &LaneConfig::default()).map_err(|e| format!("mapping {name}: {e}"))?)
 }
 
 /// Read `len` bytes at `offset` (both 512-aligned), in requests of at most 1 MiB, all in flight.

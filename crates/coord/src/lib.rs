@@ -246,6 +246,21 @@ impl RAddress {
     }
 }
 
+/// A segment resolved for the data path: an allocation's live copies as lane locations.
+pub fn segment_map(r: &RAddress, live: &[ServerInfo]) -> Result<initiator::SegmentMap, CoordError> {
+    let mut stripes = Vec::with_capacity(r.stripes.len());
+    for copies in r.places(live)? {
+        let mut locs = Vec::with_capacity(copies.len());
+        for p in copies {
+            let endpoint = initiator::Endpoint::parse(&p.endpoint)
+                .map_err(|e| CoordError::Invalid(format!("server endpoint {:?}: {e}", p.endpoint)))?;
+            locs.push(initiator::Location { endpoint, export: p.export, offset: p.offset });
+        }
+        stripes.push(locs);
+    }
+    Ok(initiator::SegmentMap { len: r.len, chunk_bytes: r.chunk_bytes, stripes })
+}
+
 /// A client of the control plane.
 pub struct Coordinator {
     etcd: Etcd,
@@ -528,6 +543,18 @@ impl Coordinator {
             )?;
             Ok(ok.then(|| RAddress { ns: name.to_owned(), addr, len, chunk_bytes: chunk, stripes }))
         })
+    }
+
+    /// RStore's `init` and `map` together: the allocation at `addr` of namespace `name`,
+    /// resolved to its live copies and mapped with a lane to each of their servers.
+    pub fn map(
+        &self,
+        name: &str,
+        addr: u64,
+        config: &initiator::LaneConfig,
+    ) -> Result<initiator::Segment, Box<dyn std::error::Error + Send + Sync>> {
+        let map = segment_map(&self.lookup(name, addr)?, &self.servers()?)?;
+        Ok(initiator::Segment::map(map, config)?)
     }
 
     /// The allocation at `addr` of namespace `name` (RStore's `init`).

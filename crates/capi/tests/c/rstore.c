@@ -1,0 +1,65 @@
+/* RStore's API from C (skiff.h): argv[1] is the coordinator's URL, with two memory servers of
+ * 1 MiB chunks registered. Creates a namespace, reserves and allocates 4 MiB at the bootstrap
+ * address, maps it, writes and reads it back across chunks (so across servers), and checks
+ * the errors a caller acts on. Prints "ok" at the end. */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "skiff.h"
+
+#define MIB (1u << 20)
+
+static int fail(const char *what, int rc) {
+    fprintf(stderr, "%s failed: %d (%s)\n", what, rc, skiff_last_error());
+    return 1;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) return 2;
+    skiff_rstore *r = NULL;
+    int rc = skiff_rstore_connect(argv[1], &r);
+    if (rc != 0) return fail("connect", rc);
+    if ((rc = skiff_rstore_create_ns(r, "from-c", MIB, 1, SKIFF_SCOPE_RAM)) != 0) return fail("create_ns", rc);
+    rc = skiff_rstore_create_ns(r, "from-c", MIB, 1, SKIFF_SCOPE_RAM);
+    printf("create again: %d\n", rc);
+    if (rc != -EEXIST) return fail("create_ns twice should be -EEXIST", rc);
+    if ((rc = skiff_rstore_join_ns(r, "from-c")) != 0) return fail("join_ns", rc);
+    if ((rc = skiff_rstore_join_ns(r, "nowhere")) != -ENOENT) return fail("join_ns of nothing should be -ENOENT", rc);
+    if ((rc = skiff_rstore_reserve(r, "from-c", 4 * MIB)) != 0) return fail("reserve", rc);
+    uint64_t addr = 99;
+    if ((rc = skiff_rstore_alloc(r, "from-c", 4 * MIB, 0, SKIFF_ALLOC_AT, &addr)) != 0) return fail("alloc", rc);
+    if (addr != 0) return fail("alloc at 0", (int)addr);
+    if ((rc = skiff_rstore_alloc(r, "from-c", MIB, 0, SKIFF_ALLOC_AT, &addr)) != -EADDRINUSE)
+        return fail("a second alloc at 0 should be -EADDRINUSE", rc);
+    if ((rc = skiff_rstore_alloc(r, "from-c", MIB, 0, 0, &addr)) != -ENOSPC)
+        return fail("alloc past the reserve should be -ENOSPC", rc);
+
+    skiff_segment *s = NULL;
+    if ((rc = skiff_rstore_map(r, "from-c", 0, &s)) != 0) return fail("map", rc);
+    if (skiff_segment_len(s) != 4 * MIB) return fail("segment length", (int)skiff_segment_len(s));
+    unsigned char *w = malloc(4 * MIB), *back = malloc(4 * MIB);
+    for (uint32_t i = 0; i < 4 * MIB; i++) w[i] = (unsigned char)(i * 31 + (i >> 12));
+    /* 1.5 MiB pieces straddle chunk boundaries, so servers. */
+    for (uint64_t at = 0; at < 4 * MIB; at += 3 * MIB / 2) {
+        uint64_t n = 4 * MIB - at < 3 * MIB / 2 ? 4 * MIB - at : 3 * MIB / 2;
+        if ((rc = skiff_segment_write(s, at, w + at, n)) != 0) return fail("segment_write", rc);
+    }
+    memset(back, 0, 4 * MIB);
+    if ((rc = skiff_segment_read(s, 0, back, 4 * MIB)) != 0) return fail("segment_read", rc);
+    if (memcmp(w, back, 4 * MIB) != 0) return fail("read back", -1);
+    if ((rc = skiff_segment_read(s, 100, back, 512)) != -EINVAL) return fail("an unaligned read should be -EINVAL", rc);
+    if ((rc = skiff_segment_read(s, 4 * MIB, back, 512)) != -EINVAL) return fail("a read past the end should be -EINVAL", rc);
+    skiff_segment_unmap(s);
+    free(w);
+    free(back);
+
+    if ((rc = skiff_rstore_free(r, "from-c", 0)) != 0) return fail("free", rc);
+    if ((rc = skiff_rstore_release(r, "from-c", 4 * MIB)) != 0) return fail("release", rc);
+    if ((rc = skiff_rstore_delete_ns(r, "from-c")) != 0) return fail("delete_ns", rc);
+    skiff_rstore_close(r);
+    puts("ok");
+    return 0;
+}
