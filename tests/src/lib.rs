@@ -739,29 +739,12 @@ pub mod etcd {
 
 /// RStore segments for tests: an allocation resolved through the coordinator and mapped.
 pub mod rstore {
-    use initiator::{Endpoint, LaneConfig, Location, Segment, SegmentMap};
+    use initiator::{LaneConfig, Segment, SegmentMap};
 
     /// The allocation at `addr` of namespace `ns`, resolved to the live copies of its chunks.
     pub fn segment_map(c: &coord::Coordinator, ns: &str, addr: u64) -> SegmentMap {
         let r = c.lookup(ns, addr).expect("the allocation exists");
-        let places = r.places(&c.servers().expect("servers")).expect("every stripe has a live copy");
-        SegmentMap {
-            len: r.len,
-            chunk_bytes: r.chunk_bytes,
-            stripes: places
-                .into_iter()
-                .map(|copies| {
-                    copies
-                        .into_iter()
-                        .map(|p| Location {
-                            endpoint: Endpoint::parse(&p.endpoint).expect("an endpoint"),
-                            export: p.export,
-                            offset: p.offset,
-                        })
-                        .collect()
-                })
-                .collect(),
-        }
+        coord::segment_map(&r, &c.servers().expect("servers")).expect("every stripe has a live copy")
     }
 
     /// The same, mapped.
