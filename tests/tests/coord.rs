@@ -34,6 +34,9 @@ fn namespaces_reserve_alloc_free_release_and_delete() {
     let _a = register(&c, "a", 8 * MIB);
     let _b = register(&c, "b", 8 * MIB);
     assert_eq!(c.servers().unwrap().len(), 2);
+    // A server registering again must number its chunks as before.
+    let other_chunks = ServerInfo { chunk_bytes: 2 * MIB, ..server("a", 8 * MIB) };
+    assert!(matches!(c.register(&other_chunks, Duration::from_secs(30)), Err(CoordError::Invalid(_))));
 
     c.create_ns("tables", Scope::Ram, MIB, 1).unwrap();
     assert!(matches!(c.create_ns("tables", Scope::Ram, MIB, 1), Err(CoordError::Exists(_))));

@@ -150,3 +150,45 @@ fn with_one_copy_the_chunks_of_a_lost_server_fail_clearly() {
     let err = seg.read(MIB, &mut buf).expect_err("stripe 1's only copy is gone");
     assert!(err.to_string().contains("out of service"), "{err}");
 }
+
+/// I/O larger than what one request may carry (a 4 MiB chunk, a target's 1 MiB limit) is
+/// split into requests the servers take, and a request a server refuses for what it asked
+/// fails alone: the server stays in service.
+#[test]
+fn large_io_is_split_to_the_servers_limit_and_a_refusal_takes_no_server_out() {
+    let etcd = Cluster::start(1);
+    let c = Coordinator::connect(&etcd.endpoints());
+    let t = start_target(&["pool=ram:16M"], 1);
+    let endpoint = tcp_endpoint(&t).to_string();
+    let info = ServerInfo {
+        id: endpoint.clone(),
+        endpoint,
+        export: "pool".into(),
+        scope: Scope::Ram,
+        bytes: 16 * MIB,
+        chunk_bytes: 4 * MIB,
+        incarnation: 7,
+    };
+    let _reg = c.register(&info, Duration::from_secs(30)).unwrap();
+    c.create_ns("big", Scope::Ram, 4 * MIB, 1).unwrap();
+    c.reserve("big", 8 * MIB).unwrap();
+    let r = c.alloc("big", 8 * MIB, None).unwrap();
+    let mut seg = Segment::map(segment_map(&c, &r), &LaneConfig::default()).unwrap();
+    let data = pattern(3, 0, 8 * MIB as usize);
+    seg.write(0, &data).unwrap();
+    let mut back = vec![0u8; 8 * MIB as usize];
+    seg.read(0, &mut back).unwrap();
+    assert!(back == data, "8 MiB in one call reads back");
+    assert_eq!(seg.stats().servers_failed, 0);
+    assert!(seg.stats().requests >= 16, "split into requests of at most 1 MiB: {:?}", seg.stats());
+
+    // A map whose second stripe lies past the end of the export: the server refuses that
+    // read (out of range), the read fails with that status, and the server stays in service.
+    let mut bad = segment_map(&c, &r);
+    bad.stripes[1][0].offset = 15 * MIB;
+    let mut seg = Segment::map(bad, &LaneConfig::default()).unwrap();
+    let err = seg.read(4 * MIB, &mut vec![0u8; 2 * MIB as usize]).expect_err("past the export's end");
+    assert!(matches!(err, initiator::Error::Status(initiator::Status::OutOfRange)), "{err}");
+    assert_eq!(seg.stats().servers_failed, 0, "a refused request takes no server out");
+    seg.read(0, &mut vec![0u8; MIB as usize]).expect("the server still serves the first stripe");
+}

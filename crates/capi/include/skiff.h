@@ -126,7 +126,8 @@ uint32_t skiff_lane_in_flight(const skiff_lane *lane);
  * segment's reads and writes go straight to the memory servers, striped, with replicas.
  * Segment offsets and lengths are multiples of 512. Errors as above: -EEXIST (namespace
  * exists), -ENOENT (no namespace or allocation), -ENOSPC (no capacity, or not enough
- * reserved), -EADDRINUSE (address taken), -EHOSTUNREACH (coordinator unreachable).
+ * reserved), -EADDRINUSE (address taken), -EHOSTUNREACH (coordinator unreachable, or its
+ * answer unusable), -EBUSY (other clients kept changing the namespace; try again).
  */
 #define SKIFF_SCOPE_RAM 0  /* the servers' memory */
 #define SKIFF_SCOPE_FILE 1 /* the servers' files (flash namespaces) */

@@ -631,8 +631,9 @@ pub unsafe extern "C" fn skiff_rstore_connect(
             return -libc::EINVAL;
         }
         let coord = coord::Coordinator::connect(&[urls.to_owned()]);
-        // The coordinator answers, or the caller learns now rather than at the first call.
-        if let Err(e) = coord.list_ns() {
+        // The coordinator answers, or the caller learns now rather than at the first call
+        // (the server list is small; the namespaces may not be).
+        if let Err(e) = coord.servers() {
             return coord_fail(&e);
         }
         // SAFETY: `out` is writable per the contract.

@@ -170,7 +170,7 @@ fn map(c: &Coordinator, name: &str) -> Result<Segment, Box<dyn std::error::Error
     Ok(c.map(name, 0, &LaneConfig::default()).map_err(|e| format!("mapping {name}: {e}"))?)
 }
 
-/// Read `len` bytes at `offset` (both 512-aligned), in requests of at most 1 MiB, all in flight.
+/// Read `len` bytes at `offset` (both 512-aligned), 1 MiB at a time.
 fn read_region(seg: &mut Segment, offset: u64, len: usize) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
     let mut out = vec![0u8; len];
     for (i, piece) in out.chunks_mut(IO_BYTES).enumerate() {
@@ -301,16 +301,39 @@ pub fn run(args: RsortArgs) -> CliResult {
                 .collect::<Result<Vec<_>, _>>()?;
             let mut phases = [0f64; 3];
             let mut failed = None;
-            for (i, child) in children.into_iter().enumerate() {
-                let out = child.wait_with_output()?;
-                if !out.status.success() {
-                    failed.get_or_insert(format!("worker {i} failed ({})", out.status));
-                    continue;
+            // Watch every worker: one that fails leaves the others waiting at the barrier
+            // for ever, so the rest are stopped then.
+            let mut running: Vec<(usize, std::process::Child)> = children.into_iter().enumerate().collect();
+            while !running.is_empty() {
+                let mut i = 0;
+                while i < running.len() {
+                    match running[i].1.try_wait()? {
+                        None => i += 1,
+                        Some(status) => {
+                            let (id, mut child) = running.swap_remove(i);
+                            let mut stdout = Vec::new();
+                            if let Some(mut pipe) = child.stdout.take() {
+                                std::io::Read::read_to_end(&mut pipe, &mut stdout)?;
+                            }
+                            if !status.success() {
+                                failed.get_or_insert(format!("worker {id} failed ({status})"));
+                                continue;
+                            }
+                            let r: serde_json::Value = serde_json::from_slice(&stdout)?;
+                            for (k, key) in ["phase1_s", "wait_s", "phase2_s"].iter().enumerate() {
+                                phases[k] = phases[k].max(r[key].as_f64().unwrap_or(0.0));
+                            }
+                        }
+                    }
                 }
-                let r: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-                for (k, key) in ["phase1_s", "wait_s", "phase2_s"].iter().enumerate() {
-                    phases[k] = phases[k].max(r[key].as_f64().unwrap_or(0.0));
+                if failed.is_some() {
+                    for (_, child) in &mut running {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                    }
+                    break;
                 }
+                std::thread::sleep(Duration::from_millis(5));
             }
             if let Some(e) = failed {
                 return Err(e.into());

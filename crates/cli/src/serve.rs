@@ -238,6 +238,12 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                     .find_map(|e| matches!(e, Endpoint::Tcp(_)).then(|| e.to_string()))
                     .ok_or("--pool without TCP: give --advertise")?,
             };
+            // An unspecified listen address names no host: initiators could not reach it,
+            // and every server listening so would have the same id.
+            if endpoint.starts_with("0.0.0.0:") || endpoint.starts_with("[::]:") {
+                target.shutdown();
+                return Err(format!("--pool listening on {endpoint}: give --advertise HOST:PORT").into());
+            }
             let info = coord::ServerInfo {
                 id: endpoint.clone(),
                 endpoint,

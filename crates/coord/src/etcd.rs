@@ -5,7 +5,10 @@
 //! travel as strings (and are accepted either way), enum values by name, and fields left at
 //! their default are omitted. Every call goes to the member that answered last and, when it
 //! cannot be reached, to the next; a member that answers with an error is not retried
-//! elsewhere (the error is etcd's answer, not the network's).
+//! elsewhere (the error is etcd's answer, not the network's). Only a failure that shows the
+//! request never reached a member (refused, reset, unreachable) moves it to the next member: a
+//! timeout leaves a transaction's fate unknown, and sending it again could apply it twice, so
+//! it is reported instead ([`EtcdError::Unknown`]).
 
 use std::time::Duration;
 
@@ -23,6 +26,22 @@ pub enum EtcdError {
     Refused { endpoint: String, path: String, status: u16, message: String },
     #[error("etcd at {endpoint} answered {path} with something unexpected: {why}")]
     Malformed { endpoint: String, path: String, why: String },
+    /// The request may or may not have been applied (no answer in time).
+    #[error("etcd at {endpoint} did not answer {path} in time: whether it was applied is unknown ({why})")]
+    Unknown { endpoint: String, path: String, why: String },
+}
+
+/// Whether a failed request certainly never reached a member, so that another may take it.
+fn never_arrived(e: &ureq::Error) -> bool {
+    use std::io::ErrorKind::*;
+    match e {
+        ureq::Error::ConnectionFailed | ureq::Error::HostNotFound => true,
+        ureq::Error::Io(io) => matches!(
+            io.kind(),
+            ConnectionRefused | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected
+        ),
+        _ => false,
+    }
 }
 
 /// One key and its value, with etcd's revisions.
@@ -167,9 +186,16 @@ impl Etcd {
             let endpoint = &self.endpoints[i];
             let mut response = match self.agent.post(format!("{endpoint}{path}")).send_json(body) {
                 Ok(r) => r,
-                Err(e) => {
+                Err(e) if never_arrived(&e) => {
                     last = format!("{endpoint}: {e}");
                     continue;
+                }
+                Err(e) => {
+                    return Err(EtcdError::Unknown {
+                        endpoint: endpoint.clone(),
+                        path: path.to_owned(),
+                        why: e.to_string(),
+                    })
                 }
             };
             self.current.store(i, Ordering::Relaxed);
@@ -211,7 +237,8 @@ impl Etcd {
             .map(|r| {
                 let decode = |s: &str| {
                     B64.decode(s).map_err(|e| EtcdError::Malformed {
-                        endpoint: self.endpoints[0].clone(),
+                        endpoint: self.endpoints[self.current.load(std::sync::atomic::Ordering::Relaxed)]
+                            .clone(),
                         path: path.to_owned(),
                         why: format!("base64: {e}"),
                     })

@@ -132,6 +132,10 @@ pub struct PoolState {
     /// [`Coordinator::cleaned`]).
     #[serde(default)]
     pub dirty: Vec<u64>,
+    /// The chunk size the pool's chunks were numbered in: a server registering again must use
+    /// the same, or chunk numbers held by namespaces would name other bytes.
+    #[serde(default)]
+    pub chunk_bytes: u64,
 }
 
 /// One chunk of a server's pool.
@@ -281,6 +285,23 @@ fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).expect("control-plane records serialize")
 }
 
+/// Largest namespace record: etcd takes requests of 1.5 MiB at most, and a transaction
+/// carries pool records beside it.
+const NAMESPACE_RECORD_MAX: usize = 1 << 20;
+
+/// A namespace's record, refused when it would not fit one etcd request.
+fn encode_ns(ns: &Namespace) -> Result<Vec<u8>, CoordError> {
+    let record = encode(ns);
+    if record.len() > NAMESPACE_RECORD_MAX {
+        return Err(CoordError::Invalid(format!(
+            "namespace {:?} would take a {}-byte record, over {NAMESPACE_RECORD_MAX}: use larger chunks",
+            ns.name,
+            record.len()
+        )));
+    }
+    Ok(record)
+}
+
 /// A name for a key: letters, digits and `-_.:` only, 1 to 128 bytes.
 fn check_name(what: &str, name: &str) -> Result<(), CoordError> {
     let ok = !name.is_empty()
@@ -315,13 +336,33 @@ impl Coordinator {
                 server.bytes, server.chunk_bytes
             )));
         }
-        let lease = self.etcd.grant(ttl)?;
         let pool = key(POOLS, &server.id);
-        self.etcd.txn(
+        let fresh = PoolState { chunk_bytes: server.chunk_bytes, ..PoolState::default() };
+        let created = self.etcd.txn(
             &[Compare::Absent(pool.clone())],
-            &[Op::Put { key: pool, value: encode(&PoolState::default()), lease: 0 }],
+            &[Op::Put { key: pool.clone(), value: encode(&fresh), lease: 0 }],
             &[],
         )?;
+        if !created {
+            // Registering again: the chunks handed out must still be these bytes.
+            let kv = self.etcd.get(&pool)?.ok_or_else(|| CoordError::Contended(server.id.clone()))?;
+            let state: PoolState = decode(&kv)?;
+            if state.chunk_bytes != 0 && state.chunk_bytes != server.chunk_bytes {
+                return Err(CoordError::Invalid(format!(
+                    "server {}: its pool's chunks are {} bytes, not {}: register with the same --chunk, or delete {} by hand once no namespace holds its chunks",
+                    server.id, state.chunk_bytes, server.chunk_bytes, String::from_utf8_lossy(&pool)
+                )));
+            }
+            if state.next > server.chunks() {
+                return Err(CoordError::Invalid(format!(
+                    "server {}: namespaces hold chunks up to {} of its pool, which now has {}",
+                    server.id,
+                    state.next,
+                    server.chunks()
+                )));
+            }
+        }
+        let lease = self.etcd.grant(ttl)?;
         self.etcd.put(&key(SERVERS, &server.id), &encode(server), lease)?;
         Ok(Registration { lease, ttl })
     }
@@ -343,8 +384,10 @@ impl Coordinator {
         replicas: u32,
     ) -> Result<Namespace, CoordError> {
         check_name("namespace", name)?;
-        if chunk_bytes == 0 || !chunk_bytes.is_power_of_two() {
-            return Err(CoordError::Invalid(format!("chunk size {chunk_bytes}: use a power of two")));
+        if chunk_bytes < 512 || !chunk_bytes.is_power_of_two() {
+            return Err(CoordError::Invalid(format!(
+                "chunk size {chunk_bytes}: use a power of two of 512 or more"
+            )));
         }
         if replicas == 0 {
             return Err(CoordError::Invalid("replicas: at least 1".into()));
@@ -412,7 +455,9 @@ impl Coordinator {
         self.retry(name, || {
             let (mut ns, rev) = self.read_ns(name)?;
             let want = bytes.div_ceil(ns.chunk_bytes);
-            if ns.stripes() as u64 + want > (NAMESPACE_CHUNKS_MAX as u64) / u64::from(ns.replicas) {
+            if (ns.stripes() as u64).saturating_add(want)
+                > (NAMESPACE_CHUNKS_MAX as u64) / u64::from(ns.replicas)
+            {
                 return Err(CoordError::Invalid(format!(
                     "namespace {name:?} would hold more than {NAMESPACE_CHUNKS_MAX} chunks; use larger chunks"
                 )));
@@ -425,12 +470,13 @@ impl Coordinator {
             let mut pools: Vec<(ServerInfo, PoolState, Compare)> = Vec::new();
             for s in servers {
                 let k = key(POOLS, &s.id);
-                let (state, cmp) = match self.etcd.get(&k)? {
-                    Some(kv) => (decode::<PoolState>(&kv)?, Compare::ModRevision(k, kv.mod_revision)),
-                    None => (PoolState::default(), Compare::Absent(k)),
-                };
-                pools.push((s, state, cmp));
+                // A server without a pool record (deleted by hand) offers nothing until it
+                // registers again: its chunk numbers may be held by namespaces.
+                if let Some(kv) = self.etcd.get(&k)? {
+                    pools.push((s, decode::<PoolState>(&kv)?, Compare::ModRevision(k, kv.mod_revision)));
+                }
             }
+            let before: Vec<PoolState> = pools.iter().map(|p| p.1.clone()).collect();
             let free = |p: &(ServerInfo, PoolState, Compare)| {
                 p.1.free.len() as u64 + p.0.chunks().saturating_sub(p.1.next)
             };
@@ -472,11 +518,16 @@ impl Coordinator {
                 }
                 ns.reserved.push(stripe);
             }
+            let record = encode_ns(&ns)?;
             let mut compare = vec![Compare::ModRevision(key(NAMESPACES, name), rev)];
-            let mut ops = vec![Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }];
-            for (s, state, cmp) in pools {
-                compare.push(cmp);
-                ops.push(Op::Put { key: key(POOLS, &s.id), value: encode(&state), lease: 0 });
+            let mut ops = vec![Op::Put { key: key(NAMESPACES, name), value: record, lease: 0 }];
+            // Only the pools chunks came from: fewer operations, and no conflict with a
+            // reserve that took from the others.
+            for ((s, state, cmp), was) in pools.into_iter().zip(before) {
+                if state != was {
+                    compare.push(cmp);
+                    ops.push(Op::Put { key: key(POOLS, &s.id), value: encode(&state), lease: 0 });
+                }
             }
             Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(ns))
         })
@@ -515,8 +566,9 @@ impl Coordinator {
                 Some(a) => a,
                 None => ns.next_addr,
             };
-            let end = addr
-                .checked_add(want * chunk)
+            let end = want
+                .checked_mul(chunk)
+                .and_then(|bytes| addr.checked_add(bytes))
                 .ok_or_else(|| CoordError::Invalid("address overflows".into()))?;
             if let Some((&other, _)) = ns
                 .allocs

@@ -79,6 +79,9 @@ struct Parent {
     failed: bool,
     /// Per piece of a write: whether some replica holds it.
     held: Vec<bool>,
+    /// What a server answered when it refused a piece (out of range, too large...): the
+    /// request's own fault, reported as it is, and no reason to take the server out.
+    refused: Option<Status>,
 }
 
 /// One piece on one replica.
@@ -110,6 +113,8 @@ pub struct Segment {
     /// Sub-requests waiting for room on their lane.
     backlog: Vec<VecDeque<usize>>,
     in_flight: usize,
+    /// The largest piece: the smallest I/O size the servers' lanes negotiated.
+    piece_max: u64,
     done: Vec<Completion>,
     scratch: Vec<Completion>,
     stats: SegmentStats,
@@ -152,6 +157,15 @@ impl Segment {
             replicas.push(copies);
         }
         let servers_failed = lanes.iter().filter(|l| l.is_none()).count() as u64;
+        let piece_max = lanes
+            .iter()
+            .flatten()
+            .map(|l| u64::from(l.limits().io_bytes_max))
+            .filter(|&m| m >= SECTOR)
+            .min()
+            .unwrap_or(SECTOR)
+            / SECTOR
+            * SECTOR;
         let backlog = vec![VecDeque::new(); lanes.len()];
         let segment = Segment {
             map,
@@ -164,6 +178,7 @@ impl Segment {
             free_subs: Vec::new(),
             backlog,
             in_flight: 0,
+            piece_max,
             done: Vec::new(),
             scratch: Vec::new(),
             stats: SegmentStats { servers_failed, ..SegmentStats::default() },
@@ -274,9 +289,16 @@ impl Segment {
                 } else {
                     l.submit_read(place, lent.unwrap_or_else(|| vec![0; sub.len]), s as u64)
                 };
-                if let Err(r) = submitted {
-                    failed = Some(r.error.to_string());
-                    break;
+                match submitted {
+                    Ok(()) => {}
+                    // The lane judged the request itself wrong: it alone fails.
+                    Err(r) if matches!(r.error, Error::InvalidArgument(_) | Error::QueueFull(_)) => {
+                        self.sub_refused(s, Status::Invalid, r.buf);
+                    }
+                    Err(r) => {
+                        failed = Some(r.error.to_string());
+                        break;
+                    }
                 }
             }
             if failed.is_none() {
@@ -304,11 +326,15 @@ impl Segment {
         let mut failed = result.err().map(|e| e.to_string());
         for c in got.drain(..) {
             let s = c.user_data as usize;
-            if c.status == Status::Ok {
-                self.sub_done(s, c.buf);
-            } else {
-                failed.get_or_insert_with(|| format!("request failed: {}", c.status));
-                self.sub_failed(s);
+            match c.status {
+                Status::Ok => self.sub_done(s, c.buf),
+                // The server's storage failed: its copies are not to be trusted.
+                Status::IoError => {
+                    failed.get_or_insert_with(|| format!("request failed: {}", c.status));
+                    self.sub_failed(s);
+                }
+                // Refused for what it asked (range, size, rights): the request's fault.
+                refused => self.sub_refused(s, refused, c.buf),
             }
         }
         self.scratch = got;
@@ -355,6 +381,20 @@ impl Segment {
         self.parent_sub_ended(sub.parent);
     }
 
+    /// A sub-request refused for what it asked: its request fails with that status, no other
+    /// replica is asked (it would say the same), and the server stays in service.
+    fn sub_refused(&mut self, s: usize, status: Status, buf: Option<Vec<u8>>) {
+        let Some(sub) = self.subs[s].take() else { return };
+        self.free_subs.push(s);
+        let p = self.parents[sub.parent].as_mut().expect("a sub's parent exists");
+        p.failed = true;
+        p.refused.get_or_insert(status);
+        if sub.whole && p.buf.is_none() {
+            p.buf = buf;
+        }
+        self.parent_sub_ended(sub.parent);
+    }
+
     fn parent_sub_ended(&mut self, i: usize) {
         let p = self.parents[i].as_mut().expect("a parent exists");
         p.subs -= 1;
@@ -368,7 +408,7 @@ impl Segment {
         self.done.push(Completion {
             user_data: p.user_data,
             opcode: p.opcode,
-            status: if ok { Status::Ok } else { Status::IoError },
+            status: if ok { Status::Ok } else { p.refused.unwrap_or(Status::IoError) },
             // A buffer lent to a lane that failed is gone with it: the caller gets one of the
             // same length.
             buf: Some(p.buf.unwrap_or_else(|| vec![0; p.len])),
@@ -388,6 +428,9 @@ impl Segment {
     }
 
     fn blocking(&mut self, opcode: Opcode, offset: u64, buf: Vec<u8>) -> Result<Vec<u8>> {
+        if buf.is_empty() {
+            return Ok(buf);
+        }
         if self.in_flight > 0 {
             return Err(Error::InvalidArgument("blocking segment I/O with requests in flight"));
         }
@@ -396,6 +439,9 @@ impl Segment {
         let mut out = Vec::new();
         self.wait(1, &mut out)?;
         let c = out.pop().expect("one completion");
+        if c.status != Status::Ok && c.status != Status::IoError {
+            return Err(Error::Status(c.status));
+        }
         if c.status != Status::Ok {
             return Err(Error::Lost(format!(
                 "bytes {offset}..{} of the segment: every copy is out of service",
@@ -440,7 +486,7 @@ impl Queue<Vec<u8>> for Segment {
         let mut pieces = Vec::new();
         let (mut at, end) = (offset, offset + length as u64);
         while at < end {
-            let n = (chunk - at % chunk).min(end - at);
+            let n = (chunk - at % chunk).min(end - at).min(self.piece_max);
             pieces.push((at, n as usize, (at / chunk) as usize));
             at += n;
         }
@@ -455,6 +501,7 @@ impl Queue<Vec<u8>> for Segment {
             len: length,
             subs: 0,
             failed: false,
+            refused: None,
             held: vec![opcode != Opcode::Write; pieces.len()],
         };
         let pi = match self.free_parents.pop() {

@@ -10,8 +10,8 @@
 //! # The mechanism (docs/PROTOCOL.md, section 16.8, is the specification)
 //!
 //! - **Spreading.** Each send of the driver (all the datagrams one drive has ready) goes on one
-//!   working path, the next send on the next working path, round robin ([`Bundle::pick`]): the
-//!   datagrams of a burst stay in order on one link, so the receiver sees little reordering.
+//!   working path: the one that has carried the fewest bytes ([`Bundle::pick`]), so links of
+//!   one speed queue alike; the datagrams of a burst stay in order on one link.
 //!   When no path works, sends go round robin over the paths whose peer is known, and the
 //!   stream's own timers decide whether the peer is dead.
 //! - **Probes.** Once the peer has been heard from, every path is probed with a Probe datagram
@@ -121,6 +121,9 @@ struct PathState {
     /// sent at). Armed at a send when none is; cleared when the stream learns it arrived
     /// ([`Bundle::on_delivered`]), by an acknowledgement that came back on any path.
     marker: Option<(u32, u64)>,
+    /// The marked datagram was sent again (its copy may have arrived by another path): its
+    /// delivery then clears the marker only if this path has heard from the peer since.
+    marker_resent: bool,
     /// When the path last heard from the peer (`None`: never).
     last_heard_us: Option<u64>,
     next_probe_us: u64,
@@ -157,6 +160,7 @@ impl Bundle {
             .map(|&known| PathState {
                 known,
                 marker: None,
+                marker_resent: false,
                 last_heard_us: None,
                 next_probe_us: 0,
                 probe_gap_us: config.probe_down_min_us,
@@ -220,8 +224,20 @@ impl Bundle {
         }
         if let (None, Some(seq)) = (p.marker, sequenced) {
             p.marker = Some((seq, now));
+            p.marker_resent = false;
         }
         self.turn = path + 1;
+    }
+
+    /// A datagram with sequence number `seq` (Data, Close) is going out, on any path: call for
+    /// each, before [`on_sent`](Self::on_sent). A path whose marked datagram this is sending
+    /// again learns that its own copy may not be what arrives.
+    pub fn on_sequenced(&mut self, seq: u32) {
+        for p in &mut self.paths {
+            if p.marker.is_some_and(|(m, _)| m == seq) {
+                p.marker_resent = true;
+            }
+        }
     }
 
     /// Clear the markers of the paths whose marked datagram has arrived: `delivered(seq)` says
@@ -229,7 +245,11 @@ impl Bundle {
     /// ([`DatagramStream::delivered`](crate::reliable::DatagramStream::delivered)).
     pub fn on_delivered(&mut self, delivered: impl Fn(u32) -> bool) {
         for p in &mut self.paths {
-            if p.marker.is_some_and(|(seq, _)| delivered(seq)) {
+            let Some((seq, since)) = p.marker else { continue };
+            // A copy sent again on another path proves nothing of this one, unless this path
+            // has heard from the peer since its datagram left.
+            let proven = !p.marker_resent || p.last_heard_us.is_some_and(|t| t > since);
+            if delivered(seq) && proven {
                 p.marker = None;
             }
         }
@@ -507,6 +527,28 @@ mod tests {
         assert!(one.counters(0).up);
         assert_eq!(one.poll_probe(1_000_000), None);
         assert_eq!(one.poll_timeout(), None);
+    }
+
+    #[test]
+    fn a_path_whose_datagram_arrived_only_as_a_copy_sent_elsewhere_is_still_silent() {
+        let mut a = Bundle::new(BundleConfig::default(), 7, &[true, true], false);
+        a.on_sent(1, 1_000, 1, 100, Some(10));
+        // Lost on path 1; the stream sends it again (on path 0), and that copy arrives.
+        a.on_sequenced(10);
+        a.on_sent(0, 1_300, 1, 100, Some(10));
+        a.on_received(0, 1_400, 1);
+        a.on_delivered(|seq| seq <= 10);
+        a.check(7_000, 500);
+        assert!(!a.counters(1).up, "path 1 delivered nothing itself");
+        // Had path 1 heard from the peer since, the copy would prove nothing against it.
+        let mut b = Bundle::new(BundleConfig::default(), 7, &[true, true], false);
+        b.on_sent(1, 1_000, 1, 100, Some(10));
+        b.on_sequenced(10);
+        b.on_received(1, 1_200, 1);
+        b.on_received(0, 1_400, 1);
+        b.on_delivered(|seq| seq <= 10);
+        b.check(7_000, 500);
+        assert!(b.counters(1).up);
     }
 
     #[test]

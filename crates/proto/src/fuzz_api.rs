@@ -392,6 +392,10 @@ pub fn bundle(data: &[u8]) {
                 if let Some(p) = b.pick() {
                     assert!(b.known(p), "a send on a path whose peer is unknown");
                     seq = seq.wrapping_add(1);
+                    if op & 4 != 0 {
+                        // Sent again: a path's marked datagram, perhaps.
+                        b.on_sequenced(seq.wrapping_sub(u32::from(op >> 5)));
+                    }
                     b.on_sent(
                         p,
                         now,

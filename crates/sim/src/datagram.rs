@@ -591,7 +591,9 @@ impl Side {
             let (mut sent, mut bytes, mut sequenced) = (0, 0, None);
             while let Some(n) = self.stream.poll_transmit(now, buf) {
                 if DatagramKind::from_u8(buf[1]).is_some_and(DatagramKind::is_sequenced) {
-                    sequenced = Some(u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]));
+                    let seq = u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]);
+                    self.bundle.on_sequenced(seq);
+                    sequenced = Some(seq);
                 }
                 self.ends[p].send(&buf[..n]);
                 sent += 1;

@@ -209,7 +209,8 @@ fn poll_set(fds: impl IntoIterator<Item = RawFd>) -> io::Result<OwnedFd> {
 /// A session's byte stream over raw Ethernet, on one interface or on a bundle of several.
 ///
 /// A bundle's paths share one [`DatagramStream`] (one sequence space); [`Bundle`] decides which
-/// path each drive's datagrams take (round robin over the working ones), probes every path,
+/// path each drive's datagrams take (the working one that has carried the fewest bytes),
+/// probes every path,
 /// and leaves out one that stops working until it answers again; what was lost on it the
 /// stream retransmits on the others, as it retransmits any loss (docs/PROTOCOL.md, 16.8).
 pub struct EthStream {
@@ -371,7 +372,9 @@ impl EthStream {
                 let n = stream.poll_transmit(now, room).unwrap_or(0);
                 // Data and Close are acknowledged; a bare ack expects no answer.
                 if n > 0 && DatagramKind::from_u8(room[1]).is_some_and(DatagramKind::is_sequenced) {
-                    sequenced = Some(u32::from_le_bytes([room[8], room[9], room[10], room[11]]));
+                    let seq = u32::from_le_bytes([room[8], room[9], room[10], room[11]]);
+                    bundle.on_sequenced(seq);
+                    sequenced = Some(seq);
                 }
                 n
             })? {

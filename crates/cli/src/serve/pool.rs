@@ -57,6 +57,7 @@ fn zero_dirty(
     coord: &Coordinator,
     info: &ServerInfo,
     lane: &mut Option<initiator::Lane>,
+    stop: &AtomicBool,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use initiator::Queue;
     let dirty = coord.dirty(&info.id)?;
@@ -68,26 +69,34 @@ fn zero_dirty(
         *lane = Some(initiator::Lane::connect(&endpoint, &info.export, &initiator::LaneConfig::default())?);
     }
     let l = lane.as_mut().expect("connected above");
-    const PIECE: u64 = 1 << 20;
+    let depth = l.queue_depth().max(1);
+    let piece = u64::from(l.limits().io_bytes_max).clamp(512, 1 << 20);
     let mut out = Vec::new();
-    for &chunk in &dirty {
-        let mut at = chunk * info.chunk_bytes;
-        let end = at + info.chunk_bytes;
-        while at < end {
-            let n = PIECE.min(end - at);
-            while l.in_flight() >= 32 {
-                l.wait(1, &mut out)?;
-            }
-            l.submit_write_zeroes(at, n as u32, initiator::ReqFlags::empty(), 0).map_err(|r| r.error)?;
-            at += n;
+    // A batch at a time, each handed back as soon as it is zero.
+    for batch in dirty.chunks(64) {
+        if stop.load(Ordering::Relaxed) {
+            break;
         }
+        for &chunk in batch {
+            let mut at = chunk * info.chunk_bytes;
+            let end = at + info.chunk_bytes;
+            while at < end {
+                let n = piece.min(end - at);
+                while l.in_flight() >= depth {
+                    l.wait(1, &mut out)?;
+                }
+                l.submit_write_zeroes(at, n as u32, initiator::ReqFlags::empty(), 0).map_err(|r| r.error)?;
+                at += n;
+            }
+        }
+        l.wait(usize::MAX, &mut out)?;
+        if let Some(c) = out.iter().find(|c| c.status != initiator::Status::Ok) {
+            return Err(format!("WRITE_ZEROES failed: {}", c.status).into());
+        }
+        out.clear();
+        coord.cleaned(&info.id, batch)?;
+        tracing::debug!(chunks = batch.len(), "zeroed chunks given back");
     }
-    l.wait(usize::MAX, &mut out)?;
-    if let Some(c) = out.iter().find(|c| c.status != initiator::Status::Ok) {
-        return Err(format!("WRITE_ZEROES failed: {}", c.status).into());
-    }
-    coord.cleaned(&info.id, &dirty)?;
-    tracing::debug!(chunks = dirty.len(), "zeroed chunks given back");
     Ok(())
 }
 
@@ -95,6 +104,7 @@ fn zero_dirty(
 pub struct Registered {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Option<Registration>>>,
+    zeroer: Option<std::thread::JoinHandle<()>>,
     coord: Arc<Coordinator>,
 }
 
@@ -111,25 +121,16 @@ pub fn register(
     tracing::info!(id = %info.id, endpoint = %info.endpoint, bytes = info.bytes, chunk = info.chunk_bytes, scope = %info.scope,
         "registered with the coordinator");
     let stop = Arc::new(AtomicBool::new(false));
+    let zero_info = info.clone();
     let thread = {
         let (stop, coord) = (stop.clone(), coord.clone());
         std::thread::Builder::new().name("skiff-lease".into()).spawn(move || {
             let mut reg = Some(first);
             let tick = Duration::from_millis(50);
             let mut waited = Duration::ZERO;
-            let mut lane: Option<initiator::Lane> = None;
-            let mut since_zeroing = Duration::ZERO;
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(tick);
                 waited += tick;
-                since_zeroing += tick;
-                if since_zeroing >= ZERO_EVERY {
-                    since_zeroing = Duration::ZERO;
-                    if let Err(e) = zero_dirty(&coord, &info, &mut lane) {
-                        tracing::warn!(error = %e, "cannot zero the chunks given back; trying again");
-                        lane = None;
-                    }
-                }
                 let interval = reg.as_ref().map_or(Duration::from_secs(1), Registration::interval);
                 if waited < interval {
                     continue;
@@ -150,13 +151,31 @@ pub fn register(
             reg
         })?
     };
-    Ok(Registered { stop, thread: Some(thread), coord })
+    // Zeroing has a thread of its own: a large namespace given back takes a while to zero,
+    // and the lease must be renewed meanwhile.
+    let zeroer = {
+        let (stop, coord, info) = (stop.clone(), coord.clone(), zero_info);
+        std::thread::Builder::new().name("skiff-zero".into()).spawn(move || {
+            let mut lane: Option<initiator::Lane> = None;
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(ZERO_EVERY);
+                if let Err(e) = zero_dirty(&coord, &info, &mut lane, &stop) {
+                    tracing::warn!(error = %e, "cannot zero the chunks given back; trying again");
+                    lane = None;
+                }
+            }
+        })?
+    };
+    Ok(Registered { stop, thread: Some(thread), zeroer: Some(zeroer), coord })
 }
 
 impl Registered {
     /// Stop renewing and end the registration at once (a clean shutdown).
     pub fn end(mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        if let Some(z) = self.zeroer.take() {
+            let _ = z.join();
+        }
         if let Some(Some(reg)) = self.thread.take().map(|t| t.join().ok().flatten()) {
             if let Err(e) = reg.revoke(&self.coord) {
                 tracing::warn!(error = %e, "cannot end the registration; it lapses with its lease");
