@@ -762,3 +762,17 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// A memory server: `skiff serve --listen 127.0.0.1:0 --pool POOL --chunk 1M --coordinator URL`
+/// and `extra` flags, run from the binary `skiff`, killed on drop.
+pub fn memory_server(skiff: &str, url: &str, pool: &str, extra: &[&str]) -> KillOnDrop {
+    KillOnDrop(
+        std::process::Command::new(skiff)
+            .args(["serve", "--listen", "127.0.0.1:0", "--pool", pool, "--chunk", "1M", "--coordinator", url])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("skiff serve --pool"),
+    )
+}

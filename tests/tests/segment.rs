@@ -12,26 +12,25 @@ use skiff_tests::{start_target, tcp_endpoint};
 
 const MIB: u64 = 1 << 20;
 
+/// Register target `t`'s 16 MiB `pool` export as a memory server of `chunk`-byte chunks.
+fn register(c: &Coordinator, t: &server::Target, chunk: u64, incarnation: u64) -> coord::Registration {
+    let endpoint = tcp_endpoint(t).to_string();
+    let info = ServerInfo {
+        id: endpoint.clone(),
+        endpoint,
+        export: "pool".into(),
+        scope: Scope::Ram,
+        bytes: 16 * MIB,
+        chunk_bytes: chunk,
+        incarnation,
+    };
+    c.register(&info, Duration::from_secs(30)).unwrap()
+}
+
 /// Three targets with a 16 MiB pool each, registered with the coordinator.
 fn servers(c: &Coordinator) -> (Vec<server::Target>, Vec<coord::Registration>) {
     let targets: Vec<server::Target> = (0..3).map(|_| start_target(&["pool=ram:16M"], 1)).collect();
-    let regs = targets
-        .iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let endpoint = tcp_endpoint(t).to_string();
-            let info = ServerInfo {
-                id: endpoint.clone(),
-                endpoint,
-                export: "pool".into(),
-                scope: Scope::Ram,
-                bytes: 16 * MIB,
-                chunk_bytes: MIB,
-                incarnation: 100 + i as u64,
-            };
-            c.register(&info, Duration::from_secs(30)).unwrap()
-        })
-        .collect();
+    let regs = targets.iter().enumerate().map(|(i, t)| register(c, t, MIB, 100 + i as u64)).collect();
     (targets, regs)
 }
 
@@ -159,17 +158,7 @@ fn large_io_is_split_to_the_servers_limit_and_a_refusal_takes_no_server_out() {
     let etcd = Cluster::start(1);
     let c = Coordinator::connect(&etcd.endpoints());
     let t = start_target(&["pool=ram:16M"], 1);
-    let endpoint = tcp_endpoint(&t).to_string();
-    let info = ServerInfo {
-        id: endpoint.clone(),
-        endpoint,
-        export: "pool".into(),
-        scope: Scope::Ram,
-        bytes: 16 * MIB,
-        chunk_bytes: 4 * MIB,
-        incarnation: 7,
-    };
-    let _reg = c.register(&info, Duration::from_secs(30)).unwrap();
+    let _reg = register(&c, &t, 4 * MIB, 7);
     c.create_ns("big", Scope::Ram, 4 * MIB, 1).unwrap();
     c.reserve("big", 8 * MIB).unwrap();
     let r = c.alloc("big", 8 * MIB, None).unwrap();

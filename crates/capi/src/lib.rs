@@ -799,6 +799,31 @@ pub unsafe extern "C" fn skiff_segment_len(s: *const SkiffSegment) -> u64 {
     unsafe { s.as_ref() }.map_or(0, |s| s.segment.len())
 }
 
+/// Run `io` on the segment behind `s`, after checking the handle and that a buffer of `len`
+/// bytes was given (`has_buf`).
+///
+/// # Safety
+/// `s` is null or a live segment used by one thread at a time.
+unsafe fn segment_io(
+    s: *mut SkiffSegment,
+    has_buf: bool,
+    len: u64,
+    io: impl FnOnce(&mut initiator::Segment) -> Result<(), Error>,
+) -> c_int {
+    guard(|| {
+        // SAFETY: null or a live handle per the contract.
+        let Some(s) = (unsafe { s.as_mut() }) else {
+            set_error("skiff_segment is NULL".into());
+            return -libc::EINVAL;
+        };
+        if !has_buf && len > 0 {
+            set_error("buf is NULL".into());
+            return -libc::EINVAL;
+        }
+        io(&mut s.segment).map_or_else(|e| fail(&e), |()| 0)
+    })
+}
+
 /// # Safety
 /// `s` is a live segment used by one thread at a time; `buf` is valid for `len` bytes.
 #[no_mangle]
@@ -808,24 +833,18 @@ pub unsafe extern "C" fn skiff_segment_read(
     buf: *mut c_void,
     len: u64,
 ) -> c_int {
-    guard(|| {
-        // SAFETY: null or a live handle per the contract.
-        let Some(s) = (unsafe { s.as_mut() }) else {
-            set_error("skiff_segment is NULL".into());
-            return -libc::EINVAL;
-        };
-        if buf.is_null() && len > 0 {
-            set_error("buf is NULL".into());
-            return -libc::EINVAL;
-        }
-        let dst: &mut [u8] = if len == 0 {
-            &mut []
-        } else {
-            // SAFETY: valid for `len` bytes per the contract.
-            unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), len as usize) }
-        };
-        s.segment.read(offset, dst).map_or_else(|e| fail(&e), |()| 0)
-    })
+    // SAFETY: per the contract.
+    unsafe {
+        segment_io(s, !buf.is_null(), len, |seg| {
+            let dst: &mut [u8] = if len == 0 {
+                &mut []
+            } else {
+                // SAFETY: non-null and valid for `len` bytes per the contract.
+                std::slice::from_raw_parts_mut(buf.cast::<u8>(), len as usize)
+            };
+            seg.read(offset, dst)
+        })
+    }
 }
 
 /// # Safety
@@ -837,24 +856,18 @@ pub unsafe extern "C" fn skiff_segment_write(
     buf: *const c_void,
     len: u64,
 ) -> c_int {
-    guard(|| {
-        // SAFETY: null or a live handle per the contract.
-        let Some(s) = (unsafe { s.as_mut() }) else {
-            set_error("skiff_segment is NULL".into());
-            return -libc::EINVAL;
-        };
-        if buf.is_null() && len > 0 {
-            set_error("buf is NULL".into());
-            return -libc::EINVAL;
-        }
-        let src: &[u8] = if len == 0 {
-            &[]
-        } else {
-            // SAFETY: valid for `len` bytes per the contract.
-            unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len as usize) }
-        };
-        s.segment.write(offset, src).map_or_else(|e| fail(&e), |()| 0)
-    })
+    // SAFETY: per the contract.
+    unsafe {
+        segment_io(s, !buf.is_null(), len, |seg| {
+            let src: &[u8] = if len == 0 {
+                &[]
+            } else {
+                // SAFETY: non-null and valid for `len` bytes per the contract.
+                std::slice::from_raw_parts(buf.cast::<u8>(), len as usize)
+            };
+            seg.write(offset, src)
+        })
+    }
 }
 
 #[no_mangle]

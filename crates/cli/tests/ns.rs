@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use skiff_tests::etcd::Cluster;
-use skiff_tests::KillOnDrop;
+use skiff_tests::{memory_server, KillOnDrop};
 
 fn skiff() -> Command {
     Command::new(env!("CARGO_BIN_EXE_skiff"))
@@ -43,17 +43,8 @@ fn wait_servers(url: &str, n: usize) -> serde_json::Value {
 fn memory_servers_register_and_namespaces_stripe_over_them() {
     let etcd = Cluster::start(1);
     let url = etcd.url();
-    let serve = |lease: &str| {
-        KillOnDrop(
-            skiff()
-                .args(["serve", "--listen", "127.0.0.1:0", "--pool", "ram:16M", "--chunk", "1M"])
-                .args(["--coordinator", &url, "--lease", lease])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("skiff serve --pool"),
-        )
-    };
+    let serve =
+        |lease: &str| memory_server(env!("CARGO_BIN_EXE_skiff"), &url, "ram:16M", &["--lease", lease]);
     let (mut first, mut second) = (serve("2s"), serve("2s"));
     let servers = wait_servers(&url, 2);
     for s in servers.as_array().unwrap() {
@@ -139,24 +130,7 @@ fn memory_servers_register_and_namespaces_stripe_over_them() {
 fn chunks_given_back_are_zeroed_before_another_namespace_gets_them() {
     let etcd = Cluster::start(1);
     let url = etcd.url();
-    let _server = KillOnDrop(
-        skiff()
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--pool",
-                "ram:4M",
-                "--chunk",
-                "1M",
-                "--coordinator",
-                &url,
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("skiff serve --pool"),
-    );
+    let _server = memory_server(env!("CARGO_BIN_EXE_skiff"), &url, "ram:4M", &[]);
     wait_servers(&url, 1);
     ns(&url, &["create", "first", "--size", "4M", "--chunk", "1M"]);
     ns(&url, &["alloc", "first", "4M"]);
@@ -187,19 +161,8 @@ fn chunks_given_back_are_zeroed_before_another_namespace_gets_them() {
 fn with_two_replicas_a_memory_server_killed_under_load_costs_no_error_and_no_write() {
     let etcd = Cluster::start(1);
     let url = etcd.url();
-    let mut servers: Vec<KillOnDrop> = (0..3)
-        .map(|_| {
-            KillOnDrop(
-                skiff()
-                    .args(["serve", "--listen", "127.0.0.1:0", "--pool", "ram:16M", "--chunk", "1M"])
-                    .args(["--coordinator", &url])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("skiff serve --pool"),
-            )
-        })
-        .collect();
+    let mut servers: Vec<KillOnDrop> =
+        (0..3).map(|_| memory_server(env!("CARGO_BIN_EXE_skiff"), &url, "ram:16M", &[])).collect();
     wait_servers(&url, 3);
     ns(&url, &["create", "safe", "--size", "12M", "--chunk", "1M", "--replicas", "2"]);
     ns(&url, &["alloc", "safe", "12M"]);

@@ -3,11 +3,11 @@
 //! processes through the bucket and output namespaces, `check` finds them in order and equal
 //! to the input; one sector of the output overwritten fails the check.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use skiff_tests::etcd::Cluster;
-use skiff_tests::KillOnDrop;
+use skiff_tests::{memory_server, KillOnDrop};
 
 fn skiff() -> Command {
     Command::new(env!("CARGO_BIN_EXE_skiff"))
@@ -29,19 +29,8 @@ fn ok(args: &[&str]) -> serde_json::Value {
 fn rsort_sorts_terasort_records_with_worker_processes_and_check_proves_it() {
     let etcd = Cluster::start(1);
     let url = etcd.url();
-    let _servers: Vec<KillOnDrop> = (0..2)
-        .map(|_| {
-            KillOnDrop(
-                skiff()
-                    .args(["serve", "--listen", "127.0.0.1:0", "--pool", "ram:64M", "--chunk", "1M"])
-                    .args(["--coordinator", &url])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("skiff serve --pool"),
-            )
-        })
-        .collect();
+    let _servers: Vec<KillOnDrop> =
+        (0..2).map(|_| memory_server(env!("CARGO_BIN_EXE_skiff"), &url, "ram:64M", &[])).collect();
     let start = Instant::now();
     while ok(&["ns", "--coordinator", &url, "servers", "--json"]).as_array().map(Vec::len) != Some(2) {
         assert!(start.elapsed() < Duration::from_secs(60), "the memory servers never registered");
