@@ -181,3 +181,41 @@ fn large_io_is_split_to_the_servers_limit_and_a_refusal_takes_no_server_out() {
     assert_eq!(seg.stats().servers_failed, 0, "a refused request takes no server out");
     seg.read(0, &mut vec![0u8; MIB as usize]).expect("the server still serves the first stripe");
 }
+
+/// A server a mapped segment loses may miss the writes that follow: the control plane marks
+/// its copies of the allocation stale, a segment mapped afterwards leaves them out, and reads
+/// the latest data from the copies that have it. With one replica nothing is marked: the lost
+/// copy is the only one there is.
+#[test]
+fn a_lost_replica_is_marked_stale_and_not_mapped_again() {
+    let etcd = Cluster::start(1);
+    let c = Coordinator::connect(&etcd.endpoints());
+    let (mut targets, _regs) = servers(&c);
+    c.create_ns("twice", Scope::Ram, MIB, 2).unwrap();
+    c.reserve("twice", 6 * MIB).unwrap();
+    c.alloc("twice", 6 * MIB, None).unwrap();
+    c.create_ns("once", Scope::Ram, MIB, 1).unwrap();
+    c.reserve("once", 3 * MIB).unwrap();
+    c.alloc("once", 3 * MIB, None).unwrap();
+    let mut twice = c.map("twice", 0, &LaneConfig::default()).unwrap();
+    let mut once = c.map("once", 0, &LaneConfig::default()).unwrap();
+    fill(&mut twice, 1, 256 << 10);
+    fill(&mut once, 1, MIB as usize);
+
+    let victim = tcp_endpoint(&targets[0]).to_string();
+    targets.remove(0).shutdown();
+    // The next round of writes meets the loss.
+    fill(&mut twice, 2, 256 << 10);
+    // Every stripe of "once", the lost server's too: that write fails, and the server is out.
+    assert!(once.write(0, &vec![0u8; 3 * MIB as usize]).is_err());
+    assert_eq!(once.stats().servers_failed, 1);
+    assert_eq!(c.lookup("twice", 0).unwrap().stale, vec![victim.clone()], "marked stale");
+    assert!(c.lookup("once", 0).unwrap().stale.is_empty(), "the only copies are not marked");
+
+    // Mapped again: the stale copies are left out even though the server's id is still
+    // registered (its lease has not lapsed), and the reads see round 2.
+    let map = segment_map(&c, &c.lookup("twice", 0).unwrap());
+    assert!(map.stripes.iter().flatten().all(|l| l.endpoint.to_string() != victim));
+    let mut again = c.map("twice", 0, &LaneConfig::default()).unwrap();
+    check(&mut again, 2, 128 << 10);
+}

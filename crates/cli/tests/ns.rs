@@ -184,5 +184,9 @@ fn with_two_replicas_a_memory_server_killed_under_load_costs_no_error_and_no_wri
     let r: serde_json::Value = serde_json::from_str(&stdout).expect("bench JSON");
     assert!(r["ios"].as_u64().unwrap() > 100, "{r}");
     assert_eq!((r["io_errors"].as_u64(), r["verify_errors"].as_u64()), (Some(0), Some(0)), "{r}");
-    eprintln!("killed a server under load: {} I/Os, no error, every block verified", r["ios"]);
+    // The killed server's copies are marked stale: nobody maps them again.
+    let listed = json(&url, &["list"]);
+    let stale = listed[0]["allocs"]["0"]["stale"].as_array().cloned().unwrap_or_default();
+    assert_eq!(stale.len(), 1, "one server's copies are stale: {listed}");
+    eprintln!("killed a server under load: {} I/Os, no error, every block verified; stale {stale:?}", r["ios"]);
 }

@@ -156,6 +156,11 @@ pub type Stripe = Vec<ChunkRef>;
 pub struct Allocation {
     pub len: u64,
     pub stripes: Vec<Stripe>,
+    /// Servers whose copies of this allocation may have missed writes: a client lost one of
+    /// them while it had the allocation mapped. Their copies are not mapped again until
+    /// repaired ([`Coordinator::mark_stale`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stale: Vec<String>,
 }
 
 /// A namespace: a flat 64-bit address space over chunks of the servers of one scope.
@@ -206,6 +211,8 @@ pub struct RAddress {
     pub len: u64,
     pub chunk_bytes: u64,
     pub stripes: Vec<Stripe>,
+    /// Servers whose copies are stale ([`Allocation::stale`]).
+    pub stale: Vec<String>,
 }
 
 /// Where one copy of a chunk lives, for the data path: the server's endpoint, its pool
@@ -219,8 +226,8 @@ pub struct Place {
 
 impl RAddress {
     /// Every stripe's copies, placed on the servers registered in `live` (RStore's `map`,
-    /// the control-plane half). A copy whose server is not live, or lives in another
-    /// incarnation, is left out; a stripe left with none is an error.
+    /// the control-plane half). A copy whose server is not live, lives in another
+    /// incarnation, or is stale, is left out; a stripe left with none is an error.
     pub fn places(&self, live: &[ServerInfo]) -> Result<Vec<Vec<Place>>, CoordError> {
         self.stripes
             .iter()
@@ -228,6 +235,7 @@ impl RAddress {
             .map(|(i, stripe)| {
                 let copies: Vec<Place> = stripe
                     .iter()
+                    .filter(|c| !self.stale.contains(&c.server))
                     .filter_map(|c| {
                         let s = live.iter().find(|s| s.id == c.server && s.incarnation == c.incarnation)?;
                         Some(Place {
@@ -586,14 +594,21 @@ impl Coordinator {
                 });
             }
             let stripes: Vec<Stripe> = ns.reserved.drain(..want as usize).collect();
-            ns.allocs.insert(addr, Allocation { len, stripes: stripes.clone() });
+            ns.allocs.insert(addr, Allocation { len, stripes: stripes.clone(), stale: Vec::new() });
             ns.next_addr = ns.next_addr.max(end);
             let ok = self.etcd.txn(
                 &[Compare::ModRevision(key(NAMESPACES, name), rev)],
                 &[Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }],
                 &[],
             )?;
-            Ok(ok.then(|| RAddress { ns: name.to_owned(), addr, len, chunk_bytes: chunk, stripes }))
+            Ok(ok.then(|| RAddress {
+                ns: name.to_owned(),
+                addr,
+                len,
+                chunk_bytes: chunk,
+                stripes,
+                stale: Vec::new(),
+            }))
         })
     }
 
@@ -605,8 +620,59 @@ impl Coordinator {
         addr: u64,
         config: &initiator::LaneConfig,
     ) -> Result<initiator::Segment, Box<dyn std::error::Error + Send + Sync>> {
-        let map = segment_map(&self.lookup(name, addr)?, &self.servers()?)?;
-        Ok(initiator::Segment::map(map, config)?)
+        let live = self.servers()?;
+        let map = segment_map(&self.lookup(name, addr)?, &live)?;
+        let mut segment = initiator::Segment::map(map, config)?;
+        self.mark_stale_on_failure(&mut segment, name, addr, live);
+        Ok(segment)
+    }
+
+    /// Have `segment` (the allocation at `addr` of namespace `name`, mapped over the servers
+    /// `live`) mark the copies of each server it loses stale: such a server may miss writes
+    /// from then on, and nobody should map its copies again. A blocking etcd call, on the
+    /// failure path only.
+    pub fn mark_stale_on_failure(
+        &self,
+        segment: &mut initiator::Segment,
+        name: &str,
+        addr: u64,
+        live: Vec<ServerInfo>,
+    ) {
+        let (endpoints, ns) = (self.etcd.endpoints().to_vec(), name.to_owned());
+        segment.on_server_failed(move |endpoint: &str| {
+            let Some(id) = live.iter().find(|s| s.endpoint == endpoint).map(|s| s.id.clone()) else { return };
+            if let Err(e) = Coordinator::connect(&endpoints).mark_stale(&ns, addr, &id) {
+                tracing::warn!(server = %id, error = %e, "cannot mark a lost server's copies stale");
+            }
+        });
+    }
+
+    /// Mark server `id`'s copies of the allocation at `addr` stale: they may have missed
+    /// writes, and are not mapped again. Not done when a stripe of the allocation would have
+    /// no other copy left (with one replica the lost server's copy is the only data there is).
+    pub fn mark_stale(&self, name: &str, addr: u64, id: &str) -> Result<(), CoordError> {
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let Some(a) = ns.allocs.get_mut(&addr) else { return Ok(Some(())) };
+            if a.stale.iter().any(|s| s == id) {
+                return Ok(Some(()));
+            }
+            let others_left = a
+                .stripes
+                .iter()
+                .filter(|st| st.iter().any(|c| c.server == id))
+                .all(|st| st.iter().any(|c| c.server != id && !a.stale.contains(&c.server)));
+            if !others_left {
+                return Ok(Some(()));
+            }
+            a.stale.push(id.to_owned());
+            let ok = self.etcd.txn(
+                &[Compare::ModRevision(key(NAMESPACES, name), rev)],
+                &[Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }],
+                &[],
+            )?;
+            Ok(ok.then_some(()))
+        })
     }
 
     /// The allocation at `addr` of namespace `name` (RStore's `init`).
@@ -619,6 +685,7 @@ impl Coordinator {
             len: a.len,
             chunk_bytes: ns.chunk_bytes,
             stripes: a.stripes.clone(),
+            stale: a.stale.clone(),
         })
     }
 

@@ -98,12 +98,17 @@ struct Sub {
     whole: bool,
 }
 
+/// What a segment calls with the endpoint of a server it takes out of service.
+type ServerFailed = Box<dyn FnMut(&str) + Send>;
+
 /// A mapped segment: its lanes, one per server and export.
 pub struct Segment {
     map: SegmentMap,
     /// `None` once the server failed.
     lanes: Vec<Option<Lane>>,
     names: Vec<String>,
+    /// Each lane's server endpoint.
+    endpoints: Vec<String>,
     /// `replicas[i][r]`: the lane of copy `r` of stripe `i`.
     replicas: Vec<Vec<usize>>,
     parents: Vec<Option<Parent>>,
@@ -118,6 +123,8 @@ pub struct Segment {
     done: Vec<Completion>,
     scratch: Vec<Completion>,
     stats: SegmentStats,
+    /// Told the endpoint of each server taken out of service.
+    on_failed: Option<ServerFailed>,
 }
 
 impl Segment {
@@ -135,6 +142,7 @@ impl Segment {
         let mut index: HashMap<(String, String), usize> = HashMap::new();
         let mut lanes = Vec::new();
         let mut names = Vec::new();
+        let mut endpoints = Vec::new();
         let mut replicas = Vec::with_capacity(map.stripes.len());
         let mut last_error = None;
         for stripe in &map.stripes {
@@ -150,6 +158,7 @@ impl Segment {
                         .ok();
                     lanes.push(lane);
                     names.push(format!("{}/{}", name.0, name.1));
+                    endpoints.push(name.0.clone());
                     lanes.len() - 1
                 });
                 copies.push(i);
@@ -171,6 +180,7 @@ impl Segment {
             map,
             lanes,
             names,
+            endpoints,
             replicas,
             parents: Vec::new(),
             free_parents: Vec::new(),
@@ -182,6 +192,7 @@ impl Segment {
             done: Vec::new(),
             scratch: Vec::new(),
             stats: SegmentStats { servers_failed, ..SegmentStats::default() },
+            on_failed: None,
         };
         if (0..segment.replicas.len()).any(|i| segment.in_service(i).next().is_none()) {
             return Err(Error::Lost(format!(
@@ -219,12 +230,21 @@ impl Segment {
         self.replicas[i].iter().copied().filter(|&l| self.lanes[l].is_some())
     }
 
+    /// Call `f` with the endpoint of each server this segment takes out of service from now
+    /// on (the control plane marks its copies stale: `coord::Coordinator::map` sets this).
+    pub fn on_server_failed(&mut self, f: impl FnMut(&str) + Send + 'static) {
+        self.on_failed = Some(Box::new(f));
+    }
+
     fn take_out(&mut self, lane: usize, why: &str) {
         if self.lanes[lane].take().is_none() {
             return;
         }
         self.stats.servers_failed += 1;
         tracing::warn!(server = %self.names[lane], why, "segment: a server is out of service");
+        if let Some(f) = self.on_failed.as_mut() {
+            f(&self.endpoints[lane]);
+        }
         // Everything sent or waiting on it failed with it.
         let lost: Vec<usize> =
             (0..self.subs.len()).filter(|&s| self.subs[s].is_some_and(|sub| sub.lane == lane)).collect();

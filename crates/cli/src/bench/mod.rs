@@ -239,9 +239,16 @@ pub fn run(args: BenchArgs) -> CliResult {
                 "--shared-lane does not apply to --namespace (each thread has a lane to each server)".into(),
             );
         }
+        let (c, _) = crate::ns::coordinator(args.coordinator.as_deref());
+        let live = c.servers()?;
+        let ns = args.namespace.as_deref().expect("a segment comes from --namespace");
         let segments = (0..args.threads)
-            .map(|_| initiator::Segment::map(map.clone(), &lane_config))
-            .collect::<Result<Vec<_>, _>>()
+            .map(|_| {
+                let mut s = initiator::Segment::map(map.clone(), &lane_config)?;
+                c.mark_stale_on_failure(&mut s, ns, args.raddress, live.clone());
+                Ok(s)
+            })
+            .collect::<Result<Vec<_>, initiator::Error>>()
             .map_err(|e| format!("{label}: {e}"))?;
         let info = initiator::ExportInfo {
             name: label.clone(),
