@@ -188,5 +188,8 @@ fn with_two_replicas_a_memory_server_killed_under_load_costs_no_error_and_no_wri
     let listed = json(&url, &["list"]);
     let stale = listed[0]["allocs"]["0"]["stale"].as_array().cloned().unwrap_or_default();
     assert_eq!(stale.len(), 1, "one server's copies are stale: {listed}");
-    eprintln!("killed a server under load: {} I/Os, no error, every block verified; stale {stale:?}", r["ios"]);
+    eprintln!(
+        "killed a server under load: {} I/Os, no error, every block verified; stale {stale:?}",
+        r["ios"]
+    );
 }
