@@ -28,8 +28,8 @@ import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Placement, add_placement_args, median_record, stop  # noqa: E402
-from rstore import log, start_etcd, start_server, wait_etcd, wait_servers  # noqa: E402
+from compare import Placement, add_placement_args, median_record  # noqa: E402
+from rstore import coordinator, log, memory_servers  # noqa: E402
 
 
 def rsort(a, *args):
@@ -64,20 +64,16 @@ def main():
     a.skiff = os.path.abspath(a.skiff)
     counts = [int(w) for w in a.workers.split(",")]
     runs = {}
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch:
-        etcd, a.url = start_etcd(scratch)
-        servers = []
-        try:
-            wait_etcd(a)
-            for i in range(2):
-                if a.flash:
-                    path = os.path.join(scratch, f"pool{i}.img")
-                    subprocess.run(["truncate", "-s", a.pool, path], check=True)
-                    pool = f"file:{path}"
-                else:
-                    pool = f"ram:{a.pool}"
-                servers.append(start_server(a, pool))
-            wait_servers(a, 2)
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch, coordinator(a, scratch):
+        pools = []
+        for i in range(2):
+            if a.flash:
+                path = os.path.join(scratch, f"pool{i}.img")
+                subprocess.run(["truncate", "-s", a.pool, path], check=True)
+                pools.append(f"file:{path}")
+            else:
+                pools.append(f"ram:{a.pool}")
+        with memory_servers(a, pools):
             log(f"etcd at {a.url}; two memory servers ({'file' if a.flash else 'RAM'} pools of {a.pool}); "
                 f"placement {a.pl.describe()}")
             records_file = os.path.join(scratch, "records")
@@ -97,10 +93,6 @@ def main():
                     log(f"W={w} rep {rep + 1}/{a.repeat}: {records:,} records; rsort {r['sort_s']:.2f} s "
                         f"(phase 1 {r['phase1_s']:.2f}, wait {r['wait_s']:.2f}, phase 2 {r['phase2_s']:.2f}); "
                         f"GNU sort {gnu:.2f} s; in memory {r['in_memory_sort_s']:.2f} s")
-        finally:
-            for s in servers:
-                stop(s)
-            stop(etcd)
     med = {w: median_record(v, key="sort_s") for w, v in runs.items()}
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"rsort-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -25,6 +25,7 @@ Writes bench/results/rstore-<timestamp>.json (or rstore-control-…; and .png) a
 Markdown table.
 """
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -92,6 +93,32 @@ def start_server(a, pool):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+@contextlib.contextmanager
+def coordinator(a, scratch):
+    """A one-member etcd with its data in `scratch`, answering, its URL in a.url; stopped after."""
+    etcd, a.url = start_etcd(scratch)
+    try:
+        wait_etcd(a)
+        yield
+    finally:
+        stop(etcd)
+
+
+@contextlib.contextmanager
+def memory_servers(a, pools):
+    """A memory server per pool spec, registered; stopped after, and their registrations gone."""
+    servers = []
+    try:
+        for pool in pools:
+            servers.append(start_server(a, pool))
+        wait_servers(a, len(pools))
+        yield
+    finally:
+        for s in servers:
+            stop(s)
+        wait_servers(a, 0)
+
+
 def bench(a, name, rw, bs, qd):
     argv = a.pl.client([a.skiff, "bench", "--namespace", name, "--coordinator", a.url, "--rw", rw, "--bs", bs,
                         "--qd", str(qd), "--threads", str(a.threads), "--duration", f"{a.runtime}s", "--json"])
@@ -147,21 +174,13 @@ def control(a, counts):
     """The control path's costs at each server count and size; prints a table."""
     runs = {}
     for n in counts:
-        servers = []
-        try:
-            for _ in range(n):
-                servers.append(start_server(a, f"ram:{a.pool}"))
-            wait_servers(a, n)
+        with memory_servers(a, [f"ram:{a.pool}"] * n):
             for size in CONTROL_SIZES:
                 for rep in range(a.repeat):
                     r = costs(a, size)
                     runs.setdefault((n, size), []).append(r)
                     log(f"{n} server(s) {size:>5} rep {rep + 1}/{a.repeat}: " +
                         ", ".join(f"{k} {v:,.0f} us" for k, v in r.items()))
-        finally:
-            for s in servers:
-                stop(s)
-            wait_servers(a, 0)
     return {k: median_record(v, key="reserve") for k, v in runs.items()}, runs
 
 
@@ -184,13 +203,8 @@ def main():
     counts = [int(n) for n in a.servers.split(",")]
     runs = {}
     if a.control:
-        with tempfile.TemporaryDirectory() as scratch:
-            etcd, a.url = start_etcd(scratch)
-            try:
-                wait_etcd(a)
-                med, raw = control(a, counts)
-            finally:
-                stop(etcd)
+        with tempfile.TemporaryDirectory() as scratch, coordinator(a, scratch):
+            med, raw = control(a, counts)
         os.makedirs(a.out, exist_ok=True)
         base = os.path.join(a.out, f"rstore-control-{time.strftime('%Y%m%d-%H%M%S')}")
         with open(base + ".json", "w") as f:
@@ -207,35 +221,22 @@ def main():
         for (n, sz), r in med.items():
             print(f"| {n} | {sz} | " + " | ".join(f"{r[k]:,.0f}" if r[k] >= 10 else f"{r[k]:.1f}" for k in steps) + " |")
         return 0
-    with tempfile.TemporaryDirectory() as scratch:
-        etcd, a.url = start_etcd(scratch)
-        try:
-            wait_etcd(a)
-            log(f"etcd at {a.url}; placement {a.pl.describe()}; {a.threads} initiator thread(s)")
-            for n in counts:
-                servers = []
-                try:
-                    for _ in range(n):
-                        servers.append(start_server(a, f"ram:{a.pool}"))
-                    wait_servers(a, n)
-                    name = f"fig9-{n}"
-                    ns(a, "create", name, "--size", f"{n * int(a.pool[:-1])}{a.pool[-1]}", "--chunk", a.chunk)
-                    ns(a, "alloc", name, f"{n * int(a.pool[:-1])}{a.pool[-1]}")
-                    for rep in range(a.repeat):
-                        for w, rw, bs, qd in WORKLOADS:
-                            r = bench(a, name, rw, bs, qd)
-                            runs.setdefault((w, n), []).append(r)
-                            log(f"{n} server(s) {w:<12} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
-                                f"{r['bytes_per_s'] / 1e6:8.1f} MB/s  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
-                                f"{r['server_cpu_us_per_io']:.2f}")
-                    ns(a, "delete", name)
-                finally:
-                    for s in servers:
-                        stop(s)
-                    # Registrations end with their servers; wait so the next count starts clean.
-                    wait_servers(a, 0)
-        finally:
-            stop(etcd)
+    with tempfile.TemporaryDirectory() as scratch, coordinator(a, scratch):
+        log(f"etcd at {a.url}; placement {a.pl.describe()}; {a.threads} initiator thread(s)")
+        for n in counts:
+            size = f"{n * int(a.pool[:-1])}{a.pool[-1]}"
+            with memory_servers(a, [f"ram:{a.pool}"] * n):
+                name = f"fig9-{n}"
+                ns(a, "create", name, "--size", size, "--chunk", a.chunk)
+                ns(a, "alloc", name, size)
+                for rep in range(a.repeat):
+                    for w, rw, bs, qd in WORKLOADS:
+                        r = bench(a, name, rw, bs, qd)
+                        runs.setdefault((w, n), []).append(r)
+                        log(f"{n} server(s) {w:<12} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                            f"{r['bytes_per_s'] / 1e6:8.1f} MB/s  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
+                            f"{r['server_cpu_us_per_io']:.2f}")
+                ns(a, "delete", name)
     med = {k: median_record(v) for k, v in runs.items()}
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"rstore-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -589,14 +589,14 @@ unsafe fn text<'a>(s: *const c_char, what: &str) -> std::result::Result<&'a str,
     })
 }
 
-/// Run a control-plane call on the handle behind `r` with the name `ns`.
+/// Run `f` on the coordinator behind `r` with the namespace name `ns`, both checked.
 ///
 /// # Safety
 /// `r` is null or a live handle; `ns` is null or a NUL-terminated string.
 unsafe fn with_ns(
     r: *mut SkiffRstore,
     ns: *const c_char,
-    f: impl FnOnce(&coord::Coordinator, &str) -> Result<(), coord::CoordError>,
+    f: impl FnOnce(&coord::Coordinator, &str) -> c_int,
 ) -> c_int {
     guard(|| {
         // SAFETY: null or a live handle per the contract, used by one thread at a time.
@@ -605,12 +605,16 @@ unsafe fn with_ns(
             return -libc::EINVAL;
         };
         // SAFETY: per the contract.
-        let name = match unsafe { text(ns, "namespace") } {
-            Ok(n) => n,
-            Err(e) => return e,
-        };
-        f(&r.coord, name).map_or_else(|e| coord_fail(&e), |()| 0)
+        match unsafe { text(ns, "namespace") } {
+            Ok(name) => f(&r.coord, name),
+            Err(e) => e,
+        }
     })
+}
+
+/// 0, or the control-plane error as a negative errno.
+fn done<T>(result: Result<T, coord::CoordError>) -> c_int {
+    result.map_or_else(|e| coord_fail(&e), |_| 0)
 }
 
 /// # Safety
@@ -671,7 +675,7 @@ pub unsafe extern "C" fn skiff_rstore_create_ns(
         }
     };
     // SAFETY: per the contract.
-    unsafe { with_ns(r, ns, |c, name| c.create_ns(name, scope, chunk_bytes, replicas).map(drop)) }
+    unsafe { with_ns(r, ns, |c, name| done(c.create_ns(name, scope, chunk_bytes, replicas))) }
 }
 
 /// # Safety
@@ -679,7 +683,7 @@ pub unsafe extern "C" fn skiff_rstore_create_ns(
 #[no_mangle]
 pub unsafe extern "C" fn skiff_rstore_join_ns(r: *mut SkiffRstore, ns: *const c_char) -> c_int {
     // SAFETY: per the contract.
-    unsafe { with_ns(r, ns, |c, name| c.join_ns(name).map(drop)) }
+    unsafe { with_ns(r, ns, |c, name| done(c.join_ns(name))) }
 }
 
 /// # Safety
@@ -687,7 +691,7 @@ pub unsafe extern "C" fn skiff_rstore_join_ns(r: *mut SkiffRstore, ns: *const c_
 #[no_mangle]
 pub unsafe extern "C" fn skiff_rstore_delete_ns(r: *mut SkiffRstore, ns: *const c_char) -> c_int {
     // SAFETY: per the contract.
-    unsafe { with_ns(r, ns, |c, name| c.delete_ns(name)) }
+    unsafe { with_ns(r, ns, |c, name| done(c.delete_ns(name))) }
 }
 
 /// # Safety
@@ -695,7 +699,7 @@ pub unsafe extern "C" fn skiff_rstore_delete_ns(r: *mut SkiffRstore, ns: *const 
 #[no_mangle]
 pub unsafe extern "C" fn skiff_rstore_reserve(r: *mut SkiffRstore, ns: *const c_char, bytes: u64) -> c_int {
     // SAFETY: per the contract.
-    unsafe { with_ns(r, ns, |c, name| c.reserve(name, bytes).map(drop)) }
+    unsafe { with_ns(r, ns, |c, name| done(c.reserve(name, bytes))) }
 }
 
 /// # Safety
@@ -703,7 +707,7 @@ pub unsafe extern "C" fn skiff_rstore_reserve(r: *mut SkiffRstore, ns: *const c_
 #[no_mangle]
 pub unsafe extern "C" fn skiff_rstore_release(r: *mut SkiffRstore, ns: *const c_char, bytes: u64) -> c_int {
     // SAFETY: per the contract.
-    unsafe { with_ns(r, ns, |c, name| c.release(name, bytes).map(drop)) }
+    unsafe { with_ns(r, ns, |c, name| done(c.release(name, bytes))) }
 }
 
 /// # Safety
@@ -721,12 +725,12 @@ pub unsafe extern "C" fn skiff_rstore_alloc(
     // SAFETY: per the contract.
     unsafe {
         with_ns(r, ns, |c, name| {
-            let got = c.alloc(name, len, at)?;
-            if !addr.is_null() {
-                // SAFETY: non-null, so writable per the contract.
-                addr.write(got.addr);
-            }
-            Ok(())
+            done(c.alloc(name, len, at).map(|got| {
+                if !addr.is_null() {
+                    // SAFETY: non-null, so writable per the contract.
+                    addr.write(got.addr);
+                }
+            }))
         })
     }
 }
@@ -736,7 +740,7 @@ pub unsafe extern "C" fn skiff_rstore_alloc(
 #[no_mangle]
 pub unsafe extern "C" fn skiff_rstore_free(r: *mut SkiffRstore, ns: *const c_char, addr: u64) -> c_int {
     // SAFETY: per the contract.
-    unsafe { with_ns(r, ns, |c, name| c.free(name, addr)) }
+    unsafe { with_ns(r, ns, |c, name| done(c.free(name, addr))) }
 }
 
 /// # Safety
@@ -748,25 +752,16 @@ pub unsafe extern "C" fn skiff_rstore_map(
     addr: u64,
     out: *mut *mut SkiffSegment,
 ) -> c_int {
-    guard(|| {
-        // SAFETY: null or a live handle per the contract.
-        let Some(r) = (unsafe { r.as_ref() }) else {
-            set_error("skiff_rstore is NULL".into());
-            return -libc::EINVAL;
-        };
-        // SAFETY: per the contract.
-        let name = match unsafe { text(ns, "namespace") } {
-            Ok(n) => n,
-            Err(e) => return e,
-        };
-        if out.is_null() {
-            set_error("out is NULL".into());
-            return -libc::EINVAL;
-        }
-        match r.coord.map(name, addr, &LaneConfig::default()) {
+    if out.is_null() {
+        set_error("out is NULL".into());
+        return -libc::EINVAL;
+    }
+    // SAFETY: per the contract.
+    unsafe {
+        with_ns(r, ns, |c, name| match c.map(name, addr, &LaneConfig::default()) {
             Ok(segment) => {
                 // SAFETY: `out` is writable per the contract.
-                unsafe { out.write(Box::into_raw(Box::new(SkiffSegment { segment }))) };
+                out.write(Box::into_raw(Box::new(SkiffSegment { segment })));
                 0
             }
             Err(e) => match (e.downcast_ref::<coord::CoordError>(), e.downcast_ref::<Error>()) {
@@ -777,8 +772,8 @@ pub unsafe extern "C" fn skiff_rstore_map(
                     -libc::EIO
                 }
             },
-        }
-    })
+        })
+    }
 }
 
 /// # Safety

@@ -8,12 +8,26 @@ use coord::{Coordinator, Namespace, Scope, ServerInfo};
 
 use crate::CliResult;
 
+/// `--coordinator URLS`, for the commands that talk to one.
 #[derive(Args)]
-pub struct NsArgs {
+pub struct CoordinatorArg {
     /// The coordinator: etcd's client URLs, comma-separated [default: $SKIFF_COORDINATOR, or
     /// http://127.0.0.1:2379].
-    #[arg(long, value_name = "URLS", global = true)]
-    coordinator: Option<String>,
+    #[arg(long = "coordinator", value_name = "URLS", global = true)]
+    urls: Option<String>,
+}
+
+impl CoordinatorArg {
+    /// The coordinator named, and its URLs.
+    pub fn connect(&self) -> (Coordinator, String) {
+        coordinator(self.urls.as_deref())
+    }
+}
+
+#[derive(Args)]
+pub struct NsArgs {
+    #[command(flatten)]
+    coordinator: CoordinatorArg,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     json: bool,
@@ -198,7 +212,7 @@ pub fn resolve(
 }
 
 pub fn run(args: NsArgs) -> CliResult {
-    let (c, _) = coordinator(args.coordinator.as_deref());
+    let (c, _) = args.coordinator.connect();
     match args.action {
         Action::Create { name, size, chunk, replicas, scope } => {
             let mut ns = c.create_ns(&name, scope, chunk, replicas)?;

@@ -43,10 +43,8 @@ const IO_BYTES: usize = 1 << 20;
 
 #[derive(Args)]
 pub struct RsortArgs {
-    /// The coordinator: etcd's client URLs [default: $SKIFF_COORDINATOR, or
-    /// http://127.0.0.1:2379].
-    #[arg(long, value_name = "URLS", global = true)]
-    coordinator: Option<String>,
+    #[command(flatten)]
+    coordinator: crate::ns::CoordinatorArg,
     /// The namespaces' common prefix.
     #[arg(long, default_value = "rsort", global = true)]
     name: String,
@@ -215,7 +213,7 @@ const META_BYTES: u64 = ((2 + 2 * WORKERS_MAX) * SECTOR) as u64;
 const MAGIC: u64 = 0x7273_6f72_7431; // "rsort1"
 
 pub fn run(args: RsortArgs) -> CliResult {
-    let (c, urls) = crate::ns::coordinator(args.coordinator.as_deref());
+    let (c, urls) = args.coordinator.connect();
     let input = format!("{}-in", args.name);
     let meta = format!("{}-meta", args.name);
     let buckets = format!("{}-buckets", args.name);

@@ -163,6 +163,21 @@ pub struct Allocation {
     pub stale: Vec<String>,
 }
 
+impl Allocation {
+    /// This allocation, at `addr` of namespace `ns` of `chunk_bytes` chunks, as the data
+    /// path sees it.
+    fn raddress(&self, ns: &str, addr: u64, chunk_bytes: u64) -> RAddress {
+        RAddress {
+            ns: ns.to_owned(),
+            addr,
+            len: self.len,
+            chunk_bytes,
+            stripes: self.stripes.clone(),
+            stale: self.stale.clone(),
+        }
+    }
+}
+
 /// A namespace: a flat 64-bit address space over chunks of the servers of one scope.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Namespace {
@@ -561,8 +576,7 @@ impl Coordinator {
         if len == 0 {
             return Err(CoordError::Invalid("an allocation of 0 bytes".into()));
         }
-        self.retry(name, || {
-            let (mut ns, rev) = self.read_ns(name)?;
+        self.change_ns(name, |ns| {
             let chunk = ns.chunk_bytes;
             let want = len.div_ceil(chunk);
             let addr = match at {
@@ -594,21 +608,11 @@ impl Coordinator {
                 });
             }
             let stripes: Vec<Stripe> = ns.reserved.drain(..want as usize).collect();
-            ns.allocs.insert(addr, Allocation { len, stripes: stripes.clone(), stale: Vec::new() });
+            let a = Allocation { len, stripes, stale: Vec::new() };
+            let r = a.raddress(name, addr, chunk);
+            ns.allocs.insert(addr, a);
             ns.next_addr = ns.next_addr.max(end);
-            let ok = self.etcd.txn(
-                &[Compare::ModRevision(key(NAMESPACES, name), rev)],
-                &[Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }],
-                &[],
-            )?;
-            Ok(ok.then(|| RAddress {
-                ns: name.to_owned(),
-                addr,
-                len,
-                chunk_bytes: chunk,
-                stripes,
-                stale: Vec::new(),
-            }))
+            Ok((r, true))
         })
     }
 
@@ -631,7 +635,7 @@ impl Coordinator {
     /// `live`) mark the copies of each server it loses stale: such a server may miss writes
     /// from then on, and nobody should map its copies again. A blocking etcd call, on the
     /// failure path only.
-    pub fn mark_stale_on_failure(
+    fn mark_stale_on_failure(
         &self,
         segment: &mut initiator::Segment,
         name: &str,
@@ -651,27 +655,19 @@ impl Coordinator {
     /// writes, and are not mapped again. Not done when a stripe of the allocation would have
     /// no other copy left (with one replica the lost server's copy is the only data there is).
     pub fn mark_stale(&self, name: &str, addr: u64, id: &str) -> Result<(), CoordError> {
-        self.retry(name, || {
-            let (mut ns, rev) = self.read_ns(name)?;
-            let Some(a) = ns.allocs.get_mut(&addr) else { return Ok(Some(())) };
-            if a.stale.iter().any(|s| s == id) {
-                return Ok(Some(()));
-            }
+        self.change_ns(name, |ns| {
+            let Some(a) = ns.allocs.get_mut(&addr) else { return Ok(((), false)) };
+            let held = |st: &&Stripe| st.iter().any(|c| c.server == id);
             let others_left = a
                 .stripes
                 .iter()
-                .filter(|st| st.iter().any(|c| c.server == id))
+                .filter(held)
                 .all(|st| st.iter().any(|c| c.server != id && !a.stale.contains(&c.server)));
-            if !others_left {
-                return Ok(Some(()));
+            if a.stale.iter().any(|s| s == id) || !others_left {
+                return Ok(((), false));
             }
             a.stale.push(id.to_owned());
-            let ok = self.etcd.txn(
-                &[Compare::ModRevision(key(NAMESPACES, name), rev)],
-                &[Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }],
-                &[],
-            )?;
-            Ok(ok.then_some(()))
+            Ok(((), true))
         })
     }
 
@@ -679,28 +675,39 @@ impl Coordinator {
     pub fn lookup(&self, name: &str, addr: u64) -> Result<RAddress, CoordError> {
         let ns = self.join_ns(name)?;
         let a = ns.allocs.get(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
-        Ok(RAddress {
-            ns: name.to_owned(),
-            addr,
-            len: a.len,
-            chunk_bytes: ns.chunk_bytes,
-            stripes: a.stripes.clone(),
-            stale: a.stale.clone(),
-        })
+        Ok(a.raddress(name, addr, ns.chunk_bytes))
     }
 
     /// Unbind the allocation at `addr`: its chunks return to the namespace's reserve.
     pub fn free(&self, name: &str, addr: u64) -> Result<(), CoordError> {
-        self.retry(name, || {
-            let (mut ns, rev) = self.read_ns(name)?;
+        self.change_ns(name, |ns| {
             let a = ns.allocs.remove(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
             ns.reserved.extend(a.stripes);
+            Ok(((), true))
+        })
+    }
+
+    /// Change namespace `name`'s record and nothing else: `change` edits the record read and
+    /// returns its result, with whether the record is to be written. The write is one
+    /// transaction on the revision read, redone from a fresh read when another client changed
+    /// the namespace first.
+    fn change_ns<T>(
+        &self,
+        name: &str,
+        mut change: impl FnMut(&mut Namespace) -> Result<(T, bool), CoordError>,
+    ) -> Result<T, CoordError> {
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let (result, write) = change(&mut ns)?;
+            if !write {
+                return Ok(Some(result));
+            }
             let ok = self.etcd.txn(
                 &[Compare::ModRevision(key(NAMESPACES, name), rev)],
                 &[Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }],
                 &[],
             )?;
-            Ok(ok.then_some(()))
+            Ok(ok.then_some(result))
         })
     }
 

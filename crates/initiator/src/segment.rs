@@ -334,7 +334,17 @@ impl Segment {
         }
     }
 
-    /// Take in what each lane has completed (waiting on none).
+    /// Take in what the lanes with requests out have completed, waiting on none: a lane with
+    /// nothing out has nothing to give, and asking it would cost a receive call.
+    fn reap_busy(&mut self) {
+        for lane in 0..self.lanes.len() {
+            if self.lanes[lane].as_ref().is_some_and(|l| l.in_flight() > 0) {
+                self.reap(lane, false);
+            }
+        }
+    }
+
+    /// Take in what lane `lane` has completed; with `block`, wait for at least one.
     fn reap(&mut self, lane: usize, block: bool) {
         let mut got = std::mem::take(&mut self.scratch);
         got.clear();
@@ -559,9 +569,7 @@ impl Queue<Vec<u8>> for Segment {
         let mut got = 0;
         loop {
             self.pump();
-            for lane in 0..self.lanes.len() {
-                self.reap(lane, false);
-            }
+            self.reap_busy();
             got += self.done.len();
             out.append(&mut self.done);
             if got >= min {
@@ -587,9 +595,7 @@ impl Queue<Vec<u8>> for Segment {
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
         self.pump();
-        for lane in 0..self.lanes.len() {
-            self.reap(lane, false);
-        }
+        self.reap_busy();
         let n = self.done.len();
         out.append(&mut self.done);
         Ok(n)

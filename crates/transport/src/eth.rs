@@ -370,8 +370,10 @@ impl EthStream {
             let (mut sent, mut bytes, mut sequenced) = (0, 0, None);
             while let Some(n) = path.socket.queue_with(to, |room| {
                 let n = stream.poll_transmit(now, room).unwrap_or(0);
-                // Data and Close are acknowledged; a bare ack expects no answer.
-                if n > 0 && DatagramKind::from_u8(room[1]).is_some_and(DatagramKind::is_sequenced) {
+                // Data and Close are acknowledged; a bare ack expects no answer. Only a bundle
+                // watches them (its silence rule); a lone path skips the parsing.
+                if bundled && n > 0 && DatagramKind::from_u8(room[1]).is_some_and(DatagramKind::is_sequenced)
+                {
                     let seq = u32::from_le_bytes([room[8], room[9], room[10], room[11]]);
                     bundle.on_sequenced(seq);
                     sequenced = Some(seq);

@@ -168,13 +168,10 @@ pub fn run(args: BenchArgs) -> CliResult {
         return Err("--qd and --threads must be at least 1".into());
     }
     // An RStore namespace: a segment per thread, each with lanes to every memory server.
-    let segment = match &args.namespace {
-        Some(ns) => Some(crate::ns::resolve(
-            &crate::ns::coordinator(args.coordinator.as_deref()).0,
-            ns,
-            args.raddress,
-        )?),
-        None => None,
+    let coord = args.namespace.as_ref().map(|_| crate::ns::coordinator(args.coordinator.as_deref()).0);
+    let segment = match (&args.namespace, &coord) {
+        (Some(ns), Some(c)) => Some(crate::ns::resolve(c, ns, args.raddress)?),
+        _ => None,
     };
     // Keep the embedded target alive for the whole run; dropping it shuts it down.
     let (endpoint, embedded, target_label) = match (&args.target, &segment) {
@@ -239,16 +236,11 @@ pub fn run(args: BenchArgs) -> CliResult {
                 "--shared-lane does not apply to --namespace (each thread has a lane to each server)".into(),
             );
         }
-        let (c, _) = crate::ns::coordinator(args.coordinator.as_deref());
-        let live = c.servers()?;
+        let c = coord.as_ref().expect("a segment comes from --namespace, with its coordinator");
         let ns = args.namespace.as_deref().expect("a segment comes from --namespace");
         let segments = (0..args.threads)
-            .map(|_| {
-                let mut s = initiator::Segment::map(map.clone(), &lane_config)?;
-                c.mark_stale_on_failure(&mut s, ns, args.raddress, live.clone());
-                Ok(s)
-            })
-            .collect::<Result<Vec<_>, initiator::Error>>()
+            .map(|_| c.map(ns, args.raddress, &lane_config))
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| format!("{label}: {e}"))?;
         let info = initiator::ExportInfo {
             name: label.clone(),

@@ -36,15 +36,25 @@ impl Rw {
 /// Where a bench thread sends its requests (its own lane, or a handle on a shared one), and
 /// the telemetry it reports of it.
 pub trait BenchQueue: initiator::Queue<Vec<u8>> + Send {
-    /// The lane's counters, when the lane is this thread's alone.
-    fn lane_stats(&self) -> Option<LaneStats>;
-    fn batch_level(&self) -> u32;
-    fn batch_level_log(&self) -> Vec<initiator::BatchDecision>;
-    /// How the lane's waits went under hybrid polling (zero for a shared lane's handle).
-    fn poll_stats(&self) -> WaitStats;
+    /// The lane's counters, when the lanes are this thread's alone.
+    fn lane_stats(&self) -> Option<LaneStats> {
+        None
+    }
+    fn batch_level(&self) -> u32 {
+        0
+    }
+    fn batch_level_log(&self) -> Vec<initiator::BatchDecision> {
+        Vec::new()
+    }
+    /// How the lane's waits went under hybrid polling (zero when not measured per thread).
+    fn poll_stats(&self) -> WaitStats {
+        WaitStats::default()
+    }
     /// A raw-Ethernet lane's reliable-delivery counters (`None` for sockets and for a shared
     /// lane's handle).
-    fn link_stats(&self) -> Option<initiator::LinkStats>;
+    fn link_stats(&self) -> Option<initiator::LinkStats> {
+        None
+    }
 }
 
 impl BenchQueue for Lane {
@@ -66,23 +76,7 @@ impl BenchQueue for Lane {
 }
 
 /// Shared lanes report their counters and levels once, from the main thread.
-impl BenchQueue for SharedHandle {
-    fn lane_stats(&self) -> Option<LaneStats> {
-        None
-    }
-    fn batch_level(&self) -> u32 {
-        0
-    }
-    fn batch_level_log(&self) -> Vec<initiator::BatchDecision> {
-        Vec::new()
-    }
-    fn poll_stats(&self) -> WaitStats {
-        WaitStats::default()
-    }
-    fn link_stats(&self) -> Option<initiator::LinkStats> {
-        None
-    }
-}
+impl BenchQueue for SharedHandle {}
 
 /// A mapped RStore segment: its lanes' counters together; no batch level of its own.
 impl BenchQueue for initiator::Segment {
@@ -92,18 +86,6 @@ impl BenchQueue for initiator::Segment {
             all.add(&lane.stats());
         }
         Some(all)
-    }
-    fn batch_level(&self) -> u32 {
-        0
-    }
-    fn batch_level_log(&self) -> Vec<initiator::BatchDecision> {
-        Vec::new()
-    }
-    fn poll_stats(&self) -> WaitStats {
-        WaitStats::default()
-    }
-    fn link_stats(&self) -> Option<initiator::LinkStats> {
-        None
     }
 }
 
