@@ -193,3 +193,24 @@ fn with_two_replicas_a_memory_server_killed_under_load_costs_no_error_and_no_wri
         r["ios"]
     );
 }
+
+/// `skiff serve --pool` refuses what cannot work, saying why, before it serves anything.
+#[test]
+fn serve_refuses_bad_pool_settings() {
+    let unreachable = "http://127.0.0.1:1";
+    for (args, says) in [
+        (vec!["--pool", "null:1M", "--listen", "127.0.0.1:0"], "must hold data"),
+        (vec!["--pool", "ram:4M", "--chunk", "3M", "--listen", "127.0.0.1:0"], "--chunk 3145728"),
+        (
+            vec!["--pool", "ram:4M", "--export", "pool=ram:1M", "--listen", "127.0.0.1:0"],
+            "no --export may take that name",
+        ),
+        (vec!["--pool", "ram:4M", "--listen", "0.0.0.0:0"], "give --advertise"),
+        (vec!["--pool", "ram:4M", "--listen", "127.0.0.1:0"], "registering with the coordinator"),
+    ] {
+        let out =
+            skiff().args(["serve", "--coordinator", unreachable]).args(&args).output().expect("skiff serve");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+    }
+}

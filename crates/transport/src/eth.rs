@@ -86,16 +86,20 @@ impl Default for EthConfig {
 /// batching; `SKIFF_ETH_FRAME=BYTES` caps it lower (4096: each 4 KiB of data in a frame of its
 /// own, Tyche without data batching; bench/ethernet.py --data-batching compares the two).
 fn frame_payload_from_env() -> u16 {
+    frame_payload(std::env::var("SKIFF_ETH_FRAME").ok().as_deref())
+}
+
+/// The datagram payload `SKIFF_ETH_FRAME` asks for (`None`: unset): a size from 64 bytes to a
+/// jumbo frame's; anything else is warned about and the jumbo size used.
+fn frame_payload(value: Option<&str>) -> u16 {
     const JUMBO: u16 = 9000 - DATAGRAM_HEADER_LEN as u16;
-    match std::env::var("SKIFF_ETH_FRAME") {
-        Ok(v) => match v.parse::<u16>() {
-            Ok(n) if (64..=JUMBO).contains(&n) => n,
-            _ => {
-                tracing::warn!(value = %v, "SKIFF_ETH_FRAME is not a payload size from 64 to {JUMBO}; using {JUMBO}");
-                JUMBO
-            }
-        },
-        Err(_) => JUMBO,
+    let Some(v) = value else { return JUMBO };
+    match v.parse::<u16>() {
+        Ok(n) if (64..=JUMBO).contains(&n) => n,
+        _ => {
+            tracing::warn!(value = %v, "SKIFF_ETH_FRAME is not a payload size from 64 to {JUMBO}; using {JUMBO}");
+            JUMBO
+        }
     }
 }
 
@@ -645,6 +649,21 @@ impl AsRawFd for EthListener {
         match &self.poller {
             Some(set) => set.as_raw_fd(),
             None => self.sockets[0].as_raw_fd(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn skiff_eth_frame_takes_a_payload_size_and_falls_back_on_anything_else() {
+        assert_eq!(frame_payload(None), 8972);
+        assert_eq!(frame_payload(Some("4096")), 4096);
+        assert_eq!(frame_payload(Some("64")), 64);
+        for bad in ["63", "8973", "65536", "4k", "", "-1"] {
+            assert_eq!(frame_payload(Some(bad)), 8972, "{bad:?}");
         }
     }
 }

@@ -183,3 +183,27 @@ impl Registered {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_is_ram_or_a_file_that_exists() {
+        let ram = parse("ram:64M").unwrap();
+        assert_eq!((ram.scope, ram.bytes, ram.export.name.as_str()), (Scope::Ram, 64 << 20, POOL_EXPORT));
+        let file = tempfile::NamedTempFile::new().unwrap();
+        file.as_file().set_len(8 << 20).unwrap();
+        let f = parse(&format!("file:{}", file.path().display())).unwrap();
+        assert_eq!((f.scope, f.bytes), (Scope::File, 8 << 20));
+        for (bad, says) in [
+            ("null:1M", "must hold data"),
+            ("file:/nonexistent/skiff-pool", "No such file"),
+            ("ram:", "--pool ram:"),
+            ("disk:1G", "--pool disk:1G"),
+        ] {
+            let e = parse(bad).err().unwrap_or_else(|| panic!("{bad} was taken"));
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+}
