@@ -21,7 +21,7 @@ pub mod spec;
 use std::sync::Arc;
 
 pub use rt::mem::RegionBytes;
-pub use spec::{parse_size, BackendSpec, SpecError};
+pub use spec::{parse_size, BackendSpec, SpecError, BLOCK_BYTES};
 
 /// An error from a backend operation, carrying the OS errno so the engine can map it to a
 /// precise wire status.

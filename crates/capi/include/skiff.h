@@ -124,7 +124,9 @@ uint32_t skiff_lane_in_flight(const skiff_lane *lane);
  * coordinator (etcd) and memory servers (skiff serve --pool). The control path (connect,
  * create/join/delete, reserve/release, alloc/free, map) talks to the coordinator; a mapped
  * segment's reads and writes go straight to the memory servers, striped, with replicas.
- * Segment offsets and lengths are multiples of 512. Errors as above: -EEXIST (namespace
+ * Segment offsets and lengths are any bytes on pools of skiff serve --pool (their block is one
+ * byte, skiff_segment_block_size), and a one-byte write is atomic on a RAM pool: readers see the
+ * old byte or the new one, and the bytes beside it are untouched. Errors as above: -EEXIST (namespace
  * exists), -ENOENT (no namespace or allocation), -ENOSPC (no capacity, or not enough
  * reserved), -EADDRINUSE (address taken), -EHOSTUNREACH (coordinator unreachable, or its
  * answer unusable), -EBUSY (other clients kept changing the namespace; try again).
@@ -154,6 +156,7 @@ int skiff_rstore_free(skiff_rstore *r, const char *ns, uint64_t addr);
 int skiff_rstore_map(skiff_rstore *r, const char *ns, uint64_t addr, skiff_segment **out);
 void skiff_segment_unmap(skiff_segment *s);
 uint64_t skiff_segment_len(const skiff_segment *s);
+uint32_t skiff_segment_block_size(const skiff_segment *s);
 int skiff_segment_read(skiff_segment *s, uint64_t offset, void *buf, uint64_t len);
 int skiff_segment_write(skiff_segment *s, uint64_t offset, const void *buf, uint64_t len);
 

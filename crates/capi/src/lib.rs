@@ -794,6 +794,17 @@ pub unsafe extern "C" fn skiff_segment_len(s: *const SkiffSegment) -> u64 {
     unsafe { s.as_ref() }.map_or(0, |s| s.segment.len())
 }
 
+/// The block segment offsets and lengths must be multiples of (1 on `skiff serve --pool`
+/// pools); 0 for a null handle.
+///
+/// # Safety
+/// `s` is null or a live segment.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_segment_block_size(s: *const SkiffSegment) -> u32 {
+    // SAFETY: null or a live handle per the contract.
+    unsafe { s.as_ref() }.map_or(0, |s| s.segment.block_bytes() as u32)
+}
+
 /// Run `io` on the segment behind `s`, after checking the handle and that a buffer of `len`
 /// bytes was given (`has_buf`).
 ///

@@ -41,8 +41,9 @@ pub struct ServeArgs {
     nbd_unix: Option<std::path::PathBuf>,
     /// An export: NAME=SPEC[,OPTION...], SPEC being ram:SIZE, file:PATH or null:SIZE; options
     /// are ro (read-only), cache=SIZE (direct-read cache of a file export), direct=off (page
-    /// cache instead of O_DIRECT) and allow=NAME:rw+NAME:ro+*:ro (who may open it, with which
-    /// rights; * is anyone without a key). Repeatable.
+    /// cache instead of O_DIRECT), block=N (a finer block than 512 bytes; 1 takes any byte
+    /// range) and allow=NAME:rw+NAME:ro+*:ro (who may open it, with which rights; * is anyone
+    /// without a key). Repeatable.
     #[arg(long = "export", value_name = "NAME=SPEC", required_unless_present_any = ["config", "pool"])]
     exports: Vec<ExportConfig>,
     /// Be a memory server of RStore namespaces: donate RAM (ram:SIZE) or a file (file:PATH) as

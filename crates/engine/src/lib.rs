@@ -22,7 +22,9 @@ use std::sync::Arc;
 
 pub use backend::cache::CacheCounters;
 use backend::Backend;
-pub use backend::{parse_size, BackendCounters, BackendError, BackendSpec, RegionBytes, SpecError};
+pub use backend::{
+    parse_size, BackendCounters, BackendError, BackendSpec, RegionBytes, SpecError, BLOCK_BYTES,
+};
 use wire::control::{ExportFlags, ExportInfo};
 use wire::{Opcode, ReqFlags, Status};
 
@@ -39,6 +41,9 @@ pub struct Export {
     /// Who may open the export and with which rights; `None` lets anyone open it with the
     /// export's own rights (`read_only`).
     pub access: Option<proto::auth::AccessList>,
+    /// The block requests are aligned to: the backend's own by default, or a finer one
+    /// ([`with_block_bytes`](Self::with_block_bytes)).
+    block_bytes: u32,
 }
 
 impl std::fmt::Debug for Export {
@@ -66,8 +71,36 @@ impl Export {
         read_only: bool,
         use_direct: bool,
     ) -> Result<Export, BackendError> {
-        let backend = backend::open_with(spec, read_only, use_direct)?;
-        Ok(Export { name: name.to_owned(), backend, read_only, direct: None, access: None })
+        Ok(Export::new(name, backend::open_with(spec, read_only, use_direct)?, read_only))
+    }
+
+    /// Serve `backend` as export `name`, at the backend's block size, open to anyone and
+    /// without direct reads.
+    pub fn new(name: &str, backend: Arc<dyn Backend>, read_only: bool) -> Export {
+        let block_bytes = backend.block_size();
+        Export { name: name.to_owned(), backend, read_only, direct: None, access: None, block_bytes }
+    }
+
+    /// Serve the export at a block of `block_bytes` instead of the backend's (`,block=1` on
+    /// an export; RStore's pools): a power of two that divides the backend's block. Every
+    /// backend takes any byte range (RAM and null copy bytes; a file sends what `O_DIRECT`
+    /// cannot take through the page cache), so a finer block only lets requests be smaller.
+    /// On a RAM export a one-byte write is a single atomic store ([`rt::mem::Region`]).
+    pub fn with_block_bytes(mut self, block_bytes: u32) -> Result<Export, BackendError> {
+        let backend_block = self.backend.block_size();
+        if !block_bytes.is_power_of_two() || block_bytes > backend_block {
+            return Err(BackendError::Io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("block={block_bytes}: expected a power of two up to the backend's {backend_block}-byte block"),
+            )));
+        }
+        self.block_bytes = block_bytes;
+        Ok(self)
+    }
+
+    /// The block that request offsets and lengths must be multiples of.
+    pub fn block_size(&self) -> u32 {
+        self.block_bytes
     }
 
     /// Serve direct reads on this export, sealing capabilities with `secret` (drawn by the
@@ -137,7 +170,7 @@ impl Export {
         ExportInfo {
             name: self.name.clone(),
             size_bytes: self.backend.size_bytes(),
-            block_size: self.backend.block_size(),
+            block_size: self.block_bytes,
             flags: self.flags(),
         }
     }
@@ -216,7 +249,7 @@ pub fn validate(export: &Export, io: &Io, io_bytes_max: u32) -> Result<(), Statu
     if carries_data && io.length > io_bytes_max {
         return Err(Status::TooLarge);
     }
-    let block = u64::from(b.block_size());
+    let block = u64::from(export.block_bytes);
     if !io.offset.is_multiple_of(block) || u64::from(io.length) % block != 0 {
         return Err(Status::Misaligned);
     }

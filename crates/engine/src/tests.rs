@@ -3,13 +3,7 @@ use backend::BackendSpec;
 
 fn export(spec: &str, read_only: bool) -> Export {
     let spec = BackendSpec::parse(spec).unwrap();
-    Export {
-        name: "t".into(),
-        backend: backend::open(&spec, false).unwrap(),
-        read_only,
-        direct: None,
-        access: None,
-    }
+    Export::new("t", backend::open(&spec, false).unwrap(), read_only)
 }
 
 fn io(opcode: Opcode, offset: u64, length: u32) -> Io {
@@ -43,6 +37,28 @@ fn validation_gives_precise_statuses() {
     assert_eq!(validate(&ro, &io(Opcode::Read, 0, 512), max), Ok(()));
     assert!(ro.flags().has(ExportFlags::READ_ONLY));
     assert!(!ro.flags().has(ExportFlags::CAN_TRIM));
+}
+
+/// An export served at a one-byte block takes requests of any offset and length, and the
+/// bytes beside a one-byte write stay as they were; a block coarser than the backend's, or
+/// not a power of two, is refused.
+#[test]
+fn a_one_byte_block_takes_any_range() {
+    let max = 1 << 20;
+    let e = export("ram:1M", false).with_block_bytes(1).unwrap();
+    assert_eq!((e.block_size(), e.info().block_size), (1, 1));
+    assert_eq!(validate(&e, &io(Opcode::Write, 4097, 1), max), Ok(()));
+    assert_eq!(validate(&e, &io(Opcode::Read, 3, 700), max), Ok(()));
+    assert_eq!(validate(&e, &io(Opcode::Read, (1 << 20) - 1, 2), max), Err(Status::OutOfRange));
+    e.backend.write_at(&[7; 3], 4096, false).unwrap();
+    e.backend.write_at(&[9], 4097, false).unwrap();
+    let mut back = [0u8; 4];
+    e.backend.read_at(&mut back, 4095).unwrap();
+    assert_eq!(back, [0, 7, 9, 7]);
+    for bad in [0, 3, 1024] {
+        assert!(export("ram:1M", false).with_block_bytes(bad).is_err(), "block {bad}");
+    }
+    assert_eq!(export("ram:1M", false).block_size(), 512, "the backend's block by default");
 }
 
 #[test]

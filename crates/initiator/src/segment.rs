@@ -19,8 +19,11 @@
 //! it a retry elsewhere and surfaces no error while one copy of every stripe it held is left.
 //! Lanes do not reconnect: the replicas are the redundancy.
 //!
-//! Offsets and lengths must be multiples of 512 bytes, as on any export: RStore's one-byte
-//! writes need a byte-granular operation on the target, which the protocol does not have yet.
+//! Offsets and lengths may be any bytes when the servers serve their pools at a one-byte
+//! block (`skiff serve --pool` does): a request goes to the servers as it is, with no
+//! read-modify-write, so a one-byte write changes that byte alone, atomically on a RAM pool
+//! (RStore's one-byte flags). Against exports with a coarser block, requests must be
+//! multiples of the coarsest block among the segment's servers.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -30,7 +33,7 @@ use crate::lane::Rejected;
 use crate::queue::Queue;
 use crate::{Completion, Endpoint, Error, Lane, LaneConfig, ReconnectConfig, Result};
 
-/// The unit of alignment of segment I/O.
+/// Chunks are whole sectors, whatever the servers' block.
 const SECTOR: u64 = 512;
 
 /// Where one copy of a chunk lives.
@@ -118,6 +121,8 @@ pub struct Segment {
     /// Sub-requests waiting for room on their lane.
     backlog: Vec<VecDeque<usize>>,
     in_flight: usize,
+    /// The unit of alignment: the coarsest block among the servers' exports.
+    block: u64,
     /// The largest piece: the smallest I/O size the servers' lanes negotiated.
     piece_max: u64,
     done: Vec<Completion>,
@@ -166,6 +171,12 @@ impl Segment {
             replicas.push(copies);
         }
         let servers_failed = lanes.iter().filter(|l| l.is_none()).count() as u64;
+        let block = lanes.iter().flatten().map(|l| u64::from(l.export().block_size)).max().unwrap_or(SECTOR);
+        if !SECTOR.is_multiple_of(block) {
+            return Err(Error::InvalidArgument(
+                "a server's block is coarser than the 512-byte sector of chunks",
+            ));
+        }
         let piece_max = lanes
             .iter()
             .flatten()
@@ -188,6 +199,7 @@ impl Segment {
             free_subs: Vec::new(),
             backlog,
             in_flight: 0,
+            block,
             piece_max,
             done: Vec::new(),
             scratch: Vec::new(),
@@ -205,6 +217,12 @@ impl Segment {
 
     pub fn len(&self) -> u64 {
         self.map.len
+    }
+
+    /// The block request offsets and lengths must be multiples of: 1 on pools served by
+    /// `skiff serve --pool`.
+    pub fn block_bytes(&self) -> u64 {
+        self.block
     }
 
     pub fn is_empty(&self) -> bool {
@@ -505,8 +523,11 @@ impl Queue<Vec<u8>> for Segment {
                 )
             }
         };
-        if length == 0 || !offset.is_multiple_of(SECTOR) || !(length as u64).is_multiple_of(SECTOR) {
-            return reject(Error::InvalidArgument("segment I/O must be 512-byte aligned"), Some(buf));
+        if length == 0 || !offset.is_multiple_of(self.block) || !(length as u64).is_multiple_of(self.block) {
+            return reject(
+                Error::InvalidArgument("segment I/O is not aligned to its servers' block"),
+                Some(buf),
+            );
         }
         if offset.checked_add(length as u64).is_none_or(|end| end > self.map.len) {
             return reject(Error::InvalidArgument("segment I/O past the end of the segment"), Some(buf));

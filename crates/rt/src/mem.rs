@@ -21,6 +21,7 @@ use std::io;
 use std::ops::{Deref, DerefMut};
 use std::ptr::{self, NonNull};
 use std::slice;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 /// Alignment, in bytes, that every [`Region`] and [`AlignedBuf`] guarantees. 4096 satisfies
@@ -136,6 +137,10 @@ impl Region {
     /// If the range is not inside the region.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
         self.assert_in_bounds(offset, dst.len());
+        if let [byte] = dst {
+            *byte = self.atomic_byte(offset).load(Ordering::Acquire);
+            return;
+        }
         // SAFETY: the source range is inside our live mapping (checked above) and `dst` is a
         // distinct exclusive borrow, so the ranges cannot overlap. A concurrent writer to the
         // same bytes yields unspecified bytes, as documented on the module.
@@ -144,12 +149,19 @@ impl Region {
         }
     }
 
-    /// Copy `src` into the region starting at `offset`.
+    /// Copy `src` into the region starting at `offset`. A write of one byte is one atomic
+    /// store (and a read of one byte one atomic load): concurrent one-byte writers and readers
+    /// of the same byte see the old value or the new one, never a torn or invented one. This
+    /// is what RStore's one-byte flags rely on (docs/RSTORE.md).
     ///
     /// # Panics
     /// If the range is not inside the region.
     pub fn write_at(&self, offset: usize, src: &[u8]) {
         self.assert_in_bounds(offset, src.len());
+        if let [byte] = src {
+            self.atomic_byte(offset).store(*byte, Ordering::Release);
+            return;
+        }
         // SAFETY: the destination range is inside our live mapping (checked above). `src` may
         // itself point into the region (a [`RegionBytes`] slice), so this is a `memmove`, which
         // allows overlap. Concurrent overlapping requests give unspecified bytes, as documented
@@ -157,6 +169,13 @@ impl Region {
         unsafe {
             ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len());
         }
+    }
+
+    /// The byte at `offset`, as an atomic. The caller checked the bounds.
+    fn atomic_byte(&self, offset: usize) -> &AtomicU8 {
+        // SAFETY: `offset` is inside our live mapping (the caller checked), a `u8` has the
+        // alignment and size of an `AtomicU8`, and the mapping lives as long as `&self`.
+        unsafe { AtomicU8::from_ptr(self.ptr.as_ptr().add(offset)) }
     }
 
     /// Set `len` bytes starting at `offset` to zero.

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use engine::{BackendSpec, Export, ExportTable};
+use engine::{BackendSpec, Export, ExportTable, BLOCK_BYTES};
 use transport::{Endpoint, Listener};
 
 pub use bounds::Bounds;
@@ -47,6 +47,9 @@ pub struct ExportConfig {
     /// `O_DIRECT` where the file system takes it (the default); `,direct=off` goes through
     /// the page cache.
     pub use_direct: bool,
+    /// A block finer than the backend's (`,block=N`, a power of two): RStore pools serve
+    /// byte-granular I/O with `block=1`. `None`: the backend's own (512 bytes).
+    pub block_bytes: Option<u32>,
 }
 
 /// Why an `--export` argument does not describe an export.
@@ -62,6 +65,8 @@ pub enum ExportConfigError {
     CacheSize { name: String, value: String, source: engine::SpecError },
     #[error("export {name:?}: allow=: {message}")]
     Access { name: String, message: String },
+    #[error("export {name:?}: block={value:?}: expected a power of two from 1 to 512")]
+    BlockSize { name: String, value: String },
 }
 
 impl std::str::FromStr for ExportConfig {
@@ -74,7 +79,7 @@ impl std::str::FromStr for ExportConfig {
         // Options trail the spec (`,ro`, `,cache=SIZE`); a path may hold commas of its own, so
         // only known options are taken from the end.
         let (mut spec, mut read_only, mut cache_bytes, mut use_direct) = (spec, false, 0, true);
-        let mut access = None;
+        let (mut access, mut block_bytes) = (None, None);
         while let Some((head, option)) = spec.rsplit_once(',') {
             if option == "ro" {
                 read_only = true;
@@ -82,6 +87,10 @@ impl std::str::FromStr for ExportConfig {
                 let parsed = proto::auth::AccessList::parse(list)
                     .map_err(|message| ExportConfigError::Access { name: name.to_owned(), message })?;
                 access = Some(parsed);
+            } else if let Some(value) = option.strip_prefix("block=") {
+                let bytes = value.parse::<u32>().ok().filter(|b| b.is_power_of_two() && *b <= BLOCK_BYTES);
+                let bad = || ExportConfigError::BlockSize { name: name.to_owned(), value: value.to_owned() };
+                block_bytes = Some(bytes.ok_or_else(bad)?);
             } else if option == "direct=off" || option == "direct=on" {
                 use_direct = option == "direct=on";
             } else if let Some(value) = option.strip_prefix("cache=") {
@@ -97,7 +106,15 @@ impl std::str::FromStr for ExportConfig {
         }
         let spec = BackendSpec::parse(spec)
             .map_err(|source| ExportConfigError::Spec { name: name.to_owned(), source })?;
-        Ok(ExportConfig { name: name.to_owned(), spec, read_only, cache_bytes, use_direct, access })
+        Ok(ExportConfig {
+            name: name.to_owned(),
+            spec,
+            read_only,
+            cache_bytes,
+            use_direct,
+            access,
+            block_bytes,
+        })
     }
 }
 
@@ -449,8 +466,12 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
             return Err(TargetError::DuplicateExport(ec.name.clone()));
         }
         let read_only = config.read_only || ec.read_only;
-        let mut export = Export::open_with(&ec.name, &ec.spec, read_only, ec.use_direct)
-            .map_err(|source| TargetError::Backend { name: ec.name.clone(), source })?;
+        let backend_error = |source| TargetError::Backend { name: ec.name.clone(), source };
+        let mut export =
+            Export::open_with(&ec.name, &ec.spec, read_only, ec.use_direct).map_err(backend_error)?;
+        if let Some(block_bytes) = ec.block_bytes {
+            export = export.with_block_bytes(block_bytes).map_err(backend_error)?;
+        }
         // A principal is a key's name, or the CN of a verified client certificate: with
         // certificates in play, any name may be one, so only a typo without them is caught.
         let certificates_name_principals = config.tls.as_ref().is_some_and(|t| t.verify_peer);
@@ -490,6 +511,14 @@ mod tests {
         let buffered: ExportConfig = "vol=file:/x,direct=off".parse().unwrap();
         assert!(!buffered.use_direct);
         assert_eq!(cached.spec, BackendSpec::File { path: "/var/tmp/a,b".into() });
+        assert_eq!(ok.block_bytes, None, "the backend's block");
+        let bytes: ExportConfig = "pool=ram:1M,block=1".parse().unwrap();
+        assert_eq!(bytes.block_bytes, Some(1));
+        for bad in ["0", "3", "1024", "x", ""] {
+            let err = format!("vol=ram:1M,block={bad}").parse::<ExportConfig>().unwrap_err();
+            assert!(matches!(err, ExportConfigError::BlockSize { .. }), "block={bad}: {err}");
+            assert!(err.to_string().contains("power of two"), "{err}");
+        }
         let err = "vol=file:/x,cache=lots".parse::<ExportConfig>().unwrap_err();
         assert!(err.to_string().contains("cache=\"lots\""), "{err}");
         assert!(matches!("ram:1M".parse::<ExportConfig>(), Err(ExportConfigError::MissingEquals(_))));

@@ -134,7 +134,7 @@ pub fn run(opts: &Options) -> Result<Report, String> {
     } else {
         volume.clone()
     };
-    let mut export = Export { name: "sim".into(), backend, read_only: false, direct: None, access: None };
+    let mut export = Export::new("sim", backend, false);
     let cache_slots = WAYS * rng.range(1, 4) as usize;
     let secret: [u8; 32] = std::array::from_fn(|i| (rng.next_u64() >> (i % 8)) as u8);
     export.enable_direct_reads(secret, (cache_slots * SLOT_BYTES) as u64).map_err(|e| e.to_string())?;

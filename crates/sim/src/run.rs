@@ -285,13 +285,7 @@ impl Sim {
             caravan_bytes_max: rng.pick(&[4096, 16384, 2 << 20]),
             io_bytes_max: rng.pick(&[2048, 4096]),
         };
-        let exports = ExportTable::new(vec![Export {
-            name: "sim".into(),
-            backend: faulty.clone(),
-            read_only: false,
-            direct: None,
-            access: None,
-        }]);
+        let exports = ExportTable::new(vec![Export::new("sim", faulty.clone(), false)]);
         let batching = match rng.below(3) {
             0 => Batching::Off,
             1 => Batching::Static,

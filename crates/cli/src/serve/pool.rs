@@ -23,8 +23,10 @@ pub struct Pool {
 
 /// `ram:SIZE` or `file:PATH` (the file's size is the pool's).
 pub fn parse(spec: &str) -> Result<Pool, String> {
-    let export: server::ExportConfig =
+    let mut export: server::ExportConfig =
         format!("{POOL_EXPORT}={spec}").parse().map_err(|e| format!("--pool {spec}: {e}"))?;
+    // RStore addresses bytes: reads and writes at any offset and length, one-byte flags.
+    export.block_bytes.get_or_insert(1);
     let (scope, bytes) = match &export.spec {
         backend::BackendSpec::Ram { size_bytes } => (Scope::Ram, *size_bytes),
         backend::BackendSpec::File { path } => {
@@ -196,6 +198,8 @@ mod tests {
         file.as_file().set_len(8 << 20).unwrap();
         let f = parse(&format!("file:{}", file.path().display())).unwrap();
         assert_eq!((f.scope, f.bytes), (Scope::File, 8 << 20));
+        assert_eq!((ram.export.block_bytes, f.export.block_bytes), (Some(1), Some(1)), "pools address bytes");
+        assert_eq!(parse("ram:1M,block=512").unwrap().export.block_bytes, Some(512), "unless told otherwise");
         for (bad, says) in [
             ("null:1M", "must hold data"),
             ("file:/nonexistent/skiff-pool", "No such file"),

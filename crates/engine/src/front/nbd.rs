@@ -47,8 +47,8 @@ pub fn handshake_config(
             let writable = granted == Ok(false);
             let mut d = nbd::ExportDesc::new(e.name.clone(), b.size_bytes());
             d.description = format!("skiff {} export", b.kind());
-            d.block_min = b.block_size();
-            d.block_preferred = 4096.max(b.block_size());
+            d.block_min = e.block_size();
+            d.block_preferred = 4096.max(e.block_size());
             d.block_max = io_bytes_max;
             d.read_only = !writable;
             d.hidden = granted.is_err();
