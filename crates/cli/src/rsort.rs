@@ -10,18 +10,21 @@
 //! | namespace | what |
 //! |---|---|
 //! | `<name>-in` | the input records, back to back |
-//! | `<name>-meta` | one 512-byte sector per writer: the input's header, the sort's, each worker's phase 1 (its bucket counts) and phase 2 (its run) |
+//! | `<name>-meta` | the input's header and the sort's (a sector each), a sector of one-byte flags, then a sector per worker's phase 1 (its bucket counts) and phase 2 (its run) |
 //! | `<name>-buckets` | a slot per (bucket, worker): what phase 1 classified |
 //! | `<name>-out` | the sorted runs, bucket after bucket, each starting on a 512-byte boundary |
 //!
 //! `sort --workers W` starts W worker processes. Phase 1: worker `i` reads its share of the
 //! input, classifies each record into one of W key ranges, writes bucket `b`'s records to slot
-//! `(b, i)`, and its counts to its sector of `<name>-meta`, setting its flag. Every worker waits
-//! until all flags are set. Phase 2: worker `b` reads slot `(b, i)` of every worker, sorts the
-//! records, and writes its run at the offset the counts of the buckets before it give.
-//! Coordination is through the metadata sectors alone, each written by one worker only: the
-//! protocol has no byte-granular write, so a sector per worker takes the place of RStore's
-//! one-byte flags. `check` reads the runs back: every key in order, exactly as many records as
+//! `(b, i)`, and its counts to its sector of `<name>-meta`, then sets its one-byte flag. Every
+//! worker polls the flags until all are set. Phase 2: worker `b` reads slot `(b, i)` of every
+//! worker, sorts the records, writes its run at the offset the counts of the buckets before it
+//! give, its count and checksum to its sector, then sets its phase-2 flag. Coordination is
+//! through one-byte flags as in RStore: the workers' flags share one sector, and each is one
+//! byte-granular write, atomic on the memory server, that leaves its neighbours alone (a
+//! sector-granular read-modify-write would undo another worker's flag). A flag is written only
+//! after the sector it announces was acknowledged, so whoever sees it set reads the sector
+//! whole. `check` reads the runs back: every key in order, exactly as many records as
 //! the input, and the same checksum (the sum of every record's CRC32C, as `valsort` sums CRCs).
 
 use std::process::{Command, ExitCode, Stdio};
@@ -36,7 +39,7 @@ use crate::CliResult;
 const RECORD: usize = 100;
 const KEY: usize = 10;
 const SECTOR: usize = 512;
-/// Workers at most: a worker's phase-1 sector holds its flag and one count per bucket.
+/// Workers at most: a worker's phase-1 sector holds one count per bucket.
 const WORKERS_MAX: usize = 32;
 /// Bytes moved per request when reading or writing whole regions.
 const IO_BYTES: usize = 1 << 20;
@@ -196,20 +199,30 @@ fn u64s(sector: &[u8]) -> Vec<u64> {
     sector.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
 }
 
-/// Metadata sectors: the input's header, the sort's, then each worker's phase 1 and phase 2.
+/// Metadata sectors: the input's header, the sort's, the flags, then each worker's phase 1
+/// and phase 2.
 fn gen_sector() -> u64 {
     0
 }
 fn sort_sector() -> u64 {
     SECTOR as u64
 }
+/// The flags' sector: worker `i`'s phase-1 flag is its byte `i`, bucket `b`'s phase-2 flag
+/// byte `WORKERS_MAX + b`. A flag is 1 when set.
+const FLAGS: u64 = 2 * SECTOR as u64;
+fn phase1_flag(i: usize) -> u64 {
+    FLAGS + i as u64
+}
+fn phase2_flag(b: usize) -> u64 {
+    FLAGS + (WORKERS_MAX + b) as u64
+}
 fn phase1_sector(i: usize) -> u64 {
-    (2 + i) as u64 * SECTOR as u64
+    (3 + i) as u64 * SECTOR as u64
 }
 fn phase2_sector(workers: usize, b: usize) -> u64 {
-    (2 + workers + b) as u64 * SECTOR as u64
+    (3 + workers + b) as u64 * SECTOR as u64
 }
-const META_BYTES: u64 = ((2 + 2 * WORKERS_MAX) * SECTOR) as u64;
+const META_BYTES: u64 = ((3 + 2 * WORKERS_MAX) * SECTOR) as u64;
 const MAGIC: u64 = 0x7273_6f72_7431; // "rsort1"
 
 pub fn run(args: RsortArgs) -> CliResult {
@@ -285,7 +298,7 @@ pub fn run(args: RsortArgs) -> CliResult {
             fresh(&c, &buckets, &args, (workers * workers) as u64 * round_up(cap * RECORD as u64))?;
             fresh(&c, &output, &args, round_up(records * RECORD as u64) + (workers * SECTOR) as u64)?;
             // No flag of an earlier sort may count.
-            m.write(phase1_sector(0), &vec![0u8; 2 * WORKERS_MAX * SECTOR])?;
+            m.write(FLAGS, &[0u8; SECTOR])?;
             m.write(sort_sector(), &sector_u64s(&[MAGIC, workers as u64, 0]))?;
             let exe = std::env::current_exe()?;
             let children = (0..workers)
@@ -382,28 +395,29 @@ pub fn run(args: RsortArgs) -> CliResult {
                 data.resize(round_up(data.len() as u64) as usize, 0);
                 write_region(&mut b_seg, ((b * workers + id) as u64) * slot, data)?;
             }
-            let mut s1 = vec![1u64];
-            s1.extend(&counts);
-            m.write(phase1_sector(id), &sector_u64s(&s1))?;
+            m.write(phase1_sector(id), &sector_u64s(&counts))?;
+            m.write(phase1_flag(id), &[1])?;
             let phase1 = t0.elapsed();
-            // Wait for every worker's phase 1.
+            // Wait for every worker's phase-1 flag, then read their counts.
             let t1 = Instant::now();
-            let all = loop {
-                let sectors = read_region(&mut m, phase1_sector(0), workers * SECTOR)?;
-                let all: Vec<Vec<u64>> = sectors.chunks(SECTOR).map(u64s).collect();
-                if all.iter().all(|s| s[0] == 1) {
-                    break all;
+            let mut flags = vec![0u8; workers];
+            loop {
+                m.read(phase1_flag(0), &mut flags)?;
+                if flags.iter().all(|&f| f == 1) {
+                    break;
                 }
                 std::thread::sleep(Duration::from_millis(1));
-            };
+            }
+            let sectors = read_region(&mut m, phase1_sector(0), workers * SECTOR)?;
+            let all: Vec<Vec<u64>> = sectors.chunks(SECTOR).map(u64s).collect();
             let waited = t1.elapsed();
             // Phase 2: sort bucket `id` and write its run where the buckets before it end.
             let t2 = Instant::now();
             let b = id;
-            let totals: Vec<u64> = (0..workers).map(|bb| all.iter().map(|s| s[1 + bb]).sum()).collect();
+            let totals: Vec<u64> = (0..workers).map(|bb| all.iter().map(|s| s[bb]).sum()).collect();
             let mut run: Vec<u8> = Vec::with_capacity(totals[b] as usize * RECORD);
             for (i, s) in all.iter().enumerate() {
-                let n = s[1 + b] as usize;
+                let n = s[b] as usize;
                 if n > 0 {
                     let data = read_region(
                         &mut b_seg,
@@ -424,10 +438,8 @@ pub fn run(args: RsortArgs) -> CliResult {
             let at: u64 = totals[..b].iter().map(|&t| round_up(t * RECORD as u64)).sum();
             let mut out = map(&c, &output)?;
             write_region(&mut out, at, &sorted)?;
-            m.write(
-                phase2_sector(workers, b),
-                &sector_u64s(&[1, totals[b], sum as u64, (sum >> 64) as u64]),
-            )?;
+            m.write(phase2_sector(workers, b), &sector_u64s(&[totals[b], sum as u64, (sum >> 64) as u64]))?;
+            m.write(phase2_flag(b), &[1])?;
             let phase2 = t2.elapsed();
             println!(
                 "{}",
@@ -447,12 +459,14 @@ pub fn run(args: RsortArgs) -> CliResult {
             let mut out = map(&c, &output)?;
             let (mut n, mut sum, mut last): (u64, u128, Option<Vec<u8>>) = (0, 0, None);
             let mut at = 0u64;
-            for b in 0..workers {
-                let s = u64s(&read_region(&mut m, phase2_sector(workers, b), SECTOR)?);
-                if s[0] != 1 {
+            let mut done = vec![0u8; workers];
+            m.read(phase2_flag(0), &mut done)?;
+            for (b, &flag) in done.iter().enumerate() {
+                if flag != 1 {
                     return Err(format!("bucket {b} was never written: the sort did not finish").into());
                 }
-                let count = s[1];
+                let s = u64s(&read_region(&mut m, phase2_sector(workers, b), SECTOR)?);
+                let count = s[0];
                 let data = read_region(&mut out, at, round_up(count * RECORD as u64) as usize)?;
                 for r in data[..count as usize * RECORD].chunks_exact(RECORD) {
                     if last.as_deref().is_some_and(|l| l[..KEY] > r[..KEY]) {
