@@ -1,22 +1,22 @@
 //! Control bodies straight into their decoders, without a header in the way.
 //!
 //! The first input byte picks the decoder (HELLO, HELLO_REPLY, OPEN, OPEN_REPLY, LIST_REPLY,
-//! STATS_REPLY, GOAWAY, AUTH, AUTH_REPLY, REVOKE, REVOKE_REPLY, modulo 11); the rest is the body. A body that decodes must encode back to
+//! STATS_REPLY, GOAWAY, AUTH, AUTH_REPLY, REVOKE, REVOKE_REPLY, GRANT, GRANT_REPLY, modulo 13); the rest is the body. A body that decodes must encode back to
 //! the same bytes. A decoded HELLO is also negotiated against the default limits, whose result
 //! must respect the floors and orderings in `docs/PROTOCOL.md`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use skiff_wire::{
-    Auth, AuthReply, ExportInfo, GoAway, Hello, HelloReply, Limits, Open, OpenReply, Revoke, RevokeReply,
-    StatsReply, HEADER_LEN,
+    Auth, AuthReply, ExportInfo, GoAway, Grant, GrantReply, Hello, HelloReply, Limits, Open, OpenReply, Revoke,
+    RevokeReply, StatsReply, HEADER_LEN,
 };
 
 fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else {
         return;
     };
-    let encoded = match which % 11 {
+    let encoded = match which % 13 {
         0 => Hello::decode(body).map(|hello| {
             check_negotiation(&hello.limits);
             hello.encode()
@@ -30,6 +30,8 @@ fuzz_target!(|data: &[u8]| {
         7 => Auth::decode(body).map(|v| v.encode()),
         8 => AuthReply::decode(body).map(|v| v.encode()),
         9 => Revoke::decode(body).map(|v| v.encode()),
+        10 => Grant::decode(body).map(|v| v.encode()),
+        11 => GrantReply::decode(body).map(|v| v.encode()),
         _ => RevokeReply::decode(body).map(|v| v.encode()),
     };
     if let Ok(encoded) = encoded {

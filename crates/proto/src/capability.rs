@@ -79,6 +79,11 @@ impl CapKey {
         mac
     }
 
+    /// Whether `cap`'s MAC is this key's over its sealed bytes (compared in constant time).
+    pub fn authentic(&self, cap: &Capability) -> bool {
+        constant_time_eq(&self.mac(cap), &cap.mac)
+    }
+
     /// `cap` with its MAC computed under this key (whatever MAC it carried is replaced).
     pub fn seal(&self, cap: Capability) -> Capability {
         Capability { mac: self.mac(&cap), ..cap }
@@ -97,7 +102,7 @@ impl CapKey {
         offset: u64,
         len: u32,
     ) -> Result<(), CapFault> {
-        if !constant_time_eq(&self.mac(cap), &cap.mac) {
+        if !self.authentic(cap) {
             return Err(CapFault::Forged);
         }
         if cap.export != export {

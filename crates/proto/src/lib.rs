@@ -17,6 +17,7 @@
 //! - [`caravan::Doorbell`]: deciding when to send the open caravan.
 //! - [`auth`]: keys, key files, access lists and the handshake's challenge-response proofs.
 //! - [`capability::CapKey`]: sealing and checking the capabilities of direct reads.
+//! - [`grant::PoolGrants`]: the chunk grants that authorise I/O to an RStore pool.
 //! - [`reliable::DatagramStream`]: reliable, ordered byte streams over lossy datagrams, for the
 //!   raw-Ethernet transport.
 //! - [`bundle::Bundle`]: the paths of a raw-Ethernet session bundled over several interfaces:
@@ -31,6 +32,7 @@ pub mod caravan;
 pub mod client;
 #[doc(hidden)]
 pub mod fuzz_api;
+pub mod grant;
 pub mod reliable;
 pub mod server;
 pub mod slots;

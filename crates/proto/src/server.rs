@@ -20,7 +20,10 @@ use wire::control::{
 };
 use wire::{caravan::RequestCaravan, FrameKind, Header, Status, WireError, VERSION};
 
+use std::collections::HashMap;
+
 use crate::auth::{proofs_equal, Key};
+use crate::grant::Bound;
 use crate::ProtoError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +66,9 @@ pub enum Inbound<'a> {
     Stats,
     Requests(RequestCaravan<'a>),
     Revoke(wire::Revoke),
+    /// Chunk grants presented for a handle: the driver judges them against the export's
+    /// [`crate::grant::PoolGrants`] and [`bind`](ServerSession::bind)s those it admits.
+    Grant(wire::Grant),
     /// The initiator is closing the connection (status `Ok` for a clean close).
     GoAway(wire::GoAway),
 }
@@ -78,6 +84,9 @@ pub struct ServerSession {
     /// Export indices (into the target's export table) by handle, and whether the handle was
     /// granted read-only.
     handles: Vec<(u32, bool)>,
+    /// The chunk grants bound to each handle, by chunk (at most one per chunk of the export's
+    /// pool, so bounded by its size).
+    grants: Vec<HashMap<u64, Bound>>,
     auth: Option<AuthConfig>,
     /// The key this initiator proved, once it has.
     principal: Option<String>,
@@ -95,6 +104,7 @@ impl ServerSession {
             offered,
             limits: offered,
             handles: Vec::with_capacity(open_handles_max),
+            grants: Vec::new(),
             auth: None,
             principal: None,
             open_handles_max,
@@ -140,7 +150,7 @@ impl ServerSession {
             (State::AwaitAuth { .. }, Auth | GoAway) => {}
             (State::AwaitAuth { .. }, kind) => return Err(ProtoError::Unexpected(kind, "before AUTH")),
             (State::Ready, Hello) => return Err(ProtoError::Unexpected(Hello, "twice")),
-            (State::Ready, Open | List | Stats | GoAway | Requests | Revoke) => {}
+            (State::Ready, Open | List | Stats | GoAway | Requests | Revoke | Grant) => {}
             (State::Ready, kind) => return Err(ProtoError::Unexpected(kind, "from an initiator")),
         }
         if header.kind.is_caravan() {
@@ -171,6 +181,7 @@ impl ServerSession {
             FrameKind::List => empty(body, "LIST").map(|_| Inbound::List),
             FrameKind::Stats => empty(body, "STATS").map(|_| Inbound::Stats),
             FrameKind::Revoke => Ok(Inbound::Revoke(wire::Revoke::decode(body)?)),
+            FrameKind::Grant => Ok(Inbound::Grant(wire::Grant::decode(body)?)),
             FrameKind::GoAway => Ok(Inbound::GoAway(wire::GoAway::decode(body)?)),
             FrameKind::Requests => Ok(Inbound::Requests(RequestCaravan::parse(header, body)?)),
             kind => Err(ProtoError::Unexpected(kind, "from an initiator")),
@@ -248,7 +259,21 @@ impl ServerSession {
             return Err(Status::TooManyOpen);
         }
         self.handles.push((export_index, read_only));
+        self.grants.push(HashMap::new());
         Ok(self.handles.len() as u32 - 1)
+    }
+
+    /// Hold an admitted chunk grant on `handle` (replacing what it held for that chunk).
+    /// Ignored for a handle never opened.
+    pub fn bind(&mut self, handle: u32, bound: Bound) {
+        if let Some(g) = self.grants.get_mut(handle as usize) {
+            g.insert(bound.chunk, bound);
+        }
+    }
+
+    /// The grant `handle` holds for `chunk`, if any.
+    pub fn bound(&self, handle: u32, chunk: u64) -> Option<&Bound> {
+        self.grants.get(handle as usize)?.get(&chunk)
     }
 
     /// Whether `handle` was granted read-only (true for a handle never opened).

@@ -10,7 +10,7 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | export: the target's export index (not a handle: valid on every connection) |
-//! | 4 | 1 | kind: 1 = region (a RAM export's own memory), 2 = cache slot |
+//! | 4 | 1 | kind: 1 = region (a RAM export's own memory), 2 = cache slot, 3 = chunk grant |
 //! | 5 | 1 | rights: bit 0 read, bit 1 write; other bits zero |
 //! | 6 | 2 | reserved, zero |
 //! | 8 | 4 | key epoch of the export when sealed |
@@ -22,7 +22,9 @@
 //! | 40 | 16 | MAC |
 //!
 //! A `CAPABILITIES` frame (kind 18, target to initiator) has no descriptors; its body is a
-//! `u16` count, two reserved zero bytes, then that many capabilities.
+//! `u16` count, two reserved zero bytes, then that many capabilities. A `GRANT` frame (kind
+//! 14, initiator to target) carries chunk grants ([`CapKind::Chunk`]) the other way:
+//! [`Grant`].
 
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -65,6 +67,9 @@ pub enum CapKind {
     Region,
     /// One slot of an export's block cache, valid while the slot keeps its generation.
     Slot,
+    /// A chunk of an RStore pool (`slot` is its index), granted to whoever holds this by the
+    /// control plane, like an RDMA STag: valid while the chunk keeps its generation.
+    Chunk,
 }
 
 /// The rights a capability grants.
@@ -81,6 +86,9 @@ impl CapRights {
     }
     pub fn contains(self, other: CapRights) -> bool {
         self.0 & other.0 == other.0
+    }
+    pub const fn union(self, other: CapRights) -> CapRights {
+        CapRights(self.0 | other.0)
     }
     pub fn from_bits(bits: u8) -> Option<CapRights> {
         (bits & !Self::KNOWN == 0).then_some(CapRights(bits))
@@ -118,6 +126,7 @@ impl Capability {
             kind: match self.kind {
                 CapKind::Region => 1,
                 CapKind::Slot => 2,
+                CapKind::Chunk => 3,
             },
             rights: self.rights.bits(),
             reserved: 0.into(),
@@ -141,6 +150,7 @@ impl Capability {
         let kind = match raw.kind {
             1 => CapKind::Region,
             2 => CapKind::Slot,
+            3 => CapKind::Chunk,
             _ => return Err(WireError::Body("capability kind")),
         };
         let rights = CapRights::from_bits(raw.rights).ok_or(WireError::Body("capability rights"))?;
@@ -213,6 +223,89 @@ impl Capability {
     }
 }
 
+/// Most chunk grants one `GRANT` frame carries (its body stays under the control body limit).
+pub const GRANTS_PER_FRAME_MAX: usize = 1024;
+
+/// GRANT (8 + 56 × count bytes, initiator to target): present chunk grants for an export this
+/// connection opened, so that its requests to those chunks are served (docs/PROTOCOL.md,
+/// section 14.6). Body: `handle` u32, `count` u16, two reserved zero bytes, `count`
+/// capabilities.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub handle: u32,
+    pub caps: Vec<Capability>,
+}
+
+impl Grant {
+    pub fn encode(&self) -> Vec<u8> {
+        debug_assert!(self.caps.len() <= GRANTS_PER_FRAME_MAX);
+        let mut w = Vec::with_capacity(8 + self.caps.len() * CAPABILITY_LEN);
+        w.extend_from_slice(&self.handle.to_le_bytes());
+        w.extend_from_slice(&(self.caps.len() as u16).to_le_bytes());
+        w.extend_from_slice(&[0, 0]);
+        for c in &self.caps {
+            w.extend_from_slice(&c.encode());
+        }
+        w
+    }
+
+    /// Parse a body: a count above [`GRANTS_PER_FRAME_MAX`], a length that is not the count's,
+    /// reserved bytes that are not zero, or any capability that does not parse refuse it whole.
+    pub fn decode(body: &[u8]) -> Result<Grant> {
+        if body.len() < 8 {
+            return Err(WireError::Body("GRANT"));
+        }
+        let handle = u32::from_le_bytes(body[0..4].try_into().expect("4 bytes"));
+        let count = u16::from_le_bytes([body[4], body[5]]) as usize;
+        if body[6] != 0 || body[7] != 0 {
+            return Err(WireError::Reserved("GRANT"));
+        }
+        if count > GRANTS_PER_FRAME_MAX {
+            return Err(WireError::Limit {
+                what: "grants per frame",
+                value: count as u64,
+                limit: GRANTS_PER_FRAME_MAX as u64,
+            });
+        }
+        if body.len() != 8 + count * CAPABILITY_LEN {
+            return Err(WireError::Body("GRANT"));
+        }
+        let caps = body[8..].chunks_exact(CAPABILITY_LEN).map(Capability::decode).collect::<Result<_>>()?;
+        Ok(Grant { handle, caps })
+    }
+}
+
+/// GRANT_REPLY (8 bytes): `status` u16, two reserved zero bytes, and `refused` u32: the index in
+/// the GRANT of the first capability refused (0 when the status is `Ok`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrantReply {
+    pub status: crate::Status,
+    pub refused: u32,
+}
+
+impl GrantReply {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Vec::with_capacity(8);
+        w.extend_from_slice(&self.status.to_u16().to_le_bytes());
+        w.extend_from_slice(&[0, 0]);
+        w.extend_from_slice(&self.refused.to_le_bytes());
+        w
+    }
+
+    pub fn decode(body: &[u8]) -> Result<GrantReply> {
+        if body.len() != 8 {
+            return Err(WireError::Body("GRANT_REPLY"));
+        }
+        if body[2] != 0 || body[3] != 0 {
+            return Err(WireError::Reserved("GRANT_REPLY"));
+        }
+        Ok(GrantReply {
+            status: crate::Status::from_u16(u16::from_le_bytes([body[0], body[1]])),
+            refused: u32::from_le_bytes(body[4..8].try_into().expect("4 bytes")),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,7 +347,7 @@ mod tests {
     fn bad_layouts_are_refused() {
         let good = sample().encode();
         assert!(Capability::decode(&good[..55]).is_err());
-        for (at, value) in [(4, 0u8), (4, 3), (5, 0x04), (6, 1), (7, 1)] {
+        for (at, value) in [(4, 0u8), (4, 4), (5, 0x04), (6, 1), (7, 1)] {
             let mut bad = good;
             bad[at] = value;
             assert!(Capability::decode(&bad).is_err(), "byte {at} = {value}");
@@ -292,5 +385,35 @@ mod tests {
         let mut reserved = body;
         reserved[2] = 1;
         assert!(Capability::decode_list(&reserved, |_| ()).is_err());
+    }
+
+    #[test]
+    fn grants_round_trip_and_refuse_bad_bodies() {
+        let chunk = Capability { kind: CapKind::Chunk, rights: CapRights(0x03), ..sample() };
+        let g = Grant { handle: 2, caps: vec![chunk, Capability { slot: 6, ..chunk }] };
+        let body = g.encode();
+        assert_eq!(body.len(), 8 + 2 * CAPABILITY_LEN);
+        assert_eq!(&body[..8], &[2, 0, 0, 0, 2, 0, 0, 0]);
+        assert_eq!(body[8 + 4], 3, "kind chunk");
+        assert_eq!(Grant::decode(&body).unwrap(), g);
+        assert!(Grant::decode(&body[..body.len() - 1]).is_err(), "short");
+        let mut lying = body.clone();
+        lying[4] = 3;
+        assert!(Grant::decode(&lying).is_err(), "count not the length's");
+        let mut reserved = body.clone();
+        reserved[7] = 1;
+        assert!(Grant::decode(&reserved).is_err());
+        let mut too_many = body.clone();
+        too_many[4..6].copy_from_slice(&(GRANTS_PER_FRAME_MAX as u16 + 1).to_le_bytes());
+        assert!(matches!(Grant::decode(&too_many), Err(WireError::Limit { .. })));
+        let mut bad_cap = body;
+        bad_cap[8 + 4] = 9;
+        assert!(Grant::decode(&bad_cap).is_err(), "a capability that does not parse");
+        assert_eq!(Grant::decode(&[2, 0, 0, 0, 0, 0, 0, 0]).unwrap().caps.len(), 0);
+
+        let r = GrantReply { status: crate::Status::StaleCapability, refused: 7 };
+        assert_eq!(GrantReply::decode(&r.encode()).unwrap(), r);
+        assert!(GrantReply::decode(&[0; 7]).is_err());
+        assert!(GrantReply::decode(&[0, 0, 1, 0, 0, 0, 0, 0]).is_err());
     }
 }

@@ -8,7 +8,7 @@
 use crate::{FrameKind, Header, HEADER_LEN};
 
 /// Every frame kind, in code order.
-pub const KINDS: [FrameKind; 16] = [
+pub const KINDS: [FrameKind; 18] = [
     FrameKind::Hello,
     FrameKind::HelloReply,
     FrameKind::Open,
@@ -23,6 +23,8 @@ pub const KINDS: [FrameKind; 16] = [
     FrameKind::Capabilities,
     FrameKind::Revoke,
     FrameKind::RevokeReply,
+    FrameKind::Grant,
+    FrameKind::GrantReply,
     FrameKind::Requests,
     FrameKind::Completions,
 ];

@@ -53,6 +53,9 @@ pub enum FrameKind {
     /// Revoke an export's capabilities (initiator to target; docs/PROTOCOL.md, section 14.5).
     Revoke = 12,
     RevokeReply = 13,
+    /// Chunk grants for an export (initiator to target; docs/PROTOCOL.md, section 14.6).
+    Grant = 14,
+    GrantReply = 15,
     /// A caravan of request descriptors and write payloads (initiator to target).
     Requests = 16,
     /// A caravan of completion descriptors and read payloads (target to initiator).
@@ -77,6 +80,8 @@ impl FrameKind {
             18 => Capabilities,
             12 => Revoke,
             13 => RevokeReply,
+            14 => Grant,
+            15 => GrantReply,
             16 => Requests,
             17 => Completions,
             _ => return None,

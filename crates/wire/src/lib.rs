@@ -26,7 +26,9 @@ pub mod fuzz_api;
 pub mod header;
 pub mod status;
 
-pub use capability::{CapKind, CapRights, Capability, CAPABILITY_LEN};
+pub use capability::{
+    CapKind, CapRights, Capability, Grant, GrantReply, CAPABILITY_LEN, GRANTS_PER_FRAME_MAX,
+};
 pub use caravan::{
     Completion, CompletionDesc, Opcode, ReqFlags, Request, RequestDesc, RequestError, COMPLETION_DESC_LEN,
     REQUEST_DESC_LEN,

@@ -423,6 +423,8 @@ fn check_control(kind: FrameKind, body: &[u8], reached: &mut Reached) {
         FrameKind::Auth => skiff_wire::Auth::decode(body).map(|v| v.encode()),
         FrameKind::AuthReply => skiff_wire::AuthReply::decode(body).map(|v| v.encode()),
         FrameKind::RevokeReply => skiff_wire::RevokeReply::decode(body).map(|v| v.encode()),
+        FrameKind::Grant => skiff_wire::Grant::decode(body).map(|v| v.encode()),
+        FrameKind::GrantReply => skiff_wire::GrantReply::decode(body).map(|v| v.encode()),
         FrameKind::Capabilities => {
             let mut caps = Vec::new();
             skiff_wire::Capability::decode_list(body, |c| caps.push(c)).map(|()| {
@@ -453,6 +455,8 @@ fn check_control_decoders(body: &[u8], reached: &mut Reached) {
         FrameKind::Capabilities,
         FrameKind::Revoke,
         FrameKind::RevokeReply,
+        FrameKind::Grant,
+        FrameKind::GrantReply,
         FrameKind::Auth,
         FrameKind::AuthReply,
     ] {

@@ -106,6 +106,8 @@ fn frame_kind_codes() {
         (Capabilities, 18),
         (Revoke, 12),
         (RevokeReply, 13),
+        (Grant, 14),
+        (GrantReply, 15),
         (Requests, 16),
         (Completions, 17),
     ];
@@ -644,7 +646,7 @@ fn bad_version() {
 
 #[test]
 fn unknown_kind() {
-    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x0E, "86 5C 07 AA"), (0x13, "5F B6 9B 00")] {
+    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x13, "5F B6 9B 00"), (0x14, "A9 33 DF 33")] {
         let bytes = hex(&format!(
             "53 4B 46 31 | 01 | {kind:02X} | 00 00 | 00 00 00 00 | 00 00 00 00 00 00 00 00 | {crc}"
         ));
