@@ -20,6 +20,7 @@ fn server(id: &str, bytes: u64) -> ServerInfo {
         bytes,
         chunk_bytes: MIB,
         incarnation: 1,
+        grant_key: String::new(),
     }
 }
 
@@ -72,14 +73,20 @@ fn namespaces_reserve_alloc_free_release_and_delete() {
     assert!(matches!(c.reserve("tables", 3 * MIB), Err(CoordError::NoCapacity { have: 0, .. })));
     let clean = |c: &Coordinator| {
         for id in ["a", "b"] {
-            let dirty = c.dirty(id).unwrap();
+            // Zeroed at the next generation: the last owner's grants are stale.
+            let dirty: Vec<(u64, u32)> = c.dirty(id).unwrap().into_iter().map(|chunk| (chunk, 1)).collect();
             c.cleaned(id, &dirty).unwrap();
             assert!(c.dirty(id).unwrap().is_empty());
+            let generations = c.pool(id).unwrap().unwrap().generations;
+            assert!(dirty.iter().all(|(chunk, _)| generations.get(chunk) == Some(&1)), "{generations:?}");
         }
     };
     assert_eq!(c.dirty("a").unwrap().len() + c.dirty("b").unwrap().len(), 2);
     clean(&c);
-    c.reserve("tables", 2 * MIB).unwrap();
+    let ns = c.reserve("tables", 2 * MIB).unwrap();
+    // The two zeroed chunks went out again, at their new generation, for the grants.
+    let recycled: Vec<u32> = ns.reserved[ns.reserved.len() - 2..].iter().map(|s| s[0].generation).collect();
+    assert_eq!(recycled, [1, 1]);
 
     // Deleting the namespace gives every chunk back, to be zeroed first.
     c.delete_ns("tables").unwrap();

@@ -8,12 +8,28 @@ use std::time::Duration;
 use coord::{Coordinator, RAddress, Scope, ServerInfo};
 use initiator::{Lane, LaneConfig, Queue, Segment, SegmentMap};
 use skiff_tests::etcd::Cluster;
-use skiff_tests::{start_target, tcp_endpoint};
+use skiff_tests::{start_target, start_target_with, tcp_endpoint};
 
 const MIB: u64 = 1 << 20;
 
-/// Register target `t`'s 16 MiB `pool` export as a memory server of `chunk`-byte chunks.
-fn register(c: &Coordinator, t: &server::Target, chunk: u64, incarnation: u64) -> coord::Registration {
+/// A memory server as `skiff serve --pool` makes one: a target whose `pool` export (the one
+/// export given) takes I/O only to chunks of `chunk` bytes granted under `key`.
+fn pool_target(export: &str, chunk: u64, key: [u8; 32]) -> server::Target {
+    start_target_with(&[export], |config| {
+        config.workers = 1;
+        config.exports[0].grants = Some(server::GrantConfig { key, chunk_bytes: chunk });
+    })
+}
+
+/// Register target `t`'s 16 MiB `pool` export as a memory server of `chunk`-byte chunks whose
+/// grants are sealed under `key`.
+fn register(
+    c: &Coordinator,
+    t: &server::Target,
+    chunk: u64,
+    incarnation: u64,
+    key: [u8; 32],
+) -> coord::Registration {
     let endpoint = tcp_endpoint(t).to_string();
     let info = ServerInfo {
         id: endpoint.clone(),
@@ -23,6 +39,7 @@ fn register(c: &Coordinator, t: &server::Target, chunk: u64, incarnation: u64) -
         bytes: 16 * MIB,
         chunk_bytes: chunk,
         incarnation,
+        grant_key: coord::encode_key(&key),
     };
     c.register(&info, Duration::from_secs(30)).unwrap()
 }
@@ -36,9 +53,15 @@ fn servers(c: &Coordinator) -> (Vec<server::Target>, Vec<coord::Registration>) {
 }
 
 fn servers_of(c: &Coordinator, export: &str) -> (Vec<server::Target>, Vec<coord::Registration>) {
-    let targets: Vec<server::Target> = (0..3).map(|_| start_target(&[export], 1)).collect();
-    let regs = targets.iter().enumerate().map(|(i, t)| register(c, t, MIB, 100 + i as u64)).collect();
+    let key = |i: usize| [i as u8 + 1; 32];
+    let targets: Vec<server::Target> = (0..3).map(|i| pool_target(export, MIB, key(i))).collect();
+    let regs = targets.iter().enumerate().map(|(i, t)| register(c, t, MIB, 100 + i as u64, key(i))).collect();
     (targets, regs)
+}
+
+/// A lane's configuration that presents `loc`'s grant, to look at a chunk on its server.
+fn granted(loc: &initiator::Location) -> LaneConfig {
+    LaneConfig { grants: loc.grant.into_iter().collect(), ..LaneConfig::default() }
 }
 
 fn segment_map(c: &Coordinator, r: &RAddress) -> SegmentMap {
@@ -87,7 +110,7 @@ fn a_segment_is_striped_over_its_servers_and_reads_back() {
     // Each chunk's bytes are on the server and at the offset the map names.
     for (i, copies) in map.stripes.iter().enumerate() {
         let loc = &copies[0];
-        let mut lane = Lane::connect(&loc.endpoint, &loc.export, &LaneConfig::default()).unwrap();
+        let mut lane = Lane::connect(&loc.endpoint, &loc.export, &granted(loc)).unwrap();
         lane.submit_read(loc.offset, vec![0; 4096], 0).unwrap();
         let mut out = Vec::new();
         lane.wait(1, &mut out).unwrap();
@@ -163,8 +186,8 @@ fn with_one_copy_the_chunks_of_a_lost_server_fail_clearly() {
 fn large_io_is_split_to_the_servers_limit_and_a_refusal_takes_no_server_out() {
     let etcd = Cluster::start(1);
     let c = Coordinator::connect(&etcd.endpoints());
-    let t = start_target(&[POOL], 1);
-    let _reg = register(&c, &t, 4 * MIB, 7);
+    let t = pool_target(POOL, 4 * MIB, [7; 32]);
+    let _reg = register(&c, &t, 4 * MIB, 7, [7; 32]);
     c.create_ns("big", Scope::Ram, 4 * MIB, 1).unwrap();
     c.reserve("big", 8 * MIB).unwrap();
     let r = c.alloc("big", 8 * MIB, None).unwrap();
@@ -180,7 +203,7 @@ fn large_io_is_split_to_the_servers_limit_and_a_refusal_takes_no_server_out() {
     // A map whose second stripe lies past the end of the export: the server refuses that
     // read (out of range), the read fails with that status, and the server stays in service.
     let mut bad = segment_map(&c, &r);
-    bad.stripes[1][0].offset = 15 * MIB;
+    bad.stripes[1][0].offset = 16 * MIB;
     let mut seg = Segment::map(bad, &LaneConfig::default()).unwrap();
     let err = seg.read(4 * MIB, &mut vec![0u8; 2 * MIB as usize]).expect_err("past the export's end");
     assert!(matches!(err, initiator::Error::Status(initiator::Status::OutOfRange)), "{err}");
@@ -303,7 +326,7 @@ fn one_byte_writes_of_many_threads_to_neighbouring_bytes_all_land() {
     }
     // Both replicas of the sector hold the same flags.
     for loc in &map.stripes[0] {
-        let mut lane = Lane::connect(&loc.endpoint, &loc.export, &LaneConfig::default()).unwrap();
+        let mut lane = Lane::connect(&loc.endpoint, &loc.export, &granted(loc)).unwrap();
         lane.submit_read(loc.offset + base, vec![0; 512], 0).unwrap();
         let mut out = Vec::new();
         lane.wait(1, &mut out).unwrap();
@@ -323,4 +346,97 @@ fn one_byte_writes_of_many_threads_to_neighbouring_bytes_all_land() {
     let err = seg.read(5, &mut [0u8; 512]).expect_err("unaligned I/O is refused");
     assert!(err.to_string().contains("block"), "{err}");
     seg.read(512, &mut [0u8; 512]).expect("aligned I/O goes");
+}
+
+/// Read `len` bytes at `offset` on `lane`: the completion's status.
+fn read_status(lane: &mut Lane, offset: u64, len: usize) -> initiator::Status {
+    lane.submit_read(offset, vec![0; len], 0).unwrap();
+    let mut out = Vec::new();
+    lane.wait(1, &mut out).unwrap();
+    out[0].status
+}
+
+/// A pool's chunks are reached only with grants (docs/PROTOCOL.md, section 14.6): a connection
+/// without one is refused every chunk; a forged grant, or one for another export, is refused
+/// when presented; a grant opens its own chunk and no other. Once the server retires a chunk
+/// (before zeroing it for the next namespace), a segment mapped earlier is refused with
+/// `StaleCapability` and writes nothing into the next owner's bytes, while a segment mapped
+/// afterwards, with the new generation, works.
+#[test]
+fn chunks_are_reached_with_grants_and_a_retired_chunk_refuses_its_last_owner() {
+    use initiator::Status;
+    use wire::CapRights;
+    let etcd = Cluster::start(1);
+    let c = Coordinator::connect(&etcd.endpoints());
+    let key = [42; 32];
+    let t = pool_target(POOL, MIB, key);
+    let _reg = register(&c, &t, MIB, 9, key);
+    let pool = tcp_endpoint(&t);
+    let rw = CapRights::READ.union(CapRights::WRITE);
+    let sealer = proto::capability::CapKey::new(key);
+
+    // No grant: every chunk is refused, and the connection stays up.
+    let mut bare = Lane::connect(&pool, "pool", &LaneConfig::default()).unwrap();
+    assert_eq!(read_status(&mut bare, 0, 4096), Status::BadCapability);
+    assert_eq!(read_status(&mut bare, 5 * MIB, 1), Status::BadCapability);
+    // A forged grant is refused when presented.
+    let forged = proto::grant::seal(&proto::capability::CapKey::new([1; 32]), 0, MIB, 0, rw);
+    let with = |grants: Vec<wire::Capability>| LaneConfig { grants: grants.into(), ..LaneConfig::default() };
+    let err = Lane::connect(&pool, "pool", &with(vec![forged])).err().expect("a forged grant");
+    assert!(matches!(err, initiator::Error::Refused(Status::BadCapability)), "{err}");
+    // A grant for chunk 2 opens chunk 2 alone; a request that straddles into chunk 3 is not
+    // covered. A read-only grant does not write.
+    let mut two =
+        Lane::connect(&pool, "pool", &with(vec![proto::grant::seal(&sealer, 2, MIB, 0, rw)])).unwrap();
+    assert_eq!(read_status(&mut two, 2 * MIB + 7, 100), Status::Ok);
+    assert_eq!(read_status(&mut two, MIB, 512), Status::BadCapability);
+    assert_eq!(read_status(&mut two, 3 * MIB - 1, 2), Status::BadCapability);
+    let ro = proto::grant::seal(&sealer, 4, MIB, 0, CapRights::READ);
+    let mut reader = Lane::connect(&pool, "pool", &with(vec![ro])).unwrap();
+    assert_eq!(read_status(&mut reader, 4 * MIB, 512), Status::Ok);
+    assert!(reader.write_at(&[1; 512], 4 * MIB).is_err(), "a read grant does not write");
+    // Grants are for pools: an ordinary export refuses them.
+    let plain = start_target(&["vol=ram:1M"], 1);
+    let err = Lane::connect(&tcp_endpoint(&plain), "vol", &with(vec![ro])).err().expect("no pool there");
+    assert!(matches!(err, initiator::Error::Refused(Status::Unsupported)), "{err}");
+
+    // A namespace maps with grants; the server retires its chunks when they come back.
+    c.create_ns("first", Scope::Ram, MIB, 1).unwrap();
+    c.reserve("first", 2 * MIB).unwrap();
+    c.alloc("first", 2 * MIB, None).unwrap();
+    let mut old = c.map("first", 0, &LaneConfig::default()).unwrap();
+    old.write(0, &vec![0xAA; 2 * MIB as usize]).unwrap();
+    c.delete_ns("first").unwrap();
+    let grants = t.pool_grants("pool").expect("a pool");
+    let retired: Vec<(u64, u32)> = c
+        .dirty(&pool.to_string())
+        .unwrap()
+        .into_iter()
+        .map(|chunk| (chunk, grants.retire(chunk).unwrap()))
+        .collect();
+    assert_eq!(retired.len(), 2);
+    let err = old.write(0, &[0xEE; 512]).expect_err("the last owner's grant is stale");
+    assert!(matches!(err, initiator::Error::Status(Status::StaleCapability)), "{err}");
+    assert_eq!(old.stats().servers_failed, 0, "a refusal takes no server out");
+    // (The server zeroes here, through grants of its own; then hands the chunks back.)
+    for &(chunk, _) in &retired {
+        let mut own = Lane::connect(&pool, "pool", &with(vec![grants.mint(chunk, rw).unwrap()])).unwrap();
+        own.submit_write_zeroes(chunk * MIB, MIB as u32, initiator::ReqFlags::empty(), 0).unwrap();
+        let mut out = Vec::new();
+        own.wait(1, &mut out).unwrap();
+        assert_eq!(out[0].status, Status::Ok);
+    }
+    c.cleaned(&pool.to_string(), &retired).unwrap();
+    c.create_ns("next", Scope::Ram, MIB, 1).unwrap();
+    c.reserve("next", 2 * MIB).unwrap();
+    c.alloc("next", 2 * MIB, None).unwrap();
+    let mut new = c.map("next", 0, &LaneConfig::default()).unwrap();
+    let mut back = vec![1u8; 2 * MIB as usize];
+    new.read(0, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0), "the next namespace reads zeroes");
+    assert!(old.write(MIB, &[0xEE; 512]).is_err(), "still stale");
+    new.write(0, b"mine").unwrap();
+    let mut four = [0u8; 4];
+    new.read(0, &mut four).unwrap();
+    assert_eq!(&four, b"mine");
 }

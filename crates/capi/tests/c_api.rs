@@ -115,6 +115,7 @@ fn c_program_uses_rstore_namespaces() {
                 bytes: 8 << 20,
                 chunk_bytes: 1 << 20,
                 incarnation: 1 + i as u64,
+                grant_key: String::new(),
             };
             c.register(&info, std::time::Duration::from_secs(30)).unwrap()
         })

@@ -175,6 +175,13 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         }
         args.exports.push(p.export.clone());
     }
+    // A pool's chunks are reached with grants sealed under a key drawn here, which only the
+    // coordinator learns (the registration), as RStore's master hands out STags.
+    let grant_key: [u8; proto::capability::KEY_LEN] = rt::random::bytes()?;
+    if pool.is_some() {
+        let e = args.exports.last_mut().expect("the pool's export, pushed above");
+        e.grants = Some(server::GrantConfig { key: grant_key, chunk_bytes: args.chunk });
+    }
     if args.exports.is_empty() {
         return Err("no exports: give --export NAME=SPEC, or `export` in the config file".into());
     }
@@ -253,8 +260,10 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                 bytes: p.bytes - p.bytes % args.chunk,
                 chunk_bytes: args.chunk,
                 incarnation: pool::incarnation(p.scope)?,
+                grant_key: coord::encode_key(&grant_key),
             };
-            match pool::register(urls, info, args.lease) {
+            let grants = target.pool_grants(pool::POOL_EXPORT).ok_or("the pool export takes no grants")?;
+            match pool::register(urls, info, grants, args.lease) {
                 Ok(r) => Some(r),
                 Err(e) => {
                     target.shutdown();

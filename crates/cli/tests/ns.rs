@@ -125,7 +125,10 @@ fn memory_servers_register_and_namespaces_stripe_over_them() {
 }
 
 /// Chunks a namespace gives back hold its bytes until their server zeroes them: the next
-/// namespace on the same chunks reads zeros, never the last one's data.
+/// namespace on the same chunks reads zeros, never the last one's data. The pool takes I/O
+/// only with the chunk grants a map hands out: a plain connection is refused, and a segment
+/// mapped before the namespace was deleted is refused once the server retired its chunks,
+/// and writes nothing into the next namespace.
 #[test]
 fn chunks_given_back_are_zeroed_before_another_namespace_gets_them() {
     let etcd = Cluster::start(1);
@@ -137,7 +140,10 @@ fn chunks_given_back_are_zeroed_before_another_namespace_gets_them() {
     let c = coord::Coordinator::connect(std::slice::from_ref(&url));
     let mut seg = skiff_tests::rstore::segment(&c, "first", 0);
     seg.write(0, &vec![0xA5; 4 << 20]).unwrap();
-    drop(seg);
+    let endpoint = initiator::Endpoint::parse(&c.servers().unwrap()[0].endpoint).unwrap();
+    let mut bare = initiator::Lane::connect(&endpoint, "pool", &initiator::LaneConfig::default()).unwrap();
+    let err = bare.write_at(&[0xEE; 512], 0).expect_err("no grant, no write");
+    assert!(matches!(err, initiator::Error::Status(initiator::Status::BadCapability)), "{err}");
     ns(&url, &["delete", "first"]);
     // Every chunk is taken: none is handed out until the server has zeroed it.
     let start = Instant::now();
@@ -148,6 +154,8 @@ fn chunks_given_back_are_zeroed_before_another_namespace_gets_them() {
     }
     ns(&url, &["create", "second", "--size", "4M", "--chunk", "1M"]);
     ns(&url, &["alloc", "second", "4M"]);
+    let err = seg.write(0, &[0xEE; 512]).expect_err("the first namespace's grants are stale");
+    assert!(matches!(err, initiator::Error::Status(initiator::Status::StaleCapability)), "{err}");
     let mut seg = skiff_tests::rstore::segment(&c, "second", 0);
     let mut buf = vec![0xFFu8; 4 << 20];
     seg.read(0, &mut buf).unwrap();

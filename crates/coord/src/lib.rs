@@ -112,12 +112,45 @@ pub struct ServerInfo {
     /// the process. Chunks remember the incarnation they were reserved in.
     #[serde(default)]
     pub incarnation: u64,
+    /// The key the server seals its pool's chunk grants under, hex (docs/RSTORE.md): the
+    /// control plane mints a namespace's grants with it. Empty for a server whose pool takes
+    /// no grants (anyone who reaches it may read and write it).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub grant_key: String,
 }
 
 impl ServerInfo {
     pub fn chunks(&self) -> u64 {
         self.bytes / self.chunk_bytes.max(1)
     }
+
+    /// The grant of `chunk` at `generation`, read and write, if the server takes grants.
+    pub fn grant(&self, chunk: u64, generation: u32) -> Result<Option<wire::Capability>, CoordError> {
+        if self.grant_key.is_empty() {
+            return Ok(None);
+        }
+        let key = decode_key(&self.grant_key).ok_or_else(|| {
+            CoordError::Invalid(format!("server {}: its grant key is not 64 hex digits", self.id))
+        })?;
+        let rights = wire::CapRights::READ.union(wire::CapRights::WRITE);
+        Ok(Some(proto::grant::seal(&key, chunk, self.chunk_bytes, generation, rights)))
+    }
+}
+
+/// A grant key as [`ServerInfo::grant_key`] holds it.
+pub fn encode_key(key: &[u8; proto::capability::KEY_LEN]) -> String {
+    key.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn decode_key(hex: &str) -> Option<proto::capability::CapKey> {
+    if hex.len() != 2 * proto::capability::KEY_LEN || !hex.is_ascii() {
+        return None;
+    }
+    let mut key = [0u8; proto::capability::KEY_LEN];
+    for (i, b) in key.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(proto::capability::CapKey::new(key))
 }
 
 /// The allocation state of one server's pool.
@@ -136,6 +169,11 @@ pub struct PoolState {
     /// the same, or chunk numbers held by namespaces would name other bytes.
     #[serde(default)]
     pub chunk_bytes: u64,
+    /// The generation of each chunk zeroed at least once (the others are at 0): the server
+    /// moves a chunk's generation on before zeroing it, which makes its last owner's grants
+    /// stale, and records it here with [`Coordinator::cleaned`] for the next owner's.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub generations: BTreeMap<u64, u32>,
 }
 
 /// One chunk of a server's pool.
@@ -146,6 +184,13 @@ pub struct ChunkRef {
     /// The server's incarnation when the chunk was reserved.
     #[serde(default)]
     pub incarnation: u64,
+    /// The chunk's generation when it was reserved: its grants are sealed with it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u32,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 /// A stripe: one chunk's worth of a namespace, on `replicas` distinct servers.
@@ -231,12 +276,14 @@ pub struct RAddress {
 }
 
 /// Where one copy of a chunk lives, for the data path: the server's endpoint, its pool
-/// export, and the chunk's byte offset in it.
+/// export, the chunk's byte offset in it, and its grant (for a server that takes grants).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Place {
     pub endpoint: String,
     pub export: String,
     pub offset: u64,
+    #[serde(skip)]
+    pub grant: Option<wire::Capability>,
 }
 
 impl RAddress {
@@ -248,18 +295,19 @@ impl RAddress {
             .iter()
             .enumerate()
             .map(|(i, stripe)| {
-                let copies: Vec<Place> = stripe
-                    .iter()
-                    .filter(|c| !self.stale.contains(&c.server))
-                    .filter_map(|c| {
-                        let s = live.iter().find(|s| s.id == c.server && s.incarnation == c.incarnation)?;
-                        Some(Place {
-                            endpoint: s.endpoint.clone(),
-                            export: s.export.clone(),
-                            offset: c.index * self.chunk_bytes,
-                        })
-                    })
-                    .collect();
+                let mut copies = Vec::with_capacity(stripe.len());
+                for c in stripe.iter().filter(|c| !self.stale.contains(&c.server)) {
+                    let Some(s) = live.iter().find(|s| s.id == c.server && s.incarnation == c.incarnation)
+                    else {
+                        continue;
+                    };
+                    copies.push(Place {
+                        endpoint: s.endpoint.clone(),
+                        export: s.export.clone(),
+                        offset: c.index * self.chunk_bytes,
+                        grant: s.grant(c.index, c.generation)?,
+                    });
+                }
                 if copies.is_empty() {
                     Err(CoordError::Invalid(format!(
                         "stripe {i} of {:#x} in {:?} is lost: no copy on a live server",
@@ -281,7 +329,7 @@ pub fn segment_map(r: &RAddress, live: &[ServerInfo]) -> Result<initiator::Segme
         for p in copies {
             let endpoint = initiator::Endpoint::parse(&p.endpoint)
                 .map_err(|e| CoordError::Invalid(format!("server endpoint {:?}: {e}", p.endpoint)))?;
-            locs.push(initiator::Location { endpoint, export: p.export, offset: p.offset });
+            locs.push(initiator::Location { endpoint, export: p.export, offset: p.offset, grant: p.grant });
         }
         stripes.push(locs);
     }
@@ -534,7 +582,13 @@ impl Coordinator {
                     } else {
                         continue;
                     };
-                    stripe.push(ChunkRef { server: s.id.clone(), index, incarnation: s.incarnation });
+                    let generation = state.generations.get(&index).copied().unwrap_or(0);
+                    stripe.push(ChunkRef {
+                        server: s.id.clone(),
+                        index,
+                        incarnation: s.incarnation,
+                        generation,
+                    });
                 }
                 if stripe.len() < ns.replicas as usize {
                     return Err(no_capacity());
@@ -741,14 +795,21 @@ impl Coordinator {
         Ok(self.pool(id)?.map(|p| p.dirty).unwrap_or_default())
     }
 
-    /// Server `id` has zeroed `chunks`: they are free to hand out.
-    pub fn cleaned(&self, id: &str, chunks: &[u64]) -> Result<(), CoordError> {
+    /// Server `id` has zeroed `chunks`, each moved on to the generation given: they are free
+    /// to hand out, and their next owners' grants carry those generations.
+    pub fn cleaned(&self, id: &str, chunks: &[(u64, u32)]) -> Result<(), CoordError> {
         self.retry(id, || {
             let k = key(POOLS, id);
             let Some(kv) = self.etcd.get(&k)? else { return Ok(Some(())) };
             let mut state: PoolState = decode(&kv)?;
-            let clean: Vec<u64> = state.dirty.iter().copied().filter(|c| chunks.contains(c)).collect();
-            state.dirty.retain(|c| !chunks.contains(c));
+            let zeroed = |c: &u64| chunks.iter().any(|(z, _)| z == c);
+            let clean: Vec<u64> = state.dirty.iter().copied().filter(zeroed).collect();
+            state.dirty.retain(|c| !zeroed(c));
+            for &(chunk, generation) in chunks {
+                if clean.contains(&chunk) {
+                    state.generations.insert(chunk, generation);
+                }
+            }
             state.free.extend(clean);
             let ok = self.etcd.txn(
                 &[Compare::ModRevision(k.clone(), kv.mod_revision)],

@@ -3,7 +3,9 @@
 //! API.
 //!
 //! A connection with fuzzed offered limits receives, in fuzzed pieces, an optional valid HELLO
-//! (with fuzzed proposals) and OPEN, then frames of every kind made from the input (mostly
+//! (with fuzzed proposals) and OPEN, optionally the OPEN of a pool export that needs chunk
+//! grants and a GRANT of a valid grant for one of its chunks (a fuzzer cannot forge one),
+//! then frames of every kind made from the input (mostly
 //! with correct headers and fuzzed bodies; some raw). Whatever arrives: no panic, everything
 //! the target queued is a sequence of well-formed frames of kinds a target sends, a GOAWAY is
 //! the last of them and closes the connection, and nothing follows a close.
@@ -33,6 +35,10 @@ impl Host for FuzzHost {
     }
 }
 
+/// The grant key and chunk size of the fuzzed pool export.
+const POOL_KEY: [u8; 32] = [7; 32];
+const POOL_CHUNK: u64 = 256 << 10;
+
 /// One host for every input: mapping fresh volumes per input would cost more than the input.
 fn host() -> &'static FuzzHost {
     static HOST: std::sync::OnceLock<FuzzHost> = std::sync::OnceLock::new();
@@ -40,7 +46,11 @@ fn host() -> &'static FuzzHost {
         let ram = |name, read_only| {
             Export::open(name, &BackendSpec::Ram { size_bytes: 1 << 20 }, read_only).expect("a RAM export")
         };
-        FuzzHost { exports: ExportTable::new(vec![ram("vol", false), ram("ro", true)]) }
+        let mut pool = ram("pool", false).with_block_bytes(1).expect("a byte-granular pool");
+        pool.grants = Some(std::sync::Arc::new(
+            proto::grant::PoolGrants::new(POOL_KEY, POOL_CHUNK, 4).expect("a pool of four chunks"),
+        ));
+        FuzzHost { exports: ExportTable::new(vec![ram("vol", false), ram("ro", true), pool]) }
     })
 }
 
@@ -66,6 +76,15 @@ pub fn native_conn(data: &[u8]) {
         stream.extend(frame(FrameKind::Hello, &hello.encode()));
         if preface % 4 != 0 {
             stream.extend(frame(FrameKind::Open, &wire::Open { name: "vol".into() }.encode()));
+        }
+        if preface & 0x10 != 0 {
+            // The pool opens as handle 1 after "vol", 0 without it; one chunk granted.
+            stream.extend(frame(FrameKind::Open, &wire::Open { name: "pool".into() }.encode()));
+            let handle = u32::from(preface % 4 != 0);
+            let key = proto::capability::CapKey::new(POOL_KEY);
+            let rights = wire::CapRights::from_bits(input.byte() % 4).unwrap_or(wire::CapRights::READ);
+            let cap = proto::grant::seal(&key, u64::from(input.byte() % 4), POOL_CHUNK, 0, rights);
+            stream.extend(frame(FrameKind::Grant, &wire::Grant { handle, caps: vec![cap] }.encode()));
         }
     }
     while let Some(f) = next_frame(&mut input, &KINDS) {
@@ -113,6 +132,12 @@ fn check_replies(mut out: &[u8], closing: bool) {
             }
             FrameKind::StatsReply => {
                 StatsReply::decode(body).expect("a broken STATS_REPLY");
+            }
+            FrameKind::RevokeReply => {
+                wire::RevokeReply::decode(body).expect("a broken REVOKE_REPLY");
+            }
+            FrameKind::GrantReply => {
+                wire::GrantReply::decode(body).expect("a broken GRANT_REPLY");
             }
             kind => panic!("the target sent a {kind:?} frame"),
         }

@@ -44,6 +44,10 @@ pub struct Export {
     /// The block requests are aligned to: the backend's own by default, or a finer one
     /// ([`with_block_bytes`](Self::with_block_bytes)).
     block_bytes: u32,
+    /// An RStore pool's chunk grants: every request (but `FLUSH`) needs a grant for its chunk,
+    /// presented on its connection (docs/PROTOCOL.md, section 14.6). `None`: open to whoever
+    /// opens the export.
+    pub grants: Option<Arc<proto::grant::PoolGrants>>,
 }
 
 impl std::fmt::Debug for Export {
@@ -78,7 +82,15 @@ impl Export {
     /// without direct reads.
     pub fn new(name: &str, backend: Arc<dyn Backend>, read_only: bool) -> Export {
         let block_bytes = backend.block_size();
-        Export { name: name.to_owned(), backend, read_only, direct: None, access: None, block_bytes }
+        Export {
+            name: name.to_owned(),
+            backend,
+            read_only,
+            direct: None,
+            access: None,
+            block_bytes,
+            grants: None,
+        }
     }
 
     /// Serve the export at a block of `block_bytes` instead of the backend's (`,block=1` on

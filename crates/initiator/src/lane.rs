@@ -69,6 +69,10 @@ pub struct LaneConfig {
     /// TLS to the target (docs/PROTOCOL.md, section 2), on every connection and reconnection;
     /// `None` is plaintext.
     pub tls: Option<crate::conn::TlsConfig>,
+    /// Chunk grants to present right after opening the export, on every connection and
+    /// reconnection (RStore pools; docs/PROTOCOL.md, section 14.6). A grant the target refuses
+    /// fails the connection with its status.
+    pub grants: std::sync::Arc<[wire::Capability]>,
 }
 
 impl Default for LaneConfig {
@@ -84,6 +88,7 @@ impl Default for LaneConfig {
             directory_entries: 0,
             key: None,
             tls: None,
+            grants: std::sync::Arc::new([]),
         }
     }
 }
@@ -205,6 +210,7 @@ pub struct Lane<B = Vec<u8>> {
     proposed: Limits,
     key: Option<std::sync::Arc<proto::auth::Key>>,
     tls: Option<crate::conn::TlsConfig>,
+    grants: std::sync::Arc<[wire::Capability]>,
     reconnect: Reconnect,
     /// Since when the lane has waited for the target without hearing from it: the later of
     /// the last bytes received, the last (re)connection, and the moment requests went on an
@@ -272,6 +278,7 @@ impl<B: IoBuf> Lane<B> {
             features,
             key.as_deref(),
             tls.as_ref(),
+            &config.grants,
             config.timeout,
             config.poll,
         )?;
@@ -297,6 +304,7 @@ impl<B: IoBuf> Lane<B> {
             proposed,
             key,
             tls,
+            grants: config.grants.clone(),
             reconnect: Reconnect::new(config.reconnect),
             attempt: None,
             quiet_since: Instant::now(),
@@ -740,6 +748,7 @@ impl<B: IoBuf> Lane<B> {
         let features = self.conn.features;
         let key = self.key.clone();
         let tls = self.tls.clone();
+        let grants = self.grants.clone();
         let timeout = self.conn.timeout.min(CONNECT_TIMEOUT_MAX);
         let poll = self.conn.waiter.mode();
         let spawned = std::thread::Builder::new().name("skiff-reconnect".into()).spawn(move || {
@@ -750,6 +759,7 @@ impl<B: IoBuf> Lane<B> {
                 features,
                 key.as_deref(),
                 tls.as_ref(),
+                &grants,
                 timeout,
                 poll,
             ));
@@ -897,7 +907,7 @@ impl LinkStats {
     }
 }
 
-/// Connect to `endpoint`, negotiate `proposed`, and open `export`.
+/// Connect to `endpoint`, negotiate `proposed`, open `export`, and present `grants` for it.
 #[allow(clippy::too_many_arguments)] // each is one setting of a connection; a struct would only rename them
 fn open_lane(
     endpoint: &Endpoint,
@@ -906,6 +916,7 @@ fn open_lane(
     features: u64,
     key: Option<&proto::auth::Key>,
     tls: Option<&crate::conn::TlsConfig>,
+    grants: &[wire::Capability],
     timeout: Duration,
     poll: PollMode,
 ) -> Result<(Conn, wire::OpenReply)> {
@@ -913,6 +924,14 @@ fn open_lane(
     conn.waiter = rt::poll::Waiter::new(poll);
     let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
     let reply = proto::client::handle_open_reply(&h, &body)?;
+    for batch in grants.chunks(wire::GRANTS_PER_FRAME_MAX) {
+        let grant = wire::Grant { handle: reply.handle, caps: batch.to_vec() };
+        let (h, body) = conn.call(FrameKind::Grant, &grant.encode())?;
+        let answer = proto::client::expect(&h, &body, FrameKind::GrantReply, wire::GrantReply::decode)?;
+        if !answer.status.is_ok() {
+            return Err(Error::Refused(answer.status));
+        }
+    }
     Ok((conn, reply))
 }
 

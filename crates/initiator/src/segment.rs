@@ -43,6 +43,9 @@ pub struct Location {
     pub export: String,
     /// Byte offset of the chunk in the export.
     pub offset: u64,
+    /// The chunk's grant, for a server whose pool needs one (every `skiff serve --pool`):
+    /// presented when the segment connects (docs/PROTOCOL.md, section 14.6).
+    pub grant: Option<wire::Capability>,
 }
 
 /// A segment resolved for the data path.
@@ -143,32 +146,39 @@ impl Segment {
         if (map.stripes.len() as u64) < map.len.div_ceil(map.chunk_bytes) {
             return Err(Error::InvalidArgument("the map has fewer stripes than the segment's length needs"));
         }
-        let config = LaneConfig { reconnect: ReconnectConfig::OFF, ..config.clone() };
+        // The distinct servers (and exports), each with the grants of its chunks.
         let mut index: HashMap<(String, String), usize> = HashMap::new();
-        let mut lanes = Vec::new();
-        let mut names = Vec::new();
-        let mut endpoints = Vec::new();
+        let mut servers: Vec<(&Location, Vec<wire::Capability>)> = Vec::new();
         let mut replicas = Vec::with_capacity(map.stripes.len());
-        let mut last_error = None;
         for stripe in &map.stripes {
             let mut copies = Vec::with_capacity(stripe.len());
             for loc in stripe {
-                let name = (loc.endpoint.to_string(), loc.export.clone());
-                let i = *index.entry(name.clone()).or_insert_with(|| {
-                    let lane = Lane::connect(&loc.endpoint, &loc.export, &config)
-                        .inspect_err(|e| {
-                            tracing::warn!(server = %name.0, export = %name.1, error = %e, "segment: a server is out of service");
-                            last_error = Some(e.to_string());
-                        })
-                        .ok();
-                    lanes.push(lane);
-                    names.push(format!("{}/{}", name.0, name.1));
-                    endpoints.push(name.0.clone());
-                    lanes.len() - 1
+                let i = *index.entry((loc.endpoint.to_string(), loc.export.clone())).or_insert_with(|| {
+                    servers.push((loc, Vec::new()));
+                    servers.len() - 1
                 });
+                servers[i].1.extend(loc.grant);
                 copies.push(i);
             }
             replicas.push(copies);
+        }
+        let mut lanes = Vec::with_capacity(servers.len());
+        let mut names = Vec::with_capacity(servers.len());
+        let mut endpoints = Vec::with_capacity(servers.len());
+        let mut last_error = None;
+        for (loc, grants) in servers {
+            let config =
+                LaneConfig { reconnect: ReconnectConfig::OFF, grants: grants.into(), ..config.clone() };
+            let (endpoint, export) = (loc.endpoint.to_string(), &loc.export);
+            let lane = Lane::connect(&loc.endpoint, export, &config)
+                .inspect_err(|e| {
+                    tracing::warn!(server = %endpoint, %export, error = %e, "segment: a server is out of service");
+                    last_error = Some(e.to_string());
+                })
+                .ok();
+            lanes.push(lane);
+            names.push(format!("{endpoint}/{export}"));
+            endpoints.push(endpoint);
         }
         let servers_failed = lanes.iter().filter(|l| l.is_none()).count() as u64;
         let block = lanes.iter().flatten().map(|l| u64::from(l.export().block_size)).max().unwrap_or(SECTOR);

@@ -50,6 +50,23 @@ pub struct ExportConfig {
     /// A block finer than the backend's (`,block=N`, a power of two): RStore pools serve
     /// byte-granular I/O with `block=1`. `None`: the backend's own (512 bytes).
     pub block_bytes: Option<u32>,
+    /// Serve the export as an RStore pool whose chunks need grants (`skiff serve --pool`
+    /// sets it; there is no `,option` for it: the key must reach the control plane).
+    pub grants: Option<GrantConfig>,
+}
+
+/// A pool export's grant key and chunk size ([`proto::grant`]).
+#[derive(Clone, PartialEq, Eq)]
+pub struct GrantConfig {
+    pub key: [u8; proto::capability::KEY_LEN],
+    pub chunk_bytes: u64,
+}
+
+impl std::fmt::Debug for GrantConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        f.debug_struct("GrantConfig").field("chunk_bytes", &self.chunk_bytes).finish_non_exhaustive()
+    }
 }
 
 /// Why an `--export` argument does not describe an export.
@@ -114,6 +131,7 @@ impl std::str::FromStr for ExportConfig {
             use_direct,
             access,
             block_bytes,
+            grants: None,
         })
     }
 }
@@ -406,6 +424,12 @@ impl Target {
         Some(epoch)
     }
 
+    /// The chunk grants of pool export `name`, to retire chunks and take up generations
+    /// (`skiff serve --pool`); `None` when there is no such pool.
+    pub fn pool_grants(&self, name: &str) -> Option<Arc<proto::grant::PoolGrants>> {
+        self.shared.exports.find(name)?.1.grants.clone()
+    }
+
     /// Drop the cached blocks of export `name` that `len` bytes from `offset` touch: their
     /// capabilities become stale. Returns false when there is no such export.
     pub fn invalidate(&self, name: &str, offset: u64, len: u64) -> bool {
@@ -487,6 +511,17 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
         export.access = ec.access.clone();
         if ec.cache_bytes > 0 && export.backend.read_in_place(0, 0).is_some() {
             tracing::warn!(export = %ec.name, "cache= ignored: a RAM export is its own cache for direct reads");
+        }
+        if let Some(g) = &ec.grants {
+            // A pool: its chunks are reached with grants alone, and it hands out no direct-read
+            // capabilities (they would reach past the chunks granted).
+            let chunks = export.backend.size_bytes() / g.chunk_bytes.max(1);
+            let pool = proto::grant::PoolGrants::new(g.key, g.chunk_bytes, chunks).map_err(|e| {
+                TargetError::Backend { name: ec.name.clone(), source: std::io::Error::other(e).into() }
+            })?;
+            export.grants = Some(Arc::new(pool));
+            exports.push(export);
+            continue;
         }
         // Every export serves direct reads under a secret of its own that never leaves this
         // process; capabilities die with it.

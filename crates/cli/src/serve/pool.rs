@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use coord::{Coordinator, Registration, Scope, ServerInfo};
+use proto::grant::PoolGrants;
 
 /// The export a pool is served as.
 pub const POOL_EXPORT: &str = "pool";
@@ -54,11 +55,13 @@ const ZERO_EVERY: Duration = Duration::from_millis(500);
 
 /// Zero the chunks of this server's pool that namespaces gave back, then tell the coordinator
 /// they are free: through a lane to the server's own pool export, so the bytes of a deleted
-/// namespace never reach the next one.
+/// namespace never reach the next one. Each chunk is retired first (its generation moves on):
+/// its last owner's grants are stale from then on, so nothing they send lands after the
+/// zeroes, and the coordinator records the new generation for the next owner's grants.
 fn zero_dirty(
     coord: &Coordinator,
     info: &ServerInfo,
-    lane: &mut Option<initiator::Lane>,
+    grants: &PoolGrants,
     stop: &AtomicBool,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use initiator::Queue;
@@ -66,19 +69,23 @@ fn zero_dirty(
     if dirty.is_empty() {
         return Ok(());
     }
-    if lane.is_none() {
-        let endpoint = initiator::Endpoint::parse(&info.endpoint)?;
-        *lane = Some(initiator::Lane::connect(&endpoint, &info.export, &initiator::LaneConfig::default())?);
-    }
-    let l = lane.as_mut().expect("connected above");
-    let depth = l.queue_depth().max(1);
-    let piece = u64::from(l.limits().io_bytes_max).clamp(512, 1 << 20);
+    let endpoint = initiator::Endpoint::parse(&info.endpoint)?;
+    let rw = wire::CapRights::READ.union(wire::CapRights::WRITE);
     let mut out = Vec::new();
     // A batch at a time, each handed back as soon as it is zero.
     for batch in dirty.chunks(64) {
         if stop.load(Ordering::Relaxed) {
             break;
         }
+        let generations: Vec<(u64, u32)> =
+            batch.iter().filter_map(|&c| Some((c, grants.retire(c)?))).collect();
+        let config = initiator::LaneConfig {
+            grants: batch.iter().filter_map(|&c| grants.mint(c, rw)).collect(),
+            ..initiator::LaneConfig::default()
+        };
+        let mut l = initiator::Lane::connect(&endpoint, &info.export, &config)?;
+        let depth = l.queue_depth().max(1);
+        let piece = u64::from(l.limits().io_bytes_max).clamp(512, 1 << 20);
         for &chunk in batch {
             let mut at = chunk * info.chunk_bytes;
             let end = at + info.chunk_bytes;
@@ -96,7 +103,7 @@ fn zero_dirty(
             return Err(format!("WRITE_ZEROES failed: {}", c.status).into());
         }
         out.clear();
-        coord.cleaned(&info.id, batch)?;
+        coord.cleaned(&info.id, &generations)?;
         tracing::debug!(chunks = batch.len(), "zeroed chunks given back");
     }
     Ok(())
@@ -115,9 +122,19 @@ pub struct Registered {
 pub fn register(
     urls: &str,
     info: ServerInfo,
+    grants: Arc<PoolGrants>,
     lease: Duration,
 ) -> Result<Registered, Box<dyn std::error::Error>> {
     let coord = Arc::new(Coordinator::connect(&[urls.to_owned()]));
+    // Take up the generations the coordinator recorded before publishing the key: grants
+    // minted from them must be current here (a file pool's chunks outlive a restart).
+    if let Some(pool) =
+        coord.pool(&info.id).map_err(|e| format!("registering with the coordinator {urls}: {e}"))?
+    {
+        for (&chunk, &generation) in &pool.generations {
+            grants.set_generation(chunk, generation);
+        }
+    }
     let first =
         coord.register(&info, lease).map_err(|e| format!("registering with the coordinator {urls}: {e}"))?;
     tracing::info!(id = %info.id, endpoint = %info.endpoint, bytes = info.bytes, chunk = info.chunk_bytes, scope = %info.scope,
@@ -158,12 +175,10 @@ pub fn register(
     let zeroer = {
         let (stop, coord, info) = (stop.clone(), coord.clone(), zero_info);
         std::thread::Builder::new().name("skiff-zero".into()).spawn(move || {
-            let mut lane: Option<initiator::Lane> = None;
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(ZERO_EVERY);
-                if let Err(e) = zero_dirty(&coord, &info, &mut lane, &stop) {
+                if let Err(e) = zero_dirty(&coord, &info, &grants, &stop) {
                     tracing::warn!(error = %e, "cannot zero the chunks given back; trying again");
-                    lane = None;
                 }
             }
         })?

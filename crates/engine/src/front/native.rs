@@ -121,6 +121,10 @@ fn process<S: Sink + ?Sized>(
                 let body = wire::ExportInfo::encode_list(&infos);
                 link.tx.append(&frame(FrameKind::ListReply, &body));
             }
+            Inbound::Grant(grant) => {
+                let reply = bind_grants(session, host, &grant, link.peer);
+                link.tx.append(&frame(FrameKind::GrantReply, &reply.encode()));
+            }
             Inbound::Revoke(revoke) => {
                 let reply = revoke_capabilities(session, host, &revoke, link.peer);
                 link.tx.append(&frame(FrameKind::RevokeReply, &reply.encode()));
@@ -193,6 +197,35 @@ fn revoke_capabilities(
     };
     tracing::info!(peer, export = %export.name, action = ?revoke.action, offset = revoke.offset, length = revoke.length, epoch, "capabilities revoked");
     wire::RevokeReply { status: Status::Ok, epoch }
+}
+
+/// GRANT: judge each chunk grant against the pool of the export the handle names, and bind
+/// them all to the handle, or none: the reply names the first refused.
+fn bind_grants(
+    session: &mut ServerSession,
+    host: &impl Host,
+    grant: &wire::Grant,
+    peer: &str,
+) -> wire::GrantReply {
+    let refuse = |status, refused| wire::GrantReply { status, refused };
+    let Some(export) = session.resolve(grant.handle).and_then(|i| host.exports().get(i)) else {
+        return refuse(Status::BadHandle, 0);
+    };
+    let Some(pool) = &export.grants else { return refuse(Status::Unsupported, 0) };
+    let mut admitted = Vec::with_capacity(grant.caps.len());
+    for (i, cap) in grant.caps.iter().enumerate() {
+        match pool.admit(cap) {
+            Ok(bound) => admitted.push(bound),
+            Err(fault) => {
+                tracing::warn!(peer, export = %export.name, chunk = cap.slot, ?fault, "chunk grant refused");
+                return refuse(fault.status(), i as u32);
+            }
+        }
+    }
+    for bound in admitted {
+        session.bind(grant.handle, bound);
+    }
+    wire::GrantReply { status: Status::Ok, refused: 0 }
 }
 
 /// Queue a GOAWAY and stop reading: the framing can no longer be trusted.
@@ -348,7 +381,13 @@ fn execute_caravan<S: Sink + ?Sized>(
                     Ok(e)
                 }
             })
-            .and_then(|e| crate::validate(e, &io, limits.io_bytes_max).map(|()| e));
+            .and_then(|e| crate::validate(e, &io, limits.io_bytes_max).map(|()| e))
+            .and_then(|e| {
+                // A pool's chunks need the connection to hold a grant for them.
+                let Some(pool) = &e.grants else { return Ok(e) };
+                let bound = pool.chunk_of(io.offset, io.length).and_then(|c| session.bound(req.handle, c));
+                pool.check(req.opcode, bound).map(|()| e)
+            });
         let (status, data_len) = match checked {
             Err(status) => (status, 0),
             Ok(export) if req.opcode == Opcode::Read => {
@@ -450,6 +489,9 @@ fn direct_read<S: Sink + ?Sized>(
                 Err(fault) => fault.status(),
             }
         }
+        // Sealed under a pool's grant key, never under a direct-read secret: the check above
+        // has refused it already.
+        wire::CapKind::Chunk => Status::BadCapability,
     }
 }
 

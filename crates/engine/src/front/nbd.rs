@@ -51,7 +51,8 @@ pub fn handshake_config(
             d.block_preferred = 4096.max(e.block_size());
             d.block_max = io_bytes_max;
             d.read_only = !writable;
-            d.hidden = granted.is_err();
+            // A pool's chunks need grants, which NBD cannot present.
+            d.hidden = granted.is_err() || e.grants.is_some();
             d.can_flush = caps.flush;
             d.can_fua = writable && caps.fua;
             d.can_trim = writable && caps.trim;
