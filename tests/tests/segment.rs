@@ -379,6 +379,7 @@ fn chunks_are_reached_with_grants_and_a_retired_chunk_refuses_its_last_owner() {
     let mut bare = Lane::connect(&pool, "pool", &LaneConfig::default()).unwrap();
     assert_eq!(read_status(&mut bare, 0, 4096), Status::BadCapability);
     assert_eq!(read_status(&mut bare, 5 * MIB, 1), Status::BadCapability);
+    assert!(bare.flush().is_err(), "nor may it make the server sync the pool");
     // A forged grant is refused when presented.
     let forged = proto::grant::seal(&proto::capability::CapKey::new([1; 32]), 0, MIB, 0, rw);
     let with = |grants: Vec<wire::Capability>| LaneConfig { grants: grants.into(), ..LaneConfig::default() };
@@ -391,6 +392,7 @@ fn chunks_are_reached_with_grants_and_a_retired_chunk_refuses_its_last_owner() {
     assert_eq!(read_status(&mut two, 2 * MIB + 7, 100), Status::Ok);
     assert_eq!(read_status(&mut two, MIB, 512), Status::BadCapability);
     assert_eq!(read_status(&mut two, 3 * MIB - 1, 2), Status::BadCapability);
+    two.flush().expect("a connection holding a grant may flush");
     let ro = proto::grant::seal(&sealer, 4, MIB, 0, CapRights::READ);
     let mut reader = Lane::connect(&pool, "pool", &with(vec![ro])).unwrap();
     assert_eq!(read_status(&mut reader, 4 * MIB, 512), Status::Ok);
@@ -407,20 +409,16 @@ fn chunks_are_reached_with_grants_and_a_retired_chunk_refuses_its_last_owner() {
     let mut old = c.map("first", 0, &LaneConfig::default()).unwrap();
     old.write(0, &vec![0xAA; 2 * MIB as usize]).unwrap();
     c.delete_ns("first").unwrap();
-    let grants = t.pool_grants("pool").expect("a pool");
-    let retired: Vec<(u64, u32)> = c
-        .dirty(&pool.to_string())
-        .unwrap()
-        .into_iter()
-        .map(|chunk| (chunk, grants.retire(chunk).unwrap()))
-        .collect();
+    let served = t.pool("pool").expect("a pool");
+    let retired = served.retire(&c.dirty(&pool.to_string()).unwrap());
     assert_eq!(retired.len(), 2);
     let err = old.write(0, &[0xEE; 512]).expect_err("the last owner's grant is stale");
     assert!(matches!(err, initiator::Error::Status(Status::StaleCapability)), "{err}");
     assert_eq!(old.stats().servers_failed, 0, "a refusal takes no server out");
     // (The server zeroes here, through grants of its own; then hands the chunks back.)
     for &(chunk, _) in &retired {
-        let mut own = Lane::connect(&pool, "pool", &with(vec![grants.mint(chunk, rw).unwrap()])).unwrap();
+        let mut own =
+            Lane::connect(&pool, "pool", &with(vec![served.grants().mint(chunk, rw).unwrap()])).unwrap();
         own.submit_write_zeroes(chunk * MIB, MIB as u32, initiator::ReqFlags::empty(), 0).unwrap();
         let mut out = Vec::new();
         own.wait(1, &mut out).unwrap();

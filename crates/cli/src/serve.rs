@@ -166,10 +166,19 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
             )
             .into());
         }
-        if args.chunk == 0 || !args.chunk.is_power_of_two() || p.bytes < args.chunk {
+        if args.chunk == 0 || !args.chunk.is_power_of_two() || p.bytes < args.chunk || args.chunk > 1 << 31 {
             return Err(format!(
-                "--chunk {}: a power of two no larger than the pool ({} bytes)",
+                "--chunk {}: a power of two no larger than the pool ({} bytes) nor 2 GiB",
                 args.chunk, p.bytes
+            )
+            .into());
+        }
+        if p.bytes / args.chunk > coord::POOL_CHUNKS_MAX {
+            return Err(format!(
+                "--chunk {}: the pool would hold {} chunks, more than {}; use larger chunks",
+                args.chunk,
+                p.bytes / args.chunk,
+                coord::POOL_CHUNKS_MAX
             )
             .into());
         }
@@ -262,8 +271,8 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                 incarnation: pool::incarnation(p.scope)?,
                 grant_key: coord::encode_key(&grant_key),
             };
-            let grants = target.pool_grants(pool::POOL_EXPORT).ok_or("the pool export takes no grants")?;
-            match pool::register(urls, info, grants, args.lease) {
+            let served = target.pool(pool::POOL_EXPORT).ok_or("the pool export takes no grants")?;
+            match pool::register(urls, info, served, args.lease) {
                 Ok(r) => Some(r),
                 Err(e) => {
                     target.shutdown();

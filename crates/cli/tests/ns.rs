@@ -210,6 +210,10 @@ fn serve_refuses_bad_pool_settings() {
         (vec!["--pool", "null:1M", "--listen", "127.0.0.1:0"], "must hold data"),
         (vec!["--pool", "ram:4M", "--chunk", "3M", "--listen", "127.0.0.1:0"], "--chunk 3145728"),
         (
+            vec!["--pool", "ram:64M", "--chunk", "2K", "--listen", "127.0.0.1:0"],
+            "32768 chunks, more than 16384",
+        ),
+        (
             vec!["--pool", "ram:4M", "--export", "pool=ram:1M", "--listen", "127.0.0.1:0"],
             "no --export may take that name",
         ),

@@ -40,6 +40,11 @@ const TXN_RETRIES: usize = 64;
 /// and etcd takes requests of 1.5 MiB at most.
 pub const NAMESPACE_CHUNKS_MAX: usize = 16_384;
 
+/// Most chunks one server's pool may hold. Its record lists its free chunks and the
+/// generations of those zeroed (about 16 bytes a chunk at most), and transactions carry whole
+/// records: this keeps one under 300 KB, well inside etcd's 1.5 MiB request limit.
+pub const POOL_CHUNKS_MAX: u64 = 16_384;
+
 /// Why a control-plane call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CoordError {
@@ -405,6 +410,14 @@ impl Coordinator {
             return Err(CoordError::Invalid(format!(
                 "a pool of {} bytes holds no chunk of {} bytes",
                 server.bytes, server.chunk_bytes
+            )));
+        }
+        if server.chunks() > POOL_CHUNKS_MAX {
+            return Err(CoordError::Invalid(format!(
+                "a pool of {} bytes in chunks of {} bytes holds {} chunks, more than {POOL_CHUNKS_MAX}: use larger chunks",
+                server.bytes,
+                server.chunk_bytes,
+                server.chunks()
             )));
         }
         let pool = key(POOLS, &server.id);

@@ -82,22 +82,26 @@ impl PoolGrants {
 
     /// The chunk's generation now; `None` past the pool.
     pub fn generation(&self, chunk: u64) -> Option<u32> {
-        self.generations.get(usize::try_from(chunk).ok()?).map(|g| g.load(Ordering::Acquire))
+        // SeqCst, as `retire`: the server orders retirement against the passes of its workers
+        // (a worker marks its pass, then loads generations; retirement moves a generation,
+        // then looks at the passes), which needs one total order of the four.
+        self.generations.get(usize::try_from(chunk).ok()?).map(|g| g.load(Ordering::SeqCst))
     }
 
     /// Set the chunk's generation (a restarted server takes up the generations the control
     /// plane recorded). Ignored past the pool.
     pub fn set_generation(&self, chunk: u64, generation: u32) {
         if let Some(g) = usize::try_from(chunk).ok().and_then(|i| self.generations.get(i)) {
-            g.store(generation, Ordering::Release);
+            g.store(generation, Ordering::SeqCst);
         }
     }
 
     /// Move the chunk's generation on, making every grant of it stale; returns the new one.
-    /// `None` past the pool.
+    /// `None` past the pool. Requests already past their check may still be running: the
+    /// driver waits for them (`server::Pool::retire`).
     pub fn retire(&self, chunk: u64) -> Option<u32> {
         let g = self.generations.get(usize::try_from(chunk).ok()?)?;
-        Some(g.fetch_add(1, Ordering::AcqRel).wrapping_add(1))
+        Some(g.fetch_add(1, Ordering::SeqCst).wrapping_add(1))
     }
 
     /// A grant of `chunk` at its current generation, sealed here: for the server's own
@@ -138,12 +142,13 @@ impl PoolGrants {
     /// Whether a request may run on the grant `bound` (what the connection holds for the
     /// request's chunk, if anything): `BadCapability` without a grant, or with one that lacks
     /// the right; `StaleCapability` when the chunk was retired since. `FLUSH` touches no
-    /// chunk and needs none.
+    /// chunk: any grant the handle holds will do (a connection that holds none may not make
+    /// the server sync its pool).
     pub fn check(&self, opcode: Opcode, bound: Option<&Bound>) -> Result<(), Status> {
+        let Some(b) = bound else { return Err(Status::BadCapability) };
         if opcode == Opcode::Flush {
             return Ok(());
         }
-        let Some(b) = bound else { return Err(Status::BadCapability) };
         let needs = if opcode.is_mutating() { CapRights::WRITE } else { CapRights::READ };
         if !b.rights.contains(needs) {
             return Err(Status::BadCapability);
@@ -177,7 +182,8 @@ mod tests {
         assert_eq!(p.chunk_of((4 << 20) - 1, 2), None, "straddles two chunks");
         assert_eq!(p.check(Opcode::Write, Some(&bound)), Ok(()));
         assert_eq!(p.check(Opcode::Read, None), Err(Status::BadCapability));
-        assert_eq!(p.check(Opcode::Flush, None), Ok(()));
+        assert_eq!(p.check(Opcode::Flush, None), Err(Status::BadCapability), "a flush needs some grant");
+        assert_eq!(p.check(Opcode::Flush, Some(&bound)), Ok(()));
         let read_only = p.admit(&seal(&key, 3, 1 << 20, 0, CapRights::READ)).unwrap();
         assert_eq!(p.check(Opcode::Read, Some(&read_only)), Ok(()));
         assert_eq!(p.check(Opcode::WriteZeroes, Some(&read_only)), Err(Status::BadCapability));

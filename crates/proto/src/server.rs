@@ -276,6 +276,11 @@ impl ServerSession {
         self.grants.get(handle as usize)?.get(&chunk)
     }
 
+    /// Some grant `handle` holds, if it holds any.
+    pub fn any_bound(&self, handle: u32) -> Option<&Bound> {
+        self.grants.get(handle as usize)?.values().next()
+    }
+
     /// Whether `handle` was granted read-only (true for a handle never opened).
     pub fn is_read_only(&self, handle: u32) -> bool {
         self.handles.get(handle as usize).is_none_or(|&(_, ro)| ro)

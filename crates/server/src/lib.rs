@@ -231,6 +231,45 @@ pub enum TargetError {
     Metrics { addr: String, source: io::Error },
 }
 
+/// A pool export's chunk grants, with the target's workers behind them: how `skiff serve
+/// --pool` retires the chunks given back before it zeroes them.
+#[derive(Clone)]
+pub struct Pool {
+    grants: Arc<proto::grant::PoolGrants>,
+    shared: Arc<Shared>,
+}
+
+impl Pool {
+    pub fn grants(&self) -> &proto::grant::PoolGrants {
+        &self.grants
+    }
+
+    /// Retire `chunks`: move each one's generation on, so that no grant sealed before is
+    /// honoured from now, then wait until every worker has finished the pass it was in. A
+    /// request checked against an old grant just before ran in such a pass, so on return no
+    /// write of the last owner can still land in these chunks, and none of their bytes is
+    /// still being sent to it. Returns each chunk's new generation (chunks past the pool are
+    /// left out).
+    pub fn retire(&self, chunks: &[u64]) -> Vec<(u64, u32)> {
+        let retired = chunks.iter().filter_map(|&c| Some((c, self.grants.retire(c)?))).collect();
+        // After the generations moved (SeqCst): a pass that had not begun yet will see them.
+        let running: Vec<(&WorkerStats, u64)> = self
+            .shared
+            .workers
+            .iter()
+            .map(|w| (w.as_ref(), w.pass.load(Ordering::SeqCst)))
+            .filter(|(_, pass)| pass % 2 == 1)
+            .collect();
+        for (worker, pass) in running {
+            while worker.pass.load(Ordering::SeqCst) == pass && !self.shared.shutdown.load(Ordering::Acquire)
+            {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+        retired
+    }
+}
+
 /// State every thread of one target can see.
 pub(crate) struct Shared {
     pub config: TargetConfig,
@@ -254,6 +293,8 @@ pub(crate) struct Shared {
     pub started: std::time::Instant,
     /// The keys of [`TargetConfig::keys`], shared with every connection's handshake.
     pub keys: Arc<Vec<proto::auth::Key>>,
+    /// Some export is a pool: workers fence their passes ([`WorkerStats::pass`]).
+    pub serves_pool: bool,
 }
 
 impl engine::front::Host for Shared {
@@ -333,7 +374,9 @@ impl Target {
             Some(Arc::new(c.with_tls(policy)))
         };
         let export_count = exports.len();
+        let serves_pool = exports.iter().any(|e| e.grants.is_some());
         let shared = Arc::new(Shared {
+            serves_pool,
             exports,
             nbd,
             workers: (0..workers).map(|_| Arc::new(WorkerStats::new(export_count))).collect(),
@@ -424,10 +467,11 @@ impl Target {
         Some(epoch)
     }
 
-    /// The chunk grants of pool export `name`, to retire chunks and take up generations
-    /// (`skiff serve --pool`); `None` when there is no such pool.
-    pub fn pool_grants(&self, name: &str) -> Option<Arc<proto::grant::PoolGrants>> {
-        self.shared.exports.find(name)?.1.grants.clone()
+    /// Pool export `name`, to retire its chunks and take up generations (`skiff serve
+    /// --pool`); `None` when there is no such pool.
+    pub fn pool(&self, name: &str) -> Option<Pool> {
+        let grants = self.shared.exports.find(name)?.1.grants.clone()?;
+        Some(Pool { grants, shared: self.shared.clone() })
     }
 
     /// Drop the cached blocks of export `name` that `len` bytes from `offset` touch: their
@@ -491,8 +535,12 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
         }
         let read_only = config.read_only || ec.read_only;
         let backend_error = |source| TargetError::Backend { name: ec.name.clone(), source };
+        // A file served at a finer block goes through the page cache alone: a sub-page write
+        // (buffered) and an O_DIRECT write to the same page can leave a stale cached page
+        // whose writeback undoes the bytes written beside it.
+        let use_direct = ec.use_direct && ec.block_bytes.is_none();
         let mut export =
-            Export::open_with(&ec.name, &ec.spec, read_only, ec.use_direct).map_err(backend_error)?;
+            Export::open_with(&ec.name, &ec.spec, read_only, use_direct).map_err(backend_error)?;
         if let Some(block_bytes) = ec.block_bytes {
             export = export.with_block_bytes(block_bytes).map_err(backend_error)?;
         }
@@ -563,5 +611,46 @@ mod tests {
         let err = "vol=tape:9".parse::<ExportConfig>().unwrap_err();
         assert!(matches!(err, ExportConfigError::Spec { .. }));
         assert!(err.to_string().starts_with("export \"vol\": "), "{err}");
+    }
+
+    /// Retiring a pool's chunks moves their generations at once, and returns only after every
+    /// worker pass that was running has ended: a request checked against an old grant in such
+    /// a pass may still be writing. Here a pass is held open by hand (the target has no
+    /// connections, so its worker is otherwise idle); retirement must not return before it ends.
+    #[test]
+    fn retiring_chunks_waits_for_the_passes_running_when_it_began() {
+        let mut pool: ExportConfig = "pool=ram:4M,block=1".parse().unwrap();
+        pool.grants = Some(GrantConfig { key: [3; 32], chunk_bytes: 1 << 20 });
+        let config = TargetConfig {
+            listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
+            exports: vec![pool],
+            workers: 1,
+            ..TargetConfig::default()
+        };
+        let target = Target::start(config).unwrap();
+        let served = target.pool("pool").expect("a pool");
+        let worker = target.shared.workers[0].clone();
+        assert_eq!(worker.pass.load(Ordering::SeqCst) % 2, 0, "idle between passes");
+        worker.pass.fetch_add(1, Ordering::SeqCst);
+        let ended = Arc::new(AtomicBool::new(false));
+        let retiring = {
+            let (served, ended) = (served.clone(), ended.clone());
+            std::thread::spawn(move || {
+                let retired = served.retire(&[1, 3, 9]);
+                (retired, ended.load(Ordering::SeqCst))
+            })
+        };
+        while served.grants().generation(3) != Some(1) {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        ended.store(true, Ordering::SeqCst);
+        worker.pass.fetch_add(1, Ordering::SeqCst);
+        let (retired, after_the_pass) = retiring.join().unwrap();
+        assert!(after_the_pass, "retirement returned while a pass that began before it ran");
+        assert_eq!(retired, [(1, 1), (3, 1)], "chunk 9 is past the 4-chunk pool");
+        // With no pass running it returns at once.
+        assert_eq!(served.retire(&[1]), [(1, 2)]);
+        target.shutdown();
     }
 }

@@ -41,6 +41,10 @@ pub struct WorkerStats {
     /// from the receive thread.
     pub stage_handoffs: AtomicU64,
     pub tid: AtomicI32,
+    /// Odd while the worker is in a pass that may execute requests and send what they read,
+    /// even between passes: a pool's retirement waits for every pass that was running when
+    /// it began ([`crate::Pool::retire`]). Kept only on targets that serve a pool.
+    pub pass: AtomicU64,
     /// The thread id of the worker's stage thread, when the target is staged
     /// ([`crate::Stages`]): its CPU time counts with the worker's.
     pub stage_tid: AtomicI32,

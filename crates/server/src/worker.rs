@@ -140,6 +140,11 @@ impl Worker {
                 continue;
             }
             bump(&self.stats.loop_passes, 1);
+            // A pass that may serve a pool's chunks is fenced for its retirement.
+            let fenced = self.shared.serves_pool;
+            if fenced {
+                self.stats.pass.fetch_add(1, Ordering::SeqCst);
+            }
             self.readable.append(&mut self.carry);
             for ev in events.iter() {
                 match ev.token() {
@@ -168,6 +173,9 @@ impl Worker {
             }
             self.read_pass();
             self.flush_pass();
+            if fenced {
+                self.stats.pass.fetch_add(1, Ordering::SeqCst);
+            }
         }
         self.say_goodbye();
         tracing::debug!(worker = self.id, "worker stopped");

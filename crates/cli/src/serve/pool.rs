@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use coord::{Coordinator, Registration, Scope, ServerInfo};
-use proto::grant::PoolGrants;
 
 /// The export a pool is served as.
 pub const POOL_EXPORT: &str = "pool";
@@ -55,13 +54,14 @@ const ZERO_EVERY: Duration = Duration::from_millis(500);
 
 /// Zero the chunks of this server's pool that namespaces gave back, then tell the coordinator
 /// they are free: through a lane to the server's own pool export, so the bytes of a deleted
-/// namespace never reach the next one. Each chunk is retired first (its generation moves on):
-/// its last owner's grants are stale from then on, so nothing they send lands after the
-/// zeroes, and the coordinator records the new generation for the next owner's grants.
+/// namespace never reach the next one. Each chunk is retired first ([`server::Pool::retire`]:
+/// its generation moves on, and requests its last owner sent before are done): nothing they
+/// send lands after the zeroes, and the coordinator records the new generation for the next
+/// owner's grants.
 fn zero_dirty(
     coord: &Coordinator,
     info: &ServerInfo,
-    grants: &PoolGrants,
+    pool: &server::Pool,
     stop: &AtomicBool,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use initiator::Queue;
@@ -77,10 +77,9 @@ fn zero_dirty(
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        let generations: Vec<(u64, u32)> =
-            batch.iter().filter_map(|&c| Some((c, grants.retire(c)?))).collect();
+        let generations = pool.retire(batch);
         let config = initiator::LaneConfig {
-            grants: batch.iter().filter_map(|&c| grants.mint(c, rw)).collect(),
+            grants: batch.iter().filter_map(|&c| pool.grants().mint(c, rw)).collect(),
             ..initiator::LaneConfig::default()
         };
         let mut l = initiator::Lane::connect(&endpoint, &info.export, &config)?;
@@ -122,17 +121,17 @@ pub struct Registered {
 pub fn register(
     urls: &str,
     info: ServerInfo,
-    grants: Arc<PoolGrants>,
+    pool: server::Pool,
     lease: Duration,
 ) -> Result<Registered, Box<dyn std::error::Error>> {
     let coord = Arc::new(Coordinator::connect(&[urls.to_owned()]));
     // Take up the generations the coordinator recorded before publishing the key: grants
     // minted from them must be current here (a file pool's chunks outlive a restart).
-    if let Some(pool) =
+    if let Some(record) =
         coord.pool(&info.id).map_err(|e| format!("registering with the coordinator {urls}: {e}"))?
     {
-        for (&chunk, &generation) in &pool.generations {
-            grants.set_generation(chunk, generation);
+        for (&chunk, &generation) in &record.generations {
+            pool.grants().set_generation(chunk, generation);
         }
     }
     let first =
@@ -177,7 +176,7 @@ pub fn register(
         std::thread::Builder::new().name("skiff-zero".into()).spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(ZERO_EVERY);
-                if let Err(e) = zero_dirty(&coord, &info, &grants, &stop) {
+                if let Err(e) = zero_dirty(&coord, &info, &pool, &stop) {
                     tracing::warn!(error = %e, "cannot zero the chunks given back; trying again");
                 }
             }

@@ -217,7 +217,8 @@ fn bind_grants(
         match pool.admit(cap) {
             Ok(bound) => admitted.push(bound),
             Err(fault) => {
-                tracing::warn!(peer, export = %export.name, chunk = cap.slot, ?fault, "chunk grant refused");
+                // Debug, not warn: a peer may send refused grants as fast as it likes.
+                tracing::debug!(peer, export = %export.name, chunk = cap.slot, ?fault, "chunk grant refused");
                 return refuse(fault.status(), i as u32);
             }
         }
@@ -385,7 +386,11 @@ fn execute_caravan<S: Sink + ?Sized>(
             .and_then(|e| {
                 // A pool's chunks need the connection to hold a grant for them.
                 let Some(pool) = &e.grants else { return Ok(e) };
-                let bound = pool.chunk_of(io.offset, io.length).and_then(|c| session.bound(req.handle, c));
+                let bound = if req.opcode == Opcode::Flush {
+                    session.any_bound(req.handle)
+                } else {
+                    pool.chunk_of(io.offset, io.length).and_then(|c| session.bound(req.handle, c))
+                };
                 pool.check(req.opcode, bound).map(|()| e)
             });
         let (status, data_len) = match checked {
