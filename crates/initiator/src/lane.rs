@@ -860,6 +860,11 @@ pub struct LinkStats {
     pub duplicates: u64,
     pub out_of_order: u64,
     pub corrupt: u64,
+    /// Datagrams of the target flagged DUPLICATE: this side's retransmissions that reordering,
+    /// not loss, had called for.
+    pub dsacks_received: u64,
+    /// The reordering window when the counters were taken, in µs (the largest of the lanes').
+    pub reorder_window_us: u64,
     /// Each interface's share, round trip and outages (one entry unless bundled).
     pub paths: Vec<transport::eth::PathStats>,
 }
@@ -874,6 +879,8 @@ impl From<&proto::reliable::Counters> for LinkStats {
             duplicates: c.duplicates,
             out_of_order: c.out_of_order,
             corrupt: c.corrupt,
+            dsacks_received: c.dsacks_received,
+            reorder_window_us: c.reorder_window_us,
             paths: Vec::new(),
         }
     }
@@ -888,6 +895,8 @@ impl LinkStats {
         self.duplicates += o.duplicates;
         self.out_of_order += o.out_of_order;
         self.corrupt += o.corrupt;
+        self.dsacks_received += o.dsacks_received;
+        self.reorder_window_us = self.reorder_window_us.max(o.reorder_window_us);
         // Lanes over one bundle: the same interfaces in the same order.
         for (i, p) in o.paths.iter().enumerate() {
             match self.paths.get_mut(i) {

@@ -43,6 +43,12 @@
 //!   fewer than `reorder_threshold + 1` datagrams in flight the threshold falls to one less than
 //!   what is in flight (at least 1: early retransmit, RFC 5827), so that a loss among a few
 //!   datagrams is repaired on the first evidence instead of the timeout.
+//! - **Reordering window.** A missing datagram overtaken only by datagrams sent less than the
+//!   reordering window after it is not taken as lost yet (RACK, RFC 8985). The window starts at
+//!   `reorder_window_us` (0, off, on a single link) and **adapts**: a receiver that gets a
+//!   duplicate flags its next datagram DUPLICATE (DSACK, RFC 2883), and a sender told so widens
+//!   the window by one step of `max(reorder_window_us, SRTT/4)`, at most once a round trip, up
+//!   to SRTT; every 64 gap losses with no DSACK it narrows by a step again.
 //! - **Dead peer.** Each expiry without acknowledgement progress since the last one counts a
 //!   backoff; at `backoffs_max + 1` in a row the stream is [`State::Dead`]. Since the timer
 //!   never waits longer than `rto_max_us`, that happens within
@@ -80,6 +86,12 @@ use wire::datagram::{flags, DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
 /// Bits in the selective-ack bitmap.
 const SACK_BITS: u32 = 32;
+
+/// Most steps DSACKs widen the reordering window by (it never passes SRTT anyway).
+const REORDER_STEPS_MAX: u32 = 16;
+
+/// Gap losses with no DSACK after which the reordering window narrows a step again.
+const REORDER_NARROW_AFTER: u32 = 64;
 
 /// Every bound and timer of a [`DatagramStream`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,6 +199,11 @@ pub enum DeadReason {
 pub struct Counters {
     /// Every datagram emitted, of any kind.
     pub datagrams_sent: u64,
+    /// Datagrams from the peer flagged DUPLICATE: it received again something it had (a
+    /// retransmission that reordering, not loss, had called for).
+    pub dsacks_received: u64,
+    /// The reordering window now, in µs (0: off).
+    pub reorder_window_us: u64,
     /// Data and Close datagrams sent for the first time.
     pub data_sent: u64,
     pub retransmitted_timeout: u64,
@@ -296,6 +313,11 @@ pub struct DatagramStream {
     rttvar_us: u64,
     probe_pending: bool,
     reset_pending: bool,
+    /// Steps the reordering window has widened by (DSACKs), when it last widened, and gap
+    /// losses since the last DSACK.
+    reorder_steps: u32,
+    reorder_widened_at_us: u64,
+    gap_losses_quiet: u32,
 
     // Receiving: [rcv_read, rcv_nxt) in order and not yet read; beyond it, out of order.
     rx_bytes: Vec<u8>,
@@ -311,6 +333,8 @@ pub struct DatagramStream {
     acks_owed: u32,
     ack_due_us: Option<u64>,
     ack_now: bool,
+    /// A duplicate arrived since our last datagram: flag the next one DUPLICATE.
+    duplicate_seen: bool,
 }
 
 impl DatagramStream {
@@ -352,6 +376,9 @@ impl DatagramStream {
             srtt_us: None,
             rttvar_us: 0,
             probe_pending: false,
+            reorder_steps: 0,
+            reorder_widened_at_us: 0,
+            gap_losses_quiet: 0,
             reset_pending: false,
             rx_bytes: vec![0; rx * payload_max],
             rx_slots: vec![RxSlot::default(); rx],
@@ -364,6 +391,7 @@ impl DatagramStream {
             acks_owed: 0,
             ack_due_us: None,
             ack_now: false,
+            duplicate_seen: false,
             config,
         }
     }
@@ -386,6 +414,7 @@ impl DatagramStream {
             srtt_us: self.srtt_us.unwrap_or(0),
             rttvar_us: self.rttvar_us,
             rto_us: self.rto_us,
+            reorder_window_us: self.reorder_window(),
             ..self.counters
         }
     }
@@ -618,6 +647,9 @@ impl DatagramStream {
         if h.flags & flags::ACK_NOW != 0 {
             self.ack_now = true;
         }
+        if h.flags & flags::DUPLICATE != 0 {
+            self.widen_reorder_window(now_us);
+        }
         if h.kind.is_sequenced() {
             self.receive(now_us, h.seq, h.kind == DatagramKind::Close, payload);
         }
@@ -702,10 +734,7 @@ impl DatagramStream {
     fn detect_gaps(&mut self) {
         let in_flight = u64::from(self.in_flight());
         let threshold = u64::from(self.config.reorder_threshold).min(in_flight.saturating_sub(1)).max(1);
-        let window = match self.config.reorder_window_us {
-            0 => 0,
-            w => w.max(self.srtt_us.unwrap_or(0) / 4),
-        };
+        let window = self.reorder_window();
         let mut seq = self.snd_una;
         while seq != self.snd_nxt {
             let (delivered, delivered_at) = (self.delivered_stamp, self.delivered_sent_at_us);
@@ -717,8 +746,42 @@ impl DatagramStream {
             {
                 slot.loss = Loss::Gap;
                 self.lost += 1;
+                self.gap_losses_quiet += 1;
             }
             seq = seq.wrapping_add(1);
+        }
+        if self.gap_losses_quiet >= REORDER_NARROW_AFTER {
+            self.gap_losses_quiet = 0;
+            self.reorder_steps = self.reorder_steps.saturating_sub(1);
+        }
+    }
+
+    /// How long after a missing datagram a delivered one must have left to show it lost:
+    /// `reorder_window_us` (0: off) until DSACKs widen it, by steps of
+    /// `max(reorder_window_us, SRTT / 4)`, never past SRTT.
+    fn reorder_window(&self) -> u64 {
+        let configured = self.config.reorder_window_us;
+        if configured == 0 && self.reorder_steps == 0 {
+            return 0;
+        }
+        let srtt = self.srtt_us.unwrap_or(0);
+        let step = configured.max(srtt / 4);
+        if self.reorder_steps == 0 {
+            return step;
+        }
+        (step * (1 + u64::from(self.reorder_steps))).min(srtt.max(step))
+    }
+
+    /// The peer received a duplicate: something was sent again that had arrived, because
+    /// reordering looked like loss. Widen the window a step, at most once a round trip (one
+    /// spurious burst brings many DSACKs).
+    fn widen_reorder_window(&mut self, now_us: u64) {
+        self.counters.dsacks_received += 1;
+        self.gap_losses_quiet = 0;
+        let round = self.srtt_us.unwrap_or(self.rto_us);
+        if self.reorder_steps == 0 || now_us >= self.reorder_widened_at_us + round {
+            self.reorder_steps = (self.reorder_steps + 1).min(REORDER_STEPS_MAX);
+            self.reorder_widened_at_us = now_us;
         }
     }
 
@@ -752,6 +815,7 @@ impl DatagramStream {
         let right = self.rcv_read.wrapping_add(self.config.recv_slots);
         if seq_lt(seq, self.rcv_nxt) {
             self.counters.duplicates += 1;
+            self.duplicate_seen = true;
             self.ack_now = true;
             return;
         }
@@ -763,6 +827,7 @@ impl DatagramStream {
         let idx = (seq & self.rx_mask) as usize;
         if self.rx_slots[idx].filled {
             self.counters.duplicates += 1;
+            self.duplicate_seen = true;
             self.ack_now = true;
             return;
         }
@@ -961,6 +1026,7 @@ impl DatagramStream {
     /// Write a header with our acknowledgement state; the payload is in place already.
     fn emit(&mut self, kind: DatagramKind, flags: u8, seq: u32, payload_len: u16, out: &mut [u8]) -> usize {
         let right = self.rcv_read.wrapping_add(self.config.recv_slots);
+        let flags = if std::mem::take(&mut self.duplicate_seen) { flags | flags::DUPLICATE } else { flags };
         let header = DatagramHeader {
             kind,
             flags,

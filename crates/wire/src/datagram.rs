@@ -113,8 +113,12 @@ pub mod flags {
     /// The receiver should acknowledge at once instead of delaying its ack: set on
     /// retransmissions after a timeout and on window probes, whose answer the sender waits for.
     pub const ACK_NOW: u8 = 0x01;
+    /// The sender of this datagram received a duplicate of a sequenced datagram since the last
+    /// datagram it sent (DSACK, RFC 2883): the peer sent something again that had arrived, so
+    /// the peer took reordering for loss and widens its reordering window.
+    pub const DUPLICATE: u8 = 0x02;
     /// Every flag bit this version defines.
-    pub const ALL: u8 = ACK_NOW;
+    pub const ALL: u8 = ACK_NOW | DUPLICATE;
 }
 
 /// Why bytes are not a valid datagram. The receiver drops such a datagram and counts it; one

@@ -418,13 +418,15 @@ pub fn print_table(s: &Summary) {
                 .as_ref()
                 .map(|l| {
                     let mut line = format!(
-                        "{} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped",
+                        "{} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped; {} DSACKs, reordering window {} µs",
                         grouped(l.datagrams_sent),
                         grouped(l.datagrams_received),
                         grouped(l.retransmitted_timeout),
                         grouped(l.retransmitted_gap),
                         grouped(l.duplicates),
-                        grouped(l.corrupt)
+                        grouped(l.corrupt),
+                        grouped(l.dsacks_received),
+                        l.reorder_window_us
                     );
                     if l.paths.len() > 1 {
                         for p in &l.paths {

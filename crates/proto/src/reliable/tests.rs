@@ -539,3 +539,47 @@ fn a_reordering_window_keeps_datagrams_overtaken_by_their_burst_from_being_resen
     assert_eq!(b.duplicates, 0, "{b:?}");
     assert!(b.out_of_order >= 3, "{b:?}");
 }
+
+#[test]
+fn duplicates_reported_back_widen_the_reordering_window_until_reordering_costs_nothing() {
+    // Every 10th data datagram is held back 150 µs on a 200 µs path: reordering that looks
+    // like loss to a sender with no reordering window (a single link's default). Those of the
+    // first round trip are sent again for nothing; the receiver flags its next datagram
+    // DUPLICATE, the sender widens its window, and from then on reordering is left alone.
+    let delayed = std::rc::Rc::new(std::cell::Cell::new(0u64));
+    let seen = std::rc::Rc::new(std::cell::RefCell::new(std::collections::HashSet::new()));
+    let (d, s) = (delayed.clone(), seen.clone());
+    let mut pair = Pair::new(config(), [0, 0], 200).with_fate(move |side, h, _| {
+        if side == 0 && h.kind == DatagramKind::Data && h.seq % 10 == 5 && s.borrow_mut().insert(h.seq) {
+            d.set(d.get() + 1);
+            return Fate::Delay(150);
+        }
+        Fate::Deliver
+    });
+    let total = 2_000_000u64;
+    let mut before_first_dsack = None;
+    let done = pair.run_until(100_000_000, |p| {
+        let left = total - p.written[0];
+        if left > 0 {
+            p.write(0, left.min(10_000) as usize);
+        }
+        p.read(1);
+        let c = p.ends[0].counters();
+        if c.dsacks_received > 0 && before_first_dsack.is_none() {
+            before_first_dsack = Some((c.retransmitted_gap, p.now));
+        }
+        p.read[1].len() as u64 == total && p.ends[0].all_acked()
+    });
+    assert!(done, "the transfer finished");
+    pair.check_read(1);
+    let (a, b) = (pair.ends[0].counters(), pair.ends[1].counters());
+    let (resent, at) = before_first_dsack.expect("the receiver reported its duplicates");
+    assert!(delayed.get() >= 150, "{}", delayed.get());
+    assert!(
+        resent > 0 && at < 2 * 450,
+        "spurious resends before the first DSACK, within two round trips: {resent} by {at} µs"
+    );
+    assert_eq!(a.retransmitted_gap, resent, "none after it: {a:?}");
+    assert_eq!(b.duplicates, a.retransmitted_gap + a.retransmitted_timeout, "every resend was a duplicate");
+    assert!(a.reorder_window_us >= 150, "{a:?}");
+}
