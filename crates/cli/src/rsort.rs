@@ -25,7 +25,8 @@
 //! sector-granular read-modify-write would undo another worker's flag). A flag is written only
 //! after the sector it announces was acknowledged, so whoever sees it set reads the sector
 //! whole. `check` reads the runs back: every key in order, exactly as many records as
-//! the input, and the same checksum (the sum of every record's CRC32C, as `valsort` sums CRCs).
+//! the input, and the same checksum: the sum of every record's CRC-32 (zlib's), which is
+//! `valsort`'s checksum.
 
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -122,9 +123,30 @@ fn record(seed: u64, n: u64, out: &mut [u8]) {
     out[RECORD - 2..].copy_from_slice(b"\r\n");
 }
 
-/// The sum of every record's CRC32C (`valsort`'s checksum, with CRC32C).
+/// The sum of every record's CRC-32 (`valsort`'s checksum).
 fn checksum(records: &[u8]) -> u128 {
-    records.chunks_exact(RECORD).map(|r| u128::from(crc32c::crc32c(r))).sum()
+    records.chunks_exact(RECORD).map(|r| u128::from(crc32(r))).sum()
+}
+
+/// CRC-32 as zlib's `crc32` computes it (reflected, polynomial 0x04C11DB7), which `valsort`
+/// sums over records; a byte-at-a-time table is fast enough next to sorting.
+fn crc32(bytes: &[u8]) -> u32 {
+    const TABLE: [u32; 256] = {
+        let mut table = [0u32; 256];
+        let mut i = 0;
+        while i < 256 {
+            let mut c = i as u32;
+            let mut k = 0;
+            while k < 8 {
+                c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+                k += 1;
+            }
+            table[i] = c;
+            i += 1;
+        }
+        table
+    };
+    !bytes.iter().fold(!0u32, |c, &b| TABLE[((c ^ u32::from(b)) & 0xFF) as usize] ^ (c >> 8))
 }
 
 /// Which of `workers` key ranges `key` falls in (by its first two characters).
@@ -473,7 +495,7 @@ pub fn run(args: RsortArgs) -> CliResult {
                         return Err(format!("record {n} (bucket {b}) is out of order").into());
                     }
                     last = Some(r.to_vec());
-                    sum = sum.wrapping_add(u128::from(crc32c::crc32c(r)));
+                    sum = sum.wrapping_add(u128::from(crc32(r)));
                     n += 1;
                 }
                 at += round_up(count * RECORD as u64);
@@ -546,5 +568,17 @@ mod tests {
         assert_eq!(bucket(b"~~~~~~~~~~", 4), 3);
         assert_eq!(bucket(b"N~        ", 2), 0);
         assert_eq!(bucket(b"P         ", 2), 1);
+    }
+
+    /// zlib's CRC-32 check value, and the checksum as a sum that wraps nowhere near 2^128.
+    #[test]
+    fn the_checksum_is_valsorts_sum_of_crc32s() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+        assert_eq!(crc32(b""), 0);
+        let mut two = vec![0u8; 2 * RECORD];
+        record(3, 0, &mut two[..RECORD]);
+        record(3, 1, &mut two[RECORD..]);
+        let want = u128::from(crc32(&two[..RECORD])) + u128::from(crc32(&two[RECORD..]));
+        assert_eq!(checksum(&two), want);
     }
 }
