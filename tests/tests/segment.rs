@@ -59,6 +59,14 @@ fn servers_of(c: &Coordinator, export: &str) -> (Vec<server::Target>, Vec<coord:
     (targets, regs)
 }
 
+/// Namespace `name` of `chunk`-byte chunks and `replicas` copies, with `bytes` reserved and
+/// allocated at its first address.
+fn allocate(c: &Coordinator, name: &str, chunk: u64, replicas: u32, bytes: u64) -> RAddress {
+    c.create_ns(name, Scope::Ram, chunk, replicas).unwrap();
+    c.reserve(name, bytes).unwrap();
+    c.alloc(name, bytes, None).unwrap()
+}
+
 /// A lane's configuration that presents `loc`'s grant, to look at a chunk on its server.
 fn granted(loc: &initiator::Location) -> LaneConfig {
     LaneConfig { grants: loc.grant.into_iter().collect(), ..LaneConfig::default() }
@@ -98,9 +106,7 @@ fn a_segment_is_striped_over_its_servers_and_reads_back() {
     let etcd = Cluster::start(1);
     let c = Coordinator::connect(&etcd.endpoints());
     let (_targets, _regs) = servers(&c);
-    c.create_ns("data", Scope::Ram, MIB, 1).unwrap();
-    c.reserve("data", 6 * MIB).unwrap();
-    let r = c.alloc("data", 6 * MIB, None).unwrap();
+    let r = allocate(&c, "data", MIB, 1, 6 * MIB);
     let map = segment_map(&c, &r);
     let mut seg = Segment::map(map.clone(), &LaneConfig::default()).unwrap();
     // 192 KiB pieces: every sixth or so straddles two chunks, on two servers.
@@ -130,9 +136,7 @@ fn with_two_replicas_a_server_shut_down_while_mapped_costs_no_error_and_no_data(
     let etcd = Cluster::start(1);
     let c = Coordinator::connect(&etcd.endpoints());
     let (mut targets, _regs) = servers(&c);
-    c.create_ns("safe", Scope::Ram, MIB, 2).unwrap();
-    c.reserve("safe", 6 * MIB).unwrap();
-    let r = c.alloc("safe", 6 * MIB, None).unwrap();
+    let r = allocate(&c, "safe", MIB, 2, 6 * MIB);
     let mut seg = Segment::map(segment_map(&c, &r), &LaneConfig::default()).unwrap();
     fill(&mut seg, 1, 256 << 10);
     // One server goes while writes run (from another thread, a few milliseconds in): what it
@@ -164,9 +168,7 @@ fn with_one_copy_the_chunks_of_a_lost_server_fail_clearly() {
     let etcd = Cluster::start(1);
     let c = Coordinator::connect(&etcd.endpoints());
     let (mut targets, _regs) = servers(&c);
-    c.create_ns("bare", Scope::Ram, MIB, 1).unwrap();
-    c.reserve("bare", 3 * MIB).unwrap();
-    let r = c.alloc("bare", 3 * MIB, None).unwrap();
+    let r = allocate(&c, "bare", MIB, 1, 3 * MIB);
     let map = segment_map(&c, &r);
     let mut seg = Segment::map(map.clone(), &LaneConfig::default()).unwrap();
     fill(&mut seg, 1, MIB as usize);
@@ -188,9 +190,7 @@ fn large_io_is_split_to_the_servers_limit_and_a_refusal_takes_no_server_out() {
     let c = Coordinator::connect(&etcd.endpoints());
     let t = pool_target(POOL, 4 * MIB, [7; 32]);
     let _reg = register(&c, &t, 4 * MIB, 7, [7; 32]);
-    c.create_ns("big", Scope::Ram, 4 * MIB, 1).unwrap();
-    c.reserve("big", 8 * MIB).unwrap();
-    let r = c.alloc("big", 8 * MIB, None).unwrap();
+    let r = allocate(&c, "big", 4 * MIB, 1, 8 * MIB);
     let mut seg = Segment::map(segment_map(&c, &r), &LaneConfig::default()).unwrap();
     let data = pattern(3, 0, 8 * MIB as usize);
     seg.write(0, &data).unwrap();
@@ -220,12 +220,8 @@ fn a_lost_replica_is_marked_stale_and_not_mapped_again() {
     let etcd = Cluster::start(1);
     let c = Coordinator::connect(&etcd.endpoints());
     let (mut targets, _regs) = servers(&c);
-    c.create_ns("twice", Scope::Ram, MIB, 2).unwrap();
-    c.reserve("twice", 6 * MIB).unwrap();
-    c.alloc("twice", 6 * MIB, None).unwrap();
-    c.create_ns("once", Scope::Ram, MIB, 1).unwrap();
-    c.reserve("once", 3 * MIB).unwrap();
-    c.alloc("once", 3 * MIB, None).unwrap();
+    allocate(&c, "twice", MIB, 2, 6 * MIB);
+    allocate(&c, "once", MIB, 1, 3 * MIB);
     let mut twice = c.map("twice", 0, &LaneConfig::default()).unwrap();
     let mut once = c.map("once", 0, &LaneConfig::default()).unwrap();
     fill(&mut twice, 1, 256 << 10);
@@ -260,9 +256,7 @@ fn one_byte_writes_of_many_threads_to_neighbouring_bytes_all_land() {
     let etcd = Cluster::start(1);
     let c = Coordinator::connect(&etcd.endpoints());
     let (_targets, _regs) = servers(&c);
-    c.create_ns("flags", Scope::Ram, MIB, 2).unwrap();
-    c.reserve("flags", 2 * MIB).unwrap();
-    let r = c.alloc("flags", 2 * MIB, None).unwrap();
+    let r = allocate(&c, "flags", MIB, 2, 2 * MIB);
     let map = segment_map(&c, &r);
     let mut seg = Segment::map(map.clone(), &LaneConfig::default()).unwrap();
     assert_eq!(seg.block_bytes(), 1);
@@ -338,9 +332,7 @@ fn one_byte_writes_of_many_threads_to_neighbouring_bytes_all_land() {
     let etcd = Cluster::start(1);
     let c = Coordinator::connect(&etcd.endpoints());
     let (_targets, _regs) = servers_of(&c, "pool=ram:16M");
-    c.create_ns("sectors", Scope::Ram, MIB, 1).unwrap();
-    c.reserve("sectors", MIB).unwrap();
-    let r = c.alloc("sectors", MIB, None).unwrap();
+    let r = allocate(&c, "sectors", MIB, 1, MIB);
     let mut seg = Segment::map(segment_map(&c, &r), &LaneConfig::default()).unwrap();
     assert_eq!(seg.block_bytes(), 512);
     let err = seg.read(5, &mut [0u8; 512]).expect_err("unaligned I/O is refused");
@@ -403,9 +395,7 @@ fn chunks_are_reached_with_grants_and_a_retired_chunk_refuses_its_last_owner() {
     assert!(matches!(err, initiator::Error::Refused(Status::Unsupported)), "{err}");
 
     // A namespace maps with grants; the server retires its chunks when they come back.
-    c.create_ns("first", Scope::Ram, MIB, 1).unwrap();
-    c.reserve("first", 2 * MIB).unwrap();
-    c.alloc("first", 2 * MIB, None).unwrap();
+    allocate(&c, "first", MIB, 1, 2 * MIB);
     let mut old = c.map("first", 0, &LaneConfig::default()).unwrap();
     old.write(0, &vec![0xAA; 2 * MIB as usize]).unwrap();
     c.delete_ns("first").unwrap();
@@ -425,9 +415,7 @@ fn chunks_are_reached_with_grants_and_a_retired_chunk_refuses_its_last_owner() {
         assert_eq!(out[0].status, Status::Ok);
     }
     c.cleaned(&pool.to_string(), &retired).unwrap();
-    c.create_ns("next", Scope::Ram, MIB, 1).unwrap();
-    c.reserve("next", 2 * MIB).unwrap();
-    c.alloc("next", 2 * MIB, None).unwrap();
+    allocate(&c, "next", MIB, 1, 2 * MIB);
     let mut new = c.map("next", 0, &LaneConfig::default()).unwrap();
     let mut back = vec![1u8; 2 * MIB as usize];
     new.read(0, &mut back).unwrap();
