@@ -46,9 +46,10 @@
 //! - **Reordering window.** A missing datagram overtaken only by datagrams sent less than the
 //!   reordering window after it is not taken as lost yet (RACK, RFC 8985). The window starts at
 //!   `reorder_window_us` (0, off, on a single link) and **adapts**: a receiver that gets a
-//!   duplicate flags its next datagram DUPLICATE (DSACK, RFC 2883), and a sender told so widens
-//!   the window by one step of `max(reorder_window_us, SRTT/4)`, at most once a round trip, up
-//!   to SRTT; every 64 gap losses with no DSACK it narrows by a step again.
+//!   duplicate flags its next datagram DUPLICATE (DSACK, RFC 2883), and a sender told so counts
+//!   a widening (at most one a round trip, at most 16): the window is `step × (1 + widenings)`
+//!   with `step = max(reorder_window_us, SRTT/4)`, never past SRTT (so from off, the first
+//!   widening gives SRTT/2); every 64 gap losses with no DSACK take one widening back.
 //! - **Dead peer.** Each expiry without acknowledgement progress since the last one counts a
 //!   backoff; at `backoffs_max + 1` in a row the stream is [`State::Dead`]. Since the timer
 //!   never waits longer than `rto_max_us`, that happens within
@@ -757,8 +758,8 @@ impl DatagramStream {
     }
 
     /// How long after a missing datagram a delivered one must have left to show it lost:
-    /// `reorder_window_us` (0: off) until DSACKs widen it, by steps of
-    /// `max(reorder_window_us, SRTT / 4)`, never past SRTT.
+    /// `reorder_window_us` (0: off) until DSACKs widen it to `step × (1 + widenings)`, with
+    /// `step = max(reorder_window_us, SRTT / 4)`, never past SRTT.
     fn reorder_window(&self) -> u64 {
         let configured = self.config.reorder_window_us;
         if configured == 0 && self.reorder_steps == 0 {
