@@ -769,9 +769,10 @@ impl Coordinator {
             if !write {
                 return Ok(Some(result));
             }
+            // Through the record bound, as `reserve`: an alloc or a stale mark adds a little.
             let ok = self.etcd.txn(
                 &[Compare::ModRevision(key(NAMESPACES, name), rev)],
-                &[Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 }],
+                &[Op::Put { key: key(NAMESPACES, name), value: encode_ns(&ns)?, lease: 0 }],
                 &[],
             )?;
             Ok(ok.then_some(result))
@@ -875,5 +876,43 @@ impl Registration {
     /// End the registration now (a clean shutdown).
     pub fn revoke(self, coord: &Coordinator) -> Result<(), CoordError> {
         Ok(coord.etcd.revoke(self.lease)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every write of a namespace record goes through the bound: one under it passes, and the
+    /// same record with an allocation and a (long) stale mark more is refused with a message
+    /// that names the namespace and says what to do.
+    #[test]
+    fn a_namespace_record_over_its_bound_is_refused_clearly() {
+        let stripe =
+            |i: u64| vec![ChunkRef { server: "s".repeat(200), index: i, incarnation: 1, generation: 0 }];
+        let mut ns = Namespace {
+            name: "big".into(),
+            scope: Scope::Ram,
+            chunk_bytes: 1 << 20,
+            replicas: 1,
+            reserved: Vec::new(),
+            allocs: BTreeMap::new(),
+            next_addr: 0,
+        };
+        // A stripe's share of the record, then as many as leave a little room.
+        ns.reserved.push(stripe(0));
+        let one = encode(&ns).len();
+        ns.reserved.push(stripe(1));
+        let each = encode(&ns).len() - one;
+        while ns.reserved.len() < (NAMESPACE_RECORD_MAX - 32 * 1024) / each {
+            let i = ns.reserved.len() as u64;
+            ns.reserved.push(stripe(i));
+        }
+        assert!(encode(&ns).len() > NAMESPACE_RECORD_MAX / 2, "{} bytes", encode(&ns).len());
+        assert!(encode_ns(&ns).is_ok());
+        let stale = "t".repeat(64 * 1024);
+        ns.allocs.insert(0, Allocation { len: 1 << 20, stripes: vec![stripe(0)], stale: vec![stale] });
+        let err = encode_ns(&ns).expect_err("over the bound");
+        assert!(err.to_string().contains("\"big\"") && err.to_string().contains("larger chunks"), "{err}");
     }
 }
