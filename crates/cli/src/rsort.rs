@@ -19,7 +19,7 @@
 //! `(b, i)`, and its counts to its sector of `<name>-meta`, then sets its one-byte flag. Every
 //! worker polls the flags until all are set. Phase 2: worker `b` reads slot `(b, i)` of every
 //! worker, sorts the records, writes its run at the offset the counts of the buckets before it
-//! give, its count and checksum to its sector, then sets its phase-2 flag. Coordination is
+//! give, its count to its sector, then sets its phase-2 flag. Coordination is
 //! through one-byte flags as in RStore: the workers' flags share one sector, and each is one
 //! byte-granular write, atomic on the memory server, that leaves its neighbours alone (a
 //! sector-granular read-modify-write would undo another worker's flag). A flag is written only
@@ -129,10 +129,11 @@ fn checksum(records: &[u8]) -> u128 {
 }
 
 /// CRC-32 as zlib's `crc32` computes it (reflected, polynomial 0x04C11DB7), which `valsort`
-/// sums over records; a byte-at-a-time table is fast enough next to sorting.
+/// sums over records. Slicing by 8 (eight tables, eight bytes a step), as zlib does, for
+/// several times the speed of a byte at a time; `gen` and `check` run it over every record.
 fn crc32(bytes: &[u8]) -> u32 {
-    const TABLE: [u32; 256] = {
-        let mut table = [0u32; 256];
+    const TABLES: [[u32; 256]; 8] = {
+        let mut t = [[0u32; 256]; 8];
         let mut i = 0;
         while i < 256 {
             let mut c = i as u32;
@@ -141,12 +142,38 @@ fn crc32(bytes: &[u8]) -> u32 {
                 c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
                 k += 1;
             }
-            table[i] = c;
+            t[0][i] = c;
             i += 1;
         }
-        table
+        let mut i = 0;
+        while i < 256 {
+            let mut s = 1;
+            while s < 8 {
+                let prev = t[s - 1][i];
+                t[s][i] = (prev >> 8) ^ t[0][(prev & 0xFF) as usize];
+                s += 1;
+            }
+            i += 1;
+        }
+        t
     };
-    !bytes.iter().fold(!0u32, |c, &b| TABLE[((c ^ u32::from(b)) & 0xFF) as usize] ^ (c >> 8))
+    let mut c = !0u32;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        let lo = c ^ u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+        c = TABLES[7][(lo & 0xFF) as usize]
+            ^ TABLES[6][((lo >> 8) & 0xFF) as usize]
+            ^ TABLES[5][((lo >> 16) & 0xFF) as usize]
+            ^ TABLES[4][(lo >> 24) as usize]
+            ^ TABLES[3][w[4] as usize]
+            ^ TABLES[2][w[5] as usize]
+            ^ TABLES[1][w[6] as usize]
+            ^ TABLES[0][w[7] as usize];
+    }
+    for &b in words.remainder() {
+        c = TABLES[0][((c ^ u32::from(b)) & 0xFF) as usize] ^ (c >> 8);
+    }
+    !c
 }
 
 /// Which of `workers` key ranges `key` falls in (by its first two characters).
@@ -455,12 +482,11 @@ pub fn run(args: RsortArgs) -> CliResult {
             for r in &recs {
                 sorted.extend_from_slice(r);
             }
-            let sum = checksum(&sorted);
             sorted.resize(round_up(sorted.len() as u64) as usize, 0);
             let at: u64 = totals[..b].iter().map(|&t| round_up(t * RECORD as u64)).sum();
             let mut out = map(&c, &output)?;
             write_region(&mut out, at, &sorted)?;
-            m.write(phase2_sector(workers, b), &sector_u64s(&[totals[b], sum as u64, (sum >> 64) as u64]))?;
+            m.write(phase2_sector(workers, b), &sector_u64s(&[totals[b]]))?;
             m.write(phase2_flag(b), &[1])?;
             let phase2 = t2.elapsed();
             println!(
@@ -575,6 +601,22 @@ mod tests {
     fn the_checksum_is_valsorts_sum_of_crc32s() {
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
         assert_eq!(crc32(b""), 0);
+        assert_eq!(crc32(b"The quick brown fox jumps over the lazy dog"), 0x414F_A339);
+        // Every length around the eight-byte steps agrees with the bitwise definition.
+        let bitwise = |bytes: &[u8]| {
+            let mut c = !0u32;
+            for &b in bytes {
+                c ^= u32::from(b);
+                for _ in 0..8 {
+                    c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+                }
+            }
+            !c
+        };
+        let data: Vec<u8> = (0..100u32).map(|i| (i * 37 + 11) as u8).collect();
+        for n in 0..data.len() {
+            assert_eq!(crc32(&data[..n]), bitwise(&data[..n]), "{n} bytes");
+        }
         let mut two = vec![0u8; 2 * RECORD];
         record(3, 0, &mut two[..RECORD]);
         record(3, 1, &mut two[RECORD..]);
