@@ -154,7 +154,8 @@ pub fn proofs_equal(a: &[u8; PROOF_LEN], b: &[u8; PROOF_LEN]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn decode_hex(s: &str) -> Option<Vec<u8>> {
+/// The bytes of a string of hex digit pairs (either case); `None` for anything else.
+pub fn decode_hex(s: &str) -> Option<Vec<u8>> {
     if !s.len().is_multiple_of(2) {
         return None;
     }
