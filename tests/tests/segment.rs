@@ -426,3 +426,57 @@ fn chunks_are_reached_with_grants_and_a_retired_chunk_refuses_its_last_owner() {
     new.read(0, &mut four).unwrap();
     assert_eq!(&four, b"mine");
 }
+
+/// What a pool's target does with bad GRANT frames, on the wire: a grant for a handle never
+/// opened is refused `BadHandle`; a GRANT whose second grant is forged is refused naming it, and
+/// binds none, not even the good first one; the connection goes on after both. A GRANT whose
+/// count does not match its length is a framing error: GOAWAY `Invalid`, and the target closes.
+#[test]
+fn bad_grant_frames_are_refused_and_bind_nothing() {
+    use skiff_tests::{caravan, RawPeer};
+    use wire::{CapRights, FrameKind, GoAway, Grant, GrantReply, Opcode, ReqFlags, Request, Status};
+    let key = [9; 32];
+    let t = pool_target(POOL, MIB, key);
+    let rw = CapRights::READ.union(CapRights::WRITE);
+    let good = proto::grant::seal(&proto::capability::CapKey::new(key), 2, MIB, 0, rw);
+    let forged = proto::grant::seal(&proto::capability::CapKey::new([8; 32]), 3, MIB, 0, rw);
+    let (mut peer, handle) = RawPeer::ready(&t, wire::Limits::default(), "pool");
+    let grant = |peer: &mut RawPeer, g: Grant| {
+        peer.send(&wire::control::frame(FrameKind::Grant, &g.encode()));
+        let (h, body) = peer.recv().expect("a reply");
+        assert_eq!(h.kind, FrameKind::GrantReply);
+        GrantReply::decode(&body).unwrap()
+    };
+    let reply = grant(&mut peer, Grant { handle: handle + 7, caps: vec![good] });
+    assert_eq!(reply, GrantReply { status: Status::BadHandle, refused: 0 });
+    let reply = grant(&mut peer, Grant { handle, caps: vec![good, forged] });
+    assert_eq!(reply, GrantReply { status: Status::BadCapability, refused: 1 });
+    // The good grant of the refused frame was not bound: its chunk is still refused.
+    let read = Request {
+        opcode: Opcode::Read,
+        flags: ReqFlags::empty(),
+        tag: 1,
+        handle,
+        offset: 2 * MIB,
+        length: 512,
+    };
+    peer.send(&caravan(&[read], &[]));
+    let (h, body) = peer.recv().expect("a completion");
+    assert_eq!(h.kind, FrameKind::Completions);
+    let done = wire::caravan::CompletionCaravan::parse(&h, &body).unwrap();
+    assert_eq!(done.iter().next().unwrap().0.status, Status::BadCapability);
+    // Presented alone, it is bound and the read goes.
+    assert_eq!(grant(&mut peer, Grant { handle, caps: vec![good] }).status, Status::Ok);
+    peer.send(&caravan(&[read], &[]));
+    let (h, body) = peer.recv().expect("a completion");
+    let done = wire::caravan::CompletionCaravan::parse(&h, &body).unwrap();
+    assert_eq!(done.iter().next().unwrap().0.status, Status::Ok);
+    // A count that lies about the length breaks the framing.
+    let mut lying = Grant { handle, caps: vec![good] }.encode();
+    lying[4] = 2;
+    peer.send(&wire::control::frame(FrameKind::Grant, &lying));
+    let (h, body) = peer.recv().expect("a GOAWAY");
+    assert_eq!(h.kind, FrameKind::GoAway);
+    assert_eq!(GoAway::decode(&body).unwrap().status, Status::Invalid);
+    assert!(peer.closed());
+}

@@ -213,6 +213,7 @@ fn serve_refuses_bad_pool_settings() {
             vec!["--pool", "ram:64M", "--chunk", "2K", "--listen", "127.0.0.1:0"],
             "32768 chunks, more than 16384",
         ),
+        (vec!["--pool", "ram:8G", "--chunk", "4G", "--listen", "127.0.0.1:0"], "nor 2 GiB"),
         (
             vec!["--pool", "ram:4M", "--export", "pool=ram:1M", "--listen", "127.0.0.1:0"],
             "no --export may take that name",

@@ -148,13 +148,7 @@ pub fn encode_key(key: &[u8; proto::capability::KEY_LEN]) -> String {
 }
 
 fn decode_key(hex: &str) -> Option<proto::capability::CapKey> {
-    if hex.len() != 2 * proto::capability::KEY_LEN || !hex.is_ascii() {
-        return None;
-    }
-    let mut key = [0u8; proto::capability::KEY_LEN];
-    for (i, b) in key.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
-    }
+    let key = proto::auth::decode_hex(hex)?.try_into().ok()?;
     Some(proto::capability::CapKey::new(key))
 }
 
@@ -882,6 +876,34 @@ impl Registration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A registration's grant key seals grants the pool admits; one that is not 64 hex digits
+    /// is refused clearly, and a server without one takes none.
+    #[test]
+    fn grant_keys_seal_what_the_pool_admits_and_bad_ones_are_refused() {
+        let key = [7u8; proto::capability::KEY_LEN];
+        let mut s = ServerInfo {
+            id: "a".into(),
+            endpoint: "127.0.0.1:1".into(),
+            export: "pool".into(),
+            scope: Scope::Ram,
+            bytes: 4 << 20,
+            chunk_bytes: 1 << 20,
+            incarnation: 1,
+            grant_key: encode_key(&key),
+        };
+        let grant = s.grant(2, 5).unwrap().expect("a server with a key");
+        let pool = proto::grant::PoolGrants::new(key, 1 << 20, 4).unwrap();
+        pool.set_generation(2, 5);
+        assert_eq!(pool.admit(&grant).map(|b| (b.chunk, b.generation)), Ok((2, 5)));
+        for bad in ["zz".repeat(32), "ab".repeat(31), format!("{}é", "a".repeat(62))] {
+            s.grant_key = bad;
+            let err = s.grant(0, 0).expect_err("not a key");
+            assert!(err.to_string().contains("not 64 hex digits"), "{err}");
+        }
+        s.grant_key.clear();
+        assert_eq!(s.grant(0, 0).unwrap(), None);
+    }
 
     /// Every write of a namespace record goes through the bound: one under it passes, and the
     /// same record with an allocation and a (long) stale mark more is refused with a message
