@@ -158,6 +158,7 @@ fn at_least_one(s: &str) -> Result<usize, String> {
 pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
     let tuning = config::apply(&mut args, matches)?;
     let pool = args.pool.as_deref().map(pool::parse).transpose()?;
+    let mut grant_key = None;
     if let Some(p) = &pool {
         if args.exports.iter().any(|e| e.name == pool::POOL_EXPORT) {
             return Err(format!(
@@ -182,14 +183,12 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
             )
             .into());
         }
-        args.exports.push(p.export.clone());
-    }
-    // A pool's chunks are reached with grants sealed under a key drawn here, which only the
-    // coordinator learns (the registration), as RStore's master hands out STags.
-    let grant_key: [u8; proto::capability::KEY_LEN] = rt::random::bytes()?;
-    if pool.is_some() {
-        let e = args.exports.last_mut().expect("the pool's export, pushed above");
-        e.grants = Some(server::GrantConfig { key: grant_key, chunk_bytes: args.chunk });
+        // The pool's chunks are reached with grants sealed under a key drawn here and
+        // published in the registration alone (docs/RSTORE.md says who can read it).
+        let key: [u8; proto::capability::KEY_LEN] = rt::random::bytes()?;
+        let grants = Some(server::GrantConfig { key, chunk_bytes: args.chunk });
+        args.exports.push(server::ExportConfig { grants, ..p.export.clone() });
+        grant_key = Some(key);
     }
     if args.exports.is_empty() {
         return Err("no exports: give --export NAME=SPEC, or `export` in the config file".into());
@@ -245,8 +244,8 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
     let protocols = [server::Protocol::Native, server::Protocol::Nbd];
     let listening: Vec<String> =
         protocols.iter().flat_map(|&p| target.endpoints_of(p)).map(|e| e.to_string()).collect();
-    let registered = match (&pool, &args.coordinator) {
-        (Some(p), Some(urls)) => {
+    let registered = match (&pool, &args.coordinator, &grant_key) {
+        (Some(p), Some(urls), Some(grant_key)) => {
             let endpoint = match &args.advertise {
                 Some(a) => a.clone(),
                 None => target
@@ -269,7 +268,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                 bytes: p.bytes - p.bytes % args.chunk,
                 chunk_bytes: args.chunk,
                 incarnation: pool::incarnation(p.scope)?,
-                grant_key: coord::encode_key(&grant_key),
+                grant_key: coord::encode_key(grant_key),
             };
             let served = target.pool(pool::POOL_EXPORT).ok_or("the pool export takes no grants")?;
             match pool::register(urls, info, served, args.lease) {
