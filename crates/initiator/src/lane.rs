@@ -865,6 +865,10 @@ pub struct LinkStats {
     pub dsacks_received: u64,
     /// The reordering window when the counters were taken, in µs (the largest of the lanes').
     pub reorder_window_us: u64,
+    /// Stream bytes received, and of them those placed from the receive ring straight into
+    /// the lane's buffers (the rest waited in the stream's receive buffer).
+    pub stream_bytes_read: u64,
+    pub stream_bytes_placed: u64,
     /// Each interface's share, round trip and outages (one entry unless bundled).
     pub paths: Vec<transport::eth::PathStats>,
 }
@@ -881,6 +885,8 @@ impl From<&proto::reliable::Counters> for LinkStats {
             corrupt: c.corrupt,
             dsacks_received: c.dsacks_received,
             reorder_window_us: c.reorder_window_us,
+            stream_bytes_read: c.stream_bytes_read,
+            stream_bytes_placed: c.stream_bytes_placed,
             paths: Vec::new(),
         }
     }
@@ -897,6 +903,8 @@ impl LinkStats {
         self.corrupt += o.corrupt;
         self.dsacks_received += o.dsacks_received;
         self.reorder_window_us = self.reorder_window_us.max(o.reorder_window_us);
+        self.stream_bytes_read += o.stream_bytes_read;
+        self.stream_bytes_placed += o.stream_bytes_placed;
         // Lanes over one bundle: the same interfaces in the same order.
         for (i, p) in o.paths.iter().enumerate() {
             match self.paths.get_mut(i) {

@@ -230,6 +230,9 @@ pub struct Counters {
     pub ignored: u64,
     pub stream_bytes_written: u64,
     pub stream_bytes_read: u64,
+    /// Of those read, the bytes placed straight from their datagrams into the reader's
+    /// buffers ([`DatagramStream::handle_datagram_into`]), never buffered.
+    pub stream_bytes_placed: u64,
     /// Round-trip estimates (0 before the first sample) and the current timeout.
     pub srtt_us: u64,
     pub rttvar_us: u64,
@@ -278,6 +281,56 @@ struct RxSlot {
     filled: bool,
     len: u16,
     close: bool,
+}
+
+/// The reader's buffers, filled in order, and how far: where [`DatagramStream::read_into`] and
+/// [`DatagramStream::handle_datagram_into`] put stream bytes.
+pub struct ReadCursor<'c, 'b> {
+    bufs: &'c mut [IoSliceMut<'b>],
+    /// The buffer being filled, and how much of it is.
+    index: usize,
+    offset: usize,
+    filled: usize,
+}
+
+impl<'c, 'b> ReadCursor<'c, 'b> {
+    pub fn new(bufs: &'c mut [IoSliceMut<'b>]) -> ReadCursor<'c, 'b> {
+        let mut cursor = ReadCursor { bufs, index: 0, offset: 0, filled: 0 };
+        cursor.skip_full();
+        cursor
+    }
+
+    /// Bytes put so far.
+    pub fn filled(&self) -> usize {
+        self.filled
+    }
+
+    /// No room is left.
+    pub fn is_full(&self) -> bool {
+        self.index == self.bufs.len()
+    }
+
+    /// Copy as much of `bytes` as there is room for; returns how much.
+    pub fn put(&mut self, bytes: &[u8]) -> usize {
+        let mut taken = 0;
+        while taken < bytes.len() && !self.is_full() {
+            let buf = &mut self.bufs[self.index][self.offset..];
+            let n = buf.len().min(bytes.len() - taken);
+            buf[..n].copy_from_slice(&bytes[taken..taken + n]);
+            taken += n;
+            self.offset += n;
+            self.skip_full();
+        }
+        self.filled += taken;
+        taken
+    }
+
+    fn skip_full(&mut self) {
+        while self.index < self.bufs.len() && self.offset == self.bufs[self.index].len() {
+            self.index += 1;
+            self.offset = 0;
+        }
+    }
 }
 
 /// One side of a reliable byte stream over datagrams (see the module documentation).
@@ -524,34 +577,34 @@ impl DatagramStream {
     /// see [`peer_closed`](Self::peer_closed) for the end of the stream). Each byte is read
     /// exactly once.
     pub fn read(&mut self, bufs: &mut [IoSliceMut<'_>]) -> usize {
+        self.read_into(&mut ReadCursor::new(bufs))
+    }
+
+    /// As [`read`](Self::read), into the room `to` has left; returns the bytes moved.
+    pub fn read_into(&mut self, to: &mut ReadCursor<'_, '_>) -> usize {
         if matches!(self.state, State::Dead(_)) {
             return 0;
         }
         let mut got = 0;
-        'bufs: for buf in bufs.iter_mut() {
-            let mut at = 0;
-            while at < buf.len() {
-                if self.rcv_read == self.rcv_nxt {
-                    got += at;
-                    break 'bufs;
-                }
-                let idx = (self.rcv_read & self.rx_mask) as usize;
-                let slot = self.rx_slots[idx];
-                let start = idx * self.payload_max + self.rcv_read_off;
-                let n = (usize::from(slot.len) - self.rcv_read_off).min(buf.len() - at);
-                buf[at..at + n].copy_from_slice(&self.rx_bytes[start..start + n]);
-                at += n;
-                self.rcv_read_off += n;
-                if self.rcv_read_off == usize::from(slot.len) {
-                    if slot.close {
-                        self.peer_closed = true;
-                    }
-                    self.rx_slots[idx] = RxSlot::default();
-                    self.rcv_read = self.rcv_read.wrapping_add(1);
-                    self.rcv_read_off = 0;
-                }
+        while self.rcv_read != self.rcv_nxt {
+            let idx = (self.rcv_read & self.rx_mask) as usize;
+            let slot = self.rx_slots[idx];
+            let start = idx * self.payload_max;
+            let n = to.put(&self.rx_bytes[start + self.rcv_read_off..start + usize::from(slot.len)]);
+            got += n;
+            self.rcv_read_off += n;
+            if self.rcv_read_off < usize::from(slot.len) {
+                break;
             }
-            got += at;
+            if slot.close {
+                self.peer_closed = true;
+            }
+            self.rx_slots[idx] = RxSlot::default();
+            self.rcv_read = self.rcv_read.wrapping_add(1);
+            self.rcv_read_off = 0;
+            if slot.close || to.is_full() {
+                break;
+            }
         }
         // A Close right behind the bytes just read ends the stream now, not on the next call.
         if self.rcv_read != self.rcv_nxt && self.rx_slot(self.rcv_read).close {
@@ -559,16 +612,21 @@ impl DatagramStream {
             self.rcv_read = self.rcv_read.wrapping_add(1);
             self.peer_closed = true;
         }
+        self.bytes_read(got);
+        got
+    }
+
+    /// `got` stream bytes went to the reader: count them, and tell the sender about freed
+    /// buffers once half of them are free again (a smaller update would only invite tiny
+    /// bursts), or the window was shut.
+    fn bytes_read(&mut self, got: usize) {
         self.counters.stream_bytes_read += got as u64;
         self.update_state();
-        // Tell the sender about freed buffers once half of them are free again (a smaller
-        // update would only invite tiny bursts), or the window was shut.
         let right = self.rcv_read.wrapping_add(self.config.recv_slots);
         let opened = right.wrapping_sub(self.advertised_right);
         if opened > 0 && (opened >= self.config.recv_slots / 2 || self.advertised_right == self.rcv_nxt) {
             self.ack_now = true;
         }
-        got
     }
 
     /// End this side's stream after the bytes written so far: the peer reads them, then the
@@ -615,14 +673,32 @@ impl DatagramStream {
     /// A datagram from the link (the Ethernet header stripped). Corrupt datagrams, other
     /// sessions' and anything after death are counted and dropped; nothing here fails.
     pub fn handle_datagram(&mut self, now_us: u64, bytes: &[u8]) {
+        self.handle_datagram_placing(now_us, bytes, None);
+    }
+
+    /// As [`handle_datagram`](Self::handle_datagram), placing what the datagram brings in
+    /// order straight into the reader's buffers while `to` has room and nothing waits to be
+    /// read before it: the bytes are read then, as by [`read_into`](Self::read_into), without
+    /// a stop in the receive buffer. What does not fit, or arrives out of order, is buffered as
+    /// ever. Returns the bytes placed.
+    pub fn handle_datagram_into(&mut self, now_us: u64, bytes: &[u8], to: &mut ReadCursor<'_, '_>) -> usize {
+        self.handle_datagram_placing(now_us, bytes, Some(to))
+    }
+
+    fn handle_datagram_placing(
+        &mut self,
+        now_us: u64,
+        bytes: &[u8],
+        to: Option<&mut ReadCursor<'_, '_>>,
+    ) -> usize {
         self.counters.datagrams_received += 1;
         let Ok((h, payload)) = DatagramHeader::parse(bytes) else {
             self.counters.corrupt += 1;
-            return;
+            return 0;
         };
         if h.session_id != self.session_id {
             self.counters.wrong_session += 1;
-            return;
+            return 0;
         }
         if matches!(
             h.kind,
@@ -631,19 +707,19 @@ impl DatagramStream {
             // Discovery lives outside sessions (its query id may equal a session id); link
             // probes belong to the link layer under the stream (a bundle's paths).
             self.counters.ignored += 1;
-            return;
+            return 0;
         }
         if matches!(self.state, State::Dead(_)) {
             self.counters.ignored += 1;
-            return;
+            return 0;
         }
         if h.kind == DatagramKind::Reset {
             self.state = State::Dead(DeadReason::PeerReset);
-            return;
+            return 0;
         }
         if payload.len() > self.payload_max || !self.handle_ack(now_us, &h) {
             self.counters.ignored += 1;
-            return;
+            return 0;
         }
         if h.flags & flags::ACK_NOW != 0 {
             self.ack_now = true;
@@ -651,10 +727,13 @@ impl DatagramStream {
         if h.flags & flags::DUPLICATE != 0 {
             self.widen_reorder_window(now_us);
         }
-        if h.kind.is_sequenced() {
-            self.receive(now_us, h.seq, h.kind == DatagramKind::Close, payload);
-        }
+        let placed = if h.kind.is_sequenced() {
+            self.receive(now_us, h.seq, h.kind == DatagramKind::Close, payload, to)
+        } else {
+            0
+        };
         self.update_state();
+        placed
     }
 
     /// The acknowledgement fields. Returns false for an ack of what was never sent (a
@@ -811,34 +890,52 @@ impl DatagramStream {
         rto.clamp(self.config.rto_min_us, self.config.rto_max_us)
     }
 
-    /// A Data or Close datagram.
-    fn receive(&mut self, now_us: u64, seq: u32, close: bool, payload: &[u8]) {
+    /// A Data or Close datagram; what of it `to` took (in order, nothing unread before it).
+    fn receive(
+        &mut self,
+        now_us: u64,
+        seq: u32,
+        close: bool,
+        payload: &[u8],
+        to: Option<&mut ReadCursor<'_, '_>>,
+    ) -> usize {
         let right = self.rcv_read.wrapping_add(self.config.recv_slots);
         if seq_lt(seq, self.rcv_nxt) {
             self.counters.duplicates += 1;
             self.duplicate_seen = true;
             self.ack_now = true;
-            return;
+            return 0;
         }
         if !seq_lt(seq, right) {
             self.counters.out_of_window += 1;
             self.ack_now = true;
-            return;
+            return 0;
         }
         let idx = (seq & self.rx_mask) as usize;
         if self.rx_slots[idx].filled {
             self.counters.duplicates += 1;
             self.duplicate_seen = true;
             self.ack_now = true;
-            return;
+            return 0;
         }
-        let at = idx * self.payload_max;
-        self.rx_bytes[at..at + payload.len()].copy_from_slice(payload);
-        self.rx_slots[idx] = RxSlot { filled: true, len: payload.len() as u16, close };
+        // Next in order with nothing unread before it: the reader's buffers take what they can.
+        let placed = match to {
+            Some(to) if seq == self.rcv_nxt && self.rcv_read == self.rcv_nxt && !close => to.put(payload),
+            _ => 0,
+        };
+        if placed > 0 && placed == payload.len() {
+            // Read whole on arrival: it never takes its buffer.
+            self.rcv_read = self.rcv_read.wrapping_add(1);
+        } else {
+            let rest = &payload[placed..];
+            let at = idx * self.payload_max;
+            self.rx_bytes[at..at + rest.len()].copy_from_slice(rest);
+            self.rx_slots[idx] = RxSlot { filled: true, len: rest.len() as u16, close };
+        }
         if seq != self.rcv_nxt {
             self.counters.out_of_order += 1;
             self.ack_now = true;
-            return;
+            return 0;
         }
         self.rcv_nxt = self.rcv_nxt.wrapping_add(1);
         let mut filled_gap = false;
@@ -852,6 +949,11 @@ impl DatagramStream {
         } else {
             self.ack_due_us.get_or_insert(now_us + self.config.ack_delay_us);
         }
+        if placed > 0 {
+            self.counters.stream_bytes_placed += placed as u64;
+            self.bytes_read(placed);
+        }
+        placed
     }
 
     // ---- timers ----

@@ -17,7 +17,7 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::rc::Rc;
 
 use proto::bundle::{is_probe, Bundle, BundleConfig, PathCounters};
-use proto::reliable::{Counters, DatagramStream, ReliableConfig, State};
+use proto::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
 use transport::FrameIo;
 use wire::datagram::{DatagramHeader, DatagramKind};
 
@@ -263,9 +263,20 @@ impl DatagramIo {
 
     /// Receive what has arrived, run the timers, send what the stream has to send.
     pub fn pump(&mut self) {
+        self.pump_into(None);
+    }
+
+    /// As [`pump`](Self::pump), placing what arrives in order into `to` while it has room,
+    /// as the raw-Ethernet driver's `recv` does.
+    fn pump_into(&mut self, mut to: Option<&mut ReadCursor<'_, '_>>) {
         let now = self.clock.now_us();
         while let Some(n) = self.end.recv(&mut self.buf) {
-            self.stream.handle_datagram(now, &self.buf[..n]);
+            match to.as_deref_mut() {
+                Some(to) => {
+                    self.stream.handle_datagram_into(now, &self.buf[..n], to);
+                }
+                None => self.stream.handle_datagram(now, &self.buf[..n]),
+            }
         }
         self.stream.handle_timeout(now);
         while let Some(n) = self.stream.poll_transmit(now, &mut self.buf) {
@@ -295,8 +306,13 @@ impl DatagramIo {
 
 impl FrameIo for DatagramIo {
     fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        self.pump();
-        match self.stream.read(bufs) {
+        // As `transport::eth::EthStream::recv`: buffered bytes first, then what arrives in
+        // order placed straight into `bufs`, then what that let through.
+        let mut to = ReadCursor::new(bufs);
+        self.stream.read_into(&mut to);
+        self.pump_into(Some(&mut to));
+        self.stream.read_into(&mut to);
+        match to.filled() {
             0 if self.stream.peer_closed() => Ok(0),
             0 => self.dead(),
             n => Ok(n),
@@ -420,6 +436,7 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
     let mut read = [0u64; 2];
     let mut buf = vec![0u8; config.datagram_len_max()];
     let mut chunk = vec![0u8; 5_000];
+    let mut inbox = vec![0u8; 5_000];
     let mut step = 0;
     let fail = |step: u64, clock: &Clock, what: String| {
         format!("seed {} step {step} at {} µs: {what}", opts.seed, clock.now_us())
@@ -448,7 +465,26 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
             outage = None;
         }
         for side in 0..2 {
-            ends[side].take_in(now, &mut buf);
+            // The application reads now and then into random pieces: half of those reads
+            // take what arrives in order straight from the link (as the raw-Ethernet driver
+            // does), the other half only what the stream buffered.
+            let reading = rng.chance(600_000);
+            let placing = reading && rng.chance(500_000);
+            let (n, cut) = if reading {
+                let n = rng.range(1, 5000) as usize;
+                (n, rng.range(0, n as u64) as usize)
+            } else {
+                (0, 0)
+            };
+            let (first, second) = inbox[..n].split_at_mut(cut);
+            let mut pieces = [IoSliceMut::new(first), IoSliceMut::new(second)];
+            let mut to = ReadCursor::new(&mut pieces);
+            if placing {
+                ends[side].stream.read_into(&mut to);
+                ends[side].take_in(now, &mut buf, Some(&mut to));
+            } else {
+                ends[side].take_in(now, &mut buf, None);
+            }
             let stream = &mut ends[side].stream;
             // The application: a write of random size, a read into random pieces, a close.
             if written[side] < totals[side] && stream.writable() && rng.chance(500_000) {
@@ -461,12 +497,10 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
             if written[side] == totals[side] && opts.cut_at_us.is_none() {
                 stream.close();
             }
-            if rng.chance(600_000) {
-                let n = rng.range(1, 5000) as usize;
-                let cut = rng.range(0, n as u64) as usize;
-                let (first, second) = chunk[..n].split_at_mut(cut);
-                let got = stream.read(&mut [IoSliceMut::new(first), IoSliceMut::new(second)]);
-                for (i, &byte) in chunk[..got].iter().enumerate() {
+            if reading {
+                stream.read_into(&mut to);
+                let got = to.filled();
+                for (i, &byte) in pieces.iter().flat_map(|p| p.iter()).take(got).enumerate() {
                     let at = read[side] + i as u64;
                     if byte != pattern(opts.seed, 1 - side, at) {
                         return Err(fail(step, &clock, format!("side {side} read a wrong byte at {at}")));
@@ -558,7 +592,7 @@ impl Side {
     /// What arrived on every link: probes to the bundle (answered on their link), the rest to
     /// the stream (from links whose peer is known); then the bundle's checks and the timers.
     /// The raw-Ethernet driver (`transport::eth`) does the same with its sockets.
-    fn take_in(&mut self, now: u64, buf: &mut [u8]) {
+    fn take_in(&mut self, now: u64, buf: &mut [u8], mut to: Option<&mut ReadCursor<'_, '_>>) {
         for (p, end) in self.ends.iter().enumerate() {
             let mut data = 0;
             while let Some(n) = end.recv(buf) {
@@ -572,7 +606,12 @@ impl Side {
                         }
                     }
                 } else if self.bundle.known(p) {
-                    self.stream.handle_datagram(now, datagram);
+                    match to.as_deref_mut() {
+                        Some(to) => {
+                            self.stream.handle_datagram_into(now, datagram, to);
+                        }
+                        None => self.stream.handle_datagram(now, datagram),
+                    }
                     data += 1;
                 }
             }
@@ -634,6 +673,8 @@ pub fn add_counters(a: &mut Counters, b: &Counters) {
     a.ignored += b.ignored;
     a.stream_bytes_written += b.stream_bytes_written;
     a.stream_bytes_read += b.stream_bytes_read;
+    a.stream_bytes_placed += b.stream_bytes_placed;
+    a.dsacks_received += b.dsacks_received;
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use proto::bundle::{is_probe, Bundle, BundleConfig, PathEvent};
-use proto::reliable::{Counters, DatagramStream, ReliableConfig, State};
+use proto::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
 use wire::datagram::{DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
 use crate::endpoint::format_mac;
@@ -312,6 +312,13 @@ impl EthStream {
     /// Take in what arrived, fire due timers, send what is due. Call whenever the socket is
     /// readable or [`timeout`](Self::timeout) has passed (`recv` and `send` call it too).
     pub fn drive(&mut self) -> io::Result<()> {
+        self.drive_into(None)
+    }
+
+    /// As [`drive`](Self::drive); what arrives in order while `to` has room goes straight from
+    /// the receive ring into it (`DatagramStream::handle_datagram_into`): one copy of received
+    /// bytes instead of two.
+    fn drive_into(&mut self, mut to: Option<&mut ReadCursor<'_, '_>>) -> io::Result<()> {
         let now = self.now_us();
         let bundled = self.paths.len() > 1;
         let mut arrived = 0;
@@ -331,7 +338,12 @@ impl EthStream {
                     }
                 } else if peer.is_some() {
                     // Until its peer is known, a path takes nothing but probes.
-                    stream.handle_datagram(now, datagram);
+                    match to.as_deref_mut() {
+                        Some(to) => {
+                            stream.handle_datagram_into(now, datagram, to);
+                        }
+                        None => stream.handle_datagram(now, datagram),
+                    }
                     data += 1;
                 }
             });
@@ -492,8 +504,13 @@ impl EthStream {
 
 impl FrameIo for EthStream {
     fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        self.drive()?;
-        let n = self.stream.read(bufs);
+        // What waits in the stream's buffer comes first; then what arrives in order goes
+        // straight from the ring into `bufs`, and what filled a gap behind it after that.
+        let mut to = ReadCursor::new(bufs);
+        self.stream.read_into(&mut to);
+        self.drive_into(Some(&mut to))?;
+        self.stream.read_into(&mut to);
+        let n = to.filled();
         if n > 0 {
             return Ok(n);
         }

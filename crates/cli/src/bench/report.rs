@@ -418,7 +418,7 @@ pub fn print_table(s: &Summary) {
                 .as_ref()
                 .map(|l| {
                     let mut line = format!(
-                        "{} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped; {} DSACKs, reordering window {} µs",
+                        "{} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped; {} DSACKs, reordering window {} µs; {:.0}% of received bytes placed from the ring",
                         grouped(l.datagrams_sent),
                         grouped(l.datagrams_received),
                         grouped(l.retransmitted_timeout),
@@ -426,7 +426,8 @@ pub fn print_table(s: &Summary) {
                         grouped(l.duplicates),
                         grouped(l.corrupt),
                         grouped(l.dsacks_received),
-                        l.reorder_window_us
+                        l.reorder_window_us,
+                        100.0 * l.stream_bytes_placed as f64 / l.stream_bytes_read.max(1) as f64
                     );
                     if l.paths.len() > 1 {
                         for p in &l.paths {

@@ -583,3 +583,58 @@ fn duplicates_reported_back_widen_the_reordering_window_until_reordering_costs_n
     assert_eq!(b.duplicates, a.retransmitted_gap + a.retransmitted_timeout, "every resend was a duplicate");
     assert!(a.reorder_window_us >= 150, "{a:?}");
 }
+
+/// `handle_datagram_into` places only what is next in order with nothing unread before it:
+/// the rest waits in the receive buffer, and every byte is read once, in order.
+#[test]
+fn in_order_datagrams_are_placed_straight_into_the_readers_buffers() {
+    let cfg = ReliableConfig { payload_bytes_max: 100, ..config() };
+    let (mut a, mut b) = (DatagramStream::new(&cfg, 7, 5, 9), DatagramStream::new(&cfg, 7, 9, 5));
+    let sent: Vec<u8> = (0..300).map(|i| pattern(0, i)).collect();
+    assert_eq!(a.write(&[IoSlice::new(&sent)]), 300);
+    let mut buf = vec![0; cfg.datagram_len_max()];
+    let mut datagrams = Vec::new();
+    while let Some(n) = a.poll_transmit(0, &mut buf) {
+        datagrams.push(buf[..n].to_vec());
+    }
+    assert_eq!(datagrams.len(), 3);
+
+    let mut got = [0u8; 400];
+    let (first, rest) = got.split_at_mut(120);
+    let (second, third) = rest.split_at_mut(130);
+    let mut pieces = [IoSliceMut::new(first), IoSliceMut::new(second)];
+    let mut to = ReadCursor::new(&mut pieces);
+    // Out of order: buffered, not placed.
+    assert_eq!(b.handle_datagram_into(10, &datagrams[1], &mut to), 0);
+    // The first: placed whole. The second now waits in the buffer, behind nothing.
+    assert_eq!(b.handle_datagram_into(11, &datagrams[0], &mut to), 100);
+    assert_eq!(b.read_into(&mut to), 100);
+    // The third: half of it fits.
+    assert_eq!(b.handle_datagram_into(12, &datagrams[2], &mut to), 50);
+    assert!(to.is_full());
+    assert_eq!(to.filled(), 250);
+    // A copy of the first is a duplicate, placed nowhere.
+    let mut more = [IoSliceMut::new(third)];
+    let mut to = ReadCursor::new(&mut more);
+    assert_eq!(b.handle_datagram_into(13, &datagrams[0], &mut to), 0);
+    assert_eq!(b.read_into(&mut to), 50);
+    assert_eq!(b.read_into(&mut to), 0);
+    assert_eq!(&got[..300], &sent[..]);
+    let c = b.counters();
+    assert_eq!((c.stream_bytes_read, c.stream_bytes_placed, c.duplicates, c.out_of_order), (300, 150, 1, 1));
+
+    // A Close is never placed: the end of the stream is read after every byte, as ever.
+    a.handle_datagram(20, &{
+        let n = b.poll_transmit(20, &mut buf).expect("b owes an ack");
+        buf[..n].to_vec()
+    });
+    a.close();
+    let n = a.poll_transmit(21, &mut buf).expect("the Close");
+    let mut room = [0u8; 10];
+    let mut pieces = [IoSliceMut::new(&mut room)];
+    let mut to = ReadCursor::new(&mut pieces);
+    assert_eq!(b.handle_datagram_into(22, &buf[..n], &mut to), 0);
+    assert!(!b.peer_closed());
+    assert_eq!(b.read_into(&mut to), 0);
+    assert!(b.peer_closed());
+}
