@@ -20,6 +20,7 @@ makes is removed at the end, even on failure.
     python3 bench/ethernet.py --table2             # Tyche Table II: QD 1, 4-128 KiB, per stage, eth and TCP
     python3 bench/ethernet.py --shape 10gbit --data-batching   # Tyche VI.B: 4 KiB frames against 8 KiB
     python3 bench/ethernet.py --bundle [--shape 2gbit]         # NIC bundling: 1 link against 2
+    python3 bench/ethernet.py --bundle --shape 2gbit,500mbit   # ... of two speeds
 
 With --shape RATE both ends of the pair are shaped with `tc qdisc ... tbf rate RATE` and the
 sweep is Tyche's (Figures 5 and 7): 1 to 128 threads x 4 outstanding 4 KiB random reads on
@@ -34,7 +35,8 @@ the target restarts with the setting for each run.
 With --bundle a second veth pair joins the namespace, the target serves both as one bundle
 (`--eth FAR --eth FAR2`), and the sweep runs skiff-eth over one link (eth:NEAR/MAC) against
 the same over both (eth:NEAR+NEAR2/MAC); with --shape each of the four ends is shaped, so the
-bundle's ceiling is twice one link's.
+bundle's ceiling is twice one link's; `--shape A,B` shapes the first pair to A and the second
+to B, a bundle of links of different speeds.
 
 Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle}-<timestamp>.json (and a .png of each sweep), and
 prints a Markdown table.
@@ -76,13 +78,15 @@ def tc_rate_bytes(rate):
     raise SystemExit(f"--shape {rate}: use a tc rate such as 10gbit or 500mbit")
 
 
-def shape(rate, pairs):
+def shape(rates, pairs):
     """A token bucket on each end's egress of each (near, far) pair: requests one way, replies
-    the other. Sessions then go through the queueing discipline (SKIFF_ETH_QDISC=on, for every
-    skiff started here), which they otherwise bypass."""
+    the other; `rates` is a tc rate, or one per pair separated by commas (a bundle of links of
+    different speeds). Sessions then go through the queueing discipline (SKIFF_ETH_QDISC=on,
+    for every skiff started here), which they otherwise bypass."""
     os.environ["SKIFF_ETH_QDISC"] = "on"
-    tbf = ["root", "tbf", "rate", rate, "burst", "2mb", "latency", "20ms"]
-    for near, far in pairs:
+    rates = rates.split(",")
+    for i, (near, far) in enumerate(pairs):
+        tbf = ["root", "tbf", "rate", rates[min(i, len(rates) - 1)], "burst", "2mb", "latency", "20ms"]
         sh(["tc", "qdisc", "add", "dev", near, *tbf])
         sh(["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", far, *tbf])
 
@@ -278,7 +282,8 @@ def shaped_sweep(a, variants, name, fields, title, eth=(FAR,), links=1):
     """Tyche's sweep (1 to 128 threads x 4 outstanding 4 KiB I/Os on shared lanes) over
     `variants`; with --shape, payload as a share of the shaped rate of one link (`links`
     links: the share of all of them too). Prints a table; returns 0."""
-    rate = tc_rate_bytes(a.shape) if a.shape else None
+    rates = [tc_rate_bytes(r) for r in a.shape.split(",")] if a.shape else []
+    rate = rates[0] if rates else None
     threads = [int(t) for t in a.threads.split(",")]
 
     def measure(target, t):
@@ -312,7 +317,8 @@ def shaped_sweep(a, variants, name, fields, title, eth=(FAR,), links=1):
             cells.append(f"{r['client_cpu_us_per_io'] + r['server_cpu_us_per_io']:.2f}")
         print(f"| {t} | " + " | ".join(cells) + " |")
     if links > 1 and rate:
-        print(f"\n(The bundle's ceiling is {links} links: {100 * links:.0f}% of one.)")
+        ceiling = sum(rates[min(i, len(rates) - 1)] for i in range(links)) / rate
+        print(f"\n(\"Of one link\" is of the first link's rate; the bundle's ceiling is {100 * ceiling:.0f}% of it.)")
     return 0
 
 
@@ -364,7 +370,8 @@ def main():
     p.add_argument("--runtime", type=int, default=3)
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--shape", metavar="RATE", help="shape the pair with tc tbf (e.g. 10gbit) and sweep threads x QD 4")
+    p.add_argument("--shape", metavar="RATE", help="shape the pair with tc tbf (e.g. 10gbit) and sweep threads x QD 4; "
+                   "with --bundle one rate per link may be given (2gbit,500mbit)")
     p.add_argument("--threads", default="1,2,4,8,16,32,64,128", help="with --shape: thread counts")
     p.add_argument("--rw", default="randread", choices=["randread", "randwrite"], help="with --shape: the direction")
     p.add_argument("--table2", action="store_true",
@@ -383,6 +390,8 @@ def main():
         raise SystemExit("root is needed: network namespaces and raw sockets")
     if a.data_batching and not a.shape:
         raise SystemExit("--data-batching needs --shape RATE: it measures link utilisation")
+    if a.shape and "," in a.shape and (not a.bundle or a.shape.count(",") > 1):
+        raise SystemExit("--shape takes two rates (one per link) only with --bundle")
     mac = setup(bundle=a.bundle)
     if a.table2:
         return table2(a, mac)

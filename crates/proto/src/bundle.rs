@@ -10,10 +10,17 @@
 //! # The mechanism (docs/PROTOCOL.md, section 16.8, is the specification)
 //!
 //! - **Spreading.** Each send of the driver (all the datagrams one drive has ready) goes on one
-//!   working path: the one that has carried the fewest bytes ([`Bundle::pick`]), so links of
-//!   one speed queue alike; the datagrams of a burst stay in order on one link.
-//!   When no path works, sends go round robin over the paths whose peer is known, and the
-//!   stream's own timers decide whether the peer is dead.
+//!   working path: the one that drains the bytes already in flight on it soonest
+//!   ([`Bundle::pick`]; earliest completion first, as MPTCP's ECF scheduler, for links of one
+//!   segment, whose round trips differ only by their queues). Each path measures its delivery
+//!   rate from the acknowledgements of the bursts it carried (bytes acknowledged over the time
+//!   they took, as BBR samples it, smoothed by eighths). So a slow link carries a burst only
+//!   when the fast one's queue would hold it longer, the stream's single sequence space is not
+//!   held up behind the slow link's datagrams, and links of one speed share alike. Until every
+//!   working path has an estimate, the one with the fewest bytes in flight goes; ties go to
+//!   the one that has carried the fewest bytes, then round robin. The datagrams of a burst
+//!   stay in order on one link. When no path works, sends go round robin over the paths whose
+//!   peer is known, and the stream's own timers decide whether the peer is dead.
 //! - **Probes.** Once the peer has been heard from, every path is probed with a Probe datagram
 //!   (`kind` 18), answered with a ProbeAck (`kind` 19) on the same path, its number echoed
 //!   ([`Bundle::poll_probe`], [`Bundle::on_probe`]). Probes belong to the link layer; the
@@ -37,7 +44,26 @@
 //! Nothing here reads a clock or does I/O; time is a `now` in microseconds passed in. A bundle
 //! of one path never probes: the stream's keepalives already watch its only link.
 
+use std::collections::VecDeque;
+
 use wire::datagram::{DatagramHeader, DatagramKind};
+
+/// Most bursts a path remembers in flight; past it a burst is counted with the one before.
+const IN_FLIGHT_BURSTS_MAX: usize = 1024;
+/// How long a path's least round trip stands before a larger one replaces it.
+const LEAST_RTT_WINDOW_US: u64 = 1_000_000;
+
+/// A burst sent on a path and not yet known to have arrived.
+#[derive(Debug, Clone, Copy)]
+struct Burst {
+    /// The sequence number of its last datagram the peer acknowledges.
+    seq: u32,
+    bytes: u64,
+    sent_at_us: u64,
+    /// The path's delivered bytes, and when they were last counted, as it left.
+    delivered_before: u64,
+    delivered_at_before_us: u64,
+}
 
 /// The timers and thresholds of a [`Bundle`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,8 +157,19 @@ struct PathState {
     /// The probe waiting for its answer: (number, sent at).
     probe_out: Option<(u32, u64)>,
     probes_missed: u32,
-    /// Bytes sent on the path while it worked, the measure the spreading evens out.
+    /// Bytes sent on the path while it worked: the spreading's tie-break.
     load_bytes: u64,
+    /// The bursts sent on the path and not yet known to have arrived, oldest first, and their
+    /// bytes.
+    in_flight: VecDeque<Burst>,
+    in_flight_bytes: u64,
+    /// Bytes of bursts known to have arrived, and when the last of them was learnt.
+    delivered_bytes: u64,
+    delivered_at_us: u64,
+    /// Delivery rate in bytes per millisecond (0: no estimate yet), and the least round trip
+    /// of a burst with when it was seen (`None`: none yet).
+    rate_bytes_per_ms: u64,
+    least_rtt: Option<(u64, u64)>,
     counters: PathCounters,
 }
 
@@ -167,6 +204,12 @@ impl Bundle {
                 probe_out: None,
                 probes_missed: 0,
                 load_bytes: 0,
+                in_flight: VecDeque::new(),
+                in_flight_bytes: 0,
+                delivered_bytes: 0,
+                delivered_at_us: 0,
+                rate_bytes_per_ms: 0,
+                least_rtt: None,
                 counters: PathCounters { up: known, ..PathCounters::default() },
             })
             .collect();
@@ -200,27 +243,67 @@ impl Bundle {
         self.turn = path % self.paths.len().max(1);
     }
 
-    /// The path the next send goes on: the working one that has carried the fewest bytes
-    /// (ties in round robin), so that links of one speed queue alike and the datagrams of the
-    /// two reach the peer in about the order they left; when none works, the next one whose
-    /// peer is known.
+    /// The path the next send goes on: the working one that drains what is in flight on it
+    /// soonest, at its delivery rate (the fewest bytes in flight while any working path lacks
+    /// an estimate; ties: the one that has carried the fewest bytes, then round robin), so
+    /// that the datagrams of the paths reach the peer in about the order they left, whatever
+    /// each link's speed; when none works, the next one whose peer is known.
     pub fn pick(&self) -> Option<usize> {
         let n = self.paths.len();
         let order = (0..n).map(|k| (self.turn + k) % n);
-        order
-            .clone()
-            .filter(|&i| self.paths[i].counters.up)
-            .min_by_key(|&i| self.paths[i].load_bytes)
-            .or_else(|| order.clone().find(|&i| self.paths[i].known))
+        let up = order.clone().filter(|&i| self.paths[i].counters.up);
+        let estimated = up.clone().all(|i| self.paths[i].drain_us().is_some());
+        up.min_by_key(|&i| {
+            let p = &self.paths[i];
+            let first = if estimated { p.drain_us().unwrap_or(0) } else { p.in_flight_bytes };
+            (first, p.load_bytes)
+        })
+        .or_else(|| order.clone().find(|&i| self.paths[i].known))
     }
 
-    /// `datagrams` of `bytes` left on `path`, `sequenced` the sequence number of one of them
-    /// that the peer acknowledges (Data, Close), if any did.
+    /// Bytes sent on `path` and not yet known to have arrived (0 while it is down: what was on
+    /// it is the stream's to send again).
+    pub fn in_flight_bytes(&self, path: usize) -> u64 {
+        self.paths[path].in_flight_bytes
+    }
+
+    /// `path`'s estimates: its delivery rate in bytes per millisecond and its least round
+    /// trip in µs (`None` before its first acknowledged burst).
+    pub fn estimates(&self, path: usize) -> Option<(u64, u64)> {
+        let p = &self.paths[path];
+        p.least_rtt.filter(|_| p.rate_bytes_per_ms > 0).map(|(rtt, _)| (p.rate_bytes_per_ms, rtt))
+    }
+
+    /// `datagrams` of `bytes` left on `path`, `sequenced` the sequence number of the last of
+    /// them that the peer acknowledges (Data, Close), if any did.
     pub fn on_sent(&mut self, path: usize, now: u64, datagrams: u64, bytes: u64, sequenced: Option<u32>) {
         let p = &mut self.paths[path];
         p.counters.datagrams_sent += datagrams;
         if p.counters.up {
             p.load_bytes += bytes;
+            if let Some(seq) = sequenced {
+                let full = p.in_flight.len() >= IN_FLIGHT_BURSTS_MAX;
+                match p.in_flight.back_mut() {
+                    Some(last) if full => {
+                        last.seq = seq;
+                        last.bytes += bytes;
+                    }
+                    _ => {
+                        if p.in_flight.is_empty() {
+                            // Idle until now: the rate is measured from this send on.
+                            p.delivered_at_us = now;
+                        }
+                        p.in_flight.push_back(Burst {
+                            seq,
+                            bytes,
+                            sent_at_us: now,
+                            delivered_before: p.delivered_bytes,
+                            delivered_at_before_us: p.delivered_at_us,
+                        });
+                    }
+                }
+                p.in_flight_bytes += bytes;
+            }
         }
         if let (None, Some(seq)) = (p.marker, sequenced) {
             p.marker = Some((seq, now));
@@ -240,11 +323,24 @@ impl Bundle {
         }
     }
 
-    /// Clear the markers of the paths whose marked datagram has arrived: `delivered(seq)` says
-    /// whether the stream has had it acknowledged
+    /// Take the bursts known to have arrived out of each path's bytes in flight, and clear the
+    /// markers of the paths whose marked datagram has arrived: `delivered(seq)` says whether
+    /// the stream has had it acknowledged
     /// ([`DatagramStream::delivered`](crate::reliable::DatagramStream::delivered)).
-    pub fn on_delivered(&mut self, delivered: impl Fn(u32) -> bool) {
+    /// Each burst's acknowledgement at `now` is a sample of its path's delivery rate and round
+    /// trip.
+    pub fn on_delivered(&mut self, now: u64, delivered: impl Fn(u32) -> bool) {
         for p in &mut self.paths {
+            while let Some(&burst) = p.in_flight.front() {
+                if !delivered(burst.seq) {
+                    break;
+                }
+                p.in_flight.pop_front();
+                p.in_flight_bytes -= burst.bytes;
+                p.delivered_bytes += burst.bytes;
+                p.delivered_at_us = now;
+                p.sample(now, &burst);
+            }
             let Some((seq, since)) = p.marker else { continue };
             // A copy sent again on another path proves nothing of this one, unless this path
             // has heard from the peer since its datagram left.
@@ -302,8 +398,11 @@ impl Bundle {
 
     /// Leave out the working paths whose marked datagram has not arrived within
     /// `silence_down_us`, or three of the stream's retransmission timeouts (`rto_us`, as its
-    /// round trips call for, before any backoff: queues can hold a datagram that long), while
-    /// another path heard from the peer after it left.
+    /// round trips call for, before any backoff: queues can hold a datagram that long), or
+    /// three of the path's own round trips (its probes', and its least round trip plus the
+    /// time to drain what is in flight on it: a slow link of a bundle queues longer than the
+    /// stream's round trips, which mix all the paths'), while another path heard from the
+    /// peer after it left.
     pub fn check(&mut self, now: u64, rto_us: u64) {
         if self.paths.len() < 2 {
             return;
@@ -312,6 +411,8 @@ impl Bundle {
         for i in 0..self.paths.len() {
             let p = &self.paths[i];
             let Some((_, since)) = p.marker.filter(|_| p.counters.up) else { continue };
+            let own = p.counters.srtt_us.max(p.arrival_us().unwrap_or(0));
+            let silence = silence.max(own.saturating_mul(3));
             let others_heard = self
                 .paths
                 .iter()
@@ -424,10 +525,44 @@ impl Bundle {
         p.counters.up = false;
         p.counters.downs += 1;
         p.marker = None;
+        p.in_flight.clear();
+        p.in_flight_bytes = 0;
         p.probe_gap_us = self.config.probe_down_min_us;
         p.next_probe_us = now;
         p.probe_out = None;
         self.events.push(PathEvent::Down { path, reason });
+    }
+}
+
+impl PathState {
+    /// How long the path takes to deliver what is in flight on it, at its delivery rate
+    /// (`None` before its first estimate).
+    fn drain_us(&self) -> Option<u64> {
+        (self.rate_bytes_per_ms > 0).then(|| self.in_flight_bytes * 1000 / self.rate_bytes_per_ms)
+    }
+
+    /// When a burst sent now should be known to have arrived, from now: the least round trip
+    /// plus the time to drain what is in flight (`None` without both estimates).
+    fn arrival_us(&self) -> Option<u64> {
+        Some(self.least_rtt?.0 + self.drain_us()?)
+    }
+
+    /// `burst` was acknowledged at `now`: a round trip, and a delivery rate over the time since
+    /// the path's last acknowledgement before it left (BBR's delivery rate sample), smoothed by
+    /// eighths as SRTT is. (A path that carries less than it could measures less than it can
+    /// carry; it then has little in flight, and its round trip alone decides its arrival.)
+    fn sample(&mut self, now: u64, burst: &Burst) {
+        let rtt = now.saturating_sub(burst.sent_at_us).max(1);
+        self.least_rtt = match self.least_rtt {
+            Some((least, at)) if least <= rtt && now.saturating_sub(at) < LEAST_RTT_WINDOW_US => {
+                Some((least, at))
+            }
+            _ => Some((rtt, now)),
+        };
+        let elapsed = now.saturating_sub(burst.delivered_at_before_us).max(1);
+        let rate = (self.delivered_bytes - burst.delivered_before).saturating_mul(1000) / elapsed;
+        self.rate_bytes_per_ms =
+            if self.rate_bytes_per_ms == 0 { rate } else { (7 * self.rate_bytes_per_ms + rate) / 8 };
     }
 }
 
@@ -470,14 +605,59 @@ mod tests {
         assert_eq!(b.poll_event(), Some(PathEvent::Found { path: 1 }));
         assert_eq!(a.poll_event(), Some(PathEvent::Found { path: 1 }));
         assert_eq!(a.counters(1).probes_answered, 1);
-        // Path 1 starts level with path 0, then the one with fewer bytes carries the next send.
+        // Path 1 starts level with path 0, then the one with fewer bytes in flight carries the
+        // next send.
         assert_eq!(a.pick(), Some(1));
         a.on_sent(1, 30, 1, 1_000, Some(3));
         assert_eq!(a.pick(), Some(0));
         a.on_sent(0, 31, 1, 100, Some(4));
-        assert_eq!(a.pick(), Some(0), "path 0 has carried 400 bytes, path 1 1,300");
+        assert_eq!(a.pick(), Some(0), "path 0 has 400 bytes in flight, path 1 1,000");
         a.on_sent(0, 32, 1, 1_000, Some(5));
         assert_eq!(a.pick(), Some(1));
+    }
+
+    /// Two working paths, one four times as fast as the other (8,000 and 2,000 bytes a µs,
+    /// 10 µs each way), loaded to 90% of both with a 9,000-byte burst every µs, more than the
+    /// fast one carries alone. The fast path carries what it can, the slow one the rest, and
+    /// bursts arrive in about the order they left: none overtakes one sent before it by more
+    /// than a few µs, so a single sequence space is not held up behind the slow link.
+    #[test]
+    fn links_of_two_speeds_share_by_speed_and_keep_the_order_of_arrival() {
+        let mut a = Bundle::new(BundleConfig::default(), 7, &[true, true], false);
+        let (speed, delay) = ([8_000u64, 2_000], 10u64);
+        let mut free_at = [0u64; 2];
+        let mut acks: Vec<(u64, u32)> = Vec::new(); // (acknowledged at, seq)
+        let mut arrived = std::collections::HashSet::new();
+        let (mut carried, mut latest, mut overtaken_by) = ([0u64; 2], 0u64, 0u64);
+        for now in 0..20_000u64 {
+            acks.retain(|&(at, seq)| {
+                if at <= now {
+                    arrived.insert(seq);
+                }
+                at > now
+            });
+            a.on_delivered(now, |seq| arrived.contains(&seq));
+            let path = a.pick().expect("two working paths");
+            let seq = now as u32;
+            a.on_sent(path, now, 1, 9_000, Some(seq));
+            carried[path] += 9_000;
+            let arrives = (now + delay).max(free_at[path]) + 9_000 / speed[path];
+            free_at[path] = arrives;
+            acks.push((arrives + delay, seq));
+            if now > 1_000 {
+                overtaken_by = overtaken_by.max(latest.saturating_sub(arrives));
+            }
+            latest = latest.max(arrives);
+        }
+        let share = carried[0] as f64 / (carried[0] + carried[1]) as f64;
+        assert!((0.78..0.89).contains(&share), "fast path's share {share}: {carried:?}");
+        assert!(overtaken_by < 20, "a burst arrived {overtaken_by} µs before one sent ahead of it");
+        let (fast, slow) = (a.estimates(0).unwrap(), a.estimates(1).unwrap());
+        assert!(fast.0 > 2 * slow.0, "rates {fast:?} {slow:?}");
+        // A path that goes down forgets what it had in flight: the stream sends that again.
+        assert!(a.in_flight_bytes(1) > 0);
+        a.on_send_failed(1, 20_000);
+        assert_eq!(a.in_flight_bytes(1), 0);
     }
 
     #[test]
@@ -486,7 +666,7 @@ mod tests {
         a.on_sent(1, 1_000, 4, 4_000, Some(10));
         a.on_received(0, 2_000, 4);
         // Acknowledgements of what path 0 carried do not clear path 1's marker.
-        a.on_delivered(|seq| seq < 10);
+        a.on_delivered(6_000, |seq| seq < 10);
         a.check(5_000, 500);
         assert!(a.counters(1).up, "not silent for long enough yet");
         a.check(6_001, 500);
@@ -513,7 +693,7 @@ mod tests {
         // Path 1's datagram was acknowledged through path 0: path 1 works.
         a.on_sent(1, 1_000_000, 1, 100, Some(5));
         a.on_received(0, 1_000_100, 1);
-        a.on_delivered(|seq| seq <= 5);
+        a.on_delivered(0, |seq| seq <= 5);
         a.check(2_000_000, 500);
         assert!(a.counters(1).up);
         // Deep queues: a long retransmission timeout stretches the silence allowed.
@@ -537,7 +717,7 @@ mod tests {
         a.on_sequenced(10);
         a.on_sent(0, 1_300, 1, 100, Some(10));
         a.on_received(0, 1_400, 1);
-        a.on_delivered(|seq| seq <= 10);
+        a.on_delivered(0, |seq| seq <= 10);
         a.check(7_000, 500);
         assert!(!a.counters(1).up, "path 1 delivered nothing itself");
         // Had path 1 heard from the peer since, the copy would prove nothing against it.
@@ -546,7 +726,7 @@ mod tests {
         b.on_sequenced(10);
         b.on_received(1, 1_200, 1);
         b.on_received(0, 1_400, 1);
-        b.on_delivered(|seq| seq <= 10);
+        b.on_delivered(0, |seq| seq <= 10);
         b.check(7_000, 500);
         assert!(b.counters(1).up);
     }

@@ -427,7 +427,7 @@ pub fn bundle(data: &[u8]) {
             3 => b.on_send_failed(path, now),
             4 => {
                 let cut = seq.wrapping_sub(u32::from(input.byte()));
-                b.on_delivered(|s| (s.wrapping_sub(cut) as i32) < 0);
+                b.on_delivered(now, |s| (s.wrapping_sub(cut) as i32) < 0);
             }
             5 => {
                 now += u64::from(input.u16()) * 16;

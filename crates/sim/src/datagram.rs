@@ -618,7 +618,7 @@ impl Side {
             self.bundle.on_received(p, now, data);
         }
         let stream = &self.stream;
-        self.bundle.on_delivered(|seq| stream.delivered(seq));
+        self.bundle.on_delivered(now, |seq| stream.delivered(seq));
         self.bundle.check(now, stream.rto_estimate_us());
         while self.bundle.poll_event().is_some() {}
         self.stream.handle_timeout(now);

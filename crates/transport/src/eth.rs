@@ -371,7 +371,7 @@ impl EthStream {
                 }
             }
             let stream = &self.stream;
-            self.bundle.on_delivered(|seq| stream.delivered(seq));
+            self.bundle.on_delivered(now, |seq| stream.delivered(seq));
             self.bundle.check(now, stream.rto_estimate_us());
         }
         if self.stream.poll_timeout().is_some_and(|due| due <= now) {
