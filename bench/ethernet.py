@@ -18,6 +18,7 @@ makes is removed at the end, even on failure.
     python3 bench/ethernet.py --shape 10gbit       # Tyche Fig. 5: link utilisation, 1-128 threads x QD 4
     python3 bench/ethernet.py --shape 10gbit --rw randwrite    # Tyche Fig. 7: the same for writes
     python3 bench/ethernet.py --table2             # Tyche Table II: QD 1, 4-128 KiB, per stage, eth and TCP
+    python3 bench/ethernet.py --drivers            # AF_XDP against AF_PACKET (and TCP), QD 1-128
     python3 bench/ethernet.py --shape 10gbit --data-batching   # Tyche VI.B: 4 KiB frames against 8 KiB
     python3 bench/ethernet.py --bundle [--shape 2gbit]         # NIC bundling: 1 link against 2
     python3 bench/ethernet.py --bundle --shape 2gbit,500mbit   # ... of two speeds
@@ -38,7 +39,7 @@ the same over both (eth:NEAR+NEAR2/MAC); with --shape each of the four ends is s
 bundle's ceiling is twice one link's; `--shape A,B` shapes the first pair to A and the second
 to B, a bundle of links of different speeds.
 
-Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle}-<timestamp>.json (and a .png of each sweep), and
+Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle,drivers}-<timestamp>.json (and a .png of each sweep), and
 prints a Markdown table.
 """
 import argparse
@@ -343,6 +344,47 @@ def bundle(a, mac):
                         eth=(FAR, FAR2), links=2)
 
 
+def drivers(a, mac, qds):
+    """AF_XDP against AF_PACKET under skiff-eth, and skiff-tcp beside them, at each QD. The target
+    restarts for every run with the driver of that run (SKIFF_ETH_DRIVER), the bench's lane is
+    the first session on each end, so it gets the AF_XDP socket; a run of skiff-xdp whose lane
+    did not get it is an error."""
+    eth = f"eth:{NEAR}/{mac}"
+    variants = [("skiff-eth", eth, {"SKIFF_ETH_DRIVER": "packet"}), ("skiff-xdp", eth, {"SKIFF_ETH_DRIVER": "xdp"}),
+                ("skiff-tcp", f"{FAR_IP}:7070", {"SKIFF_ETH_DRIVER": "packet"})]
+
+    def measure(target, qd):
+        r = skiff_bench(a, target, qd)
+        link = r.get("client_link") or {}
+        r["driver"] = (link.get("paths") or [{}])[0].get("driver")
+        if os.environ.get("SKIFF_ETH_DRIVER") == "xdp" and r["driver"] != "af_xdp":
+            raise RuntimeError(f"skiff-xdp at QD {qd} ran over {r['driver']}, not AF_XDP")
+        return r
+    names = [v for v, _, _ in variants]
+    runs = alternate(a, variants, qds, measure, lambda q: f"QD {q:>3}")
+    med = {k: median_record(v) for k, v in runs.items()}
+    base = save(a, "drivers", {}, [{"system": s, "qd": q, **med[(s, q)], "repetitions": runs[(s, q)]}
+                                   for (s, q) in runs])
+    title = f"AF_XDP against AF_PACKET, 4 KiB random reads, one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat})"
+    png = plot(base + ".png", qds, "queue depth", med, names, title)
+    print(f"{title}; {base}.json" + (f", {png}" if png else ""))
+    print()
+    print("| QD | system | IOPS | mean µs | CPU µs/I/O client | server | total | ÷ skiff-eth | ÷ skiff-tcp |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for q in qds:
+        total = {s: med[(s, q)]["client_cpu_us_per_io"] + med[(s, q)]["server_cpu_us_per_io"]
+                 for s in names if (s, q) in med}
+        for s in names:
+            r = med.get((s, q))
+            if not r:
+                continue
+            eth_ratio = f"{total[s] / total['skiff-eth']:.2f}" if "skiff-eth" in total else ""
+            tcp_ratio = f"{total[s] / total['skiff-tcp']:.2f}" if "skiff-tcp" in total else ""
+            print(f"| {q} | {s} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | {r['client_cpu_us_per_io']:.2f} | "
+                  f"{r['server_cpu_us_per_io']:.2f} | {total[s]:.2f} | {eth_ratio} | {tcp_ratio} |")
+    return 0
+
+
 def table2(a, mac):
     """Tyche Table II over raw Ethernet and TCP: QD 1 by size, with skiff bench's stages."""
     points = [(rw, bs) for rw in ("randread", "randwrite") for bs in ("4k", "8k", "64k", "128k")]
@@ -378,6 +420,8 @@ def main():
                    help="Tyche Table II: QD 1 at 4, 8, 64 and 128 KiB, reads and writes, per stage, eth against TCP")
     p.add_argument("--data-batching", action="store_true",
                    help="with --shape: skiff-eth with 8 KiB frames (two 4 KiB data messages each) against 4 KiB frames")
+    p.add_argument("--drivers", action="store_true",
+                   help="skiff-eth over AF_XDP (SKIFF_ETH_DRIVER=xdp) against AF_PACKET and skiff-tcp, at --qds")
     p.add_argument("--bundle", action="store_true",
                    help="a second veth pair: skiff-eth over one link against a bundle of two (with --shape: each shaped)")
     add_placement_args(p, "rounds, the systems alternating (default 3)")
@@ -395,6 +439,8 @@ def main():
     mac = setup(bundle=a.bundle)
     if a.table2:
         return table2(a, mac)
+    if a.drivers:
+        return drivers(a, mac, qds)
     if a.shape:
         try:
             shape(a.shape, [(NEAR, FAR)] + ([(NEAR2, FAR2)] if a.bundle else []))

@@ -1,5 +1,6 @@
 //! Sessions of skiff's native protocol over raw Ethernet: `proto::reliable`'s
-//! [`DatagramStream`] driven over a [`PacketSocket`], behind [`FrameIo`], so that everything
+//! [`DatagramStream`] driven over a [`PacketSocket`] (or, with `SKIFF_ETH_DRIVER=xdp`, an
+//! [`XdpSocket`] where the interface allows: [`Driver`]), behind [`FrameIo`], so that everything
 //! above (the client session, the target's front end) runs over it as over TCP.
 //!
 //! [`EthStream`] is the driver of one session: it feeds the datagrams that arrive from its
@@ -33,6 +34,7 @@ use wire::datagram::{DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
 use crate::endpoint::format_mac;
 use crate::packet::{bpf, Bpf, Mac, PacketSocket, RingConfig, BROADCAST, ETHERTYPE, ETH_HEADER_LEN};
+use crate::xdp::XdpSocket;
 use crate::FrameIo;
 
 /// Where the datagram header's fields sit in a frame (after the 14-byte Ethernet header;
@@ -45,10 +47,48 @@ const SEQ_OFFSET: u32 = (ETH_HEADER_LEN + 8) as u32;
 /// SRTT / 4 when that is more).
 const BUNDLE_REORDER_WINDOW_US: u64 = 100;
 
+/// What carries a session's frames on each interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Driver {
+    /// AF_PACKET's memory-mapped rings ([`PacketSocket`]): the default, everywhere.
+    #[default]
+    Packet,
+    /// AF_XDP ([`XdpSocket`]), where the interface allows (one receive queue, nothing else of
+    /// this process bound to it): a session that cannot have it falls back to AF_PACKET.
+    Xdp,
+}
+
+impl Driver {
+    /// The name reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Driver::Packet => "af_packet",
+            Driver::Xdp => "af_xdp",
+        }
+    }
+
+    /// The driver `SKIFF_ETH_DRIVER` asks for (`None`: unset): `packet` or `xdp`; anything
+    /// else is warned about and the default used.
+    fn from_env_value(value: Option<&str>) -> Driver {
+        match value {
+            None | Some("packet") => Driver::Packet,
+            Some("xdp") => Driver::Xdp,
+            Some(v) => {
+                tracing::warn!(value = %v, "SKIFF_ETH_DRIVER is neither packet nor xdp; using packet");
+                Driver::Packet
+            }
+        }
+    }
+}
+
 /// The rings and the delivery settings of raw-Ethernet sessions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EthConfig {
-    /// Each session's socket (small rings: a session has at most its window in flight).
+    /// AF_PACKET or AF_XDP (`SKIFF_ETH_DRIVER=xdp`) for sessions; listeners and discovery
+    /// always use AF_PACKET.
+    pub driver: Driver,
+    /// Each session's AF_PACKET socket (small rings: a session has at most its window in
+    /// flight).
     pub ring: RingConfig,
     pub reliable: ReliableConfig,
 }
@@ -56,6 +96,7 @@ pub struct EthConfig {
 impl Default for EthConfig {
     fn default() -> EthConfig {
         EthConfig {
+            driver: Driver::from_env_value(std::env::var("SKIFF_ETH_DRIVER").ok().as_deref()),
             // Past the interface's queueing discipline (PACKET_QDISC_BYPASS), which costs a
             // fifth of the CPU per I/O at QD 32 even on veth's noqueue; SKIFF_ETH_QDISC=on
             // goes through it, for links shaped with `tc` (bench/ethernet.py --shape).
@@ -152,6 +193,8 @@ pub fn discover(iface: &str, wait: Duration) -> io::Result<Vec<Mac>> {
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PathStats {
     pub iface: String,
+    /// `af_packet` or `af_xdp`: what carries its frames.
+    pub driver: &'static str,
     /// Whether datagrams go out on it now.
     pub up: bool,
     pub datagrams_sent: u64,
@@ -166,9 +209,95 @@ pub struct PathStats {
     pub rejoins: u64,
 }
 
+/// A path's socket, by its [`Driver`].
+enum Link {
+    Packet(PacketSocket),
+    Xdp(Box<XdpSocket>),
+}
+
+impl Link {
+    /// A socket for session `session_id` on `iface`, as `config` asks: AF_XDP where it can be
+    /// had, AF_PACKET otherwise (the first fallback of the process is a warning, later ones
+    /// are debug lines).
+    fn open(iface: &str, session_id: u32, config: &EthConfig) -> io::Result<Link> {
+        if config.driver == Driver::Xdp {
+            match XdpSocket::open(iface, session_id) {
+                Ok(s) => return Ok(Link::Xdp(Box::new(s))),
+                Err(e) => {
+                    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        tracing::warn!(iface, error = %e, "AF_XDP unavailable; raw-Ethernet sessions fall back to AF_PACKET");
+                    } else {
+                        tracing::debug!(iface, error = %e, "AF_XDP unavailable for this session; AF_PACKET");
+                    }
+                }
+            }
+        }
+        Ok(Link::Packet(PacketSocket::open(iface, ETHERTYPE, config.ring)?))
+    }
+
+    fn driver(&self) -> Driver {
+        match self {
+            Link::Packet(_) => Driver::Packet,
+            Link::Xdp(_) => Driver::Xdp,
+        }
+    }
+
+    fn receive(&mut self, f: impl FnMut(Mac, &[u8])) -> usize {
+        match self {
+            Link::Packet(s) => s.receive(f),
+            Link::Xdp(s) => s.receive(f),
+        }
+    }
+
+    fn queue_with(&mut self, dst: Mac, fill: impl FnOnce(&mut [u8]) -> usize) -> io::Result<Option<usize>> {
+        match self {
+            Link::Packet(s) => s.queue_with(dst, fill),
+            Link::Xdp(s) => s.queue_with(dst, fill),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Link::Packet(s) => s.flush(),
+            Link::Xdp(s) => s.flush(),
+        }
+    }
+
+    fn take_error(&self) -> io::Result<Option<io::Error>> {
+        match self {
+            Link::Packet(s) => s.take_error(),
+            Link::Xdp(s) => s.take_error(),
+        }
+    }
+
+    fn iface(&self) -> &str {
+        match self {
+            Link::Packet(s) => s.iface(),
+            Link::Xdp(s) => s.iface(),
+        }
+    }
+
+    fn mtu(&self) -> usize {
+        match self {
+            Link::Packet(s) => s.mtu(),
+            Link::Xdp(s) => s.mtu(),
+        }
+    }
+}
+
+impl AsRawFd for Link {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Link::Packet(s) => s.as_raw_fd(),
+            Link::Xdp(s) => s.as_raw_fd(),
+        }
+    }
+}
+
 /// One interface of a session: a socket filtered to the session, and the peer's MAC on it.
 struct Path {
-    socket: PacketSocket,
+    socket: Link,
     /// `None` until the peer is found on this link (a bundle's other interfaces).
     peer: Option<Mac>,
     /// Frames were queued on the socket in this drive.
@@ -177,7 +306,10 @@ struct Path {
 
 impl Path {
     /// The filter for the session's datagrams on this path: from its peer once that is known.
+    /// (An AF_XDP socket gets only its session's frames from the XDP program; the driver
+    /// checks the peer's MAC.)
     fn filter(&mut self, session_id: u32) -> io::Result<()> {
+        let Link::Packet(socket) = &mut self.socket else { return Ok(()) };
         // Filters load big-endian words: the session id is little-endian on the wire.
         let session_be = u32::from_be_bytes(session_id.to_le_bytes());
         let mut checks =
@@ -186,7 +318,7 @@ impl Path {
             checks.push((bpf::load_word(6), u32::from_be_bytes([peer[0], peer[1], peer[2], peer[3]])));
             checks.push((bpf::load_half(10), u32::from(u16::from_be_bytes([peer[4], peer[5]]))));
         }
-        self.socket.attach_filter(&bpf::all_of(&checks))
+        socket.attach_filter(&bpf::all_of(&checks))
     }
 }
 
@@ -239,13 +371,13 @@ impl EthStream {
         session_id: u32,
         config: &ReliableConfig,
     ) -> io::Result<EthStream> {
-        EthStream::open_bundle(vec![(socket, Some(peer))], session_id, config, false)
+        EthStream::open_bundle(vec![(Link::Packet(socket), Some(peer))], session_id, config, false)
     }
 
     /// A session over one socket per interface, each with its peer's MAC where known (one at
     /// least). `seeks`: look for the peer on the other interfaces (the initiator's side).
     fn open_bundle(
-        sockets: Vec<(PacketSocket, Option<Mac>)>,
+        sockets: Vec<(Link, Option<Mac>)>,
         session_id: u32,
         config: &ReliableConfig,
         seeks: bool,
@@ -292,16 +424,16 @@ impl EthStream {
     /// session id drawn at random; the other interfaces join it as a bundle once the target
     /// answers on them. Nothing is sent until the first write.
     pub fn connect(ifaces: &[String], peer: Mac, config: &EthConfig) -> io::Result<EthStream> {
-        let mut sockets = Vec::with_capacity(ifaces.len());
-        for (i, iface) in ifaces.iter().enumerate() {
-            sockets.push((PacketSocket::open(iface, ETHERTYPE, config.ring)?, (i == 0).then_some(peer)));
-        }
         let session_id = loop {
             let id = u32::from_le_bytes(rt::random::bytes::<4>()?);
             if id != 0 {
                 break id;
             }
         };
+        let mut sockets = Vec::with_capacity(ifaces.len());
+        for (i, iface) in ifaces.iter().enumerate() {
+            sockets.push((Link::open(iface, session_id, config)?, (i == 0).then_some(peer)));
+        }
         EthStream::open_bundle(sockets, session_id, &config.reliable, true)
     }
 
@@ -466,6 +598,7 @@ impl EthStream {
                 let c = self.bundle.counters(i);
                 PathStats {
                     iface: self.paths[i].socket.iface().to_owned(),
+                    driver: self.paths[i].socket.driver().name(),
                     up: c.up,
                     datagrams_sent: c.datagrams_sent,
                     datagrams_received: c.datagrams_received,
@@ -639,10 +772,7 @@ impl EthListener {
             // and learnt on the others from its probes.
             let mut sockets = Vec::with_capacity(self.ifaces.len());
             for (i, iface) in self.ifaces.iter().enumerate() {
-                sockets.push((
-                    PacketSocket::open(iface, ETHERTYPE, self.config.ring)?,
-                    (i == on).then_some(src),
-                ));
+                sockets.push((Link::open(iface, h.session_id, &self.config)?, (i == on).then_some(src)));
             }
             let mut stream = EthStream::open_bundle(sockets, h.session_id, &self.config.reliable, false)?;
             stream.bundle.prefer(on);

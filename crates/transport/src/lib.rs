@@ -15,6 +15,7 @@ pub mod packet;
 pub mod relay;
 pub mod stream;
 pub mod tls;
+pub mod xdp;
 
 /// The readiness loop the target's workers run on: `mio`'s poll, re-exported so that the
 /// server reaches the network only through this crate.

@@ -732,6 +732,50 @@ fn setsockopt<T>(fd: &OwnedFd, opt: libc::c_int, value: &T) -> io::Result<()> {
     Ok(())
 }
 
+/// Interface `ifname`'s index, MTU and MAC.
+pub(crate) fn interface(ifname: &str) -> io::Result<(i32, usize, Mac)> {
+    // SAFETY: plain socket(2), owned below; any socket answers the interface ioctls.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let ifindex = ifreq_int(&fd, ifname, libc::SIOCGIFINDEX)?;
+    let mtu = ifreq_int(&fd, ifname, libc::SIOCGIFMTU)? as usize;
+    Ok((ifindex, mtu, ifreq_mac(&fd, ifname)?))
+}
+
+/// How many receive queues interface `ifname` has (`ETHTOOL_GCHANNELS`: its receive-only and
+/// combined channels), in the calling thread's network namespace.
+pub(crate) fn rx_queues(ifname: &str) -> io::Result<u32> {
+    const ETHTOOL_GCHANNELS: u32 = 0x3c;
+    /// `struct ethtool_channels`: cmd, then the maxima and the counts of rx, tx, other and
+    /// combined channels.
+    #[repr(C)]
+    #[derive(Default)]
+    struct Channels {
+        cmd: u32,
+        max: [u32; 4],
+        rx: u32,
+        tx: u32,
+        other: u32,
+        combined: u32,
+    }
+    // SAFETY: plain socket(2), owned below.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mut channels = Channels { cmd: ETHTOOL_GCHANNELS, ..Channels::default() };
+    let mut ifr = ifreq_for(ifname)?;
+    ifr.ifr_ifru.ifru_data = (&mut channels as *mut Channels).cast();
+    ioctl(&fd, ifname, libc::SIOCETHTOOL, &mut ifr)?;
+    Ok(channels.rx + channels.combined)
+}
+
 fn ifreq_for(ifname: &str) -> io::Result<libc::ifreq> {
     let name = ifname.as_bytes();
     if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains(&0) {

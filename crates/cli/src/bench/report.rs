@@ -418,7 +418,8 @@ pub fn print_table(s: &Summary) {
                 .as_ref()
                 .map(|l| {
                     let mut line = format!(
-                        "{} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped; {} DSACKs, reordering window {} µs; {:.0}% of received bytes placed from the ring",
+                        "{}: {} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped; {} DSACKs, reordering window {} µs; {:.0}% of received bytes placed from the ring",
+                        l.paths.first().map_or("?", |p| p.driver),
                         grouped(l.datagrams_sent),
                         grouped(l.datagrams_received),
                         grouped(l.retransmitted_timeout),

@@ -1,0 +1,111 @@
+//! Raw-Ethernet sessions over AF_XDP (`SKIFF_ETH_DRIVER=xdp`, issue 16): a real target in a
+//! network namespace and lanes outside, both sides loading their XDP program on their end of a
+//! veth pair. The first session on each interface gets the AF_XDP socket, a second one at the
+//! same time falls back to AF_PACKET on the same interface (the program passes its frames on),
+//! and both read back every byte; each write runs once; once the sessions close, the programs
+//! are gone from both interfaces. Root only.
+//!
+//! A test binary of its own: the driver is chosen by an environment variable, which must not
+//! reach the AF_PACKET tests of `eth.rs`.
+
+use initiator::{Lane, LaneConfig, Limits};
+use skiff_tests::netns::{self, VethPair};
+use skiff_tests::{start_target_with, verify};
+use transport::Endpoint;
+
+const MTU: u32 = 9000;
+
+fn lane_config() -> LaneConfig {
+    LaneConfig { limits: Limits { queue_depth: 32, ..LaneConfig::default().limits }, ..LaneConfig::default() }
+}
+
+/// What carries lane `lane`'s frames on this side.
+fn driver(lane: &Lane) -> &'static str {
+    lane.link_stats().expect("a raw-Ethernet lane has link counters").paths[0].driver
+}
+
+/// Whether interface `iface` (in the namespace the command runs in) has an XDP program.
+fn has_xdp(ip: &mut std::process::Command) -> bool {
+    let out = ip.output().expect("ip runs");
+    assert!(out.status.success(), "ip link show: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
+}
+
+#[test]
+fn lanes_over_af_xdp_read_back_every_byte_beside_an_af_packet_one() {
+    if !netns::available("raw Ethernet over AF_XDP") {
+        return;
+    }
+    // Before any thread of this binary reads it.
+    std::env::set_var("SKIFF_ETH_DRIVER", "xdp");
+    let pair = VethPair::new(MTU);
+    let iface = pair.peer.clone();
+    let t = pair.in_ns(move || {
+        start_target_with(&["vol=ram:64M"], |c| {
+            c.listen = vec![Endpoint::eth(iface, None)];
+            c.workers = 2;
+        })
+    });
+    let Some(Endpoint::Eth { mac: Some(mac), .. }) = t.endpoints().into_iter().next() else {
+        panic!("the target reports its Ethernet endpoint with its MAC")
+    };
+    let endpoint = Endpoint::eth(pair.host.clone(), Some(mac));
+    let host_link = || {
+        let mut ip = std::process::Command::new("ip");
+        ip.args(["link", "show", "dev", &pair.host]);
+        ip
+    };
+    let peer_link = || {
+        let mut ip = std::process::Command::new("ip");
+        ip.args(["-n", &pair.ns, "link", "show", "dev", &pair.peer]);
+        ip
+    };
+
+    let mut first = Lane::connect(&endpoint, "vol", &lane_config()).expect("a lane over AF_XDP");
+    assert_eq!(driver(&first), "af_xdp", "the first session on the interface gets the AF_XDP socket");
+    assert!(has_xdp(&mut host_link()) && has_xdp(&mut peer_link()), "both ends load their XDP program");
+    let mut second = Lane::connect(&endpoint, "vol", &lane_config()).expect("a second lane");
+    assert_eq!(driver(&second), "af_packet", "a second session at once falls back to AF_PACKET");
+
+    let mut writes = 0u64;
+    for round in 0..2u64 {
+        // Small I/Os (datagrams of one buffer) and large ones (jumbo frames of three).
+        verify::write_read(&mut first, round, 0, 4 << 20, 4096, 32);
+        verify::write_read(&mut second, round + 10, 16 << 20, 4 << 20, 4096, 32);
+        verify::write_read(&mut first, round + 20, 32 << 20, 4 << 20, 128 << 10, 4);
+        writes += 2 * (4 << 20) / 4096 + (4 << 20) / (128 << 10);
+    }
+    let link = first.link_stats().unwrap();
+    assert!(link.datagrams_received > 1000 && link.stream_bytes_placed > 0, "{link:?}");
+    assert_eq!(first.stats().reconnects + second.stats().reconnects, 0, "no session broke");
+
+    // The AF_XDP socket is free again once its session closes: the next lane gets it.
+    drop(first);
+    let mut third = None;
+    for _ in 0..100 {
+        let lane = Lane::connect(&endpoint, "vol", &lane_config()).expect("a third lane");
+        if driver(&lane) == "af_xdp" {
+            third = Some(lane);
+            break;
+        }
+        drop(lane);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mut third = third.expect("a new session gets the AF_XDP socket once the first has closed");
+    verify::write_read(&mut third, 30, 48 << 20, 2 << 20, 8192, 16);
+    writes += (2 << 20) / 8192;
+    drop(third);
+    drop(second);
+    assert_eq!(t.stats().get("req_write"), Some(writes), "every write ran exactly once");
+
+    // Nothing is left on the interfaces once every session is gone.
+    let mut gone = false;
+    for _ in 0..200 {
+        if !has_xdp(&mut host_link()) && !has_xdp(&mut peer_link()) {
+            gone = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(gone, "the XDP programs are detached when their sockets close");
+}
