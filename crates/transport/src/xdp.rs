@@ -4,7 +4,7 @@
 //! An [`XdpSocket`] carries one session on one interface. It shares four rings and a region of
 //! frame buffers (the UMEM) with the kernel:
 //!
-//! - **Receive.** An XDP program on the interface ([`Program`], one per interface per process,
+//! - **Receive.** An XDP program on the interface (one per interface per process,
 //!   attached through a BPF link so that it goes when the process does) looks at every frame
 //!   the interface receives: a frame of skiff's EtherType whose session id is in its `sessions`
 //!   map, arriving on the queue that map names, is redirected to that queue's socket in its
