@@ -68,6 +68,26 @@ fn lanes_over_raw_ethernet_read_back_every_byte() {
     assert_eq!(s.get("req_read"), Some(2 * (1024 + 32)));
 }
 
+/// A lane its application leaves alone is not driven: nothing in it answers the target's
+/// keepalives until the next call. Over TCP the kernel keeps such a connection; over raw
+/// Ethernet the target must not take the silence for death within seconds. A lane idle for
+/// 3 s (the target's old limit was 1.1 s) carries on in the same session.
+#[test]
+fn a_lane_left_idle_keeps_its_session() {
+    if !netns::available("an idle lane over raw Ethernet") {
+        return;
+    }
+    let pair = VethPair::new(MTU);
+    let (t, endpoint) = target_on(&pair, &pair.host);
+    let mut lane = Lane::connect(&endpoint, "vol", &lane_config()).expect("a lane over raw Ethernet");
+    verify::write_read(&mut lane, 1, 0, 1 << 20, 4096, 8);
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    verify::write_read(&mut lane, 2, 1 << 20, 1 << 20, 4096, 8);
+    assert_eq!(lane.stats().reconnects, 0, "the idle session survived");
+    drop(lane);
+    assert_eq!(t.stats().get("req_write"), Some(2 * 256));
+}
+
 #[test]
 fn lanes_over_raw_ethernet_ride_through_loss_duplicates_reordering_and_corruption() {
     if !netns::available("lanes through the fault relay") {

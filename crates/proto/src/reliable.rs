@@ -1014,6 +1014,10 @@ impl DatagramStream {
         if self.backoffs > self.config.backoffs_max {
             self.state = State::Dead(DeadReason::Timeout(self.backoffs - 1));
             self.rto_at_us = None;
+            // Tell the peer, in case it lives but was not listening (an initiator whose
+            // application left it alone): its next look finds the Reset at once instead of
+            // waiting out timers of its own on a session that is gone.
+            self.reset_pending = true;
             return;
         }
         self.rto_us = (self.rto_us * 2).min(self.config.rto_max_us);

@@ -43,6 +43,12 @@ const KIND_OFFSET: u32 = (ETH_HEADER_LEN + 1) as u32;
 const SESSION_ID_OFFSET: u32 = (ETH_HEADER_LEN + 4) as u32;
 const SEQ_OFFSET: u32 = (ETH_HEADER_LEN + 8) as u32;
 
+/// A target's keepalive (`ReliableConfig::keepalive_us` of the sessions it accepts): 30 s.
+/// An initiator's lane is driven only while its application calls it, so a lane left idle
+/// answers nothing; the target must keep its session (as a TCP target keeps an idle
+/// connection) and still, in the end, free the session of an initiator that is gone.
+pub const TARGET_KEEPALIVE_US: u64 = 30_000_000;
+
 /// The least reordering window of a bundled session's stream (`ReliableConfig::reorder_window_us`;
 /// SRTT / 4 when that is more).
 const BUNDLE_REORDER_WINDOW_US: u64 = 100;
@@ -672,6 +678,28 @@ impl FrameIo for EthStream {
     }
 }
 
+impl Drop for EthStream {
+    /// A session dropped while open is aborted with a Reset (one datagram, best effort), so
+    /// that its peer lets go of it at once, as a TCP peer learns of a close, instead of
+    /// finding out by its keepalives. A session that closed, or died, has nothing to say.
+    fn drop(&mut self) {
+        if self.stream.state() != State::Open {
+            return;
+        }
+        self.stream.reset();
+        let now = self.now_us();
+        let EthStream { paths, stream, bundle, .. } = self;
+        let Some(i) = bundle.pick() else { return };
+        let path = &mut paths[i];
+        let Some(to) = path.peer else { return };
+        if let Ok(Some(n)) = path.socket.queue_with(to, |room| stream.poll_transmit(now, room).unwrap_or(0)) {
+            if n > 0 {
+                let _ = path.socket.flush();
+            }
+        }
+    }
+}
+
 impl AsRawFd for EthStream {
     fn as_raw_fd(&self) -> RawFd {
         match &self.poller {
@@ -695,8 +723,13 @@ pub struct EthListener {
 }
 
 impl EthListener {
-    /// Listen on `ifaces`, which form one bundle.
+    /// Listen on `ifaces`, which form one bundle. The sessions it opens keep idle initiators
+    /// [`TARGET_KEEPALIVE_US`].
     pub fn bind(ifaces: &[String], config: EthConfig) -> io::Result<EthListener> {
+        let config = EthConfig {
+            reliable: ReliableConfig { keepalive_us: TARGET_KEEPALIVE_US, ..config.reliable },
+            ..config
+        };
         let listen_ring = RingConfig { rx_slots: 64, tx_slots: 8, ..config.ring };
         let mut sockets = Vec::with_capacity(ifaces.len());
         for iface in ifaces {

@@ -638,3 +638,37 @@ fn in_order_datagrams_are_placed_straight_into_the_readers_buffers() {
     assert_eq!(b.read_into(&mut to), 0);
     assert!(b.peer_closed());
 }
+
+/// A side that gives its peer up for dead says so with one Reset: a peer that was alive but
+/// not listening (an initiator whose application left it idle) finds it on its next look and
+/// starts a new session at once, instead of backing off on a session that is gone.
+#[test]
+fn death_by_timeout_sends_one_reset_and_the_peer_takes_it() {
+    let cfg = ReliableConfig { keepalive_us: 1_000, ..config() };
+    let (mut a, mut b) = (DatagramStream::new(&cfg, 7, 0, 0), DatagramStream::new(&cfg, 7, 0, 0));
+    let mut buf = vec![0; cfg.datagram_len_max()];
+    assert_eq!(a.write(&[IoSlice::new(b"hello")]), 5);
+    let n = a.poll_transmit(0, &mut buf).expect("the data");
+    b.handle_datagram(10, &buf[..n]);
+    let n = b.poll_transmit(200, &mut buf).expect("b's ack");
+    a.handle_datagram(210, &buf[..n]);
+    // b goes quiet: a's keepalives go unanswered until it gives b up.
+    let mut now = 210;
+    let mut resets = Vec::new();
+    while !matches!(a.state(), State::Dead(_)) {
+        now = a.poll_timeout().expect("a keeps a timer until it dies");
+        a.handle_timeout(now);
+        while let Some(n) = a.poll_transmit(now, &mut buf) {
+            let (h, _) = DatagramHeader::parse(&buf[..n]).unwrap();
+            if h.kind == DatagramKind::Reset {
+                resets.push(buf[..n].to_vec());
+            }
+        }
+        assert!(now < 10_000_000, "a never gave up");
+    }
+    assert!(matches!(a.state(), State::Dead(DeadReason::Timeout(_))));
+    assert_eq!(resets.len(), 1, "one Reset, at death");
+    assert_eq!(a.poll_transmit(now, &mut buf), None, "nothing after it");
+    b.handle_datagram(now + 10, &resets[0]);
+    assert_eq!(b.state(), State::Dead(DeadReason::PeerReset));
+}
