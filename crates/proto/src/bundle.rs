@@ -14,9 +14,12 @@
 //!   ([`Bundle::pick`]; earliest completion first, as MPTCP's ECF scheduler, for links of one
 //!   segment, whose round trips differ only by their queues). Each path measures its delivery
 //!   rate from the acknowledgements of the bursts it carried (bytes acknowledged over the time
-//!   they took, as BBR samples it, smoothed by eighths). So a slow link carries a burst only
-//!   when the fast one's queue would hold it longer, the stream's single sequence space is not
-//!   held up behind the slow link's datagrams, and links of one speed share alike. Until every
+//!   they took, as BBR samples it, smoothed by eighths). So under load a slow link carries a
+//!   burst only when the fast one's queue would hold it longer, the stream's single sequence
+//!   space is not held up behind the slow link's datagrams, and links of one speed share alike.
+//!   Under light load both are empty, the drain times tie at zero, and bursts alternate by
+//!   bytes carried, the slow link's share included (with no queue, a burst on it is late only
+//!   by its slower transmission). Until every
 //!   working path has an estimate, the one with the fewest bytes in flight goes; ties go to
 //!   the one that has carried the fewest bytes, then round robin. The datagrams of a burst
 //!   stay in order on one link. When no path works, sends go round robin over the paths whose

@@ -277,6 +277,13 @@ impl Link {
         }
     }
 
+    fn pending(&self) -> bool {
+        match self {
+            Link::Packet(s) => s.pending(),
+            Link::Xdp(s) => s.pending(),
+        }
+    }
+
     fn iface(&self) -> &str {
         match self {
             Link::Packet(s) => s.iface(),
@@ -551,7 +558,9 @@ impl EthStream {
             path.queued |= path.socket.queue_with(to, |out| probe.emit(out))?.is_some();
         }
         for (i, path) in self.paths.iter_mut().enumerate() {
-            if !std::mem::take(&mut path.queued) {
+            // Frames a flush left behind (the device was busy) go now, even if nothing new
+            // was queued: otherwise a full ring would wait for a send that never comes.
+            if !std::mem::take(&mut path.queued) && !path.socket.pending() {
                 continue;
             }
             if let Err(e) = path.socket.flush() {

@@ -588,6 +588,12 @@ impl PacketSocket {
         Ok(())
     }
 
+    /// Frames wait in the transmit ring that a `sendto` has not handed to the kernel yet (it
+    /// said the device was busy): call [`flush`](Self::flush) even with nothing new queued.
+    pub fn pending(&self) -> bool {
+        self.tx_queued > 0
+    }
+
     /// Send every queued frame: one `sendto`, which does not wait for the frames to leave.
     pub fn flush(&mut self) -> io::Result<()> {
         if self.tx_queued == 0 {

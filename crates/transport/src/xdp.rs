@@ -4,8 +4,10 @@
 //! An [`XdpSocket`] carries one session on one interface. It shares four rings and a region of
 //! frame buffers (the UMEM) with the kernel:
 //!
-//! - **Receive.** An XDP program on the interface (one per interface per process,
-//!   attached through a BPF link so that it goes when the process does) looks at every frame
+//! - **Receive.** An XDP program on the interface (one per interface, loaded by the first
+//!   session of this process there and kept until the process exits: attaching and detaching
+//!   XDP makes many NIC drivers reset their queues; it is attached through a BPF link, so it
+//!   goes when the process does, even by a crash) looks at every frame
 //!   the interface receives: a frame of skiff's EtherType whose session id is in its `sessions`
 //!   map, arriving on the queue that map names, is redirected to that queue's socket in its
 //!   `xsks` map; every other frame goes on to the kernel's stack as before (TCP, AF_PACKET
@@ -15,8 +17,11 @@
 //!   [`XdpSocket::receive`] joins.
 //! - **Transmit.** [`XdpSocket::queue_with`] writes a frame into a slot of consecutive buffers
 //!   and posts its descriptors (several for a jumbo frame) on the transmit ring;
-//!   [`XdpSocket::flush`] kicks the kernel with one `sendto`; the completion ring gives the
-//!   buffers back.
+//!   [`XdpSocket::flush`] kicks the kernel with `sendto` until the ring is empty or the kernel
+//!   stops taking descriptors; the completion ring gives the buffers back.
+//!
+//! An interface has one XDP program at a time: where another process (another skiff among
+//! them) has one attached, attaching fails and sessions fall back to AF_PACKET.
 //!
 //! Only copy mode is used (`XDP_COPY`): veth has no zero-copy AF_XDP. And only interfaces with
 //! one receive queue: a session's frames must arrive on the queue its socket is bound to, and on
@@ -29,7 +34,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::packet::{Mac, PacketStats, ETHERTYPE, ETH_HEADER_LEN};
 
@@ -175,10 +180,10 @@ fn map_delete(map: &OwnedFd, key: &[u8; 4]) {
 }
 
 /// This process's programs, by (network namespace inode, interface index).
-type Attached = Mutex<HashMap<(u64, u32), Weak<Program>>>;
+type Attached = Mutex<HashMap<(u64, u32), Arc<Program>>>;
 
-/// The XDP program attached to one interface, with its two maps. Detached when the last
-/// socket on the interface lets go of it (its BPF link closes).
+/// The XDP program attached to one interface, with its two maps. Detached when the process
+/// exits (its BPF link closes).
 struct Program {
     sessions: OwnedFd,
     xsks: OwnedFd,
@@ -220,17 +225,17 @@ impl Program {
     }
 
     /// This process's program on interface `ifindex` of the calling thread's network
-    /// namespace, attached on first use.
+    /// namespace, attached on first use and kept.
     fn on(ifindex: u32) -> io::Result<Arc<Program>> {
         static ATTACHED: OnceLock<Attached> = OnceLock::new();
         // Interface indices are per namespace: the namespace's inode tells them apart.
         let netns = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata("/proc/thread-self/ns/net")?);
         let mut attached = ATTACHED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = attached.get(&(netns, ifindex)).and_then(Weak::upgrade) {
-            return Ok(p);
+        if let Some(p) = attached.get(&(netns, ifindex)) {
+            return Ok(p.clone());
         }
         let p = Arc::new(Program::attach(ifindex)?);
-        attached.insert((netns, ifindex), Arc::downgrade(&p));
+        attached.insert((netns, ifindex), p.clone());
         Ok(p)
     }
 }
@@ -389,7 +394,6 @@ impl XdpSocket {
             return Err(io::Error::last_os_error());
         }
         let umem = umem.cast::<u8>();
-        // The socket is built before anything can fail, so that Drop unmaps what was mapped.
         let reg = libc::xdp_umem_reg {
             addr: umem as u64,
             len: umem_len as u64,
@@ -549,13 +553,18 @@ impl XdpSocket {
 
     /// Write a frame to `dst` whose payload `fill` writes in place, straight into a transmit
     /// slot: it gets room for an MTU and returns the bytes it wrote; zero queues nothing.
-    /// `Ok(None)`: every slot is in the kernel's hands and `fill` was not called.
+    /// `Ok(None)`: every slot is in the kernel's hands and `fill` was not called (the kernel
+    /// has been kicked, in case what holds them was never sent).
     pub fn queue_with(
         &mut self,
         dst: Mac,
         fill: impl FnOnce(&mut [u8]) -> usize,
     ) -> io::Result<Option<usize>> {
         self.reclaim();
+        if self.tx_free.is_empty() {
+            self.kick()?;
+            self.reclaim();
+        }
         let tx_room = self.tx.size
             - self
                 .tx
@@ -597,18 +606,31 @@ impl XdpSocket {
         Ok(Some(len))
     }
 
-    /// Hand the queued frames to the kernel and kick it (one `sendto`).
+    /// Hand the queued frames to the kernel and kick it.
     pub fn flush(&mut self) -> io::Result<()> {
         if self.tx_queued > 0 {
             let prod = self.tx.producer().load(Ordering::Relaxed);
             self.tx.producer().store(prod.wrapping_add(self.tx_queued), Ordering::Release);
             self.tx_queued = 0;
         }
-        // In copy mode each kick sends at most a batch of descriptors (32) and says EAGAIN
-        // when more wait: kick until the ring is empty, or the device is busy (then what is
-        // left goes at the next flush).
+        self.kick()
+    }
+
+    /// Descriptors wait on the transmit ring that the kernel has not taken: call
+    /// [`flush`](Self::flush) even with nothing new to queue.
+    pub fn pending(&self) -> bool {
+        self.tx_queued > 0
+            || self.tx.producer().load(Ordering::Relaxed) != self.tx.consumer().load(Ordering::Acquire)
+    }
+
+    /// `sendto` until the transmit ring is empty. In copy mode each call sends at most a
+    /// batch of descriptors (32) and says EAGAIN when more wait; EAGAIN also means the device
+    /// is busy, so a call that took nothing ends the kicking, as EBUSY and ENOBUFS do (what is
+    /// left goes at the next flush: [`pending`](Self::pending)).
+    fn kick(&mut self) -> io::Result<()> {
         for _ in 0..RING_SIZE {
-            if self.tx.producer().load(Ordering::Relaxed) == self.tx.consumer().load(Ordering::Acquire) {
+            let before = self.tx.consumer().load(Ordering::Acquire);
+            if self.tx.producer().load(Ordering::Relaxed) == before {
                 break;
             }
             // SAFETY: sendto with no buffer: "send what the TX ring holds".
@@ -623,14 +645,15 @@ impl XdpSocket {
                 )
             };
             self.stats.tx_kicks += 1;
-            if r >= 0 {
-                continue;
-            }
-            let e = io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EAGAIN | libc::EINTR) => continue,
+            let e = (r < 0).then(io::Error::last_os_error);
+            match e.as_ref().and_then(io::Error::raw_os_error) {
+                None | Some(libc::EAGAIN | libc::EINTR) => {
+                    if self.tx.consumer().load(Ordering::Acquire) == before {
+                        break;
+                    }
+                }
                 Some(libc::EBUSY | libc::ENOBUFS) => break,
-                _ => return Err(e),
+                Some(_) => return Err(e.expect("an error")),
             }
         }
         Ok(())
@@ -683,7 +706,8 @@ impl XdpSocket {
         Ok(st)
     }
 
-    /// No error is kept on an AF_XDP socket (the interface going down shows as failed kicks).
+    /// Nothing to take: the kernel sets an AF_XDP socket's error only when its device goes
+    /// away, and then its kicks fail (`flush` returns the error).
     pub fn take_error(&self) -> io::Result<Option<io::Error>> {
         Ok(None)
     }
