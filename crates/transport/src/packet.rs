@@ -254,11 +254,11 @@ impl PacketSocket {
             RingVersion::V2 => libc::tpacket_versions::TPACKET_V2 as libc::c_int,
             RingVersion::V3 => libc::tpacket_versions::TPACKET_V3 as libc::c_int,
         };
-        setsockopt(&fd, libc::PACKET_VERSION, &version)?;
+        setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_VERSION, &version)?;
         // Frames this host sends on the interface are not ours to receive.
-        let _ = setsockopt(&fd, libc::PACKET_IGNORE_OUTGOING, &1 as &libc::c_int);
+        let _ = setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, &1 as &libc::c_int);
         if config.qdisc_bypass {
-            setsockopt(&fd, libc::PACKET_QDISC_BYPASS, &1 as &libc::c_int)?;
+            setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_QDISC_BYPASS, &1 as &libc::c_int)?;
         }
         let slot = config.slot_bytes as u32;
         let (rx_units, rx_unit_bytes) = match config.version {
@@ -269,13 +269,13 @@ impl PacketSocket {
                     tp_frame_size: slot,
                     tp_frame_nr: config.rx_slots as u32,
                 };
-                setsockopt(&fd, libc::PACKET_RX_RING, &req)?;
+                setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_RX_RING, &req)?;
                 let req = libc::tpacket_req {
                     tp_block_nr: config.tx_slots as u32,
                     tp_frame_nr: config.tx_slots as u32,
                     ..req
                 };
-                setsockopt(&fd, libc::PACKET_TX_RING, &req)?;
+                setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_TX_RING, &req)?;
                 (config.rx_slots, config.slot_bytes)
             }
             RingVersion::V3 => {
@@ -290,7 +290,7 @@ impl PacketSocket {
                     tp_sizeof_priv: 0,
                     tp_feature_req_word: 0,
                 };
-                setsockopt(&fd, libc::PACKET_RX_RING, &req)?;
+                setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_RX_RING, &req)?;
                 let req = libc::tpacket_req3 {
                     tp_block_size: slot,
                     tp_block_nr: config.tx_slots as u32,
@@ -300,7 +300,7 @@ impl PacketSocket {
                     tp_sizeof_priv: 0,
                     tp_feature_req_word: 0,
                 };
-                setsockopt(&fd, libc::PACKET_TX_RING, &req)?;
+                setsockopt(&fd, libc::SOL_PACKET, libc::PACKET_TX_RING, &req)?;
                 (blocks, block_bytes)
             }
         };
@@ -467,9 +467,7 @@ impl PacketSocket {
     /// [`flush`](Self::flush)); an error when the payload exceeds the MTU.
     pub fn queue(&mut self, dst: Mac, parts: &[&[u8]]) -> io::Result<bool> {
         let mut header = [0u8; ETH_HEADER_LEN];
-        header[0..6].copy_from_slice(&dst);
-        header[6..12].copy_from_slice(&self.mac);
-        header[12..14].copy_from_slice(&self.ethertype.to_be_bytes());
+        write_eth_header(&mut header, dst, self.mac, self.ethertype);
         self.queue_parts(&header, parts)
     }
 
@@ -491,9 +489,7 @@ impl PacketSocket {
             return Ok(Some(0));
         }
         assert!(len <= room, "fill wrote {len} bytes into {room}");
-        frame[0..6].copy_from_slice(&dst);
-        frame[6..12].copy_from_slice(&self.mac);
-        frame[12..14].copy_from_slice(&self.ethertype.to_be_bytes());
+        write_eth_header(frame, dst, self.mac, self.ethertype);
         self.commit_tx(slot, ETH_HEADER_LEN + len);
         Ok(Some(len))
     }
@@ -720,12 +716,13 @@ fn invalid(msg: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, msg)
 }
 
-fn setsockopt<T>(fd: &OwnedFd, opt: libc::c_int, value: &T) -> io::Result<()> {
+/// Set socket option `opt` of `level` to `value`, which must be the type the option takes.
+pub(crate) fn setsockopt<T>(fd: &OwnedFd, level: libc::c_int, opt: libc::c_int, value: &T) -> io::Result<()> {
     // SAFETY: `value` is a valid T of the size given, as the option expects.
     let r = unsafe {
         libc::setsockopt(
             fd.as_raw_fd(),
-            libc::SOL_PACKET,
+            level,
             opt,
             (value as *const T).cast(),
             std::mem::size_of::<T>() as libc::socklen_t,
@@ -733,9 +730,16 @@ fn setsockopt<T>(fd: &OwnedFd, opt: libc::c_int, value: &T) -> io::Result<()> {
     };
     if r < 0 {
         let e = io::Error::last_os_error();
-        return Err(io::Error::new(e.kind(), format!("setsockopt(SOL_PACKET, {opt}): {e}")));
+        return Err(io::Error::new(e.kind(), format!("setsockopt({level}, {opt}): {e}")));
     }
     Ok(())
+}
+
+/// Write an Ethernet header from `src` to `dst` for `ethertype` at the start of `frame`.
+pub(crate) fn write_eth_header(frame: &mut [u8], dst: Mac, src: Mac, ethertype: u16) {
+    frame[0..6].copy_from_slice(&dst);
+    frame[6..12].copy_from_slice(&src);
+    frame[12..14].copy_from_slice(&ethertype.to_be_bytes());
 }
 
 /// Interface `ifname`'s index, MTU and MAC.

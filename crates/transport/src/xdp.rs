@@ -36,7 +36,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::packet::{Mac, PacketStats, ETHERTYPE, ETH_HEADER_LEN};
+use crate::packet::{setsockopt, write_eth_header, Mac, PacketStats, ETHERTYPE, ETH_HEADER_LEN};
 
 /// Bytes per UMEM buffer (the page size: aligned mode's largest).
 const CHUNK: usize = 4096;
@@ -403,14 +403,14 @@ impl XdpSocket {
             tx_metadata_len: 0,
         };
         let result = (|| {
-            xdp_setsockopt(&fd, libc::XDP_UMEM_REG, &reg)?;
+            setsockopt(&fd, libc::SOL_XDP, libc::XDP_UMEM_REG, &reg)?;
             for opt in [
                 libc::XDP_UMEM_FILL_RING,
                 libc::XDP_UMEM_COMPLETION_RING,
                 libc::XDP_RX_RING,
                 libc::XDP_TX_RING,
             ] {
-                xdp_setsockopt(&fd, opt, &RING_SIZE)?;
+                setsockopt(&fd, libc::SOL_XDP, opt, &RING_SIZE)?;
             }
             // SAFETY: zeroed plain data, filled by the kernel below.
             let mut off: libc::xdp_mmap_offsets = unsafe { std::mem::zeroed() };
@@ -584,9 +584,7 @@ impl XdpSocket {
             return Ok(Some(0));
         }
         assert!(len <= room, "fill wrote {len} bytes into {room}");
-        frame[0..6].copy_from_slice(&dst);
-        frame[6..12].copy_from_slice(&self.mac);
-        frame[12..14].copy_from_slice(&ETHERTYPE.to_be_bytes());
+        write_eth_header(frame, dst, self.mac, ETHERTYPE);
         self.tx_free.pop_front();
         let total = ETH_HEADER_LEN + len;
         let pieces = total.div_ceil(CHUNK);
@@ -739,24 +737,6 @@ impl Drop for XdpSocket {
         // SAFETY: the UMEM mapping made in `bind`; nothing in this process refers to it after.
         unsafe { libc::munmap(self.umem.cast(), self.umem_len) };
     }
-}
-
-fn xdp_setsockopt<T>(fd: &OwnedFd, opt: libc::c_int, value: &T) -> io::Result<()> {
-    // SAFETY: `value` is a valid T of the size given.
-    let r = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_XDP,
-            opt,
-            (value as *const T).cast(),
-            std::mem::size_of::<T>() as libc::socklen_t,
-        )
-    };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        return Err(io::Error::new(e.kind(), format!("setsockopt(SOL_XDP, {opt}): {e}")));
-    }
-    Ok(())
 }
 
 #[cfg(test)]
