@@ -220,7 +220,7 @@ pub fn keys(data: &[u8]) {
 /// for no timer; and while nothing forged carried data, the bytes read are exactly the peer's
 /// bytes, in order, once.
 pub fn reliable_stream(data: &[u8]) {
-    use crate::reliable::{DatagramStream, ReliableConfig, State};
+    use crate::reliable::{DatagramStream, ReadCursor, ReliableConfig, State};
     use wire::datagram::{flags, DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
     if let Ok((h, payload)) = DatagramHeader::parse(data) {
@@ -251,6 +251,16 @@ pub fn reliable_stream(data: &[u8]) {
     let mut written = [0u64; 2];
     let mut read = [0u64; 2];
     let mut forged_data = false;
+    // Bytes `side` read: the peer's, in order, once (unless something forged carried data).
+    let check_read = |got: &[u8], side: usize, read: &mut [u64; 2], written: &[u64; 2], forged: bool| {
+        if !forged {
+            for (i, &byte) in got.iter().enumerate() {
+                assert_eq!(byte, pattern(1 - side, read[side] + i as u64), "stream byte out of order");
+            }
+            assert!(read[side] + got.len() as u64 <= written[1 - side], "read more than the peer wrote");
+        }
+        read[side] += got.len() as u64;
+    };
     let mut now = 0u64;
     let mut buf = vec![0u8; config.datagram_len_max()];
     // Datagrams on their way to each side.
@@ -269,17 +279,7 @@ pub fn reliable_stream(data: &[u8]) {
                 let cut = usize::from(input.byte()).min(got.len());
                 let (a, b) = got.split_at_mut(cut);
                 let n = ends[side].read(&mut [IoSliceMut::new(a), IoSliceMut::new(b)]);
-                if !forged_data {
-                    for (i, &byte) in got[..n].iter().enumerate() {
-                        assert_eq!(
-                            byte,
-                            pattern(1 - side, read[side] + i as u64),
-                            "stream byte out of order"
-                        );
-                    }
-                    assert!(read[side] + n as u64 <= written[1 - side], "read more than the peer wrote");
-                }
-                read[side] += n as u64;
+                check_read(&got[..n], side, &mut read, &written, forged_data);
             }
             2 => {
                 now += u64::from(input.u16());
@@ -289,10 +289,23 @@ pub fn reliable_stream(data: &[u8]) {
             }
             3 => {
                 // The network moves what is on its way to `side`: each datagram delivered,
-                // dropped, duplicated, or with one bit flipped, as the input says.
+                // dropped, duplicated, with one bit flipped, or delivered while a read waits
+                // for it (placed straight into the reader's buffer), as the input says.
                 for bytes in std::mem::take(&mut wire[side]) {
-                    match input.byte() % 4 {
+                    match input.byte() % 5 {
                         0 => ends[side].handle_datagram(now, &bytes),
+                        4 => {
+                            let mut got = vec![0u8; usize::from(input.byte())];
+                            let n = {
+                                let mut pieces = [IoSliceMut::new(&mut got)];
+                                let mut to = ReadCursor::new(&mut pieces);
+                                ends[side].read_into(&mut to);
+                                ends[side].handle_datagram_into(now, &bytes, &mut to);
+                                ends[side].read_into(&mut to);
+                                to.filled()
+                            };
+                            check_read(&got[..n], side, &mut read, &written, forged_data);
+                        }
                         1 => {}
                         2 => {
                             ends[side].handle_datagram(now, &bytes);

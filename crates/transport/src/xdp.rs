@@ -326,8 +326,9 @@ pub struct XdpSocket {
     tx_free: VecDeque<usize>,
     tx_pending: Vec<u32>,
     tx_queued: u32,
-    /// A jumbo frame being joined from its buffers.
+    /// A jumbo frame being joined from its buffers; or one being dropped, up to its last.
     joined: Vec<u8>,
+    skipping: bool,
     stats: PacketStats,
 }
 
@@ -462,6 +463,7 @@ impl XdpSocket {
             tx_pending: vec![0; TX_SLOTS],
             tx_queued: 0,
             joined: Vec::with_capacity(ETH_HEADER_LEN + mtu),
+            skipping: false,
             stats: PacketStats::default(),
         };
         // Every receive buffer to the kernel, then bind.
@@ -529,14 +531,22 @@ impl XdpSocket {
             if addr + len <= self.umem_len {
                 // SAFETY: inside the UMEM (checked); the kernel wrote it and handed it over.
                 let bytes = unsafe { std::slice::from_raw_parts(self.umem.add(addr), len) };
-                if whole {
+                let last = d.options & libc::XDP_PKT_CONTD == 0;
+                if self.skipping {
+                    self.skipping = !last;
+                } else if whole {
                     frames += deliver(bytes, &mut f);
-                } else {
+                } else if self.joined.len() + len <= ETH_HEADER_LEN + self.mtu {
                     self.joined.extend_from_slice(bytes);
-                    if d.options & libc::XDP_PKT_CONTD == 0 {
+                    if last {
                         frames += deliver(&self.joined, &mut f);
                         self.joined.clear();
                     }
+                } else {
+                    // Longer than a frame of the MTU: not one of ours. Drop it, up to its
+                    // last buffer.
+                    self.joined.clear();
+                    self.skipping = !last;
                 }
             }
             // SAFETY: the fill ring has room: it holds at most RX_CHUNKS < RING_SIZE buffers.
