@@ -230,7 +230,7 @@ pub struct ClientSession<B> {
 
 /// Deliberately broken variants of the session, for the simulator's proof that it catches
 /// them. Only the feature `mutations` (never on in the product's binaries) lets one be planted;
-/// without it every check of [`ClientSession::planted`] is a constant `None` and folds away.
+/// without it every check of `ClientSession::planted` is a constant `None` and folds away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mutation {
     None,
