@@ -344,6 +344,18 @@ def bundle(a, mac):
                         eth=(FAR, FAR2), links=2)
 
 
+def qd_results(a, name, fields, qds, runs, names, title):
+    """A sweep by queue depth, {(system, qd): [records]}, saved (JSON with every repetition) and
+    plotted as `name`; prints the title and where they went; returns the medians."""
+    med = {k: median_record(v) for k, v in runs.items()}
+    base = save(a, name, fields, [{"system": s, "qd": q, **med[(s, q)], "repetitions": runs[(s, q)]}
+                                  for (s, q) in runs])
+    png = plot(base + ".png", qds, "queue depth", med, names, title)
+    print(f"{title}; {base}.json" + (f", {png}" if png else ""))
+    print()
+    return med
+
+
 def drivers(a, mac, qds):
     """AF_XDP against AF_PACKET under skiff-eth, and skiff-tcp beside them, at each QD. The target
     restarts for every run with the driver of that run (SKIFF_ETH_DRIVER), the bench's lane is
@@ -362,13 +374,8 @@ def drivers(a, mac, qds):
         return r
     names = [v for v, _, _ in variants]
     runs = alternate(a, variants, qds, measure, lambda q: f"QD {q:>3}")
-    med = {k: median_record(v) for k, v in runs.items()}
-    base = save(a, "drivers", {}, [{"system": s, "qd": q, **med[(s, q)], "repetitions": runs[(s, q)]}
-                                   for (s, q) in runs])
     title = f"AF_XDP against AF_PACKET, 4 KiB random reads, one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat})"
-    png = plot(base + ".png", qds, "queue depth", med, names, title)
-    print(f"{title}; {base}.json" + (f", {png}" if png else ""))
-    print()
+    med = qd_results(a, "drivers", {}, qds, runs, names, title)
     print("| QD | system | IOPS | mean µs | CPU µs/I/O client | server | total | ÷ skiff-eth | ÷ skiff-tcp |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for q in qds:
@@ -482,13 +489,8 @@ def main():
         for proc in procs:
             stop(proc)
         teardown()
-    med = {k: median_record(v) for k, v in runs.items()}
     title = f"4 KiB random reads over one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat})"
-    base = save(a, "qd", {"target_mac": mac},
-                [{"system": s, "qd": q, **med[(s, q)], "repetitions": runs[(s, q)]} for (s, q) in runs])
-    png = plot(base + ".png", qds, "queue depth", med, SYSTEMS, title)
-    print(f"{title}; {base}.json" + (f", {png}" if png else ""))
-    print()
+    med = qd_results(a, "qd", {"target_mac": mac}, qds, runs, SYSTEMS, title)
     print("| QD | system | IOPS | mean µs | p99 µs | CPU µs/I/O client | server | total | eth CPU ÷ TCP CPU |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for q in qds:

@@ -535,6 +535,29 @@ pub mod netns {
             pair
         }
 
+        /// A target in the far end's namespace serving `exports` with `workers`, listening on
+        /// raw Ethernet only; its endpoint (`eth:IFACE/MAC`) as seen from `near_iface`.
+        pub fn target(
+            &self,
+            near_iface: &str,
+            exports: &[&str],
+            workers: usize,
+        ) -> (super::Target, super::Endpoint) {
+            let iface = self.peer.clone();
+            let exports: Vec<String> = exports.iter().map(|e| e.to_string()).collect();
+            let t = self.in_ns(move || {
+                let exports: Vec<&str> = exports.iter().map(String::as_str).collect();
+                super::start_target_with(&exports, |c| {
+                    c.listen = vec![super::Endpoint::eth(iface, None)];
+                    c.workers = workers;
+                })
+            });
+            let Some(super::Endpoint::Eth { mac: Some(mac), .. }) = t.endpoints().into_iter().next() else {
+                panic!("the target reports its Ethernet endpoint with its MAC")
+            };
+            (t, super::Endpoint::eth(near_iface.to_owned(), Some(mac)))
+        }
+
         /// Take the host end down or bring it back up (a link that fails mid-run).
         pub fn set_host_up(&self, up: bool) {
             run_ok(tool("ip", "iproute2").args(["link", "set", &self.host, if up { "up" } else { "down" }]));

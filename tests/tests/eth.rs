@@ -20,17 +20,7 @@ const MTU: u32 = 9000;
 /// A target in the far end's namespace, listening on raw Ethernet only; its endpoint
 /// (`eth:IFACE/MAC`) as seen from `near_iface`.
 fn target_on(pair: &VethPair, near_iface: &str) -> (server::Target, Endpoint) {
-    let iface = pair.peer.clone();
-    let t = pair.in_ns(move || {
-        start_target_with(&["vol=ram:64M"], |c| {
-            c.listen = vec![Endpoint::eth(iface, None)];
-            c.workers = 2;
-        })
-    });
-    let Some(Endpoint::Eth { mac: Some(mac), .. }) = t.endpoints().into_iter().next() else {
-        panic!("the target reports its Ethernet endpoint with its MAC")
-    };
-    (t, Endpoint::eth(near_iface.to_owned(), Some(mac)))
+    pair.target(near_iface, &["vol=ram:64M"], 2)
 }
 
 fn lane_config() -> LaneConfig {

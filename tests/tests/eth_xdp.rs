@@ -12,7 +12,7 @@
 
 use initiator::{Lane, LaneConfig, Limits};
 use skiff_tests::netns::{self, VethPair};
-use skiff_tests::{start_target_with, verify};
+use skiff_tests::verify;
 use transport::Endpoint;
 
 const MTU: u32 = 9000;
@@ -41,17 +41,7 @@ fn lanes_over_af_xdp_read_back_every_byte_beside_an_af_packet_one() {
     // Before any thread of this binary reads it.
     std::env::set_var("SKIFF_ETH_DRIVER", "xdp");
     let pair = VethPair::new(MTU);
-    let iface = pair.peer.clone();
-    let t = pair.in_ns(move || {
-        start_target_with(&["vol=ram:64M"], |c| {
-            c.listen = vec![Endpoint::eth(iface, None)];
-            c.workers = 2;
-        })
-    });
-    let Some(Endpoint::Eth { mac: Some(mac), .. }) = t.endpoints().into_iter().next() else {
-        panic!("the target reports its Ethernet endpoint with its MAC")
-    };
-    let endpoint = Endpoint::eth(pair.host.clone(), Some(mac));
+    let (t, endpoint) = pair.target(&pair.host, &["vol=ram:64M"], 2);
     let host_link = || {
         let mut ip = std::process::Command::new("ip");
         ip.args(["link", "show", "dev", &pair.host]);
@@ -104,19 +94,10 @@ fn lanes_over_af_xdp_read_back_every_byte_beside_an_af_packet_one() {
     // A process's program goes with the process: a child runs a lane over AF_XDP on a second
     // pair (whose host end this process never touched) and exits.
     let other = VethPair::new(MTU);
-    let iface = other.peer.clone();
-    let t2 = other.in_ns(move || {
-        start_target_with(&["vol=ram:16M"], |c| {
-            c.listen = vec![Endpoint::eth(iface, None)];
-            c.workers = 1;
-        })
-    });
-    let Some(Endpoint::Eth { mac: Some(mac2), .. }) = t2.endpoints().into_iter().next() else {
-        panic!("the second target reports its Ethernet endpoint")
-    };
+    let (t2, endpoint2) = other.target(&other.host, &["vol=ram:16M"], 1);
     let child = std::process::Command::new(std::env::current_exe().expect("this test binary"))
         .args(["--exact", "child_lane_over_af_xdp", "--ignored", "--nocapture"])
-        .env(CHILD_ENDPOINT, format!("eth:{}/{}", other.host, transport::endpoint::format_mac(&mac2)))
+        .env(CHILD_ENDPOINT, endpoint2.to_string())
         .output()
         .expect("the child runs");
     let said = String::from_utf8_lossy(&child.stdout);
@@ -125,6 +106,37 @@ fn lanes_over_af_xdp_read_back_every_byte_beside_an_af_packet_one() {
     other_host.args(["link", "show", "dev", &other.host]);
     assert!(!has_xdp(&mut other_host), "the child's program went with the child");
     assert_eq!(t2.stats().get("req_write"), Some(64));
+}
+
+/// A veth pair with two queues a side, in this namespace, deleted on drop.
+struct TwoQueuePair(String);
+
+impl Drop for TwoQueuePair {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "del", &self.0]).status();
+    }
+}
+
+/// On an interface with more than one receive queue nothing steers a session's frames to its
+/// socket's queue: opening an AF_XDP socket there is refused, saying why (and the session
+/// falls back to AF_PACKET).
+#[test]
+fn an_interface_with_several_receive_queues_is_refused_with_the_reason() {
+    if !netns::available("AF_XDP on a multi-queue interface") {
+        return;
+    }
+    let name = format!("skxq{}", std::process::id() % 100_000);
+    let ok = std::process::Command::new("ip")
+        .args(["link", "add", &name, "numtxqueues", "2", "numrxqueues", "2", "type", "veth", "peer", "name"])
+        .arg(format!("{name}p"))
+        .args(["numtxqueues", "2", "numrxqueues", "2"])
+        .status()
+        .expect("ip runs");
+    assert!(ok.success(), "ip link add {name} with two queues");
+    let _pair = TwoQueuePair(name.clone());
+    let err = transport::xdp::XdpSocket::open(&name, 7).err().expect("refused");
+    assert_eq!(err.kind(), std::io::ErrorKind::Unsupported, "{err}");
+    assert!(err.to_string().contains("has 2 receive queues"), "{err}");
 }
 
 /// Where [`child_lane_over_af_xdp`] connects (set only by the test above).

@@ -847,6 +847,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn skiff_eth_driver_takes_packet_or_xdp_and_falls_back_to_packet_on_anything_else() {
+        assert_eq!(Driver::from_env_value(None), Driver::Packet);
+        assert_eq!(Driver::from_env_value(Some("packet")), Driver::Packet);
+        assert_eq!(Driver::from_env_value(Some("xdp")), Driver::Xdp);
+        for bad in ["XDP", "af_xdp", "", "xdp ", "1"] {
+            assert_eq!(Driver::from_env_value(Some(bad)), Driver::Packet, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn skiff_eth_frame_takes_a_payload_size_and_falls_back_on_anything_else() {
         assert_eq!(frame_payload(None), 8972);
         assert_eq!(frame_payload(Some("4096")), 4096);

@@ -237,9 +237,7 @@ impl PacketSocket {
         }
         // SAFETY: `raw` is a new descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let ifindex = ifreq_int(&fd, ifname, libc::SIOCGIFINDEX)?;
-        let mtu = ifreq_int(&fd, ifname, libc::SIOCGIFMTU)? as usize;
-        let mac = ifreq_mac(&fd, ifname)?;
+        let (ifindex, mtu, mac) = interface_on(&fd, ifname)?;
         let tx_data = match config.version {
             RingVersion::V2 => hdr::V2_TX_DATA,
             RingVersion::V3 => hdr::V3_TX_DATA,
@@ -742,23 +740,28 @@ pub(crate) fn write_eth_header(frame: &mut [u8], dst: Mac, src: Mac, ethertype: 
     frame[12..14].copy_from_slice(&ethertype.to_be_bytes());
 }
 
-/// Interface `ifname`'s index, MTU and MAC.
-pub(crate) fn interface(ifname: &str) -> io::Result<(i32, usize, Mac)> {
-    // SAFETY: plain socket(2), owned below; any socket answers the interface ioctls.
+/// A socket to ask the kernel about interfaces with (any socket answers the interface
+/// ioctls), in the calling thread's network namespace.
+pub(crate) fn query_socket() -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2), owned below.
     let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if raw < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: a new descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    let ifindex = ifreq_int(&fd, ifname, libc::SIOCGIFINDEX)?;
-    let mtu = ifreq_int(&fd, ifname, libc::SIOCGIFMTU)? as usize;
-    Ok((ifindex, mtu, ifreq_mac(&fd, ifname)?))
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// Interface `ifname`'s index, MTU and MAC, asked through `fd`.
+pub(crate) fn interface_on(fd: &OwnedFd, ifname: &str) -> io::Result<(i32, usize, Mac)> {
+    let ifindex = ifreq_int(fd, ifname, libc::SIOCGIFINDEX)?;
+    let mtu = ifreq_int(fd, ifname, libc::SIOCGIFMTU)? as usize;
+    Ok((ifindex, mtu, ifreq_mac(fd, ifname)?))
 }
 
 /// How many receive queues interface `ifname` has (`ETHTOOL_GCHANNELS`: its receive-only and
-/// combined channels), in the calling thread's network namespace.
-pub(crate) fn rx_queues(ifname: &str) -> io::Result<u32> {
+/// combined channels), asked through `fd`.
+pub(crate) fn rx_queues(fd: &OwnedFd, ifname: &str) -> io::Result<u32> {
     const ETHTOOL_GCHANNELS: u32 = 0x3c;
     /// `struct ethtool_channels`: cmd, then the maxima and the counts of rx, tx, other and
     /// combined channels.
@@ -772,17 +775,10 @@ pub(crate) fn rx_queues(ifname: &str) -> io::Result<u32> {
         other: u32,
         combined: u32,
     }
-    // SAFETY: plain socket(2), owned below.
-    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     let mut channels = Channels { cmd: ETHTOOL_GCHANNELS, ..Channels::default() };
     let mut ifr = ifreq_for(ifname)?;
     ifr.ifr_ifru.ifru_data = (&mut channels as *mut Channels).cast();
-    ioctl(&fd, ifname, libc::SIOCETHTOOL, &mut ifr)?;
+    ioctl(fd, ifname, libc::SIOCETHTOOL, &mut ifr)?;
     Ok(channels.rx + channels.combined)
 }
 

@@ -340,8 +340,9 @@ impl XdpSocket {
     /// here, every other frame as before. Needs CAP_NET_ADMIN and CAP_BPF (root), and an
     /// interface with one receive queue that no other socket of this process is bound to.
     pub fn open(ifname: &str, session_id: u32) -> io::Result<XdpSocket> {
-        let (ifindex, mtu, mac) = crate::packet::interface(ifname)?;
-        let queues = crate::packet::rx_queues(ifname)?;
+        let query = crate::packet::query_socket()?;
+        let (ifindex, mtu, mac) = crate::packet::interface_on(&query, ifname)?;
+        let queues = crate::packet::rx_queues(&query, ifname)?;
         if queues != 1 {
             return Err(io::Error::new(
                 io::ErrorKind::Unsupported,
@@ -690,28 +691,6 @@ impl XdpSocket {
             }
         }
         self.completion.consumer().store(cons, Ordering::Release);
-    }
-
-    /// The kernel's counters of the socket (`XDP_STATISTICS`): frames it dropped (no room in
-    /// the receive ring, or no buffer in the fill ring) and descriptors it refused.
-    pub fn kernel_stats(&self) -> io::Result<libc::xdp_statistics> {
-        // SAFETY: zeroed plain data, filled by the kernel.
-        let mut st: libc::xdp_statistics = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libc::xdp_statistics>() as libc::socklen_t;
-        // SAFETY: `st` is writable for `len` bytes.
-        let r = unsafe {
-            libc::getsockopt(
-                self.fd.as_raw_fd(),
-                libc::SOL_XDP,
-                libc::XDP_STATISTICS,
-                (&mut st as *mut libc::xdp_statistics).cast(),
-                &mut len,
-            )
-        };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(st)
     }
 
     /// Nothing to take: the kernel sets an AF_XDP socket's error only when its device goes

@@ -199,28 +199,38 @@ impl Capability {
 
     /// Parse a `CAPABILITIES` frame body, calling `each` for every capability in order.
     pub fn decode_list(body: &[u8], mut each: impl FnMut(Capability)) -> Result<()> {
-        if body.len() < 4 {
-            return Err(WireError::Body("CAPABILITIES"));
-        }
-        let count = u16::from_le_bytes([body[0], body[1]]) as usize;
-        if body[2] != 0 || body[3] != 0 {
-            return Err(WireError::Reserved("CAPABILITIES"));
-        }
-        if count > CAPABILITIES_PER_FRAME_MAX {
-            return Err(WireError::Limit {
-                what: "capabilities per frame",
-                value: count as u64,
-                limit: CAPABILITIES_PER_FRAME_MAX as u64,
-            });
-        }
-        if body.len() != Self::list_len(count) {
-            return Err(WireError::Body("CAPABILITIES"));
-        }
-        for chunk in body[4..].chunks_exact(CAPABILITY_LEN) {
+        let list = counted(body, 4, "CAPABILITIES", "capabilities per frame", CAPABILITIES_PER_FRAME_MAX)?;
+        for chunk in list {
             each(Capability::decode(chunk)?);
         }
         Ok(())
     }
+}
+
+/// The capabilities of a `frame` body whose first `head` bytes end with a `count` (u16) and two
+/// reserved zero bytes, checked in this order: a body shorter than the head, reserved bytes that
+/// are not zero, a count above `limit` (`what`), a length that is not the count's.
+fn counted<'a>(
+    body: &'a [u8],
+    head: usize,
+    frame: &'static str,
+    what: &'static str,
+    limit: usize,
+) -> Result<std::slice::ChunksExact<'a, u8>> {
+    if body.len() < head {
+        return Err(WireError::Body(frame));
+    }
+    let count = u16::from_le_bytes([body[head - 4], body[head - 3]]) as usize;
+    if body[head - 2] != 0 || body[head - 1] != 0 {
+        return Err(WireError::Reserved(frame));
+    }
+    if count > limit {
+        return Err(WireError::Limit { what, value: count as u64, limit: limit as u64 });
+    }
+    if body.len() != head + count * CAPABILITY_LEN {
+        return Err(WireError::Body(frame));
+    }
+    Ok(body[head..].chunks_exact(CAPABILITY_LEN))
 }
 
 /// Most chunk grants one `GRANT` frame carries (its body stays under the control body limit).
@@ -252,25 +262,9 @@ impl Grant {
     /// Parse a body: a count above [`GRANTS_PER_FRAME_MAX`], a length that is not the count's,
     /// reserved bytes that are not zero, or any capability that does not parse refuse it whole.
     pub fn decode(body: &[u8]) -> Result<Grant> {
-        if body.len() < 8 {
-            return Err(WireError::Body("GRANT"));
-        }
+        let list = counted(body, 8, "GRANT", "grants per frame", GRANTS_PER_FRAME_MAX)?;
         let handle = u32::from_le_bytes(body[0..4].try_into().expect("4 bytes"));
-        let count = u16::from_le_bytes([body[4], body[5]]) as usize;
-        if body[6] != 0 || body[7] != 0 {
-            return Err(WireError::Reserved("GRANT"));
-        }
-        if count > GRANTS_PER_FRAME_MAX {
-            return Err(WireError::Limit {
-                what: "grants per frame",
-                value: count as u64,
-                limit: GRANTS_PER_FRAME_MAX as u64,
-            });
-        }
-        if body.len() != 8 + count * CAPABILITY_LEN {
-            return Err(WireError::Body("GRANT"));
-        }
-        let caps = body[8..].chunks_exact(CAPABILITY_LEN).map(Capability::decode).collect::<Result<_>>()?;
+        let caps = list.map(Capability::decode).collect::<Result<_>>()?;
         Ok(Grant { handle, caps })
     }
 }
