@@ -45,11 +45,19 @@
 //!   datagrams is repaired on the first evidence instead of the timeout.
 //! - **Reordering window.** A missing datagram overtaken only by datagrams sent less than the
 //!   reordering window after it is not taken as lost yet (RACK, RFC 8985). The window starts at
-//!   `reorder_window_us` (0, off, on a single link) and **adapts**: a receiver that gets a
-//!   duplicate flags its next datagram DUPLICATE (DSACK, RFC 2883), and a sender told so counts
-//!   a widening (at most one a round trip, at most 16): the window is `step × (1 + widenings)`
+//!   `reorder_window_us` (0, off, on a single link) and **adapts**: a gap retransmission is
+//!   flagged GAP_RESEND, a receiver that gets a duplicate of one flags its next datagram
+//!   DUPLICATE (DSACK, RFC 2883), and a sender told so counts a widening (at most one a
+//!   round trip, at most 16): the window is `step × (1 + widenings)`
 //!   with `step = max(reorder_window_us, SRTT/4)`, never past SRTT (so from off, the first
 //!   widening gives SRTT/2); every 64 gap losses with no DSACK take one widening back.
+//!   A missing datagram that a younger transmission overtook but the window still excuses is
+//!   taken as lost once SRTT plus the window have passed since it left (RACK's reordering
+//!   timer), not left to the retransmission timeout.
+//! - **Round-trip samples** come from the latest-sent datagram an ack delivers for the first
+//!   time, cumulatively or selectively, and never sent twice (Karn's rule). A datagram
+//!   selectively acknowledged before and only now passed by the cumulative ack gives none: its
+//!   wait behind a hole is not the path's round trip.
 //! - **Dead peer.** Each expiry without acknowledgement progress since the last one counts a
 //!   backoff; at `backoffs_max + 1` in a row the stream is [`State::Dead`]. Since the timer
 //!   never waits longer than `rto_max_us`, that happens within
@@ -365,6 +373,8 @@ pub struct DatagramStream {
     backoffs: u32,
     srtt_us: Option<u64>,
     rttvar_us: u64,
+    /// The shortest round trip sampled.
+    min_rtt_us: Option<u64>,
     probe_pending: bool,
     reset_pending: bool,
     /// Steps the reordering window has widened by (DSACKs), when it last widened, and gap
@@ -372,6 +382,8 @@ pub struct DatagramStream {
     reorder_steps: u32,
     reorder_widened_at_us: u64,
     gap_losses_quiet: u32,
+    /// When a datagram overtaken only by its burst is next due to be taken as lost.
+    reorder_at_us: Option<u64>,
 
     // Receiving: [rcv_read, rcv_nxt) in order and not yet read; beyond it, out of order.
     rx_bytes: Vec<u8>,
@@ -429,10 +441,12 @@ impl DatagramStream {
             backoffs: 0,
             srtt_us: None,
             rttvar_us: 0,
+            min_rtt_us: None,
             probe_pending: false,
             reorder_steps: 0,
             reorder_widened_at_us: 0,
             gap_losses_quiet: 0,
+            reorder_at_us: None,
             reset_pending: false,
             rx_bytes: vec![0; rx * payload_max],
             rx_slots: vec![RxSlot::default(); rx],
@@ -727,11 +741,7 @@ impl DatagramStream {
         if h.flags & flags::DUPLICATE != 0 {
             self.widen_reorder_window(now_us);
         }
-        let placed = if h.kind.is_sequenced() {
-            self.receive(now_us, h.seq, h.kind == DatagramKind::Close, payload, to)
-        } else {
-            0
-        };
+        let placed = if h.kind.is_sequenced() { self.receive(now_us, &h, payload, to) } else { 0 };
         self.update_state();
         placed
     }
@@ -747,18 +757,20 @@ impl DatagramStream {
             return false;
         }
         let (mut delivered, mut delivered_at) = (0, 0);
+        // The round-trip sample: the latest-sent datagram this ack delivers for the first time.
+        // One selectively acknowledged before waited here behind a hole, and a datagram sent
+        // more than once (Karn) could be acknowledged for either copy: neither is a sample.
+        let mut sample_sent_at = None;
         let progressed = h.ack != self.snd_una;
         if progressed {
-            let newest = *self.tx_slot(h.ack.wrapping_sub(1));
-            // Karn: a datagram sent more than once gives no sample (which copy was acked?).
-            if newest.transmissions == 1 {
-                self.rtt_sample(now_us.saturating_sub(newest.sent_at_us));
-            }
             while self.snd_una != h.ack {
                 let seq = self.snd_una;
                 let slot = *self.tx_slot(seq);
-                if slot.stamp > delivered {
+                if slot.stamp > delivered && self.evidence(now_us, &slot) {
                     (delivered, delivered_at) = (slot.stamp, slot.sent_at_us);
+                }
+                if !slot.sacked && slot.transmissions == 1 {
+                    sample_sent_at = sample_sent_at.max(Some(slot.sent_at_us));
                 }
                 if slot.loss != Loss::None {
                     self.lost -= 1;
@@ -782,54 +794,80 @@ impl DatagramStream {
             if h.sack & (1 << i) == 0 || !seq_lt(seq, self.snd_nxt) {
                 continue;
             }
-            let slot = self.tx_slot(seq);
+            let slot = *self.tx_slot(seq);
             if !slot.sacked {
-                slot.sacked = true;
-                let (stamp, sent_at, loss) =
-                    (slot.stamp, slot.sent_at_us, std::mem::replace(&mut slot.loss, Loss::None));
-                if stamp > delivered {
-                    (delivered, delivered_at) = (stamp, sent_at);
+                *self.tx_slot(seq) = TxSlot { sacked: true, loss: Loss::None, ..slot };
+                if slot.stamp > delivered && self.evidence(now_us, &slot) {
+                    (delivered, delivered_at) = (slot.stamp, slot.sent_at_us);
                 }
-                if loss != Loss::None {
+                if slot.transmissions == 1 {
+                    sample_sent_at = sample_sent_at.max(Some(slot.sent_at_us));
+                }
+                if slot.loss != Loss::None {
                     self.lost -= 1;
                 }
             }
         }
+        if let Some(sent_at) = sample_sent_at {
+            self.rtt_sample(now_us.saturating_sub(sent_at));
+        }
         if delivered > self.delivered_stamp {
             self.delivered_stamp = delivered;
             self.delivered_sent_at_us = delivered_at;
-            self.detect_gaps();
+            self.detect_gaps(now_us);
         }
         self.queue_close();
+        if self.in_flight() == 0 {
+            self.reorder_at_us = None;
+        }
         if progressed || self.in_flight() == 0 {
             self.rearm(now_us);
         }
         true
     }
 
+    /// Whether the acknowledgement of `slot` shows its latest transmission arrived. One sent
+    /// again and acknowledged sooner than the shortest round trip seen was the original's
+    /// acknowledgement: taking the copy as delivered would date the evidence too late and
+    /// mark datagrams sent before it lost for nothing (RACK's rule, RFC 8985 section 6.2).
+    fn evidence(&self, now_us: u64, slot: &TxSlot) -> bool {
+        slot.transmissions == 1 || now_us.saturating_sub(slot.sent_at_us) >= self.min_rtt_us.unwrap_or(0)
+    }
+
     /// Mark as lost every missing datagram that a much younger transmission overtook. With
     /// few datagrams in flight there may never be `reorder_threshold` younger ones, and every
     /// loss would wait for the timeout: the threshold then falls to one less than what is in
     /// flight, at least 1 (early retransmit, after RFC 5827).
-    fn detect_gaps(&mut self) {
+    ///
+    /// A missing datagram overtaken only by its own burst (sent within the reordering window
+    /// of it) is lost once a round trip and the window have passed since it left (RACK's
+    /// reordering timer, RFC 8985): the reordering timer is set for the earliest such.
+    fn detect_gaps(&mut self, now_us: u64) {
         let in_flight = u64::from(self.in_flight());
         let threshold = u64::from(self.config.reorder_threshold).min(in_flight.saturating_sub(1)).max(1);
         let window = self.reorder_window();
+        // Without a round-trip estimate there is no reordering timer (the RTO covers it).
+        let wait = self.srtt_us.map(|srtt| srtt + window);
+        let (delivered, delivered_at) = (self.delivered_stamp, self.delivered_sent_at_us);
+        let mut reorder_at = None;
         let mut seq = self.snd_una;
         while seq != self.snd_nxt {
-            let (delivered, delivered_at) = (self.delivered_stamp, self.delivered_sent_at_us);
             let slot = self.tx_slot(seq);
-            if !slot.sacked
-                && slot.loss == Loss::None
-                && slot.stamp + threshold <= delivered
-                && slot.sent_at_us + window <= delivered_at
-            {
+            seq = seq.wrapping_add(1);
+            if slot.sacked || slot.loss != Loss::None || slot.stamp >= delivered {
+                continue;
+            }
+            let overtaken = slot.stamp + threshold <= delivered && slot.sent_at_us + window <= delivered_at;
+            let due = wait.map(|wait| slot.sent_at_us + wait);
+            if overtaken || due.is_some_and(|due| due <= now_us) {
                 slot.loss = Loss::Gap;
                 self.lost += 1;
                 self.gap_losses_quiet += 1;
+            } else if let Some(due) = due {
+                reorder_at = Some(reorder_at.map_or(due, |at: u64| at.min(due)));
             }
-            seq = seq.wrapping_add(1);
         }
+        self.reorder_at_us = reorder_at;
         if self.gap_losses_quiet >= REORDER_NARROW_AFTER {
             self.gap_losses_quiet = 0;
             self.reorder_steps = self.reorder_steps.saturating_sub(1);
@@ -867,6 +905,7 @@ impl DatagramStream {
 
     /// RFC 6298, section 2.
     fn rtt_sample(&mut self, rtt_us: u64) {
+        self.min_rtt_us = Some(self.min_rtt_us.map_or(rtt_us, |min| min.min(rtt_us)));
         let srtt = match self.srtt_us {
             None => {
                 self.rttvar_us = rtt_us / 2;
@@ -894,15 +933,18 @@ impl DatagramStream {
     fn receive(
         &mut self,
         now_us: u64,
-        seq: u32,
-        close: bool,
+        h: &DatagramHeader,
         payload: &[u8],
         to: Option<&mut ReadCursor<'_, '_>>,
     ) -> usize {
+        let (seq, close) = (h.seq, h.kind == DatagramKind::Close);
+        // Only a gap resend that was not needed tells the sender its reordering window is
+        // short; a copy the network made, or one resent on a timeout, does not.
+        let spurious_resend = h.flags & flags::GAP_RESEND != 0;
         let right = self.rcv_read.wrapping_add(self.config.recv_slots);
         if seq_lt(seq, self.rcv_nxt) {
             self.counters.duplicates += 1;
-            self.duplicate_seen = true;
+            self.duplicate_seen |= spurious_resend;
             self.ack_now = true;
             return 0;
         }
@@ -914,7 +956,7 @@ impl DatagramStream {
         let idx = (seq & self.rx_mask) as usize;
         if self.rx_slots[idx].filled {
             self.counters.duplicates += 1;
-            self.duplicate_seen = true;
+            self.duplicate_seen |= spurious_resend;
             self.ack_now = true;
             return 0;
         }
@@ -985,14 +1027,12 @@ impl DatagramStream {
         if matches!(self.state, State::Dead(_)) {
             return None;
         }
-        match (self.rto_at_us, self.ack_due_us) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.rto_at_us, self.ack_due_us, self.reorder_at_us].into_iter().flatten().min()
     }
 
-    /// Run the timers due at `now_us`: a delayed ack falls due; the retransmission timer
-    /// queues retransmissions or a window probe, or declares the peer dead.
+    /// Run the timers due at `now_us`: a delayed ack falls due; the reordering timer takes
+    /// what its burst overtook as lost; the retransmission timer queues retransmissions or a
+    /// window probe, or declares the peer dead.
     pub fn handle_timeout(&mut self, now_us: u64) {
         if matches!(self.state, State::Dead(_)) {
             return;
@@ -1000,6 +1040,9 @@ impl DatagramStream {
         if self.ack_due_us.is_some_and(|due| due <= now_us) {
             self.ack_due_us = None;
             self.ack_now = true;
+        }
+        if self.reorder_at_us.is_some_and(|due| due <= now_us) {
+            self.detect_gaps(now_us);
         }
         if self.rto_at_us.is_none_or(|due| due > now_us) {
             return;
@@ -1108,7 +1151,11 @@ impl DatagramStream {
         if slot.loss != Loss::None {
             self.lost -= 1;
         }
-        let flags = if slot.loss == Loss::Timeout { flags::ACK_NOW } else { 0 };
+        let flags = match slot.loss {
+            Loss::None => 0,
+            Loss::Timeout => flags::ACK_NOW,
+            Loss::Gap => flags::GAP_RESEND,
+        };
         *self.tx_slot(seq) = TxSlot {
             transmissions: slot.transmissions + 1,
             sent_at_us: now_us,

@@ -113,12 +113,17 @@ pub mod flags {
     /// The receiver should acknowledge at once instead of delaying its ack: set on
     /// retransmissions after a timeout and on window probes, whose answer the sender waits for.
     pub const ACK_NOW: u8 = 0x01;
-    /// The sender of this datagram received a duplicate of a sequenced datagram since the last
-    /// datagram it sent (DSACK, RFC 2883): the peer sent something again that had arrived, so
-    /// the peer took reordering for loss and widens its reordering window.
+    /// The sender of this datagram received a duplicate of a datagram flagged `GAP_RESEND`
+    /// since the last datagram it sent (DSACK, RFC 2883): the peer took reordering for loss,
+    /// and widens its reordering window.
     pub const DUPLICATE: u8 = 0x02;
+    /// A Data or Close datagram sent again because younger ones overtook it (a gap loss), not
+    /// on a timeout. A receiver that already had it answers with `DUPLICATE`; a duplicate the
+    /// network made of a first transmission, or a copy resent on a timeout (a lost ack), says
+    /// nothing about reordering and is not reported.
+    pub const GAP_RESEND: u8 = 0x04;
     /// Every flag bit this version defines.
-    pub const ALL: u8 = ACK_NOW | DUPLICATE;
+    pub const ALL: u8 = ACK_NOW | DUPLICATE | GAP_RESEND;
 }
 
 /// Why bytes are not a valid datagram. The receiver drops such a datagram and counts it; one

@@ -333,6 +333,50 @@ fn the_rtt_estimate_converges_on_the_path() {
 }
 
 #[test]
+fn a_hole_repaired_late_does_not_stretch_the_rtt_estimate() {
+    // Datagram 15 of 20 is lost, and its first resend too: the second goes on the timeout,
+    // hundreds of µs later. Datagrams 16..19 were selectively acknowledged long before the
+    // cumulative ack passes them; their wait behind the hole is no round trip.
+    let mut drops = 0;
+    let mut pair = Pair::new(config(), [0, 0], 50).with_fate(move |side, h, _| {
+        if side == 0 && h.kind == DatagramKind::Data && h.seq == 15 && drops < 2 {
+            drops += 1;
+            return Fate::Drop;
+        }
+        Fate::Deliver
+    });
+    pair.transfer(20_000, 1_000_000);
+    let a = pair.ends[0].counters();
+    assert_eq!(a.timeouts, 1, "the second loss waited for the timeout: {a:?}");
+    assert!((100..=130).contains(&a.srtt_us), "a 100 µs path: {a:?}");
+}
+
+#[test]
+fn a_datagram_its_burst_overtook_is_resent_on_the_reordering_timer_not_the_timeout() {
+    // A bundle's reordering window (100 µs) excuses a datagram overtaken by datagrams sent
+    // right after it. Datagram 5 of a burst is lost: a round trip plus the window after it
+    // left, it is taken as lost and sent again, long before the 5 ms timeout.
+    let cfg = ReliableConfig { reorder_window_us: 100, rto_min_us: 5_000, rto_initial_us: 5_000, ..config() };
+    let mut dropped = false;
+    let mut pair = Pair::new(cfg, [0, 0], 50).with_fate(move |side, h, _| {
+        if side == 0 && h.kind == DatagramKind::Data && h.seq == 25 && !dropped {
+            dropped = true;
+            return Fate::Drop;
+        }
+        Fate::Deliver
+    });
+    // A first exchange gives the sender its round-trip estimate; the burst follows at once.
+    pair.transfer(2_000, 1_000_000);
+    let start = pair.now;
+    pair.write(0, 10_000);
+    pair.step();
+    pair.transfer(40_000, 1_000_000);
+    let a = pair.ends[0].counters();
+    assert_eq!((a.retransmitted_gap, a.retransmitted_timeout, a.timeouts), (1, 0, 0), "{a:?}");
+    assert!(pair.now - start < 1_000, "repaired in {} µs", pair.now - start);
+}
+
+#[test]
 fn the_rto_backs_off_and_follows_a_slower_path() {
     let cfg = ReliableConfig { rto_min_us: 10, ack_delay_us: 5, ..config() };
     let mut pair = Pair::new(cfg, [0, 0], 2_000);
@@ -582,6 +626,30 @@ fn duplicates_reported_back_widen_the_reordering_window_until_reordering_costs_n
     assert_eq!(a.retransmitted_gap, resent, "none after it: {a:?}");
     assert_eq!(b.duplicates, a.retransmitted_gap + a.retransmitted_timeout, "every resend was a duplicate");
     assert!(a.reorder_window_us >= 150, "{a:?}");
+}
+
+#[test]
+fn duplicates_the_network_makes_leave_the_reordering_window_alone() {
+    // Every 7th data datagram of the sender arrives twice (first transmissions only), and one
+    // is lost: the receiver drops the copies and acknowledges them, but only a gap resend it
+    // already had (flagged GAP_RESEND) would be reported DUPLICATE. The window stays off, and
+    // the loss is repaired on the gap.
+    let mut seen = std::collections::HashSet::new();
+    let mut pair = Pair::new(config(), [0, 0], 50).with_fate(move |side, h, _| {
+        if side != 0 || h.kind != DatagramKind::Data || !seen.insert(h.seq) {
+            return Fate::Deliver;
+        }
+        match h.seq {
+            40 => Fate::Drop,
+            seq if seq % 7 == 3 => Fate::Duplicate,
+            _ => Fate::Deliver,
+        }
+    });
+    pair.transfer(200_000, 10_000_000);
+    let (a, b) = (pair.ends[0].counters(), pair.ends[1].counters());
+    assert!(b.duplicates >= 25, "{b:?}");
+    assert_eq!((a.dsacks_received, a.reorder_window_us), (0, 0), "{a:?}");
+    assert_eq!((a.retransmitted_gap, a.retransmitted_timeout), (1, 0), "{a:?}");
 }
 
 /// `handle_datagram_into` places only what is next in order with nothing unread before it:
