@@ -22,6 +22,7 @@ makes is removed at the end, even on failure.
     python3 bench/ethernet.py --shape 10gbit --data-batching   # Tyche VI.B: 4 KiB frames against 8 KiB
     python3 bench/ethernet.py --bundle [--shape 2gbit]         # NIC bundling: 1 link against 2
     python3 bench/ethernet.py --bundle --shape 2gbit,500mbit   # ... of two speeds
+    python3 bench/ethernet.py --loss 0,1,5 --qds 1,32          # through skiff relay dropping 0, 1, 5%
 
 With --shape RATE both ends of the pair are shaped with `tc qdisc ... tbf rate RATE` and the
 sweep is Tyche's (Figures 5 and 7): 1 to 128 threads x 4 outstanding 4 KiB random reads on
@@ -39,7 +40,14 @@ the same over both (eth:NEAR+NEAR2/MAC); with --shape each of the four ends is s
 bundle's ceiling is twice one link's; `--shape A,B` shapes the first pair to A and the second
 to B, a bundle of links of different speeds.
 
-Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle,drivers}-<timestamp>.json (and a .png of each sweep), and
+With --loss PCTS the pair is cut in two and `skiff relay --every-ethertype` bridges the halves
+from a third namespace, dropping each listed percentage of frames (seeded, both directions; ARP
+and IP cross it too), so skiff-eth's own reliable delivery and TCP's meet the same losses. A
+relay starts for every run (seed = the round) and its counters give the share it dropped. The
+four ends run with segmentation and checksum offloads off (ethtool), so every TCP frame the
+relay sees is a whole one; the relay itself is not pinned.
+
+Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle,drivers,loss}-<timestamp>.json (and a .png of each sweep), and
 prints a Markdown table.
 """
 import argparse
@@ -58,6 +66,8 @@ from compare import Placement, add_placement_args, cpu_s, median_record, rotate,
 NS = "skiff-bench-eth"
 NEAR, FAR = "skbe0", "skbe1"
 NEAR2, FAR2 = "skbe2", "skbe3"  # the second pair of --bundle
+NS_RELAY = "skiff-bench-relay"  # --loss: the relay's namespace and its two ends
+RELAY_L, RELAY_R = "skbr0", "skbr1"
 NEAR_IP, FAR_IP = "10.77.0.1", "10.77.0.2"
 SYSTEMS = ["skiff-eth", "skiff-tcp", "nbdkit"]
 
@@ -92,16 +102,29 @@ def shape(rates, pairs):
         sh(["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", far, *tbf])
 
 
-def setup(bundle=False):
+def setup(bundle=False, relay=False):
     """The namespace and the pair (and with `bundle` a second pair, no addresses: raw
-    Ethernet only); returns the target's MAC on the first."""
+    Ethernet only); returns the target's MAC on the first. With `relay` the pair is two, NEAR
+    to RELAY_L and RELAY_R to FAR, the relay's ends in a namespace of their own (with an address
+    on neither: the host must not answer ARP there and carry TCP past the relay)."""
     teardown()
     sh(["ip", "netns", "add", NS])
-    for near, far in [(NEAR, FAR)] + ([(NEAR2, FAR2)] if bundle else []):
+    if relay:
+        sh(["ip", "netns", "add", NS_RELAY])
+        pairs = [(NEAR, RELAY_L, NS_RELAY, None), (RELAY_R, FAR, NS, NS_RELAY)]
+    else:
+        pairs = [(NEAR, FAR, NS, None)] + ([(NEAR2, FAR2, NS, None)] if bundle else [])
+    for near, far, far_ns, near_ns in pairs:
         sh(["ip", "link", "add", near, "mtu", "9000", "type", "veth", "peer", "name", far, "mtu", "9000"])
-        sh(["ip", "link", "set", far, "netns", NS])
-        sh(["ip", "link", "set", near, "up"])
-        sh(["ip", "-n", NS, "link", "set", far, "up"])
+        sh(["ip", "link", "set", far, "netns", far_ns])
+        if near_ns:
+            sh(["ip", "link", "set", near, "netns", near_ns])
+        for ns, dev in ((near_ns, near), (far_ns, far)):
+            sh((["ip", "netns", "exec", ns] if ns else []) + ["ip", "link", "set", dev, "up"])
+            if relay:
+                # Whole, checksummed frames of at most the MTU, for the relay to read.
+                sh((["ip", "netns", "exec", ns] if ns else [])
+                   + ["ethtool", "-K", dev, "tso", "off", "gso", "off", "gro", "off", "tx", "off"])
     sh(["ip", "addr", "add", f"{NEAR_IP}/24", "dev", NEAR])
     for args in (["addr", "add", f"{FAR_IP}/24", "dev", FAR], ["link", "set", "lo", "up"]):
         sh(["ip", "-n", NS, *args])
@@ -113,6 +136,7 @@ def teardown():
     sh(["ip", "link", "del", NEAR], check=False)
     sh(["ip", "link", "del", NEAR2], check=False)
     sh(["ip", "netns", "del", NS], check=False)
+    sh(["ip", "netns", "del", NS_RELAY], check=False)
 
 
 def wait_tcp(host, port, timeout=15.0):
@@ -392,6 +416,88 @@ def drivers(a, mac, qds):
     return 0
 
 
+def relay(a, loss_pct, seed):
+    """`skiff relay` between the halves, dropping `loss_pct` percent of frames each way."""
+    proc = subprocess.Popen(["ip", "netns", "exec", NS_RELAY, a.skiff, "relay", "--left", RELAY_L, "--right",
+                             RELAY_R, "--every-ethertype", "--drop", str(loss_pct / 100), "--seed", str(seed)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    time.sleep(0.3)  # its sockets open before the first frame
+    if proc.poll() is not None:
+        raise RuntimeError(f"skiff relay exited with {proc.returncode}")
+    return proc
+
+
+def relay_counters(proc):
+    """Stop a relay; its counters (JSON)."""
+    proc.terminate()
+    out, _ = proc.communicate(timeout=10)
+    return json.loads(out)
+
+
+def loss(a, mac, qds):
+    """skiff-eth against skiff-tcp through skiff relay, at each loss rate and QD."""
+    rates = [float(x) for x in a.loss.split(",")]
+    variants = [("skiff-eth", f"eth:{NEAR}/{mac}"), ("skiff-tcp", f"{FAR_IP}:7070")]
+    points = [(p, q) for p in rates for q in qds]
+    runs = {}
+    server = None
+    try:
+        ready = relay(a, 0.0, 0)  # the target's readiness is seen through the relay
+        try:
+            server = start(serve_argv(a, 7070), FAR_IP, 7070)
+        finally:
+            relay_counters(ready)
+        log(f"veth pairs {NEAR} - {RELAY_L} | skiff relay --every-ethertype | {RELAY_R} - {FAR}, MTU 9000, "
+            f"offloads off; placement {a.pl.describe()}, relay not pinned")
+        for i, (pct, qd) in enumerate(points):
+            for rep in range(a.repeat):
+                for name, target in rotate(variants, i + rep):
+                    proc = relay(a, pct, rep + 1)
+                    try:
+                        r = skiff_bench(a, target, qd)
+                    finally:
+                        counters = relay_counters(proc)
+                    dropped = sum(counters[d]["dropped"] for d in ("left_to_right", "right_to_left"))
+                    received = sum(counters[d]["received"] for d in ("left_to_right", "right_to_left"))
+                    r["relay"] = counters
+                    r["frames_per_io"] = received / max(1.0, r["iops"] * a.runtime)
+                    r["dropped_share"] = dropped / max(1, received)
+                    link = r.get("client_link") or {}
+                    r["client_resent"] = (link.get("retransmitted_gap", 0) + link.get("retransmitted_timeout", 0)
+                                          if link else None)
+                    runs.setdefault((name, (pct, qd)), []).append(r)
+                    log(f"loss {pct:>4}% QD {qd:>3} {name:<9} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                        f"{r['lat_mean_us']:8.1f} µs p99 {r['lat_p99_us']:9.1f}  CPU µs/IO "
+                        f"{r['client_cpu_us_per_io']:.2f} + {r['server_cpu_us_per_io']:.2f}; relay dropped "
+                        f"{dropped} of {received} frames")
+    finally:
+        if server:
+            stop(server)
+        teardown()
+    med = {k: median_record(v) for k, v in runs.items()}
+    base = save(a, "loss", {"loss_pct": rates, "qds": qds},
+                [{"system": s, "loss_pct": p, "qd": q, **med[(s, (p, q))], "repetitions": runs[(s, (p, q))]}
+                 for (s, (p, q)) in runs])
+    print(f"4 KiB random reads through skiff relay dropping frames at random, both directions "
+          f"({a.pl.short()}, relay not pinned, median of {a.repeat}); {base}.json")
+    print()
+    print("| loss | QD | system | IOPS | ÷ no loss | mean µs | p99 µs | CPU µs/I/O | frames/I/O | dropped | "
+          "client resends |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for p, q in points:
+        for s, _ in variants:
+            r = med.get((s, (p, q)))
+            if not r:
+                continue
+            base_r = med.get((s, (rates[0], q)))
+            kept = f"{r['iops'] / base_r['iops']:.2f}" if base_r and rates[0] == 0 else ""
+            resent = "" if r["client_resent"] is None else f"{r['client_resent']:,.0f}"
+            print(f"| {p}% | {q} | {s} | {r['iops']:,.0f} | {kept} | {r['lat_mean_us']:.1f} | {r['lat_p99_us']:.1f} | "
+                  f"{r['client_cpu_us_per_io'] + r['server_cpu_us_per_io']:.2f} | {r['frames_per_io']:.2f} | "
+                  f"{100 * r['dropped_share']:.2f}% | {resent} |")
+    return 0
+
+
 def table2(a, mac):
     """Tyche Table II over raw Ethernet and TCP: QD 1 by size, with skiff bench's stages."""
     points = [(rw, bs) for rw in ("randread", "randwrite") for bs in ("4k", "8k", "64k", "128k")]
@@ -429,6 +535,9 @@ def main():
                    help="with --shape: skiff-eth with 8 KiB frames (two 4 KiB data messages each) against 4 KiB frames")
     p.add_argument("--drivers", action="store_true",
                    help="skiff-eth over AF_XDP (SKIFF_ETH_DRIVER=xdp) against AF_PACKET and skiff-tcp, at --qds")
+    p.add_argument("--loss", metavar="PCTS",
+                   help="through skiff relay dropping each listed percentage of frames (0,1,5): skiff-eth against "
+                        "skiff-tcp at --qds")
     p.add_argument("--bundle", action="store_true",
                    help="a second veth pair: skiff-eth over one link against a bundle of two (with --shape: each shaped)")
     add_placement_args(p, "rounds, the systems alternating (default 3)")
@@ -443,7 +552,11 @@ def main():
         raise SystemExit("--data-batching needs --shape RATE: it measures link utilisation")
     if a.shape and "," in a.shape and (not a.bundle or a.shape.count(",") > 1):
         raise SystemExit("--shape takes two rates (one per link) only with --bundle")
-    mac = setup(bundle=a.bundle)
+    if a.loss and (a.shape or a.bundle):
+        raise SystemExit("--loss runs one link, unshaped")
+    mac = setup(bundle=a.bundle, relay=bool(a.loss))
+    if a.loss:
+        return loss(a, mac, qds)
     if a.table2:
         return table2(a, mac)
     if a.drivers:

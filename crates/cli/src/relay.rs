@@ -2,13 +2,19 @@
 //! reliable delivery over raw Ethernet on real frames: seeded drops, duplicates, reordering
 //! and bit flips, counted per direction. Runs until SIGINT or SIGTERM, then prints its
 //! counters as JSON on stdout; a progress line each second on stderr.
+//!
+//! It bridges skiff's EtherType only, unless `--every-ethertype`: then ARP and IP cross it
+//! too, under the same faults, so TCP can be measured through the same relay as raw Ethernet
+//! (the ends then need segmentation and checksum offloads off, `ethtool -K IFACE tso off gso
+//! off gro off tx off`: a frame the relay reads must be a whole, checksummed frame of at most
+//! the MTU).
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use clap::Args;
-use transport::packet::{PacketSocket, RingConfig, ETHERTYPE};
+use transport::packet::{PacketSocket, RingConfig, ETHERTYPE, ETHERTYPE_ALL};
 use transport::relay::{self, DirectionCounters, FaultRates};
 
 use crate::CliResult;
@@ -36,6 +42,10 @@ pub struct RelayArgs {
     /// Seed of the fault decisions: the same seed and the same frames make the same faults.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Bridge frames of every EtherType (ARP and IP too, so TCP crosses the same faults), not
+    /// only skiff's 0x88B5.
+    #[arg(long)]
+    every_ethertype: bool,
 }
 
 pub fn run(args: RelayArgs) -> CliResult {
@@ -48,10 +58,11 @@ pub fn run(args: RelayArgs) -> CliResult {
     rates.check()?;
     // Through the interfaces' queueing disciplines, so that a shaped link stays shaped.
     let config = RingConfig { qdisc_bypass: false, ..RingConfig::default() };
+    let ethertype = if args.every_ethertype { ETHERTYPE_ALL } else { ETHERTYPE };
     let left =
-        PacketSocket::open(&args.left, ETHERTYPE, config).map_err(|e| format!("{}: {e}", args.left))?;
+        PacketSocket::open(&args.left, ethertype, config).map_err(|e| format!("{}: {e}", args.left))?;
     let right =
-        PacketSocket::open(&args.right, ETHERTYPE, config).map_err(|e| format!("{}: {e}", args.right))?;
+        PacketSocket::open(&args.right, ethertype, config).map_err(|e| format!("{}: {e}", args.right))?;
     rt::signals::block_termination()?;
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
@@ -66,7 +77,7 @@ pub fn run(args: RelayArgs) -> CliResult {
     stop.store(true, Ordering::Relaxed);
     let (lr, rl) = bridge.join().map_err(|_| "the relay thread panicked")??;
     let json = serde_json::json!({
-        "left": args.left, "right": args.right, "seed": seed,
+        "left": args.left, "right": args.right, "seed": seed, "every_ethertype": args.every_ethertype,
         "rates": {"drop": rates.drop, "duplicate": rates.duplicate, "reorder": rates.reorder, "corrupt": rates.corrupt},
         "left_to_right": counters(&lr), "right_to_left": counters(&rl),
     });

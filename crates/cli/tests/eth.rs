@@ -2,7 +2,8 @@
 //! asks: a target (`skiff serve --eth`) and a client (`skiff bench`) each in a network
 //! namespace of its own, the relay bridging their veth pairs with 1% and then 5% of frames
 //! dropped (and some duplicated, reordered and corrupted). Every read must verify, and the
-//! relay's counters must show that the faults were real.
+//! relay's counters must show that the faults were real. And the relay with
+//! `--every-ethertype`, which TCP crosses too (the loss comparison of bench/ethernet.py).
 //!
 //! Root and network namespaces are needed; under CI (`CI=true`) their absence fails this test,
 //! elsewhere it skips loudly. Processes, namespaces and veth pairs are removed even on failure.
@@ -11,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use skiff_tests::netns::{self, VethPair};
+use skiff_tests::{run_ok, tool};
 
 fn skiff() -> Command {
     Command::new(env!("CARGO_BIN_EXE_skiff"))
@@ -141,6 +143,82 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
         );
     }
     drop(serve);
+}
+
+/// `skiff relay --every-ethertype` carries ARP and IP under the same faults: skiff over TCP
+/// verifies through it at 2% loss, and the relay's counters show it dropped frames of a
+/// connection that only crossed it. (Without the flag TCP could not connect at all: the
+/// namespaces have no other way between them.)
+#[test]
+fn tcp_verifies_through_the_relay_bridging_every_ethertype() {
+    if !netns::available("skiff bench over TCP through skiff relay --every-ethertype") {
+        return;
+    }
+    let (client, target) = (VethPair::new(9000), VethPair::new(9000));
+    for (ns, iface, addr) in
+        [(&client.ns, &client.peer, "10.79.0.1/24"), (&target.ns, &target.peer, "10.79.0.2/24")]
+    {
+        run_ok(tool("ip", "iproute2").args(["-n", ns, "addr", "add", addr, "dev", iface]));
+        run_ok(tool("ip", "iproute2").args(["-n", ns, "link", "set", "lo", "up"]));
+    }
+    // Whole, checksummed frames of at most the MTU on every end, for the relay to read.
+    let offloads = ["tso", "off", "gso", "off", "gro", "off", "tx", "off"];
+    for (ns, iface) in [
+        (None, &client.host),
+        (Some(&client.ns), &client.peer),
+        (None, &target.host),
+        (Some(&target.ns), &target.peer),
+    ] {
+        let mut cmd = match ns {
+            Some(ns) => {
+                let mut c = tool("ip", "iproute2");
+                c.args(["netns", "exec", ns, "ethtool"]);
+                c
+            }
+            None => tool("ethtool", "ethtool"),
+        };
+        run_ok(cmd.args(["-K", iface]).args(offloads));
+    }
+    let relay = Proc(
+        skiff()
+            .args(["relay", "--left", &client.host, "--right", &target.host, "--every-ethertype"])
+            .args(["--drop", "0.02", "--seed", "3"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("skiff relay"),
+    );
+    let serve = Proc(
+        skiff_in(&target.ns)
+            .args(["serve", "--listen", "10.79.0.2:7070", "--export", "vol=ram:32M"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("skiff serve"),
+    );
+    // Let the relay and the target open their sockets before the first frame.
+    std::thread::sleep(Duration::from_millis(500));
+    let out = skiff_in(&client.ns)
+        .args(["bench", "--target", "10.79.0.2:7070", "--export", "vol", "--size", "32M", "--rw", "randrw"])
+        .args(["--qd", "16", "--duration", "2s", "--verify", "--json"])
+        .output()
+        .expect("skiff bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "skiff bench: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    let bench: serde_json::Value = serde_json::from_str(&stdout).expect("bench JSON");
+    assert!(json_u64(&bench, &["ios"]) > 100, "{bench}");
+    assert_eq!(json_u64(&bench, &["io_errors"]), 0, "{bench}");
+    assert_eq!(json_u64(&bench, &["verify_errors"]), 0, "{bench}");
+    drop(serve);
+    let counters: serde_json::Value = serde_json::from_str(relay.finish().trim()).expect("relay JSON");
+    assert_eq!(counters["every_ethertype"], true, "{counters}");
+    for side in ["left_to_right", "right_to_left"] {
+        let (dropped, received) =
+            (json_u64(&counters, &[side, "dropped"]), json_u64(&counters, &[side, "received"]));
+        let share = dropped as f64 / received.max(1) as f64;
+        assert!(received > 500 && share > 0.01 && share < 0.04, "{side}: {counters}");
+    }
+    eprintln!("TCP through the relay: {} I/Os verified; relay {counters}", json_u64(&bench, &["ios"]));
 }
 
 /// NIC bundling from the command line: `skiff serve --eth A --eth B` forms one bundle, and

@@ -28,6 +28,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 /// skiff's EtherType: IEEE 802 local experimental EtherType 1.
 pub const ETHERTYPE: u16 = 0x88B5;
+/// Not an EtherType: opened with it, a socket receives frames of every EtherType (ETH_P_ALL),
+/// for a bridge that forwards whole frames ([`PacketSocket::receive_frames`],
+/// [`PacketSocket::queue_frame`]).
+pub const ETHERTYPE_ALL: u16 = libc::ETH_P_ALL as u16;
 /// Destination MAC, source MAC, EtherType.
 pub const ETH_HEADER_LEN: usize = 14;
 /// A MAC address.
