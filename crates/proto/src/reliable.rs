@@ -49,15 +49,17 @@
 //!   flagged GAP_RESEND, a receiver that gets a duplicate of one flags its next datagram
 //!   DUPLICATE (DSACK, RFC 2883), and a sender told so counts a widening (at most one a
 //!   round trip, at most 16): the window is `step × (1 + widenings)`
-//!   with `step = max(reorder_window_us, SRTT/4)`, never past SRTT (so from off, the first
-//!   widening gives SRTT/2); every 64 gap losses with no DSACK take one widening back.
+//!   with `step = max(reorder_window_us, SRTT/4)`, never past the RTO estimate (a wider
+//!   window would only wait for the timeout; so from off, the first widening gives SRTT/2);
+//!   every 64 gap losses with no DSACK take one widening back.
 //!   A missing datagram that a younger transmission overtook but the window still excuses is
 //!   taken as lost once SRTT plus the window have passed since it left (RACK's reordering
 //!   timer), not left to the retransmission timeout.
-//! - **Round-trip samples** come from the latest-sent datagram an ack delivers for the first
-//!   time, cumulatively or selectively, and never sent twice (Karn's rule). A datagram
-//!   selectively acknowledged before and only now passed by the cumulative ack gives none: its
-//!   wait behind a hole is not the path's round trip.
+//! - **Round-trip samples** time in-order delivery, which is what the retransmission timer
+//!   waits for: an ack that moves the cumulative point gives `now` minus the sending of the
+//!   newest datagram it passes (over a bundle, a datagram's wait behind one on a slower link
+//!   counts), unless anything it passes was sent more than once (Karn's rule, and the wait
+//!   behind a resent datagram is the repair's, not the path's).
 //! - **Dead peer.** Each expiry without acknowledgement progress since the last one counts a
 //!   backoff; at `backoffs_max + 1` in a row the stream is [`State::Dead`]. Since the timer
 //!   never waits longer than `rto_max_us`, that happens within
@@ -96,7 +98,7 @@ use wire::datagram::{flags, DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 /// Bits in the selective-ack bitmap.
 const SACK_BITS: u32 = 32;
 
-/// Most steps DSACKs widen the reordering window by (it never passes SRTT anyway).
+/// Most steps DSACKs widen the reordering window by (it never passes the RTO anyway).
 const REORDER_STEPS_MAX: u32 = 16;
 
 /// Gap losses with no DSACK after which the reordering window narrows a step again.
@@ -757,26 +759,32 @@ impl DatagramStream {
             return false;
         }
         let (mut delivered, mut delivered_at) = (0, 0);
-        // The round-trip sample: the latest-sent datagram this ack delivers for the first time.
-        // One selectively acknowledged before waited here behind a hole, and a datagram sent
-        // more than once (Karn) could be acknowledged for either copy: neither is a sample.
-        let mut sample_sent_at = None;
         let progressed = h.ack != self.snd_una;
         if progressed {
+            // The round-trip sample times in-order delivery, what the retransmission timer
+            // waits for: from the sending of the newest datagram the ack passes to now. Over a
+            // bundle that includes the wait behind a datagram on a slower link, as it should.
+            // Not when anything the ack passes was sent more than once: its ack could be for
+            // either copy (Karn), and the wait behind a resent datagram is the repair's, not
+            // the path's (counted, a few timeouts in a row stretch SRTT and the RTO without
+            // end).
+            let newest = self.tx_slot(h.ack.wrapping_sub(1)).sent_at_us;
+            let mut clean = true;
             while self.snd_una != h.ack {
                 let seq = self.snd_una;
                 let slot = *self.tx_slot(seq);
                 if slot.stamp > delivered && self.evidence(now_us, &slot) {
                     (delivered, delivered_at) = (slot.stamp, slot.sent_at_us);
                 }
-                if !slot.sacked && slot.transmissions == 1 {
-                    sample_sent_at = sample_sent_at.max(Some(slot.sent_at_us));
-                }
+                clean &= slot.transmissions == 1;
                 if slot.loss != Loss::None {
                     self.lost -= 1;
                 }
                 *self.tx_slot(seq) = TX_EMPTY;
                 self.snd_una = seq.wrapping_add(1);
+            }
+            if clean {
+                self.rtt_sample(now_us.saturating_sub(newest));
             }
             self.backoffs = 0;
         } else if self.in_flight() == 0 && self.backoffs > 0 {
@@ -800,16 +808,10 @@ impl DatagramStream {
                 if slot.stamp > delivered && self.evidence(now_us, &slot) {
                     (delivered, delivered_at) = (slot.stamp, slot.sent_at_us);
                 }
-                if slot.transmissions == 1 {
-                    sample_sent_at = sample_sent_at.max(Some(slot.sent_at_us));
-                }
                 if slot.loss != Loss::None {
                     self.lost -= 1;
                 }
             }
-        }
-        if let Some(sent_at) = sample_sent_at {
-            self.rtt_sample(now_us.saturating_sub(sent_at));
         }
         if delivered > self.delivered_stamp {
             self.delivered_stamp = delivered;
@@ -876,7 +878,10 @@ impl DatagramStream {
 
     /// How long after a missing datagram a delivered one must have left to show it lost:
     /// `reorder_window_us` (0: off) until DSACKs widen it to `step × (1 + widenings)`, with
-    /// `step = max(reorder_window_us, SRTT / 4)`, never past SRTT.
+    /// `step = max(reorder_window_us, SRTT / 4)`, never past the RTO estimate. (Not SRTT: over
+    /// a bundle whose links' queues differ, a datagram on the fuller one is overtaken by more
+    /// than the mean round trip; capped at SRTT, a bundle of two shaped links resent 7% of its
+    /// datagrams for nothing.)
     fn reorder_window(&self) -> u64 {
         let configured = self.config.reorder_window_us;
         if configured == 0 && self.reorder_steps == 0 {
@@ -887,7 +892,7 @@ impl DatagramStream {
         if self.reorder_steps == 0 {
             return step;
         }
-        (step * (1 + u64::from(self.reorder_steps))).min(srtt.max(step))
+        (step * (1 + u64::from(self.reorder_steps))).min(self.rto_estimate().max(step))
     }
 
     /// The peer received a duplicate: something was sent again that had arrived, because

@@ -336,7 +336,7 @@ fn the_rtt_estimate_converges_on_the_path() {
 fn a_hole_repaired_late_does_not_stretch_the_rtt_estimate() {
     // Datagram 15 of 20 is lost, and its first resend too: the second goes on the timeout,
     // hundreds of µs later. Datagrams 16..19 were selectively acknowledged long before the
-    // cumulative ack passes them; their wait behind the hole is no round trip.
+    // cumulative ack passes them; their wait behind the repair is no round trip of the path.
     let mut drops = 0;
     let mut pair = Pair::new(config(), [0, 0], 50).with_fate(move |side, h, _| {
         if side == 0 && h.kind == DatagramKind::Data && h.seq == 15 && drops < 2 {
