@@ -68,6 +68,35 @@ fn json_u64(v: &serde_json::Value, path: &[&str]) -> u64 {
     path.iter().fold(v, |v, k| &v[*k]).as_u64().unwrap_or_else(|| panic!("{path:?} in {v}"))
 }
 
+/// Run `skiff bench … --verify --json`: it must succeed with more than `ios_min` I/Os, none
+/// failed and every read right. Returns its report.
+fn bench_verified(cmd: &mut Command, ios_min: u64) -> serde_json::Value {
+    let out = cmd.output().expect("skiff bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "skiff bench: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    let bench: serde_json::Value = serde_json::from_str(&stdout).expect("bench JSON");
+    assert!(json_u64(&bench, &["ios"]) > ios_min, "{bench}");
+    assert_eq!(json_u64(&bench, &["io_errors"]), 0, "{bench}");
+    assert_eq!(json_u64(&bench, &["verify_errors"]), 0, "{bench}");
+    bench
+}
+
+/// Stop the relay; its counters, having dropped about `loss` of more than `received_min`
+/// frames each way (the seeded share, within a factor of two).
+fn relay_dropped(relay: Proc, loss: f64, received_min: u64) -> serde_json::Value {
+    let counters: serde_json::Value = serde_json::from_str(relay.finish().trim()).expect("relay JSON");
+    for side in ["left_to_right", "right_to_left"] {
+        let (dropped, received) =
+            (json_u64(&counters, &[side, "dropped"]), json_u64(&counters, &[side, "received"]));
+        let share = dropped as f64 / received.max(1) as f64;
+        assert!(
+            received > received_min && share > loss / 2.0 && share < loss * 2.0,
+            "{side} at {loss}: {counters}"
+        );
+    }
+    counters
+}
+
 #[test]
 fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_loss() {
     if !netns::available("skiff bench --verify through skiff relay") {
@@ -104,38 +133,30 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
         );
         // Let the relay open its sockets before the first frame.
         std::thread::sleep(Duration::from_millis(300));
-        let out = skiff_in(&client.ns)
-            .args(["bench", "--target", &format!("eth:{}/{mac}", client.peer), "--export", "vol"])
-            .args(["--size", "32M", "--rw", "randrw", "--qd", "16", "--duration", "2s", "--verify", "--json"])
-            .output()
-            .expect("skiff bench");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "skiff bench at {loss}: {}\n{stdout}",
-            String::from_utf8_lossy(&out.stderr)
+        let bench = bench_verified(
+            skiff_in(&client.ns)
+                .args(["bench", "--target", &format!("eth:{}/{mac}", client.peer), "--export", "vol"])
+                .args([
+                    "--size",
+                    "32M",
+                    "--rw",
+                    "randrw",
+                    "--qd",
+                    "16",
+                    "--duration",
+                    "2s",
+                    "--verify",
+                    "--json",
+                ]),
+            1000,
         );
-        let bench: serde_json::Value = serde_json::from_str(&stdout).expect("bench JSON");
-        assert!(json_u64(&bench, &["ios"]) > 1000, "{bench}");
-        assert_eq!(json_u64(&bench, &["io_errors"]), 0, "{bench}");
-        assert_eq!(json_u64(&bench, &["verify_errors"]), 0, "{bench}");
         // The lanes repaired what the relay broke: retransmissions, and corrupt datagrams
         // caught by their checksum.
         let repaired = json_u64(&bench, &["client_link", "retransmitted_timeout"])
             + json_u64(&bench, &["client_link", "retransmitted_gap"]);
         assert!(repaired > 0, "no retransmission at {loss}: {}", bench["client_link"]);
         assert!(json_u64(&bench, &["client_link", "corrupt"]) > 0, "{}", bench["client_link"]);
-        let counters: serde_json::Value = serde_json::from_str(relay.finish().trim()).expect("relay JSON");
-        for side in ["left_to_right", "right_to_left"] {
-            let dropped = json_u64(&counters, &[side, "dropped"]);
-            let received = json_u64(&counters, &[side, "received"]);
-            // The seeded share of frames dropped, within a factor of two.
-            let share = dropped as f64 / received.max(1) as f64;
-            assert!(
-                received > 1000 && share > loss / 2.0 && share < loss * 2.0,
-                "{side} at {loss}: {counters}"
-            );
-        }
+        let counters = relay_dropped(relay, loss, 1000);
         eprintln!(
             "loss {loss}: {} I/Os verified; lanes {}; relay {counters}",
             json_u64(&bench, &["ios"]),
@@ -198,26 +219,25 @@ fn tcp_verifies_through_the_relay_bridging_every_ethertype() {
     );
     // Let the relay and the target open their sockets before the first frame.
     std::thread::sleep(Duration::from_millis(500));
-    let out = skiff_in(&client.ns)
-        .args(["bench", "--target", "10.79.0.2:7070", "--export", "vol", "--size", "32M", "--rw", "randrw"])
-        .args(["--qd", "16", "--duration", "2s", "--verify", "--json"])
-        .output()
-        .expect("skiff bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "skiff bench: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    let bench: serde_json::Value = serde_json::from_str(&stdout).expect("bench JSON");
-    assert!(json_u64(&bench, &["ios"]) > 100, "{bench}");
-    assert_eq!(json_u64(&bench, &["io_errors"]), 0, "{bench}");
-    assert_eq!(json_u64(&bench, &["verify_errors"]), 0, "{bench}");
+    let bench = bench_verified(
+        skiff_in(&client.ns)
+            .args([
+                "bench",
+                "--target",
+                "10.79.0.2:7070",
+                "--export",
+                "vol",
+                "--size",
+                "32M",
+                "--rw",
+                "randrw",
+            ])
+            .args(["--qd", "16", "--duration", "2s", "--verify", "--json"]),
+        100,
+    );
     drop(serve);
-    let counters: serde_json::Value = serde_json::from_str(relay.finish().trim()).expect("relay JSON");
+    let counters = relay_dropped(relay, 0.02, 500);
     assert_eq!(counters["every_ethertype"], true, "{counters}");
-    for side in ["left_to_right", "right_to_left"] {
-        let (dropped, received) =
-            (json_u64(&counters, &[side, "dropped"]), json_u64(&counters, &[side, "received"]));
-        let share = dropped as f64 / received.max(1) as f64;
-        assert!(received > 500 && share > 0.01 && share < 0.04, "{side}: {counters}");
-    }
     eprintln!("TCP through the relay: {} I/Os verified; relay {counters}", json_u64(&bench, &["ios"]));
 }
 
@@ -242,18 +262,13 @@ fn bench_verifies_over_a_bundle_of_two_links() {
     let mac = mac_of(&a.ns, &a.peer);
     // Let the target open its sockets before the first frame.
     std::thread::sleep(Duration::from_millis(300));
-    let out = skiff()
-        .args(["bench", "--target", &format!("eth:{}+{}/{mac}", a.host, b.host), "--export", "vol"])
-        .args(["--size", "32M", "--rw", "randrw", "--qd", "16", "--threads", "2", "--duration", "2s"])
-        .args(["--verify", "--json"])
-        .output()
-        .expect("skiff bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "skiff bench: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    let bench: serde_json::Value = serde_json::from_str(&stdout).expect("bench JSON");
-    assert!(json_u64(&bench, &["ios"]) > 1000, "{bench}");
-    assert_eq!(json_u64(&bench, &["io_errors"]), 0, "{bench}");
-    assert_eq!(json_u64(&bench, &["verify_errors"]), 0, "{bench}");
+    let bench = bench_verified(
+        skiff()
+            .args(["bench", "--target", &format!("eth:{}+{}/{mac}", a.host, b.host), "--export", "vol"])
+            .args(["--size", "32M", "--rw", "randrw", "--qd", "16", "--threads", "2", "--duration", "2s"])
+            .args(["--verify", "--json"]),
+        1000,
+    );
     let paths = bench["client_link"]["paths"].as_array().expect("per-path counters").clone();
     assert_eq!(paths.len(), 2, "{}", bench["client_link"]);
     for p in &paths {
