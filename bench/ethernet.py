@@ -135,6 +135,7 @@ def setup(bundle=False, relay=False):
 def teardown():
     sh(["ip", "link", "del", NEAR], check=False)
     sh(["ip", "link", "del", NEAR2], check=False)
+    sh(["ip", "link", "del", RELAY_R], check=False)  # a --loss setup that failed half way
     sh(["ip", "netns", "del", NS], check=False)
     sh(["ip", "netns", "del", NS_RELAY], check=False)
 
@@ -156,7 +157,11 @@ def in_ns(argv):
 
 def start(argv, host, port):
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_tcp(host, port)
+    try:
+        wait_tcp(host, port)
+    except BaseException:
+        stop(proc)
+        raise
     return proc
 
 
@@ -174,7 +179,7 @@ def skiff_bench(a, target, qd, threads=None, rw="randread", bs="4k"):
     if p.returncode != 0:
         raise RuntimeError(f"skiff bench {target} QD {qd} failed: {p.stderr[-500:]}")
     r = json.loads(p.stdout)
-    return {"iops": r["iops"], "bytes_per_s": r["bytes_per_s"], "lat_mean_us": r["lat_us"]["mean"],
+    return {"iops": r["iops"], "ios": r["ios"], "bytes_per_s": r["bytes_per_s"], "lat_mean_us": r["lat_us"]["mean"],
             "lat_p99_us": r["lat_us"]["p99"],
             "client_cpu_us_per_io": r["client_cpu_us_per_io"], "server_cpu_us_per_io": r["server_cpu_us_per_io"],
             "client_ctx_per_io": r["client_ctx_switches_per_io"],
@@ -430,7 +435,14 @@ def relay(a, loss_pct, seed):
 def relay_counters(proc):
     """Stop a relay; its counters (JSON)."""
     proc.terminate()
-    out, _ = proc.communicate(timeout=10)
+    try:
+        out, _ = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError("skiff relay did not stop on SIGTERM")
+    if proc.returncode != 0 or not out.strip():
+        raise RuntimeError(f"skiff relay failed (exit {proc.returncode}); run it by hand to see why")
     return json.loads(out)
 
 
@@ -455,12 +467,15 @@ def loss(a, mac, qds):
                     proc = relay(a, pct, rep + 1)
                     try:
                         r = skiff_bench(a, target, qd)
-                    finally:
-                        counters = relay_counters(proc)
+                    except BaseException:
+                        stop(proc)
+                        raise
+                    counters = relay_counters(proc)
                     dropped = sum(counters[d]["dropped"] for d in ("left_to_right", "right_to_left"))
                     received = sum(counters[d]["received"] for d in ("left_to_right", "right_to_left"))
                     r["relay"] = counters
-                    r["frames_per_io"] = received / max(1.0, r["iops"] * a.runtime)
+                    # Over the relay's whole life (the session's setup too): a little high.
+                    r["frames_per_io"] = received / max(1, r["ios"])
                     r["dropped_share"] = dropped / max(1, received)
                     link = r.get("client_link") or {}
                     r["client_resent"] = (link.get("retransmitted_gap", 0) + link.get("retransmitted_timeout", 0)
@@ -554,7 +569,11 @@ def main():
         raise SystemExit("--shape takes two rates (one per link) only with --bundle")
     if a.loss and (a.shape or a.bundle):
         raise SystemExit("--loss runs one link, unshaped")
-    mac = setup(bundle=a.bundle, relay=bool(a.loss))
+    try:
+        mac = setup(bundle=a.bundle, relay=bool(a.loss))
+    except BaseException:
+        teardown()
+        raise
     if a.loss:
         return loss(a, mac, qds)
     if a.table2:

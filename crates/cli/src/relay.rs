@@ -95,6 +95,6 @@ fn line(c: &DirectionCounters) -> String {
 fn counters(c: &DirectionCounters) -> serde_json::Value {
     serde_json::json!({
         "received": c.received, "forwarded": c.forwarded, "dropped": c.dropped, "duplicated": c.duplicated,
-        "reordered": c.reordered, "corrupted": c.corrupted, "overflowed": c.overflowed,
+        "reordered": c.reordered, "corrupted": c.corrupted, "overflowed": c.overflowed, "oversized": c.oversized,
     })
 }

@@ -46,20 +46,21 @@
 //! - **Reordering window.** A missing datagram overtaken only by datagrams sent less than the
 //!   reordering window after it is not taken as lost yet (RACK, RFC 8985). The window starts at
 //!   `reorder_window_us` (0, off, on a single link) and **adapts**: a gap retransmission is
-//!   flagged GAP_RESEND, a receiver that gets a duplicate of one flags its next datagram
-//!   DUPLICATE (DSACK, RFC 2883), and a sender told so counts a widening (at most one a
+//!   flagged GAP_RESEND, a receiver that gets a second copy of one (either copy flagged: the
+//!   resend may overtake its late original) flags its next datagram DUPLICATE (DSACK, RFC
+//!   2883), and a sender told so counts a widening (at most one a
 //!   round trip, at most 16): the window is `step × (1 + widenings)`
 //!   with `step = max(reorder_window_us, SRTT/4)`, never past the RTO estimate (a wider
 //!   window would only wait for the timeout; so from off, the first widening gives SRTT/2);
 //!   every 64 gap losses with no DSACK take one widening back.
-//!   A missing datagram that a younger transmission overtook but the window still excuses is
-//!   taken as lost once SRTT plus the window have passed since it left (RACK's reordering
-//!   timer), not left to the retransmission timeout.
+//!   A missing datagram that enough younger transmissions overtook (the threshold) but the
+//!   window still excuses is taken as lost once SRTT plus the window have passed since it
+//!   left (RACK's reordering timer), not left to the retransmission timeout.
 //! - **Round-trip samples** time in-order delivery, which is what the retransmission timer
 //!   waits for: an ack that moves the cumulative point gives `now` minus the sending of the
 //!   newest datagram it passes (over a bundle, a datagram's wait behind one on a slower link
-//!   counts), unless anything it passes was sent more than once (Karn's rule, and the wait
-//!   behind a resent datagram is the repair's, not the path's).
+//!   counts), unless that one was sent more than once (Karn's rule) or left before a resend of
+//!   one the ack passes (then it waited for the repair, not the path).
 //! - **Dead peer.** Each expiry without acknowledgement progress since the last one counts a
 //!   backoff; at `backoffs_max + 1` in a row the stream is [`State::Dead`]. Since the timer
 //!   never waits longer than `rto_max_us`, that happens within
@@ -104,6 +105,11 @@ const REORDER_STEPS_MAX: u32 = 16;
 /// Gap losses with no DSACK after which the reordering window narrows a step again.
 const REORDER_NARROW_AFTER: u32 = 64;
 
+/// Gap resends a receiver remembers having taken first, so that the late original of one,
+/// arriving after it, is reported as a duplicate of a gap resend (a resend overtakes its
+/// original on a faster link of a bundle). Resends are rare: the last 16 cover a round trip.
+const GAP_RESENDS_KEPT: usize = 16;
+
 /// Every bound and timer of a [`DatagramStream`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReliableConfig {
@@ -143,7 +149,8 @@ pub struct ReliableConfig {
     /// `max(reorder_window_us, SRTT / 4)` after a missing one before that is taken as lost
     /// (RACK's reordering window, RFC 8985): for sessions bundled over several links, whose
     /// datagrams reach the peer in an order the links' queues decide. A loss then overtaken
-    /// only by datagrams sent at about the same time waits for the timeout.
+    /// only by datagrams sent at about the same time is taken as lost by the reordering timer,
+    /// SRTT plus the window after it left.
     pub reorder_window_us: u64,
 }
 
@@ -401,8 +408,12 @@ pub struct DatagramStream {
     acks_owed: u32,
     ack_due_us: Option<u64>,
     ack_now: bool,
-    /// A duplicate arrived since our last datagram: flag the next one DUPLICATE.
+    /// A duplicate of a gap resend arrived since our last datagram: flag the next one
+    /// DUPLICATE.
     duplicate_seen: bool,
+    /// The latest sequence numbers whose first copy here was a gap resend (a ring).
+    gap_resends_seen: [Option<u32>; GAP_RESENDS_KEPT],
+    gap_resends_next: usize,
 }
 
 impl DatagramStream {
@@ -462,6 +473,8 @@ impl DatagramStream {
             ack_due_us: None,
             ack_now: false,
             duplicate_seen: false,
+            gap_resends_seen: [None; GAP_RESENDS_KEPT],
+            gap_resends_next: 0,
             config,
         }
     }
@@ -764,27 +777,29 @@ impl DatagramStream {
             // The round-trip sample times in-order delivery, what the retransmission timer
             // waits for: from the sending of the newest datagram the ack passes to now. Over a
             // bundle that includes the wait behind a datagram on a slower link, as it should.
-            // Not when anything the ack passes was sent more than once: its ack could be for
-            // either copy (Karn), and the wait behind a resent datagram is the repair's, not
-            // the path's (counted, a few timeouts in a row stretch SRTT and the RTO without
-            // end).
-            let newest = self.tx_slot(h.ack.wrapping_sub(1)).sent_at_us;
-            let mut clean = true;
+            // Not if that datagram was sent more than once (Karn: its ack could be for either
+            // copy), nor if it left before a resend of one the ack passes: then it waited for
+            // the repair, which is not the path's round trip (counted, a few timeouts in a row
+            // stretch SRTT and the RTO without end).
+            let newest = *self.tx_slot(h.ack.wrapping_sub(1));
+            let mut resent_last = None;
             while self.snd_una != h.ack {
                 let seq = self.snd_una;
                 let slot = *self.tx_slot(seq);
                 if slot.stamp > delivered && self.evidence(now_us, &slot) {
                     (delivered, delivered_at) = (slot.stamp, slot.sent_at_us);
                 }
-                clean &= slot.transmissions == 1;
+                if slot.transmissions > 1 {
+                    resent_last = resent_last.max(Some(slot.sent_at_us));
+                }
                 if slot.loss != Loss::None {
                     self.lost -= 1;
                 }
                 *self.tx_slot(seq) = TX_EMPTY;
                 self.snd_una = seq.wrapping_add(1);
             }
-            if clean {
-                self.rtt_sample(now_us.saturating_sub(newest));
+            if newest.transmissions == 1 && resent_last.is_none_or(|at| at <= newest.sent_at_us) {
+                self.rtt_sample(now_us.saturating_sub(newest.sent_at_us));
             }
             self.backoffs = 0;
         } else if self.in_flight() == 0 && self.backoffs > 0 {
@@ -841,9 +856,11 @@ impl DatagramStream {
     /// loss would wait for the timeout: the threshold then falls to one less than what is in
     /// flight, at least 1 (early retransmit, after RFC 5827).
     ///
-    /// A missing datagram overtaken only by its own burst (sent within the reordering window
-    /// of it) is lost once a round trip and the window have passed since it left (RACK's
-    /// reordering timer, RFC 8985): the reordering timer is set for the earliest such.
+    /// A missing datagram overtaken by enough younger transmissions, but only by its own burst
+    /// (sent within the reordering window of it), is lost once a round trip and the window
+    /// have passed since it left (RACK's reordering timer, RFC 8985): the reordering timer is
+    /// set for the earliest such. One overtaken by fewer than the threshold waits for more
+    /// evidence or the timeout, as without a window.
     fn detect_gaps(&mut self, now_us: u64) {
         let in_flight = u64::from(self.in_flight());
         let threshold = u64::from(self.config.reorder_threshold).min(in_flight.saturating_sub(1)).max(1);
@@ -856,10 +873,10 @@ impl DatagramStream {
         while seq != self.snd_nxt {
             let slot = self.tx_slot(seq);
             seq = seq.wrapping_add(1);
-            if slot.sacked || slot.loss != Loss::None || slot.stamp >= delivered {
+            if slot.sacked || slot.loss != Loss::None || slot.stamp + threshold > delivered {
                 continue;
             }
-            let overtaken = slot.stamp + threshold <= delivered && slot.sent_at_us + window <= delivered_at;
+            let overtaken = slot.sent_at_us + window <= delivered_at;
             let due = wait.map(|wait| slot.sent_at_us + wait);
             if overtaken || due.is_some_and(|due| due <= now_us) {
                 slot.loss = Loss::Gap;
@@ -943,14 +960,10 @@ impl DatagramStream {
         to: Option<&mut ReadCursor<'_, '_>>,
     ) -> usize {
         let (seq, close) = (h.seq, h.kind == DatagramKind::Close);
-        // Only a gap resend that was not needed tells the sender its reordering window is
-        // short; a copy the network made, or one resent on a timeout, does not.
-        let spurious_resend = h.flags & flags::GAP_RESEND != 0;
+        let resent = h.flags & flags::GAP_RESEND != 0;
         let right = self.rcv_read.wrapping_add(self.config.recv_slots);
         if seq_lt(seq, self.rcv_nxt) {
-            self.counters.duplicates += 1;
-            self.duplicate_seen |= spurious_resend;
-            self.ack_now = true;
+            self.duplicate(seq, resent);
             return 0;
         }
         if !seq_lt(seq, right) {
@@ -960,10 +973,12 @@ impl DatagramStream {
         }
         let idx = (seq & self.rx_mask) as usize;
         if self.rx_slots[idx].filled {
-            self.counters.duplicates += 1;
-            self.duplicate_seen |= spurious_resend;
-            self.ack_now = true;
+            self.duplicate(seq, resent);
             return 0;
+        }
+        if resent {
+            self.gap_resends_seen[self.gap_resends_next] = Some(seq);
+            self.gap_resends_next = (self.gap_resends_next + 1) % GAP_RESENDS_KEPT;
         }
         // Next in order with nothing unread before it: the reader's buffers take what they can.
         let placed = match to {
@@ -1001,6 +1016,17 @@ impl DatagramStream {
             self.bytes_read(placed);
         }
         placed
+    }
+
+    /// A second copy of `seq` arrived: acknowledge at once (the sender may have missed our
+    /// ack), and if either copy was a gap resend (this one, or the first, when the resend
+    /// overtook a late original), it was not needed: flag the next datagram DUPLICATE. A
+    /// copy the network made, or one resent on a timeout (a lost ack), says nothing about
+    /// reordering.
+    fn duplicate(&mut self, seq: u32, resent: bool) {
+        self.counters.duplicates += 1;
+        self.ack_now = true;
+        self.duplicate_seen |= resent || self.gap_resends_seen.contains(&Some(seq));
     }
 
     // ---- timers ----

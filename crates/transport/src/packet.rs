@@ -396,6 +396,10 @@ impl PacketSocket {
     /// call. Returns the frames visited; zero when none wait (the descriptor then becomes
     /// readable when one arrives).
     pub fn receive(&mut self, mut f: impl FnMut(Mac, &[u8])) -> usize {
+        debug_assert_ne!(
+            self.ethertype, ETHERTYPE_ALL,
+            "a bridge's socket takes whole frames: receive_frames"
+        );
         let ethertype = self.ethertype.to_be_bytes();
         self.receive_frames(|frame| {
             if frame.len() >= ETH_HEADER_LEN && frame[12..14] == ethertype {
@@ -468,6 +472,7 @@ impl PacketSocket {
     /// `Ok(false)`: the ring is full (wait for the descriptor to be writable, after a
     /// [`flush`](Self::flush)); an error when the payload exceeds the MTU.
     pub fn queue(&mut self, dst: Mac, parts: &[&[u8]]) -> io::Result<bool> {
+        debug_assert_ne!(self.ethertype, ETHERTYPE_ALL, "a bridge's socket sends whole frames: queue_frame");
         let mut header = [0u8; ETH_HEADER_LEN];
         write_eth_header(&mut header, dst, self.mac, self.ethertype);
         self.queue_parts(&header, parts)

@@ -59,6 +59,9 @@ pub struct DirectionCounters {
     pub corrupted: u64,
     /// Frames lost because the outgoing ring stayed full.
     pub overflowed: u64,
+    /// Frames not forwarded because they exceed the outgoing interface's MTU (a segmentation
+    /// offload left on at a sender: the relay forwards frames, not super-packets).
+    pub oversized: u64,
 }
 
 /// The fate of one frame.
@@ -126,8 +129,13 @@ impl Direction {
     /// Apply fates to what `from` received and queue the survivors on `to`.
     fn pump(&mut self, from: &mut PacketSocket, to: &mut PacketSocket) -> io::Result<usize> {
         let mut out: Vec<(Vec<u8>, bool)> = Vec::new();
+        let frame_max = ETH_HEADER_LEN + to.mtu();
         let n = from.receive_frames(|frame| {
             self.counters.received += 1;
+            if frame.len() > frame_max {
+                self.counters.oversized += 1;
+                return;
+            }
             match self.fates.decide(frame.len().saturating_sub(ETH_HEADER_LEN)) {
                 Fate::Drop => self.counters.dropped += 1,
                 Fate::Forward { twice, hold, flip } => {

@@ -113,9 +113,9 @@ pub mod flags {
     /// The receiver should acknowledge at once instead of delaying its ack: set on
     /// retransmissions after a timeout and on window probes, whose answer the sender waits for.
     pub const ACK_NOW: u8 = 0x01;
-    /// The sender of this datagram received a duplicate of a datagram flagged `GAP_RESEND`
-    /// since the last datagram it sent (DSACK, RFC 2883): the peer took reordering for loss,
-    /// and widens its reordering window.
+    /// The sender of this datagram received a second copy of a datagram since the last one it
+    /// sent, and one of the copies was flagged `GAP_RESEND` (DSACK, RFC 2883): the peer took
+    /// reordering for loss, and widens its reordering window.
     pub const DUPLICATE: u8 = 0x02;
     /// A Data or Close datagram sent again because younger ones overtook it (a gap loss), not
     /// on a timeout. A receiver that already had it answers with `DUPLICATE`; a duplicate the

@@ -354,8 +354,8 @@ fn a_hole_repaired_late_does_not_stretch_the_rtt_estimate() {
 #[test]
 fn a_datagram_its_burst_overtook_is_resent_on_the_reordering_timer_not_the_timeout() {
     // A bundle's reordering window (100 µs) excuses a datagram overtaken by datagrams sent
-    // right after it. Datagram 5 of a burst is lost: a round trip plus the window after it
-    // left, it is taken as lost and sent again, long before the 5 ms timeout.
+    // right after it. Datagram 25 (of a burst from 2 on) is lost: a round trip plus the window
+    // after it left, it is taken as lost and sent again, long before the 5 ms timeout.
     let cfg = ReliableConfig { reorder_window_us: 100, rto_min_us: 5_000, rto_initial_us: 5_000, ..config() };
     let mut dropped = false;
     let mut pair = Pair::new(cfg, [0, 0], 50).with_fate(move |side, h, _| {
@@ -650,6 +650,66 @@ fn duplicates_the_network_makes_leave_the_reordering_window_alone() {
     assert!(b.duplicates >= 25, "{b:?}");
     assert_eq!((a.dsacks_received, a.reorder_window_us), (0, 0), "{a:?}");
     assert_eq!((a.retransmitted_gap, a.retransmitted_timeout), (1, 0), "{a:?}");
+}
+
+#[test]
+fn a_resend_that_overtook_its_late_original_is_reported_when_the_original_comes() {
+    // No reordering window: datagram 5, held back 300 µs on a 20 µs path, is overtaken by its
+    // burst and sent again on the gap. The resend arrives first; the late original is the
+    // duplicate, and carries no flag of its own. The receiver remembers that the copy it took
+    // was a gap resend and reports DUPLICATE, and the sender widens its window.
+    let mut delayed = false;
+    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(move |side, h, _| {
+        if side == 0 && h.kind == DatagramKind::Data && h.seq == 5 && !delayed {
+            delayed = true;
+            return Fate::Delay(300);
+        }
+        Fate::Deliver
+    });
+    pair.transfer(20_000, 1_000_000);
+    // Everything is acknowledged before the original arrives: let it come.
+    pair.run_until(pair.now + 2_000, |_| false);
+    let (a, b) = (pair.ends[0].counters(), pair.ends[1].counters());
+    assert_eq!((a.retransmitted_gap, b.duplicates), (1, 1), "{a:?} {b:?}");
+    assert_eq!(a.dsacks_received, 1, "{a:?}");
+    assert!(a.reorder_window_us > 0, "{a:?}");
+}
+
+#[test]
+fn reordering_shallower_than_the_threshold_costs_nothing_without_a_window() {
+    // No reordering window. Four datagrams leave a microsecond apart; the second arrives
+    // before the first, which is 2 µs late: overtaken by one datagram, fewer than the
+    // threshold. Its ack reaches the sender a round trip after the first left, and nothing
+    // is taken as lost: not on the gap, and not on the reordering timer either.
+    let cfg = ReliableConfig { ack_every: 1, ..config() };
+    let (mut a, mut b) = (DatagramStream::new(&cfg, 7, 0, 0), DatagramStream::new(&cfg, 7, 0, 0));
+    let mut buf = vec![0; cfg.datagram_len_max()];
+    let mut send = |from: &mut DatagramStream, now: u64| {
+        let n = from.poll_transmit(now, &mut buf).expect("a datagram to send");
+        buf[..n].to_vec()
+    };
+    // A first round trip of 100 µs gives the sender its estimate.
+    a.write(&[IoSlice::new(&[1; 1000])]);
+    let d = send(&mut a, 0);
+    b.handle_datagram(50, &d);
+    let ack = send(&mut b, 50);
+    a.handle_datagram(100, &ack);
+    assert_eq!(a.counters().srtt_us, 100);
+    let burst: Vec<Vec<u8>> = (0..4)
+        .map(|i| {
+            a.write(&[IoSlice::new(&[2; 1000])]);
+            send(&mut a, 200 + i)
+        })
+        .collect();
+    b.handle_datagram(251, &burst[1]);
+    let ack = send(&mut b, 251);
+    b.handle_datagram(252, &burst[0]);
+    a.handle_datagram(301, &ack);
+    a.handle_timeout(301);
+    while a.poll_transmit(301, &mut buf).is_some() {}
+    let c = a.counters();
+    assert_eq!((c.retransmitted_gap, c.retransmitted_timeout), (0, 0), "{c:?}");
+    assert_eq!(b.counters().out_of_order, 1);
 }
 
 /// `handle_datagram_into` places only what is next in order with nothing unread before it:
