@@ -175,13 +175,7 @@ fn tcp_verifies_through_the_relay_bridging_every_ethertype() {
     if !netns::available("skiff bench over TCP through skiff relay --every-ethertype") {
         return;
     }
-    let (client, target) = (VethPair::new(9000), VethPair::new(9000));
-    for (ns, iface, addr) in
-        [(&client.ns, &client.peer, "10.79.0.1/24"), (&target.ns, &target.peer, "10.79.0.2/24")]
-    {
-        run_ok(tool("ip", "iproute2").args(["-n", ns, "addr", "add", addr, "dev", iface]));
-        run_ok(tool("ip", "iproute2").args(["-n", ns, "link", "set", "lo", "up"]));
-    }
+    let (client, target) = ip_pairs(9000, 9000);
     // Whole, checksummed frames of at most the MTU on every end, for the relay to read.
     let offloads = ["tso", "off", "gso", "off", "gro", "off", "tx", "off"];
     for (ns, iface) in [
@@ -239,6 +233,55 @@ fn tcp_verifies_through_the_relay_bridging_every_ethertype() {
     let counters = relay_dropped(relay, 0.02, 500);
     assert_eq!(counters["every_ethertype"], true, "{counters}");
     eprintln!("TCP through the relay: {} I/Os verified; relay {counters}", json_u64(&bench, &["ios"]));
+}
+
+/// Two veth pairs (MTUs `client_mtu` and `target_mtu`) whose far ends, each in a namespace of
+/// its own, have addresses 10.79.0.1 (the client's) and 10.79.0.2 (the target's) on one
+/// subnet: joined only by a relay between the near ends.
+fn ip_pairs(client_mtu: u32, target_mtu: u32) -> (VethPair, VethPair) {
+    let (client, target) = (VethPair::new(client_mtu), VethPair::new(target_mtu));
+    for (ns, iface, addr) in
+        [(&client.ns, &client.peer, "10.79.0.1/24"), (&target.ns, &target.peer, "10.79.0.2/24")]
+    {
+        run_ok(tool("ip", "iproute2").args(["-n", ns, "addr", "add", addr, "dev", iface]));
+        run_ok(tool("ip", "iproute2").args(["-n", ns, "link", "set", "lo", "up"]));
+    }
+    (client, target)
+}
+
+/// A frame larger than the outgoing side's MTU (a sender with a larger MTU, or with its
+/// segmentation offloads on) cannot be forwarded: the relay counts it (`oversized`), skips it
+/// and keeps bridging, instead of stopping on the first.
+#[test]
+fn the_relay_skips_frames_over_the_mtu_and_keeps_running() {
+    if !netns::available("skiff relay --every-ethertype between MTUs 9000 and 1500") {
+        return;
+    }
+    let (client, target) = ip_pairs(9000, 1500);
+    let relay = Proc(
+        skiff()
+            .args(["relay", "--left", &client.host, "--right", &target.host, "--every-ethertype"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("skiff relay"),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    // One UDP datagram of 5,000 bytes (one 5,042-byte frame on the client's side), then a
+    // small one; ARP goes first, through the relay.
+    for bytes in [5000, 100] {
+        run_ok(
+            tool("ip", "iproute2")
+                .args(["netns", "exec", &client.ns, "bash", "-c"])
+                .arg(format!("head -c {bytes} /dev/zero > /dev/udp/10.79.0.2/9999")),
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The relay still runs: it stops on SIGTERM and prints its counters.
+    let counters: serde_json::Value = serde_json::from_str(relay.finish().trim()).expect("relay JSON");
+    assert_eq!(json_u64(&counters, &["left_to_right", "oversized"]), 1, "{counters}");
+    // ARP, and the small datagram after the big one.
+    assert!(json_u64(&counters, &["left_to_right", "forwarded"]) >= 2, "{counters}");
 }
 
 /// NIC bundling from the command line: `skiff serve --eth A --eth B` forms one bundle, and
