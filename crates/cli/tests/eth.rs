@@ -29,6 +29,12 @@ fn skiff_in(ns: &str) -> Command {
 struct Proc(Child);
 
 impl Proc {
+    /// Start `cmd`, its stderr dropped and its stdout as `stdout` says (piped for
+    /// [`finish`](Self::finish) to return).
+    fn spawn(cmd: &mut Command, stdout: Stdio) -> Proc {
+        Proc(cmd.stdout(stdout).stderr(Stdio::null()).spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}")))
+    }
+
     /// SIGTERM and wait; returns what it printed on stdout.
     fn finish(mut self) -> String {
         signal(&self.0, "-TERM");
@@ -103,17 +109,13 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
         return;
     }
     let (client, target) = (VethPair::new(9000), VethPair::new(9000));
-    let serve = Proc(
-        skiff_in(&target.ns)
-            .args(["serve", "--no-tcp", "--eth", &target.peer, "--export", "vol=ram:32M"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("skiff serve"),
+    let serve = Proc::spawn(
+        skiff_in(&target.ns).args(["serve", "--no-tcp", "--eth", &target.peer, "--export", "vol=ram:32M"]),
+        Stdio::null(),
     );
     let mac = mac_of(&target.ns, &target.peer);
     for (loss, seed) in [(0.01, 1), (0.05, 2)] {
-        let relay = Proc(
+        let relay = Proc::spawn(
             skiff()
                 .args(["relay", "--left", &client.host, "--right", &target.host, "--seed", &seed.to_string()])
                 .args([
@@ -125,11 +127,8 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
                     "0.01",
                     "--corrupt",
                     "0.01",
-                ])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("skiff relay"),
+                ]),
+            Stdio::piped(),
         );
         // Let the relay open its sockets before the first frame.
         std::thread::sleep(Duration::from_millis(300));
@@ -194,22 +193,15 @@ fn tcp_verifies_through_the_relay_bridging_every_ethertype() {
         };
         run_ok(cmd.args(["-K", iface]).args(offloads));
     }
-    let relay = Proc(
+    let relay = Proc::spawn(
         skiff()
             .args(["relay", "--left", &client.host, "--right", &target.host, "--every-ethertype"])
-            .args(["--drop", "0.02", "--seed", "3"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("skiff relay"),
+            .args(["--drop", "0.02", "--seed", "3"]),
+        Stdio::piped(),
     );
-    let serve = Proc(
-        skiff_in(&target.ns)
-            .args(["serve", "--listen", "10.79.0.2:7070", "--export", "vol=ram:32M"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("skiff serve"),
+    let serve = Proc::spawn(
+        skiff_in(&target.ns).args(["serve", "--listen", "10.79.0.2:7070", "--export", "vol=ram:32M"]),
+        Stdio::null(),
     );
     // Let the relay and the target open their sockets before the first frame.
     std::thread::sleep(Duration::from_millis(500));
@@ -258,13 +250,9 @@ fn the_relay_skips_frames_over_the_mtu_and_keeps_running() {
         return;
     }
     let (client, target) = ip_pairs(9000, 1500);
-    let relay = Proc(
-        skiff()
-            .args(["relay", "--left", &client.host, "--right", &target.host, "--every-ethertype"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("skiff relay"),
+    let relay = Proc::spawn(
+        skiff().args(["relay", "--left", &client.host, "--right", &target.host, "--every-ethertype"]),
+        Stdio::piped(),
     );
     std::thread::sleep(Duration::from_millis(300));
     // One UDP datagram of 5,000 bytes (one 5,042-byte frame on the client's side), then a
@@ -294,13 +282,18 @@ fn bench_verifies_over_a_bundle_of_two_links() {
     }
     let a = VethPair::new(9000);
     let b = VethPair::beside(&a, 9000);
-    let serve = Proc(
-        skiff_in(&a.ns)
-            .args(["serve", "--no-tcp", "--eth", &a.peer, "--eth", &b.peer, "--export", "vol=ram:32M"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("skiff serve"),
+    let serve = Proc::spawn(
+        skiff_in(&a.ns).args([
+            "serve",
+            "--no-tcp",
+            "--eth",
+            &a.peer,
+            "--eth",
+            &b.peer,
+            "--export",
+            "vol=ram:32M",
+        ]),
+        Stdio::null(),
     );
     let mac = mac_of(&a.ns, &a.peer);
     // Let the target open its sockets before the first frame.

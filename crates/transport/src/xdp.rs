@@ -36,7 +36,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::packet::{setsockopt, write_eth_header, Mac, PacketStats, ETHERTYPE, ETH_HEADER_LEN};
+use crate::packet::{setsockopt, write_eth_header, Mac, ETHERTYPE, ETH_HEADER_LEN};
 
 /// Bytes per UMEM buffer (the page size: aligned mode's largest).
 const CHUNK: usize = 4096;
@@ -329,7 +329,6 @@ pub struct XdpSocket {
     /// A jumbo frame being joined from its buffers; or one being dropped, up to its last.
     joined: Vec<u8>,
     skipping: bool,
-    stats: PacketStats,
 }
 
 // SAFETY: the rings and the UMEM are owned by this value alone; moving it moves all access.
@@ -465,7 +464,6 @@ impl XdpSocket {
             tx_queued: 0,
             joined: Vec::with_capacity(ETH_HEADER_LEN + mtu),
             skipping: false,
-            stats: PacketStats::default(),
         };
         // Every receive buffer to the kernel, then bind.
         let prod = socket.fill.producer().load(Ordering::Relaxed);
@@ -499,20 +497,12 @@ impl XdpSocket {
         Ok(socket)
     }
 
-    pub fn mac(&self) -> Mac {
-        self.mac
-    }
-
     pub fn mtu(&self) -> usize {
         self.mtu
     }
 
     pub fn iface(&self) -> &str {
         &self.iface
-    }
-
-    pub fn stats(&self) -> PacketStats {
-        self.stats
     }
 
     /// Visit every received frame of the session, in order: `f(source MAC, payload)`. Each
@@ -558,7 +548,6 @@ impl XdpSocket {
             self.rx.consumer().store(cons, Ordering::Release);
             self.fill.producer().store(fill_at.wrapping_add(refilled), Ordering::Release);
         }
-        self.stats.rx_frames += frames as u64;
         frames
     }
 
@@ -611,7 +600,6 @@ impl XdpSocket {
         }
         self.tx_pending[slot] = pieces as u32;
         self.tx_queued += pieces as u32;
-        self.stats.tx_frames += 1;
         Ok(Some(len))
     }
 
@@ -653,7 +641,6 @@ impl XdpSocket {
                     0,
                 )
             };
-            self.stats.tx_kicks += 1;
             let e = (r < 0).then(io::Error::last_os_error);
             match e.as_ref().and_then(io::Error::raw_os_error) {
                 None | Some(libc::EAGAIN | libc::EINTR) => {

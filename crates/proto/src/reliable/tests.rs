@@ -174,6 +174,19 @@ impl Pair {
     }
 }
 
+/// A fate for side 0's data datagram `seq`: its first `copies` transmissions get `fate`, every
+/// other datagram is delivered.
+fn first_copies(seq: u32, copies: u32, fate: Fate) -> impl FnMut(usize, &DatagramHeader, u64) -> Fate {
+    let mut seen = 0;
+    move |side, h, _| {
+        if side == 0 && h.kind == DatagramKind::Data && h.seq == seq && seen < copies {
+            seen += 1;
+            return fate;
+        }
+        Fate::Deliver
+    }
+}
+
 fn config() -> ReliableConfig {
     ReliableConfig { payload_bytes_max: 1000, ..ReliableConfig::default() }
 }
@@ -193,14 +206,7 @@ fn in_order_delivery_without_loss() {
 
 #[test]
 fn a_lost_datagram_in_the_middle_is_resent_on_the_gap() {
-    let mut dropped = false;
-    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(move |side, h, _| {
-        if side == 0 && h.kind == DatagramKind::Data && h.seq == 5 && !dropped {
-            dropped = true;
-            return Fate::Drop;
-        }
-        Fate::Deliver
-    });
+    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(first_copies(5, 1, Fate::Drop));
     pair.transfer(20_000, 1_000_000);
     let (a, b) = (pair.ends[0].counters(), pair.ends[1].counters());
     assert_eq!((a.retransmitted_gap, a.retransmitted_timeout), (1, 0), "{a:?}");
@@ -213,14 +219,7 @@ fn a_loss_among_two_datagrams_in_flight_is_resent_on_the_first_evidence() {
     // 2,000 bytes: two datagrams, the first lost. Only one younger transmission can ever be
     // acknowledged behind it, short of the threshold of 3: early retransmit resends it without
     // waiting for the timeout.
-    let mut dropped = false;
-    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(move |side, h, _| {
-        if side == 0 && h.kind == DatagramKind::Data && h.seq == 0 && !dropped {
-            dropped = true;
-            return Fate::Drop;
-        }
-        Fate::Deliver
-    });
+    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(first_copies(0, 1, Fate::Drop));
     pair.transfer(2_000, 1_000_000);
     let a = pair.ends[0].counters();
     assert_eq!((a.retransmitted_gap, a.retransmitted_timeout, a.timeouts), (1, 0, 0), "{a:?}");
@@ -229,14 +228,7 @@ fn a_loss_among_two_datagrams_in_flight_is_resent_on_the_first_evidence() {
 
 #[test]
 fn a_lost_last_datagram_is_resent_on_timeout() {
-    let mut dropped = false;
-    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(move |side, h, _| {
-        if side == 0 && h.kind == DatagramKind::Data && h.seq == 2 && !dropped {
-            dropped = true;
-            return Fate::Drop;
-        }
-        Fate::Deliver
-    });
+    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(first_copies(2, 1, Fate::Drop));
     pair.transfer(3_000, 1_000_000);
     let a = pair.ends[0].counters();
     assert_eq!((a.retransmitted_gap, a.retransmitted_timeout, a.timeouts), (0, 1, 1), "{a:?}");
@@ -337,14 +329,7 @@ fn a_hole_repaired_late_does_not_stretch_the_rtt_estimate() {
     // Datagram 15 of 20 is lost, and its first resend too: the second goes on the timeout,
     // hundreds of µs later. Datagrams 16..19 were selectively acknowledged long before the
     // cumulative ack passes them; their wait behind the repair is no round trip of the path.
-    let mut drops = 0;
-    let mut pair = Pair::new(config(), [0, 0], 50).with_fate(move |side, h, _| {
-        if side == 0 && h.kind == DatagramKind::Data && h.seq == 15 && drops < 2 {
-            drops += 1;
-            return Fate::Drop;
-        }
-        Fate::Deliver
-    });
+    let mut pair = Pair::new(config(), [0, 0], 50).with_fate(first_copies(15, 2, Fate::Drop));
     pair.transfer(20_000, 1_000_000);
     let a = pair.ends[0].counters();
     assert_eq!(a.timeouts, 1, "the second loss waited for the timeout: {a:?}");
@@ -357,14 +342,7 @@ fn a_datagram_its_burst_overtook_is_resent_on_the_reordering_timer_not_the_timeo
     // right after it. Datagram 25 (of a burst from 2 on) is lost: a round trip plus the window
     // after it left, it is taken as lost and sent again, long before the 5 ms timeout.
     let cfg = ReliableConfig { reorder_window_us: 100, rto_min_us: 5_000, rto_initial_us: 5_000, ..config() };
-    let mut dropped = false;
-    let mut pair = Pair::new(cfg, [0, 0], 50).with_fate(move |side, h, _| {
-        if side == 0 && h.kind == DatagramKind::Data && h.seq == 25 && !dropped {
-            dropped = true;
-            return Fate::Drop;
-        }
-        Fate::Deliver
-    });
+    let mut pair = Pair::new(cfg, [0, 0], 50).with_fate(first_copies(25, 1, Fate::Drop));
     // A first exchange gives the sender its round-trip estimate; the burst follows at once.
     pair.transfer(2_000, 1_000_000);
     let start = pair.now;
@@ -564,15 +542,8 @@ fn a_reordering_window_keeps_datagrams_overtaken_by_their_burst_from_being_resen
     // window the overtaking alone marks it lost and sends it again for nothing; with one (as
     // a bundle of links sets) it is lost only if datagrams sent well after it arrive first.
     let run = |window: u64| {
-        let mut delayed = false;
         let config = ReliableConfig { reorder_window_us: window, ..config() };
-        let mut pair = Pair::new(config, [0, 0], 20).with_fate(move |side, h, _| {
-            if side == 0 && h.kind == DatagramKind::Data && h.seq == 5 && !delayed {
-                delayed = true;
-                return Fate::Delay(300);
-            }
-            Fate::Deliver
-        });
+        let mut pair = Pair::new(config, [0, 0], 20).with_fate(first_copies(5, 1, Fate::Delay(300)));
         pair.transfer(20_000, 1_000_000);
         (pair.ends[0].counters(), pair.ends[1].counters())
     };
@@ -658,14 +629,7 @@ fn a_resend_that_overtook_its_late_original_is_reported_when_the_original_comes(
     // burst and sent again on the gap. The resend arrives first; the late original is the
     // duplicate, and carries no flag of its own. The receiver remembers that the copy it took
     // was a gap resend and reports DUPLICATE, and the sender widens its window.
-    let mut delayed = false;
-    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(move |side, h, _| {
-        if side == 0 && h.kind == DatagramKind::Data && h.seq == 5 && !delayed {
-            delayed = true;
-            return Fate::Delay(300);
-        }
-        Fate::Deliver
-    });
+    let mut pair = Pair::new(config(), [0, 0], 20).with_fate(first_copies(5, 1, Fate::Delay(300)));
     pair.transfer(20_000, 1_000_000);
     // Everything is acknowledged before the original arrives: let it come.
     pair.run_until(pair.now + 2_000, |_| false);
