@@ -633,42 +633,17 @@ impl PacketSocket {
     /// Take the socket's pending error (`SO_ERROR`, which clears it): the kernel sets one when
     /// the interface goes down, and until it is taken the descriptor polls as ready.
     pub fn take_error(&self) -> io::Result<Option<io::Error>> {
-        let mut err: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: `err` is writable for `len` bytes.
-        let r = unsafe {
-            libc::getsockopt(
-                self.fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_ERROR,
-                (&mut err as *mut libc::c_int).cast(),
-                &mut len,
-            )
-        };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        // SAFETY: SO_ERROR fills a c_int.
+        let err = unsafe { getsockopt(&self.fd, libc::SOL_SOCKET, libc::SO_ERROR, 0 as libc::c_int)? };
         Ok((err != 0).then(|| io::Error::from_raw_os_error(err)))
     }
 
     /// Frames the kernel dropped for want of a free receive slot since the last call
     /// (`PACKET_STATISTICS`, which resets on reading); added to [`PacketStats::rx_ring_drops`].
     pub fn kernel_drops(&mut self) -> io::Result<u64> {
-        let mut st = libc::tpacket_stats_v3 { tp_packets: 0, tp_drops: 0, tp_freeze_q_cnt: 0 };
-        let mut len = std::mem::size_of::<libc::tpacket_stats_v3>() as libc::socklen_t;
-        // SAFETY: `st` is writable for `len` bytes (the V3 layout is the larger one).
-        let r = unsafe {
-            libc::getsockopt(
-                self.fd.as_raw_fd(),
-                libc::SOL_PACKET,
-                libc::PACKET_STATISTICS,
-                (&mut st as *mut libc::tpacket_stats_v3).cast(),
-                &mut len,
-            )
-        };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let zero = libc::tpacket_stats_v3 { tp_packets: 0, tp_drops: 0, tp_freeze_q_cnt: 0 };
+        // SAFETY: PACKET_STATISTICS fills plain counters (the V3 layout is the larger one).
+        let st = unsafe { getsockopt(&self.fd, libc::SOL_PACKET, libc::PACKET_STATISTICS, zero)? };
         self.stats.rx_ring_drops += u64::from(st.tp_drops);
         Ok(u64::from(st.tp_drops))
     }
@@ -721,6 +696,26 @@ fn page_size() -> usize {
 
 fn invalid(msg: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+/// Read socket option `opt` of `level` into `value` (its starting contents are what the kernel
+/// leaves of it: a shorter answer fills only its head).
+///
+/// # Safety
+/// `T` must be the plain-data type the option fills, valid for any bytes the kernel writes.
+pub(crate) unsafe fn getsockopt<T>(
+    fd: &OwnedFd,
+    level: libc::c_int,
+    opt: libc::c_int,
+    mut value: T,
+) -> io::Result<T> {
+    let mut len = std::mem::size_of::<T>() as libc::socklen_t;
+    // SAFETY: `value` is writable for `len` bytes; the caller vouches for what may be written.
+    let r = unsafe { libc::getsockopt(fd.as_raw_fd(), level, opt, (&mut value as *mut T).cast(), &mut len) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(value)
 }
 
 /// Set socket option `opt` of `level` to `value`, which must be the type the option takes.

@@ -36,7 +36,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::packet::{setsockopt, write_eth_header, Mac, ETHERTYPE, ETH_HEADER_LEN};
+use crate::packet::{getsockopt, setsockopt, write_eth_header, Mac, ETHERTYPE, ETH_HEADER_LEN};
 
 /// Bytes per UMEM buffer (the page size: aligned mode's largest).
 const CHUNK: usize = 4096;
@@ -413,22 +413,9 @@ impl XdpSocket {
             ] {
                 setsockopt(&fd, libc::SOL_XDP, opt, &RING_SIZE)?;
             }
-            // SAFETY: zeroed plain data, filled by the kernel below.
-            let mut off: libc::xdp_mmap_offsets = unsafe { std::mem::zeroed() };
-            let mut len = std::mem::size_of::<libc::xdp_mmap_offsets>() as libc::socklen_t;
-            // SAFETY: `off` is writable for `len` bytes.
-            let r = unsafe {
-                libc::getsockopt(
-                    fd.as_raw_fd(),
-                    libc::SOL_XDP,
-                    libc::XDP_MMAP_OFFSETS,
-                    (&mut off as *mut libc::xdp_mmap_offsets).cast(),
-                    &mut len,
-                )
-            };
-            if r < 0 {
-                return Err(io::Error::last_os_error());
-            }
+            // SAFETY: zeroed plain data, as the option fills it.
+            let off: libc::xdp_mmap_offsets =
+                unsafe { getsockopt(&fd, libc::SOL_XDP, libc::XDP_MMAP_OFFSETS, std::mem::zeroed())? };
             let desc = std::mem::size_of::<libc::xdp_desc>();
             let fill = Ring::map(&fd, &off.fr, 8, libc::XDP_UMEM_PGOFF_FILL_RING)?;
             let completion = Ring::map(&fd, &off.cr, 8, libc::XDP_UMEM_PGOFF_COMPLETION_RING)?;
