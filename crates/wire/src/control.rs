@@ -98,6 +98,13 @@ pub const KEY_NAME_MAX: usize = 64;
 /// echoes it in HELLO_REPLY when it serves direct reads.
 pub const FEATURE_DIRECT_READS: u64 = 1 << 1;
 
+/// HELLO feature bit 2: the read data of completion caravans travels apart from the byte
+/// stream, in the transport's data messages placed by tag and offset (raw Ethernet's Place
+/// datagrams; docs/PROTOCOL.md, section 16.9). Offered by an initiator whose transport can take
+/// them, echoed by a target whose transport sends them; a caravan's frame on the stream then
+/// ends after its descriptors.
+pub const FEATURE_DATA_MESSAGES: u64 = 1 << 2;
+
 /// What an authenticating initiator adds to HELLO ([`FEATURE_AUTH`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HelloAuth {

@@ -71,6 +71,11 @@ pub enum DatagramKind {
     Close = 3,
     /// Abort the session at once; no payload, not acknowledged.
     Reset = 4,
+    /// Read data placed by the receiver at the buffer its header names, not stream bytes
+    /// (Tyche's data messages; docs/PROTOCOL.md, section 16.9): one or more [`PlaceSegment`]s,
+    /// each a 12-byte segment header and its bytes, filling the payload exactly. Sequenced
+    /// like Data, so it is acknowledged, retransmitted and delivered once.
+    Place = 5,
     /// Who serves skiff on this segment? Broadcast by an initiator, `session_id` a query id of
     /// its choosing; no payload, outside any session.
     Discover = 16,
@@ -93,6 +98,7 @@ impl DatagramKind {
             2 => DatagramKind::Ack,
             3 => DatagramKind::Close,
             4 => DatagramKind::Reset,
+            5 => DatagramKind::Place,
             16 => DatagramKind::Discover,
             17 => DatagramKind::Offer,
             18 => DatagramKind::Probe,
@@ -104,7 +110,7 @@ impl DatagramKind {
     /// Whether datagrams of this kind occupy a sequence number (and so are acknowledged and
     /// retransmitted).
     pub fn is_sequenced(self) -> bool {
-        matches!(self, DatagramKind::Data | DatagramKind::Close)
+        matches!(self, DatagramKind::Data | DatagramKind::Place | DatagramKind::Close)
     }
 }
 
@@ -146,6 +152,82 @@ pub enum DatagramError {
     PayloadLength { declared: usize, have: usize },
     #[error("{kind:?} datagram with {len} payload bytes")]
     PayloadForKind { kind: DatagramKind, len: usize },
+    #[error("place segment header says {declared} bytes, {have} are left in the datagram")]
+    SegmentLength { declared: usize, have: usize },
+    #[error("place segment of 0 bytes")]
+    EmptySegment,
+}
+
+/// Size of a [`PlaceSegment`]'s header in a Place datagram's payload.
+pub const PLACE_SEGMENT_HEADER_LEN: usize = 12;
+
+/// One segment of a Place datagram: `len` bytes of the read data of request `tag`, to be put
+/// at `offset` within that request's buffer. On the wire: `tag`, `offset`, `len` (each u32,
+/// little-endian), then the `len` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlaceSegment<'a> {
+    pub tag: u32,
+    pub offset: u32,
+    pub bytes: &'a [u8],
+}
+
+impl PlaceSegment<'_> {
+    /// Bytes this segment takes in a payload, its header included.
+    pub fn wire_len(data_len: usize) -> usize {
+        PLACE_SEGMENT_HEADER_LEN + data_len
+    }
+
+    /// Write the segment header for `len` bytes of `tag`'s data at `offset` into
+    /// `out[..PLACE_SEGMENT_HEADER_LEN]`; the caller puts the bytes after it.
+    pub fn emit_header(tag: u32, offset: u32, len: u32, out: &mut [u8]) {
+        out[0..4].copy_from_slice(&tag.to_le_bytes());
+        out[4..8].copy_from_slice(&offset.to_le_bytes());
+        out[8..12].copy_from_slice(&len.to_le_bytes());
+    }
+
+    /// The segments of a Place datagram's payload, each checked as it is reached: the first
+    /// malformed one ends the iteration with its error.
+    pub fn parse_all(payload: &[u8]) -> PlaceSegments<'_> {
+        PlaceSegments { rest: payload }
+    }
+}
+
+/// Iterator over the segments of a Place payload ([`PlaceSegment::parse_all`]).
+#[derive(Debug, Clone)]
+pub struct PlaceSegments<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Iterator for PlaceSegments<'a> {
+    type Item = Result<PlaceSegment<'a>, DatagramError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        let word = |at: usize| {
+            u32::from_le_bytes([self.rest[at], self.rest[at + 1], self.rest[at + 2], self.rest[at + 3]])
+        };
+        let bad = |e| Some(Err(e));
+        if self.rest.len() < PLACE_SEGMENT_HEADER_LEN {
+            let have = self.rest.len();
+            self.rest = &[];
+            return bad(DatagramError::SegmentLength { declared: PLACE_SEGMENT_HEADER_LEN, have });
+        }
+        let (tag, offset, len) = (word(0), word(4), word(8) as usize);
+        let have = self.rest.len() - PLACE_SEGMENT_HEADER_LEN;
+        if len == 0 || len > have {
+            self.rest = &[];
+            return bad(if len == 0 {
+                DatagramError::EmptySegment
+            } else {
+                DatagramError::SegmentLength { declared: len, have }
+            });
+        }
+        let bytes = &self.rest[PLACE_SEGMENT_HEADER_LEN..PLACE_SEGMENT_HEADER_LEN + len];
+        self.rest = &self.rest[PLACE_SEGMENT_HEADER_LEN + len..];
+        Some(Ok(PlaceSegment { tag, offset, bytes }))
+    }
 }
 
 /// A header that passed every check.
@@ -205,6 +287,7 @@ impl DatagramHeader {
         }
         let payload_ok = match kind {
             DatagramKind::Data => declared > 0,
+            DatagramKind::Place => declared >= PLACE_SEGMENT_HEADER_LEN,
             _ => declared == 0,
         };
         if !payload_ok {
@@ -310,6 +393,7 @@ mod tests {
             (DatagramKind::Ack, &[][..]),
             (DatagramKind::Close, &[][..]),
             (DatagramKind::Reset, &[][..]),
+            (DatagramKind::Place, &[7; PLACE_SEGMENT_HEADER_LEN + 1][..]),
         ] {
             let h = DatagramHeader {
                 kind,
@@ -365,7 +449,7 @@ mod tests {
             DatagramHeader::parse(&b).map(|(h, _)| h)
         };
         assert_eq!(edit(0, 2), Err(DatagramError::BadVersion(2)));
-        assert_eq!(edit(1, 5), Err(DatagramError::UnknownKind(5)));
+        assert_eq!(edit(1, 6), Err(DatagramError::UnknownKind(6)));
         assert_eq!(edit(1, 20), Err(DatagramError::UnknownKind(20)));
         // Discovery and link probes carry no payload either.
         assert_eq!(
@@ -399,5 +483,37 @@ mod tests {
             DatagramHeader::parse(&empty),
             Err(DatagramError::PayloadForKind { kind: DatagramKind::Data, len: 0 })
         );
+        // A Place datagram holds at least one segment header.
+        assert_eq!(
+            edit(1, DatagramKind::Place as u8),
+            Err(DatagramError::PayloadForKind { kind: DatagramKind::Place, len: 2 })
+        );
+    }
+
+    #[test]
+    fn place_segments_round_trip_and_reject_what_does_not_fill_the_payload() {
+        let mut payload = vec![0u8; 2 * PLACE_SEGMENT_HEADER_LEN + 5];
+        PlaceSegment::emit_header(7, 4096, 3, &mut payload);
+        payload[12..15].copy_from_slice(b"abc");
+        PlaceSegment::emit_header(u32::MAX, 0, 2, &mut payload[15..]);
+        payload[27..29].copy_from_slice(b"de");
+        let got: Vec<_> = PlaceSegment::parse_all(&payload).collect();
+        assert_eq!(
+            got,
+            [
+                Ok(PlaceSegment { tag: 7, offset: 4096, bytes: b"abc" }),
+                Ok(PlaceSegment { tag: u32::MAX, offset: 0, bytes: b"de" })
+            ]
+        );
+        // The test vector of docs/PROTOCOL.md, section 16.9.
+        assert_eq!(&payload[..15], [7, 0, 0, 0, 0, 0x10, 0, 0, 3, 0, 0, 0, b'a', b'b', b'c']);
+        // A segment longer than what is left, a trailing partial header, an empty segment.
+        let short: Vec<_> = PlaceSegment::parse_all(&payload[..28]).collect();
+        assert_eq!(short[1], Err(DatagramError::SegmentLength { declared: 2, have: 1 }));
+        let trailing: Vec<_> = PlaceSegment::parse_all(&payload[..20]).collect();
+        assert_eq!(trailing[1], Err(DatagramError::SegmentLength { declared: 12, have: 5 }));
+        let mut empty = [0u8; PLACE_SEGMENT_HEADER_LEN];
+        PlaceSegment::emit_header(1, 0, 0, &mut empty);
+        assert_eq!(PlaceSegment::parse_all(&empty).collect::<Vec<_>>(), [Err(DatagramError::EmptySegment)]);
     }
 }
