@@ -39,6 +39,10 @@ pub fn client_session(data: &[u8]) {
     let limits =
         Limits { queue_depth: 16, caravan_reqs_max: 8, caravan_bytes_max: 16384, io_bytes_max: 8192 };
     let mut s = ClientSession::<Vec<u8>>::new(&config, limits, 0);
+    // Read data in data messages: completion frames end after their descriptors, and pieces
+    // of the input also go to `place` as data-message payloads.
+    let data_messages = flags & 0x80 != 0;
+    s.set_data_messages(data_messages);
     let mut lengths = Vec::new();
     for i in 0..1 + u64::from(input.byte() % 16) {
         let (opcode, length) = match input.byte() % 5 {
@@ -71,6 +75,9 @@ pub fn client_session(data: &[u8]) {
     while !rest.is_empty() && !s.is_broken() && !s.is_detached() {
         let (piece, after) = rest.split_at(chunk.min(rest.len()));
         rest = after;
+        if data_messages && piece.first().is_some_and(|b| b & 1 == 1) {
+            s.place(piece);
+        }
         let placed = place(&mut s, piece);
         rx.extend(&piece[placed..]);
         match s.handle_rx(0, rx.unconsumed()) {
@@ -224,6 +231,17 @@ pub fn reliable_stream(data: &[u8]) {
     use wire::datagram::{flags, DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
     if let Ok((h, payload)) = DatagramHeader::parse(data) {
+        if h.kind == DatagramKind::Place {
+            // Segments parse until the first bad one; a good one re-emits to its bytes.
+            let mut at = 0;
+            for seg in wire::datagram::PlaceSegment::parse_all(payload) {
+                let Ok(seg) = seg else { break };
+                let mut head = [0u8; wire::datagram::PLACE_SEGMENT_HEADER_LEN];
+                wire::datagram::PlaceSegment::emit_header(seg.tag, seg.offset, seg.bytes.len() as u32, &mut head);
+                assert_eq!(head[..], payload[at..at + head.len()], "a segment header re-emits to its bytes");
+                at += head.len() + seg.bytes.len();
+            }
+        }
         let mut out = vec![0u8; h.datagram_len()];
         out[DATAGRAM_HEADER_LEN..].copy_from_slice(payload);
         h.emit(&mut out);
@@ -251,6 +269,21 @@ pub fn reliable_stream(data: &[u8]) {
     let mut written = [0u64; 2];
     let mut read = [0u64; 2];
     let mut forged_data = false;
+    // Data messages each side queued (their tags count up from 0), and which tags each side
+    // was handed: each once, and only what the peer queued.
+    let mut places_written = [0u32; 2];
+    let mut places_seen: [Vec<bool>; 2] = [Vec::new(), Vec::new()];
+    let check_place = |payload: &[u8], side: usize, seen: &mut [Vec<bool>; 2], written: &[u32; 2]| {
+        for seg in wire::datagram::PlaceSegment::parse_all(payload) {
+            let seg = seg.expect("a stream emits well-formed segments");
+            assert!(seg.tag < written[1 - side], "a data message the peer never queued");
+            let tag = seg.tag as usize;
+            if seen[side].len() <= tag {
+                seen[side].resize(tag + 1, false);
+            }
+            assert!(!std::mem::replace(&mut seen[side][tag], true), "a data message handed over twice");
+        }
+    };
     // Bytes `side` read: the peer's, in order, once (unless something forged carried data).
     let check_read = |got: &[u8], side: usize, read: &mut [u64; 2], written: &[u64; 2], forged: bool| {
         if !forged {
@@ -271,14 +304,29 @@ pub fn reliable_stream(data: &[u8]) {
         match op % 8 {
             0 => {
                 let n = usize::from(input.byte());
-                let bytes: Vec<u8> = (0..n as u64).map(|i| pattern(side, written[side] + i)).collect();
-                written[side] += ends[side].write(&[IoSlice::new(&bytes)]) as u64;
+                if n >= 0xf0 {
+                    // A data message of the next tag instead (batched or not).
+                    let len = 1 + n % 8;
+                    let tag = places_written[side];
+                    if ends[side].write_place(tag, 0, &vec![0x5a; len], n & 1 == 0) {
+                        places_written[side] += 1;
+                    }
+                } else {
+                    let bytes: Vec<u8> = (0..n as u64).map(|i| pattern(side, written[side] + i)).collect();
+                    written[side] += ends[side].write(&[IoSlice::new(&bytes)]) as u64;
+                }
             }
             1 => {
                 let mut got = vec![0u8; usize::from(input.byte())];
                 let cut = usize::from(input.byte()).min(got.len());
                 let (a, b) = got.split_at_mut(cut);
-                let n = ends[side].read(&mut [IoSliceMut::new(a), IoSliceMut::new(b)]);
+                let mut pieces = [IoSliceMut::new(a), IoSliceMut::new(b)];
+                let n = if cut % 2 == 0 {
+                    let mut place = |p: &[u8]| check_place(p, side, &mut places_seen, &places_written);
+                    ends[side].read_into(&mut ReadCursor::placing(&mut pieces, &mut place))
+                } else {
+                    ends[side].read(&mut pieces)
+                };
                 check_read(&got[..n], side, &mut read, &written, forged_data);
             }
             2 => {
@@ -298,7 +346,9 @@ pub fn reliable_stream(data: &[u8]) {
                             let mut got = vec![0u8; usize::from(input.byte())];
                             let n = {
                                 let mut pieces = [IoSliceMut::new(&mut got)];
-                                let mut to = ReadCursor::new(&mut pieces);
+                                let mut place =
+                                    |p: &[u8]| check_place(p, side, &mut places_seen, &places_written);
+                                let mut to = ReadCursor::placing(&mut pieces, &mut place);
                                 ends[side].read_into(&mut to);
                                 ends[side].handle_datagram_into(now, &bytes, &mut to);
                                 ends[side].read_into(&mut to);

@@ -50,6 +50,11 @@ pub enum ProtoError {
     UnknownTag(u32),
     #[error("completion for tag {tag:#x} carries {got} bytes of data, expected {want}")]
     DataLength { tag: u32, got: u32, want: u32 },
+    /// A data message (docs/PROTOCOL.md, 16.9) that no request in flight can take: an unknown
+    /// or unsent tag, a request that returns no data, bytes outside its buffer, or a
+    /// malformed segment.
+    #[error("data message for tag {tag:#x} refused: {why}")]
+    DataMessage { tag: u32, why: &'static str },
     /// A frame's header announces more than the negotiated limits (or the control body limit)
     /// allow: refused before any of its body is read.
     #[error("{what} is {value}, limit {limit}")]

@@ -94,7 +94,9 @@
 
 use std::io::{IoSlice, IoSliceMut};
 
-use wire::datagram::{flags, DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
+use wire::datagram::{
+    flags, DatagramHeader, DatagramKind, PlaceSegment, DATAGRAM_HEADER_LEN, PLACE_SEGMENT_HEADER_LEN,
+};
 
 /// Bits in the selective-ack bitmap.
 const SACK_BITS: u32 = 32;
@@ -250,6 +252,13 @@ pub struct Counters {
     /// Of those read, the bytes placed straight from their datagrams into the reader's
     /// buffers ([`DatagramStream::handle_datagram_into`]), never buffered.
     pub stream_bytes_placed: u64,
+    /// Place datagrams (data messages) queued to send, and received: handed to the reader's
+    /// placer on arrival, or held until a reader with a placer came (`places_held`), or
+    /// dropped because the reader had none (a peer that sent them unasked).
+    pub places_sent: u64,
+    pub places_received: u64,
+    pub places_held: u64,
+    pub places_dropped: u64,
     /// Round-trip estimates (0 before the first sample) and the current timeout.
     pub srtt_us: u64,
     pub rttvar_us: u64,
@@ -274,6 +283,8 @@ enum Loss {
 struct TxSlot {
     len: u16,
     close: bool,
+    /// A Place datagram: its bytes are segments, never appended to by stream writes.
+    place: bool,
     transmissions: u32,
     sent_at_us: u64,
     /// The transmission counter at its latest transmission.
@@ -285,6 +296,7 @@ struct TxSlot {
 const TX_EMPTY: TxSlot = TxSlot {
     len: 0,
     close: false,
+    place: false,
     transmissions: 0,
     sent_at_us: 0,
     stamp: 0,
@@ -298,12 +310,19 @@ struct RxSlot {
     filled: bool,
     len: u16,
     close: bool,
+    /// A Place datagram's payload waits here for a reader with a placer.
+    place: bool,
 }
 
+/// Where a reader takes Place datagrams' payloads (segments, [`wire::datagram::PlaceSegment`]).
+pub type Placer<'c> = &'c mut dyn FnMut(&[u8]);
+
 /// The reader's buffers, filled in order, and how far: where [`DatagramStream::read_into`] and
-/// [`DatagramStream::handle_datagram_into`] put stream bytes.
+/// [`DatagramStream::handle_datagram_into`] put stream bytes; and, for a reader that takes
+/// data messages, its placer.
 pub struct ReadCursor<'c, 'b> {
     bufs: &'c mut [IoSliceMut<'b>],
+    place: Option<Placer<'c>>,
     /// The buffer being filled, and how much of it is.
     index: usize,
     offset: usize,
@@ -312,9 +331,16 @@ pub struct ReadCursor<'c, 'b> {
 
 impl<'c, 'b> ReadCursor<'c, 'b> {
     pub fn new(bufs: &'c mut [IoSliceMut<'b>]) -> ReadCursor<'c, 'b> {
-        let mut cursor = ReadCursor { bufs, index: 0, offset: 0, filled: 0 };
+        let mut cursor = ReadCursor { bufs, place: None, index: 0, offset: 0, filled: 0 };
         cursor.skip_full();
         cursor
+    }
+
+    /// A cursor that also takes data messages: `place` gets each Place datagram's payload
+    /// once, as soon as the datagram arrives (in order or not) or, if it arrived while no
+    /// placer was there, at the next read.
+    pub fn placing(bufs: &'c mut [IoSliceMut<'b>], place: Placer<'c>) -> ReadCursor<'c, 'b> {
+        ReadCursor { place: Some(place), ..ReadCursor::new(bufs) }
     }
 
     /// Bytes put so far.
@@ -414,6 +440,8 @@ pub struct DatagramStream {
     /// The latest sequence numbers whose first copy here was a gap resend (a ring).
     gap_resends_seen: [Option<u32>; GAP_RESENDS_KEPT],
     gap_resends_next: usize,
+    /// Place datagrams received while no placer was there, waiting in their slots.
+    held: u32,
 }
 
 impl DatagramStream {
@@ -475,6 +503,7 @@ impl DatagramStream {
             duplicate_seen: false,
             gap_resends_seen: [None; GAP_RESENDS_KEPT],
             gap_resends_next: 0,
+            held: 0,
             config,
         }
     }
@@ -583,7 +612,9 @@ impl DatagramStream {
     /// Append to the last unsent datagram, or open a new one; returns the bytes taken.
     fn append(&mut self, bytes: &[u8]) -> usize {
         let last = self.snd_end.wrapping_sub(1);
-        let open = self.snd_end != self.snd_nxt && usize::from(self.tx_slot(last).len) < self.payload_max;
+        let open = self.snd_end != self.snd_nxt
+            && !self.tx_slot(last).place
+            && usize::from(self.tx_slot(last).len) < self.payload_max;
         let seq = if open {
             last
         } else if self.snd_end.wrapping_sub(self.snd_una) < self.config.send_slots {
@@ -602,6 +633,53 @@ impl DatagramStream {
         n
     }
 
+    /// Most bytes of data one Place segment may carry: a datagram's payload less the segment
+    /// header.
+    pub fn place_segment_max(&self) -> usize {
+        self.payload_max.saturating_sub(PLACE_SEGMENT_HEADER_LEN)
+    }
+
+    /// Queue `bytes` (at most [`place_segment_max`](Self::place_segment_max)) of request
+    /// `tag`'s read data, for `offset` in its buffer, as one segment of a Place datagram (a
+    /// data message: docs/PROTOCOL.md, 16.9). With `batch`, the segment joins the last
+    /// datagram not yet sent when that is a Place datagram with room for it (Tyche's
+    /// data-message batching: two 4 KiB payloads in one 8 KiB frame); otherwise, or when it
+    /// does not fit, it opens a datagram of its own. Place datagrams take sequence numbers in
+    /// the order of calls, between the stream's. Returns false, taking nothing, when the send
+    /// buffer is full, the stream is closing or dead, or `bytes` is empty or too long.
+    pub fn write_place(&mut self, tag: u32, offset: u32, bytes: &[u8], batch: bool) -> bool {
+        if self.closing
+            || matches!(self.state, State::Dead(_))
+            || bytes.is_empty()
+            || bytes.len() > self.place_segment_max()
+        {
+            return false;
+        }
+        let need = PLACE_SEGMENT_HEADER_LEN + bytes.len();
+        let last = self.snd_end.wrapping_sub(1);
+        let joins = batch
+            && self.snd_end != self.snd_nxt
+            && self.tx_slot(last).place
+            && usize::from(self.tx_slot(last).len) + need <= self.payload_max;
+        let seq = if joins {
+            last
+        } else if self.snd_end.wrapping_sub(self.snd_una) < self.config.send_slots {
+            let seq = self.snd_end;
+            *self.tx_slot(seq) = TxSlot { place: true, ..TX_EMPTY };
+            self.snd_end = seq.wrapping_add(1);
+            self.counters.places_sent += 1;
+            seq
+        } else {
+            return false;
+        };
+        let at = (seq & self.tx_mask) as usize * self.payload_max + usize::from(self.tx_slot(seq).len);
+        let out = &mut self.tx_bytes[at..at + need];
+        PlaceSegment::emit_header(tag, offset, bytes.len() as u32, out);
+        out[PLACE_SEGMENT_HEADER_LEN..].copy_from_slice(bytes);
+        self.tx_slot(seq).len += need as u16;
+        true
+    }
+
     /// Move in-order stream bytes into `bufs`; returns how many (0 when there are none now:
     /// see [`peer_closed`](Self::peer_closed) for the end of the stream). Each byte is read
     /// exactly once.
@@ -614,11 +692,23 @@ impl DatagramStream {
         if matches!(self.state, State::Dead(_)) {
             return 0;
         }
+        if self.held > 0 && to.place.is_some() {
+            self.place_held(to);
+        }
         let mut got = 0;
         while self.rcv_read != self.rcv_nxt {
             let idx = (self.rcv_read & self.rx_mask) as usize;
             let slot = self.rx_slots[idx];
             let start = idx * self.payload_max;
+            if slot.place {
+                // Held while no placer was there (above), and there is none now either: a
+                // reader that did not ask for data messages.
+                self.held -= 1;
+                self.counters.places_dropped += 1;
+                self.rx_slots[idx] = RxSlot::default();
+                self.rcv_read = self.rcv_read.wrapping_add(1);
+                continue;
+            }
             let n = to.put(&self.rx_bytes[start + self.rcv_read_off..start + usize::from(slot.len)]);
             got += n;
             self.rcv_read_off += n;
@@ -643,6 +733,25 @@ impl DatagramStream {
         }
         self.bytes_read(got);
         got
+    }
+
+    /// Hand every held Place payload, in order or not, to the reader's placer; their slots stay
+    /// filled (as received) and carry no stream bytes.
+    fn place_held(&mut self, to: &mut ReadCursor<'_, '_>) {
+        let Some(place) = to.place.as_mut() else { return };
+        let right = self.rcv_read.wrapping_add(self.config.recv_slots);
+        let mut seq = self.rcv_read;
+        while self.held > 0 && seq_lt(seq, right) {
+            let idx = (seq & self.rx_mask) as usize;
+            let slot = self.rx_slots[idx];
+            if slot.place {
+                let start = idx * self.payload_max;
+                place(&self.rx_bytes[start..start + usize::from(slot.len)]);
+                self.rx_slots[idx] = RxSlot { filled: true, ..RxSlot::default() };
+                self.held -= 1;
+            }
+            seq = seq.wrapping_add(1);
+        }
     }
 
     /// `got` stream bytes went to the reader: count them, and tell the sender about freed
@@ -980,19 +1089,47 @@ impl DatagramStream {
             self.gap_resends_seen[self.gap_resends_next] = Some(seq);
             self.gap_resends_next = (self.gap_resends_next + 1) % GAP_RESENDS_KEPT;
         }
+        let place = h.kind == DatagramKind::Place;
+        if place {
+            self.counters.places_received += 1;
+        }
+        let mut to = to;
         // Next in order with nothing unread before it: the reader's buffers take what they can.
-        let placed = match to {
-            Some(to) if seq == self.rcv_nxt && self.rcv_read == self.rcv_nxt && !close => to.put(payload),
+        let placed = match to.as_deref_mut() {
+            Some(to) if seq == self.rcv_nxt && self.rcv_read == self.rcv_nxt && !close && !place => {
+                to.put(payload)
+            }
             _ => 0,
         };
-        if placed > 0 && placed == payload.len() {
+        if place {
+            match to.and_then(|to| to.place.as_mut()) {
+                // A data message goes to its buffer on arrival, in order or not; its slot
+                // only marks the sequence number received.
+                Some(placer) => {
+                    placer(payload);
+                    if seq == self.rcv_nxt && self.rcv_read == self.rcv_nxt {
+                        self.rcv_read = self.rcv_read.wrapping_add(1);
+                    } else {
+                        self.rx_slots[idx] = RxSlot { filled: true, ..RxSlot::default() };
+                    }
+                }
+                None => {
+                    let at = idx * self.payload_max;
+                    self.rx_bytes[at..at + payload.len()].copy_from_slice(payload);
+                    self.rx_slots[idx] =
+                        RxSlot { filled: true, len: payload.len() as u16, close: false, place: true };
+                    self.held += 1;
+                    self.counters.places_held += 1;
+                }
+            }
+        } else if placed > 0 && placed == payload.len() {
             // Read whole on arrival: it never takes its buffer.
             self.rcv_read = self.rcv_read.wrapping_add(1);
         } else {
             let rest = &payload[placed..];
             let at = idx * self.payload_max;
             self.rx_bytes[at..at + rest.len()].copy_from_slice(rest);
-            self.rx_slots[idx] = RxSlot { filled: true, len: rest.len() as u16, close };
+            self.rx_slots[idx] = RxSlot { filled: true, len: rest.len() as u16, close, place: false };
         }
         if seq != self.rcv_nxt {
             self.counters.out_of_order += 1;
@@ -1197,7 +1334,13 @@ impl DatagramStream {
         if self.rto_at_us.is_none() {
             self.rto_at_us = Some(now_us + self.rto_us);
         }
-        let kind = if slot.close { DatagramKind::Close } else { DatagramKind::Data };
+        let kind = if slot.close {
+            DatagramKind::Close
+        } else if slot.place {
+            DatagramKind::Place
+        } else {
+            DatagramKind::Data
+        };
         self.emit(kind, flags, seq, slot.len, out)
     }
 
@@ -1246,6 +1389,8 @@ impl DatagramStream {
         bits
     }
 }
+
+pub mod split;
 
 #[cfg(test)]
 mod tests;

@@ -15,8 +15,8 @@
 //! [`handle_frame`]: ServerSession::handle_frame
 
 use wire::control::{
-    Hello, HelloReply, Limits, Open, CONTROL_BODY_MAX, FEATURE_AUTH, FEATURE_DIRECT_READS, NONCE_LEN,
-    PROOF_LEN,
+    Hello, HelloReply, Limits, Open, CONTROL_BODY_MAX, FEATURE_AUTH, FEATURE_DATA_MESSAGES,
+    FEATURE_DIRECT_READS, NONCE_LEN, PROOF_LEN,
 };
 use wire::{caravan::RequestCaravan, FrameKind, Header, Status, WireError, VERSION};
 
@@ -93,6 +93,9 @@ pub struct ServerSession {
     open_handles_max: usize,
     /// Direct reads were negotiated (HELLO feature bit 1).
     direct_reads: bool,
+    /// The transport can send data messages, and they were negotiated (HELLO feature bit 2).
+    data_messages_offered: bool,
+    data_messages: bool,
 }
 
 impl ServerSession {
@@ -109,7 +112,23 @@ impl ServerSession {
             principal: None,
             open_handles_max,
             direct_reads: false,
+            data_messages_offered: false,
+            data_messages: false,
         }
+    }
+
+    /// Agree to data messages when an initiator asks (its connection's transport can send
+    /// them: raw Ethernet).
+    pub fn with_data_messages(mut self) -> ServerSession {
+        self.data_messages_offered = true;
+        self
+    }
+
+    /// Whether completion caravans' read data goes in data messages on this connection
+    /// (HELLO feature bit 2 agreed): the driver switches its transport over once HELLO_REPLY
+    /// is queued.
+    pub fn data_messages(&self) -> bool {
+        self.data_messages
     }
 
     /// Authenticate initiators that ask with these keys and this connection's nonce. Without,
@@ -203,8 +222,12 @@ impl ServerSession {
         }
         self.limits = self.offered.negotiate(&hello.limits);
         // The agreed features are those asked for that this target speaks.
-        let features = hello.features & (FEATURE_DIRECT_READS | FEATURE_AUTH);
+        let spoken = FEATURE_DIRECT_READS
+            | FEATURE_AUTH
+            | if self.data_messages_offered { FEATURE_DATA_MESSAGES } else { 0 };
+        let features = hello.features & spoken;
         self.direct_reads = features & FEATURE_DIRECT_READS != 0;
+        self.data_messages = features & FEATURE_DATA_MESSAGES != 0;
         let auth_nonce = match hello.auth {
             Some(a) => {
                 // An unknown key goes on to AUTH like a known one, and fails there: whether a

@@ -145,6 +145,9 @@ pub struct SessionStats {
     /// the frame buffer.
     pub read_bytes_placed: u64,
     pub read_bytes_copied: u64,
+    /// Read data that arrived in data messages, placed by tag and offset
+    /// ([`ClientSession::place`]).
+    pub read_bytes_in_messages: u64,
     /// Reads served by the target from a capability, without its backend.
     pub direct_reads: u64,
     /// Direct reads the target refused (stale or bad capability)...
@@ -181,6 +184,10 @@ pub(super) struct Pending<B> {
     pub seq: u64,
     /// A direct read's capability, sent as its payload.
     pub cap: Option<[u8; CAPABILITY_LEN]>,
+    /// With data messages: bytes of its read data placed so far, and the status its
+    /// completion brought if that came first (it completes when the data is all in).
+    pub placed: u32,
+    pub answered: Option<Status>,
 }
 
 /// Reads submitted and not yet answered.
@@ -223,6 +230,10 @@ pub struct ClientSession<B> {
     directory: Option<Directory>,
     /// Direct reads the target refused, to be sent again as ordinary reads.
     fallback: Vec<Pending<B>>,
+    /// Completion caravans end after their descriptors: read data comes in data messages.
+    data_messages: bool,
+    /// What the last data messages did wrong, reported by the next `handle_rx`.
+    place_error: Option<ProtoError>,
     stats: SessionStats,
     #[cfg(feature = "mutations")]
     mutation: Mutation,
@@ -286,10 +297,91 @@ impl<B: IoBuf> ClientSession<B> {
             parked: Vec::with_capacity(queue_depth),
             next_seq: 0,
             failing_fast: false,
+            data_messages: false,
+            place_error: None,
             stats: SessionStats::default(),
             #[cfg(feature = "mutations")]
             mutation: Mutation::None,
         }
+    }
+
+    /// Whether the connection agreed on data messages (`FEATURE_DATA_MESSAGES`): completion
+    /// caravans then end after their descriptors, and read data arrives through
+    /// [`place`](Self::place). Set after every handshake, before any request is sent on it.
+    pub fn set_data_messages(&mut self, on: bool) {
+        self.data_messages = on;
+    }
+
+    /// A data message's payload from the transport (its segments, docs/PROTOCOL.md 16.9): put
+    /// each segment's bytes into the buffer of the request it names, at its offset. A request
+    /// whose completion came first completes when its last byte is in. A segment no request
+    /// can take breaks the session, reported by the next [`handle_rx`](Self::handle_rx).
+    pub fn place(&mut self, payload: &[u8]) {
+        if self.broken || self.detached || self.place_error.is_some() {
+            return;
+        }
+        for seg in wire::datagram::PlaceSegment::parse_all(payload) {
+            if let Err(e) = self.place_segment(seg) {
+                self.place_error = Some(e);
+                return;
+            }
+        }
+    }
+
+    fn place_segment(
+        &mut self,
+        seg: Result<wire::datagram::PlaceSegment<'_>, wire::datagram::DatagramError>,
+    ) -> Result<(), ProtoError> {
+        let seg = seg.map_err(|_| ProtoError::DataMessage { tag: 0, why: "malformed segment" })?;
+        let refuse = |why| ProtoError::DataMessage { tag: seg.tag, why };
+        if !self.data_messages {
+            return Err(refuse("data messages were not agreed"));
+        }
+        let p = self.slots.get_mut(seg.tag).filter(|p| p.sent).ok_or(refuse("tag not in flight"))?;
+        if !p.opcode.returns_data() {
+            return Err(refuse("the request returns no data"));
+        }
+        let end = u64::from(seg.offset) + seg.bytes.len() as u64;
+        if end > u64::from(p.length) || u64::from(p.placed) + seg.bytes.len() as u64 > u64::from(p.length) {
+            return Err(refuse("more data than the request's length"));
+        }
+        let buf = p.buf.as_mut().ok_or(refuse("the request has no buffer"))?;
+        buf.as_mut()[seg.offset as usize..end as usize].copy_from_slice(seg.bytes);
+        p.placed += seg.bytes.len() as u32;
+        self.stats.read_bytes_in_messages += seg.bytes.len() as u64;
+        if p.placed == p.length {
+            if let Some(status) = p.answered {
+                let p = self.slots.remove(seg.tag).expect("looked up above");
+                self.settle(p, status);
+            }
+        }
+        Ok(())
+    }
+
+    fn settle(&mut self, p: Pending<B>, status: Status) {
+        settle(
+            &mut self.done,
+            &mut self.controller,
+            &mut self.reads,
+            &mut self.stats,
+            &mut self.directory,
+            &mut self.fallback,
+            p,
+            status,
+        );
+    }
+
+    /// One receive for a session with data messages: `recv` is the driver's I/O, given the
+    /// frame buffer's spare room and a placer for the data messages that arrive meanwhile
+    /// ([`place`](Self::place)). Call [`handle_rx`](Self::handle_rx) afterwards.
+    pub fn receive_placing(
+        &mut self,
+        rx: &mut FrameBuffer,
+        recv: impl FnOnce(&mut [IoSliceMut<'_>], &mut dyn FnMut(&[u8])) -> io::Result<usize>,
+    ) -> io::Result<usize> {
+        let got = recv(&mut [IoSliceMut::new(rx.spare())], &mut |payload| self.place(payload))?;
+        rx.commit(got);
+        Ok(got)
     }
 
     /// Plant a bug, for the simulator's proof that it catches them.
@@ -399,7 +491,19 @@ impl<B: IoBuf> ClientSession<B> {
         let seq = self.next_seq;
         self.next_seq += 1;
         let (opcode, flags, cap) = self.choose_read(opcode, flags, offset, length);
-        let pending = Pending { opcode, length, buf, user_data, sent: false, flags, offset, seq, cap };
+        let pending = Pending {
+            opcode,
+            length,
+            buf,
+            user_data,
+            sent: false,
+            flags,
+            offset,
+            seq,
+            cap,
+            placed: 0,
+            answered: None,
+        };
         self.enqueue(pending);
         if opcode.returns_data() {
             self.reads.count += 1;
@@ -690,6 +794,8 @@ impl<B: IoBuf> ClientSession<B> {
         self.parked.sort_unstable_by_key(|p| p.seq);
         for mut p in self.parked.drain(..) {
             p.sent = false;
+            p.placed = 0;
+            p.answered = None;
             let probe = Request {
                 opcode: p.opcode,
                 flags: p.flags,
@@ -726,6 +832,9 @@ impl<B: IoBuf> ClientSession<B> {
     }
 
     fn process_rx(&mut self, rx: &[u8]) -> Result<RxProgress, ProtoError> {
+        if let Some(e) = self.place_error.take() {
+            return Err(e);
+        }
         let mut consumed = 0;
         if self.placement.is_active() {
             consumed += self.placement.absorb(rx);
@@ -752,7 +861,7 @@ impl<B: IoBuf> ClientSession<B> {
                 return Ok(RxProgress { consumed, need: 0 });
             };
             self.admit(&header)?;
-            let len = header.frame_len();
+            let len = self.frame_len(&header);
             if rest.len() >= len {
                 self.handle_frame(&header, &rest[HEADER_LEN..len])?;
                 consumed += len;
@@ -762,6 +871,16 @@ impl<B: IoBuf> ClientSession<B> {
                 Some(taken) => RxProgress { consumed: consumed + HEADER_LEN + taken, need: 0 },
                 None => RxProgress { consumed, need: len },
             });
+        }
+    }
+
+    /// Bytes of the frame on the stream: a completion caravan's read data is not there when
+    /// it comes in data messages.
+    fn frame_len(&self, header: &Header) -> usize {
+        if self.data_messages && header.kind == FrameKind::Completions {
+            HEADER_LEN + header.desc_count as usize * COMPLETION_DESC_LEN
+        } else {
+            header.frame_len()
         }
     }
 
@@ -807,6 +926,9 @@ impl<B: IoBuf> ClientSession<B> {
             }
             return Ok(());
         }
+        if self.data_messages {
+            return self.handle_completions_apart(header, body);
+        }
         let caravan = CompletionCaravan::parse(header, body)?;
         self.stats.completion_caravans += 1;
         // The planted bug swaps the first two tags; nothing is allocated unless it is planted.
@@ -844,6 +966,41 @@ impl<B: IoBuf> ClientSession<B> {
         Ok(())
     }
 
+    /// A completion caravan whose read data comes in data messages: a request whose data is
+    /// all in completes now, one still waiting for data keeps its slot, with its status, until
+    /// [`place`](Self::place) puts its last byte.
+    fn handle_completions_apart(&mut self, header: &Header, descs: &[u8]) -> Result<(), ProtoError> {
+        let head = CompletionCaravan::parse_head(header, descs)?;
+        let mut data_total = 0u64;
+        for c in head.completions() {
+            data_total += u64::from(self.expected_data(&c)?);
+        }
+        if data_total != u64::from(header.payload_len) {
+            return Err(ProtoError::Wire(wire::WireError::PayloadMismatch {
+                declared: u64::from(header.payload_len),
+                sum: data_total,
+            }));
+        }
+        self.stats.completion_caravans += 1;
+        for c in head.completions() {
+            let p = self.slots.get_mut(c.tag).ok_or(ProtoError::UnknownTag(c.tag))?;
+            if p.answered.is_some() {
+                return Err(ProtoError::UnknownTag(c.tag));
+            }
+            if p.placed < c.data_len {
+                p.answered = Some(c.status);
+                continue;
+            }
+            if c.data_len == 0 && p.placed > 0 {
+                return Err(ProtoError::DataLength { tag: c.tag, got: p.placed, want: 0 });
+            }
+            let p = self.slots.remove(c.tag).expect("looked up above");
+            self.settle(p, c.status);
+        }
+        self.fall_back();
+        Ok(())
+    }
+
     /// Send the direct reads the target refused again as ordinary reads, in the slots their
     /// completions just freed.
     fn fall_back(&mut self) {
@@ -855,6 +1012,8 @@ impl<B: IoBuf> ClientSession<B> {
             p.flags = p.flags | ReqFlags::WANT_CAP;
             p.cap = None;
             p.sent = false;
+            p.placed = 0;
+            p.answered = None;
             self.stats.fallbacks += 1;
             self.enqueue(p);
         }
@@ -906,7 +1065,8 @@ impl<B: IoBuf> ClientSession<B> {
 
     /// Whether reads now in flight are large enough to place directly.
     fn placing_directly(&self) -> bool {
-        self.direct_min_bytes != DIRECT_OFF
+        !self.data_messages
+            && self.direct_min_bytes != DIRECT_OFF
             && self.reads.count > 0
             && self.reads.bytes >= self.reads.count * u64::from(self.direct_min_bytes)
     }
@@ -1071,6 +1231,70 @@ mod tests {
             (done[0].user_data, done[0].status, done[0].buf.as_ref().map(Vec::len)),
             (7, Status::IoError, Some(512))
         );
+    }
+
+    /// One data-message segment: `len` bytes of `fill` for `tag` at `offset`.
+    fn segment(tag: u32, offset: u32, len: usize, fill: u8) -> Vec<u8> {
+        let mut seg = vec![fill; wire::datagram::PLACE_SEGMENT_HEADER_LEN + len];
+        wire::datagram::PlaceSegment::emit_header(tag, offset, len as u32, &mut seg);
+        seg
+    }
+
+    #[test]
+    fn with_data_messages_a_read_completes_when_both_its_completion_and_its_data_are_in() {
+        let mut s = session(4);
+        s.set_data_messages(true);
+        s.submit(0, read(7)).unwrap();
+        s.submit(0, read(8)).unwrap();
+        send_all(&mut s);
+        // Tag 0's first half before its completion, tag 1's data all after it.
+        s.place(&segment(0, 0, 256, 0xA0));
+        let mut frame = completion(0, 512);
+        frame.truncate(HEADER_LEN + COMPLETION_DESC_LEN);
+        assert_eq!(
+            s.handle_rx(0, &frame).unwrap().consumed,
+            frame.len(),
+            "the frame ends after its descriptors"
+        );
+        assert!(s.take_completion_of(7).is_none(), "half its data is still to come");
+        s.place(&[segment(0, 256, 256, 0xA1), segment(1, 256, 256, 0xB1)].concat());
+        let c = s.take_completion_of(7).expect("its last byte completes it");
+        assert_eq!(c.buf.unwrap(), [vec![0xA0; 256], vec![0xA1; 256]].concat());
+        s.place(&segment(1, 0, 256, 0xB0));
+        assert!(s.take_completion_of(8).is_none(), "no completion yet: the data alone does not complete");
+        let mut frame = completion(1, 512);
+        frame.truncate(HEADER_LEN + COMPLETION_DESC_LEN);
+        s.handle_rx(0, &frame).unwrap();
+        let c = s.take_completion_of(8).expect("its completion completes it");
+        assert_eq!(c.buf.unwrap(), [vec![0xB0; 256], vec![0xB1; 256]].concat());
+        assert_eq!(s.stats().read_bytes_in_messages, 1024);
+    }
+
+    #[test]
+    fn a_data_message_no_request_can_take_breaks_the_session() {
+        for (seg, why) in [
+            (segment(3, 0, 16, 0), "tag not in flight"),
+            (segment(0, 500, 16, 0), "more data than the request's length"),
+            ([segment(0, 0, 512, 0), segment(0, 0, 1, 0)].concat(), "more data than the request's length"),
+        ] {
+            let mut s = session(4);
+            s.set_data_messages(true);
+            s.submit(0, read(7)).unwrap();
+            send_all(&mut s);
+            s.place(&seg);
+            let err = s.handle_rx(0, &[]).unwrap_err();
+            assert!(matches!(err, ProtoError::DataMessage { why: w, .. } if w == why), "{err}");
+            assert!(s.is_detached());
+        }
+        // Unasked: a session without data messages takes none.
+        let mut s = session(4);
+        s.submit(0, read(7)).unwrap();
+        send_all(&mut s);
+        s.place(&segment(0, 0, 16, 0));
+        assert!(matches!(
+            s.handle_rx(0, &[]),
+            Err(ProtoError::DataMessage { why: "data messages were not agreed", .. })
+        ));
     }
 
     #[test]

@@ -764,3 +764,134 @@ fn death_by_timeout_sends_one_reset_and_the_peer_takes_it() {
     b.handle_datagram(now + 10, &resets[0]);
     assert_eq!(b.state(), State::Dead(DeadReason::PeerReset));
 }
+
+/// Segments a placer received: (tag, offset, bytes).
+type Placed = Vec<(u32, u32, Vec<u8>)>;
+
+fn collect_segments(into: &mut Placed) -> impl FnMut(&[u8]) + '_ {
+    |payload| {
+        for seg in PlaceSegment::parse_all(payload) {
+            let seg = seg.expect("a stream emits well-formed segments");
+            into.push((seg.tag, seg.offset, seg.bytes.to_vec()));
+        }
+    }
+}
+
+#[test]
+fn data_messages_batch_two_to_a_datagram_and_are_placed_on_arrival_in_any_order() {
+    let cfg = ReliableConfig { payload_bytes_max: 2 * (PLACE_SEGMENT_HEADER_LEN as u16 + 400), ..config() };
+    let mut a = DatagramStream::new(&cfg, 7, 0, 0);
+    let mut b = DatagramStream::new(&cfg, 7, 0, 0);
+    assert_eq!(a.place_segment_max(), 2 * 400 + PLACE_SEGMENT_HEADER_LEN);
+    // A frame's head on the stream, then its data as messages: two to a datagram with batching,
+    // the third alone; then more stream bytes, which never join a Place datagram.
+    assert_eq!(a.write(&[IoSlice::new(b"head")]), 4);
+    for (tag, fill) in [(1u32, 0xA1u8), (2, 0xA2), (3, 0xA3)] {
+        assert!(a.write_place(tag, 0, &[fill; 400], true));
+    }
+    assert!(a.write_place(4, 800, &[0xA4; 400], false), "unbatched: a datagram of its own");
+    assert_eq!(a.write(&[IoSlice::new(b"tail")]), 4);
+    assert!(!a.write_place(5, 0, &[0; 813], true), "longer than a segment can be");
+    assert!(!a.write_place(5, 0, &[], true));
+    let mut datagrams = Vec::new();
+    let mut out = vec![0u8; cfg.datagram_len_max()];
+    while let Some(n) = a.poll_transmit(0, &mut out) {
+        datagrams.push(out[..n].to_vec());
+    }
+    let kinds: Vec<_> = datagrams.iter().map(|d| DatagramHeader::parse(d).unwrap().0.kind).collect();
+    use DatagramKind::{Data, Place};
+    assert_eq!(kinds, [Data, Place, Place, Place, Data]);
+    assert_eq!(a.counters().places_sent, 3);
+
+    // The receiver gets them backwards: each data message reaches the placer as it arrives,
+    // the stream bytes only in order.
+    let mut placed = Placed::new();
+    let mut stream = [0u8; 16];
+    let mut got = 0;
+    for d in datagrams.iter().rev() {
+        let mut place = collect_segments(&mut placed);
+        let mut bufs = [IoSliceMut::new(&mut stream[got..])];
+        let mut to = ReadCursor::placing(&mut bufs, &mut place);
+        got += b.handle_datagram_into(1, d, &mut to);
+        got += b.read_into(&mut to);
+    }
+    assert_eq!(&stream[..got], b"headtail");
+    let tags: Vec<u32> = placed.iter().map(|p| p.0).collect();
+    assert_eq!(tags, [4, 3, 1, 2], "in arrival order, each once");
+    assert_eq!(placed[0], (4, 800, vec![0xA4; 400]));
+    let c = b.counters();
+    assert_eq!((c.places_received, c.places_held, c.places_dropped, c.stream_bytes_read), (3, 0, 0, 8));
+}
+
+#[test]
+fn data_messages_that_arrive_with_no_placer_wait_for_one_and_a_reader_without_drops_them() {
+    let mut a = DatagramStream::new(&config(), 7, 0, 0);
+    assert!(a.write_place(9, 0, b"early", true));
+    assert_eq!(a.write(&[IoSlice::new(b"stream")]), 6);
+    assert!(a.write_place(9, 5, b"late", true));
+    let mut out = vec![0u8; config().datagram_len_max()];
+    let mut datagrams = Vec::new();
+    while let Some(n) = a.poll_transmit(0, &mut out) {
+        datagrams.push(out[..n].to_vec());
+    }
+    // Taken in with no reader (a driver's timer pass): held, then placed at the next read.
+    let mut b = DatagramStream::new(&config(), 7, 0, 0);
+    for d in &datagrams {
+        b.handle_datagram(1, d);
+    }
+    let mut placed = Placed::new();
+    let mut stream = [0u8; 16];
+    let n = {
+        let mut place = collect_segments(&mut placed);
+        let mut bufs = [IoSliceMut::new(&mut stream)];
+        b.read_into(&mut ReadCursor::placing(&mut bufs, &mut place))
+    };
+    assert_eq!(&stream[..n], b"stream");
+    assert_eq!(placed, [(9, 0, b"early".to_vec()), (9, 5, b"late".to_vec())]);
+    assert_eq!((b.counters().places_held, b.counters().places_dropped), (2, 0));
+    // A reader that takes no data messages never sees them as stream bytes.
+    let mut c = DatagramStream::new(&config(), 7, 0, 0);
+    for d in &datagrams {
+        c.handle_datagram(1, d);
+    }
+    let mut stream = [0u8; 16];
+    assert_eq!(c.read(&mut [IoSliceMut::new(&mut stream)]), 6);
+    assert_eq!(&stream[..6], b"stream");
+    assert_eq!(c.counters().places_dropped, 2);
+}
+
+#[test]
+fn data_messages_through_loss_duplication_and_delay_are_placed_exactly_once() {
+    // Side 0 interleaves stream bytes and data messages; side 1 reads with a placer. Every
+    // fifth datagram of side 0 is dropped once, every seventh duplicated, every eleventh late.
+    let mut pair = Pair::new(config(), [3, u32::MAX - 2], 50).with_fate(|side, _, n| match (side, n) {
+        (0, n) if n % 5 == 0 => Fate::Drop,
+        (0, n) if n % 7 == 0 => Fate::Duplicate,
+        (0, n) if n % 11 == 0 => Fate::Delay(400),
+        _ => Fate::Deliver,
+    });
+    let mut placed = Placed::new();
+    let (mut next_tag, total_tags) = (0u32, 300u32);
+    let ok = pair.run_until(10_000_000, |p| {
+        while next_tag < total_tags
+            && p.ends[0].write_place(next_tag, next_tag * 3, &next_tag.to_le_bytes(), true)
+        {
+            p.write(0, 37);
+            next_tag += 1;
+        }
+        let mut stream = [0u8; 4096];
+        let mut place = collect_segments(&mut placed);
+        let mut bufs = [IoSliceMut::new(&mut stream)];
+        let n = p.ends[1].read_into(&mut ReadCursor::placing(&mut bufs, &mut place));
+        p.read[1].extend_from_slice(&stream[..n]);
+        next_tag == total_tags && p.ends[0].all_acked()
+    });
+    assert!(ok, "stalled with {} of {total_tags} data messages placed", placed.len());
+    pair.check_read(1);
+    assert_eq!(pair.read[1].len() as u64, pair.written[0]);
+    placed.sort();
+    let want: Placed = (0..total_tags).map(|t| (t, t * 3, t.to_le_bytes().to_vec())).collect();
+    assert_eq!(placed, want);
+    let (a, b) = (pair.ends[0].counters(), pair.ends[1].counters());
+    assert!(a.retransmitted_gap + a.retransmitted_timeout > 0 && b.duplicates > 0, "{a:?} {b:?}");
+}
