@@ -155,6 +155,12 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
             + json_u64(&bench, &["client_link", "retransmitted_gap"]);
         assert!(repaired > 0, "no retransmission at {loss}: {}", bench["client_link"]);
         assert!(json_u64(&bench, &["client_link", "corrupt"]) > 0, "{}", bench["client_link"]);
+        // Read data came in data messages, through the same faults.
+        assert!(
+            json_u64(&bench, &["client_link", "data_messages_received"]) > 100,
+            "{}",
+            bench["client_link"]
+        );
         let counters = relay_dropped(relay, loss, 1000);
         eprintln!(
             "loss {loss}: {} I/Os verified; lanes {}; relay {counters}",
@@ -162,6 +168,45 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
             bench["client_link"]
         );
     }
+    drop(serve);
+}
+
+/// Read data in data messages (the default) and on the byte stream (an initiator with
+/// `SKIFF_ETH_DATA_MESSAGES=off` does not offer them): both verify, and only the first
+/// receives any, with every read byte placed by tag and offset rather than copied.
+#[test]
+fn data_messages_carry_read_data_when_offered_and_not_otherwise() {
+    if !netns::available("skiff bench with and without data messages") {
+        return;
+    }
+    let (client, target) = (VethPair::new(9000), VethPair::new(9000));
+    let serve = Proc::spawn(
+        skiff_in(&target.ns).args(["serve", "--no-tcp", "--eth", &target.peer, "--export", "vol=ram:32M"]),
+        Stdio::null(),
+    );
+    let relay =
+        Proc::spawn(skiff().args(["relay", "--left", &client.host, "--right", &target.host]), Stdio::piped());
+    let mac = mac_of(&target.ns, &target.peer);
+    std::thread::sleep(Duration::from_millis(300));
+    for (setting, offered) in [("on", true), ("off", false)] {
+        let bench = bench_verified(
+            skiff_in(&client.ns)
+                .env("SKIFF_ETH_DATA_MESSAGES", setting)
+                .args(["bench", "--target", &format!("eth:{}/{mac}", client.peer), "--export", "vol"])
+                .args(["--size", "32M", "--rw", "randrw", "--bs", "16k", "--qd", "16", "--duration", "1s"])
+                .args(["--verify", "--json"]),
+            1000,
+        );
+        let messages = json_u64(&bench, &["client_link", "data_messages_received"]);
+        let placed = bench["read_placed_share"].as_f64().unwrap_or(0.0);
+        eprintln!("data messages {setting}: {messages} received, {placed:.3} of read bytes placed");
+        if offered {
+            assert!(messages > 1000 && placed == 1.0, "{bench}");
+        } else {
+            assert!(messages == 0 && placed < 1.0, "{bench}");
+        }
+    }
+    drop(relay);
     drop(serve);
 }
 

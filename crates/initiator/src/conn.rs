@@ -75,6 +75,12 @@ impl Conn {
             send_ns: 0,
             features: 0,
         };
+        // A transport that can place read data by tag asks for data messages.
+        let features = if conn.stream.data_messages() {
+            features | wire::control::FEATURE_DATA_MESSAGES
+        } else {
+            features & !wire::control::FEATURE_DATA_MESSAGES
+        };
         let mut handshake = ClientHandshake::new(*proposed).with_features(features);
         if let Some(key) = key {
             handshake = handshake.with_key(key.clone(), rt::random::bytes()?);

@@ -119,6 +119,9 @@ pub struct LaneStats {
     /// little is in flight).
     pub read_bytes_placed: u64,
     pub read_bytes_copied: u64,
+    /// Read data that came in data messages, put into callers' buffers by tag and offset as
+    /// it arrived (raw Ethernet; docs/PROTOCOL.md 16.9).
+    pub read_bytes_in_messages: u64,
     /// Connections lost (and reconnected or given up on), and connection attempts after them.
     pub reconnects: u64,
     pub reconnect_attempts: u64,
@@ -143,6 +146,7 @@ impl LaneStats {
             complete_ns,
             read_bytes_placed: s.read_bytes_placed,
             read_bytes_copied: s.read_bytes_copied,
+            read_bytes_in_messages: s.read_bytes_in_messages,
             direct_reads: s.direct_reads,
             direct_faults: s.direct_faults,
             fallbacks: s.fallbacks,
@@ -166,6 +170,7 @@ impl LaneStats {
         self.complete_ns += other.complete_ns;
         self.read_bytes_placed += other.read_bytes_placed;
         self.read_bytes_copied += other.read_bytes_copied;
+        self.read_bytes_in_messages += other.read_bytes_in_messages;
         self.direct_reads += other.direct_reads;
         self.direct_faults += other.direct_faults;
         self.fallbacks += other.fallbacks;
@@ -191,6 +196,7 @@ impl LaneStats {
             complete_ns: self.complete_ns - earlier.complete_ns,
             read_bytes_placed: self.read_bytes_placed - earlier.read_bytes_placed,
             read_bytes_copied: self.read_bytes_copied - earlier.read_bytes_copied,
+            read_bytes_in_messages: self.read_bytes_in_messages - earlier.read_bytes_in_messages,
             reconnects: self.reconnects - earlier.reconnects,
             reconnect_attempts: self.reconnect_attempts - earlier.reconnect_attempts,
             direct_reads: self.direct_reads - earlier.direct_reads,
@@ -292,8 +298,10 @@ impl<B: IoBuf> Lane<B> {
                 0
             },
         };
+        let mut session = ClientSession::new(&session_config, conn.limits, reply.handle);
+        session.set_data_messages(conn.features & wire::control::FEATURE_DATA_MESSAGES != 0);
         Ok(Lane {
-            session: ClientSession::new(&session_config, conn.limits, reply.handle),
+            session,
             export: ExportInfo {
                 name: export.to_owned(),
                 size_bytes: reply.size_bytes,
@@ -830,6 +838,7 @@ impl<B: IoBuf> Lane<B> {
             )));
         }
         self.session.reattach(conn.limits, reply.handle)?;
+        self.session.set_data_messages(conn.features & wire::control::FEATURE_DATA_MESSAGES != 0);
         conn.timeout = self.conn.timeout;
         conn.send_ns += self.conn.send_ns;
         conn.recv_ns += self.conn.recv_ns;
@@ -869,6 +878,10 @@ pub struct LinkStats {
     /// the lane's buffers (the rest waited in the stream's receive buffer).
     pub stream_bytes_read: u64,
     pub stream_bytes_placed: u64,
+    /// Data messages (Place datagrams) received, and of them those that arrived while no
+    /// reader was there and waited in the stream's buffer for the next receive.
+    pub data_messages_received: u64,
+    pub data_messages_held: u64,
     /// Each interface's share, round trip and outages (one entry unless bundled).
     pub paths: Vec<transport::eth::PathStats>,
 }
@@ -887,6 +900,8 @@ impl From<&proto::reliable::Counters> for LinkStats {
             reorder_window_us: c.reorder_window_us,
             stream_bytes_read: c.stream_bytes_read,
             stream_bytes_placed: c.stream_bytes_placed,
+            data_messages_received: c.places_received,
+            data_messages_held: c.places_held,
             paths: Vec::new(),
         }
     }
@@ -905,6 +920,8 @@ impl LinkStats {
         self.reorder_window_us = self.reorder_window_us.max(o.reorder_window_us);
         self.stream_bytes_read += o.stream_bytes_read;
         self.stream_bytes_placed += o.stream_bytes_placed;
+        self.data_messages_received += o.data_messages_received;
+        self.data_messages_held += o.data_messages_held;
         // Lanes over one bundle: the same interfaces in the same order.
         for (i, p) in o.paths.iter().enumerate() {
             match self.paths.get_mut(i) {
@@ -970,13 +987,14 @@ fn clone_error(e: &Error) -> Error {
 
 /// One receive without waiting, laid out by the session (placed data first), timed.
 fn receive<B: IoBuf>(conn: &mut Conn, session: &mut ClientSession<B>) -> Result<usize> {
-    let Conn { stream, rx, recv_ns, .. } = conn;
-    let got = session.receive_with(rx, |iov| {
-        let started = Instant::now();
-        let got = FrameIo::recv(stream, iov);
-        *recv_ns += started.elapsed().as_nanos() as u64;
-        got
-    });
+    let Conn { stream, rx, recv_ns, features, .. } = conn;
+    let started = Instant::now();
+    let got = if *features & wire::control::FEATURE_DATA_MESSAGES != 0 {
+        session.receive_placing(rx, |iov, place| FrameIo::recv_placing(stream, iov, place))
+    } else {
+        session.receive_with(rx, |iov| FrameIo::recv(stream, iov))
+    };
+    *recv_ns += started.elapsed().as_nanos() as u64;
     crate::conn::received(got)
 }
 

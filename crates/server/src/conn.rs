@@ -312,6 +312,8 @@ pub(crate) struct Conn {
     /// Its name on a staged target's stage thread (`crate::stages`), for a connection whose
     /// receiving or sending another thread does; `None` when it runs to completion.
     pub staged: Option<u64>,
+    /// The transport sends completion caravans' read data as data messages (agreed in HELLO).
+    data_apart: bool,
 }
 
 /// The protocol a connection speaks, chosen by the listener it arrived on.
@@ -364,8 +366,11 @@ impl Conn {
                 Kind::Nbd(Box::new(conn))
             }
             _ => {
-                let conn =
+                let mut conn =
                     NativeConn::new(shared.config.bounds.limits, shared.config.bounds.open_handles_max);
+                if stream.data_messages() {
+                    conn = conn.with_data_messages();
+                }
                 // Each connection proves keys against a nonce of its own.
                 match rt::random::bytes() {
                     Ok(nonce) => Kind::Native(Box::new(
@@ -398,6 +403,7 @@ impl Conn {
             last_rx: now,
             established: false,
             staged: None,
+            data_apart: false,
         }
     }
 
@@ -620,10 +626,17 @@ impl Conn {
 
     fn process(&mut self, shared: &Shared, stats: &WorkerStats) {
         self.identify_nbd(shared);
-        let Conn { rx, tx, closing, peer, kind, .. } = self;
+        let Conn { rx, tx, closing, peer, kind, stream, data_apart, .. } = self;
         let mut link = Link { rx, tx, closing, peer, stats: &stats.front };
         match kind {
-            Kind::Native(conn) => conn.process(&mut link, shared),
+            Kind::Native(conn) => {
+                conn.process(&mut link, shared);
+                if !*data_apart && conn.data_messages() {
+                    // Agreed in the HELLO just answered: completion caravans from here on
+                    // send their read data as data messages.
+                    *data_apart = stream.send_data_messages();
+                }
+            }
             Kind::Nbd(conn) => {
                 conn.process(&mut link, shared);
                 self.starttls |= conn.take_starttls();

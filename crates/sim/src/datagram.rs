@@ -17,6 +17,7 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::rc::Rc;
 
 use proto::bundle::{is_probe, Bundle, BundleConfig, PathCounters};
+use proto::reliable::split::Splitter;
 use proto::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
 use transport::FrameIo;
 use wire::datagram::{DatagramHeader, DatagramKind};
@@ -232,6 +233,9 @@ impl LinkEnd {
 #[derive(Debug)]
 pub struct DatagramIo {
     stream: DatagramStream,
+    /// The sending half of data messages, as in `EthStream`; whether this end offers them.
+    split: Splitter,
+    data_messages: bool,
     end: LinkEnd,
     clock: Clock,
     buf: Vec<u8>,
@@ -250,7 +254,25 @@ impl DatagramIo {
         reset_chance: u32,
     ) -> DatagramIo {
         let buf = vec![0; stream.config().datagram_len_max()];
-        DatagramIo { stream, end, clock: clock.clone(), buf, rng, reset_chance, resets: 0 }
+        DatagramIo {
+            stream,
+            split: Splitter::new(false),
+            data_messages: false,
+            end,
+            clock: clock.clone(),
+            buf,
+            rng,
+            reset_chance,
+            resets: 0,
+        }
+    }
+
+    /// Offer (initiator) or agree to (target) data messages, batching two segments to a
+    /// datagram or not, as `EthStream` does with `EthConfig::data_messages`.
+    pub fn with_data_messages(mut self, batch: bool) -> DatagramIo {
+        self.split = Splitter::new(batch);
+        self.data_messages = true;
+        self
     }
 
     pub fn stream(&self) -> &DatagramStream {
@@ -304,11 +326,10 @@ impl DatagramIo {
     }
 }
 
-impl FrameIo for DatagramIo {
-    fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+impl DatagramIo {
+    fn receive(&mut self, mut to: ReadCursor<'_, '_>) -> io::Result<usize> {
         // As `transport::eth::EthStream::recv`: buffered bytes first, then what arrives in
         // order placed straight into `bufs`, then what that let through.
-        let mut to = ReadCursor::new(bufs);
         self.stream.read_into(&mut to);
         self.pump_into(Some(&mut to));
         self.stream.read_into(&mut to);
@@ -318,13 +339,35 @@ impl FrameIo for DatagramIo {
             n => Ok(n),
         }
     }
+}
+
+impl FrameIo for DatagramIo {
+    fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.receive(ReadCursor::new(bufs))
+    }
+
+    fn recv_placing(
+        &mut self,
+        bufs: &mut [IoSliceMut<'_>],
+        place: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<usize> {
+        self.receive(ReadCursor::placing(bufs, place))
+    }
+
+    fn data_messages(&self) -> bool {
+        self.data_messages
+    }
+
+    fn send_data_messages(&mut self) -> bool {
+        self.data_messages && self.split.set_apart()
+    }
 
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         if self.rng.chance(self.reset_chance) {
             self.resets += 1;
             self.reset();
         }
-        let n = self.stream.write(bufs);
+        let n = self.split.write(&mut self.stream, bufs);
         self.pump();
         match n {
             0 if bufs.iter().any(|b| !b.is_empty()) => self.dead(),
@@ -675,6 +718,10 @@ pub fn add_counters(a: &mut Counters, b: &Counters) {
     a.stream_bytes_read += b.stream_bytes_read;
     a.stream_bytes_placed += b.stream_bytes_placed;
     a.dsacks_received += b.dsacks_received;
+    a.places_sent += b.places_sent;
+    a.places_received += b.places_received;
+    a.places_held += b.places_held;
+    a.places_dropped += b.places_dropped;
 }
 
 #[cfg(test)]

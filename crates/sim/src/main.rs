@@ -213,7 +213,8 @@ fn main() -> ExitCode {
         );
         println!(
             "reliable streams: {} data datagrams, {} resent on gaps, {} on timeouts, {} duplicates and {} out of order \
-             received, {} acks, {} probes; {} KiB delivered",
+             received, {} acks, {} probes; {} KiB delivered; {} data messages received ({} held for a reader), \
+             {} KiB of read data in them",
             st.data_sent,
             st.retransmitted_gap,
             st.retransmitted_timeout,
@@ -221,7 +222,10 @@ fn main() -> ExitCode {
             st.out_of_order,
             st.acks_sent,
             st.probes,
-            st.stream_bytes_read >> 10
+            st.stream_bytes_read >> 10,
+            st.places_received,
+            st.places_held,
+            total.read_bytes_in_messages >> 10
         );
     }
     println!("{count} seeds, {failed} failed");

@@ -108,6 +108,8 @@ pub struct Report {
     pub completion_caravans: u64,
     pub read_bytes_placed: u64,
     pub read_bytes_copied: u64,
+    /// Read data that came in data messages (datagram links that agreed to them).
+    pub read_bytes_in_messages: u64,
     /// Connections the target closed with a GOAWAY (a flipped header bit it caught).
     pub goaways: u64,
     /// Seeds that resumed their session across connections, and the reattaches they made.
@@ -137,6 +139,7 @@ impl Report {
         self.completion_caravans += r.completion_caravans;
         self.read_bytes_placed += r.read_bytes_placed;
         self.read_bytes_copied += r.read_bytes_copied;
+        self.read_bytes_in_messages += r.read_bytes_in_messages;
         self.goaways += r.goaways;
         self.resuming_runs += r.resuming_runs;
         self.authenticated_runs += r.authenticated_runs;
@@ -234,6 +237,10 @@ struct Connection {
     target_stats: FrontStats,
     /// The target's replies wait until then (a slow backend).
     target_gate_us: u64,
+    /// The target's transport sends read data in data messages (agreed in HELLO), and the
+    /// initiator's session takes it so.
+    target_apart: bool,
+    client_data_messages: bool,
     /// A session parked by a lost connection, to reattach once this one has opened the export.
     resume: Option<Box<ClientSession<Vec<u8>>>>,
     reattached: bool,
@@ -356,7 +363,12 @@ impl Sim {
             }
             if let Some(conn) = self.conn.as_mut() {
                 // A datagram link's timers and acks run whether or not the sides move bytes.
-                conn.client_io.pump();
+                // Every other step on average the initiator's datagrams wait for its receive
+                // instead, which takes them in with a reader there (data messages placed on
+                // arrival, stream bytes straight into the frame buffer), as a lane does.
+                if self.rng.below(2) == 0 {
+                    conn.client_io.pump();
+                }
                 conn.target_io.pump();
             }
             let failed = self.client_step()?;
@@ -418,6 +430,12 @@ impl Sim {
             self.pipe_bytes,
             self.opts.net,
         );
+        if client_io.data_messages() {
+            hs = hs.with_features(wire::control::FEATURE_DATA_MESSAGES);
+        }
+        if target_io.data_messages() {
+            target = target.with_data_messages();
+        }
         self.conn = Some(Connection {
             id,
             client_io,
@@ -442,6 +460,8 @@ impl Sim {
             target_closed: false,
             target_stats: FrontStats::default(),
             target_gate_us: 0,
+            target_apart: false,
+            client_data_messages: false,
             resume: self.parked.take(),
             reattached: false,
         });
@@ -567,6 +587,9 @@ impl Sim {
                         stats: &conn.target_stats,
                     };
                     conn.target.process(&mut link, &self.host);
+                    if !conn.target_apart && conn.target.data_messages() {
+                        conn.target_apart = conn.target_io.send_data_messages();
+                    }
                     let slow = self.faulty.take_delay_us();
                     conn.target_gate_us = conn.target_gate_us.max(now + slow);
                 }
@@ -655,6 +678,7 @@ impl Sim {
             r.completion_caravans += st.completion_caravans;
             r.read_bytes_placed += st.read_bytes_placed;
             r.read_bytes_copied += st.read_bytes_copied;
+            r.read_bytes_in_messages += st.read_bytes_in_messages;
         }
         r.goaways += conn.target_stats.connections_closed_protocol_error.load(Relaxed);
         r.reattaches += u64::from(conn.reattached);
@@ -749,7 +773,11 @@ fn client_io(conn: &mut Connection, now: u64) -> Option<String> {
         let got = match &mut conn.client {
             ClientState::Ready(session) => {
                 let io = &mut conn.client_io;
-                session.receive_with(&mut conn.client_rx, |iov| io.recv(iov))
+                if conn.client_data_messages {
+                    session.receive_placing(&mut conn.client_rx, |iov, place| io.recv_placing(iov, place))
+                } else {
+                    session.receive_with(&mut conn.client_rx, |iov| io.recv(iov))
+                }
             }
             _ => conn.client_io.fill(&mut conn.client_rx),
         };
@@ -818,8 +846,10 @@ fn client_handle(conn: &mut Connection, now: u64) -> Result<(), String> {
             }
             ClientState::Hello(hs) => {
                 let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };
-                let limits = hs.handle_reply(&h, &body).map_err(|e| format!("handshake: {e}"))?;
+                let (limits, features) =
+                    hs.handle_reply_features(&h, &body).map_err(|e| format!("handshake: {e}"))?;
                 conn.client_rx_limits = limits;
+                conn.client_data_messages = features & wire::control::FEATURE_DATA_MESSAGES != 0;
                 match hs.auth_frame() {
                     Some(auth) => {
                         conn.client_out = auth;
@@ -863,6 +893,8 @@ fn client_handle(conn: &mut Connection, now: u64) -> Result<(), String> {
                         Box::new(session)
                     }
                 };
+                let mut session = session;
+                session.set_data_messages(conn.client_data_messages);
                 conn.client = ClientState::Ready(session);
             }
         }

@@ -145,6 +145,11 @@ fn a_thousand_full_simulation_seeds_pass_over_the_datagram_link() {
     assert!(link.corrupted > 1_000 && link.flaps > 100, "{link:?}");
     assert!(s.corrupt <= link.corrupted && s.corrupt * 10 >= link.corrupted * 9, "{s:?}");
     assert!(s.retransmitted_gap > 10_000 && s.retransmitted_timeout > 1_000 && s.duplicates > 1_000, "{s:?}");
+    // Three connections in four carried read data in data messages, placed on arrival or
+    // held for the next read; the rest on the stream.
+    assert!(s.places_received > 1_000 && s.places_held > 0 && s.places_dropped == 0, "{s:?}");
+    assert!(s.places_held < s.places_received && s.stream_bytes_placed > 0, "{s:?}");
+    assert!(total.read_bytes_in_messages > 0 && total.read_bytes_copied > 0, "{total:?}");
     // Injected resets killed connections; the resuming half of the seeds carried on.
     assert!(total.net_faults[3] > 100 && total.reattaches > 100, "{total:?}");
     // And a seed replays exactly over this link too.

@@ -29,6 +29,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use proto::bundle::{is_probe, Bundle, BundleConfig, PathEvent};
+use proto::reliable::split::Splitter;
 use proto::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
 use wire::datagram::{DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
@@ -97,6 +98,13 @@ pub struct EthConfig {
     /// flight).
     pub ring: RingConfig,
     pub reliable: ReliableConfig,
+    /// Read data in data messages (Place datagrams placed by tag and offset; docs/PROTOCOL.md
+    /// 16.9), offered by an initiator and agreed by a target when both have it on
+    /// (`SKIFF_ETH_DATA_MESSAGES=off` turns it off: read data rides the byte stream).
+    pub data_messages: bool,
+    /// Two 4 KiB data segments share a jumbo frame (Tyche's data-message batching;
+    /// `SKIFF_ETH_DATA_BATCHING=off`: each data message in a frame of its own).
+    pub data_batching: bool,
 }
 
 impl Default for EthConfig {
@@ -124,8 +132,15 @@ impl Default for EthConfig {
                 rto_min_us: 250,
                 ..ReliableConfig::default()
             },
+            data_messages: env_on("SKIFF_ETH_DATA_MESSAGES"),
+            data_batching: env_on("SKIFF_ETH_DATA_BATCHING"),
         }
     }
+}
+
+/// A switch that is on unless its variable says `off`.
+fn env_on(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v != "off")
 }
 
 /// The largest datagram payload: 8972 bytes (a 9000-byte jumbo frame, lowered to the MTU when
@@ -369,6 +384,11 @@ pub struct EthStream {
     /// interface is waited on through its socket.
     poller: Option<OwnedFd>,
     stream: DatagramStream,
+    /// Follows the outgoing frames, sending completion caravans' read data as data messages
+    /// once the connection agreed to them (a target's side).
+    split: Splitter,
+    /// Data messages may be used (offered, or agreed to) on this session.
+    data_messages: bool,
     epoch: Instant,
     /// While this lives, the listener that opened the session knows it (a target's side).
     _alive: Option<Arc<()>>,
@@ -384,7 +404,8 @@ impl EthStream {
         session_id: u32,
         config: &ReliableConfig,
     ) -> io::Result<EthStream> {
-        EthStream::open_bundle(vec![(Link::Packet(socket), Some(peer))], session_id, config, false)
+        let config = EthConfig { reliable: *config, ..EthConfig::default() };
+        EthStream::open_bundle(vec![(Link::Packet(socket), Some(peer))], session_id, &config, false)
     }
 
     /// A session over one socket per interface, each with its peer's MAC where known (one at
@@ -392,9 +413,10 @@ impl EthStream {
     fn open_bundle(
         sockets: Vec<(Link, Option<Mac>)>,
         session_id: u32,
-        config: &ReliableConfig,
+        eth: &EthConfig,
         seeks: bool,
     ) -> io::Result<EthStream> {
+        let config = &eth.reliable;
         let mtu = sockets.iter().map(|(s, _)| s.mtu()).min().unwrap_or(0);
         let fits = mtu.saturating_sub(DATAGRAM_HEADER_LEN);
         if fits == 0 {
@@ -428,6 +450,8 @@ impl EthStream {
             bundle: Bundle::new(BundleConfig::default(), session_id, &known, seeks),
             poller,
             stream: DatagramStream::new(&config, session_id, 0, 0),
+            split: Splitter::new(eth.data_batching),
+            data_messages: eth.data_messages,
             epoch: Instant::now(),
             _alive: None,
         })
@@ -447,7 +471,7 @@ impl EthStream {
         for (i, iface) in ifaces.iter().enumerate() {
             sockets.push((Link::open(iface, session_id, config)?, (i == 0).then_some(peer)));
         }
-        EthStream::open_bundle(sockets, session_id, &config.reliable, true)
+        EthStream::open_bundle(sockets, session_id, config, true)
     }
 
     fn now_us(&self) -> u64 {
@@ -650,11 +674,10 @@ impl EthStream {
     }
 }
 
-impl FrameIo for EthStream {
-    fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+impl EthStream {
+    fn receive(&mut self, mut to: ReadCursor<'_, '_>) -> io::Result<usize> {
         // What waits in the stream's buffer comes first; then what arrives in order goes
         // straight from the ring into `bufs`, and what filled a gap behind it after that.
-        let mut to = ReadCursor::new(bufs);
         self.stream.read_into(&mut to);
         self.drive_into(Some(&mut to))?;
         self.stream.read_into(&mut to);
@@ -670,9 +693,31 @@ impl FrameIo for EthStream {
         }
         Err(io::ErrorKind::WouldBlock.into())
     }
+}
+
+impl FrameIo for EthStream {
+    fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.receive(ReadCursor::new(bufs))
+    }
+
+    fn recv_placing(
+        &mut self,
+        bufs: &mut [IoSliceMut<'_>],
+        place: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<usize> {
+        self.receive(ReadCursor::placing(bufs, place))
+    }
+
+    fn data_messages(&self) -> bool {
+        self.data_messages
+    }
+
+    fn send_data_messages(&mut self) -> bool {
+        self.data_messages && self.split.set_apart()
+    }
 
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let n = self.stream.write(bufs);
+        let n = self.split.write(&mut self.stream, bufs);
         self.drive()?;
         if n > 0 || bufs.iter().all(|b| b.is_empty()) {
             return Ok(n);
@@ -816,7 +861,7 @@ impl EthListener {
             for (i, iface) in self.ifaces.iter().enumerate() {
                 sockets.push((Link::open(iface, h.session_id, &self.config)?, (i == on).then_some(src)));
             }
-            let mut stream = EthStream::open_bundle(sockets, h.session_id, &self.config.reliable, false)?;
+            let mut stream = EthStream::open_bundle(sockets, h.session_id, &self.config, false)?;
             stream.bundle.prefer(on);
             let now = stream.now_us();
             stream.stream.handle_datagram(now, &datagram);

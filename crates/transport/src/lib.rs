@@ -55,4 +55,24 @@ pub trait FrameIo {
     fn buffered_recv(&self) -> bool {
         false
     }
+    /// Whether the transport can carry data messages: read data apart from the byte stream,
+    /// placed by tag and offset (docs/PROTOCOL.md 16.9; raw Ethernet's Place datagrams).
+    fn data_messages(&self) -> bool {
+        false
+    }
+    /// From the next frame on, send the read data of completion caravans in data messages (a
+    /// target whose initiator agreed to them). Returns whether it will.
+    fn send_data_messages(&mut self) -> bool {
+        false
+    }
+    /// As [`recv`](Self::recv), handing each data message that arrives meanwhile (its
+    /// payload: segments) to `place`, once, in arrival order.
+    fn recv_placing(
+        &mut self,
+        bufs: &mut [IoSliceMut<'_>],
+        place: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<usize> {
+        let _ = place;
+        self.recv(bufs)
+    }
 }

@@ -322,6 +322,25 @@ impl FrameIo for Stream {
     fn pending_send(&self) -> bool {
         matches!(self, Stream::Tls(s) if s.pending_send())
     }
+    fn data_messages(&self) -> bool {
+        matches!(self, Stream::Eth(s) if s.data_messages())
+    }
+    fn send_data_messages(&mut self) -> bool {
+        match self {
+            Stream::Eth(s) => s.send_data_messages(),
+            _ => false,
+        }
+    }
+    fn recv_placing(
+        &mut self,
+        bufs: &mut [IoSliceMut<'_>],
+        place: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<usize> {
+        match self {
+            Stream::Eth(s) => s.recv_placing(bufs, place),
+            other => other.recv(bufs),
+        }
+    }
     fn buffered_recv(&self) -> bool {
         match self {
             Stream::Tls(s) => s.buffered_recv(),
@@ -515,6 +534,19 @@ impl FrameIo for ClientStream {
     }
     fn pending_send(&self) -> bool {
         matches!(self, ClientStream::Tls(s) if s.pending_send())
+    }
+    fn data_messages(&self) -> bool {
+        matches!(self, ClientStream::Eth(s) if s.data_messages())
+    }
+    fn recv_placing(
+        &mut self,
+        bufs: &mut [IoSliceMut<'_>],
+        place: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<usize> {
+        match self {
+            ClientStream::Eth(s) => s.recv_placing(bufs, place),
+            other => other.recv(bufs),
+        }
     }
     fn buffered_recv(&self) -> bool {
         match self {

@@ -319,7 +319,9 @@ pub fn summarize(
         }),
         stages_us: stages,
         read_placed_share: {
-            let (placed, copied) = (telemetry.lanes.read_bytes_placed, telemetry.lanes.read_bytes_copied);
+            // Data messages are placed by tag and offset as they arrive: placed too.
+            let l = &telemetry.lanes;
+            let (placed, copied) = (l.read_bytes_placed + l.read_bytes_in_messages, l.read_bytes_copied);
             (placed + copied > 0).then(|| placed as f64 / (placed + copied) as f64)
         },
         server_caravans_received: received,
@@ -418,7 +420,7 @@ pub fn print_table(s: &Summary) {
                 .as_ref()
                 .map(|l| {
                     let mut line = format!(
-                        "{}: {} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped; {} DSACKs, reordering window {} µs; {:.0}% of received bytes placed from the ring",
+                        "{}: {} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped; {} DSACKs, reordering window {} µs; {:.0}% of received stream bytes placed from the ring; {} data messages received, {} of them held for a reader",
                         l.paths.first().map_or("?", |p| p.driver),
                         grouped(l.datagrams_sent),
                         grouped(l.datagrams_received),
@@ -428,7 +430,9 @@ pub fn print_table(s: &Summary) {
                         grouped(l.corrupt),
                         grouped(l.dsacks_received),
                         l.reorder_window_us,
-                        100.0 * l.stream_bytes_placed as f64 / l.stream_bytes_read.max(1) as f64
+                        100.0 * l.stream_bytes_placed as f64 / l.stream_bytes_read.max(1) as f64,
+                        grouped(l.data_messages_received),
+                        grouped(l.data_messages_held)
                     );
                     if l.paths.len() > 1 {
                         for p in &l.paths {

@@ -52,6 +52,18 @@ impl NativeConn {
         self
     }
 
+    /// Agree to data messages when the initiator asks: the connection's transport can send
+    /// completion caravans' read data apart from the stream (docs/PROTOCOL.md 16.9).
+    pub fn with_data_messages(mut self) -> NativeConn {
+        self.session = self.session.with_data_messages();
+        self
+    }
+
+    /// Whether data messages were agreed: the driver switches its transport over.
+    pub fn data_messages(&self) -> bool {
+        self.session.data_messages()
+    }
+
     /// Plant a bug, for the simulator's proof that it catches them.
     #[cfg(feature = "mutations")]
     pub fn set_mutation(&mut self, mutation: mutation::Mutation) {
