@@ -234,10 +234,17 @@ pub fn reliable_stream(data: &[u8]) {
         if h.kind == DatagramKind::Place {
             // Segments parse until the first bad one; a good one re-emits to its bytes.
             let mut at = 0;
-            for seg in wire::datagram::PlaceSegment::parse_all(payload) {
+            let (segments, _) =
+                wire::datagram::split_place_payload(h.flags, payload).expect("checked by parse");
+            for seg in wire::datagram::PlaceSegment::parse_all(segments) {
                 let Ok(seg) = seg else { break };
                 let mut head = [0u8; wire::datagram::PLACE_SEGMENT_HEADER_LEN];
-                wire::datagram::PlaceSegment::emit_header(seg.tag, seg.offset, seg.bytes.len() as u32, &mut head);
+                wire::datagram::PlaceSegment::emit_header(
+                    seg.tag,
+                    seg.offset,
+                    seg.bytes.len() as u32,
+                    &mut head,
+                );
                 assert_eq!(head[..], payload[at..at + head.len()], "a segment header re-emits to its bytes");
                 at += head.len() + seg.bytes.len();
             }

@@ -95,7 +95,8 @@
 use std::io::{IoSlice, IoSliceMut};
 
 use wire::datagram::{
-    flags, DatagramHeader, DatagramKind, PlaceSegment, DATAGRAM_HEADER_LEN, PLACE_SEGMENT_HEADER_LEN,
+    flags, split_place_payload, DatagramHeader, DatagramKind, PlaceSegment, DATAGRAM_HEADER_LEN,
+    PLACE_SEGMENT_HEADER_LEN, STREAM_TAIL_COUNT_LEN,
 };
 
 /// Bits in the selective-ack bitmap.
@@ -283,8 +284,10 @@ enum Loss {
 struct TxSlot {
     len: u16,
     close: bool,
-    /// A Place datagram: its bytes are segments, never appended to by stream writes.
+    /// A Place datagram: its bytes are segments, then `tail` stream bytes (sent with
+    /// STREAM_TAIL and their count after them). Segments join only while `tail` is 0.
     place: bool,
+    tail: u16,
     transmissions: u32,
     sent_at_us: u64,
     /// The transmission counter at its latest transmission.
@@ -297,6 +300,7 @@ const TX_EMPTY: TxSlot = TxSlot {
     len: 0,
     close: false,
     place: false,
+    tail: 0,
     transmissions: 0,
     sent_at_us: 0,
     stamp: 0,
@@ -310,8 +314,12 @@ struct RxSlot {
     filled: bool,
     len: u16,
     close: bool,
-    /// A Place datagram's payload waits here for a reader with a placer.
+    /// A Place datagram's payload waits here for a reader with a placer: `skip` bytes of
+    /// segments, then its stream tail.
     place: bool,
+    /// Bytes at the start of the buffer that are not stream bytes (a Place datagram's
+    /// segments, placed or waiting to be).
+    skip: u16,
 }
 
 /// Where a reader takes Place datagrams' payloads (segments, [`wire::datagram::PlaceSegment`]).
@@ -536,9 +544,9 @@ impl DatagramStream {
         self.peer_closed
     }
 
-    /// Stream bytes the reader can take now.
+    /// Stream bytes the reader can take now, or data messages held for a reader with a placer.
     pub fn readable(&self) -> bool {
-        self.rcv_read != self.rcv_nxt
+        self.rcv_read != self.rcv_nxt || self.held > 0
     }
 
     /// [`write`](Self::write) would take at least one byte now.
@@ -612,9 +620,9 @@ impl DatagramStream {
     /// Append to the last unsent datagram, or open a new one; returns the bytes taken.
     fn append(&mut self, bytes: &[u8]) -> usize {
         let last = self.snd_end.wrapping_sub(1);
-        let open = self.snd_end != self.snd_nxt
-            && !self.tx_slot(last).place
-            && usize::from(self.tx_slot(last).len) < self.payload_max;
+        // A Place datagram not yet sent takes stream bytes after its segments (its tail), with
+        // room kept for their count.
+        let open = self.snd_end != self.snd_nxt && usize::from(self.tx_slot(last).len) < self.room(last);
         let seq = if open {
             last
         } else if self.snd_end.wrapping_sub(self.snd_una) < self.config.send_slots {
@@ -627,10 +635,23 @@ impl DatagramStream {
         };
         let at = (seq & self.tx_mask) as usize * self.payload_max;
         let len = usize::from(self.tx_slot(seq).len);
-        let n = bytes.len().min(self.payload_max - len);
+        let n = bytes.len().min(self.room(seq) - len);
         self.tx_bytes[at + len..at + len + n].copy_from_slice(&bytes[..n]);
-        self.tx_slot(seq).len = (len + n) as u16;
+        let slot = self.tx_slot(seq);
+        slot.len = (len + n) as u16;
+        if slot.place {
+            slot.tail += n as u16;
+        }
         n
+    }
+
+    /// Most bytes slot `seq` holds: a Place datagram keeps room for its tail's count.
+    fn room(&mut self, seq: u32) -> usize {
+        if self.tx_slot(seq).place {
+            self.payload_max - STREAM_TAIL_COUNT_LEN
+        } else {
+            self.payload_max
+        }
     }
 
     /// Most bytes of data one Place segment may carry: a datagram's payload less the segment
@@ -660,7 +681,8 @@ impl DatagramStream {
         let joins = batch
             && self.snd_end != self.snd_nxt
             && self.tx_slot(last).place
-            && usize::from(self.tx_slot(last).len) + need <= self.payload_max;
+            && self.tx_slot(last).tail == 0
+            && usize::from(self.tx_slot(last).len) + need <= self.room(last);
         let seq = if joins {
             last
         } else if self.snd_end.wrapping_sub(self.snd_una) < self.config.send_slots {
@@ -702,17 +724,18 @@ impl DatagramStream {
             let start = idx * self.payload_max;
             if slot.place {
                 // Held while no placer was there (above), and there is none now either: a
-                // reader that did not ask for data messages.
+                // reader that did not ask for data messages. Its segments are dropped; its
+                // tail is stream bytes like any.
                 self.held -= 1;
                 self.counters.places_dropped += 1;
-                self.rx_slots[idx] = RxSlot::default();
-                self.rcv_read = self.rcv_read.wrapping_add(1);
-                continue;
+                self.rx_slots[idx].place = false;
             }
-            let n = to.put(&self.rx_bytes[start + self.rcv_read_off..start + usize::from(slot.len)]);
+            let start = start + usize::from(slot.skip);
+            let len = usize::from(slot.len - slot.skip);
+            let n = to.put(&self.rx_bytes[start + self.rcv_read_off..start + len]);
             got += n;
             self.rcv_read_off += n;
-            if self.rcv_read_off < usize::from(slot.len) {
+            if self.rcv_read_off < len {
                 break;
             }
             if slot.close {
@@ -735,8 +758,8 @@ impl DatagramStream {
         got
     }
 
-    /// Hand every held Place payload, in order or not, to the reader's placer; their slots stay
-    /// filled (as received) and carry no stream bytes.
+    /// Hand every held Place payload's segments, in order or not, to the reader's placer;
+    /// their slots keep only their stream tails.
     fn place_held(&mut self, to: &mut ReadCursor<'_, '_>) {
         let Some(place) = to.place.as_mut() else { return };
         let right = self.rcv_read.wrapping_add(self.config.recv_slots);
@@ -746,8 +769,8 @@ impl DatagramStream {
             let slot = self.rx_slots[idx];
             if slot.place {
                 let start = idx * self.payload_max;
-                place(&self.rx_bytes[start..start + usize::from(slot.len)]);
-                self.rx_slots[idx] = RxSlot { filled: true, ..RxSlot::default() };
+                place(&self.rx_bytes[start..start + usize::from(slot.skip)]);
+                self.rx_slots[idx].place = false;
                 self.held -= 1;
             }
             seq = seq.wrapping_add(1);
@@ -1089,47 +1112,47 @@ impl DatagramStream {
             self.gap_resends_seen[self.gap_resends_next] = Some(seq);
             self.gap_resends_next = (self.gap_resends_next + 1) % GAP_RESENDS_KEPT;
         }
+        // A Place datagram's segments, and the stream bytes it carries (all of a Data's
+        // payload; a Place's tail).
         let place = h.kind == DatagramKind::Place;
-        if place {
+        let (segments, bytes) = if place {
             self.counters.places_received += 1;
-        }
+            split_place_payload(h.flags, payload).unwrap_or((payload, &[]))
+        } else {
+            (&[][..], payload)
+        };
         let mut to = to;
-        // Next in order with nothing unread before it: the reader's buffers take what they can.
-        let placed = match to.as_deref_mut() {
-            Some(to) if seq == self.rcv_nxt && self.rcv_read == self.rcv_nxt && !close && !place => {
-                to.put(payload)
+        let held = place && to.as_ref().is_none_or(|to| to.place.is_none());
+        if place && !held {
+            // A data message goes to its buffers on arrival, in order or not.
+            if let Some(placer) = to.as_deref_mut().and_then(|to| to.place.as_mut()) {
+                placer(segments);
             }
+        }
+        // Next in order with nothing unread before it: the reader's buffers take what they can.
+        let in_order = seq == self.rcv_nxt && self.rcv_read == self.rcv_nxt && !close && !held;
+        let placed = match to.as_deref_mut() {
+            Some(to) if in_order => to.put(bytes),
             _ => 0,
         };
-        if place {
-            match to.and_then(|to| to.place.as_mut()) {
-                // A data message goes to its buffer on arrival, in order or not; its slot
-                // only marks the sequence number received.
-                Some(placer) => {
-                    placer(payload);
-                    if seq == self.rcv_nxt && self.rcv_read == self.rcv_nxt {
-                        self.rcv_read = self.rcv_read.wrapping_add(1);
-                    } else {
-                        self.rx_slots[idx] = RxSlot { filled: true, ..RxSlot::default() };
-                    }
-                }
-                None => {
-                    let at = idx * self.payload_max;
-                    self.rx_bytes[at..at + payload.len()].copy_from_slice(payload);
-                    self.rx_slots[idx] =
-                        RxSlot { filled: true, len: payload.len() as u16, close: false, place: true };
-                    self.held += 1;
-                    self.counters.places_held += 1;
-                }
-            }
-        } else if placed > 0 && placed == payload.len() {
+        let at = idx * self.payload_max;
+        if held {
+            // Kept whole, segments then tail (contiguous in the payload), for a reader with a
+            // placer.
+            let kept = segments.len() + bytes.len();
+            self.rx_bytes[at..at + kept].copy_from_slice(&payload[..kept]);
+            let (len, skip) = (kept as u16, segments.len() as u16);
+            self.rx_slots[idx] = RxSlot { filled: true, len, close: false, place: true, skip };
+            self.held += 1;
+            self.counters.places_held += 1;
+        } else if in_order && to.is_some() && placed == bytes.len() && (placed > 0 || place) {
             // Read whole on arrival: it never takes its buffer.
             self.rcv_read = self.rcv_read.wrapping_add(1);
         } else {
-            let rest = &payload[placed..];
-            let at = idx * self.payload_max;
+            let rest = &bytes[placed..];
             self.rx_bytes[at..at + rest.len()].copy_from_slice(rest);
-            self.rx_slots[idx] = RxSlot { filled: true, len: rest.len() as u16, close, place: false };
+            self.rx_slots[idx] =
+                RxSlot { filled: true, len: rest.len() as u16, close, place: false, skip: 0 };
         }
         if seq != self.rcv_nxt {
             self.counters.out_of_order += 1;
@@ -1334,14 +1357,18 @@ impl DatagramStream {
         if self.rto_at_us.is_none() {
             self.rto_at_us = Some(now_us + self.rto_us);
         }
-        let kind = if slot.close {
-            DatagramKind::Close
+        let (kind, flags, len) = if slot.close {
+            (DatagramKind::Close, flags, slot.len)
+        } else if slot.place && slot.tail > 0 {
+            let end = DATAGRAM_HEADER_LEN + usize::from(slot.len);
+            out[end..end + STREAM_TAIL_COUNT_LEN].copy_from_slice(&slot.tail.to_le_bytes());
+            (DatagramKind::Place, flags | flags::STREAM_TAIL, slot.len + STREAM_TAIL_COUNT_LEN as u16)
         } else if slot.place {
-            DatagramKind::Place
+            (DatagramKind::Place, flags, slot.len)
         } else {
-            DatagramKind::Data
+            (DatagramKind::Data, flags, slot.len)
         };
-        self.emit(kind, flags, seq, slot.len, out)
+        self.emit(kind, flags, seq, len, out)
     }
 
     fn emit_control(&mut self, kind: DatagramKind, flags: u8, out: &mut [u8]) -> usize {

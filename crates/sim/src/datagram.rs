@@ -301,6 +301,9 @@ impl DatagramIo {
             }
         }
         self.stream.handle_timeout(now);
+        if self.split.pending() {
+            self.split.flush(&mut self.stream);
+        }
         while let Some(n) = self.stream.poll_transmit(now, &mut self.buf) {
             self.end.send(&self.buf[..n]);
         }

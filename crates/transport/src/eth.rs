@@ -546,6 +546,11 @@ impl EthStream {
         if self.stream.poll_timeout().is_some_and(|due| due <= now) {
             self.stream.handle_timeout(now);
         }
+        // A caravan head the splitter took when the send buffer was full goes as soon as
+        // there is room (acknowledgements just freed some).
+        if self.split.pending() {
+            self.split.flush(&mut self.stream);
+        }
         // What the stream has to send goes on one path, straight into its transmit ring; when
         // the ring is full, what is left goes at the next drive.
         let EthStream { paths, stream, bundle, .. } = self;

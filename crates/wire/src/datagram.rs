@@ -128,8 +128,13 @@ pub mod flags {
     /// network made of a first transmission, or a copy resent on a timeout (a lost ack), says
     /// nothing about reordering and is not reported.
     pub const GAP_RESEND: u8 = 0x04;
+    /// On a Place datagram only: its payload ends with stream bytes after its segments, their
+    /// count in the payload's last two bytes (u16, little-endian): the end of the stream's
+    /// next chunk rides in the frame that carries the data before it
+    /// ([`super::split_place_payload`]).
+    pub const STREAM_TAIL: u8 = 0x08;
     /// Every flag bit this version defines.
-    pub const ALL: u8 = ACK_NOW | DUPLICATE | GAP_RESEND;
+    pub const ALL: u8 = ACK_NOW | DUPLICATE | GAP_RESEND | STREAM_TAIL;
 }
 
 /// Why bytes are not a valid datagram. The receiver drops such a datagram and counts it; one
@@ -156,6 +161,31 @@ pub enum DatagramError {
     SegmentLength { declared: usize, have: usize },
     #[error("place segment of 0 bytes")]
     EmptySegment,
+    #[error("stream tail of {tail} bytes in a Place payload of {len}")]
+    TailLength { tail: usize, len: usize },
+    #[error("STREAM_TAIL flag on a {0:?} datagram")]
+    TailForKind(DatagramKind),
+}
+
+/// Bytes of the count after a Place datagram's stream tail.
+pub const STREAM_TAIL_COUNT_LEN: usize = 2;
+
+/// A Place datagram's payload as its segments and its stream tail (empty without
+/// [`flags::STREAM_TAIL`]). With the flag the last two bytes count the tail, which must leave
+/// room for at least one segment header before it.
+pub fn split_place_payload(flags: u8, payload: &[u8]) -> Result<(&[u8], &[u8]), DatagramError> {
+    if flags & flags::STREAM_TAIL == 0 {
+        return Ok((payload, &[]));
+    }
+    let len = payload.len();
+    let Some(body) = len.checked_sub(STREAM_TAIL_COUNT_LEN) else {
+        return Err(DatagramError::TailLength { tail: 0, len });
+    };
+    let tail = usize::from(u16::from_le_bytes([payload[body], payload[body + 1]]));
+    if tail == 0 || tail + PLACE_SEGMENT_HEADER_LEN > body {
+        return Err(DatagramError::TailLength { tail, len });
+    }
+    Ok(payload[..body].split_at(body - tail))
 }
 
 /// Size of a [`PlaceSegment`]'s header in a Place datagram's payload.
@@ -284,6 +314,12 @@ impl DatagramHeader {
         }
         if raw.reserved != 0 {
             return Err(DatagramError::Reserved(raw.reserved));
+        }
+        if raw.flags & flags::STREAM_TAIL != 0 {
+            if kind != DatagramKind::Place {
+                return Err(DatagramError::TailForKind(kind));
+            }
+            split_place_payload(raw.flags, &payload[..declared])?;
         }
         let payload_ok = match kind {
             DatagramKind::Data => declared > 0,
@@ -462,6 +498,7 @@ mod tests {
         );
         assert_eq!(edit(1, 0), Err(DatagramError::UnknownKind(0)));
         assert_eq!(edit(2, 0x81), Err(DatagramError::UnknownFlags(0x80)));
+        assert_eq!(edit(2, flags::STREAM_TAIL), Err(DatagramError::TailForKind(DatagramKind::Data)));
         assert_eq!(edit(3, 1), Err(DatagramError::Reserved(1)));
         assert_eq!(
             edit(1, DatagramKind::Ack as u8),
@@ -515,5 +552,28 @@ mod tests {
         let mut empty = [0u8; PLACE_SEGMENT_HEADER_LEN];
         PlaceSegment::emit_header(1, 0, 0, &mut empty);
         assert_eq!(PlaceSegment::parse_all(&empty).collect::<Vec<_>>(), [Err(DatagramError::EmptySegment)]);
+    }
+
+    #[test]
+    fn a_stream_tail_is_counted_from_the_end_and_leaves_room_for_a_segment() {
+        let mut payload = vec![0u8; PLACE_SEGMENT_HEADER_LEN + 1];
+        PlaceSegment::emit_header(3, 0, 1, &mut payload);
+        payload.extend_from_slice(b"tail");
+        payload.extend_from_slice(&4u16.to_le_bytes());
+        let (segs, tail) = split_place_payload(flags::STREAM_TAIL, &payload).unwrap();
+        assert_eq!((segs.len(), tail), (PLACE_SEGMENT_HEADER_LEN + 1, &b"tail"[..]));
+        assert_eq!(split_place_payload(0, &payload).unwrap(), (&payload[..], &[][..]));
+        let n = payload.len();
+        for (count, why) in
+            [(0u16, "empty"), (6, "no room for a segment"), (u16::MAX, "longer than the payload")]
+        {
+            payload[n - 2..].copy_from_slice(&count.to_le_bytes());
+            assert_eq!(
+                split_place_payload(flags::STREAM_TAIL, &payload),
+                Err(DatagramError::TailLength { tail: usize::from(count), len: n }),
+                "{why}"
+            );
+        }
+        assert!(split_place_payload(flags::STREAM_TAIL, &[1]).is_err());
     }
 }

@@ -373,15 +373,27 @@ impl<B: IoBuf> ClientSession<B> {
 
     /// One receive for a session with data messages: `recv` is the driver's I/O, given the
     /// frame buffer's spare room and a placer for the data messages that arrive meanwhile
-    /// ([`place`](Self::place)). Call [`handle_rx`](Self::handle_rx) afterwards.
+    /// ([`place`](Self::place)). Returns the bytes received into the frame buffer plus those
+    /// placed, so a receive that brought only data messages (which may have completed
+    /// requests) is progress, not `WouldBlock`; `Ok(0)` still means the peer closed. Call
+    /// [`handle_rx`](Self::handle_rx) afterwards.
     pub fn receive_placing(
         &mut self,
         rx: &mut FrameBuffer,
         recv: impl FnOnce(&mut [IoSliceMut<'_>], &mut dyn FnMut(&[u8])) -> io::Result<usize>,
     ) -> io::Result<usize> {
-        let got = recv(&mut [IoSliceMut::new(rx.spare())], &mut |payload| self.place(payload))?;
-        rx.commit(got);
-        Ok(got)
+        let before = self.stats.read_bytes_in_messages;
+        let got = recv(&mut [IoSliceMut::new(rx.spare())], &mut |payload| self.place(payload));
+        let placed = (self.stats.read_bytes_in_messages - before) as usize;
+        match got {
+            Ok(0) => Ok(0),
+            Ok(n) => {
+                rx.commit(n);
+                Ok(n + placed)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && placed > 0 => Ok(placed),
+            Err(e) => Err(e),
+        }
     }
 
     /// Plant a bug, for the simulator's proof that it catches them.

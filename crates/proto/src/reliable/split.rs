@@ -3,12 +3,22 @@
 //! (docs/PROTOCOL.md, 16.9) instead of stream bytes, once the connection has agreed to them.
 //!
 //! The target's front end builds its replies exactly as for TCP (header, descriptors, read
-//! data); the splitter follows the frames as their bytes go by, so it knows at every byte
-//! whether it belongs to a frame header, a completion descriptor (whose tag and data length
-//! it keeps) or a completion's data, which it cuts into segments at multiples of 4 KiB and
-//! hands to [`DatagramStream::write_place`]. Everything else is stream bytes. It takes bytes
-//! only as far as the stream takes them, so a caller that sends the rest later resumes
-//! exactly where it stopped, as with any partial write.
+//! data); the splitter follows the frames as their bytes go by. A frame header, and a split
+//! caravan's descriptors, are taken into a small buffer of its own (the **head**); a
+//! completion's data is cut into segments at multiples of 4 KiB and handed to
+//! [`DatagramStream::write_place`]; the body of any other frame is written through.
+//!
+//! A split caravan's head goes on the stream only after the caravan's last data message: so
+//! when the initiator reads the descriptors, every data message before them in sequence order
+//! has arrived and been placed, and the whole caravan completes at once, as over TCP. (Sent
+//! the other way round, its requests complete one data message at a time, and the initiator's
+//! next caravans come out smaller: 7.8 requests each against 16, at 22% fewer IOPS.)
+//!
+//! Bytes are taken only as far as the stream takes them, so a caller that sends the rest later
+//! resumes exactly where it stopped, as with any partial write; the one exception is a head,
+//! which is taken whole and waits in [`pending`](Splitter::pending) if the stream is full. The
+//! driver flushes it ([`flush`](Splitter::flush)) whenever it drives the stream: a full send
+//! buffer means datagrams in flight, whose acknowledgements come.
 
 use std::io::IoSlice;
 
@@ -23,13 +33,12 @@ const PAGE: usize = 4096;
 /// Where the next outgoing byte falls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
-    /// In a frame header, of which `have` bytes went by.
-    Header { have: usize },
-    /// In the descriptors of a completion caravan going apart: `left` of them to come, `have`
-    /// bytes of the current one went by.
-    Descriptors { left: usize, have: usize },
-    /// In the read data of descriptor `index` of the current caravan, `offset` bytes of it
-    /// sent.
+    /// In a frame header (its bytes so far in the head).
+    Header,
+    /// In the descriptors of a completion caravan going apart: `left` bytes of them to come
+    /// (those so far in the head).
+    Descriptors { left: usize },
+    /// In the read data of entry `index` of `data`, `offset` bytes of it sent.
     Data { index: usize, offset: u32 },
     /// In the body of a frame that goes whole on the stream: `left` bytes to come.
     Body { left: usize },
@@ -45,9 +54,13 @@ pub struct Splitter {
     apart: bool,
     /// Two data segments may share a datagram (Tyche's data-message batching).
     batch: bool,
-    /// The current frame header's bytes, and the current descriptor's.
-    header: [u8; HEADER_LEN],
-    desc: [u8; COMPLETION_DESC_LEN],
+    /// The current frame's header (and, for a split caravan, its descriptors), taken but not
+    /// yet on the stream; then, once due, what of it the stream has not taken yet.
+    head: Vec<u8>,
+    /// Of `head`, bytes already written to the stream (only while it is due).
+    head_sent: usize,
+    /// `head` is complete and due on the stream.
+    head_due: bool,
     /// The current caravan's completions with data: (tag, data length).
     data: Vec<(u32, u32)>,
 }
@@ -55,11 +68,12 @@ pub struct Splitter {
 impl Splitter {
     pub fn new(batch: bool) -> Splitter {
         Splitter {
-            phase: Phase::Header { have: 0 },
+            phase: Phase::Header,
             apart: false,
             batch,
-            header: [0; HEADER_LEN],
-            desc: [0; COMPLETION_DESC_LEN],
+            head: Vec::with_capacity(HEADER_LEN),
+            head_sent: 0,
+            head_due: false,
             data: Vec::new(),
         }
     }
@@ -75,21 +89,43 @@ impl Splitter {
         self.apart
     }
 
+    /// Bytes taken but not yet on the stream (a head the stream had no room for).
+    pub fn pending(&self) -> bool {
+        self.head_due
+    }
+
+    /// Write what is pending, as far as the stream takes it; returns whether all of it went.
+    pub fn flush(&mut self, stream: &mut DatagramStream) -> bool {
+        if self.head_due {
+            self.head_sent += stream.write(&[IoSlice::new(&self.head[self.head_sent..])]);
+            if self.head_sent == self.head.len() {
+                self.head_due = false;
+                self.head_sent = 0;
+                self.head.clear();
+            }
+        }
+        !self.head_due
+    }
+
     /// Write `bufs` into `stream`: as [`DatagramStream::write`], with completion caravans'
     /// read data as data messages when [`set_apart`](Self::set_apart). Returns the bytes taken.
     pub fn write(&mut self, stream: &mut DatagramStream, bufs: &[IoSlice<'_>]) -> usize {
         if self.phase == Phase::Opaque {
             return stream.write(bufs);
         }
+        if !self.flush(stream) {
+            return 0;
+        }
         let mut taken = 0;
         for buf in bufs {
             let mut rest: &[u8] = buf;
             while !rest.is_empty() {
                 let n = self.step(stream, rest);
-                if n == 0 {
+                taken += n;
+                // Nothing may pass a head that waits for room.
+                if n == 0 || self.head_due {
                     return taken;
                 }
-                taken += n;
                 rest = &rest[n..];
             }
         }
@@ -103,36 +139,24 @@ impl Splitter {
             Phase::Opaque => stream.write(&[IoSlice::new(bytes)]),
             Phase::Body { left } => {
                 let n = stream.write(&[IoSlice::new(&bytes[..left.min(bytes.len())])]);
-                self.phase =
-                    if n == left { Phase::Header { have: 0 } } else { Phase::Body { left: left - n } };
+                self.phase = if n == left { Phase::Header } else { Phase::Body { left: left - n } };
                 n
             }
-            Phase::Header { have } => {
-                let want = (HEADER_LEN - have).min(bytes.len());
-                let n = stream.write(&[IoSlice::new(&bytes[..want])]);
-                self.header[have..have + n].copy_from_slice(&bytes[..n]);
-                self.phase = Phase::Header { have: have + n };
-                if have + n == HEADER_LEN {
-                    self.phase = self.after_header();
+            Phase::Header => {
+                let n = (HEADER_LEN - self.head.len()).min(bytes.len());
+                self.head.extend_from_slice(&bytes[..n]);
+                if self.head.len() == HEADER_LEN {
+                    self.phase = self.after_header(stream);
                 }
                 n
             }
-            Phase::Descriptors { left, have } => {
-                let want = (COMPLETION_DESC_LEN - have).min(bytes.len());
-                let n = stream.write(&[IoSlice::new(&bytes[..want])]);
-                self.desc[have..have + n].copy_from_slice(&bytes[..n]);
-                self.phase = Phase::Descriptors { left, have: have + n };
-                if have + n == COMPLETION_DESC_LEN {
-                    let word = |at: usize| u32::from_le_bytes(self.desc[at..at + 4].try_into().unwrap());
-                    let (tag, data_len) = (word(0), word(8));
-                    if data_len > 0 {
-                        self.data.push((tag, data_len));
-                    }
-                    self.phase = if left > 1 {
-                        Phase::Descriptors { left: left - 1, have: 0 }
-                    } else {
-                        self.first_data()
-                    };
+            Phase::Descriptors { left } => {
+                let n = left.min(bytes.len());
+                self.head.extend_from_slice(&bytes[..n]);
+                if n == left {
+                    self.phase = self.after_descriptors(stream);
+                } else {
+                    self.phase = Phase::Descriptors { left: left - n };
                 }
                 n
             }
@@ -150,36 +174,55 @@ impl Splitter {
                 } else if index + 1 < self.data.len() {
                     Phase::Data { index: index + 1, offset: 0 }
                 } else {
-                    Phase::Header { have: 0 }
+                    self.head_ready(stream)
                 };
                 n
             }
         }
     }
 
-    /// A whole frame header went by: what follows it.
-    fn after_header(&mut self) -> Phase {
-        let Ok(header) = Header::parse(&self.header) else {
+    /// A whole frame header is in the head: what follows it.
+    fn after_header(&mut self, stream: &mut DatagramStream) -> Phase {
+        let Ok(header) = Header::parse(&self.head) else {
             // Not skiff's frames (the first bytes of an NBD client): never split.
             self.apart = false;
+            self.head_ready(stream);
             return Phase::Opaque;
         };
         if self.apart && header.kind == FrameKind::Completions && header.desc_count > 0 {
             self.data.clear();
-            return Phase::Descriptors { left: usize::from(header.desc_count), have: 0 };
+            return Phase::Descriptors { left: usize::from(header.desc_count) * COMPLETION_DESC_LEN };
         }
+        let next = self.head_ready(stream);
         match header.body_len() {
-            0 => Phase::Header { have: 0 },
+            0 => next,
             left => Phase::Body { left },
         }
     }
 
-    fn first_data(&self) -> Phase {
+    /// A split caravan's descriptors are in the head: its data follows, or, if it has none,
+    /// the head goes now.
+    fn after_descriptors(&mut self, stream: &mut DatagramStream) -> Phase {
+        for d in self.head[HEADER_LEN..].chunks_exact(COMPLETION_DESC_LEN) {
+            let word = |at: usize| u32::from_le_bytes([d[at], d[at + 1], d[at + 2], d[at + 3]]);
+            let (tag, data_len) = (word(0), word(8));
+            if data_len > 0 {
+                self.data.push((tag, data_len));
+            }
+        }
         if self.data.is_empty() {
-            Phase::Header { have: 0 }
+            self.head_ready(stream)
         } else {
             Phase::Data { index: 0, offset: 0 }
         }
+    }
+
+    /// The head is complete: put it on the stream (what does not fit waits in `pending`).
+    /// Returns the phase after a frame.
+    fn head_ready(&mut self, stream: &mut DatagramStream) -> Phase {
+        self.head_due = true;
+        self.flush(stream);
+        Phase::Header
     }
 }
 
@@ -188,7 +231,7 @@ mod tests {
     use std::io::IoSliceMut;
 
     use wire::caravan::Completion;
-    use wire::datagram::{DatagramHeader, DatagramKind, PlaceSegment};
+    use wire::datagram::{split_place_payload, DatagramHeader, DatagramKind, PlaceSegment};
     use wire::Status;
 
     use super::*;
@@ -223,7 +266,8 @@ mod tests {
             let (h, payload) = DatagramHeader::parse(&out[..n]).unwrap();
             kinds.push(h.kind);
             if h.kind == DatagramKind::Place {
-                for s in PlaceSegment::parse_all(payload) {
+                let (segments, _) = split_place_payload(h.flags, payload).unwrap();
+                for s in PlaceSegment::parse_all(segments) {
                     let s = s.unwrap();
                     segs.push((s.tag, s.offset, s.bytes.len()));
                 }
@@ -258,6 +302,8 @@ mod tests {
         assert_eq!(split.write(&mut stream, &[IoSlice::new(&b[5000..])]), b.len() - 5000);
         let (kinds, bytes, segs) = drain(&mut stream);
         use DatagramKind::{Data, Place};
+        // The caravan's head (header and descriptors) goes after its data messages, riding in
+        // the last one as its stream tail.
         assert_eq!(kinds, [Data, Place, Place, Place]);
         let head_len = HEADER_LEN + 5 * COMPLETION_DESC_LEN;
         assert_eq!(bytes, [&before[..], &frame[..head_len]].concat(), "the stream carries no read data");
@@ -269,17 +315,55 @@ mod tests {
     }
 
     #[test]
-    fn a_full_stream_takes_part_and_the_rest_resumes_where_it_stopped() {
+    fn a_full_stream_takes_part_and_a_head_it_had_no_room_for_waits_to_be_flushed() {
         let cfg = ReliableConfig { send_slots: 2, peer_window_initial: 64, ..jumbo() };
         let mut stream = DatagramStream::new(&cfg, 1, 0, 0);
         let mut split = Splitter::new(false);
         split.set_apart();
         let frame = caravan(&[(7, 4096), (8, 4096), (9, 4096)]);
-        // Two slots: the head's datagram and one data message.
+        // Two slots: two data messages; the head is taken and held with the caravan unfinished.
         let n = split.write(&mut stream, &[IoSlice::new(&frame)]);
-        assert_eq!(n, HEADER_LEN + 3 * COMPLETION_DESC_LEN + 4096);
-        let (_, _, segs) = drain(&mut stream);
-        assert_eq!(segs, [(7, 0, 4096)]);
+        assert_eq!(n, HEADER_LEN + 3 * COMPLETION_DESC_LEN + 2 * 4096);
+        assert!(!split.pending(), "the head is not due before the last data message");
+        let mut rx = DatagramStream::new(&cfg, 1, 0, 0);
+        let mut out = vec![0u8; 9000];
+        let mut exchange = |stream: &mut DatagramStream, rx: &mut DatagramStream| {
+            let mut kinds = Vec::new();
+            while let Some(len) = stream.poll_transmit(0, &mut out) {
+                kinds.push(DatagramHeader::parse(&out[..len]).unwrap().0.kind);
+                rx.handle_datagram(0, &out[..len]);
+            }
+            let mut sink = [0u8; 256];
+            let mut ignore = |_: &[u8]| {};
+            let mut bufs = [IoSliceMut::new(&mut sink)];
+            rx.read_into(&mut ReadCursor::placing(&mut bufs, &mut ignore));
+            while let Some(len) = rx.poll_transmit(1_000, &mut out) {
+                stream.handle_datagram(1_000, &out[..len]);
+            }
+            kinds
+        };
+        assert_eq!(exchange(&mut stream, &mut rx), [DatagramKind::Place, DatagramKind::Place]);
+        // The rest resumes where it stopped: the last data message, the head as its tail.
+        let rest = &frame[n..];
+        assert_eq!(split.write(&mut stream, &[IoSlice::new(rest)]), rest.len());
+        assert!(!split.pending());
+        assert_eq!(exchange(&mut stream, &mut rx), [DatagramKind::Place]);
+        assert_eq!(rx.counters().stream_bytes_read, (HEADER_LEN + 3 * COMPLETION_DESC_LEN) as u64);
+        // A head with no room in the last data message, and no free slot, is pending until an
+        // ack frees one (1000-byte datagrams: a 988-byte segment fills one).
+        let cfg = ReliableConfig { payload_bytes_max: 1000, send_slots: 1, ..cfg };
+        let mut stream = DatagramStream::new(&cfg, 1, 0, 0);
+        let mut rx = DatagramStream::new(&cfg, 1, 0, 0);
+        let mut split = Splitter::new(false);
+        split.set_apart();
+        let frame = caravan(&[(7, 988)]);
+        assert_eq!(split.write(&mut stream, &[IoSlice::new(&frame)]), frame.len());
+        assert!(split.pending());
+        assert_eq!(split.write(&mut stream, &[IoSlice::new(&frame)]), 0, "nothing more until it is out");
+        assert_eq!(exchange(&mut stream, &mut rx), [DatagramKind::Place]);
+        assert!(split.flush(&mut stream) && !split.pending());
+        assert_eq!(exchange(&mut stream, &mut rx), [DatagramKind::Data]);
+        assert_eq!(rx.counters().stream_bytes_read, (HEADER_LEN + COMPLETION_DESC_LEN) as u64);
     }
 
     #[test]

@@ -779,19 +779,23 @@ fn collect_segments(into: &mut Placed) -> impl FnMut(&[u8]) + '_ {
 
 #[test]
 fn data_messages_batch_two_to_a_datagram_and_are_placed_on_arrival_in_any_order() {
-    let cfg = ReliableConfig { payload_bytes_max: 2 * (PLACE_SEGMENT_HEADER_LEN as u16 + 400), ..config() };
+    // Room for two 400-byte segments and a tail's count.
+    let room = 2 * (PLACE_SEGMENT_HEADER_LEN + 400) + STREAM_TAIL_COUNT_LEN;
+    let cfg = ReliableConfig { payload_bytes_max: room as u16, ..config() };
     let mut a = DatagramStream::new(&cfg, 7, 0, 0);
     let mut b = DatagramStream::new(&cfg, 7, 0, 0);
-    assert_eq!(a.place_segment_max(), 2 * 400 + PLACE_SEGMENT_HEADER_LEN);
+    assert_eq!(a.place_segment_max(), 2 * 400 + PLACE_SEGMENT_HEADER_LEN + STREAM_TAIL_COUNT_LEN);
     // A frame's head on the stream, then its data as messages: two to a datagram with batching,
-    // the third alone; then more stream bytes, which never join a Place datagram.
+    // the third alone (and the fourth, unbatched); then more stream bytes, which ride in the
+    // last Place datagram as its tail, and after which no segment joins it.
     assert_eq!(a.write(&[IoSlice::new(b"head")]), 4);
     for (tag, fill) in [(1u32, 0xA1u8), (2, 0xA2), (3, 0xA3)] {
         assert!(a.write_place(tag, 0, &[fill; 400], true));
     }
     assert!(a.write_place(4, 800, &[0xA4; 400], false), "unbatched: a datagram of its own");
     assert_eq!(a.write(&[IoSlice::new(b"tail")]), 4);
-    assert!(!a.write_place(5, 0, &[0; 813], true), "longer than a segment can be");
+    assert!(a.write_place(6, 0, &[0xA6; 1], true), "after a tail: a datagram of its own");
+    assert!(!a.write_place(5, 0, &[0; 815], true), "longer than a segment can be");
     assert!(!a.write_place(5, 0, &[], true));
     let mut datagrams = Vec::new();
     let mut out = vec![0u8; cfg.datagram_len_max()];
@@ -800,8 +804,13 @@ fn data_messages_batch_two_to_a_datagram_and_are_placed_on_arrival_in_any_order(
     }
     let kinds: Vec<_> = datagrams.iter().map(|d| DatagramHeader::parse(d).unwrap().0.kind).collect();
     use DatagramKind::{Data, Place};
-    assert_eq!(kinds, [Data, Place, Place, Place, Data]);
-    assert_eq!(a.counters().places_sent, 3);
+    assert_eq!(kinds, [Data, Place, Place, Place, Place]);
+    let tails: Vec<bool> = datagrams
+        .iter()
+        .map(|d| DatagramHeader::parse(d).unwrap().0.flags & flags::STREAM_TAIL != 0)
+        .collect();
+    assert_eq!(tails, [false, false, false, true, false]);
+    assert_eq!(a.counters().places_sent, 4);
 
     // The receiver gets them backwards: each data message reaches the placer as it arrives,
     // the stream bytes only in order.
@@ -817,10 +826,10 @@ fn data_messages_batch_two_to_a_datagram_and_are_placed_on_arrival_in_any_order(
     }
     assert_eq!(&stream[..got], b"headtail");
     let tags: Vec<u32> = placed.iter().map(|p| p.0).collect();
-    assert_eq!(tags, [4, 3, 1, 2], "in arrival order, each once");
-    assert_eq!(placed[0], (4, 800, vec![0xA4; 400]));
+    assert_eq!(tags, [6, 4, 3, 1, 2], "in arrival order, each once");
+    assert_eq!(placed[1], (4, 800, vec![0xA4; 400]));
     let c = b.counters();
-    assert_eq!((c.places_received, c.places_held, c.places_dropped, c.stream_bytes_read), (3, 0, 0, 8));
+    assert_eq!((c.places_received, c.places_held, c.places_dropped, c.stream_bytes_read), (4, 0, 0, 8));
 }
 
 #[test]
