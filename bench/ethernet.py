@@ -19,7 +19,8 @@ makes is removed at the end, even on failure.
     python3 bench/ethernet.py --shape 10gbit --rw randwrite    # Tyche Fig. 7: the same for writes
     python3 bench/ethernet.py --table2             # Tyche Table II: QD 1, 4-128 KiB, per stage, eth and TCP
     python3 bench/ethernet.py --drivers            # AF_XDP against AF_PACKET (and TCP), QD 1-128
-    python3 bench/ethernet.py --shape 10gbit --data-batching   # Tyche VI.B: 4 KiB frames against 8 KiB
+    python3 bench/ethernet.py --shape 10gbit --data-batching   # Tyche VI.B: data messages batched or not
+    python3 bench/ethernet.py --data-messages [--bs 16k]       # read data in data messages or on the stream
     python3 bench/ethernet.py --bundle [--shape 2gbit]         # NIC bundling: 1 link against 2
     python3 bench/ethernet.py --bundle --shape 2gbit,500mbit   # ... of two speeds
     python3 bench/ethernet.py --loss 0,1,5 --qds 1,32          # through skiff relay dropping 0, 1, 5%
@@ -29,10 +30,14 @@ sweep is Tyche's (Figures 5 and 7): 1 to 128 threads x 4 outstanding 4 KiB rando
 shared lanes (`skiff bench --shared-lane`), skiff-eth against skiff-tcp, payload bytes per
 second as a share of the shaped rate.
 
-With --data-batching (and --shape) skiff-eth runs the same sweep twice: with 8972-byte datagrams,
-where two 4 KiB data messages share a jumbo frame (the default; Tyche's data-message batching,
-its Fig. 7), and with SKIFF_ETH_FRAME=4096, each 4 KiB of data in a frame of its own (Fig. 5);
-the target restarts with the setting for each run.
+With --data-batching (and --shape) skiff-eth runs the same sweep twice: with two 4 KiB data
+messages sharing a jumbo frame (the default; Tyche's data-message batching, its Fig. 7), and
+with SKIFF_ETH_DATA_BATCHING=off, each in a frame of its own (Fig. 5); the target restarts with
+the setting for each run.
+
+With --data-messages skiff-eth runs with read data in data messages (Place datagrams, placed by
+tag and offset: the default) and with SKIFF_ETH_DATA_MESSAGES=off (read data on the session's
+byte stream), beside skiff-tcp, at each of --qds, --bs random reads.
 
 With --bundle a second veth pair joins the namespace, the target serves both as one bundle
 (`--eth FAR --eth FAR2`), and the sweep runs skiff-eth over one link (eth:NEAR/MAC) against
@@ -47,7 +52,7 @@ relay starts for every run (seed = the round) and its counters give the share it
 four ends run with segmentation and checksum offloads off (ethtool), so every TCP frame the
 relay sees is a whole one; the relay itself is not pinned.
 
-Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle,drivers,loss}-<timestamp>.json (and a .png of each sweep), and
+Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle,drivers,loss,messages-BS}-<timestamp>.json (and a .png of each sweep), and
 prints a Markdown table.
 """
 import argparse
@@ -359,11 +364,20 @@ def link_utilisation(a, mac):
 
 
 def data_batching(a, mac):
-    """Tyche VI.B: data messages batched two 4 KiB to a jumbo frame (8972-byte datagrams, the
-    default), against one 4 KiB of data per frame (SKIFF_ETH_FRAME=4096)."""
+    """Tyche VI.B: data messages batched two 4 KiB to a jumbo frame (the default), against each
+    data message in a frame of its own (SKIFF_ETH_DATA_BATCHING=off)."""
     target = f"eth:{NEAR}/{mac}"
-    variants = [("8K-frames", target, {"SKIFF_ETH_FRAME": "8972"}), ("4K-frames", target, {"SKIFF_ETH_FRAME": "4096"})]
-    return shaped_sweep(a, variants, "batching", {}, "Data-message batching on (8K frames) and off (4K frames)")
+    variants = [("batched", target, {"SKIFF_ETH_DATA_BATCHING": "on"}),
+                ("unbatched", target, {"SKIFF_ETH_DATA_BATCHING": "off"})]
+    return shaped_sweep(a, variants, "batching", {}, "Data-message batching on (two 4 KiB to a frame) and off")
+
+
+def data_messages_shaped(a, mac):
+    """Tyche's sweep on the shaped pair with read data in data messages and on the stream."""
+    target = f"eth:{NEAR}/{mac}"
+    variants = [("eth-messages", target, {"SKIFF_ETH_DATA_MESSAGES": "on"}),
+                ("eth-stream", target, {"SKIFF_ETH_DATA_MESSAGES": "off"})]
+    return shaped_sweep(a, variants, "messages-shaped", {}, "Data messages on and off")
 
 
 def bundle(a, mac):
@@ -401,11 +415,19 @@ def drivers(a, mac, qds):
         if os.environ.get("SKIFF_ETH_DRIVER") == "xdp" and r["driver"] != "af_xdp":
             raise RuntimeError(f"skiff-xdp at QD {qd} ran over {r['driver']}, not AF_XDP")
         return r
-    names = [v for v, _, _ in variants]
-    runs = alternate(a, variants, qds, measure, lambda q: f"QD {q:>3}")
     title = f"AF_XDP against AF_PACKET, 4 KiB random reads, one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat})"
-    med = qd_results(a, "drivers", {}, qds, runs, names, title)
-    print("| QD | system | IOPS | mean µs | CPU µs/I/O client | server | total | ÷ skiff-eth | ÷ skiff-tcp |")
+    return variants_by_qd(a, "drivers", variants, qds, measure, title)
+
+
+def variants_by_qd(a, name, variants, qds, measure, title):
+    """`variants` (the first one the reference, a skiff-tcp among them) alternating at each QD
+    (`alternate`); saves and plots them as `name` and prints a table with each one's CPU per
+    I/O against the first's and TCP's. Returns 0."""
+    names = [v for v, _, _ in variants]
+    first = names[0]
+    runs = alternate(a, variants, qds, measure, lambda q: f"QD {q:>3}")
+    med = qd_results(a, name, {}, qds, runs, names, title)
+    print(f"| QD | system | IOPS | mean µs | CPU µs/I/O client | server | total | ÷ {first} | ÷ skiff-tcp |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for q in qds:
         total = {s: med[(s, q)]["client_cpu_us_per_io"] + med[(s, q)]["server_cpu_us_per_io"]
@@ -414,11 +436,35 @@ def drivers(a, mac, qds):
             r = med.get((s, q))
             if not r:
                 continue
-            eth_ratio = f"{total[s] / total['skiff-eth']:.2f}" if "skiff-eth" in total else ""
+            ref_ratio = f"{total[s] / total[first]:.2f}" if first in total else ""
             tcp_ratio = f"{total[s] / total['skiff-tcp']:.2f}" if "skiff-tcp" in total else ""
             print(f"| {q} | {s} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | {r['client_cpu_us_per_io']:.2f} | "
-                  f"{r['server_cpu_us_per_io']:.2f} | {total[s]:.2f} | {eth_ratio} | {tcp_ratio} |")
+                  f"{r['server_cpu_us_per_io']:.2f} | {total[s]:.2f} | {ref_ratio} | {tcp_ratio} |")
     return 0
+
+
+def data_messages(a, mac, qds):
+    """Read data in data messages (Place datagrams placed by tag and offset, the default)
+    against read data on the session's byte stream (SKIFF_ETH_DATA_MESSAGES=off), and
+    skiff-tcp, at each QD, --bs reads. The target restarts for every run with the setting of
+    that run; a run whose lanes got data messages when they should not, or none when they
+    should, is an error."""
+    eth = f"eth:{NEAR}/{mac}"
+    variants = [("eth-messages", eth, {"SKIFF_ETH_DATA_MESSAGES": "on"}),
+                ("eth-stream", eth, {"SKIFF_ETH_DATA_MESSAGES": "off"}),
+                ("skiff-tcp", f"{FAR_IP}:7070", {"SKIFF_ETH_DATA_MESSAGES": "on"})]
+
+    def measure(target, qd):
+        r = skiff_bench(a, target, qd, bs=a.bs)
+        got = (r.get("client_link") or {}).get("data_messages_received", 0)
+        want = target == eth and os.environ.get("SKIFF_ETH_DATA_MESSAGES") == "on"
+        if (got > 0) != want:
+            raise RuntimeError(f"{target} QD {qd}: {got} data messages received, expected {'some' if want else 'none'}")
+        r["data_messages_received"] = got
+        return r
+    title = (f"Data messages on and off, {a.bs} random reads, one veth pair, MTU 9000 "
+             f"({a.pl.short()}, median of {a.repeat})")
+    return variants_by_qd(a, f"messages-{a.bs}", variants, qds, measure, title)
 
 
 def relay(a, loss_pct, seed):
@@ -547,7 +593,10 @@ def main():
     p.add_argument("--table2", action="store_true",
                    help="Tyche Table II: QD 1 at 4, 8, 64 and 128 KiB, reads and writes, per stage, eth against TCP")
     p.add_argument("--data-batching", action="store_true",
-                   help="with --shape: skiff-eth with 8 KiB frames (two 4 KiB data messages each) against 4 KiB frames")
+                   help="with --shape: skiff-eth batching two 4 KiB data messages to a jumbo frame against one each")
+    p.add_argument("--data-messages", action="store_true",
+                   help="skiff-eth with read data in data messages against on the byte stream, and skiff-tcp, at --qds")
+    p.add_argument("--bs", default="4k", help="with --data-messages: the read size")
     p.add_argument("--drivers", action="store_true",
                    help="skiff-eth over AF_XDP (SKIFF_ETH_DRIVER=xdp) against AF_PACKET and skiff-tcp, at --qds")
     p.add_argument("--loss", metavar="PCTS",
@@ -580,6 +629,8 @@ def main():
         return table2(a, mac)
     if a.drivers:
         return drivers(a, mac, qds)
+    if a.data_messages and not a.shape:
+        return data_messages(a, mac, qds)
     if a.shape:
         try:
             shape(a.shape, [(NEAR, FAR)] + ([(NEAR2, FAR2)] if a.bundle else []))
@@ -588,6 +639,8 @@ def main():
             raise
     if a.bundle:
         return bundle(a, mac)
+    if a.shape and a.data_messages:
+        return data_messages_shaped(a, mac)
     if a.shape:
         return data_batching(a, mac) if a.data_batching else link_utilisation(a, mac)
     procs = []

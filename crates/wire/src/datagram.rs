@@ -542,8 +542,10 @@ mod tests {
                 Ok(PlaceSegment { tag: u32::MAX, offset: 0, bytes: b"de" })
             ]
         );
-        // The test vector of docs/PROTOCOL.md, section 16.9.
+        // The test vectors of docs/PROTOCOL.md, section 16.9: the segment, and with a tail.
         assert_eq!(&payload[..15], [7, 0, 0, 0, 0, 0x10, 0, 0, 3, 0, 0, 0, b'a', b'b', b'c']);
+        let tailed = [&payload[..15], &[0x74, 0x61, 0x69, 0x6c, 0x04, 0x00][..]].concat();
+        assert_eq!(split_place_payload(flags::STREAM_TAIL, &tailed), Ok((&payload[..15], &b"tail"[..])));
         // A segment longer than what is left, a trailing partial header, an empty segment.
         let short: Vec<_> = PlaceSegment::parse_all(&payload[..28]).collect();
         assert_eq!(short[1], Err(DatagramError::SegmentLength { declared: 2, have: 1 }));

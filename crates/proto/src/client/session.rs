@@ -963,16 +963,7 @@ impl<B: IoBuf> ClientSession<B> {
                 buf.as_mut().copy_from_slice(data);
                 self.stats.read_bytes_copied += data.len() as u64;
             }
-            settle(
-                &mut self.done,
-                &mut self.controller,
-                &mut self.reads,
-                &mut self.stats,
-                &mut self.directory,
-                &mut self.fallback,
-                p,
-                c.status,
-            );
+            self.settle(p, c.status);
         }
         self.fall_back();
         Ok(())
