@@ -193,7 +193,7 @@ fn data_messages_carry_read_data_when_offered_and_not_otherwise() {
             skiff_in(&client.ns)
                 .env("SKIFF_ETH_DATA_MESSAGES", setting)
                 .args(["bench", "--target", &format!("eth:{}/{mac}", client.peer), "--export", "vol"])
-                .args(["--size", "32M", "--rw", "randrw", "--bs", "16k", "--qd", "16", "--duration", "1s"])
+                .args(["--size", "32M", "--rw", "randrw", "--bs", "16k", "--qd", "32", "--duration", "1s"])
                 .args(["--verify", "--json"]),
             1000,
         );

@@ -254,12 +254,10 @@ pub struct Counters {
     /// buffers ([`DatagramStream::handle_datagram_into`]), never buffered.
     pub stream_bytes_placed: u64,
     /// Place datagrams (data messages) queued to send, and received: handed to the reader's
-    /// placer on arrival, or held until a reader with a placer came (`places_held`), or
-    /// dropped because the reader had none (a peer that sent them unasked).
+    /// placer on arrival, or held until a reader with a placer came (`places_held`).
     pub places_sent: u64,
     pub places_received: u64,
     pub places_held: u64,
-    pub places_dropped: u64,
     /// Round-trip estimates (0 before the first sample) and the current timeout.
     pub srtt_us: u64,
     pub rttvar_us: u64,
@@ -704,7 +702,7 @@ impl DatagramStream {
 
     /// Move in-order stream bytes into `bufs`; returns how many (0 when there are none now:
     /// see [`peer_closed`](Self::peer_closed) for the end of the stream). Each byte is read
-    /// exactly once.
+    /// exactly once. A reader without a placer stops at a data message that waits for one.
     pub fn read(&mut self, bufs: &mut [IoSliceMut<'_>]) -> usize {
         self.read_into(&mut ReadCursor::new(bufs))
     }
@@ -723,12 +721,11 @@ impl DatagramStream {
             let slot = self.rx_slots[idx];
             let start = idx * self.payload_max;
             if slot.place {
-                // Held while no placer was there (above), and there is none now either: a
-                // reader that did not ask for data messages. Its segments are dropped; its
-                // tail is stream bytes like any.
-                self.held -= 1;
-                self.counters.places_dropped += 1;
-                self.rx_slots[idx].place = false;
+                // Held while no placer was there (above), and there is none now either (a
+                // lane waiting for room to send takes in what arrived): the stream stops here
+                // until a reader with a placer comes, so no segment is lost and nothing after
+                // it (its tail: the descriptors of the reads it carries) overtakes it.
+                break;
             }
             let start = start + usize::from(slot.skip);
             let len = usize::from(slot.len - slot.skip);

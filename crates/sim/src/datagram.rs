@@ -724,7 +724,6 @@ pub fn add_counters(a: &mut Counters, b: &Counters) {
     a.places_sent += b.places_sent;
     a.places_received += b.places_received;
     a.places_held += b.places_held;
-    a.places_dropped += b.places_dropped;
 }
 
 #[cfg(test)]

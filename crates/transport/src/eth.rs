@@ -145,8 +145,9 @@ fn env_on(name: &str) -> bool {
 
 /// The largest datagram payload: 8972 bytes (a 9000-byte jumbo frame, lowered to the MTU when
 /// a session opens), where two 4 KiB data messages share one frame, as in Tyche's data-message
-/// batching; `SKIFF_ETH_FRAME=BYTES` caps it lower (4096: each 4 KiB of data in a frame of its
-/// own, Tyche without data batching; bench/ethernet.py --data-batching compares the two).
+/// batching (`EthConfig::data_batching`); `SKIFF_ETH_FRAME=BYTES` caps it lower. A data
+/// segment is cut at a multiple of 4 KiB only when a datagram holds one: below 4,108 bytes
+/// (4 KiB and a segment header) a 4 KiB read takes two datagrams.
 fn frame_payload_from_env() -> u16 {
     frame_payload(std::env::var("SKIFF_ETH_FRAME").ok().as_deref())
 }

@@ -123,7 +123,7 @@ pub mod flags {
     /// sent, and one of the copies was flagged `GAP_RESEND` (DSACK, RFC 2883): the peer took
     /// reordering for loss, and widens its reordering window.
     pub const DUPLICATE: u8 = 0x02;
-    /// A Data or Close datagram sent again because younger ones overtook it (a gap loss), not
+    /// A Data, Place or Close datagram sent again because younger ones overtook it (a gap loss), not
     /// on a timeout. A receiver that already had it answers with `DUPLICATE`; a duplicate the
     /// network made of a first transmission, or a copy resent on a timeout (a lost ack), says
     /// nothing about reordering and is not reported.

@@ -732,6 +732,8 @@ impl<B: IoBuf> ClientSession<B> {
             return;
         }
         self.detached = true;
+        // A data message this connection broke the session with belongs to it alone.
+        self.place_error = None;
         self.outbox.clear();
         self.first_queued_us = None;
         let placed = self.placement.take().map(|p| p.pending);

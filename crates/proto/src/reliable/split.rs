@@ -50,8 +50,10 @@ enum Phase {
 #[derive(Debug)]
 pub struct Splitter {
     phase: Phase,
-    /// Completion caravans go apart (the connection agreed to data messages).
+    /// Completion caravans go apart (the connection agreed to data messages), from the frame
+    /// being taken on; `agreed`, from the next frame on.
     apart: bool,
+    agreed: bool,
     /// Two data segments may share a datagram (Tyche's data-message batching).
     batch: bool,
     /// The current frame's header (and, for a split caravan, its descriptors), taken but not
@@ -70,6 +72,7 @@ impl Splitter {
         Splitter {
             phase: Phase::Header,
             apart: false,
+            agreed: false,
             batch,
             head: Vec::with_capacity(HEADER_LEN),
             head_sent: 0,
@@ -81,12 +84,12 @@ impl Splitter {
     /// Send the read data of completion caravans as data messages from the next frame on.
     /// Returns false (and changes nothing) when the stream is not skiff frames.
     pub fn set_apart(&mut self) -> bool {
-        self.apart = self.phase != Phase::Opaque;
-        self.apart
+        self.agreed = self.phase != Phase::Opaque;
+        self.agreed
     }
 
     pub fn is_apart(&self) -> bool {
-        self.apart
+        self.agreed
     }
 
     /// Bytes taken but not yet on the stream (a head the stream had no room for).
@@ -110,11 +113,11 @@ impl Splitter {
     /// Write `bufs` into `stream`: as [`DatagramStream::write`], with completion caravans'
     /// read data as data messages when [`set_apart`](Self::set_apart). Returns the bytes taken.
     pub fn write(&mut self, stream: &mut DatagramStream, bufs: &[IoSlice<'_>]) -> usize {
-        if self.phase == Phase::Opaque {
-            return stream.write(bufs);
-        }
         if !self.flush(stream) {
             return 0;
+        }
+        if self.phase == Phase::Opaque {
+            return stream.write(bufs);
         }
         let mut taken = 0;
         for buf in bufs {
@@ -143,7 +146,15 @@ impl Splitter {
                 n
             }
             Phase::Header => {
-                let n = (HEADER_LEN - self.head.len()).min(bytes.len());
+                if self.head.is_empty() {
+                    // A new frame: the agreement applies from here.
+                    self.apart = self.agreed;
+                }
+                let want = (HEADER_LEN - self.head.len()).min(bytes.len());
+                // Until the connection agreed, a header goes through as it comes (it is only
+                // looked at, to keep track of the frames); after, it is held until its frame
+                // is known.
+                let n = if self.apart { want } else { stream.write(&[IoSlice::new(&bytes[..want])]) };
                 self.head.extend_from_slice(&bytes[..n]);
                 if self.head.len() == HEADER_LEN {
                     self.phase = self.after_header(stream);
@@ -183,9 +194,20 @@ impl Splitter {
 
     /// A whole frame header is in the head: what follows it.
     fn after_header(&mut self, stream: &mut DatagramStream) -> Phase {
-        let Ok(header) = Header::parse(&self.head) else {
-            // Not skiff's frames (the first bytes of an NBD client): never split.
+        let parsed = Header::parse(&self.head);
+        if !self.apart {
+            // Its bytes went through as they came.
+            self.head.clear();
+            return match parsed {
+                Ok(header) if header.body_len() > 0 => Phase::Body { left: header.body_len() },
+                Ok(_) => Phase::Header,
+                Err(_) => Phase::Opaque,
+            };
+        }
+        let Ok(header) = parsed else {
+            // Not skiff's frames: never split.
             self.apart = false;
+            self.agreed = false;
             self.head_ready(stream);
             return Phase::Opaque;
         };
@@ -261,9 +283,12 @@ mod tests {
     fn drain(stream: &mut DatagramStream) -> (Vec<DatagramKind>, Vec<u8>, Segments) {
         let mut out = vec![0u8; 9000];
         let (mut kinds, mut bytes, mut segs) = (Vec::new(), Vec::new(), Vec::new());
-        let mut rx = DatagramStream::new(stream.config(), stream.session_id(), 0, 0);
+        let mut rx = None;
         while let Some(n) = stream.poll_transmit(0, &mut out) {
             let (h, payload) = DatagramHeader::parse(&out[..n]).unwrap();
+            // A receiver expecting what comes first in this drain.
+            let rx =
+                rx.get_or_insert_with(|| DatagramStream::new(stream.config(), stream.session_id(), 0, h.seq));
             kinds.push(h.kind);
             if h.kind == DatagramKind::Place {
                 let (segments, _) = split_place_payload(h.flags, payload).unwrap();
@@ -375,10 +400,32 @@ mod tests {
         let (kinds, bytes, _) = drain(&mut stream);
         assert!(kinds.iter().all(|k| *k == DatagramKind::Data));
         assert_eq!(bytes, frame);
-        // An NBD client's bytes are no skiff frame: the splitter never splits them.
+        // An NBD server's bytes are no skiff frame: its 18-byte greeting goes at once (no
+        // header is held before agreement), and the splitter never splits what follows.
         let mut split = Splitter::new(true);
-        let nbd = b"NBDMAGICIHAVEOPT and then some more bytes".to_vec();
-        assert_eq!(split.write(&mut stream, &[IoSlice::new(&nbd)]), nbd.len());
+        let greeting = b"NBDMAGICIHAVEOPT\x00\x03";
+        assert_eq!(split.write(&mut stream, &[IoSlice::new(greeting)]), greeting.len());
+        assert_eq!(drain(&mut stream).1, greeting);
+        let more = b"and then some more bytes".to_vec();
+        assert_eq!(split.write(&mut stream, &[IoSlice::new(&more)]), more.len());
         assert!(!split.set_apart());
+        assert_eq!(drain(&mut stream).1, more);
+    }
+
+    #[test]
+    fn an_agreement_in_the_middle_of_a_frame_applies_from_the_next_one() {
+        let mut stream = DatagramStream::new(&jumbo(), 1, 0, 0);
+        let mut split = Splitter::new(true);
+        let frame = caravan(&[(1, 4096)]);
+        assert_eq!(split.write(&mut stream, &[IoSlice::new(&frame[..10])]), 10);
+        assert!(split.set_apart());
+        assert_eq!(split.write(&mut stream, &[IoSlice::new(&frame[10..])]), frame.len() - 10);
+        let (kinds, bytes, _) = drain(&mut stream);
+        assert!(kinds.iter().all(|k| *k == DatagramKind::Data), "the frame begun before goes whole");
+        assert_eq!(bytes, frame);
+        assert_eq!(split.write(&mut stream, &[IoSlice::new(&frame)]), frame.len());
+        let (kinds, bytes, segs) = drain(&mut stream);
+        assert_eq!(kinds, [DatagramKind::Place]);
+        assert_eq!((bytes.len(), segs), (HEADER_LEN + COMPLETION_DESC_LEN, vec![(1, 0, 4096)]));
     }
 }
