@@ -66,6 +66,10 @@ pub enum Planted {
     AckSentWrites,
     /// Target: a write is acknowledged before it reaches the backend.
     AckBeforeBackend,
+    /// Client: the first two segments of a data message land in each other's buffers (only
+    /// over the datagram link, where data messages run; not in [`Planted::ALL`], which the
+    /// byte-pipe suite plants).
+    SwapSegments,
 }
 
 impl Planted {
@@ -448,6 +452,7 @@ impl Sim {
                 Planted::ForgetUnsent => ClientMutation::ForgetUnsent,
                 Planted::IgnoreDeadline => ClientMutation::IgnoreDeadline,
                 Planted::AckSentWrites => ClientMutation::AckSentWrites,
+                Planted::SwapSegments => ClientMutation::SwapSegments,
                 _ => ClientMutation::None,
             },
             client: ClientState::Hello(hs),

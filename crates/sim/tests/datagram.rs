@@ -156,3 +156,26 @@ fn a_thousand_full_simulation_seeds_pass_over_the_datagram_link() {
     let replay = || format!("{:?}", run(&options(7)));
     assert_eq!(replay(), replay());
 }
+
+/// The simulation has teeth for data messages too: a session that places a data message's
+/// segments in each other's buffers is caught (a read verified against the shadow volume, or a
+/// segment refused) within the seed budget, over the datagram link without faults.
+#[test]
+fn a_segment_placed_in_the_wrong_buffer_is_caught() {
+    use skiff_sim::disk::DiskFaults;
+    use skiff_sim::faults::NetFaults;
+    use skiff_sim::{run, LinkKind, Options, Planted};
+    let caught = (0..SEEDS).find_map(|seed| {
+        run(&Options {
+            seed,
+            ops: FULL_OPS,
+            net: NetFaults::NONE,
+            disk: DiskFaults::NONE,
+            planted: Planted::SwapSegments,
+            link: LinkKind::Datagram(LinkFaults::NONE),
+        })
+        .err()
+    });
+    let f = caught.expect("SwapSegments survived every seed: the simulation has no teeth for data messages");
+    eprintln!("SwapSegments: caught by seed {}: {}", f.seed, f.message.lines().next().unwrap_or_default());
+}

@@ -256,6 +256,9 @@ pub enum Mutation {
     /// When the connection is lost, writes already sent are taken as done and completed OK
     /// instead of being parked and re-sent: "sent" mistaken for "executed".
     AckSentWrites,
+    /// The first two segments of every data message are placed in each other's requests'
+    /// buffers (the data-message form of `SwapTags`).
+    SwapSegments,
 }
 
 impl<B: IoBuf> ClientSession<B> {
@@ -318,6 +321,22 @@ impl<B: IoBuf> ClientSession<B> {
     /// can take breaks the session, reported by the next [`handle_rx`](Self::handle_rx).
     pub fn place(&mut self, payload: &[u8]) {
         if self.broken || self.detached || self.place_error.is_some() {
+            return;
+        }
+        // The planted bug swaps the first two segments' tags; nothing is allocated unless it
+        // is planted.
+        #[cfg(feature = "mutations")]
+        if self.planted() == Mutation::SwapSegments {
+            let mut segs: Vec<_> = wire::datagram::PlaceSegment::parse_all(payload).collect();
+            if let [Ok(a), Ok(b), ..] = &mut segs[..] {
+                std::mem::swap(&mut a.tag, &mut b.tag);
+            }
+            for seg in segs {
+                if let Err(e) = self.place_segment(seg) {
+                    self.place_error = Some(e);
+                    return;
+                }
+            }
             return;
         }
         for seg in wire::datagram::PlaceSegment::parse_all(payload) {
