@@ -987,9 +987,9 @@ fn clone_error(e: &Error) -> Error {
 
 /// One receive without waiting, laid out by the session (placed data first), timed.
 fn receive<B: IoBuf>(conn: &mut Conn, session: &mut ClientSession<B>) -> Result<usize> {
-    let Conn { stream, rx, recv_ns, features, .. } = conn;
+    let Conn { stream, rx, recv_ns, .. } = conn;
     let started = Instant::now();
-    let got = if *features & wire::control::FEATURE_DATA_MESSAGES != 0 {
+    let got = if session.data_messages() {
         session.receive_placing(rx, |iov, place| FrameIo::recv_placing(stream, iov, place))
     } else {
         session.receive_with(rx, |iov| FrameIo::recv(stream, iov))

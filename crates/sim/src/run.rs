@@ -778,11 +778,11 @@ fn client_io(conn: &mut Connection, now: u64) -> Option<String> {
         let got = match &mut conn.client {
             ClientState::Ready(session) => {
                 let io = &mut conn.client_io;
-                if conn.client_data_messages && now.is_multiple_of(4) {
+                if session.data_messages() && now.is_multiple_of(4) {
                     // As a lane waiting for room to send: a receive without a placer, which
                     // must stop at a data message rather than lose it.
                     io.fill(&mut conn.client_rx)
-                } else if conn.client_data_messages {
+                } else if session.data_messages() {
                     session.receive_placing(&mut conn.client_rx, |iov, place| io.recv_placing(iov, place))
                 } else {
                     session.receive_with(&mut conn.client_rx, |iov| io.recv(iov))

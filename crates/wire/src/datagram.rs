@@ -202,11 +202,6 @@ pub struct PlaceSegment<'a> {
 }
 
 impl PlaceSegment<'_> {
-    /// Bytes this segment takes in a payload, its header included.
-    pub fn wire_len(data_len: usize) -> usize {
-        PLACE_SEGMENT_HEADER_LEN + data_len
-    }
-
     /// Write the segment header for `len` bytes of `tag`'s data at `offset` into
     /// `out[..PLACE_SEGMENT_HEADER_LEN]`; the caller puts the bytes after it.
     pub fn emit_header(tag: u32, offset: u32, len: u32, out: &mut [u8]) {

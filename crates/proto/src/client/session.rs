@@ -315,6 +315,11 @@ impl<B: IoBuf> ClientSession<B> {
         self.data_messages = on;
     }
 
+    /// Whether read data comes in data messages ([`set_data_messages`](Self::set_data_messages)).
+    pub fn data_messages(&self) -> bool {
+        self.data_messages
+    }
+
     /// A data message's payload from the transport (its segments, docs/PROTOCOL.md 16.9): put
     /// each segment's bytes into the buffer of the request it names, at its offset. A request
     /// whose completion came first completes when its last byte is in. A segment no request

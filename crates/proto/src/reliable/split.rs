@@ -88,10 +88,6 @@ impl Splitter {
         self.agreed
     }
 
-    pub fn is_apart(&self) -> bool {
-        self.agreed
-    }
-
     /// Bytes taken but not yet on the stream (a head the stream had no room for).
     pub fn pending(&self) -> bool {
         self.head_due
