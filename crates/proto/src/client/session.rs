@@ -1327,6 +1327,44 @@ mod tests {
     }
 
     #[test]
+    fn data_messages_that_do_not_match_their_requests_or_frames_break_the_session() {
+        // A segment for a write, and a malformed payload (a segment longer than what follows).
+        let mut short = segment(0, 0, 16, 0);
+        short.truncate(20);
+        for (seg, why) in
+            [(segment(1, 0, 16, 0), "the request returns no data"), (short, "malformed segment")]
+        {
+            let mut s = session(4);
+            s.set_data_messages(true);
+            s.submit(0, read(7)).unwrap();
+            s.submit(0, write(8, 0, 0x33)).unwrap();
+            send_all(&mut s);
+            s.place(&seg);
+            let err = s.handle_rx(0, &[]).unwrap_err();
+            assert!(matches!(err, ProtoError::DataMessage { why: w, .. } if w == why), "{err}");
+        }
+        let head = |tag, data_len, payload_len| {
+            let mut frame = completion(tag, data_len);
+            frame.truncate(HEADER_LEN + COMPLETION_DESC_LEN);
+            Header { kind: FrameKind::Completions, desc_count: 1, payload_len }.emit(&mut frame);
+            frame
+        };
+        // A caravan whose payload_len is not the sum of its completions' data.
+        let mut s = session(4);
+        s.set_data_messages(true);
+        s.submit(0, read(7)).unwrap();
+        send_all(&mut s);
+        assert!(matches!(s.handle_rx(0, &head(0, 512, 100)), Err(ProtoError::Wire(_))));
+        // A second completion for a request still waiting for its data.
+        let mut s = session(4);
+        s.set_data_messages(true);
+        s.submit(0, read(7)).unwrap();
+        send_all(&mut s);
+        s.handle_rx(0, &head(0, 512, 512)).unwrap();
+        assert_eq!(s.handle_rx(0, &head(0, 512, 512)), Err(ProtoError::UnknownTag(0)));
+    }
+
+    #[test]
     fn once_sent_the_same_completion_is_taken() {
         let mut s = session(4);
         s.submit(0, read(7)).unwrap();
