@@ -12,15 +12,15 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 
 # System packages the tests use: strace proves that FLUSH and FUA reach the file as syscalls;
-# qemu-utils (qemu-io, qemu-img), libnbd-bin (nbdinfo, nbdcopy, nbdfuse), fuse3 and fio are the
-# real NBD clients of the interop tests; prometheus brings promtool, which checks the metrics
+# qemu-utils (qemu-io, qemu-img), libnbd-bin (nbdinfo, nbdcopy, nbdfuse), python3-libnbd (nbdsh),
+# fuse3 and fio are the real NBD clients of the interop tests; prometheus brings promtool, which checks the metrics
 # endpoint's exposition; systemd brings systemd-analyze, which checks contrib/skiff.service;
 # e2fsprogs (mkfs.ext4, fsck.ext4), mount and util-linux (losetup, fallocate, unshare) put ext4
 # on a loop device over a skiff attach file (root tests); openssl makes the certificates of the
 # TLS tests; iproute2 (ip) makes the network namespaces and veth pairs of the raw-Ethernet tests,
 # and ethtool turns their offloads off where TCP crosses the fault relay; etcd-server is the
 # coordinator of RStore namespaces, started for real by their tests.
-apt_packages=(strace qemu-utils libnbd-bin fuse3 fio prometheus systemd e2fsprogs mount util-linux openssl iproute2 ethtool etcd-server)
+apt_packages=(strace qemu-utils libnbd-bin python3-libnbd fuse3 fio prometheus systemd e2fsprogs mount util-linux openssl iproute2 ethtool etcd-server)
 if [ ${#apt_packages[@]} -gt 0 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

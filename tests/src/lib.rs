@@ -50,7 +50,11 @@ impl RawPeer {
 
     /// [`ready`](Self::ready), asking for HELLO feature bits `features`.
     pub fn ready_with_features(t: &Target, limits: Limits, export: &str, features: u64) -> (RawPeer, u32) {
-        let mut p = RawPeer::connect(t);
+        RawPeer::ready_on(RawPeer::connect(t), limits, export, features)
+    }
+
+    /// [`ready_with_features`](Self::ready_with_features) over a connection made already.
+    pub fn ready_on(mut p: RawPeer, limits: Limits, export: &str, features: u64) -> (RawPeer, u32) {
         p.send(&frame(
             FrameKind::Hello,
             &Hello { version_min: 1, version_max: 1, features, limits, auth: None }.encode(),
@@ -133,6 +137,36 @@ pub fn tool(name: &str, package: &str) -> std::process::Command {
         .unwrap_or(false);
     assert!(found, "{name} is not installed: run scripts/test.sh, or apt-get install {package}");
     std::process::Command::new(name)
+}
+
+/// [`run_ok`], but a command still running after `limit` is killed and fails the test: a
+/// guard against a hang (a target that stalls), far above the time the command needs.
+pub fn run_ok_within(cmd: &mut std::process::Command, limit: Duration) -> String {
+    use std::process::Stdio;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("run tool");
+    let started = std::time::Instant::now();
+    while child.try_wait().expect("wait for tool").is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("reap tool");
+            panic!(
+                "{:?} still running after {limit:?} (the target stalled?)\nstdout: {}\nstderr: {}",
+                cmd.get_program(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("reap tool");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
 }
 
 /// Run a prepared command, failing with its output unless it succeeds; returns stdout.

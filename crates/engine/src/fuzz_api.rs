@@ -96,7 +96,14 @@ pub fn native_conn(data: &[u8]) {
     let (mut rx, mut tx, mut closing) = (FrameBuffer::with_capacity(16 << 10), Vec::new(), false);
     for piece in stream.chunks(chunk) {
         rx.extend(piece);
-        let mut link = Link { rx: &mut rx, tx: &mut tx, closing: &mut closing, peer: "fuzz", stats: &stats };
+        let mut link = Link {
+            rx: &mut rx,
+            tx: &mut tx,
+            closing: &mut closing,
+            peer: "fuzz",
+            stats: &stats,
+            backlog_max: usize::MAX,
+        };
         conn.process(&mut link, host);
         if closing {
             break;

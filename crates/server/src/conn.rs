@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use engine::front::{native::NativeConn, nbd::NbdConn, Link, Sink};
 use engine::{Export, Io, RegionBytes};
+use transport::tls::ServerTlsConfig;
 use transport::{FrameBuffer, FrameIo, Stream};
 use wire::Status;
 
@@ -23,6 +24,12 @@ use crate::{Bounds, Shared};
 
 /// Most gather-list entries handed to one send.
 const IOV_BATCH: usize = 128;
+/// A connection silent this long gives its buffers back (checked at the once-a-second sweep):
+/// a request of up to `nbd::DEFAULT_PAYLOAD_MAX` grows them to its size, and a connection
+/// that sent one long ago should not hold that for ever.
+const IDLE_SHRINK_AFTER: Duration = Duration::from_secs(2);
+/// The reply buffer a quiet connection keeps.
+const TX_IDLE_BYTES: usize = 256 << 10;
 
 /// Response bytes waiting to be sent: bytes of our own (headers, descriptors, data read from
 /// files) in one growing buffer, and read data of RAM exports *by address*, sent straight from
@@ -242,6 +249,15 @@ impl TxBuf {
         out
     }
 
+    /// Give back a reply buffer grown past [`TX_IDLE_BYTES`], when nothing is queued.
+    pub fn shrink_idle(&mut self) {
+        if self.pending() == 0 && self.buf.len() > TX_IDLE_BYTES {
+            self.buf = vec![0; TX_IDLE_BYTES];
+            self.spare = Vec::new();
+            self.reset();
+        }
+    }
+
     /// Nothing queued: start over at the front, keeping the allocations.
     fn reset(&mut self) {
         self.len = 0;
@@ -258,6 +274,10 @@ impl TxBuf {
 impl Sink for TxBuf {
     fn len(&self) -> usize {
         self.len
+    }
+
+    fn queued_bytes(&self) -> usize {
+        self.pending()
     }
 
     fn append(&mut self, bytes: &[u8]) {
@@ -285,13 +305,68 @@ impl Sink for TxBuf {
     }
 }
 
-pub(crate) struct Conn {
-    pub stream: Stream,
+/// What a connection needs of its stream beyond moving bytes ([`FrameIo`]): the target's
+/// [`Stream`], or the modelled socket that the liveness tests drive the same code over
+/// (`crate::model`).
+pub(crate) trait ConnStream: FrameIo {
+    /// A description of the peer for logs.
+    fn peer(&self) -> String;
+    /// A Unix socket, where TLS is never offered.
+    fn is_unix(&self) -> bool;
+    /// Plain TCP, which a listener with TLS may still turn into TLS.
+    fn is_tcp(&self) -> bool;
+    /// The peer's first byte without taking it (see [`Stream::peek_first_byte`]).
+    fn peek_first_byte(&self) -> io::Result<Option<u8>>;
+    /// Turn the stream into the target side of TLS, in place.
+    fn start_tls(&mut self, config: Arc<ServerTlsConfig>) -> io::Result<()>;
+    /// TLS runs and its handshake is done.
+    fn tls_established(&self) -> bool;
+    /// Who a verified TLS client certificate names.
+    fn peer_principal(&self) -> Option<String>;
+    /// End the TLS session, if one runs: queue `close_notify` and start sending it (the rest
+    /// goes out as [`FrameIo::pending_send`] says). Plain streams have nothing to end.
+    fn close_tls(&mut self);
+}
+
+impl ConnStream for Stream {
+    fn peer(&self) -> String {
+        Stream::peer(self)
+    }
+    fn is_unix(&self) -> bool {
+        matches!(self, Stream::Unix(_))
+    }
+    fn is_tcp(&self) -> bool {
+        matches!(self, Stream::Tcp(_))
+    }
+    fn peek_first_byte(&self) -> io::Result<Option<u8>> {
+        Stream::peek_first_byte(self)
+    }
+    fn start_tls(&mut self, config: Arc<ServerTlsConfig>) -> io::Result<()> {
+        Stream::start_tls(self, config)
+    }
+    fn tls_established(&self) -> bool {
+        Stream::tls_established(self)
+    }
+    fn peer_principal(&self) -> Option<String> {
+        Stream::peer_principal(self)
+    }
+    fn close_tls(&mut self) {
+        Stream::close_tls(self)
+    }
+}
+
+pub(crate) struct Conn<S = Stream> {
+    pub stream: S,
     pub peer: String,
     rx: FrameBuffer,
     pub tx: TxBuf,
     /// Stop reading; close once the queued bytes are sent.
     pub closing: bool,
+    /// Requests stay in `rx` unprocessed because the backlog of replies reached its bound:
+    /// they are taken up before anything more is read, once the peer has drained it.
+    held: bool,
+    /// The TLS session was ended (`close_notify` queued), or there was none to end.
+    tls_closed: bool,
     kind: Kind,
     /// Its place in the admission book.
     pub ticket: Arc<Ticket>,
@@ -334,14 +409,18 @@ enum Kind {
 pub(crate) enum ReadOutcome {
     /// The socket is drained for now.
     Drained,
-    /// Stopped early (budget or backlog); come back without waiting for an event.
+    /// Stopped at the per-pass budget; come back without waiting for an event.
     More,
+    /// Stopped because the replies queued passed the backlog bound (the peer is not reading
+    /// them). Come back as soon as a flush brings them under it: if the socket took them
+    /// all, no event will say so.
+    Paused,
     /// Peer closed or the connection failed: drop it.
     Closed,
 }
 
-impl Conn {
-    pub fn new(stream: Stream, protocol: Protocol, ticket: Arc<Ticket>, shared: &Shared) -> Conn {
+impl<S: ConnStream> Conn<S> {
+    pub fn new(stream: S, protocol: Protocol, ticket: Arc<Ticket>, shared: &Shared) -> Conn<S> {
         let peer = stream.peer();
         // Room from the start for a completion caravan as large as a lane may have in flight,
         // so that the first pass to answer more requests at once than any before it does not
@@ -355,7 +434,7 @@ impl Conn {
                 let mut greeting = Vec::new();
                 // TLS runs over TCP only: where it is merely offered, a Unix socket client is
                 // not offered it (STARTTLS gets ERR_UNSUP); where it is required, it is refused.
-                let config = if matches!(stream, Stream::Unix(_)) && config.tls() == ::nbd::TlsPolicy::On {
+                let config = if stream.is_unix() && config.tls() == ::nbd::TlsPolicy::On {
                     Arc::new(::nbd::HandshakeConfig::clone(config).with_tls(::nbd::TlsPolicy::Off))
                 } else {
                     config.clone()
@@ -384,8 +463,8 @@ impl Conn {
             }
         };
         let now = Instant::now();
-        let tls_undecided = match (&kind, &stream, &shared.config.tls) {
-            (Kind::Native(_), Stream::Tcp(_), Some(tls)) => Some(tls.clone()),
+        let tls_undecided = match (&kind, &shared.config.tls) {
+            (Kind::Native(_), Some(tls)) if stream.is_tcp() => Some(tls.clone()),
             _ => None,
         };
         Conn {
@@ -397,6 +476,8 @@ impl Conn {
             rx: FrameBuffer::new(),
             tx,
             closing: false,
+            held: false,
+            tls_closed: false,
             kind,
             ticket,
             accepted_at: now,
@@ -413,6 +494,11 @@ impl Conn {
     pub fn expire(&mut self, now: Instant, bounds: &Bounds, shared: &Shared) -> bool {
         if self.closing {
             return false;
+        }
+        if now.duration_since(self.last_rx) >= IDLE_SHRINK_AFTER {
+            // A quiet connection gives back what its largest request grew the buffers to.
+            self.rx.shrink_idle(0);
+            self.tx.shrink_idle();
         }
         let (limit, since, what, counter) = if !self.established {
             (bounds.handshake_timeout, self.accepted_at, "handshake", &shared.listener.handshake_timeouts)
@@ -472,14 +558,21 @@ impl Conn {
         if self.starttls && !self.upgrade(shared, stats) {
             return if self.closing { ReadOutcome::Closed } else { ReadOutcome::Drained };
         }
+        let backlog_max = shared.config.bounds.tx_backlog_bytes_max;
+        if self.held && !self.closing && !self.backlogged(backlog_max) {
+            // What arrived while the backlog was full comes first: no event will announce it.
+            let started = Instant::now();
+            self.process(shared, stats, backlog_max);
+            bump(&stats.stage_exec_ns, nanos(started.elapsed()));
+        }
         for _ in 0..shared.config.bounds.reads_per_pass {
             if self.closing {
                 return ReadOutcome::Drained;
             }
-            if self.tx.pending() > shared.config.bounds.tx_backlog_bytes_max {
-                // The peer is not reading its completions; stop reading its requests until it
-                // does (the writable event brings us back).
-                return ReadOutcome::Drained;
+            if self.held || self.backlogged(backlog_max) {
+                // The peer is not reading its replies: take no more of its requests until it
+                // does. The worker comes back once a flush brings the backlog under the bound.
+                return ReadOutcome::Paused;
             }
             let started = Instant::now();
             let filled = self.stream.fill(&mut self.rx);
@@ -492,7 +585,7 @@ impl Conn {
                     self.last_rx = received;
                     // A full read, or plaintext rustls decrypted and still holds: read again.
                     let mut more = self.rx.last_read_full() || self.stream.buffered_recv();
-                    self.process(shared, stats);
+                    self.process(shared, stats, backlog_max);
                     if self.starttls {
                         if !self.upgrade(shared, stats) {
                             return if self.closing { ReadOutcome::Closed } else { ReadOutcome::Drained };
@@ -502,6 +595,9 @@ impl Conn {
                         more = true;
                     }
                     bump(&stats.stage_exec_ns, nanos(received.elapsed()));
+                    if self.held {
+                        return ReadOutcome::Paused;
+                    }
                     if !more {
                         return ReadOutcome::Drained;
                     }
@@ -516,6 +612,18 @@ impl Conn {
         ReadOutcome::More
     }
 
+    /// Whether the replies queued passed `backlog_max` bytes: the connection reads no more
+    /// requests until the peer takes some.
+    pub fn backlogged(&self, backlog_max: usize) -> bool {
+        self.tx.pending() > backlog_max
+    }
+
+    /// Whether requests wait unprocessed in the receive buffer for the backlog to drain.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub fn is_held(&self) -> bool {
+        self.held
+    }
+
     /// Process bytes the receive thread of a staged target received on this connection
     /// (`crate::stages`), as [`service`](Self::service) processes what it reads itself.
     pub fn take_in(&mut self, bytes: &[u8], shared: &Shared, stats: &WorkerStats) {
@@ -526,7 +634,9 @@ impl Conn {
         bump(&stats.rx_bytes, bytes.len() as u64);
         self.last_rx = started;
         self.rx.extend(bytes);
-        self.process(shared, stats);
+        // No backlog bound here: the receive thread reads on its own, so requests held back
+        // would wait for bytes that may never come.
+        self.process(shared, stats, usize::MAX);
         bump(&stats.stage_exec_ns, nanos(started.elapsed()));
     }
 
@@ -603,11 +713,16 @@ impl Conn {
         self.tx.pending() + usize::from(self.stream.pending_send())
     }
 
-    /// Send queued responses. Returns false when the connection is finished (failed, or a
-    /// GOAWAY went out).
+    /// Send queued responses; once a closing connection has sent them all, end its TLS session
+    /// cleanly (`close_notify`, as the NBD specification asks after `NBD_CMD_DISC`). Returns
+    /// false when the connection failed.
     pub fn flush(&mut self, stats: &WorkerStats) -> bool {
         let started = Instant::now();
         let mut flushed = self.tx.flush(&mut self.stream);
+        if flushed.is_ok() && self.closing && self.tx.pending() == 0 && !self.tls_closed {
+            self.tls_closed = true;
+            self.stream.close_tls();
+        }
         if flushed.is_ok() && self.stream.pending_send() {
             // Ciphertext the socket refused earlier: an empty send only flushes it.
             flushed = self.stream.send(&[]);
@@ -621,13 +736,40 @@ impl Conn {
                 return false;
             }
         }
+        true
+    }
+
+    /// A flush of the loop pass: send what is queued (and a closing connection's
+    /// `close_notify`). Returns whether the connection stays: false once it failed, or once it
+    /// is closing and everything, the TLS end included, has gone out.
+    pub fn flush_pass(&mut self, stats: &WorkerStats) -> bool {
+        let must_send = self.pending() > 0 || (self.closing && !self.tls_closed);
+        if must_send && !self.flush(stats) {
+            return false;
+        }
         !(self.closing && self.pending() == 0)
     }
 
-    fn process(&mut self, shared: &Shared, stats: &WorkerStats) {
+    /// The connection is dropped without a clean end (the peer closed, a failure, the target
+    /// stopping): end its TLS session if nothing of ours would be cut short, with one send
+    /// that does not wait.
+    pub fn abandon(&mut self) {
+        if self.tls_closed || self.tx.pending() > 0 {
+            return;
+        }
+        self.tls_closed = true;
+        self.stream.close_tls();
+        if self.stream.pending_send() {
+            let _ = self.stream.send(&[]);
+        }
+    }
+
+    /// Let the front end handle what is in the receive buffer, stopping between requests
+    /// once more than `backlog_max` bytes of replies are queued.
+    fn process(&mut self, shared: &Shared, stats: &WorkerStats, backlog_max: usize) {
         self.identify_nbd(shared);
         let Conn { rx, tx, closing, peer, kind, stream, data_apart, .. } = self;
-        let mut link = Link { rx, tx, closing, peer, stats: &stats.front };
+        let mut link = Link { rx, tx, closing, peer, stats: &stats.front, backlog_max };
         match kind {
             Kind::Native(conn) => {
                 conn.process(&mut link, shared);
@@ -642,6 +784,7 @@ impl Conn {
                 self.starttls |= conn.take_starttls();
             }
         }
+        self.held = !self.closing && self.rx.pending() > 0 && self.backlogged(backlog_max);
     }
 }
 

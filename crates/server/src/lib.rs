@@ -13,6 +13,10 @@ mod admission;
 mod bounds;
 mod conn;
 mod metrics;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod model;
+mod passes;
 mod stages;
 pub mod stats;
 mod worker;
@@ -319,6 +323,48 @@ impl engine::front::Host for Shared {
     }
 }
 
+impl Shared {
+    /// The state of a target serving `exports` on `workers` workers; `timed` measures request
+    /// service times (for the metrics endpoint).
+    fn new(
+        config: TargetConfig,
+        exports: ExportTable,
+        workers: usize,
+        timed: bool,
+    ) -> Result<Shared, TargetError> {
+        let nbd = if config.nbd_listen.is_empty() {
+            None
+        } else {
+            let c = engine::front::nbd::handshake_config(&exports, config.bounds.limits.io_bytes_max, None)
+                .map_err(TargetError::Nbd)?;
+            // The NBD listeners offer TLS as the native ones do, through STARTTLS.
+            let policy = match config.tls.as_ref().map(|t| t.mode) {
+                None | Some(transport::tls::TlsMode::Off) => ::nbd::TlsPolicy::Off,
+                Some(transport::tls::TlsMode::On) => ::nbd::TlsPolicy::On,
+                Some(transport::tls::TlsMode::Require) => ::nbd::TlsPolicy::Require,
+            };
+            Some(Arc::new(c.with_tls(policy)))
+        };
+        let export_count = exports.len();
+        let serves_pool = exports.iter().any(|e| e.grants.is_some());
+        Ok(Shared {
+            serves_pool,
+            exports,
+            nbd,
+            workers: (0..workers).map(|_| Arc::new(WorkerStats::new(export_count))).collect(),
+            shutdown: AtomicBool::new(false),
+            connections: Default::default(),
+            listener: Default::default(),
+            admission: Default::default(),
+            acceptor_tid: Default::default(),
+            clock: timed.then(std::time::Instant::now),
+            started: std::time::Instant::now(),
+            keys: Arc::new(config.keys.clone()),
+            config,
+        })
+    }
+}
+
 /// A running target. Dropping it shuts the target down and waits for its threads.
 pub struct Target {
     shared: Arc<Shared>,
@@ -360,36 +406,7 @@ impl Target {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        let nbd = if config.nbd_listen.is_empty() {
-            None
-        } else {
-            let c = engine::front::nbd::handshake_config(&exports, config.bounds.limits.io_bytes_max, None)
-                .map_err(TargetError::Nbd)?;
-            // The NBD listeners offer TLS as the native ones do, through STARTTLS.
-            let policy = match config.tls.as_ref().map(|t| t.mode) {
-                None | Some(transport::tls::TlsMode::Off) => ::nbd::TlsPolicy::Off,
-                Some(transport::tls::TlsMode::On) => ::nbd::TlsPolicy::On,
-                Some(transport::tls::TlsMode::Require) => ::nbd::TlsPolicy::Require,
-            };
-            Some(Arc::new(c.with_tls(policy)))
-        };
-        let export_count = exports.len();
-        let serves_pool = exports.iter().any(|e| e.grants.is_some());
-        let shared = Arc::new(Shared {
-            serves_pool,
-            exports,
-            nbd,
-            workers: (0..workers).map(|_| Arc::new(WorkerStats::new(export_count))).collect(),
-            shutdown: AtomicBool::new(false),
-            connections: Default::default(),
-            listener: Default::default(),
-            admission: Default::default(),
-            acceptor_tid: Default::default(),
-            clock: metrics_listener.is_some().then(std::time::Instant::now),
-            started: std::time::Instant::now(),
-            keys: Arc::new(config.keys.clone()),
-            config,
-        });
+        let shared = Arc::new(Shared::new(config, exports, workers, metrics_listener.is_some())?);
         for e in shared.exports.iter() {
             tracing::info!(export = %e.name, kind = e.backend.kind(), size_bytes = e.backend.size_bytes(), read_only = e.is_read_only(), "export ready");
         }

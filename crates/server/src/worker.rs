@@ -2,8 +2,9 @@
 //!
 //! Each loop pass waits for readiness, reads and executes everything that arrived on ready
 //! connections, then flushes every connection that has responses queued: one send for all the
-//! completions a pass produced on a connection. Connections that still have unread data (the
-//! per-pass read budget ran out) are serviced again on the next pass without sleeping.
+//! completions a pass produced on a connection. Which connections a pass reads and flushes,
+//! and which it carries to the next pass without sleeping, is [`ConnSet`]'s (`crate::passes`);
+//! this module owns the poller, the acceptor's hand-over, timers and the stage threads.
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -18,7 +19,8 @@ use transport::Stream;
 use rt::poll::{Wait, Waiter};
 
 use crate::admission::Ticket;
-use crate::conn::{Conn, Protocol, ReadOutcome};
+use crate::conn::{Conn, Protocol};
+use crate::passes::{ConnSet, Driver};
 use crate::stages::{Stage, Stages};
 use crate::stats::{bump, WorkerStats};
 use crate::Shared;
@@ -41,14 +43,8 @@ pub(crate) struct Worker {
     inbox: Receiver<Arrival>,
     shared: Arc<Shared>,
     stats: Arc<WorkerStats>,
-    conns: Vec<Option<Conn>>,
-    free: Vec<usize>,
-    /// Connections to read from this pass.
-    readable: Vec<usize>,
-    /// Connections with data left over from the last pass.
-    carry: Vec<usize>,
-    /// Connections with responses queued.
-    dirty: Vec<usize>,
+    /// The connections this worker owns, and which of them each pass reads and flushes.
+    conns: ConnSet<Stream>,
     /// The thread that receives or sends for this worker's native connections, on a staged
     /// target (`crate::stages`).
     stage: Option<Stage>,
@@ -56,6 +52,40 @@ pub(crate) struct Worker {
     adopted: u64,
     /// Connections with timers of their own: raw-Ethernet sessions.
     timed: Vec<usize>,
+}
+
+/// What the worker does beside its [`ConnSet`]: `mio` registrations, the stage thread.
+struct MioDriver<'a> {
+    id: usize,
+    poll: &'a Poll,
+    stage: Option<&'a Stage>,
+    stages: Stages,
+    stats: &'a WorkerStats,
+    timed: &'a mut Vec<usize>,
+}
+
+impl Driver<Stream> for MioDriver<'_> {
+    fn closed(&mut self, index: usize, conn: &mut Conn<Stream>) {
+        let _ = self.poll.registry().deregister(&mut conn.stream);
+        tracing::debug!(worker = self.id, peer = %conn.peer, "connection closed");
+        if let (Some(serial), Some(stage)) = (conn.staged, self.stage) {
+            // Its other handle closes once the stage thread has done what was queued.
+            stage.forget(serial);
+        }
+        self.timed.retain(|&c| c != index);
+    }
+
+    fn hand_off(&mut self, conn: &mut Conn<Stream>) -> bool {
+        let (Some(serial), Some(stage)) = (conn.staged, self.stage) else { return false };
+        if self.stages != Stages::SendThread {
+            return false;
+        }
+        if conn.tx.pending() > 0 {
+            bump(&self.stats.stage_handoffs, 1);
+            stage.send(serial, conn.tx.take_unsent());
+        }
+        true
+    }
 }
 
 impl Worker {
@@ -79,11 +109,7 @@ impl Worker {
             inbox,
             shared,
             stats,
-            conns: Vec::new(),
-            free: Vec::new(),
-            readable: Vec::new(),
-            carry: Vec::new(),
-            dirty: Vec::new(),
+            conns: ConnSet::new(),
         })
     }
 
@@ -94,6 +120,19 @@ impl Worker {
     /// Where the acceptor drops new connections for this worker.
     pub fn inbox(&self) -> Inbox {
         (self.inbox_tx.clone(), self.waker.clone())
+    }
+
+    /// The worker's own part of a pass, borrowed beside its connections.
+    fn parts(&mut self) -> (&mut ConnSet<Stream>, MioDriver<'_>, &Shared, &WorkerStats) {
+        let driver = MioDriver {
+            id: self.id,
+            poll: &self.poll,
+            stage: self.stage.as_ref(),
+            stages: self.shared.config.stages,
+            stats: &self.stats,
+            timed: &mut self.timed,
+        };
+        (&mut self.conns, driver, &self.shared, &self.stats)
     }
 
     pub fn run(mut self) {
@@ -107,10 +146,10 @@ impl Worker {
                 self.sweep(now);
                 next_sweep = now + SWEEP_INTERVAL;
             }
-            let waited = if !self.carry.is_empty() {
-                // Data left from the last pass: look for more without waiting.
+            let waited = if self.conns.has_carry() {
+                // Connections to read again: look for more without waiting.
                 self.poll.poll(&mut events, Some(Duration::ZERO))
-            } else if self.free.len() < self.conns.len() {
+            } else if !self.conns.is_empty() {
                 // Connections to watch: wait by the polling policy, and wake for the next
                 // sweep even if none of them speaks, or for a raw-Ethernet session's timer.
                 let mut block = next_sweep.saturating_duration_since(now);
@@ -136,7 +175,7 @@ impl Worker {
                 break;
             }
             self.fire_timers();
-            if events.is_empty() && self.carry.is_empty() && self.readable.is_empty() {
+            if events.is_empty() && !self.conns.has_work() {
                 continue;
             }
             bump(&self.stats.loop_passes, 1);
@@ -145,7 +184,6 @@ impl Worker {
             if fenced {
                 self.stats.pass.fetch_add(1, Ordering::SeqCst);
             }
-            self.readable.append(&mut self.carry);
             for ev in events.iter() {
                 match ev.token() {
                     WAKE => {
@@ -153,26 +191,20 @@ impl Worker {
                         self.close_evicted();
                         self.take_received();
                     }
-                    Token(i) => {
-                        if self.receives_elsewhere(i) {
-                            // The receive thread reads this one, and reports its end.
-                            if ev.is_writable() {
-                                self.dirty.push(i);
-                            }
-                        } else if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                            self.readable.push(i);
-                        }
+                    Token(i) if self.receives_elsewhere(i) => {
+                        // The receive thread reads this one, and reports its end.
                         if ev.is_writable() {
-                            // Space in the socket again: resume sending, and reading if a full
-                            // backlog had paused it.
-                            self.dirty.push(i);
-                            self.readable.push(i);
+                            self.conns.mark_dirty(i);
                         }
+                    }
+                    Token(i) => {
+                        let readable = ev.is_readable() || ev.is_read_closed() || ev.is_error();
+                        self.conns.ready(i, readable, ev.is_writable());
                     }
                 }
             }
-            self.read_pass();
-            self.flush_pass();
+            let (conns, mut driver, shared, stats) = self.parts();
+            conns.pass(shared, stats, &mut driver);
             if fenced {
                 self.stats.pass.fetch_add(1, Ordering::SeqCst);
             }
@@ -183,52 +215,52 @@ impl Worker {
 
     /// The target is stopping: tell every native peer (`GOAWAY` `ShuttingDown`, so an
     /// initiator knows to reconnect rather than fail), with one send that does not wait, and
-    /// close every connection.
+    /// close every connection (ending its TLS session where that cuts nothing short).
     fn say_goodbye(&mut self) {
-        for i in 0..self.conns.len() {
-            if let Some(conn) = self.conns[i].as_mut() {
+        for i in 0..self.conns.slots() {
+            if let Some(conn) = self.conns.get_mut(i) {
                 if !conn.closing {
                     conn.say_goaway(wire::Status::ShuttingDown, "target shutting down");
                 }
-                self.dirty.push(i);
+                self.conns.mark_dirty(i);
             }
         }
         // One send each, the way every reply goes (through the send thread on a staged
         // target, behind what it already holds), then close whatever is left.
-        self.flush_pass();
-        for i in 0..self.conns.len() {
-            self.close(i);
+        let (conns, mut driver, shared, stats) = self.parts();
+        conns.flush_pass(shared, stats, &mut driver);
+        for i in 0..conns.slots() {
+            conns.close(i, shared, &mut driver);
         }
     }
 
     /// Close connections whose handshake or silence outlived its timeout.
     fn sweep(&mut self, now: Instant) {
         let bounds = self.shared.config.bounds;
-        for i in 0..self.conns.len() {
-            if let Some(conn) = self.conns[i].as_mut() {
+        for i in 0..self.conns.slots() {
+            if let Some(conn) = self.conns.get_mut(i) {
                 if conn.expire(now, &bounds, &self.shared) {
-                    self.dirty.push(i);
+                    self.conns.mark_dirty(i);
                 }
             }
         }
-        self.flush_pass();
+        let (conns, mut driver, shared, stats) = self.parts();
+        conns.flush_pass(shared, stats, &mut driver);
     }
 
     /// Close the connections the acceptor evicted to make room for new ones.
     fn close_evicted(&mut self) {
-        for i in 0..self.conns.len() {
-            if self.conns[i].as_ref().is_some_and(|c| c.ticket.is_evicted()) {
-                self.close(i);
+        let (conns, mut driver, shared, _) = self.parts();
+        for i in 0..conns.slots() {
+            if conns.get(i).is_some_and(|c| c.ticket.is_evicted()) {
+                conns.close(i, shared, &mut driver);
             }
         }
     }
 
     fn adopt_new(&mut self) {
         while let Ok((mut stream, protocol, ticket)) = self.inbox.try_recv() {
-            let index = self.free.pop().unwrap_or_else(|| {
-                self.conns.push(None);
-                self.conns.len() - 1
-            });
+            let index = self.conns.next_index();
             // Sockets only: a raw-Ethernet session's timers and rings stay with its worker.
             let staged = self.stage.is_some()
                 && protocol == Protocol::Native
@@ -242,20 +274,16 @@ impl Worker {
             };
             if let Err(e) = self.poll.registry().register(&mut stream, Token(index), interest) {
                 tracing::warn!(error = %e, "cannot register connection");
-                self.free.push(index);
                 self.shared.admission.closed(&ticket, &self.shared.connections);
                 continue;
             }
             if ticket.is_evicted() {
                 // Evicted before it got here: it never starts.
-                self.free.push(index);
                 let _ = self.poll.registry().deregister(&mut stream);
                 continue;
             }
             let second = if staged { Some(stream.try_clone_plain()) } else { None };
-            if matches!(stream, transport::Stream::Eth(_)) {
-                self.timed.push(index);
-            }
+            let timed = matches!(stream, transport::Stream::Eth(_));
             let mut conn = Conn::new(stream, protocol, ticket, &self.shared);
             tracing::debug!(worker = self.id, peer = %conn.peer, ?protocol, "connection");
             bump(&self.stats.connections_accepted, 1);
@@ -272,13 +300,17 @@ impl Worker {
                 }
                 _ => {}
             }
-            self.conns[index] = Some(conn);
+            let receives_here = conn.staged.is_none() || self.shared.config.stages != Stages::RecvThread;
+            let inserted = self.conns.insert(conn);
+            debug_assert_eq!(inserted, index);
+            if timed {
+                self.timed.push(index);
+            }
             // Data may have arrived before registration; edge-triggered polling would not
             // report it, so read once now (the receive thread does the same for its own).
-            if !self.receives_elsewhere(index) {
-                self.readable.push(index);
+            if receives_here {
+                self.conns.mark_readable(index);
             }
-            self.dirty.push(index);
         }
     }
 
@@ -288,15 +320,15 @@ impl Worker {
         if self.timed.is_empty() {
             return None;
         }
-        self.timed.iter().filter_map(|&i| self.conns[i].as_ref().and_then(|c| c.stream.timer())).min()
+        self.timed.iter().filter_map(|&i| self.conns.get(i).and_then(|c| c.stream.timer())).min()
     }
 
     /// Service the raw-Ethernet sessions whose timers are due: receiving drives them.
     fn fire_timers(&mut self) {
         for &i in &self.timed {
-            if self.conns[i].as_ref().and_then(|c| c.stream.timer()).is_some_and(|t| t.is_zero()) {
-                self.readable.push(i);
-                self.dirty.push(i);
+            if self.conns.get(i).and_then(|c| c.stream.timer()).is_some_and(|t| t.is_zero()) {
+                self.conns.mark_readable(i);
+                self.conns.mark_dirty(i);
             }
         }
     }
@@ -304,7 +336,7 @@ impl Worker {
     /// Whether the receive thread of a staged target reads connection `index`.
     fn receives_elsewhere(&self, index: usize) -> bool {
         self.shared.config.stages == Stages::RecvThread
-            && self.conns.get(index).and_then(Option::as_ref).is_some_and(|c| c.staged.is_some())
+            && self.conns.get(index).is_some_and(|c| c.staged.is_some())
     }
 
     /// Execute what the receive thread of a staged target received.
@@ -313,7 +345,7 @@ impl Worker {
             let received = self.stage.as_ref().and_then(|s| s.received.as_ref());
             let Some(Ok((serial, bytes))) = received.map(|r| r.try_recv()) else { return };
             let index = (serial & u64::from(u32::MAX)) as usize;
-            let Some(conn) = self.conns.get_mut(index).and_then(Option::as_mut) else { continue };
+            let Some(conn) = self.conns.get_mut(index) else { continue };
             if conn.staged != Some(serial) {
                 continue; // a connection closed since, whose slot is reused
             }
@@ -324,82 +356,13 @@ impl Worker {
                     if conn.newly_established() {
                         self.shared.admission.established(&conn.ticket);
                     }
-                    self.dirty.push(index);
+                    self.conns.mark_dirty(index);
                 }
-                None => self.close(index),
-            }
-        }
-    }
-
-    fn read_pass(&mut self) {
-        self.readable.sort_unstable();
-        self.readable.dedup();
-        // Taken out for the pass and put back empty, so its allocation is kept: nothing on
-        // this path allocates after warm-up (tests/tests/no_alloc.rs).
-        let mut readable = std::mem::take(&mut self.readable);
-        for &i in &readable {
-            let Some(conn) = self.conns.get_mut(i).and_then(Option::as_mut) else {
-                continue;
-            };
-            let outcome = conn.service(&self.shared, &self.stats);
-            if conn.newly_established() {
-                self.shared.admission.established(&conn.ticket);
-            }
-            match outcome {
-                ReadOutcome::Drained => {}
-                ReadOutcome::More => self.carry.push(i),
-                ReadOutcome::Closed => {
-                    self.close(i);
-                    continue;
+                None => {
+                    let (conns, mut driver, shared, _) = self.parts();
+                    conns.close(index, shared, &mut driver);
                 }
             }
-            self.dirty.push(i);
-        }
-        readable.clear();
-        self.readable = readable;
-    }
-
-    fn flush_pass(&mut self) {
-        self.dirty.sort_unstable();
-        self.dirty.dedup();
-        let mut dirty = std::mem::take(&mut self.dirty);
-        for &i in &dirty {
-            let Some(conn) = self.conns.get_mut(i).and_then(Option::as_mut) else {
-                continue;
-            };
-            if let (Some(serial), Some(stage)) = (conn.staged, &self.stage) {
-                if self.shared.config.stages == Stages::SendThread {
-                    if conn.tx.pending() > 0 {
-                        bump(&self.stats.stage_handoffs, 1);
-                        stage.send(serial, conn.tx.take_unsent());
-                    }
-                    if conn.closing {
-                        self.close(i);
-                    }
-                    continue;
-                }
-            }
-            let failed = conn.pending() > 0 && !conn.flush(&self.stats);
-            if failed || (conn.closing && conn.pending() == 0) {
-                self.close(i);
-            }
-        }
-        dirty.clear();
-        self.dirty = dirty;
-    }
-
-    fn close(&mut self, index: usize) {
-        if let Some(mut conn) = self.conns[index].take() {
-            let _ = self.poll.registry().deregister(&mut conn.stream);
-            tracing::debug!(worker = self.id, peer = %conn.peer, "connection closed");
-            if let (Some(serial), Some(stage)) = (conn.staged, &self.stage) {
-                // Its other handle closes once the stage thread has done what was queued.
-                stage.forget(serial);
-            }
-            self.free.push(index);
-            self.shared.admission.closed(&conn.ticket, &self.shared.connections);
-            self.carry.retain(|&c| c != index);
-            self.timed.retain(|&c| c != index);
         }
     }
 }

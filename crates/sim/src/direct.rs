@@ -313,6 +313,7 @@ fn open_side(host: &SimHost, rng: &mut Rng, _index: usize) -> Result<Side, Strin
             closing: &mut closing,
             peer: "sim",
             stats: &stats,
+            backlog_max: usize::MAX,
         };
         target.process(&mut link, host);
         let header = Header::parse(&target_tx).map_err(|e| e.to_string())?;
@@ -376,6 +377,7 @@ fn deliver_to_target(side: &mut Side, host: &SimHost, rng: &mut Rng) {
         closing: &mut side.closing,
         peer: "sim",
         stats: &side.stats,
+        backlog_max: usize::MAX,
     };
     side.target.process(&mut link, host);
 }

@@ -590,6 +590,7 @@ impl Sim {
                         closing: &mut conn.target_closing,
                         peer: "sim",
                         stats: &conn.target_stats,
+                        backlog_max: usize::MAX,
                     };
                     conn.target.process(&mut link, &self.host);
                     if !conn.target_apart && conn.target.data_messages() {

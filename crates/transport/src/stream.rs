@@ -222,6 +222,13 @@ impl Stream {
         }
     }
 
+    /// End the TLS session of a TLS stream ([`TlsStream::close`]); nothing on other streams.
+    pub fn close_tls(&mut self) {
+        if let Stream::Tls(s) = self {
+            s.close();
+        }
+    }
+
     /// Whether this stream runs TLS and its handshake is finished.
     pub fn tls_established(&self) -> bool {
         matches!(self, Stream::Tls(s) if !s.is_handshaking())

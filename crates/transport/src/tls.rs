@@ -266,6 +266,15 @@ impl<S: Read + Write> TlsStream<S> {
         certificate_principal(self.peer_certificates()?.first()?)
     }
 
+    /// End the session cleanly: queue the `close_notify` alert and write what the socket takes
+    /// now. The rest, if any, goes out through [`FrameIo::pending_send`] and an empty
+    /// [`FrameIo::send`]; the caller closes the socket once nothing is pending, so the peer
+    /// sees a TLS end rather than a truncated stream.
+    pub fn close(&mut self) {
+        self.conn.send_close_notify();
+        let _ = self.flush_quietly();
+    }
+
     /// Write queued ciphertext to the socket until it is all out or the socket would block.
     pub fn flush_tls(&mut self) -> io::Result<()> {
         while self.conn.wants_write() {

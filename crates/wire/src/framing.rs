@@ -135,14 +135,34 @@ impl FrameBuffer {
     }
 
     /// Make sure `len` unconsumed bytes will fit once they arrive (a message whose length the
-    /// caller has already judged).
+    /// caller has already judged). A buffer grown for it keeps a read's worth of room past
+    /// it, so that reading its last bytes does not grow the buffer again.
     pub fn reserve(&mut self, len: usize) {
         if self.start + len > self.buf.len() {
             self.compact();
             if len > self.buf.len() {
-                self.buf.resize(len, 0);
+                self.buf.resize(len + self.chunk_min, 0);
             }
         }
+    }
+
+    /// Give back memory a large message left: when nothing is pending and the buffer grew
+    /// past `bytes`, it becomes `bytes` again (never less than it started with). For a driver
+    /// to call on a connection gone quiet, not on every message: growing again costs an
+    /// allocation and a fill.
+    pub fn shrink_idle(&mut self, bytes: usize) {
+        let bytes = bytes.max(INITIAL_BYTES);
+        if self.pending() == 0 && self.buf.len() > bytes {
+            self.buf = vec![0; bytes];
+            self.start = 0;
+            self.end = 0;
+            self.last_read_full = false;
+        }
+    }
+
+    /// Bytes the buffer holds room for.
+    pub fn capacity(&self) -> usize {
+        self.buf.len()
     }
 
     /// The bytes of a frame returned by [`next_frame`](Self::next_frame); valid until the

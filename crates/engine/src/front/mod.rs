@@ -23,6 +23,12 @@ pub trait Sink {
     /// Bytes queued and not yet handed to the driver's socket.
     fn len(&self) -> usize;
 
+    /// Bytes still to go out, including any the sink holds apart from [`len`](Self::len)
+    /// (read data it will send by address): what the backlog bound counts.
+    fn queued_bytes(&self) -> usize {
+        self.len()
+    }
+
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -168,6 +174,18 @@ pub struct Link<'a, S: ?Sized> {
     /// The peer, for logs.
     pub peer: &'a str,
     pub stats: &'a FrontStats,
+    /// A front end takes no further request once more reply bytes than this are queued: the
+    /// peer is not reading them. It leaves the rest in `rx`, and the driver calls it again
+    /// once the peer has drained some (`usize::MAX`: no bound).
+    pub backlog_max: usize,
+}
+
+impl<S: Sink + ?Sized> Link<'_, S> {
+    /// Whether the replies queued passed [`backlog_max`](Self::backlog_max): take no more
+    /// requests now.
+    pub fn backlogged(&self) -> bool {
+        self.tx.queued_bytes() > self.backlog_max
+    }
 }
 
 impl<S: ?Sized> Link<'_, S> {

@@ -88,7 +88,7 @@ fn process<S: Sink + ?Sized>(
     caps: &mut Vec<Capability>,
     bug: &mut mutation::Bug,
 ) {
-    while !*link.closing {
+    while !*link.closing && !link.backlogged() {
         let f = match link.rx.next_frame(|h| session.admit(h)) {
             Ok(Some(f)) => f,
             Ok(None) => return,
