@@ -9,9 +9,14 @@ repetition. Prints each run, then a Markdown table of medians; writes every reco
     python3 bench/builds.py --before /tmp/old/target/release/skiff --after target/release/skiff
     python3 bench/builds.py --before A --after B --workloads randread:128,randread:1 --repeat 5
 
-The volume is fresh (never written) in every run, so reads hit pages the kernel has not
-allocated and writes pay for first touch: compare builds with this script, and compare skiff
-with its peers with compare.py, which writes each volume first.
+The volume is fresh (never written) in every run unless `--fill` writes it first (through
+the NBD listener, with fio, untimed), so without it reads hit pages the kernel has not
+allocated and writes pay for first touch. `--protocol nbd` drives the target's NBD front end
+with fio's nbd engine (libnbd) instead of skiff bench, and takes the server's CPU from
+/proc/PID/stat; `--export SPEC` serves something other than a RAM volume (a `file:` path).
+
+    python3 bench/builds.py --before A --after B --protocol nbd --fill --workloads randread:32,randwrite:32
+    python3 bench/builds.py --before A --after B --protocol nbd --export file:/var/tmp/vol.img --fill
 """
 import argparse
 import json
@@ -33,15 +38,51 @@ def wait_port(port):
     sys.exit(f"builds.py: the server on port {port} did not come up")
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid):
+    """User + system CPU seconds of every thread of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def fio_nbd(args, uri, rw, qd, runtime, extra=()):
+    cmd = ["taskset", "-c", args.client_cpu, "fio", "--name=b", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}",
+           "--bs=4k", f"--iodepth={qd}", f"--size={args.size}", "--output-format=json", *extra]
+    if runtime:
+        cmd += [f"--runtime={runtime}", "--time_based"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out[out.index("{"):])["jobs"][0]
+
+
 def one(binary, rw, qd, args, port):
+    nbd_port = port + 1000
+    export = args.export or f"ram:{args.size}"
     serve = ["taskset", "-c", args.server_cpu, binary, "serve", "--listen", f"127.0.0.1:{port}",
-             "--export", f"vol=ram:{args.size}", "--workers", "1"]
+             "--nbd", f"127.0.0.1:{nbd_port}", "--export", f"vol={export}", "--workers", "1"]
     bench = ["taskset", "-c", args.client_cpu, binary, "bench", "--target", f"127.0.0.1:{port}",
              "--export", "vol", "--rw", rw, "--qd", str(qd), "--duration", args.runtime, "--json"]
+    uri = f"nbd://127.0.0.1:{nbd_port}/vol"
     server = subprocess.Popen(serve, stderr=subprocess.DEVNULL)
     try:
         wait_port(port)
-        return json.loads(subprocess.run(bench, capture_output=True, text=True, check=True).stdout)
+        wait_port(nbd_port)
+        if args.fill:
+            fio_nbd(args, uri, "write", 8, None, ["--bs=1M"])
+        if args.protocol == "native":
+            return json.loads(subprocess.run(bench, capture_output=True, text=True, check=True).stdout)
+        cpu0 = cpu_s(server.pid)
+        job = fio_nbd(args, uri, rw, qd, args.runtime.rstrip("s"))
+        server_s = cpu_s(server.pid) - cpu0
+        side = job["read"] if job["read"]["io_bytes"] > 0 else job["write"]
+        ios = job["read"]["total_ios"] + job["write"]["total_ios"]
+        runtime_s = side["runtime"] / 1000.0
+        client = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * runtime_s * 1e6 / ios
+        server_us = server_s * 1e6 / ios
+        return {"iops": ios / runtime_s, "client_cpu_us_per_io": client, "server_cpu_us_per_io": server_us,
+                "total_cpu_us_per_io": client + server_us, "lat_us": {"mean": side["clat_ns"]["mean"] / 1000}}
     finally:
         server.terminate()
         server.wait()
@@ -55,7 +96,11 @@ def main():
                    help="RW:QD,... (default: %(default)s)")
     p.add_argument("--repeat", type=int, default=3, help="runs per build and workload (median reported)")
     p.add_argument("--runtime", default="5s")
-    p.add_argument("--size", default="1G", help="RAM export size")
+    p.add_argument("--size", default="1G", help="RAM export size, and the region fio covers")
+    p.add_argument("--export", help="export SPEC instead of ram:SIZE (e.g. file:/var/tmp/vol.img)")
+    p.add_argument("--protocol", choices=["native", "nbd"], default="native",
+                   help="skiff bench over the native protocol, or fio's nbd engine over NBD")
+    p.add_argument("--fill", action="store_true", help="write the whole volume first, untimed")
     p.add_argument("--server-cpu", default="1")
     p.add_argument("--client-cpu", default="0")
     p.add_argument("--out", default="bench/results")
@@ -65,8 +110,10 @@ def main():
         if not os.access(b, os.X_OK):
             sys.exit(f"builds.py: {b} is not an executable")
     workloads = [(w.split(":")[0], int(w.split(":")[1])) for w in args.workloads.split(",")]
+    client = "skiff bench, native" if args.protocol == "native" else "fio nbd engine, NBD"
     print(f"placement: server on CPU {args.server_cpu}, client on CPU {args.client_cpu} (taskset); "
-          f"{args.repeat} repetitions, builds alternating; {args.runtime} per run", flush=True)
+          f"{args.repeat} repetitions, builds alternating; {args.runtime} per run; {client}; "
+          f"export {args.export or 'ram:' + args.size}, {'filled' if args.fill else 'never written'}", flush=True)
 
     results, port = {}, 17000 + os.getpid() % 2000
     for rep in range(args.repeat):
@@ -98,7 +145,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, time.strftime("builds-%Y%m%d-%H%M%S.json"))
     with open(path, "w") as f:
-        json.dump({"builds": builds, "placement": {"server_cpus": args.server_cpu, "client_cpus": args.client_cpu},
+        json.dump({"builds": builds, "protocol": args.protocol, "export": args.export or f"ram:{args.size}",
+                   "filled": args.fill, "placement": {"server_cpus": args.server_cpu, "client_cpus": args.client_cpu},
                    "runs": {f"{rw} qd{qd} {n}": v for (rw, qd, n), v in results.items()}}, f, indent=1)
     print(f"\nrecords: {path}")
 

@@ -16,13 +16,47 @@ const WRITE: u16 = 1;
 const DISC: u16 = 2;
 const BLOCK_STATUS: u16 = 7;
 
-/// A minimal fixed-newstyle client: EXPORT_NAME with NO_ZEROES, simple replies.
+/// A minimal fixed-newstyle client: EXPORT_NAME (or GO) with NO_ZEROES, simple replies.
 struct RawNbd {
     s: TcpStream,
     size: u64,
 }
 
 impl RawNbd {
+    /// Through `GO` asking for `NBD_INFO_BLOCK_SIZE`: a client that agrees to keep to the
+    /// block sizes the target sends.
+    fn connect_agreeing(addr: &str, export: &str) -> RawNbd {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut greeting = [0u8; 18];
+        s.read_exact(&mut greeting).unwrap();
+        s.write_all(&3u32.to_be_bytes()).unwrap();
+        let mut data = (export.len() as u32).to_be_bytes().to_vec();
+        data.extend_from_slice(export.as_bytes());
+        data.extend_from_slice(&1u16.to_be_bytes());
+        data.extend_from_slice(&3u16.to_be_bytes()); // NBD_INFO_BLOCK_SIZE
+        let mut opt = 0x49484156454F5054u64.to_be_bytes().to_vec();
+        opt.extend_from_slice(&7u32.to_be_bytes()); // GO
+        opt.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        opt.extend_from_slice(&data);
+        s.write_all(&opt).unwrap();
+        let mut size = 0;
+        loop {
+            let mut head = [0u8; 20];
+            s.read_exact(&mut head).unwrap();
+            let kind = u32::from_be_bytes(head[12..16].try_into().unwrap());
+            let mut body = vec![0u8; u32::from_be_bytes(head[16..20].try_into().unwrap()) as usize];
+            s.read_exact(&mut body).unwrap();
+            if kind == 3 && body[..2] == [0, 0] {
+                size = u64::from_be_bytes(body[2..10].try_into().unwrap());
+            }
+            if kind == 1 {
+                return RawNbd { s, size };
+            }
+            assert_eq!(kind, 3, "GO answered with an error");
+        }
+    }
+
     fn connect(addr: &str, export: &str) -> RawNbd {
         let mut s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -78,7 +112,7 @@ impl RawNbd {
 #[test]
 fn refused_requests_get_the_spec_errno_and_the_stream_stays_in_step() {
     let (_t, addr) = start_nbd_target(&["vol=ram:4M", "golden=ram:1M,ro"]);
-    let mut c = RawNbd::connect(&addr, "vol");
+    let mut c = RawNbd::connect_agreeing(&addr, "vol");
     assert_eq!(c.size, 4 << 20);
     assert_eq!(c.write(1, 0, &[0x5A; 4096]), 0);
 
@@ -108,6 +142,22 @@ fn refused_requests_get_the_spec_errno_and_the_stream_stays_in_step() {
     // DISC ends the connection cleanly.
     c.send(DISC, 0, 13, 0, 0, &[]);
     assert!(c.closed());
+}
+
+/// A client that never agreed to block sizes (`EXPORT_NAME`) has the spec's defaults: any
+/// alignment, payloads up to 32 MiB; past that, `EINVAL`, and the payload is drained.
+#[test]
+fn a_client_without_block_sizes_has_the_spec_defaults() {
+    let (_t, addr) = start_nbd_target(&["vol=ram:40M"]);
+    let mut c = RawNbd::connect(&addr, "vol");
+    let data: Vec<u8> = (0..(2 << 20) + 14).map(|i| (i % 251) as u8).collect();
+    assert_eq!(c.write(1, 3, &data), 0, "2 MiB + 14 bytes at offset 3");
+    assert_eq!(c.read(2, 3, data.len() as u32), data);
+    assert_eq!(c.read(3, 100, 7), data[97..104]);
+    assert_eq!(c.write(4, 0, &vec![9; (32 << 20) + 1]), EINVAL, "one byte past 32 MiB");
+    assert_eq!(c.read(5, 3, 512), data[..512], "the refused payload was drained");
+    assert_eq!(c.write(6, 1, &vec![8; 32 << 20]), 0, "32 MiB at offset 1");
+    assert_eq!(c.read(7, (32 << 20) - 2, 4), [8, 8, 8, 0]);
 }
 
 #[test]

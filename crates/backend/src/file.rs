@@ -12,10 +12,17 @@
 //! A request uses `O_DIRECT` when its offset and length are multiples of [`ALIGN_BYTES`]
 //! (a conservative alignment every device accepts). If only the caller's buffer is misaligned,
 //! the bytes go through a per-thread aligned bounce buffer, which costs a memory copy but keeps
-//! the page cache out. Anything else goes through the page cache. Mixing the two paths is
-//! coherent: Linux writes back cached pages before a direct read and invalidates them after a
-//! direct write. An `O_DIRECT` request the kernel still refuses with `EINVAL` is retried
-//! buffered, with one log line per backend.
+//! the page cache out. A request at any other offset or length still goes `O_DIRECT`, over the
+//! 4 KiB blocks around it: a read reads them into the bounce buffer and copies out its part; a
+//! write reads the blocks it covers in part, patches them and writes the whole span back,
+//! under [`BlockLocks`] so that no other write lands in those blocks meanwhile (a
+//! read-modify-write). The page cache never holds a page that `O_DIRECT` also writes: a
+//! buffered write there and a direct write beside it in the same page can leave a dirty
+//! cached page whose writeback undoes the direct write. Only the file's last partial 4 KiB
+//! block, if its size is not a multiple of 4 KiB, is reached through the page cache, since
+//! `O_DIRECT` cannot address it; and a file system that refuses `O_DIRECT` (tmpfs, some FUSE
+//! file systems, `,direct=off`) is used through the page cache alone. An `O_DIRECT` request
+//! the kernel still refuses with `EINVAL` is retried buffered, with one log line per backend.
 //!
 //! This module owns no unsafe code (`FileExt` does positional I/O) and no policy on request
 //! sizes: the engine bounds those, and the bounce buffer grows to the largest it sees.
@@ -29,6 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rt::mem::{AlignedBuf, ALIGN_BYTES};
 
+use crate::locks::{BlockLocks, BLOCK};
 use crate::spec::{check_range, read_only_error, BLOCK_BYTES};
 use crate::{push_extent, Backend, BackendCounters, Capabilities, Extent, Result};
 
@@ -84,25 +92,39 @@ pub struct FileBackend {
     counters: AtomicCounters,
     /// Set once the first `EINVAL` from an `O_DIRECT` request has been logged.
     direct_fallback_logged: AtomicBool,
+    /// Orders read-modify-writes against the writes they overlap (with `O_DIRECT` only).
+    locks: BlockLocks,
+    /// Where `O_DIRECT` ends: the size rounded down to whole 4 KiB blocks.
+    direct_end: u64,
 }
 
-/// How one request reaches the file.
+/// How one request reaches an `O_DIRECT` descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
     Direct,
+    /// Aligned on the file, not in memory: through the bounce buffer.
     Bounce,
-    Buffered,
+    /// Not aligned on the file: over the whole blocks around it (a read-modify-write for a
+    /// write).
+    Span,
 }
 
 fn route(offset: u64, len_bytes: usize, buf_addr: usize) -> Route {
     let align = ALIGN_BYTES as u64;
     if !offset.is_multiple_of(align) || !(len_bytes as u64).is_multiple_of(align) {
-        Route::Buffered
+        Route::Span
     } else if !buf_addr.is_multiple_of(ALIGN_BYTES) {
         Route::Bounce
     } else {
         Route::Direct
     }
+}
+
+/// The whole blocks around `len` bytes at `offset`: their start, and their length.
+fn span(offset: u64, len: usize) -> (u64, usize) {
+    let start = offset - offset % BLOCK;
+    let end = (offset + len as u64).div_ceil(BLOCK) * BLOCK;
+    (start, (end - start) as usize)
 }
 
 /// Add the path to an open-time error, keeping its kind. The errno is lost, which only matters
@@ -162,6 +184,8 @@ impl FileBackend {
             write_fds,
             counters: AtomicCounters::default(),
             direct_fallback_logged: AtomicBool::new(false),
+            locks: BlockLocks::default(),
+            direct_end: size_bytes - size_bytes % BLOCK,
         })
     }
 
@@ -170,35 +194,82 @@ impl FileBackend {
         self.direct.is_some()
     }
 
-    /// Try `io` on an `O_DIRECT` descriptor along `route`. `Ok(true)` means done; `Ok(false)`
-    /// means the caller must do it buffered (no direct path, misaligned, no bounce buffer, or
-    /// the kernel refused with `EINVAL`).
+    /// Try `io` on an `O_DIRECT` descriptor. `Ok(true)` means done; `Ok(false)` means the
+    /// caller must do it buffered (no direct path, no bounce buffer, or the kernel refused
+    /// with `EINVAL`).
     fn try_direct(
         &self,
         fd: Option<&File>,
-        route: Route,
-        len_bytes: usize,
-        io: impl FnOnce(&File, Option<&mut [u8]>) -> io::Result<()>,
+        io: impl FnOnce(&File) -> io::Result<Option<()>>,
     ) -> io::Result<bool> {
         let Some(fd) = fd else { return Ok(false) };
-        let result = match route {
-            Route::Buffered => return Ok(false),
-            Route::Direct => io(fd, None),
-            Route::Bounce => match with_bounce(len_bytes, |bounce| io(fd, Some(bounce))) {
-                Some(result) => result,
-                None => return Ok(false),
-            },
-        };
-        match result {
-            Ok(()) => {
+        match io(fd) {
+            Ok(Some(())) => {
                 bump(&self.counters.direct_ios);
                 Ok(true)
             }
+            Ok(None) => Ok(false),
             Err(err) if err.raw_os_error() == Some(libc::EINVAL) => {
                 self.log_direct_fallback(&err);
                 Ok(false)
             }
             Err(err) => Err(err),
+        }
+    }
+
+    /// Read `buf` at `offset` through `fd` (`O_DIRECT`), on whatever route its alignment
+    /// needs. `None`: no bounce buffer could be had.
+    fn read_direct(fd: &File, buf: &mut [u8], offset: u64) -> io::Result<Option<()>> {
+        match route(offset, buf.len(), buf.as_ptr() as usize) {
+            Route::Direct => fd.read_exact_at(buf, offset).map(Some),
+            Route::Bounce => with_bounce(buf.len(), |bounce| {
+                fd.read_exact_at(bounce, offset)?;
+                buf.copy_from_slice(bounce);
+                Ok(())
+            })
+            .transpose(),
+            Route::Span => {
+                let (start, len) = span(offset, buf.len());
+                let at = (offset - start) as usize;
+                with_bounce(len, |bounce| {
+                    fd.read_exact_at(bounce, start)?;
+                    buf.copy_from_slice(&bounce[at..at + buf.len()]);
+                    Ok(())
+                })
+                .transpose()
+            }
+        }
+    }
+
+    /// Write `buf` at `offset` through `fd` (`O_DIRECT`): whole blocks under shared locks, or a
+    /// read-modify-write of the blocks it covers in part, held exclusively from the read to
+    /// the write-back. `None`: no bounce buffer could be had.
+    fn write_direct(&self, fd: &File, buf: &[u8], offset: u64) -> io::Result<Option<()>> {
+        let _held = self.locks.write(offset, buf.len() as u64);
+        match route(offset, buf.len(), buf.as_ptr() as usize) {
+            Route::Direct => fd.write_all_at(buf, offset).map(Some),
+            Route::Bounce => with_bounce(buf.len(), |bounce| {
+                bounce.copy_from_slice(buf);
+                fd.write_all_at(bounce, offset)
+            })
+            .transpose(),
+            Route::Span => {
+                let (start, len) = span(offset, buf.len());
+                let at = (offset - start) as usize;
+                with_bounce(len, |bounce| {
+                    if at > 0 {
+                        fd.read_exact_at(&mut bounce[..BLOCK as usize], start)?;
+                    }
+                    let tail = len - BLOCK as usize;
+                    let tail_partial = at + buf.len() < len;
+                    if tail_partial && (tail > 0 || at == 0) {
+                        fd.read_exact_at(&mut bounce[tail..], start + tail as u64)?;
+                    }
+                    bounce[at..at + buf.len()].copy_from_slice(buf);
+                    fd.write_all_at(bounce, start)
+                })
+                .transpose()
+            }
         }
     }
 
@@ -219,16 +290,15 @@ impl FileBackend {
         } else {
             (self.direct.as_ref(), &self.buffered)
         };
-        let route = route(offset, buf.len(), buf.as_ptr() as usize);
-        let done = self.try_direct(direct, route, buf.len(), |fd, bounce| match bounce {
-            Some(bounce) => {
-                bounce.copy_from_slice(buf);
-                fd.write_all_at(bounce, offset)
-            }
-            None => fd.write_all_at(buf, offset),
-        })?;
-        if !done {
-            buffered.write_all_at(buf, offset)?;
+        // Bytes past the last whole 4 KiB block only the page cache can reach.
+        let (head, tail) =
+            buf.split_at(self.direct_end.saturating_sub(offset).min(buf.len() as u64) as usize);
+        if !head.is_empty() && !self.try_direct(direct, |fd| self.write_direct(fd, head, offset))? {
+            buffered.write_all_at(head, offset)?;
+            bump(&self.counters.buffered_ios);
+        }
+        if !tail.is_empty() {
+            buffered.write_all_at(tail, offset + head.len() as u64)?;
             bump(&self.counters.buffered_ios);
         }
         if fua {
@@ -321,17 +391,16 @@ impl Backend for FileBackend {
         if buf.is_empty() {
             return Ok(());
         }
-        let route = route(offset, buf.len(), buf.as_ptr() as usize);
-        let done = self.try_direct(self.direct.as_ref(), route, buf.len(), |fd, bounce| match bounce {
-            Some(bounce) => {
-                fd.read_exact_at(bounce, offset)?;
-                buf.copy_from_slice(bounce);
-                Ok(())
-            }
-            None => fd.read_exact_at(buf, offset),
-        })?;
-        if !done {
-            self.buffered.read_exact_at(buf, offset)?;
+        let split = self.direct_end.saturating_sub(offset).min(buf.len() as u64) as usize;
+        let (head, tail) = buf.split_at_mut(split);
+        if !head.is_empty()
+            && !self.try_direct(self.direct.as_ref(), |fd| Self::read_direct(fd, head, offset))?
+        {
+            self.buffered.read_exact_at(head, offset)?;
+            bump(&self.counters.buffered_ios);
+        }
+        if !tail.is_empty() {
+            self.buffered.read_exact_at(tail, offset + split as u64)?;
             bump(&self.counters.buffered_ios);
         }
         Ok(())
@@ -426,9 +495,12 @@ mod tests {
         assert_eq!(route(0, a, a), Route::Direct);
         assert_eq!(route(a as u64 * 3, 2 * a, 5 * a), Route::Direct);
         assert_eq!(route(0, a, a + 1), Route::Bounce);
-        assert_eq!(route(512, a, a), Route::Buffered);
-        assert_eq!(route(0, 512, a), Route::Buffered);
-        assert_eq!(route(512, 512, 3), Route::Buffered);
+        assert_eq!(route(512, a, a), Route::Span);
+        assert_eq!(route(0, 512, a), Route::Span);
+        assert_eq!(route(512, 512, 3), Route::Span);
+        assert_eq!(span(512, 512), (0, a));
+        assert_eq!(span(a as u64 - 1, 2), (0, 2 * a));
+        assert_eq!(span(a as u64, a), (a as u64, a));
     }
 
     #[test]

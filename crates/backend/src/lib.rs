@@ -14,6 +14,7 @@
 
 pub mod cache;
 pub mod file;
+pub mod locks;
 pub mod null;
 pub mod ram;
 pub mod spec;

@@ -244,6 +244,14 @@ impl From<&wire::Request> for Io {
 /// can act on: malformed, then not permitted, then too large, then misaligned, then out of
 /// range, then not supported by the backend.
 pub fn validate(export: &Export, io: &Io, io_bytes_max: u32) -> Result<(), Status> {
+    validate_sized(export, io, io_bytes_max, export.block_bytes)
+}
+
+/// [`validate`] against a block of `block_bytes` instead of the export's (a power of two no
+/// larger than it): an NBD client that did not agree to block sizes may use any byte
+/// alignment, which every backend takes.
+pub fn validate_sized(export: &Export, io: &Io, io_bytes_max: u32, block_bytes: u32) -> Result<(), Status> {
+    debug_assert!(block_bytes.is_power_of_two() && block_bytes <= export.block_bytes);
     let b = &export.backend;
     if io.opcode == Opcode::Flush {
         if io.offset != 0 || io.length != 0 {
@@ -261,7 +269,7 @@ pub fn validate(export: &Export, io: &Io, io_bytes_max: u32) -> Result<(), Statu
     if carries_data && io.length > io_bytes_max {
         return Err(Status::TooLarge);
     }
-    let block = u64::from(export.block_bytes);
+    let block = u64::from(block_bytes);
     if !io.offset.is_multiple_of(block) || u64::from(io.length) % block != 0 {
         return Err(Status::Misaligned);
     }

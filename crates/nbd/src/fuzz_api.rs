@@ -207,6 +207,7 @@ fn fuzz_sessions() -> Vec<Session> {
             .exports()
             .get(export_index)
             .map_or(0, |e| e.transmission_flags(structured_replies)),
+        sizes_agreed: structured_replies,
     };
     vec![session(0, false), session(0, true), session(1, true)]
 }

@@ -101,6 +101,10 @@ pub struct Session {
     pub base_allocation_id: Option<u32>,
     /// As sent to the client; [`crate::check_request`] enforces them.
     pub transmission_flags: u16,
+    /// The client asked for `NBD_INFO_BLOCK_SIZE` in its `GO`, and so must keep to the block
+    /// sizes it was sent. Otherwise (`EXPORT_NAME`, or `GO` without that request) the spec's
+    /// defaults hold: any byte alignment, and payloads up to [`crate::DEFAULT_PAYLOAD_MAX`].
+    pub sizes_agreed: bool,
 }
 
 /// The outcome of one [`Handshake::handle`] call. `consumed` counts bytes of the input given
@@ -394,7 +398,10 @@ impl Handshake {
         if request.description_wanted && !export.description.is_empty() {
             put_info_string(out, option, info::DESCRIPTION, &export.description);
         }
-        if request.block_size_wanted || !export.has_default_block_sizes() {
+        // Sent to a client that asks, which then keeps to it. One that does not ask gets the
+        // spec's default sizes, which the target serves whatever the export's own (the
+        // engine splits or patches what the backend cannot take as it is).
+        if request.block_size_wanted {
             put_reply(out, option, rep::INFO, 14);
             out.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
             for size in [export.block_min, export.block_preferred, export.block_max] {
@@ -402,7 +409,7 @@ impl Handshake {
             }
         }
         put_reply(out, option, rep::ACK, 0);
-        (option == opt::GO).then_some(session)
+        (option == opt::GO).then_some(Session { sizes_agreed: request.block_size_wanted, ..session })
     }
 
     fn handle_structured_reply(&mut self, data: &[u8], out: &mut Vec<u8>) {
@@ -453,6 +460,7 @@ impl Handshake {
             structured_replies: self.structured_replies,
             base_allocation_id: selected.then_some(BASE_ALLOCATION_ID),
             transmission_flags: export.transmission_flags(self.structured_replies),
+            sizes_agreed: false,
         }
     }
 }

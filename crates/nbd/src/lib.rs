@@ -106,6 +106,10 @@ pub const REQUEST_LEN: usize = 28;
 pub const SIMPLE_REPLY_LEN: usize = 16;
 /// Bytes of a structured reply chunk header (the payload follows).
 pub const CHUNK_HEADER_LEN: usize = 20;
+/// The largest READ or WRITE payload a client that did not agree to block sizes may send: the
+/// spec's default maximum (at least 2^25 bytes). Such a client may also use any byte
+/// alignment.
+pub const DEFAULT_PAYLOAD_MAX: u32 = 1 << 25;
 /// A WRITE payload shorter than this is never treated as a denial of service (the spec's
 /// portability floor, 32 MiB), even when it exceeds the export's `block_max`: the driver
 /// discards it and answers `EINVAL`. Above both, the driver may disconnect instead.

@@ -411,6 +411,7 @@ mod tests {
             structured_replies: structured,
             base_allocation_id: context.then_some(1),
             transmission_flags: tflags::HAS_FLAGS | transmission_flags,
+            sizes_agreed: false,
         }
     }
 

@@ -62,7 +62,13 @@ const NO_ZEROES: &str = "00000003";
 const FIXED_ONLY: &str = "00000001";
 
 fn session(export_index: usize, structured_replies: bool, id: Option<u32>, flags: u16) -> Session {
-    Session { export_index, structured_replies, base_allocation_id: id, transmission_flags: flags }
+    Session {
+        export_index,
+        structured_replies,
+        base_allocation_id: id,
+        transmission_flags: flags,
+        sizes_agreed: false,
+    }
 }
 
 // ---- Handshake ----
@@ -143,7 +149,9 @@ fn info_then_go_with_block_size() {
     let client = cat(&[&hex(NO_ZEROES), &ask("00000006"), &ask("00000007")]);
     let t = run(&client);
     assert_eq!(t.replies, cat(&[&answer("00000006"), &answer("00000007")]));
-    assert_eq!(t.end, End::Done { consumed: 56, session: session(1, false, None, 0x0007) });
+    // A GO that asked for block sizes binds the client to them.
+    let agreed = Session { sizes_agreed: true, ..session(1, false, None, 0x0007) };
+    assert_eq!(t.end, End::Done { consumed: 56, session: agreed });
 }
 
 #[test]

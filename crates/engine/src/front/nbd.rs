@@ -128,7 +128,7 @@ impl NbdConn {
     /// Handle everything complete in the receive buffer.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
         let mut laps = Laps::start(host);
-        while !*link.closing {
+        while !*link.closing && !link.backlogged() {
             let progressed = match &mut self.state {
                 State::Negotiating(_) => self.negotiate(link),
                 State::Transmitting { .. } => self.transmit(link, host, &mut laps),
@@ -203,10 +203,9 @@ impl NbdConn {
             link.protocol_error("NBD export vanished");
             return false;
         };
-        let io_bytes_max = host.io_bytes_max();
         let verdict = nbd::check_request(&req, &session)
             .map_err(Refusal::Errno)
-            .and_then(|()| validate(export, &req, io_bytes_max));
+            .and_then(|()| validate(export, &req, &session, host.io_bytes_max()));
         if req.cmd == Cmd::Write {
             let payload = req.length as usize;
             if let Err(refusal) = verdict {
@@ -465,8 +464,12 @@ fn io_of(req: &Request, opcode: Opcode) -> Io {
     Io { opcode, flags, offset, length }
 }
 
-/// The export's checks for commands the engine executes; range checks for the others.
-fn validate(export: &Export, req: &Request, io_bytes_max: u32) -> Result<(), Refusal> {
+/// The export's checks for commands the engine executes; range checks for the others. A
+/// client that agreed to block sizes is held to the export's block and the target's largest
+/// I/O; one that did not gets the spec's defaults: any byte alignment (every backend takes
+/// it, a file through a read-modify-write of its partial blocks) and payloads up to
+/// [`nbd::DEFAULT_PAYLOAD_MAX`], or the target's largest I/O if that is more.
+fn validate(export: &Export, req: &Request, session: &Session, io_bytes_max: u32) -> Result<(), Refusal> {
     let opcode = match req.cmd {
         Cmd::Read => Opcode::Read,
         Cmd::Write => Opcode::Write,
@@ -480,7 +483,12 @@ fn validate(export: &Export, req: &Request, io_bytes_max: u32) -> Result<(), Ref
         }
         Cmd::Disc | Cmd::Unknown(_) => return Ok(()),
     };
-    crate::validate(export, &io_of(req, opcode), io_bytes_max).map_err(Refusal::Status)?;
+    let (block_bytes, io_bytes_max) = if session.sizes_agreed {
+        (export.block_size(), io_bytes_max)
+    } else {
+        (1, io_bytes_max.max(nbd::DEFAULT_PAYLOAD_MAX))
+    };
+    crate::validate_sized(export, &io_of(req, opcode), io_bytes_max, block_bytes).map_err(Refusal::Status)?;
     if req.flags.contains(CmdFlags::FAST_ZERO) && !export.backend.capabilities().fast_zero {
         return Err(Refusal::Status(Status::Unsupported));
     }
