@@ -107,14 +107,19 @@ pub struct Held<'a> {
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
-        for s in 0..STRIPES {
-            if self.exclusive & 1 << s != 0 {
-                self.locks.stripes[s].unlock(true);
-            } else if self.shared & 1 << s != 0 {
-                self.locks.stripes[s].unlock(false);
-            }
+        for s in stripes_in(self.exclusive | self.shared) {
+            self.locks.stripes[s].unlock(self.exclusive & 1 << s != 0);
         }
     }
+}
+
+/// The stripes whose bits are set in `mask`, lowest first.
+fn stripes_in(mut mask: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let s = mask.trailing_zeros() as usize;
+        mask &= mask.checked_sub(1)?;
+        Some(s)
+    })
 }
 
 impl BlockLocks {
@@ -138,10 +143,8 @@ impl BlockLocks {
             (first..=last).fold(0u64, |m, b| m | stripe(b))
         };
         let shared = touched & !exclusive;
-        for s in 0..STRIPES {
-            if touched & 1 << s != 0 {
-                self.stripes[s].lock(exclusive & 1 << s != 0);
-            }
+        for s in stripes_in(touched) {
+            self.stripes[s].lock(exclusive & 1 << s != 0);
         }
         Held { locks: self, shared, exclusive }
     }
@@ -150,6 +153,13 @@ impl BlockLocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stripes_come_out_of_a_mask_lowest_first() {
+        assert_eq!(stripes_in(0).count(), 0);
+        assert_eq!(stripes_in(1 << 5 | 1 << 63 | 1).collect::<Vec<_>>(), [0, 5, 63]);
+        assert_eq!(stripes_in(u64::MAX).count(), 64);
+    }
 
     #[test]
     fn partial_blocks_are_exclusive_and_whole_ones_shared() {

@@ -250,6 +250,7 @@ pub fn validate(export: &Export, io: &Io, io_bytes_max: u32) -> Result<(), Statu
 /// [`validate`] against a block of `block_bytes` instead of the export's (a power of two no
 /// larger than it): an NBD client that did not agree to block sizes may use any byte
 /// alignment, which every backend takes.
+#[inline]
 pub fn validate_sized(export: &Export, io: &Io, io_bytes_max: u32, block_bytes: u32) -> Result<(), Status> {
     debug_assert!(block_bytes.is_power_of_two() && block_bytes <= export.block_bytes);
     let b = &export.backend;
