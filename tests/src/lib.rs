@@ -142,30 +142,40 @@ pub fn tool(name: &str, package: &str) -> std::process::Command {
 /// [`run_ok`], but a command still running after `limit` is killed and fails the test: a
 /// guard against a hang (a target that stalls), far above the time the command needs.
 pub fn run_ok_within(cmd: &mut std::process::Command, limit: Duration) -> String {
+    use std::io::Read;
     use std::process::Stdio;
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("run tool");
+    // Drain both pipes as the child writes, so that a chatty child never blocks on them.
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_end(&mut out);
+            }
+            String::from_utf8_lossy(&out).into_owned()
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
     let started = std::time::Instant::now();
-    while child.try_wait().expect("wait for tool").is_none() {
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for tool") {
+            break status;
+        }
         if started.elapsed() > limit {
             let _ = child.kill();
-            let out = child.wait_with_output().expect("reap tool");
+            let _ = child.wait();
             panic!(
                 "{:?} still running after {limit:?} (the target stalled?)\nstdout: {}\nstderr: {}",
                 cmd.get_program(),
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
+                stdout.join().unwrap_or_default(),
+                stderr.join().unwrap_or_default()
             );
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("reap tool");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\nstdout: {stdout}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    };
+    let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
+    assert!(status.success(), "{cmd:?} failed: {status}\nstdout: {stdout}\nstderr: {stderr}");
     stdout
 }
 

@@ -70,7 +70,16 @@ fn connect_small(addr: &str) -> TcpStream {
     socket.connect(&addr.into()).unwrap();
     let s: TcpStream = socket.into();
     s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    s.set_write_timeout(Some(TIMEOUT)).unwrap();
     s
+}
+
+/// Block until the first byte of a reply is there (the read timeout guards a silent target; a
+/// closed connection fails the test rather than spinning).
+fn wait_for_reply(s: &TcpStream) {
+    let mut first = [0u8; 1];
+    let n = s.peek(&mut first).expect("the reply starts before the timeout");
+    assert_eq!(n, 1, "the target closed the connection");
 }
 
 /// Read one simple reply whose data is `data_len` bytes; returns (cookie, error).
@@ -96,8 +105,7 @@ fn nbd_write_behind_an_unread_reply_is_answered() {
         let mut s = nbd_client(&t);
         s.write_all(&nbd_request(0, 0, 1, 0, READ_BYTES, &[])).unwrap();
         // The reply has started to come: the target holds most of it, over its backlog bound.
-        let mut first = [0u8; 1];
-        while s.peek(&mut first).unwrap() == 0 {}
+        wait_for_reply(&s);
         let payload = vec![round as u8; WRITE_BYTES];
         s.write_all(&nbd_request(1, 0, 2, 16 << 20, WRITE_BYTES as u32, &payload)).unwrap();
         // Let the target see the WRITE arrive while it is over its bound.
@@ -130,8 +138,7 @@ fn native_caravan_behind_an_unread_reply_is_answered() {
             })
             .collect();
         peer.send(&skiff_tests::caravan(&reads, &[]));
-        let mut first = [0u8; 1];
-        while peer.stream.peek(&mut first).unwrap() == 0 {}
+        wait_for_reply(&peer.stream);
         let write = Request {
             tag: 100,
             opcode: Opcode::Write,

@@ -90,8 +90,9 @@ pub struct FileBackend {
     /// `None` when opened read-only, which is what makes a backend read-only.
     write_fds: Option<WriteFds>,
     counters: AtomicCounters,
-    /// Set once the first `EINVAL` from an `O_DIRECT` request has been logged.
-    direct_fallback_logged: AtomicBool,
+    /// The kernel refused an `O_DIRECT` request (`EINVAL`): every request goes through the
+    /// page cache from then on.
+    direct_refused: AtomicBool,
     /// Orders read-modify-writes against the writes they overlap (with `O_DIRECT` only).
     locks: BlockLocks,
     /// Where `O_DIRECT` ends: the size rounded down to whole 4 KiB blocks.
@@ -137,11 +138,20 @@ fn open_fd(path: &Path, write: bool, flags: i32) -> io::Result<File> {
     OpenOptions::new().read(true).write(write).custom_flags(flags).open(path)
 }
 
-/// Run `f` on this thread's bounce buffer, grown to at least `len_bytes`. `None` when the
-/// buffer cannot be had (allocation failure), in which case the caller goes buffered.
-fn with_bounce<R>(len_bytes: usize, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+/// Bounce buffers up to this size are kept per thread for reuse; a larger request (a 32 MiB
+/// write from an NBD client without block sizes) gets one of its own, freed after it.
+const BOUNCE_KEEP_BYTES: usize = 1 << 20;
+
+/// Run `f` on an aligned bounce buffer of `len_bytes`: this thread's, grown as needed, or a
+/// fresh one past [`BOUNCE_KEEP_BYTES`]. An allocation failure is an error (`ENOMEM`), never a
+/// quiet fall back to the page cache.
+fn with_bounce<R>(len_bytes: usize, f: impl FnOnce(&mut [u8]) -> io::Result<R>) -> io::Result<R> {
+    if len_bytes > BOUNCE_KEEP_BYTES {
+        let mut buf = AlignedBuf::new(len_bytes)?;
+        return f(&mut buf[..len_bytes]);
+    }
     BOUNCE.with(|cell| {
-        let mut slot = cell.try_borrow_mut().ok()?;
+        let mut slot = cell.try_borrow_mut().map_err(|_| io::Error::other("bounce buffer in use"))?;
         let too_small = match slot.as_ref() {
             Some(buf) => buf.len() < len_bytes,
             None => true,
@@ -149,10 +159,10 @@ fn with_bounce<R>(len_bytes: usize, f: impl FnOnce(&mut [u8]) -> R) -> Option<R>
         if too_small {
             // Drop the old buffer first so peak memory is one buffer, not two.
             *slot = None;
-            *slot = Some(AlignedBuf::new(len_bytes).ok()?);
+            *slot = Some(AlignedBuf::new(len_bytes)?);
         }
-        let buf = slot.as_mut()?;
-        Some(f(&mut buf[..len_bytes]))
+        let buf = slot.as_mut().expect("just made");
+        f(&mut buf[..len_bytes])
     })
 }
 
@@ -183,51 +193,32 @@ impl FileBackend {
             direct,
             write_fds,
             counters: AtomicCounters::default(),
-            direct_fallback_logged: AtomicBool::new(false),
+            direct_refused: AtomicBool::new(false),
             locks: BlockLocks::default(),
             direct_end: size_bytes - size_bytes % BLOCK,
         })
     }
 
-    /// True when `O_DIRECT` is in use for aligned requests on this file.
+    /// True when `O_DIRECT` is in use on this file.
     pub fn uses_direct_io(&self) -> bool {
-        self.direct.is_some()
+        self.direct_fd().is_some()
     }
 
-    /// Try `io` on an `O_DIRECT` descriptor. `Ok(true)` means done; `Ok(false)` means the
-    /// caller must do it buffered (no direct path, no bounce buffer, or the kernel refused
-    /// with `EINVAL`).
-    fn try_direct(
-        &self,
-        fd: Option<&File>,
-        io: impl FnOnce(&File) -> io::Result<Option<()>>,
-    ) -> io::Result<bool> {
-        let Some(fd) = fd else { return Ok(false) };
-        match io(fd) {
-            Ok(Some(())) => {
-                bump(&self.counters.direct_ios);
-                Ok(true)
-            }
-            Ok(None) => Ok(false),
-            Err(err) if err.raw_os_error() == Some(libc::EINVAL) => {
-                self.log_direct_fallback(&err);
-                Ok(false)
-            }
-            Err(err) => Err(err),
-        }
+    /// The `O_DIRECT` descriptor, unless the file has none or the kernel refused it once.
+    fn direct_fd(&self) -> Option<&File> {
+        self.direct.as_ref().filter(|_| !self.direct_refused.load(Ordering::Relaxed))
     }
 
     /// Read `buf` at `offset` through `fd` (`O_DIRECT`), on whatever route its alignment
-    /// needs. `None`: no bounce buffer could be had.
-    fn read_direct(fd: &File, buf: &mut [u8], offset: u64) -> io::Result<Option<()>> {
+    /// needs.
+    fn read_direct(fd: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
         match route(offset, buf.len(), buf.as_ptr() as usize) {
-            Route::Direct => fd.read_exact_at(buf, offset).map(Some),
+            Route::Direct => fd.read_exact_at(buf, offset),
             Route::Bounce => with_bounce(buf.len(), |bounce| {
                 fd.read_exact_at(bounce, offset)?;
                 buf.copy_from_slice(bounce);
                 Ok(())
-            })
-            .transpose(),
+            }),
             Route::Span => {
                 let (start, len) = span(offset, buf.len());
                 let at = (offset - start) as usize;
@@ -236,23 +227,20 @@ impl FileBackend {
                     buf.copy_from_slice(&bounce[at..at + buf.len()]);
                     Ok(())
                 })
-                .transpose()
             }
         }
     }
 
-    /// Write `buf` at `offset` through `fd` (`O_DIRECT`): whole blocks under shared locks, or a
-    /// read-modify-write of the blocks it covers in part, held exclusively from the read to
-    /// the write-back. `None`: no bounce buffer could be had.
-    fn write_direct(&self, fd: &File, buf: &[u8], offset: u64) -> io::Result<Option<()>> {
-        let _held = self.locks.write(offset, buf.len() as u64);
+    /// Write `buf` at `offset` through `fd` (`O_DIRECT`): as it is, through the bounce buffer,
+    /// or as a read-modify-write of the blocks it covers in part. The caller holds the blocks'
+    /// locks.
+    fn write_direct(fd: &File, buf: &[u8], offset: u64) -> io::Result<()> {
         match route(offset, buf.len(), buf.as_ptr() as usize) {
-            Route::Direct => fd.write_all_at(buf, offset).map(Some),
+            Route::Direct => fd.write_all_at(buf, offset),
             Route::Bounce => with_bounce(buf.len(), |bounce| {
                 bounce.copy_from_slice(buf);
                 fd.write_all_at(bounce, offset)
-            })
-            .transpose(),
+            }),
             Route::Span => {
                 let (start, len) = span(offset, buf.len());
                 let at = (offset - start) as usize;
@@ -268,43 +256,76 @@ impl FileBackend {
                     bounce[at..at + buf.len()].copy_from_slice(buf);
                     fd.write_all_at(bounce, start)
                 })
-                .transpose()
             }
         }
     }
 
-    fn log_direct_fallback(&self, err: &io::Error) {
-        if !self.direct_fallback_logged.swap(true, Ordering::Relaxed) {
+    /// The kernel refused an `O_DIRECT` request: from now on every request of this file goes
+    /// through the page cache (mixing the two per request is what the block locks exist to
+    /// keep safe, and a refusal says the paths cannot be trusted to agree).
+    fn refuse_direct(&self, err: &io::Error) {
+        if !self.direct_refused.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 path = %self.path.display(),
                 error = %err,
-                "O_DIRECT request refused; retrying such requests through the page cache"
+                "O_DIRECT request refused; this file goes through the page cache from now on"
             );
         }
     }
 
     /// One write on the FUA (`O_DSYNC`) or ordinary descriptors; range already checked.
     fn write_checked(&self, fds: &WriteFds, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
-        let (direct, buffered) = if fua {
-            (fds.dsync_direct.as_ref(), &fds.dsync_buffered)
-        } else {
-            (self.direct.as_ref(), &self.buffered)
-        };
         // Bytes past the last whole 4 KiB block only the page cache can reach.
         let (head, tail) =
             buf.split_at(self.direct_end.saturating_sub(offset).min(buf.len() as u64) as usize);
-        if !head.is_empty() && !self.try_direct(direct, |fd| self.write_direct(fd, head, offset))? {
-            buffered.write_all_at(head, offset)?;
-            bump(&self.counters.buffered_ios);
+        if !head.is_empty() {
+            self.write_head(fds, head, offset, fua)?;
         }
         if !tail.is_empty() {
-            buffered.write_all_at(tail, offset + head.len() as u64)?;
+            let fd = if fua { &fds.dsync_buffered } else { &self.buffered };
+            fd.write_all_at(tail, offset + head.len() as u64)?;
             bump(&self.counters.buffered_ios);
         }
         if fua {
             bump(&self.counters.dsync_writes);
         }
         Ok(())
+    }
+
+    /// A write inside the whole 4 KiB blocks. On a file with `O_DIRECT` it holds the locks of
+    /// the blocks it touches for all of it, whichever path it takes, so that no
+    /// read-modify-write of another request overlaps it.
+    fn write_head(&self, fds: &WriteFds, head: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        let buffered = if fua { &fds.dsync_buffered } else { &self.buffered };
+        let _held = self.direct.is_some().then(|| self.locks.write(offset, head.len() as u64));
+        let Some(direct) = self.direct_fd() else {
+            buffered.write_all_at(head, offset)?;
+            bump(&self.counters.buffered_ios);
+            return Ok(());
+        };
+        // FUA: the O_DSYNC|O_DIRECT descriptor, or a plain direct write then fdatasync.
+        let (fd, sync_after) = match (fua, fds.dsync_direct.as_ref()) {
+            (true, Some(d)) => (d, false),
+            (true, None) => (direct, true),
+            (false, _) => (direct, false),
+        };
+        match Self::write_direct(fd, head, offset) {
+            Ok(()) => {
+                bump(&self.counters.direct_ios);
+                if sync_after {
+                    self.buffered.sync_data()?;
+                    bump(&self.counters.syncs);
+                }
+                Ok(())
+            }
+            Err(err) if err.raw_os_error() == Some(libc::EINVAL) => {
+                self.refuse_direct(&err);
+                buffered.write_all_at(head, offset)?;
+                bump(&self.counters.buffered_ios);
+                Ok(())
+            }
+            Err(err) => Err(err),
+        }
     }
 
     fn writable(&self) -> Result<&WriteFds> {
@@ -393,11 +414,22 @@ impl Backend for FileBackend {
         }
         let split = self.direct_end.saturating_sub(offset).min(buf.len() as u64) as usize;
         let (head, tail) = buf.split_at_mut(split);
-        if !head.is_empty()
-            && !self.try_direct(self.direct.as_ref(), |fd| Self::read_direct(fd, head, offset))?
-        {
-            self.buffered.read_exact_at(head, offset)?;
-            bump(&self.counters.buffered_ios);
+        if !head.is_empty() {
+            let direct = match self.direct_fd().map(|fd| Self::read_direct(fd, head, offset)) {
+                Some(Ok(())) => true,
+                Some(Err(err)) if err.raw_os_error() == Some(libc::EINVAL) => {
+                    self.refuse_direct(&err);
+                    false
+                }
+                Some(Err(err)) => return Err(err.into()),
+                None => false,
+            };
+            if direct {
+                bump(&self.counters.direct_ios);
+            } else {
+                self.buffered.read_exact_at(head, offset)?;
+                bump(&self.counters.buffered_ios);
+            }
         }
         if !tail.is_empty() {
             self.buffered.read_exact_at(tail, offset + split as u64)?;
@@ -505,14 +537,18 @@ mod tests {
 
     #[test]
     fn bounce_buffer_grows_and_is_reused() {
-        let first = with_bounce(ALIGN_BYTES, |b| (b.as_ptr() as usize, b.len())).unwrap();
+        let first = with_bounce(ALIGN_BYTES, |b| Ok((b.as_ptr() as usize, b.len()))).unwrap();
         assert_eq!(first.0 % ALIGN_BYTES, 0);
         assert_eq!(first.1, ALIGN_BYTES);
-        let grown = with_bounce(4 * ALIGN_BYTES, |b| b.len()).unwrap();
+        let grown = with_bounce(4 * ALIGN_BYTES, |b| Ok(b.len())).unwrap();
         assert_eq!(grown, 4 * ALIGN_BYTES);
         // A smaller request reuses the grown buffer rather than shrinking it.
-        let again = with_bounce(ALIGN_BYTES, |b| b.len()).unwrap();
+        let again = with_bounce(ALIGN_BYTES, |b| Ok(b.len())).unwrap();
         assert_eq!(again, ALIGN_BYTES);
+        BOUNCE.with(|cell| assert_eq!(cell.borrow().as_ref().unwrap().len(), 4 * ALIGN_BYTES));
+        // A large one is made for the request and not kept.
+        let big = with_bounce(BOUNCE_KEEP_BYTES + ALIGN_BYTES, |b| Ok(b.len())).unwrap();
+        assert_eq!(big, BOUNCE_KEEP_BYTES + ALIGN_BYTES);
         BOUNCE.with(|cell| assert_eq!(cell.borrow().as_ref().unwrap().len(), 4 * ALIGN_BYTES));
     }
 

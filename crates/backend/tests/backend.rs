@@ -379,7 +379,14 @@ fn check_byte_ranges(backend: &dyn Backend) {
 fn file_takes_byte_ranges_at_any_alignment() {
     let dir = scratch_dir();
     let path = sized_file(dir.path(), "bytes.img", 4 * MIB);
-    check_byte_ranges(&FileBackend::open(&path, false).unwrap());
+    let supported = direct_io_supported(&path);
+    let file = FileBackend::open(&path, false).unwrap();
+    check_byte_ranges(&file);
+    let c = file.counters();
+    assert_eq!(c.direct_ios > 0, supported, "the direct path was used where O_DIRECT works: {c:?}");
+    if supported {
+        assert_eq!(c.buffered_ios, 0, "nothing went through the page cache: {c:?}");
+    }
     // A size that ends 512 bytes into a 4 KiB block: its last block only the page cache
     // reaches, and a write across that boundary is split.
     let ragged = sized_file(dir.path(), "ragged.img", 4 * MIB + 512);
@@ -431,6 +438,10 @@ fn file_patches_of_one_block_never_lose_a_write() {
     for t in threads {
         t.join().unwrap();
     }
+    assert!(
+        !direct_io_supported(&path) || file.counters().direct_ios > 0,
+        "O_DIRECT works here, so the read-modify-writes must have gone through it"
+    );
     for w in 0..WRITERS {
         let last = (w * ROUNDS + ROUNDS - 1) as u8;
         for block in 0..4u64 {

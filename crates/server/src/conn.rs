@@ -79,7 +79,10 @@ impl TxBuf {
     pub fn reserve(&mut self, n: usize) -> Range<usize> {
         let start = self.len;
         if start + n > self.buf.len() {
-            self.buf.resize((start + n).next_power_of_two(), 0);
+            // Powers of two while small; exactly what is asked past 1 MiB (a 32 MiB read from
+            // a file must not zero-fill 64 MiB).
+            let want = start + n;
+            self.buf.resize(if want <= 1 << 20 { want.next_power_of_two() } else { want }, 0);
         }
         self.len += n;
         start..self.len
@@ -251,7 +254,7 @@ impl TxBuf {
 
     /// Give back a reply buffer grown past [`TX_IDLE_BYTES`], when nothing is queued.
     pub fn shrink_idle(&mut self) {
-        if self.pending() == 0 && self.buf.len() > TX_IDLE_BYTES {
+        if self.pending() == 0 && (self.buf.len() > TX_IDLE_BYTES || self.spare.capacity() > TX_IDLE_BYTES) {
             self.buf = vec![0; TX_IDLE_BYTES];
             self.spare = Vec::new();
             self.reset();
@@ -564,6 +567,9 @@ impl<S: ConnStream> Conn<S> {
             let started = Instant::now();
             self.process(shared, stats, backlog_max);
             bump(&stats.stage_exec_ns, nanos(started.elapsed()));
+            if self.starttls && !self.upgrade(shared, stats) {
+                return if self.closing { ReadOutcome::Closed } else { ReadOutcome::Drained };
+            }
         }
         for _ in 0..shared.config.bounds.reads_per_pass {
             if self.closing {
@@ -723,9 +729,11 @@ impl<S: ConnStream> Conn<S> {
             self.tls_closed = true;
             self.stream.close_tls();
         }
-        if flushed.is_ok() && self.stream.pending_send() {
-            // Ciphertext the socket refused earlier: an empty send only flushes it.
-            flushed = self.stream.send(&[]);
+        if let (Ok(sent), true) = (&flushed, self.stream.pending_send()) {
+            // Ciphertext the socket refused earlier: an empty send only flushes it (and counts
+            // no plaintext bytes of its own).
+            let sent = *sent;
+            flushed = self.stream.send(&[]).map(|_| sent);
         }
         bump(&stats.stage_send_ns, nanos(started.elapsed()));
         match flushed {

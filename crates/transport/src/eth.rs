@@ -723,8 +723,16 @@ impl FrameIo for EthStream {
     }
 
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let n = self.split.write(&mut self.stream, bufs);
+        let mut n = self.split.write(&mut self.stream, bufs);
         self.drive()?;
+        if n == 0 && !bufs.iter().all(|b| b.is_empty()) {
+            // Driving may have taken acknowledgements that opened the window: try once more,
+            // or the caller would wait for an event that the arrivals already spent.
+            n = self.split.write(&mut self.stream, bufs);
+            if n > 0 {
+                self.drive()?;
+            }
+        }
         if n > 0 || bufs.iter().all(|b| b.is_empty()) {
             return Ok(n);
         }
