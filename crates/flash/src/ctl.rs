@@ -1,0 +1,974 @@
+//! The flash controller, sans-I/O: volumes and their maps, the page pool's states, write
+//! groups, garbage collection and checkpoints, as plain data driven by calls.
+//!
+//! The controller never touches a device or the pool's bytes. It answers `get` with what the
+//! caller must do (use a pooled page, read one from flash into a slot, wait), hands out write
+//! groups to write (`writeback`, `gc_writeback`) and learns their fate (`written`), and turns
+//! device images into plans (`gc_scan`, recovery in `recover`). The driver (`engine`) holds
+//! it behind one lock and does the I/O in between; the simulator drives it over a faulty
+//! device.
+//!
+//! Durability follows the log: every change to a map is a record in a write group (data
+//! writes and moves carry their page; trims and volume changes ride in the next group), and
+//! replay after a crash applies the groups after the last checkpoint in sequence order. A
+//! write is durable once a device sync covers its group; `flush` and FUA writes wait for
+//! that, and for every group issued before theirs, so a durable group never follows one that
+//! might be lost (recovery reads each segment's groups as a chain and stops at the first gap).
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::layout::{CkptRef, GroupHeader, Pba, Record, SegmentHeader, NAME_MAX, PAGE};
+use crate::map::{Map, VolMap, LEAF_PAGES};
+use crate::pool::{Pool, SlotId, SlotState};
+use crate::space::{Grant, Space, State, Stream, VictimPolicy};
+use crate::FlashError;
+
+pub type VolId = u32;
+
+/// What the controller is told at start.
+#[derive(Debug, Clone, Copy)]
+pub struct Config {
+    /// DRAM pages in the pool.
+    pub pool_pages: u32,
+    /// Hot, cold and GC streams; off: one stream for everything.
+    pub segregation: bool,
+    pub policy: VictimPolicy,
+    /// A user write to a page last written within this many user page writes goes to the hot
+    /// stream.
+    pub hot_window_pages: u64,
+    /// Most data pages in one write group.
+    pub group_pages_max: u32,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            pool_pages: 16384,
+            segregation: true,
+            policy: VictimPolicy::Greedy,
+            hot_window_pages: 1 << 16,
+            group_pages_max: 128,
+        }
+    }
+}
+
+/// How a page is wanted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    /// To overwrite every byte of it.
+    WriteWhole,
+    /// To overwrite some of it: the rest must be there first.
+    WritePart,
+}
+
+/// What `get` asks of the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Got {
+    /// The page is in `slot`, pinned: use its bytes, then `put`.
+    Ready(SlotId),
+    /// The page is in `slot`, pinned, with no valid bytes: fill all of it (zeroes first for a
+    /// partial write), then `put` dirty.
+    Fresh(SlotId),
+    /// Never written (or trimmed): it reads as zeroes. Nothing is pinned.
+    Zero,
+    /// Read `pba` into `slot` (pinned), then `fetched`.
+    Fetch { slot: SlotId, pba: Pba },
+    /// Another user is fetching or filling it: wait for that, then ask again.
+    Busy,
+    /// Not in the pool and no slot to be had (every one is pinned, dirty or in flight): read
+    /// `pba` straight into the caller's buffer, without caching it.
+    Direct(Pba),
+    /// No slot can be had: write-back must make room first.
+    PoolFull,
+}
+
+/// Where a data page of a write group comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Slot(SlotId),
+    /// A page of the segment image garbage collection read, at this byte offset.
+    Image(usize),
+}
+
+/// A write group to write: the header page at `pba`, its data pages after it.
+#[derive(Debug, Clone)]
+pub struct GroupPlan {
+    pub seq: u64,
+    pub pba: Pba,
+    /// The segment was opened for this group: write its header first (at its page 0).
+    pub opened: Option<SegmentHeader>,
+    /// The header, with every data record's CRC still 0: the driver sets them from the
+    /// bytes it writes (`set_crcs`).
+    pub header: GroupHeader,
+    pub sources: Vec<Source>,
+}
+
+impl GroupPlan {
+    /// Put the data pages' CRCs into their records, in order.
+    pub fn set_crcs(&mut self, crcs: &[u32]) {
+        let mut it = crcs.iter();
+        for r in &mut self.header.records {
+            match r {
+                Record::Write { crc, .. } | Record::Move { crc, .. } => {
+                    *crc = *it.next().expect("a CRC per data page")
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// A page garbage collection must move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GcMove {
+    pub vol: VolId,
+    pub vpage: u64,
+    pub old: Pba,
+    /// Byte offset of its data in the segment image.
+    pub at: usize,
+}
+
+/// One volume.
+#[derive(Debug)]
+pub struct Volume {
+    pub id: VolId,
+    pub name: String,
+    pub family: u32,
+    pub map: VolMap,
+    pub writable: bool,
+    pub origin: Option<VolId>,
+    /// Pool slots (slot + 1; 0: none) and last-write clocks of its pages, by leaf.
+    meta: Vec<Option<Box<PageMeta>>>,
+}
+
+#[derive(Debug)]
+struct PageMeta {
+    slot: [u32; LEAF_PAGES],
+    /// The user-write clock when each page was last written, shifted by `HEAT_SHIFT`
+    /// (0: never).
+    written: [u16; LEAF_PAGES],
+}
+
+const HEAT_SHIFT: u32 = 6;
+
+/// Bytes of a `Record::Write` in a group header.
+const WRITE_RECORD_BYTES: usize = 17;
+
+impl Volume {
+    fn new(
+        id: VolId,
+        name: String,
+        family: u32,
+        map: VolMap,
+        writable: bool,
+        origin: Option<VolId>,
+    ) -> Volume {
+        let leaves = map.leaves.len();
+        Volume { id, name, family, map, writable, origin, meta: (0..leaves).map(|_| None).collect() }
+    }
+
+    /// A volume read back from a checkpoint (its pool state is empty).
+    pub(crate) fn restored(
+        id: VolId,
+        name: String,
+        family: u32,
+        map: VolMap,
+        writable: bool,
+        origin: Option<VolId>,
+    ) -> Volume {
+        Volume::new(id, name, family, map, writable, origin)
+    }
+
+    fn meta_mut(&mut self, vpage: u64) -> &mut PageMeta {
+        let l = (vpage / LEAF_PAGES as u64) as usize;
+        if self.meta.len() <= l {
+            self.meta.resize_with(l + 1, || None);
+        }
+        self.meta[l]
+            .get_or_insert_with(|| Box::new(PageMeta { slot: [0; LEAF_PAGES], written: [0; LEAF_PAGES] }))
+    }
+
+    fn slot_of(&self, vpage: u64) -> Option<SlotId> {
+        let l = (vpage / LEAF_PAGES as u64) as usize;
+        let m = self.meta.get(l)?.as_ref()?;
+        let s = m.slot[(vpage % LEAF_PAGES as u64) as usize];
+        (s != 0).then(|| s - 1)
+    }
+
+    fn set_slot(&mut self, vpage: u64, slot: Option<SlotId>) {
+        let i = (vpage % LEAF_PAGES as u64) as usize;
+        self.meta_mut(vpage).slot[i] = slot.map_or(0, |s| s + 1);
+    }
+
+    pub fn pages(&self) -> u64 {
+        self.map.pages
+    }
+}
+
+/// What the controller counts (thesis 5.4.6; `vol stats`, metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub user_pages_written: u64,
+    pub gc_pages_moved: u64,
+    /// Every page written to the devices: data, group headers, segment headers, checkpoints.
+    pub device_pages_written: u64,
+    pub device_pages_read: u64,
+    pub groups_written: u64,
+    pub gc_segments_cleaned: u64,
+    pub checkpoints: u64,
+    pub pool_hits: u64,
+    pub pool_misses: u64,
+    pub evictions: u64,
+}
+
+/// The state of the whole array.
+#[derive(Debug)]
+pub struct Controller {
+    pub cfg: Config,
+    pub map: Map,
+    pub space: Space,
+    pub pool: Pool,
+    pub vols: BTreeMap<VolId, Volume>,
+    /// Every volume id ever made, with its family: a deleted volume's records still name it.
+    pub families: HashMap<VolId, u32>,
+    pub next_vol: VolId,
+    pub next_family: u32,
+    /// The next write group's sequence number.
+    pub next_seq: u64,
+    /// Groups handed out and not yet `written`.
+    in_flight: BTreeMap<u64, GroupPlan>,
+    /// Trims and volume changes waiting for the next group.
+    pending: Vec<Record>,
+    /// Every group up to this one is durable.
+    pub durable_seq: u64,
+    /// The last complete checkpoint.
+    pub checkpoint: Option<CkptRef>,
+    /// Segments of the last complete checkpoint (freed when the next one is durable).
+    pub checkpoint_segments: Vec<u32>,
+    /// A device write failed: the array takes no more writes.
+    pub failed: bool,
+    pub counters: Counters,
+}
+
+/// Free segments kept for garbage collection and checkpoints: enough to move the contents
+/// of one victim, to open a segment in every stream, and to write a checkpoint.
+pub fn reserve_for(total_segments: u32) -> u32 {
+    (4 + total_segments / 64).min(total_segments / 2)
+}
+
+impl Controller {
+    /// A fresh, empty array of `segments` segments of `segment_pages` pages.
+    pub fn new(cfg: Config, segments: u32, segment_pages: u32) -> Controller {
+        let mut space = Space::new(segments, segment_pages, reserve_for(segments));
+        space.policy = cfg.policy;
+        Controller {
+            cfg,
+            map: Map::new(segments, segment_pages),
+            space,
+            pool: Pool::new(cfg.pool_pages),
+            vols: BTreeMap::new(),
+            families: HashMap::new(),
+            next_vol: 1,
+            next_family: 1,
+            next_seq: 1,
+            in_flight: BTreeMap::new(),
+            pending: Vec::new(),
+            durable_seq: 0,
+            checkpoint: None,
+            checkpoint_segments: Vec::new(),
+            failed: false,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn segment_pages(&self) -> u32 {
+        self.space.segment_pages
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Volumes
+
+    pub fn find(&self, name: &str) -> Option<&Volume> {
+        self.vols.values().find(|v| v.name == name)
+    }
+
+    pub fn volume(&self, id: VolId) -> Result<&Volume, FlashError> {
+        self.vols.get(&id).ok_or(FlashError::NoSuchVolume)
+    }
+
+    fn check_name(&self, name: &str) -> Result<(), FlashError> {
+        if name.is_empty() || name.len() > NAME_MAX || name.chars().any(|c| c.is_control() || c == '/') {
+            return Err(FlashError::BadName(name.to_owned()));
+        }
+        if self.find(name).is_some() {
+            return Err(FlashError::NameTaken(name.to_owned()));
+        }
+        Ok(())
+    }
+
+    /// A new, empty volume of `pages` pages. The record rides in the next group: the driver
+    /// writes it and syncs before it answers.
+    pub fn create(&mut self, name: &str, pages: u64) -> Result<VolId, FlashError> {
+        self.writable()?;
+        self.check_name(name)?;
+        if pages == 0 {
+            return Err(FlashError::BadSize("a volume needs at least one page".into()));
+        }
+        let (vol, family) = (self.next_vol, self.next_family);
+        self.apply(&Record::Create { vol, family, pages, name: name.to_owned() });
+        self.pending.push(Record::Create { vol, family, pages, name: name.to_owned() });
+        Ok(vol)
+    }
+
+    /// Grow or shrink a volume. Shrinking below what is written is refused unless `discard`.
+    pub fn resize(&mut self, vol: VolId, pages: u64, discard: bool) -> Result<(), FlashError> {
+        self.writable()?;
+        let v = self.volume(vol)?;
+        if pages == 0 {
+            return Err(FlashError::BadSize("a volume needs at least one page".into()));
+        }
+        if pages < v.map.pages && !discard {
+            let written =
+                (pages..v.map.pages).any(|p| self.map.get(&v.map, p) != 0 || v.slot_of(p).is_some());
+            if written {
+                return Err(FlashError::BadSize(format!(
+                    "data is written past page {pages}: shrinking would discard it"
+                )));
+            }
+        }
+        let rec = Record::Resize { vol, pages };
+        self.apply(&rec);
+        self.pending.push(rec);
+        Ok(())
+    }
+
+    /// A read-only snapshot (`writable` false) or a writable clone of `origin`, sharing all
+    /// its pages. The caller wrote back `origin`'s dirty pages first (`writeback` with
+    /// `only_vol`), so the snapshot holds every write acknowledged before it.
+    pub fn snapshot(&mut self, origin: VolId, name: &str, writable: bool) -> Result<VolId, FlashError> {
+        self.writable()?;
+        self.check_name(name)?;
+        let o = self.volume(origin)?;
+        if o.meta.iter().flatten().any(|m| m.slot.iter().any(|&s| s != 0 && self.slot_is_dirty(s - 1))) {
+            return Err(FlashError::Busy("the origin has pages not written back yet"));
+        }
+        let vol = self.next_vol;
+        let rec = Record::Snapshot { vol, origin, writable, name: name.to_owned() };
+        self.apply(&rec);
+        self.pending.push(rec);
+        Ok(vol)
+    }
+
+    fn slot_is_dirty(&self, s: SlotId) -> bool {
+        matches!(
+            self.pool.slot(s).state,
+            SlotState::Dirty | SlotState::WritingBack { .. } | SlotState::Filling
+        )
+    }
+
+    /// Delete a volume. Refused while snapshots of it exist (they are its children: delete
+    /// them first), unless it is itself a snapshot or clone.
+    pub fn delete(&mut self, vol: VolId) -> Result<(), FlashError> {
+        self.writable()?;
+        let v = self.volume(vol)?;
+        let children: Vec<&str> =
+            self.vols.values().filter(|c| c.origin == Some(vol)).map(|c| c.name.as_str()).collect();
+        if !children.is_empty() {
+            return Err(FlashError::HasChildren { name: v.name.clone(), children: children.join(", ") });
+        }
+        let rec = Record::Delete { vol };
+        self.apply(&rec);
+        self.pending.push(rec);
+        Ok(())
+    }
+
+    /// Apply a record's change to the maps and the volume table (live, and in replay).
+    pub fn apply(&mut self, r: &Record) {
+        match r {
+            Record::Create { vol, family, pages, name } => {
+                let v = Volume::new(*vol, name.clone(), *family, VolMap::new(*pages), true, None);
+                self.vols.insert(*vol, v);
+                self.families.insert(*vol, *family);
+                self.next_vol = self.next_vol.max(vol + 1);
+                self.next_family = self.next_family.max(family + 1);
+            }
+            Record::Resize { vol, pages } => {
+                if self.vols.contains_key(vol) {
+                    self.drop_slots(*vol, *pages, u64::MAX);
+                    let v = self.vols.get_mut(vol).expect("checked");
+                    self.map.resize(&mut v.map, *pages);
+                }
+            }
+            Record::Delete { vol } => {
+                if self.vols.contains_key(vol) {
+                    self.drop_slots(*vol, 0, u64::MAX);
+                    let v = self.vols.remove(vol).expect("checked");
+                    self.map.drop_map(v.map);
+                }
+            }
+            Record::Snapshot { vol, origin, writable, name } => {
+                if let Some(o) = self.vols.get(origin) {
+                    let family = o.family;
+                    let map = self.map.share(&o.map);
+                    self.vols
+                        .insert(*vol, Volume::new(*vol, name.clone(), family, map, *writable, Some(*origin)));
+                    self.families.insert(*vol, family);
+                    self.next_vol = self.next_vol.max(vol + 1);
+                }
+            }
+            Record::Trim { vol, vpage, pages } => {
+                if self.vols.contains_key(vol) {
+                    self.drop_slots(*vol, *vpage, *pages);
+                    let v = self.vols.get_mut(vol).expect("checked");
+                    self.map.trim(&mut v.map, *vpage, *pages);
+                }
+            }
+            Record::Write { .. } | Record::Move { .. } => {
+                debug_assert!(false, "data records are applied by `written`")
+            }
+        }
+    }
+
+    /// Let go of the pool slots of `count` pages of `vol` from `first`.
+    fn drop_slots(&mut self, vol: VolId, first: u64, count: u64) {
+        let Some(v) = self.vols.get_mut(&vol) else { return };
+        let end = first.saturating_add(count).min(v.map.pages.max(v.meta.len() as u64 * LEAF_PAGES as u64));
+        let mut p = first;
+        while p < end {
+            let l = (p / LEAF_PAGES as u64) as usize;
+            let Some(Some(m)) = v.meta.get_mut(l) else {
+                p = (l as u64 + 1) * LEAF_PAGES as u64;
+                continue;
+            };
+            let i = (p % LEAF_PAGES as u64) as usize;
+            if m.slot[i] != 0 {
+                let s = m.slot[i] - 1;
+                m.slot[i] = 0;
+                self.pool.discard(s);
+            }
+            p += 1;
+        }
+    }
+
+    // ---------------------------------------------------------------------------------
+    // The data path
+
+    fn writable(&self) -> Result<(), FlashError> {
+        if self.failed {
+            return Err(FlashError::Failed);
+        }
+        Ok(())
+    }
+
+    /// Page `vpage` of `vol`, wanted for `access`. See [`Got`].
+    pub fn get(&mut self, vol: VolId, vpage: u64, access: Access) -> Result<Got, FlashError> {
+        let v = self.vols.get(&vol).ok_or(FlashError::NoSuchVolume)?;
+        if vpage >= v.map.pages {
+            return Err(FlashError::OutOfRange);
+        }
+        if access != Access::Read {
+            self.writable()?;
+            if !v.writable {
+                return Err(FlashError::ReadOnly);
+            }
+        }
+        if let Some(s) = v.slot_of(vpage) {
+            return Ok(match self.pool.slot(s).state {
+                SlotState::Fetching | SlotState::Filling => Got::Busy,
+                SlotState::Clean | SlotState::Dirty | SlotState::WritingBack { .. } => {
+                    self.pool.pin(s);
+                    self.counters.pool_hits += 1;
+                    Got::Ready(s)
+                }
+                SlotState::Free => unreachable!("a volume points at a free slot"),
+            });
+        }
+        let pba = self.map.get(&v.map, vpage);
+        if pba == 0 && access == Access::Read {
+            return Ok(Got::Zero);
+        }
+        if access != Access::Read && !self.has_room_for_one_more() {
+            return Err(FlashError::NoSpace);
+        }
+        let state = match (access, pba) {
+            (Access::WriteWhole, _) | (_, 0) => SlotState::Filling,
+            _ => SlotState::Fetching,
+        };
+        let Some((s, evicted)) = self.pool.take(vol, vpage, state) else {
+            // A read never waits for room: flash holds the newest copy of a page not in the pool.
+            return Ok(if access == Access::Read { Got::Direct(pba) } else { Got::PoolFull });
+        };
+        if let Some((ev_vol, ev_page)) = evicted {
+            self.counters.evictions += 1;
+            if let Some(ev) = self.vols.get_mut(&ev_vol) {
+                ev.set_slot(ev_page, None);
+            }
+        }
+        self.vols.get_mut(&vol).expect("checked").set_slot(vpage, Some(s));
+        self.counters.pool_misses += 1;
+        Ok(if state == SlotState::Fetching { Got::Fetch { slot: s, pba } } else { Got::Fresh(s) })
+    }
+
+    /// The read of a page into `slot` finished (`ok`) or failed; on failure the page leaves
+    /// the pool and the next `get` tries again.
+    pub fn fetched(&mut self, slot: SlotId, ok: bool) {
+        self.counters.device_pages_read += 1;
+        self.pool.fetched(slot, ok);
+        if !ok {
+            let s = *self.pool.slot(slot);
+            if let Some(v) = self.vols.get_mut(&s.vol) {
+                if v.slot_of(s.vpage) == Some(slot) {
+                    v.set_slot(s.vpage, None);
+                }
+            }
+        }
+    }
+
+    /// A user is done with `slot`; `dirtied`: it wrote the page's bytes.
+    pub fn put(&mut self, slot: SlotId, dirtied: bool) {
+        let s = *self.pool.slot(slot);
+        let mut stream = Stream::Hot;
+        if dirtied {
+            self.counters.user_pages_written += 1;
+            let clock = self.counters.user_pages_written;
+            if let Some(v) = self.vols.get_mut(&s.vol) {
+                let m = v.meta_mut(s.vpage);
+                let i = (s.vpage % LEAF_PAGES as u64) as usize;
+                let last = m.written[i];
+                let now = ((clock >> HEAT_SHIFT) as u16).max(1);
+                let window = (self.cfg.hot_window_pages >> HEAT_SHIFT).max(1);
+                let hot = last != 0 && u64::from(now.wrapping_sub(last)) < window;
+                m.written[i] = now;
+                if self.cfg.segregation && !hot {
+                    stream = Stream::Cold;
+                }
+            }
+        }
+        let was_filling = s.state == SlotState::Filling;
+        if self.pool.unpin(slot, dirtied, stream) || (was_filling && !dirtied) {
+            if let Some(v) = self.vols.get_mut(&s.vol) {
+                if v.slot_of(s.vpage) == Some(slot) {
+                    v.set_slot(s.vpage, None);
+                }
+            }
+        }
+    }
+
+    /// Unmap `pages` pages of `vol` from `vpage` (trim, write-zeroes): they read as zeroes.
+    pub fn trim(&mut self, vol: VolId, vpage: u64, pages: u64) -> Result<(), FlashError> {
+        self.writable()?;
+        let v = self.volume(vol)?;
+        if !v.writable {
+            return Err(FlashError::ReadOnly);
+        }
+        if vpage.checked_add(pages).is_none_or(|end| end > v.map.pages) {
+            return Err(FlashError::OutOfRange);
+        }
+        let rec = Record::Trim { vol, vpage, pages };
+        self.apply(&rec);
+        self.pending.push(rec);
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Writing groups
+
+    /// Whether trims or volume changes wait for a group.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Groups handed out and not yet `written`.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// The last sequence number handed out.
+    pub fn last_seq(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    /// A group writing back up to `max` dirty pages (of `only_vol`, if given), with whatever
+    /// trims and volume changes wait. `None`: nothing to write, or no space (see
+    /// [`FlashError::NoSpace`] from `need_space`).
+    pub fn writeback(&mut self, max: u32, only_vol: Option<VolId>) -> Option<GroupPlan> {
+        if self.failed {
+            return None;
+        }
+        let max = max.min(self.cfg.group_pages_max) as usize;
+        // Waiting records first, as many as fit a header with room for one write after them.
+        let mut meta_bytes = 0;
+        let mut meta_count = 0;
+        for r in &self.pending {
+            if meta_bytes + r.encoded_len() > crate::layout::GROUP_RECORDS_BYTES - WRITE_RECORD_BYTES {
+                break;
+            }
+            meta_bytes += r.encoded_len();
+            meta_count += 1;
+        }
+        let room = (crate::layout::GROUP_RECORDS_BYTES - meta_bytes) / WRITE_RECORD_BYTES;
+        let slots = self.pool.take_dirty(max.min(room), None, only_vol);
+        if slots.is_empty() && meta_count == 0 {
+            return None;
+        }
+        let stream = if self.cfg.segregation {
+            slots.first().map_or(Stream::Hot, |&s| self.pool.slot(s).stream)
+        } else {
+            Stream::Hot
+        };
+        let seq = self.next_seq;
+        // A group of records alone (trims, volume changes) may use the reserve: trims free space.
+        let Some(grant) = self.space.grant(stream, slots.len() as u32, seq, slots.is_empty()) else {
+            for &s in &slots {
+                self.pool.written(s, false);
+            }
+            return None;
+        };
+        // The grant may be smaller than asked: give back what does not fit.
+        let fit = (grant.count as usize).min(slots.len());
+        for &s in &slots[fit..] {
+            self.pool.written(s, false);
+        }
+        let mut records: Vec<Record> = self.pending.drain(..meta_count).collect();
+        let mut sources = Vec::with_capacity(fit);
+        for &s in &slots[..fit] {
+            let slot = self.pool.slot(s);
+            records.push(Record::Write { vol: slot.vol, vpage: slot.vpage, crc: 0 });
+            sources.push(Source::Slot(s));
+        }
+        Some(self.issue(seq, grant, records, sources))
+    }
+
+    fn issue(&mut self, seq: u64, grant: Grant, records: Vec<Record>, sources: Vec<Source>) -> GroupPlan {
+        self.next_seq += 1;
+        let pba = grant.segment * self.space.segment_pages + grant.first;
+        let header = GroupHeader { seq, segment: grant.segment, records };
+        debug_assert_eq!(header.data_pages(), sources.len());
+        let plan = GroupPlan { seq, pba, opened: grant.opened, header, sources };
+        self.in_flight.insert(seq, plan.clone());
+        plan
+    }
+
+    /// The group `seq` was written (`ok`) or its write failed. On success its pages are
+    /// mapped (durable once a sync covers `seq`). A failed write fails the array: no more
+    /// writes are taken, and what was acknowledged before stays readable.
+    pub fn written(&mut self, seq: u64, ok: bool) {
+        let Some(plan) = self.in_flight.remove(&seq) else {
+            debug_assert!(false, "group {seq} finished twice");
+            return;
+        };
+        if !ok {
+            self.failed = true;
+            for src in &plan.sources {
+                if let Source::Slot(s) = *src {
+                    self.pool.written(s, false);
+                }
+            }
+            return;
+        }
+        self.counters.groups_written += 1;
+        self.counters.device_pages_written +=
+            1 + plan.sources.len() as u64 + u64::from(plan.opened.is_some());
+        let mut pba = plan.pba;
+        for (r, src) in plan.header.records.iter().filter(|r| r.carries_page()).zip(&plan.sources) {
+            pba += 1;
+            match (r, *src) {
+                (Record::Write { vol, vpage, .. }, Source::Slot(s)) => {
+                    let slot = *self.pool.slot(s);
+                    if !slot.orphan {
+                        if let Some(v) = self.vols.get_mut(vol) {
+                            self.map.set(&mut v.map, *vpage, pba);
+                        }
+                    }
+                    self.pool.written(s, true);
+                }
+                (Record::Move { vol, vpage, old, .. }, _) => {
+                    self.counters.gc_pages_moved += 1;
+                    self.relocate(*vol, *vpage, *old, pba);
+                }
+                _ => debug_assert!(false, "record and source disagree"),
+            }
+        }
+    }
+
+    /// Move page `vpage` of `vol`'s family from `old` to `new` in every map that holds it.
+    pub fn relocate(&mut self, vol: VolId, vpage: u64, old: Pba, new: Pba) {
+        let Some(&family) = self.families.get(&vol) else { return };
+        let members = self.vols.values().filter(|v| v.family == family).map(|v| &v.map);
+        self.map.relocate(members, vpage, old, new);
+    }
+
+    /// A device sync finished after every group up to `seq` completed: they are durable.
+    pub fn durable(&mut self, seq: u64) {
+        self.durable_seq = self.durable_seq.max(seq);
+        self.space.durable(self.durable_seq);
+    }
+
+    /// Every group up to this one has completed (and so a sync now makes them durable).
+    pub fn completed_seq(&self) -> u64 {
+        self.in_flight.keys().next().map_or(self.next_seq - 1, |&first| first - 1)
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Garbage collection
+
+    /// Whether cleaning should run: free segments are at or below the reserve plus a margin.
+    pub fn wants_gc(&self) -> bool {
+        self.space.free_segments() <= self.space.reserve + 2
+    }
+
+    /// The segment to clean next, if any is worth it.
+    pub fn gc_victim(&self) -> Option<u32> {
+        self.space.victim(&self.map)
+    }
+
+    /// The pages still valid in `segment`, found by walking its groups in `image` (the whole
+    /// segment as read from flash). Refuses a segment whose valid pages its groups do not all
+    /// explain: cleaning it would lose data.
+    pub fn gc_scan(
+        &self,
+        segment: u32,
+        image: &[u8],
+        array: &crate::layout::ArrayId,
+    ) -> Result<Vec<GcMove>, FlashError> {
+        let spp = self.space.segment_pages as usize;
+        if image.len() != spp * PAGE {
+            return Err(FlashError::Corrupt("segment image of the wrong size"));
+        }
+        let header = SegmentHeader::parse(array, &image[..PAGE])?;
+        let mut moves = Vec::new();
+        let mut page = 1usize;
+        let mut last_seq = 0;
+        while page < spp {
+            let Ok(g) = GroupHeader::parse(array, &image[page * PAGE..(page + 1) * PAGE]) else { break };
+            if g.segment != segment
+                || g.seq < header.opened_seq
+                || g.seq <= last_seq
+                || page + 1 + g.data_pages() > spp
+            {
+                break;
+            }
+            last_seq = g.seq;
+            let mut data = page + 1;
+            for r in g.records.iter().filter(|r| r.carries_page()) {
+                let pba = segment * spp as u32 + data as u32;
+                let (Record::Write { vol, vpage, .. } | Record::Move { vol, vpage, .. }) = r else {
+                    unreachable!()
+                };
+                if self.map.is_held(pba) {
+                    moves.push(GcMove { vol: *vol, vpage: *vpage, old: pba, at: data * PAGE });
+                }
+                data += 1;
+            }
+            page = data;
+        }
+        if moves.len() as u32 != self.map.valid(segment) {
+            return Err(FlashError::Corrupt("a segment's groups do not account for its valid pages"));
+        }
+        Ok(moves)
+    }
+
+    /// A group moving the next of `moves` (taken from its front).
+    pub fn gc_writeback(&mut self, moves: &mut Vec<GcMove>) -> Option<GroupPlan> {
+        if moves.is_empty() || self.failed {
+            return None;
+        }
+        let stream = if self.cfg.segregation { Stream::Gc } else { Stream::Hot };
+        let seq = self.next_seq;
+        let want = (moves.len() as u32).min(self.cfg.group_pages_max);
+        let grant = self.space.grant(stream, want, seq, true)?;
+        let taken: Vec<GcMove> = moves.drain(..grant.count as usize).collect();
+        let records =
+            taken.iter().map(|m| Record::Move { vol: m.vol, vpage: m.vpage, old: m.old, crc: 0 }).collect();
+        let sources = taken.iter().map(|m| Source::Image(m.at)).collect();
+        Some(self.issue(seq, grant, records, sources))
+    }
+
+    /// Every page of `segment` was moved (by groups up to `last_seq`): free it once they are
+    /// durable.
+    pub fn gc_done(&mut self, segment: u32, last_seq: u64) {
+        self.counters.gc_segments_cleaned += 1;
+        self.space.release(segment, last_seq);
+        self.space.durable(self.durable_seq);
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Space and statistics
+
+    /// Physical pages that hold valid data.
+    pub fn valid_pages(&self) -> u64 {
+        self.map.valid_total()
+    }
+
+    /// Whether one more page may be dirtied: valid pages plus dirty ones must fit in what the
+    /// array holds outside its reserve, or a write acknowledged now could never be stored.
+    pub fn has_room_for_one_more(&self) -> bool {
+        // Outside the reserve and a segment per stream, less a sixteenth for group headers and
+        // the tails of segments that no group fits.
+        let spare = u64::from(self.space.reserve + crate::space::STREAMS as u32 + 1)
+            * u64::from(self.space.segment_pages - 1);
+        let usable = self.capacity_pages().saturating_sub(spare) * 15 / 16;
+        self.valid_pages() + u64::from(self.pool.dirty_count()) < usable
+    }
+
+    /// Pages the array can hold data in (its segments minus their header pages).
+    pub fn capacity_pages(&self) -> u64 {
+        self.space.segs.len() as u64 * u64::from(self.space.segment_pages - 1)
+    }
+
+    /// Device bytes written per user byte written.
+    pub fn write_amplification(&self) -> f64 {
+        let c = &self.counters;
+        if c.user_pages_written == 0 {
+            return 0.0;
+        }
+        c.device_pages_written as f64 / c.user_pages_written as f64
+    }
+
+    /// Whether page `vpage` of `vol` is in the pool.
+    pub fn has_slot(&self, vol: VolId, vpage: u64) -> bool {
+        self.vols.get(&vol).is_some_and(|v| v.slot_of(vpage).is_some())
+    }
+
+    /// Pages allocated to `vol` on flash (its map entries; shared pages counted in full).
+    pub fn allocated_pages(&self, vol: VolId) -> u64 {
+        let Ok(v) = self.volume(vol) else { return 0 };
+        (0..v.map.pages).filter(|&p| self.map.get(&v.map, p) != 0).count() as u64
+    }
+
+    /// Check the controller's invariants (tests and the simulator).
+    pub fn audit(&self) -> Result<(), String> {
+        let maps: Vec<&VolMap> = self.vols.values().map(|v| &v.map).collect();
+        self.map.audit(&maps)?;
+        self.space.audit()?;
+        for (s, seg) in self.space.segs.iter().enumerate() {
+            if matches!(seg.state, State::Free | State::Checkpoint | State::Releasing { .. })
+                && self.map.valid(s as u32) > 0
+            {
+                return Err(format!(
+                    "segment {s} is {:?} but holds {} valid pages",
+                    seg.state,
+                    self.map.valid(s as u32)
+                ));
+            }
+        }
+        for v in self.vols.values() {
+            for (l, m) in v.meta.iter().enumerate() {
+                let Some(m) = m else { continue };
+                for (i, &s) in m.slot.iter().enumerate() {
+                    if s == 0 {
+                        continue;
+                    }
+                    let slot = self.pool.slot(s - 1);
+                    let vpage = (l * LEAF_PAGES + i) as u64;
+                    if slot.vol != v.id || slot.vpage != vpage || slot.orphan || slot.state == SlotState::Free
+                    {
+                        return Err(format!(
+                            "volume {} page {vpage} points at slot {} holding {:?}",
+                            v.id,
+                            s - 1,
+                            slot
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctl() -> Controller {
+        Controller::new(Config { pool_pages: 8, ..Config::default() }, 16, 64)
+    }
+
+    /// Write-back everything and pretend the groups were written.
+    fn settle(c: &mut Controller) {
+        while let Some(plan) = c.writeback(64, None) {
+            c.written(plan.seq, true);
+        }
+        let s = c.completed_seq();
+        c.durable(s);
+    }
+
+    fn write_page(c: &mut Controller, vol: VolId, vpage: u64) {
+        match c.get(vol, vpage, Access::WriteWhole).unwrap() {
+            Got::Ready(s) | Got::Fresh(s) => c.put(s, true),
+            other => panic!("write got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_write_lands_in_the_pool_then_on_flash_and_a_read_finds_it() {
+        let mut c = ctl();
+        let vol = c.create("v", 100).unwrap();
+        assert_eq!(c.get(vol, 5, Access::Read).unwrap(), Got::Zero);
+        write_page(&mut c, vol, 5);
+        let Got::Ready(s) = c.get(vol, 5, Access::Read).unwrap() else { panic!() };
+        c.put(s, false);
+        settle(&mut c);
+        let pba = c.map.get(&c.vols[&vol].map, 5);
+        assert_ne!(pba, 0);
+        c.audit().unwrap();
+        // Evict it by filling the pool with other pages; then a read must fetch it.
+        for p in 10..30 {
+            write_page(&mut c, vol, p);
+            settle(&mut c);
+        }
+        let Got::Fetch { slot, pba: fetched } = c.get(vol, 5, Access::Read).unwrap() else {
+            panic!("not evicted")
+        };
+        assert_eq!(fetched, pba);
+        assert_eq!(c.get(vol, 5, Access::Read).unwrap(), Got::Busy, "a second reader waits");
+        c.fetched(slot, true);
+        c.put(slot, false);
+        c.audit().unwrap();
+    }
+
+    #[test]
+    fn snapshots_keep_their_pages_and_refuse_writes() {
+        let mut c = ctl();
+        let vol = c.create("v", 10).unwrap();
+        write_page(&mut c, vol, 1);
+        assert!(matches!(c.snapshot(vol, "s", false), Err(FlashError::Busy(_))), "dirty pages first");
+        settle(&mut c);
+        let snap = c.snapshot(vol, "s", false).unwrap();
+        let before = c.map.get(&c.vols[&snap].map, 1);
+        write_page(&mut c, vol, 1);
+        settle(&mut c);
+        assert_eq!(c.map.get(&c.vols[&snap].map, 1), before);
+        assert_ne!(c.map.get(&c.vols[&vol].map, 1), before);
+        assert_eq!(c.get(snap, 1, Access::WriteWhole), Err(FlashError::ReadOnly));
+        assert!(matches!(c.delete(vol), Err(FlashError::HasChildren { .. })));
+        let clone = c.snapshot(snap, "c", true).unwrap();
+        write_page(&mut c, clone, 2);
+        settle(&mut c);
+        c.delete(clone).unwrap();
+        c.delete(snap).unwrap();
+        c.delete(vol).unwrap();
+        settle(&mut c);
+        assert_eq!(c.valid_pages(), 0);
+        c.audit().unwrap();
+    }
+
+    #[test]
+    fn bad_requests_are_refused_and_change_nothing() {
+        let mut c = ctl();
+        let vol = c.create("v", 10).unwrap();
+        assert_eq!(c.create("v", 5), Err(FlashError::NameTaken("v".into())));
+        assert!(matches!(c.create("", 5), Err(FlashError::BadName(_))));
+        assert!(matches!(c.create("a/b", 5), Err(FlashError::BadName(_))));
+        assert_eq!(c.get(vol, 10, Access::Read), Err(FlashError::OutOfRange));
+        assert_eq!(c.trim(vol, 5, 6), Err(FlashError::OutOfRange));
+        write_page(&mut c, vol, 9);
+        settle(&mut c);
+        assert!(matches!(c.resize(vol, 5, false), Err(FlashError::BadSize(_))), "would discard page 9");
+        c.resize(vol, 5, true).unwrap();
+        assert_eq!(c.valid_pages(), 0);
+        c.audit().unwrap();
+    }
+}

@@ -1,0 +1,950 @@
+//! The flash controller driven over real devices: the array a target serves volumes from.
+//!
+//! One lock guards the controller (`ctl::Controller`); device I/O always happens outside it.
+//! A page-pool hit is served under the lock (a 4 KiB copy); a miss marks the page as being
+//! fetched, reads it with the lock released, and wakes whoever waited for it. Dirty pages are
+//! written back in write groups by a background thread when they pile up, by a writer that
+//! finds the pool full, and by FLUSH and FUA, which also wait for every group issued before
+//! theirs and then sync the devices. The background thread also cleans segments (reading a
+//! victim whole, moving its valid pages in groups of their own) and takes checkpoints.
+//!
+//! Segments are spread over the devices in turn (segment `s` on device `s mod n`), so
+//! consecutive segments, and the streams writing into them, land on different devices.
+//!
+//! Device I/O here is synchronous: a worker that misses in the pool, or writes with FUA,
+//! waits for the device. docs/FLASH.md says what that costs and what is left to make it
+//! asynchronous.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rt::mem::{AlignedBuf, Region};
+
+use crate::ckpt;
+use crate::ctl::{Access, Config, Controller, Counters, Got, GroupPlan, Source, VolId};
+use crate::device::{recognise, Device};
+use crate::layout::{
+    page_crc, ArrayId, CkptPage, CkptRef, Pba, SegmentHeader, SegmentKind, Superblock, CKPT_PAYLOAD, PAGE,
+};
+use crate::recover::{self, Report};
+use crate::FlashError;
+
+/// Pages at the start of every device before its first segment (superblocks, alignment).
+pub const DATA_START: u64 = 256;
+
+/// Segment size when none is given: 8 MiB.
+pub const SEGMENT_PAGES_DEFAULT: u32 = 2048;
+
+/// Most dirty pages one write-back group takes.
+const GROUP_PAGES: u32 = 128;
+
+/// Where each global segment lies.
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
+    segment_pages: u32,
+    devices: u32,
+    segments_per_device: u32,
+}
+
+impl Geometry {
+    fn total_segments(&self) -> u32 {
+        self.devices * self.segments_per_device
+    }
+
+    /// Device and device page of a PBA.
+    fn locate(&self, pba: Pba) -> (usize, u64) {
+        let seg = pba / self.segment_pages;
+        let dev = (seg % self.devices) as usize;
+        let local = u64::from(seg / self.devices);
+        (dev, DATA_START + local * u64::from(self.segment_pages) + u64::from(pba % self.segment_pages))
+    }
+}
+
+/// Write `devs` as one new, empty array of segments of `segment_pages` pages. A device that
+/// holds an array or a file system is refused unless `force`. Returns the array's id.
+pub fn format(devs: &[Box<dyn Device>], segment_pages: u32, force: bool) -> Result<ArrayId, FlashError> {
+    if devs.is_empty() || devs.len() > u16::MAX as usize {
+        return Err(FlashError::BadSize("an array needs at least one device".into()));
+    }
+    if !(3..=1 << 20).contains(&segment_pages) {
+        return Err(FlashError::BadSize("a segment is 12 KiB to 4 GiB".into()));
+    }
+    for d in devs {
+        if let Some(what) = recognise(d.as_ref())? {
+            if !force {
+                return Err(FlashError::Device(format!(
+                    "{} holds {what}; format it anyway with --force",
+                    d.name()
+                )));
+            }
+        }
+    }
+    let per_device = devs
+        .iter()
+        .map(|d| d.pages().saturating_sub(DATA_START) / u64::from(segment_pages))
+        .min()
+        .unwrap_or(0)
+        .min(u64::from(u32::MAX));
+    let geo = Geometry { segment_pages, devices: devs.len() as u32, segments_per_device: per_device as u32 };
+    let total = u64::from(geo.devices) * per_device;
+    if total < 16 {
+        return Err(FlashError::BadSize(format!(
+            "{total} segments of {} KiB fit the devices; an array needs at least 16",
+            segment_pages as usize * PAGE / 1024
+        )));
+    }
+    if total * u64::from(segment_pages) > u64::from(u32::MAX) {
+        return Err(FlashError::BadSize(
+            "an array holds at most 2^32 pages (16 TiB): use larger segments or fewer devices".into(),
+        ));
+    }
+    let array: ArrayId = rt::random::bytes()?;
+    let created_s =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let mut page = AlignedBuf::new(PAGE)?;
+    for (i, d) in devs.iter().enumerate() {
+        let sb = Superblock {
+            array,
+            device_index: i as u16,
+            device_count: devs.len() as u16,
+            segment_pages,
+            segments: geo.segments_per_device,
+            first_segment: i as u32,
+            total_segments: geo.total_segments(),
+            data_start: DATA_START,
+            generation: 1,
+            checkpoint: None,
+            created_s,
+        };
+        // Generation 1 in copy 1; copy 0 invalid. Each later generation g goes to copy g mod 2,
+        // never over the copy that holds the current one.
+        page.fill(0);
+        d.write(0, &page)?;
+        sb.emit(&mut page);
+        d.write(1, &page)?;
+        d.sync()?;
+    }
+    Ok(array)
+}
+
+/// The valid superblock copy with the highest generation on `d`.
+fn read_superblock(d: &dyn Device) -> Result<Superblock, FlashError> {
+    let mut page = AlignedBuf::new(PAGE)?;
+    let mut best: Option<Superblock> = None;
+    for p in crate::layout::SUPER_PAGES {
+        d.read(p, &mut page)?;
+        if let Ok(sb) = Superblock::parse(&page) {
+            if best.as_ref().is_none_or(|b| sb.generation > b.generation) {
+                best = Some(sb);
+            }
+        }
+    }
+    best.ok_or_else(|| {
+        FlashError::Device(format!("{} holds no skiff flash array (run `skiff flash format`)", d.name()))
+    })
+}
+
+/// What the engine is asked to keep to beyond the controller's configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// Write dirty pages back in the background once this many are dirty.
+    pub writeback_dirty_min: u32,
+    /// Take a checkpoint once this many segments filled since the last one.
+    pub checkpoint_every_segments: u32,
+}
+
+impl Options {
+    fn for_array(cfg: &Config, segments: u32) -> Options {
+        Options {
+            writeback_dirty_min: (cfg.pool_pages / 4).max(1),
+            checkpoint_every_segments: (segments / 8).max(4),
+        }
+    }
+}
+
+/// Figures for `vol stats` and the metrics endpoint.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stats {
+    pub counters: Counters,
+    pub write_amplification: f64,
+    pub capacity_bytes: u64,
+    pub valid_bytes: u64,
+    pub free_segments: u32,
+    pub total_segments: u32,
+    pub pool_pages: u32,
+    pub pool_clean: u32,
+    pub pool_dirty: u32,
+    pub erase_min: u32,
+    pub erase_max: u32,
+    pub map_bytes: u64,
+    /// Pages the devices say were written through them.
+    pub device_pages_written_measured: u64,
+    pub recovered: Report,
+}
+
+/// A volume as `vol list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeInfo {
+    pub id: VolId,
+    pub name: String,
+    pub size_bytes: u64,
+    pub allocated_bytes: u64,
+    pub writable: bool,
+    pub origin: Option<String>,
+    pub snapshots: Vec<String>,
+}
+
+/// A flash array, open.
+pub struct Array {
+    ctl: Mutex<Controller>,
+    changed: Condvar,
+    pool: Region,
+    devs: Vec<Box<dyn Device>>,
+    geo: Geometry,
+    id: ArrayId,
+    superblocks: Mutex<Vec<Superblock>>,
+    /// One checkpoint at a time.
+    checkpointing: Mutex<()>,
+    opts: Options,
+    recovered: Report,
+    /// Sizes of open volumes, shared with their backends (read on every request).
+    sizes: Mutex<HashMap<VolId, Arc<AtomicU64>>>,
+    stop: AtomicBool,
+    background: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Segments filled when the last checkpoint began.
+    filled_at_checkpoint: AtomicU64,
+}
+
+impl Array {
+    /// Open the array formatted on `devs` (in any order): check they belong together, then
+    /// recover its state. A device of another array, a missing one or one given twice is
+    /// refused with a message that names it.
+    pub fn open(devs: Vec<Box<dyn Device>>, cfg: Config) -> Result<Arc<Array>, FlashError> {
+        let mut found: Vec<(Superblock, Box<dyn Device>)> = Vec::new();
+        for d in devs {
+            let sb = read_superblock(d.as_ref())?;
+            found.push((sb, d));
+        }
+        let first = found.first().ok_or_else(|| FlashError::BadSize("no devices given".into()))?.0.clone();
+        for (sb, d) in &found {
+            if sb.array != first.array {
+                return Err(FlashError::Device(format!(
+                    "{} belongs to another flash array than {}",
+                    d.name(),
+                    found[0].1.name()
+                )));
+            }
+            if (sb.device_count, sb.segment_pages, sb.segments)
+                != (first.device_count, first.segment_pages, first.segments)
+            {
+                return Err(FlashError::Device(format!(
+                    "{}: its superblock disagrees with the others' geometry",
+                    d.name()
+                )));
+            }
+        }
+        if found.len() != first.device_count as usize {
+            let have: Vec<u16> = found.iter().map(|(sb, _)| sb.device_index).collect();
+            let missing: Vec<String> =
+                (0..first.device_count).filter(|i| !have.contains(i)).map(|i| i.to_string()).collect();
+            return Err(FlashError::Device(format!(
+                "the array has {} devices, {} given (missing device index {})",
+                first.device_count,
+                found.len(),
+                if missing.is_empty() { "none: one is given twice".into() } else { missing.join(", ") }
+            )));
+        }
+        found.sort_by_key(|(sb, _)| sb.device_index);
+        for (i, (sb, d)) in found.iter().enumerate() {
+            if sb.device_index as usize != i {
+                return Err(FlashError::Device(format!(
+                    "{}: device index {} given twice",
+                    d.name(),
+                    sb.device_index
+                )));
+            }
+        }
+        let geo = Geometry {
+            segment_pages: first.segment_pages,
+            devices: u32::from(first.device_count),
+            segments_per_device: first.segments,
+        };
+        let checkpoint = found.iter().max_by_key(|(sb, _)| sb.generation).and_then(|(sb, _)| sb.checkpoint);
+        let (superblocks, devs): (Vec<Superblock>, Vec<Box<dyn Device>>) = found.into_iter().unzip();
+        let mut page = AlignedBuf::new(PAGE)?;
+        let mut read = |pba: Pba, buf: &mut [u8]| -> Result<(), FlashError> {
+            let (dev, at) = geo.locate(pba);
+            devs[dev].read(at, &mut page)?;
+            buf.copy_from_slice(&page);
+            Ok(())
+        };
+        let started = Instant::now();
+        let (ctl, report) = recover::recover(
+            &first.array,
+            checkpoint,
+            cfg,
+            geo.total_segments(),
+            geo.segment_pages,
+            &mut read,
+        )?;
+        tracing::info!(
+            checkpoint_seq = report.checkpoint_seq,
+            groups_replayed = report.groups_replayed,
+            pages_read = report.pages_read,
+            torn_pages = report.torn_pages,
+            ms = started.elapsed().as_millis() as u64,
+            "flash array recovered"
+        );
+        let pool = Region::new(cfg.pool_pages as usize * PAGE)?;
+        let opts = Options::for_array(&cfg, geo.total_segments());
+        Ok(Arc::new(Array {
+            ctl: Mutex::new(ctl),
+            changed: Condvar::new(),
+            pool,
+            devs,
+            geo,
+            id: first.array,
+            superblocks: Mutex::new(superblocks),
+            checkpointing: Mutex::new(()),
+            opts,
+            recovered: report,
+            sizes: Mutex::new(HashMap::new()),
+            stop: AtomicBool::new(false),
+            background: Mutex::new(None),
+            filled_at_checkpoint: AtomicU64::new(0),
+        }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Controller> {
+        // A panic under the lock is a bug: going on with the state as it is would be no worse
+        // than stopping, and the audit in tests catches it.
+        self.ctl.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wait<'a>(&self, g: MutexGuard<'a, Controller>) -> MutexGuard<'a, Controller> {
+        self.changed.wait_timeout(g, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0
+    }
+
+    /// Run the background work (write-back, cleaning, checkpoints) on a thread of its own,
+    /// until the array is dropped or `stop` is called.
+    pub fn start_background(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let handle = std::thread::Builder::new()
+            .name("skiff-flash".into())
+            .spawn(move || loop {
+                let Some(a) = weak.upgrade() else { return };
+                if a.stop.load(Ordering::Acquire) {
+                    return;
+                }
+                match a.background_step() {
+                    Ok(true) => continue,
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(error = %e, "flash background work failed"),
+                }
+                let g = a.lock();
+                let _ = a.changed.wait_timeout(g, Duration::from_millis(20));
+            })
+            .expect("spawn the flash thread");
+        *self.background.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+    }
+
+    /// Stop the background thread, write back every dirty page and take a checkpoint, so the
+    /// next open has nothing to replay.
+    pub fn shutdown(&self) -> Result<(), FlashError> {
+        self.stop.store(true, Ordering::Release);
+        self.changed.notify_all();
+        if let Some(h) = self.background.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = h.join();
+        }
+        self.flush()?;
+        self.checkpoint()
+    }
+
+    /// One round of background work. Returns whether it did something (and more may wait).
+    pub fn background_step(&self) -> Result<bool, FlashError> {
+        let (dirty, wants_gc, has_pending) = {
+            let c = self.lock();
+            (c.pool.dirty_count(), c.wants_gc(), c.has_pending())
+        };
+        if dirty >= self.opts.writeback_dirty_min || has_pending {
+            return self.writeback_once(GROUP_PAGES, None);
+        }
+        if wants_gc && self.gc_step()? {
+            return Ok(true);
+        }
+        if self.checkpoint_due() {
+            self.checkpoint()?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn checkpoint_due(&self) -> bool {
+        let c = self.lock();
+        let filled = c.space.clock / u64::from(self.geo.segment_pages);
+        let since = filled.saturating_sub(self.filled_at_checkpoint.load(Ordering::Relaxed));
+        since >= u64::from(self.opts.checkpoint_every_segments)
+            || (c.wants_gc() && c.gc_victim().is_none() && since > 0)
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Device I/O
+
+    fn read_pages(&self, pba: Pba, buf: &mut [u8]) -> Result<(), FlashError> {
+        let (dev, at) = self.geo.locate(pba);
+        self.devs[dev].read(at, buf)?;
+        Ok(())
+    }
+
+    fn write_pages(&self, pba: Pba, buf: &[u8]) -> Result<(), FlashError> {
+        let (dev, at) = self.geo.locate(pba);
+        self.devs[dev].write(at, buf)?;
+        Ok(())
+    }
+
+    fn sync_all(&self) -> Result<(), FlashError> {
+        for d in &self.devs {
+            d.sync()?;
+        }
+        Ok(())
+    }
+
+    /// Read `pba` into pool slot `slot`.
+    fn fetch(&self, slot: u32, pba: Pba) -> Result<(), FlashError> {
+        let mut page = AlignedBuf::new(PAGE)?;
+        self.read_pages(pba, &mut page)?;
+        self.pool.write_at(slot as usize * PAGE, &page);
+        Ok(())
+    }
+
+    /// Write a group: its segment's header first if it opened one, then the group's header
+    /// page and data pages in one write.
+    fn write_group(&self, plan: &mut GroupPlan, image: Option<&[u8]>) -> Result<(), FlashError> {
+        let n = plan.sources.len();
+        let mut buf = AlignedBuf::new((1 + n) * PAGE)?;
+        let mut crcs = Vec::with_capacity(n);
+        for (i, src) in plan.sources.iter().enumerate() {
+            let page = &mut buf[(1 + i) * PAGE..(2 + i) * PAGE];
+            match *src {
+                Source::Slot(s) => self.pool.read_at(s as usize * PAGE, page),
+                Source::Image(at) => {
+                    page.copy_from_slice(&image.expect("a GC group has its image")[at..at + PAGE])
+                }
+            }
+            crcs.push(page_crc(page));
+        }
+        plan.set_crcs(&crcs);
+        plan.header.emit(&self.id, &mut buf[..PAGE]);
+        if let Some(h) = plan.opened {
+            let mut page = AlignedBuf::new(PAGE)?;
+            h.emit(&self.id, &mut page);
+            self.write_pages(h.segment * self.geo.segment_pages, &page)?;
+        }
+        self.write_pages(plan.pba, &buf)
+    }
+
+    /// Write back one group of up to `max` dirty pages (of `only_vol`, if given) and any
+    /// waiting records. Returns whether there was one.
+    fn writeback_once(&self, max: u32, only_vol: Option<VolId>) -> Result<bool, FlashError> {
+        let plan = self.lock().writeback(max, only_vol);
+        let Some(mut plan) = plan else { return Ok(false) };
+        let result = self.write_group(&mut plan, None);
+        let mut c = self.lock();
+        c.written(plan.seq, result.is_ok());
+        drop(c);
+        self.changed.notify_all();
+        result.map(|()| true)
+    }
+
+    /// Every group issued so far has completed; sync, so they are durable.
+    fn make_durable(&self) -> Result<(), FlashError> {
+        let target = {
+            let mut c = self.lock();
+            let target = c.last_seq();
+            while c.completed_seq() < target {
+                if c.failed {
+                    return Err(FlashError::Failed);
+                }
+                c = self.wait(c);
+            }
+            target
+        };
+        self.sync_all()?;
+        self.lock().durable(target);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Write back every dirty page (of `only_vol`) and waiting record, then make them
+    /// durable.
+    fn sync_pages(&self, only_vol: Option<VolId>) -> Result<(), FlashError> {
+        while self.writeback_once(GROUP_PAGES, only_vol)? {}
+        let (dirty_left, failed) = {
+            let c = self.lock();
+            let left = match only_vol {
+                None => c.pool.dirty_count(),
+                Some(_) => 0,
+            };
+            (left, c.failed)
+        };
+        if failed {
+            return Err(FlashError::Failed);
+        }
+        if dirty_left > 0 && !self.lock().has_room_for_one_more() {
+            return Err(FlashError::NoSpace);
+        }
+        self.make_durable()
+    }
+
+    /// Make room in the pool: write back a group; failing that (no segment to write to),
+    /// clean one, taking a checkpoint first if none can be cleaned yet. `NoSpace` when the
+    /// array is full of valid data.
+    fn make_room(&self) -> Result<(), FlashError> {
+        if self.writeback_once(GROUP_PAGES, None)? || self.gc_step()? {
+            return Ok(());
+        }
+        let out_of_space = {
+            let c = self.lock();
+            c.pool.dirty_count() > 0 && c.space.free_segments() <= c.space.reserve
+        };
+        if out_of_space {
+            self.checkpoint()?;
+            if self.gc_step()? || self.writeback_once(GROUP_PAGES, None)? {
+                return Ok(());
+            }
+            return Err(FlashError::NoSpace);
+        }
+        // Everything is pinned or in flight: wait for a holder to let go.
+        drop(self.wait(self.lock()));
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Cleaning and checkpoints
+
+    /// Clean one segment, if one is worth it. Returns whether it did.
+    pub fn gc_step(&self) -> Result<bool, FlashError> {
+        let Some(victim) = self.lock().gc_victim() else { return Ok(false) };
+        let spp = self.geo.segment_pages as usize;
+        let mut image = AlignedBuf::new(spp * PAGE)?;
+        self.read_pages(victim * self.geo.segment_pages, &mut image)?;
+        let moves = self.lock().gc_scan(victim, &image, &self.id);
+        let mut moves = match moves {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!(segment = victim, error = %e, "flash: a segment cannot be cleaned; it stays as it is");
+                self.lock().space.segs[victim as usize].last_seq = u64::MAX;
+                return Ok(false);
+            }
+        };
+        let mut last = 0;
+        while !moves.is_empty() {
+            let plan = self.lock().gc_writeback(&mut moves);
+            let Some(mut plan) = plan else { return Err(FlashError::NoSpace) };
+            let result = self.write_group(&mut plan, Some(&image));
+            self.lock().written(plan.seq, result.is_ok());
+            self.changed.notify_all();
+            result?;
+            last = plan.seq;
+        }
+        {
+            let mut c = self.lock();
+            let last = if last == 0 { c.last_seq() } else { last };
+            c.gc_done(victim, last);
+        }
+        self.make_durable()?;
+        Ok(true)
+    }
+
+    /// Write a checkpoint of the whole state, so that recovery replays only what follows it
+    /// and segments written before it may be cleaned.
+    pub fn checkpoint(&self) -> Result<(), FlashError> {
+        let _one = self.checkpointing.lock().unwrap_or_else(|e| e.into_inner());
+        let spp = self.geo.segment_pages;
+        let (bytes, seq, segments, old) = {
+            let mut c = self.lock();
+            while c.in_flight() > 0 {
+                c = self.wait(c);
+            }
+            if c.failed {
+                return Err(FlashError::Failed);
+            }
+            let seq = c.last_seq();
+            let len = ckpt::encode(&c, seq, &[]).len();
+            let pages = len.div_ceil(CKPT_PAYLOAD).max(1);
+            let need = pages.div_ceil(spp as usize - 1);
+            let mut segments = Vec::with_capacity(need);
+            for _ in 0..need {
+                match c.space.take_for_checkpoint() {
+                    Some((s, _)) => segments.push(s),
+                    None => {
+                        for &s in &segments {
+                            c.space.drop_checkpoint_segment(s);
+                        }
+                        return Err(FlashError::NoSpace);
+                    }
+                }
+            }
+            let bytes = ckpt::encode(&c, seq, &segments);
+            self.filled_at_checkpoint.store(c.space.clock / u64::from(spp), Ordering::Relaxed);
+            (bytes, seq, segments, c.checkpoint_segments.clone())
+        };
+        let written = self.write_checkpoint(&bytes, seq, &segments);
+        let mut c = self.lock();
+        let pages = match written {
+            Ok(pages) => pages,
+            Err(e) => {
+                for &s in &segments {
+                    c.space.drop_checkpoint_segment(s);
+                }
+                return Err(e);
+            }
+        };
+        for s in old {
+            c.space.drop_checkpoint_segment(s);
+        }
+        c.checkpoint_segments = segments.clone();
+        c.checkpoint = Some(CkptRef { seq, first_segment: segments[0], pages });
+        c.space.covered_seq = seq;
+        c.counters.checkpoints += 1;
+        c.counters.device_pages_written +=
+            u64::from(pages) + segments.len() as u64 + u64::from(self.geo.devices);
+        c.durable(seq);
+        drop(c);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn write_checkpoint(&self, bytes: &[u8], seq: u64, segments: &[u32]) -> Result<u32, FlashError> {
+        let spp = self.geo.segment_pages as usize;
+        let mut chunks = bytes.chunks(CKPT_PAYLOAD);
+        let mut index = 0u32;
+        let mut page = AlignedBuf::new(PAGE)?;
+        for (i, &s) in segments.iter().enumerate() {
+            let next = segments.get(i + 1).copied();
+            let erase_count = self.lock().space.segs[s as usize].erase_count;
+            let h = SegmentHeader {
+                segment: s,
+                opened_seq: seq,
+                erase_count,
+                kind: SegmentKind::Checkpoint { next },
+            };
+            let mut buf = AlignedBuf::new(spp * PAGE)?;
+            h.emit(&self.id, &mut buf[..PAGE]);
+            let mut used = 1;
+            for p in 1..spp {
+                let Some(payload) = chunks.next() else { break };
+                CkptPage::emit(&self.id, seq, index, payload, &mut buf[p * PAGE..(p + 1) * PAGE]);
+                index += 1;
+                used = p + 1;
+            }
+            self.write_pages(s * self.geo.segment_pages, &buf[..used * PAGE])?;
+        }
+        // The checkpoint and every group up to `seq` durable, then the superblocks name it.
+        self.sync_all()?;
+        let mut sbs = self.superblocks.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = sbs.iter().map(|s| s.generation).max().unwrap_or(0) + 1;
+        for (i, sb) in sbs.iter_mut().enumerate() {
+            sb.generation = generation;
+            sb.checkpoint = Some(CkptRef { seq, first_segment: segments[0], pages: index });
+            sb.emit(&mut page);
+            self.devs[i].write(generation % 2, &page)?;
+        }
+        self.sync_all()?;
+        Ok(index)
+    }
+
+    // ---------------------------------------------------------------------------------
+    // The data path
+
+    /// Fill `buf` from byte `offset` of volume `vol`.
+    pub fn read(&self, vol: VolId, offset: u64, buf: &mut [u8]) -> Result<(), FlashError> {
+        let mut done = 0;
+        while done < buf.len() {
+            let pos = offset + done as u64;
+            let (vpage, at) = (pos / PAGE as u64, (pos % PAGE as u64) as usize);
+            let n = (PAGE - at).min(buf.len() - done);
+            self.read_page(vol, vpage, at, &mut buf[done..done + n])?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn read_page(&self, vol: VolId, vpage: u64, at: usize, dst: &mut [u8]) -> Result<(), FlashError> {
+        let mut c = self.lock();
+        loop {
+            match c.get(vol, vpage, Access::Read)? {
+                Got::Ready(s) => {
+                    self.pool.read_at(s as usize * PAGE + at, dst);
+                    c.put(s, false);
+                    return Ok(());
+                }
+                Got::Zero => {
+                    dst.fill(0);
+                    return Ok(());
+                }
+                Got::Fetch { slot, pba } => {
+                    drop(c);
+                    let result = self.fetch(slot, pba);
+                    c = self.lock();
+                    c.fetched(slot, result.is_ok());
+                    if result.is_ok() {
+                        self.pool.read_at(slot as usize * PAGE + at, dst);
+                    }
+                    c.put(slot, false);
+                    drop(c);
+                    self.changed.notify_all();
+                    return result;
+                }
+                Got::Direct(pba) => {
+                    drop(c);
+                    let mut page = AlignedBuf::new(PAGE)?;
+                    self.read_pages(pba, &mut page)?;
+                    dst.copy_from_slice(&page[at..at + dst.len()]);
+                    return Ok(());
+                }
+                Got::Busy => c = self.wait(c),
+                Got::PoolFull | Got::Fresh(_) => unreachable!("a read gets no slot to fill"),
+            }
+        }
+    }
+
+    /// Write `buf` at byte `offset` of volume `vol`; with `fua`, durable before returning.
+    pub fn write(&self, vol: VolId, offset: u64, buf: &[u8], fua: bool) -> Result<(), FlashError> {
+        let mut done = 0;
+        while done < buf.len() {
+            let pos = offset + done as u64;
+            let (vpage, at) = (pos / PAGE as u64, (pos % PAGE as u64) as usize);
+            let n = (PAGE - at).min(buf.len() - done);
+            self.write_page(vol, vpage, at, &buf[done..done + n])?;
+            done += n;
+        }
+        if fua {
+            self.sync_pages(Some(vol))?;
+        }
+        Ok(())
+    }
+
+    fn write_page(&self, vol: VolId, vpage: u64, at: usize, src: &[u8]) -> Result<(), FlashError> {
+        let whole = at == 0 && src.len() == PAGE;
+        let access = if whole { Access::WriteWhole } else { Access::WritePart };
+        let mut c = self.lock();
+        loop {
+            match c.get(vol, vpage, access)? {
+                Got::Ready(s) => {
+                    self.pool.write_at(s as usize * PAGE + at, src);
+                    c.put(s, true);
+                    return Ok(());
+                }
+                Got::Fresh(s) => {
+                    if !whole {
+                        self.pool.fill_zero(s as usize * PAGE, PAGE);
+                    }
+                    self.pool.write_at(s as usize * PAGE + at, src);
+                    c.put(s, true);
+                    return Ok(());
+                }
+                Got::Fetch { slot, pba } => {
+                    drop(c);
+                    let result = self.fetch(slot, pba);
+                    c = self.lock();
+                    c.fetched(slot, result.is_ok());
+                    if result.is_ok() {
+                        self.pool.write_at(slot as usize * PAGE + at, src);
+                    }
+                    c.put(slot, result.is_ok());
+                    drop(c);
+                    self.changed.notify_all();
+                    return result;
+                }
+                Got::Busy => c = self.wait(c),
+                Got::PoolFull => {
+                    drop(c);
+                    self.make_room()?;
+                    c = self.lock();
+                }
+                Got::Zero | Got::Direct(_) => unreachable!("a write always gets a slot or waits"),
+            }
+        }
+    }
+
+    /// Make `len` bytes from `offset` of `vol` read as zeroes: whole pages are unmapped (no
+    /// flash written), partial ones written with zeroes.
+    pub fn zero(&self, vol: VolId, offset: u64, len: u64, fua: bool) -> Result<(), FlashError> {
+        let end = offset.checked_add(len).ok_or(FlashError::OutOfRange)?;
+        let first_whole = offset.div_ceil(PAGE as u64);
+        let end_whole = end / PAGE as u64;
+        if first_whole < end_whole {
+            let head = (first_whole * PAGE as u64).min(end) - offset;
+            if head > 0 {
+                self.write(vol, offset, &vec![0; head as usize], false)?;
+            }
+            self.lock().trim(vol, first_whole, end_whole - first_whole)?;
+            let tail_at = end_whole * PAGE as u64;
+            if end > tail_at {
+                self.write(vol, tail_at, &vec![0; (end - tail_at) as usize], false)?;
+            }
+        } else {
+            self.write(vol, offset, &vec![0; len as usize], false)?;
+        }
+        if fua {
+            self.sync_pages(Some(vol))?;
+        }
+        Ok(())
+    }
+
+    /// Make every write acknowledged so far durable.
+    pub fn flush(&self) -> Result<(), FlashError> {
+        self.sync_pages(None)
+    }
+
+    /// Which pages of `count` pages of `vol` from `vpage` hold data (mapped or dirty in the
+    /// pool): `true` for data, in order.
+    pub fn allocation(&self, vol: VolId, vpage: u64, count: u64) -> Result<Vec<bool>, FlashError> {
+        let c = self.lock();
+        let v = c.volume(vol)?;
+        let end = vpage.saturating_add(count).min(v.pages());
+        Ok((vpage..end).map(|p| c.map.get(&v.map, p) != 0 || c.has_slot(vol, p)).collect())
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Volumes
+
+    /// Write the waiting records and sync: a volume change is durable before it is answered.
+    fn commit(&self) -> Result<(), FlashError> {
+        while self.lock().has_pending() {
+            // Records alone (no dirty pages): they may use the reserve, so this only fails
+            // when the array has no segment left at all.
+            if !self.writeback_once(0, None)? {
+                return Err(FlashError::NoSpace);
+            }
+        }
+        self.make_durable()
+    }
+
+    /// Create volume `name` of `size_bytes` (rounded up to whole pages).
+    pub fn create(&self, name: &str, size_bytes: u64) -> Result<VolId, FlashError> {
+        let vol = self.lock().create(name, size_bytes.div_ceil(PAGE as u64))?;
+        self.commit()?;
+        Ok(vol)
+    }
+
+    /// Resize `name`. Shrinking below written data is refused.
+    pub fn resize(&self, name: &str, size_bytes: u64) -> Result<(), FlashError> {
+        let vol = self.id_of(name)?;
+        let pages = size_bytes.div_ceil(PAGE as u64);
+        self.lock().resize(vol, pages, false)?;
+        self.commit()?;
+        if let Some(size) = self.sizes.lock().unwrap_or_else(|e| e.into_inner()).get(&vol) {
+            size.store(pages * PAGE as u64, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// A read-only snapshot (`writable` false) or a writable clone of `origin`, named `name`.
+    /// Pages of `origin` written before the call are in it.
+    pub fn snapshot(&self, origin: &str, name: &str, writable: bool) -> Result<VolId, FlashError> {
+        let o = self.id_of(origin)?;
+        loop {
+            self.sync_pages(Some(o))?;
+            let made = self.lock().snapshot(o, name, writable);
+            match made {
+                Err(FlashError::Busy(_)) => continue, // written to meanwhile
+                other => {
+                    let vol = other?;
+                    self.commit()?;
+                    return Ok(vol);
+                }
+            }
+        }
+    }
+
+    /// Delete `name`; refused while it has snapshots or clones, or is `in_use`.
+    pub fn delete(&self, name: &str, in_use: bool) -> Result<(), FlashError> {
+        let vol = self.id_of(name)?;
+        if in_use {
+            return Err(FlashError::Busy("the volume has open connections"));
+        }
+        self.lock().delete(vol)?;
+        self.commit()?;
+        self.sizes.lock().unwrap_or_else(|e| e.into_inner()).remove(&vol);
+        Ok(())
+    }
+
+    pub fn id_of(&self, name: &str) -> Result<VolId, FlashError> {
+        self.lock().find(name).map(|v| v.id).ok_or(FlashError::NoSuchVolume)
+    }
+
+    /// Every volume, by name.
+    pub fn list(&self) -> Vec<VolumeInfo> {
+        let c = self.lock();
+        let name_of = |id: VolId| c.vols.get(&id).map(|v| v.name.clone());
+        let mut out: Vec<VolumeInfo> = c
+            .vols
+            .values()
+            .map(|v| VolumeInfo {
+                id: v.id,
+                name: v.name.clone(),
+                size_bytes: v.pages() * PAGE as u64,
+                allocated_bytes: c.allocated_pages(v.id) * PAGE as u64,
+                writable: v.writable,
+                origin: v.origin.and_then(name_of),
+                snapshots: c
+                    .vols
+                    .values()
+                    .filter(|s| s.origin == Some(v.id))
+                    .map(|s| s.name.clone())
+                    .collect(),
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
+    /// The size of volume `vol`, shared with its backend (updated on resize).
+    pub fn size_handle(&self, vol: VolId) -> Result<Arc<AtomicU64>, FlashError> {
+        let bytes = self.lock().volume(vol)?.pages() * PAGE as u64;
+        let mut sizes = self.sizes.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(sizes.entry(vol).or_insert_with(|| Arc::new(AtomicU64::new(bytes))).clone())
+    }
+
+    pub fn is_writable(&self, vol: VolId) -> bool {
+        self.lock().volume(vol).is_ok_and(|v| v.writable)
+    }
+
+    pub fn stats(&self) -> Stats {
+        let c = self.lock();
+        let (pool_clean, pool_dirty, _, _) = c.pool.census();
+        let (erase_min, erase_max) = c.space.wear();
+        Stats {
+            counters: c.counters,
+            write_amplification: c.write_amplification(),
+            capacity_bytes: c.capacity_pages() * PAGE as u64,
+            valid_bytes: c.valid_pages() * PAGE as u64,
+            free_segments: c.space.free_segments(),
+            total_segments: self.geo.total_segments(),
+            pool_pages: c.pool.len(),
+            pool_clean,
+            pool_dirty,
+            erase_min,
+            erase_max,
+            map_bytes: c.map.leaves_in_use() as u64 * (crate::map::LEAF_PAGES as u64 * 4),
+            device_pages_written_measured: self.devs.iter().map(|d| d.pages_written()).sum(),
+            recovered: self.recovered,
+        }
+    }
+
+    /// Check the controller's invariants (tests and the simulator).
+    pub fn audit(&self) -> Result<(), String> {
+        self.lock().audit()
+    }
+}
+
+impl Drop for Array {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.changed.notify_all();
+    }
+}

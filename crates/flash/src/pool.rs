@@ -1,0 +1,324 @@
+//! The page pool: the one DRAM copy of each page in use, owned by the controller rather than
+//! the kernel's page cache.
+//!
+//! Each slot holds one 4 KiB page of one volume and walks the states of FlashNet's page state
+//! machine (thesis Figure 5.7): free, fetching (a read or a read-modify-write in flight),
+//! filling (a whole-page write into a page that was not in DRAM), clean, dirty, and being
+//! written back. Users pin a slot while they read or write its bytes; a pinned, dirty or
+//! in-flight slot is never evicted. Clean, unpinned slots are evicted by CLOCK: each hit sets
+//! the slot's reference bit, and the hand clears bits until it finds one clear. A use counter
+//! per slot feeds the statistics; which stream a dirty page is written to is decided when it
+//! is dirtied (`ctl`).
+//!
+//! This module holds the states only; the bytes live in the driver's memory, slot `s` at
+//! `s * PAGE`.
+
+use crate::space::Stream;
+
+/// A slot's number in the pool.
+pub type SlotId = u32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    Free,
+    /// Its page is being read from flash (for a read, or a partial write that needs the rest).
+    Fetching,
+    /// A whole-page write fills it; it has no valid bytes before that.
+    Filling,
+    Clean,
+    Dirty,
+    /// Being written to flash; `redirty`: written to meanwhile, so dirty again afterwards.
+    WritingBack {
+        redirty: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Slot {
+    pub state: SlotState,
+    pub pins: u32,
+    pub vol: u32,
+    pub vpage: u64,
+    /// CLOCK's reference bit.
+    referenced: bool,
+    /// Its page was trimmed or its volume deleted while it could not be freed (pinned or in
+    /// flight): it is freed as soon as it can be, and its write-back maps nothing.
+    pub orphan: bool,
+    /// The stream its dirty contents go to.
+    pub stream: Stream,
+    /// Gets since it was filled.
+    pub uses: u32,
+}
+
+#[derive(Debug)]
+pub struct Pool {
+    slots: Vec<Slot>,
+    free: Vec<SlotId>,
+    hand: usize,
+    /// Dirty slots, oldest first (entries whose slot moved on are skipped when taken).
+    dirty: std::collections::VecDeque<SlotId>,
+    dirty_count: u32,
+}
+
+const EMPTY: Slot = Slot {
+    state: SlotState::Free,
+    pins: 0,
+    vol: 0,
+    vpage: 0,
+    referenced: false,
+    orphan: false,
+    stream: Stream::Hot,
+    uses: 0,
+};
+
+impl Pool {
+    pub fn new(slots: u32) -> Pool {
+        Pool {
+            slots: vec![EMPTY; slots as usize],
+            free: (0..slots).rev().collect(),
+            hand: 0,
+            dirty: std::collections::VecDeque::new(),
+            dirty_count: 0,
+        }
+    }
+
+    pub fn len(&self) -> u32 {
+        self.slots.len() as u32
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    pub fn slot(&self, s: SlotId) -> &Slot {
+        &self.slots[s as usize]
+    }
+
+    pub fn dirty_count(&self) -> u32 {
+        self.dirty_count
+    }
+
+    pub fn free_count(&self) -> u32 {
+        self.free.len() as u32
+    }
+
+    /// A slot for page `vpage` of `vol`, in `state`, pinned once: a free one, or a clean
+    /// unpinned one evicted (returned second, with the page it held). `None`: every slot is
+    /// pinned, dirty or in flight.
+    pub fn take(&mut self, vol: u32, vpage: u64, state: SlotState) -> Option<(SlotId, Option<(u32, u64)>)> {
+        let (s, evicted) = match self.free.pop() {
+            Some(s) => (s, None),
+            None => {
+                let s = self.evict()?;
+                let old = self.slots[s as usize];
+                (s, Some((old.vol, old.vpage)))
+            }
+        };
+        self.slots[s as usize] = Slot { state, pins: 1, vol, vpage, uses: 1, ..EMPTY };
+        Some((s, evicted))
+    }
+
+    /// CLOCK: the first clean, unpinned slot whose reference bit is clear, clearing bits on
+    /// the way; two turns at most.
+    fn evict(&mut self) -> Option<SlotId> {
+        let n = self.slots.len();
+        for _ in 0..2 * n {
+            let i = self.hand;
+            self.hand = (self.hand + 1) % n;
+            let slot = &mut self.slots[i];
+            if slot.state != SlotState::Clean || slot.pins > 0 {
+                continue;
+            }
+            if slot.referenced {
+                slot.referenced = false;
+                continue;
+            }
+            return Some(i as SlotId);
+        }
+        None
+    }
+
+    /// Pin a slot for a user of its page.
+    pub fn pin(&mut self, s: SlotId) {
+        let slot = &mut self.slots[s as usize];
+        slot.pins += 1;
+        slot.referenced = true;
+        slot.uses = slot.uses.saturating_add(1);
+    }
+
+    /// Unpin; `dirtied`: the user wrote its bytes, to go to `stream`. Returns whether the
+    /// slot was freed (an orphan no one holds any more).
+    pub fn unpin(&mut self, s: SlotId, dirtied: bool, stream: Stream) -> bool {
+        let slot = &mut self.slots[s as usize];
+        debug_assert!(slot.pins > 0, "unpinned a slot nobody pinned");
+        slot.pins -= 1;
+        if dirtied && !slot.orphan {
+            slot.stream = stream;
+            match slot.state {
+                SlotState::Clean | SlotState::Filling => {
+                    slot.state = SlotState::Dirty;
+                    self.dirty.push_back(s);
+                    self.dirty_count += 1;
+                }
+                SlotState::WritingBack { .. } => slot.state = SlotState::WritingBack { redirty: true },
+                SlotState::Dirty => {}
+                SlotState::Free | SlotState::Fetching => {
+                    debug_assert!(false, "wrote a slot in state {:?}", slot.state)
+                }
+            }
+        } else if slot.state == SlotState::Filling {
+            // A fill given up (an error): the slot never held the page.
+            slot.orphan = true;
+        }
+        self.free_if_orphan(s)
+    }
+
+    /// The fetch into `s` finished: clean now (`ok`), or given up.
+    pub fn fetched(&mut self, s: SlotId, ok: bool) {
+        let slot = &mut self.slots[s as usize];
+        debug_assert_eq!(slot.state, SlotState::Fetching);
+        if ok {
+            slot.state = SlotState::Clean;
+        } else {
+            slot.orphan = true;
+        }
+    }
+
+    /// Up to `max` dirty, unpinned slots to write back, marked as being written back; those
+    /// of `stream` only, or of the stream of the first one found (`None`).
+    pub fn take_dirty(&mut self, max: usize, stream: Option<Stream>, only_vol: Option<u32>) -> Vec<SlotId> {
+        let mut out = Vec::new();
+        let mut skipped = Vec::new();
+        let mut want = stream;
+        while out.len() < max {
+            let Some(s) = self.dirty.pop_front() else { break };
+            let slot = self.slots[s as usize];
+            if slot.state != SlotState::Dirty {
+                continue; // stale entry
+            }
+            let fits = slot.pins == 0
+                && want.is_none_or(|w| w == slot.stream)
+                && only_vol.is_none_or(|v| v == slot.vol);
+            if !fits {
+                skipped.push(s);
+                continue;
+            }
+            want = Some(slot.stream);
+            self.slots[s as usize].state = SlotState::WritingBack { redirty: false };
+            self.dirty_count -= 1;
+            out.push(s);
+        }
+        for s in skipped.into_iter().rev() {
+            self.dirty.push_front(s);
+        }
+        out
+    }
+
+    /// The write-back of `s` finished (`ok`) or failed. Returns whether it is dirty again.
+    pub fn written(&mut self, s: SlotId, ok: bool) -> bool {
+        let slot = &mut self.slots[s as usize];
+        let SlotState::WritingBack { redirty } = slot.state else {
+            debug_assert!(false, "write-back finished for a slot in state {:?}", slot.state);
+            return false;
+        };
+        if ok && !redirty {
+            slot.state = SlotState::Clean;
+            self.free_if_orphan(s);
+            return false;
+        }
+        slot.state = SlotState::Dirty;
+        self.dirty.push_back(s);
+        self.dirty_count += 1;
+        self.free_if_orphan(s);
+        true
+    }
+
+    /// The slot's page is gone (trimmed, its volume deleted): free it now if nothing holds it,
+    /// or orphan it until then. Returns whether it was freed.
+    pub fn discard(&mut self, s: SlotId) -> bool {
+        self.slots[s as usize].orphan = true;
+        self.free_if_orphan(s)
+    }
+
+    fn free_if_orphan(&mut self, s: SlotId) -> bool {
+        let slot = self.slots[s as usize];
+        if !slot.orphan
+            || slot.pins > 0
+            || matches!(slot.state, SlotState::Fetching | SlotState::WritingBack { .. })
+        {
+            return false;
+        }
+        if slot.state == SlotState::Dirty {
+            self.dirty_count -= 1;
+        }
+        self.slots[s as usize] = EMPTY;
+        self.free.push(s);
+        true
+    }
+
+    /// Slots in each state, for statistics: (clean, dirty, in flight, pinned).
+    pub fn census(&self) -> (u32, u32, u32, u32) {
+        let mut c = (0, 0, 0, 0);
+        for s in &self.slots {
+            match s.state {
+                SlotState::Clean => c.0 += 1,
+                SlotState::Dirty => c.1 += 1,
+                SlotState::Fetching | SlotState::Filling | SlotState::WritingBack { .. } => c.2 += 1,
+                SlotState::Free => {}
+            }
+            if s.pins > 0 {
+                c.3 += 1;
+            }
+        }
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clock_evicts_clean_unreferenced_unpinned_slots_only() {
+        let mut p = Pool::new(3);
+        let (a, _) = p.take(1, 0, SlotState::Fetching).unwrap();
+        p.fetched(a, true);
+        p.unpin(a, false, Stream::Hot);
+        let (b, _) = p.take(1, 1, SlotState::Filling).unwrap();
+        p.unpin(b, true, Stream::Hot); // dirty
+        let (c, _) = p.take(1, 2, SlotState::Fetching).unwrap(); // stays pinned, in flight
+                                                                 // Full: only `a` (clean, unpinned) may go.
+        let (d, evicted) = p.take(1, 3, SlotState::Filling).unwrap();
+        assert_eq!((d, evicted), (a, Some((1, 0))));
+        assert!(p.take(1, 4, SlotState::Filling).is_none(), "b is dirty, c and d pinned");
+        let _ = c;
+    }
+
+    #[test]
+    fn a_slot_written_during_its_write_back_is_dirty_again() {
+        let mut p = Pool::new(2);
+        let (a, _) = p.take(1, 0, SlotState::Filling).unwrap();
+        p.unpin(a, true, Stream::Cold);
+        assert_eq!(p.take_dirty(8, None, None), vec![a]);
+        p.pin(a);
+        p.unpin(a, true, Stream::Hot);
+        assert!(p.written(a, true), "redirtied");
+        assert_eq!(p.slot(a).state, SlotState::Dirty);
+        assert_eq!(p.take_dirty(8, Some(Stream::Cold), None), vec![], "it goes to the hot stream now");
+        assert_eq!(p.take_dirty(8, Some(Stream::Hot), None), vec![a]);
+        assert!(!p.written(a, true));
+        assert_eq!(p.dirty_count(), 0);
+    }
+
+    #[test]
+    fn an_orphan_is_freed_when_its_last_holder_lets_go() {
+        let mut p = Pool::new(1);
+        let (a, _) = p.take(1, 0, SlotState::Filling).unwrap();
+        p.unpin(a, true, Stream::Hot);
+        let taken = p.take_dirty(1, None, None);
+        assert_eq!(taken, vec![a]);
+        assert!(!p.discard(a), "in flight");
+        assert!(!p.written(a, true));
+        assert_eq!(p.free_count(), 1);
+    }
+}

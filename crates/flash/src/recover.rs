@@ -1,0 +1,207 @@
+//! Recovery: the controller rebuilt from what the devices hold after a stop, clean or not.
+//!
+//! Start from the checkpoint the superblock names (or an empty array), then find every write
+//! group written after it: every segment whose header says it was opened after the checkpoint,
+//! or that the checkpoint saw open, is read group by group as a chain from its first page. A
+//! group counts only if its header checks out (magic, this array, checksum), names this
+//! segment, and its sequence number is not below the segment's opening and above the group
+//! before it; the chain ends at the first page that fails, since nothing durable can follow a
+//! group that was lost (syncs wait for every group issued before them). The groups found are
+//! applied in sequence order; a data page whose checksum does not match its record was torn
+//! by the crash and is skipped, so the page keeps its earlier contents: nothing half-written
+//! is ever mapped. Segments that took groups after the checkpoint are closed (never appended
+//! to again, until cleaned).
+//!
+//! Device reads come through a closure, so the logic here stays free of I/O.
+
+use crate::ckpt;
+use crate::ctl::{Config, Controller};
+use crate::layout::{
+    page_crc, ArrayId, CkptPage, CkptRef, GroupHeader, Pba, Record, SegmentHeader, SegmentKind, PAGE,
+};
+use crate::space::State;
+use crate::FlashError;
+
+/// How recovery reads a page of the array (by PBA) into a buffer.
+pub type ReadPage<'a> = dyn FnMut(Pba, &mut [u8]) -> Result<(), FlashError> + 'a;
+
+/// What recovery found and did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Report {
+    pub checkpoint_seq: u64,
+    pub checkpoint_pages: u32,
+    pub segments_scanned: u32,
+    pub groups_replayed: u64,
+    pub pages_read: u64,
+    /// Data pages whose checksum failed: torn by the crash, left unmapped.
+    pub torn_pages: u64,
+}
+
+/// Rebuild the controller of array `array` (`segments` × `segment_pages`), from checkpoint
+/// `ckpt`, reading pages through `read`.
+pub fn recover(
+    array: &ArrayId,
+    ckpt: Option<CkptRef>,
+    cfg: Config,
+    segments: u32,
+    segment_pages: u32,
+    read: &mut ReadPage<'_>,
+) -> Result<(Controller, Report), FlashError> {
+    let mut report = Report::default();
+    let mut page = vec![0u8; PAGE];
+    let (mut c, covered) = match ckpt {
+        Some(r) => {
+            let bytes = read_checkpoint(array, r, segments, segment_pages, read, &mut report)?;
+            let (c, seq) = ckpt::decode(&bytes, cfg, segments, segment_pages)?;
+            if seq != r.seq {
+                return Err(FlashError::Corrupt("checkpoint sequence differs from the superblock's"));
+            }
+            (c, seq)
+        }
+        None => (Controller::new(cfg, segments, segment_pages), 0),
+    };
+    report.checkpoint_seq = covered;
+
+    // Which segments to read, and what the checkpoint thought of each.
+    let mut groups: Vec<(u64, u32, u32, GroupHeader)> = Vec::new();
+    let mut segs = c.space.segs.clone();
+    for s in 0..segments {
+        let base = s * segment_pages;
+        read(base, &mut page)?;
+        report.pages_read += 1;
+        let Ok(h) = SegmentHeader::parse(array, &page) else { continue };
+        if h.segment != s {
+            continue;
+        }
+        let seg = &mut segs[s as usize];
+        seg.erase_count = seg.erase_count.max(h.erase_count);
+        let was_open = matches!(seg.state, State::Open { .. });
+        let SegmentKind::Data(_) = h.kind else {
+            continue;
+        };
+        if h.opened_seq <= covered && !was_open {
+            continue; // every group in it is in the checkpoint, or it is an old life's
+        }
+        report.segments_scanned += 1;
+        let mut at = 1u32;
+        let mut last = 0u64;
+        let mut found = false;
+        while at < segment_pages {
+            read(base + at, &mut page)?;
+            report.pages_read += 1;
+            let Ok(g) = GroupHeader::parse(array, &page) else { break };
+            let n = g.data_pages() as u32;
+            if g.segment != s || g.seq < h.opened_seq || g.seq <= last || at + 1 + n > segment_pages {
+                break;
+            }
+            last = g.seq;
+            if g.seq > covered {
+                groups.push((g.seq, s, at, g));
+                found = true;
+            }
+            at += 1 + n;
+        }
+        // A segment that took groups after the checkpoint is closed; one opened after it with
+        // nothing durable in it stays free (as the checkpoint recorded it).
+        if found || was_open {
+            seg.state = State::Full;
+            seg.last_seq = seg.last_seq.max(last);
+        }
+    }
+    // Rebuild the free list from the states found, then replay in order.
+    c.space.restore(segs);
+    groups.sort_by_key(|g| g.0);
+    let mut data = vec![0u8; PAGE];
+    let mut max_seq = covered;
+    for (seq, s, at, g) in &groups {
+        if *seq == max_seq {
+            return Err(FlashError::Corrupt("two groups with one sequence number"));
+        }
+        max_seq = *seq;
+        let mut pba = s * segment_pages + at;
+        for r in &g.records {
+            if !r.carries_page() {
+                c.apply(r);
+                continue;
+            }
+            pba += 1;
+            read(pba, &mut data)?;
+            report.pages_read += 1;
+            match r {
+                Record::Write { vol, vpage, crc } => {
+                    if page_crc(&data) != *crc {
+                        report.torn_pages += 1;
+                        continue;
+                    }
+                    if let Some(v) = c.vols.get_mut(vol) {
+                        if *vpage < v.map.pages {
+                            c.map.set(&mut v.map, *vpage, pba);
+                        }
+                    }
+                }
+                Record::Move { vol, vpage, old, crc } => {
+                    if page_crc(&data) != *crc {
+                        report.torn_pages += 1;
+                        continue;
+                    }
+                    c.relocate(*vol, *vpage, *old, pba);
+                }
+                _ => unreachable!("carries a page"),
+            }
+        }
+        report.groups_replayed += 1;
+    }
+    c.next_seq = max_seq + 1;
+    c.durable_seq = max_seq;
+    c.checkpoint = ckpt;
+    c.audit().map_err(|_| FlashError::Corrupt("recovered state fails its own checks"))?;
+    Ok((c, report))
+}
+
+/// The bytes of checkpoint `r`, read along its chain of segments.
+fn read_checkpoint(
+    array: &ArrayId,
+    r: CkptRef,
+    segments: u32,
+    segment_pages: u32,
+    read: &mut ReadPage<'_>,
+    report: &mut Report,
+) -> Result<Vec<u8>, FlashError> {
+    let mut page = vec![0u8; PAGE];
+    let mut bytes = Vec::new();
+    let mut segment = r.first_segment;
+    let mut index = 0u32;
+    let mut hops = 0u32;
+    while index < r.pages {
+        if segment >= segments || hops > segments {
+            return Err(FlashError::Corrupt("checkpoint chain leaves the array"));
+        }
+        hops += 1;
+        read(segment * segment_pages, &mut page)?;
+        report.pages_read += 1;
+        let h = SegmentHeader::parse(array, &page)?;
+        let SegmentKind::Checkpoint { next } = h.kind else {
+            return Err(FlashError::Corrupt("checkpoint chain reaches a data segment"));
+        };
+        for p in 1..segment_pages {
+            if index == r.pages {
+                break;
+            }
+            read(segment * segment_pages + p, &mut page)?;
+            report.pages_read += 1;
+            let cp = CkptPage::parse(array, &page)?;
+            if cp.seq != r.seq || cp.index != index {
+                return Err(FlashError::Corrupt("checkpoint page out of place"));
+            }
+            bytes.extend_from_slice(&cp.payload);
+            index += 1;
+        }
+        report.checkpoint_pages = index;
+        match next {
+            Some(n) => segment = n,
+            None if index < r.pages => return Err(FlashError::Corrupt("checkpoint chain ends early")),
+            None => {}
+        }
+    }
+    Ok(bytes)
+}

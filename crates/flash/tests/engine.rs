@@ -1,0 +1,213 @@
+//! The flash engine over devices in memory: data through write-back, cleaning and
+//! checkpoints, reopening, volumes, and the refusals.
+
+use std::sync::Arc;
+
+use skiff_flash::ctl::Config;
+use skiff_flash::device::{Device, MemDevice};
+use skiff_flash::engine::{format, Array};
+use skiff_flash::layout::PAGE;
+use skiff_flash::FlashError;
+
+const SEGMENT_PAGES: u32 = 64;
+
+fn devices(n: usize, pages: u64) -> Vec<Box<dyn Device>> {
+    (0..n).map(|_| Box::new(MemDevice::new(pages)) as Box<dyn Device>).collect()
+}
+
+fn cfg(pool_pages: u32) -> Config {
+    Config { pool_pages, ..Config::default() }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Devices kept by the test so that their images survive the array.
+struct Shared(Vec<Arc<MemDevice>>);
+
+struct Handle(Arc<MemDevice>);
+impl Device for Handle {
+    fn pages(&self) -> u64 {
+        self.0.pages()
+    }
+    fn read(&self, page: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.0.read(page, buf)
+    }
+    fn write(&self, page: u64, buf: &[u8]) -> std::io::Result<()> {
+        self.0.write(page, buf)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.0.sync()
+    }
+    fn name(&self) -> String {
+        self.0.name()
+    }
+}
+
+impl Shared {
+    fn new(n: usize, pages: u64) -> Shared {
+        Shared((0..n).map(|_| Arc::new(MemDevice::new(pages))).collect())
+    }
+    fn boxed(&self) -> Vec<Box<dyn Device>> {
+        self.0.iter().map(|d| Box::new(Handle(d.clone())) as Box<dyn Device>).collect()
+    }
+}
+
+#[test]
+fn data_survives_cleaning_checkpoints_and_reopening() {
+    let devs = Shared::new(2, 256 + 64 * 12);
+    format(&devs.boxed(), SEGMENT_PAGES, false).unwrap();
+    let a = Array::open(devs.boxed(), cfg(64)).unwrap();
+    let vol = a.create("v", 400 * PAGE as u64).unwrap();
+    let mut model = vec![0u8; 400 * PAGE];
+    // Overwrite a third of the volume many times over: far more than the array holds, so
+    // cleaning must run (the background work is driven by hand here).
+    for round in 0..100u64 {
+        for i in 0..40u64 {
+            let page = (i * 7 + round * 13) % 130;
+            let off = page * PAGE as u64 + (i % 3) * 1000;
+            let data = pattern(round * 1000 + i, 3000);
+            a.write(vol, off, &data, i % 11 == 0).unwrap();
+            model[off as usize..off as usize + data.len()].copy_from_slice(&data);
+        }
+        while a.background_step().unwrap() {}
+        a.audit().unwrap();
+    }
+    let stats = a.stats();
+    assert!(stats.counters.gc_segments_cleaned > 0, "cleaning ran: {stats:?}");
+    assert!(stats.counters.checkpoints > 0, "checkpoints ran: {stats:?}");
+    let mut back = vec![0u8; model.len()];
+    a.read(vol, 0, &mut back).unwrap();
+    assert!(back == model, "data differs before reopening");
+    a.flush().unwrap();
+    drop(a);
+    let a = Array::open(devs.boxed(), cfg(64)).unwrap();
+    a.audit().unwrap();
+    let vol = a.id_of("v").unwrap();
+    let mut back = vec![0u8; model.len()];
+    a.read(vol, 0, &mut back).unwrap();
+    assert!(back == model, "data differs after reopening");
+}
+
+#[test]
+fn snapshots_and_clones_keep_their_contents_across_reopening() {
+    let devs = Shared::new(1, 256 + 64 * 32);
+    format(&devs.boxed(), SEGMENT_PAGES, false).unwrap();
+    let a = Array::open(devs.boxed(), cfg(32)).unwrap();
+    let vol = a.create("base", 64 * PAGE as u64).unwrap();
+    a.write(vol, 0, &pattern(1, 64 * PAGE), false).unwrap();
+    let snap = a.snapshot("base", "base@1", false).unwrap();
+    a.write(vol, 5 * PAGE as u64, &pattern(2, PAGE), false).unwrap();
+    let clone = a.snapshot("base@1", "clone", true).unwrap();
+    a.write(clone, 9 * PAGE as u64 + 17, &pattern(3, 100), false).unwrap();
+    assert_eq!(a.write(snap, 0, &[1], false), Err(FlashError::ReadOnly));
+    assert!(matches!(a.delete("base", false), Err(FlashError::HasChildren { .. })));
+    a.flush().unwrap();
+    a.checkpoint().unwrap();
+    let check = |a: &Array| {
+        let read = |name: &str, off: u64, len: usize| {
+            let mut b = vec![0u8; len];
+            a.read(a.id_of(name).unwrap(), off, &mut b).unwrap();
+            b
+        };
+        let original = pattern(1, 64 * PAGE);
+        assert_eq!(read("base@1", 0, 64 * PAGE), original);
+        assert_eq!(read("base", 5 * PAGE as u64, PAGE), pattern(2, PAGE));
+        assert_eq!(read("base", 6 * PAGE as u64, PAGE), original[6 * PAGE..7 * PAGE]);
+        let mut want = original[9 * PAGE..10 * PAGE].to_vec();
+        want[17..117].copy_from_slice(&pattern(3, 100));
+        assert_eq!(read("clone", 9 * PAGE as u64, PAGE), want);
+        let names: Vec<String> = a.list().into_iter().map(|v| v.name).collect();
+        assert_eq!(names, ["base", "base@1", "clone"]);
+    };
+    check(&a);
+    drop(a);
+    let a = Array::open(devs.boxed(), cfg(32)).unwrap();
+    check(&a);
+    a.delete("clone", false).unwrap();
+    a.delete("base@1", false).unwrap();
+    a.delete("base", false).unwrap();
+    assert_eq!(a.stats().valid_bytes, 0);
+    a.audit().unwrap();
+}
+
+#[test]
+fn a_full_array_says_no_space_and_keeps_what_it_holds() {
+    let devs = Shared::new(1, 256 + 64 * 20);
+    format(&devs.boxed(), SEGMENT_PAGES, false).unwrap();
+    let a = Array::open(devs.boxed(), cfg(16)).unwrap();
+    let vol = a.create("big", 4000 * PAGE as u64).unwrap();
+    let mut written = 0u64;
+    let err = loop {
+        match a.write(vol, written * PAGE as u64, &pattern(written, PAGE), false) {
+            Ok(()) => written += 1,
+            Err(e) => break e,
+        }
+        if written.is_multiple_of(64) {
+            while a.background_step().unwrap() {}
+        }
+        assert!(written < 4000, "the array never filled");
+    };
+    assert_eq!(err, FlashError::NoSpace);
+    a.audit().unwrap();
+    a.flush().unwrap();
+    for p in (0..written.saturating_sub(16)).step_by(7) {
+        let mut b = vec![0u8; PAGE];
+        a.read(vol, p * PAGE as u64, &mut b).unwrap();
+        assert_eq!(b, pattern(p, PAGE), "page {p}");
+    }
+    // Trimming frees space again.
+    a.zero(vol, 0, written * PAGE as u64 / 2, false).unwrap();
+    while a.background_step().unwrap() {}
+    a.write(vol, 0, &pattern(99, PAGE), false).unwrap();
+}
+
+#[test]
+fn devices_that_do_not_belong_together_are_refused() {
+    let one = Shared::new(2, 256 + 64 * 16);
+    format(&one.boxed(), SEGMENT_PAGES, false).unwrap();
+    let other = Shared::new(1, 256 + 64 * 16);
+    format(&other.boxed(), SEGMENT_PAGES, false).unwrap();
+    let err = |devs: Vec<Box<dyn Device>>| Array::open(devs, cfg(8)).err().expect("refused").to_string();
+    let mut boxed = one.boxed();
+    boxed.pop();
+    assert!(err(boxed).contains("missing device index 1"));
+    let mut boxed = one.boxed();
+    boxed.pop();
+    boxed.extend(other.boxed());
+    assert!(err(boxed).contains("another flash array"));
+    let mut swapped = one.boxed();
+    swapped.reverse();
+    assert!(Array::open(swapped, cfg(8)).is_ok(), "order does not matter");
+    assert!(err(devices(1, 512)).contains("no skiff flash array"));
+    let again = format(&one.boxed(), SEGMENT_PAGES, false).unwrap_err().to_string();
+    assert!(again.contains("holds a skiff flash array"), "{again}");
+    format(&one.boxed(), SEGMENT_PAGES, true).unwrap();
+    assert!(format(&devices(1, 256 + 64 * 4), SEGMENT_PAGES, false).is_err(), "too small");
+}
+
+#[test]
+fn a_volume_refuses_what_it_must() {
+    let devs = Shared::new(1, 256 + 64 * 16);
+    format(&devs.boxed(), SEGMENT_PAGES, false).unwrap();
+    let a = Array::open(devs.boxed(), cfg(8)).unwrap();
+    a.create("v", 10 * PAGE as u64).unwrap();
+    assert_eq!(a.create("v", PAGE as u64), Err(FlashError::NameTaken("v".into())));
+    let v = a.id_of("v").unwrap();
+    a.write(v, 9 * PAGE as u64, &[1; 10], false).unwrap();
+    assert!(matches!(a.resize("v", 5 * PAGE as u64), Err(FlashError::BadSize(_))));
+    a.resize("v", 20 * PAGE as u64).unwrap();
+    assert_eq!(a.list()[0].size_bytes, 20 * PAGE as u64);
+    assert!(matches!(a.delete("v", true), Err(FlashError::Busy(_))));
+    assert_eq!(a.id_of("nope"), Err(FlashError::NoSuchVolume));
+    assert!(matches!(a.snapshot("v", "v", false), Err(FlashError::NameTaken(_))));
+}
