@@ -280,6 +280,7 @@ mod tests {
     #[test]
     fn a_controller_survives_encoding_and_garbage_does_not_pass() {
         let mut c = Controller::new(Config { pool_pages: 64, ..Config::default() }, 16, 64);
+        c.seq_ceiling = u64::MAX;
         let vol = c.create("v", 2000).unwrap();
         for p in [0u64, 1, 700, 1999] {
             let (Got::Fresh(s) | Got::Ready(s)) = c.get(vol, p, Access::WriteWhole).unwrap() else {

@@ -236,6 +236,9 @@ pub struct Controller {
     pub next_family: u32,
     /// The next write group's sequence number.
     pub next_seq: u64,
+    /// No group is handed out with a sequence number at or above this until the driver has
+    /// made a higher ceiling durable (`layout::Superblock::seq_ceiling`).
+    pub seq_ceiling: u64,
     /// Groups handed out and not yet `written`.
     in_flight: BTreeMap<u64, GroupPlan>,
     /// Trims and volume changes waiting for the next group.
@@ -254,7 +257,7 @@ pub struct Controller {
 /// Free segments kept for garbage collection and checkpoints: enough to move the contents
 /// of one victim, to open a segment in every stream, and to write a checkpoint.
 pub fn reserve_for(total_segments: u32) -> u32 {
-    (4 + total_segments / 64).min(total_segments / 2)
+    (3 + total_segments / 64).min(total_segments / 4)
 }
 
 impl Controller {
@@ -272,6 +275,7 @@ impl Controller {
             next_vol: 1,
             next_family: 1,
             next_seq: 1,
+            seq_ceiling: 0,
             in_flight: BTreeMap::new(),
             pending: Vec::new(),
             durable_seq: 0,
@@ -593,7 +597,7 @@ impl Controller {
     /// trims and volume changes wait. `None`: nothing to write, or no space (see
     /// [`FlashError::NoSpace`] from `need_space`).
     pub fn writeback(&mut self, max: u32, only_vol: Option<VolId>) -> Option<GroupPlan> {
-        if self.failed {
+        if !self.may_issue() {
             return None;
         }
         let max = max.min(self.cfg.group_pages_max) as usize;
@@ -638,6 +642,11 @@ impl Controller {
             sources.push(Source::Slot(s));
         }
         Some(self.issue(seq, grant, records, sources))
+    }
+
+    /// Whether a group may be handed out now (its sequence number under the durable ceiling).
+    fn may_issue(&self) -> bool {
+        !self.failed && self.next_seq < self.seq_ceiling
     }
 
     fn issue(&mut self, seq: u64, grant: Grant, records: Vec<Record>, sources: Vec<Source>) -> GroupPlan {
@@ -771,7 +780,7 @@ impl Controller {
 
     /// A group moving the next of `moves` (taken from its front).
     pub fn gc_writeback(&mut self, moves: &mut Vec<GcMove>) -> Option<GroupPlan> {
-        if moves.is_empty() || self.failed {
+        if moves.is_empty() || !self.may_issue() {
             return None;
         }
         let stream = if self.cfg.segregation { Stream::Gc } else { Stream::Hot };
@@ -883,7 +892,9 @@ mod tests {
     use super::*;
 
     fn ctl() -> Controller {
-        Controller::new(Config { pool_pages: 8, ..Config::default() }, 16, 64)
+        let mut c = Controller::new(Config { pool_pages: 8, ..Config::default() }, 16, 64);
+        c.seq_ceiling = u64::MAX;
+        c
     }
 
     /// Write-back everything and pretend the groups were written.

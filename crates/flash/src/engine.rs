@@ -40,6 +40,14 @@ pub const SEGMENT_PAGES_DEFAULT: u32 = 2048;
 /// Most dirty pages one write-back group takes.
 const GROUP_PAGES: u32 = 128;
 
+/// How many sequence numbers one durable ceiling covers (`Superblock::seq_ceiling`): raised
+/// at every open and checkpoint, and when half of it is used.
+const SEQ_WINDOW: u64 = 1 << 32;
+
+/// Segments cleaned in a row, without any write-back getting through, before a writer is told
+/// the array is full.
+const RECLAIM_ROUNDS_MAX: u32 = 8;
+
 /// Where each global segment lies.
 #[derive(Debug, Clone, Copy)]
 struct Geometry {
@@ -117,6 +125,7 @@ pub fn format(devs: &[Box<dyn Device>], segment_pages: u32, force: bool) -> Resu
             generation: 1,
             checkpoint: None,
             created_s,
+            seq_ceiling: 1,
         };
         // Generation 1 in copy 1; copy 0 invalid. Each later generation g goes to copy g mod 2,
         // never over the copy that holds the current one.
@@ -127,6 +136,11 @@ pub fn format(devs: &[Box<dyn Device>], segment_pages: u32, force: bool) -> Resu
         d.sync()?;
     }
     Ok(array)
+}
+
+/// The highest sequence ceiling the devices' superblocks name.
+fn superblocks_max_ceiling(ceilings: &[u64]) -> u64 {
+    ceilings.iter().copied().max().unwrap_or(0)
 }
 
 /// The valid superblock copy with the highest generation on `d`.
@@ -272,6 +286,7 @@ impl Array {
             segments_per_device: first.segments,
         };
         let checkpoint = found.iter().max_by_key(|(sb, _)| sb.generation).and_then(|(sb, _)| sb.checkpoint);
+        let found_ceilings: Vec<u64> = found.iter().map(|(sb, _)| sb.seq_ceiling).collect();
         let (superblocks, devs): (Vec<Superblock>, Vec<Box<dyn Device>>) = found.into_iter().unzip();
         let mut page = AlignedBuf::new(PAGE)?;
         let mut read = |pba: Pba, buf: &mut [u8]| -> Result<(), FlashError> {
@@ -281,7 +296,7 @@ impl Array {
             Ok(())
         };
         let started = Instant::now();
-        let (ctl, report) = recover::recover(
+        let (mut ctl, report) = recover::recover(
             &first.array,
             checkpoint,
             cfg,
@@ -289,6 +304,9 @@ impl Array {
             geo.segment_pages,
             &mut read,
         )?;
+        // Numbers the last run may have used (groups lost in a crash may still lie on a device)
+        // are never used again.
+        ctl.next_seq = ctl.next_seq.max(superblocks_max_ceiling(&found_ceilings));
         tracing::info!(
             checkpoint_seq = report.checkpoint_seq,
             groups_replayed = report.groups_replayed,
@@ -299,7 +317,7 @@ impl Array {
         );
         let pool = Region::new(cfg.pool_pages as usize * PAGE)?;
         let opts = Options::for_array(&cfg, geo.total_segments());
-        Ok(Arc::new(Array {
+        let array = Arc::new(Array {
             ctl: Mutex::new(ctl),
             changed: Condvar::new(),
             pool,
@@ -314,7 +332,35 @@ impl Array {
             stop: AtomicBool::new(false),
             background: Mutex::new(None),
             filled_at_checkpoint: AtomicU64::new(0),
-        }))
+        });
+        array.raise_ceiling()?;
+        Ok(array)
+    }
+
+    /// Make a new sequence ceiling durable, `SEQ_WINDOW` past the next number, so that groups
+    /// may be handed out up to it.
+    fn raise_ceiling(&self) -> Result<(), FlashError> {
+        let ceiling = self.lock().next_seq + SEQ_WINDOW;
+        self.write_superblocks(|sb| sb.seq_ceiling = sb.seq_ceiling.max(ceiling))?;
+        let mut c = self.lock();
+        c.seq_ceiling = c.seq_ceiling.max(ceiling);
+        Ok(())
+    }
+
+    /// Write every device's superblock, changed by `change`, as the next generation (into the
+    /// copy that does not hold the current one), then sync.
+    fn write_superblocks(&self, mut change: impl FnMut(&mut Superblock)) -> Result<(), FlashError> {
+        let mut page = AlignedBuf::new(PAGE)?;
+        let mut sbs = self.superblocks.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = sbs.iter().map(|s| s.generation).max().unwrap_or(0) + 1;
+        for (i, sb) in sbs.iter_mut().enumerate() {
+            sb.generation = generation;
+            change(sb);
+            sb.emit(&mut page);
+            self.devs[i].write(generation % 2, &page)?;
+        }
+        drop(sbs);
+        self.sync_all()
     }
 
     fn lock(&self) -> MutexGuard<'_, Controller> {
@@ -364,10 +410,19 @@ impl Array {
 
     /// One round of background work. Returns whether it did something (and more may wait).
     pub fn background_step(&self) -> Result<bool, FlashError> {
-        let (dirty, wants_gc, has_pending) = {
+        let (dirty, wants_gc, has_pending, ceiling_low) = {
             let c = self.lock();
-            (c.pool.dirty_count(), c.wants_gc(), c.has_pending())
+            (
+                c.pool.dirty_count(),
+                c.wants_gc(),
+                c.has_pending(),
+                c.seq_ceiling.saturating_sub(c.next_seq) < SEQ_WINDOW / 2,
+            )
         };
+        if ceiling_low {
+            self.raise_ceiling()?;
+            return Ok(true);
+        }
         if dirty >= self.opts.writeback_dirty_min || has_pending {
             return self.writeback_once(GROUP_PAGES, None);
         }
@@ -437,6 +492,14 @@ impl Array {
         }
         plan.set_crcs(&crcs);
         plan.header.emit(&self.id, &mut buf[..PAGE]);
+        tracing::trace!(
+            seq = plan.seq,
+            segment = plan.header.segment,
+            pba = plan.pba,
+            opened = plan.opened.is_some(),
+            records = plan.header.records.len(),
+            "flash: write group"
+        );
         if let Some(h) = plan.opened {
             let mut page = AlignedBuf::new(PAGE)?;
             h.emit(&self.id, &mut page);
@@ -478,47 +541,74 @@ impl Array {
     }
 
     /// Write back every dirty page (of `only_vol`) and waiting record, then make them
-    /// durable.
+    /// durable. A page another user holds pinned, or is writing back, is waited for: the
+    /// write acknowledged before the call must be on flash when it returns. Out of space, it
+    /// cleans (taking a checkpoint first if nothing can be cleaned yet); `NoSpace` when that
+    /// frees nothing.
     fn sync_pages(&self, only_vol: Option<VolId>) -> Result<(), FlashError> {
-        while self.writeback_once(GROUP_PAGES, only_vol)? {}
-        let (dirty_left, failed) = {
-            let c = self.lock();
-            let left = match only_vol {
-                None => c.pool.dirty_count(),
-                Some(_) => 0,
+        let mut fruitless = 0;
+        loop {
+            if self.writeback_once(GROUP_PAGES, only_vol)? {
+                fruitless = 0;
+                continue;
+            }
+            let (dirty, busy, pending, failed) = {
+                let c = self.lock();
+                let (dirty, busy) = c.pool.dirty_of(only_vol);
+                (dirty, busy, c.has_pending(), c.failed)
             };
-            (left, c.failed)
-        };
-        if failed {
-            return Err(FlashError::Failed);
-        }
-        if dirty_left > 0 && !self.lock().has_room_for_one_more() {
-            return Err(FlashError::NoSpace);
+            if failed {
+                return Err(FlashError::Failed);
+            }
+            if dirty == 0 && !pending {
+                break;
+            }
+            if dirty > 0 && dirty == busy {
+                // Pinned by writers or already on their way: wait for them.
+                drop(self.wait(self.lock()));
+                continue;
+            }
+            // Dirty pages that could be written and were not: no space to write them to.
+            // Cleaning may win too little for a user stream; give up after a few rounds.
+            fruitless += 1;
+            if fruitless > RECLAIM_ROUNDS_MAX || !self.reclaim()? {
+                return Err(FlashError::NoSpace);
+            }
         }
         self.make_durable()
     }
 
-    /// Make room in the pool: write back a group; failing that (no segment to write to),
-    /// clean one, taking a checkpoint first if none can be cleaned yet. `NoSpace` when the
-    /// array is full of valid data.
+    /// Free a segment: clean one, or take a checkpoint so that one may be cleaned, then clean.
+    /// Returns whether a segment was cleaned.
+    fn reclaim(&self) -> Result<bool, FlashError> {
+        if self.gc_step()? {
+            return Ok(true);
+        }
+        self.checkpoint()?;
+        self.gc_step()
+    }
+
+    /// Make room in the pool: write back a group; failing that, wait for pinned pages, or free
+    /// a segment to write to. `NoSpace` when the array is full of valid data.
     fn make_room(&self) -> Result<(), FlashError> {
-        if self.writeback_once(GROUP_PAGES, None)? || self.gc_step()? {
+        if self.writeback_once(GROUP_PAGES, None)? {
             return Ok(());
         }
-        let out_of_space = {
-            let c = self.lock();
-            c.pool.dirty_count() > 0 && c.space.free_segments() <= c.space.reserve
-        };
-        if out_of_space {
-            self.checkpoint()?;
-            if self.gc_step()? || self.writeback_once(GROUP_PAGES, None)? {
+        let (dirty, busy) = self.lock().pool.dirty_of(None);
+        if dirty == 0 || dirty == busy {
+            // Everything is pinned or in flight: wait for a holder to let go.
+            drop(self.wait(self.lock()));
+            return Ok(());
+        }
+        for _ in 0..RECLAIM_ROUNDS_MAX {
+            if !self.reclaim()? {
+                break;
+            }
+            if self.writeback_once(GROUP_PAGES, None)? {
                 return Ok(());
             }
-            return Err(FlashError::NoSpace);
         }
-        // Everything is pinned or in flight: wait for a holder to let go.
-        drop(self.wait(self.lock()));
-        Ok(())
+        Err(FlashError::NoSpace)
     }
 
     // ---------------------------------------------------------------------------------
@@ -621,7 +711,6 @@ impl Array {
         let spp = self.geo.segment_pages as usize;
         let mut chunks = bytes.chunks(CKPT_PAYLOAD);
         let mut index = 0u32;
-        let mut page = AlignedBuf::new(PAGE)?;
         for (i, &s) in segments.iter().enumerate() {
             let next = segments.get(i + 1).copied();
             let erase_count = self.lock().space.segs[s as usize].erase_count;
@@ -644,15 +733,13 @@ impl Array {
         }
         // The checkpoint and every group up to `seq` durable, then the superblocks name it.
         self.sync_all()?;
-        let mut sbs = self.superblocks.lock().unwrap_or_else(|e| e.into_inner());
-        let generation = sbs.iter().map(|s| s.generation).max().unwrap_or(0) + 1;
-        for (i, sb) in sbs.iter_mut().enumerate() {
-            sb.generation = generation;
+        let ceiling = self.lock().next_seq + SEQ_WINDOW;
+        self.write_superblocks(|sb| {
             sb.checkpoint = Some(CkptRef { seq, first_segment: segments[0], pages: index });
-            sb.emit(&mut page);
-            self.devs[i].write(generation % 2, &page)?;
-        }
-        self.sync_all()?;
+            sb.seq_ceiling = sb.seq_ceiling.max(ceiling);
+        })?;
+        let mut c = self.lock();
+        c.seq_ceiling = c.seq_ceiling.max(ceiling);
         Ok(index)
     }
 

@@ -131,6 +131,11 @@ pub struct Superblock {
     pub checkpoint: Option<CkptRef>,
     /// Seconds since the epoch at format time.
     pub created_s: u64,
+    /// No write group on the array has a sequence number at or above this: a driver raises it
+    /// (durably) before it hands out one past it, and starts above it after a crash, so that a
+    /// group lost in a crash, whose header may still lie in a segment, never shares its number
+    /// with a new one.
+    pub seq_ceiling: u64,
 }
 
 impl Superblock {
@@ -154,11 +159,12 @@ impl Superblock {
             put_u32(page, 88, c.first_segment);
             put_u32(page, 92, c.pages);
         }
-        seal(page, 96, 100);
+        put_u64(page, 100, self.seq_ceiling);
+        seal(page, 96, 108);
     }
 
     pub fn parse(page: &[u8]) -> Result<Superblock, FlashError> {
-        check(page, SUPER_MAGIC, None, 96, 100)?;
+        check(page, SUPER_MAGIC, None, 96, 108)?;
         if u32_at(page, 24) != PAGE as u32 {
             return Err(FlashError::Corrupt("page size other than 4 KiB"));
         }
@@ -175,6 +181,7 @@ impl Superblock {
             data_start: u64_at(page, 48),
             generation: u64_at(page, 56),
             created_s: u64_at(page, 64),
+            seq_ceiling: u64_at(page, 100),
             checkpoint: (page[72] == 1).then(|| CkptRef {
                 seq: u64_at(page, 80),
                 first_segment: u32_at(page, 88),
@@ -544,6 +551,7 @@ mod tests {
             generation: 9,
             checkpoint: Some(CkptRef { seq: 77, first_segment: 3, pages: 12 }),
             created_s: 1_700_000_000,
+            seq_ceiling: 1 << 40,
         };
         let mut page = vec![0u8; PAGE];
         sb.emit(&mut page);

@@ -256,6 +256,25 @@ impl Pool {
         true
     }
 
+    /// Dirty slots (of `vol`, if given) and how many of them are pinned, including those written
+    /// to again while being written back.
+    pub fn dirty_of(&self, vol: Option<u32>) -> (u32, u32) {
+        let mut c = (0, 0);
+        for s in &self.slots {
+            let dirty = matches!(
+                s.state,
+                SlotState::Dirty | SlotState::WritingBack { redirty: true } | SlotState::Filling
+            );
+            if dirty && !s.orphan && vol.is_none_or(|v| v == s.vol) {
+                c.0 += 1;
+                if s.pins > 0 || s.state != SlotState::Dirty {
+                    c.1 += 1;
+                }
+            }
+        }
+        c
+    }
+
     /// Slots in each state, for statistics: (clean, dirty, in flight, pinned).
     pub fn census(&self) -> (u32, u32, u32, u32) {
         let mut c = (0, 0, 0, 0);

@@ -83,6 +83,12 @@ pub fn recover(
             continue; // every group in it is in the checkpoint, or it is an old life's
         }
         report.segments_scanned += 1;
+        tracing::trace!(
+            segment = s,
+            opened_seq = h.opened_seq,
+            was_open,
+            "flash recovery: reading a segment's groups"
+        );
         let mut at = 1u32;
         let mut last = 0u64;
         let mut found = false;
