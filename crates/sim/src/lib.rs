@@ -20,6 +20,7 @@ pub mod datagram;
 pub mod direct;
 pub mod disk;
 pub mod faults;
+pub mod flash;
 pub mod link;
 pub mod pipe;
 pub mod rng;
