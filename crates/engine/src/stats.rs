@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use wire::{Opcode, Status};
 
-/// Status counters per opcode: wire codes 0 to 21, and one slot for every other code.
-pub const STATUS_SLOTS: usize = 23;
+/// Status counters per opcode: wire codes 0 to 23, and one slot for every other code.
+pub const STATUS_SLOTS: usize = 25;
 
 /// Service-time buckets: upper bounds of 2^8 ns (256 ns) to 2^30 ns (about 1.07 s), doubling,
 /// then one unbounded bucket. 256 ns is below any request a backend serves; a second is far
