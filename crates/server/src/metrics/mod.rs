@@ -488,13 +488,13 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
             "Pages written to the devices: data, moved data, group and segment headers, checkpoints.",
             c.device_pages_written,
         ),
+        ("skiff_flash_device_pages_read_total", "Pages read from the devices.", c.device_pages_read),
         ("skiff_flash_gc_segments_cleaned_total", "Segments the cleaner emptied for reuse.", c.gc_segments_cleaned),
         ("skiff_flash_gc_pages_moved_total", "Valid pages the cleaner moved out of segments it cleaned.", c.gc_pages_moved),
         ("skiff_flash_checkpoints_total", "Checkpoints of the flash array's map written.", c.checkpoints),
         ("skiff_flash_pool_hits_total", "Page reads and writes served by a page in the pool.", c.pool_hits),
         ("skiff_flash_pool_misses_total", "Page reads and writes that found the page outside the pool and took a slot for it (read from the devices unless wholly overwritten).", c.pool_misses),
         ("skiff_flash_pool_evictions_total", "Pages dropped from the pool to make room for others.", c.evictions),
-        ("skiff_flash_device_pages_read_total", "Pages read from the devices.", c.device_pages_read),
     ];
     for (name, help, v) in counters {
         out.counter(name, help, vec![(vec![], v)]);
