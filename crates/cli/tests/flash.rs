@@ -194,6 +194,12 @@ fn format_refuses_what_it_would_overwrite_unless_forced() {
     };
     let run = |args: Vec<String>, says: &str| refused(&as_strs(&args), says);
     run(serve(first, &[]), "missing device index 1");
+    let other = dir.path().join("other.img");
+    std::fs::File::create(&other).unwrap().set_len(128 << 20).unwrap();
+    ok(&["flash", "format", &other.display().to_string(), "--segment", "4M"]);
+    let mixed = format!("{first},{}", other.display());
+    run(serve(&mixed, &[]), "belongs to another flash array than");
+    run(serve(&missing, &[]), "missing.img: No such file or directory");
     run(serve(&no_array.display().to_string(), &[]), "holds no skiff flash array (run `skiff flash format`)");
     let s = Served::start(&flash, &[]);
     vol_ok(&s, &["create", "disk", "--size", "1M"]);
