@@ -2,12 +2,13 @@
 //!
 //! [`Target::start`] opens the backends (and a flash array, whose volumes it serves as exports
 //! that come and go while it runs: `engine::volumes`), binds the listeners and starts one
-//! acceptor thread and one worker per core. A worker owns its connections outright and runs each request to
-//! completion on its own thread: read a caravan, execute every request on the backend, append
-//! the completions to the connection's response buffer, and send all responses at the end of
-//! the loop pass. The acceptor hands a connection to a worker once, at connect time; nothing on
-//! the data path crosses threads or takes a lock. With a metrics address configured, a side
-//! thread serves the workers' counters to Prometheus ([`metrics`]); it only ever reads them.
+//! acceptor thread and one worker per core. A worker owns its connections outright and runs
+//! each request to completion on its own thread: read a caravan, execute every request on the
+//! backend, append the completions to the connection's response buffer, and send all responses
+//! at the end of the loop pass. The acceptor hands a connection to a worker once, at connect
+//! time; nothing on the data path crosses threads or takes a lock. With a metrics address
+//! configured, a side thread serves the workers' counters to Prometheus ([`metrics`]); it only
+//! ever reads them.
 
 mod acceptor;
 mod admission;
