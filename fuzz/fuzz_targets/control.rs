@@ -1,7 +1,8 @@
 //! Control bodies straight into their decoders, without a header in the way.
 //!
 //! The first input byte picks the decoder (HELLO, HELLO_REPLY, OPEN, OPEN_REPLY, LIST_REPLY,
-//! STATS_REPLY, GOAWAY, AUTH, AUTH_REPLY, REVOKE, REVOKE_REPLY, GRANT, GRANT_REPLY, modulo 13); the rest is the body. A body that decodes must encode back to
+//! STATS_REPLY, GOAWAY, AUTH, AUTH_REPLY, REVOKE, GRANT, GRANT_REPLY, REVOKE_REPLY, VOLUME,
+//! VOLUME_REPLY, modulo 15); the rest is the body. A body that decodes must encode back to
 //! the same bytes. A decoded HELLO is also negotiated against the default limits, whose result
 //! must respect the floors and orderings in `docs/PROTOCOL.md`.
 #![no_main]
@@ -9,14 +10,14 @@
 use libfuzzer_sys::fuzz_target;
 use skiff_wire::{
     Auth, AuthReply, ExportInfo, GoAway, Grant, GrantReply, Hello, HelloReply, Limits, Open, OpenReply, Revoke,
-    RevokeReply, StatsReply, HEADER_LEN,
+    RevokeReply, StatsReply, VolumeReply, VolumeRequest, HEADER_LEN,
 };
 
 fuzz_target!(|data: &[u8]| {
     let Some((&which, body)) = data.split_first() else {
         return;
     };
-    let encoded = match which % 13 {
+    let encoded = match which % 15 {
         0 => Hello::decode(body).map(|hello| {
             check_negotiation(&hello.limits);
             hello.encode()
@@ -32,7 +33,9 @@ fuzz_target!(|data: &[u8]| {
         9 => Revoke::decode(body).map(|v| v.encode()),
         10 => Grant::decode(body).map(|v| v.encode()),
         11 => GrantReply::decode(body).map(|v| v.encode()),
-        _ => RevokeReply::decode(body).map(|v| v.encode()),
+        12 => RevokeReply::decode(body).map(|v| v.encode()),
+        13 => VolumeRequest::decode(body).map(|v| v.encode()),
+        _ => VolumeReply::decode(body).map(|v| v.encode()),
     };
     if let Ok(encoded) = encoded {
         assert_eq!(encoded, body);

@@ -13,8 +13,8 @@
 use libfuzzer_sys::fuzz_target;
 use skiff_wire::caravan::{CompletionCaravan, RequestCaravan};
 use skiff_wire::{
-    ExportInfo, FrameKind, GoAway, Header, Hello, HelloReply, Open, OpenReply, StatsReply, Status,
-    COMPLETION_DESC_LEN, HEADER_LEN, REQUEST_DESC_LEN,
+    ExportInfo, FrameKind, GoAway, Header, Hello, HelloReply, Open, OpenReply, StatsReply, Status, VolumeReply,
+    VolumeRequest, COMPLETION_DESC_LEN, HEADER_LEN, REQUEST_DESC_LEN,
 };
 
 fuzz_target!(|data: &[u8]| {
@@ -125,6 +125,8 @@ fn check_control(kind: FrameKind, body: &[u8]) {
         FrameKind::ListReply => ExportInfo::decode_list(body).map(|v| ExportInfo::encode_list(&v)),
         FrameKind::StatsReply => StatsReply::decode(body).map(|v| v.encode()),
         FrameKind::GoAway => GoAway::decode(body).map(|v| v.encode()),
+        FrameKind::Volume => VolumeRequest::decode(body).map(|v| v.encode()),
+        FrameKind::VolumeReply => VolumeReply::decode(body).map(|v| v.encode()),
         _ => return,
     };
     if let Ok(encoded) = encoded {

@@ -121,6 +121,23 @@ pub fn nbd_request(cmd: u16, flags: u16, cookie: u64, offset: u64, len: u32, pay
     r
 }
 
+/// A flash array on `files` sparse scratch files of `bytes` each in a new directory under
+/// /var/tmp (4 MiB segments), for `TargetConfig::flash`; the directory goes when dropped.
+pub fn flash_array(files: usize, bytes: u64) -> (tempfile::TempDir, Vec<std::path::PathBuf>) {
+    let dir =
+        tempfile::Builder::new().prefix("skiff-flash-").tempdir_in("/var/tmp").expect("a scratch directory");
+    let mut paths = Vec::new();
+    let mut devices: Vec<Box<dyn flash::device::Device>> = Vec::new();
+    for i in 0..files {
+        let path = dir.path().join(format!("dev{i}.img"));
+        std::fs::File::create(&path).and_then(|f| f.set_len(bytes)).expect("a scratch file");
+        devices.push(Box::new(flash::device::FileDevice::open(&path).expect("open a scratch file")));
+        paths.push(path);
+    }
+    flash::engine::format(&devices, 1024, false).expect("format the scratch files");
+    (dir, paths)
+}
+
 pub fn start_nbd_target(exports: &[&str]) -> (Target, String) {
     let t = start_target_with(exports, |c| c.nbd_listen = vec![Endpoint::Tcp("127.0.0.1:0".into())]);
     let Endpoint::Tcp(addr) = t.endpoints_of(server::Protocol::Nbd)[0].clone() else { unreachable!() };

@@ -1,31 +1,52 @@
 //! The Prometheus endpoint of a real target: scraped before and after real load through lanes
 //! and a raw peer, the counters checked against the load, the exposition checked by
 //! `promtool check metrics` (Debian's `prometheus` package), and the metric names checked
-//! against docs/METRICS.md.
+//! against docs/METRICS.md. The target serves a flash array too, so that its families are
+//! served and checked with the rest.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::Stdio;
 use std::time::Duration;
 
-use initiator::{Lane, LaneConfig};
+use initiator::{Client, Lane, LaneConfig, VolumeOp, VolumeRequest};
 use server::Target;
-use skiff_tests::{caravan, run_ok, start_target_with, tcp_endpoint, tool, RawPeer};
+use skiff_tests::{caravan, flash_array, run_ok, start_target_with, tcp_endpoint, tool, RawPeer};
 use wire::{Limits, Opcode, ReqFlags, Request, Status};
 
 const BS: usize = 4096;
 const IOS: u64 = 256;
 
-fn start() -> Target {
+/// The target, and the directory of its flash array's devices (removed when dropped, after
+/// the target).
+fn start() -> (Target, tempfile::TempDir) {
     // A file export with a direct-read cache too, so that its families are served. The file
     // is unlinked once the target holds it open.
     let file = tempfile::NamedTempFile::new_in("/var/tmp").expect("a temporary file");
     file.as_file().set_len(1 << 20).unwrap();
     let cached = format!("cached=file:{},cache=64k", file.path().display());
-    start_target_with(&["vol=ram:16M", "golden=ram:1M,ro", &cached], |c| {
+    let (dir, devices) = flash_array(1, 128 << 20);
+    let t = start_target_with(&["vol=ram:16M", "golden=ram:1M,ro", &cached], |c| {
         c.workers = 2;
         c.metrics_listen = Some("127.0.0.1:0".into());
-    })
+        c.flash = Some(server::FlashConfig { devices, pool_bytes: 16 << 20 });
+    });
+    (t, dir)
+}
+
+/// A flash volume, written through a lane: its requests count under its export, and the
+/// array's counters move.
+fn load_flash(t: &Target) {
+    let ep = tcp_endpoint(t);
+    let mut client = Client::connect(&ep).expect("a control connection");
+    let create =
+        VolumeRequest { op: VolumeOp::Create, name: "fv".into(), origin: String::new(), size_bytes: 1 << 20 };
+    assert_eq!(client.volume(&create).unwrap().status, Status::Ok);
+    let mut lane = Lane::connect(&ep, "fv", &LaneConfig::default()).expect("lane to fv");
+    for i in 0..16 {
+        lane.write_at(&[0x3c; BS], i * BS as u64).expect("write");
+    }
+    lane.flush().expect("flush");
 }
 
 /// `GET /metrics`; returns the body after checking the status line and content type.
@@ -106,7 +127,7 @@ fn load(t: &Target) -> (Lane, Lane, RawPeer) {
 
 #[test]
 fn counters_move_under_load_and_promtool_accepts_the_exposition() {
-    let t = start();
+    let (t, _devices) = start();
     let addr = t.metrics_addr().expect("a metrics address");
     let before = scrape(addr);
     promtool_check(&before);
@@ -152,6 +173,24 @@ fn counters_move_under_load_and_promtool_accepts_the_exposition() {
     for name in ["skiff_connections_refused_total", "skiff_handshake_timeouts_total"] {
         assert!(value(&after, name, &[]).is_some(), "{name}");
     }
+
+    // A flash volume made and written while the target runs: its export and the array count.
+    assert_eq!(value(&after, "skiff_flash_volumes", &[]), Some(0.0));
+    assert_eq!(value(&after, "skiff_flash_user_pages_written_total", &[]), Some(0.0));
+    load_flash(&t);
+    let flashed = scrape(addr);
+    promtool_check(&flashed);
+    assert_eq!(value(&flashed, "skiff_flash_volumes", &[]), Some(1.0));
+    let fv = [("export", "fv"), ("opcode", "write"), ("status", "ok")];
+    assert_eq!(value(&flashed, "skiff_requests_total", &fv), Some(16.0));
+    assert_eq!(value(&flashed, "skiff_export_info", &[("export", "fv"), ("kind", "flash")]), Some(1.0));
+    assert_eq!(value(&flashed, "skiff_flash_user_pages_written_total", &[]), Some(16.0));
+    assert!(value(&flashed, "skiff_flash_device_pages_written_total", &[]).unwrap() >= 16.0);
+    assert!(value(&flashed, "skiff_flash_write_amplification", &[]).unwrap() >= 1.0);
+    assert_eq!(value(&flashed, "skiff_flash_valid_bytes", &[]), Some(16.0 * BS as f64));
+    let capacity = value(&flashed, "skiff_flash_capacity_bytes", &[]).unwrap();
+    assert_eq!(value(&flashed, "skiff_flash_free_bytes", &[]), Some(capacity - 16.0 * BS as f64));
+    assert_eq!(value(&flashed, "skiff_flash_pool_pages", &[]), Some(4096.0));
 }
 
 #[test]
@@ -209,7 +248,7 @@ fn documented_names() -> Vec<String> {
 
 #[test]
 fn the_documented_metrics_are_the_ones_the_target_serves() {
-    let t = start();
+    let (t, _devices) = start();
     // After load every family has a sample, so every family is in the exposition.
     let _open = load(&t);
     let text = scrape(t.metrics_addr().unwrap());

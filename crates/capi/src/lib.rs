@@ -188,7 +188,9 @@ fn errno_of(e: &Error) -> i32 {
     match e {
         Error::Io(io) => io.raw_os_error().unwrap_or(libc::EIO),
         Error::Protocol(_) => libc::EPROTO,
-        Error::Refused(status) | Error::Status(status) => status.errno(),
+        Error::Refused(status) | Error::Status(status) | Error::VolumeRefused { status, .. } => {
+            status.errno()
+        }
         Error::GoAway { .. } | Error::Closed => libc::ECONNRESET,
         Error::TimedOut(_) => libc::ETIMEDOUT,
         Error::InvalidArgument(_) => libc::EINVAL,

@@ -6,11 +6,15 @@
 //! - `skiff info`: list a target's exports and limits.
 //! - `skiff attach`: an export as a file through FUSE, until SIGINT or SIGTERM unmounts it.
 //! - `skiff relay`: a fault relay between two interfaces, for testing raw-Ethernet delivery.
+//! - `skiff flash format`: a flash array on files or block devices, for `skiff serve --flash`.
+//! - `skiff vol`: create, resize, snapshot, clone, delete, list and measure a running target's
+//!   flash volumes.
 //!
 //! Argument parsing and presentation live here; everything else is in the library crates.
 
 mod attach;
 mod bench;
+mod flash;
 mod info;
 mod keys;
 mod ns;
@@ -21,6 +25,7 @@ mod rsort;
 mod serve;
 mod tls;
 mod units;
+mod vol;
 
 use std::process::ExitCode;
 
@@ -53,6 +58,10 @@ enum Command {
     /// RSort: generate TeraSort records into an RStore namespace, sort them with worker
     /// processes in two phases, check the result.
     Rsort(rsort::RsortArgs),
+    /// Flash arrays: format files or block devices as one, for `skiff serve --flash`.
+    Flash(flash::FlashArgs),
+    /// A running target's flash volumes: create, resize, snapshot, clone, delete, list, stats.
+    Vol(vol::VolArgs),
 }
 
 fn init_logging(default: &str) {
@@ -103,6 +112,14 @@ fn main() -> ExitCode {
         Command::Rsort(args) => {
             init_logging("warn");
             rsort::run(args)
+        }
+        Command::Flash(args) => {
+            init_logging("warn");
+            flash::run(args)
+        }
+        Command::Vol(args) => {
+            init_logging("warn");
+            vol::run(args)
         }
     };
     match result {

@@ -44,8 +44,16 @@ pub struct ServeArgs {
     /// cache instead of O_DIRECT), block=N (a finer block than 512 bytes; 1 takes any byte
     /// range) and allow=NAME:rw+NAME:ro+*:ro (who may open it, with which rights; * is anyone
     /// without a key). Repeatable.
-    #[arg(long = "export", value_name = "NAME=SPEC", required_unless_present_any = ["config", "pool"])]
+    #[arg(long = "export", value_name = "NAME=SPEC", required_unless_present_any = ["config", "pool", "flash"])]
     exports: Vec<ExportConfig>,
+    /// Serve the volumes of the flash array on these devices (files or block devices, as
+    /// given to `skiff flash format`), each volume as an export of its name; `skiff vol`
+    /// creates, resizes, snapshots, clones and deletes them while the target runs.
+    #[arg(long, value_name = "PATH[,PATH...]", value_delimiter = ',')]
+    flash: Vec<std::path::PathBuf>,
+    /// DRAM for the flash array's page pool (its only cache of flash pages).
+    #[arg(long, value_name = "SIZE", value_parser = crate::units::parse_size, default_value = "256M")]
+    flash_cache: u64,
     /// Be a memory server of RStore namespaces: donate RAM (ram:SIZE) or a file (file:PATH) as
     /// a pool of chunks, served as export `pool` and registered with --coordinator
     /// (docs/RSTORE.md).
@@ -190,8 +198,11 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         args.exports.push(server::ExportConfig { grants, ..p.export.clone() });
         grant_key = Some(key);
     }
-    if args.exports.is_empty() {
-        return Err("no exports: give --export NAME=SPEC, or `export` in the config file".into());
+    if args.exports.is_empty() && args.flash.is_empty() {
+        return Err(
+            "no exports: give --export NAME=SPEC or --flash PATH, or `export` or `flash` in the config file"
+                .into(),
+        );
     }
     let io_bytes_max = u32::try_from(args.io_max).map_err(|_| "--io-max must be below 4 GiB")?;
     let defaults = wire::Limits::default();
@@ -235,6 +246,8 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         metrics_listen: args.metrics,
         keys: load_keys(&args.key_files)?,
         tls: crate::tls::listen(args.tls, args.tls_certificates.as_ref(), args.tls_verify_peer)?,
+        flash: (!args.flash.is_empty())
+            .then(|| server::FlashConfig { devices: args.flash.clone(), pool_bytes: args.flash_cache }),
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal
     // is taken synchronously below.

@@ -146,6 +146,9 @@ fn check_replies(mut out: &[u8], closing: bool) {
             FrameKind::GrantReply => {
                 wire::GrantReply::decode(body).expect("a broken GRANT_REPLY");
             }
+            FrameKind::VolumeReply => {
+                wire::VolumeReply::decode(body).expect("a broken VOLUME_REPLY");
+            }
             kind => panic!("the target sent a {kind:?} frame"),
         }
     }

@@ -9,7 +9,9 @@
 //! socket: the server's workers drive them over TCP, the simulator over an in-memory pipe.
 //!
 //! The target reaches its backends only through this crate: [`Export::open`] opens one from
-//! its [`BackendSpec`].
+//! its [`BackendSpec`], and [`volumes`] serves the volumes of a flash array as exports that
+//! come and go while it runs ([`table`] says how the export table takes them without a lock
+//! on the data path).
 #![forbid(unsafe_code)]
 
 pub mod direct;
@@ -17,6 +19,8 @@ pub mod front;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod stats;
+pub mod table;
+pub mod volumes;
 
 use std::sync::Arc;
 
@@ -29,6 +33,7 @@ use wire::control::{ExportFlags, ExportInfo};
 use wire::{Opcode, ReqFlags, Status};
 
 pub use stats::OpCounters;
+pub use table::{ExportTable, Lease};
 
 /// One named volume the target serves.
 pub struct Export {
@@ -185,43 +190,6 @@ impl Export {
             block_size: self.block_bytes,
             flags: self.flags(),
         }
-    }
-}
-
-/// The exports of one target, fixed at start-up and shared read-only by all workers.
-#[derive(Debug, Default)]
-pub struct ExportTable {
-    exports: Vec<Export>,
-}
-
-impl ExportTable {
-    pub fn new(exports: Vec<Export>) -> ExportTable {
-        ExportTable { exports }
-    }
-
-    /// Index and export by name.
-    pub fn find(&self, name: &str) -> Option<(u32, &Export)> {
-        self.exports.iter().enumerate().find(|(_, e)| e.name == name).map(|(i, e)| (i as u32, e))
-    }
-
-    pub fn get(&self, index: u32) -> Option<&Export> {
-        self.exports.get(index as usize)
-    }
-
-    pub fn len(&self) -> usize {
-        self.exports.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.exports.is_empty()
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = &Export> {
-        self.exports.iter()
-    }
-
-    pub fn infos(&self) -> Vec<ExportInfo> {
-        self.exports.iter().map(Export::info).collect()
     }
 }
 

@@ -2,10 +2,13 @@
 //!
 //! Each worker owns one [`OpCounters`] and is its only writer, so updates are plain relaxed
 //! loads and stores (no locked read-modify-write); any thread may read them for a stats reply
-//! or a metrics scrape. The table has one row per export, fixed when the worker starts and
-//! indexed by the export's index in the [`ExportTable`](crate::ExportTable), so counting a
-//! request takes neither a lock nor a lookup nor an allocation. Rows are aligned to a cache
-//! line so two rows (and two workers' tables) never share one.
+//! or a metrics scrape. The table has one row per export, indexed by the export's index in the
+//! [`ExportTable`](crate::ExportTable), so counting a request takes neither a lock nor a lookup
+//! nor an allocation. The rows of the exports given at start-up are allocated with the table;
+//! a dynamic export's row is allocated by the control path that adds the export
+//! ([`OpCounters::add_row`]), before any worker can see the export, and published through a
+//! `OnceLock` like the export itself. Rows are aligned to a cache line so two rows (and two
+//! workers' tables) never share one.
 //!
 //! A row counts requests by opcode and status, payload bytes by opcode, and service times by
 //! opcode in a histogram whose bucket bounds are powers of two of nanoseconds, so finding a
@@ -13,11 +16,12 @@
 //! front ends through [`Host::now_ns`](crate::front::Host::now_ns); this module only files it.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
 
 use wire::{Opcode, Status};
 
-/// Status counters per opcode: wire codes 0 to 21, and one slot for every other code.
-pub const STATUS_SLOTS: usize = 23;
+/// Status counters per opcode: wire codes 0 to 23, and one slot for every other code.
+pub const STATUS_SLOTS: usize = 25;
 
 /// Service-time buckets: upper bounds of 2^8 ns (256 ns) to 2^30 ns (about 1.07 s), doubling,
 /// then one unbounded bucket. 256 ns is below any request a backend serves; a second is far
@@ -113,6 +117,8 @@ impl ExportOps {
 #[derive(Debug, Default)]
 pub struct OpCounters {
     exports: Box<[ExportOps]>,
+    /// Rows of the dynamic exports, by index past the fixed ones ([`add_row`](Self::add_row)).
+    dynamic: Box<[OnceLock<Box<ExportOps>>]>,
     no_export: ExportOps,
     undecoded: [AtomicU64; STATUS_SLOTS],
 }
@@ -120,7 +126,25 @@ pub struct OpCounters {
 impl OpCounters {
     /// Counters for a target with `exports` exports (allocated here, never on the data path).
     pub fn new(exports: usize) -> OpCounters {
-        OpCounters { exports: (0..exports).map(|_| ExportOps::default()).collect(), ..OpCounters::default() }
+        OpCounters::with_room(exports, 0)
+    }
+
+    /// [`new`](Self::new), with room for the rows of `room` dynamic exports.
+    pub fn with_room(exports: usize, room: usize) -> OpCounters {
+        OpCounters {
+            exports: (0..exports).map(|_| ExportOps::default()).collect(),
+            dynamic: (0..room).map(|_| OnceLock::new()).collect(),
+            ..OpCounters::default()
+        }
+    }
+
+    /// Make the row of dynamic export `index` (the control path, before the export is
+    /// published). An index without room, or a fixed export's, is left alone.
+    pub fn add_row(&self, index: u32) {
+        if let Some(slot) = (index as usize).checked_sub(self.exports.len()).and_then(|j| self.dynamic.get(j))
+        {
+            slot.get_or_init(Box::default);
+        }
     }
 
     /// Count one answered request on `export` (an index into the export table; `None` when the
@@ -134,7 +158,7 @@ impl OpCounters {
         status: Status,
         service_ns: Option<u64>,
     ) {
-        let row = export.and_then(|i| self.exports.get(i as usize)).unwrap_or(&self.no_export);
+        let row = export.and_then(|i| self.export(i)).unwrap_or(&self.no_export);
         let op = opcode.index();
         bump(&row.reqs[op][status_slot(status)], 1);
         if status.is_ok() && matches!(opcode, Opcode::Read | Opcode::Write | Opcode::DirectRead) {
@@ -151,8 +175,13 @@ impl OpCounters {
     }
 
     /// The row of export `index`, if the table has one.
+    #[inline]
     pub fn export(&self, index: u32) -> Option<&ExportOps> {
-        self.exports.get(index as usize)
+        let i = index as usize;
+        match self.exports.get(i) {
+            Some(row) => Some(row),
+            None => self.dynamic.get(i - self.exports.len())?.get().map(|row| &**row),
+        }
     }
 
     /// Requests that named no export open on their connection.
@@ -166,7 +195,8 @@ impl OpCounters {
     }
 
     fn rows(&self) -> impl Iterator<Item = &ExportOps> {
-        self.exports.iter().chain([&self.no_export])
+        let dynamic = self.dynamic.iter().filter_map(|r| r.get().map(|row| &**row));
+        self.exports.iter().chain(dynamic).chain([&self.no_export])
     }
 
     /// Requests of `opcode`, any export and status.
@@ -224,5 +254,18 @@ mod tests {
         assert_eq!(c.no_export().reqs_any(Opcode::Flush), 1, "an index past the table counts as no export");
         assert_eq!(c.undecoded(status_slot(Status::UnknownOpcode)), 1);
         assert_eq!(slot_status(status_slot(Status::Other(999))), Status::Other((STATUS_SLOTS - 1) as u16));
+    }
+
+    #[test]
+    fn dynamic_rows_count_once_made() {
+        let c = OpCounters::with_room(1, 2);
+        c.record(Some(2), Opcode::Read, 512, Status::Ok, None);
+        assert_eq!(c.no_export().reqs_any(Opcode::Read), 1, "no row yet: counted as no export");
+        c.add_row(2);
+        c.add_row(9);
+        c.record(Some(2), Opcode::Read, 512, Status::Ok, None);
+        assert_eq!(c.export(2).map(|r| r.reqs_any(Opcode::Read)), Some(1));
+        assert!(c.export(1).is_none() && c.export(3).is_none());
+        assert_eq!((c.reqs(Opcode::Read), c.bytes(Opcode::Read)), (2, 1024));
     }
 }

@@ -982,6 +982,9 @@ fn clone_error(e: &Error) -> Error {
         Error::InvalidArgument(a) => Error::InvalidArgument(a),
         Error::QueueFull(n) => Error::QueueFull(*n),
         Error::Lost(t) => Error::Lost(t.clone()),
+        Error::VolumeRefused { status, message } => {
+            Error::VolumeRefused { status: *status, message: message.clone() }
+        }
     }
 }
 

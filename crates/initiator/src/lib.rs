@@ -1,6 +1,7 @@
 //! The skiff initiator: connect to a target, open exports, and move data through lanes.
 //!
-//! - [`Client`] is a control connection: list exports, read target stats, check an export.
+//! - [`Client`] is a control connection: list exports, read target stats, check an export,
+//!   manage the target's flash volumes.
 //! - [`Lane`] is one data connection owned by one thread (no locks), the driver of a
 //!   [`proto::client::ClientSession`] over a socket: `submit_*` queue requests into the open
 //!   caravan, the doorbell sends it (when full, on `commit`/`wait`, for a `NO_DELAY` request,
@@ -35,7 +36,10 @@ pub use rt::poll::{PollMode, WaitStats};
 pub use segment::{Location, Segment, SegmentMap, SegmentStats};
 pub use shared::{SharedHandle, SharedLanes, HANDLES_MAX, USER_DATA_MAX};
 pub use transport::{Endpoint, Kick};
-pub use wire::{ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status};
+pub use wire::{
+    ExportFlags, ExportInfo, Limits, ReqFlags, StatsReply, Status, VolumeBody, VolumeEntry, VolumeOp,
+    VolumeReply, VolumeRequest,
+};
 
 use std::time::Duration;
 
@@ -68,6 +72,9 @@ pub enum Error {
     /// The connection was lost and could not be restored within `ctrl_loss_timeout`.
     #[error("lost the target at {0}: reconnection gave up (ctrl_loss_timeout)")]
     Lost(String),
+    /// A volume request was refused; the message is the target's.
+    #[error("{message} ({status})")]
+    VolumeRefused { status: Status, message: String },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -140,6 +147,41 @@ impl Client {
             return Err(Error::Status(reply.status));
         }
         Ok(reply.epoch)
+    }
+
+    /// Send a volume request (docs/PROTOCOL.md, section 17) and return the target's reply,
+    /// whatever its status: a refusal carries the target's message.
+    pub fn volume(&mut self, request: &VolumeRequest) -> Result<VolumeReply> {
+        let (h, body) = self.conn.call(FrameKind::Volume, &request.encode())?;
+        let reply = proto::client::expect(&h, &body, FrameKind::VolumeReply, VolumeReply::decode)?;
+        if reply.op != request.op {
+            return Err(Error::Protocol(proto::ProtoError::Unexpected(
+                FrameKind::VolumeReply,
+                "for another operation",
+            )));
+        }
+        Ok(reply)
+    }
+
+    /// Every volume of the target's flash array, in name order, asking page after page.
+    /// `Err(Error::Refused)` with the target's message when it refuses.
+    pub fn volumes(&mut self) -> Result<Vec<VolumeEntry>> {
+        let mut all: Vec<VolumeEntry> = Vec::new();
+        loop {
+            let cursor = all.last().map(|v| v.name.clone()).unwrap_or_default();
+            let request = VolumeRequest { name: cursor, ..VolumeRequest::bare(VolumeOp::List) };
+            let reply = self.volume(&request)?;
+            if !reply.status.is_ok() {
+                return Err(Error::VolumeRefused { status: reply.status, message: reply.message });
+            }
+            let VolumeBody::List { volumes, more } = reply.body else { return Ok(all) };
+            // A page that brings nothing new cannot move the cursor: stop rather than loop.
+            let progressed = !volumes.is_empty();
+            all.extend(volumes);
+            if !more || !progressed {
+                return Ok(all);
+            }
+        }
     }
 
     /// The limits negotiated on this connection (what a lane would get by default).

@@ -279,6 +279,8 @@ pub fn error_of(status: Status, cmd: Cmd, flags: CmdFlags) -> u32 {
         | Status::TlsRequired
         | Status::StaleCapability
         | Status::BadCapability
+        | Status::Exists
+        | Status::Busy
         | Status::Other(_) => EIO,
         Status::ShuttingDown => ESHUTDOWN,
         Status::AuthRequired | Status::AuthFailed | Status::AccessDenied => EPERM,

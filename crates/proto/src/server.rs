@@ -71,6 +71,16 @@ pub enum Inbound<'a> {
     Grant(wire::Grant),
     /// The initiator is closing the connection (status `Ok` for a clean close).
     GoAway(wire::GoAway),
+    /// A volume request from a connection allowed to make it
+    /// ([`may_manage_volumes`](ServerSession::may_manage_volumes)): the driver executes it and
+    /// sends the `VOLUME_REPLY`.
+    Volume(wire::VolumeRequest),
+    /// A volume request from a connection that may not make one: send a `VOLUME_REPLY` with
+    /// this status; the connection goes on.
+    VolumeRefused {
+        op: wire::VolumeOp,
+        status: Status,
+    },
 }
 
 /// One connection's protocol state on the target.
@@ -169,7 +179,7 @@ impl ServerSession {
             (State::AwaitAuth { .. }, Auth | GoAway) => {}
             (State::AwaitAuth { .. }, kind) => return Err(ProtoError::Unexpected(kind, "before AUTH")),
             (State::Ready, Hello) => return Err(ProtoError::Unexpected(Hello, "twice")),
-            (State::Ready, Open | List | Stats | GoAway | Requests | Revoke | Grant) => {}
+            (State::Ready, Open | List | Stats | GoAway | Requests | Revoke | Grant | Volume) => {}
             (State::Ready, kind) => return Err(ProtoError::Unexpected(kind, "from an initiator")),
         }
         if header.kind.is_caravan() {
@@ -203,8 +213,30 @@ impl ServerSession {
             FrameKind::Grant => Ok(Inbound::Grant(wire::Grant::decode(body)?)),
             FrameKind::GoAway => Ok(Inbound::GoAway(wire::GoAway::decode(body)?)),
             FrameKind::Requests => Ok(Inbound::Requests(RequestCaravan::parse(header, body)?)),
+            FrameKind::Volume => self.handle_volume(body),
             kind => Err(ProtoError::Unexpected(kind, "from an initiator")),
         }
+    }
+
+    fn handle_volume<'a>(&self, body: &[u8]) -> Result<Inbound<'a>, ProtoError> {
+        let request = wire::VolumeRequest::decode(body)?;
+        if !self.may_manage_volumes() {
+            return Ok(Inbound::VolumeRefused { op: request.op, status: Status::AuthRequired });
+        }
+        Ok(Inbound::Volume(request))
+    }
+
+    /// Whether this connection may send volume requests (docs/PROTOCOL.md, section 17.3): on
+    /// a target that knows keys, only once it has proved one (any key: volumes have no access
+    /// lists of their own), since a volume request can delete data no export's list protects;
+    /// on a target without keys, as any connection may open any export, any connection.
+    pub fn may_manage_volumes(&self) -> bool {
+        self.principal.is_some() || self.auth.as_ref().is_none_or(|a| a.keys.is_empty())
+    }
+
+    /// The handle this connection already holds on export `export_index`, if it opened it.
+    pub fn handle_of(&self, export_index: u32) -> Option<u32> {
+        self.handles.iter().position(|&(e, _)| e == export_index).map(|h| h as u32)
     }
 
     fn handle_hello<'a>(&mut self, body: &[u8]) -> Result<Inbound<'a>, ProtoError> {
@@ -397,6 +429,35 @@ mod tests {
         ));
     }
 
+    /// VOLUME is for established sessions; on a target with keys, only for one that proved a
+    /// key, and the others are answered, not disconnected.
+    #[test]
+    fn volume_requests_need_a_session_and_on_a_keyed_target_a_key() {
+        let list = wire::VolumeRequest::bare(wire::VolumeOp::List).encode();
+        let h = header(FrameKind::Volume, 0, list.len() as u32);
+        let hello_body = hello(Limits::default());
+        let hello_h = header(FrameKind::Hello, 0, hello_body.len() as u32);
+
+        let mut open = ServerSession::new(Limits::default(), 16);
+        assert!(matches!(open.handle_frame(&h, &list), Err(ProtoError::Unexpected(FrameKind::Volume, _))));
+        open.handle_frame(&hello_h, &hello_body).unwrap();
+        assert!(
+            matches!(open.handle_frame(&h, &list), Ok(Inbound::Volume(r)) if r.op == wire::VolumeOp::List)
+        );
+
+        let keys = std::sync::Arc::new(vec![Key::new("alice", &[1; 16]).unwrap()]);
+        let mut keyed =
+            ServerSession::new(Limits::default(), 16).with_auth(AuthConfig { keys, nonce: [2; 32] });
+        keyed.handle_frame(&hello_h, &hello_body).unwrap();
+        assert!(!keyed.may_manage_volumes());
+        assert!(matches!(
+            keyed.handle_frame(&h, &list),
+            Ok(Inbound::VolumeRefused { op: wire::VolumeOp::List, status: Status::AuthRequired })
+        ));
+        // A malformed body is a framing error wherever it comes from.
+        assert!(keyed.handle_frame(&header(FrameKind::Volume, 0, 2), &[9, 0]).is_err());
+    }
+
     #[test]
     fn handles_are_bounded_and_stable() {
         let mut s = ServerSession::new(Limits::default(), 16);
@@ -408,5 +469,6 @@ mod tests {
         assert_eq!(s.open_handle(999, false), Err(Status::TooManyOpen));
         assert_eq!(s.resolve(2), Some(20));
         assert_eq!(s.resolve(16), None);
+        assert_eq!((s.handle_of(30), s.handle_of(31)), (Some(3), None));
     }
 }

@@ -46,6 +46,11 @@ pub struct Bounds {
     /// The same for NBD connections after their handshake. Zero (the default): never, since
     /// NBD clients such as the kernel's do not reconnect on their own.
     pub nbd_idle_timeout: Duration,
+    /// Flash volumes (snapshots and clones included) a target with a flash array can export
+    /// over its life: the volumes found at start and every one created since. Each takes an
+    /// export index that is never reused, so that a handle never comes to name another
+    /// volume (`engine::table`); past it, creating one is refused until a restart. 4,096.
+    pub volume_exports_max: usize,
 }
 
 impl Default for Bounds {
@@ -63,6 +68,7 @@ impl Default for Bounds {
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
             nbd_idle_timeout: Duration::ZERO,
+            volume_exports_max: 4096,
         }
     }
 }

@@ -432,15 +432,15 @@ impl<S: ConnStream> Conn<S> {
         let mut tx = TxBuf::with_room(
             (wire::header::HEADER_LEN + depth * wire::caravan::COMPLETION_DESC_LEN).next_power_of_two(),
         );
-        let kind = match (protocol, &shared.nbd) {
+        let kind = match (protocol, shared.nbd_view()) {
             (Protocol::Nbd, Some(config)) => {
                 let mut greeting = Vec::new();
                 // TLS runs over TCP only: where it is merely offered, a Unix socket client is
                 // not offered it (STARTTLS gets ERR_UNSUP); where it is required, it is refused.
                 let config = if stream.is_unix() && config.tls() == ::nbd::TlsPolicy::On {
-                    Arc::new(::nbd::HandshakeConfig::clone(config).with_tls(::nbd::TlsPolicy::Off))
+                    Arc::new(::nbd::HandshakeConfig::clone(&config).with_tls(::nbd::TlsPolicy::Off))
                 } else {
-                    config.clone()
+                    config
                 };
                 let conn =
                     NbdConn::new(config, shared.config.bounds.nbd_extents_per_reply_max, &mut greeting);

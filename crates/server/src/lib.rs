@@ -1,12 +1,14 @@
 //! The skiff target daemon: listeners, workers, exports, stats, metrics.
 //!
-//! [`Target::start`] opens the backends, binds the listeners and starts one acceptor thread and
-//! one worker per core. A worker owns its connections outright and runs each request to
-//! completion on its own thread: read a caravan, execute every request on the backend, append
-//! the completions to the connection's response buffer, and send all responses at the end of
-//! the loop pass. The acceptor hands a connection to a worker once, at connect time; nothing on
-//! the data path crosses threads or takes a lock. With a metrics address configured, a side
-//! thread serves the workers' counters to Prometheus ([`metrics`]); it only ever reads them.
+//! [`Target::start`] opens the backends (and a flash array, whose volumes it serves as exports
+//! that come and go while it runs: `engine::volumes`), binds the listeners and starts one
+//! acceptor thread and one worker per core. A worker owns its connections outright and runs
+//! each request to completion on its own thread: read a caravan, execute every request on the
+//! backend, append the completions to the connection's response buffer, and send all responses
+//! at the end of the loop pass. The acceptor hands a connection to a worker once, at connect
+//! time; nothing on the data path crosses threads or takes a lock. With a metrics address
+//! configured, a side thread serves the workers' counters to Prometheus ([`metrics`]); it only
+//! ever reads them.
 
 mod acceptor;
 mod admission;
@@ -23,11 +25,14 @@ mod worker;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 
+use engine::volumes::FlashVolumes;
 use engine::{BackendSpec, Export, ExportTable, BLOCK_BYTES};
 use transport::{Endpoint, Listener};
+
+pub use engine::volumes::{FlashConfig, POOL_BYTES_DEFAULT};
 
 pub use bounds::Bounds;
 pub use conn::Protocol;
@@ -191,6 +196,10 @@ pub struct TargetConfig {
     /// Serve Prometheus metrics at `GET /metrics` on this TCP address (`HOST:PORT`). Also
     /// turns on the measurement of request service times, one clock read per request.
     pub metrics_listen: Option<String>,
+    /// A flash array (`skiff flash format`) whose volumes are exports, created, resized,
+    /// snapshotted, cloned and deleted with `VOLUME` requests while the target runs
+    /// (docs/PROTOCOL.md, section 17). `None`: no flash array, and `VOLUME` is refused.
+    pub flash: Option<FlashConfig>,
 }
 
 impl Default for TargetConfig {
@@ -207,13 +216,14 @@ impl Default for TargetConfig {
             metrics_listen: None,
             keys: Vec::new(),
             tls: None,
+            flash: None,
         }
     }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
-    #[error("no exports configured")]
+    #[error("no exports configured (give --export, or --flash to serve a flash array's volumes)")]
     NoExports,
     #[error("nothing to listen on")]
     NothingToListenOn,
@@ -233,6 +243,12 @@ pub enum TargetError {
     Spawn(io::Error),
     #[error("metrics on {addr}: {source}")]
     Metrics { addr: String, source: io::Error },
+    #[error("flash array: {0}")]
+    Flash(engine::volumes::flash::FlashError),
+    #[error("flash volume {0:?} has the name of an --export: serve that export under another name")]
+    VolumeNameTaken(String),
+    #[error("the flash array holds {volumes} volumes, more than volume_exports_max ({max})")]
+    TooManyVolumes { volumes: usize, max: usize },
 }
 
 /// A pool export's chunk grants, with the target's workers behind them: how `skiff serve
@@ -278,8 +294,13 @@ impl Pool {
 pub(crate) struct Shared {
     pub config: TargetConfig,
     pub exports: ExportTable,
-    /// The NBD view of the exports, when an NBD listener is configured.
-    pub nbd: Option<Arc<::nbd::HandshakeConfig>>,
+    /// The NBD view of the exports, when an NBD listener is configured: rebuilt whenever the
+    /// table changes, and read once per NBD connection when it is accepted, so the lock is
+    /// never on the data path (an NBD connection keeps the view it started with until its
+    /// client chooses an export, and finds that export in the table by name).
+    pub nbd: Option<RwLock<Arc<::nbd::HandshakeConfig>>>,
+    /// The flash array whose volumes are exports, when one is configured.
+    pub flash: Option<FlashVolumes>,
     pub workers: Vec<Arc<WorkerStats>>,
     pub shutdown: AtomicBool,
     pub connections: std::sync::atomic::AtomicUsize,
@@ -321,37 +342,65 @@ impl engine::front::Host for Shared {
     fn clock_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
     }
+
+    fn volume(&self, request: &wire::VolumeRequest) -> wire::VolumeReply {
+        match &self.flash {
+            Some(flash) => flash.execute(request, &self.exports, self),
+            None => wire::VolumeReply::refused(
+                request.op,
+                wire::Status::Unsupported,
+                "this target serves no flash array (skiff serve --flash)",
+            ),
+        }
+    }
+}
+
+/// What the table's changes mean for the rest of the target.
+impl engine::volumes::Publisher for Shared {
+    fn publishing(&self, index: u32) {
+        for w in &self.workers {
+            w.front.ops.add_row(index);
+        }
+    }
+
+    fn changed(&self, table: &ExportTable) {
+        let Some(nbd) = &self.nbd else { return };
+        match self.nbd_config(table) {
+            Ok(c) => *nbd.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(c),
+            // Every export was checked when it was made; keep offering the last good list.
+            Err(e) => tracing::error!(error = %e, "NBD export list not rebuilt"),
+        }
+    }
 }
 
 impl Shared {
-    /// The state of a target serving `exports` on `workers` workers; `timed` measures request
-    /// service times (for the metrics endpoint).
+    /// The state of a target serving `exports` (and the volumes of `flash`) on `workers`
+    /// workers; `timed` measures request service times (for the metrics endpoint).
+    #[cfg(any(test, feature = "fuzzing"))]
     fn new(
         config: TargetConfig,
         exports: ExportTable,
         workers: usize,
         timed: bool,
     ) -> Result<Shared, TargetError> {
-        let nbd = if config.nbd_listen.is_empty() {
-            None
-        } else {
-            let c = engine::front::nbd::handshake_config(&exports, config.bounds.limits.io_bytes_max, None)
-                .map_err(TargetError::Nbd)?;
-            // The NBD listeners offer TLS as the native ones do, through STARTTLS.
-            let policy = match config.tls.as_ref().map(|t| t.mode) {
-                None | Some(transport::tls::TlsMode::Off) => ::nbd::TlsPolicy::Off,
-                Some(transport::tls::TlsMode::On) => ::nbd::TlsPolicy::On,
-                Some(transport::tls::TlsMode::Require) => ::nbd::TlsPolicy::Require,
-            };
-            Some(Arc::new(c.with_tls(policy)))
-        };
-        let export_count = exports.len();
+        Shared::with_flash(config, exports, None, workers, timed)
+    }
+
+    fn with_flash(
+        config: TargetConfig,
+        exports: ExportTable,
+        flash: Option<FlashVolumes>,
+        workers: usize,
+        timed: bool,
+    ) -> Result<Shared, TargetError> {
+        let (fixed, room) = (exports.fixed_len(), exports.capacity() - exports.fixed_len());
         let serves_pool = exports.iter().any(|e| e.grants.is_some());
-        Ok(Shared {
+        let mut shared = Shared {
             serves_pool,
             exports,
-            nbd,
-            workers: (0..workers).map(|_| Arc::new(WorkerStats::new(export_count))).collect(),
+            nbd: None,
+            flash,
+            workers: (0..workers).map(|_| Arc::new(WorkerStats::with_room(fixed, room))).collect(),
             shutdown: AtomicBool::new(false),
             connections: Default::default(),
             listener: Default::default(),
@@ -361,7 +410,47 @@ impl Shared {
             started: std::time::Instant::now(),
             keys: Arc::new(config.keys.clone()),
             config,
-        })
+        };
+        shared.export_volumes()?;
+        if !shared.config.nbd_listen.is_empty() {
+            let c = shared.nbd_config(&shared.exports).map_err(TargetError::Nbd)?;
+            shared.nbd = Some(RwLock::new(Arc::new(c)));
+        }
+        Ok(shared)
+    }
+
+    /// Add every volume of the flash array to the table.
+    fn export_volumes(&self) -> Result<(), TargetError> {
+        let Some(flash) = &self.flash else { return Ok(()) };
+        let volumes = flash.exports().map_err(TargetError::Flash)?;
+        let max = self.config.bounds.volume_exports_max;
+        if volumes.len() > max {
+            return Err(TargetError::TooManyVolumes { volumes: volumes.len(), max });
+        }
+        for export in volumes {
+            let name = export.name.clone();
+            self.exports
+                .add(export, |index| engine::volumes::Publisher::publishing(self, index))
+                .map_err(|_| TargetError::VolumeNameTaken(name))?;
+        }
+        Ok(())
+    }
+
+    /// The NBD view of `table` for anonymous clients, with the listeners' TLS policy.
+    fn nbd_config(&self, table: &ExportTable) -> Result<::nbd::HandshakeConfig, ::nbd::NbdError> {
+        let c = engine::front::nbd::handshake_config(table, self.config.bounds.limits.io_bytes_max, None)?;
+        // The NBD listeners offer TLS as the native ones do, through STARTTLS.
+        let policy = match self.config.tls.as_ref().map(|t| t.mode) {
+            None | Some(transport::tls::TlsMode::Off) => ::nbd::TlsPolicy::Off,
+            Some(transport::tls::TlsMode::On) => ::nbd::TlsPolicy::On,
+            Some(transport::tls::TlsMode::Require) => ::nbd::TlsPolicy::Require,
+        };
+        Ok(c.with_tls(policy))
+    }
+
+    /// What a new NBD connection is offered, when NBD is served.
+    pub fn nbd_view(&self) -> Option<Arc<::nbd::HandshakeConfig>> {
+        self.nbd.as_ref().map(|c| c.read().unwrap_or_else(|e| e.into_inner()).clone())
     }
 }
 
@@ -373,6 +462,7 @@ pub struct Target {
     threads: Vec<JoinHandle<()>>,
     /// The metrics endpoint's address and thread, when configured.
     metrics: Option<(std::net::SocketAddr, JoinHandle<()>)>,
+    stopped: bool,
 }
 
 impl Target {
@@ -382,6 +472,9 @@ impl Target {
             return Err(TargetError::StagedTls(config.stages));
         }
         let exports = open_exports(&config)?;
+        if exports.is_empty() && config.flash.is_none() {
+            return Err(TargetError::NoExports);
+        }
         let metrics_listener = match &config.metrics_listen {
             Some(addr) => Some(
                 std::net::TcpListener::bind(addr)
@@ -406,7 +499,13 @@ impl Target {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        let shared = Arc::new(Shared::new(config, exports, workers, metrics_listener.is_some())?);
+        // Last of what may fail at start: recovering an array can take a while.
+        let flash = match &config.flash {
+            Some(f) => Some(FlashVolumes::open(f, config.read_only).map_err(TargetError::Flash)?),
+            None => None,
+        };
+        let timed = metrics_listener.is_some();
+        let shared = Arc::new(Shared::with_flash(config, exports, flash, workers, timed)?);
         for e in shared.exports.iter() {
             tracing::info!(export = %e.name, kind = e.backend.kind(), size_bytes = e.backend.size_bytes(), read_only = e.is_read_only(), "export ready");
         }
@@ -437,7 +536,7 @@ impl Target {
         for (ep, protocol) in &endpoints {
             tracing::info!(%ep, ?protocol, workers, "listening");
         }
-        let mut target = Target { shared, endpoints, wakers, threads, metrics: None };
+        let mut target = Target { shared, endpoints, wakers, threads, metrics: None, stopped: false };
         if let Some((addr, listener)) = metrics_listener {
             let shared = target.shared.clone();
             let fixed = metrics::Static { start_time_s: unix_time_s() };
@@ -513,6 +612,9 @@ impl Target {
     }
 
     fn stop(&mut self) {
+        if std::mem::replace(&mut self.stopped, true) {
+            return;
+        }
         self.shared.shutdown.store(true, Ordering::Release);
         for w in &self.wakers {
             let _ = w.wake();
@@ -526,6 +628,16 @@ impl Target {
             } else {
                 // Blocked in accept with no way in: it exits at its next scrape.
                 tracing::warn!(%addr, "metrics thread not woken; left to exit on its own");
+            }
+        }
+        // No worker writes any more: what the array holds dirty goes to the devices with a
+        // checkpoint, so the next start has nothing to replay.
+        if let Some(flash) = &self.shared.flash {
+            match flash.shutdown() {
+                Ok(()) => tracing::info!("flash array written back and checkpointed"),
+                Err(e) => {
+                    tracing::error!(error = %e, "flash array shutdown failed; the next start replays its log")
+                }
             }
         }
     }
@@ -542,9 +654,6 @@ fn unix_time_s() -> f64 {
 }
 
 fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
-    if config.exports.is_empty() {
-        return Err(TargetError::NoExports);
-    }
     let mut exports: Vec<Export> = Vec::new();
     for ec in &config.exports {
         if exports.iter().any(|e| e.name == ec.name) {
@@ -595,7 +704,8 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
             .map_err(|e| TargetError::Backend { name: ec.name.clone(), source: e.into() })?;
         exports.push(export);
     }
-    Ok(ExportTable::new(exports))
+    let room = if config.flash.is_some() { config.bounds.volume_exports_max } else { 0 };
+    Ok(ExportTable::with_room(exports, room))
 }
 
 #[cfg(test)]

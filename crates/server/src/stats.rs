@@ -53,7 +53,12 @@ pub struct WorkerStats {
 impl WorkerStats {
     /// A worker's counters for a target with `exports` exports.
     pub fn new(exports: usize) -> WorkerStats {
-        WorkerStats { front: FrontStats::new(exports), ..WorkerStats::default() }
+        WorkerStats::with_room(exports, 0)
+    }
+
+    /// [`new`](Self::new), with room for `room` exports added while the target runs.
+    pub fn with_room(exports: usize, room: usize) -> WorkerStats {
+        WorkerStats { front: FrontStats::with_room(exports, room), ..WorkerStats::default() }
     }
 
     /// Publish the worker's polling totals (it is their only writer).

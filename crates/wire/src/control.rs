@@ -386,6 +386,12 @@ impl StatsReply {
 
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Vec::new();
+        self.put(&mut w);
+        w
+    }
+
+    /// Append the counters (also the body of a `VOLUME_REPLY` to a stats request).
+    pub(crate) fn put(&self, w: &mut Vec<u8>) {
         w.extend_from_slice(&(self.entries.len() as u16).to_le_bytes());
         for (name, value) in &self.entries {
             let name = truncate_utf8(name, u8::MAX as usize);
@@ -393,11 +399,16 @@ impl StatsReply {
             w.extend_from_slice(name.as_bytes());
             w.extend_from_slice(&value.to_le_bytes());
         }
-        w
     }
 
     pub fn decode(body: &[u8]) -> Result<StatsReply> {
         let mut r = Reader::new(body, "STATS_REPLY")?;
+        let stats = StatsReply::read_from(&mut r)?;
+        r.end()?;
+        Ok(stats)
+    }
+
+    pub(crate) fn read_from(r: &mut Reader<'_>) -> Result<StatsReply> {
         let count = r.u16()?;
         let mut entries = Vec::with_capacity(usize::from(count).min(1024));
         for _ in 0..count {
@@ -405,7 +416,6 @@ impl StatsReply {
             let name = r.utf8(len)?;
             entries.push((name, r.u64()?));
         }
-        r.end()?;
         Ok(StatsReply { entries })
     }
 }
@@ -511,7 +521,7 @@ impl GoAway {
 
 /// The longest prefix of `s` of at most `max` bytes that ends on a character boundary, so a
 /// shortened string is still valid UTF-8 for the peer's decoder.
-fn truncate_utf8(s: &str, max: usize) -> &str {
+pub(crate) fn truncate_utf8(s: &str, max: usize) -> &str {
     if s.len() <= max {
         return s;
     }
@@ -522,13 +532,13 @@ fn truncate_utf8(s: &str, max: usize) -> &str {
     &s[..cut]
 }
 
-fn put_str16(w: &mut Vec<u8>, s: &str) {
+pub(crate) fn put_str16(w: &mut Vec<u8>, s: &str) {
     w.extend_from_slice(&(s.len() as u16).to_le_bytes());
     w.extend_from_slice(s.as_bytes());
 }
 
 /// A cursor over a control body that turns every shortfall into a [`WireError::Body`].
-struct Reader<'a> {
+pub(crate) struct Reader<'a> {
     bytes: &'a [u8],
     what: &'static str,
 }
@@ -536,7 +546,7 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     /// A reader over a control body, which may not be longer than [`CONTROL_BODY_MAX`]
     /// whoever sent it: a decoder never accepts what its encoder could not have produced.
-    fn new(bytes: &'a [u8], what: &'static str) -> Result<Reader<'a>> {
+    pub(crate) fn new(bytes: &'a [u8], what: &'static str) -> Result<Reader<'a>> {
         if bytes.len() > CONTROL_BODY_MAX {
             return Err(WireError::Limit {
                 what: "control body bytes",
@@ -547,7 +557,7 @@ impl<'a> Reader<'a> {
         Ok(Reader { bytes, what })
     }
 
-    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.bytes.len() < n {
             return Err(WireError::Body(self.what));
         }
@@ -556,39 +566,39 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
 
-    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+    pub(crate) fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
         let mut out = [0u8; N];
         out.copy_from_slice(self.take(N)?);
         Ok(out)
     }
 
-    fn u8(&mut self) -> Result<u8> {
+    pub(crate) fn u8(&mut self) -> Result<u8> {
         Ok(self.array::<1>()?[0])
     }
-    fn u16(&mut self) -> Result<u16> {
+    pub(crate) fn u16(&mut self) -> Result<u16> {
         Ok(u16::from_le_bytes(self.array()?))
     }
-    fn u32(&mut self) -> Result<u32> {
+    pub(crate) fn u32(&mut self) -> Result<u32> {
         Ok(u32::from_le_bytes(self.array()?))
     }
-    fn u64(&mut self) -> Result<u64> {
+    pub(crate) fn u64(&mut self) -> Result<u64> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
-    fn zero(&mut self, n: usize) -> Result<()> {
+    pub(crate) fn zero(&mut self, n: usize) -> Result<()> {
         if self.take(n)?.iter().any(|&b| b != 0) {
             return Err(WireError::Reserved(self.what));
         }
         Ok(())
     }
 
-    fn utf8(&mut self, len: usize) -> Result<String> {
+    pub(crate) fn utf8(&mut self, len: usize) -> Result<String> {
         let what = self.what;
         let raw = self.take(len)?;
         std::str::from_utf8(raw).map(str::to_owned).map_err(|_| WireError::Body(what))
     }
 
-    fn str16(&mut self, max: usize) -> Result<String> {
+    pub(crate) fn str16(&mut self, max: usize) -> Result<String> {
         let len = self.u16()? as usize;
         if len > max {
             return Err(WireError::Limit { what: "string length", value: len as u64, limit: max as u64 });
@@ -596,7 +606,7 @@ impl<'a> Reader<'a> {
         self.utf8(len)
     }
 
-    fn end(&self) -> Result<()> {
+    pub(crate) fn end(&self) -> Result<()> {
         if self.bytes.is_empty() {
             Ok(())
         } else {

@@ -8,7 +8,7 @@
 use crate::{FrameKind, Header, HEADER_LEN};
 
 /// Every frame kind, in code order.
-pub const KINDS: [FrameKind; 18] = [
+pub const KINDS: [FrameKind; 20] = [
     FrameKind::Hello,
     FrameKind::HelloReply,
     FrameKind::Open,
@@ -27,6 +27,8 @@ pub const KINDS: [FrameKind; 18] = [
     FrameKind::GrantReply,
     FrameKind::Requests,
     FrameKind::Completions,
+    FrameKind::Volume,
+    FrameKind::VolumeReply,
 ];
 
 /// SplitMix64, for the seeded smoke tests that drive these entry points on stable: tiny,

@@ -60,6 +60,10 @@ pub enum FrameKind {
     Requests = 16,
     /// A caravan of completion descriptors and read payloads (target to initiator).
     Completions = 17,
+    /// Create, resize, snapshot, clone, delete, list or measure the target's flash volumes
+    /// (initiator to target; docs/PROTOCOL.md, section 17): see [`crate::volume`].
+    Volume = 19,
+    VolumeReply = 20,
 }
 
 impl FrameKind {
@@ -84,6 +88,8 @@ impl FrameKind {
             15 => GrantReply,
             16 => Requests,
             17 => Completions,
+            19 => Volume,
+            20 => VolumeReply,
             _ => return None,
         })
     }

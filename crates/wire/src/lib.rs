@@ -4,7 +4,7 @@
 //! Every frame starts with a fixed 24-byte [`header::FrameHeader`] protected by its own CRC32C,
 //! so a receiver can trust the lengths in it before the rest of the frame arrives. Data frames
 //! (caravans) carry fixed-size descriptors followed by payload bytes; control frames (the
-//! handshake, export listing, stats) carry a small hand-encoded body. `docs/PROTOCOL.md`
+//! handshake, export listing, stats, volume management) carry a small hand-encoded body. `docs/PROTOCOL.md`
 //! describes every byte.
 //!
 //! Over raw Ethernet, the same frames ride a byte stream cut into datagrams, each behind a
@@ -25,6 +25,7 @@ pub mod framing;
 pub mod fuzz_api;
 pub mod header;
 pub mod status;
+pub mod volume;
 
 pub use capability::{
     CapKind, CapRights, Capability, Grant, GrantReply, CAPABILITY_LEN, GRANTS_PER_FRAME_MAX,
@@ -41,6 +42,7 @@ pub use datagram::{DatagramError, DatagramHeader, DatagramKind, DATAGRAM_HEADER_
 pub use framing::{FrameBuffer, FrameRef};
 pub use header::{FrameHeader, FrameKind, Header, HEADER_LEN, MAGIC, VERSION};
 pub use status::Status;
+pub use volume::{VolumeBody, VolumeEntry, VolumeOp, VolumeReply, VolumeRequest};
 
 /// Why bytes could not be parsed as a frame. Any of these breaks the framing of a stream: the
 /// receiver closes the connection, it cannot answer a single request.

@@ -53,6 +53,11 @@ pub enum Status {
     /// A direct read's capability is not one this target sealed (forged or altered), names
     /// another export, lacks the read right, or does not cover the request: never served.
     BadCapability,
+    /// The name is taken: a volume (or an export) of that name exists already (`VOLUME_REPLY`).
+    Exists,
+    /// The volume is in use and cannot be deleted: connections have it open, or snapshots or
+    /// clones depend on it (`VOLUME_REPLY`).
+    Busy,
     /// A code this implementation does not know.
     Other(u16),
 }
@@ -82,6 +87,8 @@ impl Status {
             Status::TlsRequired => 19,
             Status::StaleCapability => 20,
             Status::BadCapability => 21,
+            Status::Exists => 22,
+            Status::Busy => 23,
             Status::Other(v) => v,
         }
     }
@@ -110,6 +117,8 @@ impl Status {
             19 => Status::TlsRequired,
             20 => Status::StaleCapability,
             21 => Status::BadCapability,
+            22 => Status::Exists,
+            23 => Status::Busy,
             other => Status::Other(other),
         }
     }
@@ -140,6 +149,8 @@ impl Status {
             Status::TlsRequired => "tls_required",
             Status::StaleCapability => "stale_capability",
             Status::BadCapability => "bad_capability",
+            Status::Exists => "exists",
+            Status::Busy => "busy",
             Status::Other(_) => "other",
         }
     }
@@ -169,6 +180,8 @@ impl Status {
             Status::TlsRequired => 71,                                      // EPROTO
             Status::StaleCapability => 116,                                 // ESTALE
             Status::BadCapability => 13,                                    // EACCES
+            Status::Exists => 17,                                           // EEXIST
+            Status::Busy => 16,                                             // EBUSY
         }
     }
 }
@@ -198,6 +211,8 @@ impl std::fmt::Display for Status {
             Status::TlsRequired => "TLS required",
             Status::StaleCapability => "stale capability",
             Status::BadCapability => "capability refused",
+            Status::Exists => "the name is taken",
+            Status::Busy => "in use",
             Status::Other(v) => return write!(f, "status {v}"),
         };
         f.write_str(text)
@@ -210,7 +225,7 @@ mod tests {
 
     #[test]
     fn every_code_round_trips() {
-        for v in 0..=21u16 {
+        for v in 0..=23u16 {
             assert_eq!(Status::from_u16(v).to_u16(), v);
         }
         assert_eq!(Status::from_u16(999), Status::Other(999));

@@ -203,6 +203,46 @@ fn seed_frames() -> Vec<Vec<u8>> {
             skiff_wire::Capability::encode_list(&[cap, cap], &mut body);
             body
         }),
+        control_frame(
+            FrameKind::Volume,
+            skiff_wire::VolumeRequest {
+                op: skiff_wire::VolumeOp::Clone,
+                name: "clone-é".into(),
+                origin: "snap".into(),
+                size_bytes: 0,
+            }
+            .encode(),
+        ),
+        control_frame(
+            FrameKind::VolumeReply,
+            skiff_wire::VolumeReply {
+                status: Status::Ok,
+                op: skiff_wire::VolumeOp::List,
+                message: "2 volumes".into(),
+                body: skiff_wire::VolumeBody::List {
+                    volumes: vec![skiff_wire::VolumeEntry {
+                        name: "vol".into(),
+                        size_bytes: 1 << 30,
+                        allocated_bytes: 8192,
+                        writable: true,
+                        origin: "base".into(),
+                        children: 3,
+                    }],
+                    more: true,
+                },
+            }
+            .encode(),
+        ),
+        control_frame(
+            FrameKind::VolumeReply,
+            skiff_wire::VolumeReply {
+                status: Status::Ok,
+                op: skiff_wire::VolumeOp::Stats,
+                message: String::new(),
+                body: skiff_wire::VolumeBody::Stats(StatsReply { entries: vec![("checkpoints".into(), 9)] }),
+            }
+            .encode(),
+        ),
         requests_frame(&[
             (req(Opcode::Read, ReqFlags::empty(), 1, 0, 4096), &[]),
             (req(Opcode::Write, ReqFlags::FUA, 2, 4096, 64), &write_data),
@@ -425,6 +465,8 @@ fn check_control(kind: FrameKind, body: &[u8], reached: &mut Reached) {
         FrameKind::RevokeReply => skiff_wire::RevokeReply::decode(body).map(|v| v.encode()),
         FrameKind::Grant => skiff_wire::Grant::decode(body).map(|v| v.encode()),
         FrameKind::GrantReply => skiff_wire::GrantReply::decode(body).map(|v| v.encode()),
+        FrameKind::Volume => skiff_wire::VolumeRequest::decode(body).map(|v| v.encode()),
+        FrameKind::VolumeReply => skiff_wire::VolumeReply::decode(body).map(|v| v.encode()),
         FrameKind::Capabilities => {
             let mut caps = Vec::new();
             skiff_wire::Capability::decode_list(body, |c| caps.push(c)).map(|()| {
@@ -459,6 +501,8 @@ fn check_control_decoders(body: &[u8], reached: &mut Reached) {
         FrameKind::GrantReply,
         FrameKind::Auth,
         FrameKind::AuthReply,
+        FrameKind::Volume,
+        FrameKind::VolumeReply,
     ] {
         check_control(kind, body, reached);
     }

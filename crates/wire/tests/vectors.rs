@@ -12,8 +12,8 @@ use skiff_wire::caravan::{CompletionCaravan, RequestCaravan};
 use skiff_wire::control::{self, CONTROL_BODY_MAX, EXPORT_NAME_MAX, MESSAGE_MAX};
 use skiff_wire::{
     Completion, ExportFlags, ExportInfo, FrameKind, GoAway, Header, Hello, HelloReply, Limits, Opcode, Open,
-    OpenReply, ReqFlags, Request, RequestError, StatsReply, Status, WireError, COMPLETION_DESC_LEN,
-    HEADER_LEN, MAGIC, REQUEST_DESC_LEN, VERSION,
+    OpenReply, ReqFlags, Request, RequestError, StatsReply, Status, VolumeBody, VolumeEntry, VolumeOp,
+    VolumeReply, VolumeRequest, WireError, COMPLETION_DESC_LEN, HEADER_LEN, MAGIC, REQUEST_DESC_LEN, VERSION,
 };
 
 /// Bytes from a hex string. Only hex digits, whitespace and `|` (a field separator for the
@@ -110,6 +110,8 @@ fn frame_kind_codes() {
         (GrantReply, 15),
         (Requests, 16),
         (Completions, 17),
+        (Volume, 19),
+        (VolumeReply, 20),
     ];
     for (kind, code) in table {
         assert_eq!(kind as u8, code);
@@ -175,15 +177,17 @@ fn status_codes_and_errnos() {
         (TlsRequired, 19, 71),
         (StaleCapability, 20, 116),
         (BadCapability, 21, 13),
+        (Exists, 22, 17),
+        (Busy, 23, 16),
     ];
     for (status, code, errno) in table {
         assert_eq!(status.to_u16(), code);
         assert_eq!(Status::from_u16(code), status);
         assert_eq!(status.errno(), errno, "{status:?}");
     }
-    assert_eq!(Status::from_u16(22), Other(22));
+    assert_eq!(Status::from_u16(24), Other(24));
     assert_eq!(Other(0xBEEF).to_u16(), 0xBEEF);
-    assert_eq!(Other(22).errno(), 5);
+    assert_eq!(Other(24).errno(), 5);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -394,6 +398,141 @@ fn stats_reply() {
     );
     assert_eq!(stats.get("bytes_read"), Some(0x3000));
     assert_eq!(stats.get("cpu_user_us"), None);
+}
+
+#[test]
+fn volume_create() {
+    check_control(
+        FrameKind::Volume,
+        &VolumeRequest {
+            op: VolumeOp::Create,
+            name: "vol1".into(),
+            origin: String::new(),
+            size_bytes: 1 << 30,
+        },
+        VolumeRequest::encode,
+        VolumeRequest::decode,
+        "53 4B 46 31 | 01 | 13 | 00 00 | 14 00 00 00 | 00 00 00 00 00 00 00 00 | 8C 3E 75 DC
+         01 | 00 00 00 | 00 00 00 40 00 00 00 00 | 04 00 | 76 6F 6C 31 | 00 00",
+    );
+}
+
+#[test]
+fn volume_snapshot() {
+    check_control(
+        FrameKind::Volume,
+        &VolumeRequest { op: VolumeOp::Snapshot, name: "snap".into(), origin: "vol1".into(), size_bytes: 0 },
+        VolumeRequest::encode,
+        VolumeRequest::decode,
+        "53 4B 46 31 | 01 | 13 | 00 00 | 18 00 00 00 | 00 00 00 00 00 00 00 00 | 3D B9 D0 97
+         03 | 00 00 00 | 00 00 00 00 00 00 00 00 | 04 00 | 73 6E 61 70 | 04 00 | 76 6F 6C 31",
+    );
+}
+
+#[test]
+fn volume_reply_done_and_refused() {
+    check_control(
+        FrameKind::VolumeReply,
+        &VolumeReply::done(VolumeOp::Create, "created"),
+        VolumeReply::encode,
+        VolumeReply::decode,
+        "53 4B 46 31 | 01 | 14 | 00 00 | 0D 00 00 00 | 00 00 00 00 00 00 00 00 | 28 60 0B 49
+         00 00 | 01 | 00 | 07 00 | 63 72 65 61 74 65 64",
+    );
+    check_control(
+        FrameKind::VolumeReply,
+        &VolumeReply::refused(VolumeOp::Delete, Status::Busy, "in use"),
+        VolumeReply::encode,
+        VolumeReply::decode,
+        "53 4B 46 31 | 01 | 14 | 00 00 | 0C 00 00 00 | 00 00 00 00 00 00 00 00 | 18 B4 7A 78
+         17 00 | 05 | 00 | 06 00 | 69 6E 20 75 73 65",
+    );
+}
+
+#[test]
+fn volume_reply_list() {
+    let volumes = vec![
+        VolumeEntry {
+            name: "vol1".into(),
+            size_bytes: 1 << 30,
+            allocated_bytes: 4096,
+            writable: true,
+            origin: String::new(),
+            children: 1,
+        },
+        VolumeEntry {
+            name: "snap".into(),
+            size_bytes: 1 << 30,
+            allocated_bytes: 4096,
+            writable: false,
+            origin: "vol1".into(),
+            children: 0,
+        },
+    ];
+    check_control(
+        FrameKind::VolumeReply,
+        &VolumeReply {
+            status: Status::Ok,
+            op: VolumeOp::List,
+            message: String::new(),
+            body: VolumeBody::List { volumes, more: true },
+        },
+        VolumeReply::encode,
+        VolumeReply::decode,
+        "53 4B 46 31 | 01 | 14 | 00 00 | 4A 00 00 00 | 00 00 00 00 00 00 00 00 | F4 2C F9 BB
+         00 00 | 06 | 00 | 00 00
+         02 00 | 01 | 00
+         04 00 | 76 6F 6C 31 | 00 00 00 40 00 00 00 00 | 00 10 00 00 00 00 00 00 | 01 | 00 | 00 00             | 01 00 00 00
+         04 00 | 73 6E 61 70 | 00 00 00 40 00 00 00 00 | 00 10 00 00 00 00 00 00 | 00 | 00 | 04 00 76 6F 6C 31 | 00 00 00 00",
+    );
+}
+
+#[test]
+fn volume_reply_stats() {
+    check_control(
+        FrameKind::VolumeReply,
+        &VolumeReply {
+            status: Status::Ok,
+            op: VolumeOp::Stats,
+            message: String::new(),
+            body: VolumeBody::Stats(StatsReply { entries: vec![("free_segments".into(), 0x20)] }),
+        },
+        VolumeReply::encode,
+        VolumeReply::decode,
+        "53 4B 46 31 | 01 | 14 | 00 00 | 1E 00 00 00 | 00 00 00 00 00 00 00 00 | 6B C4 B0 03
+         00 00 | 07 | 00 | 00 00
+         01 00
+         0D | 66 72 65 65 5F 73 65 67 6D 65 6E 74 73 | 20 00 00 00 00 00 00 00",
+    );
+}
+
+/// Every length in a VOLUME or VOLUME_REPLY body is bounded, and every refusal is a framing
+/// error the connection cannot go on from.
+#[test]
+fn volume_bodies_refuse_what_no_encoder_makes() {
+    let long = "n".repeat(EXPORT_NAME_MAX + 1);
+    let mut body = vec![1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    body.extend_from_slice(&(long.len() as u16).to_le_bytes());
+    body.extend_from_slice(long.as_bytes());
+    body.extend_from_slice(&[0, 0]);
+    assert!(matches!(VolumeRequest::decode(&body), Err(WireError::Limit { .. })), "a name past 255 bytes");
+    assert!(VolumeRequest::decode(&[1, 0, 0, 0]).is_err(), "short");
+    // A listing whose count promises more entries than the body holds.
+    let mut listing = hex("00 00 | 06 | 00 | 00 00 | 05 00 | 00 | 00");
+    assert!(VolumeReply::decode(&listing).is_err());
+    listing[6] = 0;
+    assert!(VolumeReply::decode(&listing).is_ok());
+    // Unknown listing flags, and entry flags.
+    listing[8] = 2;
+    assert!(matches!(VolumeReply::decode(&listing), Err(WireError::Reserved(_))));
+    let message = "x".repeat(MESSAGE_MAX + 1);
+    let mut reply = vec![0, 0, 1, 0];
+    reply.extend_from_slice(&(message.len() as u16).to_le_bytes());
+    reply.extend_from_slice(message.as_bytes());
+    assert!(matches!(VolumeReply::decode(&reply), Err(WireError::Limit { .. })));
+    // The encoder cuts a message to the bound on a character boundary.
+    let cut = VolumeReply::refused(VolumeOp::Create, Status::Invalid, "é".repeat(600)).encode();
+    assert_eq!(VolumeReply::decode(&cut).unwrap().message, "é".repeat(512));
 }
 
 #[test]
@@ -646,7 +785,7 @@ fn bad_version() {
 
 #[test]
 fn unknown_kind() {
-    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x13, "5F B6 9B 00"), (0x14, "A9 33 DF 33")] {
+    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x15, "A8 CE 51 54"), (0x16, "AB C9 C2 FC")] {
         let bytes = hex(&format!(
             "53 4B 46 31 | 01 | {kind:02X} | 00 00 | 00 00 00 00 | 00 00 00 00 00 00 00 00 | {crc}"
         ));
@@ -1115,6 +1254,8 @@ fn control_decoders_refuse_bodies_over_the_limit() {
     assert!(matches!(ExportInfo::decode_list(&body), Err(WireError::Limit { .. })));
     let long_stats = vec![0u8; CONTROL_BODY_MAX + 1];
     assert!(matches!(StatsReply::decode(&long_stats), Err(WireError::Limit { .. })));
+    assert!(matches!(VolumeReply::decode(&long_stats), Err(WireError::Limit { .. })));
+    assert!(matches!(VolumeRequest::decode(&long_stats), Err(WireError::Limit { .. })));
     // At the limit itself the body is judged on its content, not refused for its length.
     assert!(!matches!(StatsReply::decode(&long_stats[1..]), Err(WireError::Limit { .. })));
 }

@@ -86,6 +86,10 @@ pub(super) struct ServeFile {
     advertise: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     lease: Option<Duration>,
+    #[serde(default, deserialize_with = "paths")]
+    flash: Option<Vec<PathBuf>>,
+    #[serde(default, deserialize_with = "size")]
+    flash_cache: Option<u64>,
     // The bounds only the file sets ([`Tuning`]). Not a flattened struct: serde cannot refuse
     // unknown keys through one.
     #[serde(default, deserialize_with = "count")]
@@ -102,6 +106,8 @@ pub(super) struct ServeFile {
     events_per_poll: Option<usize>,
     #[serde(default, deserialize_with = "count")]
     nbd_extents_per_reply_max: Option<usize>,
+    #[serde(default, deserialize_with = "count")]
+    volume_exports_max: Option<usize>,
 }
 
 /// Bounds that only the file sets: their defaults suit every deployment we know of, and they
@@ -115,6 +121,7 @@ pub struct Tuning {
     reads_per_pass: Option<usize>,
     events_per_poll: Option<usize>,
     nbd_extents_per_reply_max: Option<usize>,
+    volume_exports_max: Option<usize>,
 }
 
 impl Tuning {
@@ -127,6 +134,7 @@ impl Tuning {
             reads_per_pass: f.reads_per_pass,
             events_per_poll: f.events_per_poll,
             nbd_extents_per_reply_max: f.nbd_extents_per_reply_max,
+            volume_exports_max: f.volume_exports_max,
         }
     }
 
@@ -151,6 +159,7 @@ impl Tuning {
         b.reads_per_pass = self.reads_per_pass.unwrap_or(b.reads_per_pass);
         b.events_per_poll = self.events_per_poll.unwrap_or(b.events_per_poll);
         b.nbd_extents_per_reply_max = self.nbd_extents_per_reply_max.unwrap_or(b.nbd_extents_per_reply_max);
+        b.volume_exports_max = self.volume_exports_max.unwrap_or(b.volume_exports_max);
         Ok(bounds)
     }
 }
@@ -176,7 +185,7 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
     }
     set!(
         listen, no_tcp, nbd, eth, exports, read_only, key_files, tls, tls_verify_peer, workers, queue_depth, poll,
-        io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease;
+        io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease, flash, flash_cache;
         options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates,
             pool, coordinator, advertise
     );
@@ -270,6 +279,18 @@ fn endpoints<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::
 
 fn exports<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<ExportConfig>>, D::Error> {
     list_with(d, str::parse::<ExportConfig>)
+}
+
+/// Device paths: an array, or one string of comma-separated paths as `--flash` takes them.
+fn paths<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<PathBuf>>, D::Error> {
+    let lists = list_with(d, |s: &str| {
+        let parts: Vec<PathBuf> = s.split(',').filter(|p| !p.is_empty()).map(PathBuf::from).collect();
+        if parts.is_empty() {
+            return Err("an empty path");
+        }
+        Ok(parts)
+    })?;
+    Ok(lists.map(|l| l.into_iter().flatten().collect()))
 }
 
 const DURATION: &str = "a duration such as \"10s\" or \"500ms\"";
@@ -421,6 +442,22 @@ mod tests {
         let (args, _) = serve_with(file, &[]);
         assert_eq!((args.workers, args.exports.len(), args.idle_timeout), (3, 2, Some(Duration::ZERO)));
         assert_eq!((args.io_max, args.connections_max), (1 << 20, Bounds::default().connections_max));
+    }
+
+    #[test]
+    fn a_flash_array_comes_from_the_file_as_from_the_flags() {
+        let (args, tuning) = serve_with(
+            "flash = [\"/dev/nvme0n1\", \"/dev/nvme1n1\"]\nflash-cache = \"1G\"\nvolume-exports-max = 64\n",
+            &[],
+        );
+        assert_eq!(args.flash, [PathBuf::from("/dev/nvme0n1"), PathBuf::from("/dev/nvme1n1")]);
+        assert_eq!(args.flash_cache, 1 << 30);
+        assert_eq!(tuning.apply(Bounds::default()).unwrap().volume_exports_max, 64);
+        let (args, _) = serve_with("flash = \"/a,/b\"\n", &["--flash", "/c", "--flash-cache", "64M"]);
+        assert_eq!((args.flash, args.flash_cache), (vec![PathBuf::from("/c")], 64 << 20));
+        let (args, _) = serve_with("flash = \"/a,/b\"\n", &[]);
+        assert_eq!((args.flash.len(), args.flash_cache), (2, 256 << 20));
+        assert!(error("flash = \"\"\n").contains("flash: "), "an empty path");
     }
 
     #[test]

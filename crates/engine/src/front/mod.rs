@@ -110,6 +110,13 @@ pub trait Host {
     fn clock_ms(&self) -> u64 {
         0
     }
+
+    /// Execute a volume request (docs/PROTOCOL.md, section 17) and say how it went; the
+    /// reply is sent once the change is durable. A host that serves a flash array does it
+    /// through [`crate::volumes::FlashVolumes`]; the default refuses, for a host without one.
+    fn volume(&self, request: &wire::VolumeRequest) -> wire::VolumeReply {
+        wire::VolumeReply::refused(request.op, Status::Unsupported, "this target serves no flash array")
+    }
 }
 
 /// Service times of requests served one after another: each request's time runs from the end
@@ -154,7 +161,12 @@ pub struct FrontStats {
 impl FrontStats {
     /// Counters for a target with `exports` exports, one row each ([`OpCounters::new`]).
     pub fn new(exports: usize) -> FrontStats {
-        FrontStats { ops: OpCounters::new(exports), ..FrontStats::default() }
+        FrontStats::with_room(exports, 0)
+    }
+
+    /// [`new`](Self::new), with room for `room` dynamic exports ([`OpCounters::with_room`]).
+    pub fn with_room(exports: usize, room: usize) -> FrontStats {
+        FrontStats { ops: OpCounters::with_room(exports, room), ..FrontStats::default() }
     }
 
     pub(crate) fn record_caravan(&self, reqs: usize) {

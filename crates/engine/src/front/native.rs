@@ -22,7 +22,7 @@ use wire::{
 use super::{FrontStats, Host, Laps, Link, Sink};
 use crate::direct::Plan;
 use crate::stats::bump;
-use crate::{Export, Io};
+use crate::{Export, Io, Lease};
 
 /// One native connection's protocol state on the target.
 #[derive(Debug)]
@@ -30,6 +30,9 @@ pub struct NativeConn {
     session: ServerSession,
     /// Capabilities earned by the caravan being answered, sent after its completions.
     caps: Vec<Capability>,
+    /// The exports this connection opened, held until it closes: none of them can be retired
+    /// meanwhile (`crate::table`).
+    leases: Vec<Lease>,
     /// The planted bug's state (nothing without the feature `mutations`).
     bug: mutation::Bug,
 }
@@ -41,6 +44,7 @@ impl NativeConn {
         NativeConn {
             session: ServerSession::new(limits, open_handles_max),
             caps: Vec::new(),
+            leases: Vec::new(),
             bug: mutation::Bug::new(),
         }
     }
@@ -77,7 +81,7 @@ impl NativeConn {
 
     /// Handle every frame that has arrived whole.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
-        process(&mut self.session, link, host, &mut self.caps, &mut self.bug);
+        process(&mut self.session, link, host, &mut self.caps, &mut self.leases, &mut self.bug);
     }
 }
 
@@ -86,6 +90,7 @@ fn process<S: Sink + ?Sized>(
     link: &mut Link<'_, S>,
     host: &impl Host,
     caps: &mut Vec<Capability>,
+    leases: &mut Vec<Lease>,
     bug: &mut mutation::Bug,
 ) {
     while !*link.closing && !link.backlogged() {
@@ -117,7 +122,7 @@ fn process<S: Sink + ?Sized>(
                 }
             }
             Inbound::Open(open) => {
-                let reply = open_export(session, host, &open.name, link.peer);
+                let reply = open_export(session, host, &open.name, link.peer, leases);
                 link.tx.append(&frame(FrameKind::OpenReply, &reply.encode()));
             }
             Inbound::List => {
@@ -144,6 +149,16 @@ fn process<S: Sink + ?Sized>(
             Inbound::Stats => {
                 link.tx.append(&frame(FrameKind::StatsReply, &host.stats_reply().encode()));
             }
+            Inbound::Volume(request) => {
+                let reply = host.volume(&request);
+                link.tx.append(&frame(FrameKind::VolumeReply, &reply.encode()));
+            }
+            Inbound::VolumeRefused { op, status } => {
+                tracing::warn!(peer = %link.peer, op = op.name(), %status, "volume request refused: no key proved");
+                let message = "volume requests need a connection that proved a key on a target with keys";
+                let reply = wire::VolumeReply::refused(op, status, message);
+                link.tx.append(&frame(FrameKind::VolumeReply, &reply.encode()));
+            }
             Inbound::Requests(caravan) => {
                 bug.before_caravan(host);
                 execute_caravan(&caravan, session, link.tx, host, link.stats, caps, bug);
@@ -158,7 +173,13 @@ fn process<S: Sink + ?Sized>(
     }
 }
 
-fn open_export(session: &mut ServerSession, host: &impl Host, name: &str, peer: &str) -> OpenReply {
+fn open_export(
+    session: &mut ServerSession,
+    host: &impl Host,
+    name: &str,
+    peer: &str,
+    leases: &mut Vec<Lease>,
+) -> OpenReply {
     let Some((index, export)) = host.exports().find(name) else {
         return OpenReply::refused(Status::NotFound);
     };
@@ -169,8 +190,18 @@ fn open_export(session: &mut ServerSession, host: &impl Host, name: &str, peer: 
             return OpenReply::refused(status);
         }
     };
+    // One lease per export and connection, taken when it is first opened here: a dynamic
+    // export being retired refuses it (NotFound, as if it were gone already).
+    let lease = match session.handle_of(index) {
+        Some(_) => None,
+        None => match host.exports().lease(index) {
+            Ok(lease) => Some(lease),
+            Err(status) => return OpenReply::refused(status),
+        },
+    };
     match session.open_handle(index, read_only) {
         Ok(handle) => {
+            leases.extend(lease);
             let info = export.info();
             OpenReply {
                 status: Status::Ok,

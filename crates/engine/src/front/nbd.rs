@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use crate::{Export, ExportTable, Io};
+use crate::{Export, ExportTable, Io, Lease};
 use nbd::handshake::BASE_ALLOCATION_ID;
 use nbd::transmission::{
     chunk_block_status, chunk_offset_data_header, error_reply, simple_reply, EINVAL, EPERM, STATE_HOLE,
@@ -27,10 +27,13 @@ use wire::{Opcode, ReqFlags, Status};
 
 use super::{Host, Laps, Link, Sink};
 
-/// The NBD description of the target's exports as `principal` may use them: built once at
-/// start-up for anonymous clients (`None`), and per connection for a TLS client whose verified
-/// certificate names a principal. An export the principal has no rights to is hidden; a
-/// read-only grant is a read-only export. The first export is also served for the empty name.
+/// The NBD description of the target's exports as `principal` may use them: built for
+/// anonymous clients (`None`) at start-up and again whenever the table changes (the driver
+/// publishes it for the connections that arrive next), and per connection for a TLS client
+/// whose verified certificate names a principal. An export the principal has no rights to is
+/// hidden; a read-only grant is a read-only export. The first export is also served for the
+/// empty name. Positions in it are not table indexes: a connection finds its export by name
+/// when transmission begins.
 pub fn handshake_config(
     shared_exports: &ExportTable,
     io_bytes_max: u32,
@@ -65,8 +68,10 @@ pub fn handshake_config(
             d.can_multi_conn = true;
             d
         })
-        .collect();
-    nbd::HandshakeConfig::new(descs, Some(0))
+        .collect::<Vec<_>>();
+    // A target serving flash volumes alone may have no export at all for a while.
+    let default_export = (!descs.is_empty()).then_some(0);
+    nbd::HandshakeConfig::new(descs, default_export)
 }
 
 /// How far ahead of the bytes received the receive buffer grows while a large WRITE's payload
@@ -75,11 +80,18 @@ const RX_STEP_BYTES: usize = 1 << 20;
 
 enum State {
     Negotiating(Handshake),
-    Transmitting { session: Session, export: u32 },
+    /// Serving export `export` (a table index), held by `_lease` until the connection closes.
+    Transmitting {
+        session: Session,
+        export: u32,
+        _lease: Lease,
+    },
 }
 
 pub struct NbdConn {
     state: State,
+    /// What the handshake offers (the positions its sessions name).
+    config: Arc<nbd::HandshakeConfig>,
     /// Payload bytes of a refused WRITE still to skip.
     drain_bytes: u64,
     /// Reused for replies built by the codec before they join the response buffer.
@@ -99,10 +111,11 @@ impl NbdConn {
         extents_per_reply_max: usize,
         greeting: &mut Vec<u8>,
     ) -> NbdConn {
-        let hs = Handshake::new(config);
+        let hs = Handshake::new(config.clone());
         hs.greeting(greeting);
         NbdConn {
             state: State::Negotiating(hs),
+            config,
             drain_bytes: 0,
             scratch: Vec::with_capacity(64),
             extents_per_reply_max: extents_per_reply_max.max(1),
@@ -120,7 +133,8 @@ impl NbdConn {
     /// proved; ignored once transmission began.
     pub fn set_config(&mut self, config: Arc<nbd::HandshakeConfig>) {
         if let State::Negotiating(hs) = &mut self.state {
-            hs.set_config(config);
+            hs.set_config(config.clone());
+            self.config = config;
         }
     }
 
@@ -134,7 +148,7 @@ impl NbdConn {
         let mut laps = Laps::start(host);
         while !*link.closing && !link.backlogged() {
             let progressed = match &mut self.state {
-                State::Negotiating(_) => self.negotiate(link),
+                State::Negotiating(_) => self.negotiate(link, host),
                 State::Transmitting { .. } => self.transmit(link, host, &mut laps),
             };
             if !progressed {
@@ -144,7 +158,7 @@ impl NbdConn {
     }
 
     /// One handshake step. Returns whether anything was consumed.
-    fn negotiate<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>) -> bool {
+    fn negotiate<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) -> bool {
         let State::Negotiating(hs) = &mut self.state else { return false };
         self.scratch.clear();
         let step = hs.handle(link.rx.unconsumed(), &mut self.scratch);
@@ -157,9 +171,18 @@ impl NbdConn {
             }
             Ok(Step::Done { consumed, session }) => {
                 link.rx.consume(consumed);
-                let export = session.export_index as u32;
-                self.state = State::Transmitting { session, export };
-                true
+                match self.attach(host, &session) {
+                    Some((export, lease)) => {
+                        self.state = State::Transmitting { session, export, _lease: lease };
+                        true
+                    }
+                    None => {
+                        // Deleted between the handshake's offer and the client's choice: NBD
+                        // has no way to take a GO back, so the connection ends here.
+                        link.protocol_error("NBD export deleted during the handshake");
+                        false
+                    }
+                }
             }
             Ok(Step::Close { consumed }) => {
                 link.rx.consume(consumed);
@@ -180,6 +203,14 @@ impl NbdConn {
         }
     }
 
+    /// The table index of the export the handshake chose, and a lease on it; `None` when it
+    /// is gone or going.
+    fn attach(&self, host: &impl Host, session: &Session) -> Option<(u32, Lease)> {
+        let name = &self.config.exports().get(session.export_index)?.name;
+        let (index, _) = host.exports().find(name)?;
+        Some((index, host.exports().lease(index).ok()?))
+    }
+
     /// One request (or a piece of a refused write's payload). Returns whether it progressed.
     fn transmit<S: Sink + ?Sized>(
         &mut self,
@@ -193,7 +224,7 @@ impl NbdConn {
             self.drain_bytes -= n;
             return n > 0;
         }
-        let State::Transmitting { session, export } = &self.state else { return false };
+        let State::Transmitting { session, export, .. } = &self.state else { return false };
         let (session, index) = (*session, *export);
         let (req, header_len) = match nbd::parse_request(link.rx.unconsumed()) {
             Ok(Some(found)) => found,

@@ -45,6 +45,9 @@ pub(crate) fn render(shared: &Shared, fixed: &Static) -> String {
     workers(&mut out, &shared.workers);
     connections(&mut out, shared);
     exports(&mut out, shared);
+    if let Some(f) = &shared.flash {
+        flash(&mut out, &f.stats(), f.array().list().len());
+    }
     cpu(&mut out, shared);
     out.gauge("skiff_workers", "Worker threads.", vec![(vec![], shared.workers.len() as f64)]);
     out.gauge("skiff_start_time_seconds", "When the target started, in seconds since the Unix epoch.", {
@@ -198,9 +201,8 @@ fn requests(out: &mut Families, shared: &Shared) {
     let mut reqs = Vec::new();
     let mut bytes = Vec::new();
     let mut service = Vec::new();
-    for (index, export) in shared.exports.iter().enumerate() {
-        let rows: Vec<&ExportOps> =
-            shared.workers.iter().filter_map(|w| ops(w).export(index as u32)).collect();
+    for (index, export) in shared.exports.entries() {
+        let rows: Vec<&ExportOps> = shared.workers.iter().filter_map(|w| ops(w).export(index)).collect();
         for op in Opcode::ALL {
             let labels = || vec![("export", export.name.clone()), ("opcode", op.name().to_owned())];
             for slot in 0..STATUS_SLOTS {
@@ -451,6 +453,52 @@ fn exports(out: &mut Families, shared: &Shared) {
         "Direct reads refused because their cache slot had moved on.",
         stale,
     );
+}
+
+/// The flash array's figures (`engine::volumes`): space, write amplification, cleaning,
+/// checkpoints and the page pool. One series each, without labels: a target has one array.
+fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes: usize) {
+    let gauges: [(&str, &str, f64); 9] = [
+        ("skiff_flash_volumes", "Volumes of the flash array, snapshots and clones included.", volumes as f64),
+        ("skiff_flash_capacity_bytes", "Bytes the flash array holds for data (segments less their headers).", s.capacity_bytes as f64),
+        ("skiff_flash_valid_bytes", "Bytes of the flash array holding data some volume maps.", s.valid_bytes as f64),
+        (
+            "skiff_flash_free_bytes",
+            "Bytes of the flash array that could still take data once cleaned: capacity less valid bytes.",
+            engine::volumes::free_bytes(s) as f64,
+        ),
+        ("skiff_flash_segments", "Segments of the flash array.", f64::from(s.total_segments)),
+        ("skiff_flash_free_segments", "Segments of the flash array free to write.", f64::from(s.free_segments)),
+        (
+            "skiff_flash_write_amplification",
+            "Pages written to the devices per page written by users, since the array was opened (0 before the first write).",
+            s.write_amplification,
+        ),
+        ("skiff_flash_pool_pages", "Pages (4 KiB) of the flash array's DRAM page pool.", f64::from(s.pool_pages)),
+        ("skiff_flash_pool_dirty_pages", "Pages of the page pool written and not yet on the devices.", f64::from(s.pool_dirty)),
+    ];
+    for (name, help, v) in gauges {
+        out.gauge(name, help, vec![(vec![], v)]);
+    }
+    let c = &s.counters;
+    let counters: [(&str, &str, u64); 9] = [
+        ("skiff_flash_user_pages_written_total", "Pages written to flash volumes by users (initiators).", c.user_pages_written),
+        (
+            "skiff_flash_device_pages_written_total",
+            "Pages written to the devices: data, moved data, group and segment headers, checkpoints.",
+            c.device_pages_written,
+        ),
+        ("skiff_flash_device_pages_read_total", "Pages read from the devices.", c.device_pages_read),
+        ("skiff_flash_gc_segments_cleaned_total", "Segments the cleaner emptied for reuse.", c.gc_segments_cleaned),
+        ("skiff_flash_gc_pages_moved_total", "Valid pages the cleaner moved out of segments it cleaned.", c.gc_pages_moved),
+        ("skiff_flash_checkpoints_total", "Checkpoints of the flash array's map written.", c.checkpoints),
+        ("skiff_flash_pool_hits_total", "Page reads and writes served by a page in the pool.", c.pool_hits),
+        ("skiff_flash_pool_misses_total", "Page reads and writes that found the page outside the pool and took a slot for it (read from the devices unless wholly overwritten).", c.pool_misses),
+        ("skiff_flash_pool_evictions_total", "Pages dropped from the pool to make room for others.", c.evictions),
+    ];
+    for (name, help, v) in counters {
+        out.counter(name, help, vec![(vec![], v)]);
+    }
 }
 
 /// CPU time and context switches of the target's threads, from procfs (user and system time

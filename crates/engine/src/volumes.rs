@@ -1,0 +1,555 @@
+//! Flash volumes as exports: the flash array a target serves, each of its volumes an ordinary
+//! export (native protocol and NBD, no direct reads), and the `VOLUME` requests that create,
+//! resize, snapshot, clone, delete, list and measure them while the target runs
+//! (docs/PROTOCOL.md, section 17).
+//!
+//! This module owns what a volume change means for the exports: a new volume (or snapshot, or
+//! clone) is added to the [`ExportTable`] once the array has made it durable; a deleted one is
+//! retired from the table first, which is refused while connections hold it, and only then
+//! deleted from the array. The array's own rules (names, sizes, shrinking below data, children)
+//! are the flash crate's, and its refusals reach the initiator as a status and a message
+//! ([`VolumeError`]). What the target derives from the table (per-worker counters, the NBD
+//! export list) it rebuilds through a [`Publisher`] it passes in.
+//!
+//! Volume changes are few and slow (each ends with a device sync), so they run one at a time
+//! under a mutex, on the worker that received the request: that worker's other connections
+//! wait for the sync, the other workers and their data paths do not.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+pub use flash;
+use flash::device::{Device, FileDevice};
+use flash::engine::{Array, Stats, VolumeInfo};
+use flash::volume::FlashVolume;
+use flash::FlashError;
+use wire::{StatsReply, Status, VolumeBody, VolumeEntry, VolumeOp, VolumeReply, VolumeRequest};
+
+use crate::table::{AddError, RetireError};
+use crate::{Export, ExportTable};
+
+/// Where a target's flash array lies, and the DRAM its page pool gets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlashConfig {
+    /// Every device (file or block device) of the array, in any order.
+    pub devices: Vec<PathBuf>,
+    pub pool_bytes: u64,
+}
+
+/// The page pool when none is asked for.
+pub const POOL_BYTES_DEFAULT: u64 = 256 << 20;
+/// The smallest page pool: room for a few write groups of dirty pages besides the pages
+/// being read.
+pub const POOL_BYTES_MIN: u64 = 4 << 20;
+
+/// What a target does when its export table changes.
+pub trait Publisher {
+    /// Export `index` is about to be added: make room for it (the workers' counter rows).
+    fn publishing(&self, index: u32);
+    /// The table changed (an export added, retired or resized): rebuild what is derived from
+    /// it (the NBD export list).
+    fn changed(&self, table: &ExportTable);
+}
+
+/// Why a volume request was refused. [`status`](Self::status) is the one mapping to wire
+/// statuses; the message is what the initiator shows.
+#[derive(Debug, thiserror::Error)]
+pub enum VolumeError {
+    #[error("{}", flash_message(.name, .source))]
+    Flash { name: String, source: FlashError },
+    #[error("{0:?} is an export given at start-up (--export), not a flash volume")]
+    NotAVolume(String),
+    #[error("an export named {0:?} was given at start-up (--export): the name is taken")]
+    ExportName(String),
+    #[error("volume {name:?} is open on {connections} connection(s): close them first")]
+    InUse { name: String, connections: u32 },
+    #[error("{0}")]
+    Table(AddError),
+    #[error("the target serves {0} exports, the most it lists (NBD's bound): delete some first")]
+    TooManyExports(usize),
+}
+
+fn flash_message(name: &str, e: &FlashError) -> String {
+    match e {
+        FlashError::NoSuchVolume => format!("no volume named {name:?}"),
+        // These name the volume themselves.
+        FlashError::NameTaken(_) | FlashError::BadName(_) | FlashError::HasChildren { .. } => e.to_string(),
+        _ => format!("volume {name:?}: {e}"),
+    }
+}
+
+impl VolumeError {
+    fn flash(name: &str) -> impl FnOnce(FlashError) -> VolumeError + '_ {
+        move |source| VolumeError::Flash { name: name.to_owned(), source }
+    }
+
+    pub fn status(&self) -> Status {
+        match self {
+            VolumeError::Flash { source, .. } => match source {
+                FlashError::NoSuchVolume => Status::NotFound,
+                FlashError::NameTaken(_) => Status::Exists,
+                FlashError::BadName(_) | FlashError::BadSize(_) | FlashError::OutOfRange => Status::Invalid,
+                FlashError::ReadOnly => Status::ReadOnly,
+                FlashError::NoSpace => Status::NoSpace,
+                FlashError::HasChildren { .. } | FlashError::Busy(_) => Status::Busy,
+                FlashError::Corrupt(_) | FlashError::Failed | FlashError::Device(_) => Status::IoError,
+            },
+            VolumeError::NotAVolume(_) => Status::Invalid,
+            VolumeError::ExportName(_) => Status::Exists,
+            VolumeError::InUse { .. } => Status::Busy,
+            VolumeError::Table(AddError::NameTaken(_)) => Status::Exists,
+            VolumeError::Table(AddError::Full(_)) | VolumeError::TooManyExports(_) => Status::NoSpace,
+        }
+    }
+}
+
+/// A flash array served as exports.
+pub struct FlashVolumes {
+    array: Arc<Array>,
+    /// One volume change at a time (see the module docs).
+    changing: Mutex<()>,
+    /// Serve every volume read-only (the target's `--read-only`).
+    read_only: bool,
+    /// Most exports the table may hold at once, volumes and the rest.
+    exports_max: usize,
+}
+
+impl std::fmt::Debug for FlashVolumes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlashVolumes").field("read_only", &self.read_only).finish_non_exhaustive()
+    }
+}
+
+impl FlashVolumes {
+    /// Open the array on `config`'s devices, recover it, and start its background work.
+    /// Errors name the device at fault: missing, of another array, holding no array.
+    pub fn open(config: &FlashConfig, read_only: bool) -> Result<FlashVolumes, FlashError> {
+        if config.pool_bytes < POOL_BYTES_MIN {
+            return Err(FlashError::BadSize(format!(
+                "a page pool of {} bytes is too small: at least {POOL_BYTES_MIN}",
+                config.pool_bytes
+            )));
+        }
+        let pool_pages = u32::try_from(config.pool_bytes / flash::layout::PAGE as u64)
+            .map_err(|_| FlashError::BadSize("a page pool holds at most 2^32 pages (16 TiB)".into()))?;
+        let mut devices: Vec<Box<dyn Device>> = Vec::with_capacity(config.devices.len());
+        for path in &config.devices {
+            let device = FileDevice::open(path).map_err(|e| FlashError::Device(with_path(path, e)))?;
+            devices.push(Box::new(device));
+        }
+        let array = Array::open(devices, flash::ctl::Config { pool_pages, ..Default::default() })?;
+        array.start_background();
+        Ok(FlashVolumes::new(array, read_only))
+    }
+
+    /// Serve the volumes of `array`, open already (an in-memory array, for tests and the
+    /// simulator).
+    pub fn new(array: Arc<Array>, read_only: bool) -> FlashVolumes {
+        FlashVolumes { array, changing: Mutex::new(()), read_only, exports_max: nbd::EXPORTS_MAX }
+    }
+
+    pub fn array(&self) -> &Arc<Array> {
+        &self.array
+    }
+
+    /// The array's figures (metrics).
+    pub fn stats(&self) -> Stats {
+        self.array.stats()
+    }
+
+    /// One export per volume, in name order: what a target serves when it starts.
+    pub fn exports(&self) -> Result<Vec<Export>, FlashError> {
+        self.array.list().iter().map(|v| self.export_of(&v.name)).collect()
+    }
+
+    fn export_of(&self, name: &str) -> Result<Export, FlashError> {
+        let volume = FlashVolume::open(self.array.clone(), name)?;
+        // A snapshot's backend says it is read-only; `read_only` makes every volume so.
+        Ok(Export::new(name, Arc::new(volume), self.read_only))
+    }
+
+    /// Write back everything and checkpoint, so that the next start has nothing to replay.
+    /// Called once no worker runs any more.
+    pub fn shutdown(&self) -> Result<(), FlashError> {
+        self.array.shutdown()
+    }
+
+    /// Execute `request` on the array and the table; the reply says how it went. Changes are
+    /// durable before this returns.
+    pub fn execute(
+        &self,
+        request: &VolumeRequest,
+        table: &ExportTable,
+        publisher: &dyn Publisher,
+    ) -> VolumeReply {
+        let _one = self.changing.lock().unwrap_or_else(|e| e.into_inner());
+        let (op, name) = (request.op, request.name.as_str());
+        let result = match op {
+            VolumeOp::Create => self.create(name, request.size_bytes, table, publisher),
+            VolumeOp::Resize => self.resize(name, request.size_bytes, table, publisher),
+            VolumeOp::Snapshot | VolumeOp::Clone => {
+                self.copy(&request.origin, name, op == VolumeOp::Clone, table, publisher)
+            }
+            VolumeOp::Delete => self.delete(name, table, publisher),
+            VolumeOp::List => return self.list(name),
+            VolumeOp::Stats => return self.stats_reply(),
+        };
+        match result {
+            Ok(message) => {
+                tracing::info!(op = op.name(), volume = name, origin = %request.origin, size_bytes = request.size_bytes, "{message}");
+                VolumeReply::done(op, message)
+            }
+            Err(e) => {
+                tracing::info!(op = op.name(), volume = name, error = %e, "volume request refused");
+                VolumeReply::refused(op, e.status(), e.to_string())
+            }
+        }
+    }
+
+    /// Whether a new volume `name` could be exported: no export of that name, and room.
+    fn check_new(&self, name: &str, table: &ExportTable) -> Result<(), VolumeError> {
+        if let Some((index, _)) = table.find(name) {
+            return Err(match table.is_fixed(index) {
+                true => VolumeError::ExportName(name.to_owned()),
+                false => VolumeError::Flash {
+                    name: name.to_owned(),
+                    source: FlashError::NameTaken(name.to_owned()),
+                },
+            });
+        }
+        if table.room() == 0 {
+            return Err(VolumeError::Table(AddError::Full(table.capacity() - table.fixed_len())));
+        }
+        if table.len() >= self.exports_max {
+            return Err(VolumeError::TooManyExports(self.exports_max));
+        }
+        Ok(())
+    }
+
+    /// Export volume `name`, which the array has just made.
+    fn publish(&self, name: &str, table: &ExportTable, publisher: &dyn Publisher) -> Result<(), VolumeError> {
+        let export = self.export_of(name).map_err(VolumeError::flash(name))?;
+        // Checked before the array changed, under the same lock: only a bug fails here.
+        table.add(export, |index| publisher.publishing(index)).map_err(VolumeError::Table)?;
+        publisher.changed(table);
+        Ok(())
+    }
+
+    fn create(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        table: &ExportTable,
+        publisher: &dyn Publisher,
+    ) -> Result<String, VolumeError> {
+        self.check_new(name, table)?;
+        self.array.create(name, size_bytes).map_err(VolumeError::flash(name))?;
+        self.publish(name, table, publisher)?;
+        Ok(format!("created volume {name:?} of {}", bytes_text(self.size_of(name))))
+    }
+
+    fn resize(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        table: &ExportTable,
+        publisher: &dyn Publisher,
+    ) -> Result<String, VolumeError> {
+        self.volume_index(name, table)?;
+        self.array.resize(name, size_bytes).map_err(VolumeError::flash(name))?;
+        publisher.changed(table);
+        Ok(format!("resized volume {name:?} to {}", bytes_text(self.size_of(name))))
+    }
+
+    fn copy(
+        &self,
+        origin: &str,
+        name: &str,
+        writable: bool,
+        table: &ExportTable,
+        publisher: &dyn Publisher,
+    ) -> Result<String, VolumeError> {
+        self.volume_index(origin, table)?;
+        self.check_new(name, table)?;
+        self.array.snapshot(origin, name, writable).map_err(|source| match source {
+            // The new name's problems name it; the rest are the origin's.
+            FlashError::NameTaken(_) | FlashError::BadName(_) => {
+                VolumeError::Flash { name: name.to_owned(), source }
+            }
+            source => VolumeError::Flash { name: origin.to_owned(), source },
+        })?;
+        self.publish(name, table, publisher)?;
+        let what = if writable { "writable clone" } else { "read-only snapshot" };
+        Ok(format!("created {what} {name:?} of {origin:?}"))
+    }
+
+    fn delete(
+        &self,
+        name: &str,
+        table: &ExportTable,
+        publisher: &dyn Publisher,
+    ) -> Result<String, VolumeError> {
+        let index = self.volume_index(name, table)?;
+        // Children first, so that a volume they pin is refused without being touched.
+        if let Some(v) = self.array.list().into_iter().find(|v| v.name == name) {
+            if !v.snapshots.is_empty() {
+                let source =
+                    FlashError::HasChildren { name: name.to_owned(), children: v.snapshots.join(", ") };
+                return Err(VolumeError::Flash { name: name.to_owned(), source });
+            }
+        }
+        let going = table.retire(index).map_err(|e| match e {
+            RetireError::InUse(connections) => VolumeError::InUse { name: name.to_owned(), connections },
+            RetireError::Fixed(_) => VolumeError::NotAVolume(name.to_owned()),
+            RetireError::NotFound => {
+                VolumeError::Flash { name: name.to_owned(), source: FlashError::NoSuchVolume }
+            }
+        })?;
+        // On failure the guard drops and the export is live again, as it was.
+        self.array.delete(name, false).map_err(VolumeError::flash(name))?;
+        going.finish();
+        publisher.changed(table);
+        Ok(format!("deleted volume {name:?}"))
+    }
+
+    /// The table index of volume `name`; refused for a name that is not a volume's.
+    fn volume_index(&self, name: &str, table: &ExportTable) -> Result<u32, VolumeError> {
+        match table.find(name) {
+            Some((index, _)) if table.is_fixed(index) => Err(VolumeError::NotAVolume(name.to_owned())),
+            Some((index, _)) => Ok(index),
+            None => Err(VolumeError::Flash { name: name.to_owned(), source: FlashError::NoSuchVolume }),
+        }
+    }
+
+    fn size_of(&self, name: &str) -> u64 {
+        self.array.list().iter().find(|v| v.name == name).map_or(0, |v| v.size_bytes)
+    }
+
+    /// The volumes after `after` in name order, as many as one reply holds (the encoder cuts
+    /// the rest and says more follow).
+    fn list(&self, after: &str) -> VolumeReply {
+        let all = self.array.list();
+        let volumes: Vec<VolumeEntry> =
+            all.iter().filter(|v| after.is_empty() || v.name.as_str() > after).map(entry).collect();
+        VolumeReply {
+            status: Status::Ok,
+            op: VolumeOp::List,
+            message: format!("{} volumes", all.len()),
+            body: VolumeBody::List { volumes, more: false },
+        }
+    }
+
+    fn stats_reply(&self) -> VolumeReply {
+        let s = self.array.stats();
+        VolumeReply {
+            status: Status::Ok,
+            op: VolumeOp::Stats,
+            message: String::new(),
+            body: VolumeBody::Stats(StatsReply { entries: counters(&s, self.array.list().len()) }),
+        }
+    }
+}
+
+fn entry(v: &VolumeInfo) -> VolumeEntry {
+    VolumeEntry {
+        name: v.name.clone(),
+        size_bytes: v.size_bytes,
+        allocated_bytes: v.allocated_bytes,
+        writable: v.writable,
+        origin: v.origin.clone().unwrap_or_default(),
+        children: v.snapshots.len() as u32,
+    }
+}
+
+/// Bytes that could still be written once cleaning has made room: the capacity less what
+/// valid data holds.
+pub fn free_bytes(s: &Stats) -> u64 {
+    s.capacity_bytes.saturating_sub(s.valid_bytes)
+}
+
+/// The array's figures as named counters (docs/PROTOCOL.md, section 17.2): the write
+/// amplification, a ratio, in millionths.
+fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
+    let c = &s.counters;
+    [
+        ("volumes", volumes as u64),
+        ("capacity_bytes", s.capacity_bytes),
+        ("valid_bytes", s.valid_bytes),
+        ("free_bytes", free_bytes(s)),
+        ("free_segments", u64::from(s.free_segments)),
+        ("total_segments", u64::from(s.total_segments)),
+        ("write_amplification_e6", (s.write_amplification * 1e6).round() as u64),
+        ("user_pages_written", c.user_pages_written),
+        ("device_pages_written", c.device_pages_written),
+        ("device_pages_read", c.device_pages_read),
+        ("groups_written", c.groups_written),
+        ("gc_segments_cleaned", c.gc_segments_cleaned),
+        ("gc_pages_moved", c.gc_pages_moved),
+        ("checkpoints", c.checkpoints),
+        ("pool_pages", u64::from(s.pool_pages)),
+        ("pool_clean_pages", u64::from(s.pool_clean)),
+        ("pool_dirty_pages", u64::from(s.pool_dirty)),
+        ("pool_hits", c.pool_hits),
+        ("pool_misses", c.pool_misses),
+        ("pool_evictions", c.evictions),
+        ("erase_count_min", u64::from(s.erase_min)),
+        ("erase_count_max", u64::from(s.erase_max)),
+        ("map_bytes", s.map_bytes),
+        ("recovered_groups_replayed", s.recovered.groups_replayed),
+    ]
+    .into_iter()
+    .map(|(name, v)| (name.to_owned(), v))
+    .collect()
+}
+
+fn with_path(path: &std::path::Path, e: std::io::Error) -> String {
+    let text = e.to_string();
+    // FileDevice names the path in some errors and not in others.
+    if text.contains(&*path.to_string_lossy()) {
+        text
+    } else {
+        format!("{}: {text}", path.display())
+    }
+}
+
+fn bytes_text(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {} ({bytes} bytes)", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use flash::device::MemDevice;
+
+    use super::*;
+    use crate::BackendSpec;
+
+    const SEGMENT_PAGES: u32 = 64;
+
+    /// Counts what the target would be told.
+    #[derive(Default)]
+    struct Told {
+        publishing: Mutex<Vec<u32>>,
+        changed: AtomicUsize,
+    }
+
+    impl Publisher for Told {
+        fn publishing(&self, index: u32) {
+            self.publishing.lock().unwrap().push(index);
+        }
+        fn changed(&self, _: &ExportTable) {
+            self.changed.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn volumes() -> (FlashVolumes, ExportTable, Told) {
+        let pages = flash::engine::DATA_START + 40 * u64::from(SEGMENT_PAGES);
+        let devs: Vec<Box<dyn Device>> = vec![Box::new(MemDevice::new(pages))];
+        flash::engine::format(&devs, SEGMENT_PAGES, false).unwrap();
+        let array = Array::open(devs, flash::ctl::Config { pool_pages: 256, ..Default::default() }).unwrap();
+        let fixed = Export::open("fixed", &BackendSpec::Ram { size_bytes: 1 << 20 }, false).unwrap();
+        (FlashVolumes::new(array, false), ExportTable::with_room(vec![fixed], 8), Told::default())
+    }
+
+    fn req(op: VolumeOp, name: &str, origin: &str, size_bytes: u64) -> VolumeRequest {
+        VolumeRequest { op, name: name.into(), origin: origin.into(), size_bytes }
+    }
+
+    fn run(v: &FlashVolumes, t: &ExportTable, told: &Told, r: VolumeRequest) -> VolumeReply {
+        v.execute(&r, t, told)
+    }
+
+    #[test]
+    fn volumes_become_exports_and_refusals_change_nothing() {
+        let (v, t, told) = volumes();
+        let made = run(&v, &t, &told, req(VolumeOp::Create, "a", "", 1 << 20));
+        assert_eq!(made.status, Status::Ok, "{}", made.message);
+        assert!(made.message.contains("\"a\""), "{}", made.message);
+        let (index, export) = t.find("a").expect("exported");
+        assert_eq!((index, export.backend.kind(), export.backend.size_bytes()), (1, "flash", 1 << 20));
+        assert_eq!(*told.publishing.lock().unwrap(), [1]);
+        assert_eq!(told.changed.load(Ordering::SeqCst), 1);
+
+        for (r, status, says) in [
+            (req(VolumeOp::Create, "fixed", "", 4096), Status::Exists, "--export"),
+            (req(VolumeOp::Create, "a", "", 4096), Status::Exists, "taken"),
+            (req(VolumeOp::Create, "b", "", 0), Status::Invalid, "size"),
+            (req(VolumeOp::Create, "b/c", "", 4096), Status::Invalid, "b/c"),
+            (req(VolumeOp::Resize, "nope", "", 4096), Status::NotFound, "no volume named \"nope\""),
+            (req(VolumeOp::Resize, "fixed", "", 4096), Status::Invalid, "not a flash volume"),
+            (req(VolumeOp::Snapshot, "s", "nope", 0), Status::NotFound, "nope"),
+            (req(VolumeOp::Delete, "fixed", "", 0), Status::Invalid, "not a flash volume"),
+        ] {
+            let reply = run(&v, &t, &told, r.clone());
+            assert_eq!(reply.status, status, "{r:?}: {}", reply.message);
+            assert!(reply.message.contains(says), "{r:?}: {}", reply.message);
+        }
+        assert_eq!(t.len(), 2, "nothing added");
+        assert_eq!(v.array().list().len(), 1, "nothing made");
+        assert_eq!(told.changed.load(Ordering::SeqCst), 1);
+
+        // Data written below the new end: shrinking over it is refused, growing is not.
+        export.backend.write_at(&[7; 4096], 8192, false).unwrap();
+        let shrink = run(&v, &t, &told, req(VolumeOp::Resize, "a", "", 4096));
+        assert_eq!(shrink.status, Status::Invalid, "{}", shrink.message);
+        assert_eq!(export.backend.size_bytes(), 1 << 20, "unchanged");
+        assert_eq!(run(&v, &t, &told, req(VolumeOp::Resize, "a", "", 2 << 20)).status, Status::Ok);
+        assert_eq!(export.backend.size_bytes(), 2 << 20, "the export sees the new size at once");
+    }
+
+    #[test]
+    fn snapshots_clones_and_deletion() {
+        let (v, t, told) = volumes();
+        assert_eq!(run(&v, &t, &told, req(VolumeOp::Create, "a", "", 1 << 20)).status, Status::Ok);
+        t.find("a").unwrap().1.backend.write_at(&[1; 4096], 0, false).unwrap();
+        assert_eq!(run(&v, &t, &told, req(VolumeOp::Snapshot, "s", "a", 0)).status, Status::Ok);
+        assert_eq!(run(&v, &t, &told, req(VolumeOp::Clone, "c", "s", 0)).status, Status::Ok);
+        let snap = t.find("s").unwrap().1;
+        assert!(snap.is_read_only() && !t.find("c").unwrap().1.is_read_only());
+        let mut back = [0; 4096];
+        t.find("c").unwrap().1.backend.read_at(&mut back, 0).unwrap();
+        assert_eq!(back, [1; 4096], "the clone holds what the origin held");
+
+        let refused = run(&v, &t, &told, req(VolumeOp::Delete, "a", "", 0));
+        assert_eq!(refused.status, Status::Busy);
+        assert!(refused.message.contains("s"), "{}", refused.message);
+        let (c, _) = t.find("c").unwrap();
+        let lease = t.lease(c).unwrap();
+        let busy = run(&v, &t, &told, req(VolumeOp::Delete, "c", "", 0));
+        assert_eq!(busy.status, Status::Busy);
+        assert!(busy.message.contains("1 connection"), "{}", busy.message);
+        assert!(t.lease(c).is_ok(), "still live");
+        drop(lease);
+        assert_eq!(run(&v, &t, &told, req(VolumeOp::Delete, "c", "", 0)).status, Status::Ok);
+        assert!(t.find("c").is_none() && t.get(c).is_none());
+        assert_eq!(run(&v, &t, &told, req(VolumeOp::Delete, "c", "", 0)).status, Status::NotFound);
+
+        let listed = run(&v, &t, &told, req(VolumeOp::List, "", "", 0));
+        let VolumeBody::List { volumes, more } = listed.body else { panic!("{listed:?}") };
+        let names: Vec<(&str, &str, u32)> =
+            volumes.iter().map(|e| (e.name.as_str(), e.origin.as_str(), e.children)).collect();
+        assert_eq!((names, more), (vec![("a", "", 1), ("s", "a", 0)], false));
+        let VolumeBody::List { volumes, .. } = run(&v, &t, &told, req(VolumeOp::List, "a", "", 0)).body
+        else {
+            panic!()
+        };
+        assert_eq!(volumes.len(), 1, "after the cursor");
+        let VolumeBody::Stats(stats) = run(&v, &t, &told, VolumeRequest::bare(VolumeOp::Stats)).body else {
+            panic!()
+        };
+        assert_eq!(stats.get("volumes"), Some(2));
+        assert!(stats.get("capacity_bytes").unwrap() > stats.get("free_bytes").unwrap());
+    }
+}

@@ -1,0 +1,135 @@
+//! Flash volumes on a target in this process, over real sockets: a stopped target leaves its
+//! array with nothing to replay, volume requests on a keyed target need a key, and volumes
+//! come and go while other connections keep working.
+
+use initiator::{Client, Lane, LaneConfig, VolumeBody, VolumeOp, VolumeRequest};
+use server::{FlashConfig, Target};
+use skiff_tests::{flash_array, start_target_with, tcp_endpoint};
+use wire::Status;
+
+fn with_flash(devices: &[std::path::PathBuf], exports: &[&str], keys: Vec<proto::auth::Key>) -> Target {
+    start_target_with(exports, |c| {
+        c.flash = Some(FlashConfig { devices: devices.to_vec(), pool_bytes: 16 << 20 });
+        c.keys = keys;
+    })
+}
+
+fn request(op: VolumeOp, name: &str, origin: &str, size_bytes: u64) -> VolumeRequest {
+    VolumeRequest { op, name: name.into(), origin: origin.into(), size_bytes }
+}
+
+fn stat(client: &mut Client, name: &str) -> u64 {
+    let reply = client.volume(&VolumeRequest::bare(VolumeOp::Stats)).unwrap();
+    let VolumeBody::Stats(stats) = reply.body else { panic!("{reply:?}") };
+    stats.get(name).unwrap_or_else(|| panic!("no {name} in {stats:?}"))
+}
+
+/// Writes acknowledged without a flush sit in the page pool; dropping the target writes them
+/// back and checkpoints, so the next target over the same files finds them and replays
+/// nothing.
+#[test]
+fn a_dropped_target_leaves_nothing_to_replay() {
+    let (_dir, devices) = flash_array(2, 64 << 20);
+    let t = with_flash(&devices, &[], vec![]);
+    let ep = tcp_endpoint(&t);
+    let mut client = Client::connect(&ep).unwrap();
+    assert_eq!(client.volume(&request(VolumeOp::Create, "v", "", 8 << 20)).unwrap().status, Status::Ok);
+    assert_eq!(client.volume(&request(VolumeOp::Snapshot, "s", "v", 0)).unwrap().status, Status::Ok);
+    let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
+    let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
+    lane.write_at(&data, 4096).unwrap();
+    drop((lane, client));
+    drop(t);
+
+    let t = with_flash(&devices, &[], vec![]);
+    let ep = tcp_endpoint(&t);
+    let mut client = Client::connect(&ep).unwrap();
+    assert_eq!(stat(&mut client, "recovered_groups_replayed"), 0, "a checkpoint covered everything");
+    let names: Vec<String> = client.volumes().unwrap().into_iter().map(|v| v.name).collect();
+    assert_eq!(names, ["s", "v"]);
+    let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
+    let mut back = vec![0; data.len()];
+    lane.read_at(&mut back, 4096).unwrap();
+    assert!(back == data, "the unflushed writes were written back");
+    let listed = client.list().unwrap();
+    let snap = listed.iter().find(|e| e.name == "s").expect("the snapshot is an export again");
+    assert!(snap.flags.has(wire::ExportFlags::READ_ONLY));
+}
+
+#[test]
+fn a_keyed_target_takes_volume_requests_only_from_a_proved_key() {
+    let (_dir, devices) = flash_array(1, 128 << 20);
+    let alice = proto::auth::Key::new("alice", &[7; 16]).unwrap();
+    let t = with_flash(&devices, &["ram=ram:1M"], vec![alice.clone()]);
+    let ep = tcp_endpoint(&t);
+    let mut anonymous = Client::connect(&ep).unwrap();
+    let reply = anonymous.volume(&request(VolumeOp::Create, "v", "", 1 << 20)).unwrap();
+    assert_eq!(reply.status, Status::AuthRequired, "{}", reply.message);
+    assert!(reply.message.contains("proved a key"), "{}", reply.message);
+    assert!(anonymous.list().is_ok(), "the connection goes on");
+    let mut keyed = Client::connect_with_key(&ep, Some(&alice)).unwrap();
+    assert_eq!(keyed.volume(&request(VolumeOp::Create, "v", "", 1 << 20)).unwrap().status, Status::Ok);
+    assert_eq!(keyed.volumes().unwrap().len(), 1);
+    // A volume does not take the name of an export given at start.
+    let taken = keyed.volume(&request(VolumeOp::Create, "ram", "", 1 << 20)).unwrap();
+    assert_eq!(taken.status, Status::Exists, "{}", taken.message);
+}
+
+/// Volumes created and deleted in a loop on one connection while lanes keep reading and
+/// writing another volume and a RAM export: none of their requests fails, and every delete
+/// of a volume in use is refused while it is.
+#[test]
+fn volumes_come_and_go_while_other_connections_work() {
+    let (_dir, devices) = flash_array(1, 128 << 20);
+    let t = with_flash(&devices, &["ram=ram:4M"], vec![]);
+    let ep = tcp_endpoint(&t);
+    let mut client = Client::connect(&ep).unwrap();
+    assert_eq!(client.volume(&request(VolumeOp::Create, "steady", "", 4 << 20)).unwrap().status, Status::Ok);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = ["steady", "ram"]
+        .into_iter()
+        .map(|export| {
+            let (ep, stop) = (ep.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut lane = Lane::connect(&ep, export, &LaneConfig::default()).unwrap();
+                let mut done = 0u64;
+                let mut back = vec![0; 4096];
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let offset = (done % 1024) * 4096;
+                    lane.write_at(&[done as u8; 4096], offset).unwrap();
+                    lane.read_at(&mut back, offset).unwrap();
+                    assert_eq!(back, [done as u8; 4096], "{export} at {offset}");
+                    done += 1;
+                }
+                done
+            })
+        })
+        .collect();
+    for round in 0..20 {
+        let name = format!("churn{}", round % 3);
+        assert_eq!(client.volume(&request(VolumeOp::Create, &name, "", 1 << 20)).unwrap().status, Status::Ok);
+        let mut lane = Lane::connect(&ep, &name, &LaneConfig::default()).unwrap();
+        lane.write_at(&[round as u8; 4096], 0).unwrap();
+        let busy = client.volume(&request(VolumeOp::Delete, &name, "", 0)).unwrap();
+        assert_eq!(busy.status, Status::Busy, "{}", busy.message);
+        drop(lane);
+        // The worker drops the connection (and its lease) when it reads its end.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let reply = client.volume(&request(VolumeOp::Delete, &name, "", 0)).unwrap();
+            if reply.status == Status::Ok {
+                break;
+            }
+            assert_eq!(reply.status, Status::Busy, "{}", reply.message);
+            assert!(std::time::Instant::now() < deadline, "the closed lane still holds {name}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let gone = Lane::connect(&ep, &name, &LaneConfig::default());
+        assert!(matches!(gone, Err(initiator::Error::Refused(Status::NotFound))), "{name} after delete");
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for w in workers {
+        assert!(w.join().unwrap() > 0, "the lanes made progress");
+    }
+    assert_eq!(client.volumes().unwrap().len(), 1);
+}
