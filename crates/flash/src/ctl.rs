@@ -34,7 +34,8 @@ pub struct Config {
     pub segregation: bool,
     pub policy: VictimPolicy,
     /// A user write to a page last written within this many user page writes goes to the hot
-    /// stream.
+    /// stream, and so does a relocated page written within it. 0: half the array's pages (the
+    /// best of the shares tried in `examples/write_amp.rs`). At most `HOT_WINDOW_MAX`.
     pub hot_window_pages: u64,
     /// Most data pages in one write group.
     pub group_pages_max: u32,
@@ -45,8 +46,8 @@ impl Default for Config {
         Config {
             pool_pages: 16384,
             segregation: true,
-            policy: VictimPolicy::Greedy,
-            hot_window_pages: 1 << 16,
+            policy: VictimPolicy::CostBenefit,
+            hot_window_pages: 0,
             group_pages_max: 128,
         }
     }
@@ -152,6 +153,20 @@ struct PageMeta {
 
 const HEAT_SHIFT: u32 = 6;
 
+/// The widest hot window: half the heat clock's turn, so that a page last written a whole turn
+/// ago is not mistaken for a recent one more often than not.
+pub const HOT_WINDOW_MAX: u64 = 1 << (15 + HEAT_SHIFT);
+
+/// Whether a page last written at heat-clock reading `last` (0: never) is hot at `now`.
+fn heat_is_hot(last: u16, now: u16, window: u64) -> bool {
+    last != 0 && u64::from(now.wrapping_sub(last)) < window
+}
+
+/// The heat clock's reading after `user_pages_written` user page writes.
+fn heat_now(user_pages_written: u64) -> u16 {
+    ((user_pages_written >> HEAT_SHIFT) as u16).max(1)
+}
+
 /// Bytes of a `Record::Write` in a group header.
 const WRITE_RECORD_BYTES: usize = 17;
 
@@ -243,6 +258,10 @@ pub struct Controller {
     in_flight: BTreeMap<u64, GroupPlan>,
     /// Trims and volume changes waiting for the next group.
     pending: Vec<Record>,
+    /// Cleaned segments that may hold pages a waiting trim or volume change unmapped: they are
+    /// released with the group that carries the last of `pending`, never before (a crash
+    /// before that group is durable brings those pages back into the map).
+    released_after_pending: Vec<u32>,
     /// Every group up to this one is durable.
     pub durable_seq: u64,
     /// The last complete checkpoint.
@@ -262,7 +281,11 @@ pub fn reserve_for(total_segments: u32) -> u32 {
 
 impl Controller {
     /// A fresh, empty array of `segments` segments of `segment_pages` pages.
-    pub fn new(cfg: Config, segments: u32, segment_pages: u32) -> Controller {
+    pub fn new(mut cfg: Config, segments: u32, segment_pages: u32) -> Controller {
+        if cfg.hot_window_pages == 0 {
+            cfg.hot_window_pages = u64::from(segments) * u64::from(segment_pages) / 2;
+        }
+        cfg.hot_window_pages = cfg.hot_window_pages.clamp(1 << HEAT_SHIFT, HOT_WINDOW_MAX);
         let mut space = Space::new(segments, segment_pages, reserve_for(segments));
         space.policy = cfg.policy;
         Controller {
@@ -278,6 +301,7 @@ impl Controller {
             seq_ceiling: 0,
             in_flight: BTreeMap::new(),
             pending: Vec::new(),
+            released_after_pending: Vec::new(),
             durable_seq: 0,
             checkpoint: None,
             checkpoint_segments: Vec::new(),
@@ -529,6 +553,15 @@ impl Controller {
         }
     }
 
+    /// Whether page `vpage` of `vol` was written within the hot window (a page of a volume
+    /// deleted since is cold).
+    fn is_hot(&self, vol: VolId, vpage: u64) -> bool {
+        let Some(v) = self.vols.get(&vol) else { return false };
+        let Some(Some(m)) = v.meta.get((vpage / LEAF_PAGES as u64) as usize) else { return false };
+        let last = m.written[(vpage % LEAF_PAGES as u64) as usize];
+        heat_is_hot(last, heat_now(self.counters.user_pages_written), self.cfg.hot_window_pages >> HEAT_SHIFT)
+    }
+
     /// A user is done with `slot`; `dirtied`: it wrote the page's bytes.
     pub fn put(&mut self, slot: SlotId, dirtied: bool) {
         let s = *self.pool.slot(slot);
@@ -539,10 +572,8 @@ impl Controller {
             if let Some(v) = self.vols.get_mut(&s.vol) {
                 let m = v.meta_mut(s.vpage);
                 let i = (s.vpage % LEAF_PAGES as u64) as usize;
-                let last = m.written[i];
-                let now = ((clock >> HEAT_SHIFT) as u16).max(1);
-                let window = (self.cfg.hot_window_pages >> HEAT_SHIFT).max(1);
-                let hot = last != 0 && u64::from(now.wrapping_sub(last)) < window;
+                let now = heat_now(clock);
+                let hot = heat_is_hot(m.written[i], now, self.cfg.hot_window_pages >> HEAT_SHIFT);
                 m.written[i] = now;
                 if self.cfg.segregation && !hot {
                     stream = Stream::Cold;
@@ -635,6 +666,11 @@ impl Controller {
             self.pool.written(s, false);
         }
         let mut records: Vec<Record> = self.pending.drain(..meta_count).collect();
+        if self.pending.is_empty() {
+            for s in self.released_after_pending.drain(..) {
+                self.space.release(s, seq);
+            }
+        }
         let mut sources = Vec::with_capacity(fit);
         for &s in &slots[..fit] {
             let slot = self.pool.slot(s);
@@ -775,6 +811,10 @@ impl Controller {
         if moves.len() as u32 != self.map.valid(segment) {
             return Err(FlashError::Corrupt("a segment's groups do not account for its valid pages"));
         }
+        if self.cfg.segregation {
+            // Hot pages first, so that each class goes out in runs (`gc_writeback`).
+            moves.sort_by_key(|m| !self.is_hot(m.vol, m.vpage));
+        }
         Ok(moves)
     }
 
@@ -783,10 +823,19 @@ impl Controller {
         if moves.is_empty() || !self.may_issue() {
             return None;
         }
-        let stream = if self.cfg.segregation { Stream::Gc } else { Stream::Hot };
+        // With segregation, a page written recently goes back to the hot stream (it survived
+        // only because its overwrite has not come yet), the rest to the stream of pages that
+        // outlived a segment: cold, and colder each time it moves.
+        let hot = self.cfg.segregation && self.is_hot(moves[0].vol, moves[0].vpage);
+        let stream = if self.cfg.segregation && !hot { Stream::Gc } else { Stream::Hot };
+        let max = (moves.len() as u32).min(self.cfg.group_pages_max) as usize;
+        let run = moves
+            .iter()
+            .take(max)
+            .take_while(|m| !self.cfg.segregation || self.is_hot(m.vol, m.vpage) == hot)
+            .count();
         let seq = self.next_seq;
-        let want = (moves.len() as u32).min(self.cfg.group_pages_max);
-        let grant = self.space.grant(stream, want, seq, true)?;
+        let grant = self.space.grant(stream, run as u32, seq, true)?;
         let taken: Vec<GcMove> = moves.drain(..grant.count as usize).collect();
         let records =
             taken.iter().map(|m| Record::Move { vol: m.vol, vpage: m.vpage, old: m.old, crc: 0 }).collect();
@@ -795,11 +844,17 @@ impl Controller {
     }
 
     /// Every page of `segment` was moved (by groups up to `last_seq`): free it once they are
-    /// durable.
+    /// durable, and once the records of any trim or volume change that unmapped its other
+    /// pages are too.
     pub fn gc_done(&mut self, segment: u32, last_seq: u64) {
         self.counters.gc_segments_cleaned += 1;
-        self.space.release(segment, last_seq);
-        self.space.durable(self.durable_seq);
+        if self.pending.is_empty() {
+            self.space.release(segment, last_seq);
+            self.space.durable(self.durable_seq);
+        } else {
+            self.space.release(segment, u64::MAX);
+            self.released_after_pending.push(segment);
+        }
     }
 
     // ---------------------------------------------------------------------------------
@@ -981,5 +1036,35 @@ mod tests {
         c.resize(vol, 5, true).unwrap();
         assert_eq!(c.valid_pages(), 0);
         c.audit().unwrap();
+    }
+
+    #[test]
+    fn a_cleaned_segment_waits_for_the_trim_that_emptied_it() {
+        // The simulator's seeds 666 and 932: a trim unmaps a page at once, but its record
+        // waits for a group. Cleaning skips the unmapped page; were its segment freed (and
+        // reused) before the trim's record is durable, a crash would map the page into a
+        // stranger's bytes.
+        let mut c = ctl();
+        let vol = c.create("v", 100).unwrap();
+        write_page(&mut c, vol, 5);
+        settle(&mut c);
+        let segment = c.map.get(&c.vols[&vol].map, 5) / c.segment_pages();
+        c.trim(vol, 5, 1).unwrap();
+        assert!(c.has_pending());
+        c.gc_done(segment, c.last_seq());
+        c.durable(c.last_seq());
+        assert!(
+            matches!(c.space.segs[segment as usize].state, State::Releasing { .. }),
+            "not before the trim"
+        );
+        let plan = c.writeback(64, None).expect("the trim's group");
+        assert!(plan.header.records.iter().any(|r| matches!(r, Record::Trim { .. })));
+        c.written(plan.seq, true);
+        assert!(
+            matches!(c.space.segs[segment as usize].state, State::Releasing { .. }),
+            "not before it is durable"
+        );
+        c.durable(plan.seq);
+        assert_eq!(c.space.segs[segment as usize].state, State::Free);
     }
 }

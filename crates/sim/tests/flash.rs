@@ -44,7 +44,7 @@ fn crashes_torn_writes_and_failing_devices_lose_no_acknowledged_write() {
     assert!(total.crashes > 2 * SEEDS, "{total:?}");
     assert!(total.torn_writes > SEEDS / 2 && total.torn_pages_seen > 0, "{total:?}");
     assert!(total.gc_segments > SEEDS / 4 && total.checkpoints > SEEDS / 4, "{total:?}");
-    assert!(total.snapshots > SEEDS / 2 && total.device_errors > SEEDS / 10, "{total:?}");
+    assert!(total.snapshots > SEEDS / 2 && total.device_errors > SEEDS / 20, "{total:?}");
 }
 
 #[test]
@@ -55,6 +55,17 @@ fn a_device_that_lies_about_syncing_is_caught() {
     let error = caught.expect("lost acknowledged writes are found");
     let lost = ["was durable", "no write wrote", "volumes after recovery", "reopen"];
     assert!(lost.iter().any(|l| error.contains(l)), "{error}");
+}
+
+#[test]
+fn seeds_that_found_bugs_pass() {
+    // 666, 932: a cleaned segment freed before the trim that emptied it was durable.
+    for seed in [666, 932] {
+        let faults = if seed % 2 == 0 { DeviceFaults::typical() } else { DeviceFaults::NONE };
+        if let Err(e) = run_flash(FlashOptions { seed, steps: STEPS, faults, lie: Lie::None }) {
+            panic!("{e}");
+        }
+    }
 }
 
 #[test]
