@@ -35,6 +35,8 @@ struct Args {
     step: u64,
     seed: u64,
     json: bool,
+    /// Pages rewritten within this share of the array's capacity count as hot.
+    hot_window: f64,
 }
 
 fn parse() -> Args {
@@ -46,11 +48,12 @@ fn parse() -> Args {
         segregation: true,
         overwrites: 4.0,
         pool_mib: 16,
-        policy: VictimPolicy::Greedy,
+        policy: VictimPolicy::CostBenefit,
         device: None,
         step: 64,
         seed: 1,
         json: false,
+        hot_window: 0.5,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -67,12 +70,18 @@ fn parse() -> Args {
             }
             "--pool-mib" => a.pool_mib = v().parse().unwrap_or_else(|_| die("--pool-mib: a number")),
             "--policy" => {
-                a.policy =
-                    if v() == "cost-benefit" { VictimPolicy::CostBenefit } else { VictimPolicy::Greedy }
+                a.policy = match v().as_str() {
+                    "greedy" => VictimPolicy::Greedy,
+                    "cost-benefit" => VictimPolicy::CostBenefit,
+                    _ => die("--policy: greedy or cost-benefit"),
+                }
             }
             "--device" => a.device = Some(v()),
             "--step" => a.step = v().parse().unwrap_or_else(|_| die("--step: a number")),
             "--seed" => a.seed = v().parse().unwrap_or_else(|_| die("--seed: a number")),
+            "--hot-window" => {
+                a.hot_window = v().parse().unwrap_or_else(|_| die("--hot-window: a share of the array"))
+            }
             "--json" => {
                 a.json = true;
                 i += 1;
@@ -110,7 +119,7 @@ impl Rng {
 /// A permutation of `0..n` (an affine map with a multiplier coprime to `n`), so that the hot
 /// set is spread over the volume rather than a run of neighbouring pages.
 fn scatter(i: u64, n: u64) -> u64 {
-    let mut m = 0x9e37_79b9_7f4a_7c15u64 % n | 1;
+    let mut m = (0x9e37_79b9_7f4a_7c15u64 % n) | 1;
     while gcd(m, n) != 1 {
         m += 2;
     }
@@ -174,7 +183,7 @@ fn main() {
         pool_pages: (a.pool_mib * 1024 * 1024 / PAGE as u64) as u32,
         segregation: a.segregation,
         policy: a.policy,
-        hot_window_pages: capacity_pages / 4,
+        hot_window_pages: (capacity_pages as f64 * a.hot_window) as u64,
         ..Config::default()
     };
     let array =
