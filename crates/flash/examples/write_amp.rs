@@ -37,6 +37,8 @@ struct Args {
     json: bool,
     /// Pages rewritten within this share of the array's capacity count as hot.
     hot_window: f64,
+    /// Static wear levelling's bound on the spread of erase counts.
+    wear_spread: u32,
 }
 
 fn parse() -> Args {
@@ -54,6 +56,7 @@ fn parse() -> Args {
         seed: 1,
         json: false,
         hot_window: 0.5,
+        wear_spread: Config::default().wear_spread_max,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -82,6 +85,7 @@ fn parse() -> Args {
             "--hot-window" => {
                 a.hot_window = v().parse().unwrap_or_else(|_| die("--hot-window: a share of the array"))
             }
+            "--wear-spread" => a.wear_spread = v().parse().unwrap_or_else(|_| die("--wear-spread: erases")),
             "--json" => {
                 a.json = true;
                 i += 1;
@@ -184,6 +188,7 @@ fn main() {
         segregation: a.segregation,
         policy: a.policy,
         hot_window_pages: (capacity_pages as f64 * a.hot_window) as u64,
+        wear_spread_max: a.wear_spread,
         ..Config::default()
     };
     let array =
@@ -239,10 +244,11 @@ fn main() {
     let device = after.counters.device_pages_written - before.counters.device_pages_written;
     let moved = after.counters.gc_pages_moved - before.counters.gc_pages_moved;
     let measured = dev.pages_written() - dev_before;
+    let wear_moves = after.counters.wear_segments_moved - before.counters.wear_segments_moved;
     let wa = device as f64 / user as f64;
     if a.json {
         println!(
-            "{{\"dist\":\"{}\",\"segregation\":{},\"fill\":{},\"array_mib\":{},\"user_pages\":{user},\"device_pages\":{device},\"device_pages_measured\":{measured},\"gc_pages_moved\":{moved},\"gc_segments\":{},\"checkpoints\":{},\"write_amplification\":{wa:.4},\"seconds\":{secs:.2},\"erase_min\":{},\"erase_max\":{}}}",
+            "{{\"dist\":\"{}\",\"segregation\":{},\"fill\":{},\"array_mib\":{},\"user_pages\":{user},\"device_pages\":{device},\"device_pages_measured\":{measured},\"gc_pages_moved\":{moved},\"gc_segments\":{},\"checkpoints\":{},\"write_amplification\":{wa:.4},\"seconds\":{secs:.2},\"erase_min\":{},\"erase_max\":{},\"wear_segments_moved\":{wear_moves}}}",
             a.dist,
             a.segregation,
             a.fill,
@@ -254,7 +260,7 @@ fn main() {
         );
     } else {
         println!(
-            "{} segregation {}: {user} user pages, {device} device pages ({measured} counted by the device), {moved} moved by GC: write amplification {wa:.3} ({secs:.1} s; erase counts {}..{})",
+            "{} segregation {}: {user} user pages, {device} device pages ({measured} counted by the device), {moved} moved by GC: write amplification {wa:.3} ({secs:.1} s; erase counts {}..{}, {wear_moves} segments moved for wear)",
             a.dist,
             if a.segregation { "on" } else { "off" },
             after.erase_min,

@@ -39,6 +39,9 @@ pub struct Config {
     pub hot_window_pages: u64,
     /// Most data pages in one write group.
     pub group_pages_max: u32,
+    /// Static wear levelling: erases by which the most-worn segment may lead the least-worn
+    /// full one (`space::Space::wear_victim`).
+    pub wear_spread_max: u32,
 }
 
 impl Default for Config {
@@ -49,6 +52,7 @@ impl Default for Config {
             policy: VictimPolicy::CostBenefit,
             hot_window_pages: 0,
             group_pages_max: 128,
+            wear_spread_max: 64,
         }
     }
 }
@@ -78,7 +82,7 @@ pub enum Got {
     /// Another user is fetching or filling it: wait for that, then ask again.
     Busy,
     /// Not in the pool and no slot to be had (every one is pinned, dirty or in flight): read
-    /// `pba` straight into the caller's buffer, without caching it.
+    /// `pba` straight into the caller's buffer, without caching it, then `read_done`.
     Direct(Pba),
     /// No slot can be had: write-back must make room first.
     PoolFull,
@@ -152,6 +156,22 @@ struct PageMeta {
 }
 
 const HEAT_SHIFT: u32 = 6;
+
+/// The largest volume, in pages: 16 TiB, what the widest array can address. Volumes are thin,
+/// but their maps' directories are not: a size with no bound would be an allocation with none.
+pub const VOLUME_PAGES_MAX: u64 = 1 << 32;
+
+fn check_volume_pages(pages: u64) -> Result<(), FlashError> {
+    if pages == 0 {
+        return Err(FlashError::BadSize("a volume needs at least one page".into()));
+    }
+    if pages > VOLUME_PAGES_MAX {
+        return Err(FlashError::BadSize(format!(
+            "{pages} pages is over the largest volume, {VOLUME_PAGES_MAX} pages (16 TiB)"
+        )));
+    }
+    Ok(())
+}
 
 /// The widest hot window: half the heat clock's turn, so that a page last written a whole turn
 /// ago is not mistaken for a recent one more often than not.
@@ -231,6 +251,8 @@ pub struct Counters {
     pub device_pages_read: u64,
     pub groups_written: u64,
     pub gc_segments_cleaned: u64,
+    /// Of those, cleaned to level wear (since the array was opened).
+    pub wear_segments_moved: u64,
     pub checkpoints: u64,
     pub pool_hits: u64,
     pub pool_misses: u64,
@@ -286,8 +308,11 @@ impl Controller {
             cfg.hot_window_pages = u64::from(segments) * u64::from(segment_pages) / 2;
         }
         cfg.hot_window_pages = cfg.hot_window_pages.clamp(1 << HEAT_SHIFT, HOT_WINDOW_MAX);
+        // A bound of 0 would chase its own moves: each one erases a segment.
+        cfg.wear_spread_max = cfg.wear_spread_max.max(1);
         let mut space = Space::new(segments, segment_pages, reserve_for(segments));
         space.policy = cfg.policy;
+        space.wear_spread_max = cfg.wear_spread_max;
         Controller {
             cfg,
             map: Map::new(segments, segment_pages),
@@ -340,9 +365,7 @@ impl Controller {
     pub fn create(&mut self, name: &str, pages: u64) -> Result<VolId, FlashError> {
         self.writable()?;
         self.check_name(name)?;
-        if pages == 0 {
-            return Err(FlashError::BadSize("a volume needs at least one page".into()));
-        }
+        check_volume_pages(pages)?;
         let (vol, family) = (self.next_vol, self.next_family);
         self.apply(&Record::Create { vol, family, pages, name: name.to_owned() });
         self.pending.push(Record::Create { vol, family, pages, name: name.to_owned() });
@@ -353,9 +376,10 @@ impl Controller {
     pub fn resize(&mut self, vol: VolId, pages: u64, discard: bool) -> Result<(), FlashError> {
         self.writable()?;
         let v = self.volume(vol)?;
-        if pages == 0 {
-            return Err(FlashError::BadSize("a volume needs at least one page".into()));
+        if !v.writable {
+            return Err(FlashError::ReadOnly);
         }
+        check_volume_pages(pages)?;
         if pages < v.map.pages && !discard {
             let written =
                 (pages..v.map.pages).any(|p| self.map.get(&v.map, p) != 0 || v.slot_of(p).is_some());
@@ -525,7 +549,11 @@ impl Controller {
         };
         let Some((s, evicted)) = self.pool.take(vol, vpage, state) else {
             // A read never waits for room: flash holds the newest copy of a page not in the pool.
-            return Ok(if access == Access::Read { Got::Direct(pba) } else { Got::PoolFull });
+            if access != Access::Read {
+                return Ok(Got::PoolFull);
+            }
+            self.space.read_begins(pba / self.space.segment_pages);
+            return Ok(Got::Direct(pba));
         };
         if let Some((ev_vol, ev_page)) = evicted {
             self.counters.evictions += 1;
@@ -535,12 +563,24 @@ impl Controller {
         }
         self.vols.get_mut(&vol).expect("checked").set_slot(vpage, Some(s));
         self.counters.pool_misses += 1;
-        Ok(if state == SlotState::Fetching { Got::Fetch { slot: s, pba } } else { Got::Fresh(s) })
+        Ok(if state == SlotState::Fetching {
+            self.space.read_begins(pba / self.space.segment_pages);
+            Got::Fetch { slot: s, pba }
+        } else {
+            Got::Fresh(s)
+        })
     }
 
     /// The read of a page into `slot` finished (`ok`) or failed; on failure the page leaves
     /// the pool and the next `get` tries again.
-    pub fn fetched(&mut self, slot: SlotId, ok: bool) {
+    /// A `Got::Direct` read of `pba` is done.
+    pub fn read_done(&mut self, pba: Pba) {
+        self.space.read_ends(pba / self.space.segment_pages);
+    }
+
+    /// The `Got::Fetch` of `slot` from `pba` is done (`ok`: its bytes are in the slot).
+    pub fn fetched(&mut self, slot: SlotId, pba: Pba, ok: bool) {
+        self.read_done(pba);
         self.counters.device_pages_read += 1;
         self.pool.fetched(slot, ok);
         if !ok {
@@ -768,6 +808,16 @@ impl Controller {
         self.space.victim(&self.map)
     }
 
+    /// A segment to clean to level wear, if the spread of erase counts calls for one. It
+    /// frees nothing (it trades one free segment for another), so it waits while cleaning
+    /// is into the reserve.
+    pub fn wear_victim(&self) -> Option<u32> {
+        if self.space.free_segments() <= self.space.reserve {
+            return None;
+        }
+        self.space.wear_victim()
+    }
+
     /// The pages still valid in `segment`, found by walking its groups in `image` (the whole
     /// segment as read from flash). Refuses a segment whose valid pages its groups do not all
     /// explain: cleaning it would lose data.
@@ -849,7 +899,9 @@ impl Controller {
     pub fn gc_done(&mut self, segment: u32, last_seq: u64) {
         self.counters.gc_segments_cleaned += 1;
         if self.pending.is_empty() {
-            self.space.release(segment, last_seq);
+            // A record drained by another thread meanwhile went out in a group after the
+            // cleaner's own: wait for that group too.
+            self.space.release(segment, last_seq.max(self.last_seq()));
             self.space.durable(self.durable_seq);
         } else {
             self.space.release(segment, u64::MAX);
@@ -990,7 +1042,7 @@ mod tests {
         };
         assert_eq!(fetched, pba);
         assert_eq!(c.get(vol, 5, Access::Read).unwrap(), Got::Busy, "a second reader waits");
-        c.fetched(slot, true);
+        c.fetched(slot, fetched, true);
         c.put(slot, false);
         c.audit().unwrap();
     }

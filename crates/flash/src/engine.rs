@@ -334,6 +334,15 @@ impl Array {
             filled_at_checkpoint: AtomicU64::new(0),
         });
         array.raise_ceiling()?;
+        let filled = array.lock().space.clock / u64::from(array.geo.segment_pages);
+        array.filled_at_checkpoint.store(filled, Ordering::Relaxed);
+        // What was replayed is checkpointed at once, so that a crash soon after does not
+        // replay it again (and again, crash after crash).
+        if array.recovered.groups_replayed > 0 {
+            if let Err(e) = array.checkpoint() {
+                tracing::warn!(error = %e, "flash: no checkpoint after recovery; the next start replays again");
+            }
+        }
         Ok(array)
     }
 
@@ -429,6 +438,9 @@ impl Array {
         if wants_gc && self.gc_step()? {
             return Ok(true);
         }
+        if self.wear_step()? {
+            return Ok(true);
+        }
         if self.checkpoint_due() {
             self.checkpoint()?;
             return Ok(true);
@@ -459,9 +471,15 @@ impl Array {
         Ok(())
     }
 
+    /// Sync every device. A failed sync fails the array: the kernel may have dropped the
+    /// writes it could not store, and a later sync that succeeds would vouch for them.
     fn sync_all(&self) -> Result<(), FlashError> {
         for d in &self.devs {
-            d.sync()?;
+            if let Err(e) = d.sync() {
+                self.lock().failed = true;
+                self.changed.notify_all();
+                return Err(e.into());
+            }
         }
         Ok(())
     }
@@ -474,22 +492,29 @@ impl Array {
         Ok(())
     }
 
-    /// Write a group: its segment's header first if it opened one, then the group's header
-    /// page and data pages in one write.
-    fn write_group(&self, plan: &mut GroupPlan, image: Option<&[u8]>) -> Result<(), FlashError> {
-        let n = plan.sources.len();
-        let mut buf = AlignedBuf::new((1 + n) * PAGE)?;
-        let mut crcs = Vec::with_capacity(n);
+    /// A group's data pages, copied from their sources into a buffer after room for the
+    /// header. Pool pages must be copied under the controller's lock: a writer may take a
+    /// page being written back (and dirty it again) as soon as the lock is free, and a copy
+    /// torn by its bytes would carry a CRC that vouches for them.
+    fn gather(plan: &GroupPlan, pool: &Region, image: Option<&[u8]>) -> Result<AlignedBuf, FlashError> {
+        let mut buf = AlignedBuf::new((1 + plan.sources.len()) * PAGE)?;
         for (i, src) in plan.sources.iter().enumerate() {
             let page = &mut buf[(1 + i) * PAGE..(2 + i) * PAGE];
             match *src {
-                Source::Slot(s) => self.pool.read_at(s as usize * PAGE, page),
+                Source::Slot(s) => pool.read_at(s as usize * PAGE, page),
                 Source::Image(at) => {
                     page.copy_from_slice(&image.expect("a GC group has its image")[at..at + PAGE])
                 }
             }
-            crcs.push(page_crc(page));
         }
+        Ok(buf)
+    }
+
+    /// Write a gathered group: its data pages' CRCs into the header, the header, and a new
+    /// segment's header first if the group opened one.
+    fn write_group(&self, plan: &mut GroupPlan, mut buf: AlignedBuf) -> Result<(), FlashError> {
+        let crcs: Vec<u32> =
+            (0..plan.sources.len()).map(|i| page_crc(&buf[(1 + i) * PAGE..(2 + i) * PAGE])).collect();
         plan.set_crcs(&crcs);
         plan.header.emit(&self.id, &mut buf[..PAGE]);
         tracing::trace!(
@@ -511,9 +536,14 @@ impl Array {
     /// Write back one group of up to `max` dirty pages (of `only_vol`, if given) and any
     /// waiting records. Returns whether there was one.
     fn writeback_once(&self, max: u32, only_vol: Option<VolId>) -> Result<bool, FlashError> {
-        let plan = self.lock().writeback(max, only_vol);
-        let Some(mut plan) = plan else { return Ok(false) };
-        let result = self.write_group(&mut plan, None);
+        let (plan, gathered) = {
+            let mut c = self.lock();
+            let Some(plan) = c.writeback(max, only_vol) else { return Ok(false) };
+            let gathered = Self::gather(&plan, &self.pool, None);
+            (plan, gathered)
+        };
+        let mut plan = plan;
+        let result = gathered.and_then(|buf| self.write_group(&mut plan, buf));
         let mut c = self.lock();
         c.written(plan.seq, result.is_ok());
         drop(c);
@@ -617,6 +647,23 @@ impl Array {
     /// Clean one segment, if one is worth it. Returns whether it did.
     pub fn gc_step(&self) -> Result<bool, FlashError> {
         let Some(victim) = self.lock().gc_victim() else { return Ok(false) };
+        self.clean(victim)
+    }
+
+    /// Clean the least-worn full segment, if wear calls for it (static wear levelling).
+    /// Returns whether it did.
+    pub fn wear_step(&self) -> Result<bool, FlashError> {
+        let victim = {
+            let mut c = self.lock();
+            let Some(victim) = c.wear_victim() else { return Ok(false) };
+            c.counters.wear_segments_moved += 1;
+            victim
+        };
+        self.clean(victim)
+    }
+
+    /// Move the valid pages of `victim` elsewhere and release it.
+    fn clean(&self, victim: u32) -> Result<bool, FlashError> {
         let spp = self.geo.segment_pages as usize;
         let mut image = AlignedBuf::new(spp * PAGE)?;
         self.read_pages(victim * self.geo.segment_pages, &mut image)?;
@@ -633,7 +680,8 @@ impl Array {
         while !moves.is_empty() {
             let plan = self.lock().gc_writeback(&mut moves);
             let Some(mut plan) = plan else { return Err(FlashError::NoSpace) };
-            let result = self.write_group(&mut plan, Some(&image));
+            let result = Self::gather(&plan, &self.pool, Some(&image))
+                .and_then(|buf| self.write_group(&mut plan, buf));
             self.lock().written(plan.seq, result.is_ok());
             self.changed.notify_all();
             result?;
@@ -654,12 +702,24 @@ impl Array {
         let _one = self.checkpointing.lock().unwrap_or_else(|e| e.into_inner());
         let spp = self.geo.segment_pages;
         let (bytes, seq, segments, old) = {
+            // The checkpoint holds the state with every record applied, so none may still wait
+            // for its group: replayed on top of the checkpoint, it would apply twice.
             let mut c = self.lock();
-            while c.in_flight() > 0 {
-                c = self.wait(c);
-            }
-            if c.failed {
-                return Err(FlashError::Failed);
+            loop {
+                if c.failed {
+                    return Err(FlashError::Failed);
+                }
+                if c.in_flight() > 0 {
+                    c = self.wait(c);
+                } else if c.has_pending() {
+                    drop(c);
+                    if !self.writeback_once(0, None)? {
+                        return Err(FlashError::NoSpace);
+                    }
+                    c = self.lock();
+                } else {
+                    break;
+                }
             }
             let seq = c.last_seq();
             let len = ckpt::encode(&c, seq, &[]).len();
@@ -776,7 +836,7 @@ impl Array {
                     drop(c);
                     let result = self.fetch(slot, pba);
                     c = self.lock();
-                    c.fetched(slot, result.is_ok());
+                    c.fetched(slot, pba, result.is_ok());
                     if result.is_ok() {
                         self.pool.read_at(slot as usize * PAGE + at, dst);
                     }
@@ -787,10 +847,13 @@ impl Array {
                 }
                 Got::Direct(pba) => {
                     drop(c);
-                    let mut page = AlignedBuf::new(PAGE)?;
-                    self.read_pages(pba, &mut page)?;
-                    dst.copy_from_slice(&page[at..at + dst.len()]);
-                    return Ok(());
+                    let result = AlignedBuf::new(PAGE).map_err(FlashError::from).and_then(|mut page| {
+                        self.read_pages(pba, &mut page)?;
+                        dst.copy_from_slice(&page[at..at + dst.len()]);
+                        Ok(())
+                    });
+                    self.lock().read_done(pba);
+                    return result;
                 }
                 Got::Busy => c = self.wait(c),
                 Got::PoolFull | Got::Fresh(_) => unreachable!("a read gets no slot to fill"),
@@ -837,7 +900,7 @@ impl Array {
                     drop(c);
                     let result = self.fetch(slot, pba);
                     c = self.lock();
-                    c.fetched(slot, result.is_ok());
+                    c.fetched(slot, pba, result.is_ok());
                     if result.is_ok() {
                         self.pool.write_at(slot as usize * PAGE + at, src);
                     }

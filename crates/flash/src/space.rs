@@ -10,9 +10,16 @@
 //! A segment is cleaned only once a checkpoint covers every group in it (its last group's
 //! sequence number is at most the checkpoint's): replay after a crash starts from the
 //! checkpoint's map, so the records in an uncovered segment must stay readable. A cleaned
-//! segment becomes free only once the groups that moved its pages are durable. Free segments
-//! are handed out least-worn first, and a reserve of them is kept for cleaning and
-//! checkpoints, which user writes never take.
+//! segment becomes free only once the groups that moved its pages are durable. A reserve of
+//! free segments is kept for cleaning and checkpoints, which user writes never take.
+//!
+//! **Wear.** Free segments are handed out least-worn first, except to the GC stream, which
+//! takes the most-worn: the pages it relocates have outlived a segment and are the coldest, so
+//! they rest where more erases would hurt most. That alone leaves a segment of cold data
+//! unerased for ever; so when the most-worn segment has been erased more than
+//! `wear_spread_max` times more than the least-worn full one, that one is cleaned whatever its
+//! valid pages (`wear_victim`, static wear levelling), its data moving to a worn segment and
+//! the segment itself back to the free list for hot data.
 
 use std::collections::BTreeSet;
 
@@ -106,6 +113,14 @@ pub struct Space {
     /// Pages written since format (the clock of segment ages).
     pub clock: u64,
     pub policy: VictimPolicy,
+    /// Erases by which the most-worn segment may lead the least-worn full one before that one
+    /// is cleaned to level them.
+    pub wear_spread_max: u32,
+    /// Reads in flight from each segment, outside the controller's lock: a cleaned segment
+    /// is not freed (and so not rewritten) under them.
+    readers: Vec<u32>,
+    /// Every group up to this one is durable.
+    durable_seq: u64,
 }
 
 impl Space {
@@ -125,6 +140,9 @@ impl Space {
             covered_seq: 0,
             clock: 0,
             policy: VictimPolicy::Greedy,
+            wear_spread_max: u32::MAX,
+            readers: vec![0; segments as usize],
+            durable_seq: 0,
         }
     }
 
@@ -146,7 +164,7 @@ impl Space {
                 if let Some(s) = other {
                     self.close(s);
                 }
-                let s = self.take_free(use_reserve)?;
+                let s = self.take_free(use_reserve, stream == Stream::Gc)?;
                 let erase_count = self.segs[s as usize].erase_count + 1;
                 self.segs[s as usize] = Segment {
                     state: State::Open { stream, next: 1 },
@@ -198,18 +216,19 @@ impl Space {
         }
     }
 
-    fn take_free(&mut self, use_reserve: bool) -> Option<u32> {
+    /// The least-worn free segment, or the most-worn one for `cold` data.
+    fn take_free(&mut self, use_reserve: bool, cold: bool) -> Option<u32> {
         if !use_reserve && self.free.len() as u32 <= self.reserve {
             return None;
         }
-        let first = *self.free.iter().next()?;
-        self.free.remove(&first);
-        Some(first.1)
+        let pick = if cold { *self.free.iter().next_back()? } else { *self.free.iter().next()? };
+        self.free.remove(&pick);
+        Some(pick.1)
     }
 
     /// A free segment for a checkpoint's pages (the reserve included).
     pub fn take_for_checkpoint(&mut self) -> Option<(u32, u32)> {
-        let s = self.take_free(true)?;
+        let s = self.take_free(true, false)?;
         let seg = &mut self.segs[s as usize];
         seg.erase_count += 1;
         seg.state = State::Checkpoint;
@@ -237,13 +256,31 @@ impl Space {
 
     /// Every group up to `seq` is durable: segments waiting on it become free.
     pub fn durable(&mut self, seq: u64) {
+        self.durable_seq = self.durable_seq.max(seq);
         for s in 0..self.segs.len() as u32 {
-            if let State::Releasing { after } = self.segs[s as usize].state {
-                if after <= seq {
-                    self.make_free(s);
-                }
+            self.free_if_released(s);
+        }
+    }
+
+    fn free_if_released(&mut self, s: u32) {
+        if let State::Releasing { after } = self.segs[s as usize].state {
+            if after <= self.durable_seq && self.readers[s as usize] == 0 {
+                self.make_free(s);
             }
         }
+    }
+
+    /// A read of segment `s` goes to the device without the controller's lock.
+    pub fn read_begins(&mut self, s: u32) {
+        self.readers[s as usize] += 1;
+    }
+
+    /// That read is done: the segment may be freed if it was waiting for it.
+    pub fn read_ends(&mut self, s: u32) {
+        let r = &mut self.readers[s as usize];
+        debug_assert!(*r > 0, "a read of segment {s} ended that never began");
+        *r = r.saturating_sub(1);
+        self.free_if_released(s);
     }
 
     /// The segment to clean next, if any is worth it: full, covered by the checkpoint, and
@@ -278,9 +315,26 @@ impl Space {
         best.map(|(_, s)| s)
     }
 
-    /// Erase counts, least and most worn.
+    /// The least-worn full segment that cleaning may take, when the most-worn segment leads it
+    /// by more than `wear_spread_max` erases (static wear levelling: its data is cold, or it
+    /// would have been cleaned already).
+    pub fn wear_victim(&self) -> Option<u32> {
+        let most = self.segs.iter().map(|s| s.erase_count).max()?;
+        let (count, s) = self
+            .segs
+            .iter()
+            .enumerate()
+            .filter(|(_, seg)| seg.state == State::Full && seg.last_seq <= self.covered_seq)
+            .map(|(s, seg)| (seg.erase_count, s as u32))
+            .min()?;
+        (most - count > self.wear_spread_max).then_some(s)
+    }
+
+    /// Erase counts, least and most worn, of the segments not open for writes (a stream that
+    /// falls quiet leaves its open segment as it is, levelled or not).
     pub fn wear(&self) -> (u32, u32) {
-        let counts = self.segs.iter().map(|s| s.erase_count);
+        let counts =
+            self.segs.iter().filter(|s| !matches!(s.state, State::Open { .. })).map(|s| s.erase_count);
         (counts.clone().min().unwrap_or(0), counts.max().unwrap_or(0))
     }
 

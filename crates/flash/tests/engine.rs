@@ -211,3 +211,43 @@ fn a_volume_refuses_what_it_must() {
     assert_eq!(a.id_of("nope"), Err(FlashError::NoSuchVolume));
     assert!(matches!(a.snapshot("v", "v", false), Err(FlashError::NameTaken(_))));
 }
+
+/// Erase counts, least and most, after a cold volume is written once and a hot one
+/// overwritten for many rounds; and segments moved to level wear. Checks the data too.
+fn wear_after_hot_and_cold(wear_spread_max: u32) -> (u32, u32, u64) {
+    let devs = Shared::new(1, 256 + 64 * 32);
+    format(&devs.boxed(), SEGMENT_PAGES, false).unwrap();
+    let a =
+        Array::open(devs.boxed(), Config { pool_pages: 32, wear_spread_max, ..Config::default() }).unwrap();
+    let cold = a.create("cold", 300 * PAGE as u64).unwrap();
+    let hot = a.create("hot", 60 * PAGE as u64).unwrap();
+    let cold_data = pattern(1, 300 * PAGE);
+    a.write(cold, 0, &cold_data, false).unwrap();
+    let mut model = vec![0u8; 60 * PAGE];
+    for round in 0..400u64 {
+        let data = pattern(round + 10, 60 * PAGE);
+        a.write(hot, 0, &data, false).unwrap();
+        model.copy_from_slice(&data);
+        while a.background_step().unwrap() {}
+    }
+    a.audit().unwrap();
+    let mut back = vec![0u8; 300 * PAGE];
+    a.read(cold, 0, &mut back).unwrap();
+    assert!(back == cold_data, "cold data differs (spread {wear_spread_max})");
+    let mut back = vec![0u8; 60 * PAGE];
+    a.read(hot, 0, &mut back).unwrap();
+    assert!(back == model, "hot data differs (spread {wear_spread_max})");
+    let s = a.stats();
+    (s.erase_min, s.erase_max, s.counters.wear_segments_moved)
+}
+
+#[test]
+fn static_wear_levelling_moves_cold_data_off_unworn_segments() {
+    let (min, max, moved) = wear_after_hot_and_cold(u32::MAX);
+    assert_eq!(moved, 0);
+    assert!(max - min > 8, "without levelling, cold segments stay unworn: {min}..{max}");
+    let (lmin, lmax, lmoved) = wear_after_hot_and_cold(4);
+    assert!(lmoved > 0, "levelling moved segments");
+    assert!(lmax - lmin < max - min, "levelled {lmin}..{lmax}, not {min}..{max}");
+    eprintln!("erase counts: {min}..{max} without levelling, {lmin}..{lmax} with ({lmoved} segments moved)");
+}

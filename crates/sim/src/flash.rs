@@ -224,6 +224,8 @@ pub struct FlashReport {
     pub torn_pages_seen: u64,
     pub device_errors: u64,
     pub gc_segments: u64,
+    /// Segments cleaned to level wear.
+    pub wear_moves: u64,
     pub checkpoints: u64,
     pub snapshots: u64,
     pub pages_checked: u64,
@@ -237,6 +239,7 @@ impl FlashReport {
         self.torn_pages_seen += o.torn_pages_seen;
         self.device_errors += o.device_errors;
         self.gc_segments += o.gc_segments;
+        self.wear_moves += o.wear_moves;
         self.checkpoints += o.checkpoints;
         self.snapshots += o.snapshots;
         self.pages_checked += o.pages_checked;
@@ -335,6 +338,7 @@ pub fn run_flash(opts: FlashOptions) -> Result<FlashReport, String> {
         hot_window_pages: rng.pick(&[64u64, 256]),
         group_pages_max: rng.pick(&[4u32, 16, 128]),
         policy: if rng.below(2) == 0 { VictimPolicy::CostBenefit } else { VictimPolicy::Greedy },
+        wear_spread_max: rng.pick(&[1u32, 2, 64]),
     };
     let array = Array::open(boxed(&devs), cfg).map_err(|e| format!("open: {e}"))?;
     for d in &devs {
@@ -682,6 +686,7 @@ impl Sim {
     /// Crash every device at once, reopen, and check what survived.
     fn crash(&mut self) -> Result<(), String> {
         self.report.crashes += 1;
+        self.report.wear_moves += self.array.stats().counters.wear_segments_moved;
         let mut torn = 0;
         let images: Vec<Vec<u8>> = self
             .devs
