@@ -1,9 +1,15 @@
 //! Flash volumes as a user drives them: `skiff flash format` on sparse files, `skiff serve
 //! --flash` in one process, `skiff vol` in others, the volumes reached over the native
-//! protocol (a lane) and NBD (qemu-io, nbdinfo), and the target stopped and started again.
+//! protocol (a lane) and NBD (qemu-io, nbdinfo, nbdsh), and the target stopped, or killed with
+//! SIGKILL, and started again.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Output, Stdio};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Lines, Read, Write};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use initiator::{Endpoint, Lane, LaneConfig};
@@ -11,6 +17,10 @@ use skiff_tests::{run_ok, tool};
 
 const QEMU: &str = "qemu-utils";
 const LIBNBD: &str = "libnbd-bin";
+const LIBNBD_PYTHON: &str = "python3-libnbd";
+
+/// The signal `Child::kill` sends.
+const SIGKILL: i32 = 9;
 
 fn skiff() -> Command {
     Command::new(env!("CARGO_BIN_EXE_skiff"))
@@ -56,11 +66,13 @@ fn devices() -> (tempfile::TempDir, String) {
     (dir, paths.join(","))
 }
 
-/// A running `skiff serve --flash`, and its native and NBD addresses.
+/// A running `skiff serve --flash`, its native and NBD addresses, and the line it logged on
+/// opening the array (what recovery found and replayed).
 struct Served {
     child: Child,
     native: String,
     nbd: String,
+    recovered: Option<String>,
 }
 
 impl Served {
@@ -70,10 +82,13 @@ impl Served {
         cmd.args(["--flash", flash, "--flash-cache", "16M"]).args(extra);
         let mut child = cmd.stderr(Stdio::piped()).stdout(Stdio::null()).spawn().expect("spawn skiff serve");
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let (mut native, mut nbd) = (None, None);
+        let (mut native, mut nbd, mut recovered) = (None, None, None);
         let deadline = Instant::now() + Duration::from_secs(30);
         while (native.is_none() || nbd.is_none()) && Instant::now() < deadline {
             let Some(Ok(line)) = lines.next() else { break };
+            if line.contains("flash array recovered") {
+                recovered = Some(line.clone());
+            }
             if let Some(i) = line.find("listening ep=") {
                 let addr = line[i + "listening ep=".len()..].split_whitespace().next().unwrap().to_owned();
                 if line.contains("protocol=Nbd") {
@@ -90,7 +105,15 @@ impl Served {
         };
         // Keep draining the log so that the server never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines.by_ref() {});
-        Served { child, native, nbd }
+        Served { child, native, nbd, recovered }
+    }
+
+    /// How many write groups the array's recovery replayed past its checkpoint on this start.
+    fn groups_replayed(&self) -> u64 {
+        let line = self.recovered.as_deref().expect("skiff serve --flash logs \"flash array recovered\"");
+        let at = line.find("groups_replayed=").expect("the recovery line counts groups_replayed");
+        let digits = line[at + "groups_replayed=".len()..].split_whitespace().next().unwrap();
+        digits.parse().unwrap_or_else(|_| panic!("groups_replayed is a number in: {line}"))
     }
 
     /// `skiff vol ACTION ARGS --target` this target.
@@ -121,6 +144,13 @@ impl Served {
             assert!(Instant::now() < deadline, "skiff serve ignored SIGTERM");
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// SIGKILL, as a crash: no write-back, no checkpoint, nothing flushed on the way out.
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        let status = self.child.wait().unwrap();
+        assert_eq!(status.signal(), Some(SIGKILL), "skiff serve had exited before the kill: {status}");
     }
 }
 
@@ -341,4 +371,539 @@ fn a_target_without_a_flash_array_says_so() {
     refused(&["vol", "list", "--target", &addr], "this target serves no flash array");
     let _ = child.kill();
     let _ = child.wait();
+}
+
+// -------------------------------------------------------------------------------------------
+// Crashes: the target killed with SIGKILL, with writes flushed, written with FUA, left
+// unflushed and still in flight, then started again on the same devices.
+
+/// A page of a flash volume: what a crash keeps or loses whole.
+const PAGE: usize = 4096;
+
+/// The bytes of the volume the flushed-writes test writes and checks, from offset 0.
+const REGION_BYTES: usize = 16 << 20;
+
+/// xorshift64*: the crash tests draw their writes from a seed, which their failures name.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// A number in `lo..hi`.
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo) as u64) as usize
+    }
+
+    /// A seed for `stamp`.
+    fn seed(&mut self) -> u32 {
+        (self.next() >> 32) as u32
+    }
+}
+
+/// `len` bytes whose every 8-byte word differs from the words of any other seed and from
+/// the other words of this one, so that a page from the wrong write or the wrong place shows.
+fn stamp(seed: u32, len: usize) -> Vec<u8> {
+    let mut out: Vec<u8> = (0..len.div_ceil(8) as u64)
+        .flat_map(|word| ((u64::from(seed) << 32) | word).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes())
+        .collect();
+    out.truncate(len);
+    out
+}
+
+/// libnbd's Python binding (run by `nbdsh`, which makes `h`) as a client the tests drive
+/// over a pipe: `w OFFSET LEN fua|-` and then LEN bytes writes them, `f` flushes, and each
+/// is answered `ok` once the target has replied. A client that does not ask for block sizes
+/// may write any bytes at any offset.
+const NBD_CLIENT: &str = r#"
+import os, sys
+h.set_strict_mode(0)
+h.set_request_block_size(False)
+h.connect_uri(os.environ["URI"])
+assert h.can_fua() and h.can_flush(), "a flash volume offers FUA and FLUSH"
+print("ready", flush=True)
+requests = sys.stdin.buffer
+while True:
+    words = requests.readline().split()
+    if not words:
+        break
+    if words[0] == b"w":
+        data = requests.read(int(words[2]))
+        h.pwrite(data, int(words[1]), nbd.CMD_FLAG_FUA if words[3] == b"fua" else 0)
+    else:
+        h.flush()
+    print("ok", flush=True)
+"#;
+
+/// A running `NBD_CLIENT` on one export; killed when dropped.
+struct NbdClient {
+    child: Child,
+    requests: ChildStdin,
+    replies: Lines<BufReader<ChildStdout>>,
+    stderr: Option<JoinHandle<String>>,
+}
+
+impl NbdClient {
+    fn connect(s: &Served, export: &str) -> NbdClient {
+        // The system's Python first: that is where python3-libnbd puts the module.
+        let path = std::env::var("PATH").unwrap_or_default();
+        let mut child = tool("nbdsh", LIBNBD_PYTHON)
+            .env("PATH", format!("/usr/bin:/bin:{path}"))
+            .env("URI", s.uri(export))
+            .args(["-c", NBD_CLIENT])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn nbdsh");
+        let requests = child.stdin.take().unwrap();
+        let replies = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut pipe = child.stderr.take().unwrap();
+        let stderr = Some(std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = pipe.read_to_string(&mut text);
+            text
+        }));
+        let mut client = NbdClient { child, requests, replies, stderr };
+        if !client.answered("ready") {
+            panic!("nbdsh did not connect to {export}: {}", client.stderr());
+        }
+        client
+    }
+
+    fn answered(&mut self, word: &str) -> bool {
+        matches!(self.replies.next(), Some(Ok(line)) if line == word)
+    }
+
+    /// Send one request: true once the target acknowledged it, false if the client died
+    /// first (as it does when the target is killed under it).
+    fn request(&mut self, line: &str, payload: &[u8]) -> bool {
+        let sent = self.requests.write_all(line.as_bytes()).and_then(|()| self.requests.write_all(payload));
+        sent.is_ok() && self.answered("ok")
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> bool {
+        let flag = if fua { "fua" } else { "-" };
+        self.request(&format!("w {offset} {} {flag}\n", data.len()), data)
+    }
+
+    /// A write the target must acknowledge.
+    fn write_acked(&mut self, offset: usize, data: &[u8], fua: bool) {
+        if !self.write(offset as u64, data, fua) {
+            panic!("write of {} bytes at {offset} not acknowledged: {}", data.len(), self.stderr());
+        }
+    }
+
+    fn flush_acked(&mut self) {
+        if !self.request("f\n", &[]) {
+            panic!("FLUSH not acknowledged: {}", self.stderr());
+        }
+    }
+
+    /// What the client said on stderr; it is stopped first.
+    fn stderr(&mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default()
+    }
+}
+
+impl Drop for NbdClient {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `len` bytes of `export` from offset 0, read over the native protocol 1 MiB at a time.
+fn read_region(s: &Served, export: &str, len: usize) -> Vec<u8> {
+    let mut lane = Lane::connect(&s.endpoint(), export, &LaneConfig::default()).expect("a lane");
+    let mut out = vec![0; len];
+    for (i, chunk) in out.chunks_mut(1 << 20).enumerate() {
+        lane.read_at(chunk, (i as u64) << 20).expect("read");
+    }
+    out
+}
+
+/// `got` is `want`; if not, the first page where they differ is named.
+fn assert_same_pages(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len());
+    let pages = got.chunks(PAGE).zip(want.chunks(PAGE));
+    if let Some((p, (g, w))) = pages.enumerate().find(|(_, (g, w))| g != w) {
+        let at = g.iter().zip(w).position(|(a, b)| a != b).unwrap();
+        panic!(
+            "{what}: page {p} differs first at byte {}: {:#04x}, not {:#04x}",
+            p * PAGE + at,
+            g[at],
+            w[at]
+        );
+    }
+}
+
+/// How many write groups this start replayed past the checkpoint, as the log line and
+/// `skiff vol stats` say (they must agree).
+fn replayed(s: &Served) -> u64 {
+    let logged = s.groups_replayed();
+    let stats: serde_json::Value = serde_json::from_str(&vol_ok(s, &["stats", "--json"])).unwrap();
+    assert_eq!(stats["recovered_groups_replayed"].as_u64(), Some(logged), "the log and vol stats differ");
+    logged
+}
+
+/// What a volume must read as after a crash. `durable` holds every write acknowledged
+/// before a FLUSH and every FUA write; a page in `maybe` was written since without FUA and
+/// may read as its durable contents or as these, whole.
+struct Model {
+    durable: Vec<u8>,
+    maybe: HashMap<usize, Vec<u8>>,
+    /// Pages written since the last FLUSH: later writes keep off them, so that a page has
+    /// one durable contents and at most one newer.
+    taken: Vec<bool>,
+}
+
+impl Model {
+    fn new(len: usize) -> Model {
+        Model { durable: vec![0; len], maybe: HashMap::new(), taken: vec![false; len / PAGE] }
+    }
+
+    /// An offset for `len` bytes anywhere (page-aligned if `aligned`).
+    fn place(rng: &mut Rng, len: usize, aligned: bool) -> usize {
+        let end = REGION_BYTES - len + 1;
+        if aligned {
+            rng.range(0, end.div_ceil(PAGE)) * PAGE
+        } else {
+            rng.range(0, end)
+        }
+    }
+
+    /// An offset for `len` bytes over pages no write took since the last FLUSH; they are
+    /// taken.
+    fn claim(&mut self, rng: &mut Rng, len: usize, aligned: bool) -> usize {
+        for _ in 0..10_000 {
+            let offset = Model::place(rng, len, aligned);
+            let pages = offset / PAGE..(offset + len).div_ceil(PAGE);
+            if pages.clone().all(|p| !self.taken[p]) {
+                pages.for_each(|p| self.taken[p] = true);
+                return offset;
+            }
+        }
+        panic!("no room left for {len} bytes");
+    }
+
+    /// A write acknowledged with FUA, or before a FLUSH: it must survive.
+    fn durable(&mut self, offset: usize, data: &[u8]) {
+        self.durable[offset..offset + data.len()].copy_from_slice(data);
+    }
+
+    /// A write acknowledged without FUA after the last FLUSH: each page it touched may
+    /// hold it, or not.
+    fn volatile(&mut self, offset: usize, data: &[u8]) {
+        for p in offset / PAGE..(offset + data.len()).div_ceil(PAGE) {
+            let start = p * PAGE;
+            let page = self.maybe.entry(p).or_insert_with(|| self.durable[start..start + PAGE].to_vec());
+            let (from, to) = (offset.max(start), (offset + data.len()).min(start + PAGE));
+            page[from - start..to - start].copy_from_slice(&data[from - offset..to - offset]);
+        }
+    }
+
+    fn flushed(&mut self) {
+        for (p, page) in self.maybe.drain() {
+            self.durable[p * PAGE..(p + 1) * PAGE].copy_from_slice(&page);
+        }
+        self.taken.fill(false);
+    }
+
+    /// Check what the volume reads as after a crash; then that is what it holds. Returns how
+    /// many unflushed pages survived.
+    fn settle(&mut self, got: &[u8], seed: u64) -> usize {
+        let mut newer = 0;
+        for (p, page) in got.chunks(PAGE).enumerate() {
+            let old = &self.durable[p * PAGE..(p + 1) * PAGE];
+            if page == old {
+                continue;
+            }
+            if self.maybe.get(&p).is_some_and(|new| new == page) {
+                newer += 1;
+                continue;
+            }
+            let at = page.iter().zip(old).position(|(a, b)| a != b).unwrap();
+            let unflushed =
+                if self.maybe.contains_key(&p) { "nor its unflushed write" } else { "(no unflushed write)" };
+            panic!(
+                "seed {seed:#x}: page {p} reads as neither its durable contents {unflushed}; first \
+                 difference at byte {}: {:#04x}, durable {:#04x}",
+                p * PAGE + at,
+                page[at],
+                old[at]
+            );
+        }
+        self.durable.copy_from_slice(got);
+        self.maybe.clear();
+        self.taken.fill(false);
+        newer
+    }
+}
+
+/// A write length, and whether it is page-aligned: less than a page anywhere, one page, up
+/// to `pages_max` whole pages, or several pages' worth anywhere.
+fn shape(rng: &mut Rng, i: usize, pages_max: usize) -> (usize, bool) {
+    match i % 4 {
+        0 => (rng.range(1, PAGE), false),
+        1 => (PAGE, true),
+        2 => (rng.range(2, pages_max + 1) * PAGE, true),
+        _ => (rng.range(PAGE + 1, pages_max * PAGE), false),
+    }
+}
+
+/// Writes of every shape at any offset, some overlapping, then a FLUSH: all must survive.
+fn flushed_batch(c: &mut NbdClient, m: &mut Model, rng: &mut Rng) {
+    for i in 0..12 {
+        let (len, aligned) = shape(rng, i, 64);
+        let offset = Model::place(rng, len, aligned);
+        let data = stamp(rng.seed(), len);
+        c.write_acked(offset, &data, false);
+        m.durable(offset, &data);
+    }
+    c.flush_acked();
+    m.flushed();
+}
+
+/// Unflushed writes, FUA writes on other pages, then more unflushed writes, one of them
+/// 4.5 MiB: more than the 16 MiB pool lets stay dirty, so part of it is written back.
+fn fua_and_unflushed(c: &mut NbdClient, m: &mut Model, rng: &mut Rng) {
+    let big = stamp(rng.seed(), 4608 << 10);
+    let big_at = m.claim(rng, big.len(), false);
+    let mut write = |c: &mut NbdClient, m: &mut Model, i: usize, fua: bool| {
+        let (len, aligned) = shape(rng, i, 16);
+        let offset = m.claim(rng, len, aligned);
+        let data = stamp(rng.seed(), len);
+        c.write_acked(offset, &data, fua);
+        if fua {
+            m.durable(offset, &data);
+        } else {
+            m.volatile(offset, &data);
+        }
+    };
+    (0..4).for_each(|i| write(c, m, i, false));
+    (0..6).for_each(|i| write(c, m, i, true));
+    c.write_acked(big_at, &big, false);
+    m.volatile(big_at, &big);
+    (0..4).for_each(|i| write(c, m, i, false));
+}
+
+/// The volume and its snapshots are listed, the snapshots read-only, and each reads as it
+/// did when taken.
+fn assert_snapshots(s: &Served, snapshots: &[(String, Vec<u8>)]) {
+    let listing = list(s);
+    let mut want: Vec<String> = snapshots.iter().map(|(name, _)| name.clone()).collect();
+    want.push("disk".into());
+    want.sort();
+    let mut got = names(&listing);
+    got.sort();
+    assert_eq!(got, want, "the volumes after a restart");
+    for v in listing["volumes"].as_array().unwrap().iter().filter(|v| v["name"] != "disk") {
+        assert_eq!((v["writable"].as_bool(), v["origin"].as_str()), (Some(false), Some("disk")), "{v}");
+    }
+    for (name, image) in snapshots {
+        assert_same_pages(&read_region(s, name, REGION_BYTES), image, &format!("snapshot {name}"));
+    }
+}
+
+#[test]
+fn acknowledged_flushed_and_fua_writes_survive_kill_9() {
+    let (_dir, flash) = devices();
+    ok(&["flash", "format", &flash, "--segment", "4M"]);
+    let mut s = Served::start(&flash, &[]);
+    vol_ok(&s, &["create", "disk", "--size", "64M"]);
+    let mut model = Model::new(REGION_BYTES);
+    let mut snapshots = Vec::new();
+    // Each round crashes a target that itself started by recovering from a crash.
+    for round in 0..3 {
+        let seed = 0x5eed_0000 + round;
+        let mut rng = Rng::new(seed);
+        let mut c = NbdClient::connect(&s, "disk");
+        flushed_batch(&mut c, &mut model, &mut rng);
+        let snap = format!("snap{round}");
+        vol_ok(&s, &["snapshot", "disk", &snap]);
+        snapshots.push((snap, model.durable.clone()));
+        fua_and_unflushed(&mut c, &mut model, &mut rng);
+        let unflushed = model.maybe.len();
+        // The client is still connected when the target dies.
+        s.kill();
+        drop(c);
+
+        // The rounds fill less than the checkpoint interval (an eighth of the array), so no
+        // checkpoint covers the FUA writes: recovery finds them by replaying the log.
+        s = Served::start(&flash, &[]);
+        let groups = replayed(&s);
+        assert!(
+            groups > 0,
+            "seed {seed:#x}: the FUA writes' groups lie past the checkpoint, and are replayed"
+        );
+        let newer = model.settle(&read_region(&s, "disk", REGION_BYTES), seed);
+        assert_snapshots(&s, &snapshots);
+        eprintln!(
+            "seed {seed:#x}: {groups} groups replayed; {newer} of {unflushed} unflushed pages survived"
+        );
+    }
+
+    // A clean stop writes everything back and checkpoints: nothing to replay, nothing lost.
+    s.stop();
+    let s = Served::start(&flash, &[]);
+    assert_eq!(replayed(&s), 0, "a start after a clean stop replays nothing");
+    assert_same_pages(&read_region(&s, "disk", REGION_BYTES), &model.durable, "disk after a clean restart");
+    assert_snapshots(&s, &snapshots);
+    s.stop();
+}
+
+/// Writers of the in-flight test, each on its own NBD connection.
+const WRITERS: usize = 3;
+
+const SLOTS_PER_WRITER: usize = 12;
+
+/// Bytes from the start of one slot to the next: room for the largest shape.
+const SLOT_STRIDE: usize = 512 << 10;
+
+/// Where the in-flight test writes: always the same bytes, so that each page of a slot holds
+/// one whole write (or none).
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    at: usize,
+    len: usize,
+}
+
+impl Slot {
+    /// Writer `w`'s slots, two of each shape: one page, four, a piece of one, three pages'
+    /// worth across four, two bytes across a page boundary, and 64 pages.
+    fn of_writer(w: usize) -> Vec<Slot> {
+        const SHAPES: [(usize, usize); 6] =
+            [(0, PAGE), (0, 4 * PAGE), (PAGE + 100, 1000), (2048, 3 * PAGE), (PAGE - 1, 2), (0, 64 * PAGE)];
+        (0..SLOTS_PER_WRITER)
+            .map(|i| {
+                let (at, len) = SHAPES[i % SHAPES.len()];
+                Slot { at: (w * SLOTS_PER_WRITER + i) * SLOT_STRIDE + at, len }
+            })
+            .collect()
+    }
+
+    fn start(&self) -> usize {
+        self.at / PAGE * PAGE
+    }
+
+    /// The bytes of the pages the slot touches.
+    fn span(&self) -> usize {
+        (self.at + self.len).div_ceil(PAGE) * PAGE - self.start()
+    }
+
+    /// The slot's pages once the write of `seed` landed on them.
+    fn image(&self, seed: u32) -> Vec<u8> {
+        let mut pages = vec![0; self.span()];
+        let at = self.at - self.start();
+        pages[at..at + self.len].copy_from_slice(&stamp(seed, self.len));
+        pages
+    }
+}
+
+/// What a writer did before the target died under it.
+struct WriterLog {
+    /// Per slot, the seed of the last write acknowledged.
+    acked: Vec<Option<u32>>,
+    /// The write sent and not answered when the connection died: slot and seed.
+    in_flight: Option<(usize, u32)>,
+    stderr: String,
+}
+
+/// Writer `w`: FUA writes of fresh seeds to its slots, one after another, until the target
+/// dies. `acks` counts the acknowledged ones.
+fn spawn_writer(s: &Served, w: usize, cycle: u32, acks: Arc<AtomicU64>) -> JoinHandle<WriterLog> {
+    let mut client = NbdClient::connect(s, "disk");
+    std::thread::spawn(move || {
+        let slots = Slot::of_writer(w);
+        let mut rng = Rng::new(u64::from(cycle) << 8 | w as u64);
+        let mut log = WriterLog { acked: vec![None; slots.len()], in_flight: None, stderr: String::new() };
+        for n in 1..1 << 24 {
+            let i = rng.range(0, slots.len());
+            let seed = cycle << 28 | (w as u32) << 24 | n;
+            log.in_flight = Some((i, seed));
+            if !client.write(slots[i].at as u64, &stamp(seed, slots[i].len), true) {
+                log.stderr = client.stderr();
+                return log;
+            }
+            log.acked[i] = Some(seed);
+            log.in_flight = None;
+            acks.fetch_add(1, Ordering::Relaxed);
+        }
+        log
+    })
+}
+
+/// Acknowledged writes each writer must have before the kill.
+const KILL_AFTER_ACKS: u64 = 40;
+
+#[test]
+fn fua_writes_acknowledged_while_a_kill_9_lands_mid_stream_survive_it() {
+    let (_dir, flash) = devices();
+    ok(&["flash", "format", &flash, "--segment", "4M"]);
+    let mut s = Served::start(&flash, &[]);
+    vol_ok(&s, &["create", "disk", "--size", "64M"]);
+    let slots: Vec<Vec<Slot>> = (0..WRITERS).map(Slot::of_writer).collect();
+    let region = WRITERS * SLOTS_PER_WRITER * SLOT_STRIDE;
+    // What the volume must read as: zeroes, then each slot as its last acknowledged write.
+    let mut durable = vec![0; region];
+    for cycle in 0..2 {
+        let acks: Vec<Arc<AtomicU64>> = (0..WRITERS).map(|_| Arc::default()).collect();
+        let writers: Vec<_> = (0..WRITERS).map(|w| spawn_writer(&s, w, cycle, acks[w].clone())).collect();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while acks.iter().any(|a| a.load(Ordering::Relaxed) < KILL_AFTER_ACKS) {
+            assert!(!writers.iter().any(JoinHandle::is_finished), "a writer stopped before the kill");
+            assert!(Instant::now() < deadline, "the writers are still short of {KILL_AFTER_ACKS} writes");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        s.kill();
+        let logs: Vec<WriterLog> = writers.into_iter().map(|h| h.join().unwrap()).collect();
+
+        s = Served::start(&flash, &[]);
+        assert_eq!(names(&list(&s)), ["disk"]);
+        let got = read_region(&s, "disk", region);
+        let mut landed = 0;
+        for (w, log) in logs.iter().enumerate() {
+            for (i, slot) in slots[w].iter().enumerate() {
+                let span = slot.start()..slot.start() + slot.span();
+                if let Some(seed) = log.acked[i] {
+                    durable[span.clone()].copy_from_slice(&slot.image(seed));
+                }
+                let newer = log.in_flight.filter(|&(j, _)| j == i).map(|(_, seed)| slot.image(seed));
+                for (p, page) in got[span.clone()].chunks(PAGE).enumerate() {
+                    let old = &durable[span.start + p * PAGE..span.start + (p + 1) * PAGE];
+                    let new = newer.as_ref().map(|n| &n[p * PAGE..(p + 1) * PAGE]);
+                    landed += usize::from(page != old && new == Some(page));
+                    assert!(
+                        page == old || new == Some(page),
+                        "cycle {cycle}, writer {w}, slot {i} {slot:?}, page {p}: neither the last acknowledged \
+                         write ({:#x?}) nor the one in flight ({:#x?}); the writer said: {}",
+                        log.acked[i],
+                        log.in_flight,
+                        log.stderr
+                    );
+                }
+                durable[span.clone()].copy_from_slice(&got[span]);
+            }
+        }
+        // Nothing else was written.
+        assert_same_pages(&got, &durable, &format!("cycle {cycle}: the bytes around the slots"));
+        let acked: u64 = acks.iter().map(|a| a.load(Ordering::Relaxed)).sum();
+        let flying = logs.iter().filter(|l| l.in_flight.is_some()).count();
+        eprintln!("cycle {cycle}: {acked} FUA writes acknowledged, {flying} in flight, {landed} pages of those landed");
+    }
+    s.stop();
+    let s = Served::start(&flash, &[]);
+    assert_same_pages(&read_region(&s, "disk", region), &durable, "disk after a clean restart");
+    s.stop();
 }
