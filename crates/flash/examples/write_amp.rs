@@ -101,6 +101,38 @@ fn parse() -> Args {
     a
 }
 
+/// The disk a file lives on, as `/proc/diskstats` names it.
+struct DiskCounter {
+    major: u64,
+    minor: u64,
+    name: String,
+}
+
+impl DiskCounter {
+    fn of(path: &str) -> Option<DiskCounter> {
+        use std::os::unix::fs::MetadataExt;
+        let dev = std::fs::metadata(path).ok()?.dev();
+        let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+        let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+        let mut d = DiskCounter { major, minor, name: String::new() };
+        d.name = d.line()?.get(2)?.clone();
+        Some(d)
+    }
+
+    fn line(&self) -> Option<Vec<String>> {
+        let stats = std::fs::read_to_string("/proc/diskstats").ok()?;
+        stats
+            .lines()
+            .map(|l| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+            .find(|f| f.len() > 9 && f[0].parse() == Ok(self.major) && f[1].parse() == Ok(self.minor))
+    }
+
+    /// Sectors of 512 bytes written since boot (the tenth field).
+    fn sectors_written(&self) -> Option<u64> {
+        self.line()?.get(9)?.parse().ok()
+    }
+}
+
 fn die(msg: &str) -> ! {
     eprintln!("write_amp: {msg}");
     std::process::exit(2);
@@ -218,6 +250,8 @@ fn main() {
     array.flush().unwrap_or_else(|e| die(&format!("flush: {e}")));
     let before = array.stats();
     let dev_before = dev.pages_written();
+    let disk = a.device.as_deref().and_then(DiskCounter::of);
+    let disk_before = disk.as_ref().and_then(DiskCounter::sectors_written);
     let (hot_share, hot_pages) = match a.dist.as_str() {
         "80/20" => (0.8, vol_pages / 5),
         "95/20" => (0.95, vol_pages / 5),
@@ -246,9 +280,21 @@ fn main() {
     let measured = dev.pages_written() - dev_before;
     let wear_moves = after.counters.wear_segments_moved - before.counters.wear_segments_moved;
     let wa = device as f64 / user as f64;
+    // What the kernel saw reach the disk beneath the file (file system metadata and anything
+    // else on that disk included), in pages.
+    let kernel = match (disk.as_ref(), disk_before) {
+        (Some(d), Some(b)) => d.sectors_written().map(|now| (d.name.clone(), (now - b) * 512 / PAGE as u64)),
+        _ => None,
+    };
+    if let Some((name, pages)) = &kernel {
+        eprintln!(
+            "the kernel's /proc/diskstats for {name}: {pages} pages written during the overwrites ({:.3} per user page)",
+            *pages as f64 / user as f64
+        );
+    }
     if a.json {
         println!(
-            "{{\"dist\":\"{}\",\"segregation\":{},\"fill\":{},\"array_mib\":{},\"user_pages\":{user},\"device_pages\":{device},\"device_pages_measured\":{measured},\"gc_pages_moved\":{moved},\"gc_segments\":{},\"checkpoints\":{},\"write_amplification\":{wa:.4},\"seconds\":{secs:.2},\"erase_min\":{},\"erase_max\":{},\"wear_segments_moved\":{wear_moves}}}",
+            "{{\"dist\":\"{}\",\"segregation\":{},\"fill\":{},\"array_mib\":{},\"user_pages\":{user},\"device_pages\":{device},\"device_pages_measured\":{measured},\"gc_pages_moved\":{moved},\"gc_segments\":{},\"checkpoints\":{},\"write_amplification\":{wa:.4},\"seconds\":{secs:.2},\"erase_min\":{},\"erase_max\":{},\"wear_segments_moved\":{wear_moves},\"kernel_pages_written\":{}}}",
             a.dist,
             a.segregation,
             a.fill,
@@ -256,7 +302,8 @@ fn main() {
             after.counters.gc_segments_cleaned - before.counters.gc_segments_cleaned,
             after.counters.checkpoints - before.counters.checkpoints,
             after.erase_min,
-            after.erase_max
+            after.erase_max,
+            kernel.as_ref().map_or("null".to_owned(), |k| k.1.to_string())
         );
     } else {
         println!(

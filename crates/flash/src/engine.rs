@@ -160,6 +160,9 @@ fn read_superblock(d: &dyn Device) -> Result<Superblock, FlashError> {
     })
 }
 
+/// Pages of groups between checkpoints at most (1 GiB), whatever the array's size.
+const CHECKPOINT_SEGMENT_PAGES_MAX: u32 = (1 << 30) / PAGE as u32;
+
 /// What the engine is asked to keep to beyond the controller's configuration.
 #[derive(Debug, Clone, Copy)]
 pub struct Options {
@@ -170,10 +173,14 @@ pub struct Options {
 }
 
 impl Options {
-    fn for_array(cfg: &Config, segments: u32) -> Options {
+    fn for_array(cfg: &Config, segments: u32, segment_pages: u32) -> Options {
         Options {
             writeback_dirty_min: (cfg.pool_pages / 4).max(1),
-            checkpoint_every_segments: (segments / 8).max(4),
+            // An eighth of the array, and at most 1 GiB of groups: recovery replays what
+            // follows the checkpoint, reading every data page of it.
+            checkpoint_every_segments: (segments / 8)
+                .min(CHECKPOINT_SEGMENT_PAGES_MAX / segment_pages.max(1))
+                .max(4),
         }
     }
 }
@@ -288,11 +295,14 @@ impl Array {
         let checkpoint = found.iter().max_by_key(|(sb, _)| sb.generation).and_then(|(sb, _)| sb.checkpoint);
         let found_ceilings: Vec<u64> = found.iter().map(|(sb, _)| sb.seq_ceiling).collect();
         let (superblocks, devs): (Vec<Superblock>, Vec<Box<dyn Device>>) = found.into_iter().unzip();
-        let mut page = AlignedBuf::new(PAGE)?;
+        let mut scratch = AlignedBuf::new(PAGE)?;
         let mut read = |pba: Pba, buf: &mut [u8]| -> Result<(), FlashError> {
+            if scratch.len() < buf.len() {
+                scratch = AlignedBuf::new(buf.len())?;
+            }
             let (dev, at) = geo.locate(pba);
-            devs[dev].read(at, &mut page)?;
-            buf.copy_from_slice(&page);
+            devs[dev].read(at, &mut scratch[..buf.len()])?;
+            buf.copy_from_slice(&scratch[..buf.len()]);
             Ok(())
         };
         let started = Instant::now();
@@ -316,7 +326,7 @@ impl Array {
             "flash array recovered"
         );
         let pool = Region::new(cfg.pool_pages as usize * PAGE)?;
-        let opts = Options::for_array(&cfg, geo.total_segments());
+        let opts = Options::for_array(&cfg, geo.total_segments(), geo.segment_pages);
         let array = Arc::new(Array {
             ctl: Mutex::new(ctl),
             changed: Condvar::new(),
@@ -496,8 +506,9 @@ impl Array {
     /// header. Pool pages must be copied under the controller's lock: a writer may take a
     /// page being written back (and dirty it again) as soon as the lock is free, and a copy
     /// torn by its bytes would carry a CRC that vouches for them.
-    fn gather(plan: &GroupPlan, pool: &Region, image: Option<&[u8]>) -> Result<AlignedBuf, FlashError> {
+    fn gather(&self, plan: &GroupPlan, image: Option<&[u8]>) -> Result<AlignedBuf, FlashError> {
         let mut buf = AlignedBuf::new((1 + plan.sources.len()) * PAGE)?;
+        let pool = &self.pool;
         for (i, src) in plan.sources.iter().enumerate() {
             let page = &mut buf[(1 + i) * PAGE..(2 + i) * PAGE];
             match *src {
@@ -539,7 +550,7 @@ impl Array {
         let (plan, gathered) = {
             let mut c = self.lock();
             let Some(plan) = c.writeback(max, only_vol) else { return Ok(false) };
-            let gathered = Self::gather(&plan, &self.pool, None);
+            let gathered = self.gather(&plan, None);
             (plan, gathered)
         };
         let mut plan = plan;
@@ -680,8 +691,7 @@ impl Array {
         while !moves.is_empty() {
             let plan = self.lock().gc_writeback(&mut moves);
             let Some(mut plan) = plan else { return Err(FlashError::NoSpace) };
-            let result = Self::gather(&plan, &self.pool, Some(&image))
-                .and_then(|buf| self.write_group(&mut plan, buf));
+            let result = self.gather(&plan, Some(&image)).and_then(|buf| self.write_group(&mut plan, buf));
             self.lock().written(plan.seq, result.is_ok());
             self.changed.notify_all();
             result?;

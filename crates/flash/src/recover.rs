@@ -117,25 +117,33 @@ pub fn recover(
     // Rebuild the free list from the states found, then replay in order.
     c.space.restore(segs);
     groups.sort_by_key(|g| g.0);
-    let mut data = vec![0u8; PAGE];
+    let mut pages = Vec::new();
     let mut max_seq = covered;
     for (seq, s, at, g) in &groups {
         if *seq == max_seq {
             return Err(FlashError::Corrupt("two groups with one sequence number"));
         }
         max_seq = *seq;
-        let mut pba = s * segment_pages + at;
+        // The group's data pages follow its header: read them at once.
+        let first = s * segment_pages + at + 1;
+        pages.resize(g.data_pages() * PAGE, 0);
+        if !pages.is_empty() {
+            read(first, &mut pages)?;
+        }
+        report.pages_read += g.data_pages() as u64;
+        let mut pba = first - 1;
+        let mut i = 0;
         for r in &g.records {
             if !r.carries_page() {
                 c.apply(r);
                 continue;
             }
             pba += 1;
-            read(pba, &mut data)?;
-            report.pages_read += 1;
+            let data = &pages[i * PAGE..(i + 1) * PAGE];
+            i += 1;
             match r {
                 Record::Write { vol, vpage, crc } => {
-                    if page_crc(&data) != *crc {
+                    if page_crc(data) != *crc {
                         report.torn_pages += 1;
                         continue;
                     }
@@ -146,7 +154,7 @@ pub fn recover(
                     }
                 }
                 Record::Move { vol, vpage, old, crc } => {
-                    if page_crc(&data) != *crc {
+                    if page_crc(data) != *crc {
                         report.torn_pages += 1;
                         continue;
                     }
