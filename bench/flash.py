@@ -304,6 +304,14 @@ def recovery_runs(a, scratch):
     return out
 
 
+def table(headers, rows):
+    """A Markdown table: the first column left-aligned, the others right-aligned."""
+    print("\n| " + " | ".join(headers) + " |")
+    print("|---|" + "---:|" * (len(headers) - 1))
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS))
@@ -348,39 +356,36 @@ def main():
     print(f"\n4 KiB random I/O through fio's nbd engine (no FUA), files on {a.dir}; placement "
           f"{a.pl.describe()}; median of {a.repeat} runs of {a.runtime} s, systems alternating")
     if "io" in result:
-        print("\n| workload | system | IOPS | vs file | mean µs | p99 µs | CPU µs/I/O server | client |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        rows = []
         for r in result["io"]:
             base = next((b for b in result["io"] if b["system"] == "file" and b["rw"] == r["rw"]
                          and b["qd"] == r["qd"]), None)
-            vs = f"{r['iops'] / base['iops']:.2f}x" if base else "-"
-            print(f"| {r['rw']} QD {r['qd']} | {r['system']} | {r['iops']:,.0f} | {vs} | {r['lat_mean_us']:.1f} | "
-                  f"{r['lat_p99_us']:.1f} | {r['server_cpu_us_per_io']:.2f} | {r['client_cpu_us_per_io']:.2f} |")
+            rows.append([f"{r['rw']} QD {r['qd']}", r["system"], f"{r['iops']:,.0f}",
+                         f"{r['iops'] / base['iops']:.2f}x" if base else "-", f"{r['lat_mean_us']:.1f}",
+                         f"{r['lat_p99_us']:.1f}", f"{r['server_cpu_us_per_io']:.2f}",
+                         f"{r['client_cpu_us_per_io']:.2f}"])
+        table(["workload", "system", "IOPS", "vs file", "mean µs", "p99 µs", "CPU µs/I/O server", "client"], rows)
     if "snapshot" in result:
-        print("\n| volume | written | snapshot (median of 3) | randwrite QD 32 before | right after |")
-        print("|---|---|---:|---:|---:|")
-        for s in result["snapshot"]:
-            print(f"| {s['volume_gib']} GiB | {s['written_gib']} GiB | {s['snapshot_median_s'] * 1000:.0f} ms | "
-                  f"{s['randwrite_before_iops']:,.0f} | {s['randwrite_after_iops']:,.0f} |")
+        table(["volume", "written", "snapshot (median of 3)", "randwrite QD 32 before", "right after"],
+              [[f"{s['volume_gib']} GiB", f"{s['written_gib']} GiB", f"{s['snapshot_median_s'] * 1000:.0f} ms",
+                f"{s['randwrite_before_iops']:,.0f}", f"{s['randwrite_after_iops']:,.0f}"]
+               for s in result["snapshot"]])
     if "recovery" in result:
-        print("\n| written since the checkpoint | groups replayed | pages read | recovery | start to first read served |")
-        print("|---|---:|---:|---:|---:|")
-        for r in result["recovery"]:
-            print(f"| {r['written_mib']} MiB | {r.get('groups_replayed', '-')} | {r.get('pages_read', '-')} | "
-                  f"{r.get('recovery_ms', '-')} ms | {r['start_s'] * 1000:.0f} ms |")
+        table(["written since the checkpoint", "groups replayed", "pages read", "recovery",
+               "start to first read served"],
+              [[f"{r['written_mib']} MiB", r.get("groups_replayed", "-"), r.get("pages_read", "-"),
+                f"{r.get('recovery_ms', '-')} ms", f"{r['start_s'] * 1000:.0f} ms"] for r in result["recovery"]])
     if "wa" in result:
-        print("\n| 80/20 overwrites, 4 x 0.8 GiB | engine's count | the file's count | /proc/diskstats |")
-        print("|---|---:|---:|---:|")
+        rows = []
         for r in result["wa"]:
-            user = r["user_pages"]
-            kern = r.get("kernel_pages_written")
+            user, kern = r["user_pages"], r.get("kernel_pages_written")
             kern_wa = f"{kern / user:.2f}" if kern is not None else "-"
             if r["system"] == "flash":
-                name = f"flash, segregation {'on' if r['segregation'] else 'off'}"
-                print(f"| {name} | {r['write_amplification']:.2f} | {r['device_pages_measured'] / user:.2f} | "
-                      f"{kern_wa} |")
+                rows.append([f"flash, segregation {'on' if r['segregation'] else 'off'}",
+                             f"{r['write_amplification']:.2f}", f"{r['device_pages_measured'] / user:.2f}", kern_wa])
             else:
-                print(f"| file: export on ext4 | - | - | {kern_wa} |")
+                rows.append(["file: export on ext4", "-", "-", kern_wa])
+        table(["80/20 overwrites, 4 x 0.8 GiB", "engine's count", "the file's count", "/proc/diskstats"], rows)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, time.strftime("flash-%Y%m%d-%H%M%S.json"))
     with open(path, "w") as f:
