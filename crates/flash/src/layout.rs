@@ -619,3 +619,90 @@ mod tests {
         assert_eq!(GroupHeader::parse(&ARRAY, &page).unwrap().data_pages(), n);
     }
 }
+
+/// Entry points for the fuzz targets (`fuzz/fuzz_targets/flash_layout.rs`); not an API.
+#[doc(hidden)]
+pub mod fuzz_api {
+    use super::*;
+
+    const ARRAY: ArrayId = [7; 16];
+
+    /// The first byte picks the page kind (superblock, segment header, group header,
+    /// checkpoint page, modulo 4); bit 2 of it asks for a page whose magic, array id and CRC
+    /// are made right, so that the fuzzer reaches the fields; the rest is the page. Whatever
+    /// parses must emit a page that parses to the same value. Never panics.
+    pub fn page(data: &[u8]) {
+        let Some((&which, rest)) = data.split_first() else { return };
+        let mut page = vec![0u8; PAGE];
+        let n = rest.len().min(PAGE);
+        page[..n].copy_from_slice(&rest[..n]);
+        let repair = which & 4 != 0;
+        match which % 4 {
+            0 => {
+                if repair {
+                    page[..MAGIC_LEN].copy_from_slice(SUPER_MAGIC);
+                    seal(&mut page, 96, 108);
+                }
+                if let Ok(sb) = Superblock::parse(&page) {
+                    let mut again = vec![0u8; PAGE];
+                    sb.emit(&mut again);
+                    assert_eq!(Superblock::parse(&again).expect("an emitted superblock parses"), sb);
+                }
+            }
+            1 => {
+                if repair {
+                    page[..MAGIC_LEN].copy_from_slice(SEGMENT_MAGIC);
+                    page[8..24].copy_from_slice(&ARRAY);
+                    seal(&mut page, 48, 52);
+                }
+                if let Ok(h) = SegmentHeader::parse(&ARRAY, &page) {
+                    let mut again = vec![0u8; PAGE];
+                    h.emit(&ARRAY, &mut again);
+                    assert_eq!(SegmentHeader::parse(&ARRAY, &again).expect("an emitted header parses"), h);
+                }
+            }
+            2 => {
+                if repair {
+                    page[..MAGIC_LEN].copy_from_slice(GROUP_MAGIC);
+                    page[8..24].copy_from_slice(&ARRAY);
+                    let body = (u32_at(&page, 40) as usize) % (GROUP_RECORDS_BYTES + 1);
+                    put_u32(&mut page, 40, body as u32);
+                    seal(&mut page, 44, GROUP_HEADER_LEN + body);
+                }
+                if let Ok(g) = GroupHeader::parse(&ARRAY, &page) {
+                    let mut again = vec![0u8; PAGE];
+                    g.emit(&ARRAY, &mut again);
+                    assert_eq!(GroupHeader::parse(&ARRAY, &again).expect("an emitted group parses"), g);
+                }
+            }
+            _ => {
+                if repair {
+                    page[..MAGIC_LEN].copy_from_slice(CKPT_MAGIC);
+                    page[8..24].copy_from_slice(&ARRAY);
+                    seal(&mut page, 40, PAGE);
+                }
+                if let Ok(p) = CkptPage::parse(&ARRAY, &page) {
+                    let mut again = vec![0u8; PAGE];
+                    CkptPage::emit(&ARRAY, p.seq, p.index, &p.payload, &mut again);
+                    assert_eq!(CkptPage::parse(&ARRAY, &again).expect("an emitted page parses"), p);
+                }
+            }
+        }
+    }
+
+    /// A checkpoint's byte stream into `ckpt::decode` for a small array: never panics, and a
+    /// controller it decodes either passes its audit or is refused by it (as recovery would),
+    /// and encodes to a stream that decodes again.
+    pub fn checkpoint(data: &[u8]) {
+        let cfg = crate::ctl::Config { pool_pages: 8, ..crate::ctl::Config::default() };
+        let Ok((c, seq)) = crate::ckpt::decode(data, cfg, 16, 64) else { return };
+        if c.audit().is_err() {
+            return;
+        }
+        let bytes = crate::ckpt::encode(&c, seq, &[]);
+        let (again, seq_again) =
+            crate::ckpt::decode(&bytes, cfg, 16, 64).expect("an encoded checkpoint decodes");
+        assert_eq!(seq_again, seq);
+        assert!(again.audit().is_ok(), "a re-encoded checkpoint passes its audit");
+    }
+}
