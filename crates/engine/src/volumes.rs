@@ -385,6 +385,7 @@ fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
         ("groups_written", c.groups_written),
         ("gc_segments_cleaned", c.gc_segments_cleaned),
         ("gc_pages_moved", c.gc_pages_moved),
+        ("wear_segments_moved", c.wear_segments_moved),
         ("checkpoints", c.checkpoints),
         ("pool_pages", u64::from(s.pool_pages)),
         ("pool_clean_pages", u64::from(s.pool_clean)),
