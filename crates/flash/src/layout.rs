@@ -62,6 +62,15 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
+/// A volume size from a record: what a request may ask for, so that replaying a record
+/// never allocates more than creating the volume did.
+fn volume_pages(pages: u64) -> Result<u64, FlashError> {
+    if pages == 0 || pages > crate::ctl::VOLUME_PAGES_MAX {
+        return Err(FlashError::Corrupt("volume size out of range"));
+    }
+    Ok(pages)
+}
+
 /// Check the magic, the array id (unless `array` is `None`: the superblock that names it) and
 /// the CRC stored at `crc_at` over `covered` bytes (the CRC field itself read as zero).
 fn check(
@@ -401,11 +410,12 @@ impl Record {
             R_CREATE => {
                 need(17)?;
                 let (name, end) = name_at(17)?;
-                (Record::Create { vol: u32_at(b, 1), family: u32_at(b, 5), pages: u64_at(b, 9), name }, end)
+                let pages = volume_pages(u64_at(b, 9))?;
+                (Record::Create { vol: u32_at(b, 1), family: u32_at(b, 5), pages, name }, end)
             }
             R_RESIZE => {
                 need(13)?;
-                (Record::Resize { vol: u32_at(b, 1), pages: u64_at(b, 5) }, 13)
+                (Record::Resize { vol: u32_at(b, 1), pages: volume_pages(u64_at(b, 5))? }, 13)
             }
             R_DELETE => {
                 need(5)?;
