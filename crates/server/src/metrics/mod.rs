@@ -471,7 +471,7 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         ("skiff_flash_free_segments", "Segments of the flash array free to write.", f64::from(s.free_segments)),
         (
             "skiff_flash_write_amplification",
-            "Pages written to the devices per page written by users, since the array was opened (0 before the first write).",
+            "Pages written to the devices per page written by users, over the array's life (0 before the first write).",
             s.write_amplification,
         ),
         ("skiff_flash_pool_pages", "Pages (4 KiB) of the flash array's DRAM page pool.", f64::from(s.pool_pages)),
