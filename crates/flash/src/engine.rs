@@ -220,7 +220,11 @@ pub struct VolumeInfo {
 /// A flash array, open.
 pub struct Array {
     ctl: Mutex<Controller>,
+    /// A page, group or sync finished: whoever waits for one looks again.
     changed: Condvar,
+    /// Work for the background thread: dirty pages reached the write-back mark, records
+    /// wait, or it must stop. (It also looks every 20 ms.) Reads never wake it.
+    kick: Condvar,
     pool: Region,
     devs: Vec<Box<dyn Device>>,
     geo: Geometry,
@@ -330,6 +334,7 @@ impl Array {
         let array = Arc::new(Array {
             ctl: Mutex::new(ctl),
             changed: Condvar::new(),
+            kick: Condvar::new(),
             pool,
             devs,
             geo,
@@ -409,7 +414,7 @@ impl Array {
                     Err(e) => tracing::warn!(error = %e, "flash background work failed"),
                 }
                 let g = a.lock();
-                let _ = a.changed.wait_timeout(g, Duration::from_millis(20));
+                let _ = a.kick.wait_timeout(g, Duration::from_millis(20));
             })
             .expect("spawn the flash thread");
         *self.background.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
@@ -419,7 +424,7 @@ impl Array {
     /// next open has nothing to replay.
     pub fn shutdown(&self) -> Result<(), FlashError> {
         self.stop.store(true, Ordering::Release);
-        self.changed.notify_all();
+        self.kick.notify_all();
         if let Some(h) = self.background.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();
         }
@@ -887,6 +892,14 @@ impl Array {
         Ok(())
     }
 
+    /// Wake the background thread as dirty pages reach the write-back mark (once, on the way
+    /// up: a notify is a system call, too dear for every write).
+    fn kick_at_mark(&self, c: &Controller) {
+        if c.pool.dirty_count() == self.opts.writeback_dirty_min {
+            self.kick.notify_one();
+        }
+    }
+
     fn write_page(&self, vol: VolId, vpage: u64, at: usize, src: &[u8]) -> Result<(), FlashError> {
         let whole = at == 0 && src.len() == PAGE;
         let access = if whole { Access::WriteWhole } else { Access::WritePart };
@@ -896,6 +909,7 @@ impl Array {
                 Got::Ready(s) => {
                     self.pool.write_at(s as usize * PAGE + at, src);
                     c.put(s, true);
+                    self.kick_at_mark(&c);
                     return Ok(());
                 }
                 Got::Fresh(s) => {
@@ -904,6 +918,7 @@ impl Array {
                     }
                     self.pool.write_at(s as usize * PAGE + at, src);
                     c.put(s, true);
+                    self.kick_at_mark(&c);
                     return Ok(());
                 }
                 Got::Fetch { slot, pba } => {
@@ -915,6 +930,7 @@ impl Array {
                         self.pool.write_at(slot as usize * PAGE + at, src);
                     }
                     c.put(slot, result.is_ok());
+                    self.kick_at_mark(&c);
                     drop(c);
                     self.changed.notify_all();
                     return result;
@@ -942,6 +958,7 @@ impl Array {
                 self.write(vol, offset, &vec![0; head as usize], false)?;
             }
             self.lock().trim(vol, first_whole, end_whole - first_whole)?;
+            self.kick.notify_one(); // the trim's record waits for a group
             let tail_at = end_whole * PAGE as u64;
             if end > tail_at {
                 self.write(vol, tail_at, &vec![0; (end - tail_at) as usize], false)?;
@@ -1105,6 +1122,6 @@ impl Array {
 impl Drop for Array {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        self.changed.notify_all();
+        self.kick.notify_all();
     }
 }
