@@ -191,28 +191,7 @@ fn main() {
             )
         }
     };
-    struct Shared(Arc<dyn Device>);
-    impl Device for Shared {
-        fn pages(&self) -> u64 {
-            self.0.pages()
-        }
-        fn read(&self, p: u64, b: &mut [u8]) -> std::io::Result<()> {
-            self.0.read(p, b)
-        }
-        fn write(&self, p: u64, b: &[u8]) -> std::io::Result<()> {
-            self.0.write(p, b)
-        }
-        fn sync(&self) -> std::io::Result<()> {
-            self.0.sync()
-        }
-        fn name(&self) -> String {
-            self.0.name()
-        }
-        fn pages_written(&self) -> u64 {
-            self.0.pages_written()
-        }
-    }
-    format(&[Box::new(Shared(dev.clone())) as Box<dyn Device>], segment_pages, true)
+    format(&[Box::new(dev.clone()) as Box<dyn Device>], segment_pages, true)
         .unwrap_or_else(|e| die(&format!("format: {e}")));
     let capacity_pages = a.array_mib * 1024 * 1024 / PAGE as u64;
     let cfg = Config {
@@ -223,8 +202,7 @@ fn main() {
         wear_spread_max: a.wear_spread,
         ..Config::default()
     };
-    let array =
-        Array::open(vec![Box::new(Shared(dev.clone()))], cfg).unwrap_or_else(|e| die(&format!("open: {e}")));
+    let array = Array::open(vec![Box::new(dev.clone())], cfg).unwrap_or_else(|e| die(&format!("open: {e}")));
     let vol_pages = (capacity_pages as f64 * a.fill) as u64;
     let vol = array.create("v", vol_pages * PAGE as u64).unwrap_or_else(|e| die(&format!("create: {e}")));
     let mut page = vec![0u8; PAGE];

@@ -11,7 +11,7 @@ use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::layout::PAGE;
 
@@ -30,6 +30,29 @@ pub trait Device: Send + Sync {
     /// Pages written through this handle (the engine's own count of device writes).
     fn pages_written(&self) -> u64 {
         0
+    }
+}
+
+/// A device its owner keeps a handle to while the array holds it: a test or a simulator that
+/// crashes it, an experiment that counts what reached it.
+impl<D: Device + ?Sized> Device for Arc<D> {
+    fn pages(&self) -> u64 {
+        (**self).pages()
+    }
+    fn read(&self, page: u64, buf: &mut [u8]) -> io::Result<()> {
+        (**self).read(page, buf)
+    }
+    fn write(&self, page: u64, buf: &[u8]) -> io::Result<()> {
+        (**self).write(page, buf)
+    }
+    fn sync(&self) -> io::Result<()> {
+        (**self).sync()
+    }
+    fn name(&self) -> String {
+        (**self).name()
+    }
+    fn pages_written(&self) -> u64 {
+        (**self).pages_written()
     }
 }
 

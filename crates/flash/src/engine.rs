@@ -499,6 +499,21 @@ impl Array {
         Ok(())
     }
 
+    /// Carry out a `Got::Fetch`: read `pba` into `slot` without the lock, then take it again
+    /// and tell the controller.
+    fn fetch_unlocked<'a>(
+        &'a self,
+        c: MutexGuard<'a, Controller>,
+        slot: u32,
+        pba: Pba,
+    ) -> (MutexGuard<'a, Controller>, Result<(), FlashError>) {
+        drop(c);
+        let result = self.fetch(slot, pba);
+        let mut c = self.lock();
+        c.fetched(slot, pba, result.is_ok());
+        (c, result)
+    }
+
     /// Read `pba` into pool slot `slot`.
     fn fetch(&self, slot: u32, pba: Pba) -> Result<(), FlashError> {
         let mut page = AlignedBuf::new(PAGE)?;
@@ -848,10 +863,7 @@ impl Array {
                     return Ok(());
                 }
                 Got::Fetch { slot, pba } => {
-                    drop(c);
-                    let result = self.fetch(slot, pba);
-                    c = self.lock();
-                    c.fetched(slot, pba, result.is_ok());
+                    let (mut c, result) = self.fetch_unlocked(c, slot, pba);
                     if result.is_ok() {
                         self.pool.read_at(slot as usize * PAGE + at, dst);
                     }
@@ -922,10 +934,7 @@ impl Array {
                     return Ok(());
                 }
                 Got::Fetch { slot, pba } => {
-                    drop(c);
-                    let result = self.fetch(slot, pba);
-                    c = self.lock();
-                    c.fetched(slot, pba, result.is_ok());
+                    let (mut c, result) = self.fetch_unlocked(c, slot, pba);
                     if result.is_ok() {
                         self.pool.write_at(slot as usize * PAGE + at, src);
                     }

@@ -34,31 +34,12 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// Devices kept by the test so that their images survive the array.
 struct Shared(Vec<Arc<MemDevice>>);
 
-struct Handle(Arc<MemDevice>);
-impl Device for Handle {
-    fn pages(&self) -> u64 {
-        self.0.pages()
-    }
-    fn read(&self, page: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        self.0.read(page, buf)
-    }
-    fn write(&self, page: u64, buf: &[u8]) -> std::io::Result<()> {
-        self.0.write(page, buf)
-    }
-    fn sync(&self) -> std::io::Result<()> {
-        self.0.sync()
-    }
-    fn name(&self) -> String {
-        self.0.name()
-    }
-}
-
 impl Shared {
     fn new(n: usize, pages: u64) -> Shared {
         Shared((0..n).map(|_| Arc::new(MemDevice::new(pages))).collect())
     }
     fn boxed(&self) -> Vec<Box<dyn Device>> {
-        self.0.iter().map(|d| Box::new(Handle(d.clone())) as Box<dyn Device>).collect()
+        self.0.iter().map(|d| Box::new(d.clone()) as Box<dyn Device>).collect()
     }
 }
 

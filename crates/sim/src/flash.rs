@@ -186,27 +186,6 @@ impl Device for CrashDevice {
     }
 }
 
-/// A device the array owns that stays reachable by the simulation (to crash it).
-struct Handle(Arc<CrashDevice>);
-
-impl Device for Handle {
-    fn pages(&self) -> u64 {
-        self.0.pages()
-    }
-    fn read(&self, page: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.0.read(page, buf)
-    }
-    fn write(&self, page: u64, buf: &[u8]) -> io::Result<()> {
-        self.0.write(page, buf)
-    }
-    fn sync(&self) -> io::Result<()> {
-        self.0.sync()
-    }
-    fn name(&self) -> String {
-        self.0.name()
-    }
-}
-
 /// A run's shape.
 #[derive(Debug, Clone, Copy)]
 pub struct FlashOptions {
@@ -329,7 +308,7 @@ pub fn run_flash(opts: FlashOptions) -> Result<FlashReport, String> {
         })
         .collect();
     let boxed = |devs: &[Arc<CrashDevice>]| -> Vec<Box<dyn Device>> {
-        devs.iter().map(|d| Box::new(Handle(d.clone())) as Box<dyn Device>).collect()
+        devs.iter().map(|d| Box::new(d.clone()) as Box<dyn Device>).collect()
     };
     format(&boxed(&devs), segment_pages, false).map_err(|e| format!("format: {e}"))?;
     let cfg = Config {
@@ -709,7 +688,7 @@ impl Sim {
             })
             .collect();
         let boxed: Vec<Box<dyn Device>> =
-            self.devs.iter().map(|d| Box::new(Handle(d.clone())) as Box<dyn Device>).collect();
+            self.devs.iter().map(|d| Box::new(d.clone()) as Box<dyn Device>).collect();
         self.array = Array::open(boxed, self.cfg).map_err(|e| format!("reopen after a crash: {e}"))?;
         self.report.torn_pages_seen += self.array.stats().recovered.torn_pages;
         trace!(self, "recovered: {:?}", self.array.stats().recovered);
