@@ -548,6 +548,24 @@ mod tests {
     const ARRAY: ArrayId = [7; 16];
 
     #[test]
+    fn a_record_sized_past_the_largest_volume_is_refused() {
+        let too_big = crate::ctl::VOLUME_PAGES_MAX + 1;
+        for r in [
+            Record::Create { vol: 1, family: 1, pages: too_big, name: "v".into() },
+            Record::Resize { vol: 1, pages: too_big },
+            Record::Resize { vol: 1, pages: 0 },
+        ] {
+            let g = GroupHeader { seq: 1, segment: 0, records: vec![r] };
+            let mut page = vec![0u8; PAGE];
+            g.emit(&ARRAY, &mut page);
+            assert_eq!(
+                GroupHeader::parse(&ARRAY, &page),
+                Err(FlashError::Corrupt("volume size out of range"))
+            );
+        }
+    }
+
+    #[test]
     fn every_structure_round_trips() {
         let sb = Superblock {
             array: ARRAY,

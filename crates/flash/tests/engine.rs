@@ -232,3 +232,62 @@ fn static_wear_levelling_moves_cold_data_off_unworn_segments() {
     assert!(lmax - lmin < max - min, "levelled {lmin}..{lmax}, not {min}..{max}");
     eprintln!("erase counts: {min}..{max} without levelling, {lmin}..{lmax} with ({lmoved} segments moved)");
 }
+
+#[test]
+fn volume_sizes_past_the_largest_and_resizing_a_snapshot_are_refused() {
+    let devs = Shared::new(1, 256 + 64 * 16);
+    format(&devs.boxed(), SEGMENT_PAGES, false).unwrap();
+    let a = Array::open(devs.boxed(), cfg(8)).unwrap();
+    let largest = skiff_flash::ctl::VOLUME_PAGES_MAX * PAGE as u64;
+    assert!(matches!(a.create("huge", largest + PAGE as u64), Err(FlashError::BadSize(_))));
+    assert!(matches!(a.create("huge", u64::MAX - 1), Err(FlashError::BadSize(_))), "no unbounded allocation");
+    a.create("v", 10 * PAGE as u64).unwrap();
+    assert!(matches!(a.resize("v", largest + PAGE as u64), Err(FlashError::BadSize(_))));
+    a.snapshot("v", "s", false).unwrap();
+    assert_eq!(a.resize("s", 20 * PAGE as u64), Err(FlashError::ReadOnly));
+    assert_eq!(a.list().len(), 2, "nothing was made");
+    a.audit().unwrap();
+}
+
+/// A device whose syncs fail once `failing` is set.
+struct FailingSync(Arc<MemDevice>, Arc<std::sync::atomic::AtomicBool>);
+impl Device for FailingSync {
+    fn pages(&self) -> u64 {
+        self.0.pages()
+    }
+    fn read(&self, page: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.0.read(page, buf)
+    }
+    fn write(&self, page: u64, buf: &[u8]) -> std::io::Result<()> {
+        self.0.write(page, buf)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        if self.1.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(std::io::Error::other("an injected sync failure"));
+        }
+        self.0.sync()
+    }
+    fn name(&self) -> String {
+        self.0.name()
+    }
+}
+
+#[test]
+fn a_failed_sync_fails_the_array_and_what_was_flushed_stays_readable() {
+    let dev = Arc::new(MemDevice::new(256 + 64 * 16));
+    let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    format(&[Box::new(dev.clone()) as Box<dyn Device>], SEGMENT_PAGES, false).unwrap();
+    let a = Array::open(vec![Box::new(FailingSync(dev.clone(), failing.clone()))], cfg(16)).unwrap();
+    let v = a.create("v", 10 * PAGE as u64).unwrap();
+    a.write(v, 0, &pattern(1, PAGE), true).unwrap();
+    failing.store(true, std::sync::atomic::Ordering::Relaxed);
+    a.write(v, PAGE as u64, &pattern(2, PAGE), false).unwrap();
+    assert!(a.flush().is_err(), "the sync failed");
+    // The kernel may have dropped what it could not store: no later sync may vouch for it.
+    failing.store(false, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(a.write(v, 2 * PAGE as u64, &pattern(3, PAGE), true), Err(FlashError::Failed));
+    assert_eq!(a.flush(), Err(FlashError::Failed));
+    let mut back = vec![0u8; PAGE];
+    a.read(v, 0, &mut back).unwrap();
+    assert!(back == pattern(1, PAGE), "the FUA write before the failure reads back");
+}
