@@ -29,7 +29,11 @@ fn start() -> (Target, tempfile::TempDir) {
     let t = start_target_with(&["vol=ram:16M", "golden=ram:1M,ro", &cached], |c| {
         c.workers = 2;
         c.metrics_listen = Some("127.0.0.1:0".into());
-        c.flash = Some(server::FlashConfig { devices, pool_bytes: 16 << 20 });
+        c.flash = Some(server::FlashConfig {
+            devices,
+            pool_bytes: 16 << 20,
+            read_depth: server::FLASH_READ_DEPTH_DEFAULT,
+        });
     });
     (t, dir)
 }

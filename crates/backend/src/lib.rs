@@ -19,6 +19,7 @@ pub mod null;
 pub mod ram;
 pub mod spec;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 pub use rt::mem::RegionBytes;
@@ -155,6 +156,91 @@ pub trait Backend: Send + Sync {
     fn counters(&self) -> BackendCounters {
         BackendCounters::default()
     }
+    /// Get `offset..offset + len` ready for a read (or, with `write`, a write) that should
+    /// not block its caller on a device: start, without waiting, whatever serving it would
+    /// wait for (a flash volume's pool misses), counting each on `batch` ([`Batch::add`])
+    /// and ending it with [`Batch::done`] from whichever thread sees it finish. A request
+    /// served afterwards finds its data in memory, unless something took it away meanwhile,
+    /// in which case it is served the ordinary way. The default starts nothing: every
+    /// backend but a flash volume serves without waiting on a device it could wait for
+    /// asynchronously.
+    fn prepare(&self, offset: u64, len: u64, write: bool, batch: &Arc<Batch>) {
+        let _ = (offset, len, write, batch);
+    }
+    /// Whether [`prepare`](Self::prepare) may start anything: a driver that knows it will not
+    /// skips looking ahead at the requests it holds.
+    fn may_wait(&self) -> bool {
+        false
+    }
+}
+
+/// How a driver learns that what a [`Batch`] waited for has landed: called once per batch
+/// that waited, from any thread.
+pub trait Wake: Send + Sync {
+    fn wake(&self, token: u64);
+}
+
+/// Device work started for one batch of requests ([`Backend::prepare`]), and who to wake when
+/// all of it is done. A driver opens a batch, lets backends add to it, and seals it: a sealed
+/// batch with work still going wakes its driver (`wake(token)`) when the last of it ends;
+/// a batch whose work all ended before the seal wakes nobody, and the seal says so.
+///
+/// A batch is reused: opened again only after its wake (or a seal that said `false`).
+pub struct Batch {
+    /// Work still going, plus one while the batch is open.
+    left: AtomicUsize,
+    /// Work started since the batch was opened.
+    started: AtomicUsize,
+    wake: Arc<dyn Wake>,
+    token: u64,
+}
+
+impl Batch {
+    pub fn new(wake: Arc<dyn Wake>, token: u64) -> Batch {
+        Batch { left: AtomicUsize::new(0), started: AtomicUsize::new(0), wake, token }
+    }
+
+    /// Start collecting work.
+    pub fn open(&self) {
+        debug_assert_eq!(self.left.load(Ordering::Acquire), 0, "a batch reopened while its work goes on");
+        self.started.store(0, Ordering::Relaxed);
+        self.left.store(1, Ordering::Release);
+    }
+
+    /// A backend started one more piece of work for this batch.
+    pub fn add(&self) {
+        self.started.fetch_add(1, Ordering::Relaxed);
+        self.left.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// One piece of work ended: the last one after the seal wakes the driver.
+    pub fn done(&self) {
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.wake.wake(self.token);
+        }
+    }
+
+    /// Nothing more will be added. Returns whether the driver must wait for its wake: `false`
+    /// when nothing was started or everything started has ended already.
+    pub fn seal(&self) -> bool {
+        self.left.fetch_sub(1, Ordering::AcqRel) != 1
+    }
+
+    /// What the wake says.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
+    /// Pieces of work started since [`open`](Self::open).
+    pub fn started(&self) -> usize {
+        self.started.load(Ordering::Relaxed)
+    }
+}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch").field("left", &self.left).field("token", &self.token).finish()
+    }
 }
 
 /// Open a backend from a parsed spec. `read_only` opens files read-only.
@@ -169,4 +255,60 @@ pub fn open_with(spec: &BackendSpec, read_only: bool, use_direct: bool) -> Resul
         BackendSpec::Null { size_bytes } => Arc::new(null::NullBackend::new(*size_bytes, read_only)),
         BackendSpec::File { path } => Arc::new(file::FileBackend::open_with(path, read_only, use_direct)?),
     })
+}
+
+#[cfg(test)]
+mod batch_tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Woken(Mutex<Vec<u64>>);
+
+    impl Wake for Woken {
+        fn wake(&self, token: u64) {
+            self.0.lock().unwrap().push(token);
+        }
+    }
+
+    #[test]
+    fn a_batch_wakes_once_after_its_last_piece_and_only_if_sealed_waiting() {
+        let woken = Arc::new(Woken::default());
+        let batch = Arc::new(Batch::new(woken.clone(), 7));
+        // Nothing started: no wait, no wake.
+        batch.open();
+        assert!(!batch.seal());
+        assert!(woken.0.lock().unwrap().is_empty());
+        // Two pieces, one ends before the seal, one after: one wake, after the last.
+        batch.open();
+        batch.add();
+        batch.add();
+        batch.done();
+        assert!(batch.seal());
+        assert!(woken.0.lock().unwrap().is_empty());
+        batch.done();
+        assert_eq!(*woken.0.lock().unwrap(), [7]);
+        assert_eq!(batch.started(), 2);
+        // Everything ended before the seal: no wait, no wake.
+        batch.open();
+        batch.add();
+        batch.done();
+        assert!(!batch.seal());
+        assert_eq!(woken.0.lock().unwrap().len(), 1);
+        // From other threads.
+        batch.open();
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                batch.add();
+                let b = batch.clone();
+                std::thread::spawn(move || b.done())
+            })
+            .collect();
+        let waits = batch.seal();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(woken.0.lock().unwrap().len(), if waits { 2 } else { 1 });
+    }
 }

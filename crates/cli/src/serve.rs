@@ -54,6 +54,11 @@ pub struct ServeArgs {
     /// DRAM for the flash array's page pool (its only cache of flash pages).
     #[arg(long, value_name = "SIZE", value_parser = crate::units::parse_size, default_value = "256M")]
     flash_cache: u64,
+    /// Flash pool misses read asynchronously at once (io_uring): a worker parks a request
+    /// whose pages are on flash and serves other connections until they land. 0 reads them on
+    /// the worker's thread instead.
+    #[arg(long, value_name = "N", default_value_t = server::FLASH_READ_DEPTH_DEFAULT)]
+    flash_read_depth: u32,
     /// Be a memory server of RStore namespaces: donate RAM (ram:SIZE) or a file (file:PATH) as
     /// a pool of chunks, served as export `pool` and registered with --coordinator
     /// (docs/RSTORE.md).
@@ -246,8 +251,11 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         metrics_listen: args.metrics,
         keys: load_keys(&args.key_files)?,
         tls: crate::tls::listen(args.tls, args.tls_certificates.as_ref(), args.tls_verify_peer)?,
-        flash: (!args.flash.is_empty())
-            .then(|| server::FlashConfig { devices: args.flash.clone(), pool_bytes: args.flash_cache }),
+        flash: (!args.flash.is_empty()).then(|| server::FlashConfig {
+            devices: args.flash.clone(),
+            pool_bytes: args.flash_cache,
+            read_depth: args.flash_read_depth,
+        }),
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal
     // is taken synchronously below.

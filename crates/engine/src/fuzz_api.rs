@@ -103,6 +103,8 @@ pub fn native_conn(data: &[u8]) {
             peer: "fuzz",
             stats: &stats,
             backlog_max: usize::MAX,
+            batch: None,
+            waiting: false,
         };
         conn.process(&mut link, host);
         if closing {

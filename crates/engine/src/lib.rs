@@ -27,7 +27,7 @@ use std::sync::Arc;
 pub use backend::cache::CacheCounters;
 use backend::Backend;
 pub use backend::{
-    parse_size, BackendCounters, BackendError, BackendSpec, RegionBytes, SpecError, BLOCK_BYTES,
+    parse_size, BackendCounters, BackendError, BackendSpec, Batch, RegionBytes, SpecError, Wake, BLOCK_BYTES,
 };
 use wire::control::{ExportFlags, ExportInfo};
 use wire::{Opcode, ReqFlags, Status};

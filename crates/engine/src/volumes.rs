@@ -34,7 +34,13 @@ pub struct FlashConfig {
     /// Every device (file or block device) of the array, in any order.
     pub devices: Vec<PathBuf>,
     pub pool_bytes: u64,
+    /// Pool misses read asynchronously at once (io_uring, `Array::start_reads`); 0 reads them
+    /// on the thread that needs them.
+    pub read_depth: u32,
 }
+
+/// Pool misses read asynchronously at once when nothing else is asked.
+pub const READ_DEPTH_DEFAULT: u32 = 128;
 
 /// The page pool when none is asked for.
 pub const POOL_BYTES_DEFAULT: u64 = 256 << 20;
@@ -139,6 +145,9 @@ impl FlashVolumes {
         }
         let array = Array::open(devices, flash::ctl::Config { pool_pages, ..Default::default() })?;
         array.start_background();
+        if config.read_depth > 0 {
+            array.start_reads(config.read_depth)?;
+        }
         Ok(FlashVolumes::new(array, read_only))
     }
 
@@ -393,6 +402,7 @@ fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
         ("pool_hits", c.pool_hits),
         ("pool_misses", c.pool_misses),
         ("pool_evictions", c.evictions),
+        ("pages_read_async", s.pages_read_async),
         ("erase_count_min", u64::from(s.erase_min)),
         ("erase_count_max", u64::from(s.erase_max)),
         ("map_bytes", s.map_bytes),

@@ -571,6 +571,13 @@ impl Controller {
         })
     }
 
+    /// Whether a read of `vpage` of `vol` would go to flash now: the page is mapped and not
+    /// in the pool (nor on its way in). Touches no counter and pins nothing.
+    pub fn on_flash_only(&self, vol: VolId, vpage: u64) -> bool {
+        let Some(v) = self.vols.get(&vol) else { return false };
+        vpage < v.map.pages && v.slot_of(vpage).is_none() && self.map.get(&v.map, vpage) != 0
+    }
+
     /// The read of a page into `slot` finished (`ok`) or failed; on failure the page leaves
     /// the pool and the next `get` tries again.
     /// A `Got::Direct` read of `pba` is done.

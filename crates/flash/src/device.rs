@@ -8,6 +8,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,6 +32,12 @@ pub trait Device: Send + Sync {
     fn pages_written(&self) -> u64 {
         0
     }
+    /// The file descriptor to read it through asynchronously (io_uring), byte offset = page
+    /// × 4 KiB; `None` for a device only this trait reaches (the array then reads it on the
+    /// calling thread).
+    fn fd(&self) -> Option<RawFd> {
+        None
+    }
 }
 
 /// A device its owner keeps a handle to while the array holds it: a test or a simulator that
@@ -53,6 +60,9 @@ impl<D: Device + ?Sized> Device for Arc<D> {
     }
     fn pages_written(&self) -> u64 {
         (**self).pages_written()
+    }
+    fn fd(&self) -> Option<RawFd> {
+        (**self).fd()
     }
 }
 
@@ -138,6 +148,10 @@ impl Device for FileDevice {
 
     fn pages_written(&self) -> u64 {
         self.written.load(Ordering::Relaxed)
+    }
+
+    fn fd(&self) -> Option<RawFd> {
+        Some(self.file.as_raw_fd())
     }
 }
 

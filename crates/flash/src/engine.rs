@@ -11,16 +11,21 @@
 //! Segments are spread over the devices in turn (segment `s` on device `s mod n`), so
 //! consecutive segments, and the streams writing into them, land on different devices.
 //!
-//! Device I/O here is synchronous: a worker that misses in the pool, or writes with FUA,
-//! waits for the device. docs/FLASH.md says what that costs and what is left to make it
-//! asynchronous.
+//! Pool misses can be read without blocking whoever needs them: after
+//! [`Array::start_reads`], [`Array::prefetch`] starts the reads a request would wait for on an
+//! io_uring (`rt::uring`) and returns at once; a completion thread puts each page in its slot
+//! and counts down the request's `backend::Batch`, whose last page wakes the worker that
+//! parked the request. Everything else (a miss without a prefetch, write-back, FUA, FLUSH)
+//! is synchronous on the calling thread. docs/FLASH.md says what that costs.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use backend::Batch;
 use rt::mem::{AlignedBuf, Region};
+use rt::uring::Reads;
 
 use crate::ckpt;
 use crate::ctl::{Access, Config, Controller, Counters, Got, GroupPlan, Source, VolId};
@@ -37,6 +42,10 @@ pub const DATA_START: u64 = 256;
 /// Segment size when none is given: 8 MiB.
 pub const SEGMENT_PAGES_DEFAULT: u32 = 2048;
 
+/// Most pool misses read asynchronously at once (`Array::start_reads`'s ring depth is at
+/// most this).
+pub const READS_DEPTH_MAX: u32 = 256;
+
 /// Most dirty pages one write-back group takes.
 const GROUP_PAGES: u32 = 128;
 
@@ -47,6 +56,13 @@ const SEQ_WINDOW: u64 = 1 << 32;
 /// Segments cleaned in a row, without any write-back getting through, before a writer is told
 /// the array is full.
 const RECLAIM_ROUNDS_MAX: u32 = 8;
+
+/// A page read started by [`Array::prefetch`]: where it goes, and whose batch it counts on.
+struct Landing {
+    slot: u32,
+    pba: Pba,
+    batch: Arc<Batch>,
+}
 
 /// Where each global segment lies.
 #[derive(Debug, Clone, Copy)]
@@ -202,6 +218,8 @@ pub struct Stats {
     pub map_bytes: u64,
     /// Pages the devices say were written through them.
     pub device_pages_written_measured: u64,
+    /// Pool misses read asynchronously ([`Array::prefetch`]) since the array was opened.
+    pub pages_read_async: u64,
     pub recovered: Report,
 }
 
@@ -238,6 +256,11 @@ pub struct Array {
     sizes: Mutex<HashMap<VolId, Arc<AtomicU64>>>,
     stop: AtomicBool,
     background: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Pool misses read asynchronously, once [`start_reads`](Array::start_reads) set it up.
+    reads: OnceLock<Arc<Reads<Landing>>>,
+    reader: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Pages [`prefetch`](Array::prefetch) started reading.
+    prefetched: AtomicU64,
     /// Segments filled when the last checkpoint began.
     filled_at_checkpoint: AtomicU64,
 }
@@ -346,6 +369,9 @@ impl Array {
             sizes: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
             background: Mutex::new(None),
+            reads: OnceLock::new(),
+            reader: Mutex::new(None),
+            prefetched: AtomicU64::new(0),
             filled_at_checkpoint: AtomicU64::new(0),
         });
         array.raise_ceiling()?;
@@ -428,6 +454,7 @@ impl Array {
         if let Some(h) = self.background.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();
         }
+        self.stop_reads();
         self.flush()?;
         self.checkpoint()
     }
@@ -497,6 +524,158 @@ impl Array {
             }
         }
         Ok(())
+    }
+
+    /// Read pool misses asynchronously from now on: an io_uring of `depth` reads and a
+    /// completion thread. Returns `Ok(false)`, and reads stay synchronous, when a device has
+    /// no file descriptor (a device in memory) or the kernel refuses io_uring.
+    pub fn start_reads(self: &Arc<Self>, depth: u32) -> Result<bool, FlashError> {
+        if self.devs.iter().any(|d| d.fd().is_none()) {
+            return Ok(false);
+        }
+        let reads = match Reads::new(depth.min(READS_DEPTH_MAX)) {
+            Ok(r) => Arc::new(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "io_uring unavailable: flash pool misses are read on the worker's thread");
+                return Ok(false);
+            }
+        };
+        if self.reads.set(reads.clone()).is_err() {
+            return Ok(true);
+        }
+        let weak = Arc::downgrade(self);
+        let handle = std::thread::Builder::new()
+            .name("skiff-flash-rd".into())
+            .spawn(move || loop {
+                let array = weak.clone();
+                let landed =
+                    |landing: Landing, result: std::io::Result<()>, buf: AlignedBuf| match array.upgrade() {
+                        Some(a) => a.landed(landing, result, &buf),
+                        // The array is gone: nobody waits for its pool, but a driver may wait
+                        // for the batch.
+                        None => landing.batch.done(),
+                    };
+                match reads.complete(landed) {
+                    Ok(true) => {}
+                    Ok(false) => return,
+                    Err(e) => {
+                        tracing::error!(error = %e, "flash read completions failed; stopping them");
+                        return;
+                    }
+                }
+            })
+            .map_err(FlashError::from)?;
+        *self.reader.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+        Ok(true)
+    }
+
+    /// Stop the completion thread once the reads in flight have landed.
+    fn stop_reads(&self) {
+        if let Some(reads) = self.reads.get() {
+            let _ = reads.close();
+        }
+        if let Some(h) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = h.join();
+        }
+    }
+
+    /// Whether [`prefetch`](Self::prefetch) reads asynchronously.
+    pub fn reads_async(&self) -> bool {
+        self.reads.get().is_some()
+    }
+
+    /// Start reading, without waiting, the pages of `vol` that a read of `len` bytes at
+    /// `offset` (with `write`, a write: only its partial first and last pages) would fetch
+    /// from flash, each counted on `batch` and ended there when it lands in the pool. Pages
+    /// in the pool, never written, or already on their way in are left alone; so is the rest
+    /// of the range once the pool or the ring has no room (the request then reads those the
+    /// ordinary way). Does nothing before [`start_reads`](Self::start_reads).
+    pub fn prefetch(&self, vol: VolId, offset: u64, len: u64, write: bool, batch: &Arc<Batch>) {
+        let Some(reads) = self.reads.get() else { return };
+        if len == 0 {
+            return;
+        }
+        let page = PAGE as u64;
+        let Some(end) = offset.checked_add(len) else { return };
+        let (first, last) = (offset / page, (end - 1) / page);
+        let wanted = |vpage: u64| {
+            !write || (vpage == first && offset % page != 0) || (vpage == last && end % page != 0)
+        };
+        let mut room = reads.depth().saturating_sub(reads.in_flight());
+        let mut started: Vec<(u32, Pba)> = Vec::new();
+        {
+            let mut c = self.lock();
+            for vpage in first..=last {
+                if room == 0 {
+                    break;
+                }
+                if !wanted(vpage) || !c.on_flash_only(vol, vpage) {
+                    continue;
+                }
+                match c.get(vol, vpage, Access::Read) {
+                    Ok(Got::Fetch { slot, pba }) => {
+                        started.push((slot, pba));
+                        room -= 1;
+                    }
+                    Ok(Got::Direct(pba)) => {
+                        // No slot to be had: the rest is read the ordinary way.
+                        c.read_done(pba);
+                        break;
+                    }
+                    Ok(Got::Ready(s)) => c.put(s, false),
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+        }
+        if started.is_empty() {
+            return;
+        }
+        self.prefetched.fetch_add(started.len() as u64, Ordering::Relaxed);
+        for (slot, pba) in started {
+            let (dev, at) = self.geo.locate(pba);
+            let fd = self.devs[dev].fd().expect("start_reads checked every device has one");
+            batch.add();
+            let landing = Landing { slot, pba, batch: batch.clone() };
+            match AlignedBuf::new(PAGE) {
+                Ok(buf) => {
+                    if let Err((e, buf, landing)) = reads.push(fd, at * page, buf, landing) {
+                        self.landed(landing, Err(e), &buf);
+                    }
+                }
+                Err(e) => self.landed(landing, Err(e), &[]),
+            }
+        }
+        if let Err(e) = reads.submit() {
+            // What is queued goes with the completion thread's next wait.
+            tracing::debug!(error = %e, "io_uring submit failed; the completion thread submits");
+        }
+    }
+
+    /// A prefetched page landed (or failed: it leaves the pool, and whoever needs it reads it
+    /// the ordinary way, meeting the error there if it lasts).
+    fn landed(&self, landing: Landing, result: std::io::Result<()>, buf: &[u8]) {
+        let Landing { slot, pba, batch } = landing;
+        let ok = match result {
+            Ok(()) => {
+                // The slot is pinned and `Fetching`: nobody else touches its bytes.
+                self.pool.write_at(slot as usize * PAGE, buf);
+                true
+            }
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::WouldBlock {
+                    tracing::warn!(pba, error = %e, "flash prefetch failed");
+                }
+                false
+            }
+        };
+        {
+            let mut c = self.lock();
+            c.fetched(slot, pba, ok);
+            c.put(slot, false);
+        }
+        self.changed.notify_all();
+        batch.done();
     }
 
     /// Carry out a `Got::Fetch`: read `pba` into `slot` without the lock, then take it again
@@ -1118,6 +1297,7 @@ impl Array {
             erase_max,
             map_bytes: c.map.leaves_in_use() as u64 * (crate::map::LEAF_PAGES as u64 * 4),
             device_pages_written_measured: self.devs.iter().map(|d| d.pages_written()).sum(),
+            pages_read_async: self.prefetched.load(Ordering::Relaxed),
             recovered: self.recovered,
         }
     }
@@ -1132,5 +1312,9 @@ impl Drop for Array {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         self.kick.notify_all();
+        if let Some(reads) = self.reads.get() {
+            // The completion thread holds the ring, not the array: it ends on this no-op.
+            let _ = reads.close();
+        }
     }
 }

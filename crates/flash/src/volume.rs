@@ -5,7 +5,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use backend::{push_extent, Backend, BackendError, Capabilities, Extent, Result, BLOCK_BYTES};
+use backend::{push_extent, Backend, BackendError, Batch, Capabilities, Extent, Result, BLOCK_BYTES};
 
 use crate::ctl::VolId;
 use crate::engine::Array;
@@ -86,6 +86,15 @@ impl Backend for FlashVolume {
 
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.array.zero(self.vol, offset, len, fua).map_err(io_error)
+    }
+
+    /// Pool misses start reading on the array's io_uring (`Array::prefetch`).
+    fn prepare(&self, offset: u64, len: u64, write: bool, batch: &Arc<Batch>) {
+        self.array.prefetch(self.vol, offset, len, write, batch);
+    }
+
+    fn may_wait(&self) -> bool {
+        self.array.reads_async()
     }
 
     /// Pages never written (or unmapped) are holes that read as zeroes.

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::front::{native::NativeConn, nbd::NbdConn, Link, Sink};
-use engine::{Export, Io, RegionBytes};
+use engine::{Batch, Export, Io, RegionBytes};
 use transport::tls::ServerTlsConfig;
 use transport::{FrameBuffer, FrameIo, Stream};
 use wire::Status;
@@ -392,6 +392,15 @@ pub(crate) struct Conn<S = Stream> {
     pub staged: Option<u64>,
     /// The transport sends completion caravans' read data as data messages (agreed in HELLO).
     data_apart: bool,
+    /// Where the front end parks requests whose flash pages are being read (`Link::batch`);
+    /// `None` on a target without asynchronous flash reads, and on a staged connection.
+    pub batch: Option<Arc<Batch>>,
+    /// Requests wait in `rx` for the batch's wake: nothing is read or executed until then.
+    waiting: bool,
+    /// Woken from waiting: the next processing executes what waited without looking ahead
+    /// again, so a request waits at most once (a page taken from the pool meanwhile is read
+    /// the ordinary way).
+    resumed: bool,
 }
 
 /// The protocol a connection speaks, chosen by the listener it arrived on.
@@ -418,6 +427,9 @@ pub(crate) enum ReadOutcome {
     /// them). Come back as soon as a flush brings them under it: if the socket took them
     /// all, no event will say so.
     Paused,
+    /// Requests wait for flash pages being read: the worker comes back when their batch
+    /// wakes it (`Conn::resume`), not on a socket event.
+    Waiting,
     /// Peer closed or the connection failed: drop it.
     Closed,
 }
@@ -488,6 +500,9 @@ impl<S: ConnStream> Conn<S> {
             established: false,
             staged: None,
             data_apart: false,
+            batch: None,
+            waiting: false,
+            resumed: false,
         }
     }
 
@@ -562,11 +577,18 @@ impl<S: ConnStream> Conn<S> {
             return if self.closing { ReadOutcome::Closed } else { ReadOutcome::Drained };
         }
         let backlog_max = shared.config.bounds.tx_backlog_bytes_max;
+        if self.waiting {
+            return ReadOutcome::Waiting;
+        }
         if self.held && !self.closing && !self.backlogged(backlog_max) {
-            // What arrived while the backlog was full comes first: no event will announce it.
+            // What arrived while the backlog was full, or while requests waited for flash,
+            // comes first: no event will announce it.
             let started = Instant::now();
             self.process(shared, stats, backlog_max);
             bump(&stats.stage_exec_ns, nanos(started.elapsed()));
+            if self.waiting {
+                return ReadOutcome::Waiting;
+            }
             if self.starttls && !self.upgrade(shared, stats) {
                 return if self.closing { ReadOutcome::Closed } else { ReadOutcome::Drained };
             }
@@ -601,6 +623,9 @@ impl<S: ConnStream> Conn<S> {
                         more = true;
                     }
                     bump(&stats.stage_exec_ns, nanos(received.elapsed()));
+                    if self.waiting {
+                        return ReadOutcome::Waiting;
+                    }
                     if self.held {
                         return ReadOutcome::Paused;
                     }
@@ -616,6 +641,21 @@ impl<S: ConnStream> Conn<S> {
             }
         }
         ReadOutcome::More
+    }
+
+    /// The token its batch wakes the worker with, if it has one.
+    pub fn batch_token(&self) -> Option<u64> {
+        self.batch.as_ref().map(|b| b.token())
+    }
+
+    /// The batch its requests waited for has landed: execute them next (without looking
+    /// ahead again), then read on.
+    pub fn resume(&mut self) {
+        if self.waiting {
+            self.waiting = false;
+            self.resumed = true;
+            self.held = true;
+        }
     }
 
     /// Whether the replies queued passed `backlog_max` bytes: the connection reads no more
@@ -776,8 +816,10 @@ impl<S: ConnStream> Conn<S> {
     /// once more than `backlog_max` bytes of replies are queued.
     fn process(&mut self, shared: &Shared, stats: &WorkerStats, backlog_max: usize) {
         self.identify_nbd(shared);
-        let Conn { rx, tx, closing, peer, kind, stream, data_apart, .. } = self;
-        let mut link = Link { rx, tx, closing, peer, stats: &stats.front, backlog_max };
+        let Conn { rx, tx, closing, peer, kind, stream, data_apart, batch, resumed, .. } = self;
+        let batch = if std::mem::take(resumed) { None } else { batch.as_ref() };
+        let mut link =
+            Link { rx, tx, closing, peer, stats: &stats.front, backlog_max, batch, waiting: false };
         match kind {
             Kind::Native(conn) => {
                 conn.process(&mut link, shared);
@@ -792,6 +834,7 @@ impl<S: ConnStream> Conn<S> {
                 self.starttls |= conn.take_starttls();
             }
         }
+        self.waiting = link.waiting;
         self.held = !self.closing && self.rx.pending() > 0 && self.backlogged(backlog_max);
     }
 }

@@ -133,6 +133,18 @@ impl<S: ConnStream> ConnSet<S> {
         }
     }
 
+    /// The flash pages connection `index` waited for have landed: execute what waited, then
+    /// read on, in the next pass. `token` is the one its batch was made with; a connection
+    /// closed since (and its slot taken by another) is left alone.
+    pub fn wake(&mut self, index: usize, token: u64) {
+        let Some(conn) = self.get_mut(index) else { return };
+        if conn.batch_token() != Some(token) {
+            return;
+        }
+        conn.resume();
+        self.readable.push(index);
+    }
+
     /// Some connection must be read again without waiting for an event.
     pub fn has_carry(&self) -> bool {
         !self.carry.is_empty()
@@ -168,6 +180,8 @@ impl<S: ConnStream> ConnSet<S> {
                 ReadOutcome::Drained => {}
                 ReadOutcome::More => self.carry.push(i),
                 ReadOutcome::Paused => self.paused.push(i),
+                // Its batch's wake brings it back (`wake`).
+                ReadOutcome::Waiting => {}
                 ReadOutcome::Closed => {
                     self.close(i, shared, driver);
                     continue;

@@ -10,8 +10,10 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use engine::{Batch, Wake};
 
 use transport::event::{Events, Interest, Poll, Token, Waker};
 use transport::Stream;
@@ -52,6 +54,25 @@ pub(crate) struct Worker {
     adopted: u64,
     /// Connections with timers of their own: raw-Ethernet sessions.
     timed: Vec<usize>,
+    /// Batches of flash reads that have landed, by token; `None` without asynchronous flash
+    /// reads.
+    landed: Option<Arc<Landed>>,
+}
+
+/// Where the flash array's completion thread says a connection's batch of reads landed
+/// (`engine::Wake`): the token goes on a list and the worker is woken to take it.
+pub(crate) struct Landed {
+    tokens: Mutex<Vec<u64>>,
+    waker: Arc<Waker>,
+}
+
+impl Wake for Landed {
+    fn wake(&self, token: u64) {
+        self.tokens.lock().unwrap_or_else(|e| e.into_inner()).push(token);
+        if let Err(e) = self.waker.wake() {
+            tracing::error!(error = %e, "cannot wake a worker for landed flash reads");
+        }
+    }
 }
 
 /// What the worker does beside its [`ConnSet`]: `mio` registrations, the stage thread.
@@ -98,10 +119,16 @@ impl Worker {
             Stages::RunToCompletion => None,
             stages => Some(Stage::start(stages, id, stats.clone(), waker.clone())?),
         };
+        let landed = shared
+            .flash
+            .as_ref()
+            .is_some_and(|f| f.array().reads_async())
+            .then(|| Arc::new(Landed { tokens: Mutex::new(Vec::new()), waker: waker.clone() }));
         Ok(Worker {
             stage,
             adopted: 0,
             timed: Vec::new(),
+            landed,
             id,
             poll,
             waker,
@@ -190,6 +217,7 @@ impl Worker {
                         self.adopt_new();
                         self.close_evicted();
                         self.take_received();
+                        self.take_landed();
                     }
                     Token(i) if self.receives_elsewhere(i) => {
                         // The receive thread reads this one, and reports its end.
@@ -300,6 +328,11 @@ impl Worker {
                 }
                 _ => {}
             }
+            if let (Some(landed), None) = (&self.landed, conn.staged) {
+                // Its requests may park for flash reads; the wake names it by slot and serial.
+                let token = (self.adopted << 32) | index as u64;
+                conn.batch = Some(Arc::new(Batch::new(landed.clone(), token)));
+            }
             let receives_here = conn.staged.is_none() || self.shared.config.stages != Stages::RecvThread;
             let inserted = self.conns.insert(conn);
             debug_assert_eq!(inserted, index);
@@ -340,6 +373,15 @@ impl Worker {
     }
 
     /// Execute what the receive thread of a staged target received.
+    /// Bring back the connections whose flash reads landed.
+    fn take_landed(&mut self) {
+        let Some(landed) = &self.landed else { return };
+        let tokens = std::mem::take(&mut *landed.tokens.lock().unwrap_or_else(|e| e.into_inner()));
+        for token in tokens {
+            self.conns.wake((token & u64::from(u32::MAX)) as usize, token);
+        }
+    }
+
     fn take_received(&mut self) {
         loop {
             let received = self.stage.as_ref().and_then(|s| s.received.as_ref());

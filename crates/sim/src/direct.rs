@@ -314,6 +314,8 @@ fn open_side(host: &SimHost, rng: &mut Rng, _index: usize) -> Result<Side, Strin
             peer: "sim",
             stats: &stats,
             backlog_max: usize::MAX,
+            batch: None,
+            waiting: false,
         };
         target.process(&mut link, host);
         let header = Header::parse(&target_tx).map_err(|e| e.to_string())?;
@@ -378,6 +380,8 @@ fn deliver_to_target(side: &mut Side, host: &SimHost, rng: &mut Rng) {
         peer: "sim",
         stats: &side.stats,
         backlog_max: usize::MAX,
+        batch: None,
+        waiting: false,
     };
     side.target.process(&mut link, host);
 }

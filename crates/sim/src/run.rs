@@ -591,6 +591,8 @@ impl Sim {
                         peer: "sim",
                         stats: &conn.target_stats,
                         backlog_max: usize::MAX,
+                        batch: None,
+                        waiting: false,
                     };
                     conn.target.process(&mut link, &self.host);
                     if !conn.target_apart && conn.target.data_messages() {

@@ -90,6 +90,8 @@ pub(super) struct ServeFile {
     flash: Option<Vec<PathBuf>>,
     #[serde(default, deserialize_with = "size")]
     flash_cache: Option<u64>,
+    /// 0 is a setting here (reads on the worker's thread), so not a `count`.
+    flash_read_depth: Option<u32>,
     // The bounds only the file sets ([`Tuning`]). Not a flattened struct: serde cannot refuse
     // unknown keys through one.
     #[serde(default, deserialize_with = "count")]
@@ -185,7 +187,8 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
     }
     set!(
         listen, no_tcp, nbd, eth, exports, read_only, key_files, tls, tls_verify_peer, workers, queue_depth, poll,
-        io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease, flash, flash_cache;
+        io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease, flash, flash_cache,
+        flash_read_depth;
         options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates,
             pool, coordinator, advertise
     );

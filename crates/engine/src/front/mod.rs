@@ -12,6 +12,9 @@ pub mod nbd;
 
 use std::ops::Range;
 use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use backend::Batch;
 
 use wire::{FrameBuffer, StatsReply, Status};
 
@@ -190,6 +193,32 @@ pub struct Link<'a, S: ?Sized> {
     /// peer is not reading them. It leaves the rest in `rx`, and the driver calls it again
     /// once the peer has drained some (`usize::MAX`: no bound).
     pub backlog_max: usize,
+    /// Where the driver parks requests that would wait on a device (a flash volume's pool
+    /// misses): before executing what it received, a front end looks ahead over every
+    /// complete request, lets each backend start its reads on this batch
+    /// ([`backend::Backend::prepare`]), and when any did, executes nothing, sets
+    /// [`waiting`](Self::waiting) and leaves the requests where they are. The driver calls
+    /// it again, without a batch, once the batch wakes it. `None`: execute as it comes.
+    pub batch: Option<&'a Arc<Batch>>,
+    /// Set by the front end: requests wait for the batch (above).
+    pub waiting: bool,
+}
+
+impl<'a, S: ?Sized> Link<'a, S> {
+    /// Open the batch for a look-ahead when the driver gave one and `may_wait` says a
+    /// backend of this connection could use it; `None` otherwise.
+    pub(crate) fn look_ahead(&self, may_wait: bool) -> Option<&'a Arc<Batch>> {
+        let batch = self.batch.filter(|_| may_wait)?;
+        batch.open();
+        Some(batch)
+    }
+
+    /// Seal the batch a look-ahead opened: when it started reads, the requests wait.
+    pub(crate) fn park_if_started(&mut self, batch: &Arc<Batch>) -> bool {
+        let waits = batch.seal();
+        self.waiting |= waits;
+        waits
+    }
 }
 
 impl<S: Sink + ?Sized> Link<'_, S> {

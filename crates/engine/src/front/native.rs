@@ -9,6 +9,9 @@
 //! status [`ProtoError::goaway_status`] gives and the reason, and the connection closes once
 //! that is sent; a GOAWAY from the initiator closes it with nothing more said.
 
+use std::sync::Arc;
+
+use backend::Batch;
 use proto::server::{Inbound, ServerSession};
 use proto::ProtoError;
 use wire::capability::CAPABILITIES_PER_FRAME_MAX;
@@ -35,6 +38,8 @@ pub struct NativeConn {
     leases: Vec<Lease>,
     /// The planted bug's state (nothing without the feature `mutations`).
     bug: mutation::Bug,
+    /// An export this connection opened may park requests (`Link::batch`).
+    may_wait: bool,
 }
 
 impl NativeConn {
@@ -46,6 +51,7 @@ impl NativeConn {
             caps: Vec::new(),
             leases: Vec::new(),
             bug: mutation::Bug::new(),
+            may_wait: false,
         }
     }
 
@@ -81,7 +87,21 @@ impl NativeConn {
 
     /// Handle every frame that has arrived whole.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
+        if let Some(batch) = link.look_ahead(self.may_wait) {
+            look_ahead(link.rx.unconsumed(), &self.session, host, batch);
+            if link.park_if_started(batch) {
+                return;
+            }
+        }
+        let leases = self.leases.len();
         process(&mut self.session, link, host, &mut self.caps, &mut self.leases, &mut self.bug);
+        if self.leases.len() != leases && !self.may_wait {
+            // An export opened just now may be one whose reads can wait.
+            self.may_wait = (0..host.exports().len() as u32).any(|i| {
+                self.session.handle_of(i).is_some()
+                    && host.exports().get(i).is_some_and(|e| e.backend.may_wait())
+            });
+        }
     }
 }
 
@@ -170,6 +190,39 @@ fn process<S: Sink + ?Sized>(
                 *link.closing = true;
             }
         }
+    }
+}
+
+/// Let the backends start what the READs and WRITEs of every complete caravan in `rx` would
+/// wait for, on `batch` ([`Link::batch`]). Nothing is consumed or answered here; a frame that
+/// does not parse, or a request that would be refused, is left for `process` to answer.
+fn look_ahead(rx: &[u8], session: &ServerSession, host: &impl Host, batch: &Arc<Batch>) {
+    let io_bytes_max = session.limits().io_bytes_max;
+    let mut at = 0;
+    while let Ok(Some(header)) = wire::framing::peek_header(&rx[at..]) {
+        let len = header.frame_len();
+        if rx.len() - at < len {
+            break;
+        }
+        if header.kind == FrameKind::Requests {
+            let body = &rx[at + HEADER_LEN..at + len];
+            let Ok(caravan) = RequestCaravan::parse(&header, body) else { break };
+            for req in caravan.iter().filter_map(|(parsed, _)| parsed.ok()) {
+                let write = match req.opcode {
+                    Opcode::Read => false,
+                    Opcode::Write if !session.is_read_only(req.handle) => true,
+                    _ => continue,
+                };
+                let io = Io::from(&req);
+                let Some(export) = session.resolve(req.handle).and_then(|i| host.exports().get(i)) else {
+                    continue;
+                };
+                if export.grants.is_none() && crate::validate(export, &io, io_bytes_max).is_ok() {
+                    export.backend.prepare(io.offset, io.length.into(), write, batch);
+                }
+            }
+        }
+        at += len;
     }
 }
 

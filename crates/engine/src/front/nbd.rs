@@ -16,6 +16,8 @@
 
 use std::sync::Arc;
 
+use backend::Batch;
+
 use crate::{Export, ExportTable, Io, Lease};
 use nbd::handshake::BASE_ALLOCATION_ID;
 use nbd::transmission::{
@@ -145,6 +147,16 @@ impl NbdConn {
 
     /// Handle everything complete in the receive buffer.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
+        if let State::Transmitting { session, export, .. } = &self.state {
+            let export = host.exports().get(*export);
+            let may_wait = self.drain_bytes == 0 && export.is_some_and(|e| e.backend.may_wait());
+            if let (Some(batch), Some(export)) = (link.look_ahead(may_wait), export) {
+                look_ahead(link.rx.unconsumed(), session, export, host.io_bytes_max(), batch);
+                if link.park_if_started(batch) {
+                    return;
+                }
+            }
+        }
         let mut laps = Laps::start(host);
         while !*link.closing && !link.backlogged() {
             let progressed = match &mut self.state {
@@ -499,6 +511,28 @@ fn io_of(req: &Request, opcode: Opcode) -> Io {
     let flags = if req.flags.contains(CmdFlags::FUA) { ReqFlags::FUA } else { ReqFlags::empty() };
     let (offset, length) = if opcode == Opcode::Flush { (0, 0) } else { (req.offset, req.length) };
     Io { opcode, flags, offset, length }
+}
+
+/// Let the export's backend start what the READs and WRITEs among the complete requests at
+/// the start of `rx` would wait for, on `batch` ([`Link::batch`]). Nothing is consumed or
+/// answered here; the first request that does not parse ends the look.
+fn look_ahead(rx: &[u8], session: &Session, export: &Export, io_bytes_max: u32, batch: &Arc<Batch>) {
+    let mut at = 0;
+    while let Ok(Some((req, header_len))) = nbd::parse_request(&rx[at..]) {
+        let payload = if req.cmd == Cmd::Write { req.length as usize } else { 0 };
+        if rx.len() - at < header_len + payload {
+            break;
+        }
+        at += header_len + payload;
+        if !matches!(req.cmd, Cmd::Read | Cmd::Write) {
+            continue;
+        }
+        let fine = nbd::check_request(&req, session).is_ok()
+            && validate(export, &req, session, io_bytes_max).is_ok();
+        if fine {
+            export.backend.prepare(req.offset, req.length.into(), req.cmd == Cmd::Write, batch);
+        }
+    }
 }
 
 /// The export's checks for commands the engine executes; range checks for the others. A

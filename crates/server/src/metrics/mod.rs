@@ -481,7 +481,7 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         out.gauge(name, help, vec![(vec![], v)]);
     }
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 9] = [
+    let counters: [(&str, &str, u64); 10] = [
         ("skiff_flash_user_pages_written_total", "Pages written to flash volumes by users (initiators).", c.user_pages_written),
         (
             "skiff_flash_device_pages_written_total",
@@ -495,6 +495,11 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         ("skiff_flash_pool_hits_total", "Page reads and writes served by a page in the pool.", c.pool_hits),
         ("skiff_flash_pool_misses_total", "Page reads and writes that found the page outside the pool and took a slot for it (read from the devices unless wholly overwritten).", c.pool_misses),
         ("skiff_flash_pool_evictions_total", "Pages dropped from the pool to make room for others.", c.evictions),
+        (
+            "skiff_flash_pages_read_async_total",
+            "Pool misses read ahead of their request without blocking a worker (io_uring).",
+            s.pages_read_async,
+        ),
     ];
     for (name, help, v) in counters {
         out.counter(name, help, vec![(vec![], v)]);

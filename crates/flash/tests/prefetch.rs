@@ -1,0 +1,192 @@
+//! Pool misses read asynchronously (`Array::prefetch` over io_uring), on files: a batch wakes
+//! its driver once every page it started is in the pool, the request then finds its pages
+//! there, and prefetching beside writers and write-back never returns stale bytes.
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use backend::{Batch, Wake};
+use skiff_flash::ctl::Config;
+use skiff_flash::device::{Device, FileDevice};
+use skiff_flash::engine::{format, Array};
+use skiff_flash::layout::PAGE;
+
+const SEGMENT_PAGES: u32 = 64;
+/// Long enough that only a lost wake reaches it: a guard against hanging, not a measure.
+const WAKE_GUARD: Duration = Duration::from_secs(60);
+
+struct Wakes(Mutex<Sender<u64>>);
+
+impl Wake for Wakes {
+    fn wake(&self, token: u64) {
+        let _ = self.0.lock().unwrap().send(token);
+    }
+}
+
+fn batch(token: u64) -> (Arc<Batch>, Receiver<u64>) {
+    let (tx, rx) = channel();
+    (Arc::new(Batch::new(Arc::new(Wakes(Mutex::new(tx))), token)), rx)
+}
+
+/// Open `batch`, let `start` add to it, seal it and wait for its wake if it must.
+fn prepared(batch: &Arc<Batch>, woken: &Receiver<u64>, start: impl FnOnce(&Arc<Batch>)) -> usize {
+    batch.open();
+    start(batch);
+    let started = batch.started();
+    if batch.seal() {
+        woken.recv_timeout(WAKE_GUARD).expect("the batch's wake never came");
+    }
+    started
+}
+
+fn page_of(seed: u64) -> Vec<u8> {
+    (0..PAGE).map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) >> 2) as u8).collect()
+}
+
+fn file_array(dir: &tempfile::TempDir, pool_pages: u32) -> Arc<Array> {
+    let devs = || -> Vec<Box<dyn Device>> {
+        (0..2)
+            .map(|i| {
+                let path = dir.path().join(format!("dev{i}"));
+                if !path.exists() {
+                    std::fs::File::create(&path).unwrap().set_len((256 + 64 * 16) * PAGE as u64).unwrap();
+                }
+                Box::new(FileDevice::open(&path).unwrap()) as Box<dyn Device>
+            })
+            .collect()
+    };
+    if !dir.path().join("formatted").exists() {
+        format(&devs(), SEGMENT_PAGES, false).unwrap();
+        std::fs::write(dir.path().join("formatted"), b"").unwrap();
+    }
+    Array::open(devs(), Config { pool_pages, ..Config::default() }).unwrap()
+}
+
+#[test]
+fn a_prefetched_read_finds_every_page_in_the_pool() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = file_array(&dir, 64);
+    assert!(a.start_reads(32).unwrap(), "io_uring must work here (a kernel of 5.6 or later, no seccomp ban)");
+    let vol = a.create("v", 512 * PAGE as u64).unwrap();
+    for p in 0..300u64 {
+        a.write(vol, p * PAGE as u64, &page_of(p), false).unwrap();
+    }
+    a.flush().unwrap();
+    // Reopen: the pool starts empty, every written page is on flash only.
+    a.shutdown().unwrap();
+    drop(a);
+    let a = file_array(&dir, 64);
+    assert!(a.start_reads(32).unwrap());
+    let vol = a.id_of("v").unwrap();
+    let (b, woken) = batch(9);
+
+    // 16 pages from page 100, and two never written past 300: 16 reads start.
+    let started = prepared(&b, &woken, |b| a.prefetch(vol, 100 * PAGE as u64, 16 * PAGE as u64, false, b));
+    assert_eq!(started, 16);
+    let before = a.stats().counters;
+    let mut back = vec![0u8; 16 * PAGE];
+    a.read(vol, 100 * PAGE as u64, &mut back).unwrap();
+    let after = a.stats().counters;
+    for i in 0..16 {
+        assert!(back[i * PAGE..(i + 1) * PAGE] == page_of(100 + i as u64), "page {}", 100 + i);
+    }
+    assert_eq!(after.pool_hits - before.pool_hits, 16, "every page came from the pool");
+    assert_eq!(after.pool_misses, before.pool_misses, "no miss after the prefetch");
+    assert_eq!(a.stats().pages_read_async, 16);
+
+    // Nothing to start: in the pool already, or never written. No wait, no wake.
+    let started = prepared(&b, &woken, |b| {
+        a.prefetch(vol, 100 * PAGE as u64, 16 * PAGE as u64, false, b);
+        a.prefetch(vol, 400 * PAGE as u64, 8 * PAGE as u64, false, b);
+    });
+    assert_eq!(started, 0);
+    assert!(woken.try_recv().is_err());
+
+    // A write fetches only its partial first and last pages.
+    let started =
+        prepared(&b, &woken, |b| a.prefetch(vol, 200 * PAGE as u64 + 100, 3 * PAGE as u64, true, b));
+    assert_eq!(started, 2, "pages 200 and 203, not 201 and 202");
+    // More pages than the pool holds: it starts what the pool has room for, and the rest
+    // is read the ordinary way.
+    let started = prepared(&b, &woken, |b| a.prefetch(vol, 0, 300 * PAGE as u64, false, b));
+    assert!(started > 0 && started < 300, "started {started}");
+    let mut all = vec![0u8; 300 * PAGE];
+    a.read(vol, 0, &mut all).unwrap();
+    for p in 0..300 {
+        assert!(all[p * PAGE..(p + 1) * PAGE] == page_of(p as u64), "page {p}");
+    }
+    a.audit().unwrap();
+}
+
+#[test]
+fn prefetching_beside_writers_and_write_back_never_serves_stale_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = file_array(&dir, 48);
+    assert!(a.start_reads(16).unwrap());
+    a.start_background();
+    let vol = a.create("v", 256 * PAGE as u64).unwrap();
+    for p in 0..256u64 {
+        a.write(vol, p * PAGE as u64, &page_of(p), false).unwrap();
+    }
+    // Four threads, each the only writer of its quarter, prefetch and read across the whole
+    // volume and check their own quarter against what they last wrote.
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let (b, woken) = batch(t);
+                // What each page of its quarter holds now.
+                let mut mine: Vec<Vec<u8>> = (0..64).map(|i| page_of(t * 64 + i)).collect();
+                let mut x = t + 1;
+                for round in 0..300u64 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let start = x % 250;
+                    let n = 1 + (x >> 20) % 6;
+                    prepared(&b, &woken, |b| a.prefetch(vol, start * PAGE as u64, n * PAGE as u64, false, b));
+                    let mut back = vec![0u8; n as usize * PAGE];
+                    a.read(vol, start * PAGE as u64, &mut back).unwrap();
+                    for i in 0..n {
+                        let p = start + i;
+                        if p / 64 == t {
+                            let want = &mine[(p % 64) as usize];
+                            assert!(
+                                back[i as usize * PAGE..(i as usize + 1) * PAGE] == want[..],
+                                "page {p}, round {round}"
+                            );
+                        }
+                    }
+                    // Overwrite one page of its own quarter (whole or in part).
+                    let p = t * 64 + (x >> 8) % 64;
+                    let seed = 1000 + round * 4 + t;
+                    if round % 3 == 0 {
+                        // A partial write: prefetch its page, then write half of it.
+                        let off = p * PAGE as u64 + 1024;
+                        prepared(&b, &woken, |b| a.prefetch(vol, off, 2048, true, b));
+                        let fresh = page_of(seed);
+                        a.write(vol, off, &fresh[1024..3072], false).unwrap();
+                        mine[(p % 64) as usize][1024..3072].copy_from_slice(&fresh[1024..3072]);
+                    } else {
+                        a.write(vol, p * PAGE as u64, &page_of(seed), round % 7 == 0).unwrap();
+                        mine[(p % 64) as usize] = page_of(seed);
+                    }
+                }
+                mine
+            })
+        })
+        .collect();
+    let finals: Vec<Vec<Vec<u8>>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let mut back = vec![0u8; 256 * PAGE];
+    a.read(vol, 0, &mut back).unwrap();
+    for (t, pages) in finals.iter().enumerate() {
+        for (i, want) in pages.iter().enumerate() {
+            let p = t * 64 + i;
+            assert!(back[p * PAGE..(p + 1) * PAGE] == want[..], "page {p} at the end");
+        }
+    }
+    assert!(a.stats().pages_read_async > 0);
+    a.audit().unwrap();
+    a.shutdown().unwrap();
+}
