@@ -8,6 +8,9 @@ One invocation measures, on files of the same disk (--dir, /var/tmp by default):
   - `flash-pool`: a 1 GiB volume of a flash array whose page pool holds it all (--pool-big),
     read once before a read run so that it is resident;
   - `flash-disk`: the same volume with a small pool (--pool-small), so reads go to the device;
+    pool misses are read on io_uring while the request waits parked (the default);
+  - `flash-disk-sync`: as `flash-disk`, with `--flash-read-depth 0`: misses read on the
+    worker's thread (pread), the path before io_uring;
   - `file`: `skiff serve --export vol=file:PATH`, a 1 GiB file on ext4 read and written with
     O_DIRECT;
   - `nbdkit-file`: `nbdkit file PATH` on the same file (through the kernel's page cache, its
@@ -50,7 +53,7 @@ sys.dont_write_bytecode = True  # no bench/__pycache__ from importing compare.py
 from compare import (Placement, add_placement_args, cpu_s, free_port, median_record, rotate,  # noqa: E402
                      stop, wait_port)
 
-SYSTEMS = ["flash-pool", "flash-disk", "ram", "file", "nbdkit-file"]
+SYSTEMS = ["flash-pool", "flash-disk", "flash-disk-sync", "ram", "file", "nbdkit-file"]
 GIB = 1 << 30
 
 
@@ -82,20 +85,22 @@ class Target:
         self.proc.wait()
 
 
-def skiff_flash(a, array, cache, log=None):
+def skiff_flash(a, array, cache, log=None, extra=()):
     """`skiff serve --flash`: (target, native address, NBD uri of the volume `vol`)."""
     port, nbd_port = free_port(), free_port()
     argv = [a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--nbd", f"127.0.0.1:{nbd_port}",
-            "--flash", array, "--flash-cache", cache]
+            "--flash", array, "--flash-cache", cache, *extra]
     t = Target(a.pl.server(argv), nbd_port, log)
     wait_port(port)
     return t, f"127.0.0.1:{port}", f"nbd://127.0.0.1:{nbd_port}/vol"
 
 
 def start(system, a, files):
-    if system in ("flash-pool", "flash-disk"):
+    if system in ("flash-pool", "flash-disk", "flash-disk-sync"):
         cache = a.pool_big if system == "flash-pool" else a.pool_small
-        t, _, uri = skiff_flash(a, files["array"], cache)
+        # flash-disk-sync: pool misses read on the worker's thread, as before io_uring.
+        extra = ["--flash-read-depth", "0"] if system == "flash-disk-sync" else []
+        t, _, uri = skiff_flash(a, files["array"], cache, extra=extra)
         return t, uri
     port = free_port()
     if system == "ram":

@@ -190,4 +190,19 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
     let copied = std::fs::read(&out).unwrap();
     assert!(copied == data, "nbdcopy read back other bytes");
     assert!(stat(&mut client, "pages_read_async") > async_native, "NBD's misses were not read ahead");
+
+    // Writes through NBD look ahead too, and start nothing: they must never park. (A build
+    // that set the parked flag whatever the batch said hung on the first NBD write.)
+    assert_eq!(client.volume(&request(VolumeOp::Create, "w", "", len as u64)).unwrap().status, Status::Ok);
+    let guard = std::time::Duration::from_secs(120);
+    skiff_tests::run_ok_within(
+        skiff_tests::tool("nbdcopy", "libnbd-bin").arg(&out).arg(format!("nbd://{addr}/w")),
+        guard,
+    );
+    let again = dir.path().join("again.raw");
+    skiff_tests::run_ok_within(
+        skiff_tests::tool("nbdcopy", "libnbd-bin").arg(format!("nbd://{addr}/w")).arg(&again),
+        guard,
+    );
+    assert!(std::fs::read(&again).unwrap() == data, "a volume written through NBD read back other bytes");
 }

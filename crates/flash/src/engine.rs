@@ -599,7 +599,9 @@ impl Array {
         let Some(end) = offset.checked_add(len) else { return };
         let (first, last) = (offset / page, (end - 1) / page);
         let wanted = |vpage: u64| {
-            !write || (vpage == first && offset % page != 0) || (vpage == last && end % page != 0)
+            !write
+                || (vpage == first && !offset.is_multiple_of(page))
+                || (vpage == last && !end.is_multiple_of(page))
         };
         let mut room = reads.depth().saturating_sub(reads.in_flight());
         let mut started: Vec<(u32, Pba)> = Vec::new();

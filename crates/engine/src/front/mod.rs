@@ -213,11 +213,14 @@ impl<'a, S: ?Sized> Link<'a, S> {
         Some(batch)
     }
 
-    /// Seal the batch a look-ahead opened: when it started reads, the requests wait.
+    /// Seal the batch a look-ahead opened; when it started reads, the requests wait for
+    /// them: returns whether they do.
     pub(crate) fn park_if_started(&mut self, batch: &Arc<Batch>) -> bool {
-        let waits = batch.seal();
-        self.waiting |= waits;
-        waits
+        if batch.seal() {
+            self.waiting = true;
+            return true;
+        }
+        false
     }
 }
 
