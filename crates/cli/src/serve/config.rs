@@ -460,6 +460,12 @@ mod tests {
         assert_eq!((args.flash, args.flash_cache), (vec![PathBuf::from("/c")], 64 << 20));
         let (args, _) = serve_with("flash = \"/a,/b\"\n", &[]);
         assert_eq!((args.flash.len(), args.flash_cache), (2, 256 << 20));
+        assert_eq!(args.flash_read_depth, server::FLASH_READ_DEPTH_DEFAULT);
+        // 0 is a setting (reads on the worker's thread), and the flag wins over the file.
+        let (args, _) = serve_with("flash = \"/a\"\nflash-read-depth = 0\n", &[]);
+        assert_eq!(args.flash_read_depth, 0);
+        let (args, _) = serve_with("flash-read-depth = 0\n", &["--flash-read-depth", "32"]);
+        assert_eq!(args.flash_read_depth, 32);
         assert!(error("flash = \"\"\n").contains("flash: "), "an empty path");
     }
 
