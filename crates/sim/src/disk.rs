@@ -10,7 +10,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use backend::{Backend, BackendCounters, BackendError, Capabilities, Extent, Result};
+use backend::{Backend, BackendCounters, BackendError, Batch, Capabilities, Extent, Result};
 
 use crate::rng::Rng;
 
@@ -24,11 +24,21 @@ pub struct DiskFaults {
     /// An operation takes up to `slow_max_us` of virtual time.
     pub slow: u32,
     pub slow_max_us: u64,
+    /// A READ or WRITE the front end looks ahead at needs device work first (as a flash
+    /// volume's pool miss does): its batch waits until the disk lands it, a few steps later.
+    pub park: u32,
 }
 
 impl DiskFaults {
-    pub const NONE: DiskFaults =
-        DiskFaults { read_error: 0, write_error: 0, no_space: 0, flush_error: 0, slow: 0, slow_max_us: 0 };
+    pub const NONE: DiskFaults = DiskFaults {
+        read_error: 0,
+        write_error: 0,
+        no_space: 0,
+        flush_error: 0,
+        slow: 0,
+        slow_max_us: 0,
+        park: 0,
+    };
 
     pub fn typical() -> DiskFaults {
         DiskFaults {
@@ -38,6 +48,7 @@ impl DiskFaults {
             flush_error: 20_000,
             slow: 50_000,
             slow_max_us: 2_000,
+            park: 200_000,
         }
     }
 }
@@ -50,6 +61,10 @@ pub struct FaultyBackend {
     delay_us: AtomicU64,
     /// Errors injected so far.
     pub errors: AtomicU64,
+    /// Device work started for batches ([`Backend::prepare`]) and not landed yet.
+    started: Mutex<Vec<Arc<Batch>>>,
+    /// Pieces of device work started so far.
+    pub parks: AtomicU64,
 }
 
 impl FaultyBackend {
@@ -60,6 +75,22 @@ impl FaultyBackend {
             rng: Mutex::new(rng),
             delay_us: AtomicU64::new(0),
             errors: AtomicU64::new(0),
+            started: Mutex::new(Vec::new()),
+            parks: AtomicU64::new(0),
+        }
+    }
+
+    /// Land some of the device work started for batches (each piece with even odds), in
+    /// any order: the last piece of a sealed batch wakes its driver.
+    pub fn land_some(&self) {
+        let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());
+        let mut i = 0;
+        while i < started.len() {
+            if self.rng().chance(500_000) {
+                started.swap_remove(i).done();
+            } else {
+                i += 1;
+            }
         }
     }
 
@@ -119,6 +150,16 @@ impl Backend for FaultyBackend {
     }
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
+    }
+    fn prepare(&self, _offset: u64, _len: u64, _write: bool, batch: &Arc<Batch>) {
+        if self.rng().chance(self.faults.park) {
+            batch.add();
+            self.parks.fetch_add(1, Relaxed);
+            self.started.lock().unwrap_or_else(|e| e.into_inner()).push(batch.clone());
+        }
+    }
+    fn may_wait(&self) -> bool {
+        self.faults.park > 0
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.roll(self.faults.read_error, libc_eio())?;

@@ -180,8 +180,8 @@ fn main() -> ExitCode {
     let [short, blocked, delayed, disconnects, flips] = total.net_faults;
     println!(
         "faults injected: {short} short I/Os, {blocked} would-block bursts, {delayed} delays, {disconnects} disconnects, \
-         {flips} header bit flips ({} caught by a target), {} disk errors",
-        total.goaways, total.disk_errors
+         {flips} header bit flips ({} caught by a target), {} disk errors, {} requests parked for device work",
+        total.goaways, total.disk_errors, total.parks
     );
     println!(
         "reconnection: {} of {count} seeds resumed their session across connections, {} reattaches (every request \

@@ -19,7 +19,7 @@ use std::io::{self, IoSlice};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use backend::Backend;
+use backend::{Backend, Batch, Wake};
 use engine::front::native::mutation::Mutation as TargetMutation;
 use engine::front::native::NativeConn;
 use engine::front::{FrontStats, Host, Link};
@@ -106,6 +106,8 @@ pub struct Report {
     /// Network faults injected: short, would-block bursts, delays, disconnects, flips.
     pub net_faults: [u64; 5],
     pub disk_errors: u64,
+    /// Requests whose device work the target's front end waited for (parked), summed.
+    pub parks: u64,
     /// What the initiator's sessions did, summed over connections: caravans sent, completion
     /// caravans received, read bytes placed directly and copied.
     pub caravans_sent: u64,
@@ -139,6 +141,7 @@ impl Report {
             *t += n;
         }
         self.disk_errors += r.disk_errors;
+        self.parks += r.parks;
         self.caravans_sent += r.caravans_sent;
         self.completion_caravans += r.completion_caravans;
         self.read_bytes_placed += r.read_bytes_placed;
@@ -248,6 +251,34 @@ struct Connection {
     /// A session parked by a lost connection, to reattach once this one has opened the export.
     resume: Option<Box<ClientSession<Vec<u8>>>>,
     reattached: bool,
+    /// Where the target's front end parks requests that wait for device work (the faulty
+    /// disk's `park`), as a worker does for a flash volume's pool misses; its wake names the
+    /// connection's id in `woken`.
+    target_batch: Arc<Batch>,
+    /// Requests wait in `target_rx` for the batch's wake.
+    target_waiting: bool,
+    /// Woken: the next processing runs without looking ahead (a request waits at most once).
+    target_resumed: bool,
+}
+
+/// Connections whose parked requests may go on, by id.
+#[derive(Default)]
+struct Woken(std::sync::Mutex<Vec<u64>>);
+
+impl Wake for Woken {
+    fn wake(&self, token: u64) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(token);
+    }
+}
+
+impl Woken {
+    /// Whether connection `id` was woken (once).
+    fn take(&self, id: u32) -> bool {
+        let mut woken = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let before = woken.len();
+        woken.retain(|&t| t != u64::from(id));
+        woken.len() != before
+    }
 }
 
 struct Sim {
@@ -271,6 +302,8 @@ struct Sim {
     /// Authenticate every connection with a key (seeded).
     authenticating: bool,
     parked: Option<Box<ClientSession<Vec<u8>>>>,
+    /// Wakes of the target's parked requests (`Connection::target_batch`).
+    woken: Arc<Woken>,
     ops: BTreeMap<u64, Op>,
     busy: Vec<bool>,
     issued: usize,
@@ -338,6 +371,7 @@ impl Sim {
             resuming: rng.below(2) == 1,
             authenticating: rng.below(2) == 1,
             parked: None,
+            woken: Arc::new(Woken::default()),
             ops: BTreeMap::new(),
             busy: vec![false; VOLUME_BLOCKS],
             issued: 0,
@@ -402,6 +436,7 @@ impl Sim {
         self.report.resuming_runs = u64::from(self.resuming);
         self.report.authenticated_runs = u64::from(self.authenticating);
         self.report.disk_errors = self.faulty.errors.load(Relaxed);
+        self.report.parks = self.faulty.parks.load(Relaxed);
         Ok(self.report)
     }
 
@@ -469,6 +504,9 @@ impl Sim {
             client_data_messages: false,
             resume: self.parked.take(),
             reattached: false,
+            target_batch: Arc::new(Batch::new(self.woken.clone(), u64::from(id))),
+            target_waiting: false,
+            target_resumed: false,
         });
     }
 
@@ -574,8 +612,19 @@ impl Sim {
         if conn.target_closed {
             return;
         }
+        self.faulty.land_some();
+        if conn.target_waiting && self.woken.take(conn.id) {
+            // Its device work landed: execute what waited, without looking ahead again.
+            conn.target_waiting = false;
+            conn.target_resumed = true;
+            self.run_target(now);
+        }
         for _ in 0..CALLS_PER_STEP {
-            if conn.target_closing || conn.target_tx.len() - conn.target_sent > TX_BACKLOG_MAX {
+            let conn = self.conn.as_mut().expect("a connection");
+            if conn.target_waiting
+                || conn.target_closing
+                || conn.target_tx.len() - conn.target_sent > TX_BACKLOG_MAX
+            {
                 break;
             }
             match conn.target_io.fill(&mut conn.target_rx) {
@@ -583,31 +632,16 @@ impl Sim {
                     conn.target_closed = true;
                     return;
                 }
-                Ok(_) => {
-                    let mut link = Link {
-                        rx: &mut conn.target_rx,
-                        tx: &mut conn.target_tx,
-                        closing: &mut conn.target_closing,
-                        peer: "sim",
-                        stats: &conn.target_stats,
-                        backlog_max: usize::MAX,
-                        batch: None,
-                        waiting: false,
-                    };
-                    conn.target.process(&mut link, &self.host);
-                    if !conn.target_apart && conn.target.data_messages() {
-                        conn.target_apart = conn.target_io.send_data_messages();
-                    }
-                    let slow = self.faulty.take_delay_us();
-                    conn.target_gate_us = conn.target_gate_us.max(now + slow);
-                }
+                Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(_) => {
                     conn.target_closed = true;
                     return;
                 }
             }
+            self.run_target(now);
         }
+        let conn = self.conn.as_mut().expect("a connection");
         if now < conn.target_gate_us {
             return;
         }
@@ -633,6 +667,30 @@ impl Sim {
                 conn.target_closed = true;
             }
         }
+    }
+
+    /// The target's front end processes what it has received (looking ahead, and perhaps
+    /// parking, unless it was just woken), and its slow backend delays the replies.
+    fn run_target(&mut self, now: u64) {
+        let conn = self.conn.as_mut().expect("a connection");
+        let batch = if std::mem::take(&mut conn.target_resumed) { None } else { Some(&conn.target_batch) };
+        let mut link = Link {
+            rx: &mut conn.target_rx,
+            tx: &mut conn.target_tx,
+            closing: &mut conn.target_closing,
+            peer: "sim",
+            stats: &conn.target_stats,
+            backlog_max: usize::MAX,
+            batch,
+            waiting: false,
+        };
+        conn.target.process(&mut link, &self.host);
+        conn.target_waiting = link.waiting;
+        if !conn.target_apart && conn.target.data_messages() {
+            conn.target_apart = conn.target_io.send_data_messages();
+        }
+        let slow = self.faulty.take_delay_us();
+        conn.target_gate_us = conn.target_gate_us.max(now + slow);
     }
 
     /// The connection died: every request on it must have completed (with an error), and it
