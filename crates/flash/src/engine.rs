@@ -603,21 +603,28 @@ impl Array {
                 || (vpage == first && !offset.is_multiple_of(page))
                 || (vpage == last && !end.is_multiple_of(page))
         };
-        let mut room = reads.depth().saturating_sub(reads.in_flight());
+        if write && offset.is_multiple_of(page) && end.is_multiple_of(page) {
+            // Whole pages: a write fills them without reading anything.
+            return;
+        }
+        // How many more reads the ring takes, asked only once a page needs one: a request
+        // served from the pool never touches the ring's lock.
+        let mut room: Option<usize> = None;
         let mut started: Vec<(u32, Pba)> = Vec::new();
         {
             let mut c = self.lock();
             for vpage in first..=last {
-                if room == 0 {
-                    break;
-                }
                 if !wanted(vpage) || !c.on_flash_only(vol, vpage) {
                     continue;
+                }
+                let room = room.get_or_insert_with(|| reads.depth().saturating_sub(reads.in_flight()));
+                if *room == 0 {
+                    break;
                 }
                 match c.get(vol, vpage, Access::Read) {
                     Ok(Got::Fetch { slot, pba }) => {
                         started.push((slot, pba));
-                        room -= 1;
+                        *room -= 1;
                     }
                     Ok(Got::Direct(pba)) => {
                         // No slot to be had: the rest is read the ordinary way.

@@ -141,16 +141,12 @@ impl<T: Send> Reads<T> {
             }
         }
         let mut open = true;
-        let mut ended = Vec::new();
-        {
-            // SAFETY: `reaping` is held, so this thread is the only one reading the
-            // completion queue.
-            let cq = unsafe { self.ring.completion_shared() };
-            for cqe in cq {
-                ended.push((cqe.user_data(), cqe.result()));
-            }
-        }
-        for (tag, result) in ended {
+        // SAFETY: `reaping` is held, so this thread is the only one reading the completion
+        // queue. Each entry is copied out before `done` runs; the queue's head moves on when
+        // the view is dropped.
+        let cq = unsafe { self.ring.completion_shared() };
+        for cqe in cq {
+            let (tag, result) = (cqe.user_data(), cqe.result());
             if tag == CLOSE {
                 open = false;
                 continue;

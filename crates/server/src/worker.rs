@@ -57,6 +57,8 @@ pub(crate) struct Worker {
     /// Batches of flash reads that have landed, by token; `None` without asynchronous flash
     /// reads.
     landed: Option<Arc<Landed>>,
+    /// The tokens [`take_landed`](Worker::take_landed) is working through.
+    woken: Vec<u64>,
 }
 
 /// Where the flash array's completion thread says a connection's batch of reads landed
@@ -129,6 +131,7 @@ impl Worker {
             adopted: 0,
             timed: Vec::new(),
             landed,
+            woken: Vec::new(),
             id,
             poll,
             waker,
@@ -376,10 +379,12 @@ impl Worker {
     /// Bring back the connections whose flash reads landed.
     fn take_landed(&mut self) {
         let Some(landed) = &self.landed else { return };
-        let tokens = std::mem::take(&mut *landed.tokens.lock().unwrap_or_else(|e| e.into_inner()));
-        for token in tokens {
+        // Swapped with a list the worker keeps, so neither side allocates once both have grown.
+        std::mem::swap(&mut self.woken, &mut *landed.tokens.lock().unwrap_or_else(|e| e.into_inner()));
+        for &token in &self.woken {
             self.conns.wake((token & u64::from(u32::MAX)) as usize, token);
         }
+        self.woken.clear();
     }
 
     fn take_received(&mut self) {
