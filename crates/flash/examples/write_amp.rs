@@ -11,7 +11,8 @@
 //! The array is in memory unless `--device PATH` names a file (then its pages written are also
 //! counted by the device itself). Background work (write-back, cleaning, checkpoints) runs in
 //! the writing thread every `--step` writes, as the target's flash thread would. Only the
-//! overwrite phase is measured: the fill is excluded.
+//! overwrite phase is measured: the fill, and `--warmup N` volumes' worth of overwrites before
+//! it (to measure the steady state rather than the way out of a sequential fill), are not.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +30,7 @@ struct Args {
     dist: String,
     segregation: bool,
     overwrites: f64,
+    warmup: f64,
     pool_mib: u64,
     policy: VictimPolicy,
     device: Option<String>,
@@ -49,6 +51,7 @@ fn parse() -> Args {
         dist: "80/20".into(),
         segregation: true,
         overwrites: 4.0,
+        warmup: 0.0,
         pool_mib: 16,
         policy: VictimPolicy::CostBenefit,
         device: None,
@@ -71,6 +74,7 @@ fn parse() -> Args {
             "--overwrites" => {
                 a.overwrites = v().parse().unwrap_or_else(|_| die("--overwrites: volume sizes"))
             }
+            "--warmup" => a.warmup = v().parse().unwrap_or_else(|_| die("--warmup: volume sizes")),
             "--pool-mib" => a.pool_mib = v().parse().unwrap_or_else(|_| die("--pool-mib: a number")),
             "--policy" => {
                 a.policy = match v().as_str() {
@@ -226,21 +230,33 @@ fn main() {
         }
     }
     array.flush().unwrap_or_else(|e| die(&format!("flush: {e}")));
-    let before = array.stats();
-    let dev_before = dev.pages_written();
-    let disk = a.device.as_deref().and_then(DiskCounter::of);
-    let disk_before = disk.as_ref().and_then(DiskCounter::sectors_written);
     let (hot_share, hot_pages) = match a.dist.as_str() {
         "80/20" => (0.8, vol_pages / 5),
         "95/20" => (0.95, vol_pages / 5),
         _ => (0.0, 0),
     };
+    let pick = |rng: &mut Rng| {
+        let hot = hot_pages > 0 && (rng.below(1_000_000) as f64) < hot_share * 1e6;
+        let i = if hot { rng.below(hot_pages) } else { hot_pages + rng.below(vol_pages - hot_pages) };
+        scatter(i, vol_pages)
+    };
+    for w in 0..(vol_pages as f64 * a.warmup) as u64 {
+        let p = pick(&mut rng);
+        page[..8].copy_from_slice(&rng.next().to_le_bytes());
+        array.write(vol, p * PAGE as u64, &page, false).unwrap_or_else(|e| die(&format!("warm-up {w}: {e}")));
+        if w % a.step == 0 {
+            background(&array);
+        }
+    }
+    array.flush().unwrap_or_else(|e| die(&format!("flush: {e}")));
+    let before = array.stats();
+    let dev_before = dev.pages_written();
+    let disk = a.device.as_deref().and_then(DiskCounter::of);
+    let disk_before = disk.as_ref().and_then(DiskCounter::sectors_written);
     let writes = (vol_pages as f64 * a.overwrites) as u64;
     let started = Instant::now();
     for w in 0..writes {
-        let hot = hot_pages > 0 && (rng.below(1_000_000) as f64) < hot_share * 1e6;
-        let i = if hot { rng.below(hot_pages) } else { hot_pages + rng.below(vol_pages - hot_pages) };
-        let p = scatter(i, vol_pages);
+        let p = pick(&mut rng);
         page[..8].copy_from_slice(&rng.next().to_le_bytes());
         array
             .write(vol, p * PAGE as u64, &page, false)
@@ -272,10 +288,11 @@ fn main() {
     }
     if a.json {
         println!(
-            "{{\"dist\":\"{}\",\"segregation\":{},\"fill\":{},\"array_mib\":{},\"user_pages\":{user},\"device_pages\":{device},\"device_pages_measured\":{measured},\"gc_pages_moved\":{moved},\"gc_segments\":{},\"checkpoints\":{},\"write_amplification\":{wa:.4},\"seconds\":{secs:.2},\"erase_min\":{},\"erase_max\":{},\"wear_segments_moved\":{wear_moves},\"kernel_pages_written\":{}}}",
+            "{{\"dist\":\"{}\",\"segregation\":{},\"fill\":{},\"warmup\":{},\"array_mib\":{},\"user_pages\":{user},\"device_pages\":{device},\"device_pages_measured\":{measured},\"gc_pages_moved\":{moved},\"gc_segments\":{},\"checkpoints\":{},\"write_amplification\":{wa:.4},\"seconds\":{secs:.2},\"erase_min\":{},\"erase_max\":{},\"wear_segments_moved\":{wear_moves},\"kernel_pages_written\":{}}}",
             a.dist,
             a.segregation,
             a.fill,
+            a.warmup,
             a.array_mib,
             after.counters.gc_segments_cleaned - before.counters.gc_segments_cleaned,
             after.counters.checkpoints - before.counters.checkpoints,

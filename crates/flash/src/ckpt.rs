@@ -130,7 +130,7 @@ pub fn encode(c: &Controller, seq: u64, segments: &[u32]) -> Vec<u8> {
     w.u32(c.space.segs.len() as u32);
     for (s, seg) in c.space.segs.iter().enumerate() {
         let (state, stream, next) = match seg.state {
-            State::Open { stream, next } => (1, stream as u8, next),
+            State::Open { stream, next } => (1, stream.as_u8(), next),
             State::Full => (2, 0, 0),
             State::Checkpoint if segments.contains(&(s as u32)) => (3, 0, 0),
             _ if segments.contains(&(s as u32)) => (3, 0, 0),

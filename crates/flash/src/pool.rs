@@ -67,7 +67,7 @@ const EMPTY: Slot = Slot {
     vpage: 0,
     referenced: false,
     orphan: false,
-    stream: Stream::Hot,
+    stream: Stream::ONE,
     uses: 0,
 };
 
@@ -302,9 +302,9 @@ mod tests {
         let mut p = Pool::new(3);
         let (a, _) = p.take(1, 0, SlotState::Fetching).unwrap();
         p.fetched(a, true);
-        p.unpin(a, false, Stream::Hot);
+        p.unpin(a, false, Stream::ONE);
         let (b, _) = p.take(1, 1, SlotState::Filling).unwrap();
-        p.unpin(b, true, Stream::Hot); // dirty
+        p.unpin(b, true, Stream::ONE); // dirty
         let (c, _) = p.take(1, 2, SlotState::Fetching).unwrap(); // stays pinned, in flight
                                                                  // Full: only `a` (clean, unpinned) may go.
         let (d, evicted) = p.take(1, 3, SlotState::Filling).unwrap();
@@ -317,14 +317,14 @@ mod tests {
     fn a_slot_written_during_its_write_back_is_dirty_again() {
         let mut p = Pool::new(2);
         let (a, _) = p.take(1, 0, SlotState::Filling).unwrap();
-        p.unpin(a, true, Stream::Cold);
+        p.unpin(a, true, Stream::user(1));
         assert_eq!(p.take_dirty(8, None, None), vec![a]);
         p.pin(a);
-        p.unpin(a, true, Stream::Hot);
+        p.unpin(a, true, Stream::ONE);
         assert!(p.written(a, true), "redirtied");
         assert_eq!(p.slot(a).state, SlotState::Dirty);
-        assert_eq!(p.take_dirty(8, Some(Stream::Cold), None), vec![], "it goes to the hot stream now");
-        assert_eq!(p.take_dirty(8, Some(Stream::Hot), None), vec![a]);
+        assert_eq!(p.take_dirty(8, Some(Stream::user(1)), None), vec![], "it goes to the hot stream now");
+        assert_eq!(p.take_dirty(8, Some(Stream::ONE), None), vec![a]);
         assert!(!p.written(a, true));
         assert_eq!(p.dirty_count(), 0);
     }
@@ -333,7 +333,7 @@ mod tests {
     fn an_orphan_is_freed_when_its_last_holder_lets_go() {
         let mut p = Pool::new(1);
         let (a, _) = p.take(1, 0, SlotState::Filling).unwrap();
-        p.unpin(a, true, Stream::Hot);
+        p.unpin(a, true, Stream::ONE);
         let taken = p.take_dirty(1, None, None);
         assert_eq!(taken, vec![a]);
         assert!(!p.discard(a), "in flight");

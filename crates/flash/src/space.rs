@@ -2,10 +2,10 @@
 //! next, and how evenly they wear.
 //!
 //! Writes are always out of place, appended to an open segment of their **stream**. With
-//! segregation on, user writes go to a hot or a cold stream by how recently their page was
-//! last written, and garbage-collection relocations to a stream of their own (FlashNet's
-//! three levels: origin, age, heat); with it off, everything shares one stream, so hot and
-//! cold pages mix in every segment and cleaning moves more of them.
+//! segregation on, a page goes to the stream of its origin (a user write or a
+//! garbage-collection move) and its age class (how often and how lately it was written: `ctl`
+//! decides), FlashNet's three levels of origin, age and heat; with it off, everything shares
+//! one stream, so hot and cold pages mix in every segment and cleaning moves more of them.
 //!
 //! A segment is cleaned only once a checkpoint covers every group in it (its last group's
 //! sequence number is at most the checkpoint's): replay after a crash starts from the
@@ -13,8 +13,8 @@
 //! segment becomes free only once the groups that moved its pages are durable. A reserve of
 //! free segments is kept for cleaning and checkpoints, which user writes never take.
 //!
-//! **Wear.** Free segments are handed out least-worn first, except to the GC stream, which
-//! takes the most-worn: the pages it relocates have outlived a segment and are the coldest, so
+//! **Wear.** Free segments are handed out least-worn first, except to the GC streams, which
+//! take the most-worn: the pages it relocates have outlived a segment and are the coldest, so
 //! they rest where more erases would hurt most. That alone leaves a segment of cold data
 //! unerased for ever; so when the most-worn segment has been erased more than
 //! `wear_spread_max` times more than the least-worn full one, that one is cleaned whatever its
@@ -26,27 +26,49 @@ use std::collections::BTreeSet;
 use crate::layout::{SegmentHeader, SegmentKind};
 use crate::map::Map;
 
-/// Where a page is appended.
+/// Where a page is appended: a user stream or a garbage-collection stream, each for one age
+/// class of pages (`ctl` classes a page by how often and how lately it was written). With
+/// segregation off, everything goes to [`Stream::ONE`].
+///
+/// On the devices (a data segment's header, the checkpoint's open segments) a stream is its
+/// index: user streams `0..CLASSES`, then GC streams.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Stream {
-    /// User writes to pages written recently (or every write, with segregation off).
-    Hot = 0,
-    /// User writes to pages not written for a while.
-    Cold = 1,
-    /// Pages garbage collection moved.
-    Gc = 2,
-}
+pub struct Stream(u8);
 
-pub const STREAMS: usize = 3;
+/// Age classes of pages, youngest first.
+pub const CLASSES: u8 = 3;
+
+/// Streams in all: a user and a GC stream for each class.
+pub const STREAMS: usize = 2 * CLASSES as usize;
 
 impl Stream {
+    /// The one stream with segregation off; with it on, user writes of the youngest class.
+    pub const ONE: Stream = Stream(0);
+
+    /// User writes of pages of age class `class` (0: the youngest).
+    pub fn user(class: u8) -> Stream {
+        Stream(class.min(CLASSES - 1))
+    }
+
+    /// Pages garbage collection moves, of age class `class`.
+    pub fn gc(class: u8) -> Stream {
+        Stream(CLASSES + class.min(CLASSES - 1))
+    }
+
+    pub fn is_gc(self) -> bool {
+        self.0 >= CLASSES
+    }
+
+    pub fn index(self) -> usize {
+        usize::from(self.0)
+    }
+
     pub fn from_u8(v: u8) -> Option<Stream> {
-        match v {
-            0 => Some(Stream::Hot),
-            1 => Some(Stream::Cold),
-            2 => Some(Stream::Gc),
-            _ => None,
-        }
+        (usize::from(v) < STREAMS).then_some(Stream(v))
+    }
+
+    pub fn as_u8(self) -> u8 {
+        self.0
     }
 }
 
@@ -158,13 +180,13 @@ impl Space {
     /// reserve is for garbage collection and checkpoints, `use_reserve`).
     pub fn grant(&mut self, stream: Stream, pages: u32, seq: u64, use_reserve: bool) -> Option<Grant> {
         let mut opened = None;
-        let seg = match self.open[stream as usize] {
+        let seg = match self.open[stream.index()] {
             Some(s) if self.room(s) >= 2 => s,
             other => {
                 if let Some(s) = other {
                     self.close(s);
                 }
-                let s = self.take_free(use_reserve, stream == Stream::Gc)?;
+                let s = self.take_free(use_reserve, stream.is_gc())?;
                 let erase_count = self.segs[s as usize].erase_count + 1;
                 self.segs[s as usize] = Segment {
                     state: State::Open { stream, next: 1 },
@@ -172,12 +194,12 @@ impl Space {
                     last_seq: 0,
                     filled_at: 0,
                 };
-                self.open[stream as usize] = Some(s);
+                self.open[stream.index()] = Some(s);
                 opened = Some(SegmentHeader {
                     segment: s,
                     opened_seq: seq,
                     erase_count,
-                    kind: SegmentKind::Data(stream as u8),
+                    kind: SegmentKind::Data(stream.as_u8()),
                 });
                 s
             }
@@ -210,8 +232,8 @@ impl Space {
         if let State::Open { stream, .. } = seg.state {
             seg.state = State::Full;
             seg.filled_at = self.clock;
-            if self.open[stream as usize] == Some(s) {
-                self.open[stream as usize] = None;
+            if self.open[stream.index()] == Some(s) {
+                self.open[stream.index()] = None;
             }
         }
     }
@@ -348,7 +370,7 @@ impl Space {
                 State::Free => {
                     self.free.insert((seg.erase_count, s as u32));
                 }
-                State::Open { stream, .. } => self.open[stream as usize] = Some(s as u32),
+                State::Open { stream, .. } => self.open[stream.index()] = Some(s as u32),
                 _ => {}
             }
         }
@@ -376,17 +398,17 @@ mod tests {
         let mut sp = Space::new(4, 8, 1);
         sp.segs[0].erase_count = 5;
         sp.free = (0..4).map(|s| (sp.segs[s as usize].erase_count, s)).collect();
-        let g = sp.grant(Stream::Hot, 3, 1, false).unwrap();
+        let g = sp.grant(Stream::ONE, 3, 1, false).unwrap();
         assert_eq!((g.segment, g.first, g.count), (1, 1, 3), "least worn: segment 1");
         assert!(g.opened.is_some());
-        let g = sp.grant(Stream::Hot, 10, 2, false).unwrap();
+        let g = sp.grant(Stream::ONE, 10, 2, false).unwrap();
         assert_eq!((g.segment, g.first, g.count), (1, 5, 2), "the rest of segment 1");
         assert_eq!(sp.segs[1].state, State::Full);
-        let g = sp.grant(Stream::Hot, 1, 3, false).unwrap();
+        let g = sp.grant(Stream::ONE, 1, 3, false).unwrap();
         assert_eq!(g.segment, 2);
-        assert_eq!(sp.grant(Stream::Cold, 1, 4, false).unwrap().segment, 3);
-        assert!(sp.grant(Stream::Gc, 1, 5, false).is_none(), "the last free segment is the reserve");
-        assert_eq!(sp.grant(Stream::Gc, 1, 5, true).unwrap().segment, 0, "cleaning may take it");
+        assert_eq!(sp.grant(Stream::user(1), 1, 4, false).unwrap().segment, 3);
+        assert!(sp.grant(Stream::gc(0), 1, 5, false).is_none(), "the last free segment is the reserve");
+        assert_eq!(sp.grant(Stream::gc(0), 1, 5, true).unwrap().segment, 0, "cleaning may take it");
         sp.audit().unwrap();
     }
 
@@ -394,7 +416,7 @@ mod tests {
     fn only_covered_segments_are_cleaned_and_freed_after_durability() {
         let mut sp = Space::new(3, 16, 0);
         let mut map = Map::new(3, 16);
-        let g = sp.grant(Stream::Hot, 14, 7, false).unwrap();
+        let g = sp.grant(Stream::ONE, 14, 7, false).unwrap();
         assert_eq!(sp.segs[g.segment as usize].state, State::Full);
         assert_eq!(sp.victim(&map), None, "seq 7 is past the checkpoint");
         sp.covered_seq = 7;
