@@ -26,7 +26,8 @@ One invocation measures, on files of the same disk (--dir, /var/tmp by default):
 - **Recovery** (--recovery): write N MiB after a clean start, `kill -9` the target, start it
   again and read the recovery's own report ("flash array recovered": groups replayed, ms).
 - **Write amplification on a disk** (--wa): `examples/write_amp.rs` on a file of --dir (80/20
-  overwrites of a volume at 80% of a 1 GiB array, segregation on and off), counting what the
+  overwrites of a volume at 80% of a 1 GiB array, segregation on and off, measured after
+  --wa-warmup volumes' worth of the same overwrites), counting what the
   engine wrote, what the file took, and what the kernel's /proc/diskstats saw reach the disk;
   and the same overwrites (fio, zoned 80/20, 4 KiB, 4 times the 0.8 GiB) through a `file:`
   export of a file on that disk, counted by /proc/diskstats.
@@ -242,7 +243,7 @@ def wa_runs(a, scratch):
     for seg in ("on", "off"):
         dev = os.path.join(scratch, "wa.img")
         r = run([example, "--segment-kib", "2048", "--dist", "80/20", "--segregation", seg, "--device", dev,
-                 "--json"])
+                 "--warmup", str(a.wa_warmup), "--json"])
         rec = json.loads(r.stdout)
         rec["system"] = "flash"
         out.append(rec)
@@ -335,6 +336,8 @@ def main():
     p.add_argument("--no-recovery", action="store_true")
     p.add_argument("--recovery-mib", default="16,64,256")
     p.add_argument("--wa", action="store_true", help="also measure write amplification on the disk (minutes)")
+    p.add_argument("--wa-warmup", type=float, default=8,
+                   help="volumes' worth of overwrites before the flash runs measure (steady state; 0: from the fill)")
     add_placement_args(p, "runs per point, systems alternating in each round; the median is reported (default 3)")
     a = p.parse_args()
     a.repeat = 3 if a.repeat is None else a.repeat
@@ -390,7 +393,7 @@ def main():
                              f"{r['write_amplification']:.2f}", f"{r['device_pages_measured'] / user:.2f}", kern_wa])
             else:
                 rows.append(["file: export on ext4", "-", "-", kern_wa])
-        table(["80/20 overwrites, 4 x 0.8 GiB", "engine's count", "the file's count", "/proc/diskstats"], rows)
+        table([f"80/20 overwrites, 4 x 0.8 GiB (flash: after {a.wa_warmup:g} more)", "engine's count", "the file's count", "/proc/diskstats"], rows)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, time.strftime("flash-%Y%m%d-%H%M%S.json"))
     with open(path, "w") as f:
