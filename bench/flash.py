@@ -16,7 +16,11 @@ One invocation measures, on files of the same disk (--dir, /var/tmp by default):
   - `nbdkit-file`: `nbdkit file PATH` on the same file (through the kernel's page cache, its
     default);
   - `ram`: `skiff serve --export vol=ram:1G`, the reference for reads from the pool (the
-    issue's aim: no more CPU per read than a RAM export), filled before each run.
+    issue's aim: no more CPU per read than a RAM export), filled before each run;
+  - `flash-disk-before`: as `flash-disk`, served by another build (--skiff-before), to show a
+    change beside the build before it in the same run.
+  With --fsync N, writes send a FLUSH after every N (fio's --fsync), and --jobs N runs N fio
+  jobs, each on its own NBD connection.
   Every volume is filled with data before the runs (never-written pages read as zeroes for
   free). IOPS, latency and CPU per I/O of server (/proc) and client (fio) are the median of
   --repeat runs, systems alternating in each round.
@@ -97,11 +101,16 @@ def skiff_flash(a, array, cache, log=None, extra=()):
 
 
 def start(system, a, files):
-    if system in ("flash-pool", "flash-disk", "flash-disk-sync"):
+    if system in ("flash-pool", "flash-disk", "flash-disk-sync", "flash-disk-before"):
         cache = a.pool_big if system == "flash-pool" else a.pool_small
         # flash-disk-sync: pool misses read on the worker's thread, as before io_uring.
         extra = ["--flash-read-depth", "0"] if system == "flash-disk-sync" else []
-        t, _, uri = skiff_flash(a, files["array"], cache, extra=extra)
+        b = a
+        if system == "flash-disk-before":
+            if not a.skiff_before:
+                raise SystemExit("flash-disk-before needs --skiff-before PATH")
+            b = argparse.Namespace(**{**vars(a), "skiff": a.skiff_before})
+        t, _, uri = skiff_flash(b, files["array"], cache, extra=extra)
         return t, uri
     port = free_port()
     if system == "ram":
@@ -119,6 +128,8 @@ def start(system, a, files):
 def fio(a, uri, rw, qd, seconds=None, size="1G", bs="4k", extra=()):
     argv = ["fio", "--name=flash", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}",
             f"--iodepth={qd}", f"--size={size}", "--output-format=json", *extra]
+    if getattr(a, "jobs", 1) > 1:
+        argv += [f"--numjobs={a.jobs}", "--group_reporting"]
     if seconds:
         argv += [f"--runtime={seconds}", "--time_based"]
     out = run(a.pl.client(argv)).stdout
@@ -143,7 +154,8 @@ def measure(system, a, files, rw, qd):
         if system == "ram":
             fio(a, uri, "write", 8, bs="1M")  # never-written RAM reads the zero page
         t.restart_cpu()
-        r = fio(a, uri, rw, qd, seconds=a.runtime)
+        extra = [f"--fsync={a.fsync}"] if a.fsync and "write" in rw else []
+        r = fio(a, uri, rw, qd, seconds=a.runtime, extra=extra)
         r["server_cpu_us_per_io"] = t.cpu() * 1e6 / max(r["ios"], 1)
     finally:
         t.stop()
@@ -329,6 +341,9 @@ def main():
     p.add_argument("--pool-small", default="64M", help="--flash-cache of flash-disk")
     p.add_argument("--dir", default="/var/tmp", help="where the array and the ext4 file live (one disk)")
     p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--skiff-before", help="another build of skiff, for the flash-disk-before system")
+    p.add_argument("--fsync", type=int, default=0, help="writes: a FLUSH after every N (0: none)")
+    p.add_argument("--jobs", type=int, default=1, help="fio jobs, each on its own NBD connection")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--no-io", action="store_true")
     p.add_argument("--no-snapshot", action="store_true")
@@ -349,6 +364,7 @@ def main():
         raise SystemExit(f"{a.skiff} not found: cargo build --release --bin skiff")
     print(f"  placement: {a.pl.describe()}; median of {a.repeat}", file=sys.stderr)
     result = {"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "dir": a.dir,
+              "fsync": a.fsync, "jobs": a.jobs, "skiff_before": a.skiff_before,
               "machine": {"cores": os.cpu_count()}}
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="skiff-flash-bench-") as scratch:
         if not a.no_io:
@@ -361,7 +377,9 @@ def main():
         if a.wa:
             result["wa"] = wa_runs(a, scratch)
 
-    print(f"\n4 KiB random I/O through fio's nbd engine (no FUA), files on {a.dir}; placement "
+    flushes = f", a FLUSH after every {a.fsync} writes" if a.fsync else ""
+    jobs = f", {a.jobs} connections" if a.jobs > 1 else ""
+    print(f"\n4 KiB random I/O through fio's nbd engine (no FUA{flushes}{jobs}), files on {a.dir}; placement "
           f"{a.pl.describe()}; median of {a.repeat} runs of {a.runtime} s, systems alternating")
     if "io" in result:
         rows = []

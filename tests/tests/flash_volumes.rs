@@ -206,3 +206,29 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
     );
     assert!(std::fs::read(&again).unwrap() == data, "a volume written through NBD read back other bytes");
 }
+
+/// A FLUSH through the native protocol is made durable by the array's sync thread while the
+/// worker serves on: the lane's flush is answered only after it (the counter moved), and
+/// writes queued behind it in the same pass are answered too.
+#[test]
+fn a_native_flush_is_served_by_the_sync_thread() {
+    let (_dir, devices) = flash_array(2, 64 << 20);
+    let t = with_flash(&devices, &[], vec![]);
+    let ep = tcp_endpoint(&t);
+    let mut client = Client::connect(&ep).unwrap();
+    assert_eq!(client.volume(&request(VolumeOp::Create, "v", "", 8 << 20)).unwrap().status, Status::Ok);
+    let before = stat(&mut client, "syncs_later");
+    let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
+    let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 253) as u8).collect();
+    for round in 0..4u64 {
+        lane.write_at(&data, round << 20).unwrap();
+        lane.flush().unwrap();
+    }
+    assert!(stat(&mut client, "syncs_later") >= before + 4, "the flushes did not go to the sync thread");
+    assert!(stat(&mut client, "sync_rounds_later") > 0);
+    let mut back = vec![0u8; data.len()];
+    for round in 0..4u64 {
+        lane.read_at(&mut back, round << 20).unwrap();
+        assert!(back == data, "round {round} read back other bytes");
+    }
+}

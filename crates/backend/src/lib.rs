@@ -19,7 +19,7 @@ pub mod null;
 pub mod ram;
 pub mod spec;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 pub use rt::mem::RegionBytes;
@@ -172,6 +172,19 @@ pub trait Backend: Send + Sync {
     fn may_wait(&self) -> bool {
         false
     }
+    /// Whether [`sync_later`](Self::sync_later) works here. The default is no: FLUSH and FUA
+    /// are waited for in [`flush`](Self::flush) and `write_at`.
+    fn syncs_later(&self) -> bool {
+        false
+    }
+    /// Start making every write acknowledged so far durable, without waiting: counted on
+    /// `batch` ([`Batch::add`]), ended there with [`Batch::done`] once it is durable, after
+    /// [`Batch::fail`] if it could not be made so. The driver holds the replies of the FLUSH
+    /// or FUA requests that asked for it until the batch wakes it, and sends none of them if
+    /// the batch failed. Only called where [`syncs_later`](Self::syncs_later) says so.
+    fn sync_later(&self, batch: &Arc<Batch>) {
+        let _ = batch;
+    }
 }
 
 /// How a driver learns that what a [`Batch`] waited for has landed: called once per batch
@@ -191,20 +204,41 @@ pub struct Batch {
     left: AtomicUsize,
     /// Work started since the batch was opened.
     started: AtomicUsize,
+    /// Some work that must succeed for the replies waiting on the batch to be true did not
+    /// ([`sync_later`](Backend::sync_later)).
+    failed: AtomicBool,
     wake: Arc<dyn Wake>,
     token: u64,
 }
 
 impl Batch {
     pub fn new(wake: Arc<dyn Wake>, token: u64) -> Batch {
-        Batch { left: AtomicUsize::new(0), started: AtomicUsize::new(0), wake, token }
+        Batch {
+            left: AtomicUsize::new(0),
+            started: AtomicUsize::new(0),
+            failed: AtomicBool::new(false),
+            wake,
+            token,
+        }
     }
 
     /// Start collecting work.
     pub fn open(&self) {
         debug_assert_eq!(self.left.load(Ordering::Acquire), 0, "a batch reopened while its work goes on");
         self.started.store(0, Ordering::Relaxed);
+        self.failed.store(false, Ordering::Relaxed);
         self.left.store(1, Ordering::Release);
+    }
+
+    /// A piece of work failed in a way the replies waiting on the batch must not hide: call
+    /// before its [`done`](Self::done).
+    pub fn fail(&self) {
+        self.failed.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a piece failed ([`fail`](Self::fail)); read after the wake.
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
     }
 
     /// A backend started one more piece of work for this batch.
@@ -296,6 +330,17 @@ mod batch_tests {
         batch.done();
         assert!(!batch.seal());
         assert_eq!(woken.0.lock().unwrap().len(), 1);
+        // A failure is told after the wake, and forgotten when the batch opens again.
+        batch.open();
+        batch.add();
+        assert!(batch.seal());
+        batch.fail();
+        batch.done();
+        assert_eq!(woken.0.lock().unwrap().len(), 2);
+        assert!(batch.failed());
+        batch.open();
+        assert!(!batch.failed());
+        assert!(!batch.seal());
         // From other threads.
         batch.open();
         let threads: Vec<_> = (0..8)
@@ -309,6 +354,6 @@ mod batch_tests {
         for t in threads {
             t.join().unwrap();
         }
-        assert_eq!(woken.0.lock().unwrap().len(), if waits { 2 } else { 1 });
+        assert_eq!(woken.0.lock().unwrap().len(), if waits { 3 } else { 2 });
     }
 }

@@ -735,6 +735,11 @@ fn acknowledged_flushed_and_fua_writes_survive_kill_9() {
         snapshots.push((snap, model.durable.clone()));
         fua_and_unflushed(&mut c, &mut model, &mut rng);
         let unflushed = model.maybe.len();
+        // The FLUSHes and FUA writes were made durable by the array's sync thread, their
+        // worker serving on meanwhile (docs/FLASH.md, "FUA and FLUSH without a blocked
+        // worker"): the durability checked below is that path's.
+        let stats: serde_json::Value = serde_json::from_str(&vol_ok(&s, &["stats", "--json"])).unwrap();
+        assert!(stats["syncs_later"].as_u64() > Some(0), "no FLUSH or FUA went to the sync thread: {stats}");
         // The client is still connected when the target dies.
         s.kill();
         drop(c);

@@ -286,6 +286,30 @@ pub fn execute(export: &Export, io: &Io, payload: &[u8], read_into: &mut [u8]) -
     }
 }
 
+/// [`execute`] a validated request, except that the durability a FLUSH or a FUA write or
+/// write-zeroes asks for is started on the batch `later` opens rather than waited for, where
+/// the backend can ([`Backend::syncs_later`]): the write itself is carried out now, and the
+/// status is what it came to. The caller must then hold the request's reply until the batch
+/// wakes it, and send it only if the batch did not fail ([`front::Later`]).
+pub fn execute_later(export: &Export, io: &Io, payload: &[u8], later: &mut front::Later<'_>) -> Status {
+    let wants_sync =
+        io.opcode == Opcode::Flush || (io.opcode.is_mutating() && io.flags.contains(ReqFlags::FUA));
+    if !wants_sync || !export.backend.syncs_later() {
+        return execute(export, io, payload, &mut []);
+    }
+    let Some(batch) = later.batch() else { return execute(export, io, payload, &mut []) };
+    let status = if io.opcode == Opcode::Flush {
+        Status::Ok
+    } else {
+        let flags = ReqFlags::from_bits(io.flags.bits() & !ReqFlags::FUA.bits()).unwrap_or(ReqFlags::empty());
+        execute(export, &Io { flags, ..*io }, payload, &mut [])
+    };
+    if status.is_ok() {
+        export.backend.sync_later(batch);
+    }
+    status
+}
+
 /// Where a validated read's data already lies in memory, for a front end that sends it from
 /// there without copying it into its reply buffer first. `None` when the backend holds no such
 /// memory: call [`execute`] with a buffer instead. The bytes stay valid while the export does.

@@ -220,6 +220,10 @@ pub struct Stats {
     pub device_pages_written_measured: u64,
     /// Pool misses read asynchronously ([`Array::prefetch`]) since the array was opened.
     pub pages_read_async: u64,
+    /// FLUSH and FUA requests whose durability the syncer thread provided
+    /// ([`Array::sync_later`]), and the syncs it made for them (one serves all it finds queued).
+    pub syncs_later: u64,
+    pub sync_rounds_later: u64,
     pub recovered: Report,
 }
 
@@ -233,6 +237,15 @@ pub struct VolumeInfo {
     pub writable: bool,
     pub origin: Option<String>,
     pub snapshots: Vec<String>,
+}
+
+/// Durability requests waiting for the syncer thread: each a volume (`None`: every one) and
+/// the batch to end when it is durable.
+#[derive(Default)]
+struct SyncQueue {
+    jobs: Vec<(Option<VolId>, Arc<Batch>)>,
+    running: bool,
+    stop: bool,
 }
 
 /// A flash array, open.
@@ -261,6 +274,15 @@ pub struct Array {
     reader: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Pages [`prefetch`](Array::prefetch) started reading.
     prefetched: AtomicU64,
+    /// FLUSH and FUA durability asked for without waiting ([`sync_later`](Array::sync_later)),
+    /// for the syncer thread.
+    syncs: Mutex<SyncQueue>,
+    /// Requests queued, or the syncer must stop.
+    sync_kick: Condvar,
+    syncer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Requests [`sync_later`](Array::sync_later) took, and the syncs that served them.
+    synced_later: AtomicU64,
+    sync_rounds: AtomicU64,
     /// Segments filled when the last checkpoint began.
     filled_at_checkpoint: AtomicU64,
 }
@@ -372,6 +394,11 @@ impl Array {
             reads: OnceLock::new(),
             reader: Mutex::new(None),
             prefetched: AtomicU64::new(0),
+            syncs: Mutex::new(SyncQueue::default()),
+            sync_kick: Condvar::new(),
+            syncer: Mutex::new(None),
+            synced_later: AtomicU64::new(0),
+            sync_rounds: AtomicU64::new(0),
             filled_at_checkpoint: AtomicU64::new(0),
         });
         array.raise_ceiling()?;
@@ -444,6 +471,90 @@ impl Array {
             })
             .expect("spawn the flash thread");
         *self.background.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+        self.start_syncer();
+    }
+
+    /// Serve [`sync_later`](Self::sync_later) on a thread of its own (`skiff-flash-sync`): it
+    /// takes every request queued, makes one [`sync_pages`](Self::sync_pages) cover them all
+    /// (a group commit: the volume's if they all name one, the whole array's otherwise), and
+    /// ends their batches.
+    fn start_syncer(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let handle = std::thread::Builder::new()
+            .name("skiff-flash-sync".into())
+            .spawn(move || loop {
+                let Some(a) = weak.upgrade() else { return };
+                let jobs = {
+                    let mut q = a.syncs.lock().unwrap_or_else(|e| e.into_inner());
+                    if q.jobs.is_empty() {
+                        if q.stop {
+                            q.running = false;
+                            return;
+                        }
+                        let (q, _) = a
+                            .sync_kick
+                            .wait_timeout(q, Duration::from_millis(100))
+                            .unwrap_or_else(|e| e.into_inner());
+                        drop(q);
+                        continue;
+                    }
+                    std::mem::take(&mut q.jobs)
+                };
+                a.serve_syncs(jobs);
+            })
+            .expect("spawn the flash sync thread");
+        self.syncs.lock().unwrap_or_else(|e| e.into_inner()).running = true;
+        *self.syncer.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+    }
+
+    /// Make what `jobs` ask durable with one sync, then end each batch (failed if it failed).
+    fn serve_syncs(&self, jobs: Vec<(Option<VolId>, Arc<Batch>)>) {
+        let scope = jobs[0].0.filter(|v| jobs.iter().all(|(w, _)| *w == Some(*v)));
+        let result = self.sync_pages(scope);
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, requests = jobs.len(), "flash: a sync for FLUSH or FUA failed");
+        }
+        self.synced_later.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        self.sync_rounds.fetch_add(1, Ordering::Relaxed);
+        for (_, batch) in jobs {
+            if result.is_err() {
+                batch.fail();
+            }
+            batch.done();
+        }
+    }
+
+    /// Whether [`sync_later`](Self::sync_later) hands its work to the syncer thread (once
+    /// [`start_background`](Self::start_background) ran, until shutdown).
+    pub fn syncs_later(&self) -> bool {
+        let q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
+        q.running && !q.stop
+    }
+
+    /// Make every write to `vol` (`None`: to any volume) acknowledged so far durable without
+    /// waiting: counted on `batch` and ended there once durable, after [`Batch::fail`] if it
+    /// could not be made so. Without a syncer running, it is done here, before returning.
+    pub fn sync_later(&self, vol: Option<VolId>, batch: &Arc<Batch>) {
+        batch.add();
+        {
+            let mut q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
+            if q.running && !q.stop {
+                q.jobs.push((vol, batch.clone()));
+                drop(q);
+                self.sync_kick.notify_one();
+                return;
+            }
+        }
+        self.serve_syncs(vec![(vol, batch.clone())]);
+    }
+
+    /// Stop the syncer once it has served what is queued.
+    fn stop_syncer(&self) {
+        self.syncs.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        self.sync_kick.notify_all();
+        if let Some(h) = self.syncer.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = h.join();
+        }
     }
 
     /// Stop the background thread, write back every dirty page and take a checkpoint, so the
@@ -454,6 +565,7 @@ impl Array {
         if let Some(h) = self.background.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();
         }
+        self.stop_syncer();
         self.stop_reads();
         self.flush()?;
         self.checkpoint()
@@ -1307,6 +1419,8 @@ impl Array {
             map_bytes: c.map.leaves_in_use() as u64 * (crate::map::LEAF_PAGES as u64 * 4),
             device_pages_written_measured: self.devs.iter().map(|d| d.pages_written()).sum(),
             pages_read_async: self.prefetched.load(Ordering::Relaxed),
+            syncs_later: self.synced_later.load(Ordering::Relaxed),
+            sync_rounds_later: self.sync_rounds.load(Ordering::Relaxed),
             recovered: self.recovered,
         }
     }

@@ -97,6 +97,17 @@ impl Backend for FlashVolume {
         self.array.reads_async()
     }
 
+    fn syncs_later(&self) -> bool {
+        self.array.syncs_later()
+    }
+
+    /// The volume's dirty pages and waiting records, by the array's syncer thread: a FUA
+    /// write asks no more, and a FLUSH on this export asks only for the writes made through
+    /// it.
+    fn sync_later(&self, batch: &Arc<Batch>) {
+        self.array.sync_later(Some(self.vol), batch);
+    }
+
     /// Pages never written (or unmapped) are holes that read as zeroes.
     fn extents(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
         let page = PAGE as u64;

@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::front::{native::NativeConn, nbd::NbdConn, Link, Sink};
+use engine::front::{native::NativeConn, nbd::NbdConn, Later, Link, Sink};
 use engine::{Batch, Export, Io, RegionBytes};
 use transport::tls::ServerTlsConfig;
 use transport::{FrameBuffer, FrameIo, Stream};
@@ -401,6 +401,11 @@ pub(crate) struct Conn<S = Stream> {
     /// again, so a request waits at most once (a page taken from the pool meanwhile is read
     /// the ordinary way).
     resumed: bool,
+    /// Replies queued in `tx` wait for durability started on the batch (`Link::later`):
+    /// nothing is sent until the wake.
+    holding: bool,
+    /// That durability failed: the replies held must never be sent, and the connection goes.
+    unsent_replies_void: bool,
 }
 
 /// The protocol a connection speaks, chosen by the listener it arrived on.
@@ -503,6 +508,8 @@ impl<S: ConnStream> Conn<S> {
             batch: None,
             waiting: false,
             resumed: false,
+            holding: false,
+            unsent_replies_void: false,
         }
     }
 
@@ -655,6 +662,14 @@ impl<S: ConnStream> Conn<S> {
             self.waiting = false;
             self.resumed = true;
             self.held = true;
+            if std::mem::take(&mut self.holding) && self.batch.as_ref().is_some_and(|b| b.failed()) {
+                // Durability a FLUSH or FUA asked for failed: the replies queued must not say
+                // otherwise. Close without sending them; the peer sees its requests fail.
+                tracing::warn!(peer = %self.peer, "closing connection: a FLUSH or FUA write could not be made durable");
+                self.holding = true;
+                self.unsent_replies_void = true;
+                self.closing = true;
+            }
         }
     }
 
@@ -763,6 +778,9 @@ impl<S: ConnStream> Conn<S> {
     /// cleanly (`close_notify`, as the NBD specification asks after `NBD_CMD_DISC`). Returns
     /// false when the connection failed.
     pub fn flush(&mut self, stats: &WorkerStats) -> bool {
+        if self.holding {
+            return true;
+        }
         let started = Instant::now();
         let mut flushed = self.tx.flush(&mut self.stream);
         if flushed.is_ok() && self.closing && self.tx.pending() == 0 && !self.tls_closed {
@@ -791,6 +809,9 @@ impl<S: ConnStream> Conn<S> {
     /// `close_notify`). Returns whether the connection stays: false once it failed, or once it
     /// is closing and everything, the TLS end included, has gone out.
     pub fn flush_pass(&mut self, stats: &WorkerStats) -> bool {
+        if self.unsent_replies_void {
+            return false;
+        }
         let must_send = self.pending() > 0 || (self.closing && !self.tls_closed);
         if must_send && !self.flush(stats) {
             return false;
@@ -817,9 +838,10 @@ impl<S: ConnStream> Conn<S> {
     fn process(&mut self, shared: &Shared, stats: &WorkerStats, backlog_max: usize) {
         self.identify_nbd(shared);
         let Conn { rx, tx, closing, peer, kind, stream, data_apart, batch, resumed, .. } = self;
+        let later = Later::new(batch.as_ref());
         let batch = if std::mem::take(resumed) { None } else { batch.as_ref() };
         let mut link =
-            Link { rx, tx, closing, peer, stats: &stats.front, backlog_max, batch, waiting: false };
+            Link { rx, tx, closing, peer, stats: &stats.front, backlog_max, batch, waiting: false, later };
         match kind {
             Kind::Native(conn) => {
                 conn.process(&mut link, shared);
@@ -833,6 +855,11 @@ impl<S: ConnStream> Conn<S> {
                 conn.process(&mut link, shared);
                 self.starttls |= conn.take_starttls();
             }
+        }
+        if link.later.seal() {
+            // FLUSH or FUA replies queued: none leaves before the wake (`resume`).
+            link.waiting = true;
+            self.holding = true;
         }
         self.waiting = link.waiting;
         self.held = !self.closing && self.rx.pending() > 0 && self.backlogged(backlog_max);

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use backend::cache::{SLOT_BYTES, WAYS};
 use engine::front::native::NativeConn;
-use engine::front::{FrontStats, Host, Link};
+use engine::front::{FrontStats, Host, Later, Link};
 use engine::{BackendSpec, Export, ExportTable};
 use proto::caravan::Doorbell;
 use proto::client::{
@@ -316,6 +316,7 @@ fn open_side(host: &SimHost, rng: &mut Rng, _index: usize) -> Result<Side, Strin
             backlog_max: usize::MAX,
             batch: None,
             waiting: false,
+            later: Later::new(None),
         };
         target.process(&mut link, host);
         let header = Header::parse(&target_tx).map_err(|e| e.to_string())?;
@@ -382,6 +383,7 @@ fn deliver_to_target(side: &mut Side, host: &SimHost, rng: &mut Rng) {
         backlog_max: usize::MAX,
         batch: None,
         waiting: false,
+        later: Later::new(None),
     };
     side.target.process(&mut link, host);
 }

@@ -65,6 +65,10 @@ pub struct FaultyBackend {
     started: Mutex<Vec<Arc<Batch>>>,
     /// Pieces of device work started so far.
     pub parks: AtomicU64,
+    /// Durability started for batches ([`Backend::sync_later`]) and not done yet.
+    syncing: Mutex<Vec<Arc<Batch>>>,
+    /// FLUSH and FUA requests whose durability was started that way.
+    pub syncs_later: AtomicU64,
 }
 
 impl FaultyBackend {
@@ -77,6 +81,8 @@ impl FaultyBackend {
             errors: AtomicU64::new(0),
             started: Mutex::new(Vec::new()),
             parks: AtomicU64::new(0),
+            syncing: Mutex::new(Vec::new()),
+            syncs_later: AtomicU64::new(0),
         }
     }
 
@@ -88,6 +94,22 @@ impl FaultyBackend {
         while i < started.len() {
             if self.rng().chance(500_000) {
                 started.swap_remove(i).done();
+            } else {
+                i += 1;
+            }
+        }
+        drop(started);
+        // Durability started for FLUSH and FUA: a flush each, failed on the flush-error
+        // schedule (the driver must then close without sending the replies that waited).
+        let mut syncing = self.syncing.lock().unwrap_or_else(|e| e.into_inner());
+        let mut i = 0;
+        while i < syncing.len() {
+            if self.rng().chance(500_000) {
+                let batch = syncing.swap_remove(i);
+                if self.flush().is_err() {
+                    batch.fail();
+                }
+                batch.done();
             } else {
                 i += 1;
             }
@@ -160,6 +182,14 @@ impl Backend for FaultyBackend {
     }
     fn may_wait(&self) -> bool {
         self.faults.park > 0
+    }
+    fn syncs_later(&self) -> bool {
+        self.faults.park > 0
+    }
+    fn sync_later(&self, batch: &Arc<Batch>) {
+        batch.add();
+        self.syncs_later.fetch_add(1, Relaxed);
+        self.syncing.lock().unwrap_or_else(|e| e.into_inner()).push(batch.clone());
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.roll(self.faults.read_error, libc_eio())?;

@@ -180,8 +180,9 @@ fn main() -> ExitCode {
     let [short, blocked, delayed, disconnects, flips] = total.net_faults;
     println!(
         "faults injected: {short} short I/Os, {blocked} would-block bursts, {delayed} delays, {disconnects} disconnects, \
-         {flips} header bit flips ({} caught by a target), {} disk errors, {} requests parked for device work",
-        total.goaways, total.disk_errors, total.parks
+         {flips} header bit flips ({} caught by a target), {} disk errors, {} requests parked for device work, \
+         {} FLUSH/FUA replies held for durability ({} connections closed when it failed)",
+        total.goaways, total.disk_errors, total.parks, total.syncs_later, total.sync_failures
     );
     println!(
         "reconnection: {} of {count} seeds resumed their session across connections, {} reattaches (every request \

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use backend::{Backend, Batch, Wake};
 use engine::front::native::mutation::Mutation as TargetMutation;
 use engine::front::native::NativeConn;
-use engine::front::{FrontStats, Host, Link};
+use engine::front::{FrontStats, Host, Later, Link};
 use engine::{BackendSpec, Export, ExportTable};
 use proto::batch::BatchConfig;
 use proto::caravan::Doorbell;
@@ -108,6 +108,10 @@ pub struct Report {
     pub disk_errors: u64,
     /// Requests whose device work the target's front end waited for (parked), summed.
     pub parks: u64,
+    /// FLUSH and FUA requests whose replies waited for durability started without waiting
+    /// (`Backend::sync_later`), and connections closed because it failed.
+    pub syncs_later: u64,
+    pub sync_failures: u64,
     /// What the initiator's sessions did, summed over connections: caravans sent, completion
     /// caravans received, read bytes placed directly and copied.
     pub caravans_sent: u64,
@@ -142,6 +146,8 @@ impl Report {
         }
         self.disk_errors += r.disk_errors;
         self.parks += r.parks;
+        self.syncs_later += r.syncs_later;
+        self.sync_failures += r.sync_failures;
         self.caravans_sent += r.caravans_sent;
         self.completion_caravans += r.completion_caravans;
         self.read_bytes_placed += r.read_bytes_placed;
@@ -259,6 +265,11 @@ struct Connection {
     target_waiting: bool,
     /// Woken: the next processing runs without looking ahead (a request waits at most once).
     target_resumed: bool,
+    /// Replies queued wait for durability started on the batch (FLUSH, FUA): none is sent
+    /// before the wake, as in the server.
+    target_holding: bool,
+    /// That durability failed: the target closed without sending the replies that waited.
+    target_sync_failed: bool,
 }
 
 /// Connections whose parked requests may go on, by id.
@@ -437,6 +448,7 @@ impl Sim {
         self.report.authenticated_runs = u64::from(self.authenticating);
         self.report.disk_errors = self.faulty.errors.load(Relaxed);
         self.report.parks = self.faulty.parks.load(Relaxed);
+        self.report.syncs_later = self.faulty.syncs_later.load(Relaxed);
         Ok(self.report)
     }
 
@@ -507,6 +519,8 @@ impl Sim {
             target_batch: Arc::new(Batch::new(self.woken.clone(), u64::from(id))),
             target_waiting: false,
             target_resumed: false,
+            target_holding: false,
+            target_sync_failed: false,
         });
     }
 
@@ -617,6 +631,13 @@ impl Sim {
             // Its device work landed: execute what waited, without looking ahead again.
             conn.target_waiting = false;
             conn.target_resumed = true;
+            if std::mem::take(&mut conn.target_holding) && conn.target_batch.failed() {
+                // As the server does: the replies that waited for durability are never sent.
+                conn.target_sync_failed = true;
+                conn.target_io.shutdown();
+                conn.target_closed = true;
+                return;
+            }
             self.run_target(now);
         }
         for _ in 0..CALLS_PER_STEP {
@@ -642,7 +663,7 @@ impl Sim {
             self.run_target(now);
         }
         let conn = self.conn.as_mut().expect("a connection");
-        if now < conn.target_gate_us {
+        if now < conn.target_gate_us || conn.target_holding {
             return;
         }
         for _ in 0..CALLS_PER_STEP {
@@ -683,9 +704,12 @@ impl Sim {
             backlog_max: usize::MAX,
             batch,
             waiting: false,
+            later: Later::new(Some(&conn.target_batch)),
         };
         conn.target.process(&mut link, &self.host);
-        conn.target_waiting = link.waiting;
+        let holding = link.later.seal();
+        conn.target_waiting = link.waiting || holding;
+        conn.target_holding |= holding;
         if !conn.target_apart && conn.target.data_messages() {
             conn.target_apart = conn.target_io.send_data_messages();
         }
@@ -700,7 +724,8 @@ impl Sim {
         // A resuming session's counters run on across connections: counted once, at the end.
         self.count_connection(&conn, !self.resuming);
         let fault = conn.client_io.injected().or(conn.target_io.injected());
-        if fault.is_none() {
+        self.report.sync_failures += u64::from(conn.target_sync_failed);
+        if fault.is_none() && !conn.target_sync_failed {
             return Err(format!("connection {} failed without an injected fault: {reason}", conn.id));
         }
         if self.resuming {

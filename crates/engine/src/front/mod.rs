@@ -202,6 +202,46 @@ pub struct Link<'a, S: ?Sized> {
     pub batch: Option<&'a Arc<Batch>>,
     /// Set by the front end: requests wait for the batch (above).
     pub waiting: bool,
+    /// Where durability is started without waiting for it ([`crate::execute_later`]): a
+    /// FLUSH or FUA request is carried out, its durability started on this batch, and the
+    /// front end goes on with the requests after it. The driver seals the batch after the
+    /// pass ([`Later::seal`]); when anything was started, it holds every reply queued (sends
+    /// none) and reads nothing more until the wake, then sends them, or closes the connection
+    /// without sending them if the batch failed.
+    pub later: Later<'a>,
+}
+
+/// The batch durability is started on in one processing pass ([`Link::later`]), opened when
+/// first needed.
+pub struct Later<'a> {
+    batch: Option<&'a Arc<Batch>>,
+    open: bool,
+}
+
+impl<'a> Later<'a> {
+    /// `None`: durability is waited for where it is asked (no driver batch, or a staged
+    /// connection).
+    pub fn new(batch: Option<&'a Arc<Batch>>) -> Later<'a> {
+        Later { batch, open: false }
+    }
+
+    /// The batch, opened on first use in the pass.
+    pub fn batch(&mut self) -> Option<&'a Arc<Batch>> {
+        let batch = self.batch?;
+        if !self.open {
+            batch.open();
+            self.open = true;
+        }
+        Some(batch)
+    }
+
+    /// End the pass: whether something was started that the replies must wait for.
+    pub fn seal(&mut self) -> bool {
+        match self.batch {
+            Some(batch) if std::mem::take(&mut self.open) => batch.seal(),
+            _ => false,
+        }
+    }
 }
 
 impl<'a, S: ?Sized> Link<'a, S> {

@@ -22,7 +22,7 @@ use wire::{
     HEADER_LEN,
 };
 
-use super::{FrontStats, Host, Laps, Link, Sink};
+use super::{FrontStats, Host, Laps, Later, Link, Sink};
 use crate::direct::Plan;
 use crate::stats::bump;
 use crate::{Export, Io, Lease};
@@ -181,7 +181,7 @@ fn process<S: Sink + ?Sized>(
             }
             Inbound::Requests(caravan) => {
                 bug.before_caravan(host);
-                execute_caravan(&caravan, session, link.tx, host, link.stats, caps, bug);
+                execute_caravan(&caravan, session, link.tx, &mut link.later, host, link.stats, caps, bug);
             }
             Inbound::GoAway(goaway) => {
                 // The initiator is done: what it sent before is answered (it was executed in
@@ -426,10 +426,12 @@ impl CompletionWriter {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn execute_caravan<S: Sink + ?Sized>(
     caravan: &RequestCaravan<'_>,
     session: &ServerSession,
     tx: &mut S,
+    later: &mut Later<'_>,
     host: &impl Host,
     stats: &FrontStats,
     caps: &mut Vec<Capability>,
@@ -505,7 +507,7 @@ fn execute_caravan<S: Sink + ?Sized>(
             }
             Ok(export) => match bug.write(req.handle, &io, payload) {
                 Some(status) => (status, 0),
-                None => (crate::execute(export, &io, payload, &mut []), 0),
+                None => (crate::execute_later(export, &io, payload, later), 0),
             },
         };
         stats.ops.record(index, req.opcode, req.length, status, laps.lap(host));

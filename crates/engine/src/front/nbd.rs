@@ -294,7 +294,7 @@ impl NbdConn {
                 let len = req.length as usize;
                 let status = {
                     let payload = &link.rx.unconsumed()[..len];
-                    crate::execute(export, &io_of(req, Opcode::Write), payload, &mut [])
+                    crate::execute_later(export, &io_of(req, Opcode::Write), payload, &mut link.later)
                 };
                 link.rx.consume(len);
                 self.finish(link, session, req, status);
@@ -358,7 +358,7 @@ impl NbdConn {
         req: &Request,
         op: Opcode,
     ) -> Status {
-        let status = crate::execute(export, &io_of(req, op), &[], &mut []);
+        let status = crate::execute_later(export, &io_of(req, op), &[], &mut link.later);
         self.finish(link, session, req, status);
         status
     }

@@ -481,7 +481,7 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         out.gauge(name, help, vec![(vec![], v)]);
     }
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 10] = [
+    let counters: [(&str, &str, u64); 12] = [
         ("skiff_flash_user_pages_written_total", "Pages written to flash volumes by users (initiators).", c.user_pages_written),
         (
             "skiff_flash_device_pages_written_total",
@@ -499,6 +499,16 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
             "skiff_flash_pages_read_async_total",
             "Pool misses read ahead of their request without blocking a worker (io_uring).",
             s.pages_read_async,
+        ),
+        (
+            "skiff_flash_syncs_later_total",
+            "FLUSH and FUA requests made durable by the flash sync thread while their worker served others.",
+            s.syncs_later,
+        ),
+        (
+            "skiff_flash_sync_rounds_later_total",
+            "Syncs the flash sync thread made for them (one serves every request it finds queued).",
+            s.sync_rounds_later,
         ),
     ];
     for (name, help, v) in counters {
