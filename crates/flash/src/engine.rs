@@ -224,6 +224,9 @@ pub struct Stats {
     /// ([`Array::sync_later`]), and the syncs it made for them (one serves all it finds queued).
     pub syncs_later: u64,
     pub sync_rounds_later: u64,
+    /// Page writes that found no slot to take (every one dirty, pinned or in flight) and
+    /// made room themselves: the one place a worker still blocks on device writes.
+    pub pool_full_writes: u64,
     pub recovered: Report,
 }
 
@@ -283,6 +286,8 @@ pub struct Array {
     /// Requests [`sync_later`](Array::sync_later) took, and the syncs that served them.
     synced_later: AtomicU64,
     sync_rounds: AtomicU64,
+    /// Page writes that found the pool full and wrote back (or waited) on their own thread.
+    pool_full_writes: AtomicU64,
     /// Segments filled when the last checkpoint began.
     filled_at_checkpoint: AtomicU64,
 }
@@ -399,6 +404,7 @@ impl Array {
             syncer: Mutex::new(None),
             synced_later: AtomicU64::new(0),
             sync_rounds: AtomicU64::new(0),
+            pool_full_writes: AtomicU64::new(0),
             filled_at_checkpoint: AtomicU64::new(0),
         });
         array.raise_ceiling()?;
@@ -1247,6 +1253,7 @@ impl Array {
                 Got::Busy => c = self.wait(c),
                 Got::PoolFull => {
                     drop(c);
+                    self.pool_full_writes.fetch_add(1, Ordering::Relaxed);
                     self.make_room()?;
                     c = self.lock();
                 }
@@ -1421,6 +1428,7 @@ impl Array {
             pages_read_async: self.prefetched.load(Ordering::Relaxed),
             syncs_later: self.synced_later.load(Ordering::Relaxed),
             sync_rounds_later: self.sync_rounds.load(Ordering::Relaxed),
+            pool_full_writes: self.pool_full_writes.load(Ordering::Relaxed),
             recovered: self.recovered,
         }
     }

@@ -481,7 +481,7 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         out.gauge(name, help, vec![(vec![], v)]);
     }
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 12] = [
+    let counters: [(&str, &str, u64); 13] = [
         ("skiff_flash_user_pages_written_total", "Pages written to flash volumes by users (initiators).", c.user_pages_written),
         (
             "skiff_flash_device_pages_written_total",
@@ -509,6 +509,11 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
             "skiff_flash_sync_rounds_later_total",
             "Syncs the flash sync thread made for them (one serves every request it finds queued).",
             s.sync_rounds_later,
+        ),
+        (
+            "skiff_flash_pool_full_writes_total",
+            "Page writes that found every pool slot dirty, pinned or in flight and made room on their own thread.",
+            s.pool_full_writes,
         ),
     ];
     for (name, help, v) in counters {
