@@ -406,6 +406,7 @@ fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
         ("syncs_later", s.syncs_later),
         ("sync_rounds_later", s.sync_rounds_later),
         ("pool_full_writes", s.pool_full_writes),
+        ("rooms_later", s.rooms_later),
         ("erase_count_min", u64::from(s.erase_min)),
         ("erase_count_max", u64::from(s.erase_max)),
         ("map_bytes", s.map_bytes),

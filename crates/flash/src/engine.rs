@@ -19,7 +19,7 @@
 //! is synchronous on the calling thread. docs/FLASH.md says what that costs.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -48,6 +48,11 @@ pub const READS_DEPTH_MAX: u32 = 256;
 
 /// Most dirty pages one write-back group takes.
 const GROUP_PAGES: u32 = 128;
+
+/// Most groups the sync thread writes back for writes waiting for room in the pool, per round
+/// (a sixteenth of a 256 MiB pool): the writes go on once it stops, making any room still
+/// missing themselves.
+const ROOM_GROUPS_MAX: u32 = 32;
 
 /// How many sequence numbers one durable ceiling covers (`Superblock::seq_ceiling`): raised
 /// at every open and checkpoint, and when half of it is used.
@@ -227,6 +232,8 @@ pub struct Stats {
     /// Page writes that found no slot to take (every one dirty, pinned or in flight) and
     /// made room themselves: the one place a worker still blocks on device writes.
     pub pool_full_writes: u64,
+    /// Writes that parked while the sync thread made room in a (nearly) full pool.
+    pub rooms_later: u64,
     pub recovered: Report,
 }
 
@@ -247,6 +254,8 @@ pub struct VolumeInfo {
 #[derive(Default)]
 struct SyncQueue {
     jobs: Vec<(Option<VolId>, Arc<Batch>)>,
+    /// Writes waiting for room in the pool: the pages each needs, and its batch.
+    rooms: Vec<(u32, Arc<Batch>)>,
     running: bool,
     stop: bool,
 }
@@ -260,6 +269,8 @@ pub struct Array {
     /// wait, or it must stop. (It also looks every 20 ms.) Reads never wake it.
     kick: Condvar,
     pool: Region,
+    /// Slots in the pool.
+    pool_len: u32,
     devs: Vec<Box<dyn Device>>,
     geo: Geometry,
     id: ArrayId,
@@ -288,6 +299,12 @@ pub struct Array {
     sync_rounds: AtomicU64,
     /// Page writes that found the pool full and wrote back (or waited) on their own thread.
     pool_full_writes: AtomicU64,
+    /// Dirty pages in the pool as of the last write or write-back, read without the lock by
+    /// [`prefetch`](Array::prefetch) to tell whether a write would find the pool full.
+    dirty_hint: AtomicU32,
+    /// Writes whose look-ahead found the pool (nearly) full and parked while the sync thread
+    /// made room ([`prefetch`](Array::prefetch)).
+    rooms_later: AtomicU64,
     /// Segments filled when the last checkpoint began.
     filled_at_checkpoint: AtomicU64,
 }
@@ -381,7 +398,9 @@ impl Array {
         );
         let pool = Region::new(cfg.pool_pages as usize * PAGE)?;
         let opts = Options::for_array(&cfg, geo.total_segments(), geo.segment_pages);
+        let pool_len = ctl.pool.len();
         let array = Arc::new(Array {
+            pool_len,
             ctl: Mutex::new(ctl),
             changed: Condvar::new(),
             kick: Condvar::new(),
@@ -405,6 +424,8 @@ impl Array {
             synced_later: AtomicU64::new(0),
             sync_rounds: AtomicU64::new(0),
             pool_full_writes: AtomicU64::new(0),
+            dirty_hint: AtomicU32::new(0),
+            rooms_later: AtomicU64::new(0),
             filled_at_checkpoint: AtomicU64::new(0),
         });
         array.raise_ceiling()?;
@@ -480,11 +501,12 @@ impl Array {
         self.start_syncer();
     }
 
-    /// Serve [`sync_later`](Self::sync_later) on a thread of its own (`skiff-flash-sync`): it
+    /// Serve [`sync_later`](Self::sync_later) on a thread of its own (`skiff-flash-sync`;
+    /// [`start_background`](Self::start_background) starts it too, once per array): it
     /// takes every request queued, makes one [`sync_pages`](Self::sync_pages) cover them all
     /// (a group commit: the volume's if they all name one, the whole array's otherwise), and
     /// ends their batches.
-    fn start_syncer(self: &Arc<Self>) {
+    pub fn start_syncer(self: &Arc<Self>) {
         let weak = Arc::downgrade(self);
         let handle = std::thread::Builder::new()
             .name("skiff-flash-sync".into())
@@ -492,7 +514,7 @@ impl Array {
                 let Some(a) = weak.upgrade() else { return };
                 let jobs = {
                     let mut q = a.syncs.lock().unwrap_or_else(|e| e.into_inner());
-                    if q.jobs.is_empty() {
+                    if q.jobs.is_empty() && q.rooms.is_empty() {
                         if q.stop {
                             q.running = false;
                             return;
@@ -504,9 +526,14 @@ impl Array {
                         drop(q);
                         continue;
                     }
-                    std::mem::take(&mut q.jobs)
+                    (std::mem::take(&mut q.jobs), std::mem::take(&mut q.rooms))
                 };
-                a.serve_syncs(jobs);
+                if !jobs.0.is_empty() {
+                    a.serve_syncs(jobs.0);
+                }
+                if !jobs.1.is_empty() {
+                    a.serve_rooms(jobs.1);
+                }
             })
             .expect("spawn the flash sync thread");
         self.syncs.lock().unwrap_or_else(|e| e.into_inner()).running = true;
@@ -528,6 +555,30 @@ impl Array {
             }
             batch.done();
         }
+    }
+
+    /// Write back until the writes in `rooms` would find the pool under its high mark, or
+    /// nothing more can be written back (those writes then make room themselves), and end
+    /// their batches. A write parked for room never fails for it: its own execution meets any
+    /// error.
+    fn serve_rooms(&self, rooms: Vec<(u32, Arc<Batch>)>) {
+        let need = rooms.iter().map(|r| r.0).max().unwrap_or(0);
+        for _ in 0..ROOM_GROUPS_MAX {
+            if !self.pool_short(need) || !matches!(self.writeback_once(GROUP_PAGES, None), Ok(true)) {
+                break;
+            }
+        }
+        self.rooms_later.fetch_add(rooms.len() as u64, Ordering::Relaxed);
+        for (_, batch) in rooms {
+            batch.done();
+        }
+    }
+
+    /// Whether `pages` more dirty pages would take the pool past its high mark (seven
+    /// eighths dirty), by the dirty count of the last write or write-back.
+    fn pool_short(&self, pages: u32) -> bool {
+        let len = self.pool_len;
+        self.dirty_hint.load(Ordering::Relaxed).saturating_add(pages) > len - len / 8
     }
 
     /// Whether [`sync_later`](Self::sync_later) hands its work to the syncer thread (once
@@ -552,6 +603,20 @@ impl Array {
             }
         }
         self.serve_syncs(vec![(vol, batch.clone())]);
+    }
+
+    /// Queue a write of `pages` pages for room in the pool, counted on `batch`. `false`
+    /// (nothing queued) without a syncer running.
+    fn room_later(&self, pages: u32, batch: &Arc<Batch>) -> bool {
+        let mut q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
+        if !q.running || q.stop {
+            return false;
+        }
+        batch.add();
+        q.rooms.push((pages, batch.clone()));
+        drop(q);
+        self.sync_kick.notify_one();
+        true
     }
 
     /// Stop the syncer once it has served what is queued.
@@ -721,9 +786,17 @@ impl Array {
                 || (vpage == first && !offset.is_multiple_of(page))
                 || (vpage == last && !end.is_multiple_of(page))
         };
-        if write && offset.is_multiple_of(page) && end.is_multiple_of(page) {
-            // Whole pages: a write fills them without reading anything.
-            return;
+        if write {
+            let pages = u32::try_from(last - first + 1).unwrap_or(u32::MAX);
+            if self.pool_short(pages) && self.room_later(pages, batch) {
+                // The write would find the pool full and write back on its worker: the sync
+                // thread makes room while the request waits parked.
+                return;
+            }
+            if offset.is_multiple_of(page) && end.is_multiple_of(page) {
+                // Whole pages: a write fills them without reading anything.
+                return;
+            }
         }
         // How many more reads the ring takes, asked only once a page needs one: a request
         // served from the pool never touches the ring's lock.
@@ -883,6 +956,7 @@ impl Array {
         let result = gathered.and_then(|buf| self.write_group(&mut plan, buf));
         let mut c = self.lock();
         c.written(plan.seq, result.is_ok());
+        self.dirty_hint.store(c.pool.dirty_count(), Ordering::Relaxed);
         drop(c);
         self.changed.notify_all();
         result.map(|()| true)
@@ -1213,6 +1287,7 @@ impl Array {
     /// Wake the background thread as dirty pages reach the write-back mark (once, on the way
     /// up: a notify is a system call, too dear for every write).
     fn kick_at_mark(&self, c: &Controller) {
+        self.dirty_hint.store(c.pool.dirty_count(), Ordering::Relaxed);
         if c.pool.dirty_count() == self.opts.writeback_dirty_min {
             self.kick.notify_one();
         }
@@ -1429,6 +1504,7 @@ impl Array {
             syncs_later: self.synced_later.load(Ordering::Relaxed),
             sync_rounds_later: self.sync_rounds.load(Ordering::Relaxed),
             pool_full_writes: self.pool_full_writes.load(Ordering::Relaxed),
+            rooms_later: self.rooms_later.load(Ordering::Relaxed),
             recovered: self.recovered,
         }
     }

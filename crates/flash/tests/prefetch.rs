@@ -190,3 +190,38 @@ fn prefetching_beside_writers_and_write_back_never_serves_stale_bytes() {
     a.audit().unwrap();
     a.shutdown().unwrap();
 }
+
+/// A write whose look-ahead finds the pool seven eighths dirty parks while the sync thread
+/// writes back, instead of writing back on its worker; after the wake it finds room, and its
+/// bytes and every earlier one read back. (No background thread here: nothing else writes
+/// back, so the pool fills for sure.)
+#[test]
+fn a_write_into_a_full_pool_parks_while_the_sync_thread_makes_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = file_array(&dir, 64);
+    assert!(a.start_reads(16).unwrap());
+    a.start_syncer();
+    let vol = a.create("v", 512 * PAGE as u64).unwrap();
+    for p in 0..60u64 {
+        a.write(vol, p * PAGE as u64, &page_of(p), false).unwrap();
+    }
+    assert_eq!(a.stats().pool_dirty, 60);
+    let (b, woken) = batch(5);
+    // Four whole pages: nothing to read, but 60 + 4 dirty pages pass the mark of 56.
+    let started = prepared(&b, &woken, |b| a.prefetch(vol, 60 * PAGE as u64, 4 * PAGE as u64, true, b));
+    assert_eq!(started, 1, "the write waited for room");
+    assert!(a.stats().pool_dirty + 4 <= 56, "the sync thread wrote back: {} dirty", a.stats().pool_dirty);
+    let data: Vec<u8> = (60..64).flat_map(page_of).collect();
+    a.write(vol, 60 * PAGE as u64, &data, false).unwrap();
+    let s = a.stats();
+    assert_eq!((s.rooms_later, s.pool_full_writes), (1, 0));
+    // Below the mark, a write starts nothing.
+    let started = prepared(&b, &woken, |b| a.prefetch(vol, 64 * PAGE as u64, PAGE as u64, true, b));
+    assert_eq!(started, 0);
+    let mut back = vec![0u8; 64 * PAGE];
+    a.read(vol, 0, &mut back).unwrap();
+    for p in 0..64usize {
+        assert!(back[p * PAGE..(p + 1) * PAGE] == page_of(p as u64), "page {p}");
+    }
+    a.shutdown().unwrap();
+}

@@ -481,7 +481,7 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         out.gauge(name, help, vec![(vec![], v)]);
     }
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 13] = [
+    let counters: [(&str, &str, u64); 14] = [
         ("skiff_flash_user_pages_written_total", "Pages written to flash volumes by users (initiators).", c.user_pages_written),
         (
             "skiff_flash_device_pages_written_total",
@@ -514,6 +514,11 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
             "skiff_flash_pool_full_writes_total",
             "Page writes that found every pool slot dirty, pinned or in flight and made room on their own thread.",
             s.pool_full_writes,
+        ),
+        (
+            "skiff_flash_rooms_later_total",
+            "Writes that found the pool nearly full of dirty pages and waited parked while the flash sync thread wrote back.",
+            s.rooms_later,
         ),
     ];
     for (name, help, v) in counters {
