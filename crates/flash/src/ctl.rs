@@ -928,11 +928,7 @@ impl Controller {
         // class goes back to the youngest user stream: it survived only because its overwrite
         // has not come yet.
         let class = if self.cfg.segregation { self.move_class(moves[0].vol, moves[0].vpage) } else { 0 };
-        let stream = match class {
-            _ if !self.cfg.segregation => Stream::ONE,
-            0 => Stream::user(0),
-            c => Stream::gc(c),
-        };
+        let stream = if self.cfg.segregation { Stream::gc(class) } else { Stream::ONE };
         let max = (moves.len() as u32).min(self.cfg.group_pages_max) as usize;
         let run = moves
             .iter()

@@ -249,11 +249,18 @@ pub struct VolumeInfo {
     pub snapshots: Vec<String>,
 }
 
-/// Durability requests waiting for the syncer thread: each a volume (`None`: every one) and
-/// the batch to end when it is durable.
+/// A FLUSH or FUA waiting for the sync thread: the volume (`None`: every one), the pool's
+/// dirtying count when it was asked (what it must make durable), the batch to end after.
+struct SyncJob {
+    vol: Option<VolId>,
+    by: u64,
+    batch: Arc<Batch>,
+}
+
+/// Durability requests and writes waiting for room, for the syncer thread.
 #[derive(Default)]
 struct SyncQueue {
-    jobs: Vec<(Option<VolId>, Arc<Batch>)>,
+    jobs: Vec<SyncJob>,
     /// Writes waiting for room in the pool: the pages each needs, and its batch.
     rooms: Vec<(u32, Arc<Batch>)>,
     running: bool,
@@ -507,6 +514,13 @@ impl Array {
     /// (a group commit: the volume's if they all name one, the whole array's otherwise), and
     /// ends their batches.
     pub fn start_syncer(self: &Arc<Self>) {
+        {
+            let mut q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
+            if q.running || q.stop {
+                return;
+            }
+            q.running = true;
+        }
         let weak = Arc::downgrade(self);
         let handle = std::thread::Builder::new()
             .name("skiff-flash-sync".into())
@@ -528,28 +542,59 @@ impl Array {
                     }
                     (std::mem::take(&mut q.jobs), std::mem::take(&mut q.rooms))
                 };
-                if !jobs.0.is_empty() {
-                    a.serve_syncs(jobs.0);
-                }
-                if !jobs.1.is_empty() {
-                    a.serve_rooms(jobs.1);
+                let taken: Vec<Arc<Batch>> = jobs
+                    .0
+                    .iter()
+                    .map(|j| j.batch.clone())
+                    .chain(jobs.1.iter().map(|r| r.1.clone()))
+                    .collect();
+                let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    // Room first: it is bounded, where a sync runs until its volume is clean.
+                    if !jobs.1.is_empty() {
+                        a.serve_rooms(jobs.1);
+                    }
+                    if !jobs.0.is_empty() {
+                        a.serve_syncs(jobs.0);
+                    }
+                }));
+                if served.is_err() {
+                    a.syncer_died(taken);
+                    return;
                 }
             })
             .expect("spawn the flash sync thread");
-        self.syncs.lock().unwrap_or_else(|e| e.into_inner()).running = true;
         *self.syncer.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
     }
 
+    /// The sync thread panicked serving `taken`: take no more work there (workers sync
+    /// themselves from now on), and fail and end every batch it held or that is queued, so
+    /// that no connection waits for a wake that would never come.
+    fn syncer_died(&self, taken: Vec<Arc<Batch>>) {
+        tracing::error!(
+            "the flash sync thread failed; FLUSH and FUA are made durable on the workers from now on"
+        );
+        let mut q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
+        q.running = false;
+        let (jobs, rooms) = (std::mem::take(&mut q.jobs), std::mem::take(&mut q.rooms));
+        drop(q);
+        let queued = jobs.into_iter().map(|j| j.batch).chain(rooms.into_iter().map(|r| r.1));
+        for batch in taken.into_iter().chain(queued) {
+            batch.fail();
+            batch.done();
+        }
+    }
+
     /// Make what `jobs` ask durable with one sync, then end each batch (failed if it failed).
-    fn serve_syncs(&self, jobs: Vec<(Option<VolId>, Arc<Batch>)>) {
-        let scope = jobs[0].0.filter(|v| jobs.iter().all(|(w, _)| *w == Some(*v)));
-        let result = self.sync_pages(scope);
+    fn serve_syncs(&self, jobs: Vec<SyncJob>) {
+        let scope = jobs[0].vol.filter(|v| jobs.iter().all(|j| j.vol == Some(*v)));
+        let by = jobs.iter().map(|j| j.by).max();
+        let result = self.sync_pages_by(scope, by);
         if let Err(e) = &result {
             tracing::warn!(error = %e, requests = jobs.len(), "flash: a sync for FLUSH or FUA failed");
         }
         self.synced_later.fetch_add(jobs.len() as u64, Ordering::Relaxed);
         self.sync_rounds.fetch_add(1, Ordering::Relaxed);
-        for (_, batch) in jobs {
+        for SyncJob { batch, .. } in jobs {
             if result.is_err() {
                 batch.fail();
             }
@@ -578,6 +623,9 @@ impl Array {
     /// eighths dirty), by the dirty count of the last write or write-back.
     fn pool_short(&self, pages: u32) -> bool {
         let len = self.pool_len;
+        // A write larger than the room above the mark would always look short: it asks for
+        // that room only, and makes the rest itself.
+        let pages = pages.min(len / 8);
         self.dirty_hint.load(Ordering::Relaxed).saturating_add(pages) > len - len / 8
     }
 
@@ -593,16 +641,17 @@ impl Array {
     /// could not be made so. Without a syncer running, it is done here, before returning.
     pub fn sync_later(&self, vol: Option<VolId>, batch: &Arc<Batch>) {
         batch.add();
+        let job = SyncJob { vol, by: self.lock().pool.dirtied(), batch: batch.clone() };
         {
             let mut q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
             if q.running && !q.stop {
-                q.jobs.push((vol, batch.clone()));
+                q.jobs.push(job);
                 drop(q);
                 self.sync_kick.notify_one();
                 return;
             }
         }
-        self.serve_syncs(vec![(vol, batch.clone())]);
+        self.serve_syncs(vec![job]);
     }
 
     /// Queue a write of `pages` pages for room in the pool, counted on `batch`. `false`
@@ -987,6 +1036,13 @@ impl Array {
     /// cleans (taking a checkpoint first if nothing can be cleaned yet); `NoSpace` when that
     /// frees nothing.
     fn sync_pages(&self, only_vol: Option<VolId>) -> Result<(), FlashError> {
+        self.sync_pages_by(only_vol, None)
+    }
+
+    /// [`sync_pages`](Self::sync_pages) for the pages dirtied up to the pool's dirtying count
+    /// `by` (`None`: all): what was acknowledged before a FLUSH or FUA asked at `by`. Pages
+    /// that writers keep dirtying meanwhile cannot keep it going for ever.
+    fn sync_pages_by(&self, only_vol: Option<VolId>, by: Option<u64>) -> Result<(), FlashError> {
         let mut fruitless = 0;
         loop {
             if self.writeback_once(GROUP_PAGES, only_vol)? {
@@ -995,7 +1051,7 @@ impl Array {
             }
             let (dirty, busy, pending, failed) = {
                 let c = self.lock();
-                let (dirty, busy) = c.pool.dirty_of(only_vol);
+                let (dirty, busy) = c.pool.dirty_of(only_vol, by);
                 (dirty, busy, c.has_pending(), c.failed)
             };
             if failed {
@@ -1035,7 +1091,7 @@ impl Array {
         if self.writeback_once(GROUP_PAGES, None)? {
             return Ok(());
         }
-        let (dirty, busy) = self.lock().pool.dirty_of(None);
+        let (dirty, busy) = self.lock().pool.dirty_of(None, None);
         if dirty == 0 || dirty == busy {
             // Everything is pinned or in flight: wait for a holder to let go.
             drop(self.wait(self.lock()));

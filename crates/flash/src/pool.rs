@@ -48,6 +48,9 @@ pub struct Slot {
     pub stream: Stream,
     /// Gets since it was filled.
     pub uses: u32,
+    /// When it last became dirty, by the pool's dirtying count (`Pool::dirtied`): a sync
+    /// asked for at count `n` needs only the slots dirtied at or before `n`.
+    pub dirtied: u64,
 }
 
 #[derive(Debug)]
@@ -58,6 +61,8 @@ pub struct Pool {
     /// Dirty slots, oldest first (entries whose slot moved on are skipped when taken).
     dirty: std::collections::VecDeque<SlotId>,
     dirty_count: u32,
+    /// Times a slot became dirty (or dirty again) since the pool was made.
+    dirtied: u64,
 }
 
 const EMPTY: Slot = Slot {
@@ -69,6 +74,7 @@ const EMPTY: Slot = Slot {
     orphan: false,
     stream: Stream::ONE,
     uses: 0,
+    dirtied: 0,
 };
 
 impl Pool {
@@ -79,6 +85,7 @@ impl Pool {
             hand: 0,
             dirty: std::collections::VecDeque::new(),
             dirty_count: 0,
+            dirtied: 0,
         }
     }
 
@@ -157,10 +164,19 @@ impl Pool {
             match slot.state {
                 SlotState::Clean | SlotState::Filling => {
                     slot.state = SlotState::Dirty;
+                    self.dirtied += 1;
+                    slot.dirtied = self.dirtied;
                     self.dirty.push_back(s);
                     self.dirty_count += 1;
                 }
-                SlotState::WritingBack { .. } => slot.state = SlotState::WritingBack { redirty: true },
+                SlotState::WritingBack { redirty } => {
+                    slot.state = SlotState::WritingBack { redirty: true };
+                    if !redirty {
+                        self.dirtied += 1;
+                        slot.dirtied = self.dirtied;
+                    }
+                }
+                // Dirty already since `slot.dirtied`: that still says when it must go out by.
                 SlotState::Dirty => {}
                 SlotState::Free | SlotState::Fetching => {
                     debug_assert!(false, "wrote a slot in state {:?}", slot.state)
@@ -256,15 +272,24 @@ impl Pool {
         true
     }
 
-    /// Dirty slots (of `vol`, if given) and how many of them are pinned, including those written
-    /// to again while being written back.
-    pub fn dirty_of(&self, vol: Option<u32>) -> (u32, u32) {
+    /// The dirtying count now: a sync asked for now needs the slots dirtied up to it.
+    pub fn dirtied(&self) -> u64 {
+        self.dirtied
+    }
+
+    /// Dirty slots (of `vol`, if given; dirtied at or before count `by`, if given, a write
+    /// being filled never) and how many of them are pinned, including those written to again
+    /// while being written back.
+    pub fn dirty_of(&self, vol: Option<u32>, by: Option<u64>) -> (u32, u32) {
         let mut c = (0, 0);
         for s in &self.slots {
-            let dirty = matches!(
-                s.state,
-                SlotState::Dirty | SlotState::WritingBack { redirty: true } | SlotState::Filling
-            );
+            let dirty = match s.state {
+                SlotState::Dirty | SlotState::WritingBack { redirty: true } => {
+                    by.is_none_or(|n| s.dirtied <= n)
+                }
+                SlotState::Filling => by.is_none(),
+                _ => false,
+            };
             if dirty && !s.orphan && vol.is_none_or(|v| v == s.vol) {
                 c.0 += 1;
                 if s.pins > 0 || s.state != SlotState::Dirty {
@@ -327,6 +352,30 @@ mod tests {
         assert_eq!(p.take_dirty(8, Some(Stream::ONE), None), vec![a]);
         assert!(!p.written(a, true));
         assert_eq!(p.dirty_count(), 0);
+    }
+
+    #[test]
+    fn a_sync_asked_at_a_count_waits_only_for_pages_dirtied_by_then() {
+        let mut p = Pool::new(4);
+        let (a, _) = p.take(1, 0, SlotState::Filling).unwrap();
+        p.unpin(a, true, Stream::ONE);
+        let asked = p.dirtied();
+        let (b, _) = p.take(1, 1, SlotState::Filling).unwrap();
+        p.unpin(b, true, Stream::ONE);
+        let (_filling, _) = p.take(1, 2, SlotState::Filling).unwrap();
+        assert_eq!(p.dirty_of(None, Some(asked)), (1, 0), "only a; b came after, the fill is no write yet");
+        assert_eq!(p.dirty_of(None, None), (3, 1), "everything, the pinned fill included");
+        // Written again while dirty: still due by the count it was first dirtied at.
+        p.pin(a);
+        p.unpin(a, true, Stream::ONE);
+        assert_eq!(p.dirty_of(None, Some(asked)), (1, 0));
+        // In a write-back and written again: its old bytes go with that write-back, its new
+        // ones are newer than the count.
+        assert_eq!(p.take_dirty(8, None, None), vec![a, b]);
+        p.pin(a);
+        p.unpin(a, true, Stream::ONE);
+        assert_eq!(p.dirty_of(None, Some(asked)), (0, 0));
+        assert_eq!(p.dirty_of(None, Some(p.dirtied())), (1, 1), "due by now, and busy until written");
     }
 
     #[test]

@@ -31,15 +31,17 @@ use crate::map::Map;
 /// segregation off, everything goes to [`Stream::ONE`].
 ///
 /// On the devices (a data segment's header, the checkpoint's open segments) a stream is its
-/// index: user streams `0..CLASSES`, then GC streams.
+/// index: user streams of classes `0..CLASSES`, then GC streams of classes `1..CLASSES`. A
+/// moved page of class 0 goes back to the youngest user stream (`Stream::gc(0)`), so class 0
+/// has no GC stream of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Stream(u8);
 
 /// Age classes of pages, youngest first.
 pub const CLASSES: u8 = 3;
 
-/// Streams in all: a user and a GC stream for each class.
-pub const STREAMS: usize = 2 * CLASSES as usize;
+/// Streams in all: a user stream for each class, a GC stream for each but the youngest.
+pub const STREAMS: usize = 2 * CLASSES as usize - 1;
 
 impl Stream {
     /// The one stream with segregation off; with it on, user writes of the youngest class.
@@ -50,9 +52,13 @@ impl Stream {
         Stream(class.min(CLASSES - 1))
     }
 
-    /// Pages garbage collection moves, of age class `class`.
+    /// Pages garbage collection moves, of age class `class`: the youngest class goes back to
+    /// the youngest user stream (it survived only because its overwrite has not come yet).
     pub fn gc(class: u8) -> Stream {
-        Stream(CLASSES + class.min(CLASSES - 1))
+        match class.min(CLASSES - 1) {
+            0 => Stream::ONE,
+            c => Stream(CLASSES + c - 1),
+        }
     }
 
     pub fn is_gc(self) -> bool {
@@ -407,8 +413,8 @@ mod tests {
         let g = sp.grant(Stream::ONE, 1, 3, false).unwrap();
         assert_eq!(g.segment, 2);
         assert_eq!(sp.grant(Stream::user(1), 1, 4, false).unwrap().segment, 3);
-        assert!(sp.grant(Stream::gc(0), 1, 5, false).is_none(), "the last free segment is the reserve");
-        assert_eq!(sp.grant(Stream::gc(0), 1, 5, true).unwrap().segment, 0, "cleaning may take it");
+        assert!(sp.grant(Stream::gc(1), 1, 5, false).is_none(), "the last free segment is the reserve");
+        assert_eq!(sp.grant(Stream::gc(1), 1, 5, true).unwrap().segment, 0, "cleaning may take it");
         sp.audit().unwrap();
     }
 

@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::front::{native::NativeConn, nbd::NbdConn, Later, Link, Sink};
+use engine::front::{native::NativeConn, nbd::NbdConn, Later, Link, Sealed, Sink};
 use engine::{Batch, Export, Io, RegionBytes};
 use transport::tls::ServerTlsConfig;
 use transport::{FrameBuffer, FrameIo, Stream};
@@ -240,6 +240,15 @@ impl TxBuf {
         self.len = len;
     }
 
+    /// Replies queued now wait beyond this pass (a hold for durability): copy the read data
+    /// held by address, and copy what is appended until the next flush empties the buffer.
+    pub fn hold(&mut self) {
+        if self.next < self.borrowed.len() {
+            self.own_the_rest();
+        }
+        self.backlogged = true;
+    }
+
     /// Move every unsent byte, by-address pieces included, into a new buffer (a hand-off to
     /// the send thread of a staged target, `crate::stages`); nothing stays queued here.
     pub fn take_unsent(&mut self) -> Vec<u8> {
@@ -406,6 +415,10 @@ pub(crate) struct Conn<S = Stream> {
     holding: bool,
     /// That durability failed: the replies held must never be sent, and the connection goes.
     unsent_replies_void: bool,
+    /// The last pass parked its requests for a look-ahead's reads.
+    look_parked: bool,
+    /// Woken from holding replies: send them before processing more.
+    flush_first: bool,
 }
 
 /// The protocol a connection speaks, chosen by the listener it arrived on.
@@ -510,6 +523,8 @@ impl<S: ConnStream> Conn<S> {
             resumed: false,
             holding: false,
             unsent_replies_void: false,
+            look_parked: false,
+            flush_first: false,
         }
     }
 
@@ -587,6 +602,9 @@ impl<S: ConnStream> Conn<S> {
         if self.waiting {
             return ReadOutcome::Waiting;
         }
+        if std::mem::take(&mut self.flush_first) && !self.flush(stats) {
+            return ReadOutcome::Closed;
+        }
         if self.held && !self.closing && !self.backlogged(backlog_max) {
             // What arrived while the backlog was full, or while requests waited for flash,
             // comes first: no event will announce it.
@@ -660,17 +678,28 @@ impl<S: ConnStream> Conn<S> {
     pub fn resume(&mut self) {
         if self.waiting {
             self.waiting = false;
-            self.resumed = true;
             self.held = true;
-            if std::mem::take(&mut self.holding) && self.batch.as_ref().is_some_and(|b| b.failed()) {
-                // Durability a FLUSH or FUA asked for failed: the replies queued must not say
-                // otherwise. Close without sending them; the peer sees its requests fail.
-                tracing::warn!(peer = %self.peer, "closing connection: a FLUSH or FUA write could not be made durable");
-                self.holding = true;
-                self.unsent_replies_void = true;
-                self.closing = true;
+            // Only a look-ahead's park makes the next pass skip looking ahead.
+            self.resumed = std::mem::take(&mut self.look_parked);
+            if std::mem::take(&mut self.holding) {
+                if self.batch.as_ref().is_some_and(|b| b.failed()) {
+                    self.void_replies();
+                } else {
+                    // Send the replies that waited before processing anything more: a FLUSH
+                    // in what follows would hold them again for nothing.
+                    self.flush_first = true;
+                }
             }
         }
+    }
+
+    /// Durability a FLUSH or FUA asked for failed: the replies queued must not say otherwise.
+    /// Close without sending them; the peer sees its requests fail.
+    fn void_replies(&mut self) {
+        tracing::warn!(peer = %self.peer, "closing connection: a FLUSH or FUA write could not be made durable");
+        self.holding = true;
+        self.unsent_replies_void = true;
+        self.closing = true;
     }
 
     /// Whether the replies queued passed `backlog_max` bytes: the connection reads no more
@@ -856,12 +885,22 @@ impl<S: ConnStream> Conn<S> {
                 self.starttls |= conn.take_starttls();
             }
         }
-        if link.later.seal() {
-            // FLUSH or FUA replies queued: none leaves before the wake (`resume`).
-            link.waiting = true;
-            self.holding = true;
+        let (look_parked, sealed) = (link.waiting, link.later.seal());
+        // Whether the front end parked the requests for a look-ahead's reads (then the pass
+        // after the wake does not look ahead again).
+        self.look_parked = look_parked;
+        self.waiting = look_parked;
+        match sealed {
+            Sealed::Free => {}
+            Sealed::Wait => {
+                // FLUSH or FUA replies queued: none leaves before the wake (`resume`), and
+                // none may point into a RAM export's memory meanwhile.
+                self.waiting = true;
+                self.holding = true;
+                self.tx.hold();
+            }
+            Sealed::Failed => self.void_replies(),
         }
-        self.waiting = link.waiting;
         self.held = !self.closing && self.rx.pending() > 0 && self.backlogged(backlog_max);
     }
 }

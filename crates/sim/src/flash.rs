@@ -34,6 +34,13 @@ use flash::FlashError;
 
 use crate::rng::Rng;
 
+/// A batch's driver that nothing wakes: the simulator's syncs end before their batch is sealed.
+struct NoWake;
+
+impl backend::Wake for NoWake {
+    fn wake(&self, _token: u64) {}
+}
+
 const SECTOR: usize = 512;
 
 /// How often the devices fail, per million operations of each kind.
@@ -500,14 +507,35 @@ impl Sim {
         }
     }
 
+    /// A FLUSH: `Array::flush`, or `Array::sync_later` as a target's FLUSH (every volume) or
+    /// FUA (one volume) asks it, the sync bounded by what was dirtied when it was asked. (No
+    /// sync thread runs here, so it is served before `sync_later` returns.)
     fn flush(&mut self) -> Result<(), String> {
-        let r = self.array.flush();
-        trace!(self, "flush: {r:?}");
+        let (r, only) = match self.rng.below(3) {
+            0 => (self.array.flush(), None),
+            way => {
+                let only = if way == 2 { self.pick_volume(false) } else { None };
+                let vol = match &only {
+                    Some(name) => Some(self.array.id_of(name).map_err(|e| format!("flush: {name}: {e}"))?),
+                    None => None,
+                };
+                let batch = Arc::new(backend::Batch::new(Arc::new(NoWake), 0));
+                batch.open();
+                self.array.sync_later(vol, &batch);
+                if batch.seal() {
+                    return Err("sync_later without a sync thread left its batch waiting".into());
+                }
+                (if batch.failed() { Err(FlashError::Failed) } else { Ok(()) }, only)
+            }
+        };
+        trace!(self, "flush ({}): {r:?}", only.as_deref().unwrap_or("every volume"));
         match r {
             Ok(()) => {
-                for v in self.model.values_mut() {
-                    for p in &mut v.pages {
-                        p.settle();
+                for (name, v) in self.model.iter_mut() {
+                    if only.as_ref().is_none_or(|o| o == name) {
+                        for p in &mut v.pages {
+                            p.settle();
+                        }
                     }
                 }
                 Ok(())

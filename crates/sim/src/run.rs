@@ -22,7 +22,7 @@ use std::sync::Arc;
 use backend::{Backend, Batch, Wake};
 use engine::front::native::mutation::Mutation as TargetMutation;
 use engine::front::native::NativeConn;
-use engine::front::{FrontStats, Host, Later, Link};
+use engine::front::{FrontStats, Host, Later, Link, Sealed};
 use engine::{BackendSpec, Export, ExportTable};
 use proto::batch::BatchConfig;
 use proto::caravan::Doorbell;
@@ -270,6 +270,9 @@ struct Connection {
     target_holding: bool,
     /// That durability failed: the target closed without sending the replies that waited.
     target_sync_failed: bool,
+    /// The last pass parked for a look-ahead's device work (the pass after its wake does not
+    /// look ahead again).
+    target_look_parked: bool,
 }
 
 /// Connections whose parked requests may go on, by id.
@@ -521,6 +524,7 @@ impl Sim {
             target_resumed: false,
             target_holding: false,
             target_sync_failed: false,
+            target_look_parked: false,
         });
     }
 
@@ -630,7 +634,7 @@ impl Sim {
         if conn.target_waiting && self.woken.take(conn.id) {
             // Its device work landed: execute what waited, without looking ahead again.
             conn.target_waiting = false;
-            conn.target_resumed = true;
+            conn.target_resumed = std::mem::take(&mut conn.target_look_parked);
             if std::mem::take(&mut conn.target_holding) && conn.target_batch.failed() {
                 // As the server does: the replies that waited for durability are never sent.
                 conn.target_sync_failed = true;
@@ -707,9 +711,18 @@ impl Sim {
             later: Later::new(Some(&conn.target_batch)),
         };
         conn.target.process(&mut link, &self.host);
-        let holding = link.later.seal();
-        conn.target_waiting = link.waiting || holding;
-        conn.target_holding |= holding;
+        let (look_parked, sealed) = (link.waiting, link.later.seal());
+        conn.target_look_parked = look_parked;
+        conn.target_waiting = look_parked || sealed == Sealed::Wait;
+        conn.target_holding |= sealed == Sealed::Wait;
+        if sealed == Sealed::Failed {
+            // Its durability failed before the pass ended: as the server does, close without
+            // sending the replies that waited for it.
+            conn.target_holding = true;
+            conn.target_sync_failed = true;
+            conn.target_io.shutdown();
+            conn.target_closed = true;
+        }
         if !conn.target_apart && conn.target.data_messages() {
             conn.target_apart = conn.target_io.send_data_messages();
         }

@@ -235,13 +235,34 @@ impl<'a> Later<'a> {
         Some(batch)
     }
 
-    /// End the pass: whether something was started that the replies must wait for.
-    pub fn seal(&mut self) -> bool {
+    /// End the pass: what the replies queued must wait for.
+    pub fn seal(&mut self) -> Sealed {
         match self.batch {
-            Some(batch) if std::mem::take(&mut self.open) => batch.seal(),
-            _ => false,
+            Some(batch) if std::mem::take(&mut self.open) => {
+                if batch.seal() {
+                    Sealed::Wait
+                } else if batch.failed() {
+                    // Started and already ended, in failure: the replies must not go.
+                    Sealed::Failed
+                } else {
+                    Sealed::Free
+                }
+            }
+            _ => Sealed::Free,
         }
     }
+}
+
+/// What a pass's replies must wait for ([`Later::seal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sealed {
+    /// Nothing, or durability that is done already: send them.
+    Free,
+    /// Durability still going: hold them until the batch wakes the driver, then check
+    /// [`Batch::failed`].
+    Wait,
+    /// Durability that failed already: never send them; close the connection.
+    Failed,
 }
 
 impl<'a, S: ?Sized> Link<'a, S> {
