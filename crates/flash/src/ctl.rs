@@ -133,6 +133,8 @@ pub struct GcMove {
     pub old: Pba,
     /// Byte offset of its data in the segment image.
     pub at: usize,
+    /// Its age class when the segment was scanned (0 with segregation off).
+    pub class: u8,
 }
 
 /// One volume.
@@ -903,7 +905,8 @@ impl Controller {
                     unreachable!()
                 };
                 if self.map.is_held(pba) {
-                    moves.push(GcMove { vol: *vol, vpage: *vpage, old: pba, at: data * PAGE });
+                    let class = if self.cfg.segregation { self.move_class(*vol, *vpage) } else { 0 };
+                    moves.push(GcMove { vol: *vol, vpage: *vpage, old: pba, at: data * PAGE, class });
                 }
                 data += 1;
             }
@@ -914,7 +917,7 @@ impl Controller {
         }
         if self.cfg.segregation {
             // By class, so that each class goes out in runs (`gc_writeback`).
-            moves.sort_by_key(|m| self.move_class(m.vol, m.vpage));
+            moves.sort_by_key(|m| m.class);
         }
         Ok(moves)
     }
@@ -927,14 +930,10 @@ impl Controller {
         // With segregation, a page goes to the GC stream of its age class, but the youngest
         // class goes back to the youngest user stream: it survived only because its overwrite
         // has not come yet.
-        let class = if self.cfg.segregation { self.move_class(moves[0].vol, moves[0].vpage) } else { 0 };
+        let class = moves[0].class;
         let stream = if self.cfg.segregation { Stream::gc(class) } else { Stream::ONE };
         let max = (moves.len() as u32).min(self.cfg.group_pages_max) as usize;
-        let run = moves
-            .iter()
-            .take(max)
-            .take_while(|m| !self.cfg.segregation || self.move_class(m.vol, m.vpage) == class)
-            .count();
+        let run = moves.iter().take(max).take_while(|m| m.class == class).count();
         let seq = self.next_seq;
         let grant = self.space.grant(stream, run as u32, seq, true)?;
         let taken: Vec<GcMove> = moves.drain(..grant.count as usize).collect();

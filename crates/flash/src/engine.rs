@@ -298,6 +298,9 @@ pub struct Array {
     /// FLUSH and FUA durability asked for without waiting ([`sync_later`](Array::sync_later)),
     /// for the syncer thread.
     syncs: Mutex<SyncQueue>,
+    /// The sync thread takes work (`running` and not `stop`), read without its lock on every
+    /// FLUSH and FUA ([`syncs_later`](Array::syncs_later)).
+    syncs_open: AtomicBool,
     /// Requests queued, or the syncer must stop.
     sync_kick: Condvar,
     syncer: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -426,6 +429,7 @@ impl Array {
             reader: Mutex::new(None),
             prefetched: AtomicU64::new(0),
             syncs: Mutex::new(SyncQueue::default()),
+            syncs_open: AtomicBool::new(false),
             sync_kick: Condvar::new(),
             syncer: Mutex::new(None),
             synced_later: AtomicU64::new(0),
@@ -520,6 +524,7 @@ impl Array {
                 return;
             }
             q.running = true;
+            self.syncs_open.store(true, Ordering::Release);
         }
         let weak = Arc::downgrade(self);
         let handle = std::thread::Builder::new()
@@ -542,23 +547,19 @@ impl Array {
                     }
                     (std::mem::take(&mut q.jobs), std::mem::take(&mut q.rooms))
                 };
-                let taken: Vec<Arc<Batch>> = jobs
-                    .0
-                    .iter()
-                    .map(|j| j.batch.clone())
-                    .chain(jobs.1.iter().map(|r| r.1.clone()))
-                    .collect();
+                let (jobs, rooms) = jobs;
                 let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     // Room first: it is bounded, where a sync runs until its volume is clean.
-                    if !jobs.1.is_empty() {
-                        a.serve_rooms(jobs.1);
+                    if !rooms.is_empty() {
+                        a.serve_rooms(&rooms);
                     }
-                    if !jobs.0.is_empty() {
-                        a.serve_syncs(jobs.0);
+                    if !jobs.is_empty() {
+                        a.serve_syncs(&jobs);
                     }
                 }));
                 if served.is_err() {
-                    a.syncer_died(taken);
+                    let held = jobs.into_iter().map(|j| j.batch).chain(rooms.into_iter().map(|r| r.1));
+                    a.syncer_died(held);
                     return;
                 }
             })
@@ -569,23 +570,24 @@ impl Array {
     /// The sync thread panicked serving `taken`: take no more work there (workers sync
     /// themselves from now on), and fail and end every batch it held or that is queued, so
     /// that no connection waits for a wake that would never come.
-    fn syncer_died(&self, taken: Vec<Arc<Batch>>) {
+    fn syncer_died(&self, taken: impl Iterator<Item = Arc<Batch>>) {
         tracing::error!(
             "the flash sync thread failed; FLUSH and FUA are made durable on the workers from now on"
         );
         let mut q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
         q.running = false;
+        self.syncs_open.store(false, Ordering::Release);
         let (jobs, rooms) = (std::mem::take(&mut q.jobs), std::mem::take(&mut q.rooms));
         drop(q);
         let queued = jobs.into_iter().map(|j| j.batch).chain(rooms.into_iter().map(|r| r.1));
-        for batch in taken.into_iter().chain(queued) {
+        for batch in taken.chain(queued) {
             batch.fail();
             batch.done();
         }
     }
 
     /// Make what `jobs` ask durable with one sync, then end each batch (failed if it failed).
-    fn serve_syncs(&self, jobs: Vec<SyncJob>) {
+    fn serve_syncs(&self, jobs: &[SyncJob]) {
         let scope = jobs[0].vol.filter(|v| jobs.iter().all(|j| j.vol == Some(*v)));
         let by = jobs.iter().map(|j| j.by).max();
         let result = self.sync_pages_by(scope, by);
@@ -606,7 +608,7 @@ impl Array {
     /// nothing more can be written back (those writes then make room themselves), and end
     /// their batches. A write parked for room never fails for it: its own execution meets any
     /// error.
-    fn serve_rooms(&self, rooms: Vec<(u32, Arc<Batch>)>) {
+    fn serve_rooms(&self, rooms: &[(u32, Arc<Batch>)]) {
         let need = rooms.iter().map(|r| r.0).max().unwrap_or(0);
         for _ in 0..ROOM_GROUPS_MAX {
             if !self.pool_short(need) || !matches!(self.writeback_once(GROUP_PAGES, None), Ok(true)) {
@@ -632,8 +634,20 @@ impl Array {
     /// Whether [`sync_later`](Self::sync_later) hands its work to the syncer thread (once
     /// [`start_background`](Self::start_background) ran, until shutdown).
     pub fn syncs_later(&self) -> bool {
-        let q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
-        q.running && !q.stop
+        self.syncs_open.load(Ordering::Acquire)
+    }
+
+    /// Queue work for the sync thread with `push`; `false` (nothing queued) when no sync
+    /// thread takes work.
+    fn enqueue(&self, push: impl FnOnce(&mut SyncQueue)) -> bool {
+        let mut q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
+        if !q.running || q.stop {
+            return false;
+        }
+        push(&mut q);
+        drop(q);
+        self.sync_kick.notify_one();
+        true
     }
 
     /// Make every write to `vol` (`None`: to any volume) acknowledged so far durable without
@@ -641,36 +655,25 @@ impl Array {
     /// could not be made so. Without a syncer running, it is done here, before returning.
     pub fn sync_later(&self, vol: Option<VolId>, batch: &Arc<Batch>) {
         batch.add();
-        let job = SyncJob { vol, by: self.lock().pool.dirtied(), batch: batch.clone() };
-        {
-            let mut q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
-            if q.running && !q.stop {
-                q.jobs.push(job);
-                drop(q);
-                self.sync_kick.notify_one();
-                return;
-            }
+        let mut job = Some(SyncJob { vol, by: self.lock().pool.dirtied(), batch: batch.clone() });
+        if !self.enqueue(|q| q.jobs.extend(job.take())) {
+            self.serve_syncs(&[job.take().expect("not queued")]);
         }
-        self.serve_syncs(vec![job]);
     }
 
     /// Queue a write of `pages` pages for room in the pool, counted on `batch`. `false`
     /// (nothing queued) without a syncer running.
     fn room_later(&self, pages: u32, batch: &Arc<Batch>) -> bool {
-        let mut q = self.syncs.lock().unwrap_or_else(|e| e.into_inner());
-        if !q.running || q.stop {
-            return false;
-        }
-        batch.add();
-        q.rooms.push((pages, batch.clone()));
-        drop(q);
-        self.sync_kick.notify_one();
-        true
+        self.enqueue(|q| {
+            batch.add();
+            q.rooms.push((pages, batch.clone()));
+        })
     }
 
     /// Stop the syncer once it has served what is queued.
     fn stop_syncer(&self) {
         self.syncs.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        self.syncs_open.store(false, Ordering::Release);
         self.sync_kick.notify_all();
         if let Some(h) = self.syncer.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = h.join();

@@ -141,10 +141,7 @@ impl TxBuf {
         if self.pending() == 0 {
             self.reset();
         } else {
-            if self.next < self.borrowed.len() {
-                self.own_the_rest();
-            }
-            self.backlogged = true;
+            self.hold();
         }
         result
     }
@@ -240,8 +237,9 @@ impl TxBuf {
         self.len = len;
     }
 
-    /// Replies queued now wait beyond this pass (a hold for durability): copy the read data
-    /// held by address, and copy what is appended until the next flush empties the buffer.
+    /// Replies queued now wait beyond this pass (the socket is full, or a hold for
+    /// durability): copy the read data held by address, and copy what is appended until a
+    /// flush empties the buffer.
     pub fn hold(&mut self) {
         if self.next < self.borrowed.len() {
             self.own_the_rest();
@@ -404,21 +402,28 @@ pub(crate) struct Conn<S = Stream> {
     /// Where the front end parks requests whose flash pages are being read (`Link::batch`);
     /// `None` on a target without asynchronous flash reads, and on a staged connection.
     pub batch: Option<Arc<Batch>>,
-    /// Requests wait in `rx` for the batch's wake: nothing is read or executed until then.
-    waiting: bool,
-    /// Woken from waiting: the next processing executes what waited without looking ahead
-    /// again, so a request waits at most once (a page taken from the pool meanwhile is read
-    /// the ordinary way).
-    resumed: bool,
-    /// Replies queued in `tx` wait for durability started on the batch (`Link::later`):
-    /// nothing is sent until the wake.
-    holding: bool,
-    /// That durability failed: the replies held must never be sent, and the connection goes.
-    unsent_replies_void: bool,
-    /// The last pass parked its requests for a look-ahead's reads.
-    look_parked: bool,
-    /// Woken from holding replies: send them before processing more.
-    flush_first: bool,
+    /// What the connection waits for on its batch.
+    wait: Wait,
+    /// The wait its batch's wake just ended, for the next pass: after `Reads`, it executes
+    /// what waited without looking ahead again, so a request waits at most once (a page taken
+    /// from the pool meanwhile is read the ordinary way); after `Replies`, it sends the
+    /// replies that waited before processing more (a FLUSH in what follows would hold them
+    /// again for nothing).
+    woken: Wait,
+}
+
+/// What a connection waits for on its batch (`Conn::batch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    None,
+    /// Flash reads its look-ahead started (`Link::batch`): its requests wait in `rx`, and
+    /// nothing is read or executed until the wake.
+    Reads,
+    /// Durability a FLUSH or FUA asked for (`Link::later`): the replies queued in `tx` are
+    /// held, nothing is sent or read until the wake.
+    Replies,
+    /// That durability failed: the replies held are never sent, and the connection goes.
+    Void,
 }
 
 /// The protocol a connection speaks, chosen by the listener it arrived on.
@@ -519,12 +524,8 @@ impl<S: ConnStream> Conn<S> {
             staged: None,
             data_apart: false,
             batch: None,
-            waiting: false,
-            resumed: false,
-            holding: false,
-            unsent_replies_void: false,
-            look_parked: false,
-            flush_first: false,
+            wait: Wait::None,
+            woken: Wait::None,
         }
     }
 
@@ -599,11 +600,14 @@ impl<S: ConnStream> Conn<S> {
             return if self.closing { ReadOutcome::Closed } else { ReadOutcome::Drained };
         }
         let backlog_max = shared.config.bounds.tx_backlog_bytes_max;
-        if self.waiting {
+        if self.waiting() {
             return ReadOutcome::Waiting;
         }
-        if std::mem::take(&mut self.flush_first) && !self.flush(stats) {
-            return ReadOutcome::Closed;
+        if self.woken == Wait::Replies {
+            self.woken = Wait::None;
+            if !self.flush(stats) {
+                return ReadOutcome::Closed;
+            }
         }
         if self.held && !self.closing && !self.backlogged(backlog_max) {
             // What arrived while the backlog was full, or while requests waited for flash,
@@ -611,7 +615,7 @@ impl<S: ConnStream> Conn<S> {
             let started = Instant::now();
             self.process(shared, stats, backlog_max);
             bump(&stats.stage_exec_ns, nanos(started.elapsed()));
-            if self.waiting {
+            if self.waiting() {
                 return ReadOutcome::Waiting;
             }
             if self.starttls && !self.upgrade(shared, stats) {
@@ -648,7 +652,7 @@ impl<S: ConnStream> Conn<S> {
                         more = true;
                     }
                     bump(&stats.stage_exec_ns, nanos(received.elapsed()));
-                    if self.waiting {
+                    if self.waiting() {
                         return ReadOutcome::Waiting;
                     }
                     if self.held {
@@ -676,29 +680,32 @@ impl<S: ConnStream> Conn<S> {
     /// The batch its requests waited for has landed: execute them next (without looking
     /// ahead again), then read on.
     pub fn resume(&mut self) {
-        if self.waiting {
-            self.waiting = false;
-            self.held = true;
-            // Only a look-ahead's park makes the next pass skip looking ahead.
-            self.resumed = std::mem::take(&mut self.look_parked);
-            if std::mem::take(&mut self.holding) {
-                if self.batch.as_ref().is_some_and(|b| b.failed()) {
-                    self.void_replies();
-                } else {
-                    // Send the replies that waited before processing anything more: a FLUSH
-                    // in what follows would hold them again for nothing.
-                    self.flush_first = true;
-                }
-            }
+        if !self.waiting() {
+            return;
         }
+        self.held = true;
+        self.woken = std::mem::replace(&mut self.wait, Wait::None);
+        if self.woken == Wait::Replies && self.batch.as_ref().is_some_and(|b| b.failed()) {
+            self.void_replies();
+        }
+    }
+
+    /// Whether it waits for its batch's wake.
+    fn waiting(&self) -> bool {
+        matches!(self.wait, Wait::Reads | Wait::Replies)
+    }
+
+    /// Whether the replies queued may not be sent now.
+    fn holding(&self) -> bool {
+        matches!(self.wait, Wait::Replies | Wait::Void)
     }
 
     /// Durability a FLUSH or FUA asked for failed: the replies queued must not say otherwise.
     /// Close without sending them; the peer sees its requests fail.
     fn void_replies(&mut self) {
         tracing::warn!(peer = %self.peer, "closing connection: a FLUSH or FUA write could not be made durable");
-        self.holding = true;
-        self.unsent_replies_void = true;
+        self.wait = Wait::Void;
+        self.woken = Wait::None;
         self.closing = true;
     }
 
@@ -807,7 +814,7 @@ impl<S: ConnStream> Conn<S> {
     /// cleanly (`close_notify`, as the NBD specification asks after `NBD_CMD_DISC`). Returns
     /// false when the connection failed.
     pub fn flush(&mut self, stats: &WorkerStats) -> bool {
-        if self.holding {
+        if self.holding() {
             return true;
         }
         let started = Instant::now();
@@ -838,7 +845,7 @@ impl<S: ConnStream> Conn<S> {
     /// `close_notify`). Returns whether the connection stays: false once it failed, or once it
     /// is closing and everything, the TLS end included, has gone out.
     pub fn flush_pass(&mut self, stats: &WorkerStats) -> bool {
-        if self.unsent_replies_void {
+        if self.wait == Wait::Void {
             return false;
         }
         let must_send = self.pending() > 0 || (self.closing && !self.tls_closed);
@@ -866,9 +873,9 @@ impl<S: ConnStream> Conn<S> {
     /// once more than `backlog_max` bytes of replies are queued.
     fn process(&mut self, shared: &Shared, stats: &WorkerStats, backlog_max: usize) {
         self.identify_nbd(shared);
-        let Conn { rx, tx, closing, peer, kind, stream, data_apart, batch, resumed, .. } = self;
+        let Conn { rx, tx, closing, peer, kind, stream, data_apart, batch, woken, .. } = self;
         let later = Later::new(batch.as_ref());
-        let batch = if std::mem::take(resumed) { None } else { batch.as_ref() };
+        let batch = if std::mem::replace(woken, Wait::None) == Wait::Reads { None } else { batch.as_ref() };
         let mut link =
             Link { rx, tx, closing, peer, stats: &stats.front, backlog_max, batch, waiting: false, later };
         match kind {
@@ -885,18 +892,16 @@ impl<S: ConnStream> Conn<S> {
                 self.starttls |= conn.take_starttls();
             }
         }
-        let (look_parked, sealed) = (link.waiting, link.later.seal());
-        // Whether the front end parked the requests for a look-ahead's reads (then the pass
-        // after the wake does not look ahead again).
-        self.look_parked = look_parked;
-        self.waiting = look_parked;
+        let (parked, sealed) = (link.waiting, link.later.seal());
+        if parked {
+            self.wait = Wait::Reads;
+        }
         match sealed {
             Sealed::Free => {}
             Sealed::Wait => {
                 // FLUSH or FUA replies queued: none leaves before the wake (`resume`), and
                 // none may point into a RAM export's memory meanwhile.
-                self.waiting = true;
-                self.holding = true;
+                self.wait = Wait::Replies;
                 self.tx.hold();
             }
             Sealed::Failed => self.void_replies(),
