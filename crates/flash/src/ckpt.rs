@@ -8,13 +8,21 @@
 //! pages (`layout::CkptPage`) written to segments of their own; the superblock names the
 //! first, and each segment's header the next.
 
+use std::sync::Arc;
+
 use crate::ctl::{Config, Controller, Counters, Volume};
-use crate::layout::{Pba, NAME_MAX};
-use crate::map::{VolMap, LEAF_PAGES, NO_LEAF};
+use crate::layout::{ArrayId, CkptPage, Pba, CKPT_PAYLOAD, NAME_MAX, PAGE};
+use crate::map::{Leaf, LeafId, LeafSource, VolMap, LEAF_PAGES, NO_LEAF};
 use crate::space::{Segment, State, Stream};
 use crate::FlashError;
 
 const VERSION: u32 = 1;
+
+/// Bytes of one leaf's record: id, shares, entries.
+pub const LEAF_RECORD: u64 = 8 + 4 * LEAF_PAGES as u64;
+
+/// How checkpoint code reads a page of the array (by PBA) into a page-sized buffer.
+pub type PageRead = Arc<dyn Fn(Pba, &mut [u8]) -> Result<(), FlashError> + Send + Sync>;
 
 struct Writer(Vec<u8>);
 
@@ -34,21 +42,41 @@ impl Writer {
     }
 }
 
+/// Where a checkpoint's bytes come from, in order.
+pub trait Bytes {
+    /// The next `out.len()` bytes ("cut short" if there are fewer).
+    fn fill(&mut self, out: &mut [u8]) -> Result<(), FlashError>;
+    /// At most how many bytes are left.
+    fn left_max(&self) -> u64;
+}
+
+impl Bytes for &[u8] {
+    fn fill(&mut self, out: &mut [u8]) -> Result<(), FlashError> {
+        if out.len() > self.len() {
+            return Err(FlashError::Corrupt("checkpoint cut short"));
+        }
+        let (head, rest) = self.split_at(out.len());
+        out.copy_from_slice(head);
+        *self = rest;
+        Ok(())
+    }
+    fn left_max(&self) -> u64 {
+        self.len() as u64
+    }
+}
+
 struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
+    src: &'a mut dyn Bytes,
+    buf: Vec<u8>,
+    at: u64,
 }
 
 impl Reader<'_> {
     fn take(&mut self, n: usize) -> Result<&[u8], FlashError> {
-        let end = self
-            .at
-            .checked_add(n)
-            .filter(|&e| e <= self.b.len())
-            .ok_or(FlashError::Corrupt("checkpoint cut short"))?;
-        let s = &self.b[self.at..end];
-        self.at = end;
-        Ok(s)
+        self.buf.resize(n, 0);
+        self.src.fill(&mut self.buf)?;
+        self.at += n as u64;
+        Ok(&self.buf)
     }
     fn u8(&mut self) -> Result<u8, FlashError> {
         Ok(self.take(1)?[0])
@@ -70,17 +98,15 @@ impl Reader<'_> {
     /// A count of items of at least `item_bytes` each, bounded by the bytes left.
     fn count(&mut self, item_bytes: usize) -> Result<usize, FlashError> {
         let n = self.u32()? as usize;
-        if n.saturating_mul(item_bytes.max(1)) > self.b.len() - self.at {
+        if (n as u64).saturating_mul(item_bytes.max(1) as u64) > self.src.left_max() {
             return Err(FlashError::Corrupt("checkpoint: count past its end"));
         }
         Ok(n)
     }
 }
 
-/// The controller's durable state as bytes, for a checkpoint covering every group up to
-/// `seq`, to be written to `segments` (which the table records as the checkpoint's; any
-/// older checkpoint's segments are recorded free).
-pub fn encode(c: &Controller, seq: u64, segments: &[u32]) -> Vec<u8> {
+/// What comes before the leaves: version, counters, families and volumes.
+fn head(c: &Controller, seq: u64) -> Vec<u8> {
     let mut w = Writer(Vec::new());
     w.u32(VERSION);
     w.u64(seq);
@@ -118,21 +144,18 @@ pub fn encode(c: &Controller, seq: u64, segments: &[u32]) -> Vec<u8> {
             w.u32(l);
         }
     }
-    let leaves: Vec<_> = c.map.each_leaf().collect();
-    w.u32(leaves.len() as u32);
-    for (id, shares, entries) in leaves {
-        w.u32(id);
-        w.u32(shares);
-        for &p in entries {
-            w.u32(p);
-        }
-    }
+    w.u32(c.map.leaves_in_use() as u32);
+    w.0
+}
+
+/// What comes after the leaves: the segment table.
+fn tail(c: &Controller, segments: &[u32]) -> Vec<u8> {
+    let mut w = Writer(Vec::new());
     w.u32(c.space.segs.len() as u32);
     for (s, seg) in c.space.segs.iter().enumerate() {
         let (state, stream, next) = match seg.state {
             State::Open { stream, next } => (1, stream.as_u8(), next),
             State::Full => (2, 0, 0),
-            State::Checkpoint if segments.contains(&(s as u32)) => (3, 0, 0),
             _ if segments.contains(&(s as u32)) => (3, 0, 0),
             State::Free | State::Checkpoint | State::Releasing { .. } => (0, 0, 0),
         };
@@ -146,16 +169,67 @@ pub fn encode(c: &Controller, seq: u64, segments: &[u32]) -> Vec<u8> {
     w.0
 }
 
+/// Bytes of the checkpoint [`encode`] would write now.
+pub fn encoded_len(c: &Controller) -> u64 {
+    head(c, 0).len() as u64 + c.map.leaves_in_use() as u64 * LEAF_RECORD + tail(c, &[]).len() as u64
+}
+
+/// Write the controller's durable state to `sink` in pieces, for a checkpoint covering every
+/// group up to `seq`, to be written to `segments` (which the table records as the
+/// checkpoint's; any older checkpoint's segments are recorded free). Evicted leaves are read
+/// back from the current checkpoint one at a time, so the whole map is never in memory.
+/// Returns the byte offset of the first leaf record; the others follow in id order,
+/// [`LEAF_RECORD`] bytes apart.
+pub fn encode(
+    c: &mut Controller,
+    seq: u64,
+    segments: &[u32],
+    sink: &mut dyn FnMut(&[u8]) -> Result<(), FlashError>,
+) -> Result<u64, FlashError> {
+    let head = head(c, seq);
+    sink(&head)?;
+    let ids: Vec<_> = c.map.leaf_ids().collect();
+    let mut w = Writer(Vec::with_capacity(64 * LEAF_RECORD as usize));
+    for id in ids {
+        let (shares, entries) = c.map.leaf_for_checkpoint(id)?;
+        w.u32(id);
+        w.u32(shares);
+        for &p in entries.iter() {
+            w.u32(p);
+        }
+        if w.0.len() >= 63 * LEAF_RECORD as usize {
+            sink(&w.0)?;
+            w.0.clear();
+        }
+    }
+    sink(&w.0)?;
+    sink(&tail(c, segments))?;
+    Ok(head.len() as u64)
+}
+
+/// The whole checkpoint as one byte string (tests and fuzzing: every leaf must be in memory).
+pub fn encode_to_vec(c: &mut Controller, seq: u64, segments: &[u32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    encode(c, seq, segments, &mut |b| {
+        out.extend_from_slice(b);
+        Ok(())
+    })
+    .expect("leaves in memory");
+    out
+}
+
 /// A controller rebuilt from a checkpoint's bytes, for an array of `segments` segments of
-/// `segment_pages` pages. Returns it with the checkpoint's sequence number.
+/// `segment_pages` pages, keeping up to `cfg`'s map budget of leaves in memory and leaving
+/// the rest to come back from `source`. Returns it with the checkpoint's sequence number.
 pub fn decode(
-    bytes: &[u8],
+    bytes: &mut dyn Bytes,
     cfg: Config,
     segments: u32,
     segment_pages: u32,
+    source: Option<Box<dyn LeafSource>>,
 ) -> Result<(Controller, u64), FlashError> {
     let bad = FlashError::Corrupt;
-    let mut r = Reader { b: bytes, at: 0 };
+    let mut r = Reader { src: bytes, buf: Vec::new(), at: 0 };
     if r.u32()? != VERSION {
         return Err(bad("checkpoint of an unknown version"));
     }
@@ -199,27 +273,23 @@ pub fn decode(
         let leaves = (0..n).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
         vols.push((id, family, writable, origin, name, VolMap { leaves, pages }));
     }
-    let mut leaf_ids = std::collections::HashSet::new();
+    let mut leaf_shares = std::collections::HashMap::new();
     let pages_total = u64::from(segments) * u64::from(segment_pages);
-    for _ in 0..r.count(8 + 4 * LEAF_PAGES)? {
+    let keep = c.map_budget_leaves();
+    for n in 0..r.count(LEAF_RECORD as usize)? {
+        let at = r.at;
         let (id, shares) = (r.u32()?, r.u32()?);
-        if id == NO_LEAF || !leaf_ids.insert(id) || shares == 0 {
+        if id == NO_LEAF || shares == 0 || leaf_shares.insert(id, shares).is_some() {
             return Err(bad("checkpoint: leaf id repeated or out of range"));
         }
-        let mut entries = Box::new([0 as Pba; LEAF_PAGES]);
-        for e in entries.iter_mut() {
-            *e = r.u32()?;
-            if *e != 0 && (u64::from(*e) >= pages_total || *e % segment_pages == 0) {
-                return Err(bad("checkpoint: a map entry past the array or on a header page"));
-            }
-        }
-        c.map.restore_leaf(id, shares, entries);
+        let entries = leaf_entries(r.take(4 * LEAF_PAGES)?, pages_total, segment_pages)?;
+        c.map.restore_leaf(id, shares, entries, at, n < keep || source.is_none());
     }
-    c.map.finish_restore();
+    c.map.finish_restore(source);
     let mut uses = std::collections::HashMap::<u32, u32>::new();
     for (id, family, writable, origin, name, map) in vols {
         for &l in map.leaves.iter().filter(|&&l| l != NO_LEAF) {
-            if !leaf_ids.contains(&l) {
+            if !leaf_shares.contains_key(&l) {
                 return Err(bad("checkpoint: a volume names a leaf it does not hold"));
             }
             *uses.entry(l).or_default() += 1;
@@ -227,8 +297,7 @@ pub fn decode(
         c.families.insert(id, family);
         c.vols.insert(id, Volume::restored(id, name, family, map, writable, origin));
     }
-    let shares_ok = c.map.each_leaf().all(|(id, shares, _)| uses.get(&id).copied().unwrap_or(0) == shares);
-    if !shares_ok {
+    if leaf_shares.iter().any(|(id, &shares)| uses.get(id).copied().unwrap_or(0) != shares) {
         return Err(bad("checkpoint: a leaf's shares do not match its users"));
     }
     if r.count(26)? != segments as usize {
@@ -261,7 +330,7 @@ pub fn decode(
         }
         segs.push(Segment { state, erase_count, last_seq, filled_at });
     }
-    if r.at != bytes.len() {
+    if r.src.left_max() != 0 {
         return Err(bad("checkpoint: bytes after its end"));
     }
     c.space.restore(segs);
@@ -270,6 +339,131 @@ pub fn decode(
     c.next_seq = seq + 1;
     c.durable_seq = seq;
     Ok((c, seq))
+}
+
+/// A leaf's entries from its bytes, each checked to lie in the array and off header pages.
+fn leaf_entries(b: &[u8], pages_total: u64, segment_pages: u32) -> Result<Box<Leaf>, FlashError> {
+    let mut entries = Box::new([0 as Pba; LEAF_PAGES]);
+    for (e, b) in entries.iter_mut().zip(b.chunks_exact(4)) {
+        *e = u32::from_le_bytes(b.try_into().expect("4 bytes"));
+        if *e != 0 && (u64::from(*e) >= pages_total || *e % segment_pages == 0) {
+            return Err(FlashError::Corrupt("checkpoint: a map entry past the array or on a header page"));
+        }
+    }
+    Ok(entries)
+}
+
+/// A checkpoint's place on the devices: its segments in chain order.
+#[derive(Debug, Clone)]
+pub struct Chain {
+    pub array: ArrayId,
+    pub seq: u64,
+    /// Checkpoint pages in all.
+    pub pages: u32,
+    pub segments: Vec<u32>,
+    pub segment_pages: u32,
+    /// Pages of the whole array (to check map entries against).
+    pub array_pages: u64,
+}
+
+impl Chain {
+    /// The payload of checkpoint page `index`, read through `read` into `page` and checked.
+    fn payload<'p>(&self, read: &PageRead, index: u32, page: &'p mut [u8]) -> Result<&'p [u8], FlashError> {
+        let per = self.segment_pages - 1;
+        let seg = *self
+            .segments
+            .get((index / per) as usize)
+            .ok_or(FlashError::Corrupt("checkpoint page past its chain"))?;
+        read(seg * self.segment_pages + 1 + index % per, page)?;
+        let cp = CkptPage::parse(&self.array, page)?;
+        if cp.seq != self.seq || cp.index != index {
+            return Err(FlashError::Corrupt("checkpoint page out of place"));
+        }
+        let len = cp.payload.len();
+        page[..len].copy_from_slice(&cp.payload);
+        Ok(&page[..len])
+    }
+}
+
+/// A checkpoint's bytes, read page by page along its chain.
+pub struct ChainBytes<'a> {
+    chain: &'a Chain,
+    read: &'a PageRead,
+    next: u32,
+    page: Vec<u8>,
+    at: usize,
+    len: usize,
+    /// Pages read so far.
+    pub pages_read: u64,
+}
+
+impl<'a> ChainBytes<'a> {
+    pub fn new(chain: &'a Chain, read: &'a PageRead) -> ChainBytes<'a> {
+        ChainBytes { chain, read, next: 0, page: vec![0; PAGE], at: 0, len: 0, pages_read: 0 }
+    }
+}
+
+impl Bytes for ChainBytes<'_> {
+    fn fill(&mut self, mut out: &mut [u8]) -> Result<(), FlashError> {
+        while !out.is_empty() {
+            if self.at == self.len {
+                if self.next == self.chain.pages {
+                    return Err(FlashError::Corrupt("checkpoint cut short"));
+                }
+                self.len = self.chain.payload(self.read, self.next, &mut self.page)?.len();
+                self.at = 0;
+                self.next += 1;
+                self.pages_read += 1;
+                if self.len < CKPT_PAYLOAD && self.next < self.chain.pages {
+                    return Err(FlashError::Corrupt("a short checkpoint page before its last"));
+                }
+            }
+            let n = out.len().min(self.len - self.at);
+            out[..n].copy_from_slice(&self.page[self.at..self.at + n]);
+            self.at += n;
+            out = &mut out[n..];
+        }
+        Ok(())
+    }
+    fn left_max(&self) -> u64 {
+        u64::from(self.chain.pages - self.next) * CKPT_PAYLOAD as u64 + (self.len - self.at) as u64
+    }
+}
+
+/// Evicted leaves, read back from the checkpoint that holds them.
+pub struct CkptLeaves {
+    chain: Chain,
+    read: PageRead,
+    page: Vec<u8>,
+}
+
+impl CkptLeaves {
+    pub fn new(chain: Chain, read: PageRead) -> CkptLeaves {
+        CkptLeaves { chain, read, page: vec![0; PAGE] }
+    }
+}
+
+impl LeafSource for CkptLeaves {
+    fn load(&mut self, id: LeafId, at: u64) -> Result<Box<Leaf>, FlashError> {
+        let mut record = Vec::with_capacity(LEAF_RECORD as usize);
+        let mut index =
+            u32::try_from(at / CKPT_PAYLOAD as u64).map_err(|_| FlashError::Corrupt("leaf offset"))?;
+        let mut skip = (at % CKPT_PAYLOAD as u64) as usize;
+        while record.len() < LEAF_RECORD as usize {
+            let payload = self.chain.payload(&self.read, index, &mut self.page)?;
+            let want = (LEAF_RECORD as usize - record.len()).min(payload.len().saturating_sub(skip));
+            if want == 0 {
+                return Err(FlashError::Corrupt("checkpoint: a leaf record cut short"));
+            }
+            record.extend_from_slice(&payload[skip..skip + want]);
+            skip = 0;
+            index += 1;
+        }
+        if u32::from_le_bytes(record[..4].try_into().expect("4 bytes")) != id {
+            return Err(FlashError::Corrupt("checkpoint: another leaf where a leaf was stored"));
+        }
+        leaf_entries(&record[8..], self.chain.array_pages, self.chain.segment_pages)
+    }
 }
 
 #[cfg(test)]
@@ -299,22 +493,26 @@ mod tests {
             c.written(plan.seq, true);
         }
         let seq = c.last_seq();
-        let bytes = encode(&c, seq, &[9]);
-        let (d, got_seq) = decode(&bytes, c.cfg, 16, 64).unwrap();
+        let bytes = encode_to_vec(&mut c, seq, &[9]);
+        let (mut d, got_seq) = decode(&mut &bytes[..], c.cfg, 16, 64, None).unwrap();
         assert_eq!(got_seq, seq);
         d.audit().unwrap();
         for (id, v) in &c.vols {
             let w = &d.vols[id];
             assert_eq!((&w.name, w.family, w.writable, w.origin), (&v.name, v.family, v.writable, v.origin));
             for p in 0..v.map.pages {
-                assert_eq!(d.map.get(&w.map, p), c.map.get(&v.map, p), "volume {id} page {p}");
+                assert_eq!(
+                    d.map.get(&w.map, p).unwrap(),
+                    c.map.get(&v.map, p).unwrap(),
+                    "volume {id} page {p}"
+                );
             }
         }
         assert_eq!(d.vols[&snap].origin, Some(vol));
         assert_eq!(d.space.segs[9].state, State::Checkpoint);
         for cut in [0, 1, 10, bytes.len() / 2, bytes.len() - 1] {
-            assert!(decode(&bytes[..cut], c.cfg, 16, 64).is_err(), "cut at {cut}");
+            assert!(decode(&mut &bytes[..cut], c.cfg, 16, 64, None).is_err(), "cut at {cut}");
         }
-        assert!(decode(&bytes, c.cfg, 17, 64).is_err(), "another geometry");
+        assert!(decode(&mut &bytes[..], c.cfg, 17, 64, None).is_err(), "another geometry");
     }
 }

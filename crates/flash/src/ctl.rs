@@ -43,6 +43,10 @@ pub struct Config {
     /// Static wear levelling: erases by which the most-worn segment may lead the least-worn
     /// full one (`space::Space::wear_victim`).
     pub wear_spread_max: u32,
+    /// Bytes of map leaves and per-page side tables to keep in memory (0: no bound). Past it,
+    /// leaves stored in the last checkpoint are evicted and read back when wanted, and side
+    /// tables of stretches with nothing in the pool are dropped (`Controller::shed`).
+    pub map_budget: u64,
 }
 
 impl Default for Config {
@@ -54,6 +58,7 @@ impl Default for Config {
             hot_window_pages: 0,
             group_pages_max: 128,
             wear_spread_max: 64,
+            map_budget: 0,
         }
     }
 }
@@ -148,10 +153,16 @@ pub struct Volume {
     pub origin: Option<VolId>,
     /// Pool slots (slot + 1; 0: none) and last-write clocks of its pages, by leaf.
     meta: Vec<Option<Box<PageMeta>>>,
+    /// Of `meta`, the stretches in memory.
+    chunks: usize,
 }
 
 #[derive(Debug)]
 struct PageMeta {
+    /// Pages of this stretch with a slot, and whether it was used since the shedding clock
+    /// last passed (`Controller::shed`).
+    slots: u16,
+    touched: bool,
     slot: [u32; LEAF_PAGES],
     /// The heat clock when each page was last written by a user (0: never).
     written: [u16; LEAF_PAGES],
@@ -211,6 +222,17 @@ fn heat_now(user_pages_written: u64, shift: u32) -> u16 {
     ((user_pages_written >> shift) as u16).max(1)
 }
 
+/// Bytes a leaf in memory takes: its entries, its box's slot in the slab, its share count,
+/// stored offset and clock bit.
+pub const LEAF_BYTES: u64 = (LEAF_PAGES * 4 + 8 + 4 + 8 + 1) as u64;
+/// Bytes a side-table stretch takes (`PageMeta`, boxed).
+pub const META_BYTES: u64 = std::mem::size_of::<PageMeta>() as u64 + 8;
+/// The fewest leaves a budget keeps. One operation may need more at once (a move's family, a
+/// copy on write): they are read back as it goes, and shed after it.
+const MAP_BUDGET_LEAVES_MIN: usize = 1;
+/// Side tables are counted against the budget once per this many calls to `shed`.
+const SHED_META_EVERY: u32 = 64;
+
 /// Bytes of a `Record::Write` in a group header.
 const WRITE_RECORD_BYTES: usize = 17;
 
@@ -224,7 +246,16 @@ impl Volume {
         origin: Option<VolId>,
     ) -> Volume {
         let leaves = map.leaves.len();
-        Volume { id, name, family, map, writable, origin, meta: (0..leaves).map(|_| None).collect() }
+        Volume {
+            id,
+            name,
+            family,
+            map,
+            writable,
+            origin,
+            meta: (0..leaves).map(|_| None).collect(),
+            chunks: 0,
+        }
     }
 
     /// A volume read back from a checkpoint (its pool state is empty).
@@ -244,9 +275,19 @@ impl Volume {
         if self.meta.len() <= l {
             self.meta.resize_with(l + 1, || None);
         }
-        self.meta[l].get_or_insert_with(|| {
-            Box::new(PageMeta { slot: [0; LEAF_PAGES], written: [0; LEAF_PAGES], interval: [0; LEAF_PAGES] })
-        })
+        let chunks = &mut self.chunks;
+        let m = self.meta[l].get_or_insert_with(|| {
+            *chunks += 1;
+            Box::new(PageMeta {
+                slots: 0,
+                touched: true,
+                slot: [0; LEAF_PAGES],
+                written: [0; LEAF_PAGES],
+                interval: [0; LEAF_PAGES],
+            })
+        });
+        m.touched = true;
+        m
     }
 
     fn slot_of(&self, vpage: u64) -> Option<SlotId> {
@@ -258,7 +299,19 @@ impl Volume {
 
     fn set_slot(&mut self, vpage: u64, slot: Option<SlotId>) {
         let i = (vpage % LEAF_PAGES as u64) as usize;
-        self.meta_mut(vpage).slot[i] = slot.map_or(0, |s| s + 1);
+        let l = (vpage / LEAF_PAGES as u64) as usize;
+        if slot.is_none() && !matches!(self.meta.get(l), Some(Some(_))) {
+            return;
+        }
+        let m = self.meta_mut(vpage);
+        let new = slot.map_or(0, |s| s + 1);
+        let old = std::mem::replace(&mut m.slot[i], new);
+        m.slots = m.slots + u16::from(new != 0) - u16::from(old != 0);
+    }
+
+    /// Side-table stretches in memory.
+    fn meta_chunks(&self) -> usize {
+        self.chunks
     }
 
     pub fn pages(&self) -> u64 {
@@ -320,6 +373,10 @@ pub struct Controller {
     pub counters: Counters,
     /// The heat clock ticks once per `1 << heat_shift` user page writes.
     heat_shift: u32,
+    /// Where the side-table shedding clock stands: a volume and a stretch of it.
+    shed_hand: (VolId, usize),
+    /// Calls since side tables were last counted against the budget.
+    shed_calls: u32,
 }
 
 /// Free segments kept for garbage collection and checkpoints: enough to move the contents
@@ -366,7 +423,87 @@ impl Controller {
             checkpoint_segments: Vec::new(),
             failed: false,
             counters: Counters::default(),
+            shed_hand: (0, 0),
+            shed_calls: 0,
         }
+    }
+
+    // ---------------------------------------------------------------------------------
+    // Memory
+
+    /// Leaves the map budget keeps in memory (`usize::MAX`: no bound), before side tables.
+    pub fn map_budget_leaves(&self) -> usize {
+        match self.cfg.map_budget {
+            0 => usize::MAX,
+            b => (b / LEAF_BYTES).max(MAP_BUDGET_LEAVES_MIN as u64) as usize,
+        }
+    }
+
+    /// Side-table stretches in memory, over every volume.
+    fn meta_chunks(&self) -> usize {
+        self.vols.values().map(Volume::meta_chunks).sum()
+    }
+
+    /// Bytes of map leaves and side tables in memory.
+    pub fn map_memory(&self) -> u64 {
+        self.map.resident() as u64 * LEAF_BYTES + self.meta_chunks() as u64 * META_BYTES
+    }
+
+    /// Keep to the map budget: drop side tables of stretches with no page in the pool (their
+    /// heat estimates go: those pages count as the oldest again) until they hold at most half
+    /// of it, then evict leaves stored in the checkpoint to the rest. Cheap when under it.
+    pub fn shed(&mut self) {
+        if self.cfg.map_budget == 0 {
+            return;
+        }
+        let budget = self.cfg.map_budget;
+        self.shed_calls += 1;
+        if self.shed_calls >= SHED_META_EVERY {
+            self.shed_calls = 0;
+            let chunks = self.meta_chunks();
+            let cap = (budget / 2 / META_BYTES) as usize;
+            if chunks > cap {
+                self.shed_meta(chunks - cap);
+            }
+            let meta = self.meta_chunks() as u64 * META_BYTES;
+            let leaves = (budget.saturating_sub(meta) / LEAF_BYTES).max(MAP_BUDGET_LEAVES_MIN as u64);
+            self.map.set_budget(leaves as usize);
+        }
+        self.map.shed();
+    }
+
+    /// Drop up to `n` side-table stretches that have no page in the pool, by a clock over
+    /// the volumes' stretches (a stretch used since the hand last passed is spared once).
+    fn shed_meta(&mut self, mut n: usize) {
+        let rows: usize = self.vols.values().map(|v| v.meta.len()).sum();
+        let (mut vol, mut row) = self.shed_hand;
+        let mut looked = 0;
+        while n > 0 && looked < 2 * rows {
+            let Some((&id, v)) = self.vols.range_mut(vol..).next() else {
+                (vol, row) = (0, 0);
+                if self.vols.is_empty() {
+                    break;
+                }
+                continue;
+            };
+            if id != vol {
+                (vol, row) = (id, 0);
+            }
+            if row >= v.meta.len() {
+                (vol, row) = (id + 1, 0);
+                continue;
+            }
+            looked += 1;
+            if let Some(m) = &mut v.meta[row] {
+                if m.slots == 0 && !std::mem::take(&mut m.touched) {
+                    v.meta[row] = None;
+                    v.chunks -= 1;
+                    n -= 1;
+                }
+            }
+            row += 1;
+        }
+        self.shed_hand = (vol, row);
     }
 
     pub fn segment_pages(&self) -> u32 {
@@ -401,8 +538,7 @@ impl Controller {
         self.check_name(name)?;
         check_volume_pages(pages)?;
         let (vol, family) = (self.next_vol, self.next_family);
-        self.apply(&Record::Create { vol, family, pages, name: name.to_owned() });
-        self.pending.push(Record::Create { vol, family, pages, name: name.to_owned() });
+        self.change(Record::Create { vol, family, pages, name: name.to_owned() })?;
         Ok(vol)
     }
 
@@ -415,18 +551,16 @@ impl Controller {
         }
         check_volume_pages(pages)?;
         if pages < v.map.pages && !discard {
-            let written =
-                (pages..v.map.pages).any(|p| self.map.get(&v.map, p) != 0 || v.slot_of(p).is_some());
-            if written {
-                return Err(FlashError::BadSize(format!(
-                    "data is written past page {pages}: shrinking would discard it"
-                )));
+            let v = &self.vols[&vol];
+            for p in pages..v.map.pages {
+                if self.map.get(&v.map, p)? != 0 || v.slot_of(p).is_some() {
+                    return Err(FlashError::BadSize(format!(
+                        "data is written past page {pages}: shrinking would discard it"
+                    )));
+                }
             }
         }
-        let rec = Record::Resize { vol, pages };
-        self.apply(&rec);
-        self.pending.push(rec);
-        Ok(())
+        self.change(Record::Resize { vol, pages })
     }
 
     /// A read-only snapshot (`writable` false) or a writable clone of `origin`, sharing all
@@ -440,9 +574,7 @@ impl Controller {
             return Err(FlashError::Busy("the origin has pages not written back yet"));
         }
         let vol = self.next_vol;
-        let rec = Record::Snapshot { vol, origin, writable, name: name.to_owned() };
-        self.apply(&rec);
-        self.pending.push(rec);
+        self.change(Record::Snapshot { vol, origin, writable, name: name.to_owned() })?;
         Ok(vol)
     }
 
@@ -463,14 +595,23 @@ impl Controller {
         if !children.is_empty() {
             return Err(FlashError::HasChildren { name: v.name.clone(), children: children.join(", ") });
         }
-        let rec = Record::Delete { vol };
-        self.apply(&rec);
+        self.change(Record::Delete { vol })
+    }
+
+    /// Make a checked change live: apply it and queue its record for the next group. A map
+    /// leaf that cannot be read back fails the array (the change may be half made).
+    fn change(&mut self, rec: Record) -> Result<(), FlashError> {
+        if let Err(e) = self.apply(&rec) {
+            self.failed = true;
+            return Err(e);
+        }
         self.pending.push(rec);
+        self.shed();
         Ok(())
     }
 
     /// Apply a record's change to the maps and the volume table (live, and in replay).
-    pub fn apply(&mut self, r: &Record) {
+    pub fn apply(&mut self, r: &Record) -> Result<(), FlashError> {
         match r {
             Record::Create { vol, family, pages, name } => {
                 let v = Volume::new(*vol, name.clone(), *family, VolMap::new(*pages), true, None);
@@ -483,14 +624,14 @@ impl Controller {
                 if self.vols.contains_key(vol) {
                     self.drop_slots(*vol, *pages, u64::MAX);
                     let v = self.vols.get_mut(vol).expect("checked");
-                    self.map.resize(&mut v.map, *pages);
+                    self.map.resize(&mut v.map, *pages)?;
                 }
             }
             Record::Delete { vol } => {
                 if self.vols.contains_key(vol) {
                     self.drop_slots(*vol, 0, u64::MAX);
                     let v = self.vols.remove(vol).expect("checked");
-                    self.map.drop_map(v.map);
+                    self.map.drop_map(v.map)?;
                 }
             }
             Record::Snapshot { vol, origin, writable, name } => {
@@ -507,13 +648,14 @@ impl Controller {
                 if self.vols.contains_key(vol) {
                     self.drop_slots(*vol, *vpage, *pages);
                     let v = self.vols.get_mut(vol).expect("checked");
-                    self.map.trim(&mut v.map, *vpage, *pages);
+                    self.map.trim(&mut v.map, *vpage, *pages)?;
                 }
             }
             Record::Write { .. } | Record::Move { .. } => {
                 debug_assert!(false, "data records are applied by `written`")
             }
         }
+        Ok(())
     }
 
     /// Let go of the pool slots of `count` pages of `vol` from `first`.
@@ -531,6 +673,7 @@ impl Controller {
             if m.slot[i] != 0 {
                 let s = m.slot[i] - 1;
                 m.slot[i] = 0;
+                m.slots -= 1;
                 self.pool.discard(s);
             }
             p += 1;
@@ -570,7 +713,8 @@ impl Controller {
                 SlotState::Free => unreachable!("a volume points at a free slot"),
             });
         }
-        let pba = self.map.get(&v.map, vpage);
+        let pba = self.map.get(&v.map, vpage)?;
+        self.shed();
         if pba == 0 && access == Access::Read {
             return Ok(Got::Zero);
         }
@@ -609,7 +753,10 @@ impl Controller {
     /// in the pool (nor on its way in). Touches no counter and pins nothing.
     pub fn on_flash_only(&self, vol: VolId, vpage: u64) -> bool {
         let Some(v) = self.vols.get(&vol) else { return false };
-        vpage < v.map.pages && v.slot_of(vpage).is_none() && self.map.get(&v.map, vpage) != 0
+        // A page whose leaf is evicted is not foreseen: its `get` reads the leaf back first.
+        vpage < v.map.pages
+            && v.slot_of(vpage).is_none()
+            && self.map.get_resident(&v.map, vpage).is_some_and(|p| p != 0)
     }
 
     /// The read of a page into `slot` finished (`ok`) or failed; on failure the page leaves
@@ -693,10 +840,7 @@ impl Controller {
         if vpage.checked_add(pages).is_none_or(|end| end > v.map.pages) {
             return Err(FlashError::OutOfRange);
         }
-        let rec = Record::Trim { vol, vpage, pages };
-        self.apply(&rec);
-        self.pending.push(rec);
-        Ok(())
+        self.change(Record::Trim { vol, vpage, pages })
     }
 
     // ---------------------------------------------------------------------------------
@@ -808,6 +952,17 @@ impl Controller {
         self.counters.groups_written += 1;
         self.counters.device_pages_written +=
             1 + plan.sources.len() as u64 + u64::from(plan.opened.is_some());
+        if let Err(e) = self.map_group(&plan) {
+            // A leaf could not be read back: the group is on flash, but the map cannot say so.
+            tracing::error!(error = %e, seq, "flash: a map leaf could not be read back; the array fails");
+            self.failed = true;
+            for src in &plan.sources {
+                if let Source::Slot(s) = *src {
+                    self.pool.written(s, false);
+                }
+            }
+            return;
+        }
         let mut pba = plan.pba;
         for (r, src) in plan.header.records.iter().filter(|r| r.carries_page()).zip(&plan.sources) {
             pba += 1;
@@ -816,25 +971,49 @@ impl Controller {
                     let slot = *self.pool.slot(s);
                     if !slot.orphan {
                         if let Some(v) = self.vols.get_mut(vol) {
-                            self.map.set(&mut v.map, *vpage, pba);
+                            self.map.set(&mut v.map, *vpage, pba).expect("leaves read back first");
                         }
                     }
                     self.pool.written(s, true);
                 }
                 (Record::Move { vol, vpage, old, .. }, _) => {
                     self.counters.gc_pages_moved += 1;
-                    self.relocate(*vol, *vpage, *old, pba);
+                    self.relocate(*vol, *vpage, *old, pba).expect("leaves read back first");
                 }
                 _ => debug_assert!(false, "record and source disagree"),
             }
         }
+        self.shed();
+    }
+
+    /// Read back every evicted leaf `plan`'s records will change, so that mapping them cannot
+    /// fail half way. (Shedding waits until the group is mapped.)
+    fn map_group(&mut self, plan: &GroupPlan) -> Result<(), FlashError> {
+        for r in plan.header.records.iter().filter(|r| r.carries_page()) {
+            let (Record::Write { vol, vpage, .. } | Record::Move { vol, vpage, .. }) = r else {
+                unreachable!()
+            };
+            let Some(&family) = self.families.get(vol) else { continue };
+            let Some(v) = self.vols.get(vol) else { continue };
+            if matches!(r, Record::Write { .. }) {
+                if *vpage < v.map.pages {
+                    self.map.get(&v.map, *vpage)?;
+                }
+                continue;
+            }
+            for m in self.vols.values().filter(|m| m.family == family) {
+                self.map.get(&m.map, *vpage)?;
+            }
+        }
+        Ok(())
     }
 
     /// Move page `vpage` of `vol`'s family from `old` to `new` in every map that holds it.
-    pub fn relocate(&mut self, vol: VolId, vpage: u64, old: Pba, new: Pba) {
-        let Some(&family) = self.families.get(&vol) else { return };
+    pub fn relocate(&mut self, vol: VolId, vpage: u64, old: Pba, new: Pba) -> Result<(), FlashError> {
+        let Some(&family) = self.families.get(&vol) else { return Ok(()) };
         let members = self.vols.values().filter(|v| v.family == family).map(|v| &v.map);
-        self.map.relocate(members, vpage, old, new);
+        self.map.relocate(members, vpage, old, new)?;
+        Ok(())
     }
 
     /// A device sync finished after every group up to `seq` completed: they are durable.
@@ -998,13 +1177,13 @@ impl Controller {
     }
 
     /// Pages allocated to `vol` on flash (its map entries; shared pages counted in full).
-    pub fn allocated_pages(&self, vol: VolId) -> u64 {
-        let Ok(v) = self.volume(vol) else { return 0 };
-        (0..v.map.pages).filter(|&p| self.map.get(&v.map, p) != 0).count() as u64
+    pub fn allocated_pages(&mut self, vol: VolId) -> Result<u64, FlashError> {
+        let Some(v) = self.vols.get(&vol) else { return Ok(0) };
+        self.map.mapped_pages(&v.map)
     }
 
     /// Check the controller's invariants (tests and the simulator).
-    pub fn audit(&self) -> Result<(), String> {
+    pub fn audit(&mut self) -> Result<(), String> {
         let maps: Vec<&VolMap> = self.vols.values().map(|v| &v.map).collect();
         self.map.audit(&maps)?;
         self.space.audit()?;
@@ -1020,8 +1199,14 @@ impl Controller {
             }
         }
         for v in self.vols.values() {
+            if v.chunks != v.meta.iter().flatten().count() {
+                return Err(format!("volume {}: {} side-table stretches counted", v.id, v.chunks));
+            }
             for (l, m) in v.meta.iter().enumerate() {
                 let Some(m) = m else { continue };
+                if usize::from(m.slots) != m.slot.iter().filter(|&&s| s != 0).count() {
+                    return Err(format!("volume {} stretch {l}: {} slots counted", v.id, m.slots));
+                }
                 for (i, &s) in m.slot.iter().enumerate() {
                     if s == 0 {
                         continue;
@@ -1079,7 +1264,7 @@ mod tests {
         let Got::Ready(s) = c.get(vol, 5, Access::Read).unwrap() else { panic!() };
         c.put(s, false);
         settle(&mut c);
-        let pba = c.map.get(&c.vols[&vol].map, 5);
+        let pba = c.map.get(&c.vols[&vol].map, 5).unwrap();
         assert_ne!(pba, 0);
         c.audit().unwrap();
         // Evict it by filling the pool with other pages; then a read must fetch it.
@@ -1147,11 +1332,11 @@ mod tests {
         assert!(matches!(c.snapshot(vol, "s", false), Err(FlashError::Busy(_))), "dirty pages first");
         settle(&mut c);
         let snap = c.snapshot(vol, "s", false).unwrap();
-        let before = c.map.get(&c.vols[&snap].map, 1);
+        let before = c.map.get(&c.vols[&snap].map, 1).unwrap();
         write_page(&mut c, vol, 1);
         settle(&mut c);
-        assert_eq!(c.map.get(&c.vols[&snap].map, 1), before);
-        assert_ne!(c.map.get(&c.vols[&vol].map, 1), before);
+        assert_eq!(c.map.get(&c.vols[&snap].map, 1).unwrap(), before);
+        assert_ne!(c.map.get(&c.vols[&vol].map, 1).unwrap(), before);
         assert_eq!(c.get(snap, 1, Access::WriteWhole), Err(FlashError::ReadOnly));
         assert!(matches!(c.delete(vol), Err(FlashError::HasChildren { .. })));
         let clone = c.snapshot(snap, "c", true).unwrap();
@@ -1192,7 +1377,7 @@ mod tests {
         let vol = c.create("v", 100).unwrap();
         write_page(&mut c, vol, 5);
         settle(&mut c);
-        let segment = c.map.get(&c.vols[&vol].map, 5) / c.segment_pages();
+        let segment = c.map.get(&c.vols[&vol].map, 5).unwrap() / c.segment_pages();
         c.trim(vol, 5, 1).unwrap();
         assert!(c.has_pending());
         c.gc_done(segment, c.last_seq());

@@ -69,6 +69,19 @@ struct Landing {
     batch: Arc<Batch>,
 }
 
+/// Reads of whole pages by PBA through an aligned buffer of its own (recovery, and map leaves
+/// read back from the checkpoint).
+fn page_reader(devs: &Arc<Vec<Box<dyn Device>>>, geo: Geometry) -> ckpt::PageRead {
+    let devs = devs.clone();
+    Arc::new(move |pba: Pba, buf: &mut [u8]| -> Result<(), FlashError> {
+        let mut scratch = AlignedBuf::new(buf.len())?;
+        let (dev, at) = geo.locate(pba);
+        devs[dev].read(at, &mut scratch)?;
+        buf.copy_from_slice(&scratch);
+        Ok(())
+    })
+}
+
 /// Where each global segment lies.
 #[derive(Debug, Clone, Copy)]
 struct Geometry {
@@ -220,7 +233,14 @@ pub struct Stats {
     pub pool_dirty: u32,
     pub erase_min: u32,
     pub erase_max: u32,
+    /// Bytes of map leaves and per-page side tables in memory (`Config::map_budget` bounds it).
     pub map_bytes: u64,
+    /// Leaves in use, and of them in memory; leaves read back from the checkpoint and evicted
+    /// since the array was opened.
+    pub map_leaves: u64,
+    pub map_leaves_resident: u64,
+    pub map_loads: u64,
+    pub map_evictions: u64,
     /// Pages the devices say were written through them.
     pub device_pages_written_measured: u64,
     /// Pool misses read asynchronously ([`Array::prefetch`]) since the array was opened.
@@ -278,7 +298,7 @@ pub struct Array {
     pool: Region,
     /// Slots in the pool.
     pool_len: u32,
-    devs: Vec<Box<dyn Device>>,
+    devs: Arc<Vec<Box<dyn Device>>>,
     geo: Geometry,
     id: ArrayId,
     superblocks: Mutex<Vec<Superblock>>,
@@ -376,25 +396,11 @@ impl Array {
         let checkpoint = found.iter().max_by_key(|(sb, _)| sb.generation).and_then(|(sb, _)| sb.checkpoint);
         let found_ceilings: Vec<u64> = found.iter().map(|(sb, _)| sb.seq_ceiling).collect();
         let (superblocks, devs): (Vec<Superblock>, Vec<Box<dyn Device>>) = found.into_iter().unzip();
-        let mut scratch = AlignedBuf::new(PAGE)?;
-        let mut read = |pba: Pba, buf: &mut [u8]| -> Result<(), FlashError> {
-            if scratch.len() < buf.len() {
-                scratch = AlignedBuf::new(buf.len())?;
-            }
-            let (dev, at) = geo.locate(pba);
-            devs[dev].read(at, &mut scratch[..buf.len()])?;
-            buf.copy_from_slice(&scratch[..buf.len()]);
-            Ok(())
-        };
+        let devs = Arc::new(devs);
+        let read = page_reader(&devs, geo);
         let started = Instant::now();
-        let (mut ctl, report) = recover::recover(
-            &first.array,
-            checkpoint,
-            cfg,
-            geo.total_segments(),
-            geo.segment_pages,
-            &mut read,
-        )?;
+        let (mut ctl, report) =
+            recover::recover(&first.array, checkpoint, cfg, geo.total_segments(), geo.segment_pages, &read)?;
         // Numbers the last run may have used (groups lost in a crash may still lie on a device)
         // are never used again.
         ctl.next_seq = ctl.next_seq.max(superblocks_max_ceiling(&found_ceilings));
@@ -464,7 +470,13 @@ impl Array {
 
     /// Write every device's superblock, changed by `change`, as the next generation (into the
     /// copy that does not hold the current one), then sync.
-    fn write_superblocks(&self, mut change: impl FnMut(&mut Superblock)) -> Result<(), FlashError> {
+    fn write_superblocks(&self, change: impl FnMut(&mut Superblock)) -> Result<(), FlashError> {
+        self.emit_superblocks(change)?;
+        self.sync_all()
+    }
+
+    /// Write every device's superblock as the next generation, without the sync.
+    fn emit_superblocks(&self, mut change: impl FnMut(&mut Superblock)) -> Result<(), FlashError> {
         let mut page = AlignedBuf::new(PAGE)?;
         let mut sbs = self.superblocks.lock().unwrap_or_else(|e| e.into_inner());
         let generation = sbs.iter().map(|s| s.generation).max().unwrap_or(0) + 1;
@@ -474,8 +486,7 @@ impl Array {
             sb.emit(&mut page);
             self.devs[i].write(generation % 2, &page)?;
         }
-        drop(sbs);
-        self.sync_all()
+        Ok(())
     }
 
     fn lock(&self) -> MutexGuard<'_, Controller> {
@@ -751,12 +762,18 @@ impl Array {
     /// Sync every device. A failed sync fails the array: the kernel may have dropped the
     /// writes it could not store, and a later sync that succeeds would vouch for them.
     fn sync_all(&self) -> Result<(), FlashError> {
-        for d in &self.devs {
-            if let Err(e) = d.sync() {
-                self.lock().failed = true;
-                self.changed.notify_all();
-                return Err(e.into());
-            }
+        let r = self.sync_devices();
+        if r.is_err() {
+            self.lock().failed = true;
+            self.changed.notify_all();
+        }
+        r
+    }
+
+    /// Sync every device; a failure is for the caller to record.
+    fn sync_devices(&self) -> Result<(), FlashError> {
+        for d in self.devs.iter() {
+            d.sync()?;
         }
         Ok(())
     }
@@ -1167,53 +1184,50 @@ impl Array {
 
     /// Write a checkpoint of the whole state, so that recovery replays only what follows it
     /// and segments written before it may be cleaned.
+    ///
+    /// It is written under the lock, in pieces: leaves the map evicted are read back from the
+    /// checkpoint before, one at a time, so the whole map is never in memory. Once it is
+    /// durable, every leaf is stored in it, and evicted leaves come back from it.
     pub fn checkpoint(&self) -> Result<(), FlashError> {
         let _one = self.checkpointing.lock().unwrap_or_else(|e| e.into_inner());
         let spp = self.geo.segment_pages;
-        let (bytes, seq, segments, old) = {
-            // The checkpoint holds the state with every record applied, so none may still wait
-            // for its group: replayed on top of the checkpoint, it would apply twice.
-            let mut c = self.lock();
-            loop {
-                if c.failed {
-                    return Err(FlashError::Failed);
-                }
-                if c.in_flight() > 0 {
-                    c = self.wait(c);
-                } else if c.has_pending() {
-                    drop(c);
-                    if !self.writeback_once(0, None)? {
-                        return Err(FlashError::NoSpace);
-                    }
-                    c = self.lock();
-                } else {
-                    break;
-                }
-            }
-            let seq = c.last_seq();
-            let len = ckpt::encode(&c, seq, &[]).len();
-            let pages = len.div_ceil(CKPT_PAYLOAD).max(1);
-            let need = pages.div_ceil(spp as usize - 1);
-            let mut segments = Vec::with_capacity(need);
-            for _ in 0..need {
-                match c.space.take_for_checkpoint() {
-                    Some((s, _)) => segments.push(s),
-                    None => {
-                        for &s in &segments {
-                            c.space.drop_checkpoint_segment(s);
-                        }
-                        return Err(FlashError::NoSpace);
-                    }
-                }
-            }
-            let bytes = ckpt::encode(&c, seq, &segments);
-            self.filled_at_checkpoint.store(c.space.clock / u64::from(spp), Ordering::Relaxed);
-            (bytes, seq, segments, c.checkpoint_segments.clone())
-        };
-        let written = self.write_checkpoint(&bytes, seq, &segments);
+        // The checkpoint holds the state with every record applied, so none may still wait
+        // for its group: replayed on top of the checkpoint, it would apply twice.
         let mut c = self.lock();
-        let pages = match written {
-            Ok(pages) => pages,
+        loop {
+            if c.failed {
+                return Err(FlashError::Failed);
+            }
+            if c.in_flight() > 0 {
+                c = self.wait(c);
+            } else if c.has_pending() {
+                drop(c);
+                if !self.writeback_once(0, None)? {
+                    return Err(FlashError::NoSpace);
+                }
+                c = self.lock();
+            } else {
+                break;
+            }
+        }
+        let seq = c.last_seq();
+        let pages = ckpt::encoded_len(&c).div_ceil(CKPT_PAYLOAD as u64).max(1);
+        let need = pages.div_ceil(u64::from(spp) - 1) as usize;
+        let mut segments = Vec::with_capacity(need);
+        for _ in 0..need {
+            match c.space.take_for_checkpoint() {
+                Some((s, _)) => segments.push(s),
+                None => {
+                    for &s in &segments {
+                        c.space.drop_checkpoint_segment(s);
+                    }
+                    return Err(FlashError::NoSpace);
+                }
+            }
+        }
+        self.filled_at_checkpoint.store(c.space.clock / u64::from(spp), Ordering::Relaxed);
+        let (pages, leaves_at) = match self.write_checkpoint(&mut c, seq, &segments) {
+            Ok(w) => w,
             Err(e) => {
                 for &s in &segments {
                     c.space.drop_checkpoint_segment(s);
@@ -1221,7 +1235,7 @@ impl Array {
                 return Err(e);
             }
         };
-        for s in old {
+        for s in std::mem::take(&mut c.checkpoint_segments) {
             c.space.drop_checkpoint_segment(s);
         }
         c.checkpoint_segments = segments.clone();
@@ -1231,45 +1245,57 @@ impl Array {
         c.counters.device_pages_written +=
             u64::from(pages) + segments.len() as u64 + u64::from(self.geo.devices);
         c.durable(seq);
+        let chain = ckpt::Chain {
+            array: self.id,
+            seq,
+            pages,
+            segments,
+            segment_pages: spp,
+            array_pages: u64::from(self.geo.total_segments()) * u64::from(spp),
+        };
+        let source = Box::new(ckpt::CkptLeaves::new(chain, page_reader(&self.devs, self.geo)));
+        let mut next = leaves_at;
+        c.map.checkpointed(
+            |_| {
+                let at = next;
+                next += ckpt::LEAF_RECORD;
+                at
+            },
+            source,
+        );
+        c.shed();
         drop(c);
         self.changed.notify_all();
         Ok(())
     }
 
-    fn write_checkpoint(&self, bytes: &[u8], seq: u64, segments: &[u32]) -> Result<u32, FlashError> {
-        let spp = self.geo.segment_pages as usize;
-        let mut chunks = bytes.chunks(CKPT_PAYLOAD);
-        let mut index = 0u32;
-        for (i, &s) in segments.iter().enumerate() {
-            let next = segments.get(i + 1).copied();
-            let erase_count = self.lock().space.segs[s as usize].erase_count;
-            let h = SegmentHeader {
-                segment: s,
-                opened_seq: seq,
-                erase_count,
-                kind: SegmentKind::Checkpoint { next },
-            };
-            let mut buf = AlignedBuf::new(spp * PAGE)?;
-            h.emit(&self.id, &mut buf[..PAGE]);
-            let mut used = 1;
-            for p in 1..spp {
-                let Some(payload) = chunks.next() else { break };
-                CkptPage::emit(&self.id, seq, index, payload, &mut buf[p * PAGE..(p + 1) * PAGE]);
-                index += 1;
-                used = p + 1;
-            }
-            self.write_pages(s * self.geo.segment_pages, &buf[..used * PAGE])?;
-        }
+    /// Write checkpoint `seq` of `c` to `segments`, sync it with every group before it, and
+    /// name it in the superblocks. Returns its pages and where its leaf records start.
+    fn write_checkpoint(
+        &self,
+        c: &mut Controller,
+        seq: u64,
+        segments: &[u32],
+    ) -> Result<(u32, u64), FlashError> {
+        let erase = segments.iter().map(|&s| c.space.segs[s as usize].erase_count).collect();
+        let mut w = CkptWriter::new(self, seq, segments, erase)?;
+        let leaves_at = ckpt::encode(c, seq, segments, &mut |b| w.push(b))?;
+        let pages = w.finish()?;
         // The checkpoint and every group up to `seq` durable, then the superblocks name it.
-        self.sync_all()?;
-        let ceiling = self.lock().next_seq + SEQ_WINDOW;
-        self.write_superblocks(|sb| {
-            sb.checkpoint = Some(CkptRef { seq, first_segment: segments[0], pages: index });
-            sb.seq_ceiling = sb.seq_ceiling.max(ceiling);
-        })?;
-        let mut c = self.lock();
+        let ceiling = c.next_seq + SEQ_WINDOW;
+        let named = self.sync_devices().and_then(|()| {
+            self.emit_superblocks(|sb| {
+                sb.checkpoint = Some(CkptRef { seq, first_segment: segments[0], pages });
+                sb.seq_ceiling = sb.seq_ceiling.max(ceiling);
+            })?;
+            self.sync_devices()
+        });
+        if let Err(e) = named {
+            c.failed = true;
+            return Err(e);
+        }
         c.seq_ceiling = c.seq_ceiling.max(ceiling);
-        Ok(index)
+        Ok((pages, leaves_at))
     }
 
     // ---------------------------------------------------------------------------------
@@ -1430,10 +1456,16 @@ impl Array {
     /// Which pages of `count` pages of `vol` from `vpage` hold data (mapped or dirty in the
     /// pool): `true` for data, in order.
     pub fn allocation(&self, vol: VolId, vpage: u64, count: u64) -> Result<Vec<bool>, FlashError> {
-        let c = self.lock();
-        let v = c.volume(vol)?;
+        let mut c = self.lock();
+        let c = &mut *c;
+        let v = c.vols.get(&vol).ok_or(FlashError::NoSuchVolume)?;
         let end = vpage.saturating_add(count).min(v.pages());
-        Ok((vpage..end).map(|p| c.map.get(&v.map, p) != 0 || c.has_slot(vol, p)).collect())
+        let mut out = Vec::with_capacity((end - vpage.min(end)) as usize);
+        for p in vpage..end {
+            out.push(c.map.get(&v.map, p)? != 0 || c.has_slot(vol, p));
+        }
+        c.shed();
+        Ok(out)
     }
 
     // ---------------------------------------------------------------------------------
@@ -1506,7 +1538,11 @@ impl Array {
 
     /// Every volume, by name.
     pub fn list(&self) -> Vec<VolumeInfo> {
-        let c = self.lock();
+        let mut c = self.lock();
+        let ids: Vec<VolId> = c.vols.keys().copied().collect();
+        // A leaf that cannot be read back counts nothing rather than failing the listing.
+        let allocated: HashMap<VolId, u64> =
+            ids.into_iter().map(|id| (id, c.allocated_pages(id).unwrap_or(0))).collect();
         let name_of = |id: VolId| c.vols.get(&id).map(|v| v.name.clone());
         let mut out: Vec<VolumeInfo> = c
             .vols
@@ -1515,7 +1551,7 @@ impl Array {
                 id: v.id,
                 name: v.name.clone(),
                 size_bytes: v.pages() * PAGE as u64,
-                allocated_bytes: c.allocated_pages(v.id) * PAGE as u64,
+                allocated_bytes: allocated[&v.id] * PAGE as u64,
                 writable: v.writable,
                 origin: v.origin.and_then(name_of),
                 snapshots: c
@@ -1557,7 +1593,11 @@ impl Array {
             pool_dirty,
             erase_min,
             erase_max,
-            map_bytes: c.map.leaves_in_use() as u64 * (crate::map::LEAF_PAGES as u64 * 4),
+            map_bytes: c.map_memory(),
+            map_leaves: c.map.leaves_in_use() as u64,
+            map_leaves_resident: c.map.resident() as u64,
+            map_loads: c.map.loads,
+            map_evictions: c.map.evictions,
             device_pages_written_measured: self.devs.iter().map(|d| d.pages_written()).sum(),
             pages_read_async: self.prefetched.load(Ordering::Relaxed),
             syncs_later: self.synced_later.load(Ordering::Relaxed),
@@ -1571,6 +1611,102 @@ impl Array {
     /// Check the controller's invariants (tests and the simulator).
     pub fn audit(&self) -> Result<(), String> {
         self.lock().audit()
+    }
+}
+
+/// A checkpoint's byte stream cut into checkpoint pages, written a segment at a time.
+struct CkptWriter<'a> {
+    array: &'a Array,
+    seq: u64,
+    segments: &'a [u32],
+    /// Erase counts of `segments`, for their headers.
+    erase: Vec<u32>,
+    buf: AlignedBuf,
+    /// The segment being filled (an index into `segments`), and its next page.
+    seg: usize,
+    page: usize,
+    index: u32,
+    payload: Vec<u8>,
+}
+
+impl<'a> CkptWriter<'a> {
+    fn new(
+        array: &'a Array,
+        seq: u64,
+        segments: &'a [u32],
+        erase: Vec<u32>,
+    ) -> Result<CkptWriter<'a>, FlashError> {
+        let spp = array.geo.segment_pages as usize;
+        let mut w = CkptWriter {
+            array,
+            seq,
+            segments,
+            erase,
+            buf: AlignedBuf::new(spp * PAGE)?,
+            seg: 0,
+            page: 1,
+            index: 0,
+            payload: Vec::with_capacity(CKPT_PAYLOAD),
+        };
+        w.start_segment();
+        Ok(w)
+    }
+
+    fn start_segment(&mut self) {
+        let h = SegmentHeader {
+            segment: self.segments[self.seg],
+            opened_seq: self.seq,
+            erase_count: self.erase[self.seg],
+            kind: SegmentKind::Checkpoint { next: self.segments.get(self.seg + 1).copied() },
+        };
+        h.emit(&self.array.id, &mut self.buf[..PAGE]);
+        self.page = 1;
+    }
+
+    fn push(&mut self, mut bytes: &[u8]) -> Result<(), FlashError> {
+        while !bytes.is_empty() {
+            let n = (CKPT_PAYLOAD - self.payload.len()).min(bytes.len());
+            self.payload.extend_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+            if self.payload.len() == CKPT_PAYLOAD {
+                self.emit_page()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn emit_page(&mut self) -> Result<(), FlashError> {
+        if self.page == self.array.geo.segment_pages as usize {
+            self.write_segment()?;
+            self.seg += 1;
+            if self.seg == self.segments.len() {
+                return Err(FlashError::Corrupt("a checkpoint longer than its segments"));
+            }
+            self.start_segment();
+        }
+        let at = self.page * PAGE;
+        CkptPage::emit(&self.array.id, self.seq, self.index, &self.payload, &mut self.buf[at..at + PAGE]);
+        self.index += 1;
+        self.page += 1;
+        self.payload.clear();
+        Ok(())
+    }
+
+    fn write_segment(&mut self) -> Result<(), FlashError> {
+        let pba = self.segments[self.seg] * self.array.geo.segment_pages;
+        self.array.write_pages(pba, &self.buf[..self.page * PAGE])
+    }
+
+    /// Write what is left; returns the checkpoint's pages.
+    fn finish(mut self) -> Result<u32, FlashError> {
+        if !self.payload.is_empty() || self.index == 0 {
+            self.emit_page()?;
+        }
+        self.write_segment()?;
+        if self.seg + 1 != self.segments.len() {
+            return Err(FlashError::Corrupt("a checkpoint shorter than its segments"));
+        }
+        Ok(self.index)
     }
 }
 

@@ -723,13 +723,13 @@ pub mod fuzz_api {
     /// and encodes to a stream that decodes again.
     pub fn checkpoint(data: &[u8]) {
         let cfg = crate::ctl::Config { pool_pages: 8, ..crate::ctl::Config::default() };
-        let Ok((c, seq)) = crate::ckpt::decode(data, cfg, 16, 64) else { return };
+        let Ok((mut c, seq)) = crate::ckpt::decode(&mut &data[..], cfg, 16, 64, None) else { return };
         if c.audit().is_err() {
             return;
         }
-        let bytes = crate::ckpt::encode(&c, seq, &[]);
-        let (again, seq_again) =
-            crate::ckpt::decode(&bytes, cfg, 16, 64).expect("an encoded checkpoint decodes");
+        let bytes = crate::ckpt::encode_to_vec(&mut c, seq, &[]);
+        let (mut again, seq_again) =
+            crate::ckpt::decode(&mut &bytes[..], cfg, 16, 64, None).expect("an encoded checkpoint decodes");
         assert_eq!(seq_again, seq);
         assert!(again.audit().is_ok(), "a re-encoded checkpoint passes its audit");
     }

@@ -11,8 +11,20 @@
 //! segment's valid-page count says so: the allocator reads those counts to pick what to
 //! clean. A leaf is 2 KiB, so a fully written volume costs 1 MiB of map per GiB, plus 2 bytes
 //! of count per physical page of the array.
+//!
+//! **Demand paging.** Leaves need not all be in memory. A leaf unchanged since the last
+//! checkpoint has an exact copy in it (`stored`), so it may be *evicted*: its entries are
+//! dropped and read back from the checkpoint through a [`LeafSource`] when next wanted. Only
+//! such clean leaves are evicted, by a clock (second chance) over the slab, whenever more than
+//! the budget are resident ([`Map::shed`]); a leaf changed since the checkpoint stays until
+//! the next one stores it. The counts per PBA and per segment stay in memory whole. Every
+//! call that reads or changes entries loads what it needs and can fail with the device's
+//! error; the caller treats a failed change as a failed array.
+
+use std::borrow::Cow;
 
 use crate::layout::Pba;
+use crate::FlashError;
 
 /// Pages one leaf maps.
 pub const LEAF_PAGES: usize = 512;
@@ -23,7 +35,27 @@ pub type LeafId = u32;
 /// No leaf: every page of that stretch is unmapped.
 pub const NO_LEAF: LeafId = u32::MAX;
 
-type Leaf = [Pba; LEAF_PAGES];
+/// One leaf's entries.
+pub type Leaf = [Pba; LEAF_PAGES];
+
+/// Not in the current checkpoint (changed since, or new).
+const NOT_STORED: u64 = u64::MAX;
+
+/// Where evicted leaves come back from: the current checkpoint's stream.
+pub trait LeafSource: Send {
+    /// Leaf `id`'s entries, from its record at byte `at` of the checkpoint stream.
+    fn load(&mut self, id: LeafId, at: u64) -> Result<Box<Leaf>, FlashError>;
+}
+
+/// The source, if there is a checkpoint to load from.
+#[derive(Default)]
+struct Source(Option<Box<dyn LeafSource>>);
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Source(checkpoint)" } else { "Source(none)" })
+    }
+}
 
 /// One volume's row of leaves; `pages` bounds the volume.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -50,13 +82,27 @@ fn split(vpage: u64) -> (usize, usize) {
 /// The shared leaves, the count of leaves per PBA, and valid pages per segment.
 #[derive(Debug)]
 pub struct Map {
+    /// A leaf's entries; `None` for a free id, or one in use but evicted (`shares` > 0).
     leaves: Vec<Option<Box<Leaf>>>,
     shares: Vec<u32>,
+    /// Byte offset of the leaf's record in the current checkpoint's stream, while that record
+    /// holds what the leaf holds; `NOT_STORED` once it changes.
+    stored: Vec<u64>,
+    /// Used since the clock hand last passed (second chance).
+    used: Vec<bool>,
     free: Vec<LeafId>,
     holders: Vec<u16>,
     valid: Vec<u32>,
     valid_total: u64,
     segment_pages: u32,
+    /// Leaves in memory, and at most how many may stay after [`Map::shed`].
+    resident: usize,
+    budget: usize,
+    hand: usize,
+    source: Source,
+    /// Leaves read back and evicted since the map was built.
+    pub loads: u64,
+    pub evictions: u64,
 }
 
 impl Map {
@@ -65,21 +111,85 @@ impl Map {
         Map {
             leaves: Vec::new(),
             shares: Vec::new(),
+            stored: Vec::new(),
+            used: Vec::new(),
             free: Vec::new(),
             holders: vec![0; segments as usize * segment_pages as usize],
             valid: vec![0; segments as usize],
             valid_total: 0,
             segment_pages,
+            resident: 0,
+            budget: usize::MAX,
+            hand: 0,
+            source: Source::default(),
+            loads: 0,
+            evictions: 0,
         }
     }
 
+    /// At most `leaves` leaves stay in memory after [`Map::shed`] (`usize::MAX`: all).
+    pub fn set_budget(&mut self, leaves: usize) {
+        self.budget = leaves.max(1);
+    }
+
+    /// Leaves in memory now.
+    pub fn resident(&self) -> usize {
+        self.resident
+    }
+
+    /// Leaf `id`'s entries in memory, read back from the checkpoint if it was evicted.
+    fn leaf(&mut self, id: LeafId) -> Result<&mut Leaf, FlashError> {
+        let i = id as usize;
+        debug_assert!(self.shares[i] > 0, "leaf {id} is not in use");
+        if self.leaves[i].is_none() {
+            let at = self.stored[i];
+            let source =
+                self.source.0.as_mut().ok_or(FlashError::Corrupt("an evicted leaf and no checkpoint"))?;
+            self.leaves[i] = Some(source.load(id, at)?);
+            self.resident += 1;
+            self.loads += 1;
+        }
+        self.used[i] = true;
+        Ok(self.leaves[i].as_mut().expect("just loaded"))
+    }
+
+    /// Leaf `id`'s entries, read from the checkpoint without keeping them if it was evicted.
+    fn peek(&mut self, id: LeafId) -> Result<Cow<'_, Leaf>, FlashError> {
+        let i = id as usize;
+        if let Some(leaf) = &self.leaves[i] {
+            return Ok(Cow::Borrowed(&**leaf));
+        }
+        let source =
+            self.source.0.as_mut().ok_or(FlashError::Corrupt("an evicted leaf and no checkpoint"))?;
+        Ok(Cow::Owned(*source.load(id, self.stored[i])?))
+    }
+
     /// The PBA that page `vpage` of `vm` maps to (0: unmapped).
-    pub fn get(&self, vm: &VolMap, vpage: u64) -> Pba {
+    pub fn get(&mut self, vm: &VolMap, vpage: u64) -> Result<Pba, FlashError> {
         let (l, i) = split(vpage);
         match vm.leaves.get(l) {
-            Some(&id) if id != NO_LEAF => self.leaves[id as usize].as_ref().map_or(0, |leaf| leaf[i]),
-            _ => 0,
+            Some(&id) if id != NO_LEAF => Ok(self.leaf(id)?[i]),
+            _ => Ok(0),
         }
+    }
+
+    /// The PBA of `vpage` of `vm` if its leaf is in memory (`None`: evicted; ask [`Map::get`]).
+    pub fn get_resident(&self, vm: &VolMap, vpage: u64) -> Option<Pba> {
+        let (l, i) = split(vpage);
+        match vm.leaves.get(l) {
+            Some(&id) if id != NO_LEAF => self.leaves[id as usize].as_ref().map(|leaf| leaf[i]),
+            _ => Some(0),
+        }
+    }
+
+    /// Pages of `vm` mapped (its leaves' entries that are not 0), reading evicted leaves
+    /// without keeping them.
+    pub fn mapped_pages(&mut self, vm: &VolMap) -> Result<u64, FlashError> {
+        let mut n = 0;
+        for &id in vm.leaves.iter().filter(|&&id| id != NO_LEAF) {
+            n += self.peek(id)?.iter().filter(|&&p| p != 0).count() as u64;
+        }
+        Ok(n)
     }
 
     /// Valid pages (held by some leaf) in `segment`.
@@ -99,19 +209,19 @@ impl Map {
 
     /// Map `vpage` of `vm` to `pba` (0: unmap). Copies the leaf first if another volume
     /// shares it. Returns the PBA it mapped before.
-    pub fn set(&mut self, vm: &mut VolMap, vpage: u64, pba: Pba) -> Pba {
+    pub fn set(&mut self, vm: &mut VolMap, vpage: u64, pba: Pba) -> Result<Pba, FlashError> {
         debug_assert!(vpage < vm.pages, "page {vpage} past a volume of {} pages", vm.pages);
         let (l, i) = split(vpage);
         let id = vm.leaves[l];
         if id == NO_LEAF && pba == 0 {
-            return 0;
+            return Ok(0);
         }
         let id = if id == NO_LEAF {
             let id = self.alloc_leaf(Box::new([0; LEAF_PAGES]));
             vm.leaves[l] = id;
             id
         } else if self.shares[id as usize] > 1 {
-            let copy = self.leaves[id as usize].clone().expect("a shared leaf exists");
+            let copy = Box::new(*self.leaf(id)?);
             for &p in copy.iter().filter(|&&p| p != 0) {
                 self.hold(p);
             }
@@ -122,19 +232,22 @@ impl Map {
         } else {
             id
         };
-        let leaf = self.leaves[id as usize].as_mut().expect("leaf in use");
+        let leaf = self.leaf(id)?;
         let old = std::mem::replace(&mut leaf[i], pba);
+        if old != pba {
+            self.stored[id as usize] = NOT_STORED;
+        }
         if pba != 0 {
             self.hold(pba);
         }
         if old != 0 {
             self.release(old);
         }
-        old
+        Ok(old)
     }
 
     /// Unmap `pages` pages of `vm` from `vpage`, skipping leaves that hold nothing.
-    pub fn trim(&mut self, vm: &mut VolMap, vpage: u64, pages: u64) {
+    pub fn trim(&mut self, vm: &mut VolMap, vpage: u64, pages: u64) -> Result<(), FlashError> {
         let end = vpage.saturating_add(pages).min(vm.pages);
         let mut p = vpage;
         while p < end {
@@ -147,15 +260,16 @@ impl Map {
             if p & (LEAF_PAGES as u64 - 1) == 0 && leaf_end - p == LEAF_PAGES as u64 {
                 // A whole leaf: let it go rather than zero its entries one by one.
                 let id = std::mem::replace(&mut vm.leaves[l], NO_LEAF);
-                self.drop_share(id);
+                self.drop_share(id)?;
                 p = leaf_end;
                 continue;
             }
             while p < leaf_end {
-                self.set(vm, p, 0);
+                self.set(vm, p, 0)?;
                 p += 1;
             }
         }
+        Ok(())
     }
 
     /// A new map sharing every leaf of `vm` (a snapshot or clone).
@@ -167,25 +281,27 @@ impl Map {
     }
 
     /// Give up `vm`'s leaves (the volume is deleted).
-    pub fn drop_map(&mut self, vm: VolMap) {
+    pub fn drop_map(&mut self, vm: VolMap) -> Result<(), FlashError> {
         for id in vm.leaves.into_iter().filter(|&id| id != NO_LEAF) {
-            self.drop_share(id);
+            self.drop_share(id)?;
         }
+        Ok(())
     }
 
     /// Change `vm`'s size: growing maps nothing new; shrinking unmaps what falls off.
-    pub fn resize(&mut self, vm: &mut VolMap, pages: u64) {
+    pub fn resize(&mut self, vm: &mut VolMap, pages: u64) -> Result<(), FlashError> {
         if pages < vm.pages {
-            self.trim(vm, pages, vm.pages - pages);
+            self.trim(vm, pages, vm.pages - pages)?;
             for id in vm.leaves.drain(leaves_for(pages)..).collect::<Vec<_>>() {
                 if id != NO_LEAF {
-                    self.drop_share(id);
+                    self.drop_share(id)?;
                 }
             }
         } else {
             vm.leaves.resize(leaves_for(pages), NO_LEAF);
         }
         vm.pages = pages;
+        Ok(())
     }
 
     /// Garbage collection moved page `vpage` from `old` to `new`: every leaf of `family` that
@@ -197,7 +313,7 @@ impl Map {
         vpage: u64,
         old: Pba,
         new: Pba,
-    ) -> usize {
+    ) -> Result<usize, FlashError> {
         let (l, i) = split(vpage);
         let mut changed = 0;
         let mut seen: Vec<LeafId> = Vec::new();
@@ -207,9 +323,10 @@ impl Map {
                 continue;
             }
             seen.push(id);
-            let leaf = self.leaves[id as usize].as_mut().expect("leaf in use");
+            let leaf = self.leaf(id)?;
             if leaf[i] == old {
                 leaf[i] = new;
+                self.stored[id as usize] = NOT_STORED;
                 changed += 1;
             }
         }
@@ -217,7 +334,7 @@ impl Map {
             self.hold(new);
             self.release(old);
         }
-        changed
+        Ok(changed)
     }
 
     fn hold(&mut self, pba: Pba) {
@@ -240,31 +357,42 @@ impl Map {
     }
 
     fn alloc_leaf(&mut self, leaf: Box<Leaf>) -> LeafId {
+        self.resident += 1;
         match self.free.pop() {
             Some(id) => {
-                self.leaves[id as usize] = Some(leaf);
-                self.shares[id as usize] = 1;
+                let i = id as usize;
+                self.leaves[i] = Some(leaf);
+                self.shares[i] = 1;
+                self.stored[i] = NOT_STORED;
+                self.used[i] = true;
                 id
             }
             None => {
                 self.leaves.push(Some(leaf));
                 self.shares.push(1);
+                self.stored.push(NOT_STORED);
+                self.used.push(true);
                 (self.leaves.len() - 1) as LeafId
             }
         }
     }
 
-    fn drop_share(&mut self, id: LeafId) {
-        let s = &mut self.shares[id as usize];
-        *s -= 1;
-        if *s > 0 {
-            return;
+    fn drop_share(&mut self, id: LeafId) -> Result<(), FlashError> {
+        let i = id as usize;
+        if self.shares[i] == 1 {
+            // The last user: its pages lose a holder, so its entries must be at hand.
+            let leaf = self.peek(id)?.into_owned();
+            for &p in leaf.iter().filter(|&&p| p != 0) {
+                self.release(p);
+            }
+            if self.leaves[i].take().is_some() {
+                self.resident -= 1;
+            }
+            self.stored[i] = NOT_STORED;
+            self.free.push(id);
         }
-        let leaf = self.leaves[id as usize].take().expect("leaf in use");
-        for &p in leaf.iter().filter(|&&p| p != 0) {
-            self.release(p);
-        }
-        self.free.push(id);
+        self.shares[i] -= 1;
+        Ok(())
     }
 
     /// Leaves in use (for the map's memory figure).
@@ -272,33 +400,84 @@ impl Map {
         self.leaves.len() - self.free.len()
     }
 
-    /// Every leaf in use, with its id, shares and entries (a checkpoint writes them).
-    pub fn each_leaf(&self) -> impl Iterator<Item = (LeafId, u32, &[Pba; LEAF_PAGES])> + '_ {
-        self.leaves
-            .iter()
-            .enumerate()
-            .filter_map(|(id, l)| l.as_ref().map(|l| (id as LeafId, self.shares[id], &**l)))
+    /// Ids of the leaves in use, in order.
+    pub fn leaf_ids(&self) -> impl Iterator<Item = LeafId> + '_ {
+        self.shares.iter().enumerate().filter(|(_, &s)| s > 0).map(|(id, _)| id as LeafId)
     }
 
-    /// Put back a leaf a checkpoint wrote, with its id and shares (recovery, before any
-    /// volume refers to it).
-    pub fn restore_leaf(&mut self, id: LeafId, shares: u32, entries: Box<[Pba; LEAF_PAGES]>) {
+    /// Leaf `id`'s shares and entries (a checkpoint writes them), read back without keeping
+    /// them if it was evicted.
+    pub fn leaf_for_checkpoint(&mut self, id: LeafId) -> Result<(u32, Cow<'_, Leaf>), FlashError> {
+        let shares = self.shares[id as usize];
+        Ok((shares, self.peek(id)?))
+    }
+
+    /// A checkpoint holding every leaf in use is durable: each leaf's record is at the
+    /// offset `at` gives it, and evicted leaves come back from `source` from now on.
+    pub fn checkpointed(&mut self, mut at: impl FnMut(LeafId) -> u64, source: Box<dyn LeafSource>) {
+        for id in 0..self.shares.len() {
+            if self.shares[id] > 0 {
+                self.stored[id] = at(id as LeafId);
+            }
+        }
+        self.source = Source(Some(source));
+    }
+
+    /// Evict clean leaves (stored in the checkpoint as they are) by a clock, until at most
+    /// the budget are resident or none more can go.
+    pub fn shed(&mut self) {
+        let n = self.leaves.len();
+        let mut looked = 0;
+        while self.resident > self.budget && looked < 2 * n {
+            let i = self.hand;
+            self.hand = (self.hand + 1) % n;
+            looked += 1;
+            if self.leaves[i].is_none() || self.stored[i] == NOT_STORED {
+                continue;
+            }
+            if std::mem::take(&mut self.used[i]) {
+                continue;
+            }
+            self.leaves[i] = None;
+            self.resident -= 1;
+            self.evictions += 1;
+        }
+    }
+
+    /// Put back a leaf a checkpoint wrote at byte `at` of its stream, with its id and shares
+    /// (recovery, before any volume refers to it); `keep`: in memory, else evicted.
+    pub fn restore_leaf(
+        &mut self,
+        id: LeafId,
+        shares: u32,
+        entries: Box<[Pba; LEAF_PAGES]>,
+        at: u64,
+        keep: bool,
+    ) {
         let i = id as usize;
         if self.leaves.len() <= i {
             self.leaves.resize_with(i + 1, || None);
             self.shares.resize(i + 1, 0);
+            self.stored.resize(i + 1, NOT_STORED);
+            self.used.resize(i + 1, false);
         }
         for &p in entries.iter().filter(|&&p| p != 0) {
             self.hold(p);
         }
-        self.leaves[i] = Some(entries);
+        if keep {
+            self.leaves[i] = Some(entries);
+            self.resident += 1;
+        }
         self.shares[i] = shares;
+        self.stored[i] = at;
     }
 
-    /// After every leaf is restored: slots left empty become free.
-    pub fn finish_restore(&mut self) {
+    /// After every leaf is restored: ids left unused become free, and evicted leaves come
+    /// back from `source`.
+    pub fn finish_restore(&mut self, source: Option<Box<dyn LeafSource>>) {
         self.free =
-            (0..self.leaves.len() as LeafId).filter(|&id| self.leaves[id as usize].is_none()).rev().collect();
+            (0..self.leaves.len() as LeafId).filter(|&id| self.shares[id as usize] == 0).rev().collect();
+        self.source = Source(source);
     }
 
     /// Whether a PBA can exist in this geometry and is not a segment header.
@@ -306,21 +485,32 @@ impl Map {
         (pba as usize) < self.holders.len() && !pba.is_multiple_of(self.segment_pages)
     }
 
-    /// Check the counts against the leaves (tests and the simulator).
-    pub fn audit(&self, maps: &[&VolMap]) -> Result<(), String> {
+    /// Check the counts against the leaves (tests and the simulator), reading evicted
+    /// leaves back without keeping them.
+    pub fn audit(&mut self, maps: &[&VolMap]) -> Result<(), String> {
         let mut holders = vec![0u32; self.holders.len()];
-        for (id, leaf) in self.leaves.iter().enumerate() {
-            if let Some(leaf) = leaf {
-                for &p in leaf.iter().filter(|&&p| p != 0) {
-                    holders[p as usize] += 1;
+        let resident = self.leaves.iter().filter(|l| l.is_some()).count();
+        if resident != self.resident {
+            return Err(format!("{resident} leaves in memory, counted {}", self.resident));
+        }
+        for id in 0..self.shares.len() {
+            if self.shares[id] == 0 {
+                if self.leaves[id].is_some() {
+                    return Err(format!("leaf {id} is free and in memory"));
                 }
-                let users = maps
-                    .iter()
-                    .map(|m| m.leaves.iter().filter(|&&l| l == id as LeafId).count())
-                    .sum::<usize>();
-                if users as u32 != self.shares[id] {
-                    return Err(format!("leaf {id}: {users} users, {} shares counted", self.shares[id]));
-                }
+                continue;
+            }
+            if self.leaves[id].is_none() && self.stored[id] == NOT_STORED {
+                return Err(format!("leaf {id} is evicted and in no checkpoint"));
+            }
+            let leaf = self.peek(id as LeafId).map_err(|e| format!("leaf {id}: {e}"))?;
+            for &p in leaf.iter().filter(|&&p| p != 0) {
+                holders[p as usize] += 1;
+            }
+            let users =
+                maps.iter().map(|m| m.leaves.iter().filter(|&&l| l == id as LeafId).count()).sum::<usize>();
+            if users as u32 != self.shares[id] {
+                return Err(format!("leaf {id}: {users} users, {} shares counted", self.shares[id]));
             }
         }
         for (p, (&want, &have)) in holders.iter().zip(&self.holders).enumerate() {
@@ -348,18 +538,18 @@ mod tests {
         let mut m = Map::new(4, 1024);
         let mut vol = VolMap::new(2000);
         for p in 0..1000 {
-            m.set(&mut vol, p, 1 + p as Pba);
+            m.set(&mut vol, p, 1 + p as Pba).unwrap();
         }
         let snap = m.share(&vol);
         assert_eq!(m.leaves_in_use(), 2);
-        let old = m.set(&mut vol, 3, 2000);
+        let old = m.set(&mut vol, 3, 2000).unwrap();
         assert_eq!(old, 4);
         assert_eq!(m.leaves_in_use(), 3, "the first leaf was copied");
-        assert_eq!(m.get(&snap, 3), 4, "the snapshot keeps the old page");
-        assert_eq!(m.get(&vol, 3), 2000);
+        assert_eq!(m.get(&snap, 3).unwrap(), 4, "the snapshot keeps the old page");
+        assert_eq!(m.get(&vol, 3).unwrap(), 2000);
         assert!(m.is_held(4), "the snapshot still holds it");
         m.audit(&[&vol, &snap]).unwrap();
-        m.drop_map(snap);
+        m.drop_map(snap).unwrap();
         assert!(!m.is_held(4), "nobody holds it now");
         m.audit(&[&vol]).unwrap();
         assert_eq!((m.valid(0), m.valid(1)), (999, 1), "pages 1..=1000 but 4, and the new page");
@@ -369,13 +559,13 @@ mod tests {
     fn relocation_updates_every_sharer_once() {
         let mut m = Map::new(4, 1024);
         let mut vol = VolMap::new(600);
-        m.set(&mut vol, 10, 5);
+        m.set(&mut vol, 10, 5).unwrap();
         let snap = m.share(&vol);
         let mut clone = m.share(&snap);
-        m.set(&mut clone, 11, 6); // the clone copies its leaf: page 10 is held by two leaves now
-        assert_eq!(m.relocate([&vol, &snap, &clone], 10, 5, 1030), 2);
+        m.set(&mut clone, 11, 6).unwrap(); // the clone copies its leaf: page 10 is held by two leaves now
+        assert_eq!(m.relocate([&vol, &snap, &clone], 10, 5, 1030).unwrap(), 2);
         for v in [&vol, &snap, &clone] {
-            assert_eq!(m.get(v, 10), 1030);
+            assert_eq!(m.get(v, 10).unwrap(), 1030);
         }
         assert!(!m.is_held(5));
         m.audit(&[&vol, &snap, &clone]).unwrap();
@@ -386,19 +576,19 @@ mod tests {
         let mut m = Map::new(8, 1024);
         let mut vol = VolMap::new(3 * LEAF_PAGES as u64);
         for p in 0..3 * LEAF_PAGES as u64 {
-            m.set(&mut vol, p, 1 + p as Pba + (p as Pba / 1023));
+            m.set(&mut vol, p, 1 + p as Pba + (p as Pba / 1023)).unwrap();
         }
-        m.trim(&mut vol, 100, LEAF_PAGES as u64 * 2);
-        assert_eq!(m.get(&vol, 99), 100);
-        assert_eq!(m.get(&vol, 100), 0);
-        assert_eq!(m.get(&vol, 611), 0);
+        m.trim(&mut vol, 100, LEAF_PAGES as u64 * 2).unwrap();
+        assert_eq!(m.get(&vol, 99).unwrap(), 100);
+        assert_eq!(m.get(&vol, 100).unwrap(), 0);
+        assert_eq!(m.get(&vol, 611).unwrap(), 0);
         m.audit(&[&vol]).unwrap();
-        m.resize(&mut vol, 50);
+        m.resize(&mut vol, 50).unwrap();
         assert_eq!(vol.leaves.len(), 1);
         m.audit(&[&vol]).unwrap();
-        m.resize(&mut vol, 5000);
-        assert_eq!(m.get(&vol, 4999), 0);
-        m.drop_map(vol);
+        m.resize(&mut vol, 5000).unwrap();
+        assert_eq!(m.get(&vol, 4999).unwrap(), 0);
+        m.drop_map(vol).unwrap();
         assert_eq!(m.leaves_in_use(), 0);
         m.audit(&[]).unwrap();
     }

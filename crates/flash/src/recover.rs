@@ -14,16 +14,11 @@
 //!
 //! Device reads come through a closure, so the logic here stays free of I/O.
 
-use crate::ckpt;
+use crate::ckpt::{self, Chain, ChainBytes, CkptLeaves, PageRead};
 use crate::ctl::{Config, Controller};
-use crate::layout::{
-    page_crc, ArrayId, CkptPage, CkptRef, GroupHeader, Pba, Record, SegmentHeader, SegmentKind, PAGE,
-};
+use crate::layout::{page_crc, ArrayId, CkptRef, GroupHeader, Record, SegmentHeader, SegmentKind, PAGE};
 use crate::space::State;
 use crate::FlashError;
-
-/// How recovery reads a page of the array (by PBA) into a buffer.
-pub type ReadPage<'a> = dyn FnMut(Pba, &mut [u8]) -> Result<(), FlashError> + 'a;
 
 /// What recovery found and did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -38,21 +33,26 @@ pub struct Report {
 }
 
 /// Rebuild the controller of array `array` (`segments` × `segment_pages`), from checkpoint
-/// `ckpt`, reading pages through `read`.
+/// `ckpt`, reading pages through `read` (which the map keeps, to read evicted leaves back).
 pub fn recover(
     array: &ArrayId,
     ckpt: Option<CkptRef>,
     cfg: Config,
     segments: u32,
     segment_pages: u32,
-    read: &mut ReadPage<'_>,
+    read: &PageRead,
 ) -> Result<(Controller, Report), FlashError> {
     let mut report = Report::default();
     let mut page = vec![0u8; PAGE];
     let (mut c, covered) = match ckpt {
         Some(r) => {
-            let bytes = read_checkpoint(array, r, segments, segment_pages, read, &mut report)?;
-            let (c, seq) = ckpt::decode(&bytes, cfg, segments, segment_pages)?;
+            let chain = checkpoint_chain(array, r, segments, segment_pages, read, &mut report)?;
+            let mut bytes = ChainBytes::new(&chain, read);
+            let source = Box::new(CkptLeaves::new(chain.clone(), read.clone()));
+            let decoded = ckpt::decode(&mut bytes, cfg, segments, segment_pages, Some(source));
+            report.pages_read += bytes.pages_read;
+            report.checkpoint_pages = bytes.pages_read as u32;
+            let (c, seq) = decoded?;
             if seq != r.seq {
                 return Err(FlashError::Corrupt("checkpoint sequence differs from the superblock's"));
             }
@@ -135,7 +135,7 @@ pub fn recover(
         let mut i = 0;
         for r in &g.records {
             if !r.carries_page() {
-                c.apply(r);
+                c.apply(r)?;
                 continue;
             }
             pba += 1;
@@ -149,7 +149,7 @@ pub fn recover(
                     }
                     if let Some(v) = c.vols.get_mut(vol) {
                         if *vpage < v.map.pages {
-                            c.map.set(&mut v.map, *vpage, pba);
+                            c.map.set(&mut v.map, *vpage, pba)?;
                         }
                     }
                 }
@@ -158,12 +158,13 @@ pub fn recover(
                         report.torn_pages += 1;
                         continue;
                     }
-                    c.relocate(*vol, *vpage, *old, pba);
+                    c.relocate(*vol, *vpage, *old, pba)?;
                 }
                 _ => unreachable!("carries a page"),
             }
         }
         report.groups_replayed += 1;
+        c.shed();
     }
     c.next_seq = max_seq + 1;
     c.durable_seq = max_seq;
@@ -172,50 +173,44 @@ pub fn recover(
     Ok((c, report))
 }
 
-/// The bytes of checkpoint `r`, read along its chain of segments.
-fn read_checkpoint(
+/// Where checkpoint `r` lies: its chain of segments, from their headers.
+fn checkpoint_chain(
     array: &ArrayId,
     r: CkptRef,
     segments: u32,
     segment_pages: u32,
-    read: &mut ReadPage<'_>,
+    read: &PageRead,
     report: &mut Report,
-) -> Result<Vec<u8>, FlashError> {
+) -> Result<Chain, FlashError> {
     let mut page = vec![0u8; PAGE];
-    let mut bytes = Vec::new();
+    let mut chain = Vec::new();
     let mut segment = r.first_segment;
-    let mut index = 0u32;
-    let mut hops = 0u32;
-    while index < r.pages {
-        if segment >= segments || hops > segments {
+    let per = u64::from(segment_pages - 1);
+    while (chain.len() as u64) * per < u64::from(r.pages) {
+        if segment >= segments || chain.len() > segments as usize {
             return Err(FlashError::Corrupt("checkpoint chain leaves the array"));
         }
-        hops += 1;
         read(segment * segment_pages, &mut page)?;
         report.pages_read += 1;
         let h = SegmentHeader::parse(array, &page)?;
         let SegmentKind::Checkpoint { next } = h.kind else {
             return Err(FlashError::Corrupt("checkpoint chain reaches a data segment"));
         };
-        for p in 1..segment_pages {
-            if index == r.pages {
-                break;
-            }
-            read(segment * segment_pages + p, &mut page)?;
-            report.pages_read += 1;
-            let cp = CkptPage::parse(array, &page)?;
-            if cp.seq != r.seq || cp.index != index {
-                return Err(FlashError::Corrupt("checkpoint page out of place"));
-            }
-            bytes.extend_from_slice(&cp.payload);
-            index += 1;
-        }
-        report.checkpoint_pages = index;
+        chain.push(segment);
         match next {
             Some(n) => segment = n,
-            None if index < r.pages => return Err(FlashError::Corrupt("checkpoint chain ends early")),
+            None if (chain.len() as u64) * per < u64::from(r.pages) => {
+                return Err(FlashError::Corrupt("checkpoint chain ends early"))
+            }
             None => {}
         }
     }
-    Ok(bytes)
+    Ok(Chain {
+        array: *array,
+        seq: r.seq,
+        pages: r.pages,
+        segments: chain,
+        segment_pages,
+        array_pages: u64::from(segments) * u64::from(segment_pages),
+    })
 }

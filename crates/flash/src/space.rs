@@ -427,7 +427,7 @@ mod tests {
         assert_eq!(sp.victim(&map), None, "seq 7 is past the checkpoint");
         sp.covered_seq = 7;
         let mut vm = crate::map::VolMap::new(8);
-        map.set(&mut vm, 0, g.segment * 16 + 1);
+        map.set(&mut vm, 0, g.segment * 16 + 1).unwrap();
         assert_eq!(sp.victim(&map), Some(g.segment));
         sp.release(g.segment, 9);
         sp.durable(8);

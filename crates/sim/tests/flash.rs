@@ -45,6 +45,10 @@ fn crashes_torn_writes_and_failing_devices_lose_no_acknowledged_write() {
     assert!(total.torn_writes > SEEDS / 2 && total.torn_pages_seen > 0, "{total:?}");
     assert!(total.gc_segments > SEEDS / 4 && total.checkpoints > SEEDS / 4, "{total:?}");
     assert!(total.wear_moves > SEEDS / 4, "static wear levelling moved segments: {total:?}");
+    assert!(
+        total.map_evictions > SEEDS && total.map_loads > SEEDS,
+        "map budgets evicted leaves and read them back: {total:?}"
+    );
 
     assert!(total.snapshots > SEEDS / 2 && total.device_errors > SEEDS / 20, "{total:?}");
 }
