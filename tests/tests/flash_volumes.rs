@@ -12,6 +12,7 @@ fn with_flash(devices: &[std::path::PathBuf], exports: &[&str], keys: Vec<proto:
         c.flash = Some(FlashConfig {
             devices: devices.to_vec(),
             pool_bytes: 16 << 20,
+            map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
             read_depth: server::FLASH_READ_DEPTH_DEFAULT,
         });
         c.keys = keys;
@@ -141,7 +142,8 @@ fn volumes_come_and_go_while_other_connections_work() {
 /// Pool misses park their requests instead of blocking the worker: a volume six times the
 /// page pool, read back after a restart emptied the pool, through the native protocol (many
 /// requests per caravan) and through NBD (nbdcopy keeps several in flight). Every byte comes
-/// back, and the misses were read ahead on the array's io_uring.
+/// back, and the misses were read ahead on the array's io_uring. The map's budget holds a
+/// third of the volume's leaves, so the rest come back from the checkpoint on the way.
 #[test]
 fn pool_misses_park_their_requests_and_every_byte_comes_back() {
     let (dir, devices) = flash_array(2, 64 << 20);
@@ -150,6 +152,9 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
             c.flash = Some(FlashConfig {
                 devices: devices.to_vec(),
                 pool_bytes: 4 << 20,
+                // Room for a few of the volume's twelve leaves: the rest are read back from
+                // the checkpoint as the reads reach them.
+                map_bytes: 4 * flash::ctl::LEAF_BYTES,
                 read_depth: server::FLASH_READ_DEPTH_DEFAULT,
             });
             c.nbd_listen = vec![Endpoint::Tcp("127.0.0.1:0".into())];
@@ -181,6 +186,7 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
         lane.read_at(piece, (i << 20) as u64).unwrap();
     }
     assert!(back == data, "the native protocol read back other bytes");
+    assert!(stat(&mut client, "map_loads") > 0, "no map leaf was read back: the budget did not bind");
     let async_native = stat(&mut client, "pages_read_async");
     assert!(async_native > 0, "no page was read ahead: the requests did not park");
 

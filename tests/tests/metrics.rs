@@ -32,6 +32,7 @@ fn start() -> (Target, tempfile::TempDir) {
         c.flash = Some(server::FlashConfig {
             devices,
             pool_bytes: 16 << 20,
+            map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
             read_depth: server::FLASH_READ_DEPTH_DEFAULT,
         });
     });

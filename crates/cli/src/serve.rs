@@ -54,6 +54,11 @@ pub struct ServeArgs {
     /// DRAM for the flash array's page pool (its only cache of flash pages).
     #[arg(long, value_name = "SIZE", value_parser = crate::units::parse_size, default_value = "256M")]
     flash_cache: u64,
+    /// Memory for the flash array's map (its leaves and per-page side tables). Past it, map
+    /// leaves stored in the last checkpoint are dropped and read back when wanted. 0: no bound
+    /// (docs/FLASH.md, "Memory").
+    #[arg(long, value_name = "SIZE", value_parser = crate::units::parse_size, default_value = "1G")]
+    flash_map_budget: u64,
     /// Flash pool misses read asynchronously at once (io_uring): a worker parks a request
     /// whose pages are on flash and serves other connections until they land. 0 reads them on
     /// the worker's thread instead.
@@ -254,6 +259,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         flash: (!args.flash.is_empty()).then(|| server::FlashConfig {
             devices: args.flash.clone(),
             pool_bytes: args.flash_cache,
+            map_bytes: args.flash_map_budget,
             read_depth: args.flash_read_depth,
         }),
     };

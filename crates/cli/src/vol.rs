@@ -204,6 +204,14 @@ fn stats(reach: &Reach, json: bool) -> CliResult {
         get("pool_misses"),
         get("pool_evictions")
     );
+    println!(
+        "map: {} in memory, {} of {} leaves; {} read back, {} evicted",
+        human_bytes(get("map_bytes") as f64),
+        get("map_leaves_resident"),
+        get("map_leaves"),
+        get("map_loads"),
+        get("map_evictions")
+    );
     println!("{:<32} {:>16}", "counter", "value");
     for (name, value) in &stats.entries {
         println!("{name:<32} {value:>16}");

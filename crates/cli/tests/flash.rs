@@ -716,11 +716,15 @@ fn assert_snapshots(s: &Served, snapshots: &[(String, Vec<u8>)]) {
     }
 }
 
+/// A map budget of a few leaves: the volume and its snapshots have 32 each (shared until
+/// written), so most are evicted once a checkpoint stores them, and read back from it.
+const SMALL_MAP: [&str; 2] = ["--flash-map-budget", "24K"];
+
 #[test]
 fn acknowledged_flushed_and_fua_writes_survive_kill_9() {
     let (_dir, flash) = devices();
     ok(&["flash", "format", &flash, "--segment", "4M"]);
-    let mut s = Served::start(&flash, &[]);
+    let mut s = Served::start(&flash, &SMALL_MAP);
     vol_ok(&s, &["create", "disk", "--size", "64M"]);
     let mut model = Model::new(REGION_BYTES);
     let mut snapshots = Vec::new();
@@ -746,7 +750,7 @@ fn acknowledged_flushed_and_fua_writes_survive_kill_9() {
 
         // The rounds fill less than the checkpoint interval (an eighth of the array), so no
         // checkpoint covers the FUA writes: recovery finds them by replaying the log.
-        s = Served::start(&flash, &[]);
+        s = Served::start(&flash, &SMALL_MAP);
         let groups = replayed(&s);
         assert!(
             groups > 0,
@@ -761,10 +765,16 @@ fn acknowledged_flushed_and_fua_writes_survive_kill_9() {
 
     // A clean stop writes everything back and checkpoints: nothing to replay, nothing lost.
     s.stop();
-    let s = Served::start(&flash, &[]);
+    let s = Served::start(&flash, &SMALL_MAP);
     assert_eq!(replayed(&s), 0, "a start after a clean stop replays nothing");
     assert_same_pages(&read_region(&s, "disk", REGION_BYTES), &model.durable, "disk after a clean restart");
     assert_snapshots(&s, &snapshots);
+    let stats: serde_json::Value = serde_json::from_str(&vol_ok(&s, &["stats", "--json"])).unwrap();
+    assert!(
+        stats["map_loads"].as_u64() > Some(0)
+            && stats["map_leaves_resident"].as_u64() < stats["map_leaves"].as_u64(),
+        "the map budget did not bind: {stats}"
+    );
     s.stop();
 }
 

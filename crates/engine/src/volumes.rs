@@ -34,6 +34,9 @@ pub struct FlashConfig {
     /// Every device (file or block device) of the array, in any order.
     pub devices: Vec<PathBuf>,
     pub pool_bytes: u64,
+    /// Bytes of map leaves and per-page side tables kept in memory (0: no bound;
+    /// `flash::ctl::Config::map_budget`).
+    pub map_bytes: u64,
     /// Pool misses read asynchronously at once (io_uring, `Array::start_reads`); 0 reads them
     /// on the thread that needs them.
     pub read_depth: u32,
@@ -41,6 +44,9 @@ pub struct FlashConfig {
 
 /// Pool misses read asynchronously at once when nothing else is asked.
 pub const READ_DEPTH_DEFAULT: u32 = 128;
+
+/// The map's memory when none is asked for: no paging below about 500 GiB of volumes written.
+pub const MAP_BYTES_DEFAULT: u64 = 1 << 30;
 
 /// The page pool when none is asked for.
 pub const POOL_BYTES_DEFAULT: u64 = 256 << 20;
@@ -143,7 +149,8 @@ impl FlashVolumes {
             let device = FileDevice::open(path).map_err(|e| FlashError::Device(with_path(path, e)))?;
             devices.push(Box::new(device));
         }
-        let array = Array::open(devices, flash::ctl::Config { pool_pages, ..Default::default() })?;
+        let cfg = flash::ctl::Config { pool_pages, map_budget: config.map_bytes, ..Default::default() };
+        let array = Array::open(devices, cfg)?;
         array.start_background();
         if config.read_depth > 0 {
             array.start_reads(config.read_depth)?;
@@ -410,6 +417,10 @@ fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
         ("erase_count_min", u64::from(s.erase_min)),
         ("erase_count_max", u64::from(s.erase_max)),
         ("map_bytes", s.map_bytes),
+        ("map_leaves", s.map_leaves),
+        ("map_leaves_resident", s.map_leaves_resident),
+        ("map_loads", s.map_loads),
+        ("map_evictions", s.map_evictions),
         ("recovered_groups_replayed", s.recovered.groups_replayed),
     ]
     .into_iter()

@@ -742,6 +742,10 @@ impl Array {
         let since = filled.saturating_sub(self.filled_at_checkpoint.load(Ordering::Relaxed));
         since >= u64::from(self.opts.checkpoint_every_segments)
             || (c.wants_gc() && c.gc_victim().is_none() && since > 0)
+            // Leaves changed since the last checkpoint stay in memory: past the budget with no
+            // other to evict, store them (but not more often than an eighth of the usual).
+            || (c.map.over_budget_until_checkpoint()
+                && since >= u64::from(self.opts.checkpoint_every_segments / 8).max(1))
     }
 
     // ---------------------------------------------------------------------------------
@@ -1175,6 +1179,11 @@ impl Array {
         }
         {
             let mut c = self.lock();
+            if c.failed {
+                // A move's group may be written but not mapped (a leaf could not be read back):
+                // the victim still holds those pages.
+                return Err(FlashError::Failed);
+            }
             let last = if last == 0 { c.last_seq() } else { last };
             c.gc_done(victim, last);
         }

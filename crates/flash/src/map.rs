@@ -95,8 +95,10 @@ pub struct Map {
     valid: Vec<u32>,
     valid_total: u64,
     segment_pages: u32,
-    /// Leaves in memory, and at most how many may stay after [`Map::shed`].
+    /// Leaves in memory, of them those stored in the checkpoint as they are (which may be
+    /// evicted), and at most how many may stay after [`Map::shed`].
     resident: usize,
+    evictable: usize,
     budget: usize,
     hand: usize,
     source: Source,
@@ -119,6 +121,7 @@ impl Map {
             valid_total: 0,
             segment_pages,
             resident: 0,
+            evictable: 0,
             budget: usize::MAX,
             hand: 0,
             source: Source::default(),
@@ -147,6 +150,7 @@ impl Map {
                 self.source.0.as_mut().ok_or(FlashError::Corrupt("an evicted leaf and no checkpoint"))?;
             self.leaves[i] = Some(source.load(id, at)?);
             self.resident += 1;
+            self.evictable += 1;
             self.loads += 1;
         }
         self.used[i] = true;
@@ -235,7 +239,7 @@ impl Map {
         let leaf = self.leaf(id)?;
         let old = std::mem::replace(&mut leaf[i], pba);
         if old != pba {
-            self.stored[id as usize] = NOT_STORED;
+            self.unstore(id);
         }
         if pba != 0 {
             self.hold(pba);
@@ -326,7 +330,7 @@ impl Map {
             let leaf = self.leaf(id)?;
             if leaf[i] == old {
                 leaf[i] = new;
-                self.stored[id as usize] = NOT_STORED;
+                self.unstore(id);
                 changed += 1;
             }
         }
@@ -335,6 +339,22 @@ impl Map {
             self.release(old);
         }
         Ok(changed)
+    }
+
+    /// Leaf `id` (in memory) changed: its checkpoint copy is stale, so it stays until the
+    /// next checkpoint stores it.
+    fn unstore(&mut self, id: LeafId) {
+        let i = id as usize;
+        if self.stored[i] != NOT_STORED {
+            self.stored[i] = NOT_STORED;
+            self.evictable -= 1;
+        }
+    }
+
+    /// Whether the map holds more leaves than its budget and none can go before a checkpoint
+    /// stores them.
+    pub fn over_budget_until_checkpoint(&self) -> bool {
+        self.resident > self.budget && self.evictable == 0
     }
 
     fn hold(&mut self, pba: Pba) {
@@ -387,6 +407,9 @@ impl Map {
             }
             if self.leaves[i].take().is_some() {
                 self.resident -= 1;
+                if self.stored[i] != NOT_STORED {
+                    self.evictable -= 1;
+                }
             }
             self.stored[i] = NOT_STORED;
             self.free.push(id);
@@ -420,6 +443,7 @@ impl Map {
                 self.stored[id] = at(id as LeafId);
             }
         }
+        self.evictable = self.resident;
         self.source = Source(Some(source));
     }
 
@@ -428,7 +452,7 @@ impl Map {
     pub fn shed(&mut self) {
         let n = self.leaves.len();
         let mut looked = 0;
-        while self.resident > self.budget && looked < 2 * n {
+        while self.resident > self.budget && self.evictable > 0 && looked < 2 * n {
             let i = self.hand;
             self.hand = (self.hand + 1) % n;
             looked += 1;
@@ -440,6 +464,7 @@ impl Map {
             }
             self.leaves[i] = None;
             self.resident -= 1;
+            self.evictable -= 1;
             self.evictions += 1;
         }
     }
@@ -467,6 +492,7 @@ impl Map {
         if keep {
             self.leaves[i] = Some(entries);
             self.resident += 1;
+            self.evictable += 1;
         }
         self.shares[i] = shares;
         self.stored[i] = at;
@@ -477,6 +503,12 @@ impl Map {
     pub fn finish_restore(&mut self, source: Option<Box<dyn LeafSource>>) {
         self.free =
             (0..self.leaves.len() as LeafId).filter(|&id| self.shares[id as usize] == 0).rev().collect();
+        if source.is_none() {
+            // Nothing to read evicted leaves back from: they all stay.
+            debug_assert_eq!(self.resident, self.leaves_in_use(), "leaves evicted with no source");
+            self.stored.fill(NOT_STORED);
+            self.evictable = 0;
+        }
         self.source = Source(source);
     }
 
@@ -492,6 +524,12 @@ impl Map {
         let resident = self.leaves.iter().filter(|l| l.is_some()).count();
         if resident != self.resident {
             return Err(format!("{resident} leaves in memory, counted {}", self.resident));
+        }
+        let evictable = (0..self.leaves.len())
+            .filter(|&i| self.leaves[i].is_some() && self.stored[i] != NOT_STORED)
+            .count();
+        if evictable != self.evictable {
+            return Err(format!("{evictable} leaves may be evicted, counted {}", self.evictable));
         }
         for id in 0..self.shares.len() {
             if self.shares[id] == 0 {
@@ -553,6 +591,64 @@ mod tests {
         assert!(!m.is_held(4), "nobody holds it now");
         m.audit(&[&vol]).unwrap();
         assert_eq!((m.valid(0), m.valid(1)), (999, 1), "pages 1..=1000 but 4, and the new page");
+    }
+
+    /// Leaves as a checkpoint stored them: a copy of each, by offset.
+    struct Stored(std::collections::HashMap<u64, (LeafId, Box<Leaf>)>);
+
+    impl LeafSource for Stored {
+        fn load(&mut self, id: LeafId, at: u64) -> Result<Box<Leaf>, FlashError> {
+            match self.0.get(&at) {
+                Some((stored, leaf)) if *stored == id => Ok(leaf.clone()),
+                _ => Err(FlashError::Corrupt("no such leaf stored")),
+            }
+        }
+    }
+
+    fn checkpoint(m: &mut Map) {
+        let mut stored = std::collections::HashMap::new();
+        for id in m.leaf_ids().collect::<Vec<_>>() {
+            let leaf = Box::new(*m.leaf_for_checkpoint(id).unwrap().1);
+            stored.insert(u64::from(id) * 10, (id, leaf));
+        }
+        m.checkpointed(|id| u64::from(id) * 10, Box::new(Stored(stored)));
+    }
+
+    #[test]
+    fn leaves_past_the_budget_are_evicted_once_stored_and_read_back() {
+        let mut m = Map::new(64, 1024);
+        let mut vol = VolMap::new(8 * LEAF_PAGES as u64);
+        for p in 0..8 * LEAF_PAGES as u64 {
+            m.set(&mut vol, p, 1 + p as Pba + p as Pba / 1023).unwrap();
+        }
+        m.set_budget(2);
+        m.shed();
+        assert_eq!(m.resident(), 8, "nothing is stored yet: every leaf stays");
+        checkpoint(&mut m);
+        m.shed();
+        assert_eq!((m.resident(), m.evictions), (2, 6));
+        m.audit(&[&vol]).unwrap();
+        // Reads bring leaves back; a change keeps one until the next checkpoint.
+        assert_eq!(m.get(&vol, 5).unwrap(), 6);
+        m.set(&mut vol, 3 * LEAF_PAGES as u64, 0).unwrap();
+        assert!(m.loads >= 1);
+        for p in (0..8 * LEAF_PAGES as u64).step_by(97) {
+            m.get(&vol, p).unwrap();
+        }
+        m.shed();
+        assert_eq!(m.get_resident(&vol, 3 * LEAF_PAGES as u64), Some(0), "the changed leaf stayed");
+        assert!(m.resident() <= 2);
+        m.audit(&[&vol]).unwrap();
+        // A snapshot shares evicted leaves; the first write copies one back from the checkpoint.
+        let mut snap = m.share(&vol);
+        m.set(&mut snap, 7 * LEAF_PAGES as u64, 3000).unwrap();
+        assert_eq!(m.get(&vol, 7 * LEAF_PAGES as u64).unwrap(), 1 + 7 * LEAF_PAGES as Pba + 3);
+        m.audit(&[&vol, &snap]).unwrap();
+        // Deleting releases the pages of evicted leaves too.
+        m.drop_map(snap).unwrap();
+        m.drop_map(vol).unwrap();
+        assert_eq!((m.leaves_in_use(), m.valid_total()), (0, 0));
+        m.audit(&[]).unwrap();
     }
 
     #[test]

@@ -32,7 +32,10 @@ use engine::volumes::FlashVolumes;
 use engine::{BackendSpec, Export, ExportTable, BLOCK_BYTES};
 use transport::{Endpoint, Listener};
 
-pub use engine::volumes::{FlashConfig, POOL_BYTES_DEFAULT, READ_DEPTH_DEFAULT as FLASH_READ_DEPTH_DEFAULT};
+pub use engine::volumes::{
+    FlashConfig, MAP_BYTES_DEFAULT as FLASH_MAP_BYTES_DEFAULT, POOL_BYTES_DEFAULT,
+    READ_DEPTH_DEFAULT as FLASH_READ_DEPTH_DEFAULT,
+};
 
 pub use bounds::Bounds;
 pub use conn::Protocol;

@@ -90,6 +90,8 @@ pub(super) struct ServeFile {
     flash: Option<Vec<PathBuf>>,
     #[serde(default, deserialize_with = "size")]
     flash_cache: Option<u64>,
+    #[serde(default, deserialize_with = "size")]
+    flash_map_budget: Option<u64>,
     /// 0 is a setting here (reads on the worker's thread), so not a `count`.
     flash_read_depth: Option<u32>,
     // The bounds only the file sets ([`Tuning`]). Not a flattened struct: serde cannot refuse
@@ -188,7 +190,7 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
     set!(
         listen, no_tcp, nbd, eth, exports, read_only, key_files, tls, tls_verify_peer, workers, queue_depth, poll,
         io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease, flash, flash_cache,
-        flash_read_depth;
+        flash_map_budget, flash_read_depth;
         options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates,
             pool, coordinator, advertise
     );
@@ -450,11 +452,11 @@ mod tests {
     #[test]
     fn a_flash_array_comes_from_the_file_as_from_the_flags() {
         let (args, tuning) = serve_with(
-            "flash = [\"/dev/nvme0n1\", \"/dev/nvme1n1\"]\nflash-cache = \"1G\"\nvolume-exports-max = 64\n",
+            "flash = [\"/dev/nvme0n1\", \"/dev/nvme1n1\"]\nflash-cache = \"1G\"\nflash-map-budget = \"64M\"\nvolume-exports-max = 64\n",
             &[],
         );
         assert_eq!(args.flash, [PathBuf::from("/dev/nvme0n1"), PathBuf::from("/dev/nvme1n1")]);
-        assert_eq!(args.flash_cache, 1 << 30);
+        assert_eq!((args.flash_cache, args.flash_map_budget), (1 << 30, 64 << 20));
         assert_eq!(tuning.apply(Bounds::default()).unwrap().volume_exports_max, 64);
         let (args, _) = serve_with("flash = \"/a,/b\"\n", &["--flash", "/c", "--flash-cache", "64M"]);
         assert_eq!((args.flash, args.flash_cache), (vec![PathBuf::from("/c")], 64 << 20));

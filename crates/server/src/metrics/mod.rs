@@ -458,7 +458,7 @@ fn exports(out: &mut Families, shared: &Shared) {
 /// The flash array's figures (`engine::volumes`): space, write amplification, cleaning,
 /// checkpoints and the page pool. One series each, without labels: a target has one array.
 fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes: usize) {
-    let gauges: [(&str, &str, f64); 9] = [
+    let gauges: [(&str, &str, f64); 10] = [
         ("skiff_flash_volumes", "Volumes of the flash array, snapshots and clones included.", volumes as f64),
         ("skiff_flash_capacity_bytes", "Bytes the flash array holds for data (segments less their headers).", s.capacity_bytes as f64),
         ("skiff_flash_valid_bytes", "Bytes of the flash array holding data some volume maps.", s.valid_bytes as f64),
@@ -476,12 +476,17 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         ),
         ("skiff_flash_pool_pages", "Pages (4 KiB) of the flash array's DRAM page pool.", f64::from(s.pool_pages)),
         ("skiff_flash_pool_dirty_pages", "Pages of the page pool written and not yet on the devices.", f64::from(s.pool_dirty)),
+        (
+            "skiff_flash_map_bytes",
+            "Bytes of the flash array's map leaves and per-page side tables in memory (bounded by --flash-map-budget).",
+            s.map_bytes as f64,
+        ),
     ];
     for (name, help, v) in gauges {
         out.gauge(name, help, vec![(vec![], v)]);
     }
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 14] = [
+    let counters: [(&str, &str, u64); 16] = [
         ("skiff_flash_user_pages_written_total", "Pages written to flash volumes by users (initiators).", c.user_pages_written),
         (
             "skiff_flash_device_pages_written_total",
@@ -520,6 +525,12 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
             "Writes that found the pool nearly full of dirty pages and waited parked while the flash sync thread wrote back.",
             s.rooms_later,
         ),
+        (
+            "skiff_flash_map_loads_total",
+            "Map leaves read back from the last checkpoint after the map budget evicted them.",
+            s.map_loads,
+        ),
+        ("skiff_flash_map_evictions_total", "Map leaves dropped from memory to keep to the map budget.", s.map_evictions),
     ];
     for (name, help, v) in counters {
         out.counter(name, help, vec![(vec![], v)]);
