@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::ctl::{Config, Controller, Counters, Volume};
 use crate::layout::{ArrayId, CkptPage, Pba, CKPT_PAYLOAD, NAME_MAX, PAGE};
-use crate::map::{Leaf, LeafId, LeafSource, VolMap, LEAF_PAGES, NO_LEAF};
+use crate::map::{Leaf, LeafId, LeafItem, LeafSource, VolMap, LEAF_PAGES, NO_LEAF};
 use crate::space::{Segment, State, Stream};
 use crate::FlashError;
 
@@ -174,27 +174,54 @@ pub fn encoded_len(c: &Controller) -> u64 {
     head(c, 0).len() as u64 + c.map.leaves_in_use() as u64 * LEAF_RECORD + tail(c, &[]).len() as u64
 }
 
-/// Write the controller's durable state to `sink` in pieces, for a checkpoint covering every
-/// group up to `seq`, to be written to `segments` (which the table records as the
-/// checkpoint's; any older checkpoint's segments are recorded free). Evicted leaves are read
-/// back from the current checkpoint one at a time, so the whole map is never in memory.
-/// Returns the byte offset of the first leaf record; the others follow in id order,
-/// [`LEAF_RECORD`] bytes apart.
-pub fn encode(
-    c: &mut Controller,
-    seq: u64,
-    segments: &[u32],
-    sink: &mut dyn FnMut(&[u8]) -> Result<(), FlashError>,
-) -> Result<u64, FlashError> {
+/// The controller's durable state, taken for a checkpoint covering every group up to `seq`,
+/// to be written to `segments` (which the table records as the checkpoint's; any older
+/// checkpoint's segments are recorded free). Leaves in memory are copied; evicted ones are
+/// named where the current checkpoint stores them, to be read back one at a time as it is
+/// written ([`write`]), so that the whole map is never in memory.
+pub struct Encoded {
+    head: Vec<u8>,
+    leaves: Vec<LeafItem>,
+    tail: Vec<u8>,
+}
+
+impl Encoded {
+    /// Bytes of the checkpoint (never 0: it starts with its version).
+    pub fn bytes(&self) -> u64 {
+        (self.head.len() + self.tail.len()) as u64 + self.leaves.len() as u64 * LEAF_RECORD
+    }
+}
+
+/// Take the controller's state for a checkpoint (see [`Encoded`]), under its lock.
+pub fn encode(c: &mut Controller, seq: u64, segments: &[u32]) -> Encoded {
     let head = head(c, seq);
-    sink(&head)?;
-    let ids: Vec<_> = c.map.leaf_ids().collect();
+    let leaves = c.map.begin_checkpoint(head.len() as u64, LEAF_RECORD);
+    Encoded { head, leaves, tail: tail(c, segments) }
+}
+
+/// Write `enc` to `sink` in pieces, reading evicted leaves back through `stored` (the
+/// current checkpoint's leaves).
+pub fn write(
+    enc: &Encoded,
+    mut stored: Option<&mut dyn LeafSource>,
+    sink: &mut dyn FnMut(&[u8]) -> Result<(), FlashError>,
+) -> Result<(), FlashError> {
+    sink(&enc.head)?;
     let mut w = Writer(Vec::with_capacity(64 * LEAF_RECORD as usize));
-    for id in ids {
-        let (shares, entries) = c.map.leaf_for_checkpoint(id)?;
+    for item in &enc.leaves {
+        let loaded;
+        let (id, shares, entries) = match item {
+            LeafItem::Here { id, shares, leaf } => (*id, *shares, &**leaf),
+            LeafItem::Stored { id, shares, at } => {
+                let source =
+                    stored.as_mut().ok_or(FlashError::Corrupt("an evicted leaf and no checkpoint"))?;
+                loaded = source.load(*id, *at)?;
+                (*id, *shares, &*loaded)
+            }
+        };
         w.u32(id);
         w.u32(shares);
-        for &p in entries.iter() {
+        for &p in entries {
             w.u32(p);
         }
         if w.0.len() >= 63 * LEAF_RECORD as usize {
@@ -203,14 +230,15 @@ pub fn encode(
         }
     }
     sink(&w.0)?;
-    sink(&tail(c, segments))?;
-    Ok(head.len() as u64)
+    sink(&enc.tail)
 }
 
 /// The whole checkpoint as one byte string (tests and fuzzing: every leaf must be in memory).
 pub fn encode_to_vec(c: &mut Controller, seq: u64, segments: &[u32]) -> Vec<u8> {
+    let enc = encode(c, seq, segments);
+    c.map.checkpoint_abandoned();
     let mut out = Vec::new();
-    encode(c, seq, segments, &mut |b| {
+    write(&enc, None, &mut |b| {
         out.extend_from_slice(b);
         Ok(())
     })

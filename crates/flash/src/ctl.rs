@@ -368,6 +368,8 @@ pub struct Controller {
     pub checkpoint: Option<CkptRef>,
     /// Segments of the last complete checkpoint (freed when the next one is durable).
     pub checkpoint_segments: Vec<u32>,
+    /// Where it lies, in order: evicted map leaves are read back from it.
+    pub checkpoint_chain: Option<crate::ckpt::Chain>,
     /// A device write failed: the array takes no more writes.
     pub failed: bool,
     pub counters: Counters,
@@ -421,6 +423,7 @@ impl Controller {
             durable_seq: 0,
             checkpoint: None,
             checkpoint_segments: Vec::new(),
+            checkpoint_chain: None,
             failed: false,
             counters: Counters::default(),
             shed_hand: (0, 0),

@@ -33,6 +33,7 @@ use crate::device::{recognise, Device};
 use crate::layout::{
     page_crc, ArrayId, CkptPage, CkptRef, Pba, SegmentHeader, SegmentKind, Superblock, CKPT_PAYLOAD, PAGE,
 };
+use crate::map::LeafSource;
 use crate::recover::{self, Report};
 use crate::FlashError;
 
@@ -470,13 +471,7 @@ impl Array {
 
     /// Write every device's superblock, changed by `change`, as the next generation (into the
     /// copy that does not hold the current one), then sync.
-    fn write_superblocks(&self, change: impl FnMut(&mut Superblock)) -> Result<(), FlashError> {
-        self.emit_superblocks(change)?;
-        self.sync_all()
-    }
-
-    /// Write every device's superblock as the next generation, without the sync.
-    fn emit_superblocks(&self, mut change: impl FnMut(&mut Superblock)) -> Result<(), FlashError> {
+    fn write_superblocks(&self, mut change: impl FnMut(&mut Superblock)) -> Result<(), FlashError> {
         let mut page = AlignedBuf::new(PAGE)?;
         let mut sbs = self.superblocks.lock().unwrap_or_else(|e| e.into_inner());
         let generation = sbs.iter().map(|s| s.generation).max().unwrap_or(0) + 1;
@@ -486,7 +481,8 @@ impl Array {
             sb.emit(&mut page);
             self.devs[i].write(generation % 2, &page)?;
         }
-        Ok(())
+        drop(sbs);
+        self.sync_all()
     }
 
     fn lock(&self) -> MutexGuard<'_, Controller> {
@@ -766,18 +762,12 @@ impl Array {
     /// Sync every device. A failed sync fails the array: the kernel may have dropped the
     /// writes it could not store, and a later sync that succeeds would vouch for them.
     fn sync_all(&self) -> Result<(), FlashError> {
-        let r = self.sync_devices();
-        if r.is_err() {
-            self.lock().failed = true;
-            self.changed.notify_all();
-        }
-        r
-    }
-
-    /// Sync every device; a failure is for the caller to record.
-    fn sync_devices(&self) -> Result<(), FlashError> {
         for d in self.devs.iter() {
-            d.sync()?;
+            if let Err(e) = d.sync() {
+                self.lock().failed = true;
+                self.changed.notify_all();
+                return Err(e.into());
+            }
         }
         Ok(())
     }
@@ -1194,53 +1184,68 @@ impl Array {
     /// Write a checkpoint of the whole state, so that recovery replays only what follows it
     /// and segments written before it may be cleaned.
     ///
-    /// It is written under the lock, in pieces: leaves the map evicted are read back from the
-    /// checkpoint before, one at a time, so the whole map is never in memory. Once it is
-    /// durable, every leaf is stored in it, and evicted leaves come back from it.
+    /// The state is taken under the lock (the map's leaves in memory copied, evicted ones
+    /// named where the current checkpoint stores them) and written without it, evicted leaves
+    /// read back one at a time. Once it is durable, every leaf unchanged since is stored in
+    /// it, and evicted leaves come back from it.
     pub fn checkpoint(&self) -> Result<(), FlashError> {
         let _one = self.checkpointing.lock().unwrap_or_else(|e| e.into_inner());
         let spp = self.geo.segment_pages;
-        // The checkpoint holds the state with every record applied, so none may still wait
-        // for its group: replayed on top of the checkpoint, it would apply twice.
-        let mut c = self.lock();
-        loop {
-            if c.failed {
-                return Err(FlashError::Failed);
-            }
-            if c.in_flight() > 0 {
-                c = self.wait(c);
-            } else if c.has_pending() {
-                drop(c);
-                if !self.writeback_once(0, None)? {
-                    return Err(FlashError::NoSpace);
+        let (enc, seq, segments, erase, stored) = {
+            // The checkpoint holds the state with every record applied, so none may still wait
+            // for its group: replayed on top of the checkpoint, it would apply twice.
+            let mut c = self.lock();
+            loop {
+                if c.failed {
+                    return Err(FlashError::Failed);
                 }
-                c = self.lock();
-            } else {
-                break;
-            }
-        }
-        let seq = c.last_seq();
-        let pages = ckpt::encoded_len(&c).div_ceil(CKPT_PAYLOAD as u64).max(1);
-        let need = pages.div_ceil(u64::from(spp) - 1) as usize;
-        let mut segments = Vec::with_capacity(need);
-        for _ in 0..need {
-            match c.space.take_for_checkpoint() {
-                Some((s, _)) => segments.push(s),
-                None => {
-                    for &s in &segments {
-                        c.space.drop_checkpoint_segment(s);
+                if c.in_flight() > 0 {
+                    c = self.wait(c);
+                } else if c.has_pending() {
+                    drop(c);
+                    if !self.writeback_once(0, None)? {
+                        return Err(FlashError::NoSpace);
                     }
-                    return Err(FlashError::NoSpace);
+                    c = self.lock();
+                } else {
+                    break;
                 }
             }
-        }
-        self.filled_at_checkpoint.store(c.space.clock / u64::from(spp), Ordering::Relaxed);
-        let (pages, leaves_at) = match self.write_checkpoint(&mut c, seq, &segments) {
-            Ok(w) => w,
+            let seq = c.last_seq();
+            let pages = ckpt::encoded_len(&c).div_ceil(CKPT_PAYLOAD as u64).max(1);
+            let need = pages.div_ceil(u64::from(spp) - 1) as usize;
+            let mut segments = Vec::with_capacity(need);
+            for _ in 0..need {
+                match c.space.take_for_checkpoint() {
+                    Some((s, _)) => segments.push(s),
+                    None => {
+                        for &s in &segments {
+                            c.space.drop_checkpoint_segment(s);
+                        }
+                        return Err(FlashError::NoSpace);
+                    }
+                }
+            }
+            let enc = ckpt::encode(&mut c, seq, &segments);
+            debug_assert_eq!(
+                enc.bytes().div_ceil(CKPT_PAYLOAD as u64).max(1),
+                pages,
+                "the checkpoint's length was misjudged"
+            );
+            self.filled_at_checkpoint.store(c.space.clock / u64::from(spp), Ordering::Relaxed);
+            let erase: Vec<u32> = segments.iter().map(|&s| c.space.segs[s as usize].erase_count).collect();
+            (enc, seq, segments, erase, c.checkpoint_chain.clone())
+        };
+        let written = self.write_checkpoint(&enc, stored, seq, &segments, erase);
+        drop(enc);
+        let mut c = self.lock();
+        let pages = match written {
+            Ok(pages) => pages,
             Err(e) => {
                 for &s in &segments {
                     c.space.drop_checkpoint_segment(s);
                 }
+                c.map.checkpoint_abandoned();
                 return Err(e);
             }
         };
@@ -1262,49 +1267,39 @@ impl Array {
             segment_pages: spp,
             array_pages: u64::from(self.geo.total_segments()) * u64::from(spp),
         };
-        let source = Box::new(ckpt::CkptLeaves::new(chain, page_reader(&self.devs, self.geo)));
-        let mut next = leaves_at;
-        c.map.checkpointed(
-            |_| {
-                let at = next;
-                next += ckpt::LEAF_RECORD;
-                at
-            },
-            source,
-        );
+        c.map.checkpointed(Box::new(ckpt::CkptLeaves::new(chain.clone(), page_reader(&self.devs, self.geo))));
+        c.checkpoint_chain = Some(chain);
         c.shed();
         drop(c);
         self.changed.notify_all();
         Ok(())
     }
 
-    /// Write checkpoint `seq` of `c` to `segments`, sync it with every group before it, and
-    /// name it in the superblocks. Returns its pages and where its leaf records start.
+    /// Write `enc` (checkpoint `seq`) to `segments`, reading evicted leaves back from the
+    /// checkpoint `stored` names; sync it with every group before it, and name it in the
+    /// superblocks. Returns its pages.
     fn write_checkpoint(
         &self,
-        c: &mut Controller,
+        enc: &ckpt::Encoded,
+        stored: Option<ckpt::Chain>,
         seq: u64,
         segments: &[u32],
-    ) -> Result<(u32, u64), FlashError> {
-        let erase = segments.iter().map(|&s| c.space.segs[s as usize].erase_count).collect();
+        erase: Vec<u32>,
+    ) -> Result<u32, FlashError> {
         let mut w = CkptWriter::new(self, seq, segments, erase)?;
-        let leaves_at = ckpt::encode(c, seq, segments, &mut |b| w.push(b))?;
+        let mut stored = stored.map(|chain| ckpt::CkptLeaves::new(chain, page_reader(&self.devs, self.geo)));
+        ckpt::write(enc, stored.as_mut().map(|s| s as &mut dyn LeafSource), &mut |b| w.push(b))?;
         let pages = w.finish()?;
         // The checkpoint and every group up to `seq` durable, then the superblocks name it.
-        let ceiling = c.next_seq + SEQ_WINDOW;
-        let named = self.sync_devices().and_then(|()| {
-            self.emit_superblocks(|sb| {
-                sb.checkpoint = Some(CkptRef { seq, first_segment: segments[0], pages });
-                sb.seq_ceiling = sb.seq_ceiling.max(ceiling);
-            })?;
-            self.sync_devices()
-        });
-        if let Err(e) = named {
-            c.failed = true;
-            return Err(e);
-        }
+        self.sync_all()?;
+        let ceiling = self.lock().next_seq + SEQ_WINDOW;
+        self.write_superblocks(|sb| {
+            sb.checkpoint = Some(CkptRef { seq, first_segment: segments[0], pages });
+            sb.seq_ceiling = sb.seq_ceiling.max(ceiling);
+        })?;
+        let mut c = self.lock();
         c.seq_ceiling = c.seq_ceiling.max(ceiling);
-        Ok((pages, leaves_at))
+        Ok(pages)
     }
 
     // ---------------------------------------------------------------------------------

@@ -47,6 +47,15 @@ pub trait LeafSource: Send {
     fn load(&mut self, id: LeafId, at: u64) -> Result<Box<Leaf>, FlashError>;
 }
 
+/// A leaf as a checkpoint takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeafItem {
+    /// In memory: a copy of its entries.
+    Here { id: LeafId, shares: u32, leaf: Box<Leaf> },
+    /// Evicted: its entries are in the current checkpoint's record at byte `at`.
+    Stored { id: LeafId, shares: u32, at: u64 },
+}
+
 /// The source, if there is a checkpoint to load from.
 #[derive(Default)]
 struct Source(Option<Box<dyn LeafSource>>);
@@ -88,6 +97,9 @@ pub struct Map {
     /// Byte offset of the leaf's record in the current checkpoint's stream, while that record
     /// holds what the leaf holds; `NOT_STORED` once it changes.
     stored: Vec<u64>,
+    /// Where the checkpoint being written puts the leaf's record, while the leaf has not
+    /// changed since that checkpoint's state was taken (`NOT_STORED` otherwise).
+    pending: Vec<u64>,
     /// Used since the clock hand last passed (second chance).
     used: Vec<bool>,
     free: Vec<LeafId>,
@@ -114,6 +126,7 @@ impl Map {
             leaves: Vec::new(),
             shares: Vec::new(),
             stored: Vec::new(),
+            pending: Vec::new(),
             used: Vec::new(),
             free: Vec::new(),
             holders: vec![0; segments as usize * segment_pages as usize],
@@ -345,6 +358,7 @@ impl Map {
     /// next checkpoint stores it.
     fn unstore(&mut self, id: LeafId) {
         let i = id as usize;
+        self.pending[i] = NOT_STORED;
         if self.stored[i] != NOT_STORED {
             self.stored[i] = NOT_STORED;
             self.evictable -= 1;
@@ -384,6 +398,7 @@ impl Map {
                 self.leaves[i] = Some(leaf);
                 self.shares[i] = 1;
                 self.stored[i] = NOT_STORED;
+                self.pending[i] = NOT_STORED;
                 self.used[i] = true;
                 id
             }
@@ -391,6 +406,7 @@ impl Map {
                 self.leaves.push(Some(leaf));
                 self.shares.push(1);
                 self.stored.push(NOT_STORED);
+                self.pending.push(NOT_STORED);
                 self.used.push(true);
                 (self.leaves.len() - 1) as LeafId
             }
@@ -412,6 +428,7 @@ impl Map {
                 }
             }
             self.stored[i] = NOT_STORED;
+            self.pending[i] = NOT_STORED;
             self.free.push(id);
         }
         self.shares[i] -= 1;
@@ -423,28 +440,55 @@ impl Map {
         self.leaves.len() - self.free.len()
     }
 
-    /// Ids of the leaves in use, in order.
-    pub fn leaf_ids(&self) -> impl Iterator<Item = LeafId> + '_ {
-        self.shares.iter().enumerate().filter(|(_, &s)| s > 0).map(|(id, _)| id as LeafId)
-    }
-
-    /// Leaf `id`'s shares and entries (a checkpoint writes them), read back without keeping
-    /// them if it was evicted.
-    pub fn leaf_for_checkpoint(&mut self, id: LeafId) -> Result<(u32, Cow<'_, Leaf>), FlashError> {
-        let shares = self.shares[id as usize];
-        Ok((shares, self.peek(id)?))
-    }
-
-    /// A checkpoint holding every leaf in use is durable: each leaf's record is at the
-    /// offset `at` gives it, and evicted leaves come back from `source` from now on.
-    pub fn checkpointed(&mut self, mut at: impl FnMut(LeafId) -> u64, source: Box<dyn LeafSource>) {
-        for id in 0..self.shares.len() {
-            if self.shares[id] > 0 {
-                self.stored[id] = at(id as LeafId);
+    /// A checkpoint takes the map's state: every leaf in use, by id, as a copy of its entries
+    /// if it is in memory, or where the current checkpoint stores it if not. Their records
+    /// will lie [`LEAF_RECORD`](crate::ckpt::LEAF_RECORD) bytes apart from byte `first_at` of
+    /// its stream; [`Map::checkpointed`] takes them up once it is durable, for the leaves that
+    /// have not changed since.
+    pub fn begin_checkpoint(&mut self, first_at: u64, record: u64) -> Vec<LeafItem> {
+        let mut items = Vec::with_capacity(self.leaves_in_use());
+        let mut at = first_at;
+        for i in 0..self.shares.len() {
+            let shares = self.shares[i];
+            if shares == 0 {
+                continue;
             }
+            let id = i as LeafId;
+            items.push(match &self.leaves[i] {
+                Some(leaf) => LeafItem::Here { id, shares, leaf: leaf.clone() },
+                None => LeafItem::Stored { id, shares, at: self.stored[i] },
+            });
+            self.pending[i] = at;
+            at += record;
         }
-        self.evictable = self.resident;
+        items
+    }
+
+    /// The checkpoint [`Map::begin_checkpoint`] took is durable: every leaf unchanged since is
+    /// stored in it, and evicted leaves come back from `source` from now on.
+    pub fn checkpointed(&mut self, source: Box<dyn LeafSource>) {
+        for i in 0..self.shares.len() {
+            let at = std::mem::replace(&mut self.pending[i], NOT_STORED);
+            if at == NOT_STORED {
+                // Changed, or new, since: it stays until the next checkpoint.
+                debug_assert!(
+                    self.shares[i] == 0 || self.stored[i] == NOT_STORED,
+                    "leaf {i} stored in a checkpoint it missed"
+                );
+                continue;
+            }
+            if self.stored[i] == NOT_STORED && self.leaves[i].is_some() {
+                self.evictable += 1;
+            }
+            self.stored[i] = at;
+        }
         self.source = Source(Some(source));
+    }
+
+    /// The checkpoint [`Map::begin_checkpoint`] took was not written: leaves stay stored where
+    /// they were.
+    pub fn checkpoint_abandoned(&mut self) {
+        self.pending.fill(NOT_STORED);
     }
 
     /// Evict clean leaves (stored in the checkpoint as they are) by a clock, until at most
@@ -484,6 +528,7 @@ impl Map {
             self.leaves.resize_with(i + 1, || None);
             self.shares.resize(i + 1, 0);
             self.stored.resize(i + 1, NOT_STORED);
+            self.pending.resize(i + 1, NOT_STORED);
             self.used.resize(i + 1, false);
         }
         for &p in entries.iter().filter(|&&p| p != 0) {
@@ -607,11 +652,11 @@ mod tests {
 
     fn checkpoint(m: &mut Map) {
         let mut stored = std::collections::HashMap::new();
-        for id in m.leaf_ids().collect::<Vec<_>>() {
-            let leaf = Box::new(*m.leaf_for_checkpoint(id).unwrap().1);
-            stored.insert(u64::from(id) * 10, (id, leaf));
+        for (k, item) in m.begin_checkpoint(100, 10).into_iter().enumerate() {
+            let LeafItem::Here { id, leaf, .. } = item else { panic!("evicted: {item:?}") };
+            stored.insert(100 + 10 * k as u64, (id, leaf));
         }
-        m.checkpointed(|id| u64::from(id) * 10, Box::new(Stored(stored)));
+        m.checkpointed(Box::new(Stored(stored)));
     }
 
     #[test]

@@ -52,10 +52,11 @@ pub fn recover(
             let decoded = ckpt::decode(&mut bytes, cfg, segments, segment_pages, Some(source));
             report.pages_read += bytes.pages_read;
             report.checkpoint_pages = bytes.pages_read as u32;
-            let (c, seq) = decoded?;
+            let (mut c, seq) = decoded?;
             if seq != r.seq {
                 return Err(FlashError::Corrupt("checkpoint sequence differs from the superblock's"));
             }
+            c.checkpoint_chain = Some(chain);
             (c, seq)
         }
         None => (Controller::new(cfg, segments, segment_pages), 0),

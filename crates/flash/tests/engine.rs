@@ -291,3 +291,65 @@ fn a_failed_sync_fails_the_array_and_what_was_flushed_stays_readable() {
     a.read(v, 0, &mut back).unwrap();
     assert!(back == pattern(1, PAGE), "the FUA write before the failure reads back");
 }
+
+/// A map budget of a few leaves while writers on three threads rewrite a volume of 16
+/// leaves and checkpoints are taken under them: the leaves a checkpoint stores are the ones
+/// it took, leaves changed while it was written stay in memory, and every byte reads back,
+/// before and after reopening with the same budget.
+#[test]
+fn a_small_map_budget_holds_under_writers_and_checkpoints() {
+    const LEAVES: u64 = 16;
+    const VOLUME_PAGES: u64 = LEAVES * 512;
+    let devs = Shared::new(2, 256 + 64 * 200);
+    format(&devs.boxed(), SEGMENT_PAGES, false).unwrap();
+    let budget = Config { map_budget: 3 * skiff_flash::ctl::LEAF_BYTES, ..cfg(64) };
+    let a = Array::open(devs.boxed(), budget).unwrap();
+    a.start_background();
+    let vol = a.create("v", VOLUME_PAGES * PAGE as u64).unwrap();
+    // Each thread owns the pages congruent to its number, so the model needs no lock.
+    let writers: Vec<_> = (0..3u64)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let mut last = std::collections::HashMap::new();
+                for i in 0..1500u64 {
+                    let page = (i * 2_654_435_761 % (VOLUME_PAGES / 3)) * 3 + t;
+                    let seed = t << 32 | i;
+                    a.write(vol, page * PAGE as u64, &pattern(seed, PAGE), i % 50 == 0).unwrap();
+                    last.insert(page, seed);
+                }
+                last
+            })
+        })
+        .collect();
+    let mut checkpoints = 0;
+    while !writers.iter().all(|w| w.is_finished()) {
+        a.checkpoint().unwrap();
+        checkpoints += 1;
+        a.audit().unwrap();
+    }
+    let mut model = std::collections::HashMap::new();
+    for w in writers {
+        model.extend(w.join().unwrap());
+    }
+    let check = |a: &Array, vol| {
+        let mut page = vec![0u8; PAGE];
+        for p in 0..VOLUME_PAGES {
+            a.read(vol, p * PAGE as u64, &mut page).unwrap();
+            let want = model.get(&p).map_or_else(|| vec![0u8; PAGE], |&seed| pattern(seed, PAGE));
+            assert!(page == want, "page {p} reads back other bytes");
+        }
+    };
+    check(&a, vol);
+    let s = a.stats();
+    assert!(checkpoints > 1 && s.map_evictions > 0 && s.map_loads > 0, "the budget never bound: {s:?}");
+    assert_eq!(s.map_leaves, LEAVES);
+    a.audit().unwrap();
+    a.shutdown().unwrap();
+    drop(a);
+    let a = Array::open(devs.boxed(), budget).unwrap();
+    a.audit().unwrap();
+    check(&a, a.id_of("v").unwrap());
+    let s = a.stats();
+    assert!(s.map_leaves_resident < LEAVES && s.map_loads > 0, "{s:?}");
+}
