@@ -7,6 +7,12 @@
 //! not in it: their groups come later and are replayed. The stream is cut into checkpoint
 //! pages (`layout::CkptPage`) written to segments of their own; the superblock names the
 //! first, and each segment's header the next.
+//!
+//! Neither side holds the whole stream: [`encode`] takes the state (copying the leaves in
+//! memory, naming evicted ones where the current checkpoint stores them) and [`write`]
+//! streams it, reading those back one at a time; [`decode`] reads from any [`Bytes`], a
+//! [`ChainBytes`] walking the checkpoint's pages in recovery. [`CkptLeaves`] reads one leaf's
+//! record back from its offset in the stream, for the map.
 
 use std::sync::Arc;
 

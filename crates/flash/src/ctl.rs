@@ -1,7 +1,9 @@
 //! The flash controller, sans-I/O: volumes and their maps, the page pool's states, write
 //! groups, garbage collection and checkpoints, as plain data driven by calls.
 //!
-//! The controller never touches a device or the pool's bytes. It answers `get` with what the
+//! The controller never touches a device or the pool's bytes, but for one thing: map leaves
+//! evicted under the map budget are read back through the `map::LeafSource` the driver gave
+//! it (the checkpoint's pages, through the driver's own reads). It answers `get` with what the
 //! caller must do (use a pooled page, read one from flash into a slot, wait), hands out write
 //! groups to write (`writeback`, `gc_writeback`) and learns their fate (`written`), and turns
 //! device images into plans (`gc_scan`, recovery in `recover`). The driver (`engine`) holds
@@ -222,11 +224,12 @@ fn heat_now(user_pages_written: u64, shift: u32) -> u16 {
     ((user_pages_written >> shift) as u16).max(1)
 }
 
-/// Bytes a leaf in memory takes: its entries, its box's slot in the slab, its share count,
-/// stored offset and clock bit.
-pub const LEAF_BYTES: u64 = (LEAF_PAGES * 4 + 8 + 4 + 8 + 1) as u64;
-/// Bytes a side-table stretch takes (`PageMeta`, boxed).
-pub const META_BYTES: u64 = std::mem::size_of::<PageMeta>() as u64 + 8;
+/// Bytes evicting a leaf frees: its entries, and the allocator's header of their box. (What
+/// every leaf in use keeps whether in memory or not, its slab slot, shares, offsets and clock
+/// bit, 29 bytes, is not counted: docs/FLASH.md, "Memory".)
+pub const LEAF_BYTES: u64 = (LEAF_PAGES * 4 + 16) as u64;
+/// Bytes dropping a side-table stretch frees (`PageMeta`, boxed).
+pub const META_BYTES: u64 = std::mem::size_of::<PageMeta>() as u64 + 16;
 /// The fewest leaves a budget keeps. One operation may need more at once (a move's family, a
 /// copy on write): they are read back as it goes, and shed after it.
 const MAP_BUDGET_LEAVES_MIN: usize = 1;

@@ -1,6 +1,7 @@
 //! The flash controller driven over real devices: the array a target serves volumes from.
 //!
-//! One lock guards the controller (`ctl::Controller`); device I/O always happens outside it.
+//! One lock guards the controller (`ctl::Controller`); device I/O happens outside it, but for
+//! map leaves the map budget evicted, which are read back under it (docs/FLASH.md, "Memory").
 //! A page-pool hit is served under the lock (a 4 KiB copy); a miss marks the page as being
 //! fetched, reads it with the lock released, and wakes whoever waited for it. Dirty pages are
 //! written back in write groups by a background thread when they pile up, by a writer that
