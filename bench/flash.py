@@ -18,7 +18,10 @@ One invocation measures, on files of the same disk (--dir, /var/tmp by default):
   - `ram`: `skiff serve --export vol=ram:1G`, the reference for reads from the pool (the
     issue's aim: no more CPU per read than a RAM export), filled before each run;
   - `flash-disk-before`: as `flash-disk`, served by another build (--skiff-before), to show a
-    change beside the build before it in the same run.
+    change beside the build before it in the same run;
+  - `flash-disk-paged`: as `flash-disk`, with a map budget of --map-small (default 64 KiB: a
+    few dozen of the volume's 512 leaves), so that most requests read their map leaf back from
+    the checkpoint first (docs/FLASH.md, "Memory").
   With --fsync N, writes send a FLUSH after every N (fio's --fsync), and --jobs N runs N fio
   jobs, each on its own NBD connection.
   Every volume is filled with data before the runs (never-written pages read as zeroes for
@@ -101,16 +104,19 @@ def skiff_flash(a, array, cache, log=None, extra=()):
 
 
 def start(system, a, files):
-    if system in ("flash-pool", "flash-disk", "flash-disk-sync", "flash-disk-before"):
+    if system in ("flash-pool", "flash-disk", "flash-disk-sync", "flash-disk-before", "flash-disk-paged"):
         cache = a.pool_big if system == "flash-pool" else a.pool_small
         # flash-disk-sync: pool misses read on the worker's thread, as before io_uring.
         extra = ["--flash-read-depth", "0"] if system == "flash-disk-sync" else []
+        if system == "flash-disk-paged":
+            extra = ["--flash-map-budget", a.map_small]
         b = a
         if system == "flash-disk-before":
             if not a.skiff_before:
                 raise SystemExit("flash-disk-before needs --skiff-before PATH")
             b = argparse.Namespace(**{**vars(a), "skiff": a.skiff_before})
-        t, _, uri = skiff_flash(b, files["array"], cache, extra=extra)
+        t, native, uri = skiff_flash(b, files["array"], cache, extra=extra)
+        t.native = native
         return t, uri
     port = free_port()
     if system == "ram":
@@ -157,6 +163,10 @@ def measure(system, a, files, rw, qd):
         extra = [f"--fsync={a.fsync}"] if a.fsync and "write" in rw else []
         r = fio(a, uri, rw, qd, seconds=a.runtime, extra=extra)
         r["server_cpu_us_per_io"] = t.cpu() * 1e6 / max(r["ios"], 1)
+        if getattr(t, "native", None) and system != "flash-disk-before":
+            stats = json.loads(run([a.skiff, "vol", "stats", "--json", "--target", t.native]).stdout)
+            r["map_loads"] = stats.get("map_loads", 0)
+            r["map_leaves_resident"] = stats.get("map_leaves_resident", 0)
     finally:
         t.stop()
     return r
@@ -339,6 +349,7 @@ def main():
     p.add_argument("--array-gib", type=int, default=4, help="size of the array's file (a sparse file)")
     p.add_argument("--pool-big", default="1536M", help="--flash-cache of flash-pool: holds the whole volume")
     p.add_argument("--pool-small", default="64M", help="--flash-cache of flash-disk")
+    p.add_argument("--map-small", default="64K", help="--flash-map-budget of flash-disk-paged")
     p.add_argument("--dir", default="/var/tmp", help="where the array and the ext4 file live (one disk)")
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--skiff-before", help="another build of skiff, for the flash-disk-before system")
