@@ -187,6 +187,7 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
     }
     assert!(back == data, "the native protocol read back other bytes");
     assert!(stat(&mut client, "map_loads") > 0, "no map leaf was read back: the budget did not bind");
+    assert!(stat(&mut client, "map_loads_async") > 0, "no map leaf was read back on the look-ahead");
     let async_native = stat(&mut client, "pages_read_async");
     assert!(async_native > 0, "no page was read ahead: the requests did not park");
 

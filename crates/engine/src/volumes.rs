@@ -420,6 +420,7 @@ fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
         ("map_leaves", s.map_leaves),
         ("map_leaves_resident", s.map_leaves_resident),
         ("map_loads", s.map_loads),
+        ("map_loads_async", s.map_loads_async),
         ("map_evictions", s.map_evictions),
         ("recovered_groups_replayed", s.recovered.groups_replayed),
     ]

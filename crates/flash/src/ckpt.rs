@@ -401,14 +401,28 @@ pub struct Chain {
 }
 
 impl Chain {
-    /// The payload of checkpoint page `index`, read through `read` into `page` and checked.
-    fn payload<'p>(&self, read: &PageRead, index: u32, page: &'p mut [u8]) -> Result<&'p [u8], FlashError> {
+    /// Where checkpoint page `index` lies.
+    pub fn pba(&self, index: u32) -> Result<Pba, FlashError> {
         let per = self.segment_pages - 1;
         let seg = *self
             .segments
             .get((index / per) as usize)
             .ok_or(FlashError::Corrupt("checkpoint page past its chain"))?;
-        read(seg * self.segment_pages + 1 + index % per, page)?;
+        Ok(seg * self.segment_pages + 1 + index % per)
+    }
+
+    /// The checkpoint pages holding the leaf record at byte `at`: the first's index, how many
+    /// (1 or 2), and whether they lie next to each other on their device.
+    pub fn record_pages(&self, at: u64) -> (u32, u32, bool) {
+        let index = (at / CKPT_PAYLOAD as u64) as u32;
+        let two = at % CKPT_PAYLOAD as u64 + LEAF_RECORD > CKPT_PAYLOAD as u64;
+        let per = self.segment_pages - 1;
+        (index, 1 + u32::from(two), !two || index % per != per - 1)
+    }
+
+    /// The payload of checkpoint page `index` in `page` (as read from its PBA), checked to be
+    /// this checkpoint's page of that index; it is moved to the start of `page`.
+    fn check<'p>(&self, index: u32, page: &'p mut [u8]) -> Result<&'p [u8], FlashError> {
         let cp = CkptPage::parse(&self.array, page)?;
         if cp.seq != self.seq || cp.index != index {
             return Err(FlashError::Corrupt("checkpoint page out of place"));
@@ -417,6 +431,57 @@ impl Chain {
         page[..len].copy_from_slice(&cp.payload);
         Ok(&page[..len])
     }
+
+    /// The payload of checkpoint page `index`, read through `read` into `page` and checked.
+    fn payload<'p>(&self, read: &PageRead, index: u32, page: &'p mut [u8]) -> Result<&'p [u8], FlashError> {
+        read(self.pba(index)?, page)?;
+        self.check(index, page)
+    }
+
+    /// Leaf `id`'s entries from its record at byte `at`, given its pages' images (read from
+    /// [`Chain::record_pages`], one after the other).
+    pub fn leaf_from_pages(&self, id: LeafId, at: u64, pages: &mut [u8]) -> Result<Box<Leaf>, FlashError> {
+        let (_, n, _) = self.record_pages(at);
+        if pages.len() != n as usize * PAGE {
+            return Err(FlashError::Corrupt("a leaf record's pages of the wrong size"));
+        }
+        let mut k = 0;
+        leaf_record(id, at, self, &mut |index| {
+            let page = pages
+                .get_mut(k * PAGE..(k + 1) * PAGE)
+                .ok_or(FlashError::Corrupt("a leaf record cut short"))?;
+            k += 1;
+            Ok(self.check(index, page)?.to_vec())
+        })
+    }
+}
+
+/// Leaf `id`'s entries from its record at byte `at` of `chain`'s stream, taking the payload
+/// of each checkpoint page it needs from `payload_of`.
+fn leaf_record(
+    id: LeafId,
+    at: u64,
+    chain: &Chain,
+    payload_of: &mut dyn FnMut(u32) -> Result<Vec<u8>, FlashError>,
+) -> Result<Box<Leaf>, FlashError> {
+    let mut record = Vec::with_capacity(LEAF_RECORD as usize);
+    let mut index =
+        u32::try_from(at / CKPT_PAYLOAD as u64).map_err(|_| FlashError::Corrupt("leaf offset"))?;
+    let mut skip = (at % CKPT_PAYLOAD as u64) as usize;
+    while record.len() < LEAF_RECORD as usize {
+        let payload = payload_of(index)?;
+        let want = (LEAF_RECORD as usize - record.len()).min(payload.len().saturating_sub(skip));
+        if want == 0 {
+            return Err(FlashError::Corrupt("checkpoint: a leaf record cut short"));
+        }
+        record.extend_from_slice(&payload[skip..skip + want]);
+        skip = 0;
+        index += 1;
+    }
+    if u32::from_le_bytes(record[..4].try_into().expect("4 bytes")) != id {
+        return Err(FlashError::Corrupt("checkpoint: another leaf where a leaf was stored"));
+    }
+    leaf_entries(&record[8..], chain.array_pages, chain.segment_pages)
 }
 
 /// A checkpoint's bytes, read page by page along its chain.
@@ -479,24 +544,8 @@ impl CkptLeaves {
 
 impl LeafSource for CkptLeaves {
     fn load(&mut self, id: LeafId, at: u64) -> Result<Box<Leaf>, FlashError> {
-        let mut record = Vec::with_capacity(LEAF_RECORD as usize);
-        let mut index =
-            u32::try_from(at / CKPT_PAYLOAD as u64).map_err(|_| FlashError::Corrupt("leaf offset"))?;
-        let mut skip = (at % CKPT_PAYLOAD as u64) as usize;
-        while record.len() < LEAF_RECORD as usize {
-            let payload = self.chain.payload(&self.read, index, &mut self.page)?;
-            let want = (LEAF_RECORD as usize - record.len()).min(payload.len().saturating_sub(skip));
-            if want == 0 {
-                return Err(FlashError::Corrupt("checkpoint: a leaf record cut short"));
-            }
-            record.extend_from_slice(&payload[skip..skip + want]);
-            skip = 0;
-            index += 1;
-        }
-        if u32::from_le_bytes(record[..4].try_into().expect("4 bytes")) != id {
-            return Err(FlashError::Corrupt("checkpoint: another leaf where a leaf was stored"));
-        }
-        leaf_entries(&record[8..], self.chain.array_pages, self.chain.segment_pages)
+        let CkptLeaves { chain, read, page } = self;
+        leaf_record(id, at, chain, &mut |index| Ok(chain.payload(read, index, page)?.to_vec()))
     }
 }
 

@@ -132,6 +132,17 @@ impl GroupPlan {
     }
 }
 
+/// An evicted map leaf to read back: `pages` checkpoint pages from `pba`, of checkpoint `seq`,
+/// holding leaf `id`'s record at byte `at` of its stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeafRead {
+    pub id: crate::map::LeafId,
+    pub at: u64,
+    pub seq: u64,
+    pub pba: Pba,
+    pub pages: u32,
+}
+
 /// A page garbage collection must move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GcMove {
@@ -235,6 +246,14 @@ pub const META_BYTES: u64 = std::mem::size_of::<PageMeta>() as u64 + 16;
 const MAP_BUDGET_LEAVES_MIN: usize = 1;
 /// Side tables are counted against the budget once per this many calls to `shed`.
 const SHED_META_EVERY: u32 = 64;
+
+/// Leaves `cfg`'s map budget holds when side tables take none of it (`usize::MAX`: no bound).
+fn budget_leaves(cfg: &Config) -> usize {
+    match cfg.map_budget {
+        0 => usize::MAX,
+        b => (b / LEAF_BYTES).max(MAP_BUDGET_LEAVES_MIN as u64) as usize,
+    }
+}
 
 /// Bytes of a `Record::Write` in a group header.
 const WRITE_RECORD_BYTES: usize = 17;
@@ -408,9 +427,12 @@ impl Controller {
         let mut space = Space::new(segments, segment_pages, reserve_for(segments));
         space.policy = cfg.policy;
         space.wear_spread_max = cfg.wear_spread_max;
+        let mut map = Map::new(segments, segment_pages);
+        // Side tables are counted against the budget as they come (`shed`).
+        map.set_budget(budget_leaves(&cfg));
         Controller {
             cfg,
-            map: Map::new(segments, segment_pages),
+            map,
             heat_shift,
             space,
             pool: Pool::new(cfg.pool_pages),
@@ -439,10 +461,7 @@ impl Controller {
 
     /// Leaves the map budget keeps in memory (`usize::MAX`: no bound), before side tables.
     pub fn map_budget_leaves(&self) -> usize {
-        match self.cfg.map_budget {
-            0 => usize::MAX,
-            b => (b / LEAF_BYTES).max(MAP_BUDGET_LEAVES_MIN as u64) as usize,
-        }
+        budget_leaves(&self.cfg)
     }
 
     /// Side-table stretches in memory, over every volume.
@@ -763,6 +782,32 @@ impl Controller {
         vpage < v.map.pages
             && v.slot_of(vpage).is_none()
             && self.map.get_resident(&v.map, vpage).is_some_and(|p| p != 0)
+    }
+
+    /// Where to read the evicted leaf that maps `vpage` of `vol` back from, for a caller that
+    /// reads it itself (asynchronously). `None`: the leaf is in memory (or there is none), or
+    /// its pages do not lie together.
+    pub fn evicted_leaf(&self, vol: VolId, vpage: u64) -> Option<LeafRead> {
+        let v = self.vols.get(&vol)?;
+        let (id, at) = self.map.evicted(&v.map, vpage)?;
+        let chain = self.checkpoint_chain.as_ref()?;
+        let (index, pages, together) = chain.record_pages(at);
+        let pba = chain.pba(index).ok()?;
+        together.then_some(LeafRead { id, at, seq: chain.seq, pba, pages })
+    }
+
+    /// The pages `read` names landed in `images`: put the leaf back, unless a checkpoint or a
+    /// change came in between. Returns whether it went back.
+    pub fn leaf_landed(&mut self, read: &LeafRead, images: &mut [u8]) -> Result<bool, FlashError> {
+        let Some(chain) = self.checkpoint_chain.as_ref().filter(|c| c.seq == read.seq) else {
+            return Ok(false);
+        };
+        let leaf = chain.leaf_from_pages(read.id, read.at, images)?;
+        let put = self.map.install(read.id, read.at, leaf);
+        if put {
+            self.shed();
+        }
+        Ok(put)
     }
 
     /// The read of a page into `slot` finished (`ok`) or failed; on failure the page leaves

@@ -29,12 +29,12 @@ use rt::mem::{AlignedBuf, Region};
 use rt::uring::Reads;
 
 use crate::ckpt;
-use crate::ctl::{Access, Config, Controller, Counters, Got, GroupPlan, Source, VolId};
+use crate::ctl::{Access, Config, Controller, Counters, Got, GroupPlan, LeafRead, Source, VolId};
 use crate::device::{recognise, Device};
 use crate::layout::{
     page_crc, ArrayId, CkptPage, CkptRef, Pba, SegmentHeader, SegmentKind, Superblock, CKPT_PAYLOAD, PAGE,
 };
-use crate::map::LeafSource;
+use crate::map::{LeafSource, LEAF_PAGES};
 use crate::recover::{self, Report};
 use crate::FlashError;
 
@@ -64,11 +64,18 @@ const SEQ_WINDOW: u64 = 1 << 32;
 /// the array is full.
 const RECLAIM_ROUNDS_MAX: u32 = 8;
 
-/// A page read started by [`Array::prefetch`]: where it goes, and whose batch it counts on.
+/// A read started by [`Array::prefetch`], and whose batch it counts on.
 struct Landing {
-    slot: u32,
-    pba: Pba,
+    what: Read,
     batch: Arc<Batch>,
+}
+
+enum Read {
+    /// A page into pool slot `slot`.
+    Page { slot: u32, pba: Pba },
+    /// An evicted map leaf, back from the checkpoint; then the pages of `vol` the request
+    /// wants under it (`first..=last`) are read in turn.
+    Leaf { read: LeafRead, vol: VolId, first: u64, last: u64 },
 }
 
 /// Reads of whole pages by PBA through an aligned buffer of its own (recovery, and map leaves
@@ -243,6 +250,8 @@ pub struct Stats {
     pub map_leaves_resident: u64,
     pub map_loads: u64,
     pub map_evictions: u64,
+    /// Of `map_loads`, leaves a request's look-ahead read back on the io_uring.
+    pub map_loads_async: u64,
     /// Pages the devices say were written through them.
     pub device_pages_written_measured: u64,
     /// Pool misses read asynchronously ([`Array::prefetch`]) since the array was opened.
@@ -315,8 +324,10 @@ pub struct Array {
     /// Pool misses read asynchronously, once [`start_reads`](Array::start_reads) set it up.
     reads: OnceLock<Arc<Reads<Landing>>>,
     reader: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Pages [`prefetch`](Array::prefetch) started reading.
+    /// Pages [`prefetch`](Array::prefetch) started reading, and evicted map leaves it read
+    /// back.
     prefetched: AtomicU64,
+    leaves_read_async: AtomicU64,
     /// FLUSH and FUA durability asked for without waiting ([`sync_later`](Array::sync_later)),
     /// for the syncer thread.
     syncs: Mutex<SyncQueue>,
@@ -436,6 +447,7 @@ impl Array {
             reads: OnceLock::new(),
             reader: Mutex::new(None),
             prefetched: AtomicU64::new(0),
+            leaves_read_async: AtomicU64::new(0),
             syncs: Mutex::new(SyncQueue::default()),
             syncs_open: AtomicBool::new(false),
             sync_kick: Condvar::new(),
@@ -795,13 +807,14 @@ impl Array {
             .name("skiff-flash-rd".into())
             .spawn(move || loop {
                 let array = weak.clone();
-                let landed =
-                    |landing: Landing, result: std::io::Result<()>, buf: AlignedBuf| match array.upgrade() {
-                        Some(a) => a.landed(landing, result, &buf),
-                        // The array is gone: nobody waits for its pool, but a driver may wait
-                        // for the batch.
-                        None => landing.batch.done(),
-                    };
+                let landed = |landing: Landing, result: std::io::Result<()>, mut buf: AlignedBuf| match array
+                    .upgrade()
+                {
+                    Some(a) => a.landed(landing, result, &mut buf),
+                    // The array is gone: nobody waits for its pool, but a driver may wait
+                    // for the batch.
+                    None => landing.batch.done(),
+                };
                 match reads.complete(landed) {
                     Ok(true) => {}
                     Ok(false) => return,
@@ -865,20 +878,36 @@ impl Array {
         // How many more reads the ring takes, asked only once a page needs one: a request
         // served from the pool never touches the ring's lock.
         let mut room: Option<usize> = None;
-        let mut started: Vec<(u32, Pba)> = Vec::new();
+        let mut started: Vec<Read> = Vec::new();
         {
             let mut c = self.lock();
-            for vpage in first..=last {
-                if !wanted(vpage) || !c.on_flash_only(vol, vpage) {
+            let mut vpage = first;
+            while vpage <= last {
+                let this = vpage;
+                vpage += 1;
+                if !wanted(this) {
+                    continue;
+                }
+                let leaf = c.evicted_leaf(vol, this);
+                if leaf.is_none() && !c.on_flash_only(vol, this) {
                     continue;
                 }
                 let room = room.get_or_insert_with(|| reads.depth().saturating_sub(reads.in_flight()));
                 if *room == 0 {
                     break;
                 }
-                match c.get(vol, vpage, Access::Read) {
+                if let Some(read) = leaf {
+                    // The leaf first; the pages under it go once it is back (`landed`).
+                    let leaf_end = (this / LEAF_PAGES as u64 + 1) * LEAF_PAGES as u64;
+                    let until = last.min(leaf_end - 1);
+                    started.push(Read::Leaf { read, vol, first: this, last: until });
+                    *room -= 1;
+                    vpage = until + 1;
+                    continue;
+                }
+                match c.get(vol, this, Access::Read) {
                     Ok(Got::Fetch { slot, pba }) => {
-                        started.push((slot, pba));
+                        started.push(Read::Page { slot, pba });
                         *room -= 1;
                     }
                     Ok(Got::Direct(pba)) => {
@@ -892,22 +921,33 @@ impl Array {
                 }
             }
         }
+        self.start(reads, started, batch);
+    }
+
+    /// Put `started` on the ring, each counting on `batch`, and submit them.
+    fn start(&self, reads: &Reads<Landing>, started: Vec<Read>, batch: &Arc<Batch>) {
         if started.is_empty() {
             return;
         }
-        self.prefetched.fetch_add(started.len() as u64, Ordering::Relaxed);
-        for (slot, pba) in started {
+        for what in started {
+            let (pba, pages) = match &what {
+                Read::Page { pba, .. } => {
+                    self.prefetched.fetch_add(1, Ordering::Relaxed);
+                    (*pba, 1)
+                }
+                Read::Leaf { read, .. } => (read.pba, read.pages),
+            };
             let (dev, at) = self.geo.locate(pba);
             let fd = self.devs[dev].fd().expect("start_reads checked every device has one");
             batch.add();
-            let landing = Landing { slot, pba, batch: batch.clone() };
-            match AlignedBuf::new(PAGE) {
+            let landing = Landing { what, batch: batch.clone() };
+            match AlignedBuf::new(pages as usize * PAGE) {
                 Ok(buf) => {
-                    if let Err((e, buf, landing)) = reads.push(fd, at * page, buf, landing) {
-                        self.landed(landing, Err(e), &buf);
+                    if let Err((e, mut buf, landing)) = reads.push(fd, at * PAGE as u64, buf, landing) {
+                        self.landed(landing, Err(e), &mut buf);
                     }
                 }
-                Err(e) => self.landed(landing, Err(e), &[]),
+                Err(e) => self.landed(landing, Err(e), &mut []),
             }
         }
         if let Err(e) = reads.submit() {
@@ -916,29 +956,62 @@ impl Array {
         }
     }
 
-    /// A prefetched page landed (or failed: it leaves the pool, and whoever needs it reads it
-    /// the ordinary way, meeting the error there if it lasts).
-    fn landed(&self, landing: Landing, result: std::io::Result<()>, buf: &[u8]) {
-        let Landing { slot, pba, batch } = landing;
-        let ok = match result {
-            Ok(()) => {
-                // The slot is pinned and `Fetching`: nobody else touches its bytes.
-                self.pool.write_at(slot as usize * PAGE, buf);
-                true
+    /// A read [`prefetch`](Array::prefetch) started landed (or failed: a page leaves the pool,
+    /// and whoever needs it reads it the ordinary way, meeting the error there if it lasts; a
+    /// leaf stays evicted, and is read back the ordinary way).
+    fn landed(&self, landing: Landing, result: std::io::Result<()>, buf: &mut [u8]) {
+        let Landing { what, batch } = landing;
+        if let Err(e) = &result {
+            if e.kind() != std::io::ErrorKind::WouldBlock {
+                tracing::warn!(error = %e, "flash prefetch failed");
             }
-            Err(e) => {
-                if e.kind() != std::io::ErrorKind::WouldBlock {
-                    tracing::warn!(pba, error = %e, "flash prefetch failed");
-                }
-                false
-            }
-        };
-        {
-            let mut c = self.lock();
-            c.fetched(slot, pba, ok);
-            c.put(slot, false);
         }
-        self.changed.notify_all();
+        match what {
+            Read::Page { slot, pba } => {
+                let ok = result.is_ok();
+                if ok {
+                    // The slot is pinned and `Fetching`: nobody else touches its bytes.
+                    self.pool.write_at(slot as usize * PAGE, buf);
+                }
+                {
+                    let mut c = self.lock();
+                    c.fetched(slot, pba, ok);
+                    c.put(slot, false);
+                }
+                self.changed.notify_all();
+            }
+            Read::Leaf { read, vol, first, last } => {
+                let mut next = Vec::new();
+                {
+                    let mut c = self.lock();
+                    let back = result.is_ok() && c.leaf_landed(&read, buf).unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, leaf = read.id, "flash: a map leaf read back asynchronously fails its checks");
+                        false
+                    });
+                    if back {
+                        self.leaves_read_async.fetch_add(1, Ordering::Relaxed);
+                        for vpage in first..=last {
+                            if !c.on_flash_only(vol, vpage) {
+                                continue;
+                            }
+                            match c.get(vol, vpage, Access::Read) {
+                                Ok(Got::Fetch { slot, pba }) => next.push(Read::Page { slot, pba }),
+                                Ok(Got::Direct(pba)) => {
+                                    c.read_done(pba);
+                                    break;
+                                }
+                                Ok(Got::Ready(s)) => c.put(s, false),
+                                Ok(_) => {}
+                                Err(_) => break,
+                            }
+                        }
+                    }
+                }
+                if let Some(reads) = self.reads.get() {
+                    self.start(reads, next, &batch);
+                }
+            }
+        }
         batch.done();
     }
 
@@ -1602,6 +1675,7 @@ impl Array {
             map_leaves: c.map.leaves_in_use() as u64,
             map_leaves_resident: c.map.resident() as u64,
             map_loads: c.map.loads,
+            map_loads_async: self.leaves_read_async.load(Ordering::Relaxed),
             map_evictions: c.map.evictions,
             device_pages_written_measured: self.devs.iter().map(|d| d.pages_written()).sum(),
             pages_read_async: self.prefetched.load(Ordering::Relaxed),

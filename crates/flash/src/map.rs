@@ -170,6 +170,29 @@ impl Map {
         Ok(self.leaves[i].as_mut().expect("just loaded"))
     }
 
+    /// The leaf that maps `vpage` of `vm`, if it is evicted: its id, and where the current
+    /// checkpoint stores it.
+    pub fn evicted(&self, vm: &VolMap, vpage: u64) -> Option<(LeafId, u64)> {
+        let (l, _) = split(vpage);
+        let id = *vm.leaves.get(l)?;
+        (id != NO_LEAF && self.leaves[id as usize].is_none()).then(|| (id, self.stored[id as usize]))
+    }
+
+    /// Put back leaf `id`, read from its record at `at` by the caller (asynchronously), if it
+    /// is still evicted and stored there. Returns whether it was.
+    pub fn install(&mut self, id: LeafId, at: u64, leaf: Box<Leaf>) -> bool {
+        let i = id as usize;
+        if i >= self.shares.len() || self.shares[i] == 0 || self.leaves[i].is_some() || self.stored[i] != at {
+            return false;
+        }
+        self.leaves[i] = Some(leaf);
+        self.resident += 1;
+        self.evictable += 1;
+        self.loads += 1;
+        self.used[i] = true;
+        true
+    }
+
     /// Leaf `id`'s entries, read from the checkpoint without keeping them if it was evicted.
     fn peek(&mut self, id: LeafId) -> Result<Cow<'_, Leaf>, FlashError> {
         let i = id as usize;

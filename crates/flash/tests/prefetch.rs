@@ -45,6 +45,10 @@ fn page_of(seed: u64) -> Vec<u8> {
 }
 
 fn file_array(dir: &tempfile::TempDir, pool_pages: u32) -> Arc<Array> {
+    file_array_with(dir, Config { pool_pages, ..Config::default() })
+}
+
+fn file_array_with(dir: &tempfile::TempDir, cfg: Config) -> Arc<Array> {
     let devs = || -> Vec<Box<dyn Device>> {
         (0..2)
             .map(|i| {
@@ -60,7 +64,7 @@ fn file_array(dir: &tempfile::TempDir, pool_pages: u32) -> Arc<Array> {
         format(&devs(), SEGMENT_PAGES, false).unwrap();
         std::fs::write(dir.path().join("formatted"), b"").unwrap();
     }
-    Array::open(devs(), Config { pool_pages, ..Config::default() }).unwrap()
+    Array::open(devs(), cfg).unwrap()
 }
 
 #[test]
@@ -224,4 +228,41 @@ fn a_write_into_a_full_pool_parks_while_the_sync_thread_makes_room() {
         assert!(back[p * PAGE..(p + 1) * PAGE] == page_of(p as u64), "page {p}");
     }
     a.shutdown().unwrap();
+}
+
+/// With the map paged, a read whose leaf was evicted parks while the look-ahead reads the leaf
+/// back on the ring and then the page under it: the request finds its page in the pool.
+#[test]
+fn a_prefetch_reads_an_evicted_leaf_back_and_then_the_page() {
+    const LEAVES: u64 = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let a = file_array(&dir, 64);
+    let vol = a.create("v", LEAVES * 512 * PAGE as u64).unwrap();
+    for l in 0..LEAVES {
+        a.write(vol, (l * 512 + 7) * PAGE as u64, &page_of(l), false).unwrap();
+    }
+    a.shutdown().unwrap();
+    drop(a);
+    // Two leaves stay in memory after the reopen; fourteen come back from the checkpoint.
+    let budget = Config { pool_pages: 64, map_budget: 2 * skiff_flash::ctl::LEAF_BYTES, ..Config::default() };
+    let a = file_array_with(&dir, budget);
+    assert!(a.start_reads(32).unwrap());
+    let vol = a.id_of("v").unwrap();
+    assert_eq!((a.stats().map_leaves, a.stats().map_leaves_resident), (LEAVES, 2));
+    let (b, woken) = batch(5);
+    for l in 0..LEAVES {
+        let at = (l * 512 + 7) * PAGE as u64;
+        let started = prepared(&b, &woken, |b| a.prefetch(vol, at, PAGE as u64, false, b));
+        assert_eq!(started, 1, "leaf {l}: one read starts (the page, or its leaf first)");
+        let before = a.stats().counters;
+        let mut back = vec![0u8; PAGE];
+        a.read(vol, at, &mut back).unwrap();
+        assert!(back == page_of(l), "leaf {l}: the page reads back other bytes");
+        let after = a.stats().counters;
+        assert_eq!(after.pool_hits - before.pool_hits, 1, "leaf {l}: the page was in the pool");
+    }
+    let s = a.stats();
+    assert!(s.map_loads_async >= LEAVES - 2, "{s:?}");
+    assert!(s.map_leaves_resident <= 2, "the budget still holds: {s:?}");
+    a.audit().unwrap();
 }
