@@ -490,7 +490,9 @@ impl Controller {
             if chunks > cap {
                 self.shed_meta(chunks - cap);
             }
-            let meta = self.meta_chunks() as u64 * META_BYTES;
+            // Side tables of stretches with pages in the pool cannot go: past half the budget,
+            // they take it from the pool's share, not from the leaves' half.
+            let meta = (self.meta_chunks() as u64 * META_BYTES).min(budget / 2);
             let leaves = (budget.saturating_sub(meta) / LEAF_BYTES).max(MAP_BUDGET_LEAVES_MIN as u64);
             self.map.set_budget(leaves as usize);
         }

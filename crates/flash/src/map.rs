@@ -515,11 +515,14 @@ impl Map {
     }
 
     /// Evict clean leaves (stored in the checkpoint as they are) by a clock, until at most
-    /// the budget are resident or none more can go.
+    /// the budget are resident or none more can go. One turn of the hand at most: a leaf used
+    /// since the hand last passed (one just read back included) outlives this call, so that
+    /// the budget may be passed until the next, never by evicting what the caller is about
+    /// to use.
     pub fn shed(&mut self) {
         let n = self.leaves.len();
         let mut looked = 0;
-        while self.resident > self.budget && self.evictable > 0 && looked < 2 * n {
+        while self.resident > self.budget && self.evictable > 0 && looked < n {
             let i = self.hand;
             self.hand = (self.hand + 1) % n;
             looked += 1;
@@ -694,6 +697,8 @@ mod tests {
         assert_eq!(m.resident(), 8, "nothing is stored yet: every leaf stays");
         checkpoint(&mut m);
         m.shed();
+        assert_eq!(m.resident(), 8, "every leaf was used since the hand last passed");
+        m.shed();
         assert_eq!((m.resident(), m.evictions), (2, 6));
         m.audit(&[&vol]).unwrap();
         // Reads bring leaves back; a change keeps one until the next checkpoint.
@@ -703,6 +708,7 @@ mod tests {
         for p in (0..8 * LEAF_PAGES as u64).step_by(97) {
             m.get(&vol, p).unwrap();
         }
+        m.shed(); // clears the bits of the leaves just read
         m.shed();
         assert_eq!(m.get_resident(&vol, 3 * LEAF_PAGES as u64), Some(0), "the changed leaf stayed");
         assert!(m.resident() <= 2);
@@ -717,6 +723,26 @@ mod tests {
         m.drop_map(vol).unwrap();
         assert_eq!((m.leaves_in_use(), m.valid_total()), (0, 0));
         m.audit(&[]).unwrap();
+    }
+
+    #[test]
+    fn a_scan_reads_each_leaf_back_once() {
+        let mut m = Map::new(4096, 1024);
+        let leaves = 300u64;
+        let mut vol = VolMap::new(leaves * LEAF_PAGES as u64);
+        for l in 0..leaves {
+            m.set(&mut vol, l * LEAF_PAGES as u64 + 7, 1 + l as Pba).unwrap();
+        }
+        checkpoint(&mut m);
+        m.set_budget(20);
+        m.shed();
+        m.shed();
+        assert_eq!(m.resident(), 20);
+        for p in 0..leaves * LEAF_PAGES as u64 {
+            m.get(&vol, p).unwrap();
+            m.shed();
+        }
+        assert!(m.loads <= leaves, "{} leaves read back for a scan of {leaves}", m.loads);
     }
 
     #[test]
