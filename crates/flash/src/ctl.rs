@@ -740,8 +740,15 @@ impl Controller {
                 SlotState::Free => unreachable!("a volume points at a free slot"),
             });
         }
-        let pba = self.map.get(&v.map, vpage)?;
-        self.shed();
+        // A whole-page write needs nothing of the old page, its PBA included: its leaf (read
+        // back, if the map evicted it) is wanted only when the page is written back.
+        let pba = if access == Access::WriteWhole {
+            0
+        } else {
+            let pba = self.map.get(&v.map, vpage)?;
+            self.shed();
+            pba
+        };
         if pba == 0 && access == Access::Read {
             return Ok(Got::Zero);
         }
