@@ -646,6 +646,39 @@ mod tests {
         g.emit(&ARRAY, &mut page);
         assert_eq!(GroupHeader::parse(&ARRAY, &page).unwrap().data_pages(), n);
     }
+
+    /// The fuzz entry points on seeded noise and on mutations of inputs that parse: no panic
+    /// (`cargo fuzz run flash_layout` searches much further).
+    #[test]
+    fn fuzz_entry_points_survive_noise() {
+        let mut x = 0x5eed_f1a5_u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for case in 0..3000u64 {
+            let len = (next() % 9000) as usize;
+            let mut data: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+            if let Some(first) = data.first_mut() {
+                *first = case as u8;
+            }
+            fuzz_api::page(&data);
+            fuzz_api::checkpoint(&data);
+            if data.len() > 12 {
+                data[12] = case as u8;
+                // A record that names its leaf: the id at its offset once the pages are made.
+                let at = u64::from_le_bytes(data[..8].try_into().unwrap()) % (4 * CKPT_PAYLOAD as u64);
+                let id = u32::from_le_bytes(data[8..12].try_into().unwrap());
+                let skip = (at % CKPT_PAYLOAD as u64) as usize;
+                if case % 2 == 1 && data.len() > 13 + skip + 4 {
+                    data[13 + skip..13 + skip + 4].copy_from_slice(&id.to_le_bytes());
+                }
+            }
+            fuzz_api::leaf(&data);
+        }
+    }
 }
 
 /// Entry points for the fuzz targets (`fuzz/fuzz_targets/flash_layout.rs`); not an API.
@@ -732,5 +765,43 @@ pub mod fuzz_api {
             crate::ckpt::decode(&mut &bytes[..], cfg, 16, 64, None).expect("an encoded checkpoint decodes");
         assert_eq!(seq_again, seq);
         assert!(again.audit().is_ok(), "a re-encoded checkpoint passes its audit");
+    }
+
+    /// An evicted map leaf's record read back from the checkpoint's pages, as the look-ahead
+    /// does (`ckpt::Chain::leaf_from_pages`): bytes 0..8 give the record's offset, 8..12 the
+    /// leaf id, bit 0 of byte 12 asks for pages whose headers are made right (the rest of the
+    /// input is then their payloads), and the rest is the pages. Never panics.
+    pub fn leaf(data: &[u8]) {
+        if data.len() < 13 {
+            return;
+        }
+        let at = u64::from_le_bytes(data[..8].try_into().expect("8 bytes")) % (4 * CKPT_PAYLOAD as u64);
+        let id = u32::from_le_bytes(data[8..12].try_into().expect("4 bytes"));
+        let repair = data[12] & 1 != 0;
+        let rest = &data[13..];
+        let chain = crate::ckpt::Chain {
+            array: ARRAY,
+            seq: 7,
+            pages: 8,
+            segments: vec![3, 5, 6],
+            segment_pages: 4,
+            array_pages: 64,
+        };
+        let (index, n, _) = chain.record_pages(at);
+        let mut pages = vec![0u8; n as usize * PAGE];
+        for (k, page) in pages.chunks_mut(PAGE).enumerate() {
+            if repair {
+                let from = (k * CKPT_PAYLOAD).min(rest.len());
+                let to = ((k + 1) * CKPT_PAYLOAD).min(rest.len());
+                CkptPage::emit(&ARRAY, 7, index + k as u32, &rest[from..to], page);
+            } else {
+                let from = (k * PAGE).min(rest.len());
+                let to = ((k + 1) * PAGE).min(rest.len());
+                page[..to - from].copy_from_slice(&rest[from..to]);
+            }
+        }
+        if let Ok(leaf) = chain.leaf_from_pages(id, at, &mut pages) {
+            assert!(leaf.iter().all(|&p| p == 0 || (u64::from(p) < chain.array_pages && p % 4 != 0)));
+        }
     }
 }
