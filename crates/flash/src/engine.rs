@@ -74,8 +74,9 @@ enum Read {
     /// A page into pool slot `slot`.
     Page { slot: u32, pba: Pba },
     /// An evicted map leaf, back from the checkpoint; then the pages of `vol` the request
-    /// wants under it (`first..=last`) are read in turn.
-    Leaf { read: LeafRead, vol: VolId, first: u64, last: u64 },
+    /// wants under it (`first..=last`, less the pages a write overwrites whole, `whole`) are
+    /// read in turn.
+    Leaf { read: LeafRead, vol: VolId, first: u64, last: u64, whole: Option<(u64, u64)> },
 }
 
 /// Reads of whole pages by PBA through an aligned buffer of its own (recovery, and map leaves
@@ -900,7 +901,9 @@ impl Array {
                     // The leaf first; the pages under it go once it is back (`landed`).
                     let leaf_end = (this / LEAF_PAGES as u64 + 1) * LEAF_PAGES as u64;
                     let until = last.min(leaf_end - 1);
-                    started.push(Read::Leaf { read, vol, first: this, last: until });
+                    // A write's whole pages are not read (its partial first and last are).
+                    let whole = write.then(|| (offset.div_ceil(page), end / page));
+                    started.push(Read::Leaf { read, vol, first: this, last: until, whole });
                     *room -= 1;
                     vpage = until + 1;
                     continue;
@@ -980,7 +983,7 @@ impl Array {
                 }
                 self.changed.notify_all();
             }
-            Read::Leaf { read, vol, first, last } => {
+            Read::Leaf { read, vol, first, last, whole } => {
                 let mut next = Vec::new();
                 {
                     let mut c = self.lock();
@@ -991,7 +994,8 @@ impl Array {
                     if back {
                         self.leaves_read_async.fetch_add(1, Ordering::Relaxed);
                         for vpage in first..=last {
-                            if !c.on_flash_only(vol, vpage) {
+                            let overwritten = whole.is_some_and(|(from, to)| (from..to).contains(&vpage));
+                            if overwritten || !c.on_flash_only(vol, vpage) {
                                 continue;
                             }
                             match c.get(vol, vpage, Access::Read) {
@@ -1367,10 +1371,17 @@ impl Array {
         // The checkpoint and every group up to `seq` durable, then the superblocks name it.
         self.sync_all()?;
         let ceiling = self.lock().next_seq + SEQ_WINDOW;
-        self.write_superblocks(|sb| {
+        let named = self.write_superblocks(|sb| {
             sb.checkpoint = Some(CkptRef { seq, first_segment: segments[0], pages });
             sb.seq_ceiling = sb.seq_ceiling.max(ceiling);
-        })?;
+        });
+        if let Err(e) = named {
+            // Some superblock may name this checkpoint already: its segments must never be
+            // written again, so the array takes no more writes.
+            self.lock().failed = true;
+            self.changed.notify_all();
+            return Err(e);
+        }
         let mut c = self.lock();
         c.seq_ceiling = c.seq_ceiling.max(ceiling);
         Ok(pages)
@@ -1616,11 +1627,7 @@ impl Array {
 
     /// Every volume, by name.
     pub fn list(&self) -> Vec<VolumeInfo> {
-        let mut c = self.lock();
-        let ids: Vec<VolId> = c.vols.keys().copied().collect();
-        // A leaf that cannot be read back counts nothing rather than failing the listing.
-        let allocated: HashMap<VolId, u64> =
-            ids.into_iter().map(|id| (id, c.allocated_pages(id).unwrap_or(0))).collect();
+        let c = self.lock();
         let name_of = |id: VolId| c.vols.get(&id).map(|v| v.name.clone());
         let mut out: Vec<VolumeInfo> = c
             .vols
@@ -1629,7 +1636,7 @@ impl Array {
                 id: v.id,
                 name: v.name.clone(),
                 size_bytes: v.pages() * PAGE as u64,
-                allocated_bytes: allocated[&v.id] * PAGE as u64,
+                allocated_bytes: c.allocated_pages(v.id) * PAGE as u64,
                 writable: v.writable,
                 origin: v.origin.and_then(name_of),
                 snapshots: c

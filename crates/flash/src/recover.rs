@@ -170,7 +170,7 @@ pub fn recover(
     c.next_seq = max_seq + 1;
     c.durable_seq = max_seq;
     c.checkpoint = ckpt;
-    c.audit().map_err(|_| FlashError::Corrupt("recovered state fails its own checks"))?;
+    c.audit_in_memory().map_err(|_| FlashError::Corrupt("recovered state fails its own checks"))?;
     Ok((c, report))
 }
 

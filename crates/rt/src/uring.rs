@@ -36,6 +36,9 @@ pub struct Reads<T> {
 struct Table<T> {
     slots: Vec<Option<(AlignedBuf, T)>>,
     free: Vec<usize>,
+    /// [`Reads::close`] was called: no read may start after its no-op, whose completion ends
+    /// the completer's loop (a read started after it would never be handed back).
+    closed: bool,
 }
 
 impl<T: Send> Reads<T> {
@@ -47,7 +50,7 @@ impl<T: Send> Reads<T> {
         let ring = IoUring::builder().build(depth + 1)?;
         Ok(Reads {
             ring,
-            inflight: Mutex::new(Table { slots: Vec::new(), free: Vec::new() }),
+            inflight: Mutex::new(Table { slots: Vec::new(), free: Vec::new(), closed: false }),
             reaping: Mutex::new(()),
             depth: depth as usize,
         })
@@ -69,7 +72,7 @@ impl<T: Send> Reads<T> {
         };
         let mut table = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         let in_flight = table.slots.len() - table.free.len();
-        if in_flight >= self.depth {
+        if in_flight >= self.depth || table.closed {
             return Err((io::ErrorKind::WouldBlock.into(), buf, user));
         }
         let index = table.free.pop().unwrap_or_else(|| {
@@ -179,7 +182,8 @@ impl<T: Send> Reads<T> {
     /// Make the completer's [`complete`](Self::complete) return `Ok(false)` after the reads
     /// started before this call.
     pub fn close(&self) -> io::Result<()> {
-        let _table = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        let mut table = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        table.closed = true;
         let entry = opcode::Nop::new().build().user_data(CLOSE);
         // SAFETY: `inflight` is locked, so this thread is the only one touching the submission
         // queue; a no-op points at no memory.
