@@ -236,8 +236,8 @@ fn heat_now(user_pages_written: u64, shift: u32) -> u16 {
 }
 
 /// Bytes evicting a leaf frees: its entries, and the allocator's header of their box. (What
-/// every leaf in use keeps whether in memory or not, its slab slot, shares, offsets and clock
-/// bit, 29 bytes, is not counted: docs/FLASH.md, "Memory".)
+/// every leaf in use keeps whether in memory or not, its slab slot, shares, offsets, clock
+/// bit and count of mapped entries, 31 bytes, is not counted: docs/FLASH.md, "Memory".)
 pub const LEAF_BYTES: u64 = (LEAF_PAGES * 4 + 16) as u64;
 /// Bytes dropping a side-table stretch frees (`PageMeta`, boxed).
 pub const META_BYTES: u64 = std::mem::size_of::<PageMeta>() as u64 + 16;
