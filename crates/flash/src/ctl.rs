@@ -808,17 +808,35 @@ impl Controller {
     }
 
     /// The pages `read` names landed in `images`: put the leaf back, unless a checkpoint or a
-    /// change came in between. Returns whether it went back.
+    /// change came in between. Returns whether it went back. (The caller sheds: a group's
+    /// leaves go back together, before it is mapped.)
     pub fn leaf_landed(&mut self, read: &LeafRead, images: &mut [u8]) -> Result<bool, FlashError> {
         let Some(chain) = self.checkpoint_chain.as_ref().filter(|c| c.seq == read.seq) else {
             return Ok(false);
         };
         let leaf = chain.leaf_from_pages(read.id, read.at, images)?;
-        let put = self.map.install(read.id, read.at, leaf);
-        if put {
-            self.shed();
+        Ok(self.map.install(read.id, read.at, leaf))
+    }
+
+    /// The evicted leaves mapping group `plan` will change (a write's volume's, every member
+    /// of a move's family's), for the driver to read back before it takes the lock to map it.
+    pub fn evicted_leaves_of(&self, plan: &GroupPlan) -> Vec<LeafRead> {
+        let mut out: Vec<LeafRead> = Vec::new();
+        for r in plan.header.records.iter().filter(|r| r.carries_page()) {
+            let (Record::Write { vol, vpage, .. } | Record::Move { vol, vpage, .. }) = r else {
+                unreachable!()
+            };
+            let family = matches!(r, Record::Move { .. }).then(|| self.families.get(vol).copied()).flatten();
+            let members = self.vols.values().filter(|v| v.id == *vol || Some(v.family) == family);
+            for v in members {
+                if let Some(read) = self.evicted_leaf(v.id, *vpage) {
+                    if !out.iter().any(|o| o.id == read.id) {
+                        out.push(read);
+                    }
+                }
+            }
         }
-        Ok(put)
+        out
     }
 
     /// The read of a page into `slot` finished (`ok`) or failed; on failure the page leaves

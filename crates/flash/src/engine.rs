@@ -992,6 +992,7 @@ impl Array {
                         false
                     });
                     if back {
+                        c.shed();
                         self.leaves_read_async.fetch_add(1, Ordering::Relaxed);
                         for vpage in first..=last {
                             let overwritten = whole.is_some_and(|(from, to)| (from..to).contains(&vpage));
@@ -1084,6 +1085,28 @@ impl Array {
         self.write_pages(plan.pba, &buf)
     }
 
+    /// Tell the controller group `plan` was written (`ok`) or not, and return its lock. The
+    /// evicted map leaves mapping it will change are read back first, without the lock, so
+    /// that nobody waits for those reads; one evicted meanwhile is read under the lock.
+    fn group_written(&self, plan: &GroupPlan, ok: bool) -> MutexGuard<'_, Controller> {
+        let reads = if ok { self.lock().evicted_leaves_of(plan) } else { Vec::new() };
+        let mut landed = Vec::with_capacity(reads.len());
+        for read in reads {
+            let Ok(mut buf) = AlignedBuf::new(read.pages as usize * PAGE) else { continue };
+            if self.read_pages(read.pba, &mut buf).is_ok() {
+                landed.push((read, buf));
+            }
+        }
+        let mut c = self.lock();
+        for (read, mut buf) in landed {
+            if let Err(e) = c.leaf_landed(&read, &mut buf) {
+                tracing::warn!(error = %e, leaf = read.id, "flash: a map leaf read back fails its checks");
+            }
+        }
+        c.written(plan.seq, ok);
+        c
+    }
+
     /// Write back one group of up to `max` dirty pages (of `only_vol`, if given) and any
     /// waiting records. Returns whether there was one.
     fn writeback_once(&self, max: u32, only_vol: Option<VolId>) -> Result<bool, FlashError> {
@@ -1095,8 +1118,7 @@ impl Array {
         };
         let mut plan = plan;
         let result = gathered.and_then(|buf| self.write_group(&mut plan, buf));
-        let mut c = self.lock();
-        c.written(plan.seq, result.is_ok());
+        let c = self.group_written(&plan, result.is_ok());
         self.dirty_hint.store(c.pool.dirty_count(), Ordering::Relaxed);
         drop(c);
         self.changed.notify_all();
@@ -1240,7 +1262,7 @@ impl Array {
             let plan = self.lock().gc_writeback(&mut moves);
             let Some(mut plan) = plan else { return Err(FlashError::NoSpace) };
             let result = self.gather(&plan, Some(&image)).and_then(|buf| self.write_group(&mut plan, buf));
-            self.lock().written(plan.seq, result.is_ok());
+            drop(self.group_written(&plan, result.is_ok()));
             self.changed.notify_all();
             result?;
             last = plan.seq;
