@@ -822,6 +822,9 @@ impl Controller {
     /// of a move's family's), for the driver to read back before it takes the lock to map it.
     pub fn evicted_leaves_of(&self, plan: &GroupPlan) -> Vec<LeafRead> {
         let mut out: Vec<LeafRead> = Vec::new();
+        if self.map.resident() == self.map.leaves_in_use() {
+            return out; // nothing evicted (always so without a budget)
+        }
         for r in plan.header.records.iter().filter(|r| r.carries_page()) {
             let (Record::Write { vol, vpage, .. } | Record::Move { vol, vpage, .. }) = r else {
                 unreachable!()
@@ -1073,14 +1076,15 @@ impl Controller {
             let (Record::Write { vol, vpage, .. } | Record::Move { vol, vpage, .. }) = r else {
                 unreachable!()
             };
-            let Some(&family) = self.families.get(vol) else { continue };
-            let Some(v) = self.vols.get(vol) else { continue };
             if matches!(r, Record::Write { .. }) {
-                if *vpage < v.map.pages {
+                if let Some(v) = self.vols.get(vol).filter(|v| *vpage < v.map.pages) {
                     self.map.get(&v.map, *vpage)?;
                 }
                 continue;
             }
+            // A move maps every member of the family, the moved page's own volume deleted
+            // since or not (`relocate`).
+            let Some(&family) = self.families.get(vol) else { continue };
             for m in self.vols.values().filter(|m| m.family == family) {
                 self.map.get(&m.map, *vpage)?;
             }

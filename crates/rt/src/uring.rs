@@ -16,7 +16,7 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Mutex;
 
-use io_uring::{opcode, types, IoUring};
+use io_uring::{opcode, squeue, types, IoUring};
 
 use crate::mem::AlignedBuf;
 
@@ -95,6 +95,11 @@ impl<T: Send> Reads<T> {
             drop(table);
             let submitted = self.submit();
             table = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+            if table.closed {
+                // Closed meanwhile: a read queued after the close would never be handed back.
+                table.free.push(index);
+                return Err((io::ErrorKind::WouldBlock.into(), buf, user));
+            }
             // SAFETY: as above.
             if let Err(e) = submitted.and_then(|_| {
                 // SAFETY: as above.
@@ -184,7 +189,9 @@ impl<T: Send> Reads<T> {
     pub fn close(&self) -> io::Result<()> {
         let mut table = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         table.closed = true;
-        let entry = opcode::Nop::new().build().user_data(CLOSE);
+        // Drained: it completes only after every read queued before it, so the completer hands
+        // all of them back before it stops.
+        let entry = opcode::Nop::new().build().flags(squeue::Flags::IO_DRAIN).user_data(CLOSE);
         // SAFETY: `inflight` is locked, so this thread is the only one touching the submission
         // queue; a no-op points at no memory.
         if unsafe { self.ring.submission_shared().push(&entry) }.is_err() {
@@ -246,6 +253,31 @@ mod tests {
         }
         reads.close().unwrap();
         assert!(!reads.complete(|_, _, _| panic!("nothing in flight")).unwrap());
+    }
+
+    /// Every read queued before `close` is handed back before the completer is told to
+    /// stop, and none starts after it.
+    #[test]
+    fn close_hands_back_what_was_queued_and_refuses_more() {
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(64 * 4096).unwrap();
+        let reads = Reads::<usize>::new(64).unwrap();
+        for page in 0..64usize {
+            reads.push(file.as_raw_fd(), (page * 4096) as u64, AlignedBuf::new(4096).unwrap(), page).unwrap();
+        }
+        reads.close().unwrap();
+        let (e, _, _) = reads.push(file.as_raw_fd(), 0, AlignedBuf::new(4096).unwrap(), 99).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock, "a read after close is refused");
+        let mut back = 0;
+        while reads
+            .complete(|_, result, _| {
+                result.unwrap();
+                back += 1;
+            })
+            .unwrap()
+        {}
+        assert_eq!(back, 64, "every read queued before the close came back before it");
+        assert_eq!(reads.in_flight(), 0);
     }
 
     #[test]
