@@ -27,6 +27,9 @@ const VERSION: u32 = 1;
 /// Bytes of one leaf's record: id, shares, entries.
 pub const LEAF_RECORD: u64 = 8 + 4 * LEAF_PAGES as u64;
 
+/// Bytes of one segment's record: state, stream, next page, erase count, last group, filled at.
+const SEGMENT_RECORD: usize = 26;
+
 /// How checkpoint code reads a page of the array (by PBA) into a page-sized buffer.
 pub type PageRead = Arc<dyn Fn(Pba, &mut [u8]) -> Result<(), FlashError> + Send + Sync>;
 
@@ -175,34 +178,40 @@ fn tail(c: &Controller, segments: &[u32]) -> Vec<u8> {
     w.0
 }
 
-/// Bytes of the checkpoint [`encode`] would write now.
-pub fn encoded_len(c: &Controller) -> u64 {
-    head(c, 0).len() as u64 + c.map.leaves_in_use() as u64 * LEAF_RECORD + tail(c, &[]).len() as u64
-}
-
-/// The controller's durable state, taken for a checkpoint covering every group up to `seq`,
-/// to be written to `segments` (which the table records as the checkpoint's; any older
-/// checkpoint's segments are recorded free). Leaves in memory are copied; evicted ones are
-/// named where the current checkpoint stores them, to be read back one at a time as it is
-/// written ([`write`]), so that the whole map is never in memory.
+/// The controller's durable state, taken for a checkpoint covering every group up to `seq`.
+/// Leaves in memory are copied; evicted ones are named where the current checkpoint stores
+/// them, to be read back one at a time as it is written ([`write`]), so that the whole map is
+/// never in memory. Its size is known at once ([`Encoded::bytes`]); the segment table comes
+/// last ([`Encoded::close`]), once the segments it is to be written to are taken.
 pub struct Encoded {
     head: Vec<u8>,
     leaves: Vec<LeafItem>,
+    segments: usize,
     tail: Vec<u8>,
 }
 
 impl Encoded {
     /// Bytes of the checkpoint (never 0: it starts with its version).
     pub fn bytes(&self) -> u64 {
-        (self.head.len() + self.tail.len()) as u64 + self.leaves.len() as u64 * LEAF_RECORD
+        self.head.len() as u64
+            + self.leaves.len() as u64 * LEAF_RECORD
+            + 4
+            + (self.segments * SEGMENT_RECORD) as u64
+    }
+
+    /// Add the segment table, recording `segments` as this checkpoint's (and any older
+    /// checkpoint's as free).
+    pub fn close(&mut self, c: &Controller, segments: &[u32]) {
+        self.tail = tail(c, segments);
+        debug_assert_eq!(self.tail.len(), 4 + self.segments * SEGMENT_RECORD);
     }
 }
 
 /// Take the controller's state for a checkpoint (see [`Encoded`]), under its lock.
-pub fn encode(c: &mut Controller, seq: u64, segments: &[u32]) -> Encoded {
+pub fn encode(c: &mut Controller, seq: u64) -> Encoded {
     let head = head(c, seq);
     let leaves = c.map.begin_checkpoint(head.len() as u64, LEAF_RECORD);
-    Encoded { head, leaves, tail: tail(c, segments) }
+    Encoded { head, leaves, segments: c.space.segs.len(), tail: Vec::new() }
 }
 
 /// Write `enc` to `sink` in pieces, reading evicted leaves back through `stored` (the
@@ -241,7 +250,8 @@ pub fn write(
 
 /// The whole checkpoint as one byte string (tests and fuzzing: every leaf must be in memory).
 pub fn encode_to_vec(c: &mut Controller, seq: u64, segments: &[u32]) -> Vec<u8> {
-    let enc = encode(c, seq, segments);
+    let mut enc = encode(c, seq);
+    enc.close(c, segments);
     c.map.checkpoint_abandoned();
     let mut out = Vec::new();
     write(&enc, None, &mut |b| {
@@ -334,7 +344,7 @@ pub fn decode(
     if leaf_shares.iter().any(|(id, &shares)| uses.get(id).copied().unwrap_or(0) != shares) {
         return Err(bad("checkpoint: a leaf's shares do not match its users"));
     }
-    if r.count(26)? != segments as usize {
+    if r.count(SEGMENT_RECORD)? != segments as usize {
         return Err(bad("checkpoint of an array of another size"));
     }
     let mut segs = Vec::with_capacity(segments as usize);

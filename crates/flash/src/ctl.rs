@@ -132,6 +132,18 @@ impl GroupPlan {
     }
 }
 
+/// What reading a page ahead of its request needs ([`Controller::ahead`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ahead {
+    /// Nothing from flash: it is in the pool (or on its way), never written, or its leaf is
+    /// evicted where the caller cannot read it (its `get` reads it back).
+    Nothing,
+    /// The page: it is mapped and on flash only.
+    Page,
+    /// Its evicted map leaf first.
+    Leaf(LeafRead),
+}
+
 /// An evicted map leaf to read back: `pages` checkpoint pages from `pba`, of checkpoint `seq`,
 /// holding leaf `id`'s record at byte `at` of its stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -785,21 +797,23 @@ impl Controller {
         })
     }
 
-    /// Whether a read of `vpage` of `vol` would go to flash now: the page is mapped and not
-    /// in the pool (nor on its way in). Touches no counter and pins nothing.
-    pub fn on_flash_only(&self, vol: VolId, vpage: u64) -> bool {
-        let Some(v) = self.vols.get(&vol) else { return false };
-        // A page whose leaf is evicted is not foreseen: its `get` reads the leaf back first.
-        vpage < v.map.pages
-            && v.slot_of(vpage).is_none()
-            && self.map.get_resident(&v.map, vpage).is_some_and(|p| p != 0)
+    /// What a read of `vpage` of `vol` would need from flash now, for a caller that reads it
+    /// ahead of its request. Touches no counter and pins nothing.
+    pub fn ahead(&self, vol: VolId, vpage: u64) -> Ahead {
+        let Some(v) = self.vols.get(&vol) else { return Ahead::Nothing };
+        if vpage >= v.map.pages || v.slot_of(vpage).is_some() {
+            return Ahead::Nothing;
+        }
+        match self.map.get_resident(&v.map, vpage) {
+            Some(0) => Ahead::Nothing,
+            Some(_) => Ahead::Page,
+            None => self.leaf_read(v, vpage).map_or(Ahead::Nothing, Ahead::Leaf),
+        }
     }
 
-    /// Where to read the evicted leaf that maps `vpage` of `vol` back from, for a caller that
-    /// reads it itself (asynchronously). `None`: the leaf is in memory (or there is none), or
-    /// its pages do not lie together.
-    pub fn evicted_leaf(&self, vol: VolId, vpage: u64) -> Option<LeafRead> {
-        let v = self.vols.get(&vol)?;
+    /// Where to read the evicted leaf that maps `vpage` of `v` back from. `None`: the leaf is
+    /// in memory (or there is none), or its pages do not lie together.
+    fn leaf_read(&self, v: &Volume, vpage: u64) -> Option<LeafRead> {
         let (id, at) = self.map.evicted(&v.map, vpage)?;
         let chain = self.checkpoint_chain.as_ref()?;
         let (index, pages, together) = chain.record_pages(at);
@@ -832,7 +846,7 @@ impl Controller {
             let family = matches!(r, Record::Move { .. }).then(|| self.families.get(vol).copied()).flatten();
             let members = self.vols.values().filter(|v| v.id == *vol || Some(v.family) == family);
             for v in members {
-                if let Some(read) = self.evicted_leaf(v.id, *vpage) {
+                if let Some(read) = self.leaf_read(v, *vpage) {
                     if !out.iter().any(|o| o.id == read.id) {
                         out.push(read);
                     }

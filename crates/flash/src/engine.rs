@@ -20,6 +20,7 @@
 //! is synchronous on the calling thread. docs/FLASH.md says what that costs.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -29,7 +30,7 @@ use rt::mem::{AlignedBuf, Region};
 use rt::uring::Reads;
 
 use crate::ckpt;
-use crate::ctl::{Access, Config, Controller, Counters, Got, GroupPlan, LeafRead, Source, VolId};
+use crate::ctl::{Access, Ahead, Config, Controller, Counters, Got, GroupPlan, LeafRead, Source, VolId};
 use crate::device::{recognise, Device};
 use crate::layout::{
     page_crc, ArrayId, CkptPage, CkptRef, Pba, SegmentHeader, SegmentKind, Superblock, CKPT_PAYLOAD, PAGE,
@@ -77,6 +78,29 @@ enum Read {
     /// wants under it (`first..=last`, less the pages a write overwrites whole, `whole`) are
     /// read in turn.
     Leaf { read: LeafRead, vol: VolId, first: u64, last: u64, whole: Option<(u64, u64)> },
+}
+
+/// Whether page `vpage` is one a write overwrites whole (`whole`: its range of such pages).
+fn overwritten(whole: Option<(u64, u64)>, vpage: u64) -> bool {
+    whole.is_some_and(|(from, to)| (from..to).contains(&vpage))
+}
+
+/// Take a slot to read page `vpage` of `vol` into ahead of its request: the read to start, if
+/// one is needed. `Break`: no slot to be had, or an error; the rest is read the ordinary way.
+fn slot_ahead(c: &mut Controller, vol: VolId, vpage: u64) -> ControlFlow<(), Option<Read>> {
+    match c.get(vol, vpage, Access::Read) {
+        Ok(Got::Fetch { slot, pba }) => ControlFlow::Continue(Some(Read::Page { slot, pba })),
+        Ok(Got::Direct(pba)) => {
+            c.read_done(pba);
+            ControlFlow::Break(())
+        }
+        Ok(Got::Ready(s)) => {
+            c.put(s, false);
+            ControlFlow::Continue(None)
+        }
+        Ok(_) => ControlFlow::Continue(None),
+        Err(_) => ControlFlow::Break(()),
+    }
 }
 
 /// Reads of whole pages by PBA through an aligned buffer of its own (recovery, and map leaves
@@ -859,11 +883,8 @@ impl Array {
         let page = PAGE as u64;
         let Some(end) = offset.checked_add(len) else { return };
         let (first, last) = (offset / page, (end - 1) / page);
-        let wanted = |vpage: u64| {
-            !write
-                || (vpage == first && !offset.is_multiple_of(page))
-                || (vpage == last && !end.is_multiple_of(page))
-        };
+        // A write's whole pages are not read (its partial first and last are).
+        let whole = write.then(|| (offset.div_ceil(page), end / page));
         if write {
             let pages = u32::try_from(last - first + 1).unwrap_or(u32::MAX);
             if self.pool_short(pages) && self.room_later(pages, batch) {
@@ -886,42 +907,29 @@ impl Array {
             while vpage <= last {
                 let this = vpage;
                 vpage += 1;
-                if !wanted(this) {
-                    continue;
-                }
-                let leaf = c.evicted_leaf(vol, this);
-                if leaf.is_none() && !c.on_flash_only(vol, this) {
+                let ahead = if overwritten(whole, this) { Ahead::Nothing } else { c.ahead(vol, this) };
+                if ahead == Ahead::Nothing {
                     continue;
                 }
                 let room = room.get_or_insert_with(|| reads.depth().saturating_sub(reads.in_flight()));
                 if *room == 0 {
                     break;
                 }
-                if let Some(read) = leaf {
-                    // The leaf first; the pages under it go once it is back (`landed`).
-                    let leaf_end = (this / LEAF_PAGES as u64 + 1) * LEAF_PAGES as u64;
-                    let until = last.min(leaf_end - 1);
-                    // A write's whole pages are not read (its partial first and last are).
-                    let whole = write.then(|| (offset.div_ceil(page), end / page));
-                    started.push(Read::Leaf { read, vol, first: this, last: until, whole });
-                    *room -= 1;
-                    vpage = until + 1;
-                    continue;
-                }
-                match c.get(vol, this, Access::Read) {
-                    Ok(Got::Fetch { slot, pba }) => {
-                        started.push(Read::Page { slot, pba });
-                        *room -= 1;
+                let read = match ahead {
+                    Ahead::Leaf(read) => {
+                        // The leaf first; the pages under it go once it is back (`landed`).
+                        let until = last.min((this / LEAF_PAGES as u64 + 1) * LEAF_PAGES as u64 - 1);
+                        vpage = until + 1;
+                        Read::Leaf { read, vol, first: this, last: until, whole }
                     }
-                    Ok(Got::Direct(pba)) => {
-                        // No slot to be had: the rest is read the ordinary way.
-                        c.read_done(pba);
-                        break;
-                    }
-                    Ok(Got::Ready(s)) => c.put(s, false),
-                    Ok(_) => {}
-                    Err(_) => break,
-                }
+                    _ => match slot_ahead(&mut c, vol, this) {
+                        ControlFlow::Continue(Some(read)) => read,
+                        ControlFlow::Continue(None) => continue,
+                        ControlFlow::Break(()) => break,
+                    },
+                };
+                started.push(read);
+                *room -= 1;
             }
         }
         self.start(reads, started, batch);
@@ -995,19 +1003,12 @@ impl Array {
                         c.shed();
                         self.leaves_read_async.fetch_add(1, Ordering::Relaxed);
                         for vpage in first..=last {
-                            let overwritten = whole.is_some_and(|(from, to)| (from..to).contains(&vpage));
-                            if overwritten || !c.on_flash_only(vol, vpage) {
+                            if overwritten(whole, vpage) || c.ahead(vol, vpage) != Ahead::Page {
                                 continue;
                             }
-                            match c.get(vol, vpage, Access::Read) {
-                                Ok(Got::Fetch { slot, pba }) => next.push(Read::Page { slot, pba }),
-                                Ok(Got::Direct(pba)) => {
-                                    c.read_done(pba);
-                                    break;
-                                }
-                                Ok(Got::Ready(s)) => c.put(s, false),
-                                Ok(_) => {}
-                                Err(_) => break,
+                            match slot_ahead(&mut c, vol, vpage) {
+                                ControlFlow::Continue(read) => next.extend(read),
+                                ControlFlow::Break(()) => break,
                             }
                         }
                     }
@@ -1312,7 +1313,8 @@ impl Array {
                 }
             }
             let seq = c.last_seq();
-            let pages = ckpt::encoded_len(&c).div_ceil(CKPT_PAYLOAD as u64).max(1);
+            let mut enc = ckpt::encode(&mut c, seq);
+            let pages = enc.bytes().div_ceil(CKPT_PAYLOAD as u64).max(1);
             let need = pages.div_ceil(u64::from(spp) - 1) as usize;
             let mut segments = Vec::with_capacity(need);
             for _ in 0..need {
@@ -1322,16 +1324,12 @@ impl Array {
                         for &s in &segments {
                             c.space.drop_checkpoint_segment(s);
                         }
+                        c.map.checkpoint_abandoned();
                         return Err(FlashError::NoSpace);
                     }
                 }
             }
-            let enc = ckpt::encode(&mut c, seq, &segments);
-            debug_assert_eq!(
-                enc.bytes().div_ceil(CKPT_PAYLOAD as u64).max(1),
-                pages,
-                "the checkpoint's length was misjudged"
-            );
+            enc.close(&c, &segments);
             self.filled_at_checkpoint.store(c.space.clock / u64::from(spp), Ordering::Relaxed);
             let erase: Vec<u32> = segments.iter().map(|&s| c.space.segs[s as usize].erase_count).collect();
             (enc, seq, segments, erase, c.checkpoint_chain.clone())

@@ -683,6 +683,16 @@ impl Map {
 mod tests {
     use super::*;
 
+    /// A volume of `leaves` leaves, every page mapped (page `p` to a PBA past it, skipping
+    /// header pages of 1,024-page segments).
+    fn full_volume(m: &mut Map, leaves: u64) -> VolMap {
+        let mut vol = VolMap::new(leaves * LEAF_PAGES as u64);
+        for p in 0..leaves * LEAF_PAGES as u64 {
+            m.set(&mut vol, p, 1 + p as Pba + p as Pba / 1023).unwrap();
+        }
+        vol
+    }
+
     #[test]
     fn snapshots_share_leaves_until_a_write_copies_one() {
         let mut m = Map::new(4, 1024);
@@ -729,10 +739,7 @@ mod tests {
     #[test]
     fn leaves_past_the_budget_are_evicted_once_stored_and_read_back() {
         let mut m = Map::new(64, 1024);
-        let mut vol = VolMap::new(8 * LEAF_PAGES as u64);
-        for p in 0..8 * LEAF_PAGES as u64 {
-            m.set(&mut vol, p, 1 + p as Pba + p as Pba / 1023).unwrap();
-        }
+        let mut vol = full_volume(&mut m, 8);
         m.set_budget(2);
         m.shed();
         assert_eq!(m.resident(), 8, "nothing is stored yet: every leaf stays");
@@ -805,10 +812,7 @@ mod tests {
     #[test]
     fn trim_resize_and_delete_release_pages() {
         let mut m = Map::new(8, 1024);
-        let mut vol = VolMap::new(3 * LEAF_PAGES as u64);
-        for p in 0..3 * LEAF_PAGES as u64 {
-            m.set(&mut vol, p, 1 + p as Pba + (p as Pba / 1023)).unwrap();
-        }
+        let mut vol = full_volume(&mut m, 3);
         m.trim(&mut vol, 100, LEAF_PAGES as u64 * 2).unwrap();
         assert_eq!(m.get(&vol, 99).unwrap(), 100);
         assert_eq!(m.get(&vol, 100).unwrap(), 0);
@@ -836,10 +840,7 @@ mod tests {
     #[test]
     fn a_change_that_cannot_read_its_leaf_leaves_the_counts_right() {
         let mut m = Map::new(64, 1024);
-        let mut vol = VolMap::new(3 * LEAF_PAGES as u64);
-        for p in 0..3 * LEAF_PAGES as u64 {
-            m.set(&mut vol, p, 1 + p as Pba + p as Pba / 1023).unwrap();
-        }
+        let mut vol = full_volume(&mut m, 3);
         let mut clone = m.share(&vol);
         m.set(&mut clone, 11, 2000).unwrap(); // the clone's first leaf is copied: page 10 has two holders
         checkpoint(&mut m);
