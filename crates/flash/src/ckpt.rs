@@ -608,4 +608,52 @@ mod tests {
         }
         assert!(decode(&mut &bytes[..], c.cfg, 17, 64, None).is_err(), "another geometry");
     }
+
+    /// A leaf record's pages as a checkpoint writes them: `records` of leaves 0, 1, 2, ...
+    /// (entries `id + 1` and `id + 2` up front) in the stream of checkpoint `seq`.
+    fn stream_pages(array: &ArrayId, seq: u64, records: u32) -> (Chain, Vec<u8>) {
+        let mut stream = Vec::new();
+        for id in 0..records {
+            stream.extend(id.to_le_bytes());
+            stream.extend(1u32.to_le_bytes());
+            let mut entries = [0u32; LEAF_PAGES];
+            entries[0] = id + 1;
+            entries[1] = id + 2;
+            stream.extend(entries.iter().flat_map(|e| e.to_le_bytes()));
+        }
+        let mut pages = Vec::new();
+        for (index, payload) in stream.chunks(CKPT_PAYLOAD).enumerate() {
+            let mut page = vec![0u8; PAGE];
+            CkptPage::emit(array, seq, index as u32, payload, &mut page);
+            pages.extend(page);
+        }
+        let chain =
+            Chain { array: *array, seq, pages: 8, segments: vec![2, 3], segment_pages: 64, array_pages: 256 };
+        (chain, pages)
+    }
+
+    #[test]
+    fn a_leaf_read_back_must_be_the_one_stored_there() {
+        let array = [5u8; 16];
+        let (chain, pages) = stream_pages(&array, 9, 3);
+        // Leaf 1's record spans pages 0 and 1.
+        let at = LEAF_RECORD;
+        let (index, n, together) = chain.record_pages(at);
+        assert_eq!((index, n, together), (0, 2, true));
+        let mut two = pages[..2 * PAGE].to_vec();
+        let leaf = chain.leaf_from_pages(1, at, &mut two).unwrap();
+        assert_eq!((leaf[0], leaf[1], leaf[2]), (2, 3, 0));
+        // Another leaf's id at that offset, pages of another checkpoint, a torn page, too
+        // few pages: each refused with a reason, never taken for the leaf.
+        let mut two = pages[..2 * PAGE].to_vec();
+        assert!(matches!(chain.leaf_from_pages(2, at, &mut two), Err(FlashError::Corrupt(_))));
+        let (_, older) = stream_pages(&array, 8, 3);
+        let mut two = older[..2 * PAGE].to_vec();
+        assert!(chain.leaf_from_pages(1, at, &mut two).is_err(), "a page of checkpoint 8 in checkpoint 9");
+        let mut two = pages[..2 * PAGE].to_vec();
+        two[PAGE + 100] ^= 1;
+        assert!(chain.leaf_from_pages(1, at, &mut two).is_err(), "a torn second page");
+        let mut one = pages[..PAGE].to_vec();
+        assert!(chain.leaf_from_pages(1, at, &mut one).is_err(), "one page of two");
+    }
 }
