@@ -82,9 +82,15 @@ pub fn native_conn(data: &[u8]) {
             stream.extend(frame(FrameKind::Open, &wire::Open { name: "pool".into() }.encode()));
             let handle = u32::from(preface % 4 != 0);
             let key = proto::capability::CapKey::new(POOL_KEY);
-            let rights = wire::CapRights::from_bits(input.byte() % 4).unwrap_or(wire::CapRights::READ);
-            let cap = proto::grant::seal(&key, u64::from(input.byte() % 4), POOL_CHUNK, 0, rights);
-            stream.extend(frame(FrameKind::Grant, &wire::Grant { handle, caps: vec![cap] }.encode()));
+            let rights = wire::CapRights::from_bits(input.byte() % 8).unwrap_or(wire::CapRights::READ);
+            let chunk = u64::from(input.byte() % 4);
+            // Up to two grants of the chunk, of map epochs the input picks: a newer one makes
+            // the first stale; TRACK marks regions; the fuzzed frames may present older ones.
+            for _ in 0..1 + input.byte() % 2 {
+                let epoch = u32::from(input.byte() % 4);
+                let cap = proto::grant::seal_at(&key, chunk, POOL_CHUNK, 0, epoch, rights);
+                stream.extend(frame(FrameKind::Grant, &wire::Grant { handle, caps: vec![cap] }.encode()));
+            }
         }
     }
     while let Some(f) = next_frame(&mut input, &KINDS) {

@@ -275,7 +275,45 @@ impl Pool {
     /// left out).
     pub fn retire(&self, chunks: &[u64]) -> Vec<(u64, u32)> {
         let retired = chunks.iter().filter_map(|&c| Some((c, self.grants.retire(c)?))).collect();
-        // After the generations moved (SeqCst): a pass that had not begun yet will see them.
+        self.fence();
+        retired
+    }
+
+    /// Move `chunk`'s map epoch up to `epoch` at `generation` (a repair starting on this
+    /// server: [`PoolGrants::raise`](proto::grant::PoolGrants::raise)), then wait for the
+    /// requests checked under the old epoch. On `Ok`, no write under an older map can land in
+    /// the chunk any more.
+    pub fn raise(&self, chunk: u64, generation: u32, epoch: u32) -> Result<(), String> {
+        match self.grants.raise(chunk, generation, epoch) {
+            None => Err(format!("chunk {chunk} is past the pool")),
+            Some(Err((g, e))) => Err(format!(
+                "chunk {chunk} is at generation {g}, epoch {e}: not raised to generation {generation}, epoch {epoch}"
+            )),
+            Some(Ok(())) => {
+                self.fence();
+                Ok(())
+            }
+        }
+    }
+
+    /// Lock `regions` of `chunk` against writes (they complete with `Busy`), then wait for
+    /// the writes checked before: on return the regions hold still until [`unlock`], and a
+    /// copy read from them now is what every write acknowledged so far left there.
+    ///
+    /// [`unlock`]: Pool::unlock
+    pub fn lock(&self, chunk: u64, regions: u64) {
+        self.grants.lock(chunk, regions, true);
+        self.fence();
+    }
+
+    pub fn unlock(&self, chunk: u64, regions: u64) {
+        self.grants.lock(chunk, regions, false);
+    }
+
+    /// Wait until every worker has finished the pass it is in. Called after a change to the
+    /// chunks' states (SeqCst): a pass that had not begun yet will see it, and one that had
+    /// ran its requests to the end (writes land within their pass) before it ends.
+    fn fence(&self) {
         let running: Vec<(&WorkerStats, u64)> = self
             .shared
             .workers
@@ -289,7 +327,6 @@ impl Pool {
                 std::thread::sleep(std::time::Duration::from_micros(50));
             }
         }
-        retired
     }
 }
 
@@ -781,6 +818,66 @@ mod tests {
         assert_eq!(retired, [(1, 1), (3, 1)], "chunk 9 is past the 4-chunk pool");
         // With no pass running it returns at once.
         assert_eq!(served.retire(&[1]), [(1, 2)]);
+        target.shutdown();
+    }
+
+    /// Locking a region for a repair copy and raising a chunk's epoch fence the same way: the
+    /// state changes at once, and the call returns only after the pass running when it began
+    /// has ended. A raise that would go down, or to another generation, is refused clearly.
+    #[test]
+    fn locking_and_raising_wait_for_the_passes_running_when_they_began() {
+        let mut pool: ExportConfig = "pool=ram:4M,block=1".parse().unwrap();
+        pool.grants = Some(GrantConfig { key: [3; 32], chunk_bytes: 1 << 20 });
+        let config = TargetConfig {
+            listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
+            exports: vec![pool],
+            workers: 1,
+            ..TargetConfig::default()
+        };
+        let target = Target::start(config).unwrap();
+        let served = target.pool("pool").expect("a pool");
+        let worker = target.shared.workers[0].clone();
+        let key = proto::capability::CapKey::new([3; 32]);
+        let rw = wire::CapRights::READ.union(wire::CapRights::WRITE);
+        let bound = served.grants().admit(&proto::grant::seal(&key, 2, 1 << 20, 0, rw)).unwrap();
+        for step in ["lock", "raise"] {
+            worker.pass.fetch_add(1, Ordering::SeqCst);
+            let ended = Arc::new(AtomicBool::new(false));
+            let call = {
+                let (served, ended) = (served.clone(), ended.clone());
+                std::thread::spawn(move || {
+                    let raised = match step {
+                        "lock" => {
+                            served.lock(2, 0b100);
+                            Ok(())
+                        }
+                        _ => served.raise(2, 0, 5),
+                    };
+                    (raised, ended.load(Ordering::SeqCst))
+                })
+            };
+            let changed = || match step {
+                "lock" => {
+                    served.grants().check(wire::Opcode::Write, Some(&bound), (2 << 20) + 2 * 16384, 1)
+                        == Err(wire::Status::Busy)
+                }
+                _ => served.grants().version(2) == Some((0, 5)),
+            };
+            while !changed() {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            ended.store(true, Ordering::SeqCst);
+            worker.pass.fetch_add(1, Ordering::SeqCst);
+            let (raised, after_the_pass) = call.join().unwrap();
+            assert_eq!(raised, Ok(()));
+            assert!(after_the_pass, "{step} returned while a pass that began before it ran");
+        }
+        served.unlock(2, 0b100);
+        let err = served.raise(2, 0, 4).unwrap_err();
+        assert!(err.contains("epoch 5") && err.contains("not raised"), "{err}");
+        assert!(served.raise(2, 1, 9).is_err(), "another generation");
+        assert!(served.raise(7, 0, 1).unwrap_err().contains("past the pool"));
         target.shutdown();
     }
 }

@@ -79,7 +79,10 @@ pub struct CapRights(u8);
 impl CapRights {
     pub const READ: CapRights = CapRights(0x01);
     pub const WRITE: CapRights = CapRights(0x02);
-    const KNOWN: u8 = 0x03;
+    /// Chunk grants only: writes under the grant mark the regions they touch dirty on the
+    /// server, because another copy of the stripe misses them (docs/PROTOCOL.md, 14.6).
+    pub const TRACK: CapRights = CapRights(0x04);
+    const KNOWN: u8 = 0x07;
 
     pub fn bits(self) -> u8 {
         self.0
@@ -341,7 +344,7 @@ mod tests {
     fn bad_layouts_are_refused() {
         let good = sample().encode();
         assert!(Capability::decode(&good[..55]).is_err());
-        for (at, value) in [(4, 0u8), (4, 4), (5, 0x04), (6, 1), (7, 1)] {
+        for (at, value) in [(4, 0u8), (4, 4), (5, 0x08), (6, 1), (7, 1)] {
             let mut bad = good;
             bad[at] = value;
             assert!(Capability::decode(&bad).is_err(), "byte {at} = {value}");

@@ -489,7 +489,7 @@ fn execute_caravan<S: Sink + ?Sized>(
                 } else {
                     pool.chunk_of(io.offset, io.length).and_then(|c| session.bound(req.handle, c))
                 };
-                pool.check(req.opcode, bound).map(|()| e)
+                pool.check(req.opcode, bound, io.offset, io.length).map(|()| e)
             });
         let (status, data_len) = match checked {
             Err(status) => (status, 0),
