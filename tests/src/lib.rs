@@ -823,16 +823,17 @@ pub mod etcd {
 
 /// RStore segments for tests: an allocation resolved through the coordinator and mapped.
 pub mod rstore {
-    use initiator::{LaneConfig, Segment, SegmentMap};
+    use initiator::LaneConfig;
+    use rstore::{Coordinator, Segment, SegmentMap};
 
     /// The allocation at `addr` of namespace `ns`, resolved to the live copies of its chunks.
-    pub fn segment_map(c: &coord::Coordinator, ns: &str, addr: u64) -> SegmentMap {
+    pub fn segment_map(c: &Coordinator, ns: &str, addr: u64) -> SegmentMap {
         let r = c.lookup(ns, addr).expect("the allocation exists");
-        coord::segment_map(&r, &c.servers().expect("servers")).expect("every stripe has a live copy")
+        rstore::segment_map(&r, &c.servers().expect("servers")).expect("every stripe has a live copy")
     }
 
     /// The same, mapped.
-    pub fn segment(c: &coord::Coordinator, ns: &str, addr: u64) -> Segment {
+    pub fn segment(c: &Coordinator, ns: &str, addr: u64) -> Segment {
         Segment::map(segment_map(c, ns, addr), &LaneConfig::default()).expect("the segment maps")
     }
 }

@@ -6,7 +6,8 @@
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use coord::{CoordError, Coordinator, Registration, Scope, ServerInfo};
+use coord::{CoordError, Scope, ServerInfo};
+use rstore::{Coordinator, Registration};
 use skiff_tests::etcd::Cluster;
 
 const MIB: u64 = 1 << 20;

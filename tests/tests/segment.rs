@@ -5,8 +5,9 @@
 
 use std::time::Duration;
 
-use coord::{Coordinator, RAddress, Scope, ServerInfo};
-use initiator::{Lane, LaneConfig, Queue, Segment, SegmentMap};
+use coord::{Scope, ServerInfo};
+use initiator::{Lane, LaneConfig, Queue};
+use rstore::{Coordinator, RAddress, Segment, SegmentMap};
 use skiff_tests::etcd::Cluster;
 use skiff_tests::{start_target, start_target_with, tcp_endpoint};
 
@@ -29,7 +30,7 @@ fn register(
     chunk: u64,
     incarnation: u64,
     key: [u8; 32],
-) -> coord::Registration {
+) -> rstore::Registration {
     let endpoint = tcp_endpoint(t).to_string();
     let info = ServerInfo {
         id: endpoint.clone(),
@@ -48,11 +49,11 @@ fn register(
 const POOL: &str = "pool=ram:16M,block=1";
 
 /// Three targets with a 16 MiB pool each, registered with the coordinator.
-fn servers(c: &Coordinator) -> (Vec<server::Target>, Vec<coord::Registration>) {
+fn servers(c: &Coordinator) -> (Vec<server::Target>, Vec<rstore::Registration>) {
     servers_of(c, POOL)
 }
 
-fn servers_of(c: &Coordinator, export: &str) -> (Vec<server::Target>, Vec<coord::Registration>) {
+fn servers_of(c: &Coordinator, export: &str) -> (Vec<server::Target>, Vec<rstore::Registration>) {
     let key = |i: usize| [i as u8 + 1; 32];
     let targets: Vec<server::Target> = (0..3).map(|i| pool_target(export, MIB, key(i))).collect();
     let regs = targets.iter().enumerate().map(|(i, t)| register(c, t, MIB, 100 + i as u64, key(i))).collect();
@@ -68,7 +69,7 @@ fn allocate(c: &Coordinator, name: &str, chunk: u64, replicas: u32, bytes: u64) 
 }
 
 /// A lane's configuration that presents `loc`'s grant, to look at a chunk on its server.
-fn granted(loc: &initiator::Location) -> LaneConfig {
+fn granted(loc: &rstore::Location) -> LaneConfig {
     LaneConfig { grants: loc.grant.into_iter().collect(), ..LaneConfig::default() }
 }
 

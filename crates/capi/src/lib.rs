@@ -547,12 +547,12 @@ pub const SKIFF_ALLOC_AT: u32 = 0x01;
 
 /// The handle behind `skiff_rstore *`: a client of one coordinator.
 pub struct SkiffRstore {
-    coord: coord::Coordinator,
+    coord: rstore::Coordinator,
 }
 
 /// The handle behind `skiff_segment *`: a mapped allocation.
 pub struct SkiffSegment {
-    segment: initiator::Segment,
+    segment: rstore::Segment,
 }
 
 /// The one mapping from control-plane errors to errno.
@@ -598,7 +598,7 @@ unsafe fn text<'a>(s: *const c_char, what: &str) -> std::result::Result<&'a str,
 unsafe fn with_ns(
     r: *mut SkiffRstore,
     ns: *const c_char,
-    f: impl FnOnce(&coord::Coordinator, &str) -> c_int,
+    f: impl FnOnce(&rstore::Coordinator, &str) -> c_int,
 ) -> c_int {
     guard(|| {
         // SAFETY: null or a live handle per the contract, used by one thread at a time.
@@ -636,7 +636,7 @@ pub unsafe extern "C" fn skiff_rstore_connect(
             set_error("out is NULL".into());
             return -libc::EINVAL;
         }
-        let coord = coord::Coordinator::connect(&[urls.to_owned()]);
+        let coord = rstore::Coordinator::connect(&[urls.to_owned()]);
         // The coordinator answers, or the caller learns now rather than at the first call
         // (the server list is small; the namespaces may not be).
         if let Err(e) = coord.servers() {
@@ -816,7 +816,7 @@ unsafe fn segment_io(
     s: *mut SkiffSegment,
     has_buf: bool,
     len: u64,
-    io: impl FnOnce(&mut initiator::Segment) -> Result<(), Error>,
+    io: impl FnOnce(&mut rstore::Segment) -> Result<(), Error>,
 ) -> c_int {
     guard(|| {
         // SAFETY: null or a live handle per the contract.

@@ -99,10 +99,10 @@ fn compile(name: &str) -> PathBuf {
 fn c_program_uses_rstore_namespaces() {
     let exe = compile("rstore");
     let etcd = skiff_tests::etcd::Cluster::start(1);
-    let c = coord::Coordinator::connect(&etcd.endpoints());
+    let c = rstore::Coordinator::connect(&etcd.endpoints());
     let targets: Vec<Target> =
         (0..2).map(|_| skiff_tests::start_target(&["pool=ram:8M,block=1"], 1)).collect();
-    let _regs: Vec<coord::Registration> = targets
+    let _regs: Vec<rstore::Registration> = targets
         .iter()
         .enumerate()
         .map(|(i, t)| {

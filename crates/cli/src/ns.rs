@@ -4,7 +4,8 @@
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
-use coord::{Coordinator, Namespace, Scope, ServerInfo};
+use coord::{Namespace, Scope, ServerInfo};
+use rstore::Coordinator;
 
 use crate::CliResult;
 
@@ -125,7 +126,7 @@ fn costs(
         let (map, _) = resolve(c, &name, 0)?;
         steps.push(("init (lookup and place)", us(t)));
         let t = Instant::now();
-        let mut seg = initiator::Segment::map(map, &initiator::LaneConfig::default())?;
+        let mut seg = rstore::Segment::map(map, &initiator::LaneConfig::default())?;
         steps.push(("map (a lane to each server)", us(t)));
         let mut buf = vec![0u8; 4096];
         let t = Instant::now();
@@ -200,9 +201,9 @@ pub fn resolve(
     c: &Coordinator,
     name: &str,
     addr: u64,
-) -> Result<(initiator::SegmentMap, String), Box<dyn std::error::Error>> {
+) -> Result<(rstore::SegmentMap, String), Box<dyn std::error::Error>> {
     let r = c.lookup(name, addr)?;
-    let map = coord::segment_map(&r, &c.servers()?)?;
+    let map = rstore::segment_map(&r, &c.servers()?)?;
     let stripes = &map.stripes;
     let mut servers: Vec<String> = stripes.iter().flatten().map(|l| l.endpoint.to_string()).collect();
     servers.sort();

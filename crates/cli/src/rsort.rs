@@ -32,8 +32,9 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
-use coord::{Coordinator, Scope};
-use initiator::{LaneConfig, Segment};
+use coord::Scope;
+use initiator::LaneConfig;
+use rstore::{Coordinator, Segment};
 
 use crate::CliResult;
 

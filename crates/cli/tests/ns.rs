@@ -137,7 +137,7 @@ fn chunks_given_back_are_zeroed_before_another_namespace_gets_them() {
     wait_servers(&url, 1);
     ns(&url, &["create", "first", "--size", "4M", "--chunk", "1M"]);
     ns(&url, &["alloc", "first", "4M"]);
-    let c = coord::Coordinator::connect(std::slice::from_ref(&url));
+    let c = rstore::Coordinator::connect(std::slice::from_ref(&url));
     let mut seg = skiff_tests::rstore::segment(&c, "first", 0);
     seg.write(0, &vec![0xA5; 4 << 20]).unwrap();
     let endpoint = initiator::Endpoint::parse(&c.servers().unwrap()[0].endpoint).unwrap();

@@ -47,7 +47,7 @@ fn rsort_sorts_terasort_records_with_worker_processes_and_check_proves_it() {
 
     // One sector of the output overwritten (through the data path, as any client could):
     // the check tells.
-    let c = coord::Coordinator::connect(std::slice::from_ref(&url));
+    let c = rstore::Coordinator::connect(std::slice::from_ref(&url));
     let mut seg = skiff_tests::rstore::segment(&c, "rsort-out", 0);
     seg.write(512 * 100, &[b'~'; 512]).unwrap();
     let out = run(&[&["rsort"][..], &common, &["check"]].concat());

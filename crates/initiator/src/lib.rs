@@ -13,8 +13,8 @@
 //! - [`SharedLanes`] serve many threads with few requests each (a FUSE mount, a blocking API):
 //!   each thread's [`SharedHandle`] feeds one of a few lanes, where the requests of all its
 //!   threads travel in common caravans.
-//! - [`Segment`] is RStore's mapped `raddress`: a segment striped over many targets, with
-//!   replicas, read and written through one lane per target (docs/RSTORE.md).
+//!
+//! RStore's segments, striped over lanes to many targets, are the `rstore` crate's.
 //!
 //! Sockets are non-blocking: while a caravan waits for room in the socket, the lane keeps
 //! receiving completions, so two peers can never deadlock on full buffers.
@@ -22,7 +22,6 @@
 mod conn;
 mod lane;
 mod queue;
-mod segment;
 mod shared;
 
 pub use lane::{
@@ -33,7 +32,6 @@ pub use proto::caravan::Doorbell;
 pub use proto::client::ReconnectConfig;
 pub use queue::Queue;
 pub use rt::poll::{PollMode, WaitStats};
-pub use segment::{Location, Segment, SegmentMap, SegmentStats};
 pub use shared::{SharedHandle, SharedLanes, HANDLES_MAX, USER_DATA_MAX};
 pub use transport::{Endpoint, Kick};
 pub use wire::{

@@ -432,7 +432,7 @@ enum Queues {
     /// A handle per thread on a few shared lanes.
     Shared(SharedLanes, Vec<initiator::SharedHandle>),
     /// A mapped RStore segment per thread, and what it looks like as a volume.
-    Segments(Vec<initiator::Segment>, initiator::ExportInfo),
+    Segments(Vec<rstore::Segment>, initiator::ExportInfo),
 }
 
 impl Queues {

@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use coord::{Coordinator, Registration, Scope, ServerInfo};
+use coord::{Scope, ServerInfo};
+use rstore::{Coordinator, Registration};
 
 /// The export a pool is served as.
 pub const POOL_EXPORT: &str = "pool";

@@ -1,11 +1,11 @@
 //! RStore's data path (docs/RSTORE.md): a mapped `raddress` segment, read and written straight
 //! on the memory servers that hold its chunks, striped, with replicas.
 //!
-//! The control plane (`coord`, etcd) resolves a segment to a [`SegmentMap`]: its length, its
-//! chunk size, and for every chunk (a *stripe*) the places of its copies (server endpoint,
-//! export, byte offset). [`Segment::map`] opens one lane per distinct (server, export) and
-//! keeps them for the segment's life: reads and writes allocate nothing on the servers and
-//! never ask the coordinator. One `Segment` belongs to one thread, so its lanes are that
+//! The control plane ([`crate::control`], over etcd) resolves a segment to a [`SegmentMap`]:
+//! its length, its chunk size, and for every chunk (a *stripe*) the places of its copies
+//! (server endpoint, export, byte offset). [`Segment::map`] opens one lane per distinct
+//! (server, export) and keeps them for the segment's life: reads and writes allocate nothing
+//! on the servers and never ask the coordinator. One `Segment` belongs to one thread, so its lanes are that
 //! thread's lanes to each server (i10's P×T): several threads map the segment each.
 //!
 //! A `Segment` is a [`Queue`] like a lane: requests in, completions out, many in flight. A
@@ -27,11 +27,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use initiator::{Completion, Endpoint, Error, Lane, LaneConfig, Queue, ReconnectConfig, Rejected, Result};
 use wire::{Opcode, ReqFlags, Status};
-
-use crate::lane::Rejected;
-use crate::queue::Queue;
-use crate::{Completion, Endpoint, Error, Lane, LaneConfig, ReconnectConfig, Result};
 
 /// Chunks are whole sectors, whatever the servers' block.
 const SECTOR: u64 = 512;
@@ -259,7 +256,7 @@ impl Segment {
     }
 
     /// Call `f` with the endpoint of each server this segment takes out of service from now
-    /// on (the control plane marks its copies stale: `coord::Coordinator::map` sets this).
+    /// on (the control plane marks its copies stale: [`crate::Coordinator::map`] sets this).
     pub fn on_server_failed(&mut self, f: impl FnMut(&str) + Send + 'static) {
         self.on_failed = Some(Box::new(f));
     }

@@ -1,0 +1,600 @@
+//! RStore's control path on etcd (Trivedi's thesis, chapter 6; docs/RSTORE.md): the
+//! [`Coordinator`] and what it hands the data path.
+//!
+//! Memory servers (ordinary `skiff serve` processes with `--pool`) donate RAM or a file as a
+//! pool of chunks and keep a registration alive under an etcd lease. Namespaces, the chunks
+//! they reserved and the `raddress` segments allocated in them live in etcd as JSON values
+//! (`coord::schema` says where and how); every change is one etcd transaction that checks the
+//! revisions it read, so two clients racing for the same thing (a namespace name, the bootstrap
+//! address) see exactly one win. This is the slow path: it runs when a client sets up, never
+//! per I/O. A mapped `raddress` says, for every chunk, which server (endpoint, export) holds it
+//! at which offset, and the data path ([`Segment`]) goes there directly.
+//!
+//! The etcd client and the records are `coord`'s; this module owns the operations on them.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use coord::etcd::{Compare, Etcd, Op};
+use coord::schema::{check_name, decode, encode, encode_ns, key, NAMESPACES, POOLS, SERVERS, TXN_RETRIES};
+use coord::{
+    Allocation, ChunkRef, CoordError, Namespace, PoolState, Scope, ServerInfo, Stripe, NAMESPACE_CHUNKS_MAX,
+    POOL_CHUNKS_MAX,
+};
+use serde::Serialize;
+
+use crate::segment::{Location, Segment, SegmentMap};
+
+/// An allocated segment, resolved for the data path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RAddress {
+    pub ns: String,
+    pub addr: u64,
+    pub len: u64,
+    pub chunk_bytes: u64,
+    pub stripes: Vec<Stripe>,
+    /// Servers whose copies are stale ([`Allocation::stale`]).
+    pub stale: Vec<String>,
+}
+
+/// Where one copy of a chunk lives, for the data path: the server's endpoint, its pool
+/// export, the chunk's byte offset in it, and its grant (for a server that takes grants).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Place {
+    pub endpoint: String,
+    pub export: String,
+    pub offset: u64,
+    #[serde(skip)]
+    pub grant: Option<wire::Capability>,
+}
+
+impl RAddress {
+    /// Allocation `a`, at `addr` of namespace `ns` of `chunk_bytes` chunks, as the data path
+    /// sees it.
+    fn of(a: &Allocation, ns: &str, addr: u64, chunk_bytes: u64) -> RAddress {
+        RAddress {
+            ns: ns.to_owned(),
+            addr,
+            len: a.len,
+            chunk_bytes,
+            stripes: a.stripes.clone(),
+            stale: a.stale.clone(),
+        }
+    }
+
+    /// Every stripe's copies, placed on the servers registered in `live` (RStore's `map`,
+    /// the control-plane half). A copy whose server is not live, lives in another
+    /// incarnation, or is stale, is left out; a stripe left with none is an error.
+    pub fn places(&self, live: &[ServerInfo]) -> Result<Vec<Vec<Place>>, CoordError> {
+        self.stripes
+            .iter()
+            .enumerate()
+            .map(|(i, stripe)| {
+                let mut copies = Vec::with_capacity(stripe.len());
+                for c in stripe.iter().filter(|c| !self.stale.contains(&c.server)) {
+                    let Some(s) = live.iter().find(|s| s.id == c.server && s.incarnation == c.incarnation)
+                    else {
+                        continue;
+                    };
+                    copies.push(Place {
+                        endpoint: s.endpoint.clone(),
+                        export: s.export.clone(),
+                        offset: c.index * self.chunk_bytes,
+                        grant: s.grant(c.index, c.generation)?,
+                    });
+                }
+                if copies.is_empty() {
+                    Err(CoordError::Invalid(format!(
+                        "stripe {i} of {:#x} in {:?} is lost: no copy on a live server",
+                        self.addr, self.ns
+                    )))
+                } else {
+                    Ok(copies)
+                }
+            })
+            .collect()
+    }
+}
+
+/// A segment resolved for the data path: an allocation's live copies as lane locations.
+pub fn segment_map(r: &RAddress, live: &[ServerInfo]) -> Result<SegmentMap, CoordError> {
+    let mut stripes = Vec::with_capacity(r.stripes.len());
+    for copies in r.places(live)? {
+        let mut locs = Vec::with_capacity(copies.len());
+        for p in copies {
+            let endpoint = initiator::Endpoint::parse(&p.endpoint)
+                .map_err(|e| CoordError::Invalid(format!("server endpoint {:?}: {e}", p.endpoint)))?;
+            locs.push(Location { endpoint, export: p.export, offset: p.offset, grant: p.grant });
+        }
+        stripes.push(locs);
+    }
+    Ok(SegmentMap { len: r.len, chunk_bytes: r.chunk_bytes, stripes })
+}
+
+/// A client of the control plane.
+pub struct Coordinator {
+    etcd: Etcd,
+}
+
+impl Coordinator {
+    /// The coordinator at `endpoints` (etcd client URLs, e.g. `http://127.0.0.1:2379`).
+    pub fn connect(endpoints: &[String]) -> Coordinator {
+        Coordinator { etcd: Etcd::new(endpoints, Duration::from_secs(5)) }
+    }
+
+    pub fn etcd(&self) -> &Etcd {
+        &self.etcd
+    }
+
+    // ---- memory servers ----
+
+    /// Register `server` under a lease of `ttl`; its pool record is created if it has none.
+    /// The registration lasts while [`Registration::keep_alive`] is called within `ttl`.
+    pub fn register(&self, server: &ServerInfo, ttl: Duration) -> Result<Registration, CoordError> {
+        check_name("server id", &server.id)?;
+        if server.chunk_bytes == 0 || server.chunks() == 0 {
+            return Err(CoordError::Invalid(format!(
+                "a pool of {} bytes holds no chunk of {} bytes",
+                server.bytes, server.chunk_bytes
+            )));
+        }
+        if server.chunks() > POOL_CHUNKS_MAX {
+            return Err(CoordError::Invalid(format!(
+                "a pool of {} bytes in chunks of {} bytes holds {} chunks, more than {POOL_CHUNKS_MAX}: use larger chunks",
+                server.bytes,
+                server.chunk_bytes,
+                server.chunks()
+            )));
+        }
+        let pool = key(POOLS, &server.id);
+        let fresh = PoolState { chunk_bytes: server.chunk_bytes, ..PoolState::default() };
+        let created = self.etcd.txn(
+            &[Compare::Absent(pool.clone())],
+            &[Op::Put { key: pool.clone(), value: encode(&fresh), lease: 0 }],
+            &[],
+        )?;
+        if !created {
+            // Registering again: the chunks handed out must still be these bytes.
+            let kv = self.etcd.get(&pool)?.ok_or_else(|| CoordError::Contended(server.id.clone()))?;
+            let state: PoolState = decode(&kv)?;
+            if state.chunk_bytes != 0 && state.chunk_bytes != server.chunk_bytes {
+                return Err(CoordError::Invalid(format!(
+                    "server {}: its pool's chunks are {} bytes, not {}: register with the same --chunk, or delete {} by hand once no namespace holds its chunks",
+                    server.id, state.chunk_bytes, server.chunk_bytes, String::from_utf8_lossy(&pool)
+                )));
+            }
+            if state.next > server.chunks() {
+                return Err(CoordError::Invalid(format!(
+                    "server {}: namespaces hold chunks up to {} of its pool, which now has {}",
+                    server.id,
+                    state.next,
+                    server.chunks()
+                )));
+            }
+        }
+        let lease = self.etcd.grant(ttl)?;
+        self.etcd.put(&key(SERVERS, &server.id), &encode(server), lease)?;
+        Ok(Registration { lease, ttl })
+    }
+
+    /// The servers registered now.
+    pub fn servers(&self) -> Result<Vec<ServerInfo>, CoordError> {
+        self.etcd.prefix(SERVERS.as_bytes())?.iter().map(decode).collect()
+    }
+
+    // ---- namespaces ----
+
+    /// Create namespace `name` (nothing reserved yet). Fails if it exists: of two clients
+    /// creating one name at once, exactly one succeeds.
+    pub fn create_ns(
+        &self,
+        name: &str,
+        scope: Scope,
+        chunk_bytes: u64,
+        replicas: u32,
+    ) -> Result<Namespace, CoordError> {
+        check_name("namespace", name)?;
+        if chunk_bytes < 512 || !chunk_bytes.is_power_of_two() {
+            return Err(CoordError::Invalid(format!(
+                "chunk size {chunk_bytes}: use a power of two of 512 or more"
+            )));
+        }
+        if replicas == 0 {
+            return Err(CoordError::Invalid("replicas: at least 1".into()));
+        }
+        let ns = Namespace {
+            name: name.to_owned(),
+            scope,
+            chunk_bytes,
+            replicas,
+            reserved: Vec::new(),
+            allocs: BTreeMap::new(),
+            next_addr: 0,
+        };
+        let k = key(NAMESPACES, name);
+        let created = self.etcd.txn(
+            &[Compare::Absent(k.clone())],
+            &[Op::Put { key: k, value: encode(&ns), lease: 0 }],
+            &[],
+        )?;
+        if created {
+            Ok(ns)
+        } else {
+            Err(CoordError::Exists(name.to_owned()))
+        }
+    }
+
+    /// Namespace `name` as it stands.
+    pub fn join_ns(&self, name: &str) -> Result<Namespace, CoordError> {
+        Ok(self.read_ns(name)?.0)
+    }
+
+    /// Every namespace.
+    pub fn list_ns(&self) -> Result<Vec<Namespace>, CoordError> {
+        self.etcd.prefix(NAMESPACES.as_bytes())?.iter().map(decode).collect()
+    }
+
+    fn read_ns(&self, name: &str) -> Result<(Namespace, i64), CoordError> {
+        check_name("namespace", name)?;
+        let kv =
+            self.etcd.get(&key(NAMESPACES, name))?.ok_or_else(|| CoordError::NoNamespace(name.to_owned()))?;
+        Ok((decode(&kv)?, kv.mod_revision))
+    }
+
+    /// Delete namespace `name`, giving every chunk it holds back to its server's pool.
+    pub fn delete_ns(&self, name: &str) -> Result<(), CoordError> {
+        self.retry(name, || {
+            let (ns, rev) = self.read_ns(name)?;
+            let stripes: Vec<Stripe> = ns
+                .reserved
+                .iter()
+                .cloned()
+                .chain(ns.allocs.values().flat_map(|a| a.stripes.iter().cloned()))
+                .collect();
+            let (mut compare, mut ops) = self.give_back(&stripes)?;
+            compare.push(Compare::ModRevision(key(NAMESPACES, name), rev));
+            ops.push(Op::Delete(key(NAMESPACES, name)));
+            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(()))
+        })
+    }
+
+    /// Reserve `bytes` more in namespace `name`: stripes of chunks taken from the pools of
+    /// the live servers of its scope and chunk size, round robin (so consecutive stripes lie
+    /// on different servers), each stripe's replicas on distinct servers.
+    pub fn reserve(&self, name: &str, bytes: u64) -> Result<Namespace, CoordError> {
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let want = bytes.div_ceil(ns.chunk_bytes);
+            if (ns.stripes() as u64).saturating_add(want)
+                > (NAMESPACE_CHUNKS_MAX as u64) / u64::from(ns.replicas)
+            {
+                return Err(CoordError::Invalid(format!(
+                    "namespace {name:?} would hold more than {NAMESPACE_CHUNKS_MAX} chunks; use larger chunks"
+                )));
+            }
+            let servers: Vec<ServerInfo> = self
+                .servers()?
+                .into_iter()
+                .filter(|s| s.scope == ns.scope && s.chunk_bytes == ns.chunk_bytes)
+                .collect();
+            let mut pools: Vec<(ServerInfo, PoolState, Compare)> = Vec::new();
+            for s in servers {
+                let k = key(POOLS, &s.id);
+                // A server without a pool record (deleted by hand) offers nothing until it
+                // registers again: its chunk numbers may be held by namespaces.
+                if let Some(kv) = self.etcd.get(&k)? {
+                    pools.push((s, decode::<PoolState>(&kv)?, Compare::ModRevision(k, kv.mod_revision)));
+                }
+            }
+            let before: Vec<PoolState> = pools.iter().map(|p| p.1.clone()).collect();
+            let free = |p: &(ServerInfo, PoolState, Compare)| {
+                p.1.free.len() as u64 + p.0.chunks().saturating_sub(p.1.next)
+            };
+            let have: u64 = pools.iter().map(free).sum();
+            let zeroing: u64 = pools.iter().map(|p| p.1.dirty.len() as u64).sum();
+            let no_capacity = || CoordError::NoCapacity {
+                scope: ns.scope,
+                chunk_bytes: ns.chunk_bytes,
+                replicas: ns.replicas,
+                want: want * u64::from(ns.replicas),
+                have,
+                zeroing,
+            };
+            if pools.len() < ns.replicas as usize {
+                return Err(no_capacity());
+            }
+            // Round robin from where the namespace's last stripe ended.
+            let mut cursor = ns.stripes();
+            for _ in 0..want {
+                let mut stripe = Vec::with_capacity(ns.replicas as usize);
+                let mut tried = 0;
+                while stripe.len() < ns.replicas as usize && tried < pools.len() {
+                    let i = cursor % pools.len();
+                    cursor += 1;
+                    tried += 1;
+                    let (s, state, _) = &mut pools[i];
+                    let index = if let Some(c) = state.free.pop() {
+                        c
+                    } else if state.next < s.chunks() {
+                        state.next += 1;
+                        state.next - 1
+                    } else {
+                        continue;
+                    };
+                    let generation = state.generations.get(&index).copied().unwrap_or(0);
+                    stripe.push(ChunkRef {
+                        server: s.id.clone(),
+                        index,
+                        incarnation: s.incarnation,
+                        generation,
+                    });
+                }
+                if stripe.len() < ns.replicas as usize {
+                    return Err(no_capacity());
+                }
+                ns.reserved.push(stripe);
+            }
+            let record = encode_ns(&ns)?;
+            let mut compare = vec![Compare::ModRevision(key(NAMESPACES, name), rev)];
+            let mut ops = vec![Op::Put { key: key(NAMESPACES, name), value: record, lease: 0 }];
+            // Only the pools chunks came from: fewer operations, and no conflict with a
+            // reserve that took from the others.
+            for ((s, state, cmp), was) in pools.into_iter().zip(before) {
+                if state != was {
+                    compare.push(cmp);
+                    ops.push(Op::Put { key: key(POOLS, &s.id), value: encode(&state), lease: 0 });
+                }
+            }
+            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(ns))
+        })
+    }
+
+    /// Give up to `bytes` of namespace `name`'s unallocated reserve back to the pools.
+    pub fn release(&self, name: &str, bytes: u64) -> Result<Namespace, CoordError> {
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let n = (bytes / ns.chunk_bytes).min(ns.reserved.len() as u64) as usize;
+            let back: Vec<Stripe> = ns.reserved.split_off(ns.reserved.len() - n);
+            let (mut compare, mut ops) = self.give_back(&back)?;
+            compare.push(Compare::ModRevision(key(NAMESPACES, name), rev));
+            ops.push(Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 });
+            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(ns))
+        })
+    }
+
+    /// Bind `len` bytes of namespace `name`'s reserve to an address: `at`, or after the last
+    /// allocation. Atomic: of clients racing to allocate one address (RStore's bootstrap
+    /// address, 0), exactly one succeeds and the others get [`CoordError::AddressTaken`].
+    pub fn alloc(&self, name: &str, len: u64, at: Option<u64>) -> Result<RAddress, CoordError> {
+        if len == 0 {
+            return Err(CoordError::Invalid("an allocation of 0 bytes".into()));
+        }
+        self.change_ns(name, |ns| {
+            let chunk = ns.chunk_bytes;
+            let want = len.div_ceil(chunk);
+            let addr = match at {
+                Some(a) if a % chunk != 0 => {
+                    return Err(CoordError::Invalid(format!(
+                        "address {a:#x} is not a multiple of the chunk size {chunk}"
+                    )))
+                }
+                Some(a) => a,
+                None => ns.next_addr,
+            };
+            let end = want
+                .checked_mul(chunk)
+                .and_then(|bytes| addr.checked_add(bytes))
+                .ok_or_else(|| CoordError::Invalid("address overflows".into()))?;
+            if let Some((&other, _)) = ns
+                .allocs
+                .range(..end)
+                .next_back()
+                .filter(|(&a, al)| a + al.stripes.len() as u64 * chunk > addr)
+            {
+                return Err(CoordError::AddressTaken { ns: name.to_owned(), addr, other });
+            }
+            if (ns.reserved.len() as u64) < want {
+                return Err(CoordError::NotReserved {
+                    ns: name.to_owned(),
+                    want,
+                    have: ns.reserved.len() as u64,
+                });
+            }
+            let stripes: Vec<Stripe> = ns.reserved.drain(..want as usize).collect();
+            let a = Allocation { len, stripes, stale: Vec::new() };
+            let r = RAddress::of(&a, name, addr, chunk);
+            ns.allocs.insert(addr, a);
+            ns.next_addr = ns.next_addr.max(end);
+            Ok((r, true))
+        })
+    }
+
+    /// RStore's `init` and `map` together: the allocation at `addr` of namespace `name`,
+    /// resolved to its live copies and mapped with a lane to each of their servers.
+    pub fn map(
+        &self,
+        name: &str,
+        addr: u64,
+        config: &initiator::LaneConfig,
+    ) -> Result<Segment, Box<dyn std::error::Error + Send + Sync>> {
+        let live = self.servers()?;
+        let map = segment_map(&self.lookup(name, addr)?, &live)?;
+        let mut segment = Segment::map(map, config)?;
+        self.mark_stale_on_failure(&mut segment, name, addr, live);
+        Ok(segment)
+    }
+
+    /// Have `segment` (the allocation at `addr` of namespace `name`, mapped over the servers
+    /// `live`) mark the copies of each server it loses stale: such a server may miss writes
+    /// from then on, and nobody should map its copies again. A blocking etcd call, on the
+    /// failure path only.
+    fn mark_stale_on_failure(&self, segment: &mut Segment, name: &str, addr: u64, live: Vec<ServerInfo>) {
+        let (endpoints, ns) = (self.etcd.endpoints().to_vec(), name.to_owned());
+        segment.on_server_failed(move |endpoint: &str| {
+            let Some(id) = live.iter().find(|s| s.endpoint == endpoint).map(|s| s.id.clone()) else { return };
+            if let Err(e) = Coordinator::connect(&endpoints).mark_stale(&ns, addr, &id) {
+                tracing::warn!(server = %id, error = %e, "cannot mark a lost server's copies stale");
+            }
+        });
+    }
+
+    /// Mark server `id`'s copies of the allocation at `addr` stale: they may have missed
+    /// writes, and are not mapped again. Not done when a stripe of the allocation would have
+    /// no other copy left (with one replica the lost server's copy is the only data there is).
+    pub fn mark_stale(&self, name: &str, addr: u64, id: &str) -> Result<(), CoordError> {
+        self.change_ns(name, |ns| {
+            let Some(a) = ns.allocs.get_mut(&addr) else { return Ok(((), false)) };
+            let held = |st: &&Stripe| st.iter().any(|c| c.server == id);
+            let others_left = a
+                .stripes
+                .iter()
+                .filter(held)
+                .all(|st| st.iter().any(|c| c.server != id && !a.stale.contains(&c.server)));
+            if a.stale.iter().any(|s| s == id) || !others_left {
+                return Ok(((), false));
+            }
+            a.stale.push(id.to_owned());
+            Ok(((), true))
+        })
+    }
+
+    /// The allocation at `addr` of namespace `name` (RStore's `init`).
+    pub fn lookup(&self, name: &str, addr: u64) -> Result<RAddress, CoordError> {
+        let ns = self.join_ns(name)?;
+        let a = ns.allocs.get(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
+        Ok(RAddress::of(a, name, addr, ns.chunk_bytes))
+    }
+
+    /// Unbind the allocation at `addr`: its chunks return to the namespace's reserve.
+    pub fn free(&self, name: &str, addr: u64) -> Result<(), CoordError> {
+        self.change_ns(name, |ns| {
+            let a = ns.allocs.remove(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
+            ns.reserved.extend(a.stripes);
+            Ok(((), true))
+        })
+    }
+
+    /// Change namespace `name`'s record and nothing else: `change` edits the record read and
+    /// returns its result, with whether the record is to be written. The write is one
+    /// transaction on the revision read, redone from a fresh read when another client changed
+    /// the namespace first.
+    fn change_ns<T>(
+        &self,
+        name: &str,
+        mut change: impl FnMut(&mut Namespace) -> Result<(T, bool), CoordError>,
+    ) -> Result<T, CoordError> {
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let (result, write) = change(&mut ns)?;
+            if !write {
+                return Ok(Some(result));
+            }
+            // Through the record bound, as `reserve`: an alloc or a stale mark adds a little.
+            let ok = self.etcd.txn(
+                &[Compare::ModRevision(key(NAMESPACES, name), rev)],
+                &[Op::Put { key: key(NAMESPACES, name), value: encode_ns(&ns)?, lease: 0 }],
+                &[],
+            )?;
+            Ok(ok.then_some(result))
+        })
+    }
+
+    /// The comparisons and writes that give `stripes`' chunks back to their pools.
+    fn give_back(&self, stripes: &[Stripe]) -> Result<(Vec<Compare>, Vec<Op>), CoordError> {
+        let mut by_server: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        for c in stripes.iter().flatten() {
+            by_server.entry(&c.server).or_default().push(c.index);
+        }
+        let (mut compare, mut ops) = (Vec::new(), Vec::new());
+        for (server, chunks) in by_server {
+            let k = key(POOLS, server);
+            // A pool deleted by hand takes nothing back.
+            let Some(kv) = self.etcd.get(&k)? else { continue };
+            let mut state: PoolState = decode(&kv)?;
+            state.dirty.extend(chunks);
+            compare.push(Compare::ModRevision(k.clone(), kv.mod_revision));
+            ops.push(Op::Put { key: k, value: encode(&state), lease: 0 });
+        }
+        Ok((compare, ops))
+    }
+
+    /// The pool record of server `id`, if it has one.
+    pub fn pool(&self, id: &str) -> Result<Option<PoolState>, CoordError> {
+        check_name("server id", id)?;
+        self.etcd.get(&key(POOLS, id))?.as_ref().map(decode).transpose()
+    }
+
+    /// The chunks of server `id`'s pool waiting to be zeroed before they are handed out again.
+    pub fn dirty(&self, id: &str) -> Result<Vec<u64>, CoordError> {
+        Ok(self.pool(id)?.map(|p| p.dirty).unwrap_or_default())
+    }
+
+    /// Server `id` has zeroed `chunks`, each moved on to the generation given: they are free
+    /// to hand out, and their next owners' grants carry those generations.
+    pub fn cleaned(&self, id: &str, chunks: &[(u64, u32)]) -> Result<(), CoordError> {
+        self.retry(id, || {
+            let k = key(POOLS, id);
+            let Some(kv) = self.etcd.get(&k)? else { return Ok(Some(())) };
+            let mut state: PoolState = decode(&kv)?;
+            let zeroed = |c: &u64| chunks.iter().any(|(z, _)| z == c);
+            let clean: Vec<u64> = state.dirty.iter().copied().filter(zeroed).collect();
+            state.dirty.retain(|c| !zeroed(c));
+            for &(chunk, generation) in chunks {
+                if clean.contains(&chunk) {
+                    state.generations.insert(chunk, generation);
+                }
+            }
+            state.free.extend(clean);
+            let ok = self.etcd.txn(
+                &[Compare::ModRevision(k.clone(), kv.mod_revision)],
+                &[Op::Put { key: k, value: encode(&state), lease: 0 }],
+                &[],
+            )?;
+            Ok(ok.then_some(()))
+        })
+    }
+
+    /// Run `attempt` until its transaction goes through (`Some`), another client's change
+    /// having made it fail (`None`) at most [`TXN_RETRIES`] times.
+    fn retry<T>(
+        &self,
+        what: &str,
+        mut attempt: impl FnMut() -> Result<Option<T>, CoordError>,
+    ) -> Result<T, CoordError> {
+        for _ in 0..TXN_RETRIES {
+            if let Some(done) = attempt()? {
+                return Ok(done);
+            }
+        }
+        Err(CoordError::Contended(what.to_owned()))
+    }
+}
+
+/// A server's registration: renew it within its TTL, or it lapses and the server's chunks are
+/// lost to the namespaces that hold them.
+#[derive(Debug)]
+pub struct Registration {
+    lease: i64,
+    ttl: Duration,
+}
+
+impl Registration {
+    pub fn lease(&self) -> i64 {
+        self.lease
+    }
+
+    /// How often to renew: a third of the TTL.
+    pub fn interval(&self) -> Duration {
+        self.ttl / 3
+    }
+
+    /// Renew; `false` when the lease had already expired (the server must register again).
+    pub fn keep_alive(&self, coord: &Coordinator) -> Result<bool, CoordError> {
+        Ok(coord.etcd.keep_alive(self.lease)?)
+    }
+
+    /// End the registration now (a clean shutdown).
+    pub fn revoke(self, coord: &Coordinator) -> Result<(), CoordError> {
+        Ok(coord.etcd.revoke(self.lease)?)
+    }
+}

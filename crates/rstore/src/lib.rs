@@ -1,0 +1,19 @@
+//! RStore on skiff (Trivedi's thesis, chapter 6; docs/RSTORE.md): namespaces striped over the
+//! memory servers' pools, with a slow control path that prepares everything up front and a
+//! fast data path that only reads and writes.
+//!
+//! - [`control`]: the [`Coordinator`], RStore's control path on etcd: memory servers'
+//!   registrations, namespaces, reserve and release, alloc, free and lookup, `map`, and the
+//!   stale marks of copies a client lost; [`RAddress`] and [`Place`], an allocation resolved
+//!   to its live copies.
+//! - [`segment`]: the data path: a mapped `raddress` ([`Segment`]), striped over one lane per
+//!   server, with replicas.
+//!
+//! The etcd client and the records kept there (the key schema) are `coord`'s; the lanes are
+//! `initiator`'s. Applications on RStore (RSort) live in `apps`.
+
+pub mod control;
+pub mod segment;
+
+pub use control::{segment_map, Coordinator, Place, RAddress, Registration};
+pub use segment::{Location, Segment, SegmentMap, SegmentStats};
