@@ -22,6 +22,7 @@ fn server(id: &str, bytes: u64) -> ServerInfo {
         chunk_bytes: MIB,
         incarnation: 1,
         grant_key: String::new(),
+        boot: 1,
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use coord::{Scope, ServerInfo};
+use coord::{CopyState, Scope, ServerInfo};
 use initiator::{Lane, LaneConfig, Queue};
 use rstore::{Coordinator, RAddress, Segment, SegmentMap};
 use skiff_tests::etcd::Cluster;
@@ -41,6 +41,7 @@ fn register(
         chunk_bytes: chunk,
         incarnation,
         grant_key: coord::encode_key(&key),
+        boot: incarnation,
     };
     c.register(&info, Duration::from_secs(30)).unwrap()
 }
@@ -235,8 +236,21 @@ fn a_lost_replica_is_marked_stale_and_not_mapped_again() {
     // Every stripe of "once", the lost server's too: that write fails, and the server is out.
     assert!(once.write(0, &vec![0u8; 3 * MIB as usize]).is_err());
     assert_eq!(once.stats().servers_failed, 1);
-    assert_eq!(c.lookup("twice", 0).unwrap().stale, vec![victim.clone()], "marked stale");
-    assert!(c.lookup("once", 0).unwrap().stale.is_empty(), "the only copies are not marked");
+    let states = |name: &str| -> Vec<(String, CopyState)> {
+        let r = c.lookup(name, 0).unwrap();
+        r.stripes
+            .iter()
+            .flatten()
+            .filter(|c| c.server == victim)
+            .map(|c| (c.server.clone(), c.state))
+            .collect()
+    };
+    let twice_states = states("twice");
+    assert!(
+        !twice_states.is_empty() && twice_states.iter().all(|(_, s)| *s == CopyState::Stale),
+        "marked stale: {twice_states:?}"
+    );
+    assert!(states("once").iter().all(|(_, s)| *s == CopyState::Ok), "the only copies are not marked");
 
     // Mapped again: the stale copies are left out even though the server's id is still
     // registered (its lease has not lapsed), and the reads see round 2.

@@ -116,6 +116,7 @@ fn c_program_uses_rstore_namespaces() {
                 chunk_bytes: 1 << 20,
                 incarnation: 1 + i as u64,
                 grant_key: String::new(),
+                boot: 1,
             };
             c.register(&info, std::time::Duration::from_secs(30)).unwrap()
         })

@@ -296,6 +296,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                 chunk_bytes: args.chunk,
                 incarnation: pool::incarnation(p.scope)?,
                 grant_key: coord::encode_key(grant_key),
+                boot: u64::from_le_bytes(rt::random::bytes::<8>()?),
             };
             let served = target.pool(pool::POOL_EXPORT).ok_or("the pool export takes no grants")?;
             match pool::register(urls, info, served, args.lease) {

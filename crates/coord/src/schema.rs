@@ -91,6 +91,11 @@ pub struct ServerInfo {
     /// no grants (anyone who reaches it may read and write it).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub grant_key: String,
+    /// Drawn at every start of the server process, whatever its scope: the dirty regions it
+    /// tracks for a copy that misses writes live in its memory, and die with the process. A
+    /// stale copy names the `id@boot` of the servers tracking it (`ChunkRef::dirty_on`).
+    #[serde(default)]
+    pub boot: u64,
 }
 
 impl ServerInfo {
@@ -98,16 +103,33 @@ impl ServerInfo {
         self.bytes / self.chunk_bytes.max(1)
     }
 
-    /// The grant of `chunk` at `generation`, read and write, if the server takes grants.
+    /// The grant of `chunk` at `generation` and map epoch 0, read and write, if the server
+    /// takes grants.
     pub fn grant(&self, chunk: u64, generation: u32) -> Result<Option<wire::Capability>, CoordError> {
+        self.grant_at(chunk, generation, 0, false)
+    }
+
+    /// The grant of `chunk` at `generation` and map `epoch`, read and write, and with `track`
+    /// the right that makes the server mark the regions writes touch (another copy of the
+    /// stripe misses them: docs/PROTOCOL.md, 14.6). `None` if the server takes no grants.
+    pub fn grant_at(
+        &self,
+        chunk: u64,
+        generation: u32,
+        epoch: u32,
+        track: bool,
+    ) -> Result<Option<wire::Capability>, CoordError> {
         if self.grant_key.is_empty() {
             return Ok(None);
         }
         let key = decode_key(&self.grant_key).ok_or_else(|| {
             CoordError::Invalid(format!("server {}: its grant key is not 64 hex digits", self.id))
         })?;
-        let rights = wire::CapRights::READ.union(wire::CapRights::WRITE);
-        Ok(Some(proto::grant::seal(&key, chunk, self.chunk_bytes, generation, rights)))
+        let mut rights = wire::CapRights::READ.union(wire::CapRights::WRITE);
+        if track {
+            rights = rights.union(wire::CapRights::TRACK);
+        }
+        Ok(Some(proto::grant::seal_at(&key, chunk, self.chunk_bytes, generation, epoch, rights)))
     }
 }
 
@@ -144,21 +166,95 @@ pub struct PoolState {
     pub generations: BTreeMap<u64, u32>,
 }
 
-/// One chunk of a server's pool.
+/// Where a copy of a stripe stands (docs/RSTORE.md, "Healing").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CopyState {
+    /// Holds every acknowledged write: read and written.
+    #[default]
+    Ok,
+    /// May miss writes (its server went away, or a client lost it): neither read nor written
+    /// until a repair brings it back.
+    Stale,
+    /// Being repaired from another copy (`from`): written after the stripe's healthy copies,
+    /// never read.
+    Syncing,
+}
+
+impl std::fmt::Display for CopyState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CopyState::Ok => "ok",
+            CopyState::Stale => "stale",
+            CopyState::Syncing => "syncing",
+        })
+    }
+}
+
+/// One copy of a stripe: a chunk of a server's pool, and where the copy stands.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ChunkRef {
     pub server: String,
     pub index: u64,
-    /// The server's incarnation when the chunk was reserved.
+    /// The server's incarnation when the chunk was reserved (or rebuilt there).
     #[serde(default)]
     pub incarnation: u64,
     /// The chunk's generation when it was reserved: its grants are sealed with it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub generation: u32,
+    /// The namespace's epoch at the stripe's last change (every copy of a stripe holds the
+    /// same): its grants are sealed with it, and a server shown them refuses older maps.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u32,
+    #[serde(default, skip_serializing_if = "is_ok")]
+    pub state: CopyState,
+    /// Stale: when it went stale (Unix ms), for the grace period before a rebuild elsewhere.
+    #[serde(default, skip_serializing_if = "is_zero64")]
+    pub since_ms: u64,
+    /// Stale (or syncing from one of them): the servers (`id@boot`) whose dirty regions cover
+    /// every write it missed, as long as they run that boot.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dirty_on: Vec<String>,
+    /// Syncing: the server of the healthy copy it is repaired from.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub from: String,
+    /// Syncing: the whole chunk is copied (no tracker covered it), not its dirty regions.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub full: bool,
+}
+
+impl ChunkRef {
+    /// A copy of `index` on `server`, `ok`, at epoch 0.
+    pub fn new(server: &str, index: u64, incarnation: u64, generation: u32) -> ChunkRef {
+        ChunkRef {
+            server: server.to_owned(),
+            index,
+            incarnation,
+            generation,
+            epoch: 0,
+            state: CopyState::Ok,
+            since_ms: 0,
+            dirty_on: Vec::new(),
+            from: String::new(),
+            full: false,
+        }
+    }
 }
 
 fn is_zero(v: &u32) -> bool {
     *v == 0
+}
+
+fn is_zero64(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
+fn is_ok(s: &CopyState) -> bool {
+    *s == CopyState::Ok
 }
 
 /// A stripe: one chunk's worth of a namespace, on `replicas` distinct servers.
@@ -169,11 +265,6 @@ pub type Stripe = Vec<ChunkRef>;
 pub struct Allocation {
     pub len: u64,
     pub stripes: Vec<Stripe>,
-    /// Servers whose copies of this allocation may have missed writes: a client lost one of
-    /// them while it had the allocation mapped. Their copies are not mapped again until
-    /// repaired (`rstore::Coordinator::mark_stale`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub stale: Vec<String>,
 }
 
 /// A namespace: a flat 64-bit address space over chunks of the servers of one scope.
@@ -189,6 +280,10 @@ pub struct Namespace {
     pub allocs: BTreeMap<u64, Allocation>,
     /// Where the next allocation without an address goes.
     pub next_addr: u64,
+    /// Moves on with every change to a stripe's copies (`rstore::repair`): each stripe's copies
+    /// carry the epoch of its last change.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u32,
 }
 
 impl Namespace {
@@ -281,8 +376,11 @@ mod tests {
             chunk_bytes: 1 << 20,
             incarnation: 1,
             grant_key: encode_key(&key),
+            boot: 9,
         };
         let grant = s.grant(2, 5).unwrap().expect("a server with a key");
+        let tracked = s.grant_at(2, 5, 7, true).unwrap().expect("a server with a key");
+        assert_eq!((tracked.epoch, tracked.rights.contains(wire::CapRights::TRACK)), (7, true));
         let pool = proto::grant::PoolGrants::new(key, 1 << 20, 4).unwrap();
         pool.set_generation(2, 5);
         assert_eq!(pool.admit(&grant).map(|b| (b.chunk, b.generation)), Ok((2, 5)));
@@ -300,8 +398,7 @@ mod tests {
     /// that names the namespace and says what to do.
     #[test]
     fn a_namespace_record_over_its_bound_is_refused_clearly() {
-        let stripe =
-            |i: u64| vec![ChunkRef { server: "s".repeat(200), index: i, incarnation: 1, generation: 0 }];
+        let stripe = |i: u64| vec![ChunkRef::new(&"s".repeat(200), i, 1, 0)];
         let mut ns = Namespace {
             name: "big".into(),
             scope: Scope::Ram,
@@ -310,6 +407,7 @@ mod tests {
             reserved: Vec::new(),
             allocs: BTreeMap::new(),
             next_addr: 0,
+            epoch: 0,
         };
         // A stripe's share of the record, then as many as leave a little room.
         ns.reserved.push(stripe(0));
@@ -322,8 +420,10 @@ mod tests {
         }
         assert!(encode(&ns).len() > NAMESPACE_RECORD_MAX / 2, "{} bytes", encode(&ns).len());
         assert!(encode_ns(&ns).is_ok());
-        let stale = "t".repeat(64 * 1024);
-        ns.allocs.insert(0, Allocation { len: 1 << 20, stripes: vec![stripe(0)], stale: vec![stale] });
+        let mut stale = stripe(0);
+        stale[0].state = CopyState::Stale;
+        stale[0].dirty_on = vec!["t".repeat(64 * 1024)];
+        ns.allocs.insert(0, Allocation { len: 1 << 20, stripes: vec![stale] });
         let err = encode_ns(&ns).expect_err("over the bound");
         assert!(err.to_string().contains("\"big\"") && err.to_string().contains("larger chunks"), "{err}");
     }

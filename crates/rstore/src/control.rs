@@ -18,12 +18,13 @@ use std::time::Duration;
 use coord::etcd::{Compare, Etcd, Op};
 use coord::schema::{check_name, decode, encode, encode_ns, key, NAMESPACES, POOLS, SERVERS, TXN_RETRIES};
 use coord::{
-    Allocation, ChunkRef, CoordError, Namespace, PoolState, Scope, ServerInfo, Stripe, NAMESPACE_CHUNKS_MAX,
-    POOL_CHUNKS_MAX,
+    Allocation, ChunkRef, CoordError, CopyState, Namespace, PoolState, Scope, ServerInfo, Stripe,
+    NAMESPACE_CHUNKS_MAX, POOL_CHUNKS_MAX,
 };
 use serde::Serialize;
 
-use crate::segment::{Location, Segment, SegmentMap};
+use crate::repair;
+use crate::segment::{Location, MapSource, Segment, SegmentMap, SourceError};
 
 /// An allocated segment, resolved for the data path.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -32,13 +33,13 @@ pub struct RAddress {
     pub addr: u64,
     pub len: u64,
     pub chunk_bytes: u64,
+    /// Each stripe's copies, with where each stands ([`coord::CopyState`]).
     pub stripes: Vec<Stripe>,
-    /// Servers whose copies are stale ([`Allocation::stale`]).
-    pub stale: Vec<String>,
 }
 
 /// Where one copy of a chunk lives, for the data path: the server's endpoint, its pool
-/// export, the chunk's byte offset in it, and its grant (for a server that takes grants).
+/// export, the chunk's byte offset in it, its grant (for a server that takes grants), and
+/// whether it is being repaired (written after the healthy copies, never read).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Place {
     pub endpoint: String,
@@ -46,46 +47,42 @@ pub struct Place {
     pub offset: u64,
     #[serde(skip)]
     pub grant: Option<wire::Capability>,
+    pub syncing: bool,
 }
 
 impl RAddress {
     /// Allocation `a`, at `addr` of namespace `ns` of `chunk_bytes` chunks, as the data path
     /// sees it.
     fn of(a: &Allocation, ns: &str, addr: u64, chunk_bytes: u64) -> RAddress {
-        RAddress {
-            ns: ns.to_owned(),
-            addr,
-            len: a.len,
-            chunk_bytes,
-            stripes: a.stripes.clone(),
-            stale: a.stale.clone(),
-        }
+        RAddress { ns: ns.to_owned(), addr, len: a.len, chunk_bytes, stripes: a.stripes.clone() }
     }
 
     /// Every stripe's copies, placed on the servers registered in `live` (RStore's `map`,
-    /// the control-plane half). A copy whose server is not live, lives in another
-    /// incarnation, or is stale, is left out; a stripe left with none is an error.
+    /// the control-plane half): the healthy copies and those being repaired, on live servers
+    /// in the copy's incarnation; stale ones are left out, and a stripe with no healthy copy
+    /// left is an error. Each copy's grant carries the stripe's epoch, and the healthy copies'
+    /// carry the track right while the stripe is not whole.
     pub fn places(&self, live: &[ServerInfo]) -> Result<Vec<Vec<Place>>, CoordError> {
         self.stripes
             .iter()
             .enumerate()
             .map(|(i, stripe)| {
+                let track = !repair::whole(stripe);
                 let mut copies = Vec::with_capacity(stripe.len());
-                for c in stripe.iter().filter(|c| !self.stale.contains(&c.server)) {
-                    let Some(s) = live.iter().find(|s| s.id == c.server && s.incarnation == c.incarnation)
-                    else {
-                        continue;
-                    };
+                for c in stripe.iter().filter(|c| c.state != CopyState::Stale) {
+                    let Some(s) = repair::holder(live, c) else { continue };
+                    let syncing = c.state == CopyState::Syncing;
                     copies.push(Place {
                         endpoint: s.endpoint.clone(),
                         export: s.export.clone(),
                         offset: c.index * self.chunk_bytes,
-                        grant: s.grant(c.index, c.generation)?,
+                        grant: s.grant_at(c.index, c.generation, c.epoch, track && !syncing)?,
+                        syncing,
                     });
                 }
-                if copies.is_empty() {
+                if copies.iter().all(|p| p.syncing) {
                     Err(CoordError::Invalid(format!(
-                        "stripe {i} of {:#x} in {:?} is lost: no copy on a live server",
+                        "stripe {i} of {:#x} in {:?} is lost: no healthy copy on a live server",
                         self.addr, self.ns
                     )))
                 } else {
@@ -104,11 +101,55 @@ pub fn segment_map(r: &RAddress, live: &[ServerInfo]) -> Result<SegmentMap, Coor
         for p in copies {
             let endpoint = initiator::Endpoint::parse(&p.endpoint)
                 .map_err(|e| CoordError::Invalid(format!("server endpoint {:?}: {e}", p.endpoint)))?;
-            locs.push(Location { endpoint, export: p.export, offset: p.offset, grant: p.grant });
+            locs.push(Location {
+                endpoint,
+                export: p.export,
+                offset: p.offset,
+                grant: p.grant,
+                syncing: p.syncing,
+            });
         }
         stripes.push(locs);
     }
     Ok(SegmentMap { len: r.len, chunk_bytes: r.chunk_bytes, stripes })
+}
+
+/// Unix time in milliseconds: when a copy went stale, for the grace period before a rebuild.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The control plane behind a segment mapped by [`Coordinator::map`]: it marks the copies of
+/// servers the segment loses stale, and reads the allocation's map again.
+struct Source {
+    coord: Coordinator,
+    ns: String,
+    addr: u64,
+    /// The servers registered when the map was last read: a lost endpoint's server id.
+    live: Vec<ServerInfo>,
+}
+
+/// A control-plane error as a segment sees it: worth asking again when etcd could not be
+/// reached (or contended), final otherwise.
+fn source_error(e: CoordError) -> SourceError {
+    let retry = matches!(e, CoordError::Etcd(_) | CoordError::Contended(_));
+    SourceError { message: e.to_string(), retry }
+}
+
+impl MapSource for Source {
+    fn lost(&mut self, endpoint: &str) -> Result<(), SourceError> {
+        let Some(id) = self.live.iter().find(|s| s.endpoint == endpoint).map(|s| s.id.clone()) else {
+            return Ok(());
+        };
+        self.coord.mark_stale(&self.ns, self.addr, &id).map_err(source_error)
+    }
+
+    fn map(&mut self) -> Result<SegmentMap, SourceError> {
+        let (r, live) = self.coord.resolve(&self.ns, self.addr).map_err(source_error)?;
+        let map = segment_map(&r, &live).map_err(source_error)?;
+        self.live = live;
+        Ok(map)
+    }
 }
 
 /// A client of the control plane.
@@ -210,6 +251,7 @@ impl Coordinator {
             reserved: Vec::new(),
             allocs: BTreeMap::new(),
             next_addr: 0,
+            epoch: 0,
         };
         let k = key(NAMESPACES, name);
         let created = self.etcd.txn(
@@ -322,12 +364,7 @@ impl Coordinator {
                         continue;
                     };
                     let generation = state.generations.get(&index).copied().unwrap_or(0);
-                    stripe.push(ChunkRef {
-                        server: s.id.clone(),
-                        index,
-                        incarnation: s.incarnation,
-                        generation,
-                    });
+                    stripe.push(ChunkRef::new(&s.id, index, s.incarnation, generation));
                 }
                 if stripe.len() < ns.replicas as usize {
                     return Err(no_capacity());
@@ -401,7 +438,7 @@ impl Coordinator {
                 });
             }
             let stripes: Vec<Stripe> = ns.reserved.drain(..want as usize).collect();
-            let a = Allocation { len, stripes, stale: Vec::new() };
+            let a = Allocation { len, stripes };
             let r = RAddress::of(&a, name, addr, chunk);
             ns.allocs.insert(addr, a);
             ns.next_addr = ns.next_addr.max(end);
@@ -410,51 +447,64 @@ impl Coordinator {
     }
 
     /// RStore's `init` and `map` together: the allocation at `addr` of namespace `name`,
-    /// resolved to its live copies and mapped with a lane to each of their servers.
+    /// resolved to its live copies and mapped with a lane to each of their servers. The
+    /// segment heals through this coordinator's etcd: it reports the servers it loses (their
+    /// copies are marked stale) and reads its map again when a server knows a newer one.
     pub fn map(
         &self,
         name: &str,
         addr: u64,
         config: &initiator::LaneConfig,
     ) -> Result<Segment, Box<dyn std::error::Error + Send + Sync>> {
+        let mut source = Source {
+            coord: Coordinator::connect(self.etcd.endpoints()),
+            ns: name.to_owned(),
+            addr,
+            live: Vec::new(),
+        };
+        let map = source.map().map_err(|e| e.message)?;
+        Ok(Segment::map_with(map, config, Box::new(source))?)
+    }
+
+    /// The allocation at `addr` of namespace `name` with the servers registered now, after
+    /// marking stale the healthy copies whose server is gone (or restarted empty): a client
+    /// that maps the allocation without them writes to the other copies, which must track
+    /// what those miss before it does.
+    pub fn resolve(&self, name: &str, addr: u64) -> Result<(RAddress, Vec<ServerInfo>), CoordError> {
         let live = self.servers()?;
-        let map = segment_map(&self.lookup(name, addr)?, &live)?;
-        let mut segment = Segment::map(map, config)?;
-        self.mark_stale_on_failure(&mut segment, name, addr, live);
-        Ok(segment)
-    }
-
-    /// Have `segment` (the allocation at `addr` of namespace `name`, mapped over the servers
-    /// `live`) mark the copies of each server it loses stale: such a server may miss writes
-    /// from then on, and nobody should map its copies again. A blocking etcd call, on the
-    /// failure path only.
-    fn mark_stale_on_failure(&self, segment: &mut Segment, name: &str, addr: u64, live: Vec<ServerInfo>) {
-        let (endpoints, ns) = (self.etcd.endpoints().to_vec(), name.to_owned());
-        segment.on_server_failed(move |endpoint: &str| {
-            let Some(id) = live.iter().find(|s| s.endpoint == endpoint).map(|s| s.id.clone()) else { return };
-            if let Err(e) = Coordinator::connect(&endpoints).mark_stale(&ns, addr, &id) {
-                tracing::warn!(server = %id, error = %e, "cannot mark a lost server's copies stale");
+        let now = unix_ms();
+        let r = self.change_ns(name, |ns| {
+            let a = ns.allocs.get_mut(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
+            let mut changed = false;
+            for stripe in &mut a.stripes {
+                for i in 0..stripe.len() {
+                    if stripe[i].state == CopyState::Ok && repair::holder(&live, &stripe[i]).is_none() {
+                        changed |= repair::mark_stale(&mut ns.epoch, stripe, i, &live, now);
+                    }
+                }
             }
-        });
+            let a = &ns.allocs[&addr];
+            Ok((RAddress::of(a, name, addr, ns.chunk_bytes), changed))
+        })?;
+        Ok((r, live))
     }
 
-    /// Mark server `id`'s copies of the allocation at `addr` stale: they may have missed
-    /// writes, and are not mapped again. Not done when a stripe of the allocation would have
-    /// no other copy left (with one replica the lost server's copy is the only data there is).
+    /// Mark server `id`'s copies of the allocation at `addr` stale: they may miss writes from
+    /// now on, are not mapped again until repaired, and the other copies track what they miss.
+    /// A stripe whose other copies are not healthy keeps its copy (with one replica the lost
+    /// server's copy is the only data there is).
     pub fn mark_stale(&self, name: &str, addr: u64, id: &str) -> Result<(), CoordError> {
+        let live = self.servers()?;
+        let now = unix_ms();
         self.change_ns(name, |ns| {
             let Some(a) = ns.allocs.get_mut(&addr) else { return Ok(((), false)) };
-            let held = |st: &&Stripe| st.iter().any(|c| c.server == id);
-            let others_left = a
-                .stripes
-                .iter()
-                .filter(held)
-                .all(|st| st.iter().any(|c| c.server != id && !a.stale.contains(&c.server)));
-            if a.stale.iter().any(|s| s == id) || !others_left {
-                return Ok(((), false));
+            let mut changed = false;
+            for stripe in &mut a.stripes {
+                if let Some(i) = stripe.iter().position(|c| c.server == id) {
+                    changed |= repair::mark_stale(&mut ns.epoch, stripe, i, &live, now);
+                }
             }
-            a.stale.push(id.to_owned());
-            Ok(((), true))
+            Ok(((), changed))
         })
     }
 

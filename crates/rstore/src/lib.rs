@@ -13,7 +13,8 @@
 //! `initiator`'s. Applications on RStore (RSort) live in `apps`.
 
 pub mod control;
+pub mod repair;
 pub mod segment;
 
 pub use control::{segment_map, Coordinator, Place, RAddress, Registration};
-pub use segment::{Location, Segment, SegmentMap, SegmentStats};
+pub use segment::{Location, MapSource, Segment, SegmentMap, SegmentStats, SourceError};

@@ -3,21 +3,31 @@
 //!
 //! The control plane ([`crate::control`], over etcd) resolves a segment to a [`SegmentMap`]:
 //! its length, its chunk size, and for every chunk (a *stripe*) the places of its copies
-//! (server endpoint, export, byte offset). [`Segment::map`] opens one lane per distinct
-//! (server, export) and keeps them for the segment's life: reads and writes allocate nothing
-//! on the servers and never ask the coordinator. One `Segment` belongs to one thread, so its lanes are that
-//! thread's lanes to each server (i10's P×T): several threads map the segment each.
+//! (server endpoint, export, byte offset, grant, and whether the copy is being repaired).
+//! [`Segment::map`] opens one lane per distinct (server, export) and keeps them: reads and
+//! writes allocate nothing on the servers and never ask the coordinator. One `Segment` belongs
+//! to one thread, so its lanes are that thread's lanes to each server (i10's P×T): several
+//! threads map the segment each.
 //!
 //! A `Segment` is a [`Queue`] like a lane: requests in, completions out, many in flight. A
 //! request is split at chunk boundaries into pieces, each sent to its servers as an ordinary
 //! request on their lanes (a *sub*-request); the request completes when its last piece does.
-//! A write piece goes to every replica in service and succeeds when at least one holds it
-//! (every replica still in service does, since a replica that fails is taken out); a read
-//! piece asks the first replica in service and, when that fails, the next. A replica whose
-//! server fails (its connection is lost, or a request on it fails) is taken out of service for
-//! the rest of the segment's life: a server killed under load costs the requests in flight on
-//! it a retry elsewhere and surfaces no error while one copy of every stripe it held is left.
-//! Lanes do not reconnect: the replicas are the redundancy.
+//! A read piece asks the first healthy copy in service and, when that fails, the next. A write
+//! piece goes to every healthy copy, and once they all hold it, to the copies being repaired
+//! (so a repair that copies a region out of a healthy copy under a lock never overwrites a
+//! newer write: docs/PROTOCOL.md, 14.6). A write refused with `Busy` (its region is being
+//! copied out) is sent again 200 µs later.
+//!
+//! **Healing.** A segment mapped through the control plane has a [`MapSource`]. When it loses
+//! a server (its connection fails, or its storage fails a request), it reports the server to
+//! the source, which marks the server's copies stale, so that the other copies track what they
+//! miss; when a server answers `StaleCapability` (the segment's map is older than the server
+//! knows), or after a loss, it reads the map again, opens lanes for the servers whose grants
+//! changed, and sends again every request that did not reach all its copies. No error reaches
+//! the caller for any of that: a request fails only when a stripe has no healthy copy left, or
+//! the control plane cannot be reached for [`HEAL_DEADLINE`]. That blocks the thread, on the
+//! failure path only. A segment without a source (mapped from a [`SegmentMap`] by hand) takes
+//! a lost server out of service for good and counts a write held by one copy as done.
 //!
 //! Offsets and lengths may be any bytes when the servers serve their pools at a one-byte
 //! block (`skiff serve --pool` does): a request goes to the servers as it is, with no
@@ -26,12 +36,24 @@
 //! multiples of the coarsest block among the segment's servers.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use initiator::{Completion, Endpoint, Error, Lane, LaneConfig, Queue, ReconnectConfig, Rejected, Result};
 use wire::{Opcode, ReqFlags, Status};
 
 /// Chunks are whole sectors, whatever the servers' block.
 const SECTOR: u64 = 512;
+
+/// How long a write refused with `Busy` waits before it is sent again.
+const BUSY_RETRY: Duration = Duration::from_micros(200);
+
+/// How long a segment keeps trying to reach the control plane to heal (report a lost server,
+/// read the map again) before the requests waiting on it fail.
+pub const HEAL_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Times one request is sent again after a stale map before it fails with `StaleCapability`
+/// (the control plane keeps handing out a map the servers refuse: the allocation was freed).
+const REISSUES_MAX: u8 = 8;
 
 /// Where one copy of a chunk lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +65,8 @@ pub struct Location {
     /// The chunk's grant, for a server whose pool needs one (every `skiff serve --pool`):
     /// presented when the segment connects (docs/PROTOCOL.md, section 14.6).
     pub grant: Option<wire::Capability>,
+    /// The copy is being repaired: written after the healthy copies hold a write, never read.
+    pub syncing: bool,
 }
 
 /// A segment resolved for the data path.
@@ -54,17 +78,41 @@ pub struct SegmentMap {
     pub stripes: Vec<Vec<Location>>,
 }
 
+/// Where a segment mapped through the control plane reports the servers it loses and reads
+/// its map again (`Coordinator::map` gives one).
+pub trait MapSource: Send {
+    /// The copies on the server at `endpoint` miss writes from now on: record them stale, so
+    /// that the next map leaves them out and the other copies track what they miss.
+    fn lost(&mut self, endpoint: &str) -> std::result::Result<(), SourceError>;
+    /// The segment's map as the control plane has it now.
+    fn map(&mut self) -> std::result::Result<SegmentMap, SourceError>;
+}
+
+/// Why a [`MapSource`] could not answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceError {
+    pub message: String,
+    /// The control plane could not be reached: asking again later may work. Otherwise the
+    /// answer is final (the allocation is gone).
+    pub retry: bool,
+}
+
 /// What a segment's I/O did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SegmentStats {
     pub reads: u64,
     pub writes: u64,
-    /// Requests sent to servers (pieces times replicas, retries included).
+    /// Requests sent to servers (pieces times copies, retries included).
     pub requests: u64,
-    /// Read pieces sent again to another replica after the first failed.
+    /// Read pieces sent again to another copy after the first failed.
     pub fallbacks: u64,
     /// Servers taken out of service.
     pub servers_failed: u64,
+    /// Times the map was read again, and requests sent again under the new one.
+    pub remaps: u64,
+    pub reissues: u64,
+    /// Writes sent again after `Busy` (their region was being copied out by a repair).
+    pub busy: u64,
 }
 
 /// A request of the caller, split into pieces.
@@ -78,16 +126,24 @@ struct Parent {
     len: usize,
     /// Sub-requests still out.
     subs: usize,
-    /// Pieces that reached no replica (a write) or no replica answered (a read).
+    /// Pieces that reached no copy (a write) or no copy answered (a read).
     failed: bool,
-    /// Per piece of a write: whether some replica holds it.
+    /// Per piece of a write: whether some copy holds it.
     held: Vec<bool>,
     /// What a server answered when it refused a piece (out of range, too large...): the
     /// request's own fault, reported as it is, and no reason to take the server out.
     refused: Option<Status>,
+    /// A write's healthy copies hold it; the copies being repaired are being written.
+    second: bool,
+    /// A piece missed a copy, or met a newer map: the request goes again once the map is read
+    /// again (a segment with a source only).
+    again: bool,
+    /// What sent it again last: a newer map (rather than a lost server).
+    stale: bool,
+    reissues: u8,
 }
 
-/// One piece on one replica.
+/// One piece on one copy.
 #[derive(Clone, Copy)]
 struct Sub {
     parent: usize,
@@ -101,25 +157,40 @@ struct Sub {
     whole: bool,
 }
 
-/// What a segment calls with the endpoint of a server it takes out of service.
-type ServerFailed = Box<dyn FnMut(&str) + Send>;
+/// One copy of a stripe, on a lane.
+#[derive(Clone, Copy)]
+struct Copy {
+    lane: usize,
+    offset: u64,
+    syncing: bool,
+}
+
+/// A server (and export) the segment has a lane to, and what it presented there.
+struct Server {
+    endpoint: Endpoint,
+    export: String,
+    grants: Vec<wire::Capability>,
+    /// `endpoint/export`, for messages.
+    name: String,
+}
 
 /// A mapped segment: its lanes, one per server and export.
 pub struct Segment {
-    map: SegmentMap,
+    len: u64,
+    chunk_bytes: u64,
     /// `None` once the server failed.
     lanes: Vec<Option<Lane>>,
-    names: Vec<String>,
-    /// Each lane's server endpoint.
-    endpoints: Vec<String>,
-    /// `replicas[i][r]`: the lane of copy `r` of stripe `i`.
-    replicas: Vec<Vec<usize>>,
+    servers: Vec<Server>,
+    /// `copies[i]`: stripe `i`'s copies, healthy first in map order, then those syncing.
+    copies: Vec<Vec<Copy>>,
     parents: Vec<Option<Parent>>,
     free_parents: Vec<usize>,
     subs: Vec<Option<Sub>>,
     free_subs: Vec<usize>,
     /// Sub-requests waiting for room on their lane.
     backlog: Vec<VecDeque<usize>>,
+    /// Writes refused with `Busy`, each with when to send it again.
+    busy: VecDeque<(Instant, usize)>,
     in_flight: usize,
     /// The unit of alignment: the coarsest block among the servers' exports.
     block: u64,
@@ -128,15 +199,63 @@ pub struct Segment {
     done: Vec<Completion>,
     scratch: Vec<Completion>,
     stats: SegmentStats,
-    /// Told the endpoint of each server taken out of service.
-    on_failed: Option<ServerFailed>,
+    config: LaneConfig,
+    source: Option<Box<dyn MapSource>>,
+    /// Endpoints of servers lost and not yet reported to the source.
+    unreported: Vec<String>,
+    /// Requests to send again once the map is read again.
+    again: Vec<usize>,
 }
 
 impl Segment {
-    /// Open a lane to every server and export of `map` (no reconnection: a failed server is
-    /// taken out of service). A server that cannot be reached is out of service from the
-    /// start; mapping fails if that leaves a stripe with no copy.
+    /// Open a lane to every server and export of `map` (no reconnection). A server that
+    /// cannot be reached is out of service from the start; mapping fails if that leaves a
+    /// stripe with no healthy copy.
     pub fn map(map: SegmentMap, config: &LaneConfig) -> Result<Segment> {
+        Segment::open(map, config, None)
+    }
+
+    /// As [`map`](Segment::map), with the control plane behind it: servers it cannot reach
+    /// or loses are reported to `source`, and the map is read again from it (module docs).
+    pub fn map_with(map: SegmentMap, config: &LaneConfig, source: Box<dyn MapSource>) -> Result<Segment> {
+        let mut segment = Segment::open(map, config, Some(source))?;
+        if !segment.unreported.is_empty() {
+            segment.heal()?;
+        }
+        Ok(segment)
+    }
+
+    fn open(map: SegmentMap, config: &LaneConfig, source: Option<Box<dyn MapSource>>) -> Result<Segment> {
+        let mut segment = Segment {
+            len: 0,
+            chunk_bytes: 0,
+            lanes: Vec::new(),
+            servers: Vec::new(),
+            copies: Vec::new(),
+            parents: Vec::new(),
+            free_parents: Vec::new(),
+            subs: Vec::new(),
+            free_subs: Vec::new(),
+            backlog: Vec::new(),
+            busy: VecDeque::new(),
+            in_flight: 0,
+            block: SECTOR,
+            piece_max: SECTOR,
+            done: Vec::new(),
+            scratch: Vec::new(),
+            stats: SegmentStats::default(),
+            config: config.clone(),
+            source,
+            unreported: Vec::new(),
+            again: Vec::new(),
+        };
+        segment.install(map)?;
+        Ok(segment)
+    }
+
+    /// Take up `map`: keep the lanes whose server, export and grants are the same and in
+    /// service, open the others, drop the rest. No request may be out on a lane.
+    fn install(&mut self, map: SegmentMap) -> Result<()> {
         if map.chunk_bytes == 0 || !map.chunk_bytes.is_multiple_of(SECTOR) {
             return Err(Error::InvalidArgument("chunk size is not a multiple of 512 bytes"));
         }
@@ -145,39 +264,58 @@ impl Segment {
         }
         // The distinct servers (and exports), each with the grants of its chunks.
         let mut index: HashMap<(String, String), usize> = HashMap::new();
-        let mut servers: Vec<(&Location, Vec<wire::Capability>)> = Vec::new();
-        let mut replicas = Vec::with_capacity(map.stripes.len());
+        let mut servers: Vec<Server> = Vec::new();
+        let mut copies = Vec::with_capacity(map.stripes.len());
         for stripe in &map.stripes {
-            let mut copies = Vec::with_capacity(stripe.len());
+            let mut these = Vec::with_capacity(stripe.len());
             for loc in stripe {
                 let i = *index.entry((loc.endpoint.to_string(), loc.export.clone())).or_insert_with(|| {
-                    servers.push((loc, Vec::new()));
+                    servers.push(Server {
+                        endpoint: loc.endpoint.clone(),
+                        export: loc.export.clone(),
+                        grants: Vec::new(),
+                        name: format!("{}/{}", loc.endpoint, loc.export),
+                    });
                     servers.len() - 1
                 });
-                servers[i].1.extend(loc.grant);
-                copies.push(i);
+                servers[i].grants.extend(loc.grant);
+                these.push(Copy { lane: i, offset: loc.offset, syncing: loc.syncing });
             }
-            replicas.push(copies);
+            // Healthy copies first: reads take the first in service.
+            these.sort_by_key(|c| c.syncing);
+            copies.push(these);
+        }
+        let mut old: HashMap<(String, String, Vec<wire::Capability>), Lane> = HashMap::new();
+        for (lane, server) in self.lanes.drain(..).zip(self.servers.drain(..)) {
+            if let Some(l) = lane {
+                old.insert((server.endpoint.to_string(), server.export, server.grants), l);
+            }
         }
         let mut lanes = Vec::with_capacity(servers.len());
-        let mut names = Vec::with_capacity(servers.len());
-        let mut endpoints = Vec::with_capacity(servers.len());
         let mut last_error = None;
-        for (loc, grants) in servers {
-            let config =
-                LaneConfig { reconnect: ReconnectConfig::OFF, grants: grants.into(), ..config.clone() };
-            let (endpoint, export) = (loc.endpoint.to_string(), &loc.export);
-            let lane = Lane::connect(&loc.endpoint, export, &config)
-                .inspect_err(|e| {
-                    tracing::warn!(server = %endpoint, %export, error = %e, "segment: a server is out of service");
-                    last_error = Some(e.to_string());
-                })
-                .ok();
+        for server in &servers {
+            let kept =
+                old.remove(&(server.endpoint.to_string(), server.export.clone(), server.grants.clone()));
+            let lane = kept.or_else(|| {
+                let config = LaneConfig {
+                    reconnect: ReconnectConfig::OFF,
+                    grants: server.grants.clone().into(),
+                    ..self.config.clone()
+                };
+                Lane::connect(&server.endpoint, &server.export, &config)
+                    .inspect_err(|e| {
+                        tracing::warn!(server = %server.name, error = %e, "segment: a server is out of service");
+                        last_error = Some(e.to_string());
+                        self.unreported.push(server.endpoint.to_string());
+                        // Counted once, when first mapped; a heal tries it again.
+                        if self.stats.remaps == 0 {
+                            self.stats.servers_failed += 1;
+                        }
+                    })
+                    .ok()
+            });
             lanes.push(lane);
-            names.push(format!("{endpoint}/{export}"));
-            endpoints.push(endpoint);
         }
-        let servers_failed = lanes.iter().filter(|l| l.is_none()).count() as u64;
         let block = lanes.iter().flatten().map(|l| u64::from(l.export().block_size)).max().unwrap_or(SECTOR);
         if !SECTOR.is_multiple_of(block) {
             return Err(Error::InvalidArgument(
@@ -193,37 +331,26 @@ impl Segment {
             .unwrap_or(SECTOR)
             / SECTOR
             * SECTOR;
-        let backlog = vec![VecDeque::new(); lanes.len()];
-        let segment = Segment {
-            map,
-            lanes,
-            names,
-            endpoints,
-            replicas,
-            parents: Vec::new(),
-            free_parents: Vec::new(),
-            subs: Vec::new(),
-            free_subs: Vec::new(),
-            backlog,
-            in_flight: 0,
-            block,
-            piece_max,
-            done: Vec::new(),
-            scratch: Vec::new(),
-            stats: SegmentStats { servers_failed, ..SegmentStats::default() },
-            on_failed: None,
-        };
-        if (0..segment.replicas.len()).any(|i| segment.in_service(i).next().is_none()) {
+        self.len = map.len;
+        self.chunk_bytes = map.chunk_bytes;
+        self.backlog = vec![VecDeque::new(); lanes.len()];
+        self.lanes = lanes;
+        self.servers = servers;
+        self.copies = copies;
+        self.block = block;
+        self.piece_max = piece_max;
+        // Without a source nothing can heal a stripe that lost every healthy copy.
+        if self.source.is_none() && (0..self.copies.len()).any(|i| self.healthy(i).next().is_none()) {
             return Err(Error::Lost(format!(
                 "every copy of a stripe is out of service: {}",
                 last_error.unwrap_or_default()
             )));
         }
-        Ok(segment)
+        Ok(())
     }
 
     pub fn len(&self) -> u64 {
-        self.map.len
+        self.len
     }
 
     /// The block request offsets and lengths must be multiples of: 1 on pools served by
@@ -233,7 +360,7 @@ impl Segment {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.len == 0
+        self.len == 0
     }
 
     pub fn stats(&self) -> SegmentStats {
@@ -247,35 +374,61 @@ impl Segment {
 
     /// The servers (as `endpoint/export`) taken out of service.
     pub fn failed(&self) -> Vec<&str> {
-        self.lanes.iter().zip(&self.names).filter(|(l, _)| l.is_none()).map(|(_, n)| n.as_str()).collect()
+        self.lanes
+            .iter()
+            .zip(&self.servers)
+            .filter(|(l, _)| l.is_none())
+            .map(|(_, s)| s.name.as_str())
+            .collect()
     }
 
-    /// The lanes in service holding stripe `i`, in replica order.
-    fn in_service(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
-        self.replicas[i].iter().copied().filter(|&l| self.lanes[l].is_some())
+    /// The healthy copies of stripe `i` in service, as their lanes, in map order.
+    fn healthy(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
+        self.copies[i].iter().filter(|c| !c.syncing && self.lanes[c.lane].is_some()).map(|c| c.lane)
     }
 
-    /// Call `f` with the endpoint of each server this segment takes out of service from now
-    /// on (the control plane marks its copies stale: [`crate::Coordinator::map`] sets this).
-    pub fn on_server_failed(&mut self, f: impl FnMut(&str) + Send + 'static) {
-        self.on_failed = Some(Box::new(f));
+    /// The copies of stripe `i` being repaired, in service.
+    fn syncing(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
+        self.copies[i].iter().filter(|c| c.syncing && self.lanes[c.lane].is_some()).map(|c| c.lane)
+    }
+
+    /// The pieces of a request: each `(at, len, stripe)`, split at chunk boundaries and at the
+    /// largest I/O the lanes take.
+    fn pieces(&self, offset: u64, length: usize) -> impl Iterator<Item = (u64, usize, usize)> {
+        let (chunk, max) = (self.chunk_bytes, self.piece_max);
+        let end = offset + length as u64;
+        let mut at = offset;
+        std::iter::from_fn(move || {
+            (at < end).then(|| {
+                let n = (chunk - at % chunk).min(end - at).min(max);
+                let piece = (at, n as usize, (at / chunk) as usize);
+                at += n;
+                piece
+            })
+        })
     }
 
     fn take_out(&mut self, lane: usize, why: &str) {
-        if self.lanes[lane].take().is_none() {
-            return;
-        }
+        let Some(mut l) = self.lanes[lane].take() else { return };
         self.stats.servers_failed += 1;
-        tracing::warn!(server = %self.names[lane], why, "segment: a server is out of service");
-        if let Some(f) = self.on_failed.as_mut() {
-            f(&self.endpoints[lane]);
+        tracing::warn!(server = %self.servers[lane].name, why, "segment: a server is out of service");
+        if self.source.is_some() {
+            self.unreported.push(self.servers[lane].endpoint.to_string());
         }
-        // Everything sent or waiting on it failed with it.
+        // What the lane completed as it failed brings the buffers it held back.
+        let mut got = std::mem::take(&mut self.scratch);
+        got.clear();
+        let _ = l.poll(&mut got);
+        for c in got.drain(..) {
+            self.sub_failed(c.user_data as usize, c.buf);
+        }
+        self.scratch = got;
+        // Everything else sent or waiting on it failed with it.
         let lost: Vec<usize> =
             (0..self.subs.len()).filter(|&s| self.subs[s].is_some_and(|sub| sub.lane == lane)).collect();
         self.backlog[lane].clear();
         for s in lost {
-            self.sub_failed(s);
+            self.sub_failed(s, None);
         }
     }
 
@@ -302,8 +455,60 @@ impl Segment {
         self.backlog[lane].push_back(i);
     }
 
+    /// Send request `pi` (new, or again under a new map) to its copies: a read to the first
+    /// healthy copy of each piece, a write to every healthy copy. A piece with no healthy copy
+    /// in service fails, or with a source, waits for the map to be read again.
+    fn dispatch(&mut self, pi: usize) {
+        let (opcode, offset, len) = {
+            let p = self.parents[pi].as_ref().expect("a parent exists");
+            (p.opcode, p.offset, p.len)
+        };
+        let count = self.pieces(offset, len).count();
+        let pieces: Vec<(u64, usize, usize)> = self.pieces(offset, len).collect();
+        for (piece, &(at, n, stripe)) in pieces.iter().enumerate() {
+            let lanes: Vec<usize> = if opcode == Opcode::Write {
+                self.healthy(stripe).collect()
+            } else {
+                self.healthy(stripe).take(1).collect()
+            };
+            if lanes.is_empty() {
+                let p = self.parents[pi].as_mut().expect("a parent exists");
+                if self.source.is_some() {
+                    p.again = true;
+                } else {
+                    p.failed = true;
+                }
+                continue;
+            }
+            let whole = count == 1 && lanes.len() == 1;
+            for lane in lanes {
+                self.queue_sub(Sub { parent: pi, piece, at, len: n, stripe, lane, whole });
+            }
+        }
+        if self.parents[pi].as_ref().is_some_and(|p| p.subs == 0) {
+            // Nothing went out: the request ends (or waits for the map) at once.
+            self.parents[pi].as_mut().expect("a parent exists").subs = 1;
+            self.parent_sub_ended(pi);
+        }
+    }
+
+    /// Move the writes whose `Busy` pause is over back to their lanes.
+    fn retry_busy(&mut self) {
+        let now = Instant::now();
+        while self.busy.front().is_some_and(|&(due, _)| due <= now) {
+            let (_, s) = self.busy.pop_front().expect("a busy sub");
+            let Some(sub) = self.subs[s] else { continue };
+            if self.lanes[sub.lane].is_some() {
+                self.backlog[sub.lane].push_back(s);
+            } else {
+                self.sub_failed(s, None);
+            }
+        }
+    }
+
     /// Send what waits on each lane while it has room.
     fn pump(&mut self) {
+        self.retry_busy();
         for lane in 0..self.lanes.len() {
             let mut failed = None;
             while let Some(&s) = self.backlog[lane].front() {
@@ -314,14 +519,14 @@ impl Segment {
                 self.backlog[lane].pop_front();
                 let sub = self.subs[s].expect("a queued sub exists");
                 let parent = self.parents[sub.parent].as_mut().expect("a sub's parent exists");
-                let copy = self.replicas[sub.stripe]
+                let copy = self.copies[sub.stripe]
                     .iter()
-                    .position(|&r| r == lane)
+                    .find(|c| c.lane == lane)
                     .expect("the lane holds the stripe");
-                let place = self.map.stripes[sub.stripe][copy].offset + sub.at % self.map.chunk_bytes;
+                let place = copy.offset + sub.at % self.chunk_bytes;
                 self.stats.requests += 1;
                 // One piece on one lane takes the caller's buffer as it is; otherwise each
-                // piece (and each replica of a write) has a buffer of its own.
+                // piece (and each copy of a write) has a buffer of its own.
                 let lent = if sub.whole { parent.buf.take() } else { None };
                 let submitted = if parent.opcode == Opcode::Write {
                     let from = (sub.at - parent.offset) as usize;
@@ -341,6 +546,7 @@ impl Segment {
                         self.sub_refused(s, Status::Invalid, r.buf);
                     }
                     Err(r) => {
+                        self.give_back(s, r.buf);
                         failed = Some(r.error.to_string());
                         break;
                     }
@@ -355,6 +561,16 @@ impl Segment {
             }
             if let Some(why) = failed {
                 self.take_out(lane, &why);
+            }
+        }
+    }
+
+    /// A buffer lent whole to sub `s` comes back to its request.
+    fn give_back(&mut self, s: usize, buf: Option<Vec<u8>>) {
+        let Some(sub) = self.subs[s] else { return };
+        if let (true, Some(buf)) = (sub.whole, buf) {
+            if let Some(p) = self.parents[sub.parent].as_mut() {
+                p.buf.get_or_insert(buf);
             }
         }
     }
@@ -386,8 +602,16 @@ impl Segment {
                 // The server's storage failed: its copies are not to be trusted.
                 Status::IoError => {
                     failed.get_or_insert_with(|| format!("request failed: {}", c.status));
-                    self.sub_failed(s);
+                    self.sub_failed(s, c.buf);
                 }
+                // A repair is copying the region out: the write goes again shortly.
+                Status::Busy => {
+                    self.give_back(s, c.buf);
+                    self.stats.busy += 1;
+                    self.busy.push_back((Instant::now() + BUSY_RETRY, s));
+                }
+                // The server knows a newer map than this segment: read it again.
+                Status::StaleCapability if self.source.is_some() => self.sub_again(s, c.buf),
                 // Refused for what it asked (range, size, rights): the request's fault.
                 refused => self.sub_refused(s, refused, c.buf),
             }
@@ -419,34 +643,52 @@ impl Segment {
         self.parent_sub_ended(sub.parent);
     }
 
-    fn sub_failed(&mut self, s: usize) {
+    /// Sub `s` failed with its server. A read goes to the next healthy copy in service; a
+    /// write (with a source) goes again once the server is reported and the map read again.
+    fn sub_failed(&mut self, s: usize, buf: Option<Vec<u8>>) {
+        self.give_back(s, buf);
         let Some(sub) = self.subs[s].take() else { return };
         self.free_subs.push(s);
         let opcode = self.parents[sub.parent].as_ref().expect("a sub's parent exists").opcode;
         if opcode != Opcode::Write {
-            // The next replica in service, if any, reads the piece instead.
-            let next = self.in_service(sub.stripe).find(|&l| l != sub.lane);
+            // The next healthy copy in service, if any, reads the piece instead.
+            let next = self.healthy(sub.stripe).find(|&l| l != sub.lane);
             if let Some(next) = next {
                 self.stats.fallbacks += 1;
                 self.queue_sub(Sub { lane: next, ..sub });
             } else if let Some(p) = self.parents[sub.parent].as_mut() {
-                p.failed = true;
+                p.again |= self.source.is_some();
+                p.failed |= self.source.is_none();
+            }
+        } else if self.source.is_some() {
+            if let Some(p) = self.parents[sub.parent].as_mut() {
+                p.again = true;
             }
         }
         self.parent_sub_ended(sub.parent);
     }
 
+    /// Sub `s` met a newer map than the segment's: its request goes again under the next.
+    fn sub_again(&mut self, s: usize, buf: Option<Vec<u8>>) {
+        self.give_back(s, buf);
+        let Some(sub) = self.subs[s].take() else { return };
+        self.free_subs.push(s);
+        if let Some(p) = self.parents[sub.parent].as_mut() {
+            p.again = true;
+            p.stale = true;
+        }
+        self.parent_sub_ended(sub.parent);
+    }
+
     /// A sub-request refused for what it asked: its request fails with that status, no other
-    /// replica is asked (it would say the same), and the server stays in service.
+    /// copy is asked (it would say the same), and the server stays in service.
     fn sub_refused(&mut self, s: usize, status: Status, buf: Option<Vec<u8>>) {
+        self.give_back(s, buf);
         let Some(sub) = self.subs[s].take() else { return };
         self.free_subs.push(s);
         let p = self.parents[sub.parent].as_mut().expect("a sub's parent exists");
         p.failed = true;
         p.refused.get_or_insert(status);
-        if sub.whole && p.buf.is_none() {
-            p.buf = buf;
-        }
         self.parent_sub_ended(sub.parent);
     }
 
@@ -455,6 +697,31 @@ impl Segment {
         p.subs -= 1;
         if p.subs > 0 {
             return;
+        }
+        if p.again && p.refused.is_none() {
+            if p.reissues < REISSUES_MAX {
+                self.again.push(i);
+                return;
+            }
+            // Still stale: the allocation was freed, or the map is not the servers'. Still
+            // missing a copy: no healthy one is left in service.
+            p.refused = p.stale.then_some(Status::StaleCapability);
+            p.failed = true;
+        }
+        if p.opcode == Opcode::Write && !p.failed && !p.second {
+            // The healthy copies hold it: now the copies being repaired.
+            p.second = true;
+            let (offset, len) = (p.offset, p.len);
+            let pieces: Vec<(u64, usize, usize)> = self.pieces(offset, len).collect();
+            for (piece, (at, n, stripe)) in pieces.into_iter().enumerate() {
+                let lanes: Vec<usize> = self.syncing(stripe).collect();
+                for lane in lanes {
+                    self.queue_sub(Sub { parent: i, piece, at, len: n, stripe, lane, whole: false });
+                }
+            }
+            if self.parents[i].as_ref().is_some_and(|p| p.subs > 0) {
+                return;
+            }
         }
         let p = self.parents[i].take().expect("a parent exists");
         self.free_parents.push(i);
@@ -468,6 +735,90 @@ impl Segment {
             // same length.
             buf: Some(p.buf.unwrap_or_else(|| vec![0; p.len])),
         });
+    }
+
+    /// Whether the segment must report a lost server or read its map again before going on.
+    fn must_heal(&self) -> bool {
+        self.source.is_some() && (!self.unreported.is_empty() || !self.again.is_empty())
+    }
+
+    /// Heal: let every request out end, report the servers lost, read the map again and take
+    /// it up, then send again the requests that wait for it. Blocks (an etcd round trip or
+    /// more, and a connection per changed server); gives up after [`HEAL_DEADLINE`], failing
+    /// the requests that waited.
+    fn heal(&mut self) -> Result<()> {
+        // Nothing may be out on a lane that the new map could replace.
+        while self.lanes.iter().flatten().any(|l| l.in_flight() > 0)
+            || self.backlog.iter().any(|b| !b.is_empty())
+            || !self.busy.is_empty()
+        {
+            self.pump();
+            let busiest = (0..self.lanes.len())
+                .filter_map(|i| self.lanes[i].as_ref().map(|l| (l.in_flight(), i)))
+                .max()
+                .filter(|(n, _)| *n > 0);
+            match busiest {
+                Some((_, lane)) => self.reap(lane, true),
+                None => std::thread::sleep(BUSY_RETRY),
+            }
+        }
+        let source = self.source.as_mut().expect("only a segment with a source heals");
+        let deadline = Instant::now() + HEAL_DEADLINE;
+        let mut pause = Duration::from_millis(10);
+        type Call<'a> = &'a mut dyn FnMut(&mut dyn MapSource) -> std::result::Result<(), SourceError>;
+        let mut attempt = |what: &str, f: Call<'_>| loop {
+            match f(source.as_mut()) {
+                Ok(()) => return Ok(()),
+                Err(e) if !e.retry || Instant::now() >= deadline => {
+                    return Err(format!("{what}: {}", e.message))
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e.message, "segment: cannot {what} yet; trying again");
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+            }
+        };
+        let mut healed = Ok(None);
+        for endpoint in std::mem::take(&mut self.unreported) {
+            if let Err(e) = attempt("report a lost server", &mut |s| s.lost(&endpoint)) {
+                healed = Err(e);
+                break;
+            }
+        }
+        if healed.is_ok() {
+            let mut map = None;
+            healed = attempt("read the map again", &mut |s| s.map().map(|m| map = Some(m))).map(|()| map);
+        }
+        self.stats.remaps += 1;
+        let again = std::mem::take(&mut self.again);
+        let installed = match healed {
+            Ok(Some(map)) => self.install(map).map_err(|e| e.to_string()),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        };
+        if let Err(why) = &installed {
+            tracing::warn!(error = %why, "segment: cannot heal; the requests that waited fail");
+        }
+        for pi in again {
+            let p = self.parents[pi].as_mut().expect("a request waiting for the map");
+            if installed.is_err() {
+                p.again = false;
+                p.failed = true;
+                p.refused = p.refused.or(p.stale.then_some(Status::StaleCapability));
+                p.subs = 1;
+                self.parent_sub_ended(pi);
+                continue;
+            }
+            p.again = false;
+            p.stale = false;
+            p.second = false;
+            p.reissues += 1;
+            p.held.iter_mut().for_each(|h| *h = p.opcode != Opcode::Write);
+            self.stats.reissues += 1;
+            self.dispatch(pi);
+        }
+        installed.map_err(Error::Lost)
     }
 
     /// Read `buf.len()` bytes at `offset` of the segment, blocking.
@@ -536,19 +887,12 @@ impl Queue<Vec<u8>> for Segment {
                 Some(buf),
             );
         }
-        if offset.checked_add(length as u64).is_none_or(|end| end > self.map.len) {
+        if offset.checked_add(length as u64).is_none_or(|end| end > self.len) {
             return reject(Error::InvalidArgument("segment I/O past the end of the segment"), Some(buf));
         }
-        // The pieces, at chunk boundaries.
-        let chunk = self.map.chunk_bytes;
-        let mut pieces = Vec::new();
-        let (mut at, end) = (offset, offset + length as u64);
-        while at < end {
-            let n = (chunk - at % chunk).min(end - at).min(self.piece_max);
-            pieces.push((at, n as usize, (at / chunk) as usize));
-            at += n;
-        }
-        if pieces.iter().any(|&(_, _, stripe)| self.in_service(stripe).next().is_none()) {
+        if self.source.is_none()
+            && self.pieces(offset, length).any(|(_, _, stripe)| self.healthy(stripe).next().is_none())
+        {
             return reject(Error::Lost("every copy of a stripe is out of service".into()), Some(buf));
         }
         let parent = Parent {
@@ -560,7 +904,11 @@ impl Queue<Vec<u8>> for Segment {
             subs: 0,
             failed: false,
             refused: None,
-            held: vec![opcode != Opcode::Write; pieces.len()],
+            held: vec![opcode != Opcode::Write; self.pieces(offset, length).count()],
+            second: false,
+            again: false,
+            stale: false,
+            reissues: 0,
         };
         let pi = match self.free_parents.pop() {
             Some(i) => {
@@ -578,17 +926,7 @@ impl Queue<Vec<u8>> for Segment {
         } else {
             self.stats.reads += 1;
         }
-        for (piece, &(at, len, stripe)) in pieces.iter().enumerate() {
-            let lanes: Vec<usize> = if opcode == Opcode::Write {
-                self.in_service(stripe).collect()
-            } else {
-                self.in_service(stripe).take(1).collect()
-            };
-            let whole = pieces.len() == 1 && lanes.len() == 1;
-            for lane in lanes {
-                self.queue_sub(Sub { parent: pi, piece, at, len, stripe, lane, whole });
-            }
-        }
+        self.dispatch(pi);
         Ok(())
     }
 
@@ -596,12 +934,19 @@ impl Queue<Vec<u8>> for Segment {
         let min = min.min(self.in_flight + self.done.len());
         let mut got = 0;
         loop {
+            if self.must_heal() {
+                // Requests that waited fail on their own if this does; the rest go on.
+                let _ = self.heal();
+            }
             self.pump();
             self.reap_busy();
             got += self.done.len();
             out.append(&mut self.done);
             if got >= min {
                 return Ok(got);
+            }
+            if self.must_heal() {
+                continue;
             }
             self.pump();
             // Sleep on the lane with the most in flight; the others' completions wait in
@@ -612,6 +957,7 @@ impl Queue<Vec<u8>> for Segment {
                 .filter(|(n, _)| *n > 0);
             match busiest {
                 Some((_, lane)) => self.reap(lane, true),
+                None if !self.busy.is_empty() => std::thread::sleep(BUSY_RETRY),
                 None if self.backlog.iter().all(VecDeque::is_empty) && self.done.is_empty() => {
                     // Nothing in flight anywhere and nothing to send: whatever is left failed.
                     return Ok(got);
@@ -622,6 +968,9 @@ impl Queue<Vec<u8>> for Segment {
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) -> Result<usize> {
+        if self.must_heal() {
+            let _ = self.heal();
+        }
         self.pump();
         self.reap_busy();
         let n = self.done.len();

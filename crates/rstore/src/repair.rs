@@ -1,0 +1,258 @@
+//! RStore heals its replicas (docs/RSTORE.md, "Healing"): what the repair leader decides, as
+//! pure functions over one namespace's record, the servers registered now and the time. The
+//! driver (`crate::agent`) reads the records, calls these, and writes what changed back in one
+//! etcd transaction guarded by the revision it read; the simulator and the unit tests call them
+//! the same way. Nothing here does I/O.
+//!
+//! Every change to a stripe's copies moves the namespace's epoch on ([`touch`]): the stripe's
+//! grants are sealed with it, so a memory server that is shown the new grants refuses requests
+//! made under the old map (docs/PROTOCOL.md, 14.6). A copy goes:
+//!
+//! - `ok` → `stale` when its server is gone (or another incarnation of it registered: a RAM
+//!   pool restarted empty), or a client lost it mid-write ([`mark_stale`]). It records which
+//!   healthy copies track the regions it misses from then on (`dirty_on`, each `id@boot`).
+//! - `stale` → `syncing` when its server is back ([`plan`]): a partial copy from a healthy
+//!   copy whose dirty regions cover what it missed (that server still runs the same boot), or
+//!   else a full one. A RAM server back in another incarnation takes the chunk back empty, so
+//!   in full.
+//! - `stale` → a new `syncing` copy on another server, when its server stayed away longer than
+//!   the grace period: [`Plan::relocate`] names it, and the driver reserves the spare chunk.
+//! - `syncing` → `ok` when the source server copied it ([`finish`]); `syncing` → `stale` when
+//!   its server or its source is gone.
+
+use coord::{ChunkRef, CopyState, Namespace, ServerInfo, Stripe};
+
+/// `id@boot` of a server: whose dirty regions a stale copy may be repaired from.
+pub fn tracker(s: &ServerInfo) -> String {
+    format!("{}@{:x}", s.id, s.boot)
+}
+
+/// The live registration of the server holding `c`, in `c`'s incarnation: its data is there.
+pub fn holder<'a>(live: &'a [ServerInfo], c: &ChunkRef) -> Option<&'a ServerInfo> {
+    live.iter().find(|s| s.id == c.server && s.incarnation == c.incarnation)
+}
+
+/// Whether every copy of the stripe is `ok`: its grants then carry no `TRACK`.
+pub fn whole(stripe: &Stripe) -> bool {
+    stripe.iter().all(|c| c.state == CopyState::Ok)
+}
+
+/// Move the namespace's epoch on, and give it to every copy of `stripe`.
+pub fn touch(epoch: &mut u32, stripe: &mut Stripe) {
+    *epoch = epoch.wrapping_add(1).max(1);
+    for c in stripe.iter_mut() {
+        c.epoch = *epoch;
+    }
+}
+
+/// Mark copy `i` of `stripe` stale at `now_ms`: it may miss writes from now on. Refused
+/// (`false`) when no other copy is `ok` on a live server: its data is all there is, and there
+/// is nothing to mark it stale against. The healthy copies' servers track what it misses.
+pub fn mark_stale(epoch: &mut u32, stripe: &mut Stripe, i: usize, live: &[ServerInfo], now_ms: u64) -> bool {
+    if stripe[i].state == CopyState::Stale {
+        return false;
+    }
+    let trackers: Vec<String> = (0..stripe.len())
+        .filter(|&j| j != i && stripe[j].state == CopyState::Ok)
+        .filter_map(|j| holder(live, &stripe[j]).map(tracker))
+        .collect();
+    if trackers.is_empty() {
+        return false;
+    }
+    let c = &mut stripe[i];
+    // A partial repair that stops keeps what made it partial: its source's regions still
+    // cover what is left. A full one starts over.
+    c.dirty_on = match c.state {
+        CopyState::Syncing if c.full => Vec::new(),
+        CopyState::Syncing => std::mem::take(&mut c.dirty_on),
+        _ => trackers,
+    };
+    c.state = CopyState::Stale;
+    c.since_ms = now_ms;
+    c.from.clear();
+    c.full = false;
+    touch(epoch, stripe);
+    true
+}
+
+/// Start repairing copy `i` of `stripe` (stale, its server live in `server`) from a healthy
+/// copy: the one whose dirty regions cover what it missed if there is one (a partial copy),
+/// else any (a full copy). `false` when no healthy copy is on a live server.
+pub fn start_sync(
+    epoch: &mut u32,
+    stripe: &mut Stripe,
+    i: usize,
+    server: &ServerInfo,
+    live: &[ServerInfo],
+) -> bool {
+    let healthy: Vec<&ServerInfo> = (0..stripe.len())
+        .filter(|&j| j != i && stripe[j].state == CopyState::Ok)
+        .filter_map(|j| holder(live, &stripe[j]))
+        .collect();
+    let same_life = stripe[i].incarnation == server.incarnation;
+    let partial = healthy.iter().find(|s| same_life && stripe[i].dirty_on.contains(&tracker(s)));
+    let Some(from) = partial.or(healthy.first()) else { return false };
+    let c = &mut stripe[i];
+    c.full = partial.is_none();
+    c.from = from.id.clone();
+    c.incarnation = server.incarnation;
+    c.state = CopyState::Syncing;
+    touch(epoch, stripe);
+    true
+}
+
+/// Copy `i` of `stripe`, repaired by `from` under epoch `at`, is `ok`: `false` (nothing
+/// changes) when the stripe moved on since, or the copy is no longer that repair's.
+pub fn finish(epoch: &mut u32, stripe: &mut Stripe, i: usize, from: &str, at: u32) -> bool {
+    let c = &stripe[i];
+    if c.state != CopyState::Syncing || c.from != from || c.epoch != at {
+        return false;
+    }
+    let c = &mut stripe[i];
+    c.state = CopyState::Ok;
+    c.from.clear();
+    c.full = false;
+    c.dirty_on.clear();
+    c.since_ms = 0;
+    touch(epoch, stripe);
+    true
+}
+
+/// A stale copy to be rebuilt on another server: `stripe` of the allocation at `addr`
+/// (`None`: of the reserve), copy `copy`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Relocation {
+    pub addr: u64,
+    pub stripe: usize,
+    pub copy: usize,
+    /// Servers the stripe already has a copy on: the spare chunk goes elsewhere.
+    pub avoid: Vec<String>,
+}
+
+/// What one pass of the leader over a namespace did, and what it leaves to the driver.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// Copies marked stale, repairs started, repairs undone.
+    pub stale: usize,
+    pub started: usize,
+    /// Stale copies whose server stayed away past the grace period: rebuild elsewhere.
+    pub relocate: Vec<Relocation>,
+}
+
+impl Plan {
+    pub fn changed(&self) -> bool {
+        self.stale + self.started > 0
+    }
+}
+
+/// One pass of the repair leader over namespace `ns` at `now_ms`, `live` being the servers
+/// registered now: marks the copies whose servers are gone stale, starts repairing those whose
+/// servers are back, undoes repairs whose copy or source went away, and names the copies away
+/// longer than `rebuild_after_ms` for the driver to rebuild elsewhere. Only allocated stripes
+/// are repaired: the reserve holds no data.
+pub fn plan(ns: &mut Namespace, live: &[ServerInfo], now_ms: u64, rebuild_after_ms: u64) -> Plan {
+    let mut plan = Plan::default();
+    let epoch = &mut ns.epoch;
+    for (&addr, alloc) in ns.allocs.iter_mut() {
+        for (si, stripe) in alloc.stripes.iter_mut().enumerate() {
+            for i in 0..stripe.len() {
+                let here = holder(live, &stripe[i]).is_some();
+                match stripe[i].state {
+                    CopyState::Ok if !here => {
+                        plan.stale += usize::from(mark_stale(epoch, stripe, i, live, now_ms))
+                    }
+                    CopyState::Syncing => {
+                        let source_ok = stripe.iter().any(|c| {
+                            c.server == stripe[i].from
+                                && c.state == CopyState::Ok
+                                && holder(live, c).is_some()
+                        });
+                        if !here || !source_ok {
+                            plan.stale += usize::from(mark_stale(epoch, stripe, i, live, now_ms));
+                        }
+                    }
+                    CopyState::Stale => {
+                        let back = live.iter().find(|s| s.id == stripe[i].server);
+                        if let Some(server) = back {
+                            plan.started += usize::from(start_sync(epoch, stripe, i, server, live));
+                        } else if now_ms.saturating_sub(stripe[i].since_ms) >= rebuild_after_ms {
+                            plan.relocate.push(Relocation {
+                                addr,
+                                stripe: si,
+                                copy: i,
+                                avoid: stripe.iter().map(|c| c.server.clone()).collect(),
+                            });
+                        }
+                    }
+                    CopyState::Ok => {}
+                }
+            }
+        }
+    }
+    plan
+}
+
+/// Put `spare` (a chunk reserved on a server the stripe has no copy on) in place of the stale
+/// copy `r` names, to be repaired in full from a healthy copy. Returns the chunk it replaces
+/// (to give back to its pool, dirty), or `None` when the stripe changed since `r` was planned.
+pub fn relocate(
+    ns: &mut Namespace,
+    r: &Relocation,
+    spare: ChunkRef,
+    live: &[ServerInfo],
+) -> Option<ChunkRef> {
+    let stripe = ns.allocs.get_mut(&r.addr)?.stripes.get_mut(r.stripe)?;
+    let old = stripe.get(r.copy)?;
+    if old.state != CopyState::Stale || stripe.iter().any(|c| c.server == spare.server) {
+        return None;
+    }
+    let server = live.iter().find(|s| s.id == spare.server)?;
+    let was = std::mem::replace(&mut stripe[r.copy], ChunkRef { state: CopyState::Stale, ..spare });
+    if !start_sync(&mut ns.epoch, stripe, r.copy, server, live) {
+        stripe[r.copy] = was;
+        return None;
+    }
+    Some(was)
+}
+
+/// A namespace's health, for `skiff ns status`.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Health {
+    /// Allocated stripes with every copy `ok`, with a copy not `ok`, and with a copy syncing.
+    pub healthy: usize,
+    pub degraded: usize,
+    pub rebuilding: usize,
+    /// Stripes with no `ok` copy on a live server: their data cannot be read now.
+    pub unavailable: usize,
+}
+
+impl Health {
+    pub fn of(ns: &Namespace, live: &[ServerInfo]) -> Health {
+        let mut h = Health::default();
+        for stripe in ns.allocs.values().flat_map(|a| a.stripes.iter()) {
+            if !stripe.iter().any(|c| c.state == CopyState::Ok && holder(live, c).is_some()) {
+                h.unavailable += 1;
+            }
+            if stripe.iter().any(|c| c.state == CopyState::Syncing) {
+                h.rebuilding += 1;
+            } else if whole(stripe) && stripe.iter().all(|c| holder(live, c).is_some()) {
+                h.healthy += 1;
+            } else {
+                h.degraded += 1;
+            }
+        }
+        h
+    }
+
+    pub fn label(&self) -> &'static str {
+        if self.unavailable > 0 {
+            "unavailable"
+        } else if self.rebuilding > 0 {
+            "rebuilding"
+        } else if self.degraded > 0 {
+            "degraded"
+        } else {
+            "healthy"
+        }
+    }
+}
