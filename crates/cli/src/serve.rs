@@ -1,13 +1,13 @@
 //! `skiff serve`.
 
 mod config;
-mod pool;
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{ArgMatches, Args};
 use initiator::Endpoint;
+use rstore::pool;
 use server::{ExportConfig, Target, TargetConfig};
 
 use crate::CliResult;

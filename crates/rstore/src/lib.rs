@@ -8,11 +8,14 @@
 //!   to its live copies.
 //! - [`segment`]: the data path: a mapped `raddress` ([`Segment`]), striped over one lane per
 //!   server, with replicas.
+//! - [`pool`]: the memory server's side: the pool export a `skiff serve --pool` serves, its
+//!   registration kept alive under a lease, and the zeroing of the chunks given back.
 //!
 //! The etcd client and the records kept there (the key schema) are `coord`'s; the lanes are
 //! `initiator`'s. Applications on RStore (RSort) live in `apps`.
 
 pub mod control;
+pub mod pool;
 pub mod repair;
 pub mod segment;
 

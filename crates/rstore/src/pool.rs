@@ -1,7 +1,8 @@
-//! `skiff serve --pool SPEC --coordinator URLS`: a memory server of RStore namespaces. The
-//! pool is an ordinary export (`pool`) that initiators reach on the data path like any other;
-//! the server registers it with the coordinator (etcd) under a lease and renews the lease from
-//! a thread of its own, so that the control plane never runs on a worker (docs/RSTORE.md).
+//! The pool service of a memory server of RStore namespaces (`skiff serve --pool SPEC
+//! --coordinator URLS`). The pool is an ordinary export (`pool`) that initiators reach on the
+//! data path like any other; the server registers it with the coordinator (etcd) under a lease
+//! and renews the lease from a thread of its own, so that the control plane never runs on a
+//! worker (docs/RSTORE.md).
 //! The same thread zeroes the chunks namespaces gave back (through a lane to its own export,
 //! WRITE_ZEROES) before the coordinator hands them out again.
 
@@ -10,7 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use coord::{Scope, ServerInfo};
-use rstore::{Coordinator, Registration};
+
+use crate::control::{Coordinator, Registration};
 
 /// The export a pool is served as.
 pub const POOL_EXPORT: &str = "pool";
