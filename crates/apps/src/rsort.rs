@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use coord::Scope;
 use initiator::LaneConfig;
-use rstore::{Coordinator, Segment};
+use rstore::{Coordinator, Flags, Segment};
 
 const RECORD: usize = 100;
 const KEY: usize = 10;
@@ -195,15 +195,17 @@ fn gen_sector() -> u64 {
 fn sort_sector() -> u64 {
     SECTOR as u64
 }
-/// The flags' sector: worker `i`'s phase-1 flag is its byte `i`, bucket `b`'s phase-2 flag
-/// byte `WORKERS_MAX + b`. A flag is 1 when set.
-const FLAGS: u64 = 2 * SECTOR as u64;
-fn phase1_flag(i: usize) -> u64 {
-    FLAGS + i as u64
+/// The flags' sector (RStore's one-byte flags): worker `i`'s phase-1 flag is its flag `i`,
+/// bucket `b`'s phase-2 flag its flag `WORKERS_MAX + b`.
+const FLAGS: Flags = Flags::new(2 * SECTOR as u64);
+fn phase1_flag(i: usize) -> usize {
+    i
 }
-fn phase2_flag(b: usize) -> u64 {
-    FLAGS + (WORKERS_MAX + b) as u64
+fn phase2_flag(b: usize) -> usize {
+    WORKERS_MAX + b
 }
+/// How often a worker at the barrier reads the flags.
+const BARRIER_POLL: Duration = Duration::from_millis(1);
 fn phase1_sector(i: usize) -> u64 {
     (3 + i) as u64 * SECTOR as u64
 }
@@ -333,7 +335,7 @@ impl Rsort {
         self.fresh(&buckets, (workers * workers) as u64 * round_up(cap * RECORD as u64))?;
         self.fresh(&output, round_up(records * RECORD as u64) + (workers * SECTOR) as u64)?;
         // No flag of an earlier sort may count.
-        m.write(FLAGS, &[0u8; SECTOR])?;
+        FLAGS.clear(&mut m)?;
         m.write(sort_sector(), &sector_u64s(&[MAGIC, workers as u64, 0]))?;
         let children = (0..workers)
             .map(|i| worker(i, workers).stdout(Stdio::piped()).spawn())
@@ -429,18 +431,11 @@ impl Rsort {
             write_region(&mut b_seg, ((b * workers + id) as u64) * slot, data)?;
         }
         m.write(phase1_sector(id), &sector_u64s(&counts))?;
-        m.write(phase1_flag(id), &[1])?;
+        FLAGS.set(&mut m, phase1_flag(id))?;
         let phase1 = t0.elapsed();
         // Wait for every worker's phase-1 flag, then read their counts.
         let t1 = Instant::now();
-        let mut flags = vec![0u8; workers];
-        loop {
-            m.read(phase1_flag(0), &mut flags)?;
-            if flags.iter().all(|&f| f == 1) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        FLAGS.wait_all(&mut m, phase1_flag(0), workers, BARRIER_POLL)?;
         let sectors = read_region(&mut m, phase1_sector(0), workers * SECTOR)?;
         let all: Vec<Vec<u64>> = sectors.chunks(SECTOR).map(u64s).collect();
         let waited = t1.elapsed();
@@ -471,7 +466,7 @@ impl Rsort {
         let mut out = map(c, &output)?;
         write_region(&mut out, at, &sorted)?;
         m.write(phase2_sector(workers, b), &sector_u64s(&[totals[b]]))?;
-        m.write(phase2_flag(b), &[1])?;
+        FLAGS.set(&mut m, phase2_flag(b))?;
         let phase2 = t2.elapsed();
         Ok(Report {
             what: "worker",
@@ -500,10 +495,9 @@ impl Rsort {
         let mut out = map(c, &output)?;
         let (mut n, mut sum, mut last): (u64, u128, Option<Vec<u8>>) = (0, 0, None);
         let mut at = 0u64;
-        let mut done = vec![0u8; workers];
-        m.read(phase2_flag(0), &mut done)?;
-        for (b, &flag) in done.iter().enumerate() {
-            if flag != 1 {
+        let done = FLAGS.read(&mut m, phase2_flag(0), workers)?;
+        for (b, &set) in done.iter().enumerate() {
+            if !set {
                 return Err(format!("bucket {b} was never written: the sort did not finish").into());
             }
             let s = u64s(&read_region(&mut m, phase2_sector(workers, b), SECTOR)?);

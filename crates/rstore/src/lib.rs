@@ -8,6 +8,8 @@
 //!   to its live copies.
 //! - [`segment`]: the data path: a mapped `raddress` ([`Segment`]), striped over one lane per
 //!   server, with replicas.
+//! - [`coordination`]: what applications on RStore coordinate through: a sector of one-byte
+//!   flags in a namespace, set by one-byte writes and polled ([`Flags`]).
 //! - [`pool`]: the memory server's side: the pool export a `skiff serve --pool` serves, its
 //!   registration kept alive under a lease, and the zeroing of the chunks given back.
 //!
@@ -15,9 +17,11 @@
 //! `initiator`'s. Applications on RStore (RSort) live in `apps`.
 
 pub mod control;
+pub mod coordination;
 pub mod pool;
 pub mod repair;
 pub mod segment;
 
 pub use control::{segment_map, Coordinator, Place, RAddress, Registration};
+pub use coordination::Flags;
 pub use segment::{Location, MapSource, Segment, SegmentMap, SegmentStats, SourceError};
