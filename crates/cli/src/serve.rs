@@ -83,6 +83,14 @@ pub struct ServeArgs {
     /// lost to their namespaces.
     #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_duration, default_value = "10s")]
     lease: Duration,
+    /// How long a copy's memory server may stay away before the repair rebuilds the copy on
+    /// another server with free pool space (docs/RSTORE.md, "Healing").
+    #[arg(long, value_name = "DURATION", value_parser = crate::units::parse_duration, default_value = "10m")]
+    rebuild_after: Duration,
+    /// Bytes a second this server copies out at most when it repairs a copy (0: no bound), so
+    /// that the foreground keeps its IOPS.
+    #[arg(long, value_name = "SIZE", value_parser = crate::units::parse_size, default_value = "100M")]
+    rebuild_rate: u64,
     /// Serve every export read-only.
     #[arg(long)]
     read_only: bool,
@@ -299,7 +307,12 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                 boot: u64::from_le_bytes(rt::random::bytes::<8>()?),
             };
             let served = target.pool(pool::POOL_EXPORT).ok_or("the pool export takes no grants")?;
-            match pool::register(urls, info, served, args.lease) {
+            let repair = rstore::agent::Config {
+                rebuild_after: args.rebuild_after,
+                rebuild_rate: args.rebuild_rate,
+                ..rstore::agent::Config::default()
+            };
+            match pool::register(urls, info, served, args.lease, repair) {
                 Ok(r) => Some(r),
                 Err(e) => {
                     target.shutdown();

@@ -114,6 +114,9 @@ pub fn segment_map(r: &RAddress, live: &[ServerInfo]) -> Result<SegmentMap, Coor
     Ok(SegmentMap { len: r.len, chunk_bytes: r.chunk_bytes, stripes })
 }
 
+/// The key the repair leader holds, under its registration's lease.
+pub const LEADER: &str = "/skiff/repair/leader";
+
 /// Unix time in milliseconds: when a copy went stale, for the grace period before a rebuild.
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -506,6 +509,99 @@ impl Coordinator {
             }
             Ok(((), changed))
         })
+    }
+
+    // ---- healing (crate::repair, crate::agent) ----
+
+    /// One pass of the repair leader over namespace `name` at `now_ms` ([`repair::plan`]),
+    /// written back in one transaction if it changed anything.
+    pub fn plan(&self, name: &str, now_ms: u64, rebuild_after_ms: u64) -> Result<repair::Plan, CoordError> {
+        let live = self.servers()?;
+        self.change_ns(name, |ns| {
+            let plan = repair::plan(ns, &live, now_ms, rebuild_after_ms);
+            let changed = plan.changed();
+            Ok((plan, changed))
+        })
+    }
+
+    /// Rebuild the stale copy `r` names on another live server of the namespace's scope with
+    /// a free chunk, one the stripe has no copy on: the spare chunk is taken from its pool,
+    /// the copy put in its place to be repaired in full, and the old chunk given back to its
+    /// server's pool (zeroed when it returns), in one transaction. `false` when no server has
+    /// room, or the stripe changed since `r` was planned.
+    pub fn relocate(&self, name: &str, r: &repair::Relocation) -> Result<bool, CoordError> {
+        self.retry(name, || {
+            let (mut ns, rev) = self.read_ns(name)?;
+            let live = self.servers()?;
+            let mut spare = None;
+            for s in live.iter().filter(|s| {
+                s.scope == ns.scope && s.chunk_bytes == ns.chunk_bytes && !r.avoid.contains(&s.id)
+            }) {
+                let k = key(POOLS, &s.id);
+                let Some(kv) = self.etcd.get(&k)? else { continue };
+                let mut state: PoolState = decode(&kv)?;
+                let index = if let Some(c) = state.free.pop() {
+                    c
+                } else if state.next < s.chunks() {
+                    state.next += 1;
+                    state.next - 1
+                } else {
+                    continue;
+                };
+                let generation = state.generations.get(&index).copied().unwrap_or(0);
+                let chunk = ChunkRef::new(&s.id, index, s.incarnation, generation);
+                spare = Some((chunk, state, Compare::ModRevision(k, kv.mod_revision)));
+                break;
+            }
+            let Some((chunk, pool, pool_cmp)) = spare else { return Ok(Some(false)) };
+            let server = chunk.server.clone();
+            let Some(old) = repair::relocate(&mut ns, r, chunk, &live) else { return Ok(Some(false)) };
+            let (mut compare, mut ops) = self.give_back(&[vec![old]])?;
+            compare.push(pool_cmp);
+            ops.push(Op::Put { key: key(POOLS, &server), value: encode(&pool), lease: 0 });
+            compare.push(Compare::ModRevision(key(NAMESPACES, name), rev));
+            ops.push(Op::Put { key: key(NAMESPACES, name), value: encode_ns(&ns)?, lease: 0 });
+            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(true))
+        })
+    }
+
+    /// Copy `copy` of stripe `stripe` of the allocation at `addr`, repaired by server `from`
+    /// under epoch `at`, is healthy ([`repair::finish`]). `false` when the stripe moved on
+    /// since (the repair goes again under the new epoch) or the copy is no longer that repair's.
+    pub fn finish_sync(
+        &self,
+        name: &str,
+        addr: u64,
+        stripe: usize,
+        copy: usize,
+        from: &str,
+        at: u32,
+    ) -> Result<bool, CoordError> {
+        self.change_ns(name, |ns| {
+            let Some(st) = ns.allocs.get_mut(&addr).and_then(|a| a.stripes.get_mut(stripe)) else {
+                return Ok((false, false));
+            };
+            let done = copy < st.len() && repair::finish(&mut ns.epoch, st, copy, from, at);
+            Ok((done, done))
+        })
+    }
+
+    /// Try to become (or stay) the repair leader as server `id`: the leader key is created
+    /// under `lease` (the server's registration lease) if nobody holds it, so it lapses with
+    /// the server. Whether `id` leads now.
+    pub fn campaign(&self, id: &str, lease: i64) -> Result<bool, CoordError> {
+        let k = LEADER.as_bytes().to_vec();
+        self.etcd.txn(
+            &[Compare::Absent(k.clone())],
+            &[Op::Put { key: k.clone(), value: id.into(), lease }],
+            &[],
+        )?;
+        Ok(self.etcd.get(&k)?.is_some_and(|kv| kv.value == id.as_bytes()))
+    }
+
+    /// The repair leader now, if any.
+    pub fn leader(&self) -> Result<Option<String>, CoordError> {
+        Ok(self.etcd.get(LEADER.as_bytes())?.map(|kv| String::from_utf8_lossy(&kv.value).into_owned()))
     }
 
     /// The allocation at `addr` of namespace `name` (RStore's `init`).

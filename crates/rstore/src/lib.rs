@@ -16,6 +16,7 @@
 //! The etcd client and the records kept there (the key schema) are `coord`'s; the lanes are
 //! `initiator`'s. Applications on RStore (RSort) live in `apps`.
 
+pub mod agent;
 pub mod control;
 pub mod coordination;
 pub mod pool;

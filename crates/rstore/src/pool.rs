@@ -2,16 +2,17 @@
 //! --coordinator URLS`). The pool is an ordinary export (`pool`) that initiators reach on the
 //! data path like any other; the server registers it with the coordinator (etcd) under a lease
 //! and renews the lease from a thread of its own, so that the control plane never runs on a
-//! worker (docs/RSTORE.md).
-//! The same thread zeroes the chunks namespaces gave back (through a lane to its own export,
-//! WRITE_ZEROES) before the coordinator hands them out again.
+//! worker (docs/RSTORE.md). A thread of its own zeroes the chunks namespaces gave back
+//! (through a lane to its own export, WRITE_ZEROES) before the coordinator hands them out
+//! again, and another runs the repair agent ([`crate::agent`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use coord::{Scope, ServerInfo};
 
+use crate::agent;
 use crate::control::{Coordinator, Registration};
 
 /// The export a pool is served as.
@@ -116,7 +117,9 @@ pub struct Registered {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Option<Registration>>>,
     zeroer: Option<std::thread::JoinHandle<()>>,
+    repairer: Option<std::thread::JoinHandle<()>>,
     coord: Arc<Coordinator>,
+    progress: Arc<agent::Progress>,
 }
 
 /// Register `info` with the coordinator at `urls`, and renew it every third of `lease` from a
@@ -126,6 +129,7 @@ pub fn register(
     info: ServerInfo,
     pool: server::Pool,
     lease: Duration,
+    repair: agent::Config,
 ) -> Result<Registered, Box<dyn std::error::Error>> {
     let coord = Arc::new(Coordinator::connect(&[urls.to_owned()]));
     // Take up the generations the coordinator recorded before publishing the key: grants
@@ -143,8 +147,11 @@ pub fn register(
         "registered with the coordinator");
     let stop = Arc::new(AtomicBool::new(false));
     let zero_info = info.clone();
+    let agent_info = info.clone();
+    // The lease the registration holds now (0: none), for the repair leader's key.
+    let current = Arc::new(AtomicI64::new(first.lease()));
     let thread = {
-        let (stop, coord) = (stop.clone(), coord.clone());
+        let (stop, coord, current) = (stop.clone(), coord.clone(), current.clone());
         std::thread::Builder::new().name("skiff-lease".into()).spawn(move || {
             let mut reg = Some(first);
             let tick = Duration::from_millis(50);
@@ -166,6 +173,7 @@ pub fn register(
                             .register(&info, lease)
                             .inspect_err(|e| tracing::warn!(error = %e, "cannot register again"))
                             .ok();
+                        current.store(reg.as_ref().map_or(0, Registration::lease), Ordering::Relaxed);
                     }
                 }
             }
@@ -175,7 +183,7 @@ pub fn register(
     // Zeroing has a thread of its own: a large namespace given back takes a while to zero,
     // and the lease must be renewed meanwhile.
     let zeroer = {
-        let (stop, coord, info) = (stop.clone(), coord.clone(), zero_info);
+        let (stop, coord, info, pool) = (stop.clone(), coord.clone(), zero_info, pool.clone());
         std::thread::Builder::new().name("skiff-zero".into()).spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(ZERO_EVERY);
@@ -185,15 +193,31 @@ pub fn register(
             }
         })?
     };
-    Ok(Registered { stop, thread: Some(thread), zeroer: Some(zeroer), coord })
+    // Repair too: a copy takes a while, and neither lease nor zeroing may wait for it.
+    let progress = Arc::new(agent::Progress::default());
+    let repairer =
+        agent::spawn(coord.clone(), agent_info, pool, repair, current, progress.clone(), stop.clone())?;
+    Ok(Registered {
+        stop,
+        thread: Some(thread),
+        zeroer: Some(zeroer),
+        repairer: Some(repairer),
+        coord,
+        progress,
+    })
 }
 
 impl Registered {
+    /// What this server's repair agent did.
+    pub fn progress(&self) -> &agent::Progress {
+        &self.progress
+    }
+
     /// Stop renewing and end the registration at once (a clean shutdown).
     pub fn end(mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(z) = self.zeroer.take() {
-            let _ = z.join();
+        for t in [self.zeroer.take(), self.repairer.take()].into_iter().flatten() {
+            let _ = t.join();
         }
         if let Some(Some(reg)) = self.thread.take().map(|t| t.join().ok().flatten()) {
             if let Err(e) = reg.revoke(&self.coord) {

@@ -1,0 +1,281 @@
+//! The repair agent every memory server runs (docs/RSTORE.md, "Healing"): one of them leads,
+//! and each copies out the repairs it is the source of.
+//!
+//! - **The leader** holds [`LEADER`](crate::control::LEADER) in etcd under its registration's
+//!   lease (created only if absent: etcd's lease primitive, no election protocol of our own),
+//!   so it lapses when the server dies or loses etcd, and another server takes it. Once a
+//!   pass, the leader runs [`repair::plan`](crate::repair::plan) over every namespace (marks
+//!   copies stale, starts repairs of copies whose server is back, undoes repairs whose copy
+//!   or source went away) and rebuilds elsewhere the copies away past the grace period. Each
+//!   change is one etcd transaction on what it read, so a leader that dies mid-pass leaves
+//!   nothing half done, and its successor starts from the records.
+//! - **A source** is the server of the healthy copy a syncing copy names (`from`): whoever
+//!   leads, it copies the regions the syncing copy misses (those its dirty regions name, or
+//!   all of them for a full repair), then marks the copy healthy. A repair interrupted (the
+//!   source died, the stripe moved on) is found again in the records and goes on under the
+//!   new epoch, chunk by chunk: chunks marked healthy stay so.
+//!
+//! The copy itself ([`copy_chunk`]): the source raises its chunk to the repair's epoch (no
+//! write under an older map lands after that), then for each region locks it (writes into it
+//! are `Busy` meanwhile), reads it from its own pool, writes it to the syncing copy, and only
+//! then unlocks it and marks it clean. Writers send writes to the syncing copy after the
+//! healthy ones hold them, so none is overwritten by an older region (docs/PROTOCOL.md, 14.6).
+//! Copies are paced to `rebuild_rate` bytes a second, so the foreground keeps its IOPS.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use coord::{CoordError, CopyState, ServerInfo};
+use initiator::{Lane, LaneConfig, Queue, ReqFlags, Status};
+
+use crate::control::{unix_ms, Coordinator};
+use crate::repair;
+
+/// How the agent repairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// How long a copy's server may stay away before the copy is rebuilt on another server.
+    pub rebuild_after: Duration,
+    /// Bytes a second a source copies at most (0: no bound).
+    pub rebuild_rate: u64,
+    /// How often the agent looks.
+    pub every: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            rebuild_after: Duration::from_secs(600),
+            rebuild_rate: 100 << 20,
+            every: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What a server's agent did, for its status and metrics.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Whether this server leads the repair now.
+    pub leading: AtomicBool,
+    /// Chunks copied out (repairs finished), and bytes copied, as a source.
+    pub chunks: AtomicU64,
+    pub bytes: AtomicU64,
+    /// Bytes a second over the last chunk copied.
+    pub rate: AtomicU64,
+}
+
+/// One pass of the leader over every namespace: plans, then rebuilds elsewhere what stayed
+/// away past the grace period. Returns what it changed.
+pub fn lead(coord: &Coordinator, config: &Config) -> Result<repair::Plan, CoordError> {
+    let mut total = repair::Plan::default();
+    for ns in coord.list_ns()? {
+        let plan = coord.plan(&ns.name, unix_ms(), config.rebuild_after.as_millis() as u64)?;
+        for r in &plan.relocate {
+            if coord.relocate(&ns.name, r)? {
+                tracing::info!(ns = %ns.name, addr = r.addr, stripe = r.stripe, "a copy away past the grace period is rebuilt elsewhere");
+                total.started += 1;
+            }
+        }
+        total.stale += plan.stale;
+        total.started += plan.started;
+    }
+    Ok(total)
+}
+
+/// A repair this server is the source of.
+struct Task {
+    ns: String,
+    addr: u64,
+    stripe: usize,
+    copy: usize,
+    epoch: u32,
+    full: bool,
+    /// This server's (healthy) copy and the syncing one.
+    source: coord::ChunkRef,
+    target: coord::ChunkRef,
+}
+
+/// Copy out every repair `me` is the source of, and mark each copy healthy once done.
+/// Returns the chunks repaired.
+pub fn serve(
+    coord: &Coordinator,
+    me: &ServerInfo,
+    pool: &server::Pool,
+    config: &Config,
+    progress: &Progress,
+    stop: &AtomicBool,
+) -> Result<usize, Box<dyn std::error::Error>> {
+    let mut tasks = Vec::new();
+    for ns in coord.list_ns()? {
+        for (&addr, a) in &ns.allocs {
+            for (si, stripe) in a.stripes.iter().enumerate() {
+                for (ci, c) in stripe.iter().enumerate() {
+                    if c.state != CopyState::Syncing || c.from != me.id {
+                        continue;
+                    }
+                    let Some(source) = stripe.iter().find(|s| s.server == me.id && s.state == CopyState::Ok)
+                    else {
+                        continue;
+                    };
+                    tasks.push(Task {
+                        ns: ns.name.clone(),
+                        addr,
+                        stripe: si,
+                        copy: ci,
+                        epoch: c.epoch,
+                        full: c.full,
+                        source: source.clone(),
+                        target: c.clone(),
+                    });
+                }
+            }
+        }
+    }
+    if tasks.is_empty() {
+        return Ok(0);
+    }
+    let live = coord.servers()?;
+    let mut done = 0;
+    for t in tasks {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let Some(to) = repair::holder(&live, &t.target) else { continue };
+        let started = Instant::now();
+        let bytes = match copy_chunk(me, pool, &t, to, config.rebuild_rate) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                tracing::warn!(ns = %t.ns, addr = t.addr, stripe = t.stripe, to = %to.id, error = %e, "a repair copy failed; it goes again");
+                continue;
+            }
+        };
+        progress.bytes.fetch_add(bytes, Ordering::Relaxed);
+        let secs = started.elapsed().as_secs_f64().max(1e-6);
+        progress.rate.store((bytes as f64 / secs) as u64, Ordering::Relaxed);
+        if coord.finish_sync(&t.ns, t.addr, t.stripe, t.copy, &me.id, t.epoch)? {
+            progress.chunks.fetch_add(1, Ordering::Relaxed);
+            done += 1;
+            tracing::debug!(ns = %t.ns, addr = t.addr, stripe = t.stripe, to = %to.id, bytes, full = t.full, "a copy is repaired");
+        }
+    }
+    Ok(done)
+}
+
+/// Copy what `t`'s syncing copy misses from this server's copy to its server `to`: every
+/// region of the chunk for a full repair, else the dirty ones. Returns the bytes copied.
+fn copy_chunk(
+    me: &ServerInfo,
+    pool: &server::Pool,
+    t: &Task,
+    to: &ServerInfo,
+    rate: u64,
+) -> Result<u64, Box<dyn std::error::Error>> {
+    let chunk = t.source.index;
+    // From here no write under an older map lands in this copy: every writer holds the map
+    // that writes the syncing copy after this one.
+    pool.raise(chunk, t.source.generation, t.epoch)?;
+    let regions = if t.full { u64::MAX } else { pool.grants().dirty(chunk) };
+    if regions == 0 {
+        return Ok(0);
+    }
+    let rw = wire::CapRights::READ.union(wire::CapRights::WRITE);
+    let own = pool.grants().mint(chunk, rw).ok_or("the source chunk is past the pool")?;
+    let mut here = Lane::connect(
+        &initiator::Endpoint::parse(&me.endpoint)?,
+        &me.export,
+        &LaneConfig { grants: vec![own].into(), ..LaneConfig::default() },
+    )?;
+    // Presenting the grant of the repair's epoch raises the syncing copy's chunk to it too.
+    let theirs = to.grant_at(t.target.index, t.target.generation, t.epoch, false)?;
+    let mut there = Lane::connect(
+        &initiator::Endpoint::parse(&to.endpoint)?,
+        &to.export,
+        &LaneConfig { grants: theirs.into_iter().collect(), ..LaneConfig::default() },
+    )?;
+    let region = pool.grants().region_bytes();
+    let piece = u64::from(here.limits().io_bytes_max.min(there.limits().io_bytes_max)).clamp(512, region);
+    let chunk_bytes = pool.grants().chunk_bytes();
+    let (started, mut copied) = (Instant::now(), 0u64);
+    let mut out = Vec::new();
+    for r in 0..proto::grant::REGIONS {
+        let bit = 1u64 << r;
+        if regions & bit == 0 {
+            continue;
+        }
+        pool.lock(chunk, bit);
+        let result = (|| -> Result<(), Box<dyn std::error::Error>> {
+            let mut at = 0;
+            while at < region {
+                let n = piece.min(region - at);
+                let within = u64::from(r) * region + at;
+                let mut buf = vec![0u8; n as usize];
+                here.read_at(&mut buf, chunk * chunk_bytes + within)?;
+                there
+                    .submit_write(t.target.index * chunk_bytes + within, buf, ReqFlags::empty(), 0)
+                    .map_err(|r| r.error)?;
+                out.clear();
+                there.wait(1, &mut out)?;
+                if let Some(c) = out.iter().find(|c| c.status != Status::Ok) {
+                    return Err(format!("writing the syncing copy: {}", c.status).into());
+                }
+                at += n;
+            }
+            Ok(())
+        })();
+        pool.unlock(chunk, bit);
+        result?;
+        pool.grants().clean(chunk, bit);
+        copied += region;
+        // Paced: never ahead of `rate` bytes a second since the copy began.
+        if rate > 0 {
+            let due = Duration::from_secs_f64(copied as f64 / rate as f64);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+    }
+    Ok(copied)
+}
+
+/// The agent's thread: lead when it can (`lease`: the server's registration lease now, 0 while
+/// it has none), and serve the repairs this server is the source of, every `config.every`.
+pub fn spawn(
+    coord: Arc<Coordinator>,
+    me: ServerInfo,
+    pool: server::Pool,
+    config: Config,
+    lease: Arc<AtomicI64>,
+    progress: Arc<Progress>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name("skiff-repair".into()).spawn(move || {
+        let tick = Duration::from_millis(50);
+        let mut waited = config.every;
+        while !stop.load(Ordering::Relaxed) {
+            if waited < config.every {
+                std::thread::sleep(tick);
+                waited += tick;
+                continue;
+            }
+            waited = Duration::ZERO;
+            let lease = lease.load(Ordering::Relaxed);
+            let leading = lease != 0 && coord.campaign(&me.id, lease).unwrap_or(false);
+            if leading != progress.leading.swap(leading, Ordering::Relaxed) {
+                tracing::info!(leading, "repair leadership");
+            }
+            if leading {
+                match lead(&coord, &config) {
+                    Ok(plan) if plan.changed() || !plan.relocate.is_empty() => {
+                        tracing::info!(stale = plan.stale, started = plan.started, "repair pass")
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "repair pass failed; trying again"),
+                }
+            }
+            if let Err(e) = serve(&coord, &me, &pool, &config, &progress, &stop) {
+                tracing::warn!(error = %e, "cannot serve repairs; trying again");
+            }
+        }
+    })
+}
