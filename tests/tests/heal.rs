@@ -119,7 +119,7 @@ fn repair_until_whole(c: &Coordinator, mems: &[Mem], ns: &str, config: &agent::C
         agent::lead(c, config).unwrap();
         for m in mems {
             if let Some(pool) = m.pool() {
-                agent::serve(c, &m.info, &pool, config, &progress, &stop).unwrap();
+                agent::serve(c, &m.info, &pool, config, &progress, 0, &stop).unwrap();
             }
         }
         let r = c.lookup(ns, 0).unwrap();

@@ -86,6 +86,9 @@ enum Action {
     Delete { name: String },
     /// List the memory servers registered now.
     Servers,
+    /// A namespace's health: healthy, degraded, rebuilding or unavailable stripes, the copies
+    /// that are not healthy (their servers and states), and the progress and rate of repairs.
+    Status { name: String },
     /// Measure the control path against the data path: create, reserve, alloc, init (lookup),
     /// map and the first read of a scratch namespace of --size, then 4 KiB reads one at a
     /// time; everything is given back after.
@@ -185,6 +188,54 @@ fn summary(ns: &Namespace, live: &[ServerInfo]) -> String {
     )
 }
 
+/// `skiff ns status` as text.
+fn status_text(s: &rstore::repair::Status, now_ms: u64) -> String {
+    use std::fmt::Write;
+    let h = &s.stripes;
+    let mut out = format!(
+        "{}: {} (epoch {}, repair leader {})\n  stripes: {} healthy, {} degraded, {} rebuilding, {} unavailable\n",
+        s.name,
+        s.health,
+        s.epoch,
+        s.leader.as_deref().unwrap_or("none"),
+        h.healthy,
+        h.degraded,
+        h.rebuilding,
+        h.unavailable
+    );
+    for c in &s.copies {
+        let _ =
+            write!(out, "  {:#x} stripe {}: {} chunk {} {}", c.addr, c.stripe, c.server, c.index, c.state);
+        if !c.live {
+            out.push_str(", server away");
+        }
+        if let Some(since) = c.since_ms {
+            let _ = write!(out, " for {} s", now_ms.saturating_sub(since) / 1000);
+            if !c.dirty_on.is_empty() {
+                let _ = write!(out, " (tracked by {})", c.dirty_on.join(", "));
+            }
+        }
+        if let Some(from) = &c.from {
+            let _ = write!(out, " from {from} ({})", if c.full { "full" } else { "dirty regions" });
+        }
+        out.push('\n');
+    }
+    for p in &s.sources {
+        let _ = writeln!(
+            out,
+            "  source {}: {} chunk(s) repaired, {} MiB copied, {:.1} MiB/s last",
+            p.server,
+            p.chunks,
+            p.bytes >> 20,
+            p.rate as f64 / f64::from(1 << 20)
+        );
+    }
+    if s.syncing_bytes_max > 0 {
+        let _ = writeln!(out, "  left to copy: {} MiB at most", s.syncing_bytes_max >> 20);
+    }
+    out
+}
+
 /// The coordinator at the URLs given, or `$SKIFF_COORDINATOR`, or etcd's default on
 /// loopback; and those URLs.
 pub fn coordinator(given: Option<&str>) -> (Coordinator, String) {
@@ -274,6 +325,14 @@ pub fn run(args: NsArgs) -> CliResult {
             }
         }
         Action::Costs { size, chunk, reads } => costs(&c, size, chunk, reads, args.json)?,
+        Action::Status { name } => {
+            let status = c.status(&name)?;
+            if args.json {
+                print_json(&status);
+            } else {
+                print!("{}", status_text(&status, rstore::control::unix_ms()));
+            }
+        }
         Action::Servers => {
             let mut servers = c.servers()?;
             if args.json {

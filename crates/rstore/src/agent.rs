@@ -69,8 +69,15 @@ pub struct Progress {
 /// away past the grace period. Returns what it changed.
 pub fn lead(coord: &Coordinator, config: &Config) -> Result<repair::Plan, CoordError> {
     let mut total = repair::Plan::default();
-    for ns in coord.list_ns()? {
-        let plan = coord.plan(&ns.name, unix_ms(), config.rebuild_after.as_millis() as u64)?;
+    let namespaces = coord.list_ns()?;
+    if namespaces.is_empty() {
+        return Ok(total);
+    }
+    // A server killed keeps its registration until its lease lapses: only those reached now
+    // count as back.
+    let present: Vec<ServerInfo> = coord.servers()?.into_iter().filter(reachable).collect();
+    for ns in namespaces {
+        let plan = coord.plan(&ns.name, &present, unix_ms(), config.rebuild_after.as_millis() as u64)?;
         for r in &plan.relocate {
             if coord.relocate(&ns.name, r)? {
                 tracing::info!(ns = %ns.name, addr = r.addr, stripe = r.stripe, "a copy away past the grace period is rebuilt elsewhere");
@@ -81,6 +88,19 @@ pub fn lead(coord: &Coordinator, config: &Config) -> Result<repair::Plan, CoordE
         total.started += plan.started;
     }
     Ok(total)
+}
+
+/// Whether a TCP connection to the server's endpoint opens within a second (other endpoints
+/// are taken as reached).
+fn reachable(s: &ServerInfo) -> bool {
+    match initiator::Endpoint::parse(&s.endpoint) {
+        Ok(initiator::Endpoint::Tcp(addr)) => {
+            use std::net::ToSocketAddrs;
+            let Some(addr) = addr.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return false };
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
+        }
+        _ => true,
+    }
 }
 
 /// A repair this server is the source of.
@@ -104,6 +124,7 @@ pub fn serve(
     pool: &server::Pool,
     config: &Config,
     progress: &Progress,
+    lease: i64,
     stop: &AtomicBool,
 ) -> Result<usize, Box<dyn std::error::Error>> {
     let mut tasks = Vec::new();
@@ -146,7 +167,9 @@ pub fn serve(
         let bytes = match copy_chunk(me, pool, &t, to, config.rebuild_rate) {
             Ok(bytes) => bytes,
             Err(e) => {
-                tracing::warn!(ns = %t.ns, addr = t.addr, stripe = t.stripe, to = %to.id, error = %e, "a repair copy failed; it goes again");
+                // Its server is gone again (or refuses): stale until it is back.
+                tracing::warn!(ns = %t.ns, addr = t.addr, stripe = t.stripe, to = %to.id, error = %e, "a repair copy failed; the copy is stale again");
+                coord.abandon_sync(&t.ns, t.addr, t.stripe, t.copy, &me.id, t.epoch)?;
                 continue;
             }
         };
@@ -156,6 +179,16 @@ pub fn serve(
         if coord.finish_sync(&t.ns, t.addr, t.stripe, t.copy, &me.id, t.epoch)? {
             progress.chunks.fetch_add(1, Ordering::Relaxed);
             done += 1;
+            let published = repair::SourceProgress {
+                server: me.id.clone(),
+                chunks: progress.chunks.load(Ordering::Relaxed),
+                bytes: progress.bytes.load(Ordering::Relaxed),
+                rate: progress.rate.load(Ordering::Relaxed),
+                at_ms: unix_ms(),
+            };
+            if let Err(e) = coord.publish_progress(&published, lease) {
+                tracing::debug!(error = %e, "cannot publish the repair's progress");
+            }
             tracing::debug!(ns = %t.ns, addr = t.addr, stripe = t.stripe, to = %to.id, bytes, full = t.full, "a copy is repaired");
         }
     }
@@ -273,7 +306,7 @@ pub fn spawn(
                     Err(e) => tracing::warn!(error = %e, "repair pass failed; trying again"),
                 }
             }
-            if let Err(e) = serve(&coord, &me, &pool, &config, &progress, &stop) {
+            if let Err(e) = serve(&coord, &me, &pool, &config, &progress, lease, &stop) {
                 tracing::warn!(error = %e, "cannot serve repairs; trying again");
             }
         }

@@ -117,6 +117,10 @@ pub fn segment_map(r: &RAddress, live: &[ServerInfo]) -> Result<SegmentMap, Coor
 /// The key the repair leader holds, under its registration's lease.
 pub const LEADER: &str = "/skiff/repair/leader";
 
+/// Where each source publishes its repair progress ([`repair::SourceProgress`]), under its
+/// registration's lease.
+pub const PROGRESS: &str = "/skiff/repair/progress/";
+
 /// Unix time in milliseconds: when a copy went stale, for the grace period before a rebuild.
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -515,10 +519,16 @@ impl Coordinator {
 
     /// One pass of the repair leader over namespace `name` at `now_ms` ([`repair::plan`]),
     /// written back in one transaction if it changed anything.
-    pub fn plan(&self, name: &str, now_ms: u64, rebuild_after_ms: u64) -> Result<repair::Plan, CoordError> {
+    pub fn plan(
+        &self,
+        name: &str,
+        present: &[ServerInfo],
+        now_ms: u64,
+        rebuild_after_ms: u64,
+    ) -> Result<repair::Plan, CoordError> {
         let live = self.servers()?;
         self.change_ns(name, |ns| {
-            let plan = repair::plan(ns, &live, now_ms, rebuild_after_ms);
+            let plan = repair::plan(ns, &live, present, now_ms, rebuild_after_ms);
             let changed = plan.changed();
             Ok((plan, changed))
         })
@@ -586,6 +596,32 @@ impl Coordinator {
         })
     }
 
+    /// The repair of `copy` of stripe `stripe` of the allocation at `addr`, by server `from`
+    /// under epoch `at`, cannot go on (its server cannot be reached): the copy is stale again,
+    /// and the leader starts it over once its server is back.
+    pub fn abandon_sync(
+        &self,
+        name: &str,
+        addr: u64,
+        stripe: usize,
+        copy: usize,
+        from: &str,
+        at: u32,
+    ) -> Result<bool, CoordError> {
+        let live = self.servers()?;
+        let now = unix_ms();
+        self.change_ns(name, |ns| {
+            let Some(st) = ns.allocs.get_mut(&addr).and_then(|a| a.stripes.get_mut(stripe)) else {
+                return Ok((false, false));
+            };
+            let ours = st
+                .get(copy)
+                .is_some_and(|c| c.state == CopyState::Syncing && c.from == from && c.epoch == at);
+            let done = ours && repair::mark_stale(&mut ns.epoch, st, copy, &live, now);
+            Ok((done, done))
+        })
+    }
+
     /// Try to become (or stay) the repair leader as server `id`: the leader key is created
     /// under `lease` (the server's registration lease) if nobody holds it, so it lapses with
     /// the server. Whether `id` leads now.
@@ -597,6 +633,20 @@ impl Coordinator {
             &[],
         )?;
         Ok(self.etcd.get(&k)?.is_some_and(|kv| kv.value == id.as_bytes()))
+    }
+
+    /// Publish what source `p.server` copied out, under `lease`.
+    pub fn publish_progress(&self, p: &repair::SourceProgress, lease: i64) -> Result<(), CoordError> {
+        Ok(self.etcd.put(&key(PROGRESS, &p.server), &encode(p), lease)?)
+    }
+
+    /// Namespace `name`'s state of repair ([`repair::Status`]).
+    pub fn status(&self, name: &str) -> Result<repair::Status, CoordError> {
+        let ns = self.join_ns(name)?;
+        let live = self.servers()?;
+        let progress: Vec<repair::SourceProgress> =
+            self.etcd.prefix(PROGRESS.as_bytes())?.iter().map(decode).collect::<Result<_, _>>()?;
+        Ok(repair::Status::of(&ns, &live, self.leader()?, &progress))
     }
 
     /// The repair leader now, if any.

@@ -146,11 +146,19 @@ impl Plan {
 }
 
 /// One pass of the repair leader over namespace `ns` at `now_ms`, `live` being the servers
-/// registered now: marks the copies whose servers are gone stale, starts repairing those whose
-/// servers are back, undoes repairs whose copy or source went away, and names the copies away
-/// longer than `rebuild_after_ms` for the driver to rebuild elsewhere. Only allocated stripes
-/// are repaired: the reserve holds no data.
-pub fn plan(ns: &mut Namespace, live: &[ServerInfo], now_ms: u64, rebuild_after_ms: u64) -> Plan {
+/// registered now and `present` those of them the leader reached: marks the copies whose
+/// servers are gone stale, starts repairing those whose servers are back (registered and
+/// reached: a server killed keeps its registration until its lease lapses), undoes repairs
+/// whose copy or source went away, and names the copies away longer than `rebuild_after_ms`
+/// for the driver to rebuild elsewhere. Only allocated stripes are repaired: the reserve
+/// holds no data.
+pub fn plan(
+    ns: &mut Namespace,
+    live: &[ServerInfo],
+    present: &[ServerInfo],
+    now_ms: u64,
+    rebuild_after_ms: u64,
+) -> Plan {
     let mut plan = Plan::default();
     let epoch = &mut ns.epoch;
     for (&addr, alloc) in ns.allocs.iter_mut() {
@@ -172,7 +180,7 @@ pub fn plan(ns: &mut Namespace, live: &[ServerInfo], now_ms: u64, rebuild_after_
                         }
                     }
                     CopyState::Stale => {
-                        let back = live.iter().find(|s| s.id == stripe[i].server);
+                        let back = present.iter().find(|s| s.id == stripe[i].server);
                         if let Some(server) = back {
                             plan.started += usize::from(start_sync(epoch, stripe, i, server, live));
                         } else if now_ms.saturating_sub(stripe[i].since_ms) >= rebuild_after_ms {
@@ -253,6 +261,120 @@ impl Health {
             "degraded"
         } else {
             "healthy"
+        }
+    }
+}
+
+/// One copy that is not healthy, for `skiff ns status`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CopyStatus {
+    pub addr: u64,
+    pub stripe: usize,
+    pub server: String,
+    pub index: u64,
+    pub state: CopyState,
+    /// Whether its server is registered now, in the copy's incarnation.
+    pub live: bool,
+    /// Stale: since when (Unix ms), and whose dirty regions cover it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub since_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub dirty_on: Vec<String>,
+    /// Syncing: its source, and whether the whole chunk is copied.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    pub full: bool,
+}
+
+/// What a source published of the repairs it copied out (`/skiff/repair/progress/<id>`).
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SourceProgress {
+    pub server: String,
+    /// Repairs finished, and bytes copied, since the server started.
+    pub chunks: u64,
+    pub bytes: u64,
+    /// Bytes a second over the last chunk copied.
+    pub rate: u64,
+    /// When it last copied (Unix ms).
+    pub at_ms: u64,
+}
+
+/// A namespace's state of repair, for `skiff ns status`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Status {
+    pub name: String,
+    pub epoch: u32,
+    pub health: &'static str,
+    pub stripes: Health,
+    /// The repair leader now, if any.
+    pub leader: Option<String>,
+    /// Copies not healthy.
+    pub copies: Vec<CopyStatus>,
+    /// Bytes the syncing copies have left to copy at most (a full repair's whole chunk, a
+    /// partial one's dirty regions counted whole).
+    pub syncing_bytes_max: u64,
+    /// What every source published of the repairs it copied out (those of the syncing
+    /// copies first, and any that never published).
+    pub sources: Vec<SourceProgress>,
+}
+
+impl Status {
+    /// `ns` as it stands with the servers `live`, the leader and the sources' progress.
+    pub fn of(
+        ns: &Namespace,
+        live: &[ServerInfo],
+        leader: Option<String>,
+        progress: &[SourceProgress],
+    ) -> Status {
+        let health = Health::of(ns, live);
+        let mut copies = Vec::new();
+        let mut syncing_bytes_max = 0;
+        let mut sources: Vec<SourceProgress> = Vec::new();
+        for (&addr, a) in &ns.allocs {
+            for (si, stripe) in a.stripes.iter().enumerate() {
+                for c in stripe {
+                    let live_now = holder(live, c).is_some();
+                    if c.state == CopyState::Ok && live_now {
+                        continue;
+                    }
+                    if c.state == CopyState::Syncing {
+                        syncing_bytes_max += ns.chunk_bytes;
+                        if !sources.iter().any(|s| s.server == c.from) {
+                            let p = progress.iter().find(|p| p.server == c.from).cloned();
+                            sources.push(
+                                p.unwrap_or(SourceProgress { server: c.from.clone(), ..Default::default() }),
+                            );
+                        }
+                    }
+                    copies.push(CopyStatus {
+                        addr,
+                        stripe: si,
+                        server: c.server.clone(),
+                        index: c.index,
+                        state: c.state,
+                        live: live_now,
+                        since_ms: (c.state == CopyState::Stale).then_some(c.since_ms),
+                        dirty_on: c.dirty_on.clone(),
+                        from: (c.state == CopyState::Syncing).then(|| c.from.clone()),
+                        full: c.full,
+                    });
+                }
+            }
+        }
+        for p in progress {
+            if !sources.iter().any(|s| s.server == p.server) {
+                sources.push(p.clone());
+            }
+        }
+        Status {
+            name: ns.name.clone(),
+            epoch: ns.epoch,
+            health: health.label(),
+            stripes: health,
+            leader,
+            copies,
+            syncing_bytes_max,
+            sources,
         }
     }
 }

@@ -38,7 +38,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use initiator::{Completion, Endpoint, Error, Lane, LaneConfig, Queue, ReconnectConfig, Rejected, Result};
+use initiator::{
+    Completion, Endpoint, Error, Lane, LaneConfig, LaneStats, Queue, ReconnectConfig, Rejected, Result,
+};
 use wire::{Opcode, ReqFlags, Status};
 
 /// Chunks are whole sectors, whatever the servers' block.
@@ -205,6 +207,8 @@ pub struct Segment {
     unreported: Vec<String>,
     /// Requests to send again once the map is read again.
     again: Vec<usize>,
+    /// What the lanes dropped so far (lost, or replaced by a new map) did.
+    retired: LaneStats,
 }
 
 impl Segment {
@@ -248,6 +252,7 @@ impl Segment {
             source,
             unreported: Vec::new(),
             again: Vec::new(),
+            retired: LaneStats::default(),
         };
         segment.install(map)?;
         Ok(segment)
@@ -293,6 +298,13 @@ impl Segment {
         }
         let mut lanes = Vec::with_capacity(servers.len());
         let mut last_error = None;
+        let kept: Vec<(String, String, Vec<wire::Capability>)> =
+            servers.iter().map(|s| (s.endpoint.to_string(), s.export.clone(), s.grants.clone())).collect();
+        for (k, l) in old.iter() {
+            if !kept.contains(k) {
+                self.retired.add(&l.stats());
+            }
+        }
         for server in &servers {
             let kept =
                 old.remove(&(server.endpoint.to_string(), server.export.clone(), server.grants.clone()));
@@ -372,6 +384,16 @@ impl Segment {
         self.lanes.iter().flatten()
     }
 
+    /// The counters of every lane the segment has had, those dropped since (servers lost,
+    /// lanes replaced by a new map) included: they only grow.
+    pub fn lane_stats(&self) -> LaneStats {
+        let mut all = self.retired;
+        for lane in self.lanes() {
+            all.add(&lane.stats());
+        }
+        all
+    }
+
     /// The servers (as `endpoint/export`) taken out of service.
     pub fn failed(&self) -> Vec<&str> {
         self.lanes
@@ -419,6 +441,7 @@ impl Segment {
         let mut got = std::mem::take(&mut self.scratch);
         got.clear();
         let _ = l.poll(&mut got);
+        self.retired.add(&l.stats());
         for c in got.drain(..) {
             self.sub_failed(c.user_data as usize, c.buf);
         }

@@ -81,11 +81,7 @@ impl BenchQueue for SharedHandle {}
 /// A mapped RStore segment: its lanes' counters together; no batch level of its own.
 impl BenchQueue for rstore::Segment {
     fn lane_stats(&self) -> Option<LaneStats> {
-        let mut all = LaneStats::default();
-        for lane in self.lanes() {
-            all.add(&lane.stats());
-        }
-        Some(all)
+        Some(rstore::Segment::lane_stats(self))
     }
 }
 
