@@ -292,7 +292,7 @@ fn a_memory_server_killed_and_back_with_its_file_is_repaired_under_load() {
     bench(&url, "heal", &["--rw", "randwrite", "--bs", "64k", "--qd", "4", "--duration", "1s"]);
     // Killed under load (100 writes a second, so that what the copies miss is a few regions):
     // the bench sees no error.
-    let mut load = skiff()
+    let load = skiff()
         .args(["bench", "--namespace", "heal", "--coordinator", &url, "--json", "--rw", "randwrite"])
         .args(["--bs", "4k", "--qd", "2", "--rate", "100", "--duration", "2s"])
         .stdout(Stdio::piped())
