@@ -288,13 +288,6 @@ impl PoolGrants {
         self.chunk(chunk).map_or(0, |c| c.dirty.load(Ordering::SeqCst))
     }
 
-    /// Mark `regions` of the chunk clean (a repair copied them out).
-    pub fn clean(&self, chunk: u64, regions: u64) {
-        if let Some(c) = self.chunk(chunk) {
-            c.dirty.fetch_and(!regions, Ordering::SeqCst);
-        }
-    }
-
     /// Lock `regions` of the chunk (`true`) or unlock them: while locked, writes into them are
     /// `Busy`. Writes already past their check may still be running: the driver waits for
     /// them before it copies (`server::Pool::lock`).
@@ -426,8 +419,6 @@ mod tests {
         p.check(Opcode::WriteZeroes, Some(&tracked), base + 63 * region, region as u32).unwrap();
         p.check(Opcode::Write, Some(&tracked), base + 10 * region + 5, 1).unwrap();
         assert_eq!(p.dirty(1), 0b11 | 1 << 10 | 1 << 63);
-        p.clean(1, 0b01);
-        assert_eq!(p.dirty(1), 0b10 | 1 << 10 | 1 << 63);
         // Whole again at a newer epoch: presented without TRACK, the marks go.
         let whole = p.admit(&seal_at(&key, 1, 1 << 20, 0, 2, RW)).unwrap();
         assert_eq!(p.dirty(1), 0);

@@ -18,7 +18,9 @@
 //! The copy itself ([`copy_chunk`]): the source raises its chunk to the repair's epoch (no
 //! write under an older map lands after that), then for each region locks it (writes into it
 //! are `Busy` meanwhile), reads it from its own pool, writes it to the syncing copy, and only
-//! then unlocks it and marks it clean. Writers send writes to the syncing copy after the
+//! then unlocks it. The regions stay dirty: another copy of the stripe may be missing them too
+//! (three replicas, two away), and a repair cut short goes again from them. They are cleared
+//! when the stripe is whole again (docs/PROTOCOL.md, 14.6). Writers send writes to the syncing copy after the
 //! healthy ones hold them, so none is overwritten by an older region (docs/PROTOCOL.md, 14.6).
 //! Copies are paced to `rebuild_rate` bytes a second, so the foreground keeps its IOPS.
 
@@ -145,7 +147,9 @@ pub fn serve(
                         stripe: si,
                         copy: ci,
                         epoch: c.epoch,
-                        full: c.full,
+                        // Partial only from the boot whose dirty regions cover the copy: a
+                        // source restarted since lost them, and copies it all.
+                        full: c.full || !c.dirty_on.contains(&repair::tracker(me)),
                         source: source.clone(),
                         target: c.clone(),
                     });
@@ -258,7 +262,6 @@ fn copy_chunk(
         })();
         pool.unlock(chunk, bit);
         result?;
-        pool.grants().clean(chunk, bit);
         copied += region;
         // Paced: never ahead of `rate` bytes a second since the copy began.
         if rate > 0 {

@@ -474,9 +474,9 @@ impl Coordinator {
     }
 
     /// The allocation at `addr` of namespace `name` with the servers registered now, after
-    /// marking stale the healthy copies whose server is gone (or restarted empty): a client
-    /// that maps the allocation without them writes to the other copies, which must track
-    /// what those miss before it does.
+    /// marking stale the copies (healthy or syncing) whose server is gone (or restarted
+    /// empty): a client that maps the allocation without them writes to the other copies,
+    /// which must track what those miss before it does, and a repair must not count on it.
     pub fn resolve(&self, name: &str, addr: u64) -> Result<(RAddress, Vec<ServerInfo>), CoordError> {
         let live = self.servers()?;
         let now = unix_ms();
@@ -485,7 +485,7 @@ impl Coordinator {
             let mut changed = false;
             for stripe in &mut a.stripes {
                 for i in 0..stripe.len() {
-                    if stripe[i].state == CopyState::Ok && repair::holder(&live, &stripe[i]).is_none() {
+                    if stripe[i].state != CopyState::Stale && repair::holder(&live, &stripe[i]).is_none() {
                         changed |= repair::mark_stale(&mut ns.epoch, stripe, i, &live, now);
                     }
                 }

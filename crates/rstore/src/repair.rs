@@ -10,7 +10,9 @@
 //!
 //! - `ok` → `stale` when its server is gone (or another incarnation of it registered: a RAM
 //!   pool restarted empty), or a client lost it mid-write ([`mark_stale`]). It records which
-//!   healthy copies track the regions it misses from then on (`dirty_on`, each `id@boot`).
+//!   healthy copies track the regions it misses from then on (`dirty_on`, each `id@boot`). A
+//!   tracker counts only while its copy stays healthy and its server keeps that boot: when
+//!   its copy goes stale it is struck from the others' lists.
 //! - `stale` → `syncing` when its server is back ([`plan`]): a partial copy from a healthy
 //!   copy whose dirty regions cover what it missed (that server still runs the same boot), or
 //!   else a full one. A RAM server back in another incarnation takes the chunk back empty, so
@@ -71,6 +73,14 @@ pub fn mark_stale(epoch: &mut u32, stripe: &mut Stripe, i: usize, live: &[Server
     c.since_ms = now_ms;
     c.from.clear();
     c.full = false;
+    // Its server stops tracking for the others: it misses writes now, so its dirty regions
+    // no longer cover what they miss.
+    let gone = format!("{}@", stripe[i].server);
+    for (j, other) in stripe.iter_mut().enumerate() {
+        if j != i {
+            other.dirty_on.retain(|t| !t.starts_with(&gone));
+        }
+    }
     touch(epoch, stripe);
     true
 }

@@ -486,10 +486,21 @@ impl Segment {
             let p = self.parents[pi].as_ref().expect("a parent exists");
             (p.opcode, p.offset, p.len)
         };
-        let count = self.pieces(offset, len).count();
         let pieces: Vec<(u64, usize, usize)> = self.pieces(offset, len).collect();
+        let count = pieces.len();
+        // With a source, a write goes only where the map is current: every copy of its
+        // stripes in service, and no server lost and not yet reported (a copy skipped
+        // unreported would miss it untracked). Otherwise it waits for the heal.
+        let outdated = self.source.is_some()
+            && opcode == Opcode::Write
+            && (!self.unreported.is_empty()
+                || pieces
+                    .iter()
+                    .any(|&(_, _, s)| self.copies[s].iter().any(|c| self.lanes[c.lane].is_none())));
         for (piece, &(at, n, stripe)) in pieces.iter().enumerate() {
-            let lanes: Vec<usize> = if opcode == Opcode::Write {
+            let lanes: Vec<usize> = if outdated {
+                Vec::new()
+            } else if opcode == Opcode::Write {
                 self.healthy(stripe).collect()
             } else {
                 self.healthy(stripe).take(1).collect()
@@ -737,10 +748,21 @@ impl Segment {
             let (offset, len) = (p.offset, p.len);
             let pieces: Vec<(u64, usize, usize)> = self.pieces(offset, len).collect();
             for (piece, (at, n, stripe)) in pieces.into_iter().enumerate() {
+                if self.source.is_some() && self.copies[stripe].iter().any(|c| self.lanes[c.lane].is_none()) {
+                    // A copy being repaired went out of service meanwhile: report, map again,
+                    // and send it all again.
+                    self.parents[i].as_mut().expect("a parent exists").again = true;
+                    continue;
+                }
                 let lanes: Vec<usize> = self.syncing(stripe).collect();
                 for lane in lanes {
                     self.queue_sub(Sub { parent: i, piece, at, len: n, stripe, lane, whole: false });
                 }
+            }
+            if self.parents[i].as_ref().is_some_and(|p| p.again && p.subs == 0) {
+                self.parents[i].as_mut().expect("a parent exists").subs = 1;
+                self.parent_sub_ended(i);
+                return;
             }
             if self.parents[i].as_ref().is_some_and(|p| p.subs > 0) {
                 return;
@@ -785,11 +807,10 @@ impl Segment {
                 None => std::thread::sleep(BUSY_RETRY),
             }
         }
-        let source = self.source.as_mut().expect("only a segment with a source heals");
         let deadline = Instant::now() + HEAL_DEADLINE;
         let mut pause = Duration::from_millis(10);
         type Call<'a> = &'a mut dyn FnMut(&mut dyn MapSource) -> std::result::Result<(), SourceError>;
-        let mut attempt = |what: &str, f: Call<'_>| loop {
+        let attempt = |source: &mut Box<dyn MapSource>, pause: &mut Duration, what: &str, f: Call<'_>| loop {
             match f(source.as_mut()) {
                 Ok(()) => return Ok(()),
                 Err(e) if !e.retry || Instant::now() >= deadline => {
@@ -797,29 +818,44 @@ impl Segment {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e.message, "segment: cannot {what} yet; trying again");
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_secs(1));
+                    std::thread::sleep(*pause);
+                    *pause = (*pause * 2).min(Duration::from_secs(1));
                 }
             }
         };
-        let mut healed = Ok(None);
-        for endpoint in std::mem::take(&mut self.unreported) {
-            if let Err(e) = attempt("report a lost server", &mut |s| s.lost(&endpoint)) {
-                healed = Err(e);
+        let mut installed = Ok(());
+        // Until a map takes with every server reached: one that fails to connect is reported
+        // in its turn (its copies go stale, and the next map leaves them out).
+        for _ in 0..=self.servers.len() {
+            let mut healed = Ok(None);
+            for endpoint in std::mem::take(&mut self.unreported) {
+                let source = self.source.as_mut().expect("only a segment with a source heals");
+                if let Err(e) =
+                    attempt(source, &mut pause, "report a lost server", &mut |s| s.lost(&endpoint))
+                {
+                    healed = Err(e);
+                    break;
+                }
+            }
+            if healed.is_ok() {
+                let mut map = None;
+                let source = self.source.as_mut().expect("only a segment with a source heals");
+                healed = attempt(source, &mut pause, "read the map again", &mut |s| {
+                    s.map().map(|m| map = Some(m))
+                })
+                .map(|()| map);
+            }
+            self.stats.remaps += 1;
+            installed = match healed {
+                Ok(Some(map)) => self.install(map).map_err(|e| e.to_string()),
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if installed.is_err() || self.unreported.is_empty() {
                 break;
             }
         }
-        if healed.is_ok() {
-            let mut map = None;
-            healed = attempt("read the map again", &mut |s| s.map().map(|m| map = Some(m))).map(|()| map);
-        }
-        self.stats.remaps += 1;
         let again = std::mem::take(&mut self.again);
-        let installed = match healed {
-            Ok(Some(map)) => self.install(map).map_err(|e| e.to_string()),
-            Ok(None) => Ok(()),
-            Err(e) => Err(e),
-        };
         if let Err(why) = &installed {
             tracing::warn!(error = %why, "segment: cannot heal; the requests that waited fail");
         }

@@ -21,6 +21,7 @@ pub mod direct;
 pub mod disk;
 pub mod faults;
 pub mod flash;
+pub mod heal;
 pub mod link;
 pub mod pipe;
 pub mod rng;
