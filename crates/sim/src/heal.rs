@@ -680,8 +680,8 @@ impl World {
 /// (restarting what is down), then every copy is checked.
 pub fn run_heal(opts: HealOptions) -> Result<HealReport, String> {
     let mut rng = Rng::new(opts.seed);
-    let replicas = if opts.seed % 3 == 0 { 3 } else { 2 };
-    let scope = if opts.seed % 2 == 0 { Scope::File } else { Scope::Ram };
+    let replicas = if opts.seed.is_multiple_of(3) { 3 } else { 2 };
+    let scope = if opts.seed.is_multiple_of(2) { Scope::File } else { Scope::Ram };
     let mut servers: Vec<Server> = (0..SERVERS).map(|i| Server::new(i, scope, &mut rng)).collect();
     let mut stripes = Vec::new();
     for st in 0..STRIPES {
