@@ -302,7 +302,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                 scope: p.scope,
                 bytes: p.bytes - p.bytes % args.chunk,
                 chunk_bytes: args.chunk,
-                incarnation: pool::incarnation(p.scope)?,
+                incarnation: pool::incarnation(p)?,
                 grant_key: coord::encode_key(grant_key),
                 boot: u64::from_le_bytes(rt::random::bytes::<8>()?),
             };

@@ -81,9 +81,10 @@ pub struct ServerInfo {
     pub scope: Scope,
     pub bytes: u64,
     pub chunk_bytes: u64,
-    /// Which life of the server this is: a RAM pool draws a new one each time it starts (its
-    /// old chunks' data died with the old process); a file pool keeps 0, its data outliving
-    /// the process. Chunks remember the incarnation they were reserved in.
+    /// Which life of the server's pool this is: a RAM pool draws a new one each time it
+    /// starts (its old chunks' data died with the old process); a file pool's is the id kept
+    /// in the file (`rstore::pool::incarnation`), the same while it is the same file. Chunks
+    /// remember the incarnation they were reserved (or rebuilt) in.
     #[serde(default)]
     pub incarnation: u64,
     /// The key the server seals its pool's chunk grants under, hex (docs/RSTORE.md): the

@@ -44,13 +44,33 @@ pub fn parse(spec: &str) -> Result<Pool, String> {
     Ok(Pool { export, scope, bytes })
 }
 
-/// This process's incarnation of a pool of `scope`: new for RAM, whose data dies with the
-/// process; 0 for a file, whose data does not.
-pub fn incarnation(scope: Scope) -> std::io::Result<u64> {
-    Ok(match scope {
-        Scope::Ram => u64::from_le_bytes(rt::random::bytes::<8>()?) | 1,
-        Scope::File => 0,
-    })
+/// The extended attribute that names a file pool: drawn when the file first serves as a pool.
+const POOL_ID_XATTR: &str = "user.skiff.pool";
+
+/// This process's incarnation of `pool`: new for RAM, whose data dies with the process. A
+/// file's is its pool id, kept in an extended attribute of the file (`user.skiff.pool`): the
+/// same file comes back with the same one, so namespaces find their chunks' data there; a file
+/// that is not the one the server left with (replaced, recreated, restored from elsewhere)
+/// has none, draws a new one, and every copy namespaces held on it is rebuilt in full.
+pub fn incarnation(pool: &Pool) -> Result<u64, String> {
+    let random = || rt::random::bytes::<8>().map(|b| u64::from_le_bytes(b) | 1).map_err(|e| e.to_string());
+    let backend::BackendSpec::File { path } = &pool.export.spec else { return random() };
+    let file = std::fs::File::open(path).map_err(|e| format!("--pool file:{}: {e}", path.display()))?;
+    let cannot = |e: std::io::Error| {
+        format!(
+            "--pool file:{}: cannot keep the pool's id in an extended attribute ({e}): put the pool on a file system that has them (ext4, xfs, btrfs, tmpfs)",
+            path.display()
+        )
+    };
+    match rt::fs::xattr(&file, POOL_ID_XATTR).map_err(cannot)? {
+        Some(id) if id.len() == 8 => Ok(u64::from_le_bytes(id.try_into().expect("8 bytes")) | 1),
+        _ => {
+            let id = random()?;
+            rt::fs::set_xattr(&file, POOL_ID_XATTR, &id.to_le_bytes()).map_err(cannot)?;
+            tracing::info!(pool = %path.display(), id = format!("{id:x}"), "a new file pool: copies namespaces held here are rebuilt in full");
+            Ok(id)
+        }
+    }
 }
 
 /// How often the server looks for chunks given back, to zero them.
@@ -250,5 +270,23 @@ mod tests {
             let e = parse(bad).err().unwrap_or_else(|| panic!("{bad} was taken"));
             assert!(e.contains(says), "{bad}: {e}");
         }
+    }
+
+    /// A file pool keeps its incarnation across restarts (its id is in the file), and a file
+    /// put in its place (recreated) is another pool; RAM draws a new one every time.
+    #[test]
+    fn a_file_pool_is_known_by_the_id_in_its_file_and_a_new_file_is_another_pool() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        std::fs::File::create(&path).unwrap().set_len(8 << 20).unwrap();
+        let pool = parse(&format!("file:{}", path.display())).unwrap();
+        let first = incarnation(&pool).unwrap();
+        assert_ne!(first, 0);
+        assert_eq!(incarnation(&pool).unwrap(), first, "the same file, the same pool");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::File::create(&path).unwrap().set_len(8 << 20).unwrap();
+        assert_ne!(incarnation(&pool).unwrap(), first, "a file put in its place is another pool");
+        let ram = parse("ram:8M").unwrap();
+        assert_ne!(incarnation(&ram).unwrap(), incarnation(&ram).unwrap());
     }
 }
