@@ -729,6 +729,8 @@ pub mod etcd {
     /// The members of one etcd cluster.
     pub struct Cluster {
         members: Vec<Option<Child>>,
+        /// How each member was started, to start it again.
+        commands: Vec<Vec<std::ffi::OsString>>,
         client_urls: Vec<String>,
         _dir: tempfile::TempDir,
     }
@@ -746,28 +748,35 @@ pub mod etcd {
                 .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
                 .collect();
             let mut members = Vec::new();
+            let mut commands = Vec::new();
             let mut client_urls = Vec::new();
             for (i, (client, peer)) in ports.iter().enumerate() {
                 let client_url = format!("http://127.0.0.1:{client}");
                 let peer_url = format!("http://127.0.0.1:{peer}");
-                let child = Command::new("etcd")
-                    .args(["--name", &format!("m{i}")])
-                    .arg("--data-dir")
-                    .arg(dir.path().join(format!("m{i}")))
-                    .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
-                    .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
-                    .args(["--initial-cluster", &initial.join(","), "--initial-cluster-state", "new"])
-                    .args(["--initial-cluster-token", &token])
+                let data = dir.path().join(format!("m{i}")).display().to_string();
+                let args: Vec<std::ffi::OsString> = [
+                    ["--name", &format!("m{i}")],
+                    ["--data-dir", &data],
+                    ["--listen-client-urls", &client_url],
+                    ["--advertise-client-urls", &client_url],
+                    ["--listen-peer-urls", &peer_url],
+                    ["--initial-advertise-peer-urls", &peer_url],
+                    ["--initial-cluster", &initial.join(",")],
+                    ["--initial-cluster-state", "new"],
+                    ["--initial-cluster-token", &token],
                     // Short elections: a test's cluster loses a member and must go on quickly.
-                    .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("start etcd");
-                members.push(Some(child));
+                    ["--heartbeat-interval", "50"],
+                    ["--election-timeout", "500"],
+                ]
+                .iter()
+                .flatten()
+                .map(std::ffi::OsString::from)
+                .collect();
+                members.push(Some(spawn(&args)));
+                commands.push(args);
                 client_urls.push(client_url);
             }
-            let cluster = Cluster { members, client_urls, _dir: dir };
+            let cluster = Cluster { members, commands, client_urls, _dir: dir };
             cluster.wait_ready();
             cluster
         }
@@ -790,6 +799,14 @@ pub mod etcd {
             }
         }
 
+        /// Start member `i` again over its data (after [`kill`](Self::kill)), and wait until
+        /// the cluster answers.
+        pub fn restart(&mut self, i: usize) {
+            self.kill(i);
+            self.members[i] = Some(spawn(&self.commands[i]));
+            self.wait_ready();
+        }
+
         /// Wait until every running member serves reads through the cluster (a quorum
         /// formed); a cluster that never does fails the test, with what etcd said.
         fn wait_ready(&self) {
@@ -810,6 +827,16 @@ pub mod etcd {
                 }
             }
         }
+    }
+
+    /// An etcd member started with `args`, its output dropped.
+    fn spawn(args: &[std::ffi::OsString]) -> Child {
+        Command::new("etcd")
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start etcd")
     }
 
     impl Drop for Cluster {

@@ -140,7 +140,13 @@ pub fn set_xattr(file: &impl AsRawFd, name: &str, value: &[u8]) -> io::Result<()
     let name = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: as in `xattr`; `value` is read, `value.len()` bytes of it.
     let r = unsafe {
-        libc::fsetxattr(file.as_raw_fd(), name.as_ptr(), value.as_ptr().cast::<libc::c_void>(), value.len(), 0)
+        libc::fsetxattr(
+            file.as_raw_fd(),
+            name.as_ptr(),
+            value.as_ptr().cast::<libc::c_void>(),
+            value.len(),
+            0,
+        )
     };
     if r == 0 {
         Ok(())
