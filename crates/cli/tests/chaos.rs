@@ -164,7 +164,7 @@ fn chaos(replicas: usize) {
         hurt.extend(servers.iter().filter(|s| s.child.is_none()).map(|s| format!("127.0.0.1:{}", s.port)));
         hurt.sort();
         hurt.dedup();
-        if hurt.len() + 1 <= replicas - 1 {
+        if hurt.len() < replicas - 1 {
             let candidates: Vec<usize> =
                 (0..4).filter(|&i| !hurt.contains(&format!("127.0.0.1:{}", servers[i].port))).collect();
             let victim = candidates[rng.below(candidates.len() as u64) as usize];
