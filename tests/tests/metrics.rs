@@ -26,9 +26,11 @@ fn start() -> (Target, tempfile::TempDir) {
     file.as_file().set_len(1 << 20).unwrap();
     let cached = format!("cached=file:{},cache=64k", file.path().display());
     let (dir, devices) = flash_array(1, 128 << 20);
-    let t = start_target_with(&["vol=ram:16M", "golden=ram:1M,ro", &cached], |c| {
+    // And an RStore pool (chunk grants), whose repair families a memory server serves.
+    let t = start_target_with(&["vol=ram:16M", "golden=ram:1M,ro", &cached, "pool=ram:4M,block=1"], |c| {
         c.workers = 2;
         c.metrics_listen = Some("127.0.0.1:0".into());
+        c.exports[3].grants = Some(server::GrantConfig { key: [9; 32], chunk_bytes: 1 << 20 });
         c.flash = Some(server::FlashConfig {
             devices,
             pool_bytes: 16 << 20,

@@ -24,7 +24,7 @@
 //! healthy ones hold them, so none is overwritten by an older region (docs/PROTOCOL.md, 14.6).
 //! Copies are paced to `rebuild_rate` bytes a second, so the foreground keeps its IOPS.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -55,17 +55,8 @@ impl Default for Config {
     }
 }
 
-/// What a server's agent did, for its status and metrics.
-#[derive(Debug, Default)]
-pub struct Progress {
-    /// Whether this server leads the repair now.
-    pub leading: AtomicBool,
-    /// Chunks copied out (repairs finished), and bytes copied, as a source.
-    pub chunks: AtomicU64,
-    pub bytes: AtomicU64,
-    /// Bytes a second over the last chunk copied.
-    pub rate: AtomicU64,
-}
+/// What a server's agent did: the target's own counters, which its metrics show.
+pub use server::RepairStats as Progress;
 
 /// One pass of the leader over every namespace: plans, then rebuilds elsewhere what stayed
 /// away past the grace period. Returns what it changed.
@@ -282,10 +273,10 @@ pub fn spawn(
     pool: server::Pool,
     config: Config,
     lease: Arc<AtomicI64>,
-    progress: Arc<Progress>,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("skiff-repair".into()).spawn(move || {
+        let progress = pool.repair();
         let tick = Duration::from_millis(50);
         let mut waited = config.every;
         while !stop.load(Ordering::Relaxed) {
@@ -309,7 +300,7 @@ pub fn spawn(
                     Err(e) => tracing::warn!(error = %e, "repair pass failed; trying again"),
                 }
             }
-            if let Err(e) = serve(&coord, &me, &pool, &config, &progress, lease, &stop) {
+            if let Err(e) = serve(&coord, &me, &pool, &config, progress, lease, &stop) {
                 tracing::warn!(error = %e, "cannot serve repairs; trying again");
             }
         }

@@ -139,7 +139,7 @@ pub struct Registered {
     zeroer: Option<std::thread::JoinHandle<()>>,
     repairer: Option<std::thread::JoinHandle<()>>,
     coord: Arc<Coordinator>,
-    progress: Arc<agent::Progress>,
+    pool: server::Pool,
 }
 
 /// Register `info` with the coordinator at `urls`, and renew it every third of `lease` from a
@@ -214,23 +214,14 @@ pub fn register(
         })?
     };
     // Repair too: a copy takes a while, and neither lease nor zeroing may wait for it.
-    let progress = Arc::new(agent::Progress::default());
-    let repairer =
-        agent::spawn(coord.clone(), agent_info, pool, repair, current, progress.clone(), stop.clone())?;
-    Ok(Registered {
-        stop,
-        thread: Some(thread),
-        zeroer: Some(zeroer),
-        repairer: Some(repairer),
-        coord,
-        progress,
-    })
+    let repairer = agent::spawn(coord.clone(), agent_info, pool.clone(), repair, current, stop.clone())?;
+    Ok(Registered { stop, thread: Some(thread), zeroer: Some(zeroer), repairer: Some(repairer), coord, pool })
 }
 
 impl Registered {
     /// What this server's repair agent did.
     pub fn progress(&self) -> &agent::Progress {
-        &self.progress
+        self.pool.repair()
     }
 
     /// Stop renewing and end the registration at once (a clean shutdown).

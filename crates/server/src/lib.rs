@@ -254,6 +254,18 @@ pub enum TargetError {
     TooManyVolumes { volumes: usize, max: usize },
 }
 
+/// What a memory server's repair agent did (`rstore::agent` keeps it; the metrics show it).
+#[derive(Debug, Default)]
+pub struct RepairStats {
+    /// Whether this server leads the repair now.
+    pub leading: AtomicBool,
+    /// Repairs this server copied out as a source, and their bytes.
+    pub chunks: std::sync::atomic::AtomicU64,
+    pub bytes: std::sync::atomic::AtomicU64,
+    /// Bytes a second over the last chunk copied.
+    pub rate: std::sync::atomic::AtomicU64,
+}
+
 /// A pool export's chunk grants, with the target's workers behind them: how `skiff serve
 /// --pool` retires the chunks given back before it zeroes them.
 #[derive(Clone)]
@@ -265,6 +277,11 @@ pub struct Pool {
 impl Pool {
     pub fn grants(&self) -> &proto::grant::PoolGrants {
         &self.grants
+    }
+
+    /// What the repair agent did, shown by the target's metrics.
+    pub fn repair(&self) -> &RepairStats {
+        &self.shared.repair
     }
 
     /// Retire `chunks`: move each one's generation on, so that no grant sealed before is
@@ -332,6 +349,8 @@ impl Pool {
 
 /// State every thread of one target can see.
 pub(crate) struct Shared {
+    /// What the RStore repair agent of a memory server did (`rstore::agent`), for metrics.
+    pub repair: RepairStats,
     pub config: TargetConfig,
     pub exports: ExportTable,
     /// The NBD view of the exports, when an NBD listener is configured: rebuilt whenever the
@@ -437,6 +456,7 @@ impl Shared {
         let serves_pool = exports.iter().any(|e| e.grants.is_some());
         let mut shared = Shared {
             serves_pool,
+            repair: RepairStats::default(),
             exports,
             nbd: None,
             flash,

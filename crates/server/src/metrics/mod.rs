@@ -48,6 +48,9 @@ pub(crate) fn render(shared: &Shared, fixed: &Static) -> String {
     if let Some(f) = &shared.flash {
         flash(&mut out, &f.stats(), f.array().list().len());
     }
+    if shared.serves_pool {
+        pool(&mut out, shared);
+    }
     cpu(&mut out, shared);
     out.gauge("skiff_workers", "Worker threads.", vec![(vec![], shared.workers.len() as f64)]);
     out.gauge("skiff_start_time_seconds", "When the target started, in seconds since the Unix epoch.", {
@@ -539,6 +542,42 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
 
 /// CPU time and context switches of the target's threads, from procfs (user and system time
 /// have clock-tick resolution there).
+/// A memory server's RStore pool: its chunks' repair state and what its repair agent did.
+fn pool(out: &mut Families, shared: &Shared) {
+    let r = &shared.repair;
+    let mut dirty = 0u64;
+    for e in shared.exports.iter() {
+        if let Some(g) = &e.grants {
+            dirty += (0..g.chunks()).filter(|&c| g.dirty(c) != 0).count() as u64;
+        }
+    }
+    out.gauge(
+        "skiff_rstore_dirty_chunks",
+        "Chunks of the pool with regions written while another copy of their stripe missed them (they are repaired from here).",
+        vec![(vec![], dirty as f64)],
+    );
+    out.gauge(
+        "skiff_rstore_repair_leader",
+        "1 while this memory server leads the repair of RStore namespaces, else 0.",
+        vec![(vec![], f64::from(u8::from(r.leading.load(std::sync::atomic::Ordering::Relaxed))))],
+    );
+    out.counter(
+        "skiff_rstore_repair_chunks_total",
+        "Copies this memory server repaired as their source.",
+        vec![(vec![], load(&r.chunks))],
+    );
+    out.counter(
+        "skiff_rstore_repair_bytes_total",
+        "Bytes this memory server copied out to repair copies.",
+        vec![(vec![], load(&r.bytes))],
+    );
+    out.gauge(
+        "skiff_rstore_repair_rate_bytes",
+        "Bytes a second of the last copy this memory server repaired.",
+        vec![(vec![], load(&r.rate) as f64)],
+    );
+}
+
 fn cpu(out: &mut Families, shared: &Shared) {
     let threads = shared
         .workers
