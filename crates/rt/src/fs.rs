@@ -68,6 +68,49 @@ fn c_path(path: &std::path::Path) -> io::Result<std::ffi::CString> {
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
+/// The extended attribute `name` of the open file, `None` when it has none of that name
+/// (`ENODATA`). A file system without extended attributes fails with `ENOTSUP`.
+pub fn xattr(file: &impl AsRawFd, name: &str) -> io::Result<Option<Vec<u8>>> {
+    let name = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let mut buf = vec![0u8; 256];
+    // SAFETY: the descriptor stays open for the call, `name` is a NUL-terminated string that
+    // outlives it, and `buf` is a live buffer of `buf.len()` bytes, the most fgetxattr writes.
+    let n = unsafe {
+        libc::fgetxattr(file.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast::<libc::c_void>(), buf.len())
+    };
+    if n >= 0 {
+        buf.truncate(n as usize);
+        return Ok(Some(buf));
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::ENODATA) {
+        Ok(None)
+    } else {
+        Err(err)
+    }
+}
+
+/// Set the extended attribute `name` of the open file to `value`.
+pub fn set_xattr(file: &impl AsRawFd, name: &str, value: &[u8]) -> io::Result<()> {
+    let name = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: as in `xattr`; `value` is read, `value.len()` bytes of it.
+    let r = unsafe {
+        libc::fsetxattr(
+            file.as_raw_fd(),
+            name.as_ptr(),
+            value.as_ptr().cast::<libc::c_void>(),
+            value.len(),
+            0,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,47 +153,5 @@ mod tests {
             .unwrap();
         std::fs::remove_file(&path).unwrap();
         f
-    }
-}
-
-/// The extended attribute `name` of the open file, `None` when it has none of that name
-/// (`ENODATA`). A file system without extended attributes fails with `ENOTSUP`.
-pub fn xattr(file: &impl AsRawFd, name: &str) -> io::Result<Option<Vec<u8>>> {
-    let name = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    let mut buf = vec![0u8; 256];
-    // SAFETY: the descriptor stays open for the call, `name` is a NUL-terminated string that
-    // outlives it, and `buf` is a live buffer of `buf.len()` bytes, the most fgetxattr writes.
-    let n = unsafe {
-        libc::fgetxattr(file.as_raw_fd(), name.as_ptr(), buf.as_mut_ptr().cast::<libc::c_void>(), buf.len())
-    };
-    if n >= 0 {
-        buf.truncate(n as usize);
-        return Ok(Some(buf));
-    }
-    let err = io::Error::last_os_error();
-    if err.raw_os_error() == Some(libc::ENODATA) {
-        Ok(None)
-    } else {
-        Err(err)
-    }
-}
-
-/// Set the extended attribute `name` of the open file to `value`.
-pub fn set_xattr(file: &impl AsRawFd, name: &str, value: &[u8]) -> io::Result<()> {
-    let name = std::ffi::CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: as in `xattr`; `value` is read, `value.len()` bytes of it.
-    let r = unsafe {
-        libc::fsetxattr(
-            file.as_raw_fd(),
-            name.as_ptr(),
-            value.as_ptr().cast::<libc::c_void>(),
-            value.len(),
-            0,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
     }
 }
