@@ -485,6 +485,18 @@ pub mod certs {
         sign(dir, "client", "alice", "extendedKeyUsage=clientAuth\n");
     }
 
+    /// `etcd-cert.pem` and `etcd-key.pem` in `dir` (made by [`make`]), for `localhost` and
+    /// 127.0.0.1, good for a server and a client both: etcd with `--client-cert-auth` dials
+    /// its own gRPC gateway with its server certificate.
+    pub fn etcd(dir: &Path) {
+        sign(
+            dir,
+            "etcd",
+            "localhost",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+        );
+    }
+
     /// A client certificate for `cn` signed by the CA of `ca_dir` (made by [`make`]), in `dir`
     /// with a copy of the CA's certificate: a client's certificate directory.
     pub fn client(ca_dir: &Path, dir: &Path, cn: &str) {

@@ -636,7 +636,12 @@ pub unsafe extern "C" fn skiff_rstore_connect(
             set_error("out is NULL".into());
             return -libc::EINVAL;
         }
-        let coord = rstore::Coordinator::connect(&[urls.to_owned()]);
+        // etcd over TLS: the CA and client certificate from $SKIFF_COORDINATOR_CA, _CERT, _KEY.
+        let coord = match rstore::Coordinator::connect_with(&[urls.to_owned()], coord::etcd::Tls::from_env())
+        {
+            Ok(c) => c,
+            Err(e) => return coord_fail(&e),
+        };
         // The coordinator answers, or the caller learns now rather than at the first call
         // (the server list is small; the namespaces may not be).
         if let Err(e) = coord.servers() {

@@ -16,12 +16,52 @@ pub struct CoordinatorArg {
     /// http://127.0.0.1:2379].
     #[arg(long = "coordinator", value_name = "URLS", global = true)]
     urls: Option<String>,
+    #[command(flatten)]
+    pub tls: CoordinatorTls,
 }
 
 impl CoordinatorArg {
     /// The coordinator named, and its URLs.
-    pub fn connect(&self) -> (Coordinator, String) {
-        coordinator(self.urls.as_deref())
+    pub fn connect(&self) -> Result<(Coordinator, String), Box<dyn std::error::Error>> {
+        coordinator(self.urls.as_deref(), &self.tls)
+    }
+}
+
+/// etcd over TLS: for `https://` coordinator URLs. Without the options, from
+/// `$SKIFF_COORDINATOR_CA`, `$SKIFF_COORDINATOR_CERT` and `$SKIFF_COORDINATOR_KEY`.
+#[derive(Args, Clone, Debug, Default)]
+pub struct CoordinatorTls {
+    /// The CA certificate (PEM) that signed the etcd members' certificates.
+    #[arg(long = "coordinator-ca", value_name = "PEM", global = true)]
+    pub coordinator_ca: Option<std::path::PathBuf>,
+    /// A client certificate (PEM) for members that ask for one (etcd --client-cert-auth).
+    #[arg(long = "coordinator-cert", value_name = "PEM", global = true, requires = "coordinator_ca")]
+    pub coordinator_cert: Option<std::path::PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long = "coordinator-key", value_name = "PEM", global = true, requires = "coordinator_cert")]
+    pub coordinator_key: Option<std::path::PathBuf>,
+}
+
+impl CoordinatorTls {
+    pub fn get(&self) -> Option<coord::etcd::Tls> {
+        let Some(ca) = self.coordinator_ca.clone() else { return coord::etcd::Tls::from_env() };
+        Some(coord::etcd::Tls { ca, cert: self.coordinator_cert.clone(), key: self.coordinator_key.clone() })
+    }
+
+    /// The same options for a child process's command line.
+    pub fn args(&self) -> Vec<std::ffi::OsString> {
+        let mut out = Vec::new();
+        for (flag, v) in [
+            ("--coordinator-ca", &self.coordinator_ca),
+            ("--coordinator-cert", &self.coordinator_cert),
+            ("--coordinator-key", &self.coordinator_key),
+        ] {
+            if let Some(v) = v {
+                out.push(flag.into());
+                out.push(v.clone().into());
+            }
+        }
+        out
     }
 }
 
@@ -238,12 +278,15 @@ fn status_text(s: &rstore::repair::Status, now_ms: u64) -> String {
 
 /// The coordinator at the URLs given, or `$SKIFF_COORDINATOR`, or etcd's default on
 /// loopback; and those URLs.
-pub fn coordinator(given: Option<&str>) -> (Coordinator, String) {
+pub fn coordinator(
+    given: Option<&str>,
+    tls: &CoordinatorTls,
+) -> Result<(Coordinator, String), Box<dyn std::error::Error>> {
     let urls = given
         .map(str::to_owned)
         .or_else(|| std::env::var("SKIFF_COORDINATOR").ok())
         .unwrap_or_else(|| "http://127.0.0.1:2379".into());
-    (Coordinator::connect(std::slice::from_ref(&urls)), urls)
+    Ok((Coordinator::connect_with(std::slice::from_ref(&urls), tls.get())?, urls))
 }
 
 /// The allocation at `addr` of namespace `name`, resolved to the live copies of its chunks
@@ -264,7 +307,7 @@ pub fn resolve(
 }
 
 pub fn run(args: NsArgs) -> CliResult {
-    let (c, _) = args.coordinator.connect();
+    let (c, _) = args.coordinator.connect()?;
     match args.action {
         Action::Create { name, size, chunk, replicas, scope } => {
             let mut ns = c.create_ns(&name, scope, chunk, replicas)?;

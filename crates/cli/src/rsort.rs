@@ -67,7 +67,7 @@ enum Action {
 }
 
 pub fn run(args: RsortArgs) -> CliResult {
-    let (coord, urls) = args.coordinator.connect();
+    let (coord, urls) = args.coordinator.connect()?;
     let rsort = Rsort { coord, name: args.name.clone(), scope: args.scope, chunk_bytes: args.chunk };
     let report = match args.action {
         Action::Gen { records, seed, ref file } => rsort.gen(records, seed, file.as_deref())?,
@@ -77,6 +77,7 @@ pub fn run(args: RsortArgs) -> CliResult {
                 let (id, workers) = (id.to_string(), workers.to_string());
                 let mut worker = Command::new(&exe);
                 worker.args(["rsort", "--coordinator", &urls, "--name", &args.name, "--json"]);
+                worker.args(args.coordinator.tls.args());
                 worker.args(["worker", "--id", &id, "--workers", &workers]);
                 worker
             })?

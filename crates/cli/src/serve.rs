@@ -72,6 +72,8 @@ pub struct ServeArgs {
     /// The coordinator a pool registers with: etcd's client URLs, comma-separated.
     #[arg(long, value_name = "URLS")]
     coordinator: Option<String>,
+    #[command(flatten)]
+    coordinator_tls: crate::ns::CoordinatorTls,
     /// The pool's chunk size (a power of two; namespaces use servers of their chunk size).
     #[arg(long, value_parser = crate::units::parse_size, default_value = "4M")]
     chunk: u64,
@@ -312,7 +314,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                 rebuild_rate: args.rebuild_rate,
                 ..rstore::agent::Config::default()
             };
-            match pool::register(urls, info, served, args.lease, repair) {
+            match pool::register(urls, args.coordinator_tls.get(), info, served, args.lease, repair) {
                 Ok(r) => Some(r),
                 Err(e) => {
                     target.shutdown();

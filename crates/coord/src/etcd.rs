@@ -36,6 +36,9 @@ fn never_arrived(e: &ureq::Error) -> bool {
     use std::io::ErrorKind::*;
     match e {
         ureq::Error::ConnectionFailed | ureq::Error::HostNotFound => true,
+        // A TLS handshake that failed (a certificate refused either way) sent no request.
+        ureq::Error::Tls(_) | ureq::Error::Rustls(_) => true,
+        ureq::Error::Io(io) if io.get_ref().is_some_and(|e| e.is::<rustls::Error>()) => true,
         ureq::Error::Io(io) => matches!(
             io.kind(),
             ConnectionRefused | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected
@@ -82,6 +85,66 @@ pub struct Etcd {
     /// The member that answered last.
     current: std::sync::atomic::AtomicUsize,
     agent: ureq::Agent,
+    timeout: Duration,
+    tls: Option<Tls>,
+}
+
+/// How to reach etcd members over TLS (`https://` client URLs): the CA that signed their
+/// certificates, and a client certificate and key for members that ask for one
+/// (`--client-cert-auth`). PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tls {
+    pub ca: std::path::PathBuf,
+    pub cert: Option<std::path::PathBuf>,
+    pub key: Option<std::path::PathBuf>,
+}
+
+impl Tls {
+    /// From `$SKIFF_COORDINATOR_CA`, `$SKIFF_COORDINATOR_CERT` and `$SKIFF_COORDINATOR_KEY`
+    /// (the C API's and child processes' way), if the CA is set.
+    pub fn from_env() -> Option<Tls> {
+        let var = |n: &str| std::env::var_os(n).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+        Some(Tls {
+            ca: var("SKIFF_COORDINATOR_CA")?,
+            cert: var("SKIFF_COORDINATOR_CERT"),
+            key: var("SKIFF_COORDINATOR_KEY"),
+        })
+    }
+
+    /// The agent's TLS configuration: these roots only, this client certificate, rustls on
+    /// ring (skiff's provider everywhere).
+    fn config(&self) -> Result<ureq::tls::TlsConfig, String> {
+        use ureq::tls::{Certificate, ClientCert, PemItem, PrivateKey, RootCerts, TlsConfig};
+        let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+        let certs = |p: &std::path::Path| -> Result<Vec<Certificate<'static>>, String> {
+            let pem = read(p)?;
+            let certs: Vec<Certificate<'static>> = ureq::tls::parse_pem(&pem)
+                .filter_map(|item| match item {
+                    Ok(PemItem::Certificate(c)) => Some(c),
+                    _ => None,
+                })
+                .collect();
+            if certs.is_empty() {
+                return Err(format!("{}: no PEM certificate in it", p.display()));
+            }
+            Ok(certs)
+        };
+        let roots = RootCerts::new_with_certs(&certs(&self.ca)?);
+        let client = match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => {
+                let k = PrivateKey::from_pem(&read(key)?).map_err(|e| format!("{}: {e}", key.display()))?;
+                Some(ClientCert::new_with_certs(&certs(cert)?, k))
+            }
+            (None, None) => None,
+            _ => return Err("a client certificate needs its key, and a key its certificate".into()),
+        };
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        Ok(TlsConfig::builder()
+            .root_certs(roots)
+            .client_cert(client)
+            .unversioned_rustls_crypto_provider(provider)
+            .build())
+    }
 }
 
 fn b64(bytes: &[u8]) -> String {
@@ -160,19 +223,48 @@ impl Etcd {
     /// A client of the cluster whose members' client URLs are `endpoints`
     /// (`http://127.0.0.1:2379`, comma-separated in one string or given apart).
     pub fn new(endpoints: &[String], timeout: Duration) -> Etcd {
+        Etcd::with_tls(endpoints, timeout, None).expect("no TLS to set up")
+    }
+
+    /// As [`new`](Etcd::new), reaching `https://` members with `tls`. Fails when the PEM
+    /// files cannot be read or hold nothing of use.
+    pub fn with_tls(endpoints: &[String], timeout: Duration, tls: Option<Tls>) -> Result<Etcd, String> {
         let endpoints: Vec<String> = endpoints
             .iter()
             .flat_map(|e| e.split(','))
             .map(|e| e.trim().trim_end_matches('/').to_owned())
             .filter(|e| !e.is_empty())
             .collect();
-        let config =
-            ureq::Agent::config_builder().timeout_global(Some(timeout)).http_status_as_error(false).build();
-        Etcd { endpoints, current: 0.into(), agent: ureq::Agent::new_with_config(config) }
+        let mut config =
+            ureq::Agent::config_builder().timeout_global(Some(timeout)).http_status_as_error(false);
+        config = config.tls_config(match &tls {
+            Some(t) => t.config().map_err(|e| format!("etcd TLS: {e}"))?,
+            // No CA given: an https:// member's certificate is trusted by nothing, and the
+            // call fails saying so (rather than on a missing provider).
+            None => ureq::tls::TlsConfig::builder()
+                .root_certs(ureq::tls::RootCerts::new_with_certs(&[]))
+                .unversioned_rustls_crypto_provider(std::sync::Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .build(),
+        });
+        let agent = ureq::Agent::new_with_config(config.build());
+        Ok(Etcd { endpoints, current: 0.into(), agent, timeout, tls })
     }
 
     pub fn endpoints(&self) -> &[String] {
         &self.endpoints
+    }
+
+    /// Another client of the same members, the same way (for a thread of its own).
+    pub fn again(&self) -> Etcd {
+        Etcd {
+            endpoints: self.endpoints.clone(),
+            current: 0.into(),
+            agent: self.agent.clone(),
+            timeout: self.timeout,
+            tls: self.tls.clone(),
+        }
     }
 
     /// POST `body` to `path` on a member that answers.

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use coord::etcd::{Compare, Etcd, Op};
+use coord::etcd::{Compare, Etcd, Op, Tls};
 use coord::schema::{check_name, decode, encode, encode_ns, key, NAMESPACES, POOLS, SERVERS, TXN_RETRIES};
 use coord::{
     Allocation, ChunkRef, CoordError, CopyState, Namespace, PoolState, Scope, ServerInfo, Stripe,
@@ -168,6 +168,19 @@ impl Coordinator {
     /// The coordinator at `endpoints` (etcd client URLs, e.g. `http://127.0.0.1:2379`).
     pub fn connect(endpoints: &[String]) -> Coordinator {
         Coordinator { etcd: Etcd::new(endpoints, Duration::from_secs(5)) }
+    }
+
+    /// The coordinator at `endpoints`, reaching `https://` members with `tls` (the CA of their
+    /// certificates, and a client certificate for members that ask for one). Fails when the
+    /// PEM files cannot be read.
+    pub fn connect_with(endpoints: &[String], tls: Option<Tls>) -> Result<Coordinator, CoordError> {
+        let etcd = Etcd::with_tls(endpoints, Duration::from_secs(5), tls).map_err(CoordError::Invalid)?;
+        Ok(Coordinator { etcd })
+    }
+
+    /// Another client of the same coordinator, reached the same way (for a thread of its own).
+    pub fn again(&self) -> Coordinator {
+        Coordinator { etcd: self.etcd.again() }
     }
 
     pub fn etcd(&self) -> &Etcd {
@@ -463,12 +476,7 @@ impl Coordinator {
         addr: u64,
         config: &initiator::LaneConfig,
     ) -> Result<Segment, Box<dyn std::error::Error + Send + Sync>> {
-        let mut source = Source {
-            coord: Coordinator::connect(self.etcd.endpoints()),
-            ns: name.to_owned(),
-            addr,
-            live: Vec::new(),
-        };
+        let mut source = Source { coord: self.again(), ns: name.to_owned(), addr, live: Vec::new() };
         let map = source.map().map_err(|e| e.message)?;
         Ok(Segment::map_with(map, config, Box::new(source))?)
     }

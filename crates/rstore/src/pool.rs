@@ -146,12 +146,13 @@ pub struct Registered {
 /// thread; a lease found expired (etcd unreachable for longer than `lease`) is taken again.
 pub fn register(
     urls: &str,
+    tls: Option<coord::etcd::Tls>,
     info: ServerInfo,
     pool: server::Pool,
     lease: Duration,
     repair: agent::Config,
 ) -> Result<Registered, Box<dyn std::error::Error>> {
-    let coord = Arc::new(Coordinator::connect(&[urls.to_owned()]));
+    let coord = Arc::new(Coordinator::connect_with(&[urls.to_owned()], tls)?);
     // Take up the generations the coordinator recorded before publishing the key: grants
     // minted from them must be current here (a file pool's chunks outlive a restart).
     if let Some(record) =

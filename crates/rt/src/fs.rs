@@ -110,7 +110,6 @@ pub fn set_xattr(file: &impl AsRawFd, name: &str, value: &[u8]) -> io::Result<()
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

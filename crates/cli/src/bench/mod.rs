@@ -39,6 +39,8 @@ pub struct BenchArgs {
     /// http://127.0.0.1:2379].
     #[arg(long, value_name = "URLS", requires = "namespace")]
     coordinator: Option<String>,
+    #[command(flatten)]
+    coordinator_tls: crate::ns::CoordinatorTls,
     /// The allocation of --namespace to measure (its address; the first allocation is at 0).
     #[arg(long, value_parser = parse_size, default_value = "0", requires = "namespace")]
     raddress: u64,
@@ -168,7 +170,10 @@ pub fn run(args: BenchArgs) -> CliResult {
         return Err("--qd and --threads must be at least 1".into());
     }
     // An RStore namespace: a segment per thread, each with lanes to every memory server.
-    let coord = args.namespace.as_ref().map(|_| crate::ns::coordinator(args.coordinator.as_deref()).0);
+    let coord = match &args.namespace {
+        Some(_) => Some(crate::ns::coordinator(args.coordinator.as_deref(), &args.coordinator_tls)?.0),
+        None => None,
+    };
     let segment = match (&args.namespace, &coord) {
         (Some(ns), Some(c)) => Some(crate::ns::resolve(c, ns, args.raddress)?),
         _ => None,
