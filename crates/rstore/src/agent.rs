@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use coord::{CoordError, CopyState, ServerInfo};
 use initiator::{Lane, LaneConfig, Queue, ReqFlags, Status};
 
-use crate::control::{unix_ms, Coordinator};
+use crate::control::{unix_ms, Coordinator, Finished};
 use crate::repair;
 
 /// How the agent repairs.
@@ -153,9 +153,39 @@ pub fn serve(
     }
     let live = coord.servers()?;
     let mut done = 0;
+    // Copies repaired and not yet marked healthy: marked together, one transaction per
+    // namespace and batch rather than one per chunk.
+    let mut pending: Vec<Finished> = Vec::new();
+    let mut pending_ns = String::new();
+    let mut flush = |ns: &str, pending: &mut Vec<Finished>| -> Result<(), CoordError> {
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let n = coord.finish_syncs(ns, pending, &me.id)?;
+        pending.clear();
+        progress.chunks.fetch_add(n as u64, Ordering::Relaxed);
+        done += n;
+        let published = repair::SourceProgress {
+            server: me.id.clone(),
+            chunks: progress.chunks.load(Ordering::Relaxed),
+            bytes: progress.bytes.load(Ordering::Relaxed),
+            rate: progress.rate.load(Ordering::Relaxed),
+            at_ms: unix_ms(),
+        };
+        if let Err(e) = coord.publish_progress(&published, lease) {
+            tracing::debug!(error = %e, "cannot publish the repair's progress");
+        }
+        Ok(())
+    };
+    let mut batch_began = Instant::now();
     for t in tasks {
         if stop.load(Ordering::Relaxed) {
             break;
+        }
+        if t.ns != pending_ns || pending.len() >= FINISH_BATCH || batch_began.elapsed() >= FINISH_EVERY {
+            flush(&pending_ns, &mut pending)?;
+            pending_ns.clone_from(&t.ns);
+            batch_began = Instant::now();
         }
         let Some(to) = repair::holder(&live, &t.target) else { continue };
         let started = Instant::now();
@@ -171,24 +201,17 @@ pub fn serve(
         progress.bytes.fetch_add(bytes, Ordering::Relaxed);
         let secs = started.elapsed().as_secs_f64().max(1e-6);
         progress.rate.store((bytes as f64 / secs) as u64, Ordering::Relaxed);
-        if coord.finish_sync(&t.ns, t.addr, t.stripe, t.copy, &me.id, t.epoch)? {
-            progress.chunks.fetch_add(1, Ordering::Relaxed);
-            done += 1;
-            let published = repair::SourceProgress {
-                server: me.id.clone(),
-                chunks: progress.chunks.load(Ordering::Relaxed),
-                bytes: progress.bytes.load(Ordering::Relaxed),
-                rate: progress.rate.load(Ordering::Relaxed),
-                at_ms: unix_ms(),
-            };
-            if let Err(e) = coord.publish_progress(&published, lease) {
-                tracing::debug!(error = %e, "cannot publish the repair's progress");
-            }
-            tracing::debug!(ns = %t.ns, addr = t.addr, stripe = t.stripe, to = %to.id, bytes, full = t.full, "a copy is repaired");
-        }
+        tracing::debug!(ns = %t.ns, addr = t.addr, stripe = t.stripe, to = %to.id, bytes, full = t.full, "a copy is repaired");
+        pending.push(Finished { addr: t.addr, stripe: t.stripe, copy: t.copy, epoch: t.epoch });
     }
+    flush(&pending_ns, &mut pending)?;
     Ok(done)
 }
+
+/// Copies marked healthy in one transaction at most, and the longest a repaired copy waits
+/// for its mark.
+const FINISH_BATCH: usize = 64;
+const FINISH_EVERY: Duration = Duration::from_millis(200);
 
 /// Copy what `t`'s syncing copy misses from this server's copy to its server `to`: every
 /// region of the chunk for a full repair, else the dirty ones. Returns the bytes copied.

@@ -114,6 +114,16 @@ pub fn segment_map(r: &RAddress, live: &[ServerInfo]) -> Result<SegmentMap, Coor
     Ok(SegmentMap { len: r.len, chunk_bytes: r.chunk_bytes, stripes })
 }
 
+/// A copy a source repaired: copy `copy` of stripe `stripe` of the allocation at `addr`,
+/// under the stripe's epoch `epoch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    pub addr: u64,
+    pub stripe: usize,
+    pub copy: usize,
+    pub epoch: u32,
+}
+
 /// The key the repair leader holds, under its registration's lease.
 pub const LEADER: &str = "/skiff/repair/leader";
 
@@ -595,12 +605,23 @@ impl Coordinator {
         from: &str,
         at: u32,
     ) -> Result<bool, CoordError> {
+        Ok(self.finish_syncs(name, &[Finished { addr, stripe, copy, epoch: at }], from)? == 1)
+    }
+
+    /// [`finish_sync`](Self::finish_sync) for many copies of namespace `name` at once, in one
+    /// transaction: how many were marked healthy.
+    pub fn finish_syncs(&self, name: &str, done: &[Finished], from: &str) -> Result<usize, CoordError> {
         self.change_ns(name, |ns| {
-            let Some(st) = ns.allocs.get_mut(&addr).and_then(|a| a.stripes.get_mut(stripe)) else {
-                return Ok((false, false));
-            };
-            let done = copy < st.len() && repair::finish(&mut ns.epoch, st, copy, from, at);
-            Ok((done, done))
+            let mut n = 0;
+            for d in done {
+                let Some(st) = ns.allocs.get_mut(&d.addr).and_then(|a| a.stripes.get_mut(d.stripe)) else {
+                    continue;
+                };
+                n += usize::from(
+                    d.copy < st.len() && repair::finish(&mut ns.epoch, st, d.copy, from, d.epoch),
+                );
+            }
+            Ok((n, n > 0))
         })
     }
 
