@@ -71,6 +71,21 @@ pub struct Location {
     pub syncing: bool,
 }
 
+/// The pieces of a request of `length` bytes at `offset`: each `(at, len, stripe)`, split at
+/// chunk boundaries and at the largest I/O the lanes take (`max`).
+fn pieces(chunk: u64, max: u64, offset: u64, length: usize) -> impl Iterator<Item = (u64, usize, usize)> {
+    let end = offset + length as u64;
+    let mut at = offset;
+    std::iter::from_fn(move || {
+        (at < end).then(|| {
+            let n = (chunk - at % chunk).min(end - at).min(max);
+            let piece = (at, n as usize, (at / chunk) as usize);
+            at += n;
+            piece
+        })
+    })
+}
+
 /// A segment resolved for the data path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SegmentMap {
@@ -131,7 +146,7 @@ struct Parent {
     /// Pieces that reached no copy (a write) or no copy answered (a read).
     failed: bool,
     /// Per piece of a write: whether some copy holds it.
-    held: Vec<bool>,
+    held: Held,
     /// What a server answered when it refused a piece (out of range, too large...): the
     /// request's own fault, reported as it is, and no reason to take the server out.
     refused: Option<Status>,
@@ -143,6 +158,54 @@ struct Parent {
     /// What sent it again last: a newer map (rather than a lost server).
     stale: bool,
     reissues: u8,
+}
+
+/// Which pieces of a request some copy holds: a bit each, for requests of up to 128 pieces
+/// (128 MiB at 1 MiB pieces) with no allocation; a vector beyond.
+enum Held {
+    Bits { held: u128, pieces: u32 },
+    Many(Vec<bool>),
+}
+
+impl Held {
+    /// `pieces` pieces, all held already (a read's) or none.
+    fn new(pieces: usize, all: bool) -> Held {
+        if pieces <= 128 {
+            let full = if pieces == 128 { u128::MAX } else { (1u128 << pieces) - 1 };
+            Held::Bits { held: if all { full } else { 0 }, pieces: pieces as u32 }
+        } else {
+            Held::Many(vec![all; pieces])
+        }
+    }
+
+    fn set(&mut self, piece: usize) {
+        match self {
+            Held::Bits { held, .. } => *held |= 1 << piece,
+            Held::Many(v) => v[piece] = true,
+        }
+    }
+
+    fn all(&self) -> bool {
+        match self {
+            Held::Bits { held, pieces } => held.count_ones() == *pieces,
+            Held::Many(v) => v.iter().all(|&h| h),
+        }
+    }
+
+    fn reset(&mut self, all: bool) {
+        match self {
+            Held::Bits { held, pieces } => {
+                *held = if !all {
+                    0
+                } else if *pieces == 128 {
+                    u128::MAX
+                } else {
+                    (1u128 << *pieces) - 1
+                }
+            }
+            Held::Many(v) => v.iter_mut().for_each(|h| *h = all),
+        }
+    }
 }
 
 /// One piece on one copy.
@@ -209,7 +272,16 @@ pub struct Segment {
     again: Vec<usize>,
     /// What the lanes dropped so far (lost, or replaced by a new map) did.
     retired: LaneStats,
+    /// Buffers of pieces that do not take the caller's buffer whole, kept for the next ones:
+    /// the data path allocates nothing once warm.
+    spare: Vec<Vec<u8>>,
+    /// The buffer and completions of the blocking `read` and `write`, kept likewise.
+    own: Vec<u8>,
+    own_done: Vec<Completion>,
 }
+
+/// Spare piece buffers kept at most.
+const SPARE_MAX: usize = 1024;
 
 impl Segment {
     /// Open a lane to every server and export of `map` (no reconnection). A server that
@@ -253,6 +325,9 @@ impl Segment {
             unreported: Vec::new(),
             again: Vec::new(),
             retired: LaneStats::default(),
+            spare: Vec::new(),
+            own: Vec::new(),
+            own_done: Vec::new(),
         };
         segment.install(map)?;
         Ok(segment)
@@ -409,27 +484,6 @@ impl Segment {
         self.copies[i].iter().filter(|c| !c.syncing && self.lanes[c.lane].is_some()).map(|c| c.lane)
     }
 
-    /// The copies of stripe `i` being repaired, in service.
-    fn syncing(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
-        self.copies[i].iter().filter(|c| c.syncing && self.lanes[c.lane].is_some()).map(|c| c.lane)
-    }
-
-    /// The pieces of a request: each `(at, len, stripe)`, split at chunk boundaries and at the
-    /// largest I/O the lanes take.
-    fn pieces(&self, offset: u64, length: usize) -> impl Iterator<Item = (u64, usize, usize)> {
-        let (chunk, max) = (self.chunk_bytes, self.piece_max);
-        let end = offset + length as u64;
-        let mut at = offset;
-        std::iter::from_fn(move || {
-            (at < end).then(|| {
-                let n = (chunk - at % chunk).min(end - at).min(max);
-                let piece = (at, n as usize, (at / chunk) as usize);
-                at += n;
-                piece
-            })
-        })
-    }
-
     fn take_out(&mut self, lane: usize, why: &str) {
         let Some(mut l) = self.lanes[lane].take() else { return };
         self.stats.servers_failed += 1;
@@ -486,26 +540,19 @@ impl Segment {
             let p = self.parents[pi].as_ref().expect("a parent exists");
             (p.opcode, p.offset, p.len)
         };
-        let pieces: Vec<(u64, usize, usize)> = self.pieces(offset, len).collect();
-        let count = pieces.len();
+        let (chunk, max) = (self.chunk_bytes, self.piece_max);
+        let count = pieces(chunk, max, offset, len).count();
         // With a source, a write goes only where the map is current: every copy of its
         // stripes in service, and no server lost and not yet reported (a copy skipped
         // unreported would miss it untracked). Otherwise it waits for the heal.
         let outdated = self.source.is_some()
             && opcode == Opcode::Write
             && (!self.unreported.is_empty()
-                || pieces
-                    .iter()
-                    .any(|&(_, _, s)| self.copies[s].iter().any(|c| self.lanes[c.lane].is_none())));
-        for (piece, &(at, n, stripe)) in pieces.iter().enumerate() {
-            let lanes: Vec<usize> = if outdated {
-                Vec::new()
-            } else if opcode == Opcode::Write {
-                self.healthy(stripe).collect()
-            } else {
-                self.healthy(stripe).take(1).collect()
-            };
-            if lanes.is_empty() {
+                || pieces(chunk, max, offset, len)
+                    .any(|(_, _, s)| self.copies[s].iter().any(|c| self.lanes[c.lane].is_none())));
+        for (piece, (at, n, stripe)) in pieces(chunk, max, offset, len).enumerate() {
+            let healthy = if outdated { 0 } else { self.healthy(stripe).count() };
+            if healthy == 0 {
                 let p = self.parents[pi].as_mut().expect("a parent exists");
                 if self.source.is_some() {
                     p.again = true;
@@ -514,9 +561,16 @@ impl Segment {
                 }
                 continue;
             }
-            let whole = count == 1 && lanes.len() == 1;
-            for lane in lanes {
-                self.queue_sub(Sub { parent: pi, piece, at, len: n, stripe, lane, whole });
+            let whole = count == 1 && (healthy == 1 || opcode != Opcode::Write);
+            for ci in 0..self.copies[stripe].len() {
+                let c = self.copies[stripe][ci];
+                if c.syncing || self.lanes[c.lane].is_none() {
+                    continue;
+                }
+                self.queue_sub(Sub { parent: pi, piece, at, len: n, stripe, lane: c.lane, whole });
+                if opcode != Opcode::Write {
+                    break;
+                }
             }
         }
         if self.parents[pi].as_ref().is_some_and(|p| p.subs == 0) {
@@ -566,12 +620,23 @@ impl Segment {
                     let from = (sub.at - parent.offset) as usize;
                     let buf = match lent {
                         Some(b) => b,
-                        None => parent.buf.as_ref().expect("a write keeps its data")[from..from + sub.len]
-                            .to_vec(),
+                        None => {
+                            let mut b = self.spare.pop().unwrap_or_default();
+                            b.clear();
+                            b.extend_from_slice(
+                                &parent.buf.as_ref().expect("a write keeps its data")[from..from + sub.len],
+                            );
+                            b
+                        }
                     };
                     l.submit_write(place, buf, ReqFlags::empty(), s as u64)
                 } else {
-                    l.submit_read(place, lent.unwrap_or_else(|| vec![0; sub.len]), s as u64)
+                    let buf = lent.unwrap_or_else(|| {
+                        let mut b = self.spare.pop().unwrap_or_default();
+                        b.resize(sub.len, 0);
+                        b
+                    });
+                    l.submit_read(place, buf, s as u64)
                 };
                 match submitted {
                     Ok(()) => {}
@@ -661,18 +726,23 @@ impl Segment {
         self.free_subs.push(s);
         let p = self.parents[sub.parent].as_mut().expect("a sub's parent exists");
         if p.opcode == Opcode::Write {
-            p.held[sub.piece] = true;
+            p.held.set(sub.piece);
         }
         match data {
             // The caller's buffer comes back (a read's filled in place).
             Some(data) if sub.whole => p.buf = Some(data),
-            Some(data) if p.opcode != Opcode::Write => {
-                let from = (sub.at - p.offset) as usize;
-                let len = p.len;
-                p.buf.get_or_insert_with(|| vec![0; len])[from..from + sub.len]
-                    .copy_from_slice(&data[..sub.len]);
+            Some(data) => {
+                if p.opcode != Opcode::Write {
+                    let from = (sub.at - p.offset) as usize;
+                    let len = p.len;
+                    p.buf.get_or_insert_with(|| vec![0; len])[from..from + sub.len]
+                        .copy_from_slice(&data[..sub.len]);
+                }
+                if self.spare.len() < SPARE_MAX {
+                    self.spare.push(data);
+                }
             }
-            _ => {}
+            None => {}
         }
         self.parent_sub_ended(sub.parent);
     }
@@ -746,17 +816,27 @@ impl Segment {
             // The healthy copies hold it: now the copies being repaired.
             p.second = true;
             let (offset, len) = (p.offset, p.len);
-            let pieces: Vec<(u64, usize, usize)> = self.pieces(offset, len).collect();
-            for (piece, (at, n, stripe)) in pieces.into_iter().enumerate() {
+            for (piece, (at, n, stripe)) in pieces(self.chunk_bytes, self.piece_max, offset, len).enumerate()
+            {
                 if self.source.is_some() && self.copies[stripe].iter().any(|c| self.lanes[c.lane].is_none()) {
                     // A copy being repaired went out of service meanwhile: report, map again,
                     // and send it all again.
                     self.parents[i].as_mut().expect("a parent exists").again = true;
                     continue;
                 }
-                let lanes: Vec<usize> = self.syncing(stripe).collect();
-                for lane in lanes {
-                    self.queue_sub(Sub { parent: i, piece, at, len: n, stripe, lane, whole: false });
+                for ci in 0..self.copies[stripe].len() {
+                    let c = self.copies[stripe][ci];
+                    if c.syncing && self.lanes[c.lane].is_some() {
+                        self.queue_sub(Sub {
+                            parent: i,
+                            piece,
+                            at,
+                            len: n,
+                            stripe,
+                            lane: c.lane,
+                            whole: false,
+                        });
+                    }
                 }
             }
             if self.parents[i].as_ref().is_some_and(|p| p.again && p.subs == 0) {
@@ -771,7 +851,7 @@ impl Segment {
         let p = self.parents[i].take().expect("a parent exists");
         self.free_parents.push(i);
         self.in_flight -= 1;
-        let ok = !p.failed && p.held.iter().all(|&h| h);
+        let ok = !p.failed && p.held.all();
         self.done.push(Completion {
             user_data: p.user_data,
             opcode: p.opcode,
@@ -873,23 +953,33 @@ impl Segment {
             p.stale = false;
             p.second = false;
             p.reissues += 1;
-            p.held.iter_mut().for_each(|h| *h = p.opcode != Opcode::Write);
+            let all = p.opcode != Opcode::Write;
+            p.held.reset(all);
             self.stats.reissues += 1;
             self.dispatch(pi);
         }
         installed.map_err(Error::Lost)
     }
 
-    /// Read `buf.len()` bytes at `offset` of the segment, blocking.
+    /// Read `buf.len()` bytes at `offset` of the segment, blocking. Allocates nothing once
+    /// warm: the segment keeps the buffer the request goes in.
     pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let data = self.blocking(Opcode::Read, offset, vec![0; buf.len()])?;
+        let mut own = std::mem::take(&mut self.own);
+        own.clear();
+        own.resize(buf.len(), 0);
+        let data = self.blocking(Opcode::Read, offset, own)?;
         buf.copy_from_slice(&data);
+        self.own = data;
         Ok(())
     }
 
-    /// Write `data` at `offset` of the segment, blocking.
+    /// Write `data` at `offset` of the segment, blocking; allocates nothing once warm.
     pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        self.blocking(Opcode::Write, offset, data.to_vec()).map(drop)
+        let mut own = std::mem::take(&mut self.own);
+        own.clear();
+        own.extend_from_slice(data);
+        self.own = self.blocking(Opcode::Write, offset, own)?;
+        Ok(())
     }
 
     fn blocking(&mut self, opcode: Opcode, offset: u64, buf: Vec<u8>) -> Result<Vec<u8>> {
@@ -901,9 +991,13 @@ impl Segment {
         }
         let len = buf.len();
         self.submit(opcode, ReqFlags::empty(), offset, len, Some(buf), u64::MAX).map_err(|r| r.error)?;
-        let mut out = Vec::new();
-        self.wait(1, &mut out)?;
-        let c = out.pop().expect("one completion");
+        let mut out = std::mem::take(&mut self.own_done);
+        out.clear();
+        let waited = self.wait(1, &mut out);
+        let c = out.pop();
+        self.own_done = out;
+        waited?;
+        let c = c.expect("one completion");
         if c.status != Status::Ok && c.status != Status::IoError {
             return Err(Error::Status(c.status));
         }
@@ -950,7 +1044,8 @@ impl Queue<Vec<u8>> for Segment {
             return reject(Error::InvalidArgument("segment I/O past the end of the segment"), Some(buf));
         }
         if self.source.is_none()
-            && self.pieces(offset, length).any(|(_, _, stripe)| self.healthy(stripe).next().is_none())
+            && pieces(self.chunk_bytes, self.piece_max, offset, length)
+                .any(|(_, _, stripe)| self.healthy(stripe).next().is_none())
         {
             return reject(Error::Lost("every copy of a stripe is out of service".into()), Some(buf));
         }
@@ -963,7 +1058,10 @@ impl Queue<Vec<u8>> for Segment {
             subs: 0,
             failed: false,
             refused: None,
-            held: vec![opcode != Opcode::Write; self.pieces(offset, length).count()],
+            held: Held::new(
+                pieces(self.chunk_bytes, self.piece_max, offset, length).count(),
+                opcode != Opcode::Write,
+            ),
             second: false,
             again: false,
             stale: false,
