@@ -160,6 +160,19 @@ uint32_t skiff_segment_block_size(const skiff_segment *s);
 int skiff_segment_read(skiff_segment *s, uint64_t offset, void *buf, uint64_t len);
 int skiff_segment_write(skiff_segment *s, uint64_t offset, const void *buf, uint64_t len);
 
+/* Asynchronous segment I/O: queue a read or a write (op SKIFF_OP_READ or SKIFF_OP_WRITE) of
+ * len bytes at offset, many in flight over the segment's servers, and reap their completions
+ * (user_data as given; result 0 or a negative errno). buf must stay valid and untouched until
+ * the request's completion is reaped: a write's data is copied from it at submit, a read's is
+ * copied into it when reaped. Do not mix with the blocking calls while requests are in flight. */
+int skiff_segment_submit(skiff_segment *s, uint32_t op, uint64_t offset, void *buf, uint64_t len,
+                         uint64_t user_data);
+/* Wait until at least min completions (bounded by what is in flight) are available, and store
+ * up to max of them in out. Returns how many were stored. */
+int skiff_segment_reap(skiff_segment *s, skiff_completion *out, uint32_t max, uint32_t min);
+/* Completions not yet reaped plus requests in flight. */
+uint32_t skiff_segment_in_flight(const skiff_segment *s);
+
 /* A description of the last failure on this thread ("" if none). */
 const char *skiff_last_error(void);
 

@@ -550,9 +550,60 @@ pub struct SkiffRstore {
     coord: rstore::Coordinator,
 }
 
-/// The handle behind `skiff_segment *`: a mapped allocation.
+/// The handle behind `skiff_segment *`: a mapped allocation, and its asynchronous requests.
 pub struct SkiffSegment {
     segment: rstore::Segment,
+    /// Requests submitted with `skiff_segment_submit`, by the tag the segment carries (an
+    /// index here): the caller's buffer, its length and user data.
+    pending: Vec<Option<Pending>>,
+    free: Vec<usize>,
+    /// Buffers the segment's requests travel in, kept for the next ones.
+    bufs: Vec<Vec<u8>>,
+    /// Completions collected and not yet handed out, and the segment's own scratch.
+    ready: std::collections::VecDeque<SkiffCompletion>,
+    scratch: Vec<initiator::Completion>,
+}
+
+/// An asynchronous segment request in flight.
+struct Pending {
+    user_data: u64,
+    /// A read's destination, to copy its data into when it completes.
+    read_into: Option<*mut u8>,
+    len: usize,
+}
+
+impl SkiffSegment {
+    fn new(segment: rstore::Segment) -> SkiffSegment {
+        SkiffSegment {
+            segment,
+            pending: Vec::new(),
+            free: Vec::new(),
+            bufs: Vec::new(),
+            ready: Default::default(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Take in what the segment completed: copy reads out to their callers' buffers, keep the
+    /// buffers, and queue the completions.
+    fn collect(&mut self) {
+        for c in self.scratch.drain(..) {
+            let tag = c.user_data as usize;
+            let Some(p) = self.pending.get_mut(tag).and_then(Option::take) else { continue };
+            self.free.push(tag);
+            let ok = c.status.is_ok();
+            if let Some(buf) = c.buf {
+                if let (true, Some(dst)) = (ok, p.read_into) {
+                    // SAFETY: the caller keeps `dst` valid for `len` bytes until this
+                    // completion is reaped (skiff.h), and the segment returned `len` bytes.
+                    unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), dst, p.len.min(buf.len())) };
+                }
+                self.bufs.push(buf);
+            }
+            let result = if ok { 0 } else { -c.status.errno() };
+            self.ready.push_back(SkiffCompletion { user_data: p.user_data, result, reserved: 0 });
+        }
+    }
 }
 
 /// The one mapping from control-plane errors to errno.
@@ -768,7 +819,7 @@ pub unsafe extern "C" fn skiff_rstore_map(
         with_ns(r, ns, |c, name| match c.map(name, addr, &LaneConfig::default()) {
             Ok(segment) => {
                 // SAFETY: `out` is writable per the contract.
-                out.write(Box::into_raw(Box::new(SkiffSegment { segment })));
+                out.write(Box::into_raw(Box::new(SkiffSegment::new(segment))));
                 0
             }
             Err(e) => match (e.downcast_ref::<coord::CoordError>(), e.downcast_ref::<Error>()) {
@@ -881,6 +932,114 @@ pub unsafe extern "C" fn skiff_segment_write(
             seg.write(offset, src)
         })
     }
+}
+
+/// # Safety
+/// `s` is a live segment used by one thread at a time; `buf` is valid for `len` bytes and left
+/// alone until the request's completion is reaped.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_segment_submit(
+    s: *mut SkiffSegment,
+    op: u32,
+    offset: u64,
+    buf: *mut c_void,
+    len: u64,
+    user_data: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: null or a live handle per the contract.
+        let Some(s) = (unsafe { s.as_mut() }) else {
+            set_error("skiff_segment is NULL".into());
+            return -libc::EINVAL;
+        };
+        // SKIFF_OP_READ and SKIFF_OP_WRITE are the wire's opcodes, as for lanes.
+        let opcode = match u8::try_from(op).ok().and_then(Opcode::from_u8) {
+            Some(o @ (Opcode::Read | Opcode::Write)) => o,
+            _ => return fail(&Error::InvalidArgument("a segment takes reads and writes")),
+        };
+        if buf.is_null() || len == 0 || len > u64::from(u32::MAX) {
+            return fail(&Error::InvalidArgument("a segment request needs a buffer of 1 byte to 4 GiB"));
+        }
+        let len = len as usize;
+        let mut data = s.bufs.pop().unwrap_or_default();
+        data.clear();
+        if opcode == Opcode::Write {
+            // SAFETY: non-null and valid for `len` bytes per the contract.
+            data.extend_from_slice(unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) });
+        } else {
+            data.resize(len, 0);
+        }
+        let tag = s.free.pop().unwrap_or_else(|| {
+            s.pending.push(None);
+            s.pending.len() - 1
+        });
+        let read_into = (opcode == Opcode::Read).then_some(buf.cast::<u8>());
+        s.pending[tag] = Some(Pending { user_data, read_into, len });
+        match initiator::Queue::submit(
+            &mut s.segment,
+            opcode,
+            ReqFlags::empty(),
+            offset,
+            len,
+            Some(data),
+            tag as u64,
+        ) {
+            Ok(()) => 0,
+            Err(rejected) => {
+                s.pending[tag] = None;
+                s.free.push(tag);
+                s.bufs.extend(rejected.buf);
+                fail(&rejected.error)
+            }
+        }
+    })
+}
+
+/// # Safety
+/// `s` is a live segment used by one thread at a time; `out` is valid for `max` completions.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_segment_reap(
+    s: *mut SkiffSegment,
+    out: *mut SkiffCompletion,
+    max: u32,
+    min: u32,
+) -> c_int {
+    guard(|| {
+        // SAFETY: null or a live handle per the contract.
+        let Some(s) = (unsafe { s.as_mut() }) else {
+            set_error("skiff_segment is NULL".into());
+            return -libc::EINVAL;
+        };
+        if out.is_null() && max > 0 {
+            return fail(&Error::InvalidArgument("null completion array"));
+        }
+        let want = (min.min(max) as usize).saturating_sub(s.ready.len());
+        let collected = if want > 0 {
+            initiator::Queue::wait(&mut s.segment, want, &mut s.scratch)
+        } else {
+            initiator::Queue::poll(&mut s.segment, &mut s.scratch)
+        };
+        s.collect();
+        if let Err(e) = collected {
+            if s.ready.is_empty() {
+                return fail(&e);
+            }
+        }
+        let n = s.ready.len().min(max as usize);
+        for (i, c) in s.ready.drain(..n).enumerate() {
+            // SAFETY: `out` holds `max` entries per the contract and `i < n <= max`.
+            unsafe { out.add(i).write(c) };
+        }
+        n as c_int
+    })
+}
+
+/// # Safety
+/// `s` is a live segment.
+#[no_mangle]
+pub unsafe extern "C" fn skiff_segment_in_flight(s: *const SkiffSegment) -> u32 {
+    // SAFETY: null or a live handle per the contract.
+    unsafe { s.as_ref() }.map_or(0, |s| (initiator::Queue::in_flight(&s.segment) + s.ready.len()) as u32)
 }
 
 #[no_mangle]
