@@ -421,8 +421,6 @@ impl<B: IoBuf> Lane<B> {
         self.session.is_broken()
     }
 
-    /// The socket to sleep on for completions; `None` while the connection is lost (sleep
-    /// until [`reconnect_due`](Self::reconnect_due) instead).
     /// TLS holds ciphertext the socket did not take yet: wait for writability too.
     pub(crate) fn tls_wants_write(&self) -> bool {
         self.conn.stream.pending_send()
@@ -433,7 +431,11 @@ impl<B: IoBuf> Lane<B> {
         self.conn.stream.buffered_recv()
     }
 
-    pub(crate) fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
+    /// The socket to sleep on for completions (readable when some arrived); `None` while the
+    /// connection is lost (sleep until [`reconnect_due`](Self::reconnect_due) instead). A
+    /// caller that sleeps on it calls [`poll`](Self::poll) first: TLS may hold decrypted bytes
+    /// the socket no longer shows.
+    pub fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
         (!self.reconnect.is_lost()).then(|| std::os::fd::AsRawFd::as_raw_fd(&self.conn.stream))
     }
 

@@ -22,7 +22,9 @@ pub mod coordination;
 pub mod pool;
 pub mod repair;
 pub mod segment;
+pub mod shared;
 
 pub use control::{segment_map, Coordinator, Place, RAddress, Registration};
 pub use coordination::Flags;
 pub use segment::{Location, MapSource, Segment, SegmentMap, SegmentStats, SourceError};
+pub use shared::{SegmentHandle, SharedSegment};

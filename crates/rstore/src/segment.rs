@@ -469,6 +469,12 @@ impl Segment {
         all
     }
 
+    /// The sockets of the lanes with requests out, to sleep on all at once (after a
+    /// [`poll`](Queue::poll), which takes in what TLS may hold decrypted already).
+    pub fn wake_fds(&self, out: &mut Vec<std::os::fd::RawFd>) {
+        out.extend(self.lanes.iter().flatten().filter(|l| l.in_flight() > 0).filter_map(Lane::wake_fd));
+    }
+
     /// The servers (as `endpoint/export`) taken out of service.
     pub fn failed(&self) -> Vec<&str> {
         self.lanes

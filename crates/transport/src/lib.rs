@@ -24,7 +24,7 @@ pub mod event {
 }
 
 pub use endpoint::{Endpoint, EndpointError};
-pub use stream::{wait_either, wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
+pub use stream::{wait_any, wait_either, wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
 pub use wire::{FrameBuffer, FrameRef};
 
 use std::io::{self, IoSlice, IoSliceMut};

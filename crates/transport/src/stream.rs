@@ -601,6 +601,25 @@ pub fn wait_either(a: RawFd, a_write: bool, b: RawFd, timeout: Option<Duration>)
     Ok((a_ready.readable || a_ready.writable, ready_of(&pfds[1]).readable))
 }
 
+/// Sleep until any of `fds` is readable (errors and hang-ups count), or `timeout` passes; true
+/// when one is. Up to 32 descriptors without allocating.
+pub fn wait_any(fds: &[RawFd], timeout: Option<Duration>) -> io::Result<bool> {
+    let pfd = |fd: RawFd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let mut few = [pfd(-1); 32];
+    let mut many = Vec::new();
+    let pfds: &mut [libc::pollfd] = if fds.len() <= few.len() {
+        for (p, &fd) in few.iter_mut().zip(fds) {
+            *p = pfd(fd);
+        }
+        &mut few[..fds.len()]
+    } else {
+        many.extend(fds.iter().map(|&fd| pfd(fd)));
+        &mut many
+    };
+    poll_fds(pfds, timeout)?;
+    Ok(pfds.iter().any(|p| ready_of(p).readable))
+}
+
 fn ready_of(pfd: &libc::pollfd) -> Ready {
     let bad = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL;
     Ready { readable: pfd.revents & (libc::POLLIN | bad) != 0, writable: pfd.revents & libc::POLLOUT != 0 }
