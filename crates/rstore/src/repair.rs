@@ -388,3 +388,141 @@ impl Status {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use coord::{Allocation, Scope};
+
+    fn server(id: &str, incarnation: u64, boot: u64) -> ServerInfo {
+        ServerInfo {
+            id: id.into(),
+            endpoint: format!("{id}:1"),
+            export: "pool".into(),
+            scope: Scope::File,
+            bytes: 64 << 20,
+            chunk_bytes: 4 << 20,
+            incarnation,
+            grant_key: String::new(),
+            boot,
+        }
+    }
+
+    /// One allocation of one stripe with a copy on each of `servers`.
+    fn ns(servers: &[&str]) -> Namespace {
+        let stripe = servers.iter().enumerate().map(|(i, s)| ChunkRef::new(s, i as u64, 0, 0)).collect();
+        let mut allocs = std::collections::BTreeMap::new();
+        allocs.insert(0, Allocation { len: 4 << 20, stripes: vec![stripe] });
+        Namespace {
+            name: "t".into(),
+            scope: Scope::File,
+            chunk_bytes: 4 << 20,
+            replicas: servers.len() as u32,
+            reserved: Vec::new(),
+            allocs,
+            next_addr: 4 << 20,
+            epoch: 0,
+        }
+    }
+
+    fn stripe(ns: &Namespace) -> &Stripe {
+        &ns.allocs[&0].stripes[0]
+    }
+
+    /// A copy goes stale against the healthy copies that track it, every change moves the
+    /// epoch on for the whole stripe, and the only healthy copy is never marked.
+    #[test]
+    fn a_copy_goes_stale_against_its_trackers_and_the_last_healthy_one_never_does() {
+        let live = [server("a", 0, 1), server("b", 0, 2), server("c", 0, 3)];
+        let mut n = ns(&["a", "b", "c"]);
+        let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
+        assert!(mark_stale(&mut n.epoch, st, 0, &live, 7));
+        assert_eq!(st[0].dirty_on, ["b@2", "c@3"]);
+        assert_eq!((st[0].state, st[0].since_ms), (CopyState::Stale, 7));
+        assert!(st.iter().all(|c| c.epoch == 1), "the whole stripe takes the epoch");
+        assert!(!mark_stale(&mut n.epoch, st, 0, &live, 8), "already stale");
+        assert!(mark_stale(&mut n.epoch, st, 1, &live, 9));
+        assert_eq!(st[0].dirty_on, ["c@3"], "b's regions no longer cover what a misses");
+        assert!(!mark_stale(&mut n.epoch, st, 2, &live, 9), "c holds the only healthy copy");
+        assert_eq!(n.epoch, 2);
+    }
+
+    /// A stale copy whose server is reached again is repaired partially from a tracker of the
+    /// same boot, in full when none is (its tracker restarted, or it came back in another
+    /// incarnation), and only once its server is present, not merely registered.
+    #[test]
+    fn a_copy_back_is_repaired_partially_from_a_tracker_of_its_boot_else_in_full() {
+        let live = [server("a", 0, 1), server("b", 0, 2)];
+        let mut n = ns(&["a", "b"]);
+        let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
+        assert!(mark_stale(&mut n.epoch, st, 0, &live, 0));
+        let registered_only = plan(&mut n, &live, &live[1..], 10, 1_000);
+        assert_eq!((registered_only.started, registered_only.relocate.len()), (0, 0), "a is not reached");
+        let p = plan(&mut n, &live, &live, 10, 1_000);
+        assert_eq!(p.started, 1);
+        assert_eq!(
+            (stripe(&n)[0].state, stripe(&n)[0].full, stripe(&n)[0].from.as_str()),
+            (CopyState::Syncing, false, "b")
+        );
+        let at = stripe(&n)[0].epoch;
+        assert!(finish(&mut n.epoch, &mut n.allocs.get_mut(&0).unwrap().stripes[0], 0, "b", at));
+        assert!(whole(stripe(&n)));
+        // b restarted since a went stale: its marks are gone, so a full copy.
+        let mut n = ns(&["a", "b"]);
+        let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
+        assert!(mark_stale(&mut n.epoch, st, 0, &live, 0));
+        let rebooted = [server("a", 0, 1), server("b", 0, 99)];
+        plan(&mut n, &rebooted, &rebooted, 10, 1_000);
+        assert_eq!((stripe(&n)[0].state, stripe(&n)[0].full), (CopyState::Syncing, true));
+        // a back in another incarnation (a RAM pool restarted empty): full, and it takes the
+        // new incarnation.
+        let mut n = ns(&["a", "b"]);
+        let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
+        assert!(mark_stale(&mut n.epoch, st, 0, &live, 0));
+        let reborn = [server("a", 5, 1), server("b", 0, 2)];
+        plan(&mut n, &reborn, &reborn, 10, 1_000);
+        assert_eq!((stripe(&n)[0].full, stripe(&n)[0].incarnation), (true, 5));
+    }
+
+    /// A repair whose stripe moved on is not finished by it; a syncing copy whose source went
+    /// away goes stale again, keeping the trackers that made it partial; a copy away past the
+    /// grace period is named for a rebuild elsewhere, avoiding the stripe's servers.
+    #[test]
+    fn repairs_end_only_on_their_epoch_and_stale_copies_move_after_the_grace_period() {
+        let live = [server("a", 0, 1), server("b", 0, 2), server("c", 0, 3)];
+        let mut n = ns(&["a", "b", "c"]);
+        let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
+        assert!(mark_stale(&mut n.epoch, st, 0, &live, 0));
+        plan(&mut n, &live, &live, 10, 1_000);
+        let at = stripe(&n)[0].epoch;
+        let from = stripe(&n)[0].from.clone();
+        let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
+        touch(&mut n.epoch, st);
+        assert!(!finish(&mut n.epoch, st, 0, &from, at), "the stripe moved on since the repair began");
+        // Its source goes away: stale again, still partial from what is left.
+        let without: Vec<ServerInfo> = live.iter().filter(|s| s.id != from).cloned().collect();
+        plan(&mut n, &without, &without, 20, 1_000);
+        assert_eq!(stripe(&n)[0].state, CopyState::Stale);
+        // a stays away: past the grace period it is named for a rebuild elsewhere.
+        let away: Vec<ServerInfo> = without.iter().filter(|s| s.id != "a").cloned().collect();
+        let p = plan(&mut n, &away, &away, 20 + 999, 1_000);
+        assert!(p.relocate.is_empty(), "not yet");
+        let p = plan(&mut n, &away, &away, 20 + 1_000 + 1, 1_000);
+        // a, and the source, which went stale when it went away.
+        assert_eq!(
+            p.relocate.iter().map(|r| r.copy).collect::<Vec<_>>(),
+            [0, if from == "b" { 1 } else { 2 }],
+            "{p:?}"
+        );
+        assert!(p.relocate[0].avoid.iter().any(|s| s == "a"));
+        let spare = ChunkRef::new("d", 9, 0, 3);
+        let mut live_d = away.clone();
+        live_d.push(server("d", 0, 4));
+        let old = relocate(&mut n, &p.relocate[0], spare, &live_d).expect("relocated");
+        assert_eq!(old.server, "a");
+        assert_eq!(
+            (stripe(&n)[0].server.as_str(), stripe(&n)[0].state, stripe(&n)[0].full),
+            ("d", CopyState::Syncing, true)
+        );
+    }
+}
