@@ -222,6 +222,10 @@ pub struct ChunkRef {
     /// Syncing: the whole chunk is copied (no tracker covered it), not its dirty regions.
     #[serde(default, skip_serializing_if = "is_false")]
     pub full: bool,
+    /// Repairs of this copy that failed since it was last healthy: past a few, its server is
+    /// not counted as back, and the copy moves elsewhere after the grace period.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failures: u32,
 }
 
 impl ChunkRef {
@@ -238,6 +242,7 @@ impl ChunkRef {
             dirty_on: Vec::new(),
             from: String::new(),
             full: false,
+            failures: 0,
         }
     }
 }

@@ -108,6 +108,10 @@ pub struct PoolGrants {
     key: CapKey,
     chunk_bytes: u64,
     chunks: Box<[Chunk]>,
+    /// Held while a grant raises a chunk's epoch and clears its dirty regions, so that no
+    /// raise to a newer epoch (and no tracked write under it) falls between the two steps of
+    /// an older one. Raises are rare (a stripe's copies changed); requests never take it.
+    raising: std::sync::Mutex<()>,
 }
 
 impl PoolGrants {
@@ -122,7 +126,7 @@ impl PoolGrants {
             return Err(format!("{chunks} chunks: at most {} in a pool", u32::MAX));
         }
         let chunks = (0..chunks).map(|_| Chunk::default()).collect();
-        Ok(PoolGrants { key: CapKey::new(key), chunk_bytes, chunks })
+        Ok(PoolGrants { key: CapKey::new(key), chunk_bytes, chunks, raising: std::sync::Mutex::new(()) })
     }
 
     pub fn chunk_bytes(&self) -> u64 {
@@ -214,6 +218,11 @@ impl PoolGrants {
             && cap.offset == chunk * self.chunk_bytes
             && u64::from(cap.length) == self.chunk_bytes;
         let Some(c) = self.chunk(chunk).filter(|_| exact) else { return Err(CapFault::NotCovered) };
+        if c.version.load(Ordering::SeqCst) == version(cap.generation, cap.epoch) {
+            // The chunk's epoch already: nothing to raise or clear.
+            return Ok(Bound { chunk, generation: cap.generation, epoch: cap.epoch, rights: cap.rights });
+        }
+        let _raising = self.raising.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let was = c.version.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
             let (g, e) = split(v);
             (g == cap.generation && e < cap.epoch).then_some(version(g, cap.epoch))

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use coord::{CoordError, CopyState, ServerInfo};
-use initiator::{Lane, LaneConfig, Queue, ReqFlags, Status};
+use initiator::{Lane, LaneConfig, Queue, ReconnectConfig, ReqFlags, Status};
 
 use crate::control::{unix_ms, Coordinator, Finished};
 use crate::repair;
@@ -178,8 +178,11 @@ pub fn serve(
         Ok(())
     };
     let mut batch_began = Instant::now();
+    let began = Instant::now();
     for t in tasks {
-        if stop.load(Ordering::Relaxed) {
+        // A pass copies for a while at most: the thread also leads, and a large rebuild must
+        // not hold the leader's passes back. The rest goes on in the next pass.
+        if stop.load(Ordering::Relaxed) || began.elapsed() >= SERVE_SLICE {
             break;
         }
         if t.ns != pending_ns || pending.len() >= FINISH_BATCH || batch_began.elapsed() >= FINISH_EVERY {
@@ -212,6 +215,8 @@ pub fn serve(
 /// for its mark.
 const FINISH_BATCH: usize = 64;
 const FINISH_EVERY: Duration = Duration::from_millis(200);
+/// The longest one pass copies before the agent leads again.
+const SERVE_SLICE: Duration = Duration::from_secs(2);
 
 /// Copy what `t`'s syncing copy misses from this server's copy to its server `to`: every
 /// region of the chunk for a full repair, else the dirty ones. Returns the bytes copied.
@@ -235,17 +240,23 @@ fn copy_chunk(
     let mut here = Lane::connect(
         &initiator::Endpoint::parse(&me.endpoint)?,
         &me.export,
-        &LaneConfig { grants: vec![own].into(), ..LaneConfig::default() },
+        &LaneConfig { grants: vec![own].into(), reconnect: ReconnectConfig::OFF, ..LaneConfig::default() },
     )?;
     // Presenting the grant of the repair's epoch raises the syncing copy's chunk to it too.
     let theirs = to.grant_at(t.target.index, t.target.generation, t.epoch, false)?;
     let mut there = Lane::connect(
         &initiator::Endpoint::parse(&to.endpoint)?,
         &to.export,
-        &LaneConfig { grants: theirs.into_iter().collect(), ..LaneConfig::default() },
+        // No reconnection: a target gone mid-copy ends the repair at once, and the region's
+        // lock with it, rather than hold writers at Busy while it is tried again.
+        &LaneConfig {
+            grants: theirs.into_iter().collect(),
+            reconnect: ReconnectConfig::OFF,
+            ..LaneConfig::default()
+        },
     )?;
     let region = pool.grants().region_bytes();
-    let piece = u64::from(here.limits().io_bytes_max.min(there.limits().io_bytes_max)).clamp(512, region);
+    let piece = u64::from(here.limits().io_bytes_max.min(there.limits().io_bytes_max)).clamp(1, region);
     let chunk_bytes = pool.grants().chunk_bytes();
     let (started, mut copied) = (Instant::now(), 0u64);
     let mut out = Vec::new();
@@ -323,8 +334,11 @@ pub fn spawn(
                     Err(e) => tracing::warn!(error = %e, "repair pass failed; trying again"),
                 }
             }
-            if let Err(e) = serve(&coord, &me, &pool, &config, progress, lease, &stop) {
-                tracing::warn!(error = %e, "cannot serve repairs; trying again");
+            match serve(&coord, &me, &pool, &config, progress, lease, &stop) {
+                // Repairs done: there may be more, so the next pass comes at once.
+                Ok(done) if done > 0 => waited = config.every,
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot serve repairs; trying again"),
             }
         }
     })

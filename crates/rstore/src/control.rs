@@ -155,7 +155,13 @@ fn source_error(e: CoordError) -> SourceError {
 
 impl MapSource for Source {
     fn lost(&mut self, endpoint: &str) -> Result<(), SourceError> {
-        let Some(id) = self.live.iter().find(|s| s.endpoint == endpoint).map(|s| s.id.clone()) else {
+        // The segment names a server by its parsed endpoint (`host` becomes `host:7070`).
+        let named = |s: &&ServerInfo| {
+            s.endpoint == endpoint
+                || initiator::Endpoint::parse(&s.endpoint).is_ok_and(|e| e.to_string() == endpoint)
+        };
+        let Some(id) = self.live.iter().find(named).map(|s| s.id.clone()) else {
+            tracing::warn!(server = %endpoint, "a lost server is not among those the map came from");
             return Ok(());
         };
         self.coord.mark_stale(&self.ns, self.addr, &id).map_err(source_error)

@@ -24,6 +24,9 @@
 
 use coord::{ChunkRef, CopyState, Namespace, ServerInfo, Stripe};
 
+/// Repairs of one copy that may fail before its server stops counting as back.
+pub const REPAIR_FAILURES_MAX: u32 = 3;
+
 /// `id@boot` of a server: whose dirty regions a stale copy may be repaired from.
 pub fn tracker(s: &ServerInfo) -> String {
     format!("{}@{:x}", s.id, s.boot)
@@ -69,8 +72,14 @@ pub fn mark_stale(epoch: &mut u32, stripe: &mut Stripe, i: usize, live: &[Server
         CopyState::Syncing => std::mem::take(&mut c.dirty_on),
         _ => trackers,
     };
+    // A repair that failed keeps the time the copy first went stale: the grace period runs on.
+    if c.state == CopyState::Syncing {
+        c.failures += 1;
+    }
+    if c.state != CopyState::Syncing || c.since_ms == 0 {
+        c.since_ms = now_ms;
+    }
     c.state = CopyState::Stale;
-    c.since_ms = now_ms;
     c.from.clear();
     c.full = false;
     // Its server stops tracking for the others: it misses writes now, so its dirty regions
@@ -124,6 +133,7 @@ pub fn finish(epoch: &mut u32, stripe: &mut Stripe, i: usize, from: &str, at: u3
     c.full = false;
     c.dirty_on.clear();
     c.since_ms = 0;
+    c.failures = 0;
     touch(epoch, stripe);
     true
 }
@@ -190,7 +200,13 @@ pub fn plan(
                         }
                     }
                     CopyState::Stale => {
-                        let back = present.iter().find(|s| s.id == stripe[i].server);
+                        // A server whose repairs keep failing (it takes connections but not
+                        // the copy) is not counted as back: past the grace period the copy
+                        // moves.
+                        let back = present
+                            .iter()
+                            .find(|s| s.id == stripe[i].server)
+                            .filter(|_| stripe[i].failures < REPAIR_FAILURES_MAX);
                         if let Some(server) = back {
                             plan.started += usize::from(start_sync(epoch, stripe, i, server, live));
                         } else if now_ms.saturating_sub(stripe[i].since_ms) >= rebuild_after_ms {

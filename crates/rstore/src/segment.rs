@@ -220,6 +220,8 @@ struct Sub {
     lane: usize,
     /// The request is this one piece on this one lane: the caller's buffer goes as it is.
     whole: bool,
+    /// Which sub this is among all the segment's: a slot is reused, a `Busy` wait names both.
+    seq: u64,
 }
 
 /// One copy of a stripe, on a lane.
@@ -255,7 +257,7 @@ pub struct Segment {
     /// Sub-requests waiting for room on their lane.
     backlog: Vec<VecDeque<usize>>,
     /// Writes refused with `Busy`, each with when to send it again.
-    busy: VecDeque<(Instant, usize)>,
+    busy: VecDeque<(Instant, usize, u64)>,
     in_flight: usize,
     /// The unit of alignment: the coarsest block among the servers' exports.
     block: u64,
@@ -272,6 +274,11 @@ pub struct Segment {
     again: Vec<usize>,
     /// What the lanes dropped so far (lost, or replaced by a new map) did.
     retired: LaneStats,
+    /// The last sub's number ([`Sub::seq`]).
+    next_seq: u64,
+    /// A server refused a grant of the map as stale when its lane connected: a newer map
+    /// exists, to read before going on (the server is not lost).
+    restale: bool,
     /// Buffers of pieces that do not take the caller's buffer whole, kept for the next ones:
     /// the data path allocates nothing once warm.
     spare: Vec<Vec<u8>>,
@@ -295,7 +302,7 @@ impl Segment {
     /// or loses are reported to `source`, and the map is read again from it (module docs).
     pub fn map_with(map: SegmentMap, config: &LaneConfig, source: Box<dyn MapSource>) -> Result<Segment> {
         let mut segment = Segment::open(map, config, Some(source))?;
-        if !segment.unreported.is_empty() {
+        if !segment.unreported.is_empty() || segment.restale {
             segment.heal()?;
         }
         Ok(segment)
@@ -325,6 +332,8 @@ impl Segment {
             unreported: Vec::new(),
             again: Vec::new(),
             retired: LaneStats::default(),
+            next_seq: 0,
+            restale: false,
             spare: Vec::new(),
             own: Vec::new(),
             own_done: Vec::new(),
@@ -391,6 +400,12 @@ impl Segment {
                 };
                 Lane::connect(&server.endpoint, &server.export, &config)
                     .inspect_err(|e| {
+                        if matches!(e, Error::Refused(wire::Status::StaleCapability)) && self.source.is_some() {
+                            // The server knows a newer map than this one: read it again,
+                            // rather than report a healthy server lost.
+                            self.restale = true;
+                            return;
+                        }
                         tracing::warn!(server = %server.name, error = %e, "segment: a server is out of service");
                         last_error = Some(e.to_string());
                         self.unreported.push(server.endpoint.to_string());
@@ -515,7 +530,9 @@ impl Segment {
         }
     }
 
-    fn new_sub(&mut self, sub: Sub) -> usize {
+    fn new_sub(&mut self, mut sub: Sub) -> usize {
+        self.next_seq += 1;
+        sub.seq = self.next_seq;
         match self.free_subs.pop() {
             Some(i) => {
                 self.subs[i] = Some(sub);
@@ -573,7 +590,7 @@ impl Segment {
                 if c.syncing || self.lanes[c.lane].is_none() {
                     continue;
                 }
-                self.queue_sub(Sub { parent: pi, piece, at, len: n, stripe, lane: c.lane, whole });
+                self.queue_sub(Sub { parent: pi, piece, at, len: n, stripe, lane: c.lane, whole, seq: 0 });
                 if opcode != Opcode::Write {
                     break;
                 }
@@ -589,9 +606,10 @@ impl Segment {
     /// Move the writes whose `Busy` pause is over back to their lanes.
     fn retry_busy(&mut self) {
         let now = Instant::now();
-        while self.busy.front().is_some_and(|&(due, _)| due <= now) {
-            let (_, s) = self.busy.pop_front().expect("a busy sub");
-            let Some(sub) = self.subs[s] else { continue };
+        while self.busy.front().is_some_and(|&(due, _, _)| due <= now) {
+            let (_, s, seq) = self.busy.pop_front().expect("a busy sub");
+            // The sub may have ended meanwhile (its server failed) and its slot gone to another.
+            let Some(sub) = self.subs[s].filter(|sub| sub.seq == seq) else { continue };
             if self.lanes[sub.lane].is_some() {
                 self.backlog[sub.lane].push_back(s);
             } else {
@@ -713,7 +731,8 @@ impl Segment {
                 Status::Busy => {
                     self.give_back(s, c.buf);
                     self.stats.busy += 1;
-                    self.busy.push_back((Instant::now() + BUSY_RETRY, s));
+                    let seq = self.subs[s].map_or(0, |sub| sub.seq);
+                    self.busy.push_back((Instant::now() + BUSY_RETRY, s, seq));
                 }
                 // The server knows a newer map than this segment: read it again.
                 Status::StaleCapability if self.source.is_some() => self.sub_again(s, c.buf),
@@ -841,6 +860,7 @@ impl Segment {
                             stripe,
                             lane: c.lane,
                             whole: false,
+                            seq: 0,
                         });
                     }
                 }
@@ -870,7 +890,7 @@ impl Segment {
 
     /// Whether the segment must report a lost server or read its map again before going on.
     fn must_heal(&self) -> bool {
-        self.source.is_some() && (!self.unreported.is_empty() || !self.again.is_empty())
+        self.source.is_some() && (!self.unreported.is_empty() || !self.again.is_empty() || self.restale)
     }
 
     /// Heal: let every request out end, report the servers lost, read the map again and take
@@ -932,12 +952,13 @@ impl Segment {
                 .map(|()| map);
             }
             self.stats.remaps += 1;
+            self.restale = false;
             installed = match healed {
                 Ok(Some(map)) => self.install(map).map_err(|e| e.to_string()),
                 Ok(None) => Ok(()),
                 Err(e) => Err(e),
             };
-            if installed.is_err() || self.unreported.is_empty() {
+            if installed.is_err() || (self.unreported.is_empty() && !self.restale) {
                 break;
             }
         }

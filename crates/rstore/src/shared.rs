@@ -227,6 +227,8 @@ impl SegmentHandle {
 impl Drop for SegmentHandle {
     fn drop(&mut self) {
         let mut st = self.inner.lock();
+        // Completions that waited count as done: only requests still out keep the number.
+        self.in_flight -= st.mailboxes[self.id].len().min(self.in_flight);
         st.mailboxes[self.id].clear();
         // A handle dropped with requests out keeps its number: their completions must not
         // reach the next owner of it.
@@ -308,6 +310,8 @@ impl Queue<Vec<u8>> for SegmentHandle {
             st = self.inner.lock();
             st.fds = fds;
             st.receiving = false;
+            // Another waiter may take the role (or its completions) at once.
+            self.inner.delivered.notify_one();
         }
     }
 

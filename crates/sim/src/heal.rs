@@ -11,7 +11,7 @@
 //! the drivers around them, step for step as `rstore::segment` and `rstore::agent` take
 //! them: a write goes to the healthy copies, then to the syncing ones; a lost server is
 //! reported and the map read again; a stale map is read again; `Busy` is tried again; a
-//! source raises its chunk, then locks, copies, unlocks and cleans region by region. Each of
+//! source raises its chunk, then locks, copies and unlocks region by region. Each of
 //! those is one step, so the seed interleaves them with everything else.
 //!
 //! Planted bugs ([`Lie`]) prove the checks catch what they claim: a repair that skips a
@@ -526,7 +526,7 @@ impl World {
         }
     }
 
-    /// One step of task `t`: lock the next region; or copy the locked one, unlock and clean
+    /// One step of task `t`: lock the next region; or copy the locked one and unlock
     /// it; or, with nothing left, mark the copy healthy.
     fn task_step(&mut self, t: usize) {
         let task = &self.tasks[t];
