@@ -167,6 +167,24 @@ pub struct PoolState {
     pub generations: BTreeMap<u64, u32>,
 }
 
+impl PoolState {
+    /// Take a chunk of server `s`'s pool for a namespace: one given back and zeroed, else one
+    /// never handed out; `None` when the pool is full. The copy is `ok`, at the generation the
+    /// chunk's grants are sealed with.
+    pub fn take(&mut self, s: &ServerInfo) -> Option<ChunkRef> {
+        let index = if let Some(c) = self.free.pop() {
+            c
+        } else if self.next < s.chunks() {
+            self.next += 1;
+            self.next - 1
+        } else {
+            return None;
+        };
+        let generation = self.generations.get(&index).copied().unwrap_or(0);
+        Some(ChunkRef::new(&s.id, index, s.incarnation, generation))
+    }
+}
+
 /// Where a copy of a stripe stands (docs/RSTORE.md, "Healing").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

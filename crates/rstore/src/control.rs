@@ -18,8 +18,8 @@ use std::time::Duration;
 use coord::etcd::{Compare, Etcd, Op, Tls};
 use coord::schema::{check_name, decode, encode, encode_ns, key, NAMESPACES, POOLS, SERVERS, TXN_RETRIES};
 use coord::{
-    Allocation, ChunkRef, CoordError, CopyState, Namespace, PoolState, Scope, ServerInfo, Stripe,
-    NAMESPACE_CHUNKS_MAX, POOL_CHUNKS_MAX,
+    Allocation, CoordError, CopyState, Namespace, PoolState, Scope, ServerInfo, Stripe, NAMESPACE_CHUNKS_MAX,
+    POOL_CHUNKS_MAX,
 };
 use serde::Serialize;
 
@@ -391,16 +391,9 @@ impl Coordinator {
                     cursor += 1;
                     tried += 1;
                     let (s, state, _) = &mut pools[i];
-                    let index = if let Some(c) = state.free.pop() {
-                        c
-                    } else if state.next < s.chunks() {
-                        state.next += 1;
-                        state.next - 1
-                    } else {
-                        continue;
-                    };
-                    let generation = state.generations.get(&index).copied().unwrap_or(0);
-                    stripe.push(ChunkRef::new(&s.id, index, s.incarnation, generation));
+                    if let Some(chunk) = state.take(s) {
+                        stripe.push(chunk);
+                    }
                 }
                 if stripe.len() < ns.replicas as usize {
                     return Err(no_capacity());
@@ -574,16 +567,7 @@ impl Coordinator {
                 let k = key(POOLS, &s.id);
                 let Some(kv) = self.etcd.get(&k)? else { continue };
                 let mut state: PoolState = decode(&kv)?;
-                let index = if let Some(c) = state.free.pop() {
-                    c
-                } else if state.next < s.chunks() {
-                    state.next += 1;
-                    state.next - 1
-                } else {
-                    continue;
-                };
-                let generation = state.generations.get(&index).copied().unwrap_or(0);
-                let chunk = ChunkRef::new(&s.id, index, s.incarnation, generation);
+                let Some(chunk) = state.take(s) else { continue };
                 spare = Some((chunk, state, Compare::ModRevision(k, kv.mod_revision)));
                 break;
             }

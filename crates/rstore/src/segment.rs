@@ -904,12 +904,8 @@ impl Segment {
             || !self.busy.is_empty()
         {
             self.pump();
-            let busiest = (0..self.lanes.len())
-                .filter_map(|i| self.lanes[i].as_ref().map(|l| (l.in_flight(), i)))
-                .max()
-                .filter(|(n, _)| *n > 0);
-            match busiest {
-                Some((_, lane)) => self.reap(lane, true),
+            match self.busiest() {
+                Some(lane) => self.reap(lane, true),
                 None => std::thread::sleep(BUSY_RETRY),
             }
         }
@@ -991,50 +987,89 @@ impl Segment {
     /// Read `buf.len()` bytes at `offset` of the segment, blocking. Allocates nothing once
     /// warm: the segment keeps the buffer the request goes in.
     pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let mut own = std::mem::take(&mut self.own);
-        own.clear();
-        own.resize(buf.len(), 0);
-        let data = self.blocking(Opcode::Read, offset, own)?;
-        buf.copy_from_slice(&data);
-        self.own = data;
-        Ok(())
+        let (mut own, mut done) = (std::mem::take(&mut self.own), std::mem::take(&mut self.own_done));
+        let read = blocking_read(self, &mut own, &mut done, offset, buf);
+        (self.own, self.own_done) = (own, done);
+        read
     }
 
     /// Write `data` at `offset` of the segment, blocking; allocates nothing once warm.
     pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        let mut own = std::mem::take(&mut self.own);
-        own.clear();
-        own.extend_from_slice(data);
-        self.own = self.blocking(Opcode::Write, offset, own)?;
-        Ok(())
+        let (mut own, mut done) = (std::mem::take(&mut self.own), std::mem::take(&mut self.own_done));
+        let written = blocking_write(self, &mut own, &mut done, offset, data);
+        (self.own, self.own_done) = (own, done);
+        written
     }
 
-    fn blocking(&mut self, opcode: Opcode, offset: u64, buf: Vec<u8>) -> Result<Vec<u8>> {
-        if buf.is_empty() {
-            return Ok(buf);
-        }
-        if self.in_flight > 0 {
-            return Err(Error::InvalidArgument("blocking segment I/O with requests in flight"));
-        }
-        let len = buf.len();
-        self.submit(opcode, ReqFlags::empty(), offset, len, Some(buf), u64::MAX).map_err(|r| r.error)?;
-        let mut out = std::mem::take(&mut self.own_done);
-        out.clear();
-        let waited = self.wait(1, &mut out);
-        let c = out.pop();
-        self.own_done = out;
-        waited?;
-        let c = c.expect("one completion");
-        if c.status != Status::Ok && c.status != Status::IoError {
-            return Err(Error::Status(c.status));
-        }
-        if c.status != Status::Ok {
-            return Err(Error::Lost(format!(
-                "bytes {offset}..{} of the segment: every copy is out of service",
-                offset + len as u64
-            )));
-        }
-        Ok(c.buf.unwrap_or_default())
+    /// The lane with the most requests out, if any has some: the one to sleep on.
+    fn busiest(&self) -> Option<usize> {
+        (0..self.lanes.len())
+            .filter_map(|i| self.lanes[i].as_ref().map(|l| (l.in_flight(), i)))
+            .max()
+            .filter(|(n, _)| *n > 0)
+            .map(|(_, i)| i)
+    }
+}
+
+/// A blocking read through `q` (a segment, or a shared segment's handle) with nothing else in
+/// flight, in the caller's kept buffer `own` and completions `done`: nothing allocated once
+/// they have grown.
+pub(crate) fn blocking_read(
+    q: &mut impl Queue<Vec<u8>>,
+    own: &mut Vec<u8>,
+    done: &mut Vec<Completion>,
+    offset: u64,
+    buf: &mut [u8],
+) -> Result<()> {
+    let mut b = std::mem::take(own);
+    b.clear();
+    b.resize(buf.len(), 0);
+    let data = blocking(q, done, Opcode::Read, offset, b)?;
+    buf.copy_from_slice(&data);
+    *own = data;
+    Ok(())
+}
+
+/// A blocking write through `q`, as [`blocking_read`].
+pub(crate) fn blocking_write(
+    q: &mut impl Queue<Vec<u8>>,
+    own: &mut Vec<u8>,
+    done: &mut Vec<Completion>,
+    offset: u64,
+    data: &[u8],
+) -> Result<()> {
+    let mut b = std::mem::take(own);
+    b.clear();
+    b.extend_from_slice(data);
+    *own = blocking(q, done, Opcode::Write, offset, b)?;
+    Ok(())
+}
+
+fn blocking(
+    q: &mut impl Queue<Vec<u8>>,
+    done: &mut Vec<Completion>,
+    opcode: Opcode,
+    offset: u64,
+    buf: Vec<u8>,
+) -> Result<Vec<u8>> {
+    if buf.is_empty() {
+        return Ok(buf);
+    }
+    if q.in_flight() > 0 {
+        return Err(Error::InvalidArgument("blocking segment I/O with requests in flight"));
+    }
+    let len = buf.len();
+    q.submit(opcode, ReqFlags::empty(), offset, len, Some(buf), 0).map_err(|r| r.error)?;
+    done.clear();
+    q.wait(1, done)?;
+    let c = done.pop().expect("one completion");
+    match c.status {
+        Status::Ok => Ok(c.buf.unwrap_or_default()),
+        Status::IoError => Err(Error::Lost(format!(
+            "bytes {offset}..{} of the segment: every copy is out of service",
+            offset + len as u64
+        ))),
+        other => Err(Error::Status(other)),
     }
 }
 
@@ -1135,12 +1170,8 @@ impl Queue<Vec<u8>> for Segment {
             self.pump();
             // Sleep on the lane with the most in flight; the others' completions wait in
             // their sockets meanwhile.
-            let busiest = (0..self.lanes.len())
-                .filter_map(|i| self.lanes[i].as_ref().map(|l| (l.in_flight(), i)))
-                .max()
-                .filter(|(n, _)| *n > 0);
-            match busiest {
-                Some((_, lane)) => self.reap(lane, true),
+            match self.busiest() {
+                Some(lane) => self.reap(lane, true),
                 None if !self.busy.is_empty() => std::thread::sleep(BUSY_RETRY),
                 None if self.backlog.iter().all(VecDeque::is_empty) && self.done.is_empty() => {
                     // Nothing in flight anywhere and nothing to send: whatever is left failed.

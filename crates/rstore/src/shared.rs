@@ -27,8 +27,6 @@ use crate::segment::{Segment, SegmentMap, SegmentStats};
 const ID_SHIFT: u32 = 48;
 /// Largest `user_data` a handle's caller may give a request.
 pub const USER_DATA_MAX: u64 = (1 << ID_SHIFT) - 2;
-/// `user_data` of a handle's blocking `read` and `write`.
-const SYNC_USER_DATA: u64 = USER_DATA_MAX + 1;
 /// Most handles at once.
 pub const HANDLES_MAX: usize = 1 << (64 - ID_SHIFT);
 /// The longest a receiver sleeps on the lanes before it looks again (a write refused with
@@ -158,45 +156,18 @@ pub struct SegmentHandle {
 impl SegmentHandle {
     /// Read `buf.len()` bytes at `offset` of the segment, blocking.
     pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let mut own = std::mem::take(&mut self.own);
-        own.clear();
-        own.resize(buf.len(), 0);
-        let data = self.blocking(Opcode::Read, offset, own)?;
-        buf.copy_from_slice(&data);
-        self.own = data;
-        Ok(())
+        let (mut own, mut done) = (std::mem::take(&mut self.own), std::mem::take(&mut self.own_done));
+        let read = crate::segment::blocking_read(self, &mut own, &mut done, offset, buf);
+        (self.own, self.own_done) = (own, done);
+        read
     }
 
     /// Write `data` at `offset` of the segment, blocking.
     pub fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        let mut own = std::mem::take(&mut self.own);
-        own.clear();
-        own.extend_from_slice(data);
-        self.own = self.blocking(Opcode::Write, offset, own)?;
-        Ok(())
-    }
-
-    fn blocking(&mut self, opcode: Opcode, offset: u64, buf: Vec<u8>) -> Result<Vec<u8>> {
-        if self.in_flight > 0 {
-            return Err(Error::InvalidArgument("blocking segment I/O with requests in flight"));
-        }
-        let len = buf.len();
-        self.submit_tagged(opcode, offset, len, buf, SYNC_USER_DATA).map_err(|r| r.error)?;
-        let mut out = std::mem::take(&mut self.own_done);
-        out.clear();
-        let waited = self.wait(1, &mut out);
-        let c = out.pop();
-        self.own_done = out;
-        waited?;
-        let c = c.expect("one completion");
-        match c.status {
-            wire::Status::Ok => Ok(c.buf.unwrap_or_default()),
-            wire::Status::IoError => Err(Error::Lost(format!(
-                "bytes {offset}..{} of the segment: every copy is out of service",
-                offset + len as u64
-            ))),
-            other => Err(Error::Status(other)),
-        }
+        let (mut own, mut done) = (std::mem::take(&mut self.own), std::mem::take(&mut self.own_done));
+        let written = crate::segment::blocking_write(self, &mut own, &mut done, offset, data);
+        (self.own, self.own_done) = (own, done);
+        written
     }
 
     fn submit_tagged(
