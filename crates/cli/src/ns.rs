@@ -310,10 +310,11 @@ pub fn run(args: NsArgs) -> CliResult {
     let (c, _) = args.coordinator.connect()?;
     match args.action {
         Action::Create { name, size, chunk, replicas, scope } => {
-            let mut ns = c.create_ns(&name, scope, chunk, replicas)?;
+            c.create_ns(&name, scope, chunk, replicas)?;
             if size > 0 {
-                ns = c.reserve(&name, size)?;
+                c.reserve(&name, size)?;
             }
+            let ns = c.join_ns(&name)?;
             if args.json {
                 print_json(&ns);
             } else {
@@ -321,7 +322,8 @@ pub fn run(args: NsArgs) -> CliResult {
             }
         }
         Action::Reserve { name, size } => {
-            let ns = c.reserve(&name, size)?;
+            c.reserve(&name, size)?;
+            let ns = c.join_ns(&name)?;
             if args.json {
                 print_json(&ns);
             } else {
@@ -329,7 +331,8 @@ pub fn run(args: NsArgs) -> CliResult {
             }
         }
         Action::Release { name, size } => {
-            let ns = c.release(&name, size)?;
+            c.release(&name, size)?;
+            let ns = c.join_ns(&name)?;
             if args.json {
                 print_json(&ns);
             } else {
@@ -351,7 +354,7 @@ pub fn run(args: NsArgs) -> CliResult {
             }
         }
         Action::List => {
-            let all = c.list_ns()?;
+            let all = c.list_ns()?.iter().map(|h| c.join_ns(&h.name)).collect::<Result<Vec<_>, _>>()?;
             if args.json {
                 print_json(&all);
             } else {

@@ -219,8 +219,8 @@ fn serve_refuses_bad_pool_settings() {
         (vec!["--pool", "null:1M", "--listen", "127.0.0.1:0"], "must hold data"),
         (vec!["--pool", "ram:4M", "--chunk", "3M", "--listen", "127.0.0.1:0"], "--chunk 3145728"),
         (
-            vec!["--pool", "ram:64M", "--chunk", "2K", "--listen", "127.0.0.1:0"],
-            "32768 chunks, more than 16384",
+            vec!["--pool", "ram:16G", "--chunk", "2K", "--listen", "127.0.0.1:0"],
+            "8388608 chunks, more than 4194304",
         ),
         (vec!["--pool", "ram:8G", "--chunk", "4G", "--listen", "127.0.0.1:0"], "nor 2 GiB"),
         (

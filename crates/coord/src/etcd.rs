@@ -361,6 +361,19 @@ impl Etcd {
         self.kvs("/v3/kv/range", r.kvs)
     }
 
+    /// Keys in `start..end`, at most `limit` of them (0: all), in key order or, `last`, from
+    /// the last one down.
+    pub fn range(&self, start: &[u8], end: &[u8], limit: i64, last: bool) -> Result<Vec<Kv>, EtcdError> {
+        let mut body = json!({ "key": b64(start), "range_end": b64(end), "limit": limit.to_string() });
+        if last {
+            body["sort_order"] = json!("DESCEND");
+            body["sort_target"] = json!("KEY");
+        }
+        let v = self.call("/v3/kv/range", &body)?;
+        let r: RangeResponse = self.parse("/v3/kv/range", v)?;
+        self.kvs("/v3/kv/range", r.kvs)
+    }
+
     pub fn put(&self, key: &[u8], value: &[u8], lease: i64) -> Result<(), EtcdError> {
         self.call(
             "/v3/kv/put",

@@ -3,13 +3,17 @@
 //! how they change (every change one etcd transaction) is `rstore`'s control path; this module
 //! holds no operation of its own beyond pure helpers over one record.
 //!
-//! Keys (all under `/skiff/`):
+//! Keys (all under `/skiff/`), each record small however large the pool or namespace:
 //!
 //! | key | value | lifetime |
 //! |---|---|---|
 //! | `servers/<id>` | [`ServerInfo`]: where the server listens, its pool export, scope, size, chunk size | the server's lease |
-//! | `pools/<id>` | [`PoolState`]: the next never-used chunk and the chunks given back | until deleted by hand |
-//! | `ns/<name>` | [`Namespace`]: scope, chunk size, replicas, reserved stripes, allocations | until `delete_ns` |
+//! | `pools/<id>` | [`PoolHead`]: chunk size, chunks, free and dirty counts, extents with free or dirty chunks | until deleted by hand |
+//! | `pool-extents/<id>/<e>` | [`Extent`]: 1,024 chunks' use, dirt and generations | as the pool |
+//! | `ns/<name>` | [`NsHead`]: scope, chunk size, replicas, the reserve's slots, the next address | until `delete_ns` |
+//! | `ns-allocs/<name>/<addr>` | [`AllocRecord`]: an allocation's length and slots | until freed |
+//! | `ns-stripes/<name>/<g>` | [`StripeGroup`]: 256 slots' stripes, each copy's server, chunk and state | as the namespace |
+//! | `ns-mending/<name>/<g>` | empty: group `g` holds a copy that is not `ok` | until it is whole |
 //!
 //! A server whose lease expires (it died, or lost etcd for longer than its TTL) vanishes from
 //! `servers/`; the chunks namespaces hold on it are then reported lost ([`Namespace::lost`]).
@@ -23,22 +27,29 @@ use crate::CoordError;
 
 /// Where memory servers' registrations live ([`ServerInfo`], under their lease).
 pub const SERVERS: &str = "/skiff/servers/";
-/// Where each server's pool record lives ([`PoolState`]).
+/// Where each server's pool head lives ([`PoolHead`]).
 pub const POOLS: &str = "/skiff/pools/";
-/// Where namespaces live ([`Namespace`]).
+/// Where each server's pool extents live ([`Extent`]).
+pub const POOL_EXTENTS: &str = "/skiff/pool-extents/";
+/// Where namespaces' heads live ([`NsHead`]).
 pub const NAMESPACES: &str = "/skiff/ns/";
+/// Where namespaces' allocations live ([`AllocRecord`]).
+pub const ALLOCS: &str = "/skiff/ns-allocs/";
+/// Where namespaces' stripe groups live ([`StripeGroup`]).
+pub const GROUPS: &str = "/skiff/ns-stripes/";
+/// Where the groups holding a copy that is not `ok` are marked.
+pub const MENDING: &str = "/skiff/ns-mending/";
 
 /// Transactions retried when another client changed what one read, before giving up.
 pub const TXN_RETRIES: usize = 64;
 
-/// Most chunks (stripes times replicas) one namespace may hold: its record is one etcd value,
-/// and etcd takes requests of 1.5 MiB at most.
-pub const NAMESPACE_CHUNKS_MAX: usize = 16_384;
+/// Operations one transaction carries at most: etcd's `--max-txn-ops` is 128 by default.
+pub const TXN_OPS_MAX: usize = 120;
 
-/// Most chunks one server's pool may hold. Its record lists its free chunks and the
-/// generations of those zeroed (about 16 bytes a chunk at most), and transactions carry whole
-/// records: this keeps one under 300 KB, well inside etcd's 1.5 MiB request limit.
-pub const POOL_CHUNKS_MAX: u64 = 16_384;
+/// Most chunks one server's pool may hold: its server keeps a few words of grant state a
+/// chunk in memory (16 TiB of 4 MiB chunks take about 100 MB). Its records in etcd stay small
+/// at any size.
+pub const POOL_CHUNKS_MAX: u64 = 1 << 22;
 
 /// What a pool (and a namespace) is made of: RAM (FlashNet's DRAM namespaces) or a file
 /// (flash namespaces, thesis 7.4).
@@ -144,45 +155,158 @@ fn decode_key(hex: &str) -> Option<proto::capability::CapKey> {
     Some(proto::capability::CapKey::new(key))
 }
 
-/// The allocation state of one server's pool.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PoolState {
-    /// Chunks from here on were never handed out.
-    pub next: u64,
-    /// Chunks given back and zeroed: free to hand out again.
-    pub free: Vec<u64>,
-    /// Chunks given back and not yet zeroed: they still hold what their last namespace wrote,
-    /// so no namespace gets them until their server has zeroed them (`rstore::Coordinator::dirty`,
-    /// `rstore::Coordinator::cleaned`).
-    #[serde(default)]
-    pub dirty: Vec<u64>,
-    /// The chunk size the pool's chunks were numbered in: a server registering again must use
-    /// the same, or chunk numbers held by namespaces would name other bytes.
-    #[serde(default)]
-    pub chunk_bytes: u64,
-    /// The generation of each chunk zeroed at least once (the others are at 0): the server
-    /// moves a chunk's generation on before zeroing it, which makes its last owner's grants
-    /// stale, and records it here with `rstore::Coordinator::cleaned` for the next owner's.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub generations: BTreeMap<u64, u32>,
+/// Chunks one pool extent record covers ([`Extent`]): its bitmaps take 256 hex digits each, and
+/// its generations at most 1,024 small entries.
+pub const EXTENT_CHUNKS: u64 = 1024;
+
+/// A set of small integers as a bitmap, stored as hex (16 digits a 64-bit word, lowest word
+/// first): a pool's extents with free chunks, an extent's chunks in use.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Bitmap(Vec<u64>);
+
+impl Bitmap {
+    pub fn get(&self, i: u64) -> bool {
+        self.0.get((i / 64) as usize).is_some_and(|w| w >> (i % 64) & 1 == 1)
+    }
+
+    pub fn set(&mut self, i: u64, on: bool) {
+        let w = (i / 64) as usize;
+        if w >= self.0.len() {
+            if !on {
+                return;
+            }
+            self.0.resize(w + 1, 0);
+        }
+        if on {
+            self.0[w] |= 1 << (i % 64);
+        } else {
+            self.0[w] &= !(1 << (i % 64));
+        }
+        while self.0.last() == Some(&0) {
+            self.0.pop();
+        }
+    }
+
+    /// The members, lowest first.
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        self.0.iter().enumerate().flat_map(|(w, &word)| {
+            (0..64u64).filter(move |b| word >> b & 1 == 1).map(move |b| w as u64 * 64 + b)
+        })
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
-impl PoolState {
-    /// Take a chunk of server `s`'s pool for a namespace: one given back and zeroed, else one
-    /// never handed out; `None` when the pool is full. The copy is `ok`, at the generation the
-    /// chunk's grants are sealed with.
-    pub fn take(&mut self, s: &ServerInfo) -> Option<ChunkRef> {
-        let index = if let Some(c) = self.free.pop() {
-            c
-        } else if self.next < s.chunks() {
-            self.next += 1;
-            self.next - 1
-        } else {
-            return None;
-        };
-        let generation = self.generations.get(&index).copied().unwrap_or(0);
-        Some(ChunkRef::new(&s.id, index, s.incarnation, generation))
+impl Serialize for Bitmap {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let hex: String = self.0.iter().map(|w| format!("{w:016x}")).collect();
+        s.serialize_str(&hex)
     }
+}
+
+impl<'de> Deserialize<'de> for Bitmap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Bitmap, D::Error> {
+        let hex = String::deserialize(d)?;
+        if hex.len() % 16 != 0 || !hex.is_ascii() {
+            return Err(serde::de::Error::custom("a bitmap is hex in 16-digit words"));
+        }
+        let words = (0..hex.len() / 16)
+            .map(|i| u64::from_str_radix(&hex[i * 16..i * 16 + 16], 16))
+            .collect::<Result<Vec<u64>, _>>()
+            .map_err(serde::de::Error::custom)?;
+        let mut b = Bitmap(words);
+        while b.0.last() == Some(&0) {
+            b.0.pop();
+        }
+        Ok(b)
+    }
+}
+
+/// A server's pool: what it is made of, how many chunks it holds, and which of its extents
+/// ([`Extent`], `EXTENT_CHUNKS` chunks each) have a chunk free or a chunk to zero. Small at
+/// any size: a bit per extent.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolHead {
+    /// The chunk size the pool's chunks were numbered in: a server registering again must use
+    /// the same, or chunk numbers held by namespaces would name other bytes.
+    pub chunk_bytes: u64,
+    /// Chunks the pool holds, as last registered.
+    pub chunks: u64,
+    /// Chunks free to hand out (never handed out, or given back and zeroed), and chunks given
+    /// back and not zeroed yet.
+    pub free: u64,
+    pub dirty: u64,
+    /// Extents with a free chunk, and extents with a chunk to zero.
+    pub with_free: Bitmap,
+    pub with_dirty: Bitmap,
+}
+
+impl PoolHead {
+    /// A pool of `chunks` chunks of `chunk_bytes`, none handed out.
+    pub fn new(chunk_bytes: u64, chunks: u64) -> PoolHead {
+        let mut head = PoolHead { chunk_bytes, ..PoolHead::default() };
+        head.grow(chunks);
+        head
+    }
+
+    /// The pool now holds `chunks` chunks, more than before: the new ones are free.
+    pub fn grow(&mut self, chunks: u64) {
+        if chunks <= self.chunks {
+            return;
+        }
+        for e in self.chunks / EXTENT_CHUNKS..chunks.div_ceil(EXTENT_CHUNKS) {
+            self.with_free.set(e, true);
+        }
+        self.free += chunks - self.chunks;
+        self.chunks = chunks;
+    }
+
+    /// The extents of chunks `from..` (those a smaller pool would lose).
+    pub fn extents_from(&self, from: u64) -> std::ops::Range<u64> {
+        from / EXTENT_CHUNKS..self.chunks.div_ceil(EXTENT_CHUNKS)
+    }
+}
+
+/// `EXTENT_CHUNKS` chunks of a pool, from chunk `extent * EXTENT_CHUNKS`: which are in use
+/// (held by a namespace), which were given back and wait to be zeroed, and the generation of
+/// each zeroed at least once (the others are at 0). An extent with no record has every chunk
+/// free at generation 0. A chunk is free when it is neither in use nor dirty.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent {
+    pub used: Bitmap,
+    #[serde(default, skip_serializing_if = "Bitmap::is_empty")]
+    pub dirty: Bitmap,
+    /// By chunk offset in the extent.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub generations: BTreeMap<u32, u32>,
+}
+
+impl Extent {
+    /// Chunk `c` (of the pool) is free here.
+    pub fn is_free(&self, c: u64) -> bool {
+        let i = c % EXTENT_CHUNKS;
+        !self.used.get(i) && !self.dirty.get(i)
+    }
+
+    pub fn generation(&self, c: u64) -> u32 {
+        self.generations.get(&((c % EXTENT_CHUNKS) as u32)).copied().unwrap_or(0)
+    }
+
+    /// Whether any of chunks `first..end` (of the pool, within this extent) is free.
+    pub fn any_free(&self, first: u64, end: u64) -> bool {
+        (first..end).any(|c| self.is_free(c))
+    }
+}
+
+/// The chunks of extent `e` of a pool of `chunks` chunks.
+pub fn extent_chunks(e: u64, chunks: u64) -> std::ops::Range<u64> {
+    e * EXTENT_CHUNKS..((e + 1) * EXTENT_CHUNKS).min(chunks)
 }
 
 /// Where a copy of a stripe stands (docs/RSTORE.md, "Healing").
@@ -284,28 +408,206 @@ fn is_ok(s: &CopyState) -> bool {
 /// A stripe: one chunk's worth of a namespace, on `replicas` distinct servers.
 pub type Stripe = Vec<ChunkRef>;
 
-/// An `raddress` segment's binding: its length and its stripes, in address order.
+/// Stripes one group record holds ([`StripeGroup`]): at three replicas about 80 KB at most.
+pub const GROUP_STRIPES: u64 = 256;
+
+/// Most runs a namespace's reserve or one allocation is made of ([`Run`]): they grow with how
+/// fragmented frees left the reserve, not with its size. About 100 KB of record.
+pub const RUNS_MAX: usize = 4096;
+
+/// Slots `first..first + count` of a namespace's stripe table, as `[first, count]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Run(pub u64, pub u64);
+
+impl Run {
+    pub fn end(&self) -> u64 {
+        self.0 + self.1
+    }
+}
+
+/// The slots of `runs`, in order.
+pub fn slots(runs: &[Run]) -> impl Iterator<Item = u64> + '_ {
+    runs.iter().flat_map(|r| r.0..r.end())
+}
+
+/// Add `run` to `runs`, kept sorted and merged with its neighbours.
+pub fn add_run(runs: &mut Vec<Run>, run: Run) {
+    if run.1 == 0 {
+        return;
+    }
+    let at = runs.partition_point(|r| r.0 < run.0);
+    runs.insert(at, run);
+    let mut merged: Vec<Run> = Vec::with_capacity(runs.len());
+    for r in runs.drain(..) {
+        match merged.last_mut() {
+            Some(last) if last.end() == r.0 => last.1 += r.1,
+            _ => merged.push(r),
+        }
+    }
+    *runs = merged;
+}
+
+/// Take the first `n` slots of `runs` (fewer if it holds fewer), as runs.
+pub fn take_runs(runs: &mut Vec<Run>, mut n: u64) -> Vec<Run> {
+    let mut taken = Vec::new();
+    while n > 0 && !runs.is_empty() {
+        let r = &mut runs[0];
+        let k = r.1.min(n);
+        taken.push(Run(r.0, k));
+        r.0 += k;
+        r.1 -= k;
+        n -= k;
+        if r.1 == 0 {
+            runs.remove(0);
+        }
+    }
+    taken
+}
+
+/// Take the last `n` slots of `runs` (fewer if it holds fewer), as runs.
+pub fn take_last_runs(runs: &mut Vec<Run>, mut n: u64) -> Vec<Run> {
+    let mut taken = Vec::new();
+    while n > 0 {
+        let Some(r) = runs.last_mut() else { break };
+        let k = r.1.min(n);
+        r.1 -= k;
+        taken.insert(0, Run(r.0 + r.1, k));
+        n -= k;
+        if r.1 == 0 {
+            runs.pop();
+        }
+    }
+    taken
+}
+
+/// Take `run` (within one of `runs`) out of `runs`.
+pub fn remove_run(runs: &mut Vec<Run>, run: Run) {
+    let Some(i) = runs.iter().position(|r| r.0 <= run.0 && run.end() <= r.end()) else { return };
+    let r = runs.remove(i);
+    let (before, after) = (Run(r.0, run.0 - r.0), Run(run.end(), r.end() - run.end()));
+    for piece in [after, before] {
+        if piece.1 > 0 {
+            runs.insert(i, piece);
+        }
+    }
+}
+
+/// The slots of `runs` inside `within`, as runs.
+pub fn intersect(runs: &[Run], within: Run) -> Vec<Run> {
+    runs.iter()
+        .filter_map(|r| {
+            let (lo, hi) = (r.0.max(within.0), r.end().min(within.end()));
+            (lo < hi).then(|| Run(lo, hi - lo))
+        })
+        .collect()
+}
+
+/// Slots in `runs`.
+pub fn run_len(runs: &[Run]) -> u64 {
+    runs.iter().map(|r| r.1).sum()
+}
+
+/// A namespace's head (`ns/<name>`): what it is, where the next allocation goes, and which
+/// slots of its stripe table are reserved and not bound to an address. Its stripes live in
+/// groups ([`StripeGroup`]) and its allocations in records of their own ([`AllocRecord`]),
+/// so every record stays small however large the namespace grows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NsHead {
+    pub name: String,
+    pub scope: Scope,
+    pub chunk_bytes: u64,
+    pub replicas: u32,
+    /// Where the next allocation without an address goes.
+    pub next_addr: u64,
+    /// Slots ever made: the next reserve's stripes take slots from here. A slot is never
+    /// used twice (one given back leaves an empty stripe in its group).
+    pub slots: u64,
+    /// Slots reserved and not bound to an address (`reserve` adds, `alloc` takes).
+    pub reserved: Vec<Run>,
+    /// Allocations held.
+    pub allocs: u64,
+    /// Being deleted: its chunks are going back to their pools, a group at a time. Nothing
+    /// else may use it; `delete_ns` again finishes the job.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub deleting: bool,
+}
+
+/// An allocation's record (`ns-allocs/<name>/<addr, 16 hex digits>`): its length and the
+/// slots of its stripes, in address order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocRecord {
+    pub len: u64,
+    pub runs: Vec<Run>,
+}
+
+/// `GROUP_STRIPES` slots of a namespace's stripe table (`ns-stripes/<name>/<group, 8 hex
+/// digits>`): slot `group * GROUP_STRIPES + i` is `stripes[i]`, empty when the slot was never
+/// filled or was given back. `epoch` moves on with every change to one of its stripes'
+/// copies (`rstore::repair`), and each stripe's copies carry the epoch of its last change.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StripeGroup {
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u32,
+    pub stripes: Vec<Stripe>,
+}
+
+impl StripeGroup {
+    /// The stripe in `slot` (of this group), if filled.
+    pub fn get(&self, slot: u64) -> Option<&Stripe> {
+        self.stripes.get((slot % GROUP_STRIPES) as usize).filter(|s| !s.is_empty())
+    }
+
+    pub fn get_mut(&mut self, slot: u64) -> Option<&mut Stripe> {
+        self.stripes.get_mut((slot % GROUP_STRIPES) as usize).filter(|s| !s.is_empty())
+    }
+
+    /// Put `stripe` in `slot` (of this group).
+    pub fn put(&mut self, slot: u64, stripe: Stripe) {
+        let i = (slot % GROUP_STRIPES) as usize;
+        if self.stripes.len() <= i {
+            self.stripes.resize(i + 1, Vec::new());
+        }
+        self.stripes[i] = stripe;
+    }
+
+    /// Whether every stripe's copies are all `ok` (the repair index leaves it out).
+    pub fn whole(&self) -> bool {
+        self.stripes.iter().flatten().all(|c| c.state == CopyState::Ok)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.stripes.iter().all(Vec::is_empty)
+    }
+}
+
+/// The group of `slot`.
+pub fn group_of(slot: u64) -> u64 {
+    slot / GROUP_STRIPES
+}
+
+/// An `raddress` segment's binding, as read: its length and its stripes, in address order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Allocation {
     pub len: u64,
     pub stripes: Vec<Stripe>,
 }
 
-/// A namespace: a flat 64-bit address space over chunks of the servers of one scope.
+/// A whole namespace, read from its head, its allocations and its groups (`rstore`'s
+/// `Coordinator::join_ns`): what `skiff ns` shows and tests check. Never written as one
+/// record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Namespace {
     pub name: String,
     pub scope: Scope,
     pub chunk_bytes: u64,
     pub replicas: u32,
-    /// Stripes reserved and not bound to an address (`reserve` adds, `alloc` takes).
+    /// Stripes reserved and not bound to an address.
     pub reserved: Vec<Stripe>,
     /// Allocations by address.
     pub allocs: BTreeMap<u64, Allocation>,
     /// Where the next allocation without an address goes.
     pub next_addr: u64,
-    /// Moves on with every change to a stripe's copies (`rstore::repair`): each stripe's copies
-    /// carry the epoch of its last change.
+    /// The highest epoch of its groups.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub epoch: u32,
 }
@@ -340,6 +642,45 @@ pub fn key(prefix: &str, name: &str) -> Vec<u8> {
     format!("{prefix}{name}").into_bytes()
 }
 
+/// The key of extent `e` of server `id`'s pool.
+pub fn extent_key(id: &str, e: u64) -> Vec<u8> {
+    format!("{POOL_EXTENTS}{id}/{e:08x}").into_bytes()
+}
+
+/// The key of the allocation at `addr` of namespace `name` (key order is address order).
+pub fn alloc_key(name: &str, addr: u64) -> Vec<u8> {
+    format!("{ALLOCS}{name}/{addr:016x}").into_bytes()
+}
+
+/// The address an allocation's key names.
+pub fn alloc_addr(key: &[u8]) -> Option<u64> {
+    let hex = key.rsplit(|&b| b == b'/').next()?;
+    u64::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()
+}
+
+/// The key of group `g` of namespace `name`'s stripe table.
+pub fn group_key(name: &str, g: u64) -> Vec<u8> {
+    format!("{GROUPS}{name}/{g:08x}").into_bytes()
+}
+
+/// The group a group's key names.
+pub fn group_index(key: &[u8]) -> Option<u64> {
+    let hex = key.rsplit(|&b| b == b'/').next()?;
+    u64::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()
+}
+
+/// The key that marks group `g` of namespace `name` as holding a copy that is not `ok`
+/// (the repair leader and the sources look there first).
+pub fn mend_key(name: &str, g: u64) -> Vec<u8> {
+    format!("{MENDING}{name}/{g:08x}").into_bytes()
+}
+
+/// The prefix of every key of namespace `name` under `prefix` ([`ALLOCS`], [`GROUPS`],
+/// [`MENDING`]).
+pub fn under(prefix: &str, name: &str) -> Vec<u8> {
+    format!("{prefix}{name}/").into_bytes()
+}
+
 /// A record read from etcd; one that does not parse is [`CoordError::Corrupt`].
 pub fn decode<T: serde::de::DeserializeOwned>(kv: &Kv) -> Result<T, CoordError> {
     serde_json::from_slice(&kv.value).map_err(|e| CoordError::Corrupt {
@@ -353,21 +694,15 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).expect("control-plane records serialize")
 }
 
-/// Largest namespace record: etcd takes requests of 1.5 MiB at most, and a transaction
-/// carries pool records beside it.
-pub const NAMESPACE_RECORD_MAX: usize = 1 << 20;
-
-/// A namespace's record, refused when it would not fit one etcd request.
-pub fn encode_ns(ns: &Namespace) -> Result<Vec<u8>, CoordError> {
-    let record = encode(ns);
-    if record.len() > NAMESPACE_RECORD_MAX {
+/// Runs of a namespace's reserve or an allocation, refused past [`RUNS_MAX`].
+pub fn check_runs(name: &str, runs: &[Run]) -> Result<(), CoordError> {
+    if runs.len() > RUNS_MAX {
         return Err(CoordError::Invalid(format!(
-            "namespace {:?} would take a {}-byte record, over {NAMESPACE_RECORD_MAX}: use larger chunks",
-            ns.name,
-            record.len()
+            "namespace {name:?}: its reserve would be split into {} runs, more than {RUNS_MAX}; free and allocate in larger pieces",
+            runs.len()
         )));
     }
-    Ok(record)
+    Ok(())
 }
 
 /// A name for a key: letters, digits and `-_.:` only, 1 to 128 bytes.
@@ -417,38 +752,61 @@ mod tests {
         assert_eq!(s.grant(0, 0).unwrap(), None);
     }
 
-    /// Every write of a namespace record goes through the bound: one under it passes, and the
-    /// same record with an allocation and a (long) stale mark more is refused with a message
-    /// that names the namespace and says what to do.
+    /// Bitmaps keep their members through a record, trailing empty words dropped, and a
+    /// bitmap that is not hex in whole words is refused.
     #[test]
-    fn a_namespace_record_over_its_bound_is_refused_clearly() {
-        let stripe = |i: u64| vec![ChunkRef::new(&"s".repeat(200), i, 1, 0)];
-        let mut ns = Namespace {
-            name: "big".into(),
-            scope: Scope::Ram,
-            chunk_bytes: 1 << 20,
-            replicas: 1,
-            reserved: Vec::new(),
-            allocs: BTreeMap::new(),
-            next_addr: 0,
-            epoch: 0,
-        };
-        // A stripe's share of the record, then as many as leave a little room.
-        ns.reserved.push(stripe(0));
-        let one = encode(&ns).len();
-        ns.reserved.push(stripe(1));
-        let each = encode(&ns).len() - one;
-        while ns.reserved.len() < (NAMESPACE_RECORD_MAX - 32 * 1024) / each {
-            let i = ns.reserved.len() as u64;
-            ns.reserved.push(stripe(i));
+    fn bitmaps_round_trip_as_hex_words() {
+        let mut b = Bitmap::default();
+        for i in [0, 63, 64, 1023, 5000] {
+            b.set(i, true);
         }
-        assert!(encode(&ns).len() > NAMESPACE_RECORD_MAX / 2, "{} bytes", encode(&ns).len());
-        assert!(encode_ns(&ns).is_ok());
-        let mut stale = stripe(0);
-        stale[0].state = CopyState::Stale;
-        stale[0].dirty_on = vec!["t".repeat(64 * 1024)];
-        ns.allocs.insert(0, Allocation { len: 1 << 20, stripes: vec![stale] });
-        let err = encode_ns(&ns).expect_err("over the bound");
-        assert!(err.to_string().contains("\"big\"") && err.to_string().contains("larger chunks"), "{err}");
+        b.set(5000, false);
+        b.set(9999, false);
+        let text = serde_json::to_string(&b).unwrap();
+        assert_eq!(text.len(), 2 + 16 * 16, "{text}");
+        let back: Bitmap = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.iter().collect::<Vec<_>>(), vec![0, 63, 64, 1023]);
+        assert_eq!((back.count(), back.get(64), back.get(65)), (4, true, false));
+        for bad in ["\"abc\"", "\"zzzzzzzzzzzzzzzz\"", "7"] {
+            assert!(serde_json::from_str::<Bitmap>(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Runs stay sorted and merged as slots come back, and are taken from the front (alloc)
+    /// or the back (release) exactly.
+    #[test]
+    fn runs_merge_and_split_exactly() {
+        let mut runs = Vec::new();
+        add_run(&mut runs, Run(10, 5));
+        add_run(&mut runs, Run(0, 5));
+        add_run(&mut runs, Run(5, 5));
+        add_run(&mut runs, Run(20, 0));
+        assert_eq!(runs, vec![Run(0, 15)]);
+        assert_eq!(take_runs(&mut runs, 4), vec![Run(0, 4)]);
+        add_run(&mut runs, Run(30, 2));
+        assert_eq!(take_last_runs(&mut runs, 3), vec![Run(14, 1), Run(30, 2)]);
+        assert_eq!(runs, vec![Run(4, 10)]);
+        assert_eq!(take_runs(&mut runs, 99), vec![Run(4, 10)]);
+        assert!(runs.is_empty());
+        assert_eq!(slots(&[Run(3, 2), Run(9, 1)]).collect::<Vec<_>>(), vec![3, 4, 9]);
+        let mut runs = vec![Run(0, 10), Run(20, 5)];
+        remove_run(&mut runs, Run(3, 2));
+        remove_run(&mut runs, Run(20, 5));
+        remove_run(&mut runs, Run(50, 1));
+        assert_eq!(runs, vec![Run(0, 3), Run(5, 5)]);
+        assert_eq!(intersect(&runs, Run(4, 3)), vec![Run(5, 2)]);
+    }
+
+    /// A pool head is small at any size (a bit per extent), and growing it frees the new
+    /// chunks and marks their extents.
+    #[test]
+    fn a_pool_head_is_small_at_any_size() {
+        let mut head = PoolHead::new(4 << 20, 3000);
+        assert_eq!((head.free, head.with_free.iter().collect::<Vec<_>>()), (3000, vec![0, 1, 2]));
+        head.grow(5000);
+        assert_eq!((head.free, head.with_free.count()), (5000, 5));
+        let big = PoolHead::new(1 << 20, POOL_CHUNKS_MAX);
+        assert!(encode(&big).len() < 2048, "{} bytes", encode(&big).len());
+        assert_eq!(extent_chunks(4, 5000), 4096..5000);
     }
 }

@@ -4,7 +4,9 @@
 //! - **The leader** holds [`LEADER`](crate::control::LEADER) in etcd under its registration's
 //!   lease (created only if absent: etcd's lease primitive, no election protocol of our own),
 //!   so it lapses when the server dies or loses etcd, and another server takes it. Once a
-//!   pass, the leader runs [`repair::plan`](crate::repair::plan) over every namespace (marks
+//!   pass, the leader runs [`repair::plan`](crate::repair::plan) over every namespace's
+//!   groups (all of them when a server came or went, else only those the repair index marks
+//!   as holding a copy that is not `ok`; [`Leader`]) (marks
 //!   copies stale, starts repairs of copies whose server is back, undoes repairs whose copy
 //!   or source went away) and rebuilds elsewhere the copies away past the grace period. Each
 //!   change is one etcd transaction on what it read, so a leader that dies mid-pass leaves
@@ -58,27 +60,51 @@ impl Default for Config {
 /// What a server's agent did: the target's own counters, which its metrics show.
 pub use server::RepairStats as Progress;
 
+/// How often the leader looks at every group even when no server came or went.
+const FULL_PASS_EVERY: Duration = Duration::from_secs(60);
+
+/// What the leader remembers between passes: the servers registered (`id@incarnation`) at its
+/// last full pass over every group, and when that was. While they stay the same, a pass looks
+/// only at the groups the repair index marks (a copy not `ok`): a copy goes stale only when
+/// its server goes, and everything else a pass does concerns copies already not `ok`.
+#[derive(Debug, Default)]
+pub struct Leader {
+    seen: Vec<String>,
+    at: Option<Instant>,
+}
+
 /// One pass of the leader over every namespace: plans, then rebuilds elsewhere what stayed
 /// away past the grace period. Returns what it changed.
 pub fn lead(coord: &Coordinator, config: &Config) -> Result<repair::Plan, CoordError> {
+    lead_with(coord, config, &mut Leader::default())
+}
+
+/// [`lead`], remembering in `leader` what lets the next pass look only where it must.
+pub fn lead_with(coord: &Coordinator, config: &Config, leader: &mut Leader) -> Result<repair::Plan, CoordError> {
     let mut total = repair::Plan::default();
     let namespaces = coord.list_ns()?;
     if namespaces.is_empty() {
         return Ok(total);
     }
+    let live = coord.servers()?;
+    let seen: Vec<String> = live.iter().map(|s| format!("{}@{:x}", s.id, s.incarnation)).collect();
+    let full = seen != leader.seen || leader.at.is_none_or(|at| at.elapsed() >= FULL_PASS_EVERY);
     // A server killed keeps its registration until its lease lapses: only those reached now
     // count as back.
-    let present: Vec<ServerInfo> = coord.servers()?.into_iter().filter(reachable).collect();
+    let present: Vec<ServerInfo> = live.into_iter().filter(reachable).collect();
     for ns in namespaces {
-        let plan = coord.plan(&ns.name, &present, unix_ms(), config.rebuild_after.as_millis() as u64)?;
+        let plan = coord.plan(&ns.name, &present, unix_ms(), config.rebuild_after.as_millis() as u64, !full)?;
         for r in &plan.relocate {
             if coord.relocate(&ns.name, r)? {
-                tracing::info!(ns = %ns.name, addr = r.addr, stripe = r.stripe, "a copy away past the grace period is rebuilt elsewhere");
+                tracing::info!(ns = %ns.name, slot = r.stripe, "a copy away past the grace period is rebuilt elsewhere");
                 total.started += 1;
             }
         }
         total.stale += plan.stale;
         total.started += plan.started;
+    }
+    if full {
+        (leader.seen, leader.at) = (seen, Some(Instant::now()));
     }
     Ok(total)
 }
@@ -99,8 +125,7 @@ fn reachable(s: &ServerInfo) -> bool {
 /// A repair this server is the source of.
 struct Task {
     ns: String,
-    addr: u64,
-    stripe: usize,
+    slot: u64,
     copy: usize,
     epoch: u32,
     full: bool,
@@ -121,9 +146,11 @@ pub fn serve(
     stop: &AtomicBool,
 ) -> Result<usize, Box<dyn std::error::Error>> {
     let mut tasks = Vec::new();
+    // Only groups the repair index marks hold a syncing copy.
     for ns in coord.list_ns()? {
-        for (&addr, a) in &ns.allocs {
-            for (si, stripe) in a.stripes.iter().enumerate() {
+        for g in coord.groups(&ns.name, true)? {
+            let group = coord.group(&ns.name, g)?;
+            for (si, stripe) in group.stripes.iter().enumerate() {
                 for (ci, c) in stripe.iter().enumerate() {
                     if c.state != CopyState::Syncing || c.from != me.id {
                         continue;
@@ -134,8 +161,7 @@ pub fn serve(
                     };
                     tasks.push(Task {
                         ns: ns.name.clone(),
-                        addr,
-                        stripe: si,
+                        slot: g * coord::schema::GROUP_STRIPES + si as u64,
                         copy: ci,
                         epoch: c.epoch,
                         // Partial only from the boot whose dirty regions cover the copy: a
@@ -196,16 +222,16 @@ pub fn serve(
             Ok(bytes) => bytes,
             Err(e) => {
                 // Its server is gone again (or refuses): stale until it is back.
-                tracing::warn!(ns = %t.ns, addr = t.addr, stripe = t.stripe, to = %to.id, error = %e, "a repair copy failed; the copy is stale again");
-                coord.abandon_sync(&t.ns, t.addr, t.stripe, t.copy, &me.id, t.epoch)?;
+                tracing::warn!(ns = %t.ns, slot = t.slot, to = %to.id, error = %e, "a repair copy failed; the copy is stale again");
+                coord.abandon_sync(&t.ns, t.slot, t.copy, &me.id, t.epoch)?;
                 continue;
             }
         };
         progress.bytes.fetch_add(bytes, Ordering::Relaxed);
         let secs = started.elapsed().as_secs_f64().max(1e-6);
         progress.rate.store((bytes as f64 / secs) as u64, Ordering::Relaxed);
-        tracing::debug!(ns = %t.ns, addr = t.addr, stripe = t.stripe, to = %to.id, bytes, full = t.full, "a copy is repaired");
-        pending.push(Finished { addr: t.addr, stripe: t.stripe, copy: t.copy, epoch: t.epoch });
+        tracing::debug!(ns = %t.ns, slot = t.slot, to = %to.id, bytes, full = t.full, "a copy is repaired");
+        pending.push(Finished { slot: t.slot, copy: t.copy, epoch: t.epoch });
     }
     flush(&pending_ns, &mut pending)?;
     Ok(done)
@@ -311,6 +337,7 @@ pub fn spawn(
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("skiff-repair".into()).spawn(move || {
         let progress = pool.repair();
+        let mut leader = Leader::default();
         let tick = Duration::from_millis(50);
         let mut waited = config.every;
         while !stop.load(Ordering::Relaxed) {
@@ -324,9 +351,11 @@ pub fn spawn(
             let leading = lease != 0 && coord.campaign(&me.id, lease).unwrap_or(false);
             if leading != progress.leading.swap(leading, Ordering::Relaxed) {
                 tracing::info!(leading, "repair leadership");
+                // A leader that comes (back) looks at every group first.
+                leader = Leader::default();
             }
             if leading {
-                match lead(&coord, &config) {
+                match lead_with(&coord, &config, &mut leader) {
                     Ok(plan) if plan.changed() || !plan.relocate.is_empty() => {
                         tracing::info!(stale = plan.stale, started = plan.started, "repair pass")
                     }

@@ -4,9 +4,12 @@
 //! Memory servers (ordinary `skiff serve` processes with `--pool`) donate RAM or a file as a
 //! pool of chunks and keep a registration alive under an etcd lease. Namespaces, the chunks
 //! they reserved and the `raddress` segments allocated in them live in etcd as JSON values
-//! (`coord::schema` says where and how); every change is one etcd transaction that checks the
-//! revisions it read, so two clients racing for the same thing (a namespace name, the bootstrap
-//! address) see exactly one win. This is the slow path: it runs when a client sets up, never
+//! split so that each stays small at any size (`coord::schema` says where and how): a pool is
+//! a head and extents of 1,024 chunks, a namespace a head, a record per allocation naming
+//! slots of its stripe table, and groups of 256 stripes. Every change is one etcd transaction
+//! that checks the revisions it read, so two clients racing for the same thing (a namespace
+//! name, the bootstrap address) see exactly one win; what touches many groups (a large
+//! reserve, a release, a delete) goes a group at a time, each step whole. This is the slow path: it runs when a client sets up, never
 //! per I/O. A mapped `raddress` says, for every chunk, which server (endpoint, export) holds it
 //! at which offset, and the data path ([`Segment`]) goes there directly.
 //!
@@ -16,10 +19,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use coord::etcd::{Compare, Etcd, Op, Tls};
-use coord::schema::{check_name, decode, encode, encode_ns, key, NAMESPACES, POOLS, SERVERS, TXN_RETRIES};
+use coord::schema::{
+    add_run, alloc_addr, alloc_key, check_name, check_runs, decode, encode, extent_chunks, extent_key, group_index,
+    group_key, group_of, intersect, key, mend_key, remove_run, run_len, take_runs, under, ALLOCS, EXTENT_CHUNKS,
+    GROUPS, GROUP_STRIPES, MENDING, NAMESPACES, POOLS, POOL_EXTENTS, SERVERS, TXN_RETRIES,
+};
 use coord::{
-    Allocation, CoordError, CopyState, Namespace, PoolState, Scope, ServerInfo, Stripe, NAMESPACE_CHUNKS_MAX,
-    POOL_CHUNKS_MAX,
+    AllocRecord, Allocation, ChunkRef, CoordError, CopyState, Extent, Namespace, NsHead, PoolHead, Run, Scope,
+    ServerInfo, Stripe, StripeGroup, POOL_CHUNKS_MAX,
 };
 use serde::Serialize;
 
@@ -51,12 +58,6 @@ pub struct Place {
 }
 
 impl RAddress {
-    /// Allocation `a`, at `addr` of namespace `ns` of `chunk_bytes` chunks, as the data path
-    /// sees it.
-    fn of(a: &Allocation, ns: &str, addr: u64, chunk_bytes: u64) -> RAddress {
-        RAddress { ns: ns.to_owned(), addr, len: a.len, chunk_bytes, stripes: a.stripes.clone() }
-    }
-
     /// Every stripe's copies, placed on the servers registered in `live` (RStore's `map`,
     /// the control-plane half): the healthy copies and those being repaired, on live servers
     /// in the copy's incarnation; stale ones are left out, and a stripe with no healthy copy
@@ -114,12 +115,11 @@ pub fn segment_map(r: &RAddress, live: &[ServerInfo]) -> Result<SegmentMap, Coor
     Ok(SegmentMap { len: r.len, chunk_bytes: r.chunk_bytes, stripes })
 }
 
-/// A copy a source repaired: copy `copy` of stripe `stripe` of the allocation at `addr`,
-/// under the stripe's epoch `epoch`.
+/// A copy a source repaired: copy `copy` of the stripe in slot `slot`, under the stripe's
+/// epoch `epoch`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Finished {
-    pub addr: u64,
-    pub stripe: usize,
+    pub slot: u64,
     pub copy: usize,
     pub epoch: u32,
 }
@@ -175,6 +175,153 @@ impl MapSource for Source {
     }
 }
 
+/// Servers one reserve step takes chunks from at most: with each server's pool head and an
+/// extent or two it stays inside one transaction's operations.
+const SERVERS_PER_STEP: usize = 32;
+
+/// Pool records one transaction changes at most (heads and extents), beside the namespace's.
+const POOL_OPS_MAX: usize = coord::schema::TXN_OPS_MAX - 8;
+
+/// The pool records one transaction reads and changes: each server's head and the extents it
+/// touches, with the revisions read (0: no record), so the transaction goes through only if
+/// nobody changed them meanwhile.
+struct Pools<'a> {
+    etcd: &'a Etcd,
+    heads: BTreeMap<String, (Option<PoolHead>, i64, bool)>,
+    extents: BTreeMap<(String, u64), (Extent, i64, bool)>,
+}
+
+impl<'a> Pools<'a> {
+    fn new(etcd: &'a Etcd) -> Pools<'a> {
+        Pools { etcd, heads: BTreeMap::new(), extents: BTreeMap::new() }
+    }
+
+    /// Server `id`'s head as already read elsewhere (one range read for many servers).
+    fn preload(&mut self, id: &str, head: PoolHead, rev: i64) {
+        self.heads.entry(id.to_owned()).or_insert((Some(head), rev, false));
+    }
+
+    /// Server `id`'s pool head, `None` when it has none (deleted by hand).
+    fn head(&mut self, id: &str) -> Result<Option<&mut PoolHead>, CoordError> {
+        if !self.heads.contains_key(id) {
+            let read = match self.etcd.get(&key(POOLS, id))? {
+                Some(kv) => (Some(decode(&kv)?), kv.mod_revision, false),
+                None => (None, 0, false),
+            };
+            self.heads.insert(id.to_owned(), read);
+        }
+        let (head, _, changed) = self.heads.get_mut(id).expect("read above");
+        *changed = true;
+        Ok(head.as_mut())
+    }
+
+    fn extent(&mut self, id: &str, e: u64) -> Result<&mut Extent, CoordError> {
+        let k = (id.to_owned(), e);
+        if !self.extents.contains_key(&k) {
+            let read = match self.etcd.get(&extent_key(id, e))? {
+                Some(kv) => (decode(&kv)?, kv.mod_revision, false),
+                None => (Extent::default(), 0, false),
+            };
+            self.extents.insert(k.clone(), read);
+        }
+        let (extent, _, changed) = self.extents.get_mut(&k).expect("read above");
+        *changed = true;
+        Ok(extent)
+    }
+
+    /// A free chunk of server `s`'s pool, now in use: the lowest free one. `None` when the
+    /// pool is full (or has no record).
+    fn take(&mut self, s: &ServerInfo) -> Result<Option<ChunkRef>, CoordError> {
+        let Some(head) = self.head(&s.id)? else { return Ok(None) };
+        if head.free == 0 {
+            return Ok(None);
+        }
+        let (chunks, candidates): (u64, Vec<u64>) = (head.chunks, head.with_free.iter().collect());
+        for e in candidates {
+            let extent = self.extent(&s.id, e)?;
+            let found = extent_chunks(e, chunks).find(|&c| extent.is_free(c));
+            let more = found.is_some_and(|c| extent.any_free(c + 1, extent_chunks(e, chunks).end));
+            if let Some(c) = found {
+                extent.used.set(c % EXTENT_CHUNKS, true);
+                let generation = extent.generation(c);
+                let head = self.head(&s.id)?.expect("read above");
+                head.free -= 1;
+                head.with_free.set(e, more);
+                return Ok(Some(ChunkRef::new(&s.id, c, s.incarnation, generation)));
+            }
+            // The bit was out of date: the extent has no free chunk.
+            self.head(&s.id)?.expect("read above").with_free.set(e, false);
+        }
+        Ok(None)
+    }
+
+    /// Chunk `c` is given back: dirty until its server has zeroed it.
+    fn give_back(&mut self, c: &ChunkRef) -> Result<(), CoordError> {
+        if self.head(&c.server)?.is_none() {
+            return Ok(()); // a pool deleted by hand takes nothing back
+        }
+        let e = c.index / EXTENT_CHUNKS;
+        let extent = self.extent(&c.server, e)?;
+        let i = c.index % EXTENT_CHUNKS;
+        if !extent.used.get(i) {
+            tracing::warn!(server = %c.server, chunk = c.index, "a chunk given back was not in use; left as it is");
+            return Ok(());
+        }
+        extent.used.set(i, false);
+        extent.dirty.set(i, true);
+        let head = self.head(&c.server)?.expect("read above");
+        head.dirty += 1;
+        head.with_dirty.set(e, true);
+        Ok(())
+    }
+
+    /// Records changed so far.
+    fn changed(&self) -> usize {
+        self.heads.values().filter(|h| h.2).count() + self.extents.values().filter(|x| x.2).count()
+    }
+
+    /// The comparisons and writes of the records changed.
+    fn into_txn(self, compare: &mut Vec<Compare>, ops: &mut Vec<Op>) {
+        for (id, (head, rev, changed)) in self.heads {
+            if let (Some(head), true) = (head, changed) {
+                compare.push(Compare::ModRevision(key(POOLS, &id), rev));
+                ops.push(Op::Put { key: key(POOLS, &id), value: encode(&head), lease: 0 });
+            }
+        }
+        for ((id, e), (extent, rev, changed)) in self.extents {
+            if changed {
+                compare.push(Compare::ModRevision(extent_key(&id, e), rev));
+                ops.push(Op::Put { key: extent_key(&id, e), value: encode(&extent), lease: 0 });
+            }
+        }
+    }
+}
+
+/// A group's comparison and writes: the group (deleted once empty) and its mark in the repair
+/// index (there while a copy is not `ok`).
+fn group_txn(name: &str, g: u64, group: &StripeGroup, rev: i64, compare: &mut Vec<Compare>, ops: &mut Vec<Op>) {
+    compare.push(Compare::ModRevision(group_key(name, g), rev));
+    if group.is_empty() {
+        ops.push(Op::Delete(group_key(name, g)));
+    } else {
+        ops.push(Op::Put { key: group_key(name, g), value: encode(group), lease: 0 });
+    }
+    if group.whole() {
+        ops.push(Op::Delete(mend_key(name, g)));
+    } else {
+        ops.push(Op::Put { key: mend_key(name, g), value: Vec::new(), lease: 0 });
+    }
+}
+
+/// Each group the slots of `runs` lie in, with those slots.
+fn by_group(runs: &[Run]) -> BTreeMap<u64, Vec<u64>> {
+    let mut groups: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for slot in coord::schema::slots(runs) {
+        groups.entry(group_of(slot)).or_default().push(slot);
+    }
+    groups
+}
+
 /// A client of the control plane.
 pub struct Coordinator {
     etcd: Etcd,
@@ -205,8 +352,9 @@ impl Coordinator {
 
     // ---- memory servers ----
 
-    /// Register `server` under a lease of `ttl`; its pool record is created if it has none.
-    /// The registration lasts while [`Registration::keep_alive`] is called within `ttl`.
+    /// Register `server` under a lease of `ttl`; its pool head is created if it has none, and
+    /// grown if the pool grew. The registration lasts while [`Registration::keep_alive`] is
+    /// called within `ttl`.
     pub fn register(&self, server: &ServerInfo, ttl: Duration) -> Result<Registration, CoordError> {
         check_name("server id", &server.id)?;
         if server.chunk_bytes == 0 || server.chunks() == 0 {
@@ -223,32 +371,48 @@ impl Coordinator {
                 server.chunks()
             )));
         }
-        let pool = key(POOLS, &server.id);
-        let fresh = PoolState { chunk_bytes: server.chunk_bytes, ..PoolState::default() };
-        let created = self.etcd.txn(
-            &[Compare::Absent(pool.clone())],
-            &[Op::Put { key: pool.clone(), value: encode(&fresh), lease: 0 }],
-            &[],
-        )?;
-        if !created {
+        let k = key(POOLS, &server.id);
+        self.retry(&server.id, || {
+            let Some(kv) = self.etcd.get(&k)? else {
+                let fresh = PoolHead::new(server.chunk_bytes, server.chunks());
+                let put = Op::Put { key: k.clone(), value: encode(&fresh), lease: 0 };
+                return Ok(self.etcd.txn(&[Compare::Absent(k.clone())], &[put], &[])?.then_some(()));
+            };
             // Registering again: the chunks handed out must still be these bytes.
-            let kv = self.etcd.get(&pool)?.ok_or_else(|| CoordError::Contended(server.id.clone()))?;
-            let state: PoolState = decode(&kv)?;
-            if state.chunk_bytes != 0 && state.chunk_bytes != server.chunk_bytes {
+            let mut head: PoolHead = decode(&kv)?;
+            if head.chunk_bytes != server.chunk_bytes {
                 return Err(CoordError::Invalid(format!(
                     "server {}: its pool's chunks are {} bytes, not {}: register with the same --chunk, or delete {} by hand once no namespace holds its chunks",
-                    server.id, state.chunk_bytes, server.chunk_bytes, String::from_utf8_lossy(&pool)
+                    server.id, head.chunk_bytes, server.chunk_bytes, String::from_utf8_lossy(&k)
                 )));
             }
-            if state.next > server.chunks() {
-                return Err(CoordError::Invalid(format!(
-                    "server {}: namespaces hold chunks up to {} of its pool, which now has {}",
-                    server.id,
-                    state.next,
-                    server.chunks()
-                )));
+            let chunks = server.chunks();
+            if chunks == head.chunks {
+                return Ok(Some(()));
             }
-        }
+            if chunks < head.chunks {
+                // Smaller: only if no chunk past the new end is held or waits to be zeroed.
+                for e in head.extents_from(chunks) {
+                    let Some(kv) = self.etcd.get(&extent_key(&server.id, e))? else { continue };
+                    let extent: Extent = decode(&kv)?;
+                    if let Some(c) = extent_chunks(e, head.chunks).find(|&c| c >= chunks && !extent.is_free(c)) {
+                        return Err(CoordError::Invalid(format!(
+                            "server {}: namespaces hold chunk {c} of its pool (or it waits to be zeroed), which now has {chunks}",
+                            server.id
+                        )));
+                    }
+                }
+                head.free -= head.chunks - chunks;
+                for e in chunks.div_ceil(EXTENT_CHUNKS)..head.chunks.div_ceil(EXTENT_CHUNKS) {
+                    head.with_free.set(e, false);
+                }
+                head.chunks = chunks;
+            } else {
+                head.grow(chunks);
+            }
+            let put = Op::Put { key: k.clone(), value: encode(&head), lease: 0 };
+            Ok(self.etcd.txn(&[Compare::ModRevision(k.clone(), kv.mod_revision)], &[put], &[])?.then_some(()))
+        })?;
         let lease = self.etcd.grant(ttl)?;
         self.etcd.put(&key(SERVERS, &server.id), &encode(server), lease)?;
         Ok(Registration { lease, ttl })
@@ -257,6 +421,16 @@ impl Coordinator {
     /// The servers registered now.
     pub fn servers(&self) -> Result<Vec<ServerInfo>, CoordError> {
         self.etcd.prefix(SERVERS.as_bytes())?.iter().map(decode).collect()
+    }
+
+    /// Every pool head, by server id, with its revision.
+    fn pool_heads(&self) -> Result<BTreeMap<String, (PoolHead, i64)>, CoordError> {
+        let mut heads = BTreeMap::new();
+        for kv in self.etcd.prefix(POOLS.as_bytes())? {
+            let id = String::from_utf8_lossy(&kv.key[POOLS.len()..]).into_owned();
+            heads.insert(id, (decode(&kv)?, kv.mod_revision));
+        }
+        Ok(heads)
     }
 
     // ---- namespaces ----
@@ -269,7 +443,7 @@ impl Coordinator {
         scope: Scope,
         chunk_bytes: u64,
         replicas: u32,
-    ) -> Result<Namespace, CoordError> {
+    ) -> Result<NsHead, CoordError> {
         check_name("namespace", name)?;
         if chunk_bytes < 512 || !chunk_bytes.is_power_of_two() {
             return Err(CoordError::Invalid(format!(
@@ -279,164 +453,342 @@ impl Coordinator {
         if replicas == 0 {
             return Err(CoordError::Invalid("replicas: at least 1".into()));
         }
-        let ns = Namespace {
+        let head = NsHead {
             name: name.to_owned(),
             scope,
             chunk_bytes,
             replicas,
-            reserved: Vec::new(),
-            allocs: BTreeMap::new(),
             next_addr: 0,
-            epoch: 0,
+            slots: 0,
+            reserved: Vec::new(),
+            allocs: 0,
+            deleting: false,
         };
         let k = key(NAMESPACES, name);
         let created = self.etcd.txn(
             &[Compare::Absent(k.clone())],
-            &[Op::Put { key: k, value: encode(&ns), lease: 0 }],
+            &[Op::Put { key: k, value: encode(&head), lease: 0 }],
             &[],
         )?;
         if created {
-            Ok(ns)
+            Ok(head)
         } else {
             Err(CoordError::Exists(name.to_owned()))
         }
     }
 
-    /// Namespace `name` as it stands.
+    /// Namespace `name` as it stands, read whole: its head, its allocations and every stripe
+    /// (for `skiff ns`, status and tests; the data path reads only what it maps).
     pub fn join_ns(&self, name: &str) -> Result<Namespace, CoordError> {
-        Ok(self.read_ns(name)?.0)
+        let (head, _) = self.read_head(name)?;
+        let mut groups: BTreeMap<u64, StripeGroup> = BTreeMap::new();
+        for kv in self.etcd.prefix(&under(GROUPS, name))? {
+            let g = group_index(&kv.key).ok_or_else(|| CoordError::Corrupt {
+                key: String::from_utf8_lossy(&kv.key).into_owned(),
+                why: "not a group's key".into(),
+            })?;
+            groups.insert(g, decode(&kv)?);
+        }
+        let stripe = |slot: u64| -> Stripe {
+            groups.get(&group_of(slot)).and_then(|g| g.get(slot)).cloned().unwrap_or_default()
+        };
+        let mut allocs = BTreeMap::new();
+        for (addr, a) in self.alloc_records(name)? {
+            allocs.insert(addr, Allocation { len: a.len, stripes: coord::schema::slots(&a.runs).map(stripe).collect() });
+        }
+        Ok(Namespace {
+            name: head.name.clone(),
+            scope: head.scope,
+            chunk_bytes: head.chunk_bytes,
+            replicas: head.replicas,
+            reserved: coord::schema::slots(&head.reserved).map(stripe).collect(),
+            allocs,
+            next_addr: head.next_addr,
+            epoch: groups.values().map(|g| g.epoch).max().unwrap_or(0),
+        })
     }
 
-    /// Every namespace.
-    pub fn list_ns(&self) -> Result<Vec<Namespace>, CoordError> {
-        self.etcd.prefix(NAMESPACES.as_bytes())?.iter().map(decode).collect()
+    /// Namespace `name`'s head.
+    pub fn head(&self, name: &str) -> Result<NsHead, CoordError> {
+        Ok(self.read_head(name)?.0)
     }
 
-    fn read_ns(&self, name: &str) -> Result<(Namespace, i64), CoordError> {
+    /// Every namespace's head (those being deleted left out).
+    pub fn list_ns(&self) -> Result<Vec<NsHead>, CoordError> {
+        let heads: Vec<NsHead> =
+            self.etcd.prefix(NAMESPACES.as_bytes())?.iter().map(decode).collect::<Result<_, _>>()?;
+        Ok(heads.into_iter().filter(|h| !h.deleting).collect())
+    }
+
+    /// Namespace `name`'s head and its revision; one being deleted is refused.
+    fn read_head(&self, name: &str) -> Result<(NsHead, i64), CoordError> {
+        let (head, rev) = self.read_head_any(name)?;
+        if head.deleting {
+            return Err(CoordError::Invalid(format!(
+                "namespace {name:?} is being deleted: `delete` it again to finish"
+            )));
+        }
+        Ok((head, rev))
+    }
+
+    fn read_head_any(&self, name: &str) -> Result<(NsHead, i64), CoordError> {
         check_name("namespace", name)?;
         let kv =
             self.etcd.get(&key(NAMESPACES, name))?.ok_or_else(|| CoordError::NoNamespace(name.to_owned()))?;
         Ok((decode(&kv)?, kv.mod_revision))
     }
 
-    /// Delete namespace `name`, giving every chunk it holds back to its server's pool.
+    /// Every allocation of namespace `name`, by address.
+    fn alloc_records(&self, name: &str) -> Result<Vec<(u64, AllocRecord)>, CoordError> {
+        self.etcd
+            .prefix(&under(ALLOCS, name))?
+            .iter()
+            .map(|kv| {
+                let addr = alloc_addr(&kv.key).ok_or_else(|| CoordError::Corrupt {
+                    key: String::from_utf8_lossy(&kv.key).into_owned(),
+                    why: "not an allocation's key".into(),
+                })?;
+                Ok((addr, decode(kv)?))
+            })
+            .collect()
+    }
+
+    /// The allocation at `addr` of namespace `name`, with its revision.
+    fn read_alloc(&self, name: &str, addr: u64) -> Result<(AllocRecord, i64), CoordError> {
+        let kv = self
+            .etcd
+            .get(&alloc_key(name, addr))?
+            .ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
+        Ok((decode(&kv)?, kv.mod_revision))
+    }
+
+    /// Group `g` of namespace `name`, with its revision (an empty group and 0 when it has no
+    /// record).
+    fn read_group(&self, name: &str, g: u64) -> Result<(StripeGroup, i64), CoordError> {
+        match self.etcd.get(&group_key(name, g))? {
+            Some(kv) => Ok((decode(&kv)?, kv.mod_revision)),
+            None => Ok((StripeGroup::default(), 0)),
+        }
+    }
+
+    /// Delete namespace `name`, giving every chunk it holds back to its server's pool. A large
+    /// namespace goes in several transactions: it is marked as being deleted first (nothing
+    /// else uses it from then on), and a delete cut short is finished by the next.
     pub fn delete_ns(&self, name: &str) -> Result<(), CoordError> {
         self.retry(name, || {
-            let (ns, rev) = self.read_ns(name)?;
-            let stripes: Vec<Stripe> = ns
-                .reserved
-                .iter()
-                .cloned()
-                .chain(ns.allocs.values().flat_map(|a| a.stripes.iter().cloned()))
-                .collect();
-            let (mut compare, mut ops) = self.give_back(&stripes)?;
-            compare.push(Compare::ModRevision(key(NAMESPACES, name), rev));
+            let (mut head, rev) = self.read_head_any(name)?;
+            if head.deleting {
+                return Ok(Some(()));
+            }
+            head.deleting = true;
+            let put = Op::Put { key: key(NAMESPACES, name), value: encode(&head), lease: 0 };
+            Ok(self.etcd.txn(&[Compare::ModRevision(key(NAMESPACES, name), rev)], &[put], &[])?.then_some(()))
+        })?;
+        // Every allocation back to the reserve, then the reserve back to the pools.
+        for (addr, _) in self.alloc_records(name)? {
+            self.unbind(name, addr, true)?;
+        }
+        while self.release_step(name, Run(0, u64::MAX), u64::MAX, true)? > 0 {}
+        self.retry(name, || {
+            let (_, rev) = self.read_head_any(name)?;
+            let mut ops: Vec<Op> = [GROUPS, MENDING, ALLOCS].iter().map(|p| Op::DeletePrefix(under(p, name))).collect();
             ops.push(Op::Delete(key(NAMESPACES, name)));
-            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(()))
+            Ok(self.etcd.txn(&[Compare::ModRevision(key(NAMESPACES, name), rev)], &ops, &[])?.then_some(()))
         })
     }
 
     /// Reserve `bytes` more in namespace `name`: stripes of chunks taken from the pools of
     /// the live servers of its scope and chunk size, round robin (so consecutive stripes lie
-    /// on different servers), each stripe's replicas on distinct servers.
-    pub fn reserve(&self, name: &str, bytes: u64) -> Result<Namespace, CoordError> {
-        self.retry(name, || {
-            let (mut ns, rev) = self.read_ns(name)?;
-            let want = bytes.div_ceil(ns.chunk_bytes);
-            if (ns.stripes() as u64).saturating_add(want)
-                > (NAMESPACE_CHUNKS_MAX as u64) / u64::from(ns.replicas)
-            {
-                return Err(CoordError::Invalid(format!(
-                    "namespace {name:?} would hold more than {NAMESPACE_CHUNKS_MAX} chunks; use larger chunks"
-                )));
-            }
-            let servers: Vec<ServerInfo> = self
-                .servers()?
-                .into_iter()
-                .filter(|s| s.scope == ns.scope && s.chunk_bytes == ns.chunk_bytes)
-                .collect();
-            let mut pools: Vec<(ServerInfo, PoolState, Compare)> = Vec::new();
-            for s in servers {
-                let k = key(POOLS, &s.id);
-                // A server without a pool record (deleted by hand) offers nothing until it
-                // registers again: its chunk numbers may be held by namespaces.
-                if let Some(kv) = self.etcd.get(&k)? {
-                    pools.push((s, decode::<PoolState>(&kv)?, Compare::ModRevision(k, kv.mod_revision)));
+    /// on different servers), each stripe's replicas on distinct servers. A large reserve
+    /// goes in steps of one transaction each (a group of stripes at most); a step that finds
+    /// no room gives back what the earlier ones reserved, and reports it.
+    pub fn reserve(&self, name: &str, bytes: u64) -> Result<NsHead, CoordError> {
+        let (head, _) = self.read_head(name)?;
+        let want = bytes.div_ceil(head.chunk_bytes);
+        // Room enough, as far as the pools' heads say now.
+        let servers = self.scope_servers(&head)?;
+        let heads = self.pool_heads()?;
+        let have: u64 = servers.iter().filter_map(|s| heads.get(&s.id)).map(|h| h.0.free).sum();
+        let zeroing: u64 = servers.iter().filter_map(|s| heads.get(&s.id)).map(|h| h.0.dirty).sum();
+        let wanted = want.saturating_mul(u64::from(head.replicas));
+        let holders = servers.iter().filter(|s| heads.get(&s.id).is_some_and(|h| h.0.free > 0)).count();
+        let no_capacity = || CoordError::NoCapacity {
+            scope: head.scope,
+            chunk_bytes: head.chunk_bytes,
+            replicas: head.replicas,
+            want: wanted,
+            have,
+            zeroing,
+        };
+        if want > 0 && (have < wanted || holders < head.replicas as usize) {
+            return Err(no_capacity());
+        }
+        let mut added: Vec<Run> = Vec::new();
+        let mut done = 0;
+        while done < want {
+            match self.retry(name, || self.reserve_step(name, want - done)) {
+                Ok(run) => {
+                    done += run.1;
+                    add_run(&mut added, run);
                 }
-            }
-            let before: Vec<PoolState> = pools.iter().map(|p| p.1.clone()).collect();
-            let free = |p: &(ServerInfo, PoolState, Compare)| {
-                p.1.free.len() as u64 + p.0.chunks().saturating_sub(p.1.next)
-            };
-            let have: u64 = pools.iter().map(free).sum();
-            let zeroing: u64 = pools.iter().map(|p| p.1.dirty.len() as u64).sum();
-            let no_capacity = || CoordError::NoCapacity {
-                scope: ns.scope,
-                chunk_bytes: ns.chunk_bytes,
-                replicas: ns.replicas,
-                want: want * u64::from(ns.replicas),
-                have,
-                zeroing,
-            };
-            if pools.len() < ns.replicas as usize {
-                return Err(no_capacity());
-            }
-            // Round robin from where the namespace's last stripe ended.
-            let mut cursor = ns.stripes();
-            for _ in 0..want {
-                let mut stripe = Vec::with_capacity(ns.replicas as usize);
-                let mut tried = 0;
-                while stripe.len() < ns.replicas as usize && tried < pools.len() {
-                    let i = cursor % pools.len();
-                    cursor += 1;
-                    tried += 1;
-                    let (s, state, _) = &mut pools[i];
-                    if let Some(chunk) = state.take(s) {
-                        stripe.push(chunk);
+                Err(e) => {
+                    for r in added.iter().rev() {
+                        while let Ok(n) = self.release_step(name, *r, u64::MAX, false) {
+                            if n == 0 {
+                                break;
+                            }
+                        }
                     }
-                }
-                if stripe.len() < ns.replicas as usize {
-                    return Err(no_capacity());
-                }
-                ns.reserved.push(stripe);
-            }
-            let record = encode_ns(&ns)?;
-            let mut compare = vec![Compare::ModRevision(key(NAMESPACES, name), rev)];
-            let mut ops = vec![Op::Put { key: key(NAMESPACES, name), value: record, lease: 0 }];
-            // Only the pools chunks came from: fewer operations, and no conflict with a
-            // reserve that took from the others.
-            for ((s, state, cmp), was) in pools.into_iter().zip(before) {
-                if state != was {
-                    compare.push(cmp);
-                    ops.push(Op::Put { key: key(POOLS, &s.id), value: encode(&state), lease: 0 });
+                    return Err(match e {
+                        CoordError::NoCapacity { .. } => no_capacity(),
+                        e => e,
+                    });
                 }
             }
-            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(ns))
-        })
+        }
+        self.head(name)
     }
 
-    /// Give up to `bytes` of namespace `name`'s unallocated reserve back to the pools.
-    pub fn release(&self, name: &str, bytes: u64) -> Result<Namespace, CoordError> {
+    /// The live servers a namespace's chunks may come from: its scope and chunk size.
+    fn scope_servers(&self, head: &NsHead) -> Result<Vec<ServerInfo>, CoordError> {
+        Ok(self
+            .servers()?
+            .into_iter()
+            .filter(|s| s.scope == head.scope && s.chunk_bytes == head.chunk_bytes)
+            .collect())
+    }
+
+    /// One step of [`reserve`](Self::reserve): up to `want` stripes in the next slots, within
+    /// one group, from a window of the servers with room. `None` when another client changed
+    /// what it read.
+    fn reserve_step(&self, name: &str, want: u64) -> Result<Option<Run>, CoordError> {
+        let (mut head, rev) = self.read_head(name)?;
+        let replicas = head.replicas as usize;
+        let heads = self.pool_heads()?;
+        let servers: Vec<ServerInfo> = self
+            .scope_servers(&head)?
+            .into_iter()
+            .filter(|s| heads.get(&s.id).is_some_and(|h| h.0.free > 0))
+            .collect();
+        let no_room = || CoordError::NoCapacity {
+            scope: head.scope,
+            chunk_bytes: head.chunk_bytes,
+            replicas: head.replicas,
+            want: want * replicas as u64,
+            have: 0,
+            zeroing: 0,
+        };
+        if servers.len() < replicas {
+            return Err(no_room());
+        }
+        // A window of the servers, from where the namespace's last stripe ended.
+        let width = servers.len().min(SERVERS_PER_STEP.max(replicas));
+        let start = (head.slots.wrapping_mul(head.replicas as u64) % servers.len() as u64) as usize;
+        let window: Vec<&ServerInfo> = (0..width).map(|i| &servers[(start + i) % servers.len()]).collect();
+        let mut pools = Pools::new(&self.etcd);
+        for s in &window {
+            let (h, r) = &heads[&s.id];
+            pools.preload(&s.id, h.clone(), *r);
+        }
+        let first = head.slots;
+        let g = group_of(first);
+        let room = (g + 1) * GROUP_STRIPES - first;
+        let (mut group, grev) = self.read_group(name, g)?;
+        let mut made = 0;
+        let mut cursor = 0;
+        while made < want.min(room) && pools.changed() + 2 * replicas <= POOL_OPS_MAX {
+            let mut stripe = Vec::with_capacity(replicas);
+            let mut tried = 0;
+            while stripe.len() < replicas && tried < width {
+                let s = window[cursor % width];
+                cursor += 1;
+                tried += 1;
+                if let Some(c) = pools.take(s)? {
+                    stripe.push(c);
+                }
+            }
+            if stripe.len() < replicas {
+                // The window ran dry: what it made goes now, and the next step looks wider.
+                if made == 0 {
+                    return Err(no_room());
+                }
+                for c in &stripe {
+                    pools.give_back(c)?;
+                }
+                break;
+            }
+            group.put(first + made, stripe);
+            made += 1;
+        }
+        let run = Run(first, made);
+        add_run(&mut head.reserved, run);
+        check_runs(name, &head.reserved)?;
+        head.slots += made;
+        let mut compare = vec![Compare::ModRevision(key(NAMESPACES, name), rev)];
+        let mut ops = vec![Op::Put { key: key(NAMESPACES, name), value: encode(&head), lease: 0 }];
+        group_txn(name, g, &group, grev, &mut compare, &mut ops);
+        pools.into_txn(&mut compare, &mut ops);
+        Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(run))
+    }
+
+    /// Give up to `bytes` of namespace `name`'s unallocated reserve back to the pools, from
+    /// its last slots, in one transaction a group (or fewer slots) at a time.
+    pub fn release(&self, name: &str, bytes: u64) -> Result<NsHead, CoordError> {
+        let (head, _) = self.read_head(name)?;
+        let mut left = bytes / head.chunk_bytes;
+        while left > 0 {
+            let n = self.release_step(name, Run(0, u64::MAX), left, false)?;
+            if n == 0 {
+                break;
+            }
+            left -= n;
+        }
+        self.head(name)
+    }
+
+    /// Give back to the pools up to `max` reserved slots of namespace `name` that lie in
+    /// `within`, the last ones first, all in one group, in one transaction. How many it gave
+    /// back (0: none left).
+    fn release_step(&self, name: &str, within: Run, max: u64, deleting: bool) -> Result<u64, CoordError> {
         self.retry(name, || {
-            let (mut ns, rev) = self.read_ns(name)?;
-            let n = (bytes / ns.chunk_bytes).min(ns.reserved.len() as u64) as usize;
-            let back: Vec<Stripe> = ns.reserved.split_off(ns.reserved.len() - n);
-            let (mut compare, mut ops) = self.give_back(&back)?;
-            compare.push(Compare::ModRevision(key(NAMESPACES, name), rev));
-            ops.push(Op::Put { key: key(NAMESPACES, name), value: encode(&ns), lease: 0 });
-            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(ns))
+            let (mut head, rev) = if deleting { self.read_head_any(name)? } else { self.read_head(name)? };
+            let Some(last) = intersect(&head.reserved, within).pop() else { return Ok(Some(0)) };
+            let g = group_of(last.end() - 1);
+            let low = last.0.max(g * GROUP_STRIPES);
+            let (mut group, grev) = self.read_group(name, g)?;
+            let mut pools = Pools::new(&self.etcd);
+            let mut n = 0;
+            for slot in (low..last.end()).rev() {
+                if n == max || pools.changed() + 2 * head.replicas as usize > POOL_OPS_MAX {
+                    break;
+                }
+                if let Some(stripe) = group.get_mut(slot) {
+                    for c in std::mem::take(stripe) {
+                        pools.give_back(&c)?;
+                    }
+                }
+                n += 1;
+            }
+            remove_run(&mut head.reserved, Run(last.end() - n, n));
+            let mut compare = vec![Compare::ModRevision(key(NAMESPACES, name), rev)];
+            let mut ops = vec![Op::Put { key: key(NAMESPACES, name), value: encode(&head), lease: 0 }];
+            group_txn(name, g, &group, grev, &mut compare, &mut ops);
+            pools.into_txn(&mut compare, &mut ops);
+            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(n))
         })
     }
 
     /// Bind `len` bytes of namespace `name`'s reserve to an address: `at`, or after the last
     /// allocation. Atomic: of clients racing to allocate one address (RStore's bootstrap
-    /// address, 0), exactly one succeeds and the others get [`CoordError::AddressTaken`].
+    /// address, 0), exactly one succeeds and the others get [`CoordError::AddressTaken`]. One
+    /// small transaction whatever the size: the allocation names slots, its stripes stay put.
     pub fn alloc(&self, name: &str, len: u64, at: Option<u64>) -> Result<RAddress, CoordError> {
         if len == 0 {
             return Err(CoordError::Invalid("an allocation of 0 bytes".into()));
         }
-        self.change_ns(name, |ns| {
-            let chunk = ns.chunk_bytes;
+        let (addr, runs, chunk) = self.retry(name, || {
+            let (mut head, rev) = self.read_head(name)?;
+            let chunk = head.chunk_bytes;
             let want = len.div_ceil(chunk);
             let addr = match at {
                 Some(a) if a % chunk != 0 => {
@@ -445,34 +797,57 @@ impl Coordinator {
                     )))
                 }
                 Some(a) => a,
-                None => ns.next_addr,
+                None => head.next_addr,
             };
             let end = want
                 .checked_mul(chunk)
                 .and_then(|bytes| addr.checked_add(bytes))
                 .ok_or_else(|| CoordError::Invalid("address overflows".into()))?;
-            if let Some((&other, _)) = ns
-                .allocs
-                .range(..end)
-                .next_back()
-                .filter(|(&a, al)| a + al.stripes.len() as u64 * chunk > addr)
-            {
-                return Err(CoordError::AddressTaken { ns: name.to_owned(), addr, other });
+            // The allocation below `end` closest to it is the only one that may overlap.
+            let below = self.etcd.range(&under(ALLOCS, name), &alloc_key(name, end), 1, true)?;
+            if let Some(kv) = below.first() {
+                let other = alloc_addr(&kv.key).unwrap_or(0);
+                let a: AllocRecord = decode(kv)?;
+                if other + run_len(&a.runs) * chunk > addr {
+                    return Err(CoordError::AddressTaken { ns: name.to_owned(), addr, other });
+                }
             }
-            if (ns.reserved.len() as u64) < want {
-                return Err(CoordError::NotReserved {
-                    ns: name.to_owned(),
-                    want,
-                    have: ns.reserved.len() as u64,
-                });
+            let have = run_len(&head.reserved);
+            if have < want {
+                return Err(CoordError::NotReserved { ns: name.to_owned(), want, have });
             }
-            let stripes: Vec<Stripe> = ns.reserved.drain(..want as usize).collect();
-            let a = Allocation { len, stripes };
-            let r = RAddress::of(&a, name, addr, chunk);
-            ns.allocs.insert(addr, a);
-            ns.next_addr = ns.next_addr.max(end);
-            Ok((r, true))
-        })
+            let runs = take_runs(&mut head.reserved, want);
+            check_runs(name, &runs)?;
+            head.next_addr = head.next_addr.max(end);
+            head.allocs += 1;
+            let record = AllocRecord { len, runs: runs.clone() };
+            let ak = alloc_key(name, addr);
+            let ok = self.etcd.txn(
+                &[Compare::ModRevision(key(NAMESPACES, name), rev), Compare::Absent(ak.clone())],
+                &[
+                    Op::Put { key: key(NAMESPACES, name), value: encode(&head), lease: 0 },
+                    Op::Put { key: ak, value: encode(&record), lease: 0 },
+                ],
+                &[],
+            )?;
+            Ok(ok.then_some((addr, runs, chunk)))
+        })?;
+        let stripes = self.stripes(name, &runs)?;
+        Ok(RAddress { ns: name.to_owned(), addr, len, chunk_bytes: chunk, stripes })
+    }
+
+    /// The stripes of `runs`' slots, in order.
+    fn stripes(&self, name: &str, runs: &[Run]) -> Result<Vec<Stripe>, CoordError> {
+        let mut groups: BTreeMap<u64, StripeGroup> = BTreeMap::new();
+        let mut out = Vec::with_capacity(run_len(runs) as usize);
+        for slot in coord::schema::slots(runs) {
+            let g = group_of(slot);
+            if !groups.contains_key(&g) {
+                groups.insert(g, self.read_group(name, g)?.0);
+            }
+            out.push(groups[&g].get(slot).cloned().unwrap_or_default());
+        }
+        Ok(out)
     }
 
     /// RStore's `init` and `map` together: the allocation at `addr` of namespace `name`,
@@ -494,22 +869,30 @@ impl Coordinator {
     /// marking stale the copies (healthy or syncing) whose server is gone (or restarted
     /// empty): a client that maps the allocation without them writes to the other copies,
     /// which must track what those miss before it does, and a repair must not count on it.
+    /// Reads (and writes) only the allocation's own groups.
     pub fn resolve(&self, name: &str, addr: u64) -> Result<(RAddress, Vec<ServerInfo>), CoordError> {
         let live = self.servers()?;
         let now = unix_ms();
-        let r = self.change_ns(name, |ns| {
-            let a = ns.allocs.get_mut(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
-            let mut changed = false;
-            for stripe in &mut a.stripes {
-                for i in 0..stripe.len() {
-                    if stripe[i].state != CopyState::Stale && repair::holder(&live, &stripe[i]).is_none() {
-                        changed |= repair::mark_stale(&mut ns.epoch, stripe, i, &live, now);
+        let (head, _) = self.read_head(name)?;
+        let (a, _) = self.read_alloc(name, addr)?;
+        let mut stripes = Vec::with_capacity(run_len(&a.runs) as usize);
+        for (g, slots) in by_group(&a.runs) {
+            let group = self.change_group(name, g, |group| {
+                let mut changed = false;
+                for &slot in &slots {
+                    let epoch = &mut group.epoch;
+                    let Some(stripe) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else { continue };
+                    for i in 0..stripe.len() {
+                        if stripe[i].state != CopyState::Stale && repair::holder(&live, &stripe[i]).is_none() {
+                            changed |= repair::mark_stale(epoch, stripe, i, &live, now);
+                        }
                     }
                 }
-            }
-            let a = &ns.allocs[&addr];
-            Ok((RAddress::of(a, name, addr, ns.chunk_bytes), changed))
-        })?;
+                Ok((group.clone(), changed))
+            })?;
+            stripes.extend(slots.iter().map(|&s| group.get(s).cloned().unwrap_or_default()));
+        }
+        let r = RAddress { ns: name.to_owned(), addr, len: a.len, chunk_bytes: head.chunk_bytes, stripes };
         Ok((r, live))
     }
 
@@ -520,35 +903,76 @@ impl Coordinator {
     pub fn mark_stale(&self, name: &str, addr: u64, id: &str) -> Result<(), CoordError> {
         let live = self.servers()?;
         let now = unix_ms();
-        self.change_ns(name, |ns| {
-            let Some(a) = ns.allocs.get_mut(&addr) else { return Ok(((), false)) };
-            let mut changed = false;
-            for stripe in &mut a.stripes {
-                if let Some(i) = stripe.iter().position(|c| c.server == id) {
-                    changed |= repair::mark_stale(&mut ns.epoch, stripe, i, &live, now);
+        let (a, _) = self.read_alloc(name, addr)?;
+        for (g, slots) in by_group(&a.runs) {
+            self.change_group(name, g, |group| {
+                let mut changed = false;
+                for &slot in &slots {
+                    let epoch = &mut group.epoch;
+                    let Some(stripe) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else { continue };
+                    if let Some(i) = stripe.iter().position(|c| c.server == id) {
+                        changed |= repair::mark_stale(epoch, stripe, i, &live, now);
+                    }
                 }
-            }
-            Ok(((), changed))
-        })
+                Ok(((), changed))
+            })?;
+        }
+        Ok(())
     }
 
     // ---- healing (crate::repair, crate::agent) ----
 
-    /// One pass of the repair leader over namespace `name` at `now_ms` ([`repair::plan`]),
-    /// written back in one transaction if it changed anything.
+    /// The groups of namespace `name` to look at: every group, or (`mending_only`) those the
+    /// repair index marks as holding a copy that is not `ok`.
+    pub fn groups(&self, name: &str, mending_only: bool) -> Result<Vec<u64>, CoordError> {
+        let prefix = under(if mending_only { MENDING } else { GROUPS }, name);
+        Ok(self.etcd.prefix(&prefix)?.iter().filter_map(|kv| group_index(&kv.key)).collect())
+    }
+
+    /// One pass of the repair leader over namespace `name` at `now_ms` ([`repair::plan`]):
+    /// over every group, or (`mending_only`: no server came or went since the last full pass)
+    /// over those the repair index marks. Each group changed is written back in one
+    /// transaction; the relocations planned name stripes by slot.
     pub fn plan(
         &self,
         name: &str,
         present: &[ServerInfo],
         now_ms: u64,
         rebuild_after_ms: u64,
+        mending_only: bool,
     ) -> Result<repair::Plan, CoordError> {
         let live = self.servers()?;
-        self.change_ns(name, |ns| {
-            let plan = repair::plan(ns, &live, present, now_ms, rebuild_after_ms);
-            let changed = plan.changed();
-            Ok((plan, changed))
-        })
+        // Only allocated stripes are repaired: the reserve holds no data.
+        let mut allocated: BTreeMap<u64, Vec<Run>> = BTreeMap::new();
+        for (_, a) in self.alloc_records(name)? {
+            for r in a.runs {
+                let mut slot = r.0;
+                while slot < r.end() {
+                    let g = group_of(slot);
+                    let end = r.end().min((g + 1) * GROUP_STRIPES);
+                    allocated.entry(g).or_default().push(Run(slot, end - slot));
+                    slot = end;
+                }
+            }
+        }
+        let mut total = repair::Plan::default();
+        for g in self.groups(name, mending_only)? {
+            let Some(runs) = allocated.get(&g) else { continue };
+            let plan = self.change_group(name, g, |group| {
+                let epoch = &mut group.epoch;
+                let stripes = group.stripes.iter_mut().enumerate().filter_map(|(i, s)| {
+                    let slot = g * GROUP_STRIPES + i as u64;
+                    runs.iter().any(|r| r.0 <= slot && slot < r.end()).then_some((slot, s))
+                });
+                let plan = repair::plan(epoch, stripes.filter(|(_, s)| !s.is_empty()), &live, present, now_ms, rebuild_after_ms);
+                let changed = plan.changed();
+                Ok((plan, changed))
+            })?;
+            total.stale += plan.stale;
+            total.started += plan.started;
+            total.relocate.extend(plan.relocate);
+        }
+        Ok(total)
     }
 
     /// Rebuild the stale copy `r` names on another live server of the namespace's scope with
@@ -558,87 +982,105 @@ impl Coordinator {
     /// room, or the stripe changed since `r` was planned.
     pub fn relocate(&self, name: &str, r: &repair::Relocation) -> Result<bool, CoordError> {
         self.retry(name, || {
-            let (mut ns, rev) = self.read_ns(name)?;
+            let (head, _) = self.read_head(name)?;
+            let g = group_of(r.stripe);
+            let (mut group, grev) = self.read_group(name, g)?;
             let live = self.servers()?;
+            let heads = self.pool_heads()?;
+            let mut pools = Pools::new(&self.etcd);
             let mut spare = None;
             for s in live.iter().filter(|s| {
-                s.scope == ns.scope && s.chunk_bytes == ns.chunk_bytes && !r.avoid.contains(&s.id)
+                s.scope == head.scope
+                    && s.chunk_bytes == head.chunk_bytes
+                    && !r.avoid.contains(&s.id)
+                    && heads.get(&s.id).is_some_and(|h| h.0.free > 0)
             }) {
-                let k = key(POOLS, &s.id);
-                let Some(kv) = self.etcd.get(&k)? else { continue };
-                let mut state: PoolState = decode(&kv)?;
-                let Some(chunk) = state.take(s) else { continue };
-                spare = Some((chunk, state, Compare::ModRevision(k, kv.mod_revision)));
-                break;
+                let (h, rev) = &heads[&s.id];
+                pools.preload(&s.id, h.clone(), *rev);
+                if let Some(chunk) = pools.take(s)? {
+                    spare = Some(chunk);
+                    break;
+                }
             }
-            let Some((chunk, pool, pool_cmp)) = spare else { return Ok(Some(false)) };
-            let server = chunk.server.clone();
-            let Some(old) = repair::relocate(&mut ns, r, chunk, &live) else { return Ok(Some(false)) };
-            let (mut compare, mut ops) = self.give_back(&[vec![old]])?;
-            compare.push(pool_cmp);
-            ops.push(Op::Put { key: key(POOLS, &server), value: encode(&pool), lease: 0 });
-            compare.push(Compare::ModRevision(key(NAMESPACES, name), rev));
-            ops.push(Op::Put { key: key(NAMESPACES, name), value: encode_ns(&ns)?, lease: 0 });
+            let Some(chunk) = spare else { return Ok(Some(false)) };
+            let epoch = &mut group.epoch;
+            let Some(stripe) = group.stripes.get_mut((r.stripe % GROUP_STRIPES) as usize) else {
+                return Ok(Some(false));
+            };
+            let Some(old) = repair::relocate(epoch, stripe, r, chunk, &live) else { return Ok(Some(false)) };
+            pools.give_back(&old)?;
+            let (mut compare, mut ops) = (Vec::new(), Vec::new());
+            group_txn(name, g, &group, grev, &mut compare, &mut ops);
+            pools.into_txn(&mut compare, &mut ops);
             Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(true))
         })
     }
 
-    /// Copy `copy` of stripe `stripe` of the allocation at `addr`, repaired by server `from`
-    /// under epoch `at`, is healthy ([`repair::finish`]). `false` when the stripe moved on
-    /// since (the repair goes again under the new epoch) or the copy is no longer that repair's.
+    /// Copy `copy` of the stripe in `slot`, repaired by server `from` under epoch `at`, is
+    /// healthy ([`repair::finish`]). `false` when the stripe moved on since (the repair goes
+    /// again under the new epoch) or the copy is no longer that repair's.
     pub fn finish_sync(
         &self,
         name: &str,
-        addr: u64,
-        stripe: usize,
+        slot: u64,
         copy: usize,
         from: &str,
         at: u32,
     ) -> Result<bool, CoordError> {
-        Ok(self.finish_syncs(name, &[Finished { addr, stripe, copy, epoch: at }], from)? == 1)
+        Ok(self.finish_syncs(name, &[Finished { slot, copy, epoch: at }], from)? == 1)
     }
 
-    /// [`finish_sync`](Self::finish_sync) for many copies of namespace `name` at once, in one
-    /// transaction: how many were marked healthy.
+    /// [`finish_sync`](Self::finish_sync) for many copies of namespace `name` at once, one
+    /// transaction a group: how many were marked healthy.
     pub fn finish_syncs(&self, name: &str, done: &[Finished], from: &str) -> Result<usize, CoordError> {
-        self.change_ns(name, |ns| {
-            let mut n = 0;
-            for d in done {
-                let Some(st) = ns.allocs.get_mut(&d.addr).and_then(|a| a.stripes.get_mut(d.stripe)) else {
-                    continue;
-                };
-                n += usize::from(
-                    d.copy < st.len() && repair::finish(&mut ns.epoch, st, d.copy, from, d.epoch),
-                );
-            }
-            Ok((n, n > 0))
-        })
+        let mut by: BTreeMap<u64, Vec<&Finished>> = BTreeMap::new();
+        for d in done {
+            by.entry(group_of(d.slot)).or_default().push(d);
+        }
+        let mut total = 0;
+        for (g, done) in by {
+            total += self.change_group(name, g, |group| {
+                let mut n = 0;
+                for d in &done {
+                    let epoch = &mut group.epoch;
+                    let Some(st) = group.stripes.get_mut((d.slot % GROUP_STRIPES) as usize) else { continue };
+                    n += usize::from(d.copy < st.len() && repair::finish(epoch, st, d.copy, from, d.epoch));
+                }
+                Ok((n, n > 0))
+            })?;
+        }
+        Ok(total)
     }
 
-    /// The repair of `copy` of stripe `stripe` of the allocation at `addr`, by server `from`
-    /// under epoch `at`, cannot go on (its server cannot be reached): the copy is stale again,
-    /// and the leader starts it over once its server is back.
+    /// The repair of `copy` of the stripe in `slot`, by server `from` under epoch `at`, cannot
+    /// go on (its server cannot be reached): the copy is stale again, and the leader starts it
+    /// over once its server is back.
     pub fn abandon_sync(
         &self,
         name: &str,
-        addr: u64,
-        stripe: usize,
+        slot: u64,
         copy: usize,
         from: &str,
         at: u32,
     ) -> Result<bool, CoordError> {
         let live = self.servers()?;
         let now = unix_ms();
-        self.change_ns(name, |ns| {
-            let Some(st) = ns.allocs.get_mut(&addr).and_then(|a| a.stripes.get_mut(stripe)) else {
+        self.change_group(name, group_of(slot), |group| {
+            let epoch = &mut group.epoch;
+            let Some(st) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else {
                 return Ok((false, false));
             };
             let ours = st
                 .get(copy)
                 .is_some_and(|c| c.state == CopyState::Syncing && c.from == from && c.epoch == at);
-            let done = ours && repair::mark_stale(&mut ns.epoch, st, copy, &live, now);
+            let done = ours && repair::mark_stale(epoch, st, copy, &live, now);
             Ok((done, done))
         })
+    }
+
+    /// Group `g` of namespace `name` as it stands (an empty group when it has none).
+    pub fn group(&self, name: &str, g: u64) -> Result<StripeGroup, CoordError> {
+        Ok(self.read_group(name, g)?.0)
     }
 
     /// Try to become (or stay) the repair leader as server `id`: the leader key is created
@@ -675,98 +1117,127 @@ impl Coordinator {
 
     /// The allocation at `addr` of namespace `name` (RStore's `init`).
     pub fn lookup(&self, name: &str, addr: u64) -> Result<RAddress, CoordError> {
-        let ns = self.join_ns(name)?;
-        let a = ns.allocs.get(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
-        Ok(RAddress::of(a, name, addr, ns.chunk_bytes))
+        let (head, _) = self.read_head(name)?;
+        let (a, _) = self.read_alloc(name, addr)?;
+        let stripes = self.stripes(name, &a.runs)?;
+        Ok(RAddress { ns: name.to_owned(), addr, len: a.len, chunk_bytes: head.chunk_bytes, stripes })
     }
 
     /// Unbind the allocation at `addr`: its chunks return to the namespace's reserve.
     pub fn free(&self, name: &str, addr: u64) -> Result<(), CoordError> {
-        self.change_ns(name, |ns| {
-            let a = ns.allocs.remove(&addr).ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
-            ns.reserved.extend(a.stripes);
-            Ok(((), true))
-        })
+        self.unbind(name, addr, false)
     }
 
-    /// Change namespace `name`'s record and nothing else: `change` edits the record read and
-    /// returns its result, with whether the record is to be written. The write is one
-    /// transaction on the revision read, redone from a fresh read when another client changed
-    /// the namespace first.
-    fn change_ns<T>(
-        &self,
-        name: &str,
-        mut change: impl FnMut(&mut Namespace) -> Result<(T, bool), CoordError>,
-    ) -> Result<T, CoordError> {
+    fn unbind(&self, name: &str, addr: u64, deleting: bool) -> Result<(), CoordError> {
         self.retry(name, || {
-            let (mut ns, rev) = self.read_ns(name)?;
-            let (result, write) = change(&mut ns)?;
-            if !write {
-                return Ok(Some(result));
+            let (mut head, rev) = if deleting { self.read_head_any(name)? } else { self.read_head(name)? };
+            let (a, arev) = self.read_alloc(name, addr)?;
+            for r in a.runs {
+                add_run(&mut head.reserved, r);
             }
-            // Through the record bound, as `reserve`: an alloc or a stale mark adds a little.
-            let ok = self.etcd.txn(
-                &[Compare::ModRevision(key(NAMESPACES, name), rev)],
-                &[Op::Put { key: key(NAMESPACES, name), value: encode_ns(&ns)?, lease: 0 }],
-                &[],
-            )?;
-            Ok(ok.then_some(result))
-        })
-    }
-
-    /// The comparisons and writes that give `stripes`' chunks back to their pools.
-    fn give_back(&self, stripes: &[Stripe]) -> Result<(Vec<Compare>, Vec<Op>), CoordError> {
-        let mut by_server: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
-        for c in stripes.iter().flatten() {
-            by_server.entry(&c.server).or_default().push(c.index);
-        }
-        let (mut compare, mut ops) = (Vec::new(), Vec::new());
-        for (server, chunks) in by_server {
-            let k = key(POOLS, server);
-            // A pool deleted by hand takes nothing back.
-            let Some(kv) = self.etcd.get(&k)? else { continue };
-            let mut state: PoolState = decode(&kv)?;
-            state.dirty.extend(chunks);
-            compare.push(Compare::ModRevision(k.clone(), kv.mod_revision));
-            ops.push(Op::Put { key: k, value: encode(&state), lease: 0 });
-        }
-        Ok((compare, ops))
-    }
-
-    /// The pool record of server `id`, if it has one.
-    pub fn pool(&self, id: &str) -> Result<Option<PoolState>, CoordError> {
-        check_name("server id", id)?;
-        self.etcd.get(&key(POOLS, id))?.as_ref().map(decode).transpose()
-    }
-
-    /// The chunks of server `id`'s pool waiting to be zeroed before they are handed out again.
-    pub fn dirty(&self, id: &str) -> Result<Vec<u64>, CoordError> {
-        Ok(self.pool(id)?.map(|p| p.dirty).unwrap_or_default())
-    }
-
-    /// Server `id` has zeroed `chunks`, each moved on to the generation given: they are free
-    /// to hand out, and their next owners' grants carry those generations.
-    pub fn cleaned(&self, id: &str, chunks: &[(u64, u32)]) -> Result<(), CoordError> {
-        self.retry(id, || {
-            let k = key(POOLS, id);
-            let Some(kv) = self.etcd.get(&k)? else { return Ok(Some(())) };
-            let mut state: PoolState = decode(&kv)?;
-            let zeroed = |c: &u64| chunks.iter().any(|(z, _)| z == c);
-            let clean: Vec<u64> = state.dirty.iter().copied().filter(zeroed).collect();
-            state.dirty.retain(|c| !zeroed(c));
-            for &(chunk, generation) in chunks {
-                if clean.contains(&chunk) {
-                    state.generations.insert(chunk, generation);
-                }
+            if !deleting {
+                check_runs(name, &head.reserved)?;
             }
-            state.free.extend(clean);
+            head.allocs = head.allocs.saturating_sub(1);
+            let ak = alloc_key(name, addr);
             let ok = self.etcd.txn(
-                &[Compare::ModRevision(k.clone(), kv.mod_revision)],
-                &[Op::Put { key: k, value: encode(&state), lease: 0 }],
+                &[Compare::ModRevision(key(NAMESPACES, name), rev), Compare::ModRevision(ak.clone(), arev)],
+                &[Op::Put { key: key(NAMESPACES, name), value: encode(&head), lease: 0 }, Op::Delete(ak)],
                 &[],
             )?;
             Ok(ok.then_some(()))
         })
+    }
+
+    /// Change group `g` of namespace `name` and nothing else: `change` edits the group read
+    /// and returns its result, with whether the group is to be written. The write is one
+    /// transaction on the revision read, redone from a fresh read when another client changed
+    /// the group first.
+    fn change_group<T>(
+        &self,
+        name: &str,
+        g: u64,
+        mut change: impl FnMut(&mut StripeGroup) -> Result<(T, bool), CoordError>,
+    ) -> Result<T, CoordError> {
+        self.retry(name, || {
+            let (mut group, rev) = self.read_group(name, g)?;
+            let (result, write) = change(&mut group)?;
+            if !write {
+                return Ok(Some(result));
+            }
+            let (mut compare, mut ops) = (Vec::new(), Vec::new());
+            group_txn(name, g, &group, rev, &mut compare, &mut ops);
+            Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(result))
+        })
+    }
+
+    /// The pool head of server `id`, if it has one.
+    pub fn pool(&self, id: &str) -> Result<Option<PoolHead>, CoordError> {
+        check_name("server id", id)?;
+        self.etcd.get(&key(POOLS, id))?.as_ref().map(decode).transpose()
+    }
+
+    /// Every chunk of server `id`'s pool zeroed at least once, with its generation (a server
+    /// takes them up when it starts).
+    pub fn generations(&self, id: &str) -> Result<Vec<(u64, u32)>, CoordError> {
+        check_name("server id", id)?;
+        let mut out = Vec::new();
+        for kv in self.etcd.prefix(format!("{POOL_EXTENTS}{id}/").as_bytes())? {
+            let e = group_index(&kv.key).unwrap_or(0);
+            let extent: Extent = decode(&kv)?;
+            out.extend(extent.generations.iter().map(|(&i, &g)| (e * EXTENT_CHUNKS + u64::from(i), g)));
+        }
+        Ok(out)
+    }
+
+    /// The chunks of server `id`'s pool waiting to be zeroed before they are handed out again.
+    pub fn dirty(&self, id: &str) -> Result<Vec<u64>, CoordError> {
+        let Some(head) = self.pool(id)? else { return Ok(Vec::new()) };
+        let mut out = Vec::new();
+        for e in head.with_dirty.iter() {
+            let Some(kv) = self.etcd.get(&extent_key(id, e))? else { continue };
+            let extent: Extent = decode(&kv)?;
+            out.extend(extent.dirty.iter().map(|i| e * EXTENT_CHUNKS + i));
+        }
+        Ok(out)
+    }
+
+    /// Server `id` has zeroed `chunks`, each moved on to the generation given: they are free
+    /// to hand out, and their next owners' grants carry those generations. One transaction
+    /// for a few extents' worth (the zeroer hands back a batch at a time).
+    pub fn cleaned(&self, id: &str, chunks: &[(u64, u32)]) -> Result<(), CoordError> {
+        for batch in chunks.chunks(POOL_OPS_MAX / 2) {
+            self.retry(id, || {
+                let mut pools = Pools::new(&self.etcd);
+                if pools.head(id)?.is_none() {
+                    return Ok(Some(()));
+                }
+                for &(c, generation) in batch {
+                    let e = c / EXTENT_CHUNKS;
+                    let extent = pools.extent(id, e)?;
+                    let i = c % EXTENT_CHUNKS;
+                    if !extent.dirty.get(i) {
+                        continue;
+                    }
+                    extent.dirty.set(i, false);
+                    if generation == 0 {
+                        extent.generations.remove(&(i as u32));
+                    } else {
+                        extent.generations.insert(i as u32, generation);
+                    }
+                    let still_dirty = !extent.dirty.is_empty();
+                    let head = pools.head(id)?.expect("read above");
+                    head.dirty -= 1;
+                    head.free += 1;
+                    head.with_free.set(e, true);
+                    head.with_dirty.set(e, still_dirty);
+                }
+                let (mut compare, mut ops) = (Vec::new(), Vec::new());
+                pools.into_txn(&mut compare, &mut ops);
+                Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(()))
+            })?;
+        }
+        Ok(())
     }
 
     /// Run `attempt` until its transaction goes through (`Some`), another client's change

@@ -155,12 +155,10 @@ pub fn register(
     let coord = Arc::new(Coordinator::connect_with(&[urls.to_owned()], tls)?);
     // Take up the generations the coordinator recorded before publishing the key: grants
     // minted from them must be current here (a file pool's chunks outlive a restart).
-    if let Some(record) =
-        coord.pool(&info.id).map_err(|e| format!("registering with the coordinator {urls}: {e}"))?
-    {
-        for (&chunk, &generation) in &record.generations {
-            pool.grants().set_generation(chunk, generation);
-        }
+    let generations =
+        coord.generations(&info.id).map_err(|e| format!("registering with the coordinator {urls}: {e}"))?;
+    for (chunk, generation) in generations {
+        pool.grants().set_generation(chunk, generation);
     }
     let first =
         coord.register(&info, lease).map_err(|e| format!("registering with the coordinator {urls}: {e}"))?;

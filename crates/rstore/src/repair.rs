@@ -138,12 +138,11 @@ pub fn finish(epoch: &mut u32, stripe: &mut Stripe, i: usize, from: &str, at: u3
     true
 }
 
-/// A stale copy to be rebuilt on another server: `stripe` of the allocation at `addr`
-/// (`None`: of the reserve), copy `copy`.
+/// A stale copy to be rebuilt on another server: copy `copy` of the stripe the caller of
+/// [`plan`] named `stripe` (the control plane names stripes by slot).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Relocation {
-    pub addr: u64,
-    pub stripe: usize,
+    pub stripe: u64,
     pub copy: usize,
     /// Servers the stripe already has a copy on: the spare chunk goes elsewhere.
     pub avoid: Vec<String>,
@@ -165,24 +164,25 @@ impl Plan {
     }
 }
 
-/// One pass of the repair leader over namespace `ns` at `now_ms`, `live` being the servers
+/// One pass of the repair leader over `stripes` (each named by the caller, and all under the
+/// epoch counter `epoch`: a namespace's stripe group) at `now_ms`, `live` being the servers
 /// registered now and `present` those of them the leader reached: marks the copies whose
 /// servers are gone stale, starts repairing those whose servers are back (registered and
 /// reached: a server killed keeps its registration until its lease lapses), undoes repairs
 /// whose copy or source went away, and names the copies away longer than `rebuild_after_ms`
-/// for the driver to rebuild elsewhere. Only allocated stripes are repaired: the reserve
-/// holds no data.
-pub fn plan(
-    ns: &mut Namespace,
+/// for the driver to rebuild elsewhere. The caller passes only allocated stripes: the
+/// reserve holds no data.
+pub fn plan<'a>(
+    epoch: &mut u32,
+    stripes: impl IntoIterator<Item = (u64, &'a mut Stripe)>,
     live: &[ServerInfo],
     present: &[ServerInfo],
     now_ms: u64,
     rebuild_after_ms: u64,
 ) -> Plan {
     let mut plan = Plan::default();
-    let epoch = &mut ns.epoch;
-    for (&addr, alloc) in ns.allocs.iter_mut() {
-        for (si, stripe) in alloc.stripes.iter_mut().enumerate() {
+    {
+        for (si, stripe) in stripes {
             for i in 0..stripe.len() {
                 let here = holder(live, &stripe[i]).is_some();
                 match stripe[i].state {
@@ -211,7 +211,6 @@ pub fn plan(
                             plan.started += usize::from(start_sync(epoch, stripe, i, server, live));
                         } else if now_ms.saturating_sub(stripe[i].since_ms) >= rebuild_after_ms {
                             plan.relocate.push(Relocation {
-                                addr,
                                 stripe: si,
                                 copy: i,
                                 avoid: stripe.iter().map(|c| c.server.clone()).collect(),
@@ -230,19 +229,19 @@ pub fn plan(
 /// copy `r` names, to be repaired in full from a healthy copy. Returns the chunk it replaces
 /// (to give back to its pool, dirty), or `None` when the stripe changed since `r` was planned.
 pub fn relocate(
-    ns: &mut Namespace,
+    epoch: &mut u32,
+    stripe: &mut Stripe,
     r: &Relocation,
     spare: ChunkRef,
     live: &[ServerInfo],
 ) -> Option<ChunkRef> {
-    let stripe = ns.allocs.get_mut(&r.addr)?.stripes.get_mut(r.stripe)?;
     let old = stripe.get(r.copy)?;
     if old.state != CopyState::Stale || stripe.iter().any(|c| c.server == spare.server) {
         return None;
     }
     let server = live.iter().find(|s| s.id == spare.server)?;
     let was = std::mem::replace(&mut stripe[r.copy], ChunkRef { state: CopyState::Stale, ..spare });
-    if !start_sync(&mut ns.epoch, stripe, r.copy, server, live) {
+    if !start_sync(epoch, stripe, r.copy, server, live) {
         stripe[r.copy] = was;
         return None;
     }
@@ -441,6 +440,12 @@ mod tests {
         }
     }
 
+    /// [`plan`] over every allocated stripe of `ns`, named by its index in allocation 0.
+    fn plan_ns(ns: &mut Namespace, live: &[ServerInfo], present: &[ServerInfo], now: u64, after: u64) -> Plan {
+        let stripes = ns.allocs.get_mut(&0).unwrap().stripes.iter_mut().enumerate();
+        plan(&mut ns.epoch, stripes.map(|(i, s)| (i as u64, s)), live, present, now, after)
+    }
+
     fn stripe(ns: &Namespace) -> &Stripe {
         &ns.allocs[&0].stripes[0]
     }
@@ -472,9 +477,9 @@ mod tests {
         let mut n = ns(&["a", "b"]);
         let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
         assert!(mark_stale(&mut n.epoch, st, 0, &live, 0));
-        let registered_only = plan(&mut n, &live, &live[1..], 10, 1_000);
+        let registered_only = plan_ns(&mut n, &live, &live[1..], 10, 1_000);
         assert_eq!((registered_only.started, registered_only.relocate.len()), (0, 0), "a is not reached");
-        let p = plan(&mut n, &live, &live, 10, 1_000);
+        let p = plan_ns(&mut n, &live, &live, 10, 1_000);
         assert_eq!(p.started, 1);
         assert_eq!(
             (stripe(&n)[0].state, stripe(&n)[0].full, stripe(&n)[0].from.as_str()),
@@ -488,7 +493,7 @@ mod tests {
         let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
         assert!(mark_stale(&mut n.epoch, st, 0, &live, 0));
         let rebooted = [server("a", 0, 1), server("b", 0, 99)];
-        plan(&mut n, &rebooted, &rebooted, 10, 1_000);
+        plan_ns(&mut n, &rebooted, &rebooted, 10, 1_000);
         assert_eq!((stripe(&n)[0].state, stripe(&n)[0].full), (CopyState::Syncing, true));
         // a back in another incarnation (a RAM pool restarted empty): full, and it takes the
         // new incarnation.
@@ -496,7 +501,7 @@ mod tests {
         let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
         assert!(mark_stale(&mut n.epoch, st, 0, &live, 0));
         let reborn = [server("a", 5, 1), server("b", 0, 2)];
-        plan(&mut n, &reborn, &reborn, 10, 1_000);
+        plan_ns(&mut n, &reborn, &reborn, 10, 1_000);
         assert_eq!((stripe(&n)[0].full, stripe(&n)[0].incarnation), (true, 5));
     }
 
@@ -509,7 +514,7 @@ mod tests {
         let mut n = ns(&["a", "b", "c"]);
         let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
         assert!(mark_stale(&mut n.epoch, st, 0, &live, 0));
-        plan(&mut n, &live, &live, 10, 1_000);
+        plan_ns(&mut n, &live, &live, 10, 1_000);
         let at = stripe(&n)[0].epoch;
         let from = stripe(&n)[0].from.clone();
         let st = &mut n.allocs.get_mut(&0).unwrap().stripes[0];
@@ -517,13 +522,13 @@ mod tests {
         assert!(!finish(&mut n.epoch, st, 0, &from, at), "the stripe moved on since the repair began");
         // Its source goes away: stale again, still partial from what is left.
         let without: Vec<ServerInfo> = live.iter().filter(|s| s.id != from).cloned().collect();
-        plan(&mut n, &without, &without, 20, 1_000);
+        plan_ns(&mut n, &without, &without, 20, 1_000);
         assert_eq!(stripe(&n)[0].state, CopyState::Stale);
         // a stays away: past the grace period it is named for a rebuild elsewhere.
         let away: Vec<ServerInfo> = without.iter().filter(|s| s.id != "a").cloned().collect();
-        let p = plan(&mut n, &away, &away, 20 + 999, 1_000);
+        let p = plan_ns(&mut n, &away, &away, 20 + 999, 1_000);
         assert!(p.relocate.is_empty(), "not yet");
-        let p = plan(&mut n, &away, &away, 20 + 1_000 + 1, 1_000);
+        let p = plan_ns(&mut n, &away, &away, 20 + 1_000 + 1, 1_000);
         // a, and the source, which went stale when it went away.
         assert_eq!(
             p.relocate.iter().map(|r| r.copy).collect::<Vec<_>>(),
@@ -534,7 +539,7 @@ mod tests {
         let spare = ChunkRef::new("d", 9, 0, 3);
         let mut live_d = away.clone();
         live_d.push(server("d", 0, 4));
-        let old = relocate(&mut n, &p.relocate[0], spare, &live_d).expect("relocated");
+        let old = relocate(&mut n.epoch, &mut n.allocs.get_mut(&0).unwrap().stripes[p.relocate[0].stripe as usize], &p.relocate[0], spare, &live_d).expect("relocated");
         assert_eq!(old.server, "a");
         assert_eq!(
             (stripe(&n)[0].server.as_str(), stripe(&n)[0].state, stripe(&n)[0].full),

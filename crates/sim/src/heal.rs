@@ -445,7 +445,10 @@ impl World {
             return;
         }
         let (live, present) = (self.live(), self.present());
-        let plan = repair::plan(&mut self.ns, &live, &present, self.now, GRACE);
+        let ns = &mut self.ns;
+        let stripes = ns.allocs.get_mut(&0).expect("the allocation").stripes.iter_mut().enumerate();
+        let plan =
+            repair::plan(&mut ns.epoch, stripes.map(|(i, s)| (i as u64, s)), &live, &present, self.now, GRACE);
         if plan.changed() {
             let states = self.states();
             self.note(format!("leader plans: {states}"));
@@ -460,7 +463,9 @@ impl World {
             let index = *s.free.last().expect("a free chunk");
             let chunk =
                 ChunkRef::new(&s.info.id, index, s.info.incarnation, s.grants.generation(index).unwrap_or(0));
-            if let Some(old) = repair::relocate(&mut self.ns, r, chunk, &live) {
+            let ns = &mut self.ns;
+            let stripe = &mut ns.allocs.get_mut(&0).expect("the allocation").stripes[r.stripe as usize];
+            if let Some(old) = repair::relocate(&mut ns.epoch, stripe, r, chunk, &live) {
                 self.servers[to].free.pop();
                 // Given back: its server zeroes it when it returns, before handing it out.
                 let back = &mut self.servers[index_of(&old.server)];
