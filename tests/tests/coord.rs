@@ -51,7 +51,8 @@ fn namespaces_reserve_alloc_free_release_and_delete() {
     c.reserve("tables", 6 * MIB).unwrap();
     let ns = c.join_ns("tables").unwrap();
     let servers: Vec<&str> = ns.reserved.iter().map(|s| s[0].server.as_str()).collect();
-    assert_eq!(servers, ["a", "b", "a", "b", "a", "b"]);
+    assert!(servers.windows(2).all(|w| w[0] != w[1]), "{servers:?}");
+    assert_eq!(servers.iter().filter(|&&s| s == "a").count(), 3, "{servers:?}");
 
     // Allocation binds reserved chunks to addresses; the first goes at the bootstrap address.
     let first = c.alloc("tables", 3 * MIB - 5, None).unwrap();

@@ -200,6 +200,13 @@ struct RangeResponse {
 struct TxnResponse {
     #[serde(default)]
     succeeded: bool,
+    #[serde(default)]
+    responses: Vec<TxnOpResponse>,
+}
+
+#[derive(Deserialize)]
+struct TxnOpResponse {
+    response_range: Option<RangeResponse>,
 }
 
 #[derive(Deserialize)]
@@ -372,6 +379,33 @@ impl Etcd {
         let v = self.call("/v3/kv/range", &body)?;
         let r: RangeResponse = self.parse("/v3/kv/range", v)?;
         self.kvs("/v3/kv/range", r.kvs)
+    }
+
+    /// Each of `keys`, if it exists, read in one round trip (one transaction of reads, so
+    /// all at one revision).
+    pub fn get_many(&self, keys: &[Vec<u8>]) -> Result<Vec<Option<Kv>>, EtcdError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let reads: Vec<Value> = keys.iter().map(|k| json!({ "request_range": { "key": b64(k) } })).collect();
+        let v = self.call("/v3/kv/txn", &json!({ "success": reads }))?;
+        let r: TxnResponse = self.parse("/v3/kv/txn", v)?;
+        if r.responses.len() != keys.len() {
+            return Err(EtcdError::Malformed {
+                endpoint: self.endpoints[self.current.load(std::sync::atomic::Ordering::Relaxed)].clone(),
+                path: "/v3/kv/txn".into(),
+                why: format!("{} answers to {} reads", r.responses.len(), keys.len()),
+            });
+        }
+        r.responses
+            .into_iter()
+            .map(|o| {
+                Ok(self
+                    .kvs("/v3/kv/txn", o.response_range.map(|r| r.kvs).unwrap_or_default())?
+                    .into_iter()
+                    .next())
+            })
+            .collect()
     }
 
     pub fn put(&self, key: &[u8], value: &[u8], lease: i64) -> Result<(), EtcdError> {

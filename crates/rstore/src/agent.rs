@@ -80,7 +80,11 @@ pub fn lead(coord: &Coordinator, config: &Config) -> Result<repair::Plan, CoordE
 }
 
 /// [`lead`], remembering in `leader` what lets the next pass look only where it must.
-pub fn lead_with(coord: &Coordinator, config: &Config, leader: &mut Leader) -> Result<repair::Plan, CoordError> {
+pub fn lead_with(
+    coord: &Coordinator,
+    config: &Config,
+    leader: &mut Leader,
+) -> Result<repair::Plan, CoordError> {
     let mut total = repair::Plan::default();
     let namespaces = coord.list_ns()?;
     if namespaces.is_empty() {
@@ -93,7 +97,8 @@ pub fn lead_with(coord: &Coordinator, config: &Config, leader: &mut Leader) -> R
     // count as back.
     let present: Vec<ServerInfo> = live.into_iter().filter(reachable).collect();
     for ns in namespaces {
-        let plan = coord.plan(&ns.name, &present, unix_ms(), config.rebuild_after.as_millis() as u64, !full)?;
+        let plan =
+            coord.plan(&ns.name, &present, unix_ms(), config.rebuild_after.as_millis() as u64, !full)?;
         for r in &plan.relocate {
             if coord.relocate(&ns.name, r)? {
                 tracing::info!(ns = %ns.name, slot = r.stripe, "a copy away past the grace period is rebuilt elsewhere");

@@ -15,18 +15,19 @@
 //!
 //! The etcd client and the records are `coord`'s; this module owns the operations on them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use coord::etcd::{Compare, Etcd, Op, Tls};
 use coord::schema::{
-    add_run, alloc_addr, alloc_key, check_name, check_runs, decode, encode, extent_chunks, extent_key, group_index,
-    group_key, group_of, intersect, key, mend_key, remove_run, run_len, take_runs, under, ALLOCS, EXTENT_CHUNKS,
-    GROUPS, GROUP_STRIPES, MENDING, NAMESPACES, POOLS, POOL_EXTENTS, SERVERS, TXN_RETRIES,
+    add_run, alloc_addr, alloc_key, check_name, check_runs, decode, encode, extent_chunks, extent_key,
+    group_index, group_key, group_of, intersect, key, mend_key, remove_run, run_len, take_runs, under,
+    ALLOCS, EXTENT_CHUNKS, GROUPS, GROUP_STRIPES, MENDING, NAMESPACES, POOLS, POOL_EXTENTS, SERVERS,
+    TXN_RETRIES,
 };
 use coord::{
-    AllocRecord, Allocation, ChunkRef, CoordError, CopyState, Extent, Namespace, NsHead, PoolHead, Run, Scope,
-    ServerInfo, Stripe, StripeGroup, POOL_CHUNKS_MAX,
+    AllocRecord, Allocation, ChunkRef, CoordError, CopyState, Extent, Namespace, NsHead, PoolHead, Run,
+    Scope, ServerInfo, Stripe, StripeGroup, POOL_CHUNKS_MAX,
 };
 use serde::Serialize;
 
@@ -201,6 +202,34 @@ impl<'a> Pools<'a> {
         self.heads.entry(id.to_owned()).or_insert((Some(head), rev, false));
     }
 
+    /// Read the heads of `ids` and the extents `extents` not read yet, in one round trip.
+    fn prefetch(&mut self, ids: &[&str], extents: &[(&str, u64)]) -> Result<(), CoordError> {
+        let ids: Vec<&str> = ids.iter().copied().filter(|id| !self.heads.contains_key(*id)).collect();
+        let extents: Vec<(&str, u64)> = extents
+            .iter()
+            .copied()
+            .filter(|(id, e)| !self.extents.contains_key(&((*id).to_owned(), *e)))
+            .collect();
+        let mut keys: Vec<Vec<u8>> = ids.iter().map(|id| key(POOLS, id)).collect();
+        keys.extend(extents.iter().map(|(id, e)| extent_key(id, *e)));
+        let mut read = self.etcd.get_many(&keys)?.into_iter();
+        for id in ids {
+            let head = match read.next().flatten() {
+                Some(kv) => (Some(decode(&kv)?), kv.mod_revision, false),
+                None => (None, 0, false),
+            };
+            self.heads.insert(id.to_owned(), head);
+        }
+        for (id, e) in extents {
+            let extent = match read.next().flatten() {
+                Some(kv) => (decode(&kv)?, kv.mod_revision, false),
+                None => (Extent::default(), 0, false),
+            };
+            self.extents.insert((id.to_owned(), e), extent);
+        }
+        Ok(())
+    }
+
     /// Server `id`'s pool head, `None` when it has none (deleted by hand).
     fn head(&mut self, id: &str) -> Result<Option<&mut PoolHead>, CoordError> {
         if !self.heads.contains_key(id) {
@@ -299,7 +328,14 @@ impl<'a> Pools<'a> {
 
 /// A group's comparison and writes: the group (deleted once empty) and its mark in the repair
 /// index (there while a copy is not `ok`).
-fn group_txn(name: &str, g: u64, group: &StripeGroup, rev: i64, compare: &mut Vec<Compare>, ops: &mut Vec<Op>) {
+fn group_txn(
+    name: &str,
+    g: u64,
+    group: &StripeGroup,
+    rev: i64,
+    compare: &mut Vec<Compare>,
+    ops: &mut Vec<Op>,
+) {
     compare.push(Compare::ModRevision(group_key(name, g), rev));
     if group.is_empty() {
         ops.push(Op::Delete(group_key(name, g)));
@@ -494,7 +530,10 @@ impl Coordinator {
         };
         let mut allocs = BTreeMap::new();
         for (addr, a) in self.alloc_records(name)? {
-            allocs.insert(addr, Allocation { len: a.len, stripes: coord::schema::slots(&a.runs).map(stripe).collect() });
+            allocs.insert(
+                addr,
+                Allocation { len: a.len, stripes: coord::schema::slots(&a.runs).map(stripe).collect() },
+            );
         }
         Ok(Namespace {
             name: head.name.clone(),
@@ -571,6 +610,22 @@ impl Coordinator {
         }
     }
 
+    /// Groups `gs` of namespace `name`, with their revisions, read a hundred to a round trip.
+    fn read_groups(&self, name: &str, gs: &[u64]) -> Result<BTreeMap<u64, (StripeGroup, i64)>, CoordError> {
+        let mut out = BTreeMap::new();
+        for batch in gs.chunks(100) {
+            let keys: Vec<Vec<u8>> = batch.iter().map(|&g| group_key(name, g)).collect();
+            for (&g, kv) in batch.iter().zip(self.etcd.get_many(&keys)?) {
+                let read = match kv {
+                    Some(kv) => (decode(&kv)?, kv.mod_revision),
+                    None => (StripeGroup::default(), 0),
+                };
+                out.insert(g, read);
+            }
+        }
+        Ok(out)
+    }
+
     /// Delete namespace `name`, giving every chunk it holds back to its server's pool. A large
     /// namespace goes in several transactions: it is marked as being deleted first (nothing
     /// else uses it from then on), and a delete cut short is finished by the next.
@@ -591,7 +646,8 @@ impl Coordinator {
         while self.release_step(name, Run(0, u64::MAX), u64::MAX, true)? > 0 {}
         self.retry(name, || {
             let (_, rev) = self.read_head_any(name)?;
-            let mut ops: Vec<Op> = [GROUPS, MENDING, ALLOCS].iter().map(|p| Op::DeletePrefix(under(p, name))).collect();
+            let mut ops: Vec<Op> =
+                [GROUPS, MENDING, ALLOCS].iter().map(|p| Op::DeletePrefix(under(p, name))).collect();
             ops.push(Op::Delete(key(NAMESPACES, name)));
             Ok(self.etcd.txn(&[Compare::ModRevision(key(NAMESPACES, name), rev)], &ops, &[])?.then_some(()))
         })
@@ -681,15 +737,23 @@ impl Coordinator {
         if servers.len() < replicas {
             return Err(no_room());
         }
-        // A window of the servers, from where the namespace's last stripe ended.
+        // A window of the servers, from where the namespace's last stripe ended (namespaces
+        // start at servers of their own, so that clients reserving at once seldom meet).
         let width = servers.len().min(SERVERS_PER_STEP.max(replicas));
-        let start = (head.slots.wrapping_mul(head.replicas as u64) % servers.len() as u64) as usize;
+        let origin = name
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        let start = (origin.wrapping_add(head.slots.wrapping_mul(head.replicas as u64))
+            % servers.len() as u64) as usize;
         let window: Vec<&ServerInfo> = (0..width).map(|i| &servers[(start + i) % servers.len()]).collect();
         let mut pools = Pools::new(&self.etcd);
+        let mut first_extents = Vec::with_capacity(width);
         for s in &window {
             let (h, r) = &heads[&s.id];
             pools.preload(&s.id, h.clone(), *r);
+            first_extents.extend(h.with_free.iter().next().map(|e| (s.id.as_str(), e)));
         }
+        pools.prefetch(&[], &first_extents)?;
         let first = head.slots;
         let g = group_of(first);
         let room = (g + 1) * GROUP_STRIPES - first;
@@ -757,6 +821,15 @@ impl Coordinator {
             let low = last.0.max(g * GROUP_STRIPES);
             let (mut group, grev) = self.read_group(name, g)?;
             let mut pools = Pools::new(&self.etcd);
+            let copies: BTreeSet<(&str, u64)> = (low..last.end())
+                .rev()
+                .filter_map(|slot| group.get(slot))
+                .flatten()
+                .map(|c| (c.server.as_str(), c.index / EXTENT_CHUNKS))
+                .take(POOL_OPS_MAX / 2)
+                .collect();
+            let ids: BTreeSet<&str> = copies.iter().map(|c| c.0).collect();
+            pools.prefetch(&ids.into_iter().collect::<Vec<_>>(), &copies.into_iter().collect::<Vec<_>>())?;
             let mut n = 0;
             for slot in (low..last.end()).rev() {
                 if n == max || pools.changed() + 2 * head.replicas as usize > POOL_OPS_MAX {
@@ -838,16 +911,11 @@ impl Coordinator {
 
     /// The stripes of `runs`' slots, in order.
     fn stripes(&self, name: &str, runs: &[Run]) -> Result<Vec<Stripe>, CoordError> {
-        let mut groups: BTreeMap<u64, StripeGroup> = BTreeMap::new();
-        let mut out = Vec::with_capacity(run_len(runs) as usize);
-        for slot in coord::schema::slots(runs) {
-            let g = group_of(slot);
-            if !groups.contains_key(&g) {
-                groups.insert(g, self.read_group(name, g)?.0);
-            }
-            out.push(groups[&g].get(slot).cloned().unwrap_or_default());
-        }
-        Ok(out)
+        let gs: Vec<u64> = by_group(runs).into_keys().collect();
+        let groups = self.read_groups(name, &gs)?;
+        let stripe =
+            |slot: u64| groups.get(&group_of(slot)).and_then(|g| g.0.get(slot)).cloned().unwrap_or_default();
+        Ok(coord::schema::slots(runs).map(stripe).collect())
     }
 
     /// RStore's `init` and `map` together: the allocation at `addr` of namespace `name`,
@@ -876,14 +944,33 @@ impl Coordinator {
         let (head, _) = self.read_head(name)?;
         let (a, _) = self.read_alloc(name, addr)?;
         let mut stripes = Vec::with_capacity(run_len(&a.runs) as usize);
-        for (g, slots) in by_group(&a.runs) {
-            let group = self.change_group(name, g, |group| {
+        let slots_by_group = by_group(&a.runs);
+        let gs: Vec<u64> = slots_by_group.keys().copied().collect();
+        let mut read = self.read_groups(name, &gs)?;
+        for (g, slots) in slots_by_group {
+            let lost = |group: &StripeGroup| {
+                slots
+                    .iter()
+                    .filter_map(|&s| group.get(s))
+                    .flatten()
+                    .any(|c| c.state != CopyState::Stale && repair::holder(&live, c).is_none())
+            };
+            let first = read.remove(&g).unwrap_or_default();
+            // Most maps change nothing: the group read with the others serves.
+            if !lost(&first.0) {
+                stripes.extend(slots.iter().map(|&s| first.0.get(s).cloned().unwrap_or_default()));
+                continue;
+            }
+            let group = self.change_group_from(name, g, Some(first), |group| {
                 let mut changed = false;
                 for &slot in &slots {
                     let epoch = &mut group.epoch;
-                    let Some(stripe) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else { continue };
+                    let Some(stripe) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else {
+                        continue;
+                    };
                     for i in 0..stripe.len() {
-                        if stripe[i].state != CopyState::Stale && repair::holder(&live, &stripe[i]).is_none() {
+                        if stripe[i].state != CopyState::Stale && repair::holder(&live, &stripe[i]).is_none()
+                        {
                             changed |= repair::mark_stale(epoch, stripe, i, &live, now);
                         }
                     }
@@ -909,7 +996,9 @@ impl Coordinator {
                 let mut changed = false;
                 for &slot in &slots {
                     let epoch = &mut group.epoch;
-                    let Some(stripe) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else { continue };
+                    let Some(stripe) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else {
+                        continue;
+                    };
                     if let Some(i) = stripe.iter().position(|c| c.server == id) {
                         changed |= repair::mark_stale(epoch, stripe, i, &live, now);
                     }
@@ -956,15 +1045,25 @@ impl Coordinator {
             }
         }
         let mut total = repair::Plan::default();
-        for g in self.groups(name, mending_only)? {
-            let Some(runs) = allocated.get(&g) else { continue };
-            let plan = self.change_group(name, g, |group| {
+        let gs: Vec<u64> =
+            self.groups(name, mending_only)?.into_iter().filter(|g| allocated.contains_key(g)).collect();
+        let mut read = self.read_groups(name, &gs)?;
+        for g in gs {
+            let runs = &allocated[&g];
+            let plan = self.change_group_from(name, g, read.remove(&g), |group| {
                 let epoch = &mut group.epoch;
                 let stripes = group.stripes.iter_mut().enumerate().filter_map(|(i, s)| {
                     let slot = g * GROUP_STRIPES + i as u64;
                     runs.iter().any(|r| r.0 <= slot && slot < r.end()).then_some((slot, s))
                 });
-                let plan = repair::plan(epoch, stripes.filter(|(_, s)| !s.is_empty()), &live, present, now_ms, rebuild_after_ms);
+                let plan = repair::plan(
+                    epoch,
+                    stripes.filter(|(_, s)| !s.is_empty()),
+                    &live,
+                    present,
+                    now_ms,
+                    rebuild_after_ms,
+                );
                 let changed = plan.changed();
                 Ok((plan, changed))
             })?;
@@ -1157,10 +1256,25 @@ impl Coordinator {
         &self,
         name: &str,
         g: u64,
+        change: impl FnMut(&mut StripeGroup) -> Result<(T, bool), CoordError>,
+    ) -> Result<T, CoordError> {
+        self.change_group_from(name, g, None, change)
+    }
+
+    /// [`change_group`](Self::change_group), starting from the group as `read` (with its
+    /// revision) when given: a pass that read many groups in one round trip.
+    fn change_group_from<T>(
+        &self,
+        name: &str,
+        g: u64,
+        mut read: Option<(StripeGroup, i64)>,
         mut change: impl FnMut(&mut StripeGroup) -> Result<(T, bool), CoordError>,
     ) -> Result<T, CoordError> {
         self.retry(name, || {
-            let (mut group, rev) = self.read_group(name, g)?;
+            let (mut group, rev) = match read.take() {
+                Some(read) => read,
+                None => self.read_group(name, g)?,
+            };
             let (result, write) = change(&mut group)?;
             if !write {
                 return Ok(Some(result));

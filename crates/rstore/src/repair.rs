@@ -441,7 +441,13 @@ mod tests {
     }
 
     /// [`plan`] over every allocated stripe of `ns`, named by its index in allocation 0.
-    fn plan_ns(ns: &mut Namespace, live: &[ServerInfo], present: &[ServerInfo], now: u64, after: u64) -> Plan {
+    fn plan_ns(
+        ns: &mut Namespace,
+        live: &[ServerInfo],
+        present: &[ServerInfo],
+        now: u64,
+        after: u64,
+    ) -> Plan {
         let stripes = ns.allocs.get_mut(&0).unwrap().stripes.iter_mut().enumerate();
         plan(&mut ns.epoch, stripes.map(|(i, s)| (i as u64, s)), live, present, now, after)
     }
@@ -539,7 +545,14 @@ mod tests {
         let spare = ChunkRef::new("d", 9, 0, 3);
         let mut live_d = away.clone();
         live_d.push(server("d", 0, 4));
-        let old = relocate(&mut n.epoch, &mut n.allocs.get_mut(&0).unwrap().stripes[p.relocate[0].stripe as usize], &p.relocate[0], spare, &live_d).expect("relocated");
+        let old = relocate(
+            &mut n.epoch,
+            &mut n.allocs.get_mut(&0).unwrap().stripes[p.relocate[0].stripe as usize],
+            &p.relocate[0],
+            spare,
+            &live_d,
+        )
+        .expect("relocated");
         assert_eq!(old.server, "a");
         assert_eq!(
             (stripe(&n)[0].server.as_str(), stripe(&n)[0].state, stripe(&n)[0].full),

@@ -447,8 +447,14 @@ impl World {
         let (live, present) = (self.live(), self.present());
         let ns = &mut self.ns;
         let stripes = ns.allocs.get_mut(&0).expect("the allocation").stripes.iter_mut().enumerate();
-        let plan =
-            repair::plan(&mut ns.epoch, stripes.map(|(i, s)| (i as u64, s)), &live, &present, self.now, GRACE);
+        let plan = repair::plan(
+            &mut ns.epoch,
+            stripes.map(|(i, s)| (i as u64, s)),
+            &live,
+            &present,
+            self.now,
+            GRACE,
+        );
         if plan.changed() {
             let states = self.states();
             self.note(format!("leader plans: {states}"));
