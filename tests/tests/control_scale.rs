@@ -488,9 +488,10 @@ fn hundreds_of_servers_and_dozens_of_clients_keep_every_record_whole() {
         }
         assert_eq!(filled, owned, "{name}: the slots filled are exactly those reserved or allocated");
     }
-    for (name, _) in allocs.keys().zip(0..).filter(|(n, _)| !namespaces.contains_key(*n)) {
-        panic!("allocations of a namespace that is gone: {name}");
-    }
+    let orphans: Vec<&String> = (allocs.keys().chain(groups.keys()).chain(mending.iter().map(|m| &m.0)))
+        .filter(|n| !namespaces.contains_key(*n))
+        .collect();
+    assert!(orphans.is_empty(), "records of namespaces that are gone: {orphans:?}");
     // Pools: their extents' used bits are exactly the chunks held, and the heads agree.
     for (id, head) in &heads {
         let (mut used, mut dirty) = (0, 0);

@@ -558,3 +558,47 @@ fn threads_share_a_segment_through_handles() {
     let stats = shared.stats();
     assert!(stats.writes >= 8 * 24 && stats.reads >= 8 * 24, "{stats:?}");
 }
+
+/// A coordinator keeps the maps it resolved (thesis 6.3.2), shared with the clients made from
+/// it: a second map of an allocation reuses the map while the allocation's record is unchanged,
+/// and one freed and made again at the same address (other chunks) is resolved afresh, so its
+/// writes land in the new chunks, never in the old ones.
+#[test]
+fn a_cached_map_serves_while_its_allocation_stands_and_never_after() {
+    let etcd = Cluster::start(1);
+    let c = Coordinator::connect(&etcd.endpoints());
+    let (_targets, _regs) = servers(&c);
+    c.create_ns("cached", Scope::Ram, MIB, 1).unwrap();
+    c.reserve("cached", 6 * MIB).unwrap();
+    let first = c.alloc("cached", 3 * MIB, Some(0)).unwrap();
+    assert!(!c.map_cached("cached", 0));
+    let mut seg = c.map("cached", 0, &LaneConfig::default()).unwrap();
+    fill(&mut seg, 1, 64 << 10);
+    drop(seg);
+    let other = c.again();
+    assert!(c.map_cached("cached", 0) && other.map_cached("cached", 0), "kept, and shared with again()");
+    let mut seg = other.map("cached", 0, &LaneConfig::default()).unwrap();
+    check(&mut seg, 1, 64 << 10);
+    drop(seg);
+
+    // Freed, and the address bound again to other slots (the reserve's first three, which the
+    // first allocation did not hold), by another client that shares no cache.
+    let stranger = Coordinator::connect(&etcd.endpoints());
+    stranger.free("cached", 0).unwrap();
+    let taken = stranger.alloc("cached", 3 * MIB, Some(MIB * 16)).unwrap();
+    let second = stranger.alloc("cached", 3 * MIB, Some(0)).unwrap();
+    assert_ne!(second.stripes, first.stripes, "the address names other chunks now");
+    assert_eq!(taken.stripes, first.stripes, "the old chunks went to the other address");
+    assert!(c.map_cached("cached", 0), "the cache has not heard");
+    let mut seg = c.map("cached", 0, &LaneConfig::default()).unwrap();
+    fill(&mut seg, 2, 64 << 10);
+    drop(seg);
+    // The old chunks (now at 16 MiB) still hold round 1: nothing went to them through the
+    // cached map.
+    let mut old = stranger.map("cached", MIB * 16, &LaneConfig::default()).unwrap();
+    check(&mut old, 1, 64 << 10);
+    let mut new = stranger.map("cached", 0, &LaneConfig::default()).unwrap();
+    check(&mut new, 2, 64 << 10);
+    c.free("cached", 0).unwrap();
+    assert!(!c.map_cached("cached", 0), "a client's own free forgets its map");
+}

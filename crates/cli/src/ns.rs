@@ -140,23 +140,51 @@ enum Action {
         /// 4 KiB reads timed on the data path.
         #[arg(long, default_value_t = 2000)]
         reads: u32,
+        /// Copies of each chunk.
+        #[arg(long, default_value_t = 1)]
+        replicas: u32,
+        /// Time the control path only (create, reserve, alloc, init, free, release, delete):
+        /// no lane is opened, so it runs against servers that hold no data (`ns phantom`).
+        #[arg(long)]
+        control_only: bool,
+    },
+    /// Register --servers memory servers that hold no data, and keep them registered until
+    /// stopped (SIGINT or SIGTERM): for sizing the control plane at scale without the memory
+    /// (`ns costs --control-only` against them). Chunks given back are taken as zeroed at
+    /// once. A client that maps their chunks fails. Their pool records stay in etcd after;
+    /// use a scratch coordinator.
+    Phantom {
+        #[arg(long, default_value_t = 64)]
+        servers: u32,
+        /// Each server's pool.
+        #[arg(long, value_parser = crate::units::parse_size, default_value = "16G")]
+        pool: u64,
+        #[arg(long, value_parser = crate::units::parse_size, default_value = "4M")]
+        chunk: u64,
+        /// Their ids: PREFIX0000, PREFIX0001...
+        #[arg(long, default_value = "phantom")]
+        prefix: String,
     },
 }
 
 /// `skiff ns costs`: each control-path step timed once, against the data path's per-I/O time.
-fn costs(
-    c: &Coordinator,
+/// What `skiff ns costs` measures.
+struct Costing {
     size: u64,
     chunk: u64,
     reads: u32,
-    json: bool,
-) -> Result<(), Box<dyn std::error::Error>> {
+    replicas: u32,
+    control_only: bool,
+}
+
+fn costs(c: &Coordinator, k: &Costing, json: bool) -> Result<(), Box<dyn std::error::Error>> {
     use std::time::Instant;
+    let (size, chunk, reads) = (k.size, k.chunk, k.reads);
     let name = format!("costs-{}", std::process::id());
     let mut steps: Vec<(&str, f64)> = Vec::new();
     let us = |t: Instant| t.elapsed().as_secs_f64() * 1e6;
     let t = Instant::now();
-    c.create_ns(&name, Scope::Ram, chunk, 1)?;
+    c.create_ns(&name, Scope::Ram, chunk, k.replicas)?;
     steps.push(("create_ns", us(t)));
     let result = (|| -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
@@ -168,6 +196,15 @@ fn costs(
         let t = Instant::now();
         let (map, _) = resolve(c, &name, 0)?;
         steps.push(("init (lookup and place)", us(t)));
+        if k.control_only {
+            let t = Instant::now();
+            c.free(&name, 0)?;
+            steps.push(("free", us(t)));
+            let t = Instant::now();
+            c.release(&name, size)?;
+            steps.push(("release", us(t)));
+            return Ok(());
+        }
         let t = Instant::now();
         let mut seg = rstore::Segment::map(map, &initiator::LaneConfig::default())?;
         steps.push(("map (a lane to each server)", us(t)));
@@ -184,6 +221,14 @@ fn costs(
             "4 KiB read, data path (mean)",
             t.elapsed().as_secs_f64() * 1e6 / f64::from(reads.max(1)),
         ));
+        drop(seg);
+        // Through the coordinator, whose cache keeps the map (thesis 6.3.2): the second map
+        // reads only the allocation's record before opening its lanes.
+        drop(c.map(&name, 0, &initiator::LaneConfig::default()).map_err(|e| e.to_string())?);
+        let t = Instant::now();
+        let again = c.map(&name, 0, &initiator::LaneConfig::default()).map_err(|e| e.to_string())?;
+        steps.push(("map again (cached map)", us(t)));
+        drop(again);
         let t = Instant::now();
         c.free(&name, 0)?;
         steps.push(("free", us(t)));
@@ -197,15 +242,134 @@ fn costs(
     if json {
         let map: serde_json::Map<String, serde_json::Value> =
             steps.iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!(v))).collect();
-        print_json(
-            &serde_json::json!({ "size": size, "chunk": chunk, "servers": c.servers()?.len(), "us": map }),
-        );
+        print_json(&serde_json::json!({
+            "size": size, "chunk": chunk, "replicas": k.replicas, "servers": c.servers()?.len(), "us": map
+        }));
     } else {
         println!("{} MiB in chunks of {} KiB over {} servers:", size >> 20, chunk >> 10, c.servers()?.len());
         for (what, us) in &steps {
             println!("  {what:<32} {us:>10.1} us");
         }
     }
+    Ok(())
+}
+
+/// `skiff ns phantom`: servers that hold no data, registered until a signal.
+fn phantom(
+    c: &Coordinator,
+    servers: u32,
+    pool: u64,
+    chunk: u64,
+    prefix: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use std::time::Duration;
+    let ttl = Duration::from_secs(10);
+    let mut held = Vec::new();
+    for i in 0..servers {
+        // A socket that takes connections: the repair leader counts a server it reaches.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
+        let info = ServerInfo {
+            id: format!("{prefix}{i:04}"),
+            endpoint: listener.local_addr()?.to_string(),
+            export: "phantom".into(),
+            scope: Scope::Ram,
+            bytes: pool,
+            chunk_bytes: chunk,
+            incarnation: 1,
+            grant_key: String::new(),
+            boot: 1,
+        };
+        let registration = c.register(&info, ttl)?;
+        held.push((listener, registration, info));
+    }
+    println!("registered {servers} phantom servers of {} MiB each", pool >> 20);
+    // Renewed from one thread and zeroed from another (a zeroing that conflicts with a
+    // reserve must not hold a renewal back); this one waits for the signal (blocked first, so
+    // that every thread inherits the mask).
+    rt::signals::block_termination()?;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let ids: Vec<String> = held.iter().map(|h| h.2.id.clone()).collect();
+    let renew = {
+        let (stop, c) = (stop.clone(), c.again());
+        std::thread::spawn(move || -> Result<(), String> {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for (listener, registration, info) in &mut held {
+                    while listener.accept().is_ok() {}
+                    match registration.keep_alive(&c) {
+                        Ok(true) => {}
+                        // Lapsed: registered again, as a memory server does.
+                        Ok(false) => match c.register(info, ttl) {
+                            Ok(r) => *registration = r,
+                            Err(e) => eprintln!("skiff ns phantom: registering {} again: {e}", info.id),
+                        },
+                        Err(e) => eprintln!("skiff ns phantom: renewing {}: {e}", info.id),
+                    }
+                }
+                // Renewed every third of the lease, as a memory server does.
+                for _ in 0..10 {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    std::thread::sleep(ttl / 30);
+                }
+            }
+            for (_, registration, _) in held {
+                registration.revoke(&c).map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })
+    };
+    let zeroer = {
+        let (stop, c) = (stop.clone(), c.again());
+        std::thread::spawn(move || {
+            // Chunks given back are "zeroed" at once: at the next generation, as a server would.
+            let mut generations: std::collections::HashMap<(String, u64), u32> =
+                std::collections::HashMap::new();
+            let mut known: std::collections::HashSet<String> = std::collections::HashSet::new();
+            let mut zero = |id: &String| -> Result<(), coord::CoordError> {
+                let dirty = c.dirty(id)?;
+                if known.insert(id.clone()) {
+                    for (chunk, g) in c.generations(id)? {
+                        generations.insert((id.clone(), chunk), g);
+                    }
+                }
+                let zeroed: Vec<(u64, u32)> = dirty
+                    .into_iter()
+                    .map(|chunk| {
+                        let g = generations.entry((id.clone(), chunk)).or_insert(0);
+                        *g += 1;
+                        (chunk, *g)
+                    })
+                    .collect();
+                c.cleaned(id, &zeroed)
+            };
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // Which pools have chunks to zero: one read of every head.
+                match c.etcd().prefix(coord::schema::POOLS.as_bytes()) {
+                    Ok(heads) => {
+                        for kv in heads {
+                            let id =
+                                String::from_utf8_lossy(&kv.key[coord::schema::POOLS.len()..]).into_owned();
+                            let dirty =
+                                coord::schema::decode::<coord::PoolHead>(&kv).is_ok_and(|h| h.dirty > 0);
+                            if dirty && ids.contains(&id) {
+                                if let Err(e) = zero(&id) {
+                                    eprintln!("skiff ns phantom: zeroing {id}'s chunks: {e}; again shortly");
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => eprintln!("skiff ns phantom: reading the pools: {e}"),
+                }
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+        })
+    };
+    rt::signals::wait_termination()?;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    zeroer.join().map_err(|_| "the zeroing thread panicked")?;
+    renew.join().map_err(|_| "the renewing thread panicked")??;
     Ok(())
 }
 
@@ -370,7 +534,10 @@ pub fn run(args: NsArgs) -> CliResult {
                 println!("deleted {name}");
             }
         }
-        Action::Costs { size, chunk, reads } => costs(&c, size, chunk, reads, args.json)?,
+        Action::Costs { size, chunk, reads, replicas, control_only } => {
+            costs(&c, &Costing { size, chunk, reads, replicas, control_only }, args.json)?
+        }
+        Action::Phantom { servers, pool, chunk, prefix } => phantom(&c, servers, pool, chunk, &prefix)?,
         Action::Status { name } => {
             let status = c.status(&name)?;
             if args.json {

@@ -79,6 +79,9 @@ pub enum Op {
     DeletePrefix(Vec<u8>),
 }
 
+/// Keys [`Etcd::get_many`] reads in one transaction.
+const GET_MANY_BATCH: usize = 100;
+
 /// A client of one etcd cluster.
 pub struct Etcd {
     endpoints: Vec<String>,
@@ -381,31 +384,37 @@ impl Etcd {
         self.kvs("/v3/kv/range", r.kvs)
     }
 
-    /// Each of `keys`, if it exists, read in one round trip (one transaction of reads, so
-    /// all at one revision).
+    /// The keys in `start..end` with their mod revisions, values left out (etcd's `keys_only`):
+    /// whether records changed, for the cost of their keys.
+    pub fn revisions(&self, start: &[u8], end: &[u8]) -> Result<Vec<(Vec<u8>, i64)>, EtcdError> {
+        let body = json!({ "key": b64(start), "range_end": b64(end), "keys_only": true });
+        let v = self.call("/v3/kv/range", &body)?;
+        let r: RangeResponse = self.parse("/v3/kv/range", v)?;
+        Ok(self.kvs("/v3/kv/range", r.kvs)?.into_iter().map(|kv| (kv.key, kv.mod_revision)).collect())
+    }
+
+    /// Each of `keys`, if it exists, read a hundred to a round trip (each hundred one
+    /// transaction of reads, so at one revision; etcd takes 128 operations a transaction).
     pub fn get_many(&self, keys: &[Vec<u8>]) -> Result<Vec<Option<Kv>>, EtcdError> {
-        if keys.is_empty() {
-            return Ok(Vec::new());
+        let mut out = Vec::with_capacity(keys.len());
+        for batch in keys.chunks(GET_MANY_BATCH) {
+            let reads: Vec<Value> =
+                batch.iter().map(|k| json!({ "request_range": { "key": b64(k) } })).collect();
+            let v = self.call("/v3/kv/txn", &json!({ "success": reads }))?;
+            let r: TxnResponse = self.parse("/v3/kv/txn", v)?;
+            if r.responses.len() != batch.len() {
+                return Err(EtcdError::Malformed {
+                    endpoint: self.endpoints[self.current.load(std::sync::atomic::Ordering::Relaxed)].clone(),
+                    path: "/v3/kv/txn".into(),
+                    why: format!("{} answers to {} reads", r.responses.len(), batch.len()),
+                });
+            }
+            for o in r.responses {
+                let kvs = o.response_range.map(|r| r.kvs).unwrap_or_default();
+                out.push(self.kvs("/v3/kv/txn", kvs)?.into_iter().next());
+            }
         }
-        let reads: Vec<Value> = keys.iter().map(|k| json!({ "request_range": { "key": b64(k) } })).collect();
-        let v = self.call("/v3/kv/txn", &json!({ "success": reads }))?;
-        let r: TxnResponse = self.parse("/v3/kv/txn", v)?;
-        if r.responses.len() != keys.len() {
-            return Err(EtcdError::Malformed {
-                endpoint: self.endpoints[self.current.load(std::sync::atomic::Ordering::Relaxed)].clone(),
-                path: "/v3/kv/txn".into(),
-                why: format!("{} answers to {} reads", r.responses.len(), keys.len()),
-            });
-        }
-        r.responses
-            .into_iter()
-            .map(|o| {
-                Ok(self
-                    .kvs("/v3/kv/txn", o.response_range.map(|r| r.kvs).unwrap_or_default())?
-                    .into_iter()
-                    .next())
-            })
-            .collect()
+        Ok(out)
     }
 
     pub fn put(&self, key: &[u8], value: &[u8], lease: i64) -> Result<(), EtcdError> {
@@ -442,10 +451,22 @@ impl Etcd {
                 })
                 .collect()
         };
-        let v = self.call(
-            "/v3/kv/txn",
-            &json!({ "compare": compare, "success": ops(success), "failure": ops(failure) }),
-        )?;
+        let (compares, operations) = (compare.len(), success.len().max(failure.len()));
+        let v = self
+            .call(
+                "/v3/kv/txn",
+                &json!({ "compare": compare, "success": ops(success), "failure": ops(failure) }),
+            )
+            .map_err(|e| match e {
+                // Say how large the refused transaction was: its size is ours to bound.
+                EtcdError::Refused { endpoint, path, status, message } => EtcdError::Refused {
+                    endpoint,
+                    path,
+                    status,
+                    message: format!("{message} ({compares} comparisons, {operations} operations)"),
+                },
+                e => e,
+            })?;
         Ok(self.parse::<TxnResponse>("/v3/kv/txn", v)?.succeeded)
     }
 

@@ -13,8 +13,8 @@ pub mod etcd;
 pub mod schema;
 
 pub use schema::{
-    encode_key, AllocRecord, Allocation, ChunkRef, CopyState, Extent, Namespace, NsHead, PoolHead, Run,
-    Scope, ServerInfo, Stripe, StripeGroup, POOL_CHUNKS_MAX,
+    encode_key, AllocRecord, Allocation, ChunkRef, CopyState, Extent, Generations, Namespace, NsHead,
+    PoolHead, Run, Scope, ServerInfo, Stripe, StripeGroup, POOL_CHUNKS_MAX,
 };
 
 use crate::etcd::EtcdError;

@@ -9,7 +9,8 @@
 //! |---|---|---|
 //! | `servers/<id>` | [`ServerInfo`]: where the server listens, its pool export, scope, size, chunk size | the server's lease |
 //! | `pools/<id>` | [`PoolHead`]: chunk size, chunks, free and dirty counts, extents with free or dirty chunks | until deleted by hand |
-//! | `pool-extents/<id>/<e>` | [`Extent`]: 1,024 chunks' use, dirt and generations | as the pool |
+//! | `pool-extents/<id>/<e>` | [`Extent`]: 1,024 chunks' use and dirt | as the pool |
+//! | `pool-generations/<id>/<e>` | [`Generations`]: the generations of those zeroed at least once | as the pool |
 //! | `ns/<name>` | [`NsHead`]: scope, chunk size, replicas, the reserve's slots, the next address | until `delete_ns` |
 //! | `ns-allocs/<name>/<addr>` | [`AllocRecord`]: an allocation's length and slots | until freed |
 //! | `ns-stripes/<name>/<g>` | [`StripeGroup`]: 256 slots' stripes, each copy's server, chunk and state | as the namespace |
@@ -31,6 +32,8 @@ pub const SERVERS: &str = "/skiff/servers/";
 pub const POOLS: &str = "/skiff/pools/";
 /// Where each server's pool extents live ([`Extent`]).
 pub const POOL_EXTENTS: &str = "/skiff/pool-extents/";
+/// Where each extent's generations live ([`Generations`]).
+pub const POOL_GENERATIONS: &str = "/skiff/pool-generations/";
 /// Where namespaces' heads live ([`NsHead`]).
 pub const NAMESPACES: &str = "/skiff/ns/";
 /// Where namespaces' allocations live ([`AllocRecord`]).
@@ -155,8 +158,8 @@ fn decode_key(hex: &str) -> Option<proto::capability::CapKey> {
     Some(proto::capability::CapKey::new(key))
 }
 
-/// Chunks one pool extent record covers ([`Extent`]): its bitmaps take 256 hex digits each, and
-/// its generations at most 1,024 small entries.
+/// Chunks one pool extent record covers ([`Extent`]): its bitmaps take 256 hex digits each
+/// (its [`Generations`], at most 1,024 small entries, are a record of their own).
 pub const EXTENT_CHUNKS: u64 = 1024;
 
 /// A set of small integers as a bitmap, stored as hex (16 digits a 64-bit word, lowest word
@@ -200,6 +203,11 @@ impl Bitmap {
 
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// Whether every member is below `n`.
+    pub fn within(&self, n: u64) -> bool {
+        (self.0.len() as u64) <= n.div_ceil(64) && self.iter().last().is_none_or(|m| m < n)
     }
 }
 
@@ -274,17 +282,37 @@ impl PoolHead {
 }
 
 /// `EXTENT_CHUNKS` chunks of a pool, from chunk `extent * EXTENT_CHUNKS`: which are in use
-/// (held by a namespace), which were given back and wait to be zeroed, and the generation of
-/// each zeroed at least once (the others are at 0). An extent with no record has every chunk
-/// free at generation 0. A chunk is free when it is neither in use nor dirty.
+/// (held by a namespace) and which were given back and wait to be zeroed. An extent with no
+/// record has every chunk free. A chunk is free when it is neither in use nor dirty. Taking and
+/// giving back chunks rewrites this record only (a few hundred bytes), never the generations.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Extent {
     pub used: Bitmap,
     #[serde(default, skip_serializing_if = "Bitmap::is_empty")]
     pub dirty: Bitmap,
-    /// By chunk offset in the extent.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub generations: BTreeMap<u32, u32>,
+}
+
+/// The generation of each chunk of an extent zeroed at least once, by offset in the extent
+/// (the others are at 0): written only when chunks are zeroed, together with their extent
+/// (whose revision guards both), and read when chunks are taken, for their grants.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Generations(pub BTreeMap<u32, u32>);
+
+impl Generations {
+    /// Chunk `c`'s (of the pool) generation.
+    pub fn get(&self, c: u64) -> u32 {
+        self.0.get(&((c % EXTENT_CHUNKS) as u32)).copied().unwrap_or(0)
+    }
+
+    pub fn set(&mut self, c: u64, generation: u32) {
+        let i = (c % EXTENT_CHUNKS) as u32;
+        if generation == 0 {
+            self.0.remove(&i);
+        } else {
+            self.0.insert(i, generation);
+        }
+    }
 }
 
 impl Extent {
@@ -292,10 +320,6 @@ impl Extent {
     pub fn is_free(&self, c: u64) -> bool {
         let i = c % EXTENT_CHUNKS;
         !self.used.get(i) && !self.dirty.get(i)
-    }
-
-    pub fn generation(&self, c: u64) -> u32 {
-        self.generations.get(&((c % EXTENT_CHUNKS) as u32)).copied().unwrap_or(0)
     }
 
     /// Whether any of chunks `first..end` (of the pool, within this extent) is free.
@@ -345,7 +369,7 @@ pub struct ChunkRef {
     /// The chunk's generation when it was reserved: its grants are sealed with it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub generation: u32,
-    /// The namespace's epoch at the stripe's last change (every copy of a stripe holds the
+    /// Its stripe group's epoch at the stripe's last change (every copy of a stripe holds the
     /// same): its grants are sealed with it, and a server shown them refuses older maps.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub epoch: u32,
@@ -647,6 +671,11 @@ pub fn extent_key(id: &str, e: u64) -> Vec<u8> {
     format!("{POOL_EXTENTS}{id}/{e:08x}").into_bytes()
 }
 
+/// The key of the generations of extent `e` of server `id`'s pool.
+pub fn generations_key(id: &str, e: u64) -> Vec<u8> {
+    format!("{POOL_GENERATIONS}{id}/{e:08x}").into_bytes()
+}
+
 /// The key of the allocation at `addr` of namespace `name` (key order is address order).
 pub fn alloc_key(name: &str, addr: u64) -> Vec<u8> {
     format!("{ALLOCS}{name}/{addr:016x}").into_bytes()
@@ -681,12 +710,143 @@ pub fn under(prefix: &str, name: &str) -> Vec<u8> {
     format!("{prefix}{name}/").into_bytes()
 }
 
-/// A record read from etcd; one that does not parse is [`CoordError::Corrupt`].
-pub fn decode<T: serde::de::DeserializeOwned>(kv: &Kv) -> Result<T, CoordError> {
-    serde_json::from_slice(&kv.value).map_err(|e| CoordError::Corrupt {
-        key: String::from_utf8_lossy(&kv.key).into_owned(),
-        why: e.to_string(),
-    })
+/// A record's own bounds, checked whenever it is read: one that parses but breaks them (a run
+/// past the slots made, a bitmap past its extent, a group of more stripes than it has room
+/// for) is as corrupt as one that does not parse, and no caller walks what it claims.
+pub trait Record: serde::de::DeserializeOwned {
+    fn check(&self) -> Result<(), String>;
+}
+
+/// Most copies a stripe may have in a record.
+pub const REPLICAS_MAX: usize = 16;
+
+/// Most slots an allocation or a reserve may name (2^40: far past any pool).
+const SLOTS_MAX: u64 = 1 << 40;
+
+fn check_run_list(runs: &[Run], below: u64, what: &str) -> Result<(), String> {
+    if runs.len() > RUNS_MAX * 2 {
+        return Err(format!("{what}: {} runs", runs.len()));
+    }
+    let mut end = 0;
+    for r in runs {
+        let Some(e) = r.0.checked_add(r.1).filter(|&e| e <= below && r.1 > 0 && r.0 >= end) else {
+            return Err(format!(
+                "{what}: run [{}, {}] is empty, overlaps, or ends past slot {below}",
+                r.0, r.1
+            ));
+        };
+        end = e;
+    }
+    Ok(())
+}
+
+impl Record for ServerInfo {
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+impl Record for PoolHead {
+    fn check(&self) -> Result<(), String> {
+        let extents = self.chunks.div_ceil(EXTENT_CHUNKS);
+        if self.chunks > POOL_CHUNKS_MAX || self.free.checked_add(self.dirty).is_none_or(|n| n > self.chunks)
+        {
+            return Err(format!("{} chunks, {} free and {} dirty", self.chunks, self.free, self.dirty));
+        }
+        if !self.with_free.within(extents) || !self.with_dirty.within(extents) {
+            return Err(format!("an extent bitmap past the pool's {extents} extents"));
+        }
+        Ok(())
+    }
+}
+
+impl Record for Extent {
+    fn check(&self) -> Result<(), String> {
+        let ok = self.used.within(EXTENT_CHUNKS) && self.dirty.within(EXTENT_CHUNKS);
+        ok.then_some(()).ok_or_else(|| format!("a chunk past the extent's {EXTENT_CHUNKS}"))
+    }
+}
+
+impl Record for Generations {
+    fn check(&self) -> Result<(), String> {
+        let ok = self.0.keys().all(|&c| u64::from(c) < EXTENT_CHUNKS);
+        ok.then_some(()).ok_or_else(|| format!("a chunk past the extent's {EXTENT_CHUNKS}"))
+    }
+}
+
+impl Record for NsHead {
+    fn check(&self) -> Result<(), String> {
+        if self.chunk_bytes < 512 || !self.chunk_bytes.is_power_of_two() || self.replicas == 0 {
+            return Err(format!("chunks of {} bytes, {} replicas", self.chunk_bytes, self.replicas));
+        }
+        check_run_list(&self.reserved, self.slots.min(SLOTS_MAX), "the reserve")
+    }
+}
+
+impl Record for AllocRecord {
+    fn check(&self) -> Result<(), String> {
+        if self.len == 0 {
+            return Err("an allocation of 0 bytes".into());
+        }
+        // Runs in the order of the addresses they back, which need not be slot order.
+        let mut sorted = self.runs.clone();
+        sorted.sort();
+        check_run_list(&sorted, SLOTS_MAX, "the allocation")
+    }
+}
+
+impl Record for StripeGroup {
+    fn check(&self) -> Result<(), String> {
+        if self.stripes.len() as u64 > GROUP_STRIPES || self.stripes.iter().any(|s| s.len() > REPLICAS_MAX) {
+            return Err(format!(
+                "{} stripes (at most {GROUP_STRIPES}), or one of more than {REPLICAS_MAX} copies",
+                self.stripes.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A record read from etcd; one that does not parse, or breaks its bounds, is
+/// [`CoordError::Corrupt`].
+pub fn decode<T: Record>(kv: &Kv) -> Result<T, CoordError> {
+    let corrupt =
+        |why: String| CoordError::Corrupt { key: String::from_utf8_lossy(&kv.key).into_owned(), why };
+    let record: T = serde_json::from_slice(&kv.value).map_err(|e| corrupt(e.to_string()))?;
+    record.check().map_err(corrupt)?;
+    Ok(record)
+}
+
+/// What fuzzing reaches (fuzz/fuzz_targets/records.rs): `bytes` decoded as each record, and
+/// what parses walked as the control path walks it. Never panics, never loops long.
+pub fn fuzz_records(bytes: &[u8]) {
+    let kv = Kv {
+        key: b"/skiff/fuzz".to_vec(),
+        value: bytes.to_vec(),
+        create_revision: 1,
+        mod_revision: 1,
+        lease: 0,
+    };
+    if let Ok(h) = decode::<PoolHead>(&kv) {
+        let _ = (h.with_free.iter().count(), h.with_dirty.count(), h.extents_from(h.chunks / 2));
+    }
+    if let Ok(e) = decode::<Extent>(&kv) {
+        let _ = (e.any_free(0, EXTENT_CHUNKS), e.used.count());
+    }
+    if let Ok(g) = decode::<Generations>(&kv) {
+        let _ = g.get(EXTENT_CHUNKS - 1);
+    }
+    if let Ok(h) = decode::<NsHead>(&kv) {
+        let mut reserved = h.reserved.clone();
+        let _ = (run_len(&h.reserved), take_runs(&mut reserved, 3), take_last_runs(&mut reserved, 3));
+    }
+    if let Ok(a) = decode::<AllocRecord>(&kv) {
+        let _ = (run_len(&a.runs), slots(&a.runs).take(1 << 16).count());
+    }
+    if let Ok(g) = decode::<StripeGroup>(&kv) {
+        let _ = (g.whole(), g.is_empty(), g.get(GROUP_STRIPES - 1));
+    }
+    let _ = decode::<ServerInfo>(&kv);
 }
 
 /// A record as etcd stores it (JSON).
@@ -795,6 +955,60 @@ mod tests {
         remove_run(&mut runs, Run(50, 1));
         assert_eq!(runs, vec![Run(0, 3), Run(5, 5)]);
         assert_eq!(intersect(&runs, Run(4, 3)), vec![Run(5, 2)]);
+    }
+
+    /// Records that parse but break their bounds are refused as corrupt, saying why, and
+    /// seeded mutations of valid records never panic the decoders or the walks after them
+    /// (fuzz/fuzz_targets/records.rs runs the same, guided).
+    #[test]
+    fn records_out_of_bounds_are_corrupt_and_mutations_never_panic() {
+        let kv = |v: &str| Kv {
+            key: b"/skiff/x".to_vec(),
+            value: v.into(),
+            create_revision: 1,
+            mod_revision: 1,
+            lease: 0,
+        };
+        let head = r#"{"name":"n","scope":"ram","chunk_bytes":1048576,"replicas":2,"next_addr":0,"slots":10,"reserved":[[0,4],[6,4]],"allocs":0}"#;
+        assert!(decode::<NsHead>(&kv(head)).is_ok());
+        for (bad, says) in [
+            (head.replace("[6,4]", "[6,5]"), "ends past slot 10"),
+            (head.replace("[6,4]", "[2,4]"), "overlaps"),
+            (head.replace("\"replicas\":2", "\"replicas\":0"), "0 replicas"),
+        ] {
+            let err = decode::<NsHead>(&kv(&bad)).expect_err(&bad).to_string();
+            assert!(err.contains(says) && err.contains("/skiff/x"), "{err}");
+        }
+        let huge = r#"{"len":1,"runs":[[0,18446744073709551615]]}"#;
+        assert!(decode::<AllocRecord>(&kv(huge)).is_err(), "a run of 2^64 slots is never walked");
+        let extent = format!(r#"{{"used":"{}0000000000000001"}}"#, "0".repeat(16 * 16));
+        assert!(decode::<Extent>(&kv(&extent)).is_err(), "a bitmap past the extent");
+        let pool = r#"{"chunk_bytes":1,"chunks":10,"free":8,"dirty":3,"with_free":"","with_dirty":""}"#;
+        assert!(decode::<PoolHead>(&kv(pool)).is_err(), "more free and dirty than chunks");
+
+        let mut seeds =
+            vec![head.to_owned(), String::from_utf8(encode(&PoolHead::new(1 << 20, 5000))).unwrap()];
+        let mut g = StripeGroup::default();
+        g.put(3, vec![ChunkRef::new("a", 7, 1, 2)]);
+        seeds.push(String::from_utf8(encode(&g)).unwrap());
+        seeds.push(r#"{"len":5,"runs":[[9,1],[0,2]]}"#.into());
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for i in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let mut bytes = seeds[i % seeds.len()].clone().into_bytes();
+            for _ in 0..1 + x % 4 {
+                let at = (x >> 8) as usize % bytes.len();
+                match x % 3 {
+                    0 => bytes[at] = b"0123456789[],:\"{}e-"[(x >> 20) as usize % 19],
+                    1 => bytes.truncate(at.max(1)),
+                    _ => bytes.insert(at, b'9'),
+                }
+                x = x.rotate_left(11) ^ i as u64;
+            }
+            fuzz_records(&bytes);
+        }
     }
 
     /// A pool head is small at any size (a bit per extent), and growing it frees the new

@@ -21,13 +21,13 @@ use std::time::Duration;
 use coord::etcd::{Compare, Etcd, Op, Tls};
 use coord::schema::{
     add_run, alloc_addr, alloc_key, check_name, check_runs, decode, encode, extent_chunks, extent_key,
-    group_index, group_key, group_of, intersect, key, mend_key, remove_run, run_len, take_runs, under,
-    ALLOCS, EXTENT_CHUNKS, GROUPS, GROUP_STRIPES, MENDING, NAMESPACES, POOLS, POOL_EXTENTS, SERVERS,
-    TXN_RETRIES,
+    generations_key, group_index, group_key, group_of, intersect, key, mend_key, remove_run, run_len,
+    take_runs, under, ALLOCS, EXTENT_CHUNKS, GROUPS, GROUP_STRIPES, MENDING, NAMESPACES, POOLS,
+    POOL_GENERATIONS, SERVERS, TXN_RETRIES,
 };
 use coord::{
-    AllocRecord, Allocation, ChunkRef, CoordError, CopyState, Extent, Namespace, NsHead, PoolHead, Run,
-    Scope, ServerInfo, Stripe, StripeGroup, POOL_CHUNKS_MAX,
+    AllocRecord, Allocation, ChunkRef, CoordError, CopyState, Extent, Generations, Namespace, NsHead,
+    PoolHead, Run, Scope, ServerInfo, Stripe, StripeGroup, POOL_CHUNKS_MAX,
 };
 use serde::Serialize;
 
@@ -165,14 +165,68 @@ impl MapSource for Source {
             tracing::warn!(server = %endpoint, "a lost server is not among those the map came from");
             return Ok(());
         };
+        self.coord.maps.forget(&self.ns, Some(self.addr));
         self.coord.mark_stale(&self.ns, self.addr, &id).map_err(source_error)
     }
 
     fn map(&mut self) -> Result<SegmentMap, SourceError> {
-        let (r, live) = self.coord.resolve(&self.ns, self.addr).map_err(source_error)?;
+        let (r, live, revs) = self.coord.resolve_at(&self.ns, self.addr).map_err(source_error)?;
         let map = segment_map(&r, &live).map_err(source_error)?;
+        self.coord.maps.put(&self.ns, self.addr, revs, &map, &live);
         self.live = live;
         Ok(map)
+    }
+}
+
+/// Allocations resolved for the data path, by namespace and address, shared by a coordinator
+/// and every client made from it with [`Coordinator::again`] (RStore caches its maps, thesis
+/// 6.3.2): a second [`Coordinator::map`] of one allocation reads the revisions of the
+/// allocation's record and of its groups (keys only, no values), and reuses the map if none
+/// changed since: the same allocation (not one freed and made again at the address), and no
+/// copy's state or epoch moved on. So a cached map presents the same grants a fresh one would.
+/// What it may miss is a server gone since (a fresh map would mark its copies stale first);
+/// the segment finds that itself, reports it, and reads the map again, which refreshes the
+/// cache.
+#[derive(Clone, Default)]
+struct MapCache(std::sync::Arc<std::sync::Mutex<BTreeMap<(String, u64), Cached>>>);
+
+/// A cached map: the revisions it was read at, the map, and the servers registered then.
+type Cached = (Revisions, SegmentMap, Vec<ServerInfo>);
+
+/// The revisions of an allocation's record and of each of its groups, as a map was read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Revisions {
+    alloc: i64,
+    /// By group; a group this client changed while resolving is left out, and the map is not
+    /// reused (its revision after the write is not known).
+    groups: BTreeMap<u64, i64>,
+    complete: bool,
+}
+
+/// Maps cached at most: the oldest addresses go first past it.
+const MAPS_CACHED: usize = 1024;
+
+impl MapCache {
+    fn get(&self, ns: &str, addr: u64) -> Option<Cached> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).get(&(ns.to_owned(), addr)).cloned()
+    }
+
+    fn put(&self, ns: &str, addr: u64, revs: Revisions, map: &SegmentMap, live: &[ServerInfo]) {
+        if !revs.complete {
+            self.forget(ns, Some(addr));
+            return;
+        }
+        let mut maps = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if maps.len() >= MAPS_CACHED {
+            maps.pop_first();
+        }
+        maps.insert((ns.to_owned(), addr), (revs, map.clone(), live.to_vec()));
+    }
+
+    /// Forget namespace `ns`'s map at `addr`, or (`None`) all of its maps.
+    fn forget(&self, ns: &str, addr: Option<u64>) {
+        let mut maps = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        maps.retain(|(n, a), _| n != ns || addr.is_some_and(|addr| *a != addr));
     }
 }
 
@@ -180,8 +234,11 @@ impl MapSource for Source {
 /// extent or two it stays inside one transaction's operations.
 const SERVERS_PER_STEP: usize = 32;
 
+/// Stripe groups one reserve step fills at most.
+const STEP_GROUPS: u64 = 4;
+
 /// Pool records one transaction changes at most (heads and extents), beside the namespace's.
-const POOL_OPS_MAX: usize = coord::schema::TXN_OPS_MAX - 8;
+const POOL_OPS_MAX: usize = coord::schema::TXN_OPS_MAX - 2 - 2 * STEP_GROUPS as usize;
 
 /// The pool records one transaction reads and changes: each server's head and the extents it
 /// touches, with the revisions read (0: no record), so the transaction goes through only if
@@ -190,11 +247,13 @@ struct Pools<'a> {
     etcd: &'a Etcd,
     heads: BTreeMap<String, (Option<PoolHead>, i64, bool)>,
     extents: BTreeMap<(String, u64), (Extent, i64, bool)>,
+    /// Read with their extents; written (`true`) only when chunks are zeroed.
+    generations: BTreeMap<(String, u64), (Generations, i64, bool)>,
 }
 
 impl<'a> Pools<'a> {
     fn new(etcd: &'a Etcd) -> Pools<'a> {
-        Pools { etcd, heads: BTreeMap::new(), extents: BTreeMap::new() }
+        Pools { etcd, heads: BTreeMap::new(), extents: BTreeMap::new(), generations: BTreeMap::new() }
     }
 
     /// Server `id`'s head as already read elsewhere (one range read for many servers).
@@ -212,6 +271,7 @@ impl<'a> Pools<'a> {
             .collect();
         let mut keys: Vec<Vec<u8>> = ids.iter().map(|id| key(POOLS, id)).collect();
         keys.extend(extents.iter().map(|(id, e)| extent_key(id, *e)));
+        keys.extend(extents.iter().map(|(id, e)| generations_key(id, *e)));
         let mut read = self.etcd.get_many(&keys)?.into_iter();
         for id in ids {
             let head = match read.next().flatten() {
@@ -220,14 +280,37 @@ impl<'a> Pools<'a> {
             };
             self.heads.insert(id.to_owned(), head);
         }
-        for (id, e) in extents {
+        for &(id, e) in &extents {
             let extent = match read.next().flatten() {
                 Some(kv) => (decode(&kv)?, kv.mod_revision, false),
                 None => (Extent::default(), 0, false),
             };
             self.extents.insert((id.to_owned(), e), extent);
         }
+        for (id, e) in extents {
+            let generations = match read.next().flatten() {
+                Some(kv) => (decode(&kv)?, kv.mod_revision, false),
+                None => (Generations::default(), 0, false),
+            };
+            self.generations.entry((id.to_owned(), e)).or_insert(generations);
+        }
         Ok(())
+    }
+
+    /// The generations of extent `e` of server `id`'s pool, to be written (`write`) or only
+    /// read (the extent's revision guards them: they change only with it).
+    fn generations(&mut self, id: &str, e: u64, write: bool) -> Result<&mut Generations, CoordError> {
+        let k = (id.to_owned(), e);
+        if !self.generations.contains_key(&k) {
+            let read = match self.etcd.get(&generations_key(id, e))? {
+                Some(kv) => (decode(&kv)?, kv.mod_revision, false),
+                None => (Generations::default(), 0, false),
+            };
+            self.generations.insert(k.clone(), read);
+        }
+        let (generations, _, changed) = self.generations.get_mut(&k).expect("read above");
+        *changed |= write;
+        Ok(generations)
     }
 
     /// Server `id`'s pool head, `None` when it has none (deleted by hand).
@@ -272,7 +355,7 @@ impl<'a> Pools<'a> {
             let more = found.is_some_and(|c| extent.any_free(c + 1, extent_chunks(e, chunks).end));
             if let Some(c) = found {
                 extent.used.set(c % EXTENT_CHUNKS, true);
-                let generation = extent.generation(c);
+                let generation = self.generations(&s.id, e, false)?.get(c);
                 let head = self.head(&s.id)?.expect("read above");
                 head.free -= 1;
                 head.with_free.set(e, more);
@@ -282,6 +365,17 @@ impl<'a> Pools<'a> {
             self.head(&s.id)?.expect("read above").with_free.set(e, false);
         }
         Ok(None)
+    }
+
+    /// Chunk `c`, taken by this transaction and not used after all, is free again.
+    fn untake(&mut self, c: &ChunkRef) -> Result<(), CoordError> {
+        let e = c.index / EXTENT_CHUNKS;
+        self.extent(&c.server, e)?.used.set(c.index % EXTENT_CHUNKS, false);
+        if let Some(head) = self.head(&c.server)? {
+            head.free += 1;
+            head.with_free.set(e, true);
+        }
+        Ok(())
     }
 
     /// Chunk `c` is given back: dirty until its server has zeroed it.
@@ -306,7 +400,9 @@ impl<'a> Pools<'a> {
 
     /// Records changed so far.
     fn changed(&self) -> usize {
-        self.heads.values().filter(|h| h.2).count() + self.extents.values().filter(|x| x.2).count()
+        self.heads.values().filter(|h| h.2).count()
+            + self.extents.values().filter(|x| x.2).count()
+            + self.generations.values().filter(|x| x.2).count()
     }
 
     /// The comparisons and writes of the records changed.
@@ -321,6 +417,12 @@ impl<'a> Pools<'a> {
             if changed {
                 compare.push(Compare::ModRevision(extent_key(&id, e), rev));
                 ops.push(Op::Put { key: extent_key(&id, e), value: encode(&extent), lease: 0 });
+            }
+        }
+        for ((id, e), (generations, rev, changed)) in self.generations {
+            if changed {
+                compare.push(Compare::ModRevision(generations_key(&id, e), rev));
+                ops.push(Op::Put { key: generations_key(&id, e), value: encode(&generations), lease: 0 });
             }
         }
     }
@@ -361,12 +463,13 @@ fn by_group(runs: &[Run]) -> BTreeMap<u64, Vec<u64>> {
 /// A client of the control plane.
 pub struct Coordinator {
     etcd: Etcd,
+    maps: MapCache,
 }
 
 impl Coordinator {
     /// The coordinator at `endpoints` (etcd client URLs, e.g. `http://127.0.0.1:2379`).
     pub fn connect(endpoints: &[String]) -> Coordinator {
-        Coordinator { etcd: Etcd::new(endpoints, Duration::from_secs(5)) }
+        Coordinator { etcd: Etcd::new(endpoints, Duration::from_secs(5)), maps: MapCache::default() }
     }
 
     /// The coordinator at `endpoints`, reaching `https://` members with `tls` (the CA of their
@@ -374,12 +477,13 @@ impl Coordinator {
     /// PEM files cannot be read.
     pub fn connect_with(endpoints: &[String], tls: Option<Tls>) -> Result<Coordinator, CoordError> {
         let etcd = Etcd::with_tls(endpoints, Duration::from_secs(5), tls).map_err(CoordError::Invalid)?;
-        Ok(Coordinator { etcd })
+        Ok(Coordinator { etcd, maps: MapCache::default() })
     }
 
-    /// Another client of the same coordinator, reached the same way (for a thread of its own).
+    /// Another client of the same coordinator, reached the same way (for a thread of its own),
+    /// sharing this one's cached maps.
     pub fn again(&self) -> Coordinator {
-        Coordinator { etcd: self.etcd.again() }
+        Coordinator { etcd: self.etcd.again(), maps: self.maps.clone() }
     }
 
     pub fn etcd(&self) -> &Etcd {
@@ -592,13 +696,19 @@ impl Coordinator {
             .collect()
     }
 
-    /// The allocation at `addr` of namespace `name`, with its revision.
-    fn read_alloc(&self, name: &str, addr: u64) -> Result<(AllocRecord, i64), CoordError> {
-        let kv = self
-            .etcd
-            .get(&alloc_key(name, addr))?
-            .ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
-        Ok((decode(&kv)?, kv.mod_revision))
+    /// The allocation at `addr` of namespace `name`, with its revision; one whose slots do not
+    /// cover its length in `chunk_bytes` chunks is corrupt.
+    fn read_alloc(&self, name: &str, addr: u64, chunk_bytes: u64) -> Result<(AllocRecord, i64), CoordError> {
+        let k = alloc_key(name, addr);
+        let kv = self.etcd.get(&k)?.ok_or(CoordError::NoAllocation { ns: name.to_owned(), addr })?;
+        let a: AllocRecord = decode(&kv)?;
+        if run_len(&a.runs) != a.len.div_ceil(chunk_bytes) {
+            return Err(CoordError::Corrupt {
+                key: String::from_utf8_lossy(&k).into_owned(),
+                why: format!("{} slots for {} bytes in chunks of {chunk_bytes}", run_len(&a.runs), a.len),
+            });
+        }
+        Ok((a, kv.mod_revision))
     }
 
     /// Group `g` of namespace `name`, with its revision (an empty group and 0 when it has no
@@ -612,16 +722,14 @@ impl Coordinator {
 
     /// Groups `gs` of namespace `name`, with their revisions, read a hundred to a round trip.
     fn read_groups(&self, name: &str, gs: &[u64]) -> Result<BTreeMap<u64, (StripeGroup, i64)>, CoordError> {
+        let keys: Vec<Vec<u8>> = gs.iter().map(|&g| group_key(name, g)).collect();
         let mut out = BTreeMap::new();
-        for batch in gs.chunks(100) {
-            let keys: Vec<Vec<u8>> = batch.iter().map(|&g| group_key(name, g)).collect();
-            for (&g, kv) in batch.iter().zip(self.etcd.get_many(&keys)?) {
-                let read = match kv {
-                    Some(kv) => (decode(&kv)?, kv.mod_revision),
-                    None => (StripeGroup::default(), 0),
-                };
-                out.insert(g, read);
-            }
+        for (&g, kv) in gs.iter().zip(self.etcd.get_many(&keys)?) {
+            let read = match kv {
+                Some(kv) => (decode(&kv)?, kv.mod_revision),
+                None => (StripeGroup::default(), 0),
+            };
+            out.insert(g, read);
         }
         Ok(out)
     }
@@ -630,6 +738,7 @@ impl Coordinator {
     /// namespace goes in several transactions: it is marked as being deleted first (nothing
     /// else uses it from then on), and a delete cut short is finished by the next.
     pub fn delete_ns(&self, name: &str) -> Result<(), CoordError> {
+        self.maps.forget(name, None);
         self.retry(name, || {
             let (mut head, rev) = self.read_head_any(name)?;
             if head.deleting {
@@ -755,9 +864,10 @@ impl Coordinator {
         }
         pools.prefetch(&[], &first_extents)?;
         let first = head.slots;
-        let g = group_of(first);
-        let room = (g + 1) * GROUP_STRIPES - first;
-        let (mut group, grev) = self.read_group(name, g)?;
+        // Up to STEP_GROUPS groups a step: fewer, larger transactions for a large reserve.
+        let room = (group_of(first) + STEP_GROUPS) * GROUP_STRIPES - first;
+        let gs: Vec<u64> = (group_of(first)..group_of(first) + STEP_GROUPS).collect();
+        let mut groups = self.read_groups(name, &gs)?;
         let mut made = 0;
         let mut cursor = 0;
         while made < want.min(room) && pools.changed() + 2 * replicas <= POOL_OPS_MAX {
@@ -777,11 +887,12 @@ impl Coordinator {
                     return Err(no_room());
                 }
                 for c in &stripe {
-                    pools.give_back(c)?;
+                    pools.untake(c)?;
                 }
                 break;
             }
-            group.put(first + made, stripe);
+            let slot = first + made;
+            groups.get_mut(&group_of(slot)).expect("read above").0.put(slot, stripe);
             made += 1;
         }
         let run = Run(first, made);
@@ -790,7 +901,9 @@ impl Coordinator {
         head.slots += made;
         let mut compare = vec![Compare::ModRevision(key(NAMESPACES, name), rev)];
         let mut ops = vec![Op::Put { key: key(NAMESPACES, name), value: encode(&head), lease: 0 }];
-        group_txn(name, g, &group, grev, &mut compare, &mut ops);
+        for (g, (group, grev)) in groups.iter().filter(|(g, _)| **g <= group_of(first + made.max(1) - 1)) {
+            group_txn(name, *g, group, *grev, &mut compare, &mut ops);
+        }
         pools.into_txn(&mut compare, &mut ops);
         Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(run))
     }
@@ -921,7 +1034,10 @@ impl Coordinator {
     /// RStore's `init` and `map` together: the allocation at `addr` of namespace `name`,
     /// resolved to its live copies and mapped with a lane to each of their servers. The
     /// segment heals through this coordinator's etcd: it reports the servers it loses (their
-    /// copies are marked stale) and reads its map again when a server knows a newer one.
+    /// copies are marked stale) and reads its map again when a server knows a newer one. A
+    /// map this coordinator (or one made from it with [`again`](Self::again)) resolved before
+    /// is reused from its cache (`MapCache`) while the allocation's record is unchanged: one
+    /// small read.
     pub fn map(
         &self,
         name: &str,
@@ -929,8 +1045,41 @@ impl Coordinator {
         config: &initiator::LaneConfig,
     ) -> Result<Segment, Box<dyn std::error::Error + Send + Sync>> {
         let mut source = Source { coord: self.again(), ns: name.to_owned(), addr, live: Vec::new() };
-        let map = source.map().map_err(|e| e.message)?;
+        let cached = match self.maps.get(name, addr) {
+            Some((revs, map, live)) => {
+                self.unchanged(name, addr, &revs).map_err(|e| e.to_string())?.then(|| {
+                    source.live = live;
+                    map
+                })
+            }
+            None => None,
+        };
+        let map = match cached {
+            Some(map) => map,
+            None => source.map().map_err(|e| e.message)?,
+        };
         Ok(Segment::map_with(map, config, Box::new(source))?)
+    }
+
+    /// Whether the allocation at `addr` of namespace `name` and its groups are still at the
+    /// revisions `revs`: two reads, the groups' keys only.
+    fn unchanged(&self, name: &str, addr: u64, revs: &Revisions) -> Result<bool, CoordError> {
+        let alloc = self.etcd.get(&alloc_key(name, addr))?;
+        if alloc.is_none_or(|kv| kv.mod_revision != revs.alloc) {
+            return Ok(false);
+        }
+        let (Some(&lo), Some(&hi)) = (revs.groups.keys().next(), revs.groups.keys().next_back()) else {
+            return Ok(true);
+        };
+        let now = self.etcd.revisions(&group_key(name, lo), &group_key(name, hi + 1))?;
+        let now: BTreeMap<u64, i64> =
+            now.into_iter().filter_map(|(k, rev)| Some((group_index(&k)?, rev))).collect();
+        Ok(revs.groups.iter().all(|(g, rev)| now.get(g).copied().unwrap_or(0) == *rev))
+    }
+
+    /// Whether a map of the allocation at `addr` of namespace `name` is cached.
+    pub fn map_cached(&self, name: &str, addr: u64) -> bool {
+        self.maps.get(name, addr).is_some()
     }
 
     /// The allocation at `addr` of namespace `name` with the servers registered now, after
@@ -939,14 +1088,25 @@ impl Coordinator {
     /// which must track what those miss before it does, and a repair must not count on it.
     /// Reads (and writes) only the allocation's own groups.
     pub fn resolve(&self, name: &str, addr: u64) -> Result<(RAddress, Vec<ServerInfo>), CoordError> {
+        let (r, live, _) = self.resolve_at(name, addr)?;
+        Ok((r, live))
+    }
+
+    /// [`resolve`](Self::resolve), and the revisions of the records it read.
+    fn resolve_at(
+        &self,
+        name: &str,
+        addr: u64,
+    ) -> Result<(RAddress, Vec<ServerInfo>, Revisions), CoordError> {
         let live = self.servers()?;
         let now = unix_ms();
         let (head, _) = self.read_head(name)?;
-        let (a, _) = self.read_alloc(name, addr)?;
+        let (a, arev) = self.read_alloc(name, addr, head.chunk_bytes)?;
         let mut stripes = Vec::with_capacity(run_len(&a.runs) as usize);
         let slots_by_group = by_group(&a.runs);
         let gs: Vec<u64> = slots_by_group.keys().copied().collect();
         let mut read = self.read_groups(name, &gs)?;
+        let mut revs = Revisions { alloc: arev, groups: BTreeMap::new(), complete: true };
         for (g, slots) in slots_by_group {
             let lost = |group: &StripeGroup| {
                 slots
@@ -958,9 +1118,11 @@ impl Coordinator {
             let first = read.remove(&g).unwrap_or_default();
             // Most maps change nothing: the group read with the others serves.
             if !lost(&first.0) {
+                revs.groups.insert(g, first.1);
                 stripes.extend(slots.iter().map(|&s| first.0.get(s).cloned().unwrap_or_default()));
                 continue;
             }
+            revs.complete = false;
             let group = self.change_group_from(name, g, Some(first), |group| {
                 let mut changed = false;
                 for &slot in &slots {
@@ -980,7 +1142,7 @@ impl Coordinator {
             stripes.extend(slots.iter().map(|&s| group.get(s).cloned().unwrap_or_default()));
         }
         let r = RAddress { ns: name.to_owned(), addr, len: a.len, chunk_bytes: head.chunk_bytes, stripes };
-        Ok((r, live))
+        Ok((r, live, revs))
     }
 
     /// Mark server `id`'s copies of the allocation at `addr` stale: they may miss writes from
@@ -990,7 +1152,8 @@ impl Coordinator {
     pub fn mark_stale(&self, name: &str, addr: u64, id: &str) -> Result<(), CoordError> {
         let live = self.servers()?;
         let now = unix_ms();
-        let (a, _) = self.read_alloc(name, addr)?;
+        let (head, _) = self.read_head(name)?;
+        let (a, _) = self.read_alloc(name, addr, head.chunk_bytes)?;
         for (g, slots) in by_group(&a.runs) {
             self.change_group(name, g, |group| {
                 let mut changed = false;
@@ -1217,20 +1380,21 @@ impl Coordinator {
     /// The allocation at `addr` of namespace `name` (RStore's `init`).
     pub fn lookup(&self, name: &str, addr: u64) -> Result<RAddress, CoordError> {
         let (head, _) = self.read_head(name)?;
-        let (a, _) = self.read_alloc(name, addr)?;
+        let (a, _) = self.read_alloc(name, addr, head.chunk_bytes)?;
         let stripes = self.stripes(name, &a.runs)?;
         Ok(RAddress { ns: name.to_owned(), addr, len: a.len, chunk_bytes: head.chunk_bytes, stripes })
     }
 
     /// Unbind the allocation at `addr`: its chunks return to the namespace's reserve.
     pub fn free(&self, name: &str, addr: u64) -> Result<(), CoordError> {
+        self.maps.forget(name, Some(addr));
         self.unbind(name, addr, false)
     }
 
     fn unbind(&self, name: &str, addr: u64, deleting: bool) -> Result<(), CoordError> {
         self.retry(name, || {
             let (mut head, rev) = if deleting { self.read_head_any(name)? } else { self.read_head(name)? };
-            let (a, arev) = self.read_alloc(name, addr)?;
+            let (a, arev) = self.read_alloc(name, addr, head.chunk_bytes)?;
             for r in a.runs {
                 add_run(&mut head.reserved, r);
             }
@@ -1296,10 +1460,10 @@ impl Coordinator {
     pub fn generations(&self, id: &str) -> Result<Vec<(u64, u32)>, CoordError> {
         check_name("server id", id)?;
         let mut out = Vec::new();
-        for kv in self.etcd.prefix(format!("{POOL_EXTENTS}{id}/").as_bytes())? {
+        for kv in self.etcd.prefix(format!("{POOL_GENERATIONS}{id}/").as_bytes())? {
             let e = group_index(&kv.key).unwrap_or(0);
-            let extent: Extent = decode(&kv)?;
-            out.extend(extent.generations.iter().map(|(&i, &g)| (e * EXTENT_CHUNKS + u64::from(i), g)));
+            let generations: Generations = decode(&kv)?;
+            out.extend(generations.0.iter().map(|(&i, &g)| (e * EXTENT_CHUNKS + u64::from(i), g)));
         }
         Ok(out)
     }
@@ -1320,7 +1484,17 @@ impl Coordinator {
     /// to hand out, and their next owners' grants carry those generations. One transaction
     /// for a few extents' worth (the zeroer hands back a batch at a time).
     pub fn cleaned(&self, id: &str, chunks: &[(u64, u32)]) -> Result<(), CoordError> {
-        for batch in chunks.chunks(POOL_OPS_MAX / 2) {
+        // Batches of as many chunks as lie in POOL_OPS_MAX - 1 extents (and the head).
+        let mut batches: Vec<&[(u64, u32)]> = Vec::new();
+        let (mut from, mut extents) = (0, BTreeSet::new());
+        for (i, &(c, _)) in chunks.iter().enumerate() {
+            if extents.insert(c / EXTENT_CHUNKS) && extents.len() >= POOL_OPS_MAX {
+                batches.push(&chunks[from..i]);
+                (from, extents) = (i, BTreeSet::from([c / EXTENT_CHUNKS]));
+            }
+        }
+        batches.push(&chunks[from..]);
+        for batch in batches.into_iter().filter(|b| !b.is_empty()) {
             self.retry(id, || {
                 let mut pools = Pools::new(&self.etcd);
                 if pools.head(id)?.is_none() {
@@ -1334,12 +1508,8 @@ impl Coordinator {
                         continue;
                     }
                     extent.dirty.set(i, false);
-                    if generation == 0 {
-                        extent.generations.remove(&(i as u32));
-                    } else {
-                        extent.generations.insert(i as u32, generation);
-                    }
                     let still_dirty = !extent.dirty.is_empty();
+                    pools.generations(id, e, true)?.set(c, generation);
                     let head = pools.head(id)?.expect("read above");
                     head.dirty -= 1;
                     head.free += 1;
@@ -1361,10 +1531,18 @@ impl Coordinator {
         what: &str,
         mut attempt: impl FnMut() -> Result<Option<T>, CoordError>,
     ) -> Result<T, CoordError> {
-        for _ in 0..TXN_RETRIES {
+        for tries in 0..TXN_RETRIES {
             if let Some(done) = attempt()? {
                 return Ok(done);
             }
+            // Another client changed what this one read: back off a little, longer each time
+            // and at random, so that two clients on one record (a reserve and a server zeroing
+            // its chunks) do not meet again at once.
+            let ceiling = Duration::from_micros(100 << tries.min(8)).min(Duration::from_millis(20));
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            std::thread::sleep(ceiling.mul_f64(f64::from(nanos % 1000) / 1000.0));
         }
         Err(CoordError::Contended(what.to_owned()))
     }

@@ -1,10 +1,10 @@
 //! RStore heals its replicas (docs/RSTORE.md, "Healing"): what the repair leader decides, as
-//! pure functions over one namespace's record, the servers registered now and the time. The
+//! pure functions over a group of stripes, the servers registered now and the time. The
 //! driver (`crate::agent`) reads the records, calls these, and writes what changed back in one
-//! etcd transaction guarded by the revision it read; the simulator and the unit tests call them
+//! etcd transaction a group, guarded by the revision it read; the simulator and the unit tests call them
 //! the same way. Nothing here does I/O.
 //!
-//! Every change to a stripe's copies moves the namespace's epoch on ([`touch`]): the stripe's
+//! Every change to a stripe's copies moves its group's epoch on ([`touch`]): the stripe's
 //! grants are sealed with it, so a memory server that is shown the new grants refuses requests
 //! made under the old map (docs/PROTOCOL.md, 14.6). A copy goes:
 //!
@@ -42,7 +42,7 @@ pub fn whole(stripe: &Stripe) -> bool {
     stripe.iter().all(|c| c.state == CopyState::Ok)
 }
 
-/// Move the namespace's epoch on, and give it to every copy of `stripe`.
+/// Move the epoch counter on (its stripe group's), and give it to every copy of `stripe`.
 pub fn touch(epoch: &mut u32, stripe: &mut Stripe) {
     *epoch = epoch.wrapping_add(1).max(1);
     for c in stripe.iter_mut() {
@@ -322,6 +322,12 @@ pub struct SourceProgress {
     pub rate: u64,
     /// When it last copied (Unix ms).
     pub at_ms: u64,
+}
+
+impl coord::schema::Record for SourceProgress {
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A namespace's state of repair, for `skiff ns status`.

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""RStore's control path against size and servers (issue 32, "Scale"; thesis Figures 6.5-6.7:
+reserve, alloc and map against the namespace's size and the number of memory servers).
+
+Starts a one-member etcd on loopback, then for each server count N:
+
+  phantom   `skiff ns phantom --servers N`: N registered memory servers that hold no data
+            (each with a listening socket; chunks given back are taken as zeroed at once),
+            pools sized so that the largest --sizes fits with room to spare. For each size,
+            `skiff ns costs --control-only` (one replica, 4 MiB chunks): create, reserve,
+            alloc, init (lookup and place), free, release and delete, each timed once in one
+            process. Sizes far beyond this machine's memory: only records are made.
+  real      with --real: N real `skiff serve --pool ram:--real-pool` processes, and the full
+            `skiff ns costs` (map: a lane to every server; the first 4 KiB read; the mean 4 KiB
+            read). The largest size is what the pools hold together (this machine has 23 GiB).
+
+Placement: the costs client under `taskset -c 0`, phantom (or real) servers under `taskset -c
+1`, etcd unpinned. Each run waits until the chunks the last one gave back are zeroed (a
+server zeroing its pool meets a reserve on its pool's head). Median of --repeat runs of each
+point, the sizes alternating within a repetition.
+
+    python3 bench/rstore_control.py [--servers 4,16,64,256] [--sizes 1G,16G,256G,1T] [--repeat 3]
+    python3 bench/rstore_control.py --real --servers 1,2,4 --sizes 1G,4G,16G --real-pool 4G
+
+Writes bench/results/rstore-control-scale-<timestamp>.json (and .png) and prints a Markdown
+table.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import Placement, add_placement_args, median_record, stop  # noqa: E402
+from rstore import coordinator, memory_servers, ns  # noqa: E402
+
+STEPS = ["create_ns", "reserve", "alloc", "init (lookup and place)", "free", "release",
+         "map (a lane to each server)", "map again (cached map)", "first 4 KiB read", "4 KiB read, data path (mean)",
+         "delete_ns (release everything)"]
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_size(s):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    return int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
+
+
+def pools_dirty(a):
+    """Chunks the pools of this phase's servers wait to be zeroed (their heads, read through
+    etcd's JSON gateway)."""
+    import base64
+    import urllib.request
+    b64 = lambda b: base64.b64encode(b).decode()
+    body = json.dumps({"key": b64(b"/skiff/pools/"), "range_end": b64(b"/skiff/pools0")}).encode()
+    with urllib.request.urlopen(urllib.request.Request(a.url + "/v3/kv/range", data=body), timeout=10) as r:
+        kvs = json.load(r).get("kvs", [])
+    mine = f"/skiff/pools/{a.prefix}".encode()
+    return sum(json.loads(base64.b64decode(kv["value"])).get("dirty", 0) for kv in kvs
+               if base64.b64decode(kv["key"]).startswith(mine))
+
+
+def wait_clean(a):
+    """Until every chunk given back has been zeroed: a run does not meet the last one's."""
+    deadline = time.time() + 600
+    while (left := pools_dirty(a)) > 0:
+        if time.time() > deadline:
+            raise SystemExit(f"{left} chunks never zeroed")
+        time.sleep(0.2)
+
+
+def costs(a, size, control_only):
+    wait_clean(a)
+    argv = [a.skiff, "ns", "--coordinator", a.url, "costs", "--size", size, "--chunk", a.chunk, "--json"]
+    if control_only:
+        argv.append("--control-only")
+    for _ in range(100):
+        p = subprocess.run(a.pl.client(argv), capture_output=True, text=True, timeout=3600)
+        if p.returncode == 0:
+            return json.loads(p.stdout)["us"]
+        if "being zeroed" not in p.stderr:
+            raise RuntimeError(f"skiff ns costs --size {size}: {p.stderr.strip()}")
+        time.sleep(0.5)
+    raise SystemExit("the pools never had their chunks back")
+
+
+def phantoms(a, n, pool):
+    """`skiff ns phantom` with n servers of `pool` bytes; returns once they are registered."""
+    proc = subprocess.Popen(
+        a.pl.server([a.skiff, "ns", "--coordinator", a.url, "phantom", "--servers", str(n), "--pool",
+                     str(pool), "--chunk", a.chunk, "--prefix", f"n{n}-"]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "registered" not in line:
+        raise SystemExit(f"skiff ns phantom: {proc.stderr.read()[-500:]}")
+    return proc
+
+
+def point(a, n, runs, control_only):
+    for rep in range(a.repeat):
+        for size in a.sizes:
+            r = costs(a, size, control_only)
+            runs.setdefault((n, size), []).append(r)
+            log(f"{n:>4} servers {size:>5} rep {rep + 1}/{a.repeat}: " +
+                ", ".join(f"{k} {v / 1000:,.1f} ms" for k, v in r.items()))
+
+
+def plot(path, med, counts, sizes, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot (python3 -m pip install matplotlib)")
+        return None
+    steps = [("reserve", "reserve (Fig. 6.5)"), ("alloc", "alloc (Fig. 6.6)"),
+             ("init (lookup and place)", "init: lookup and place (Fig. 6.7)")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    xs = [parse_size(s) / (1 << 30) for s in sizes]
+    for ax, (step, label) in zip(axes, steps):
+        for n in counts:
+            ys = [med[(n, s)].get(step, 0) / 1000 for s in sizes]
+            ax.plot(xs, ys, marker="o", label=f"{n} servers")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("namespace size (GiB)")
+        ax.set_ylabel("ms")
+        ax.set_title(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--servers", default="4,16,64,256")
+    p.add_argument("--sizes", default="1G,16G,256G,1T")
+    p.add_argument("--chunk", default="4M")
+    p.add_argument("--real", action="store_true", help="real memory servers and the full costs, map included")
+    p.add_argument("--real-pool", default="4G", help="RAM each real memory server donates")
+    p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--out", default="bench/results")
+    add_placement_args(p, "runs per point (default 3)")
+    a = p.parse_args()
+    a.repeat = a.repeat or 3
+    a.pl = Placement.from_args(a)
+    a.sizes = a.sizes.split(",")
+    a.threads = 1
+    counts = [int(n) for n in a.servers.split(",")]
+    largest = max(parse_size(s) for s in a.sizes)
+    chunk = parse_size(a.chunk)
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="skiff-control-") as scratch, coordinator(a, scratch):
+        for n in counts:
+            if a.real:
+                a.prefix = "127.0.0.1"
+                with memory_servers(a, [f"ram:{a.real_pool}"] * n):
+                    point(a, n, runs, control_only=False)
+                continue
+            # Room for the largest size, a tenth more, in whole chunks.
+            pool = -(-(largest * 11 // 10) // n // chunk) * chunk
+            a.prefix = f"n{n}-"
+            proc = phantoms(a, n, pool)
+            try:
+                point(a, n, runs, control_only=True)
+            finally:
+                stop(proc)
+    med = {k: median_record(v, key="reserve") for k, v in runs.items()}
+    kind = "real memory servers" if a.real else "phantom servers (no data)"
+    title = f"RStore control path against size and servers: {kind}, {a.chunk} chunks, 1 replica, median of {a.repeat}"
+    steps = [s for s in STEPS if any(s in m for m in med.values())]
+    print(f"### {title}\n")
+    print("| servers | size | " + " | ".join(steps) + " |")
+    print("|---:|---:|" + "---:|" * len(steps))
+    for n in counts:
+        for size in a.sizes:
+            m = med[(n, size)]
+            print(f"| {n} | {size} | " + " | ".join(f"{m[s] / 1000:,.2f} ms" if s in m else "" for s in steps) + " |")
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"rstore-control-scale-{time.strftime('%Y%m%d-%H%M%S')}")
+    with open(base + ".json", "w") as f:
+        json.dump({"title": title, "placement": a.pl.describe() if hasattr(a.pl, "describe") else a.placement,
+                   "chunk": a.chunk, "real": a.real,
+                   "median": [{"servers": n, "size": s, "us": med[(n, s)]} for n in counts for s in a.sizes],
+                   "runs": [{"servers": n, "size": s, "us": r} for (n, s), v in runs.items() for r in v]},
+                  f, indent=1)
+    png = plot(base + ".png", med, counts, a.sizes, title)
+    print(f"\n{base}.json" + (f", {png}" if png else ""))
+
+
+if __name__ == "__main__":
+    main()
