@@ -71,7 +71,7 @@ def wait_clean(a):
     deadline = time.time() + 600
     while (left := pools_dirty(a)) > 0:
         if time.time() > deadline:
-            raise SystemExit(f"{left} chunks never zeroed")
+            raise SystemExit(f"{left} chunks never zeroed: {open(a.phantom_log).read()[-800:]}")
         time.sleep(0.2)
 
 
@@ -95,10 +95,10 @@ def phantoms(a, n, pool):
     proc = subprocess.Popen(
         a.pl.server([a.skiff, "ns", "--coordinator", a.url, "phantom", "--servers", str(n), "--pool",
                      str(pool), "--chunk", a.chunk, "--prefix", f"n{n}-"]),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=open(a.phantom_log, "a"), text=True)
     line = proc.stdout.readline()
     if "registered" not in line:
-        raise SystemExit(f"skiff ns phantom: {proc.stderr.read()[-500:]}")
+        raise SystemExit(f"skiff ns phantom: see {a.phantom_log}")
     return proc
 
 
@@ -161,6 +161,8 @@ def main():
     chunk = parse_size(a.chunk)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="skiff-control-") as scratch, coordinator(a, scratch):
+        a.phantom_log = os.path.join(scratch, "phantom.log")
+        open(a.phantom_log, "w").close()
         for n in counts:
             if a.real:
                 a.prefix = "127.0.0.1"

@@ -336,7 +336,7 @@ fn hundreds_of_servers_and_dozens_of_clients_keep_every_record_whole() {
         }));
     }
     // The repair leader, and the sources' copies.
-    let repaired = Arc::new(Mutex::new((0usize, 0usize, 0usize)));
+    let repaired = Arc::new(Mutex::new((0usize, 0usize, 0usize, 0usize)));
     {
         let (phantoms, stop, c, repaired) = (phantoms.clone(), stop.clone(), c.again(), repaired.clone());
         background.push(std::thread::spawn(move || {
@@ -360,6 +360,24 @@ fn hundreds_of_servers_and_dozens_of_clients_keep_every_record_whole() {
                     })
                     .collect();
                 repaired.lock().unwrap().2 += serve_repairs(&c, &up);
+                // The servers up zero what was given back, a whole pool's worth at once after a
+                // delete (a transaction of many extents and their generations).
+                for id in &up {
+                    let Ok(dirty) = c.dirty(id) else { continue };
+                    let generations: BTreeMap<u64, u32> =
+                        c.generations(id).unwrap_or_default().into_iter().collect();
+                    let zeroed: Vec<(u64, u32)> = dirty
+                        .iter()
+                        .map(|&chunk| (chunk, generations.get(&chunk).copied().unwrap_or(0) + 1))
+                        .collect();
+                    match c.cleaned(id, &zeroed) {
+                        Ok(()) => repaired.lock().unwrap().3 += zeroed.len(),
+                        // Contention is worth another try; anything else (a refused
+                        // transaction) is a bug.
+                        Err(CoordError::Contended(_)) => {}
+                        Err(e) => panic!("marking {id}'s zeroed chunks free: {e}"),
+                    }
+                }
                 std::thread::sleep(config.every);
             }
         }));
@@ -392,7 +410,7 @@ fn hundreds_of_servers_and_dozens_of_clients_keep_every_record_whole() {
     let waiting = Instant::now();
     loop {
         let events: u64 = events.lock().unwrap().values().sum();
-        let (stale, started, finished) = *repaired.lock().unwrap();
+        let (stale, started, finished, _) = *repaired.lock().unwrap();
         if events >= 40 && stale > 0 && started > 0 && finished > 0 {
             break;
         }
@@ -529,7 +547,7 @@ fn hundreds_of_servers_and_dozens_of_clients_keep_every_record_whole() {
         checked += 1;
     }
 
-    let (stale, started, finished) = *repaired.lock().unwrap();
+    let (stale, started, finished, zeroed) = *repaired.lock().unwrap();
     let errors = errors.lock().unwrap().clone();
     let report = serde_json::json!({
         "servers": servers, "clients": clients, "rounds": rounds, "seed": seed,
@@ -537,6 +555,7 @@ fn hundreds_of_servers_and_dozens_of_clients_keep_every_record_whole() {
         "register_us": register_us.round(),
         "events": *events.lock().unwrap(),
         "repair": { "marked_stale": stale, "started": started, "finished": finished },
+        "zeroed": zeroed,
         "errors": errors,
         "records": all.len(), "record_bytes": bytes, "largest_record": largest,
         "stripes_held": stripes_held, "models_checked": checked,

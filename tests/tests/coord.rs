@@ -240,3 +240,36 @@ fn a_cluster_of_three_goes_on_when_a_member_is_killed() {
     let addr = c.alloc("t", 8 * MIB, None).unwrap();
     assert_eq!(c.lookup("t", 0).unwrap(), addr);
 }
+
+/// A namespace far past what one record could hold: a pool of 128 extents (131,072 chunks) is
+/// reserved whole, allocated in one piece, given back by a delete, and zeroed in one call: each
+/// step stays inside etcd's request and transaction bounds, every record stays small, and the
+/// chunks come back at their new generation.
+#[test]
+fn a_pool_of_many_extents_is_reserved_whole_given_back_and_zeroed() {
+    const CHUNKS: u64 = 128 * coord::schema::EXTENT_CHUNKS;
+    let etcd = Cluster::start(1);
+    let c = Coordinator::connect(&etcd.endpoints());
+    let big = ServerInfo { chunk_bytes: 512, ..server("big", CHUNKS * 512) };
+    let _big = c.register(&big, Duration::from_secs(60)).unwrap();
+    c.create_ns("wide", Scope::Ram, 512, 1).unwrap();
+    assert_eq!(run_len(&c.reserve("wide", CHUNKS * 512).unwrap().reserved), CHUNKS);
+    assert!(matches!(c.reserve("wide", 512), Err(CoordError::NoCapacity { have: 0, .. })));
+    let r = c.alloc("wide", CHUNKS * 512, None).unwrap();
+    assert_eq!(r.stripes.len() as u64, CHUNKS);
+    let largest = c.etcd().prefix(b"/skiff/").unwrap().iter().map(|kv| kv.value.len()).max().unwrap();
+    assert!(largest < 64 << 10, "a record of {largest} bytes");
+    c.delete_ns("wide").unwrap();
+    let dirty = c.dirty("big").unwrap();
+    assert_eq!(dirty.len() as u64, CHUNKS);
+    let zeroed: Vec<(u64, u32)> = dirty.iter().map(|&chunk| (chunk, 3)).collect();
+    c.cleaned("big", &zeroed).unwrap();
+    assert!(c.dirty("big").unwrap().is_empty());
+    assert_eq!(c.pool("big").unwrap().unwrap().free, CHUNKS);
+    let generations = c.generations("big").unwrap();
+    assert!(generations.len() as u64 == CHUNKS && generations.iter().all(|&(_, g)| g == 3));
+    c.create_ns("again", Scope::Ram, 512, 1).unwrap();
+    c.reserve("again", 4 * 512).unwrap();
+    let again = c.join_ns("again").unwrap();
+    assert!(again.reserved.iter().all(|s| s[0].generation == 3), "{:?}", again.reserved);
+}

@@ -1484,11 +1484,12 @@ impl Coordinator {
     /// to hand out, and their next owners' grants carry those generations. One transaction
     /// for a few extents' worth (the zeroer hands back a batch at a time).
     pub fn cleaned(&self, id: &str, chunks: &[(u64, u32)]) -> Result<(), CoordError> {
-        // Batches of as many chunks as lie in POOL_OPS_MAX - 1 extents (and the head).
+        // Batches of as many chunks as lie in (POOL_OPS_MAX - 1) / 2 extents: each writes its
+        // extent and its generations, beside the head.
         let mut batches: Vec<&[(u64, u32)]> = Vec::new();
         let (mut from, mut extents) = (0, BTreeSet::new());
         for (i, &(c, _)) in chunks.iter().enumerate() {
-            if extents.insert(c / EXTENT_CHUNKS) && extents.len() >= POOL_OPS_MAX {
+            if extents.insert(c / EXTENT_CHUNKS) && extents.len() > (POOL_OPS_MAX - 1) / 2 {
                 batches.push(&chunks[from..i]);
                 (from, extents) = (i, BTreeSet::from([c / EXTENT_CHUNKS]));
             }
