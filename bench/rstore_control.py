@@ -61,9 +61,14 @@ def pools_dirty(a):
     body = json.dumps({"key": b64(b"/skiff/pools/"), "range_end": b64(b"/skiff/pools0")}).encode()
     with urllib.request.urlopen(urllib.request.Request(a.url + "/v3/kv/range", data=body), timeout=10) as r:
         kvs = json.load(r).get("kvs", [])
-    mine = f"/skiff/pools/{a.prefix}".encode()
+    if a.real:
+        # Real servers are named by their endpoints: only those registered now zero.
+        live = {s["id"] for s in json.loads(ns(a, "servers", "--json"))}
+        mine = lambda key: key.decode()[len("/skiff/pools/"):] in live
+    else:
+        mine = lambda key: key.startswith(f"/skiff/pools/{a.prefix}".encode())
     return sum(json.loads(base64.b64decode(kv["value"])).get("dirty", 0) for kv in kvs
-               if base64.b64decode(kv["key"]).startswith(mine))
+               if mine(base64.b64decode(kv["key"])))
 
 
 def wait_clean(a):
@@ -165,7 +170,6 @@ def main():
         open(a.phantom_log, "w").close()
         for n in counts:
             if a.real:
-                a.prefix = "127.0.0.1"
                 with memory_servers(a, [f"ram:{a.real_pool}"] * n):
                     point(a, n, runs, control_only=False)
                 continue
