@@ -909,7 +909,8 @@ impl Coordinator {
     }
 
     /// Give up to `bytes` of namespace `name`'s unallocated reserve back to the pools, from
-    /// its last slots, in one transaction a group (or fewer slots) at a time.
+    /// its last slots, in one transaction up to four groups at a time (fewer when their
+    /// chunks span many servers).
     pub fn release(&self, name: &str, bytes: u64) -> Result<NsHead, CoordError> {
         let (head, _) = self.read_head(name)?;
         let mut left = bytes / head.chunk_bytes;
@@ -924,19 +925,24 @@ impl Coordinator {
     }
 
     /// Give back to the pools up to `max` reserved slots of namespace `name` that lie in
-    /// `within`, the last ones first, all in one group, in one transaction. How many it gave
-    /// back (0: none left).
+    /// `within`, the last ones first, over up to `STEP_GROUPS` groups, in one transaction. How
+    /// many it gave back (0: none left).
     fn release_step(&self, name: &str, within: Run, max: u64, deleting: bool) -> Result<u64, CoordError> {
         self.retry(name, || {
             let (mut head, rev) = if deleting { self.read_head_any(name)? } else { self.read_head(name)? };
-            let Some(last) = intersect(&head.reserved, within).pop() else { return Ok(Some(0)) };
-            let g = group_of(last.end() - 1);
-            let low = last.0.max(g * GROUP_STRIPES);
-            let (mut group, grev) = self.read_group(name, g)?;
+            let reserved = intersect(&head.reserved, within);
+            let Some(last) = reserved.last() else { return Ok(Some(0)) };
+            // The last slots first, over up to STEP_GROUPS groups.
+            let low = group_of(last.end() - 1).saturating_sub(STEP_GROUPS - 1) * GROUP_STRIPES;
+            let candidates = intersect(&reserved, Run(low, u64::MAX - low));
+            let mut slots: Vec<u64> = coord::schema::slots(&candidates).collect();
+            slots.reverse();
+            let gs: Vec<u64> = by_group(&candidates).into_keys().collect();
+            let mut groups = self.read_groups(name, &gs)?;
             let mut pools = Pools::new(&self.etcd);
-            let copies: BTreeSet<(&str, u64)> = (low..last.end())
-                .rev()
-                .filter_map(|slot| group.get(slot))
+            let copies: BTreeSet<(&str, u64)> = slots
+                .iter()
+                .filter_map(|&slot| groups.get(&group_of(slot)).and_then(|g| g.0.get(slot)))
                 .flatten()
                 .map(|c| (c.server.as_str(), c.index / EXTENT_CHUNKS))
                 .take(POOL_OPS_MAX / 2)
@@ -944,10 +950,11 @@ impl Coordinator {
             let ids: BTreeSet<&str> = copies.iter().map(|c| c.0).collect();
             pools.prefetch(&ids.into_iter().collect::<Vec<_>>(), &copies.into_iter().collect::<Vec<_>>())?;
             let mut n = 0;
-            for slot in (low..last.end()).rev() {
+            for &slot in &slots {
                 if n == max || pools.changed() + 2 * head.replicas as usize > POOL_OPS_MAX {
                     break;
                 }
+                let group = &mut groups.get_mut(&group_of(slot)).expect("read above").0;
                 if let Some(stripe) = group.get_mut(slot) {
                     for c in std::mem::take(stripe) {
                         pools.give_back(&c)?;
@@ -955,10 +962,17 @@ impl Coordinator {
                 }
                 n += 1;
             }
-            remove_run(&mut head.reserved, Run(last.end() - n, n));
+            let mut given = candidates;
+            for r in coord::schema::take_last_runs(&mut given, n) {
+                remove_run(&mut head.reserved, r);
+            }
             let mut compare = vec![Compare::ModRevision(key(NAMESPACES, name), rev)];
             let mut ops = vec![Op::Put { key: key(NAMESPACES, name), value: encode(&head), lease: 0 }];
-            group_txn(name, g, &group, grev, &mut compare, &mut ops);
+            let touched: BTreeSet<u64> = slots.iter().take(n as usize).map(|&s| group_of(s)).collect();
+            for g in touched {
+                let (group, grev) = &groups[&g];
+                group_txn(name, g, group, *grev, &mut compare, &mut ops);
+            }
             pools.into_txn(&mut compare, &mut ops);
             Ok(self.etcd.txn(&compare, &ops, &[])?.then_some(n))
         })
