@@ -585,6 +585,13 @@ impl StripeGroup {
         self.stripes.get_mut((slot % GROUP_STRIPES) as usize).filter(|s| !s.is_empty())
     }
 
+    /// The group's epoch counter and the stripe in `slot` (of this group), if filled, apart:
+    /// what `rstore::repair`'s transitions take.
+    pub fn slot_mut(&mut self, slot: u64) -> Option<(&mut u32, &mut Stripe)> {
+        let stripe = self.stripes.get_mut((slot % GROUP_STRIPES) as usize).filter(|s| !s.is_empty())?;
+        Some((&mut self.epoch, stripe))
+    }
+
     /// Put `stripe` in `slot` (of this group).
     pub fn put(&mut self, slot: u64, stripe: Stripe) {
         let i = (slot % GROUP_STRIPES) as usize;

@@ -240,6 +240,20 @@ const STEP_GROUPS: u64 = 4;
 /// Pool records one transaction changes at most (heads and extents), beside the namespace's.
 const POOL_OPS_MAX: usize = coord::schema::TXN_OPS_MAX - 2 - 2 * STEP_GROUPS as usize;
 
+/// Whether copy `c` is mapped (not stale) though its server is not registered in its
+/// incarnation: a map resolved now marks it stale first.
+fn gone(live: &[ServerInfo], c: &ChunkRef) -> bool {
+    c.state != CopyState::Stale && repair::holder(live, c).is_none()
+}
+
+/// A record read (with its revision), or `empty` at revision 0 when there is none.
+fn or_empty<T: coord::schema::Record>(kv: Option<coord::etcd::Kv>, empty: T) -> Result<(T, i64), CoordError> {
+    match kv {
+        Some(kv) => Ok((decode(&kv)?, kv.mod_revision)),
+        None => Ok((empty, 0)),
+    }
+}
+
 /// The pool records one transaction reads and changes: each server's head and the extents it
 /// touches, with the revisions read (0: no record), so the transaction goes through only if
 /// nobody changed them meanwhile.
@@ -281,17 +295,13 @@ impl<'a> Pools<'a> {
             self.heads.insert(id.to_owned(), head);
         }
         for &(id, e) in &extents {
-            let extent = match read.next().flatten() {
-                Some(kv) => (decode(&kv)?, kv.mod_revision, false),
-                None => (Extent::default(), 0, false),
-            };
+            let extent =
+                or_empty(read.next().flatten(), Extent::default()).map(|(v, rev)| (v, rev, false))?;
             self.extents.insert((id.to_owned(), e), extent);
         }
         for (id, e) in extents {
-            let generations = match read.next().flatten() {
-                Some(kv) => (decode(&kv)?, kv.mod_revision, false),
-                None => (Generations::default(), 0, false),
-            };
+            let generations =
+                or_empty(read.next().flatten(), Generations::default()).map(|(v, rev)| (v, rev, false))?;
             self.generations.entry((id.to_owned(), e)).or_insert(generations);
         }
         Ok(())
@@ -302,10 +312,8 @@ impl<'a> Pools<'a> {
     fn generations(&mut self, id: &str, e: u64, write: bool) -> Result<&mut Generations, CoordError> {
         let k = (id.to_owned(), e);
         if !self.generations.contains_key(&k) {
-            let read = match self.etcd.get(&generations_key(id, e))? {
-                Some(kv) => (decode(&kv)?, kv.mod_revision, false),
-                None => (Generations::default(), 0, false),
-            };
+            let read = or_empty(self.etcd.get(&generations_key(id, e))?, Generations::default())
+                .map(|(v, rev)| (v, rev, false))?;
             self.generations.insert(k.clone(), read);
         }
         let (generations, _, changed) = self.generations.get_mut(&k).expect("read above");
@@ -330,10 +338,8 @@ impl<'a> Pools<'a> {
     fn extent(&mut self, id: &str, e: u64) -> Result<&mut Extent, CoordError> {
         let k = (id.to_owned(), e);
         if !self.extents.contains_key(&k) {
-            let read = match self.etcd.get(&extent_key(id, e))? {
-                Some(kv) => (decode(&kv)?, kv.mod_revision, false),
-                None => (Extent::default(), 0, false),
-            };
+            let read = or_empty(self.etcd.get(&extent_key(id, e))?, Extent::default())
+                .map(|(v, rev)| (v, rev, false))?;
             self.extents.insert(k.clone(), read);
         }
         let (extent, _, changed) = self.extents.get_mut(&k).expect("read above");
@@ -714,10 +720,7 @@ impl Coordinator {
     /// Group `g` of namespace `name`, with its revision (an empty group and 0 when it has no
     /// record).
     fn read_group(&self, name: &str, g: u64) -> Result<(StripeGroup, i64), CoordError> {
-        match self.etcd.get(&group_key(name, g))? {
-            Some(kv) => Ok((decode(&kv)?, kv.mod_revision)),
-            None => Ok((StripeGroup::default(), 0)),
-        }
+        or_empty(self.etcd.get(&group_key(name, g))?, StripeGroup::default())
     }
 
     /// Groups `gs` of namespace `name`, with their revisions, read a hundred to a round trip.
@@ -725,10 +728,7 @@ impl Coordinator {
         let keys: Vec<Vec<u8>> = gs.iter().map(|&g| group_key(name, g)).collect();
         let mut out = BTreeMap::new();
         for (&g, kv) in gs.iter().zip(self.etcd.get_many(&keys)?) {
-            let read = match kv {
-                Some(kv) => (decode(&kv)?, kv.mod_revision),
-                None => (StripeGroup::default(), 0),
-            };
+            let read = or_empty(kv, StripeGroup::default())?;
             out.insert(g, read);
         }
         Ok(out)
@@ -1123,11 +1123,7 @@ impl Coordinator {
         let mut revs = Revisions { alloc: arev, groups: BTreeMap::new(), complete: true };
         for (g, slots) in slots_by_group {
             let lost = |group: &StripeGroup| {
-                slots
-                    .iter()
-                    .filter_map(|&s| group.get(s))
-                    .flatten()
-                    .any(|c| c.state != CopyState::Stale && repair::holder(&live, c).is_none())
+                slots.iter().filter_map(|&s| group.get(s)).flatten().any(|c| gone(&live, c))
             };
             let first = read.remove(&g).unwrap_or_default();
             // Most maps change nothing: the group read with the others serves.
@@ -1140,13 +1136,11 @@ impl Coordinator {
             let group = self.change_group_from(name, g, Some(first), |group| {
                 let mut changed = false;
                 for &slot in &slots {
-                    let epoch = &mut group.epoch;
-                    let Some(stripe) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else {
+                    let Some((epoch, stripe)) = group.slot_mut(slot) else {
                         continue;
                     };
                     for i in 0..stripe.len() {
-                        if stripe[i].state != CopyState::Stale && repair::holder(&live, &stripe[i]).is_none()
-                        {
+                        if gone(&live, &stripe[i]) {
                             changed |= repair::mark_stale(epoch, stripe, i, &live, now);
                         }
                     }
@@ -1172,8 +1166,7 @@ impl Coordinator {
             self.change_group(name, g, |group| {
                 let mut changed = false;
                 for &slot in &slots {
-                    let epoch = &mut group.epoch;
-                    let Some(stripe) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else {
+                    let Some((epoch, stripe)) = group.slot_mut(slot) else {
                         continue;
                     };
                     if let Some(i) = stripe.iter().position(|c| c.server == id) {
@@ -1279,8 +1272,7 @@ impl Coordinator {
                 }
             }
             let Some(chunk) = spare else { return Ok(Some(false)) };
-            let epoch = &mut group.epoch;
-            let Some(stripe) = group.stripes.get_mut((r.stripe % GROUP_STRIPES) as usize) else {
+            let Some((epoch, stripe)) = group.slot_mut(r.stripe) else {
                 return Ok(Some(false));
             };
             let Some(old) = repair::relocate(epoch, stripe, r, chunk, &live) else { return Ok(Some(false)) };
@@ -1318,8 +1310,7 @@ impl Coordinator {
             total += self.change_group(name, g, |group| {
                 let mut n = 0;
                 for d in &done {
-                    let epoch = &mut group.epoch;
-                    let Some(st) = group.stripes.get_mut((d.slot % GROUP_STRIPES) as usize) else { continue };
+                    let Some((epoch, st)) = group.slot_mut(d.slot) else { continue };
                     n += usize::from(d.copy < st.len() && repair::finish(epoch, st, d.copy, from, d.epoch));
                 }
                 Ok((n, n > 0))
@@ -1342,8 +1333,7 @@ impl Coordinator {
         let live = self.servers()?;
         let now = unix_ms();
         self.change_group(name, group_of(slot), |group| {
-            let epoch = &mut group.epoch;
-            let Some(st) = group.stripes.get_mut((slot % GROUP_STRIPES) as usize) else {
+            let Some((epoch, st)) = group.slot_mut(slot) else {
                 return Ok((false, false));
             };
             let ours = st
