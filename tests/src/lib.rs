@@ -26,6 +26,14 @@ pub fn start_target_with(exports: &[&str], tweak: impl FnOnce(&mut TargetConfig)
     Target::start(config).expect("target starts")
 }
 
+/// `n` distinct free loopback ports: each is held until all are chosen, so no two are the
+/// same (another process may still take one before its user binds it).
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
+    held.iter().map(|l| l.local_addr().expect("a bound port").port()).collect()
+}
+
 pub fn tcp_endpoint(t: &Target) -> Endpoint {
     t.endpoints().iter().find(|e| matches!(e, Endpoint::Tcp(_))).expect("a TCP listener").clone()
 }
@@ -729,14 +737,14 @@ pub mod verify {
 /// one member or a cluster of several, each with a data directory of its own, killed and
 /// removed on drop even when a test fails.
 pub mod etcd {
-    use std::net::TcpListener;
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
 
-    /// A free loopback port (free when asked; etcd binds it right after).
-    fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port()
-    }
+    use std::path::PathBuf;
+
+    /// How many times a cluster is started afresh, on new ports, when a member exits while it
+    /// starts (most often because another process took one of its ports in between).
+    const STARTS: usize = 3;
 
     /// The members of one etcd cluster.
     pub struct Cluster {
@@ -744,15 +752,33 @@ pub mod etcd {
         /// How each member was started, to start it again.
         commands: Vec<Vec<std::ffi::OsString>>,
         client_urls: Vec<String>,
+        /// Member `i`'s output, for the message when it exits.
+        logs: Vec<PathBuf>,
         _dir: tempfile::TempDir,
     }
 
     impl Cluster {
-        /// Start `n` members and wait until the cluster answers.
+        /// Start `n` members and wait until the cluster answers. A member that exits while
+        /// the cluster starts (a port taken by another process between choosing and binding
+        /// it) has the whole cluster started again on new ports; a cluster that never answers
+        /// fails the test, with what etcd said.
         pub fn start(n: usize) -> Cluster {
             let _ = crate::tool("etcd", "etcd-server");
+            for attempt in 1..=STARTS {
+                let mut cluster = Cluster::spawn_all(n);
+                match cluster.wait_ready() {
+                    Ok(()) => return cluster,
+                    Err(e) if attempt < STARTS => eprintln!("etcd: start {attempt} of {STARTS} failed: {e}"),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            unreachable!("the last start returns or panics")
+        }
+
+        fn spawn_all(n: usize) -> Cluster {
             let dir = tempfile::tempdir().expect("a directory for etcd's data");
-            let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+            let ports = crate::free_ports(2 * n);
+            let ports: Vec<(u16, u16)> = ports.chunks(2).map(|p| (p[0], p[1])).collect();
             let token = format!("skiff-test-{}-{}", std::process::id(), ports[0].0);
             let initial: Vec<String> = ports
                 .iter()
@@ -762,6 +788,7 @@ pub mod etcd {
             let mut members = Vec::new();
             let mut commands = Vec::new();
             let mut client_urls = Vec::new();
+            let mut logs = Vec::new();
             for (i, (client, peer)) in ports.iter().enumerate() {
                 let client_url = format!("http://127.0.0.1:{client}");
                 let peer_url = format!("http://127.0.0.1:{peer}");
@@ -784,13 +811,13 @@ pub mod etcd {
                 .flatten()
                 .map(std::ffi::OsString::from)
                 .collect();
-                members.push(Some(spawn(&args)));
+                let log = dir.path().join(format!("m{i}.log"));
+                members.push(Some(spawn(&args, &log)));
                 commands.push(args);
                 client_urls.push(client_url);
+                logs.push(log);
             }
-            let cluster = Cluster { members, commands, client_urls, _dir: dir };
-            cluster.wait_ready();
-            cluster
+            Cluster { members, commands, client_urls, logs, _dir: dir }
         }
 
         /// Every member's client URL.
@@ -815,40 +842,57 @@ pub mod etcd {
         /// the cluster answers.
         pub fn restart(&mut self, i: usize) {
             self.kill(i);
-            self.members[i] = Some(spawn(&self.commands[i]));
-            self.wait_ready();
+            self.members[i] = Some(spawn(&self.commands[i], &self.logs[i]));
+            if let Err(e) = self.wait_ready() {
+                panic!("{e}");
+            }
         }
 
         /// Wait until every running member serves reads through the cluster (a quorum
-        /// formed); a cluster that never does fails the test, with what etcd said.
-        fn wait_ready(&self) {
+        /// formed). Fails, with the end of its log, as soon as a member exits, or after a
+        /// minute without an answer.
+        fn wait_ready(&mut self) -> Result<(), String> {
             let start = Instant::now();
-            for (i, url) in self.client_urls.iter().enumerate() {
+            for i in 0..self.client_urls.len() {
+                let url = &self.client_urls[i];
                 let etcd = coord::etcd::Etcd::new(std::slice::from_ref(url), Duration::from_secs(2));
                 loop {
-                    match etcd.get(b"/skiff-test/ready") {
+                    let e = match etcd.get(b"/skiff-test/ready") {
                         Ok(_) => break,
-                        Err(e) => {
-                            assert!(
-                                start.elapsed() < Duration::from_secs(60),
-                                "etcd member {i} at {url} never answered: {e}"
-                            );
-                            std::thread::sleep(Duration::from_millis(50));
-                        }
+                        Err(e) => e,
+                    };
+                    let exited = self
+                        .members
+                        .iter_mut()
+                        .enumerate()
+                        .find_map(|(m, c)| Some((m, c.as_mut()?.try_wait().ok()??)));
+                    if let Some((m, status)) = exited {
+                        return Err(format!("etcd member {m} exited ({status}): {}", self.tail(m)));
                     }
+                    if start.elapsed() > Duration::from_secs(60) {
+                        return Err(format!(
+                            "etcd member {i} at {url} never answered: {e}: {}",
+                            self.tail(i)
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
                 }
             }
+            Ok(())
+        }
+
+        /// The last lines member `i` wrote.
+        fn tail(&self, i: usize) -> String {
+            let log = std::fs::read_to_string(&self.logs[i]).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            lines[lines.len().saturating_sub(5)..].join("\n")
         }
     }
 
-    /// An etcd member started with `args`, its output dropped.
-    fn spawn(args: &[std::ffi::OsString]) -> Child {
-        Command::new("etcd")
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start etcd")
+    /// An etcd member started with `args`, its output written to `log`.
+    fn spawn(args: &[std::ffi::OsString], log: &std::path::Path) -> Child {
+        let out = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("etcd's log");
+        Command::new("etcd").args(args).stdout(Stdio::null()).stderr(out).spawn().expect("start etcd")
     }
 
     impl Drop for Cluster {

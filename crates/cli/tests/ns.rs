@@ -237,12 +237,6 @@ fn serve_refuses_bad_pool_settings() {
     }
 }
 
-/// A free loopback port, for a memory server that must come back on the same address (its
-/// id).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// A memory server over `file` listening on `port`, repairing at full speed.
 fn file_server(url: &str, file: &std::path::Path, port: u16) -> KillOnDrop {
     KillOnDrop(
@@ -284,7 +278,8 @@ fn a_memory_server_killed_and_back_with_its_file_is_repaired_under_load() {
     for f in &files {
         std::fs::File::create(f).unwrap().set_len(16 << 20).unwrap();
     }
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    // Fixed ports: a server must come back on the same address (its id).
+    let ports = skiff_tests::free_ports(3);
     let mut servers: Vec<KillOnDrop> = (0..3).map(|i| file_server(&url, &files[i], ports[i])).collect();
     wait_servers(&url, 3);
     ns(&url, &["create", "heal", "--size", "8M", "--chunk", "1M", "--replicas", "2", "--scope", "file"]);
@@ -374,8 +369,7 @@ fn etcd_over_tls_with_client_certificates() {
     skiff_tests::certs::make(dir.path());
     skiff_tests::certs::etcd(dir.path());
     let pem = |f: &str| dir.path().join(f).display().to_string();
-    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (client, peer) = (free(), free());
+    let [client, peer] = skiff_tests::free_ports(2)[..] else { unreachable!("two ports") };
     let url = format!("https://127.0.0.1:{client}");
     let peer_url = format!("http://127.0.0.1:{peer}");
     let _etcd = KillOnDrop(
