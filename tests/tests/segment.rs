@@ -602,3 +602,81 @@ fn a_cached_map_serves_while_its_allocation_stands_and_never_after() {
     c.free("cached", 0).unwrap();
     assert!(!c.map_cached("cached", 0), "a client's own free forgets its map");
 }
+
+/// Connections are kept across mappings (thesis 6.3.2): a segment unmapped leaves its idle
+/// lanes to its coordinator, and the next segment mapped to the same servers presents its own
+/// grants on them and makes no connection; it reaches its own chunks through them, the first
+/// allocation's bytes are untouched, and a kept lane holding a chunk's grant of an earlier
+/// generation reaches that chunk no more. A server shut down while its lane was kept costs
+/// the next mapping nothing (two copies): the lane fails its grants, a new connection fails,
+/// and the segment heals around the server.
+#[test]
+fn unmapped_segments_leave_their_connections_to_the_next_mapping() {
+    use initiator::Status;
+    let etcd = Cluster::start(1);
+    let c = Coordinator::connect(&etcd.endpoints());
+    let (mut targets, _regs) = servers(&c);
+    let accepted = |ts: &[server::Target]| -> u64 {
+        ts.iter().map(|t| t.stats().get("connections_accepted").unwrap()).sum()
+    };
+    c.create_ns("conns", Scope::Ram, MIB, 2).unwrap();
+    c.reserve("conns", 12 * MIB).unwrap();
+    let first = c.alloc("conns", 3 * MIB, Some(0)).unwrap();
+    let second = c.alloc("conns", 3 * MIB, Some(8 * MIB)).unwrap();
+    let servers_of = |r: &RAddress| -> std::collections::BTreeSet<String> {
+        r.stripes.iter().flatten().map(|copy| copy.server.clone()).collect()
+    };
+    let mut seg = c.map("conns", 0, &LaneConfig::default()).unwrap();
+    fill(&mut seg, 1, 64 << 10);
+    drop(seg);
+    let s0 = c.connections().stats();
+    assert_eq!((s0.opened, s0.reused, s0.idle), (servers_of(&first).len() as u64, 0, s0.opened), "{s0:?}");
+    let before = accepted(&targets);
+
+    // Another allocation, mapped by another client of the coordinator: its lanes are the kept
+    // ones, the servers accept no connection.
+    let mut seg = c.again().map("conns", 8 * MIB, &LaneConfig::default()).unwrap();
+    fill(&mut seg, 2, 64 << 10);
+    check(&mut seg, 2, 64 << 10);
+    let lanes = seg.lane_stats();
+    drop(seg);
+    let s1 = c.connections().stats();
+    let shared = servers_of(&first).intersection(&servers_of(&second)).count() as u64;
+    assert!(shared > 0, "the two allocations share a server");
+    assert_eq!(s1.reused, shared, "{s1:?}");
+    assert_eq!(s1.opened, s0.opened + servers_of(&second).len() as u64 - shared, "{s1:?}");
+    assert_eq!(accepted(&targets), before + s1.opened - s0.opened, "no connection for a kept lane");
+    // Two copies written, one read: 48 writes of 64 KiB twice, 48 reads.
+    assert_eq!(lanes.completed, 3 * (3 * MIB / (64 << 10)), "a kept lane counts only this mapping's work");
+    let mut seg = c.map("conns", 0, &LaneConfig::default()).unwrap();
+    check(&mut seg, 1, 64 << 10);
+    drop(seg);
+    let s2 = c.connections().stats();
+    assert_eq!(s2.opened, s1.opened, "every server had a kept lane: {s2:?}");
+
+    // The first allocation's chunks retired on a server: a kept lane to it holds their old
+    // grants and reaches them no more.
+    let copy = &first.stripes[0][0];
+    let t = targets.iter().find(|t| tcp_endpoint(t).to_string() == copy.server).expect("the copy's server");
+    t.pool("pool").unwrap().retire(&[copy.index]);
+    let mut kept = c
+        .connections()
+        .open(
+            &tcp_endpoint(t),
+            "pool",
+            &LaneConfig { reconnect: initiator::ReconnectConfig::OFF, ..LaneConfig::default() },
+        )
+        .unwrap();
+    assert_eq!(c.connections().stats().reused, s2.reused + 1, "the lane is a kept one");
+    assert_eq!(read_status(&mut kept, copy.index * MIB, 512), Status::StaleCapability);
+    drop(kept);
+
+    // A server shut down while its lane is kept: the second allocation maps and serves all
+    // the same, from its other copies.
+    let gone = second.stripes[0][0].server.clone();
+    let i = targets.iter().position(|t| tcp_endpoint(t).to_string() == gone).unwrap();
+    targets.remove(i).shutdown();
+    let mut seg = c.map("conns", 8 * MIB, &LaneConfig::default()).unwrap();
+    check(&mut seg, 2, 64 << 10);
+    assert!(seg.failed().iter().all(|f| f.starts_with(&gone)), "{:?}", seg.failed());
+}

@@ -344,6 +344,31 @@ impl<B: IoBuf> Lane<B> {
         LaneStats::of(self.session.stats(), &self.conn, self.complete_ns, &self.reconnect)
     }
 
+    /// Present more chunk grants for the lane's export on its open connection (`GRANT`,
+    /// docs/PROTOCOL.md, section 14.6), as a connection reused for another mapping does. The
+    /// lane must be idle (nothing in flight) and connected, and must not reconnect (a
+    /// reconnection presents the grants it was configured with, which these would not be).
+    /// A grant refused fails with its status; the connection goes on, holding what it held.
+    pub fn grant(&mut self, grants: &[wire::Capability]) -> Result<()> {
+        if self.in_flight() > 0 || self.reconnect.config().is_on() {
+            return Err(Error::InvalidArgument(
+                "grants are presented on an idle lane that does not reconnect",
+            ));
+        }
+        if self.session.is_broken() || self.reconnect.is_lost() {
+            return Err(Error::Closed);
+        }
+        for batch in grants.chunks(wire::GRANTS_PER_FRAME_MAX) {
+            let grant = wire::Grant { handle: self.session.handle(), caps: batch.to_vec() };
+            let (h, body) = self.conn.call(FrameKind::Grant, &grant.encode())?;
+            let answer = proto::client::expect(&h, &body, FrameKind::GrantReply, wire::GrantReply::decode)?;
+            if !answer.status.is_ok() {
+                return Err(Error::Refused(answer.status));
+            }
+        }
+        Ok(())
+    }
+
     /// Queue any request; the typed `submit_*` methods of [`crate::Queue`] are the usual entry
     /// points. The target judges range, alignment and permissions; the lane refuses only what
     /// it cannot frame. A request that is accepted completes exactly once, through `poll` or

@@ -31,6 +31,7 @@ use coord::{
 };
 use serde::Serialize;
 
+use crate::connections::Connections;
 use crate::repair;
 use crate::segment::{Location, MapSource, Segment, SegmentMap, SourceError};
 
@@ -470,12 +471,17 @@ fn by_group(runs: &[Run]) -> BTreeMap<u64, Vec<u64>> {
 pub struct Coordinator {
     etcd: Etcd,
     maps: MapCache,
+    connections: Connections,
 }
 
 impl Coordinator {
     /// The coordinator at `endpoints` (etcd client URLs, e.g. `http://127.0.0.1:2379`).
     pub fn connect(endpoints: &[String]) -> Coordinator {
-        Coordinator { etcd: Etcd::new(endpoints, Duration::from_secs(5)), maps: MapCache::default() }
+        Coordinator {
+            etcd: Etcd::new(endpoints, Duration::from_secs(5)),
+            maps: MapCache::default(),
+            connections: Connections::new(),
+        }
     }
 
     /// The coordinator at `endpoints`, reaching `https://` members with `tls` (the CA of their
@@ -483,13 +489,23 @@ impl Coordinator {
     /// PEM files cannot be read.
     pub fn connect_with(endpoints: &[String], tls: Option<Tls>) -> Result<Coordinator, CoordError> {
         let etcd = Etcd::with_tls(endpoints, Duration::from_secs(5), tls).map_err(CoordError::Invalid)?;
-        Ok(Coordinator { etcd, maps: MapCache::default() })
+        Ok(Coordinator { etcd, maps: MapCache::default(), connections: Connections::new() })
     }
 
     /// Another client of the same coordinator, reached the same way (for a thread of its own),
-    /// sharing this one's cached maps.
+    /// sharing this one's cached maps and kept connections.
     pub fn again(&self) -> Coordinator {
-        Coordinator { etcd: self.etcd.again(), maps: self.maps.clone() }
+        Coordinator {
+            etcd: self.etcd.again(),
+            maps: self.maps.clone(),
+            connections: self.connections.clone(),
+        }
+    }
+
+    /// The connections the segments this coordinator maps take their lanes from, and leave
+    /// them to when unmapped (`crate::connections`).
+    pub fn connections(&self) -> &Connections {
+        &self.connections
     }
 
     pub fn etcd(&self) -> &Etcd {
@@ -1051,7 +1067,8 @@ impl Coordinator {
     /// copies are marked stale) and reads its map again when a server knows a newer one. A
     /// map this coordinator (or one made from it with [`again`](Self::again)) resolved before
     /// is reused from its cache (`MapCache`) while the allocation's record is unchanged: one
-    /// small read.
+    /// small read. Its lanes are taken from the coordinator's [`connections`](Self::connections)
+    /// where an unmapped segment left one to the server, and left there when it is dropped.
     pub fn map(
         &self,
         name: &str,
@@ -1072,7 +1089,7 @@ impl Coordinator {
             Some(map) => map,
             None => source.map().map_err(|e| e.message)?,
         };
-        Ok(Segment::map_with(map, config, Box::new(source))?)
+        Ok(Segment::map_with(map, config, Box::new(source), Some(self.connections.clone()))?)
     }
 
     /// Whether the allocation at `addr` of namespace `name` and its groups are still at the

@@ -8,6 +8,8 @@
 //!   to its live copies.
 //! - [`segment`]: the data path: a mapped `raddress` ([`Segment`]), striped over one lane per
 //!   server, with replicas.
+//! - [`connections`]: lanes kept across mappings: an unmapped segment's idle lanes serve the
+//!   next segment mapped to the same servers ([`Connections`]).
 //! - [`coordination`]: what applications on RStore coordinate through: a sector of one-byte
 //!   flags in a namespace, set by one-byte writes and polled ([`Flags`]).
 //! - [`pool`]: the memory server's side: the pool export a `skiff serve --pool` serves, its
@@ -17,6 +19,7 @@
 //! `initiator`'s. Applications on RStore (RSort) live in `apps`.
 
 pub mod agent;
+pub mod connections;
 pub mod control;
 pub mod coordination;
 pub mod pool;
@@ -24,6 +27,7 @@ pub mod repair;
 pub mod segment;
 pub mod shared;
 
+pub use connections::{ConnectionStats, Connections};
 pub use control::{segment_map, Coordinator, Place, RAddress, Registration};
 pub use coordination::Flags;
 pub use segment::{Location, MapSource, Segment, SegmentMap, SegmentStats, SourceError};

@@ -43,6 +43,8 @@ use initiator::{
 };
 use wire::{Opcode, ReqFlags, Status};
 
+use crate::connections::Connections;
+
 /// Chunks are whole sectors, whatever the servers' block.
 const SECTOR: u64 = 512;
 
@@ -247,6 +249,8 @@ pub struct Segment {
     chunk_bytes: u64,
     /// `None` once the server failed.
     lanes: Vec<Option<Lane>>,
+    /// Each lane's counters when the segment took it (a kept lane did work before).
+    base: Vec<LaneStats>,
     servers: Vec<Server>,
     /// `copies[i]`: stripe `i`'s copies, healthy first in map order, then those syncing.
     copies: Vec<Vec<Copy>>,
@@ -268,6 +272,8 @@ pub struct Segment {
     stats: SegmentStats,
     config: LaneConfig,
     source: Option<Box<dyn MapSource>>,
+    /// Where lanes come from and go back to when dropped; `None`: connected and closed here.
+    connections: Option<Connections>,
     /// Endpoints of servers lost and not yet reported to the source.
     unreported: Vec<String>,
     /// Requests to send again once the map is read again.
@@ -287,6 +293,9 @@ pub struct Segment {
     own_done: Vec<Completion>,
 }
 
+/// A lane's server, export and grants: a new map keeps the lane only if all three are the same.
+type LaneKey = (String, String, Vec<wire::Capability>);
+
 /// Spare piece buffers kept at most.
 const SPARE_MAX: usize = 1024;
 
@@ -295,24 +304,37 @@ impl Segment {
     /// cannot be reached is out of service from the start; mapping fails if that leaves a
     /// stripe with no healthy copy.
     pub fn map(map: SegmentMap, config: &LaneConfig) -> Result<Segment> {
-        Segment::open(map, config, None)
+        Segment::open(map, config, None, None)
     }
 
     /// As [`map`](Segment::map), with the control plane behind it: servers it cannot reach
     /// or loses are reported to `source`, and the map is read again from it (module docs).
-    pub fn map_with(map: SegmentMap, config: &LaneConfig, source: Box<dyn MapSource>) -> Result<Segment> {
-        let mut segment = Segment::open(map, config, Some(source))?;
+    /// With `connections`, lanes are taken from them where they keep one to the server, and
+    /// left to them when the segment drops them (`crate::connections`).
+    pub fn map_with(
+        map: SegmentMap,
+        config: &LaneConfig,
+        source: Box<dyn MapSource>,
+        connections: Option<Connections>,
+    ) -> Result<Segment> {
+        let mut segment = Segment::open(map, config, Some(source), connections)?;
         if !segment.unreported.is_empty() || segment.restale {
             segment.heal()?;
         }
         Ok(segment)
     }
 
-    fn open(map: SegmentMap, config: &LaneConfig, source: Option<Box<dyn MapSource>>) -> Result<Segment> {
+    fn open(
+        map: SegmentMap,
+        config: &LaneConfig,
+        source: Option<Box<dyn MapSource>>,
+        connections: Option<Connections>,
+    ) -> Result<Segment> {
         let mut segment = Segment {
             len: 0,
             chunk_bytes: 0,
             lanes: Vec::new(),
+            base: Vec::new(),
             servers: Vec::new(),
             copies: Vec::new(),
             parents: Vec::new(),
@@ -329,6 +351,7 @@ impl Segment {
             stats: SegmentStats::default(),
             config: config.clone(),
             source,
+            connections,
             unreported: Vec::new(),
             again: Vec::new(),
             retired: LaneStats::default(),
@@ -374,31 +397,47 @@ impl Segment {
             these.sort_by_key(|c| c.syncing);
             copies.push(these);
         }
-        let mut old: HashMap<(String, String, Vec<wire::Capability>), Lane> = HashMap::new();
-        for (lane, server) in self.lanes.drain(..).zip(self.servers.drain(..)) {
+        let mut old: HashMap<LaneKey, (Lane, LaneStats, Endpoint)> = HashMap::new();
+        let was = self.lanes.drain(..).zip(self.base.drain(..)).zip(self.servers.drain(..));
+        for ((lane, base), server) in was {
             if let Some(l) = lane {
-                old.insert((server.endpoint.to_string(), server.export, server.grants), l);
+                old.insert(
+                    (server.endpoint.to_string(), server.export, server.grants),
+                    (l, base, server.endpoint),
+                );
             }
+        }
+        // The lanes of the old map the new one does not use as they are: counted, and left to
+        // the connections, where the new map may take them up again with its own grants.
+        let unused: Vec<_> = old
+            .keys()
+            .filter(|(e, x, g)| {
+                !servers.iter().any(|s| s.endpoint.to_string() == *e && s.export == *x && s.grants == *g)
+            })
+            .cloned()
+            .collect();
+        for key in unused {
+            let (lane, base, endpoint) = old.remove(&key).expect("a key of the old map");
+            self.retired.add(&lane.stats().since(&base));
+            self.leave(&endpoint, &key.1, &key.2, lane);
         }
         let mut lanes = Vec::with_capacity(servers.len());
+        let mut bases = Vec::with_capacity(servers.len());
         let mut last_error = None;
-        let kept: Vec<(String, String, Vec<wire::Capability>)> =
-            servers.iter().map(|s| (s.endpoint.to_string(), s.export.clone(), s.grants.clone())).collect();
-        for (k, l) in old.iter() {
-            if !kept.contains(k) {
-                self.retired.add(&l.stats());
-            }
-        }
         for server in &servers {
             let kept =
                 old.remove(&(server.endpoint.to_string(), server.export.clone(), server.grants.clone()));
-            let lane = kept.or_else(|| {
-                let config = LaneConfig {
-                    reconnect: ReconnectConfig::OFF,
-                    grants: server.grants.clone().into(),
-                    ..self.config.clone()
+            let lane = kept.map(|(l, base, _)| (l, base)).or_else(|| {
+                let config = self.lane_config(&server.grants);
+                let opened = match &self.connections {
+                    Some(c) => c.open(&server.endpoint, &server.export, &config),
+                    None => Lane::connect(&server.endpoint, &server.export, &config),
                 };
-                Lane::connect(&server.endpoint, &server.export, &config)
+                opened
+                    .map(|l| {
+                        let base = l.stats();
+                        (l, base)
+                    })
                     .inspect_err(|e| {
                         if matches!(e, Error::Refused(wire::Status::StaleCapability)) && self.source.is_some() {
                             // The server knows a newer map than this one: read it again,
@@ -416,8 +455,11 @@ impl Segment {
                     })
                     .ok()
             });
+            let (lane, base) = lane.unzip();
             lanes.push(lane);
+            bases.push(base.unwrap_or_default());
         }
+
         let block = lanes.iter().flatten().map(|l| u64::from(l.export().block_size)).max().unwrap_or(SECTOR);
         if !SECTOR.is_multiple_of(block) {
             return Err(Error::InvalidArgument(
@@ -437,6 +479,7 @@ impl Segment {
         self.chunk_bytes = map.chunk_bytes;
         self.backlog = vec![VecDeque::new(); lanes.len()];
         self.lanes = lanes;
+        self.base = bases;
         self.servers = servers;
         self.copies = copies;
         self.block = block;
@@ -475,13 +518,29 @@ impl Segment {
     }
 
     /// The counters of every lane the segment has had, those dropped since (servers lost,
-    /// lanes replaced by a new map) included: they only grow.
+    /// lanes replaced by a new map) included: they only grow. A lane kept from an earlier
+    /// mapping counts only what it did for this one.
     pub fn lane_stats(&self) -> LaneStats {
         let mut all = self.retired;
-        for lane in self.lanes() {
-            all.add(&lane.stats());
+        for (lane, base) in self.lanes.iter().zip(&self.base) {
+            if let Some(lane) = lane {
+                all.add(&lane.stats().since(base));
+            }
         }
         all
+    }
+
+    /// How the segment connects to a server it presents `grants` to.
+    fn lane_config(&self, grants: &[wire::Capability]) -> LaneConfig {
+        LaneConfig { reconnect: ReconnectConfig::OFF, grants: grants.into(), ..self.config.clone() }
+    }
+
+    /// Leave `lane` (to `export` at `endpoint`, opened with `grants`) to the connections, if
+    /// the segment has them; else close it.
+    fn leave(&self, endpoint: &Endpoint, export: &str, grants: &[wire::Capability], lane: Lane) {
+        if let Some(c) = &self.connections {
+            c.keep(endpoint, export, &self.lane_config(grants), lane);
+        }
     }
 
     /// The sockets of the lanes with requests out, to sleep on all at once (after a
@@ -516,7 +575,7 @@ impl Segment {
         let mut got = std::mem::take(&mut self.scratch);
         got.clear();
         let _ = l.poll(&mut got);
-        self.retired.add(&l.stats());
+        self.retired.add(&l.stats().since(&self.base[lane]));
         for c in got.drain(..) {
             self.sub_failed(c.user_data as usize, c.buf);
         }
@@ -1070,6 +1129,21 @@ fn blocking(
             offset + len as u64
         ))),
         other => Err(Error::Status(other)),
+    }
+}
+
+/// An unmapped segment leaves its idle lanes to its connections (`crate::connections`).
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if self.connections.is_none() {
+            return;
+        }
+        let lanes = std::mem::take(&mut self.lanes);
+        for (lane, server) in lanes.into_iter().zip(&self.servers) {
+            if let Some(lane) = lane {
+                self.leave(&server.endpoint, &server.export, &server.grants, lane);
+            }
+        }
     }
 }
 

@@ -446,6 +446,11 @@ impl<B: IoBuf> ClientSession<B> {
         self.slots.capacity()
     }
 
+    /// The export handle requests go out under.
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+
     /// Requests accepted and not yet taken back by the caller.
     pub fn in_flight(&self) -> usize {
         self.slots.len() + self.placement.len() + self.parked.len() + self.done.len()
