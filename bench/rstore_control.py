@@ -39,7 +39,8 @@ from compare import Placement, add_placement_args, median_record, stop  # noqa: 
 from rstore import coordinator, memory_servers, ns  # noqa: E402
 
 STEPS = ["create_ns", "reserve", "alloc", "init (lookup and place)", "free", "release",
-         "map (a lane to each server)", "map again (cached map)", "first 4 KiB read", "4 KiB read, data path (mean)",
+         "map (a lane to each server)", "map again (cached map)", "map again (cached map, kept lanes)",
+         "first 4 KiB read", "4 KiB read, data path (mean)",
          "delete_ns (release everything)"]
 
 

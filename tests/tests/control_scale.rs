@@ -344,6 +344,7 @@ fn hundreds_of_servers_and_dozens_of_clients_keep_every_record_whole() {
                 rebuild_after: Duration::from_secs(3),
                 rebuild_rate: 0,
                 every: Duration::from_millis(200),
+                ..agent::Config::default()
             };
             let mut leader = agent::Leader::default();
             while !stop.load(Ordering::Relaxed) {

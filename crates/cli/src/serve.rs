@@ -93,6 +93,12 @@ pub struct ServeArgs {
     /// that the foreground keeps its IOPS.
     #[arg(long, value_name = "SIZE", value_parser = crate::units::parse_size, default_value = "100M")]
     rebuild_rate: u64,
+    /// Whether a partial repair (a copy whose server came back with its pool) also compares
+    /// the regions it does not copy with this server's copy, and copies those that differ (a
+    /// pool damaged in place while away); the comparison counts against --rebuild-rate
+    /// (docs/RSTORE.md, "Verified rejoins").
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    repair_verify: bool,
     /// Serve every export read-only.
     #[arg(long)]
     read_only: bool,
@@ -312,6 +318,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
             let repair = rstore::agent::Config {
                 rebuild_after: args.rebuild_after,
                 rebuild_rate: args.rebuild_rate,
+                verify: args.repair_verify,
                 ..rstore::agent::Config::default()
             };
             match pool::register(urls, args.coordinator_tls.get(), info, served, args.lease, repair) {

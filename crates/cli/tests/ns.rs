@@ -266,9 +266,10 @@ fn bench(url: &str, name: &str, args: &[&str]) -> serde_json::Value {
 }
 
 /// Three memory servers over files, two copies a stripe. One is killed (SIGKILL) while a bench
-/// writes, a few writes land while it is away, and it comes back on its address with its file:
-/// its copies are repaired by copying the regions written meanwhile, under a verified load, and
-/// end byte-identical to the other copies; `skiff ns status` says healthy.
+/// writes, a few writes land while it is away, its file is damaged in place, and it comes back
+/// on its address with its file: its copies are repaired by copying the regions written
+/// meanwhile and those found different, under a verified load, and end byte-identical to the
+/// other copies; `skiff ns status` says healthy.
 #[test]
 fn a_memory_server_killed_and_back_with_its_file_is_repaired_under_load() {
     let etcd = Cluster::start(1);
@@ -302,6 +303,24 @@ fn a_memory_server_killed_and_back_with_its_file_is_repaired_under_load() {
     assert_eq!(r["io_errors"].as_u64(), Some(0), "{r}");
     let status = json(&url, &["status", "heal"]);
     assert_eq!(status["health"], "degraded", "{status}");
+    // Its file is damaged in place while it is away, in three regions (of 16 KiB) of each of
+    // its chunks, most of which no write touched meanwhile: only comparing finds them.
+    let listed = json(&url, &["list"]);
+    let away = format!(":{}", ports[1]);
+    let mut damaged = 0;
+    for stripe in listed[0]["allocs"]["0"]["stripes"].as_array().unwrap() {
+        for c in stripe.as_array().unwrap().iter().filter(|c| c["server"].as_str().unwrap().ends_with(&away))
+        {
+            use std::os::unix::fs::FileExt;
+            let file = std::fs::OpenOptions::new().write(true).open(&files[1]).unwrap();
+            for region in [5u64, 29, 53] {
+                file.write_all_at(&[0xD5; 512], (c["index"].as_u64().unwrap() << 20) + region * (16 << 10))
+                    .unwrap();
+            }
+            damaged += 1;
+        }
+    }
+    assert!(damaged > 0, "the server held copies: {listed}");
 
     // Back on its address with its file: repaired while a load runs.
     servers[1] = file_server(&url, &files[1], ports[1]);
@@ -328,6 +347,9 @@ fn a_memory_server_killed_and_back_with_its_file_is_repaired_under_load() {
         copied > 0 && copied < repaired << 20,
         "partial repairs: {copied} bytes for {repaired} chunks: {status}"
     );
+    let mismatched: u64 =
+        status["sources"].as_array().unwrap().iter().map(|s| s["mismatched"].as_u64().unwrap()).sum();
+    assert!(mismatched > 0, "the damaged regions were found by comparing: {status}");
 
     // Every stripe's copies are byte-identical in the servers' files.
     let listed = json(&url, &["list"]);

@@ -45,6 +45,9 @@ pub struct Config {
     pub rebuild_rate: u64,
     /// How often the agent looks.
     pub every: Duration,
+    /// Whether a partial repair compares the regions it does not copy (not dirty) with the
+    /// copy it repairs, and copies those that differ ("Verified rejoins", docs/RSTORE.md).
+    pub verify: bool,
 }
 
 impl Default for Config {
@@ -53,6 +56,7 @@ impl Default for Config {
             rebuild_after: Duration::from_secs(600),
             rebuild_rate: 100 << 20,
             every: Duration::from_secs(1),
+            verify: true,
         }
     }
 }
@@ -202,6 +206,8 @@ pub fn serve(
             bytes: progress.bytes.load(Ordering::Relaxed),
             rate: progress.rate.load(Ordering::Relaxed),
             at_ms: unix_ms(),
+            verified: progress.verified.load(Ordering::Relaxed),
+            mismatched: progress.mismatched.load(Ordering::Relaxed),
         };
         if let Err(e) = coord.publish_progress(&published, lease) {
             tracing::debug!(error = %e, "cannot publish the repair's progress");
@@ -223,7 +229,7 @@ pub fn serve(
         }
         let Some(to) = repair::holder(&live, &t.target) else { continue };
         let started = Instant::now();
-        let bytes = match copy_chunk(me, pool, &t, to, config.rebuild_rate) {
+        let bytes = match copy_chunk(me, pool, &t, to, config, progress) {
             Ok(bytes) => bytes,
             Err(e) => {
                 // Its server is gone again (or refuses): stale until it is back.
@@ -250,32 +256,34 @@ const FINISH_EVERY: Duration = Duration::from_millis(200);
 const SERVE_SLICE: Duration = Duration::from_secs(2);
 
 /// Copy what `t`'s syncing copy misses from this server's copy to its server `to`: every
-/// region of the chunk for a full repair, else the dirty ones. Returns the bytes copied.
+/// region of the chunk for a full repair, else the dirty ones, and (`config.verify`) the others
+/// that read back different there. Returns the bytes copied.
 fn copy_chunk(
     me: &ServerInfo,
     pool: &server::Pool,
     t: &Task,
     to: &ServerInfo,
-    rate: u64,
+    config: &Config,
+    progress: &Progress,
 ) -> Result<u64, Box<dyn std::error::Error>> {
     let chunk = t.source.index;
     // From here no write under an older map lands in this copy: every writer holds the map
     // that writes the syncing copy after this one.
     pool.raise(chunk, t.source.generation, t.epoch)?;
     let regions = if t.full { u64::MAX } else { pool.grants().dirty(chunk) };
-    if regions == 0 {
+    if regions == 0 && !config.verify {
         return Ok(0);
     }
     let rw = wire::CapRights::READ.union(wire::CapRights::WRITE);
     let own = pool.grants().mint(chunk, rw).ok_or("the source chunk is past the pool")?;
-    let mut here = Lane::connect(
+    let here = Lane::connect(
         &initiator::Endpoint::parse(&me.endpoint)?,
         &me.export,
         &LaneConfig { grants: vec![own].into(), reconnect: ReconnectConfig::OFF, ..LaneConfig::default() },
     )?;
     // Presenting the grant of the repair's epoch raises the syncing copy's chunk to it too.
     let theirs = to.grant_at(t.target.index, t.target.generation, t.epoch, false)?;
-    let mut there = Lane::connect(
+    let there = Lane::connect(
         &initiator::Endpoint::parse(&to.endpoint)?,
         &to.export,
         // No reconnection: a target gone mid-copy ends the repair at once, and the region's
@@ -286,48 +294,105 @@ fn copy_chunk(
             ..LaneConfig::default()
         },
     )?;
-    let region = pool.grants().region_bytes();
-    let piece = u64::from(here.limits().io_bytes_max.min(there.limits().io_bytes_max)).clamp(1, region);
-    let chunk_bytes = pool.grants().chunk_bytes();
-    let (started, mut copied) = (Instant::now(), 0u64);
-    let mut out = Vec::new();
+    let mut copy = RegionCopy {
+        pool,
+        chunk,
+        from: chunk * pool.grants().chunk_bytes(),
+        to: t.target.index * pool.grants().chunk_bytes(),
+        region: pool.grants().region_bytes(),
+        piece: u64::from(here.limits().io_bytes_max.min(there.limits().io_bytes_max))
+            .clamp(1, pool.grants().region_bytes()),
+        here,
+        there,
+        out: Vec::new(),
+    };
+    let (started, mut copied, mut moved) = (Instant::now(), 0u64, 0u64);
     for r in 0..proto::grant::REGIONS {
-        let bit = 1u64 << r;
-        if regions & bit == 0 {
+        if regions & (1u64 << r) != 0 {
+            copy.copy(r)?;
+            copied += copy.region;
+        } else if config.verify {
+            progress.verified.fetch_add(copy.region, Ordering::Relaxed);
+            if !copy.same(r)? {
+                tracing::warn!(ns = %t.ns, slot = t.slot, to = %to.id, region = r, "a region the copy should hold reads back different there: copied");
+                progress.mismatched.fetch_add(1, Ordering::Relaxed);
+                copy.copy(r)?;
+                copied += copy.region;
+            }
+        } else {
             continue;
         }
-        pool.lock(chunk, bit);
-        let result = (|| -> Result<(), Box<dyn std::error::Error>> {
-            let mut at = 0;
-            while at < region {
-                let n = piece.min(region - at);
-                let within = u64::from(r) * region + at;
-                let mut buf = vec![0u8; n as usize];
-                here.read_at(&mut buf, chunk * chunk_bytes + within)?;
-                there
-                    .submit_write(t.target.index * chunk_bytes + within, buf, ReqFlags::empty(), 0)
-                    .map_err(|r| r.error)?;
-                out.clear();
-                there.wait(1, &mut out)?;
-                if let Some(c) = out.iter().find(|c| c.status != Status::Ok) {
-                    return Err(format!("writing the syncing copy: {}", c.status).into());
-                }
-                at += n;
-            }
-            Ok(())
-        })();
-        pool.unlock(chunk, bit);
-        result?;
-        copied += region;
-        // Paced: never ahead of `rate` bytes a second since the copy began.
-        if rate > 0 {
-            let due = Duration::from_secs_f64(copied as f64 / rate as f64);
+        moved += copy.region;
+        // Paced: never ahead of `rate` bytes (copied or compared) a second since the copy
+        // began.
+        if config.rebuild_rate > 0 {
+            let due = Duration::from_secs_f64(moved as f64 / config.rebuild_rate as f64);
             if let Some(wait) = due.checked_sub(started.elapsed()) {
                 std::thread::sleep(wait);
             }
         }
     }
     Ok(copied)
+}
+
+/// One chunk's repair: lanes to this server's copy and to the copy repaired, and where the
+/// chunk starts in each pool.
+struct RegionCopy<'a> {
+    pool: &'a server::Pool,
+    chunk: u64,
+    from: u64,
+    to: u64,
+    region: u64,
+    piece: u64,
+    here: Lane,
+    there: Lane,
+    out: Vec<initiator::Completion>,
+}
+
+impl RegionCopy<'_> {
+    /// Copy region `r` under its lock (module docs).
+    fn copy(&mut self, r: u32) -> Result<(), Box<dyn std::error::Error>> {
+        let bit = 1u64 << r;
+        self.pool.lock(self.chunk, bit);
+        let result = (|| -> Result<(), Box<dyn std::error::Error>> {
+            let mut at = 0;
+            while at < self.region {
+                let n = self.piece.min(self.region - at);
+                let within = u64::from(r) * self.region + at;
+                let mut buf = vec![0u8; n as usize];
+                self.here.read_at(&mut buf, self.from + within)?;
+                self.there.submit_write(self.to + within, buf, ReqFlags::empty(), 0).map_err(|r| r.error)?;
+                self.out.clear();
+                self.there.wait(1, &mut self.out)?;
+                if let Some(c) = self.out.iter().find(|c| c.status != Status::Ok) {
+                    return Err(format!("writing the syncing copy: {}", c.status).into());
+                }
+                at += n;
+            }
+            Ok(())
+        })();
+        self.pool.unlock(self.chunk, bit);
+        result
+    }
+
+    /// Whether region `r` reads the same here and there. Without the lock: a write landing
+    /// meanwhile may make a region look different (it is then copied, under the lock, which
+    /// is always right), never make a different one look the same (writes reach both).
+    fn same(&mut self, r: u32) -> Result<bool, Box<dyn std::error::Error>> {
+        let (mut mine, mut theirs) = (vec![0u8; self.piece as usize], vec![0u8; self.piece as usize]);
+        let mut at = 0;
+        while at < self.region {
+            let n = self.piece.min(self.region - at) as usize;
+            let within = u64::from(r) * self.region + at;
+            self.here.read_at(&mut mine[..n], self.from + within)?;
+            self.there.read_at(&mut theirs[..n], self.to + within)?;
+            if mine[..n] != theirs[..n] {
+                return Ok(false);
+            }
+            at += n as u64;
+        }
+        Ok(true)
+    }
 }
 
 /// The agent's thread: lead when it can (`lease`: the server's registration lease now, 0 while

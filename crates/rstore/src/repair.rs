@@ -322,6 +322,12 @@ pub struct SourceProgress {
     pub rate: u64,
     /// When it last copied (Unix ms).
     pub at_ms: u64,
+    /// Bytes of regions not dirty compared with the copies repaired, and the regions found
+    /// different (and copied) since the server started.
+    #[serde(default)]
+    pub verified: u64,
+    #[serde(default)]
+    pub mismatched: u64,
 }
 
 impl coord::schema::Record for SourceProgress {

@@ -264,6 +264,10 @@ pub struct RepairStats {
     pub bytes: std::sync::atomic::AtomicU64,
     /// Bytes a second over the last chunk copied.
     pub rate: std::sync::atomic::AtomicU64,
+    /// Bytes of regions a partial repair left out (not dirty) that it compared with the copy
+    /// being repaired, and the regions found different (copied like dirty ones).
+    pub verified: std::sync::atomic::AtomicU64,
+    pub mismatched: std::sync::atomic::AtomicU64,
 }
 
 /// A pool export's chunk grants, with the target's workers behind them: how `skiff serve

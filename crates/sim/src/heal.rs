@@ -1,7 +1,7 @@
 //! The seeded simulation of RStore's healing (issue 32; docs/RSTORE.md, "Healing"): memory
 //! servers, a namespace record as etcd would hold it, writers that map it, and the repair
 //! agent, stepped on one thread in an order the seed draws, with crashes (a RAM pool comes
-//! back empty, a file pool with its data), restarts, leases that lapse, etcd going away and
+//! back empty, a file pool with its data, perhaps damaged), restarts, leases that lapse, etcd going away and
 //! coming back, and stale maps. Every read is checked against the writes acknowledged before
 //! it, and at the end every copy of every stripe against them all.
 //!
@@ -14,8 +14,13 @@
 //! source raises its chunk, then locks, copies and unlocks region by region. Each of
 //! those is one step, so the seed interleaves them with everything else.
 //!
+//! A file server back from a crash may find its pool damaged in place: a region of each of
+//! its copies that are not `ok` reads other bytes, which only a partial repair's comparison
+//! of the regions not dirty finds.
+//!
 //! Planted bugs ([`Lie`]) prove the checks catch what they claim: a repair that skips a
-//! dirty region, and a server that takes a write made under a stale map.
+//! dirty region, one that compares nothing, and a server that takes a write made under a
+//! stale map.
 
 use coord::{ChunkRef, CopyState, Namespace, Scope, ServerInfo};
 use proto::grant::{Bound, PoolGrants, REGIONS};
@@ -43,6 +48,8 @@ pub enum Lie {
     SkipDirty,
     /// Servers take writes made under a map older than the one they know.
     AcceptStale,
+    /// Partial repairs trust the regions not dirty: they compare nothing.
+    NoVerify,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +72,10 @@ pub struct HealReport {
     pub relocations: u64,
     pub regions_copied: u64,
     pub etcd_outages: u64,
+    /// Regions of copies not ok damaged while their file server was down, and regions a
+    /// partial repair found different from its source (and copied).
+    pub damaged: u64,
+    pub mismatched: u64,
 }
 
 impl HealReport {
@@ -79,6 +90,8 @@ impl HealReport {
         self.relocations += o.relocations;
         self.regions_copied += o.regions_copied;
         self.etcd_outages += o.etcd_outages;
+        self.damaged += o.damaged;
+        self.mismatched += o.mismatched;
     }
 }
 
@@ -178,6 +191,8 @@ struct Task {
     source_chunk: u64,
     target: Copy,
     regions: u64,
+    /// Regions left to compare with the source (a partial repair's regions not dirty).
+    verify: u64,
     /// The region locked now, if any.
     locked: Option<u32>,
     full: bool,
@@ -530,6 +545,7 @@ impl World {
                     source_chunk: src.index,
                     target: Copy { server: target, index: c.index, syncing: true, bound, life },
                     regions,
+                    verify: if full || self.lie == Lie::NoVerify { 0 } else { !regions },
                     locked: None,
                     full,
                 });
@@ -538,7 +554,8 @@ impl World {
     }
 
     /// One step of task `t`: lock the next region; or copy the locked one and unlock
-    /// it; or, with nothing left, mark the copy healthy.
+    /// it; or compare the next region not dirty (unlocked, as `rstore::agent` does) and copy
+    /// it too if it differs; or, with nothing left, mark the copy healthy.
     fn task_step(&mut self, t: usize) {
         let task = &self.tasks[t];
         let (source, chunk) = (task.source, task.source_chunk);
@@ -553,6 +570,29 @@ impl World {
             return;
         }
         match task.locked {
+            None if task.regions == 0 && task.verify != 0 => {
+                let r = task.verify.trailing_zeros();
+                let bit = 1u64 << r;
+                let target = task.target.clone();
+                let at = u64::from(r) * REGION;
+                if self.check(&target, Opcode::Read, at, REGION as u32) != Some(Ok(())) {
+                    // The target moved on (a newer map) or went: this repair is over.
+                    self.tasks.swap_remove(t);
+                    return;
+                }
+                let region = |server: &Server, index: u64| {
+                    let from = (index * CHUNK + at) as usize;
+                    server.data[from..from + REGION as usize].to_vec()
+                };
+                let same = region(&self.servers[source], chunk)
+                    == region(&self.servers[target.server], target.index);
+                let task = &mut self.tasks[t];
+                task.verify &= !bit;
+                if !same {
+                    task.regions |= bit;
+                    self.report.mismatched += 1;
+                }
+            }
             None if task.regions == 0 => {
                 if !self.etcd_up {
                     return;
@@ -646,6 +686,7 @@ impl World {
                     let mut rng = self.rng.fork(self.now);
                     self.servers[s].restart(&mut rng);
                     self.note(format!("s{s} restarts"));
+                    self.damage(s);
                 }
             }
             30..=34 if faults => {
@@ -669,6 +710,32 @@ impl World {
     }
 
     /// Every copy of every stripe holds what the acknowledged writes left.
+    /// A file server back from a crash with its pool damaged in place: one region of each of
+    /// its copies that are not `ok` (those a repair will look at) reads other bytes. Copies
+    /// still `ok` are trusted as they are (docs/RSTORE.md: no checksums on the data path).
+    fn damage(&mut self, s: usize) {
+        if self.servers[s].info.scope != Scope::File {
+            return;
+        }
+        let id = self.servers[s].info.id.clone();
+        let chunks: Vec<u64> = self.ns.allocs[&0]
+            .stripes
+            .iter()
+            .flatten()
+            .filter(|c| c.server == id && c.state != CopyState::Ok)
+            .map(|c| c.index)
+            .collect();
+        for index in chunks {
+            let r = self.rng.below(REGIONS as u64);
+            let at = (index * CHUNK + r * REGION) as usize;
+            for b in &mut self.servers[s].data[at..at + REGION as usize] {
+                *b ^= 0x5A;
+            }
+            self.report.damaged += 1;
+            self.note(format!("s{s}/{index} damaged in region {r}"));
+        }
+    }
+
     fn check_copies(&self) -> Result<(), String> {
         for (si, stripe) in self.ns.allocs[&0].stripes.iter().enumerate() {
             for c in stripe {
@@ -748,6 +815,7 @@ pub fn run_heal(opts: HealOptions) -> Result<HealReport, String> {
             if !world.servers[s].alive {
                 let mut rng = world.rng.fork(world.now);
                 world.servers[s].restart(&mut rng);
+                world.damage(s);
             }
         }
         // Whole as `skiff ns status` sees it: every copy ok, on its server in its incarnation.

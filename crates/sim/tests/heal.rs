@@ -1,6 +1,7 @@
 //! RStore's healing in the seeded simulation (`skiff_sim::heal`): memory servers crash and
 //! come back (RAM empty, files whole), leases lapse, etcd goes away, writers hold stale maps;
-//! every read and, at the end, every copy of every stripe match the acknowledged writes.
+//! file pools come back damaged in place; every read and, at the end, every copy of every
+//! stripe match the acknowledged writes.
 //! Planted bugs are caught.
 
 use skiff_sim::heal::{run_heal, HealOptions, HealReport, Lie};
@@ -40,11 +41,12 @@ fn crashes_restarts_and_stale_maps_lose_no_acknowledged_write_and_every_copy_hea
     // The runs did what they are for.
     assert!(total.crashes > 0 && total.repairs > 0 && total.partial > 0, "{total:?}");
     assert!(total.remaps > 0 && total.relocations > 0 && total.etcd_outages > 0, "{total:?}");
+    assert!(total.damaged > 0 && total.mismatched > 0, "{total:?}");
 }
 
 #[test]
 fn planted_bugs_are_caught() {
-    for lie in [Lie::SkipDirty, Lie::AcceptStale] {
+    for lie in [Lie::SkipDirty, Lie::AcceptStale, Lie::NoVerify] {
         let caught = (0..SEEDS).find_map(|seed| run_heal(HealOptions { seed, steps: STEPS, lie }).err());
         assert!(caught.is_some(), "{lie:?} went unnoticed over {SEEDS} seeds");
         eprintln!("{lie:?}: {}", caught.unwrap());

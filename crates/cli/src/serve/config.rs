@@ -90,6 +90,7 @@ pub(super) struct ServeFile {
     rebuild_after: Option<Duration>,
     #[serde(default, deserialize_with = "size")]
     rebuild_rate: Option<u64>,
+    repair_verify: Option<bool>,
     #[serde(default, deserialize_with = "paths")]
     flash: Option<Vec<PathBuf>>,
     #[serde(default, deserialize_with = "size")]
@@ -193,7 +194,7 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
     }
     set!(
         listen, no_tcp, nbd, eth, exports, read_only, key_files, tls, tls_verify_peer, workers, queue_depth, poll,
-        io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease, rebuild_after, rebuild_rate, flash, flash_cache,
+        io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease, rebuild_after, rebuild_rate, repair_verify, flash, flash_cache,
         flash_map_budget, flash_read_depth;
         options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates,
             pool, coordinator, advertise

@@ -576,6 +576,16 @@ fn pool(out: &mut Families, shared: &Shared) {
         "Bytes a second of the last copy this memory server repaired.",
         vec![(vec![], load(&r.rate) as f64)],
     );
+    out.counter(
+        "skiff_rstore_repair_verified_bytes_total",
+        "Bytes of regions not known to differ that this memory server compared with the copies it repaired.",
+        vec![(vec![], load(&r.verified))],
+    );
+    out.counter(
+        "skiff_rstore_repair_mismatched_regions_total",
+        "Regions not known to differ that were found different from the copy being repaired, and copied.",
+        vec![(vec![], load(&r.mismatched))],
+    );
 }
 
 fn cpu(out: &mut Families, shared: &Shared) {
