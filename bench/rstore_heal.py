@@ -9,7 +9,9 @@ each server), filled once with 1 MiB writes. Then:
   partial   file pools: server B is killed (SIGKILL), --writes 4 KiB random writes land at
             500 a second while it is away, B comes back on its address with its file; the
             time from its restart until `skiff ns status` says healthy, and the bytes the
-            source copied (its dirty regions).
+            source copied (its dirty regions) and compared (the other regions, with
+            --repair-verify on, the default).
+  partial-unverified  the same with --repair-verify false: only the dirty regions are read.
   full      RAM pools: B is killed and comes back empty (another incarnation): every chunk is
             copied whole.
   load      RAM pools, the default --rebuild-rate (100 MiB/s): 4 KiB random reads at QD 32 for
@@ -46,10 +48,11 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def serve(a, skiff, pool, port, rate):
+def serve(a, skiff, pool, port, rate, verify=True):
+    extra = [] if verify else ["--repair-verify", "false"]
     return subprocess.Popen(
         a.pl.server([skiff, "serve", "--listen", f"127.0.0.1:{port}", "--workers", "1", "--pool", pool,
-                     "--chunk", "4M", "--coordinator", a.url, "--lease", "3s", "--rebuild-rate", rate]),
+                     "--chunk", "4M", "--coordinator", a.url, "--lease", "3s", "--rebuild-rate", rate, *extra]),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -82,8 +85,12 @@ def copied(s):
     return sum(x["bytes"] for x in s["sources"]), sum(x["chunks"] for x in s["sources"])
 
 
+def verified(s):
+    return sum(x.get("verified", 0) for x in s["sources"]), sum(x.get("mismatched", 0) for x in s["sources"])
+
+
 @contextlib.contextmanager
-def pair(a, scope, rate, scratch):
+def pair(a, scope, rate, scratch, verify=True):
     """Two memory servers of `scope` and a namespace of a.size over both, two replicas, filled.
     Yields (servers, ports, pools) to kill and restart B (index 1)."""
     ports = [free_port(), free_port()]
@@ -96,7 +103,7 @@ def pair(a, scope, rate, scratch):
             pools.append(f"file:{path}")
     else:
         pools = [f"ram:{a.size_bytes + (64 << 20)}"] * 2
-    servers = [serve(a, a.skiff, pools[i], ports[i], rate) for i in range(2)]
+    servers = [serve(a, a.skiff, pools[i], ports[i], rate, verify) for i in range(2)]
     try:
         wait_servers(a, 2)
         ns(a, "create", "h", "--size", a.size, "--chunk", "4M", "--replicas", "2", "--scope", scope)
@@ -117,9 +124,10 @@ def kill(proc):
     proc.wait()
 
 
-def repair(a, scope, scratch):
-    """Kill B, write a little (partial) or nothing (full) meanwhile, restart it; time the repair."""
-    with pair(a, scope, "0", scratch) as (servers, ports, pools):
+def repair(a, scope, scratch, verify=True):
+    """Kill B, write a little (partial) or nothing (full) meanwhile, restart it; time the repair.
+    `verify`: whether partial repairs compare the regions they do not copy."""
+    with pair(a, scope, "0", scratch, verify) as (servers, ports, pools):
         kill(servers[1])
         if scope == "file":
             bench(a, a.skiff, "h", "--rw", "randwrite", "--bs", "4k", "--qd", "1", "--rate", "500",
@@ -131,12 +139,14 @@ def repair(a, scope, scratch):
                   "--duration", "0.2s")
         before = status(a, "h")
         t0 = time.time()
-        servers[1] = serve(a, a.skiff, pools[1], ports[1], "0")
+        servers[1] = serve(a, a.skiff, pools[1], ports[1], "0", verify)
         s = wait_health(a, "h", "healthy")
         secs = time.time() - t0
         bytes_, chunks = copied(s)
+        compared, mismatched = verified(s)
         stale = sum(1 for c in before["copies"] if c["state"] == "stale")
-        return {"scope": scope, "stale_copies": stale, "chunks": chunks, "bytes_copied": bytes_,
+        return {"scope": scope, "verify": verify, "stale_copies": stale, "chunks": chunks, "bytes_copied": bytes_,
+                "bytes_compared": compared, "regions_mismatched": mismatched,
                 "seconds": secs, "mib_per_s": bytes_ / (1 << 20) / secs if secs else 0}
 
 
@@ -205,7 +215,7 @@ def main():
     p.add_argument("--rate", default="100M", help="--rebuild-rate for the load run (the default)")
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--old", help="a build from before map epochs, for the epochs run")
-    p.add_argument("--only", default="partial,full,load,epochs")
+    p.add_argument("--only", default="partial,partial-unverified,full,load,epochs")
     p.add_argument("--out", default="bench/results")
     add_placement_args(p, "runs per point (default 3)")
     a = p.parse_args()
@@ -217,16 +227,19 @@ def main():
     result = {"placement": a.pl.record(), "repeat": a.repeat, "size": a.size, "runtime_s": a.runtime}
     log(f"placement {a.pl.describe()}")
     with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch, coordinator(a, scratch):
-        for kind, scope in [("partial", "file"), ("full", "ram")]:
-            if kind not in only:
-                continue
-            reps = []
-            for rep in range(a.repeat):
-                r = repair(a, scope, scratch)
-                reps.append(r)
-                log(f"{kind} rep {rep + 1}: {r['chunks']} chunks, {r['bytes_copied'] / (1 << 20):,.1f} MiB copied "
+        kinds = [(k, scope, verify) for k, scope, verify in
+                 [("partial", "file", True), ("partial-unverified", "file", False), ("full", "ram", True)] if k in only]
+        reps = {k: [] for k, _, _ in kinds}
+        # The kinds alternate within each repetition.
+        for rep in range(a.repeat):
+            for kind, scope, verify in kinds:
+                r = repair(a, scope, scratch, verify)
+                reps[kind].append(r)
+                log(f"{kind} rep {rep + 1}: {r['chunks']} chunks, {r['bytes_copied'] / (1 << 20):,.1f} MiB copied, "
+                    f"{r['bytes_compared'] / (1 << 20):,.1f} MiB compared ({r['regions_mismatched']} differed) "
                     f"in {r['seconds']:.2f} s ({r['mib_per_s']:,.0f} MiB/s)")
-            result[kind] = {"median": median_record(reps, key="seconds"), "runs": reps}
+        for kind, _, _ in kinds:
+            result[kind] = {"median": median_record(reps[kind], key="seconds"), "runs": reps[kind]}
         if "load" in only:
             med, runs = load(a, scratch)
             result["load"] = {"median": med, "runs": runs}
@@ -238,11 +251,11 @@ def main():
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"results: {path}\n")
-    for kind in ("partial", "full"):
+    for kind in ("partial", "partial-unverified", "full"):
         if kind in result:
             m = result[kind]["median"]
             print(f"| {kind} | {m['stale_copies']} | {m['chunks']} | {m['bytes_copied'] / (1 << 20):,.1f} | "
-                  f"{m['seconds']:.2f} | {m['mib_per_s']:,.0f} |")
+                  f"{m['bytes_compared'] / (1 << 20):,.1f} | {m['seconds']:.2f} | {m['mib_per_s']:,.0f} |")
     if "load" in result:
         m = result["load"]["median"]
         print(f"\n| whole | {m['whole']['iops']:,.0f} | rebuilding | {m['rebuilding']['iops']:,.0f} |")

@@ -25,7 +25,7 @@ pub mod volumes;
 use std::sync::Arc;
 
 pub use backend::cache::CacheCounters;
-use backend::Backend;
+pub use backend::Backend;
 pub use backend::{
     parse_size, BackendCounters, BackendError, BackendSpec, Batch, RegionBytes, SpecError, Wake, BLOCK_BYTES,
 };

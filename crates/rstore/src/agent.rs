@@ -19,12 +19,15 @@
 //!
 //! The copy itself ([`copy_chunk`]): the source raises its chunk to the repair's epoch (no
 //! write under an older map lands after that), then for each region locks it (writes into it
-//! are `Busy` meanwhile), reads it from its own pool, writes it to the syncing copy, and only
-//! then unlocks it. The regions stay dirty: another copy of the stripe may be missing them too
-//! (three replicas, two away), and a repair cut short goes again from them. They are cleared
-//! when the stripe is whole again (docs/PROTOCOL.md, 14.6). Writers send writes to the syncing copy after the
-//! healthy ones hold them, so none is overwritten by an older region (docs/PROTOCOL.md, 14.6).
-//! Copies are paced to `rebuild_rate` bytes a second, so the foreground keeps its IOPS.
+//! are `Busy` meanwhile), reads it from its own pool (its backend, directly), writes it to the
+//! syncing copy, and only then unlocks it. The regions stay dirty: another copy of the stripe
+//! may be missing them too (three replicas, two away), and a repair cut short goes again from
+//! them. They are cleared when the stripe is whole again (docs/PROTOCOL.md, 14.6). Writers send
+//! writes to the syncing copy after the healthy ones hold them, so none is overwritten by an
+//! older region (docs/PROTOCOL.md, 14.6). A partial repair then compares the regions it did not
+//! copy, eight at a time, with the syncing copy's, and copies those that differ (a pool damaged
+//! in place while away; `Config::verify`). Copies and comparisons are paced to `rebuild_rate`
+//! bytes a second, so the foreground keeps its IOPS.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
@@ -229,7 +232,7 @@ pub fn serve(
         }
         let Some(to) = repair::holder(&live, &t.target) else { continue };
         let started = Instant::now();
-        let bytes = match copy_chunk(me, pool, &t, to, config, progress) {
+        let bytes = match copy_chunk(pool, &t, to, config, progress) {
             Ok(bytes) => bytes,
             Err(e) => {
                 // Its server is gone again (or refuses): stale until it is back.
@@ -259,7 +262,6 @@ const SERVE_SLICE: Duration = Duration::from_secs(2);
 /// region of the chunk for a full repair, else the dirty ones, and (`config.verify`) the others
 /// that read back different there. Returns the bytes copied.
 fn copy_chunk(
-    me: &ServerInfo,
     pool: &server::Pool,
     t: &Task,
     to: &ServerInfo,
@@ -274,13 +276,9 @@ fn copy_chunk(
     if regions == 0 && !config.verify {
         return Ok(0);
     }
-    let rw = wire::CapRights::READ.union(wire::CapRights::WRITE);
-    let own = pool.grants().mint(chunk, rw).ok_or("the source chunk is past the pool")?;
-    let here = Lane::connect(
-        &initiator::Endpoint::parse(&me.endpoint)?,
-        &me.export,
-        &LaneConfig { grants: vec![own].into(), reconnect: ReconnectConfig::OFF, ..LaneConfig::default() },
-    )?;
+    if chunk >= pool.grants().chunks() {
+        return Err(format!("the source chunk {chunk} is past the pool").into());
+    }
     // Presenting the grant of the repair's epoch raises the syncing copy's chunk to it too.
     let theirs = to.grant_at(t.target.index, t.target.generation, t.epoch, false)?;
     let there = Lane::connect(
@@ -300,43 +298,53 @@ fn copy_chunk(
         from: chunk * pool.grants().chunk_bytes(),
         to: t.target.index * pool.grants().chunk_bytes(),
         region: pool.grants().region_bytes(),
-        piece: u64::from(here.limits().io_bytes_max.min(there.limits().io_bytes_max))
-            .clamp(1, pool.grants().region_bytes()),
-        here,
+        piece: u64::from(there.limits().io_bytes_max).clamp(1, pool.grants().region_bytes()),
         there,
         out: Vec::new(),
     };
     let (started, mut copied, mut moved) = (Instant::now(), 0u64, 0u64);
-    for r in 0..proto::grant::REGIONS {
-        if regions & (1u64 << r) != 0 {
-            copy.copy(r)?;
-            copied += copy.region;
-        } else if config.verify {
-            progress.verified.fetch_add(copy.region, Ordering::Relaxed);
-            if !copy.same(r)? {
-                tracing::warn!(ns = %t.ns, slot = t.slot, to = %to.id, region = r, "a region the copy should hold reads back different there: copied");
-                progress.mismatched.fetch_add(1, Ordering::Relaxed);
-                copy.copy(r)?;
-                copied += copy.region;
-            }
-        } else {
-            continue;
-        }
-        moved += copy.region;
-        // Paced: never ahead of `rate` bytes (copied or compared) a second since the copy
-        // began.
+    // Paced: never ahead of `rate` bytes (copied or compared) a second since the copy began.
+    let pace = |moved: u64| {
         if config.rebuild_rate > 0 {
             let due = Duration::from_secs_f64(moved as f64 / config.rebuild_rate as f64);
             if let Some(wait) = due.checked_sub(started.elapsed()) {
                 std::thread::sleep(wait);
             }
         }
+    };
+    for r in (0..proto::grant::REGIONS).filter(|r| regions & (1u64 << r) != 0) {
+        copy.copy(r)?;
+        copied += copy.region;
+        moved += copy.region;
+        pace(moved);
+    }
+    if !config.verify || t.full {
+        return Ok(copied);
+    }
+    // The regions not copied, compared a few at a time.
+    let rest: Vec<u32> = (0..proto::grant::REGIONS).filter(|r| regions & (1u64 << r) == 0).collect();
+    for batch in rest.chunks(COMPARE_REGIONS) {
+        let differ = copy.differing(batch)?;
+        let bytes = batch.len() as u64 * copy.region;
+        progress.verified.fetch_add(bytes, Ordering::Relaxed);
+        moved += bytes;
+        for &r in batch.iter().filter(|&&r| differ & (1u64 << r) != 0) {
+            tracing::warn!(ns = %t.ns, slot = t.slot, to = %to.id, region = r, "a region the copy should hold reads back different there: copied");
+            progress.mismatched.fetch_add(1, Ordering::Relaxed);
+            copy.copy(r)?;
+            copied += copy.region;
+            moved += copy.region;
+        }
+        pace(moved);
     }
     Ok(copied)
 }
 
-/// One chunk's repair: lanes to this server's copy and to the copy repaired, and where the
-/// chunk starts in each pool.
+/// Regions a repair compares at once (their reads in flight together on both lanes).
+const COMPARE_REGIONS: usize = 8;
+
+/// One chunk's repair: this server's pool (read directly), a lane to the copy repaired, and
+/// where the chunk starts in each pool.
 struct RegionCopy<'a> {
     pool: &'a server::Pool,
     chunk: u64,
@@ -344,7 +352,6 @@ struct RegionCopy<'a> {
     to: u64,
     region: u64,
     piece: u64,
-    here: Lane,
     there: Lane,
     out: Vec<initiator::Completion>,
 }
@@ -360,7 +367,7 @@ impl RegionCopy<'_> {
                 let n = self.piece.min(self.region - at);
                 let within = u64::from(r) * self.region + at;
                 let mut buf = vec![0u8; n as usize];
-                self.here.read_at(&mut buf, self.from + within)?;
+                self.pool.read_at(&mut buf, self.from + within)?;
                 self.there.submit_write(self.to + within, buf, ReqFlags::empty(), 0).map_err(|r| r.error)?;
                 self.out.clear();
                 self.there.wait(1, &mut self.out)?;
@@ -375,23 +382,40 @@ impl RegionCopy<'_> {
         result
     }
 
-    /// Whether region `r` reads the same here and there. Without the lock: a write landing
-    /// meanwhile may make a region look different (it is then copied, under the lock, which
-    /// is always right), never make a different one look the same (writes reach both).
-    fn same(&mut self, r: u32) -> Result<bool, Box<dyn std::error::Error>> {
-        let (mut mine, mut theirs) = (vec![0u8; self.piece as usize], vec![0u8; self.piece as usize]);
-        let mut at = 0;
-        while at < self.region {
+    /// Which of `regions` read differently here and there (a bit per region), their reads
+    /// there in flight together. Without the lock: a write landing meanwhile may make a region
+    /// look different (it is then copied, under the lock, which is always right), never make
+    /// a different one look the same (writes reach both).
+    fn differing(&mut self, regions: &[u32]) -> Result<u64, Box<dyn std::error::Error>> {
+        let pieces: Vec<(u32, u64)> = regions
+            .iter()
+            .flat_map(|&r| (0..self.region).step_by(self.piece as usize).map(move |at| (r, at)))
+            .collect();
+        for (i, &(r, at)) in pieces.iter().enumerate() {
             let n = self.piece.min(self.region - at) as usize;
             let within = u64::from(r) * self.region + at;
-            self.here.read_at(&mut mine[..n], self.from + within)?;
-            self.there.read_at(&mut theirs[..n], self.to + within)?;
-            if mine[..n] != theirs[..n] {
-                return Ok(false);
-            }
-            at += n as u64;
+            self.there.submit_read(self.to + within, vec![0; n], i as u64).map_err(|r| r.error)?;
         }
-        Ok(true)
+        self.there.commit()?;
+        let mut out = Vec::new();
+        while out.len() < pieces.len() {
+            self.there.wait(pieces.len() - out.len(), &mut out)?;
+        }
+        let mut differ = 0u64;
+        let mut mine = Vec::new();
+        for c in out {
+            if c.status != Status::Ok {
+                return Err(format!("reading a region to compare: {}", c.status).into());
+            }
+            let (r, at) = pieces[c.user_data as usize];
+            let theirs = c.buf.unwrap_or_default();
+            mine.resize(theirs.len(), 0);
+            self.pool.read_at(&mut mine, self.from + u64::from(r) * self.region + at)?;
+            if mine != theirs {
+                differ |= 1u64 << r;
+            }
+        }
+        Ok(differ)
     }
 }
 

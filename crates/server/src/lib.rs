@@ -275,12 +275,19 @@ pub struct RepairStats {
 #[derive(Clone)]
 pub struct Pool {
     grants: Arc<proto::grant::PoolGrants>,
+    backend: Arc<dyn engine::Backend>,
     shared: Arc<Shared>,
 }
 
 impl Pool {
     pub fn grants(&self) -> &proto::grant::PoolGrants {
         &self.grants
+    }
+
+    /// Read `buf.len()` bytes of the pool at `offset` from its backend, as a worker would,
+    /// with no grant: the server's own reads (a repair copying out of this pool).
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), String> {
+        self.backend.read_at(buf, offset).map_err(|e| format!("reading the pool at {offset}: {e}"))
     }
 
     /// What the repair agent did, shown by the target's metrics.
@@ -650,8 +657,9 @@ impl Target {
     /// Pool export `name`, to retire its chunks and take up generations (`skiff serve
     /// --pool`); `None` when there is no such pool.
     pub fn pool(&self, name: &str) -> Option<Pool> {
-        let grants = self.shared.exports.find(name)?.1.grants.clone()?;
-        Some(Pool { grants, shared: self.shared.clone() })
+        let export = self.shared.exports.find(name)?.1;
+        let grants = export.grants.clone()?;
+        Some(Pool { grants, backend: export.backend.clone(), shared: self.shared.clone() })
     }
 
     /// Drop the cached blocks of export `name` that `len` bytes from `offset` touch: their
