@@ -904,6 +904,185 @@ pub mod etcd {
     }
 }
 
+/// The control plane's records in etcd, read back whole and checked against each other
+/// (docs/RSTORE.md, "Records at any size"): for the control-plane simulation and the tests
+/// that kill a client mid-call.
+pub mod records {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use coord::schema::{
+        self, alloc_addr, group_index, slots, ALLOCS, EXTENT_CHUNKS, GROUPS, GROUP_STRIPES, MENDING,
+        NAMESPACES, POOLS, POOL_EXTENTS,
+    };
+    use coord::{AllocRecord, Extent, NsHead, PoolHead, StripeGroup};
+    use rstore::Coordinator;
+
+    /// Largest record a run may leave in etcd.
+    pub const RECORD_MAX: usize = 256 << 10;
+
+    /// What the records hold.
+    pub struct Records {
+        /// Records, their bytes (keys and values), and the largest value.
+        pub records: usize,
+        pub bytes: usize,
+        pub largest: usize,
+        pub stripes_held: usize,
+        pub namespaces: BTreeMap<String, NsHead>,
+        /// Each namespace's allocations, by address.
+        pub allocs: BTreeMap<String, BTreeMap<u64, AllocRecord>>,
+        /// Chunks in use, over every pool.
+        pub chunks_used: u64,
+    }
+
+    /// Read every record under `/skiff/` and check that they agree, failing the test where
+    /// they do not:
+    /// - no record is larger than [`RECORD_MAX`];
+    /// - each namespace's reserve and allocations hold distinct slots, exactly those its stripe
+    ///   groups fill, each stripe with `replicas` copies on distinct servers; a group not whole
+    ///   is in the repair index; no record outlives its namespace; a namespace is marked
+    ///   `deleting` only if `deleting_ok`;
+    /// - each chunk is held by one stripe at most, and exactly the chunks held are in use in
+    ///   their pools' extents; the pools' heads agree with their extents.
+    pub fn check(c: &Coordinator, replicas: usize, deleting_ok: bool) -> Records {
+        let all = c.etcd().prefix(b"/skiff/").expect("read every record");
+        let largest = all.iter().map(|kv| kv.value.len()).max().unwrap_or(0);
+        let bytes: usize = all.iter().map(|kv| kv.key.len() + kv.value.len()).sum();
+        let under = |prefix: &'static str| all.iter().filter(move |kv| kv.key.starts_with(prefix.as_bytes()));
+        let name_of = |key: &[u8], prefix: &str| -> String {
+            let rest = &key[prefix.len()..];
+            String::from_utf8_lossy(rest.split(|&b| b == b'/').next().unwrap()).into_owned()
+        };
+        let heads: BTreeMap<String, PoolHead> =
+            under(POOLS).map(|kv| (name_of(&kv.key, POOLS), schema::decode(kv).unwrap())).collect();
+        let mut extents: BTreeMap<(String, u64), Extent> = BTreeMap::new();
+        for kv in under(POOL_EXTENTS) {
+            extents.insert(
+                (name_of(&kv.key, POOL_EXTENTS), group_index(&kv.key).unwrap()),
+                schema::decode(kv).unwrap(),
+            );
+        }
+        let namespaces: BTreeMap<String, NsHead> =
+            under(NAMESPACES).map(|kv| (name_of(&kv.key, NAMESPACES), schema::decode(kv).unwrap())).collect();
+        let mut allocs: BTreeMap<String, BTreeMap<u64, AllocRecord>> = BTreeMap::new();
+        for kv in under(ALLOCS) {
+            allocs
+                .entry(name_of(&kv.key, ALLOCS))
+                .or_default()
+                .insert(alloc_addr(&kv.key).unwrap(), schema::decode(kv).unwrap());
+        }
+        let mut groups: BTreeMap<String, BTreeMap<u64, StripeGroup>> = BTreeMap::new();
+        for kv in under(GROUPS) {
+            groups
+                .entry(name_of(&kv.key, GROUPS))
+                .or_default()
+                .insert(group_index(&kv.key).unwrap(), schema::decode(kv).unwrap());
+        }
+        let mending: BTreeSet<(String, u64)> =
+            under(MENDING).map(|kv| (name_of(&kv.key, MENDING), group_index(&kv.key).unwrap())).collect();
+
+        assert!(largest <= RECORD_MAX, "a record of {largest} bytes");
+        // Chunks held: each by one stripe at most, and the stripe's copies on distinct servers.
+        let mut held: BTreeMap<(String, u64), (String, u64)> = BTreeMap::new();
+        let mut stripes_held = 0;
+        for (name, head) in &namespaces {
+            assert!(deleting_ok || !head.deleting, "{name}: a delete was left half done");
+            let mut owned: BTreeSet<u64> = slots(&head.reserved).collect();
+            assert_eq!(owned.len() as u64, schema::run_len(&head.reserved), "{name}: reserved runs overlap");
+            let records = allocs.get(name).cloned().unwrap_or_default();
+            assert_eq!(records.len() as u64, head.allocs, "{name}: allocations counted");
+            for (addr, a) in &records {
+                for slot in slots(&a.runs) {
+                    assert!(
+                        owned.insert(slot),
+                        "{name}: slot {slot} both reserved and in {addr:#x}, or in two"
+                    );
+                }
+            }
+            let empty = BTreeMap::new();
+            let gs = groups.get(name).unwrap_or(&empty);
+            let mut filled = BTreeSet::new();
+            for (&g, group) in gs {
+                if !group.whole() {
+                    assert!(
+                        mending.contains(&(name.clone(), g)),
+                        "{name}: group {g} is not whole and not in the index"
+                    );
+                }
+                for (i, stripe) in group.stripes.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
+                    let slot = g * GROUP_STRIPES + i as u64;
+                    filled.insert(slot);
+                    assert_eq!(stripe.len(), replicas, "{name}: slot {slot}: {stripe:?}");
+                    let servers: BTreeSet<&str> = stripe.iter().map(|c| c.server.as_str()).collect();
+                    assert_eq!(
+                        servers.len(),
+                        replicas,
+                        "{name}: slot {slot}: copies share a server: {stripe:?}"
+                    );
+                    for copy in stripe {
+                        let prev = held.insert((copy.server.clone(), copy.index), (name.clone(), slot));
+                        assert!(
+                            prev.is_none(),
+                            "chunk {}/{} held by {name}/{slot} and {prev:?}",
+                            copy.server,
+                            copy.index
+                        );
+                    }
+                    stripes_held += 1;
+                }
+            }
+            assert_eq!(filled, owned, "{name}: the slots filled are exactly those reserved or allocated");
+        }
+        let orphans: Vec<&String> = (allocs.keys().chain(groups.keys()).chain(mending.iter().map(|m| &m.0)))
+            .filter(|n| !namespaces.contains_key(*n))
+            .collect();
+        assert!(orphans.is_empty(), "records of namespaces that are gone: {orphans:?}");
+        // Pools: their extents' used bits are exactly the chunks held, and the heads agree.
+        for (id, head) in &heads {
+            let (mut used, mut dirty) = (0, 0);
+            for e in 0..head.chunks.div_ceil(EXTENT_CHUNKS) {
+                let extent = extents.get(&(id.clone(), e)).cloned().unwrap_or_default();
+                let mut free_here = false;
+                for c in schema::extent_chunks(e, head.chunks) {
+                    let i = c % EXTENT_CHUNKS;
+                    let is_held = held.contains_key(&(id.clone(), c));
+                    assert_eq!(
+                        extent.used.get(i),
+                        is_held,
+                        "{id}/{c}: in use in its pool is held by a stripe"
+                    );
+                    assert!(!(extent.used.get(i) && extent.dirty.get(i)), "{id}/{c}: used and dirty");
+                    used += u64::from(extent.used.get(i));
+                    dirty += u64::from(extent.dirty.get(i));
+                    free_here |= extent.is_free(c);
+                }
+                assert!(
+                    !free_here || head.with_free.get(e),
+                    "{id}: extent {e} has a free chunk its head does not show"
+                );
+                assert!(
+                    extent.dirty.is_empty() || head.with_dirty.get(e),
+                    "{id}: extent {e} has dirt its head does not show"
+                );
+            }
+            assert_eq!(
+                (head.dirty, head.free),
+                (dirty, head.chunks - used - dirty),
+                "{id}: the head's counts"
+            );
+        }
+        assert!(held.keys().all(|(id, _)| heads.contains_key(id)), "a chunk of a server with no pool");
+        Records {
+            records: all.len(),
+            bytes,
+            largest,
+            stripes_held,
+            namespaces,
+            allocs,
+            chunks_used: held.len() as u64,
+        }
+    }
+}
+
 /// RStore segments for tests: an allocation resolved through the coordinator and mapped.
 pub mod rstore {
     use initiator::LaneConfig;

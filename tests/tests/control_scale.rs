@@ -22,17 +22,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use coord::schema::{
-    self, alloc_addr, group_index, slots, ALLOCS, EXTENT_CHUNKS, GROUPS, GROUP_STRIPES, MENDING, NAMESPACES,
-    POOLS, POOL_EXTENTS,
-};
-use coord::{AllocRecord, CoordError, CopyState, Extent, NsHead, PoolHead, Scope, ServerInfo, StripeGroup};
+use coord::schema::GROUP_STRIPES;
+use coord::{CoordError, CopyState, Scope, ServerInfo};
 use rstore::{agent, Coordinator, Registration};
 use skiff_tests::etcd::Cluster;
 
 const MIB: u64 = 1 << 20;
-/// Largest record the run may leave in etcd.
-const RECORD_MAX: usize = 256 << 10;
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -427,117 +422,9 @@ fn hundreds_of_servers_and_dozens_of_clients_keep_every_record_whole() {
     }
 
     // Every record, read back and checked whole.
-    let all = c.etcd().prefix(b"/skiff/").expect("read every record");
-    let largest = all.iter().map(|kv| kv.value.len()).max().unwrap_or(0);
-    let bytes: usize = all.iter().map(|kv| kv.key.len() + kv.value.len()).sum();
-    let under = |prefix: &'static str| all.iter().filter(move |kv| kv.key.starts_with(prefix.as_bytes()));
-    let name_of = |key: &[u8], prefix: &str| -> String {
-        let rest = &key[prefix.len()..];
-        String::from_utf8_lossy(rest.split(|&b| b == b'/').next().unwrap()).into_owned()
-    };
-    let heads: BTreeMap<String, PoolHead> =
-        under(POOLS).map(|kv| (name_of(&kv.key, POOLS), schema::decode(kv).unwrap())).collect();
-    let mut extents: BTreeMap<(String, u64), Extent> = BTreeMap::new();
-    for kv in under(POOL_EXTENTS) {
-        extents.insert(
-            (name_of(&kv.key, POOL_EXTENTS), group_index(&kv.key).unwrap()),
-            schema::decode(kv).unwrap(),
-        );
-    }
-    let namespaces: BTreeMap<String, NsHead> =
-        under(NAMESPACES).map(|kv| (name_of(&kv.key, NAMESPACES), schema::decode(kv).unwrap())).collect();
-    let mut allocs: BTreeMap<String, BTreeMap<u64, AllocRecord>> = BTreeMap::new();
-    for kv in under(ALLOCS) {
-        allocs
-            .entry(name_of(&kv.key, ALLOCS))
-            .or_default()
-            .insert(alloc_addr(&kv.key).unwrap(), schema::decode(kv).unwrap());
-    }
-    let mut groups: BTreeMap<String, BTreeMap<u64, StripeGroup>> = BTreeMap::new();
-    for kv in under(GROUPS) {
-        groups
-            .entry(name_of(&kv.key, GROUPS))
-            .or_default()
-            .insert(group_index(&kv.key).unwrap(), schema::decode(kv).unwrap());
-    }
-    let mending: BTreeSet<(String, u64)> =
-        under(MENDING).map(|kv| (name_of(&kv.key, MENDING), group_index(&kv.key).unwrap())).collect();
-
-    assert!(largest <= RECORD_MAX, "a record of {largest} bytes");
-    // Chunks held: each by one stripe at most, and the stripe's copies on distinct servers.
-    let mut held: BTreeMap<(String, u64), (String, u64)> = BTreeMap::new();
-    let mut stripes_held = 0;
-    for (name, head) in &namespaces {
-        assert!(!head.deleting, "{name}: a delete was left half done");
-        let mut owned: BTreeSet<u64> = slots(&head.reserved).collect();
-        assert_eq!(owned.len() as u64, schema::run_len(&head.reserved), "{name}: reserved runs overlap");
-        let records = allocs.get(name).cloned().unwrap_or_default();
-        assert_eq!(records.len() as u64, head.allocs, "{name}: allocations counted");
-        for (addr, a) in &records {
-            for slot in slots(&a.runs) {
-                assert!(owned.insert(slot), "{name}: slot {slot} both reserved and in {addr:#x}, or in two");
-            }
-        }
-        let empty = BTreeMap::new();
-        let gs = groups.get(name).unwrap_or(&empty);
-        let mut filled = BTreeSet::new();
-        for (&g, group) in gs {
-            if !group.whole() {
-                assert!(
-                    mending.contains(&(name.clone(), g)),
-                    "{name}: group {g} is not whole and not in the index"
-                );
-            }
-            for (i, stripe) in group.stripes.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
-                let slot = g * GROUP_STRIPES + i as u64;
-                filled.insert(slot);
-                assert_eq!(stripe.len(), 2, "{name}: slot {slot}: {stripe:?}");
-                assert_ne!(stripe[0].server, stripe[1].server, "{name}: slot {slot}: {stripe:?}");
-                for copy in stripe {
-                    let prev = held.insert((copy.server.clone(), copy.index), (name.clone(), slot));
-                    assert!(
-                        prev.is_none(),
-                        "chunk {}/{} held by {name}/{slot} and {prev:?}",
-                        copy.server,
-                        copy.index
-                    );
-                }
-                stripes_held += 1;
-            }
-        }
-        assert_eq!(filled, owned, "{name}: the slots filled are exactly those reserved or allocated");
-    }
-    let orphans: Vec<&String> = (allocs.keys().chain(groups.keys()).chain(mending.iter().map(|m| &m.0)))
-        .filter(|n| !namespaces.contains_key(*n))
-        .collect();
-    assert!(orphans.is_empty(), "records of namespaces that are gone: {orphans:?}");
-    // Pools: their extents' used bits are exactly the chunks held, and the heads agree.
-    for (id, head) in &heads {
-        let (mut used, mut dirty) = (0, 0);
-        for e in 0..head.chunks.div_ceil(EXTENT_CHUNKS) {
-            let extent = extents.get(&(id.clone(), e)).cloned().unwrap_or_default();
-            let mut free_here = false;
-            for c in schema::extent_chunks(e, head.chunks) {
-                let i = c % EXTENT_CHUNKS;
-                let is_held = held.contains_key(&(id.clone(), c));
-                assert_eq!(extent.used.get(i), is_held, "{id}/{c}: in use in its pool is held by a stripe");
-                assert!(!(extent.used.get(i) && extent.dirty.get(i)), "{id}/{c}: used and dirty");
-                used += u64::from(extent.used.get(i));
-                dirty += u64::from(extent.dirty.get(i));
-                free_here |= extent.is_free(c);
-            }
-            assert!(
-                !free_here || head.with_free.get(e),
-                "{id}: extent {e} has a free chunk its head does not show"
-            );
-            assert!(
-                extent.dirty.is_empty() || head.with_dirty.get(e),
-                "{id}: extent {e} has dirt its head does not show"
-            );
-        }
-        assert_eq!((head.dirty, head.free), (dirty, head.chunks - used - dirty), "{id}: the head's counts");
-    }
-    assert!(held.keys().all(|(id, _)| heads.contains_key(id)), "a chunk of a server with no pool");
+    let records = skiff_tests::records::check(&c, 2, false);
+    let (all_len, bytes, largest, stripes_held, allocs) =
+        (records.records, records.bytes, records.largest, records.stripes_held, records.allocs);
     // What each client was told is what the records hold.
     let mut checked = 0;
     for (name, model) in &results {
@@ -558,7 +445,7 @@ fn hundreds_of_servers_and_dozens_of_clients_keep_every_record_whole() {
         "repair": { "marked_stale": stale, "started": started, "finished": finished },
         "zeroed": zeroed,
         "errors": errors,
-        "records": all.len(), "record_bytes": bytes, "largest_record": largest,
+        "records": all_len, "record_bytes": bytes, "largest_record": largest,
         "stripes_held": stripes_held, "models_checked": checked,
         "costs": costs.json(),
     });

@@ -482,3 +482,106 @@ fn etcd_over_tls_with_client_certificates() {
     assert!(!out.status.success() && err.contains("127.0.0.1"), "{err}");
     eprintln!("etcd over TLS: without a CA, {}", err.trim());
 }
+
+/// Namespace `name`'s head as etcd holds it now (`None`: no namespace).
+fn head(c: &rstore::Coordinator, name: &str) -> Option<coord::NsHead> {
+    let kv = c.etcd().get(&coord::schema::key(coord::schema::NAMESPACES, name)).expect("etcd answers")?;
+    Some(coord::schema::decode(&kv).expect("a namespace head"))
+}
+
+/// Run `skiff ns ARGS` and kill it (SIGKILL) as soon as `moved` says its first steps are in
+/// etcd. Returns whether it was killed before it finished.
+fn kill_mid_call(
+    url: &str,
+    c: &rstore::Coordinator,
+    args: &[&str],
+    moved: impl Fn(Option<&coord::NsHead>) -> bool,
+) -> bool {
+    let mut child = skiff()
+        .args(["ns", "--coordinator", url])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("skiff ns");
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "skiff ns {args:?} failed");
+            return false;
+        }
+        if moved(head(c, "big").as_ref()) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            return true;
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "skiff ns {args:?} never moved");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A client killed (SIGKILL) in the middle of a call that takes many steps (a reserve, a
+/// release and a delete of tens of gigabytes, a transaction per 1,024 stripes) leaves every
+/// record whole: each chunk in use is held by one stripe and each stripe's chunks are in use in
+/// their pools. The reserve holds what its steps took, the release gave back what its steps
+/// gave, and a delete killed midway is finished by running it again, after which every chunk
+/// is back in its pool.
+#[test]
+fn a_client_killed_mid_call_leaves_the_records_whole_and_the_next_call_finishes() {
+    use skiff_tests::records;
+    const GIB: u64 = 1 << 30;
+    let etcd = Cluster::start(1);
+    let url = etcd.url();
+    let c = rstore::Coordinator::connect(&etcd.endpoints());
+    // 16 servers of 16 GiB that hold no data: 65,536 chunks.
+    let _phantoms = KillOnDrop(
+        skiff()
+            .args([
+                "ns",
+                "--coordinator",
+                &url,
+                "phantom",
+                "--servers",
+                "16",
+                "--pool",
+                "16G",
+                "--chunk",
+                "4M",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("skiff ns phantom"),
+    );
+    wait_servers(&url, 16);
+    ns(&url, &["create", "big", "--chunk", "4M", "--replicas", "2"]);
+    let reserved =
+        |h: Option<&coord::NsHead>| h.map_or(0, |h| coord::schema::run_len(&h.reserved) * (4 << 20));
+
+    // A reserve of 96 GiB (24 steps), killed once its first step is in.
+    let total = 96 * GIB;
+    let killed = kill_mid_call(&url, &c, &["reserve", "big", "96G"], |h| reserved(h) > 0);
+    records::check(&c, 2, false);
+    let got = reserved(head(&c, "big").as_ref());
+    assert!(killed && got > 0 && got < total, "the reserve was cut short: {got} of {total} bytes");
+    ns(&url, &["reserve", "big", &(total - got).to_string()]);
+    assert_eq!(reserved(head(&c, "big").as_ref()), total, "the next reserve took the rest");
+    assert_eq!(records::check(&c, 2, false).chunks_used, 2 * total / (4 << 20));
+
+    // A release of 64 GiB, killed likewise.
+    let killed = kill_mid_call(&url, &c, &["release", "big", "64G"], |h| reserved(h) < total);
+    records::check(&c, 2, false);
+    let left = reserved(head(&c, "big").as_ref());
+    assert!(killed && left < total && left > total - 64 * GIB, "the release was cut short: {left} left");
+    ns(&url, &["release", "big", &(left - 32 * GIB).to_string()]);
+    assert_eq!(reserved(head(&c, "big").as_ref()), 32 * GIB);
+
+    // A delete killed midway leaves the namespace marked, whole; the next one finishes it.
+    let killed =
+        kill_mid_call(&url, &c, &["delete", "big"], |h| h.is_none_or(|h| reserved(Some(h)) < 32 * GIB));
+    let mid = records::check(&c, 2, true);
+    assert!(killed && mid.namespaces["big"].deleting, "the delete was cut short");
+    ns(&url, &["delete", "big"]);
+    let end = records::check(&c, 2, false);
+    assert!(end.namespaces.is_empty() && end.chunks_used == 0, "every chunk is back in its pool");
+}
