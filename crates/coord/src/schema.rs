@@ -201,6 +201,17 @@ impl Bitmap {
         self.0.iter().map(|w| u64::from(w.count_ones())).sum()
     }
 
+    /// The lowest member, a word at a time.
+    pub fn first(&self) -> Option<u64> {
+        let (w, word) = self.0.iter().enumerate().find(|(_, w)| **w != 0)?;
+        Some(w as u64 * 64 + u64::from(word.trailing_zeros()))
+    }
+
+    /// Members `64 × w` to `64 × w + 63`, as a word (bit `b`: member `64 × w + b`).
+    pub fn word(&self, w: u64) -> u64 {
+        self.0.get(w as usize).copied().unwrap_or(0)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -324,7 +335,30 @@ impl Extent {
 
     /// Whether any of chunks `first..end` (of the pool, within this extent) is free.
     pub fn any_free(&self, first: u64, end: u64) -> bool {
-        (first..end).any(|c| self.is_free(c))
+        self.first_free(first..end).is_some()
+    }
+
+    /// The lowest free chunk of `chunks` (of the pool, within this extent), a word of 64
+    /// chunks at a time.
+    pub fn first_free(&self, chunks: std::ops::Range<u64>) -> Option<u64> {
+        if chunks.is_empty() {
+            return None;
+        }
+        let base = chunks.start - chunks.start % EXTENT_CHUNKS;
+        let (lo, hi) = (chunks.start - base, chunks.end - base);
+        for w in lo / 64..hi.div_ceil(64) {
+            let mut free = !(self.used.word(w) | self.dirty.word(w));
+            if w == lo / 64 {
+                free &= u64::MAX << (lo % 64);
+            }
+            if w == (hi - 1) / 64 && hi % 64 != 0 {
+                free &= (1u64 << (hi % 64)) - 1;
+            }
+            if free != 0 {
+                return Some(base + w * 64 + u64::from(free.trailing_zeros()));
+            }
+        }
+        None
     }
 }
 
@@ -936,6 +970,36 @@ mod tests {
         assert_eq!((back.count(), back.get(64), back.get(65)), (4, true, false));
         for bad in ["\"abc\"", "\"zzzzzzzzzzzzzzzz\"", "7"] {
             assert!(serde_json::from_str::<Bitmap>(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// The word-at-a-time searches agree with a search chunk by chunk, over extents filled at
+    /// random and every range within them (the last extent of a pool may be short).
+    #[test]
+    fn free_chunks_are_found_a_word_at_a_time_as_one_by_one() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..200 {
+            let e = round % 3;
+            let mut extent = Extent::default();
+            let density = next() % 100;
+            for i in 0..EXTENT_CHUNKS {
+                extent.used.set(i, next() % 100 < density);
+                extent.dirty.set(i, next() % 100 < density / 4);
+            }
+            let base = e * EXTENT_CHUNKS;
+            for _ in 0..50 {
+                let a = base + next() % EXTENT_CHUNKS;
+                let b = a + next() % (base + EXTENT_CHUNKS - a + 1);
+                let naive = (a..b).find(|&c| extent.is_free(c));
+                assert_eq!(extent.first_free(a..b), naive, "round {round}: {a}..{b}");
+            }
+            assert_eq!(extent.used.first(), extent.used.iter().next(), "round {round}");
         }
     }
 

@@ -355,10 +355,11 @@ impl<'a> Pools<'a> {
         if head.free == 0 {
             return Ok(None);
         }
-        let (chunks, candidates): (u64, Vec<u64>) = (head.chunks, head.with_free.iter().collect());
-        for e in candidates {
+        let chunks = head.chunks;
+        // The lowest extent the head shows with a free chunk, a word at a time.
+        while let Some(e) = self.head(&s.id)?.expect("read above").with_free.first() {
             let extent = self.extent(&s.id, e)?;
-            let found = extent_chunks(e, chunks).find(|&c| extent.is_free(c));
+            let found = extent.first_free(extent_chunks(e, chunks));
             let more = found.is_some_and(|c| extent.any_free(c + 1, extent_chunks(e, chunks).end));
             if let Some(c) = found {
                 extent.used.set(c % EXTENT_CHUNKS, true);
@@ -465,6 +466,15 @@ fn by_group(runs: &[Run]) -> BTreeMap<u64, Vec<u64>> {
         groups.entry(group_of(slot)).or_default().push(slot);
     }
     groups
+}
+
+/// What a reserve step starts from: the namespace's head and its revision, the pools' heads
+/// (with revisions), and the live servers of the namespace's scope.
+struct Read {
+    head: NsHead,
+    rev: i64,
+    pools: BTreeMap<String, (PoolHead, i64)>,
+    servers: Vec<ServerInfo>,
 }
 
 /// A client of the control plane.
@@ -784,11 +794,14 @@ impl Coordinator {
     /// goes in steps of one transaction each (a group of stripes at most); a step that finds
     /// no room gives back what the earlier ones reserved, and reports it.
     pub fn reserve(&self, name: &str, bytes: u64) -> Result<NsHead, CoordError> {
-        let (head, _) = self.read_head(name)?;
+        let (head, rev) = self.read_head(name)?;
         let want = bytes.div_ceil(head.chunk_bytes);
         // Room enough, as far as the pools' heads say now.
         let servers = self.scope_servers(&head)?;
         let heads = self.pool_heads()?;
+        // The first step starts from what was read here (its transaction checks the
+        // revisions read, so nothing is lost if they moved meanwhile).
+        let mut read = Some(Read { head: head.clone(), rev, pools: heads.clone(), servers: servers.clone() });
         let have: u64 = servers.iter().filter_map(|s| heads.get(&s.id)).map(|h| h.0.free).sum();
         let zeroing: u64 = servers.iter().filter_map(|s| heads.get(&s.id)).map(|h| h.0.dirty).sum();
         let wanted = want.saturating_mul(u64::from(head.replicas));
@@ -807,7 +820,7 @@ impl Coordinator {
         let mut added: Vec<Run> = Vec::new();
         let mut done = 0;
         while done < want {
-            match self.retry(name, || self.reserve_step(name, want - done)) {
+            match self.retry(name, || self.reserve_step(name, want - done, read.take())) {
                 Ok(run) => {
                     done += run.1;
                     add_run(&mut added, run);
@@ -840,17 +853,20 @@ impl Coordinator {
     }
 
     /// One step of [`reserve`](Self::reserve): up to `want` stripes in the next slots, within
-    /// one group, from a window of the servers with room. `None` when another client changed
-    /// what it read.
-    fn reserve_step(&self, name: &str, want: u64) -> Result<Option<Run>, CoordError> {
-        let (mut head, rev) = self.read_head(name)?;
+    /// one group, from a window of the servers with room; from `read` if given, else from
+    /// what it reads. `None` when another client changed what it read.
+    fn reserve_step(&self, name: &str, want: u64, read: Option<Read>) -> Result<Option<Run>, CoordError> {
+        let Read { mut head, rev, pools: heads, servers } = match read {
+            Some(read) => read,
+            None => {
+                let (head, rev) = self.read_head(name)?;
+                let servers = self.scope_servers(&head)?;
+                Read { head, rev, pools: self.pool_heads()?, servers }
+            }
+        };
         let replicas = head.replicas as usize;
-        let heads = self.pool_heads()?;
-        let servers: Vec<ServerInfo> = self
-            .scope_servers(&head)?
-            .into_iter()
-            .filter(|s| heads.get(&s.id).is_some_and(|h| h.0.free > 0))
-            .collect();
+        let servers: Vec<ServerInfo> =
+            servers.into_iter().filter(|s| heads.get(&s.id).is_some_and(|h| h.0.free > 0)).collect();
         let no_room = || CoordError::NoCapacity {
             scope: head.scope,
             chunk_bytes: head.chunk_bytes,
