@@ -963,20 +963,24 @@ pub mod records {
         }
         let namespaces: BTreeMap<String, NsHead> =
             under(NAMESPACES).map(|kv| (name_of(&kv.key, NAMESPACES), schema::decode(kv).unwrap())).collect();
-        let mut allocs: BTreeMap<String, BTreeMap<u64, AllocRecord>> = BTreeMap::new();
-        for kv in under(ALLOCS) {
-            allocs
-                .entry(name_of(&kv.key, ALLOCS))
-                .or_default()
-                .insert(alloc_addr(&kv.key).unwrap(), schema::decode(kv).unwrap());
+        // A namespace's records under `prefix`, by the number its key ends in.
+        fn by_ns<T: schema::Record>(
+            kvs: impl Iterator<Item = coord::etcd::Kv>,
+            prefix: &str,
+            index: fn(&[u8]) -> Option<u64>,
+            name_of: impl Fn(&[u8], &str) -> String,
+        ) -> BTreeMap<String, BTreeMap<u64, T>> {
+            let mut all: BTreeMap<String, BTreeMap<u64, T>> = BTreeMap::new();
+            for kv in kvs {
+                let record = schema::decode(&kv).unwrap();
+                all.entry(name_of(&kv.key, prefix)).or_default().insert(index(&kv.key).unwrap(), record);
+            }
+            all
         }
-        let mut groups: BTreeMap<String, BTreeMap<u64, StripeGroup>> = BTreeMap::new();
-        for kv in under(GROUPS) {
-            groups
-                .entry(name_of(&kv.key, GROUPS))
-                .or_default()
-                .insert(group_index(&kv.key).unwrap(), schema::decode(kv).unwrap());
-        }
+        let allocs: BTreeMap<String, BTreeMap<u64, AllocRecord>> =
+            by_ns(under(ALLOCS).cloned(), ALLOCS, alloc_addr, name_of);
+        let groups: BTreeMap<String, BTreeMap<u64, StripeGroup>> =
+            by_ns(under(GROUPS).cloned(), GROUPS, group_index, name_of);
         let mending: BTreeSet<(String, u64)> =
             under(MENDING).map(|kv| (name_of(&kv.key, MENDING), group_index(&kv.key).unwrap())).collect();
 

@@ -922,6 +922,16 @@ pub fn check_name(what: &str, name: &str) -> Result<(), CoordError> {
 mod tests {
     use super::*;
 
+    /// A seeded xorshift64 generator: the tests' inputs are the seed's.
+    fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
     /// A registration's grant key seals grants the pool admits; one that is not 64 hex digits
     /// is refused clearly, and a server without one takes none.
     #[test]
@@ -977,13 +987,7 @@ mod tests {
     /// random and every range within them (the last extent of a pool may be short).
     #[test]
     fn free_chunks_are_found_a_word_at_a_time_as_one_by_one() {
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
         for round in 0..200 {
             let e = round % 3;
             let mut extent = Extent::default();
