@@ -48,6 +48,9 @@ impl Mem {
         let target = start_target_with(&[&export], |config| {
             config.workers = 1;
             config.exports[0].grants = Some(server::GrantConfig { key, chunk_bytes: MIB });
+            // A shallow queue: a repair comparing a batch of regions (more pieces than this)
+            // keeps within it, and so do segments.
+            config.bounds.limits.queue_depth = 4;
         });
         let info = ServerInfo {
             id: format!("s{i}"),

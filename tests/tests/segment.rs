@@ -680,3 +680,37 @@ fn unmapped_segments_leave_their_connections_to_the_next_mapping() {
     check(&mut seg, 2, 64 << 10);
     assert!(seg.failed().iter().all(|f| f.starts_with(&gone)), "{:?}", seg.failed());
 }
+
+/// A kept lane that its server closed for its silence (a `GOAWAY` read only at the next
+/// mapping's `GRANT`) is replaced by a new connection: the server is not reported lost, its
+/// only copy is not marked stale, and the mapping reads back what was written.
+#[test]
+fn a_kept_lane_its_server_closed_for_silence_is_replaced_not_reported() {
+    let etcd = Cluster::start(1);
+    let c = Coordinator::connect(&etcd.endpoints());
+    let key = [5; 32];
+    let t = start_target_with(&[POOL], |config| {
+        config.workers = 1;
+        config.exports[0].grants = Some(server::GrantConfig { key, chunk_bytes: MIB });
+        config.bounds.idle_timeout = Duration::from_millis(300);
+    });
+    let _reg = register(&c, &t, MIB, 1, key);
+    allocate(&c, "quiet", MIB, 1, 2 * MIB);
+    let mut seg = c.map("quiet", 0, &LaneConfig::default()).unwrap();
+    fill(&mut seg, 7, 64 << 10);
+    drop(seg);
+    assert_eq!(c.connections().stats().idle, 1);
+    // The server closes the kept connection, with a GOAWAY, while it waits.
+    let start = std::time::Instant::now();
+    while t.stats().get("idle_timeouts") != Some(1) {
+        assert!(start.elapsed() < Duration::from_secs(30), "the server never closed the kept lane");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut seg = c.map("quiet", 0, &LaneConfig::default()).unwrap();
+    check(&mut seg, 7, 64 << 10);
+    assert_eq!(seg.stats().servers_failed, 0, "{:?}", seg.stats());
+    let s = c.connections().stats();
+    assert_eq!((s.opened, s.reused), (2, 0), "a new connection in place of the closed one: {s:?}");
+    let r = c.lookup("quiet", 0).unwrap();
+    assert!(r.stripes.iter().flatten().all(|copy| copy.state == CopyState::Ok), "{:?}", r.stripes);
+}

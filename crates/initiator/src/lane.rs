@@ -348,7 +348,10 @@ impl<B: IoBuf> Lane<B> {
     /// docs/PROTOCOL.md, section 14.6), as a connection reused for another mapping does. The
     /// lane must be idle (nothing in flight) and connected, and must not reconnect (a
     /// reconnection presents the grants it was configured with, which these would not be).
-    /// A grant refused fails with its status; the connection goes on, holding what it held.
+    /// A grant refused fails with its status (`Refused`); the connection goes on, holding what
+    /// it held. Anything else that answers (a `GOAWAY` the target sent while the lane sat idle,
+    /// before it closed the connection, or a close) fails with `Closed`: the lane is done, and
+    /// the target may be well.
     pub fn grant(&mut self, grants: &[wire::Capability]) -> Result<()> {
         if self.in_flight() > 0 || self.reconnect.config().is_on() {
             return Err(Error::InvalidArgument(
@@ -360,8 +363,11 @@ impl<B: IoBuf> Lane<B> {
         }
         for batch in grants.chunks(wire::GRANTS_PER_FRAME_MAX) {
             let grant = wire::Grant { handle: self.session.handle(), caps: batch.to_vec() };
-            let (h, body) = self.conn.call(FrameKind::Grant, &grant.encode())?;
-            let answer = proto::client::expect(&h, &body, FrameKind::GrantReply, wire::GrantReply::decode)?;
+            let (h, body) = self.conn.call(FrameKind::Grant, &grant.encode()).map_err(|_| Error::Closed)?;
+            if h.kind != FrameKind::GrantReply {
+                return Err(Error::Closed);
+            }
+            let answer = wire::GrantReply::decode(&body).map_err(|_| Error::Closed)?;
             if !answer.status.is_ok() {
                 return Err(Error::Refused(answer.status));
             }

@@ -383,41 +383,48 @@ impl RegionCopy<'_> {
     }
 
     /// Which of `regions` read differently here and there (a bit per region), their reads
-    /// there in flight together. Without the lock: a write landing meanwhile may make a region
-    /// look different (it is then copied, under the lock, which is always right), never make
-    /// a different one look the same (writes reach both).
+    /// there in flight together, as many as the lane's queue depth and [`COMPARE_BYTES`]
+    /// allow. Without the lock: a write landing meanwhile may make a region look different
+    /// (it is then copied, under the lock, which is always right), never make a different one
+    /// look the same (writes reach both).
     fn differing(&mut self, regions: &[u32]) -> Result<u64, Box<dyn std::error::Error>> {
         let pieces: Vec<(u32, u64)> = regions
             .iter()
             .flat_map(|&r| (0..self.region).step_by(self.piece as usize).map(move |at| (r, at)))
             .collect();
-        for (i, &(r, at)) in pieces.iter().enumerate() {
-            let n = self.piece.min(self.region - at) as usize;
-            let within = u64::from(r) * self.region + at;
-            self.there.submit_read(self.to + within, vec![0; n], i as u64).map_err(|r| r.error)?;
-        }
-        self.there.commit()?;
-        let mut out = Vec::new();
-        while out.len() < pieces.len() {
-            self.there.wait(pieces.len() - out.len(), &mut out)?;
-        }
-        let mut differ = 0u64;
-        let mut mine = Vec::new();
-        for c in out {
-            if c.status != Status::Ok {
-                return Err(format!("reading a region to compare: {}", c.status).into());
+        let depth = self.there.queue_depth().min((COMPARE_BYTES / self.piece) as usize).max(1);
+        let (mut next, mut done, mut differ) = (0, 0, 0u64);
+        let (mut out, mut mine) = (Vec::new(), Vec::new());
+        while done < pieces.len() {
+            while next < pieces.len() && self.there.in_flight() < depth {
+                let (r, at) = pieces[next];
+                let n = self.piece.min(self.region - at) as usize;
+                let within = u64::from(r) * self.region + at;
+                self.there.submit_read(self.to + within, vec![0; n], next as u64).map_err(|r| r.error)?;
+                next += 1;
             }
-            let (r, at) = pieces[c.user_data as usize];
-            let theirs = c.buf.unwrap_or_default();
-            mine.resize(theirs.len(), 0);
-            self.pool.read_at(&mut mine, self.from + u64::from(r) * self.region + at)?;
-            if mine != theirs {
-                differ |= 1u64 << r;
+            out.clear();
+            self.there.wait(1, &mut out)?;
+            for c in out.drain(..) {
+                if c.status != Status::Ok {
+                    return Err(format!("reading a region to compare: {}", c.status).into());
+                }
+                let (r, at) = pieces[c.user_data as usize];
+                let theirs = c.buf.unwrap_or_default();
+                mine.resize(theirs.len(), 0);
+                self.pool.read_at(&mut mine, self.from + u64::from(r) * self.region + at)?;
+                if mine != theirs {
+                    differ |= 1u64 << r;
+                }
+                done += 1;
             }
         }
         Ok(differ)
     }
 }
+
+/// Bytes of a comparison's reads in flight at most.
+const COMPARE_BYTES: u64 = 1 << 20;
 
 /// The agent's thread: lead when it can (`lease`: the server's registration lease now, 0 while
 /// it has none), and serve the repairs this server is the source of, every `config.every`.

@@ -8,8 +8,9 @@
 //! could not have: a grant of a chunk that changed owner since is of a generation the chunk
 //! has left, and a grant of a stale map is of an epoch the chunk has passed. Lanes are kept
 //! only while idle and connected, at most [`IDLE_PER_SERVER`] per server and export and
-//! [`IDLE_MAX`] in all; past that they close. A lane whose server went away while it waited
-//! here fails its `GRANT`, and a new connection is made in its place.
+//! [`IDLE_MAX`] in all, for [`KEEP_FOR`]; past that they close. A lane whose server went away
+//! or closed it (a `GOAWAY` for its silence) while it waited here fails its `GRANT`, and a new
+//! connection is made in its place.
 //!
 //! Lanes are kept per lane configuration: a segment takes only a lane made with the same
 //! settings (limits, polling, key, TLS, ...) as its own.
@@ -17,6 +18,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use initiator::{Endpoint, Error, Lane, LaneConfig, Result};
 
@@ -25,6 +27,11 @@ pub const IDLE_PER_SERVER: usize = 8;
 
 /// Idle lanes kept at most in all.
 pub const IDLE_MAX: usize = 256;
+
+/// How long a lane is kept: well inside a target's idle timeout (60 s by default), after which
+/// it closes a silent connection (with a `GOAWAY` that a kept lane reads only at its next
+/// `GRANT`, and then makes a new connection anyway).
+pub const KEEP_FOR: Duration = Duration::from_secs(30);
 
 /// Idle lanes to memory servers, shared by the segments of a coordinator (and its
 /// [`again`](crate::Coordinator::again) copies); cloning shares them.
@@ -40,7 +47,8 @@ struct Shared {
 
 #[derive(Default)]
 struct Idle {
-    lanes: HashMap<Key, Vec<Lane>>,
+    /// Each with when it was kept.
+    lanes: HashMap<Key, Vec<(Lane, Instant)>>,
     count: usize,
 }
 
@@ -93,15 +101,19 @@ impl Connections {
         Ok(lane)
     }
 
+    /// The lane kept last for `key`, if kept within [`KEEP_FOR`]; older ones are closed.
     fn take(&self, key: &Key) -> Option<Lane> {
         let mut idle = self.0.idle.lock().unwrap_or_else(|p| p.into_inner());
         let lanes = idle.lanes.get_mut(key)?;
-        let lane = lanes.pop()?;
-        if lanes.is_empty() {
+        let before = lanes.len();
+        lanes.retain(|(_, at)| at.elapsed() < KEEP_FOR);
+        let lane = lanes.pop().map(|(lane, _)| lane);
+        let left = lanes.len();
+        if left == 0 {
             idle.lanes.remove(key);
         }
-        idle.count -= 1;
-        Some(lane)
+        idle.count -= before - left;
+        lane
     }
 
     /// Keep `lane` (made by [`open`](Self::open) with `config` to `export` at `endpoint`)
@@ -117,7 +129,7 @@ impl Connections {
         }
         let lanes = idle.lanes.entry(key).or_default();
         if lanes.len() < IDLE_PER_SERVER {
-            lanes.push(lane);
+            lanes.push((lane, Instant::now()));
             idle.count += 1;
         }
     }

@@ -709,7 +709,6 @@ impl World {
         Ok(())
     }
 
-    /// Every copy of every stripe holds what the acknowledged writes left.
     /// A file server back from a crash with its pool damaged in place: one region of each of
     /// its copies that are not `ok` (those a repair will look at) reads other bytes. Copies
     /// still `ok` are trusted as they are (docs/RSTORE.md: no checksums on the data path).
@@ -736,6 +735,7 @@ impl World {
         }
     }
 
+    /// Every copy of every stripe holds what the acknowledged writes left.
     fn check_copies(&self) -> Result<(), String> {
         for (si, stripe) in self.ns.allocs[&0].stripes.iter().enumerate() {
             for c in stripe {
