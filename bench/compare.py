@@ -152,6 +152,18 @@ def add_placement_args(p, repeat_help):
     p.add_argument("--repeat", type=int, metavar="N", help=repeat_help)
 
 
+def parse_bench_args(p, repeat=3):
+    """Add what the skiff bench scripts share (--skiff, --out, the placement) to parser `p`,
+    and parse: the repetitions default to `repeat`, and `a.pl` is the placement."""
+    p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--out", default="bench/results")
+    add_placement_args(p, f"runs per point (default {repeat})")
+    a = p.parse_args()
+    a.repeat = a.repeat or repeat
+    a.pl = Placement.from_args(a)
+    return a
+
+
 # ---------------------------------------------------------------------------------------------
 # Repetitions
 

@@ -28,7 +28,7 @@ import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Placement, add_placement_args, median_record  # noqa: E402
+from compare import median_record, parse_bench_args  # noqa: E402
 from rstore import coordinator, log, memory_servers  # noqa: E402
 
 
@@ -55,12 +55,7 @@ def main():
     p.add_argument("--pool", default="1G", help="what each of the two memory servers donates")
     p.add_argument("--chunk", default="4M")
     p.add_argument("--flash", action="store_true", help="file pools and file-scope namespaces (thesis 7.4)")
-    p.add_argument("--skiff", default="target/release/skiff")
-    p.add_argument("--out", default="bench/results")
-    add_placement_args(p, "runs per point (default 3)")
-    a = p.parse_args()
-    a.repeat = a.repeat or 3
-    a.pl = Placement.from_args(a)
+    a = parse_bench_args(p)
     a.skiff = os.path.abspath(a.skiff)
     counts = [int(w) for w in a.workers.split(",")]
     runs = {}

@@ -35,7 +35,7 @@ import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Placement, add_placement_args, median_record, stop  # noqa: E402
+from compare import median_record, parse_bench_args, stop  # noqa: E402
 from rstore import coordinator, memory_servers, ns  # noqa: E402
 
 STEPS = ["create_ns", "reserve", "alloc", "init (lookup and place)", "free", "release",
@@ -154,12 +154,7 @@ def main():
     p.add_argument("--chunk", default="4M")
     p.add_argument("--real", action="store_true", help="real memory servers and the full costs, map included")
     p.add_argument("--real-pool", default="4G", help="RAM each real memory server donates")
-    p.add_argument("--skiff", default="target/release/skiff")
-    p.add_argument("--out", default="bench/results")
-    add_placement_args(p, "runs per point (default 3)")
-    a = p.parse_args()
-    a.repeat = a.repeat or 3
-    a.pl = Placement.from_args(a)
+    a = parse_bench_args(p)
     a.sizes = a.sizes.split(",")
     a.threads = 1
     counts = [int(n) for n in a.servers.split(",")]

@@ -40,7 +40,7 @@ import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import Placement, add_placement_args, free_port, median_record, stop  # noqa: E402
+from compare import free_port, median_record, parse_bench_args, stop  # noqa: E402
 from rstore import coordinator, ns, wait_servers  # noqa: E402
 
 
@@ -213,14 +213,9 @@ def main():
     p.add_argument("--writes", type=int, default=1000, help="4 KiB writes while B is away (partial)")
     p.add_argument("--runtime", type=int, default=5)
     p.add_argument("--rate", default="100M", help="--rebuild-rate for the load run (the default)")
-    p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--old", help="a build from before map epochs, for the epochs run")
     p.add_argument("--only", default="partial,partial-unverified,full,load,epochs")
-    p.add_argument("--out", default="bench/results")
-    add_placement_args(p, "runs per point (default 3)")
-    a = p.parse_args()
-    a.repeat = a.repeat or 3
-    a.pl = Placement.from_args(a)
+    a = parse_bench_args(p)
     units = {"K": 10, "M": 20, "G": 30}
     a.size_bytes = int(a.size[:-1]) << units[a.size[-1].upper()]
     only = a.only.split(",")

@@ -255,6 +255,25 @@ fn or_empty<T: coord::schema::Record>(kv: Option<coord::etcd::Kv>, empty: T) -> 
     }
 }
 
+/// The record `k` of `cache`, read from etcd at `etcd_key` the first time (empty when there is
+/// none), and marked to be written if `write`.
+fn cached<'c, T: coord::schema::Record + Default>(
+    etcd: &Etcd,
+    cache: &'c mut BTreeMap<(String, u64), (T, i64, bool)>,
+    k: (String, u64),
+    etcd_key: &[u8],
+    write: bool,
+) -> Result<&'c mut T, CoordError> {
+    let entry = match cache.entry(k) {
+        std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::btree_map::Entry::Vacant(v) => {
+            v.insert(or_empty(etcd.get(etcd_key)?, T::default()).map(|(t, rev)| (t, rev, false))?)
+        }
+    };
+    entry.2 |= write;
+    Ok(&mut entry.0)
+}
+
 /// The pool records one transaction reads and changes: each server's head and the extents it
 /// touches, with the revisions read (0: no record), so the transaction goes through only if
 /// nobody changed them meanwhile.
@@ -311,15 +330,7 @@ impl<'a> Pools<'a> {
     /// The generations of extent `e` of server `id`'s pool, to be written (`write`) or only
     /// read (the extent's revision guards them: they change only with it).
     fn generations(&mut self, id: &str, e: u64, write: bool) -> Result<&mut Generations, CoordError> {
-        let k = (id.to_owned(), e);
-        if !self.generations.contains_key(&k) {
-            let read = or_empty(self.etcd.get(&generations_key(id, e))?, Generations::default())
-                .map(|(v, rev)| (v, rev, false))?;
-            self.generations.insert(k.clone(), read);
-        }
-        let (generations, _, changed) = self.generations.get_mut(&k).expect("read above");
-        *changed |= write;
-        Ok(generations)
+        cached(self.etcd, &mut self.generations, (id.to_owned(), e), &generations_key(id, e), write)
     }
 
     /// Server `id`'s pool head, `None` when it has none (deleted by hand).
@@ -337,15 +348,7 @@ impl<'a> Pools<'a> {
     }
 
     fn extent(&mut self, id: &str, e: u64) -> Result<&mut Extent, CoordError> {
-        let k = (id.to_owned(), e);
-        if !self.extents.contains_key(&k) {
-            let read = or_empty(self.etcd.get(&extent_key(id, e))?, Extent::default())
-                .map(|(v, rev)| (v, rev, false))?;
-            self.extents.insert(k.clone(), read);
-        }
-        let (extent, _, changed) = self.extents.get_mut(&k).expect("read above");
-        *changed = true;
-        Ok(extent)
+        cached(self.etcd, &mut self.extents, (id.to_owned(), e), &extent_key(id, e), true)
     }
 
     /// A free chunk of server `s`'s pool, now in use: the lowest free one. `None` when the
