@@ -454,6 +454,22 @@ mod tests {
         assert_eq!((args.io_max, args.connections_max), (1 << 20, Bounds::default().connections_max));
     }
 
+    /// `--repair-verify` is on by default, comes from the file unless the flag is given, and a
+    /// value that is not a boolean is refused, in the file and on the command line.
+    #[test]
+    fn repair_verify_comes_from_the_file_or_the_flag_and_a_bad_value_is_refused() {
+        use clap::CommandFactory;
+        assert!(serve_with("", &[]).0.repair_verify, "on by default");
+        assert!(!serve_with("repair-verify = false\n", &[]).0.repair_verify);
+        assert!(serve_with("repair-verify = false\n", &["--repair-verify", "true"]).0.repair_verify);
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut f, b"repair-verify = \"maybe\"\n").unwrap();
+        let err = read(f.path()).expect_err("not a boolean");
+        assert!(err.to_string().contains("repair-verify"), "{err}");
+        let argv = ["skiff", "serve", "--repair-verify", "maybe"];
+        assert!(crate::Cli::command().try_get_matches_from(argv).is_err());
+    }
+
     #[test]
     fn a_flash_array_comes_from_the_file_as_from_the_flags() {
         let (args, tuning) = serve_with(
