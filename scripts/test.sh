@@ -47,6 +47,13 @@ cargo fmt --all -- --check
 
 say "lint"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy -p skiff-sim --all-targets --features mutations --locked -- -D warnings
+
+say "planted bugs stay out of the product"
+scripts/check-planted.sh
 
 say "tests"
 cargo test --workspace --locked
+
+say "the simulator's proofs, with its planted bugs"
+cargo test -p skiff-sim --features mutations --locked

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use proto::reliable::ReliableConfig;
+use datagram::reliable::ReliableConfig;
 use transport::eth::EthStream;
 use transport::packet::{Mac, PacketSocket, RingConfig, RingVersion, ETHERTYPE};
 use transport::relay::{self, FaultRates};

@@ -18,22 +18,19 @@
 //! - [`auth`]: keys, key files, access lists and the handshake's challenge-response proofs.
 //! - [`capability::CapKey`]: sealing and checking the capabilities of direct reads.
 //! - [`grant::PoolGrants`]: the chunk grants that authorise I/O to an RStore pool.
-//! - [`reliable::DatagramStream`]: reliable, ordered byte streams over lossy datagrams, for the
-//!   raw-Ethernet transport.
-//! - [`bundle::Bundle`]: the paths of a raw-Ethernet session bundled over several interfaces:
-//!   which path a send takes, probes, leaving out a path that stops working.
+//!
+//! The datagram stack of raw Ethernet (reliable streams, bundles of paths) is a stack of its own,
+//! in `skiff-datagram`.
 #![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod batch;
-pub mod bundle;
 pub mod capability;
 pub mod caravan;
 pub mod client;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod grant;
-pub mod reliable;
 pub mod server;
 pub mod slots;
 

@@ -11,9 +11,10 @@
 //! run's choice between the two), [`disk::FaultyBackend`] (disk faults for any backend),
 //! [`clock::Clock`].
 //!
-//! Nothing here is linked into the product: the crate turns on the `mutations` features of
-//! `proto` and `engine`, whose planted bugs ([`Planted`]) prove that the simulation catches
-//! what it claims to.
+//! Nothing here is linked into the product. The planted bugs of `proto` and `engine`
+//! ([`Planted`]), which prove that the simulation catches what it claims to, need this crate's
+//! feature `mutations` (`cargo test -p skiff-sim --features mutations`); it is off by default,
+//! so that no workspace build links them into the product's binaries.
 
 pub mod clock;
 pub mod datagram;
@@ -27,6 +28,13 @@ pub mod pipe;
 pub mod rng;
 pub mod run;
 pub mod shadow;
+
+/// Whether this build can plant the bugs of `proto` and `engine` (feature `mutations`).
+pub const PLANTED_BUGS: bool = cfg!(feature = "mutations");
+
+/// What a run that asks for a planted bug gets from a build without them.
+pub const NO_PLANTED_BUGS: &str =
+    "this skiff-sim was built without planted bugs: build it with --features mutations";
 
 pub use link::LinkKind;
 pub use run::{run, Failure, Options, Planted, Report};

@@ -3,9 +3,12 @@
 //! ```text
 //! cargo run --release -p skiff-sim -- --seeds 1000                 # seeds 0..1000, all faults
 //! cargo run --release -p skiff-sim -- --seed 4242 --faults net     # replay one seed
-//! cargo run --release -p skiff-sim -- --seeds 100 --planted swap-tags   # show a planted bug caught
+//! cargo run --release -p skiff-sim --features mutations -- --seeds 100 --planted swap-tags   # a planted bug caught
 //! cargo run --release -p skiff-sim -- --seeds 1000 --link datagram --loss-ppm 50000   # raw Ethernet
 //! ```
+//!
+//! Planted bugs (`--planted`, `--planted-stale-cache`) exist only in a build with the feature
+//! `mutations`, so that no product binary carries them.
 //!
 //! Every failing seed is printed with the command that replays it; the last line is
 //! `N seeds, M failed`, and the exit status is 1 when M > 0.
@@ -32,7 +35,7 @@ enum Faults {
 enum Link {
     /// A byte pipe (TCP), with short I/O, would-block bursts, delays, resets and header flips.
     Pipe,
-    /// A datagram link (raw Ethernet) under the reliable streams of `proto::reliable`, with
+    /// A datagram link (raw Ethernet) under the reliable streams of `datagram::reliable`, with
     /// loss, duplication, reordering, corruption anywhere, flaps and resets.
     Datagram,
 }
@@ -76,6 +79,10 @@ struct Args {
 /// `--direct-reads`: the seeds of [`skiff_sim::direct`].
 fn direct_reads(args: &Args, seeds: std::ops::Range<u64>) -> ExitCode {
     use skiff_sim::direct;
+    if args.planted_stale_cache && !skiff_sim::PLANTED_BUGS {
+        eprintln!("skiff-sim: --planted-stale-cache: {}", skiff_sim::NO_PLANTED_BUGS);
+        return ExitCode::from(2);
+    }
     let count = seeds.end - seeds.start;
     let (mut failed, mut total) = (0u64, direct::Report::default());
     for seed in seeds {
@@ -85,7 +92,8 @@ fn direct_reads(args: &Args, seeds: std::ops::Range<u64>) -> ExitCode {
                 failed += 1;
                 println!("seed {seed} failed: {e}");
                 println!(
-                    "  replay: cargo run --release -p skiff-sim -- --direct-reads --seed {seed} --ops {}{}",
+                    "  replay: cargo run --release -p skiff-sim{} -- --direct-reads --seed {seed} --ops {}{}",
+                    if args.planted_stale_cache { " --features mutations" } else { "" },
                     args.ops,
                     if args.planted_stale_cache { " --planted-stale-cache" } else { "" }
                 );
@@ -154,12 +162,14 @@ fn main() -> ExitCode {
                 failed += 1;
                 println!("{f}");
                 println!(
-                    "  replay: cargo run --release -p skiff-sim -- --seed {seed} --faults {} --ops {}{}{}",
+                    "  replay: cargo run --release -p skiff-sim{} -- --seed {seed} --faults {} --ops {}{}{}",
+                    if args.planted == Planted::None { "" } else { " --features mutations" },
                     args.faults.to_possible_value().expect("named").get_name(),
                     args.ops,
-                    match args.planted {
-                        Planted::None => String::new(),
-                        p => format!(" --planted {}", p.to_possible_value().expect("named").get_name()),
+                    if args.planted == Planted::None {
+                        String::new()
+                    } else {
+                        format!(" --planted {}", args.planted.to_possible_value().expect("named").get_name())
                     },
                     match args.link {
                         Link::Pipe => String::new(),

@@ -20,15 +20,17 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use backend::{Backend, Batch, Wake};
+#[cfg(feature = "mutations")]
 use engine::front::native::mutation::Mutation as TargetMutation;
 use engine::front::native::NativeConn;
 use engine::front::{FrontStats, Host, Later, Link, Sealed};
 use engine::{BackendSpec, Export, ExportTable};
 use proto::batch::BatchConfig;
 use proto::caravan::Doorbell;
+#[cfg(feature = "mutations")]
+use proto::client::Mutation as ClientMutation;
 use proto::client::{
-    Batching, ClientHandshake, ClientSession, Completion, Mutation as ClientMutation, SessionConfig,
-    Submission, SubmitError, DIRECT_OFF,
+    Batching, ClientHandshake, ClientSession, Completion, SessionConfig, Submission, SubmitError, DIRECT_OFF,
 };
 use transport::FrameIo;
 use wire::{FrameBuffer, FrameKind, Header, Limits, Opcode, ReqFlags, Status};
@@ -57,22 +59,29 @@ const TX_BACKLOG_MAX: usize = 1 << 20;
 pub enum Planted {
     None,
     /// Client: the first two completions of a caravan get each other's tag.
+    #[cfg(feature = "mutations")]
     SwapTags,
     /// Client: a failed connection drops unsent requests instead of failing them.
+    #[cfg(feature = "mutations")]
     ForgetUnsent,
     /// Client: the doorbell's delay bound is never honoured.
+    #[cfg(feature = "mutations")]
     IgnoreDeadline,
     /// Client: on a lost connection, writes already sent are completed OK instead of re-sent.
+    #[cfg(feature = "mutations")]
     AckSentWrites,
     /// Target: a write is acknowledged before it reaches the backend.
+    #[cfg(feature = "mutations")]
     AckBeforeBackend,
     /// Client: the first two segments of a data message land in each other's buffers (only
     /// over the datagram link, where data messages run; not in [`Planted::ALL`], which the
     /// byte-pipe suite plants).
+    #[cfg(feature = "mutations")]
     SwapSegments,
 }
 
 impl Planted {
+    #[cfg(feature = "mutations")]
     pub const ALL: [Planted; 5] = [
         Planted::SwapTags,
         Planted::ForgetUnsent,
@@ -80,6 +89,19 @@ impl Planted {
         Planted::AckSentWrites,
         Planted::AckBeforeBackend,
     ];
+
+    /// The client session's bug this plants ([`ClientMutation::None`] for a bug elsewhere).
+    #[cfg(feature = "mutations")]
+    fn client(self) -> ClientMutation {
+        match self {
+            Planted::SwapTags => ClientMutation::SwapTags,
+            Planted::ForgetUnsent => ClientMutation::ForgetUnsent,
+            Planted::IgnoreDeadline => ClientMutation::IgnoreDeadline,
+            Planted::AckSentWrites => ClientMutation::AckSentWrites,
+            Planted::SwapSegments => ClientMutation::SwapSegments,
+            Planted::None | Planted::AckBeforeBackend => ClientMutation::None,
+        }
+    }
 }
 
 /// What one run does.
@@ -130,7 +152,7 @@ pub struct Report {
     /// With a datagram link: what the link did, and the reliable streams' counters (both
     /// ends, every connection).
     pub link: LinkCounts,
-    pub streams: proto::reliable::Counters,
+    pub streams: ::datagram::reliable::Counters,
 }
 
 impl Report {
@@ -240,6 +262,7 @@ struct Connection {
     /// The limits the handshake agreed, once it has.
     client_rx_limits: Limits,
     session_config: SessionConfig,
+    #[cfg(feature = "mutations")]
     client_mutation: ClientMutation,
     target: NativeConn,
     target_rx: FrameBuffer,
@@ -472,6 +495,7 @@ impl Sim {
             let auth = proto::server::AuthConfig { keys: Arc::new(vec![key]), nonce: nonce(&mut self.rng) };
             target = target.with_auth(auth);
         }
+        #[cfg(feature = "mutations")]
         if self.opts.planted == Planted::AckBeforeBackend {
             target.set_mutation(TargetMutation::AckBeforeBackend);
         }
@@ -497,14 +521,8 @@ impl Sim {
             client_out: hs.hello_frame(),
             client_rx_limits: self.proposed,
             session_config: self.session_config,
-            client_mutation: match self.opts.planted {
-                Planted::SwapTags => ClientMutation::SwapTags,
-                Planted::ForgetUnsent => ClientMutation::ForgetUnsent,
-                Planted::IgnoreDeadline => ClientMutation::IgnoreDeadline,
-                Planted::AckSentWrites => ClientMutation::AckSentWrites,
-                Planted::SwapSegments => ClientMutation::SwapSegments,
-                _ => ClientMutation::None,
-            },
+            #[cfg(feature = "mutations")]
+            client_mutation: self.opts.planted.client(),
             client: ClientState::Hello(hs),
             client_rx: FrameBuffer::new(),
             target,
@@ -995,9 +1013,14 @@ fn client_handle(conn: &mut Connection, now: u64) -> Result<(), String> {
                         session
                     }
                     None => {
-                        let mut session =
+                        let session =
                             ClientSession::new(&conn.session_config, conn.client_rx_limits, reply.handle);
-                        session.set_mutation(conn.client_mutation);
+                        #[cfg(feature = "mutations")]
+                        let session = {
+                            let mut session = session;
+                            session.set_mutation(conn.client_mutation);
+                            session
+                        };
                         Box::new(session)
                     }
                 };

@@ -8,7 +8,7 @@ use skiff_sim::datagram::{add_counters, stream_run, LinkCounts, LinkFaults, Stre
 const SEEDS: u64 = 1000;
 const BYTES_MAX: u64 = 40_000;
 
-fn run_seeds(loss: u32, first: u64) -> (LinkCounts, proto::reliable::Counters) {
+fn run_seeds(loss: u32, first: u64) -> (LinkCounts, ::datagram::reliable::Counters) {
     let (mut link, mut streams) = Default::default();
     let mut failures = Vec::new();
     for seed in first..first + SEEDS {
@@ -161,6 +161,7 @@ fn a_thousand_full_simulation_seeds_pass_over_the_datagram_link() {
 /// segments in each other's buffers is caught (a read verified against the shadow volume, or a
 /// segment refused) within the seed budget, over the datagram link without faults.
 #[test]
+#[cfg(feature = "mutations")]
 fn a_segment_placed_in_the_wrong_buffer_is_caught() {
     use skiff_sim::disk::DiskFaults;
     use skiff_sim::faults::NetFaults;

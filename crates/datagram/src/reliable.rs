@@ -1,6 +1,6 @@
 //! Reliable delivery over datagrams: one side of a session of the raw-Ethernet transport, turning
 //! a lossy, duplicating, reordering datagram channel into a reliable, ordered byte stream, so
-//! that skiff frames, [`crate::client::ClientSession`] and the target's front end run over it
+//! that skiff frames, the client session (`proto::client::ClientSession`) and the target's front end run over it
 //! unchanged, exactly as over TCP.
 //!
 //! [`DatagramStream`] is sans-I/O in the manner of quinn-proto: stream bytes go in with
