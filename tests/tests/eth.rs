@@ -8,11 +8,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use eth::packet::{PacketSocket, RingConfig, ETHERTYPE};
+use eth::relay::{self, FaultRates};
 use initiator::{Lane, LaneConfig, Limits};
 use skiff_tests::netns::{self, Bridge, VethPair};
 use skiff_tests::{start_target_with, verify};
-use transport::packet::{PacketSocket, RingConfig, ETHERTYPE};
-use transport::relay::{self, FaultRates};
 use transport::Endpoint;
 
 const MTU: u32 = 9000;
@@ -120,7 +120,7 @@ fn a_lane_finds_the_target_on_its_segment() {
     let pair = VethPair::new(MTU);
     let (_t, endpoint) = target_on(&pair, &pair.host);
     let Endpoint::Eth { mac: Some(mac), .. } = endpoint else { unreachable!() };
-    let found = transport::eth::discover(&pair.host, std::time::Duration::from_millis(300)).unwrap();
+    let found = eth::discover(&pair.host, std::time::Duration::from_millis(300)).unwrap();
     assert_eq!(found, vec![mac], "the one target on the segment answers, once");
     let mut lane = Lane::connect(&Endpoint::eth(pair.host.clone(), None), "vol", &lane_config())
         .expect("a lane to the target discovery found");
@@ -134,7 +134,7 @@ fn discovery_names_a_silent_segment_and_a_crowded_one() {
         return;
     }
     let quiet = VethPair::new(MTU);
-    assert!(transport::eth::discover(&quiet.host, std::time::Duration::from_millis(200)).unwrap().is_empty());
+    assert!(eth::discover(&quiet.host, std::time::Duration::from_millis(200)).unwrap().is_empty());
     let err = Lane::connect(&Endpoint::eth(quiet.host.clone(), None), "vol", &lane_config())
         .err()
         .expect("no target to connect to");
@@ -147,7 +147,7 @@ fn discovery_names_a_silent_segment_and_a_crowded_one() {
     let (_t2, e2) = target_on(&two, &client.peer);
     let iface = client.peer.clone();
     let (found, err) = client.in_ns(move || {
-        let found = transport::eth::discover(&iface, std::time::Duration::from_millis(300)).unwrap();
+        let found = eth::discover(&iface, std::time::Duration::from_millis(300)).unwrap();
         let err =
             Lane::connect(&Endpoint::eth(iface, None), "vol", &lane_config()).err().map(|e| e.to_string());
         (found, err)

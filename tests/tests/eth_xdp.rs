@@ -134,7 +134,7 @@ fn an_interface_with_several_receive_queues_is_refused_with_the_reason() {
         .expect("ip runs");
     assert!(ok.success(), "ip link add {name} with two queues");
     let _pair = TwoQueuePair(name.clone());
-    let err = transport::xdp::XdpSocket::open(&name, 7).err().expect("refused");
+    let err = eth::xdp::XdpSocket::open(&name, 7).err().expect("refused");
     assert_eq!(err.kind(), std::io::ErrorKind::Unsupported, "{err}");
     assert!(err.to_string().contains("has 2 receive queues"), "{err}");
 }

@@ -1,4 +1,4 @@
-//! Raw Ethernet frames through AF_PACKET rings (transport::packet) on a veth pair whose far
+//! Raw Ethernet frames through AF_PACKET rings (eth::packet) on a veth pair whose far
 //! end lives in a network namespace of its own, MTU 9000 as in the raw-Ethernet issue: frames
 //! of every size from one byte to a jumbo frame cross both ways, in order and intact, with
 //! both ring layouts; bounds hold (a payload over the MTU, a full transmit ring, a receive
@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use datagram::reliable::ReliableConfig;
-use transport::eth::EthStream;
-use transport::packet::{Mac, PacketSocket, RingConfig, RingVersion, ETHERTYPE};
-use transport::relay::{self, FaultRates};
+use eth::packet::{Mac, PacketSocket, RingConfig, RingVersion, ETHERTYPE};
+use eth::relay::{self, FaultRates};
+use eth::EthStream;
 
 const MTU: u32 = 9000;
 

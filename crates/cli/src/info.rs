@@ -41,7 +41,7 @@ pub fn run(args: InfoArgs) -> CliResult {
     let targets = match &endpoint {
         // Every target on the segment that answers a Discover.
         Endpoint::Eth { ifaces, mac: None } => {
-            let found = transport::eth::discover(&ifaces[0], std::time::Duration::from_millis(300))
+            let found = eth::discover(&ifaces[0], std::time::Duration::from_millis(300))
                 .map_err(|e| format!("{endpoint}: {e}"))?;
             if found.is_empty() {
                 return Err(format!("no skiff target answered on {}", ifaces[0]).into());

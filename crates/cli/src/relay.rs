@@ -1,4 +1,4 @@
-//! `skiff relay`: a fault relay between two interfaces (transport::relay), for testing
+//! `skiff relay`: a fault relay between two interfaces (eth::relay), for testing
 //! reliable delivery over raw Ethernet on real frames: seeded drops, duplicates, reordering
 //! and bit flips, counted per direction. Runs until SIGINT or SIGTERM, then prints its
 //! counters as JSON on stdout; a progress line each second on stderr.
@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use clap::Args;
-use transport::packet::{PacketSocket, RingConfig, ETHERTYPE, ETHERTYPE_ALL};
-use transport::relay::{self, DirectionCounters, FaultRates};
+use eth::packet::{PacketSocket, RingConfig, ETHERTYPE, ETHERTYPE_ALL};
+use eth::relay::{self, DirectionCounters, FaultRates};
 
 use crate::CliResult;
 

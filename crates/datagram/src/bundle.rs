@@ -4,7 +4,7 @@
 //! [`DatagramStream`](crate::reliable::DatagramStream) carries the session (one sequence space);
 //! a [`Bundle`] decides which path each burst of its datagrams takes, watches every path, and
 //! leaves out those that stop working, so that a link going down costs the retransmission of
-//! what was on it and fails no request. The driver (`transport::eth`, or the simulator) owns
+//! what was on it and fails no request. The driver (`eth::session`, or the simulator) owns
 //! the sockets and the peer addresses; this module owns the decisions.
 //!
 //! # The mechanism (docs/PROTOCOL.md, section 16.8, is the specification)

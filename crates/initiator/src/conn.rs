@@ -61,9 +61,10 @@ impl Conn {
         key: Option<&Key>,
         tls: Option<&TlsConfig>,
     ) -> Result<Conn> {
-        let stream = match tls {
-            Some(config) => ClientStream::connect_tls(endpoint, timeout, config.clone())?,
-            None => ClientStream::connect(endpoint, timeout)?,
+        let stream = match (tls, endpoint) {
+            (Some(config), _) => ClientStream::connect_tls(endpoint, timeout, config.clone())?,
+            (None, Endpoint::Eth { .. }) => eth::connect(endpoint, timeout, &eth::EthConfig::default())?,
+            (None, _) => ClientStream::connect(endpoint, timeout)?,
         };
         let mut conn = Conn {
             stream,

@@ -413,7 +413,8 @@ impl<B: IoBuf> Lane<B> {
     /// over TCP and Unix sockets, whose kernel keeps its own.
     pub fn link_stats(&self) -> Option<LinkStats> {
         match &self.conn.stream {
-            transport::ClientStream::Eth(s) => {
+            transport::ClientStream::Datagram(s) => {
+                let s = s.as_any().downcast_ref::<eth::EthStream>()?;
                 Some(LinkStats { paths: s.paths(), ..LinkStats::from(&s.counters()) })
             }
             _ => None,
@@ -916,7 +917,7 @@ pub struct LinkStats {
     pub data_messages_received: u64,
     pub data_messages_held: u64,
     /// Each interface's share, round trip and outages (one entry unless bundled).
-    pub paths: Vec<transport::eth::PathStats>,
+    pub paths: Vec<eth::PathStats>,
 }
 
 impl From<&datagram::reliable::Counters> for LinkStats {

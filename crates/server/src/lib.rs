@@ -558,7 +558,11 @@ impl Target {
         let mut endpoints = Vec::new();
         let tagged = config.listen.iter().map(|e| (e, Protocol::Native));
         for (ep, protocol) in tagged.chain(config.nbd_listen.iter().map(|e| (e, Protocol::Nbd))) {
-            let bound = Listener::bind(ep).and_then(|l| Ok((l.local_endpoint()?, l)));
+            let listener = match ep {
+                Endpoint::Eth { .. } => eth::listen(ep, eth::EthConfig::default()),
+                _ => Listener::bind(ep),
+            };
+            let bound = listener.and_then(|l| Ok((l.local_endpoint()?, l)));
             let (local, l) = bound.map_err(|source| TargetError::Listen { endpoint: ep.clone(), source })?;
             endpoints.push((local, protocol));
             listeners.push((l, protocol));

@@ -295,7 +295,7 @@ impl Worker {
             // Sockets only: a raw-Ethernet session's timers and rings stay with its worker.
             let staged = self.stage.is_some()
                 && protocol == Protocol::Native
-                && !matches!(stream, transport::Stream::Eth(_));
+                && !matches!(stream, transport::Stream::Datagram(_));
             let interest = match (staged, self.shared.config.stages) {
                 // The send thread waits for room in the socket itself.
                 (true, Stages::SendThread) => Interest::READABLE,
@@ -314,7 +314,7 @@ impl Worker {
                 continue;
             }
             let second = if staged { Some(stream.try_clone_plain()) } else { None };
-            let timed = matches!(stream, transport::Stream::Eth(_));
+            let timed = matches!(stream, transport::Stream::Datagram(_));
             let mut conn = Conn::new(stream, protocol, ticket, &self.shared);
             tracing::debug!(worker = self.id, peer = %conn.peer, ?protocol, "connection");
             bump(&self.stats.connections_accepted, 1);

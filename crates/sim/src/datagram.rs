@@ -331,7 +331,7 @@ impl DatagramIo {
 
 impl DatagramIo {
     fn receive(&mut self, mut to: ReadCursor<'_, '_>) -> io::Result<usize> {
-        // As `transport::eth::EthStream::recv`: buffered bytes first, then what arrives in
+        // As `eth::EthStream::recv`: buffered bytes first, then what arrives in
         // order placed straight into `bufs`, then what that let through.
         self.stream.read_into(&mut to);
         self.pump_into(Some(&mut to));
@@ -446,7 +446,7 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
         reorder_threshold: rng.range(1, 5) as u32,
         // A cut link must kill both sides, the idle one too: that takes keepalives.
         keepalive_us: if opts.cut_at_us.is_some() { 10_000 } else { rng.pick(&[0, 10_000]) },
-        // Bundled, as transport::eth sets it: links reorder among themselves.
+        // Bundled, as eth::session sets it: links reorder among themselves.
         reorder_window_us: if opts.paths > 1 { 100 } else { 0 },
         ..ReliableConfig::default()
     };
@@ -637,7 +637,7 @@ impl Side {
 
     /// What arrived on every link: probes to the bundle (answered on their link), the rest to
     /// the stream (from links whose peer is known); then the bundle's checks and the timers.
-    /// The raw-Ethernet driver (`transport::eth`) does the same with its sockets.
+    /// The raw-Ethernet driver (`eth::session`) does the same with its sockets.
     fn take_in(&mut self, now: u64, buf: &mut [u8], mut to: Option<&mut ReadCursor<'_, '_>>) {
         for (p, end) in self.ends.iter().enumerate() {
             let mut data = 0;

@@ -3,19 +3,20 @@
 //! Transports know frame boundaries (the 24-byte header says how long a frame is) and nothing
 //! else of the protocol. The seam is [`FrameIo`]: receive into a scatter list (read data straight
 //! into callers' buffers, the rest into a [`FrameBuffer`]), push a gather list of byte slices
-//! out. TCP and Unix stream sockets
-//! implement it here, for the target's event loop ([`Stream`], non-blocking under `mio`) and
-//! for the initiator's lanes ([`ClientStream`]); a datagram transport with its own reliable,
-//! in-order delivery implements the same trait by placing each delivered frame's bytes into the
-//! buffer, and everything above stays unchanged.
+//! out. TCP and Unix stream sockets, and TLS over TCP, implement it here, for the target's
+//! event loop ([`Stream`], non-blocking under `mio`) and for the initiator's lanes
+//! ([`ClientStream`]). Endpoints ([`Endpoint`]) name every transport skiff has.
+//!
+//! A datagram transport with its own reliable, in-order delivery in this process (raw
+//! Ethernet, in `skiff-eth`) implements the same trait by placing each delivered frame's bytes
+//! into the buffer, and [`DatagramConn`] and [`DatagramListener`] besides, so that
+//! [`Stream::Datagram`], [`ClientStream::Datagram`] and [`Listener::Datagram`] carry it and
+//! everything above stays unchanged. This crate does not depend on it: the server and the
+//! initiator bind and connect raw-Ethernet endpoints through `skiff-eth`.
 
 pub mod endpoint;
-pub mod eth;
-pub mod packet;
-pub mod relay;
 pub mod stream;
 pub mod tls;
-pub mod xdp;
 
 /// The readiness loop the target's workers run on: `mio`'s poll, re-exported so that the
 /// server reaches the network only through this crate.
@@ -28,6 +29,32 @@ pub use stream::{wait_any, wait_either, wait_fd, wait_readable2, ClientStream, K
 pub use wire::{FrameBuffer, FrameRef};
 
 use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+/// A connection of a datagram transport whose delivery runs in this process (raw Ethernet:
+/// `skiff-eth`'s sessions). Beside [`FrameIo`], what a caller needs that a socket does not ask
+/// for: timers of its own, and a description. Its descriptor (`AsRawFd`) is readable when
+/// datagrams arrive; a send it cannot take now waits for acknowledgements, so for
+/// readability, never for writability.
+pub trait DatagramConn: FrameIo + AsRawFd + Send {
+    /// When it must be driven again even if nothing arrives (its retransmission and
+    /// acknowledgement timers), from now.
+    fn timer(&self) -> Option<Duration>;
+    /// The peer and the session, for logs.
+    fn describe(&self) -> String;
+    /// The connection itself, for what only its own crate can report (`skiff-eth`'s counters).
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// A listener of such a transport: its descriptor is readable when a new session may be
+/// waiting.
+pub trait DatagramListener: AsRawFd + Send {
+    /// A new session, or `WouldBlock`.
+    fn accept(&mut self) -> io::Result<Box<dyn DatagramConn>>;
+    /// Where it listens, as an initiator would name it.
+    fn local_endpoint(&self) -> Endpoint;
+}
 
 /// A connection that carries frames. Non-blocking: `WouldBlock` means "not now".
 pub trait FrameIo {

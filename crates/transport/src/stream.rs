@@ -12,9 +12,8 @@ use std::time::Duration;
 use mio::event::Source;
 use mio::{Interest, Registry, Token};
 
-use crate::eth::{EthConfig, EthListener, EthStream};
 use crate::tls::TlsStream;
-use crate::{Endpoint, FrameBuffer, FrameIo};
+use crate::{DatagramConn, DatagramListener, Endpoint, FrameBuffer, FrameIo};
 
 /// How both sides notice a peer that vanished without closing (power loss, a cable, a
 /// partition): TCP keepalive probes an idle connection after `KEEPALIVE_IDLE`, every
@@ -71,12 +70,14 @@ fn send_to(w: &mut impl Write, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
 pub enum Listener {
     Tcp(mio::net::TcpListener),
     Unix(mio::net::UnixListener, std::path::PathBuf),
-    /// Raw Ethernet on one interface ([`crate::eth`]).
-    Eth(Box<EthListener>),
+    /// A listener of a datagram transport ([`DatagramListener`]: raw Ethernet, `skiff-eth`).
+    Datagram(Box<dyn DatagramListener>),
 }
 
 impl Listener {
-    /// Bind `endpoint`. A stale Unix socket file left by a previous run is replaced.
+    /// Bind `endpoint`. A stale Unix socket file left by a previous run is replaced. A raw
+    /// Ethernet endpoint is refused: its listener is `skiff-eth`'s, wrapped as
+    /// [`Listener::Datagram`].
     pub fn bind(endpoint: &Endpoint) -> io::Result<Listener> {
         match endpoint {
             Endpoint::Tcp(addr) => {
@@ -95,9 +96,7 @@ impl Listener {
                 }
                 Ok(Listener::Unix(mio::net::UnixListener::bind(path)?, path.clone()))
             }
-            Endpoint::Eth { ifaces, .. } => {
-                Ok(Listener::Eth(Box::new(EthListener::bind(ifaces, EthConfig::default())?)))
-            }
+            Endpoint::Eth { .. } => Err(not_here(endpoint)),
         }
     }
 
@@ -106,7 +105,7 @@ impl Listener {
         match self {
             Listener::Tcp(l) => Ok(Endpoint::Tcp(l.local_addr()?.to_string())),
             Listener::Unix(_, path) => Ok(Endpoint::Unix(path.clone())),
-            Listener::Eth(l) => Ok(Endpoint::Eth { ifaces: l.ifaces().to_vec(), mac: Some(l.mac()) }),
+            Listener::Datagram(l) => Ok(l.local_endpoint()),
         }
     }
 
@@ -121,7 +120,7 @@ impl Listener {
                 Ok(Stream::Tcp(s))
             }
             Listener::Unix(l, _) => Ok(Stream::Unix(l.accept()?.0)),
-            Listener::Eth(l) => Ok(Stream::Eth(Box::new(l.accept()?))),
+            Listener::Datagram(l) => Ok(Stream::Datagram(l.accept()?)),
         }
     }
 }
@@ -139,21 +138,21 @@ impl Source for Listener {
         match self {
             Listener::Tcp(l) => l.register(r, t, i),
             Listener::Unix(l, _) => l.register(r, t, i),
-            Listener::Eth(l) => mio::unix::SourceFd(&l.as_raw_fd()).register(r, t, i),
+            Listener::Datagram(l) => mio::unix::SourceFd(&l.as_raw_fd()).register(r, t, i),
         }
     }
     fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
         match self {
             Listener::Tcp(l) => l.reregister(r, t, i),
             Listener::Unix(l, _) => l.reregister(r, t, i),
-            Listener::Eth(l) => mio::unix::SourceFd(&l.as_raw_fd()).reregister(r, t, i),
+            Listener::Datagram(l) => mio::unix::SourceFd(&l.as_raw_fd()).reregister(r, t, i),
         }
     }
     fn deregister(&mut self, r: &Registry) -> io::Result<()> {
         match self {
             Listener::Tcp(l) => l.deregister(r),
             Listener::Unix(l, _) => l.deregister(r),
-            Listener::Eth(l) => mio::unix::SourceFd(&l.as_raw_fd()).deregister(r),
+            Listener::Datagram(l) => mio::unix::SourceFd(&l.as_raw_fd()).deregister(r),
         }
     }
 }
@@ -164,16 +163,16 @@ pub enum Stream {
     Unix(mio::net::UnixStream),
     /// TCP carrying TLS ([`crate::tls`]).
     Tls(Box<TlsStream<mio::net::TcpStream>>),
-    /// A raw-Ethernet session ([`crate::eth`]).
-    Eth(Box<EthStream>),
+    /// A session of a datagram transport ([`DatagramConn`]: raw Ethernet, `skiff-eth`).
+    Datagram(Box<dyn DatagramConn>),
 }
 
 impl Stream {
-    /// When the stream must be driven again even if nothing arrives: a raw-Ethernet
-    /// session's next retransmission or acknowledgement timer. Sockets need none.
+    /// When the stream must be driven again even if nothing arrives: a datagram session's
+    /// next retransmission or acknowledgement timer. Sockets need none.
     pub fn timer(&self) -> Option<Duration> {
         match self {
-            Stream::Eth(s) => s.timeout(),
+            Stream::Datagram(s) => s.timer(),
             _ => None,
         }
     }
@@ -186,7 +185,7 @@ impl Stream {
                 s.get_ref().peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tls:?".into())
             }
             Stream::Unix(_) => "unix".into(),
-            Stream::Eth(s) => s.describe(),
+            Stream::Datagram(s) => s.describe(),
         }
     }
 
@@ -195,7 +194,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.peer_addr().ok().map(|a| a.ip()),
             Stream::Tls(s) => s.get_ref().peer_addr().ok().map(|a| a.ip()),
-            Stream::Unix(_) | Stream::Eth(_) => None,
+            Stream::Unix(_) | Stream::Datagram(_) => None,
         }
     }
 
@@ -244,7 +243,7 @@ impl Stream {
             Stream::Unix(_) => {
                 return Err(io::Error::new(io::ErrorKind::Unsupported, "TLS over a Unix socket"))
             }
-            Stream::Eth(_) => {
+            Stream::Datagram(_) => {
                 return Err(io::Error::new(io::ErrorKind::Unsupported, "TLS over raw Ethernet"))
             }
         }
@@ -269,7 +268,7 @@ impl Stream {
             Stream::Tls(_) => {
                 return Err(io::Error::new(io::ErrorKind::Unsupported, "a TLS stream has no second handle"))
             }
-            Stream::Eth(_) => {
+            Stream::Datagram(_) => {
                 return Err(io::Error::new(
                     io::ErrorKind::Unsupported,
                     "a raw-Ethernet session has no second handle",
@@ -296,7 +295,7 @@ impl AsRawFd for Stream {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
             Stream::Tls(s) => s.get_ref().as_raw_fd(),
-            Stream::Eth(s) => s.as_raw_fd(),
+            Stream::Datagram(s) => s.as_raw_fd(),
         }
     }
 }
@@ -307,7 +306,7 @@ impl FrameIo for Stream {
             Stream::Tcp(s) => recv_from(s, bufs),
             Stream::Unix(s) => recv_from(s, bufs),
             Stream::Tls(s) => s.recv(bufs),
-            Stream::Eth(s) => s.recv(bufs),
+            Stream::Datagram(s) => s.recv(bufs),
         }
     }
     fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
@@ -315,7 +314,7 @@ impl FrameIo for Stream {
             Stream::Tcp(s) => fill_from(s, rx),
             Stream::Unix(s) => fill_from(s, rx),
             Stream::Tls(s) => s.fill(rx),
-            Stream::Eth(s) => s.fill(rx),
+            Stream::Datagram(s) => s.fill(rx),
         }
     }
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
@@ -323,18 +322,18 @@ impl FrameIo for Stream {
             Stream::Tcp(s) => send_to(s, bufs),
             Stream::Unix(s) => send_to(s, bufs),
             Stream::Tls(s) => s.send(bufs),
-            Stream::Eth(s) => s.send(bufs),
+            Stream::Datagram(s) => s.send(bufs),
         }
     }
     fn pending_send(&self) -> bool {
         matches!(self, Stream::Tls(s) if s.pending_send())
     }
     fn data_messages(&self) -> bool {
-        matches!(self, Stream::Eth(s) if s.data_messages())
+        matches!(self, Stream::Datagram(s) if s.data_messages())
     }
     fn send_data_messages(&mut self) -> bool {
         match self {
-            Stream::Eth(s) => s.send_data_messages(),
+            Stream::Datagram(s) => s.send_data_messages(),
             _ => false,
         }
     }
@@ -344,14 +343,14 @@ impl FrameIo for Stream {
         place: &mut dyn FnMut(&[u8]),
     ) -> io::Result<usize> {
         match self {
-            Stream::Eth(s) => s.recv_placing(bufs, place),
+            Stream::Datagram(s) => s.recv_placing(bufs, place),
             other => other.recv(bufs),
         }
     }
     fn buffered_recv(&self) -> bool {
         match self {
             Stream::Tls(s) => s.buffered_recv(),
-            Stream::Eth(s) => s.buffered_recv(),
+            Stream::Datagram(s) => s.buffered_recv(),
             _ => false,
         }
     }
@@ -363,7 +362,7 @@ impl Source for Stream {
             Stream::Tcp(s) => s.register(r, t, i),
             Stream::Unix(s) => s.register(r, t, i),
             Stream::Tls(s) => s.get_mut().register(r, t, i),
-            Stream::Eth(s) => mio::unix::SourceFd(&s.as_raw_fd()).register(r, t, i),
+            Stream::Datagram(s) => mio::unix::SourceFd(&s.as_raw_fd()).register(r, t, i),
         }
     }
     fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
@@ -371,7 +370,7 @@ impl Source for Stream {
             Stream::Tcp(s) => s.reregister(r, t, i),
             Stream::Unix(s) => s.reregister(r, t, i),
             Stream::Tls(s) => s.get_mut().reregister(r, t, i),
-            Stream::Eth(s) => mio::unix::SourceFd(&s.as_raw_fd()).reregister(r, t, i),
+            Stream::Datagram(s) => mio::unix::SourceFd(&s.as_raw_fd()).reregister(r, t, i),
         }
     }
     fn deregister(&mut self, r: &Registry) -> io::Result<()> {
@@ -379,7 +378,7 @@ impl Source for Stream {
             Stream::Tcp(s) => s.deregister(r),
             Stream::Unix(s) => s.deregister(r),
             Stream::Tls(s) => s.get_mut().deregister(r),
-            Stream::Eth(s) => mio::unix::SourceFd(&s.as_raw_fd()).deregister(r),
+            Stream::Datagram(s) => mio::unix::SourceFd(&s.as_raw_fd()).deregister(r),
         }
     }
 }
@@ -390,13 +389,15 @@ pub enum ClientStream {
     Unix(std::os::unix::net::UnixStream),
     /// TCP carrying TLS ([`crate::tls`]); the handshake runs in the first sends and receives.
     Tls(Box<TlsStream<std::net::TcpStream>>),
-    /// A raw-Ethernet session ([`crate::eth`]).
-    Eth(Box<EthStream>),
+    /// A session of a datagram transport ([`DatagramConn`]: raw Ethernet, `skiff-eth`).
+    Datagram(Box<dyn DatagramConn>),
 }
 
 impl ClientStream {
     /// Connect, waiting at most `timeout` for each address `endpoint` resolves to (a host
-    /// that is gone would otherwise hold the caller for the kernel's SYN retries, minutes).
+    /// that is gone would otherwise hold the caller for the kernel's SYN retries, minutes). A
+    /// raw-Ethernet endpoint is refused: `skiff-eth` connects it, wrapped as
+    /// [`ClientStream::Datagram`].
     pub fn connect(endpoint: &Endpoint, timeout: Duration) -> io::Result<ClientStream> {
         let s = match endpoint {
             Endpoint::Tcp(addr) => {
@@ -406,19 +407,13 @@ impl ClientStream {
                 ClientStream::Tcp(s)
             }
             Endpoint::Unix(path) => ClientStream::Unix(std::os::unix::net::UnixStream::connect(path)?),
-            Endpoint::Eth { ifaces, mac } => {
-                let mac = match mac {
-                    Some(mac) => *mac,
-                    None => the_target_on(&ifaces[0], timeout)?,
-                };
-                ClientStream::Eth(Box::new(EthStream::connect(ifaces, mac, &EthConfig::default())?))
-            }
+            Endpoint::Eth { .. } => return Err(not_here(endpoint)),
         };
         match &s {
             ClientStream::Tcp(t) => t.set_nonblocking(true)?,
             ClientStream::Unix(u) => u.set_nonblocking(true)?,
             ClientStream::Tls(t) => t.get_ref().set_nonblocking(true)?,
-            ClientStream::Eth(_) => {}
+            ClientStream::Datagram(_) => {}
         }
         Ok(s)
     }
@@ -427,7 +422,7 @@ impl ClientStream {
     /// session's timers); sockets need none.
     pub fn timer(&self) -> Option<Duration> {
         match self {
-            ClientStream::Eth(s) => s.timeout(),
+            ClientStream::Datagram(s) => s.timer(),
             _ => None,
         }
     }
@@ -435,7 +430,7 @@ impl ClientStream {
     /// Whether a send that would block waits for the descriptor to be writable. A
     /// raw-Ethernet session's send waits for acknowledgements instead: for it to be readable.
     pub fn send_waits_for_writable(&self) -> bool {
-        !matches!(self, ClientStream::Eth(_))
+        !matches!(self, ClientStream::Datagram(_))
     }
 
     /// [`connect`](Self::connect) over TLS, checking the target's certificate against the
@@ -466,27 +461,18 @@ impl ClientStream {
             ClientStream::Unix(u) => u.shutdown(std::net::Shutdown::Both),
             ClientStream::Tls(t) => t.get_ref().shutdown(std::net::Shutdown::Both),
             // A session ends by Close from a mutable stream (or by its peer's death timer).
-            ClientStream::Eth(_) => Ok(()),
+            ClientStream::Datagram(_) => Ok(()),
         };
     }
 }
 
-/// The one target that answers a Discover on `iface` (within a fifth of a second, or
-/// `timeout` if shorter); an error names none or several.
-fn the_target_on(iface: &str, timeout: Duration) -> io::Result<crate::packet::Mac> {
-    let found = crate::eth::discover(iface, timeout.min(Duration::from_millis(200)))?;
-    match found.as_slice() {
-        [one] => Ok(*one),
-        [] => Err(io::Error::new(io::ErrorKind::NotFound, format!("no skiff target answered on {iface}"))),
-        many => Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!(
-                "{} skiff targets answered on {iface}: name one as eth:{iface}/MAC ({})",
-                many.len(),
-                many.iter().map(crate::endpoint::format_mac).collect::<Vec<_>>().join(", ")
-            ),
-        )),
-    }
+/// What [`Listener::bind`] and [`ClientStream::connect`] say of an endpoint whose transport is
+/// another crate's: a raw-Ethernet one is bound and connected by `skiff-eth`.
+fn not_here(endpoint: &Endpoint) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("{endpoint}: raw Ethernet is bound and connected by skiff-eth, not by this crate"),
+    )
 }
 
 fn connect_tcp(addr: &str, timeout: Duration) -> io::Result<std::net::TcpStream> {
@@ -507,7 +493,7 @@ impl AsRawFd for ClientStream {
             ClientStream::Tcp(t) => t.as_raw_fd(),
             ClientStream::Unix(u) => u.as_raw_fd(),
             ClientStream::Tls(t) => t.get_ref().as_raw_fd(),
-            ClientStream::Eth(s) => s.as_raw_fd(),
+            ClientStream::Datagram(s) => s.as_raw_fd(),
         }
     }
 }
@@ -520,7 +506,7 @@ impl FrameIo for ClientStream {
             ClientStream::Tcp(s) => recv_from(s, bufs),
             ClientStream::Unix(s) => recv_from(s, bufs),
             ClientStream::Tls(s) => s.recv(bufs),
-            ClientStream::Eth(s) => s.recv(bufs),
+            ClientStream::Datagram(s) => s.recv(bufs),
         }
     }
     fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
@@ -528,7 +514,7 @@ impl FrameIo for ClientStream {
             ClientStream::Tcp(s) => fill_from(s, rx),
             ClientStream::Unix(s) => fill_from(s, rx),
             ClientStream::Tls(s) => s.fill(rx),
-            ClientStream::Eth(s) => s.fill(rx),
+            ClientStream::Datagram(s) => s.fill(rx),
         }
     }
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
@@ -536,14 +522,14 @@ impl FrameIo for ClientStream {
             ClientStream::Tcp(s) => send_to(s, bufs),
             ClientStream::Unix(s) => send_to(s, bufs),
             ClientStream::Tls(s) => s.send(bufs),
-            ClientStream::Eth(s) => s.send(bufs),
+            ClientStream::Datagram(s) => s.send(bufs),
         }
     }
     fn pending_send(&self) -> bool {
         matches!(self, ClientStream::Tls(s) if s.pending_send())
     }
     fn data_messages(&self) -> bool {
-        matches!(self, ClientStream::Eth(s) if s.data_messages())
+        matches!(self, ClientStream::Datagram(s) if s.data_messages())
     }
     fn recv_placing(
         &mut self,
@@ -551,14 +537,14 @@ impl FrameIo for ClientStream {
         place: &mut dyn FnMut(&[u8]),
     ) -> io::Result<usize> {
         match self {
-            ClientStream::Eth(s) => s.recv_placing(bufs, place),
+            ClientStream::Datagram(s) => s.recv_placing(bufs, place),
             other => other.recv(bufs),
         }
     }
     fn buffered_recv(&self) -> bool {
         match self {
             ClientStream::Tls(s) => s.buffered_recv(),
-            ClientStream::Eth(s) => s.buffered_recv(),
+            ClientStream::Datagram(s) => s.buffered_recv(),
             _ => false,
         }
     }

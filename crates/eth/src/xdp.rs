@@ -28,7 +28,7 @@
 //! a multi-queue NIC that takes flow-steering rules (by EtherType and session) this module does
 //! not set. So one socket per interface per process can be bound at a time; a second session
 //! on the interface gets an error and its caller falls back to AF_PACKET
-//! (`transport::eth` does, with one log line). docs/ETHERNET.md has the measurements.
+//! (`eth::session` does, with one log line). docs/ETHERNET.md has the measurements.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;

@@ -236,7 +236,7 @@ pub fn run(
                 .into_iter()
                 .flatten()
                 .min();
-            let _ = crate::wait_readable2(left.as_raw_fd(), right.as_raw_fd(), wait)?;
+            let _ = transport::wait_readable2(left.as_raw_fd(), right.as_raw_fd(), wait)?;
         }
         if last_report.elapsed() >= Duration::from_secs(1) {
             report(&lr.counters, &rl.counters);

@@ -2,7 +2,7 @@
 //! costs a request at queue depth 1 (docs/ETHERNET.md). Root; makes its own veth pair.
 //!
 //! ```sh
-//! cargo build --release -p skiff-transport --example packet_pingpong
+//! cargo build --release -p skiff-eth --example packet_pingpong
 //! target/release/examples/packet_pingpong [ROUND_TRIPS] [--spin]
 //! ```
 //!
@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use skiff_transport::packet::{PacketSocket, RingConfig, RingVersion, ETHERTYPE};
+use skiff_eth::packet::{PacketSocket, RingConfig, RingVersion, ETHERTYPE};
 
 fn ip(args: &[&str]) {
     let ok = Command::new("ip").args(args).status().map(|s| s.success()).unwrap_or(false);
@@ -29,7 +29,7 @@ fn pin(cpu: usize) {
 
 fn wait(s: &PacketSocket, spin: bool) {
     if !spin {
-        let _ = skiff_transport::wait_fd(s.as_raw_fd(), false, Some(Duration::from_millis(100)));
+        let _ = transport::wait_fd(s.as_raw_fd(), false, Some(Duration::from_millis(100)));
     }
 }
 

@@ -33,10 +33,10 @@ use datagram::reliable::split::Splitter;
 use datagram::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
 use wire::datagram::{DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
-use crate::endpoint::format_mac;
 use crate::packet::{bpf, Bpf, Mac, PacketSocket, RingConfig, BROADCAST, ETHERTYPE, ETH_HEADER_LEN};
 use crate::xdp::XdpSocket;
-use crate::FrameIo;
+use transport::endpoint::format_mac;
+use transport::FrameIo;
 
 /// Where the datagram header's fields sit in a frame (after the 14-byte Ethernet header;
 /// docs/PROTOCOL.md, section 16).
@@ -205,7 +205,7 @@ pub fn discover(iface: &str, wait: Duration) -> io::Result<Vec<Mac>> {
         if left.is_zero() {
             return Ok(found);
         }
-        crate::wait_fd(socket.as_raw_fd(), false, Some(left))?;
+        transport::wait_fd(socket.as_raw_fd(), false, Some(left))?;
     }
 }
 
