@@ -624,19 +624,31 @@ pub mod netns {
             exports: &[&str],
             workers: usize,
         ) -> (super::Target, super::Endpoint) {
+            self.target_with(near_iface, exports, workers, transport::EthOptions::default())
+        }
+
+        /// [`target`](Self::target) with `options` for the target's sessions and in the
+        /// endpoint returned (`eth:IFACE/MAC,OPTIONS`).
+        pub fn target_with(
+            &self,
+            near_iface: &str,
+            exports: &[&str],
+            workers: usize,
+            options: transport::EthOptions,
+        ) -> (super::Target, super::Endpoint) {
             let iface = self.peer.clone();
             let exports: Vec<String> = exports.iter().map(|e| e.to_string()).collect();
             let t = self.in_ns(move || {
                 let exports: Vec<&str> = exports.iter().map(String::as_str).collect();
                 super::start_target_with(&exports, |c| {
-                    c.listen = vec![super::Endpoint::eth(iface, None)];
+                    c.listen = vec![super::Endpoint::Eth { ifaces: vec![iface], mac: None, options }];
                     c.workers = workers;
                 })
             });
             let Some(super::Endpoint::Eth { mac: Some(mac), .. }) = t.endpoints().into_iter().next() else {
                 panic!("the target reports its Ethernet endpoint with its MAC")
             };
-            (t, super::Endpoint::eth(near_iface.to_owned(), Some(mac)))
+            (t, super::Endpoint::Eth { ifaces: vec![near_iface.to_owned()], mac: Some(mac), options })
         }
 
         /// Take the host end down or bring it back up (a link that fails mid-run).

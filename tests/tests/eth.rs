@@ -185,7 +185,7 @@ fn a_bundle_of_two_links_spreads_traffic_and_rides_through_a_link_going_down() {
     let ifaces = vec![a.peer.clone(), b.peer.clone()];
     let t = a.in_ns(move || {
         start_target_with(&["vol=ram:64M"], |c| {
-            c.listen = vec![Endpoint::Eth { ifaces, mac: None }];
+            c.listen = vec![Endpoint::Eth { ifaces, mac: None, options: Default::default() }];
             c.workers = 2;
         })
     });

@@ -27,6 +27,11 @@ fn driver(lane: &Lane) -> &'static str {
 }
 
 /// Whether interface `iface` (in the namespace the command runs in) has an XDP program.
+/// Sessions over AF_XDP, as the endpoints say (`eth:IFACE/MAC,driver=xdp`).
+fn xdp() -> transport::EthOptions {
+    transport::EthOptions { driver: Some(transport::EthDriver::Xdp), ..Default::default() }
+}
+
 fn has_xdp(ip: &mut std::process::Command) -> bool {
     let out = ip.output().expect("ip runs");
     assert!(out.status.success(), "ip link show: {}", String::from_utf8_lossy(&out.stderr));
@@ -38,10 +43,8 @@ fn lanes_over_af_xdp_read_back_every_byte_beside_an_af_packet_one() {
     if !netns::available("raw Ethernet over AF_XDP") {
         return;
     }
-    // Before any thread of this binary reads it.
-    std::env::set_var("SKIFF_ETH_DRIVER", "xdp");
     let pair = VethPair::new(MTU);
-    let (t, endpoint) = pair.target(&pair.host, &["vol=ram:64M"], 2);
+    let (t, endpoint) = pair.target_with(&pair.host, &["vol=ram:64M"], 2, xdp());
     let host_link = || {
         let mut ip = std::process::Command::new("ip");
         ip.args(["link", "show", "dev", &pair.host]);
@@ -94,7 +97,7 @@ fn lanes_over_af_xdp_read_back_every_byte_beside_an_af_packet_one() {
     // A process's program goes with the process: a child runs a lane over AF_XDP on a second
     // pair (whose host end this process never touched) and exits.
     let other = VethPair::new(MTU);
-    let (t2, endpoint2) = other.target(&other.host, &["vol=ram:16M"], 1);
+    let (t2, endpoint2) = other.target_with(&other.host, &["vol=ram:16M"], 1, xdp());
     let child = std::process::Command::new(std::env::current_exe().expect("this test binary"))
         .args(["--exact", "child_lane_over_af_xdp", "--ignored", "--nocapture"])
         .env(CHILD_ENDPOINT, endpoint2.to_string())
@@ -147,7 +150,7 @@ const CHILD_ENDPOINT: &str = "SKIFF_TEST_XDP_CHILD_ENDPOINT";
 #[ignore = "a child process of lanes_over_af_xdp_read_back_every_byte_beside_an_af_packet_one"]
 fn child_lane_over_af_xdp() {
     let Ok(endpoint) = std::env::var(CHILD_ENDPOINT) else { return };
-    std::env::set_var("SKIFF_ETH_DRIVER", "xdp");
+    // The endpoint names the driver (`,driver=xdp`): nothing in the environment does.
     let endpoint = Endpoint::parse(&endpoint).expect("an eth endpoint");
     let mut lane = Lane::connect(&endpoint, "vol", &lane_config()).expect("the child's lane");
     assert_eq!(driver(&lane), "af_xdp");

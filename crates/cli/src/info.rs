@@ -40,13 +40,16 @@ pub fn run(args: InfoArgs) -> CliResult {
     let endpoint = Endpoint::parse(&args.target)?;
     let targets = match &endpoint {
         // Every target on the segment that answers a Discover.
-        Endpoint::Eth { ifaces, mac: None } => {
+        Endpoint::Eth { ifaces, mac: None, options } => {
             let found = eth::discover(&ifaces[0], std::time::Duration::from_millis(300))
                 .map_err(|e| format!("{endpoint}: {e}"))?;
             if found.is_empty() {
                 return Err(format!("no skiff target answered on {}", ifaces[0]).into());
             }
-            found.into_iter().map(|mac| Endpoint::Eth { ifaces: ifaces.clone(), mac: Some(mac) }).collect()
+            found
+                .into_iter()
+                .map(|mac| Endpoint::Eth { ifaces: ifaces.clone(), mac: Some(mac), options: *options })
+                .collect()
         }
         one => vec![one.clone()],
     };

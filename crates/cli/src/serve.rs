@@ -33,6 +33,11 @@ pub struct ServeArgs {
     /// path (eth:IFACE+IFACE/MAC). Needs CAP_NET_RAW.
     #[arg(long, value_name = "IFACE")]
     eth: Vec<String>,
+    /// Settings of the raw-Ethernet sessions (--eth): driver=packet|xdp, qdisc=on|off,
+    /// frame=BYTES (largest datagram payload, 64 to 8972), data-messages=on|off,
+    /// data-batching=on|off, comma-separated (docs/ETHERNET.md, "Settings").
+    #[arg(long, value_name = "KEY=VALUE[,...]", value_parser = transport::EthOptions::parse)]
+    eth_options: Option<transport::EthOptions>,
     /// Serve NBD clients on this TCP address (NBD's port is 10809). Repeatable.
     #[arg(long, value_name = "ADDR")]
     nbd: Vec<String>,
@@ -246,10 +251,19 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
     if let Some(path) = args.unix {
         listen.push(Endpoint::Unix(path));
     }
+    if args.eth.is_empty() && args.eth_options.is_some() {
+        return Err(
+            "eth-options without an interface to serve raw Ethernet on (--eth or eth in the file)".into()
+        );
+    }
     if !args.eth.is_empty() {
         // Every --eth joins one bundle, checked as an eth: endpoint is.
         match Endpoint::parse(&format!("eth:{}", args.eth.join("+")))? {
-            Endpoint::Eth { ifaces, .. } => listen.push(Endpoint::Eth { ifaces, mac: None }),
+            Endpoint::Eth { ifaces, .. } => listen.push(Endpoint::Eth {
+                ifaces,
+                mac: None,
+                options: args.eth_options.unwrap_or_default(),
+            }),
             _ => unreachable!("an eth: address parses as raw Ethernet"),
         }
     }

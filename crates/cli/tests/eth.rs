@@ -167,9 +167,10 @@ fn bench_verifies_over_raw_ethernet_through_the_fault_relay_at_1_and_5_percent_l
     drop(serve);
 }
 
-/// Read data in data messages (the default) and on the byte stream (an initiator with
-/// `SKIFF_ETH_DATA_MESSAGES=off` does not offer them): both verify, and only the first
-/// receives any, with every read byte placed by tag and offset rather than copied.
+/// Read data in data messages (the default) and on the byte stream (an initiator whose
+/// endpoint says `data-messages=off`, or whose environment has `SKIFF_ETH_DATA_MESSAGES=off`
+/// and an endpoint that does not say, does not offer them): all verify, and only those that
+/// offer receive any, with every read byte placed by tag and offset rather than copied.
 #[test]
 fn data_messages_carry_read_data_when_offered_and_not_otherwise() {
     if !netns::available("skiff bench with and without data messages") {
@@ -184,13 +185,30 @@ fn data_messages_carry_read_data_when_offered_and_not_otherwise() {
         Proc::spawn(skiff().args(["relay", "--left", &client.host, "--right", &target.host]), Stdio::piped());
     let mac = mac_of(&target.ns, &target.peer);
     std::thread::sleep(Duration::from_millis(300));
-    for (setting, offered) in [("on", true), ("off", false)] {
+    let cases = [
+        // (the environment's setting, the endpoint's options, offered)
+        (None, "", true),
+        (None, ",data-messages=off", false),
+        (Some("off"), "", false),
+        (Some("off"), ",data-messages=on", true),
+    ];
+    for (env, options, offered) in cases {
+        let setting = format!("{env:?}{options}");
+        let mut cmd = skiff_in(&client.ns);
+        cmd.env_remove("SKIFF_ETH_DATA_MESSAGES");
+        if let Some(v) = env {
+            cmd.env("SKIFF_ETH_DATA_MESSAGES", v);
+        }
         let bench = bench_verified(
-            skiff_in(&client.ns)
-                .env("SKIFF_ETH_DATA_MESSAGES", setting)
-                .args(["bench", "--target", &format!("eth:{}/{mac}", client.peer), "--export", "vol"])
-                .args(["--size", "32M", "--rw", "randrw", "--bs", "16k", "--qd", "32", "--duration", "2s"])
-                .args(["--verify", "--json"]),
+            cmd.args([
+                "bench",
+                "--target",
+                &format!("eth:{}/{mac}{options}", client.peer),
+                "--export",
+                "vol",
+            ])
+            .args(["--size", "32M", "--rw", "randrw", "--bs", "16k", "--qd", "32", "--duration", "2s"])
+            .args(["--verify", "--json"]),
             100,
         );
         let messages = json_u64(&bench, &["client_link", "data_messages_received"]);

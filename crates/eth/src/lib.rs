@@ -28,17 +28,19 @@ pub mod xdp;
 
 pub use session::{discover, Driver, EthConfig, EthListener, EthStream, PathStats, TARGET_KEEPALIVE_US};
 
-/// The target's listener on a raw-Ethernet `endpoint` (its interfaces form one bundle).
-pub fn listen(endpoint: &Endpoint, config: EthConfig) -> io::Result<Listener> {
-    let Endpoint::Eth { ifaces, .. } = endpoint else { return Err(not_eth(endpoint)) };
-    Ok(Listener::Datagram(Box::new(EthListener::bind(ifaces, config)?)))
+/// The target's listener on a raw-Ethernet `endpoint` (its interfaces form one bundle), its
+/// sessions set up as the endpoint's options say ([`EthConfig::for_endpoint`]).
+pub fn listen(endpoint: &Endpoint) -> io::Result<Listener> {
+    let Endpoint::Eth { ifaces, options, .. } = endpoint else { return Err(not_eth(endpoint)) };
+    Ok(Listener::Datagram(Box::new(EthListener::bind(ifaces, EthConfig::for_endpoint(options))?)))
 }
 
 /// An initiator's session with the target of a raw-Ethernet `endpoint`: the MAC it names, or
 /// the one target that answers a Discover on its first interface within `timeout` (at most a
-/// fifth of a second).
-pub fn connect(endpoint: &Endpoint, timeout: Duration, config: &EthConfig) -> io::Result<ClientStream> {
-    let Endpoint::Eth { ifaces, mac } = endpoint else { return Err(not_eth(endpoint)) };
+/// fifth of a second), set up as the endpoint's options say ([`EthConfig::for_endpoint`]).
+pub fn connect(endpoint: &Endpoint, timeout: Duration) -> io::Result<ClientStream> {
+    let Endpoint::Eth { ifaces, mac, options } = endpoint else { return Err(not_eth(endpoint)) };
+    let config = &EthConfig::for_endpoint(options);
     let mac = match mac {
         Some(mac) => *mac,
         None => the_target_on(&ifaces[0], timeout)?,
@@ -88,6 +90,7 @@ impl DatagramListener for EthListener {
     }
 
     fn local_endpoint(&self) -> Endpoint {
-        Endpoint::Eth { ifaces: self.ifaces().to_vec(), mac: Some(self.mac()) }
+        // Without the target's own options: an initiator chooses its sessions' settings.
+        Endpoint::Eth { ifaces: self.ifaces().to_vec(), mac: Some(self.mac()), options: Default::default() }
     }
 }

@@ -36,7 +36,8 @@ use wire::datagram::{DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 use crate::packet::{bpf, Bpf, Mac, PacketSocket, RingConfig, BROADCAST, ETHERTYPE, ETH_HEADER_LEN};
 use crate::xdp::XdpSocket;
 use transport::endpoint::format_mac;
-use transport::FrameIo;
+use transport::endpoint::ETH_FRAME_MAX;
+use transport::{EthDriver, EthOptions, FrameIo};
 
 /// Where the datagram header's fields sit in a frame (after the 14-byte Ethernet header;
 /// docs/PROTOCOL.md, section 16).
@@ -73,95 +74,117 @@ impl Driver {
             Driver::Xdp => "af_xdp",
         }
     }
+}
 
-    /// The driver `SKIFF_ETH_DRIVER` asks for (`None`: unset): `packet` or `xdp`; anything
-    /// else is warned about and the default used.
-    fn from_env_value(value: Option<&str>) -> Driver {
-        match value {
-            None | Some("packet") => Driver::Packet,
-            Some("xdp") => Driver::Xdp,
-            Some(v) => {
-                tracing::warn!(value = %v, "SKIFF_ETH_DRIVER is neither packet nor xdp; using packet");
-                Driver::Packet
-            }
+impl From<EthDriver> for Driver {
+    fn from(d: EthDriver) -> Driver {
+        match d {
+            EthDriver::Packet => Driver::Packet,
+            EthDriver::Xdp => Driver::Xdp,
         }
     }
 }
 
 /// The rings and the delivery settings of raw-Ethernet sessions.
+///
+/// Each setting comes from the endpoint's options ([`EthOptions`]: `eth:IFACE,driver=xdp`,
+/// the target's `--eth-options` and `eth-options` in its file) where they name it; otherwise
+/// from the environment variable beside it below, if set, which is how a whole process (a
+/// benchmark, a test) changes a default without touching its endpoints; otherwise from the
+/// built-in default ([`EthConfig::default`], which reads no environment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EthConfig {
-    /// AF_PACKET or AF_XDP (`SKIFF_ETH_DRIVER=xdp`) for sessions; listeners and discovery
-    /// always use AF_PACKET.
+    /// AF_PACKET or AF_XDP (`driver=`, `SKIFF_ETH_DRIVER=packet|xdp`) for sessions; listeners
+    /// and discovery always use AF_PACKET.
     pub driver: Driver,
     /// Each session's AF_PACKET socket (small rings: a session has at most its window in
-    /// flight).
+    /// flight); `qdisc=on` (`SKIFF_ETH_QDISC=on`) goes through the interface's queueing
+    /// discipline.
     pub ring: RingConfig,
+    /// `frame=` (`SKIFF_ETH_FRAME=BYTES`) sets `payload_bytes_max`.
     pub reliable: ReliableConfig,
     /// Read data in data messages (Place datagrams placed by tag and offset; docs/PROTOCOL.md
     /// 16.9), offered by an initiator and agreed by a target when both have it on
-    /// (`SKIFF_ETH_DATA_MESSAGES=off` turns it off: read data rides the byte stream).
+    /// (`data-messages=off`, `SKIFF_ETH_DATA_MESSAGES=off`: read data rides the byte stream).
     pub data_messages: bool,
     /// Two 4 KiB data segments share a jumbo frame (Tyche's data-message batching;
-    /// `SKIFF_ETH_DATA_BATCHING=off`: each data message in a frame of its own).
+    /// `data-batching=off`, `SKIFF_ETH_DATA_BATCHING=off`: each data message in a frame of its
+    /// own).
     pub data_batching: bool,
 }
 
 impl Default for EthConfig {
+    /// The built-in settings, which neither an endpoint nor the environment changed.
     fn default() -> EthConfig {
         EthConfig {
-            driver: Driver::from_env_value(std::env::var("SKIFF_ETH_DRIVER").ok().as_deref()),
+            driver: Driver::Packet,
             // Past the interface's queueing discipline (PACKET_QDISC_BYPASS), which costs a
-            // fifth of the CPU per I/O at QD 32 even on veth's noqueue; SKIFF_ETH_QDISC=on
-            // goes through it, for links shaped with `tc` (bench/ethernet.py --shape).
-            ring: RingConfig {
-                rx_slots: 128,
-                tx_slots: 64,
-                qdisc_bypass: std::env::var("SKIFF_ETH_QDISC").map_or(true, |v| v != "on"),
-                ..RingConfig::default()
-            },
+            // fifth of the CPU per I/O at QD 32 even on veth's noqueue; qdisc=on goes through
+            // it, for links shaped with `tc` (bench/ethernet.py --shape).
+            ring: RingConfig { rx_slots: 128, tx_slots: 64, qdisc_bypass: true, ..RingConfig::default() },
             // Jumbo datagrams where the MTU allows (lowered to the MTU when a session opens),
             // and a window that keeps a 64-deep queue of 4 KiB requests moving. On a segment
             // round trips are tens of microseconds: a lost datagram with nothing behind it
             // (a lone caravan) waits out the minimum RTO, so it is 250 µs, still above the
-            // 100 µs delayed ack plus a round trip.
+            // 100 µs delayed ack plus a round trip. A payload of 8972 bytes fills a 9000-byte
+            // jumbo frame, where two 4 KiB data messages share one frame, as in Tyche's
+            // data-message batching. A data segment is cut at a multiple of 4 KiB only when a
+            // datagram holds one: below 4,108 bytes (4 KiB and a segment header) a 4 KiB read
+            // takes two datagrams.
             reliable: ReliableConfig {
-                payload_bytes_max: frame_payload_from_env(),
+                payload_bytes_max: ETH_FRAME_MAX,
                 send_slots: 128,
                 recv_slots: 128,
                 rto_min_us: 250,
                 ..ReliableConfig::default()
             },
-            data_messages: env_on("SKIFF_ETH_DATA_MESSAGES"),
-            data_batching: env_on("SKIFF_ETH_DATA_BATCHING"),
+            data_messages: true,
+            data_batching: true,
         }
     }
 }
 
-/// A switch that is on unless its variable says `off`.
-fn env_on(name: &str) -> bool {
-    std::env::var(name).map_or(true, |v| v != "off")
-}
+impl EthConfig {
+    /// The settings of sessions of an endpoint with `options`: each from the options, else
+    /// from its environment variable, else the default.
+    pub fn for_endpoint(options: &EthOptions) -> EthConfig {
+        EthConfig::resolve(options, &|name| std::env::var(name).ok())
+    }
 
-/// The largest datagram payload: 8972 bytes (a 9000-byte jumbo frame, lowered to the MTU when
-/// a session opens), where two 4 KiB data messages share one frame, as in Tyche's data-message
-/// batching (`EthConfig::data_batching`); `SKIFF_ETH_FRAME=BYTES` caps it lower. A data
-/// segment is cut at a multiple of 4 KiB only when a datagram holds one: below 4,108 bytes
-/// (4 KiB and a segment header) a 4 KiB read takes two datagrams.
-fn frame_payload_from_env() -> u16 {
-    frame_payload(std::env::var("SKIFF_ETH_FRAME").ok().as_deref())
-}
-
-/// The datagram payload `SKIFF_ETH_FRAME` asks for (`None`: unset): a size from 64 bytes to a
-/// jumbo frame's; anything else is warned about and the jumbo size used.
-fn frame_payload(value: Option<&str>) -> u16 {
-    const JUMBO: u16 = 9000 - DATAGRAM_HEADER_LEN as u16;
-    let Some(v) = value else { return JUMBO };
-    match v.parse::<u16>() {
-        Ok(n) if (64..=JUMBO).contains(&n) => n,
-        _ => {
-            tracing::warn!(value = %v, "SKIFF_ETH_FRAME is not a payload size from 64 to {JUMBO}; using {JUMBO}");
-            JUMBO
+    /// [`for_endpoint`](Self::for_endpoint) with the environment read through `env`. A
+    /// variable whose value means nothing is warned about and left out.
+    pub fn resolve(options: &EthOptions, env: &dyn Fn(&str) -> Option<String>) -> EthConfig {
+        let d = EthConfig::default();
+        let from_env = |name: &str| -> EthOptions {
+            let Some(v) = env(name) else { return EthOptions::default() };
+            let key = match name {
+                "SKIFF_ETH_DRIVER" => "driver",
+                "SKIFF_ETH_QDISC" => "qdisc",
+                "SKIFF_ETH_FRAME" => "frame",
+                "SKIFF_ETH_DATA_MESSAGES" => "data-messages",
+                _ => "data-batching",
+            };
+            EthOptions::parse(&format!("{key}={v}")).unwrap_or_else(|e| {
+                tracing::warn!(variable = name, value = %v, error = %e, "ignored");
+                EthOptions::default()
+            })
+        };
+        let driver = options.driver.or_else(|| from_env("SKIFF_ETH_DRIVER").driver);
+        let qdisc = options.qdisc.or_else(|| from_env("SKIFF_ETH_QDISC").qdisc);
+        let frame = options.frame.or_else(|| from_env("SKIFF_ETH_FRAME").frame);
+        let data_messages =
+            options.data_messages.or_else(|| from_env("SKIFF_ETH_DATA_MESSAGES").data_messages);
+        let data_batching =
+            options.data_batching.or_else(|| from_env("SKIFF_ETH_DATA_BATCHING").data_batching);
+        EthConfig {
+            driver: driver.map_or(d.driver, Driver::from),
+            ring: RingConfig { qdisc_bypass: !qdisc.unwrap_or(!d.ring.qdisc_bypass), ..d.ring },
+            reliable: ReliableConfig {
+                payload_bytes_max: frame.unwrap_or(d.reliable.payload_bytes_max),
+                ..d.reliable
+            },
+            data_messages: data_messages.unwrap_or(d.data_messages),
+            data_batching: data_batching.unwrap_or(d.data_batching),
         }
     }
 }
@@ -905,23 +928,62 @@ impl AsRawFd for EthListener {
 mod tests {
     use super::*;
 
-    #[test]
-    fn skiff_eth_driver_takes_packet_or_xdp_and_falls_back_to_packet_on_anything_else() {
-        assert_eq!(Driver::from_env_value(None), Driver::Packet);
-        assert_eq!(Driver::from_env_value(Some("packet")), Driver::Packet);
-        assert_eq!(Driver::from_env_value(Some("xdp")), Driver::Xdp);
-        for bad in ["XDP", "af_xdp", "", "xdp ", "1"] {
-            assert_eq!(Driver::from_env_value(Some(bad)), Driver::Packet, "{bad:?}");
-        }
+    fn env(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |name| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string())
     }
 
     #[test]
-    fn skiff_eth_frame_takes_a_payload_size_and_falls_back_on_anything_else() {
-        assert_eq!(frame_payload(None), 8972);
-        assert_eq!(frame_payload(Some("4096")), 4096);
-        assert_eq!(frame_payload(Some("64")), 64);
-        for bad in ["63", "8973", "65536", "4k", "", "-1"] {
-            assert_eq!(frame_payload(Some(bad)), 8972, "{bad:?}");
+    fn the_endpoint_decides_then_the_environment_then_the_default() {
+        let none = EthOptions::default();
+        assert_eq!(EthConfig::resolve(&none, &env(&[])), EthConfig::default());
+        let d = EthConfig::default();
+        assert_eq!(
+            (d.driver, d.reliable.payload_bytes_max, d.ring.qdisc_bypass),
+            (Driver::Packet, 8972, true)
+        );
+        assert!(d.data_messages && d.data_batching);
+
+        let vars = env(&[
+            ("SKIFF_ETH_DRIVER", "xdp"),
+            ("SKIFF_ETH_QDISC", "on"),
+            ("SKIFF_ETH_FRAME", "4096"),
+            ("SKIFF_ETH_DATA_MESSAGES", "off"),
+            ("SKIFF_ETH_DATA_BATCHING", "off"),
+        ]);
+        let c = EthConfig::resolve(&none, &vars);
+        assert_eq!((c.driver, c.reliable.payload_bytes_max, c.ring.qdisc_bypass), (Driver::Xdp, 4096, false));
+        assert!(!c.data_messages && !c.data_batching);
+
+        let endpoint = transport::Endpoint::parse(
+            "eth:v,driver=packet,qdisc=off,frame=1472,data-messages=on,data-batching=on",
+        )
+        .unwrap();
+        let transport::Endpoint::Eth { options, .. } = endpoint else { unreachable!() };
+        let c = EthConfig::resolve(&options, &vars);
+        assert_eq!(
+            (c.driver, c.reliable.payload_bytes_max, c.ring.qdisc_bypass),
+            (Driver::Packet, 1472, true)
+        );
+        assert!(c.data_messages && c.data_batching);
+        // The rest of the settings are the defaults whatever decided these.
+        assert_eq!((c.ring.rx_slots, c.reliable.send_slots, c.reliable.rto_min_us), (128, 128, 250));
+    }
+
+    #[test]
+    fn a_variable_that_means_nothing_is_left_out() {
+        for bad in ["XDP", "af_xdp", "", "xdp ", "1"] {
+            let c = EthConfig::resolve(&EthOptions::default(), &|n| {
+                (n == "SKIFF_ETH_DRIVER").then(|| bad.into())
+            });
+            assert_eq!(c.driver, Driver::Packet, "{bad:?}");
         }
+        for bad in ["63", "8973", "65536", "4k", "", "-1"] {
+            let c =
+                EthConfig::resolve(&EthOptions::default(), &|n| (n == "SKIFF_ETH_FRAME").then(|| bad.into()));
+            assert_eq!(c.reliable.payload_bytes_max, 8972, "{bad:?}");
+        }
+        let c =
+            EthConfig::resolve(&EthOptions::default(), &|n| (n == "SKIFF_ETH_QDISC").then(|| "yes".into()));
+        assert!(c.ring.qdisc_bypass);
     }
 }

@@ -63,7 +63,7 @@ impl Conn {
     ) -> Result<Conn> {
         let stream = match (tls, endpoint) {
             (Some(config), _) => ClientStream::connect_tls(endpoint, timeout, config.clone())?,
-            (None, Endpoint::Eth { .. }) => eth::connect(endpoint, timeout, &eth::EthConfig::default())?,
+            (None, Endpoint::Eth { .. }) => eth::connect(endpoint, timeout)?,
             (None, _) => ClientStream::connect(endpoint, timeout)?,
         };
         let mut conn = Conn {

@@ -559,7 +559,7 @@ impl Target {
         let tagged = config.listen.iter().map(|e| (e, Protocol::Native));
         for (ep, protocol) in tagged.chain(config.nbd_listen.iter().map(|e| (e, Protocol::Nbd))) {
             let listener = match ep {
-                Endpoint::Eth { .. } => eth::listen(ep, eth::EthConfig::default()),
+                Endpoint::Eth { .. } => eth::listen(ep),
                 _ => Listener::bind(ep),
             };
             let bound = listener.and_then(|l| Ok((l.local_endpoint()?, l)));

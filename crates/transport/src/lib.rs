@@ -24,7 +24,7 @@ pub mod event {
     pub use mio::{Events, Interest, Poll, Token, Waker};
 }
 
-pub use endpoint::{Endpoint, EndpointError};
+pub use endpoint::{Endpoint, EndpointError, EthDriver, EthOptions};
 pub use stream::{wait_any, wait_either, wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
 pub use wire::{FrameBuffer, FrameRef};
 

@@ -50,6 +50,8 @@ pub(super) struct ServeFile {
     nbd: Option<Vec<String>>,
     nbd_unix: Option<PathBuf>,
     eth: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "eth_options")]
+    eth_options: Option<transport::EthOptions>,
     #[serde(default, rename = "export", deserialize_with = "exports")]
     exports: Option<Vec<ExportConfig>>,
     read_only: Option<bool>,
@@ -196,7 +198,7 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
         listen, no_tcp, nbd, eth, exports, read_only, key_files, tls, tls_verify_peer, workers, queue_depth, poll,
         io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease, rebuild_after, rebuild_rate, repair_verify, flash, flash_cache,
         flash_map_budget, flash_read_depth;
-        options: unix, nbd_unix, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates,
+        options: unix, nbd_unix, eth_options, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates,
             pool, coordinator, advertise
     );
     Ok(tuning)
@@ -281,6 +283,10 @@ fn list_with<'de, D: Deserializer<'de>, T, E: Display>(
 
 fn endpoint<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
     text_with(d, "an address such as \"127.0.0.1:7070\"", |s| Endpoint::parse(s).map(|_| s.to_owned()))
+}
+
+fn eth_options<'de, D: Deserializer<'de>>(d: D) -> Result<Option<transport::EthOptions>, D::Error> {
+    text_with(d, "raw-Ethernet options such as \"driver=xdp,frame=4000\"", transport::EthOptions::parse)
 }
 
 fn endpoints<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<String>>, D::Error> {
@@ -468,6 +474,30 @@ mod tests {
         assert!(err.to_string().contains("repair-verify"), "{err}");
         let argv = ["skiff", "serve", "--repair-verify", "maybe"];
         assert!(crate::Cli::command().try_get_matches_from(argv).is_err());
+    }
+
+    /// Raw-Ethernet settings come from `eth-options` in the file unless `--eth-options` is
+    /// given, and a bad option is refused in either place with its name.
+    #[test]
+    fn eth_options_come_from_the_file_or_the_flag_and_a_bad_one_is_refused() {
+        use clap::CommandFactory;
+        use transport::{EthDriver, EthOptions};
+        let file = "eth = [\"veth0\"]\neth-options = \"driver=xdp,frame=4000\"\n";
+        let (args, _) = serve_with(file, &[]);
+        let want = EthOptions { driver: Some(EthDriver::Xdp), frame: Some(4000), ..EthOptions::default() };
+        assert_eq!((args.eth.as_slice(), args.eth_options), (&["veth0".to_owned()][..], Some(want)));
+        let (args, _) = serve_with(file, &["--eth-options", "data-messages=off"]);
+        let want = EthOptions { data_messages: Some(false), ..EthOptions::default() };
+        assert_eq!(args.eth_options, Some(want), "the flag replaces the file's options");
+        assert_eq!(serve_with("", &[]).0.eth_options, None);
+
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut f, b"eth-options = \"driver=dpdk\"\n").unwrap();
+        let err = read(f.path()).expect_err("no such driver").to_string();
+        assert!(err.contains("eth-options") && err.contains("driver=dpdk"), "{err}");
+        let argv = ["skiff", "serve", "--eth", "v", "--eth-options", "frame=9000"];
+        let err = crate::Cli::command().try_get_matches_from(argv).expect_err("too large").to_string();
+        assert!(err.contains("frame=9000"), "{err}");
     }
 
     #[test]
