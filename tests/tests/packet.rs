@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use datagram::reliable::ReliableConfig;
+use dgram::reliable::ReliableConfig;
 use eth::packet::{Mac, PacketSocket, RingConfig, RingVersion, ETHERTYPE};
 use eth::relay::{self, FaultRates};
 use eth::EthStream;

@@ -1,5 +1,5 @@
 //! skiff over raw Ethernet (docs/ETHERNET.md): the sockets, the driver of a session over the
-//! sans-I/O datagram stack (`skiff-datagram`), discovery of targets, and the fault relay that
+//! sans-I/O datagram stack (`skiff-dgram`), discovery of targets, and the fault relay that
 //! tests and benchmarks put between two interfaces.
 //!
 //! - [`packet::PacketSocket`]: an AF_PACKET socket with memory-mapped rings and a kernel

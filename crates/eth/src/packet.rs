@@ -20,7 +20,7 @@
 //! queueing discipline: turn it off to shape the link with `tc`.
 //!
 //! This module knows frames and addresses, nothing of skiff's protocol: the datagram header
-//! and reliable delivery live in `wire::datagram` and `datagram::reliable`.
+//! and reliable delivery live in `wire::datagram` and `dgram::reliable`.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

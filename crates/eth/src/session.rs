@@ -1,4 +1,4 @@
-//! Sessions of skiff's native protocol over raw Ethernet: `datagram::reliable`'s
+//! Sessions of skiff's native protocol over raw Ethernet: `dgram::reliable`'s
 //! [`DatagramStream`] driven over a [`PacketSocket`] (or, with `SKIFF_ETH_DRIVER=xdp`, an
 //! [`XdpSocket`] where the interface allows: [`Driver`]), behind [`FrameIo`], so that everything
 //! above (the client session, the target's front end) runs over it as over TCP.
@@ -28,9 +28,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use datagram::bundle::{is_probe, Bundle, BundleConfig, PathEvent};
-use datagram::reliable::split::Splitter;
-use datagram::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
+use dgram::bundle::{is_probe, Bundle, BundleConfig, PathEvent};
+use dgram::reliable::split::Splitter;
+use dgram::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
 use wire::datagram::{DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
 use crate::packet::{bpf, Bpf, Mac, PacketSocket, RingConfig, BROADCAST, ETHERTYPE, ETH_HEADER_LEN};
@@ -233,7 +233,7 @@ pub fn discover(iface: &str, wait: Duration) -> io::Result<Vec<Mac>> {
 }
 
 /// What one path (interface) of a session did: its share of the traffic, its probes' round
-/// trips and answers, and how often it was left out ([`datagram::bundle::PathCounters`], with the
+/// trips and answers, and how often it was left out ([`dgram::bundle::PathCounters`], with the
 /// interface's name).
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PathStats {

@@ -891,7 +891,7 @@ const ATTEMPT_POLL: Duration = Duration::from_millis(5);
 /// Longest a reconnection attempt waits for the target to accept and answer.
 const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(5);
 
-/// What reliable delivery did on a raw-Ethernet lane (`datagram::reliable::Counters`, the part
+/// What reliable delivery did on a raw-Ethernet lane (`dgram::reliable::Counters`, the part
 /// a report needs): datagrams out, and the repairs that show the network's faults; and what
 /// each interface of its bundle carried.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -920,8 +920,8 @@ pub struct LinkStats {
     pub paths: Vec<eth::PathStats>,
 }
 
-impl From<&datagram::reliable::Counters> for LinkStats {
-    fn from(c: &datagram::reliable::Counters) -> LinkStats {
+impl From<&dgram::reliable::Counters> for LinkStats {
+    fn from(c: &dgram::reliable::Counters) -> LinkStats {
         LinkStats {
             datagrams_sent: c.datagrams_sent,
             datagrams_received: c.datagrams_received,

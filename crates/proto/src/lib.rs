@@ -20,7 +20,7 @@
 //! - [`grant::PoolGrants`]: the chunk grants that authorise I/O to an RStore pool.
 //!
 //! The datagram stack of raw Ethernet (reliable streams, bundles of paths) is a stack of its own,
-//! in `skiff-datagram`.
+//! in `skiff-dgram`.
 #![forbid(unsafe_code)]
 
 pub mod auth;

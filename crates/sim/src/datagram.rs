@@ -16,9 +16,9 @@ use std::collections::BinaryHeap;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::rc::Rc;
 
-use ::datagram::bundle::{is_probe, Bundle, BundleConfig, PathCounters};
-use ::datagram::reliable::split::Splitter;
-use ::datagram::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
+use dgram::bundle::{is_probe, Bundle, BundleConfig, PathCounters};
+use dgram::reliable::split::Splitter;
+use dgram::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
 use transport::FrameIo;
 use wire::datagram::{DatagramHeader, DatagramKind};
 

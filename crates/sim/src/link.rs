@@ -5,7 +5,7 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 
-use ::datagram::reliable::{Counters, DatagramStream, ReliableConfig};
+use dgram::reliable::{Counters, DatagramStream, ReliableConfig};
 use transport::FrameIo;
 
 use crate::clock::Clock;

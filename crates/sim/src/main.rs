@@ -35,7 +35,7 @@ enum Faults {
 enum Link {
     /// A byte pipe (TCP), with short I/O, would-block bursts, delays, resets and header flips.
     Pipe,
-    /// A datagram link (raw Ethernet) under the reliable streams of `datagram::reliable`, with
+    /// A datagram link (raw Ethernet) under the reliable streams of `dgram::reliable`, with
     /// loss, duplication, reordering, corruption anywhere, flaps and resets.
     Datagram,
 }

@@ -152,7 +152,7 @@ pub struct Report {
     /// With a datagram link: what the link did, and the reliable streams' counters (both
     /// ends, every connection).
     pub link: LinkCounts,
-    pub streams: ::datagram::reliable::Counters,
+    pub streams: dgram::reliable::Counters,
 }
 
 impl Report {

@@ -8,7 +8,7 @@ use skiff_sim::datagram::{add_counters, stream_run, LinkCounts, LinkFaults, Stre
 const SEEDS: u64 = 1000;
 const BYTES_MAX: u64 = 40_000;
 
-fn run_seeds(loss: u32, first: u64) -> (LinkCounts, ::datagram::reliable::Counters) {
+fn run_seeds(loss: u32, first: u64) -> (LinkCounts, dgram::reliable::Counters) {
     let (mut link, mut streams) = Default::default();
     let mut failures = Vec::new();
     for seed in first..first + SEEDS {

@@ -20,7 +20,7 @@
 //! that the frame header's own CRC does not cover. The Ethernet FCS normally catches these
 //! first; this check also covers what the NIC, the driver and memory did after it.
 //!
-//! What the fields mean to the reliable-delivery state machine (`datagram::reliable`) is described
+//! What the fields mean to the reliable-delivery state machine (`dgram::reliable`) is described
 //! there and in docs/PROTOCOL.md, section 16. This module only validates layout: version, kind,
 //! flags, reserved bytes, lengths and the checksum.
 

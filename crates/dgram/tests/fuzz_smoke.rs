@@ -1,5 +1,5 @@
 //! Seeded "fuzz smoke" of the datagram stack: thousands of random move lists through
-//! `skiff_datagram::fuzz_api`, which asserts the streams' and the bundle's invariants.
+//! `skiff_dgram::fuzz_api`, which asserts the streams' and the bundle's invariants.
 //! Deterministic; a failure prints its input, which `cargo fuzz run datagram` (or `bundle`)
 //! accepts as a file. `cargo fuzz` runs the same entry points without limits.
 
@@ -27,7 +27,7 @@ fn reliable_stream_smoke() {
                 }
             }
         }
-        let outcome = catch_unwind(AssertUnwindSafe(|| skiff_datagram::fuzz_api::reliable_stream(&input)));
+        let outcome = catch_unwind(AssertUnwindSafe(|| skiff_dgram::fuzz_api::reliable_stream(&input)));
         assert!(outcome.is_ok(), "case {case} broke an invariant; input: {input:02x?}");
     }
 }
@@ -39,7 +39,7 @@ fn bundle_smoke() {
     for case in 0..CASES / 4 {
         let len = rng.below(400) as usize;
         let input: Vec<u8> = (0..len).map(|_| rng.below(256) as u8).collect();
-        let outcome = catch_unwind(AssertUnwindSafe(|| skiff_datagram::fuzz_api::bundle(&input)));
+        let outcome = catch_unwind(AssertUnwindSafe(|| skiff_dgram::fuzz_api::bundle(&input)));
         assert!(outcome.is_ok(), "case {case} broke an invariant; input: {input:02x?}");
     }
 }
