@@ -26,7 +26,12 @@ pub mod relay;
 pub mod session;
 pub mod xdp;
 
-pub use session::{discover, Driver, EthConfig, EthListener, EthStream, PathStats, TARGET_KEEPALIVE_US};
+#[cfg(feature = "mutations")]
+pub use session::Mutation;
+pub use session::{
+    discover, Clock, DatagramSocket, Driver, EthConfig, EthListener, EthStream, Link, Monotonic, PathStats,
+    TARGET_KEEPALIVE_US,
+};
 
 /// The target's listener on a raw-Ethernet `endpoint` (its interfaces form one bundle), its
 /// sessions set up as the endpoint's options say ([`EthConfig::for_endpoint`]).

@@ -254,8 +254,77 @@ pub struct PathStats {
     pub rejoins: u64,
 }
 
-/// A path's socket, by its [`Driver`].
-enum Link {
+/// One interface's datagrams, as a session's driver needs them: what AF_PACKET and AF_XDP
+/// sockets do ([`Link`]), and what the simulator's lossy link does (crates/sim), so that the
+/// seeded simulation runs this driver, bundles and all, rather than a copy of it.
+pub trait DatagramSocket {
+    /// Hand each datagram that has arrived (what follows its Ethernet header) to `f` with its
+    /// sender's MAC; returns how many there were.
+    fn receive(&mut self, f: impl FnMut(Mac, &[u8])) -> usize;
+    /// Queue one datagram to `dst`, written by `fill` into a transmit slot (it returns the
+    /// length; 0 queues nothing): `Ok(Some(len))`, or `Ok(None)` when no slot is free.
+    fn queue_with(&mut self, dst: Mac, fill: impl FnOnce(&mut [u8]) -> usize) -> io::Result<Option<usize>>;
+    /// Hand what was queued to the wire.
+    fn flush(&mut self) -> io::Result<()>;
+    /// Whether frames a flush left behind (the device was busy) wait to go.
+    fn pending(&self) -> bool;
+    /// The error an interface going down left on the socket, taken.
+    fn take_error(&self) -> io::Result<Option<io::Error>>;
+    /// The largest datagram the interface carries, Ethernet header excluded.
+    fn mtu(&self) -> usize;
+    fn iface(&self) -> &str;
+    /// What carries the frames, for reports: `af_packet`, `af_xdp`, or the simulator's.
+    fn driver_name(&self) -> &'static str;
+    /// Let through only session `session_id`'s datagrams, and only `peer`'s once it is known,
+    /// where the socket can filter (the driver checks the peer's MAC itself in any case).
+    fn filter(&mut self, session_id: u32, peer: Option<Mac>) -> io::Result<()>;
+    /// The descriptor that is readable when datagrams arrive, for the caller's poll (`None`
+    /// where nothing is waited on that way: the simulator steps its sessions).
+    fn fd(&self) -> Option<RawFd>;
+}
+
+/// Deliberately broken variants of the driver, for the simulator's proof that it catches them.
+/// Only the feature `mutations` (which only `skiff-sim`'s own feature turns on) compiles them
+/// in; without it the check is a constant `false` and folds away.
+#[cfg(feature = "mutations")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mutation {
+    #[default]
+    None,
+    /// The stream's timers never fire: a lost datagram with nothing sent behind it is never
+    /// sent again, and a silent peer is never declared dead.
+    SkipTimers,
+}
+
+/// Where a session's driver reads the time: microseconds since an epoch of its own.
+pub trait Clock {
+    fn now_us(&self) -> u64;
+}
+
+/// The clock of real sessions: monotonic, from when the session opened.
+#[derive(Debug, Clone, Copy)]
+pub struct Monotonic(Instant);
+
+impl Monotonic {
+    pub fn new() -> Monotonic {
+        Monotonic(Instant::now())
+    }
+}
+
+impl Default for Monotonic {
+    fn default() -> Monotonic {
+        Monotonic::new()
+    }
+}
+
+impl Clock for Monotonic {
+    fn now_us(&self) -> u64 {
+        self.0.elapsed().as_micros() as u64
+    }
+}
+
+/// A path's socket on a real interface, by its [`Driver`].
+pub enum Link {
     Packet(PacketSocket),
     Xdp(Box<XdpSocket>),
 }
@@ -287,7 +356,9 @@ impl Link {
             Link::Xdp(_) => Driver::Xdp,
         }
     }
+}
 
+impl DatagramSocket for Link {
     fn receive(&mut self, f: impl FnMut(Mac, &[u8])) -> usize {
         match self {
             Link::Packet(s) => s.receive(f),
@@ -336,6 +407,29 @@ impl Link {
             Link::Xdp(s) => s.mtu(),
         }
     }
+
+    fn driver_name(&self) -> &'static str {
+        self.driver().name()
+    }
+
+    fn fd(&self) -> Option<RawFd> {
+        Some(self.as_raw_fd())
+    }
+
+    /// AF_PACKET: a kernel filter on the session id and, once known, the peer's MAC. An
+    /// AF_XDP socket gets only its session's frames from the XDP program already.
+    fn filter(&mut self, session_id: u32, peer: Option<Mac>) -> io::Result<()> {
+        let Link::Packet(socket) = self else { return Ok(()) };
+        // Filters load big-endian words: the session id is little-endian on the wire.
+        let session_be = u32::from_be_bytes(session_id.to_le_bytes());
+        let mut checks =
+            vec![(bpf::load_half(12), u32::from(ETHERTYPE)), (bpf::load_word(SESSION_ID_OFFSET), session_be)];
+        if let Some(peer) = peer {
+            checks.push((bpf::load_word(6), u32::from_be_bytes([peer[0], peer[1], peer[2], peer[3]])));
+            checks.push((bpf::load_half(10), u32::from(u16::from_be_bytes([peer[4], peer[5]]))));
+        }
+        socket.attach_filter(&bpf::all_of(&checks))
+    }
 }
 
 impl AsRawFd for Link {
@@ -348,29 +442,18 @@ impl AsRawFd for Link {
 }
 
 /// One interface of a session: a socket filtered to the session, and the peer's MAC on it.
-struct Path {
-    socket: Link,
+struct Path<S> {
+    socket: S,
     /// `None` until the peer is found on this link (a bundle's other interfaces).
     peer: Option<Mac>,
     /// Frames were queued on the socket in this drive.
     queued: bool,
 }
 
-impl Path {
+impl<S: DatagramSocket> Path<S> {
     /// The filter for the session's datagrams on this path: from its peer once that is known.
-    /// (An AF_XDP socket gets only its session's frames from the XDP program; the driver
-    /// checks the peer's MAC.)
     fn filter(&mut self, session_id: u32) -> io::Result<()> {
-        let Link::Packet(socket) = &mut self.socket else { return Ok(()) };
-        // Filters load big-endian words: the session id is little-endian on the wire.
-        let session_be = u32::from_be_bytes(session_id.to_le_bytes());
-        let mut checks =
-            vec![(bpf::load_half(12), u32::from(ETHERTYPE)), (bpf::load_word(SESSION_ID_OFFSET), session_be)];
-        if let Some(peer) = self.peer {
-            checks.push((bpf::load_word(6), u32::from_be_bytes([peer[0], peer[1], peer[2], peer[3]])));
-            checks.push((bpf::load_half(10), u32::from(u16::from_be_bytes([peer[4], peer[5]]))));
-        }
-        socket.attach_filter(&bpf::all_of(&checks))
+        self.socket.filter(session_id, self.peer)
     }
 }
 
@@ -401,8 +484,12 @@ fn poll_set(fds: impl IntoIterator<Item = RawFd>) -> io::Result<OwnedFd> {
 /// probes every path,
 /// and leaves out one that stops working until it answers again; what was lost on it the
 /// stream retransmits on the others, as it retransmits any loss (docs/PROTOCOL.md, 16.8).
-pub struct EthStream {
-    paths: Vec<Path>,
+///
+/// Generic over its sockets and its clock so that the simulator drives this same code over
+/// its seeded lossy links and virtual time ([`EthStream::over`]); a real session is an
+/// `EthStream` of [`Link`]s on the [`Monotonic`] clock.
+pub struct EthStream<S: DatagramSocket = Link, C: Clock = Monotonic> {
+    paths: Vec<Path<S>>,
     bundle: Bundle,
     /// A bundle's sockets in one epoll set, readable when any of them is; a session on one
     /// interface is waited on through its socket.
@@ -413,7 +500,9 @@ pub struct EthStream {
     split: Splitter,
     /// Data messages may be used (offered, or agreed to) on this session.
     data_messages: bool,
-    epoch: Instant,
+    clock: C,
+    #[cfg(feature = "mutations")]
+    mutation: Mutation,
     /// While this lives, the listener that opened the session knows it (a target's side).
     _alive: Option<Arc<()>>,
 }
@@ -432,14 +521,31 @@ impl EthStream {
         EthStream::open_bundle(vec![(Link::Packet(socket), Some(peer))], session_id, &config, false)
     }
 
-    /// A session over one socket per interface, each with its peer's MAC where known (one at
-    /// least). `seeks`: look for the peer on the other interfaces (the initiator's side).
+    /// A real session over one socket per interface (see [`over`](Self::over)), sequence
+    /// numbers from zero, on the monotonic clock.
     fn open_bundle(
         sockets: Vec<(Link, Option<Mac>)>,
         session_id: u32,
         eth: &EthConfig,
         seeks: bool,
     ) -> io::Result<EthStream> {
+        EthStream::over(sockets, session_id, (0, 0), eth, seeks, Monotonic::new())
+    }
+}
+
+impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
+    /// A session over one socket per interface, each with its peer's MAC where known (one at
+    /// least), its stream starting at sequence numbers `initial` (this side's, the peer's).
+    /// `seeks`: look for the peer on the other interfaces (the initiator's side).
+    /// `eth.reliable.payload_bytes_max` is lowered to what the smallest MTU carries.
+    pub fn over(
+        sockets: Vec<(S, Option<Mac>)>,
+        session_id: u32,
+        initial: (u32, u32),
+        eth: &EthConfig,
+        seeks: bool,
+        clock: C,
+    ) -> io::Result<EthStream<S, C>> {
         let config = &eth.reliable;
         let mtu = sockets.iter().map(|(s, _)| s.mtu()).min().unwrap_or(0);
         let fits = mtu.saturating_sub(DATAGRAM_HEADER_LEN);
@@ -467,20 +573,43 @@ impl EthStream {
             path.filter(session_id)?;
             paths.push(path);
         }
-        let poller =
-            if paths.len() > 1 { Some(poll_set(paths.iter().map(|p| p.socket.as_raw_fd()))?) } else { None };
+        let poller = match paths.iter().map(|p| p.socket.fd()).collect::<Option<Vec<RawFd>>>() {
+            Some(fds) if fds.len() > 1 => Some(poll_set(fds)?),
+            _ => None,
+        };
         Ok(EthStream {
             paths,
             bundle: Bundle::new(BundleConfig::default(), session_id, &known, seeks),
             poller,
-            stream: DatagramStream::new(&config, session_id, 0, 0),
+            stream: DatagramStream::new(&config, session_id, initial.0, initial.1),
             split: Splitter::new(eth.data_batching),
             data_messages: eth.data_messages,
-            epoch: Instant::now(),
+            clock,
+            #[cfg(feature = "mutations")]
+            mutation: Mutation::None,
             _alive: None,
         })
     }
 
+    /// Plant a bug, for the simulator's proof that it catches it (feature `mutations`).
+    #[cfg(feature = "mutations")]
+    pub fn set_mutation(&mut self, mutation: Mutation) {
+        self.mutation = mutation;
+    }
+
+    #[cfg(feature = "mutations")]
+    fn planted_skip_timers(&self) -> bool {
+        self.mutation == Mutation::SkipTimers
+    }
+
+    #[cfg(not(feature = "mutations"))]
+    #[inline(always)]
+    fn planted_skip_timers(&self) -> bool {
+        false
+    }
+}
+
+impl EthStream {
     /// An initiator's session with the target at `peer` on the first of `ifaces`, under a
     /// session id drawn at random; the other interfaces join it as a bundle once the target
     /// answers on them. Nothing is sent until the first write.
@@ -497,9 +626,11 @@ impl EthStream {
         }
         EthStream::open_bundle(sockets, session_id, config, true)
     }
+}
 
+impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
     fn now_us(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
+        self.clock.now_us()
     }
 
     /// Take in what arrived, fire due timers, send what is due. Call whenever the socket is
@@ -567,7 +698,7 @@ impl EthStream {
             self.bundle.on_delivered(now, |seq| stream.delivered(seq));
             self.bundle.check(now, stream.rto_estimate_us());
         }
-        if self.stream.poll_timeout().is_some_and(|due| due <= now) {
+        if self.stream.poll_timeout().is_some_and(|due| due <= now) && !self.planted_skip_timers() {
             self.stream.handle_timeout(now);
         }
         // A caravan head the splitter took when the send buffer was full goes as soon as
@@ -666,7 +797,7 @@ impl EthStream {
                 let c = self.bundle.counters(i);
                 PathStats {
                     iface: self.paths[i].socket.iface().to_owned(),
-                    driver: self.paths[i].socket.driver().name(),
+                    driver: self.paths[i].socket.driver_name(),
                     up: c.up,
                     datagrams_sent: c.datagrams_sent,
                     datagrams_received: c.datagrams_received,
@@ -692,6 +823,52 @@ impl EthStream {
         format!("eth:{}/{}#{:08x}", ifaces.join("+"), mac, self.session_id())
     }
 
+    /// When the stream's next timer or, in a bundle, the next probe is due, on the session's
+    /// clock (the simulator's virtual one).
+    pub fn next_timer_us(&self) -> Option<u64> {
+        self.stream.poll_timeout().into_iter().chain(self.bundle.poll_timeout()).min()
+    }
+
+    /// Where the session's stream is: open, closing, closed, or dead and why.
+    pub fn state(&self) -> State {
+        self.stream.state()
+    }
+
+    /// Whether the peer ended its stream (a FIN) and everything before it was read.
+    pub fn peer_closed(&self) -> bool {
+        self.stream.peer_closed()
+    }
+
+    /// Whether the send buffer has room for more of the stream.
+    pub fn writable(&self) -> bool {
+        self.stream.writable()
+    }
+
+    /// End the stream after what was written (a FIN), and send what that takes now.
+    pub fn close(&mut self) -> io::Result<()> {
+        self.stream.close();
+        self.drive()
+    }
+
+    /// Abort the session (a Reset, sent now where a path can carry it): the peer lets go at
+    /// once instead of finding out by its keepalives.
+    pub fn reset(&mut self) {
+        if self.stream.state() != State::Open {
+            return;
+        }
+        self.stream.reset();
+        let now = self.now_us();
+        let EthStream { paths, stream, bundle, .. } = self;
+        let Some(i) = bundle.pick() else { return };
+        let path = &mut paths[i];
+        let Some(to) = path.peer else { return };
+        if let Ok(Some(n)) = path.socket.queue_with(to, |room| stream.poll_transmit(now, room).unwrap_or(0)) {
+            if n > 0 {
+                let _ = path.socket.flush();
+            }
+        }
+    }
+
     fn dead_error(&self) -> Option<io::Error> {
         match self.stream.state() {
             State::Dead(reason) => Some(io::Error::new(
@@ -703,7 +880,7 @@ impl EthStream {
     }
 }
 
-impl EthStream {
+impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
     fn receive(&mut self, mut to: ReadCursor<'_, '_>) -> io::Result<usize> {
         // What waits in the stream's buffer comes first; then what arrives in order goes
         // straight from the ring into `bufs`, and what filled a gap behind it after that.
@@ -724,7 +901,7 @@ impl EthStream {
     }
 }
 
-impl FrameIo for EthStream {
+impl<S: DatagramSocket, C: Clock> FrameIo for EthStream<S, C> {
     fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
         self.receive(ReadCursor::new(bufs))
     }
@@ -769,25 +946,12 @@ impl FrameIo for EthStream {
     }
 }
 
-impl Drop for EthStream {
+impl<S: DatagramSocket, C: Clock> Drop for EthStream<S, C> {
     /// A session dropped while open is aborted with a Reset (one datagram, best effort), so
     /// that its peer lets go of it at once, as a TCP peer learns of a close, instead of
     /// finding out by its keepalives. A session that closed, or died, has nothing to say.
     fn drop(&mut self) {
-        if self.stream.state() != State::Open {
-            return;
-        }
-        self.stream.reset();
-        let now = self.now_us();
-        let EthStream { paths, stream, bundle, .. } = self;
-        let Some(i) = bundle.pick() else { return };
-        let path = &mut paths[i];
-        let Some(to) = path.peer else { return };
-        if let Ok(Some(n)) = path.socket.queue_with(to, |room| stream.poll_transmit(now, room).unwrap_or(0)) {
-            if n > 0 {
-                let _ = path.socket.flush();
-            }
-        }
+        self.reset();
     }
 }
 

@@ -1,7 +1,10 @@
 //! A seeded datagram link on the virtual clock, the raw-Ethernet segment of the simulation, and
-//! what runs over it: [`DatagramIo`], a [`FrameIo`] built on a [`DatagramStream`] (so the full
-//! simulation of `run` can use it in place of the byte pipe), and [`stream_run`], the
-//! simulation of two streams alone with random writes and reads.
+//! what runs over it: the raw-Ethernet session driver itself (`eth`'s [`EthStream`], over a
+//! [`SimSocket`] per path instead of a packet socket, on the virtual [`Clock`]), as
+//! [`DatagramIo`], a [`FrameIo`] that the full simulation of `run` uses in place of the byte
+//! pipe; and [`stream_run`], the simulation of two sessions alone, bundled or not, with random
+//! writes and reads. Nothing here re-implements the driver: its receive path, its timers, its
+//! bundle (probes, paths left out and taken back) and its sends are the product's code.
 //!
 //! The link carries whole datagrams both ways, each after the latency, and strikes with seeded
 //! faults: loss, duplication, reordering (a datagram delayed by up to `jitter_max_us` lets later
@@ -16,11 +19,13 @@ use std::collections::BinaryHeap;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::rc::Rc;
 
-use dgram::bundle::{is_probe, Bundle, BundleConfig, PathCounters};
-use dgram::reliable::split::Splitter;
-use dgram::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
+use std::os::fd::RawFd;
+
+use dgram::bundle::PathCounters;
+use dgram::reliable::{Counters, ReliableConfig, State};
+use eth::packet::Mac;
+use eth::{DatagramSocket, EthConfig, EthStream};
 use transport::FrameIo;
-use wire::datagram::{DatagramHeader, DatagramKind};
 
 use crate::clock::Clock;
 use crate::rng::Rng;
@@ -227,126 +232,165 @@ impl LinkEnd {
     }
 }
 
-/// A [`FrameIo`] over a [`DatagramStream`] and one end of a link: what the raw-Ethernet
-/// transport will be, with the link in place of the packet socket. Call [`pump`](Self::pump)
-/// every step: it moves datagrams both ways and runs the stream's timers.
+/// One end of a link as a raw-Ethernet driver's socket ([`DatagramSocket`]): what arrives
+/// comes from the peer's MAC, what is queued goes on the wire at once. The simulation's
+/// sessions are `eth`'s own driver ([`EthStream`]) over these, on the virtual clock.
 #[derive(Debug)]
-pub struct DatagramIo {
-    stream: DatagramStream,
-    /// The sending half of data messages, as in `EthStream`; whether this end offers them.
-    split: Splitter,
-    data_messages: bool,
+pub struct SimSocket {
     end: LinkEnd,
-    clock: Clock,
+    peer: Mac,
+    iface: &'static str,
     buf: Vec<u8>,
+}
+
+impl SimSocket {
+    /// `end`, whose far side has MAC `peer`; datagrams up to `mtu` bytes.
+    pub fn new(end: LinkEnd, peer: Mac, iface: &'static str, mtu: usize) -> SimSocket {
+        SimSocket { end, peer, iface, buf: vec![0; mtu] }
+    }
+}
+
+impl DatagramSocket for SimSocket {
+    fn receive(&mut self, mut f: impl FnMut(Mac, &[u8])) -> usize {
+        let mut n = 0;
+        while let Some(len) = self.end.recv(&mut self.buf) {
+            f(self.peer, &self.buf[..len]);
+            n += 1;
+        }
+        n
+    }
+
+    fn queue_with(&mut self, _dst: Mac, fill: impl FnOnce(&mut [u8]) -> usize) -> io::Result<Option<usize>> {
+        let n = fill(&mut self.buf);
+        if n > 0 {
+            self.end.send(&self.buf[..n]);
+        }
+        Ok(Some(n))
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn pending(&self) -> bool {
+        false
+    }
+
+    fn take_error(&self) -> io::Result<Option<io::Error>> {
+        Ok(None)
+    }
+
+    fn mtu(&self) -> usize {
+        self.buf.len()
+    }
+
+    fn iface(&self) -> &str {
+        self.iface
+    }
+
+    fn driver_name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn filter(&mut self, _session_id: u32, _peer: Option<Mac>) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn fd(&self) -> Option<RawFd> {
+        None
+    }
+}
+
+impl eth::Clock for Clock {
+    fn now_us(&self) -> u64 {
+        Clock::now_us(self)
+    }
+}
+
+/// The MACs of the two sides of every simulated link: the initiator's, the target's.
+pub const MACS: [Mac; 2] = [[2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2]];
+
+/// A session of the simulation: `eth`'s driver over one simulated link.
+pub type SimEth = EthStream<SimSocket, Clock>;
+
+/// A session `id` over `end` for side `side` (0 the initiator, 1 the target), its stream
+/// starting at sequence numbers `initial`; `data_messages`: offered or agreed to, batching two
+/// segments to a datagram or not.
+pub fn session(
+    end: LinkEnd,
+    side: usize,
+    id: u32,
+    initial: (u32, u32),
+    config: &ReliableConfig,
+    data_messages: Option<bool>,
+    clock: &Clock,
+) -> SimEth {
+    let eth = EthConfig {
+        reliable: *config,
+        data_messages: data_messages.is_some(),
+        data_batching: data_messages.unwrap_or(false),
+        ..EthConfig::default()
+    };
+    let socket = SimSocket::new(end, MACS[1 - side], "sim0", config.datagram_len_max());
+    EthStream::over(vec![(socket, Some(MACS[1 - side]))], id, initial, &eth, side == 0, clock.clone())
+        .expect("a simulated link carries a datagram")
+}
+
+/// A [`FrameIo`] over one end of a link: `eth`'s session driver, with Resets injected at
+/// seeded odds. Call [`pump`](Self::pump) every step: it moves datagrams both ways and runs
+/// the timers.
+pub struct DatagramIo {
+    eth: SimEth,
+    end: LinkEnd,
     /// Resets injected (the datagram form of a disconnect) and their odds per send.
     rng: Rng,
     reset_chance: u32,
     pub resets: u64,
 }
 
+impl std::fmt::Debug for DatagramIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatagramIo")
+            .field("session", &self.eth.describe())
+            .field("state", &self.eth.state())
+            .field("resets", &self.resets)
+            .finish()
+    }
+}
+
 impl DatagramIo {
-    pub fn new(
-        stream: DatagramStream,
-        end: LinkEnd,
-        clock: &Clock,
-        rng: Rng,
-        reset_chance: u32,
-    ) -> DatagramIo {
-        let buf = vec![0; stream.config().datagram_len_max()];
-        DatagramIo {
-            stream,
-            split: Splitter::new(false),
-            data_messages: false,
-            end,
-            clock: clock.clone(),
-            buf,
-            rng,
-            reset_chance,
-            resets: 0,
-        }
+    pub fn new(eth: SimEth, end: LinkEnd, rng: Rng, reset_chance: u32) -> DatagramIo {
+        DatagramIo { eth, end, rng, reset_chance, resets: 0 }
     }
 
-    /// Offer (initiator) or agree to (target) data messages, batching two segments to a
-    /// datagram or not, as `EthStream` does with `EthConfig::data_messages`.
-    pub fn with_data_messages(mut self, batch: bool) -> DatagramIo {
-        self.split = Splitter::new(batch);
-        self.data_messages = true;
-        self
-    }
-
-    pub fn stream(&self) -> &DatagramStream {
-        &self.stream
+    pub fn counters(&self) -> Counters {
+        self.eth.counters()
     }
 
     pub fn end(&self) -> &LinkEnd {
         &self.end
     }
 
-    /// Receive what has arrived, run the timers, send what the stream has to send.
+    /// Receive what has arrived, run the timers, send what is due.
     pub fn pump(&mut self) {
-        self.pump_into(None);
-    }
-
-    /// As [`pump`](Self::pump), placing what arrives in order into `to` while it has room,
-    /// as the raw-Ethernet driver's `recv` does.
-    fn pump_into(&mut self, mut to: Option<&mut ReadCursor<'_, '_>>) {
-        let now = self.clock.now_us();
-        while let Some(n) = self.end.recv(&mut self.buf) {
-            match to.as_deref_mut() {
-                Some(to) => {
-                    self.stream.handle_datagram_into(now, &self.buf[..n], to);
-                }
-                None => self.stream.handle_datagram(now, &self.buf[..n]),
-            }
-        }
-        self.stream.handle_timeout(now);
-        if self.split.pending() {
-            self.split.flush(&mut self.stream);
-        }
-        while let Some(n) = self.stream.poll_transmit(now, &mut self.buf) {
-            self.end.send(&self.buf[..n]);
-        }
+        // A simulated socket never fails; a dead session reports itself to the next call.
+        let _ = self.eth.drive();
     }
 
     /// End the stream after what was written (a FIN).
     pub fn shutdown(&mut self) {
-        self.stream.close();
-        self.pump();
+        let _ = self.eth.close();
     }
 
     /// Abort the session (an RST): the peer learns it from the Reset, or from its timeouts.
     pub fn reset(&mut self) {
-        self.stream.reset();
-        self.pump();
-    }
-
-    fn dead(&self) -> io::Result<usize> {
-        match self.stream.state() {
-            State::Dead(reason) => Err(io::Error::new(io::ErrorKind::ConnectionReset, reason.to_string())),
-            _ => Err(io::ErrorKind::WouldBlock.into()),
-        }
-    }
-}
-
-impl DatagramIo {
-    fn receive(&mut self, mut to: ReadCursor<'_, '_>) -> io::Result<usize> {
-        // As `eth::EthStream::recv`: buffered bytes first, then what arrives in
-        // order placed straight into `bufs`, then what that let through.
-        self.stream.read_into(&mut to);
-        self.pump_into(Some(&mut to));
-        self.stream.read_into(&mut to);
-        match to.filled() {
-            0 if self.stream.peer_closed() => Ok(0),
-            0 => self.dead(),
-            n => Ok(n),
-        }
+        self.eth.reset();
     }
 }
 
 impl FrameIo for DatagramIo {
     fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        self.receive(ReadCursor::new(bufs))
+        self.eth.recv(bufs)
     }
 
     fn recv_placing(
@@ -354,15 +398,15 @@ impl FrameIo for DatagramIo {
         bufs: &mut [IoSliceMut<'_>],
         place: &mut dyn FnMut(&[u8]),
     ) -> io::Result<usize> {
-        self.receive(ReadCursor::placing(bufs, place))
+        self.eth.recv_placing(bufs, place)
     }
 
     fn data_messages(&self) -> bool {
-        self.data_messages
+        self.eth.data_messages()
     }
 
     fn send_data_messages(&mut self) -> bool {
-        self.data_messages && self.split.set_apart()
+        self.eth.send_data_messages()
     }
 
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
@@ -370,12 +414,11 @@ impl FrameIo for DatagramIo {
             self.resets += 1;
             self.reset();
         }
-        let n = self.split.write(&mut self.stream, bufs);
-        self.pump();
-        match n {
-            0 if bufs.iter().any(|b| !b.is_empty()) => self.dead(),
-            n => Ok(n),
-        }
+        self.eth.send(bufs)
+    }
+
+    fn buffered_recv(&self) -> bool {
+        self.eth.buffered_recv()
     }
 }
 
@@ -393,12 +436,24 @@ pub struct StreamOptions {
     /// Take the last path down at `.0` for `.1` µs (a bundle's link failing mid-run); the
     /// others keep working, so the streams must not notice beyond retransmissions.
     pub outage: Option<(u64, u64)>,
+    /// A bug planted in both sides' drivers (feature `mutations`), to show it is caught.
+    #[cfg(feature = "mutations")]
+    pub planted: Option<eth::Mutation>,
 }
 
 impl StreamOptions {
     /// A plain session (one link) of seed `seed`.
     pub fn new(seed: u64, faults: LinkFaults, bytes_max: u64) -> StreamOptions {
-        StreamOptions { seed, faults, bytes_max, cut_at_us: None, paths: 1, outage: None }
+        StreamOptions {
+            seed,
+            faults,
+            bytes_max,
+            cut_at_us: None,
+            paths: 1,
+            outage: None,
+            #[cfg(feature = "mutations")]
+            planted: None,
+        }
     }
 }
 
@@ -429,8 +484,9 @@ const WRITE_BYTES_MAX: u64 = 4_000;
 /// Steps before a run counts as stuck.
 const STREAM_STEPS_MAX: u64 = 2_000_000;
 
-/// Two [`DatagramStream`]s over a faulty link, each writing a random number of bytes in
-/// writes of random sizes and reading in reads of random sizes, then closing. Every byte must
+/// Two sessions of `eth`'s driver ([`EthStream`], a `DatagramStream` each, bundled over
+/// `opts.paths` links) over faulty links, each writing a random number of bytes in writes of
+/// random sizes and reading in reads of random sizes, then closing. Every byte must
 /// arrive exactly once and in order, and both streams must end `Closed`; with the link cut,
 /// both must end `Dead` within the configured bound.
 pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
@@ -454,33 +510,39 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
     let random_isn = rng.next_u64() as u32;
     let isn = [rng.next_u64() as u32, rng.pick(&[u32::MAX - 10, 0, random_isn])];
     let latency = rng.range(1, 50);
-    let (a, b) = link(&clock, rng.fork(1), latency, opts.faults);
+    // Each side's sockets, one per path: both sides know their peer on the first path only,
+    // and the initiator (side 0) finds it on the others by its probes.
+    let mut sockets: [Vec<(SimSocket, Option<Mac>)>; 2] = [Vec::new(), Vec::new()];
+    let mut link_ends: [Vec<LinkEnd>; 2] = [Vec::new(), Vec::new()];
+    let mut add_path = |p: usize, (a, b): (LinkEnd, LinkEnd)| {
+        for (side, end) in [a, b].into_iter().enumerate() {
+            link_ends[side].push(end.clone());
+            let socket = SimSocket::new(end, MACS[1 - side], PATH_NAMES[p], config.datagram_len_max());
+            sockets[side].push((socket, (p == 0).then_some(MACS[1 - side])));
+        }
+    };
+    add_path(0, link(&clock, rng.fork(1), latency, opts.faults));
     let session = rng.next_u64() as u32;
-    let mut ends = [
-        Side::new(DatagramStream::new(&config, session, isn[0], isn[1]), a, true),
-        Side::new(DatagramStream::new(&config, session, isn[1], isn[0]), b, false),
-    ];
     let totals = [rng.range(0, opts.bytes_max), rng.range(0, opts.bytes_max)];
-    if opts.paths > 1 {
-        // More links between the two sides: each side knows its peer on the first only, the
-        // initiator (side 0) finds it on the others by its probes.
-        let mut ends_of = [vec![ends[0].ends[0].clone()], vec![ends[1].ends[0].clone()]];
-        for p in 1..opts.paths {
-            let (a, b) = link(&clock, rng.fork(100 + p as u64), latency + rng.range(0, 20), opts.faults);
-            ends_of[0].push(a);
-            ends_of[1].push(b);
-        }
-        for (side, links) in ends.iter_mut().zip(ends_of) {
-            let mut known = vec![false; links.len()];
-            known[0] = true;
-            side.bundle = Bundle::new(BundleConfig::default(), session, &known, side.bundle.seeks());
-            side.ends = links;
-        }
+    for p in 1..opts.paths.max(1) {
+        add_path(p, link(&clock, rng.fork(100 + p as u64), latency + rng.range(0, 20), opts.faults));
+    }
+    let eth =
+        EthConfig { reliable: config, data_messages: false, data_batching: false, ..EthConfig::default() };
+    let [s0, s1] = sockets;
+    let open = |sockets, side: usize| {
+        let initial = if side == 0 { (isn[0], isn[1]) } else { (isn[1], isn[0]) };
+        EthStream::over(sockets, session, initial, &eth, side == 0, clock.clone())
+            .expect("a link carries datagrams")
+    };
+    let mut ends = [open(s0, 0), open(s1, 1)];
+    #[cfg(feature = "mutations")]
+    if let Some(bug) = opts.planted {
+        ends.iter_mut().for_each(|e| e.set_mutation(bug));
     }
     let mut outage = opts.outage.filter(|_| opts.paths > 1);
     let mut written = [0u64; 2];
     let mut read = [0u64; 2];
-    let mut buf = vec![0u8; config.datagram_len_max()];
     let mut chunk = vec![0u8; 5_000];
     let mut inbox = vec![0u8; 5_000];
     let mut step = 0;
@@ -495,57 +557,39 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
                 &clock,
                 format!(
                     "stuck: written {written:?} of {totals:?}, read {read:?}; {config:?}; {:?}; {:?}",
-                    ends[0].stream.counters(),
-                    ends[1].stream.counters()
+                    ends[0].counters(),
+                    ends[1].counters()
                 ),
             ));
         }
         let now = clock.now_us();
         if opts.cut_at_us.is_some_and(|at| now >= at) {
-            for end in &ends[0].ends {
+            for end in &link_ends[0] {
                 end.cut();
             }
         }
         if let Some((at, len)) = outage.filter(|(at, _)| now >= *at) {
-            ends[0].ends.last().expect("a path").take_down(at + len);
+            link_ends[0].last().expect("a path").take_down(at + len);
             outage = None;
         }
         for side in 0..2 {
-            // The application reads now and then into random pieces: half of those reads
-            // take what arrives in order straight from the link (as the raw-Ethernet driver
-            // does), the other half only what the stream buffered.
+            let eth = &mut ends[side];
+            // The application now and then reads into random pieces: what the stream holds
+            // first, then what arrives in order straight from the link (as a lane's receive
+            // does). Half of those reads follow a drive, so that arrivals wait in the stream's
+            // buffer first; without a read, the session is driven alone.
             let reading = rng.chance(600_000);
-            let placing = reading && rng.chance(500_000);
-            let (n, cut) = if reading {
-                let n = rng.range(1, 5000) as usize;
-                (n, rng.range(0, n as u64) as usize)
-            } else {
-                (0, 0)
-            };
-            let (first, second) = inbox[..n].split_at_mut(cut);
-            let mut pieces = [IoSliceMut::new(first), IoSliceMut::new(second)];
-            let mut to = ReadCursor::new(&mut pieces);
-            if placing {
-                ends[side].stream.read_into(&mut to);
-                ends[side].take_in(now, &mut buf, Some(&mut to));
-            } else {
-                ends[side].take_in(now, &mut buf, None);
-            }
-            let stream = &mut ends[side].stream;
-            // The application: a write of random size, a read into random pieces, a close.
-            if written[side] < totals[side] && stream.writable() && rng.chance(500_000) {
-                let n = rng.range(1, (totals[side] - written[side]).min(WRITE_BYTES_MAX)) as usize;
-                for (i, byte) in chunk[..n].iter_mut().enumerate() {
-                    *byte = pattern(opts.seed, side, written[side] + i as u64);
-                }
-                written[side] += stream.write(&[IoSlice::new(&chunk[..n])]) as u64;
-            }
-            if written[side] == totals[side] && opts.cut_at_us.is_none() {
-                stream.close();
+            if !reading || rng.chance(500_000) {
+                let _ = eth.drive();
             }
             if reading {
-                stream.read_into(&mut to);
-                let got = to.filled();
+                let n = rng.range(1, 5000) as usize;
+                let cut = rng.range(0, n as u64) as usize;
+                let (first, second) = inbox[..n].split_at_mut(cut);
+                let mut pieces = [IoSliceMut::new(first), IoSliceMut::new(second)];
+                // WouldBlock, the end of the stream and a dead session all read nothing; the
+                // states below judge them.
+                let got = eth.recv(&mut pieces).unwrap_or(0);
                 for (i, &byte) in pieces.iter().flat_map(|p| p.iter()).take(got).enumerate() {
                     let at = read[side] + i as u64;
                     if byte != pattern(opts.seed, 1 - side, at) {
@@ -557,9 +601,19 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
                     return Err(fail(step, &clock, format!("side {side} read more than was written")));
                 }
             }
-            ends[side].send_out(now, &mut buf);
+            // A write of random size, then a close once everything is written.
+            if written[side] < totals[side] && eth.writable() && rng.chance(500_000) {
+                let n = rng.range(1, (totals[side] - written[side]).min(WRITE_BYTES_MAX)) as usize;
+                for (i, byte) in chunk[..n].iter_mut().enumerate() {
+                    *byte = pattern(opts.seed, side, written[side] + i as u64);
+                }
+                written[side] += eth.send(&[IoSlice::new(&chunk[..n])]).unwrap_or(0) as u64;
+            }
+            if written[side] == totals[side] && opts.cut_at_us.is_none() && eth.state() == State::Open {
+                let _ = eth.close();
+            }
         }
-        let states = [ends[0].stream.state(), ends[1].stream.state()];
+        let states = [ends[0].state(), ends[1].state()];
         if let Some(cut) = opts.cut_at_us {
             if states.iter().all(|s| matches!(s, State::Dead(_))) {
                 let bound = cut + config.keepalive_us + config.dead_after_us_max() + 1000;
@@ -569,7 +623,7 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
                 break;
             }
         } else if states == [State::Closed, State::Closed] {
-            if read != [totals[1], totals[0]] || !ends.iter().all(|e| e.stream.peer_closed()) {
+            if read != [totals[1], totals[0]] || !ends.iter().all(|e| e.peer_closed()) {
                 return Err(fail(step, &clock, format!("closed with {read:?} read of {totals:?}")));
             }
             break;
@@ -577,11 +631,15 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
             return Err(fail(step, &clock, format!("a stream died on a working link: {dead:?}")));
         }
         // Advance: a small random step, or straight to the next event when nothing is due.
-        let next = ends.iter().filter_map(Side::next_event_us).chain(outage.map(|(at, _)| at)).min();
+        let arrivals = link_ends.iter().flatten().filter_map(LinkEnd::next_arrival_us);
+        let next = arrivals
+            .chain(ends.iter().filter_map(|e| e.next_timer_us()))
+            .chain(outage.map(|(at, _)| at))
+            .min();
         // The application can act when it has bytes to write and room, or bytes to read.
         let busy = (0..2).any(|side| {
-            let stream = &ends[side].stream;
-            (written[side] < totals[side] && stream.writable()) || stream.readable()
+            let eth = &ends[side];
+            (written[side] < totals[side] && eth.writable()) || eth.buffered_recv()
         });
         let tick = rng.range(1, 40);
         let to = match next {
@@ -591,25 +649,25 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
         };
         clock.advance(to - now);
     }
-    let mut streams = ends[0].stream.counters();
-    add_counters(&mut streams, &ends[1].stream.counters());
+    let mut streams = ends[0].counters();
+    add_counters(&mut streams, &ends[1].counters());
     let mut link = LinkCounts::default();
-    for end in &ends[0].ends {
+    for end in &link_ends[0] {
         link.add(&end.counts());
     }
-    let paths = (0..opts.paths.max(1))
-        .map(|p| {
-            let (a, b) = (ends[0].bundle.counters(p), ends[1].bundle.counters(p));
-            PathCounters {
-                up: a.up && b.up,
-                datagrams_sent: a.datagrams_sent + b.datagrams_sent,
-                datagrams_received: a.datagrams_received + b.datagrams_received,
-                probes_sent: a.probes_sent + b.probes_sent,
-                probes_answered: a.probes_answered + b.probes_answered,
-                srtt_us: a.srtt_us.max(b.srtt_us),
-                downs: a.downs + b.downs,
-                rejoins: a.rejoins + b.rejoins,
-            }
+    let (a, b) = (ends[0].paths(), ends[1].paths());
+    let paths = a
+        .iter()
+        .zip(&b)
+        .map(|(a, b)| PathCounters {
+            up: a.up && b.up,
+            datagrams_sent: a.datagrams_sent + b.datagrams_sent,
+            datagrams_received: a.datagrams_received + b.datagrams_received,
+            probes_sent: a.probes_sent + b.probes_sent,
+            probes_answered: a.probes_answered + b.probes_answered,
+            srtt_us: a.srtt_us.max(b.srtt_us),
+            downs: a.downs + b.downs,
+            rejoins: a.rejoins + b.rejoins,
         })
         .collect();
     Ok(StreamReport {
@@ -622,84 +680,8 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
     })
 }
 
-/// One side of a [`stream_run`]: its stream, and the links it reaches its peer by, bundled.
-struct Side {
-    stream: DatagramStream,
-    bundle: Bundle,
-    ends: Vec<LinkEnd>,
-}
-
-impl Side {
-    fn new(stream: DatagramStream, end: LinkEnd, seeks: bool) -> Side {
-        let bundle = Bundle::new(BundleConfig::default(), stream.session_id(), &[true], seeks);
-        Side { stream, bundle, ends: vec![end] }
-    }
-
-    /// What arrived on every link: probes to the bundle (answered on their link), the rest to
-    /// the stream (from links whose peer is known); then the bundle's checks and the timers.
-    /// The raw-Ethernet driver (`eth::session`) does the same with its sockets.
-    fn take_in(&mut self, now: u64, buf: &mut [u8], mut to: Option<&mut ReadCursor<'_, '_>>) {
-        for (p, end) in self.ends.iter().enumerate() {
-            let mut data = 0;
-            while let Some(n) = end.recv(buf) {
-                let datagram = &buf[..n];
-                if is_probe(datagram) {
-                    if let Ok((h, _)) = DatagramHeader::parse(datagram) {
-                        if let Some(ack) = self.bundle.on_probe(p, now, &h) {
-                            let mut out = [0u8; wire::datagram::DATAGRAM_HEADER_LEN];
-                            let len = ack.emit(&mut out);
-                            end.send(&out[..len]);
-                        }
-                    }
-                } else if self.bundle.known(p) {
-                    match to.as_deref_mut() {
-                        Some(to) => {
-                            self.stream.handle_datagram_into(now, datagram, to);
-                        }
-                        None => self.stream.handle_datagram(now, datagram),
-                    }
-                    data += 1;
-                }
-            }
-            self.bundle.on_received(p, now, data);
-        }
-        let stream = &self.stream;
-        self.bundle.on_delivered(now, |seq| stream.delivered(seq));
-        self.bundle.check(now, stream.rto_estimate_us());
-        while self.bundle.poll_event().is_some() {}
-        self.stream.handle_timeout(now);
-    }
-
-    /// What the stream has to send, on the path the bundle picks; then the probes due.
-    fn send_out(&mut self, now: u64, buf: &mut [u8]) {
-        if let Some(p) = self.bundle.pick() {
-            let (mut sent, mut bytes, mut sequenced) = (0, 0, None);
-            while let Some(n) = self.stream.poll_transmit(now, buf) {
-                if DatagramKind::from_u8(buf[1]).is_some_and(DatagramKind::is_sequenced) {
-                    let seq = u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]);
-                    self.bundle.on_sequenced(seq);
-                    sequenced = Some(seq);
-                }
-                self.ends[p].send(&buf[..n]);
-                sent += 1;
-                bytes += n as u64;
-            }
-            if sent > 0 {
-                self.bundle.on_sent(p, now, sent, bytes, sequenced);
-            }
-        }
-        while let Some((p, probe)) = self.bundle.poll_probe(now) {
-            let len = probe.emit(buf);
-            self.ends[p].send(&buf[..len]);
-        }
-    }
-
-    fn next_event_us(&self) -> Option<u64> {
-        let arrivals = self.ends.iter().filter_map(LinkEnd::next_arrival_us);
-        let timers = [self.stream.poll_timeout(), self.bundle.poll_timeout()].into_iter().flatten();
-        arrivals.chain(timers).min()
-    }
-}
+/// The interface names of a run's paths, for the driver's reports.
+const PATH_NAMES: [&str; 4] = ["sim0", "sim1", "sim2", "sim3"];
 
 /// Sum the event counters of `b` into `a` (the RTT estimates are left alone).
 pub fn add_counters(a: &mut Counters, b: &Counters) {

@@ -1,15 +1,15 @@
 //! The connection between the simulated initiator and target, as a run sees it: either the
 //! faulty in-memory byte pipe (a TCP connection: [`FaultyIo`] over [`PipeEnd`]) or a faulty
-//! datagram link under two reliable streams ([`DatagramIo`]: the raw-Ethernet transport). The
+//! datagram link under two sessions of the raw-Ethernet driver ([`DatagramIo`]). The
 //! run drives both through [`FrameIo`] and does not care which it has.
 
 use std::io::{self, IoSlice, IoSliceMut};
 
-use dgram::reliable::{Counters, DatagramStream, ReliableConfig};
+use dgram::reliable::{Counters, ReliableConfig};
 use transport::FrameIo;
 
 use crate::clock::Clock;
-use crate::datagram::{link, DatagramIo, LinkCounts, LinkFaults};
+use crate::datagram::{link, session, DatagramIo, LinkCounts, LinkFaults};
 use crate::faults::{FaultyIo, NetFaults};
 use crate::pipe::{pipe, PipeEnd};
 use crate::rng::Rng;
@@ -73,16 +73,14 @@ impl ConnIo {
                 let (c, t) = link(clock, rng.fork(stream), latency_us, faults);
                 let config = reliable_config(rng);
                 let isn = [rng.next_u64() as u32, rng.next_u64() as u32];
-                let client = DatagramStream::new(&config, id, isn[0], isn[1]);
-                let target = DatagramStream::new(&config, id, isn[1], isn[0]);
-                let mut client = DatagramIo::new(client, c, clock, rng.fork(stream + 1), net.disconnect);
-                let mut target = DatagramIo::new(target, t, clock, rng.fork(stream + 2), net.disconnect);
                 // Three connections in four carry read data in data messages (each end
                 // batching or not), the rest on the stream: both paths stay proven.
-                if rng.below(4) > 0 {
-                    client = client.with_data_messages(false);
-                    target = target.with_data_messages(rng.below(2) == 0);
-                }
+                let (client_dm, target_dm) =
+                    if rng.below(4) > 0 { (Some(false), Some(rng.below(2) == 0)) } else { (None, None) };
+                let client = session(c.clone(), 0, id, (isn[0], isn[1]), &config, client_dm, clock);
+                let target = session(t.clone(), 1, id, (isn[1], isn[0]), &config, target_dm, clock);
+                let client = DatagramIo::new(client, c, rng.fork(stream + 1), net.disconnect);
+                let target = DatagramIo::new(target, t, rng.fork(stream + 2), net.disconnect);
                 (ConnIo::Datagram(Box::new(client)), ConnIo::Datagram(Box::new(target)))
             }
         }
@@ -111,7 +109,7 @@ impl ConnIo {
     pub fn datagram_counts(&self) -> Option<(LinkCounts, Counters)> {
         match self {
             ConnIo::Pipe(_) => None,
-            ConnIo::Datagram(io) => Some((io.end().counts(), io.stream().counters())),
+            ConnIo::Datagram(io) => Some((io.end().counts(), io.counters())),
         }
     }
 

@@ -109,6 +109,25 @@ fn a_bundle_of_two_links_rides_through_one_going_down() {
     );
 }
 
+/// The simulation runs the raw-Ethernet driver itself (`eth::EthStream`), so a bug there is
+/// caught too: a driver that never fires its stream's timers leaves a lost datagram with
+/// nothing behind it unsent for good, and the run is stuck.
+#[test]
+#[cfg(feature = "mutations")]
+fn a_driver_that_never_fires_its_timers_is_caught() {
+    let caught = (0..SEEDS).find_map(|seed| {
+        let opts = StreamOptions {
+            planted: Some(eth::Mutation::SkipTimers),
+            ..StreamOptions::new(seed, LinkFaults::with_loss(50_000), 20_000)
+        };
+        stream_run(&opts).err()
+    });
+    let message =
+        caught.expect("a driver without timers survived every seed: the simulation has no teeth there");
+    eprintln!("SkipTimers: {}", message.lines().next().unwrap_or_default());
+    assert!(message.contains("stuck"), "{message}");
+}
+
 /// Requests per run of the full simulation over the datagram link: half of `seeds.rs`'s 300,
 /// to keep the suite's debug-build time down (waiting out retransmission timeouts costs steps).
 const FULL_OPS: usize = 150;
