@@ -49,6 +49,9 @@ say "lint"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p skiff-sim --all-targets --features mutations --locked -- -D warnings
 
+say "the house: layering rules, and docs/ARCHITECTURE.md's crate graph up to date"
+python3 scripts/architecture.py --check
+
 say "planted bugs stay out of the product"
 scripts/check-planted.sh
 
