@@ -7,8 +7,7 @@
 //! - [`EthStream`] and [`EthListener`] ([`session`]): a session's driver and the target's
 //!   listener, behind `transport`'s [`FrameIo`](transport::FrameIo), [`DatagramConn`] and
 //!   [`DatagramListener`], so that the target's event loop and the initiator's lanes carry
-//!   them as [`Stream::Datagram`](transport::Stream::Datagram) and
-//!   [`ClientStream::Datagram`](transport::ClientStream::Datagram).
+//!   them as [`Stream::Datagram`](transport::Stream::Datagram).
 //! - [`listen`] and [`connect`]: a raw-Ethernet [`Endpoint`] bound or connected, with discovery
 //!   of the target when the endpoint names no MAC ([`discover`]).
 //! - [`relay`]: the fault relay (`skiff relay`), a test tool.
@@ -19,7 +18,7 @@
 use std::io;
 use std::time::Duration;
 
-use transport::{ClientStream, DatagramConn, DatagramListener, Endpoint, Listener};
+use transport::{DatagramConn, DatagramListener, Endpoint, Listener, Stream};
 
 pub mod packet;
 pub mod relay;
@@ -43,14 +42,14 @@ pub fn listen(endpoint: &Endpoint) -> io::Result<Listener> {
 /// An initiator's session with the target of a raw-Ethernet `endpoint`: the MAC it names, or
 /// the one target that answers a Discover on its first interface within `timeout` (at most a
 /// fifth of a second), set up as the endpoint's options say ([`EthConfig::for_endpoint`]).
-pub fn connect(endpoint: &Endpoint, timeout: Duration) -> io::Result<ClientStream> {
+pub fn connect(endpoint: &Endpoint, timeout: Duration) -> io::Result<Stream> {
     let Endpoint::Eth { ifaces, mac, options } = endpoint else { return Err(not_eth(endpoint)) };
     let config = &EthConfig::for_endpoint(options);
     let mac = match mac {
         Some(mac) => *mac,
         None => the_target_on(&ifaces[0], timeout)?,
     };
-    Ok(ClientStream::Datagram(Box::new(EthStream::connect(ifaces, mac, config)?)))
+    Ok(Stream::Datagram(Box::new(EthStream::connect(ifaces, mac, config)?)))
 }
 
 fn not_eth(endpoint: &Endpoint) -> io::Error {

@@ -11,7 +11,7 @@ use rt::poll::{PollMode, Wait, Waiter};
 /// A TLS client configuration (the CA to trust, and perhaps a client certificate).
 pub type TlsConfig = std::sync::Arc<transport::tls::ClientTlsConfig>;
 use proto::client::ClientHandshake;
-use transport::{wait_fd, ClientStream, Endpoint, FrameBuffer, FrameIo, FrameRef};
+use transport::{wait_fd, Endpoint, FrameBuffer, FrameIo, FrameRef, Stream};
 use wire::{FrameKind, Header, Limits};
 
 use crate::{Error, Result};
@@ -27,7 +27,7 @@ pub(crate) fn received(got: io::Result<usize>) -> Result<usize> {
 }
 
 pub(crate) struct Conn {
-    pub stream: ClientStream,
+    pub stream: Stream,
     pub rx: FrameBuffer,
     pub limits: Limits,
     pub timeout: Duration,
@@ -62,9 +62,9 @@ impl Conn {
         tls: Option<&TlsConfig>,
     ) -> Result<Conn> {
         let stream = match (tls, endpoint) {
-            (Some(config), _) => ClientStream::connect_tls(endpoint, timeout, config.clone())?,
+            (Some(config), _) => Stream::connect_tls(endpoint, timeout, config.clone())?,
             (None, Endpoint::Eth { .. }) => eth::connect(endpoint, timeout)?,
-            (None, _) => ClientStream::connect(endpoint, timeout)?,
+            (None, _) => Stream::connect(endpoint, timeout)?,
         };
         let mut conn = Conn {
             stream,

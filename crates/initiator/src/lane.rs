@@ -413,7 +413,7 @@ impl<B: IoBuf> Lane<B> {
     /// over TCP and Unix sockets, whose kernel keeps its own.
     pub fn link_stats(&self) -> Option<LinkStats> {
         match &self.conn.stream {
-            transport::ClientStream::Datagram(s) => {
+            transport::Stream::Datagram(s) => {
                 let s = s.as_any().downcast_ref::<eth::EthStream>()?;
                 Some(LinkStats { paths: s.paths(), ..LinkStats::from(&s.counters()) })
             }

@@ -3,14 +3,15 @@
 //! Transports know frame boundaries (the 24-byte header says how long a frame is) and nothing
 //! else of the protocol. The seam is [`FrameIo`]: receive into a scatter list (read data straight
 //! into callers' buffers, the rest into a [`FrameBuffer`]), push a gather list of byte slices
-//! out. TCP and Unix stream sockets, and TLS over TCP, implement it here, for the target's
-//! event loop ([`Stream`], non-blocking under `mio`) and for the initiator's lanes
-//! ([`ClientStream`]). Endpoints ([`Endpoint`]) name every transport skiff has.
+//! out. TCP and Unix stream sockets, and TLS over TCP, implement it here as one connection type,
+//! [`Stream`] (non-blocking), for the target's event loop (accepted from a [`Listener`],
+//! registered with `mio`) and for the initiator's lanes ([`Stream::connect`]). Endpoints
+//! ([`Endpoint`]) name every transport skiff has.
 //!
 //! A datagram transport with its own reliable, in-order delivery in this process (raw
 //! Ethernet, in `skiff-eth`) implements the same trait by placing each delivered frame's bytes
 //! into the buffer, and [`DatagramConn`] and [`DatagramListener`] besides, so that
-//! [`Stream::Datagram`], [`ClientStream::Datagram`] and [`Listener::Datagram`] carry it and
+//! [`Stream::Datagram`] and [`Listener::Datagram`] carry it and
 //! everything above stays unchanged. This crate does not depend on it: the server and the
 //! initiator bind and connect raw-Ethernet endpoints through `skiff-eth`.
 
@@ -25,7 +26,7 @@ pub mod event {
 }
 
 pub use endpoint::{Endpoint, EndpointError, EthDriver, EthOptions};
-pub use stream::{wait_any, wait_either, wait_fd, wait_readable2, ClientStream, Kick, Listener, Stream};
+pub use stream::{wait_any, wait_either, wait_fd, wait_readable2, Kick, Listener, Stream};
 pub use wire::{FrameBuffer, FrameRef};
 
 use std::io::{self, IoSlice, IoSliceMut};

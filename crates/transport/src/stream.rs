@@ -1,9 +1,10 @@
-//! TCP and Unix stream sockets behind [`FrameIo`].
+//! TCP, Unix and TLS stream sockets behind [`FrameIo`], and a datagram transport's sessions.
 //!
-//! The target uses [`Listener`] and [`Stream`] (non-blocking, registered with `mio`); the
-//! initiator uses [`ClientStream`] (non-blocking std sockets) and [`wait_fd`] to sleep until
-//! its socket is ready, so that a lane can keep receiving completions while a send would
-//! block: two peers that both only send would otherwise deadlock on full buffers.
+//! One connection type serves both sides: [`Stream`], non-blocking. The target accepts it from
+//! a [`Listener`] and registers it with `mio`; the initiator makes it with
+//! [`Stream::connect`] and uses [`wait_fd`] to sleep until its socket is ready, so that a lane
+//! can keep receiving completions while a send would block: two peers that both only send
+//! would otherwise deadlock on full buffers.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
@@ -157,7 +158,7 @@ impl Source for Listener {
     }
 }
 
-/// A target-side connection.
+/// A connection, on either side.
 pub enum Stream {
     Tcp(mio::net::TcpStream),
     Unix(mio::net::UnixStream),
@@ -383,54 +384,27 @@ impl Source for Stream {
     }
 }
 
-/// An initiator-side connection: connected blocking, then switched to non-blocking.
-pub enum ClientStream {
-    Tcp(std::net::TcpStream),
-    Unix(std::os::unix::net::UnixStream),
-    /// TCP carrying TLS ([`crate::tls`]); the handshake runs in the first sends and receives.
-    Tls(Box<TlsStream<std::net::TcpStream>>),
-    /// A session of a datagram transport ([`DatagramConn`]: raw Ethernet, `skiff-eth`).
-    Datagram(Box<dyn DatagramConn>),
-}
-
-impl ClientStream {
-    /// Connect, waiting at most `timeout` for each address `endpoint` resolves to (a host
-    /// that is gone would otherwise hold the caller for the kernel's SYN retries, minutes). A
-    /// raw-Ethernet endpoint is refused: `skiff-eth` connects it, wrapped as
-    /// [`ClientStream::Datagram`].
-    pub fn connect(endpoint: &Endpoint, timeout: Duration) -> io::Result<ClientStream> {
-        let s = match endpoint {
+impl Stream {
+    /// The initiator's side: connect, waiting at most `timeout` for each address `endpoint`
+    /// resolves to (a host that is gone would otherwise hold the caller for the kernel's SYN
+    /// retries, minutes), then switch to non-blocking. A raw-Ethernet endpoint is refused:
+    /// `skiff-eth` connects it, wrapped as [`Stream::Datagram`].
+    pub fn connect(endpoint: &Endpoint, timeout: Duration) -> io::Result<Stream> {
+        match endpoint {
             Endpoint::Tcp(addr) => {
                 let s = connect_tcp(addr, timeout)?;
                 s.set_nodelay(true)?;
                 watch_peer(socket2::SockRef::from(&s))?;
-                ClientStream::Tcp(s)
+                s.set_nonblocking(true)?;
+                Ok(Stream::Tcp(mio::net::TcpStream::from_std(s)))
             }
-            Endpoint::Unix(path) => ClientStream::Unix(std::os::unix::net::UnixStream::connect(path)?),
-            Endpoint::Eth { .. } => return Err(not_here(endpoint)),
-        };
-        match &s {
-            ClientStream::Tcp(t) => t.set_nonblocking(true)?,
-            ClientStream::Unix(u) => u.set_nonblocking(true)?,
-            ClientStream::Tls(t) => t.get_ref().set_nonblocking(true)?,
-            ClientStream::Datagram(_) => {}
+            Endpoint::Unix(path) => {
+                let u = std::os::unix::net::UnixStream::connect(path)?;
+                u.set_nonblocking(true)?;
+                Ok(Stream::Unix(mio::net::UnixStream::from_std(u)))
+            }
+            Endpoint::Eth { .. } => Err(not_here(endpoint)),
         }
-        Ok(s)
-    }
-
-    /// When the stream must be driven again even if nothing arrives (a raw-Ethernet
-    /// session's timers); sockets need none.
-    pub fn timer(&self) -> Option<Duration> {
-        match self {
-            ClientStream::Datagram(s) => s.timer(),
-            _ => None,
-        }
-    }
-
-    /// Whether a send that would block waits for the descriptor to be writable. A
-    /// raw-Ethernet session's send waits for acknowledgements instead: for it to be readable.
-    pub fn send_waits_for_writable(&self) -> bool {
-        !matches!(self, ClientStream::Datagram(_))
     }
 
     /// [`connect`](Self::connect) over TLS, checking the target's certificate against the
@@ -439,7 +413,7 @@ impl ClientStream {
         endpoint: &Endpoint,
         timeout: Duration,
         config: std::sync::Arc<rustls::ClientConfig>,
-    ) -> io::Result<ClientStream> {
+    ) -> io::Result<Stream> {
         let Endpoint::Tcp(addr) = endpoint else {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -448,25 +422,31 @@ impl ClientStream {
         };
         let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
         let name = crate::tls::server_name(host)?;
-        let ClientStream::Tcp(s) = ClientStream::connect(endpoint, timeout)? else {
+        let Stream::Tcp(s) = Stream::connect(endpoint, timeout)? else {
             unreachable!("a TCP endpoint gives a TCP stream")
         };
-        Ok(ClientStream::Tls(Box::new(TlsStream::client(s, config, name)?)))
+        Ok(Stream::Tls(Box::new(TlsStream::client(s, config, name)?)))
+    }
+
+    /// Whether a send that would block waits for the descriptor to be writable. A datagram
+    /// session's send waits for acknowledgements instead: for it to be readable.
+    pub fn send_waits_for_writable(&self) -> bool {
+        !matches!(self, Stream::Datagram(_))
     }
 
     /// Close both directions now (the peer sees end of stream).
     pub fn shutdown(&self) {
         let _ = match self {
-            ClientStream::Tcp(t) => t.shutdown(std::net::Shutdown::Both),
-            ClientStream::Unix(u) => u.shutdown(std::net::Shutdown::Both),
-            ClientStream::Tls(t) => t.get_ref().shutdown(std::net::Shutdown::Both),
+            Stream::Tcp(t) => t.shutdown(std::net::Shutdown::Both),
+            Stream::Unix(u) => u.shutdown(std::net::Shutdown::Both),
+            Stream::Tls(t) => t.get_ref().shutdown(std::net::Shutdown::Both),
             // A session ends by Close from a mutable stream (or by its peer's death timer).
-            ClientStream::Datagram(_) => Ok(()),
+            Stream::Datagram(_) => Ok(()),
         };
     }
 }
 
-/// What [`Listener::bind`] and [`ClientStream::connect`] say of an endpoint whose transport is
+/// What [`Listener::bind`] and [`Stream::connect`] say of an endpoint whose transport is
 /// another crate's: a raw-Ethernet one is bound and connected by `skiff-eth`.
 fn not_here(endpoint: &Endpoint) -> io::Error {
     io::Error::new(
@@ -485,69 +465,6 @@ fn connect_tcp(addr: &str, timeout: Duration) -> io::Result<std::net::TcpStream>
         }
     }
     Err(last)
-}
-
-impl AsRawFd for ClientStream {
-    fn as_raw_fd(&self) -> RawFd {
-        match self {
-            ClientStream::Tcp(t) => t.as_raw_fd(),
-            ClientStream::Unix(u) => u.as_raw_fd(),
-            ClientStream::Tls(t) => t.get_ref().as_raw_fd(),
-            ClientStream::Datagram(s) => s.as_raw_fd(),
-        }
-    }
-}
-
-impl FrameIo for ClientStream {
-    /// One vectored receive: read data straight into the buffers callers posted, and whatever
-    /// follows into the frame buffer.
-    fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        match self {
-            ClientStream::Tcp(s) => recv_from(s, bufs),
-            ClientStream::Unix(s) => recv_from(s, bufs),
-            ClientStream::Tls(s) => s.recv(bufs),
-            ClientStream::Datagram(s) => s.recv(bufs),
-        }
-    }
-    fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
-        match self {
-            ClientStream::Tcp(s) => fill_from(s, rx),
-            ClientStream::Unix(s) => fill_from(s, rx),
-            ClientStream::Tls(s) => s.fill(rx),
-            ClientStream::Datagram(s) => s.fill(rx),
-        }
-    }
-    fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            ClientStream::Tcp(s) => send_to(s, bufs),
-            ClientStream::Unix(s) => send_to(s, bufs),
-            ClientStream::Tls(s) => s.send(bufs),
-            ClientStream::Datagram(s) => s.send(bufs),
-        }
-    }
-    fn pending_send(&self) -> bool {
-        matches!(self, ClientStream::Tls(s) if s.pending_send())
-    }
-    fn data_messages(&self) -> bool {
-        matches!(self, ClientStream::Datagram(s) if s.data_messages())
-    }
-    fn recv_placing(
-        &mut self,
-        bufs: &mut [IoSliceMut<'_>],
-        place: &mut dyn FnMut(&[u8]),
-    ) -> io::Result<usize> {
-        match self {
-            ClientStream::Datagram(s) => s.recv_placing(bufs, place),
-            other => other.recv(bufs),
-        }
-    }
-    fn buffered_recv(&self) -> bool {
-        match self {
-            ClientStream::Tls(s) => s.buffered_recv(),
-            ClientStream::Datagram(s) => s.buffered_recv(),
-            _ => false,
-        }
-    }
 }
 
 /// Readiness reported by [`wait_fd`].
