@@ -46,10 +46,13 @@ fn host() -> &'static FuzzHost {
         let ram = |name, read_only| {
             Export::open(name, &BackendSpec::Ram { size_bytes: 1 << 20 }, read_only).expect("a RAM export")
         };
-        let mut pool = ram("pool", false).with_block_bytes(1).expect("a byte-granular pool");
-        pool.grants = Some(std::sync::Arc::new(
-            proto::grant::PoolGrants::new(POOL_KEY, POOL_CHUNK, 4).expect("a pool of four chunks"),
-        ));
+        let grants = proto::grant::PoolGrants::new(POOL_KEY, POOL_CHUNK, 4).expect("a pool of four chunks");
+        let pool = ram("pool", false)
+            .with_block_bytes(1)
+            .and_then(|e| {
+                e.with_layer(std::sync::Arc::new(crate::layer::Grants(std::sync::Arc::new(grants))))
+            })
+            .expect("a byte-granular pool");
         FuzzHost { exports: ExportTable::new(vec![ram("vol", false), ram("ro", true), pool]) }
     })
 }

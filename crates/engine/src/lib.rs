@@ -11,13 +11,14 @@
 //! The target reaches its backends only through this crate: [`Export::open`] opens one from
 //! its [`BackendSpec`], and [`volumes`] serves the volumes of a flash array as exports that
 //! come and go while it runs ([`table`] says how the export table takes them without a lock
-//! on the data path).
+//! on the data path). An export's options are [`layer`]s stacked over its backend.
 #![forbid(unsafe_code)]
 
 pub mod direct;
 pub mod front;
 #[doc(hidden)]
 pub mod fuzz_api;
+pub mod layer;
 pub mod stats;
 pub mod table;
 pub mod volumes;
@@ -39,20 +40,17 @@ pub use table::{ExportTable, Lease};
 pub struct Export {
     pub name: String,
     pub backend: Arc<dyn Backend>,
-    /// Refuse writes even if the backend could take them (`--read-only`).
-    pub read_only: bool,
     /// Capabilities and direct reads, when the driver enabled them ([`direct`]).
     pub direct: Option<direct::DirectReads>,
-    /// Who may open the export and with which rights; `None` lets anyone open it with the
-    /// export's own rights (`read_only`).
-    pub access: Option<proto::auth::AccessList>,
-    /// The block requests are aligned to: the backend's own by default, or a finer one
-    /// ([`with_block_bytes`](Self::with_block_bytes)).
+    /// The options over the backend, innermost first ([`layer`]).
+    layers: Vec<Arc<dyn layer::Layer>>,
+    /// Folded from the layers as each is added, so that requests pay only for the options
+    /// that judge them: a layer refuses changes to the volume.
+    read_only: bool,
+    /// The block requests are aligned to: the backend's own, or a layer's finer one.
     block_bytes: u32,
-    /// An RStore pool's chunk grants: every request (but `FLUSH`) needs a grant for its chunk,
-    /// presented on its connection (docs/PROTOCOL.md, section 14.6). `None`: open to whoever
-    /// opens the export.
-    pub grants: Option<Arc<proto::grant::PoolGrants>>,
+    /// The layers that judge each request ([`layer::Layer::judges_requests`]).
+    judges: Vec<Arc<dyn layer::Layer>>,
 }
 
 impl std::fmt::Debug for Export {
@@ -62,6 +60,7 @@ impl std::fmt::Debug for Export {
             .field("kind", &self.backend.kind())
             .field("size_bytes", &self.backend.size_bytes())
             .field("read_only", &self.read_only)
+            .field("layers", &self.layers.iter().map(|l| l.describe()).collect::<Vec<_>>())
             .finish()
     }
 }
@@ -84,35 +83,81 @@ impl Export {
     }
 
     /// Serve `backend` as export `name`, at the backend's block size, open to anyone and
-    /// without direct reads.
+    /// without direct reads; `read_only` stacks the [`layer::ReadOnly`] layer.
     pub fn new(name: &str, backend: Arc<dyn Backend>, read_only: bool) -> Export {
         let block_bytes = backend.block_size();
-        Export {
+        let export = Export {
             name: name.to_owned(),
             backend,
-            read_only,
             direct: None,
-            access: None,
+            layers: Vec::new(),
+            read_only: false,
             block_bytes,
-            grants: None,
+            judges: Vec::new(),
+        };
+        if read_only {
+            export.with_layer(Arc::new(layer::ReadOnly)).expect("ro stacks on any export")
+        } else {
+            export
         }
     }
 
-    /// Serve the export at a block of `block_bytes` instead of the backend's (`,block=1` on
-    /// an export; RStore's pools): a power of two that divides the backend's block. Every
-    /// backend takes any byte range (RAM and null copy bytes; a file sends what `O_DIRECT`
-    /// cannot take through the page cache), so a finer block only lets requests be smaller.
-    /// On a RAM export a one-byte write is a single atomic store ([`rt::mem::Region`]).
-    pub fn with_block_bytes(mut self, block_bytes: u32) -> Result<Export, BackendError> {
-        let backend_block = self.backend.block_size();
-        if !block_bytes.is_power_of_two() || block_bytes > backend_block {
-            return Err(BackendError::Io(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("block={block_bytes}: expected a power of two up to the backend's {backend_block}-byte block"),
-            )));
+    /// Stack `layer` over the export's options. A layer that sets a block must set a power of
+    /// two that divides the backend's block: every backend takes any byte range (RAM and null
+    /// copy bytes; a file sends what `O_DIRECT` cannot take through the page cache), so a
+    /// finer block only lets requests be smaller. On a RAM export a one-byte write is a single
+    /// atomic store ([`rt::mem::Region`]).
+    pub fn with_layer(mut self, layer: Arc<dyn layer::Layer>) -> Result<Export, BackendError> {
+        if let Some(block_bytes) = layer.block_bytes() {
+            let backend_block = self.backend.block_size();
+            if !block_bytes.is_power_of_two() || block_bytes > backend_block {
+                return Err(BackendError::Io(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("block={block_bytes}: expected a power of two up to the backend's {backend_block}-byte block"),
+                )));
+            }
+            self.block_bytes = block_bytes;
         }
-        self.block_bytes = block_bytes;
+        self.read_only |= layer.read_only();
+        if layer.judges_requests() {
+            self.judges.push(layer.clone());
+        }
+        self.layers.push(layer);
         Ok(self)
+    }
+
+    /// Serve the export at a block of `block_bytes` instead of the backend's (`,block=1` on
+    /// an export; RStore's pools): the [`layer::Block`] layer.
+    pub fn with_block_bytes(self, block_bytes: u32) -> Result<Export, BackendError> {
+        self.with_layer(Arc::new(layer::Block(block_bytes)))
+    }
+
+    /// The options over the backend, innermost first.
+    pub fn layers(&self) -> &[Arc<dyn layer::Layer>] {
+        &self.layers
+    }
+
+    /// The layer of type `L`, if the export has one.
+    pub fn layer<L: layer::Layer + 'static>(&self) -> Option<&L> {
+        self.layers.iter().find_map(|l| l.as_any().downcast_ref::<L>())
+    }
+
+    /// An RStore pool's chunk grants ([`layer::Grants`]), if the export is a pool.
+    pub fn grants(&self) -> Option<&Arc<proto::grant::PoolGrants>> {
+        self.layer::<layer::Grants>().map(|g| &g.0)
+    }
+
+    /// Whether a layer judges each request by what its connection holds (a pool's grants):
+    /// such an export is served to the native protocol alone.
+    pub fn judges_requests(&self) -> bool {
+        !self.judges.is_empty()
+    }
+
+    /// Ask the layers that judge requests about `io`, which passed [`validate`], on a
+    /// connection holding `held`.
+    #[inline]
+    pub fn judge(&self, io: &Io, held: layer::Held<'_>) -> Result<(), Status> {
+        self.judges.iter().try_for_each(|l| l.judge(io, held))
     }
 
     /// The block that request offsets and lengths must be multiples of.
@@ -144,16 +189,11 @@ impl Export {
     }
 
     /// Whether `principal` (a proven key name, `None` without one) may open this export, and
-    /// if so whether read-only. Refusals: `AuthRequired` without a key where one is needed,
+    /// if so whether read-only: the export's own rights, narrowed by each layer in turn.
+    /// Refusals ([`layer::Access`]): `AuthRequired` without a key where one is needed,
     /// `AccessDenied` for a key the export does not list.
     pub fn grant(&self, principal: Option<&str>) -> Result<bool, Status> {
-        let Some(list) = &self.access else { return Ok(self.is_read_only()) };
-        match list.rights_of(principal) {
-            Some(proto::auth::Rights::ReadWrite) => Ok(self.is_read_only()),
-            Some(proto::auth::Rights::ReadOnly) => Ok(true),
-            None if principal.is_none() => Err(Status::AuthRequired),
-            None => Err(Status::AccessDenied),
-        }
+        self.layers.iter().try_fold(self.is_read_only(), |read_only, l| l.open(principal, read_only))
     }
 
     /// The flags of a handle granted read-only (`read_only`) or not.

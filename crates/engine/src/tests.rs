@@ -89,3 +89,109 @@ fn backend_errors_map_to_one_status_each() {
     assert_eq!(status_of(&err(5)), Status::IoError);
     assert_eq!(status_of(&BackendError::Unsupported), Status::Unsupported);
 }
+
+/// Each export option is a layer: alone, it does what its option says and nothing else.
+#[test]
+fn each_layer_alone_does_what_its_option_says() {
+    use crate::layer::{Access, Block, Grants, Held, ReadOnly};
+    let max = 64 << 10;
+    let plain = export("ram:1M", false);
+    assert_eq!((plain.grant(None), plain.grant(Some("k"))), (Ok(false), Ok(false)), "open to anyone");
+    assert!(plain.layers().is_empty() && !plain.judges_requests());
+
+    // ro: read-only for everyone, writes refused, the write flags gone.
+    let ro = export("ram:1M", false).with_layer(Arc::new(ReadOnly)).unwrap();
+    assert_eq!((ro.grant(None), ro.grant(Some("k"))), (Ok(true), Ok(true)));
+    assert_eq!(validate(&ro, &io(Opcode::Write, 0, 512), max), Err(Status::ReadOnly));
+    assert_eq!(validate(&ro, &io(Opcode::Read, 0, 512), max), Ok(()));
+    assert!(ro.flags().has(ExportFlags::READ_ONLY) && !ro.flags().has(ExportFlags::CAN_TRIM));
+    assert!(export("ram:1M", true).layer::<ReadOnly>().is_some(), "Export::new(.., true) stacks ro");
+
+    // allow=: rights by key, refusals by who asks; requests themselves untouched.
+    let list = proto::auth::AccessList::parse("alice:rw+bob:ro").unwrap();
+    let allow = export("ram:1M", false).with_layer(Arc::new(Access(list))).unwrap();
+    assert_eq!(allow.grant(Some("alice")), Ok(false));
+    assert_eq!(allow.grant(Some("bob")), Ok(true));
+    assert_eq!(allow.grant(Some("eve")), Err(Status::AccessDenied));
+    assert_eq!(allow.grant(None), Err(Status::AuthRequired));
+    let anyone_reads = proto::auth::AccessList::parse("*:ro").unwrap();
+    let public = export("ram:1M", false).with_layer(Arc::new(Access(anyone_reads))).unwrap();
+    assert_eq!(public.grant(None), Ok(true));
+    assert_eq!(validate(&allow, &io(Opcode::Write, 0, 512), max), Ok(()));
+
+    // block=: the alignment, nothing else.
+    let fine = export("ram:1M", false).with_layer(Arc::new(Block(1))).unwrap();
+    assert_eq!((fine.block_size(), fine.grant(None)), (1, Ok(false)));
+    assert_eq!(validate(&fine, &io(Opcode::Write, 3, 5), max), Ok(()));
+
+    // grants: every request judged by the grant its connection holds for the chunk.
+    let key = proto::capability::CapKey::new([7; 32]);
+    let pool = Arc::new(proto::grant::PoolGrants::new([7; 32], 256 << 10, 4).unwrap());
+    let granted = export("ram:1M", false).with_layer(Arc::new(Grants(pool.clone()))).unwrap();
+    assert!(granted.judges_requests() && granted.grants().is_some());
+    assert_eq!(granted.grant(None), Ok(false), "grants judge requests, not who opens");
+    let mut session = proto::server::ServerSession::new(wire::Limits::default(), 4);
+    let handle = session.open_handle(0, false).unwrap();
+    let write = io(Opcode::Write, 256 << 10, 512);
+    assert_eq!(
+        granted.judge(&write, Held { session: &session, handle }),
+        Err(Status::BadCapability),
+        "no grant held"
+    );
+    let read_only = proto::grant::seal(&key, 1, 256 << 10, 0, wire::CapRights::READ);
+    session.bind(handle, pool.admit(&read_only).unwrap());
+    assert_eq!(granted.judge(&io(Opcode::Read, 256 << 10, 512), Held { session: &session, handle }), Ok(()));
+    assert_eq!(
+        granted.judge(&write, Held { session: &session, handle }),
+        Err(Status::BadCapability),
+        "a read grant"
+    );
+    assert_eq!(
+        granted.judge(&io(Opcode::Read, 0, 512), Held { session: &session, handle }),
+        Err(Status::BadCapability),
+        "chunk 0"
+    );
+    assert_eq!(
+        granted.judge(&io(Opcode::Flush, 0, 0), Held { session: &session, handle }),
+        Ok(()),
+        "flush: any grant"
+    );
+    assert_eq!(
+        plain.judge(&write, Held { session: &session, handle }),
+        Ok(()),
+        "no layer judges a plain export"
+    );
+}
+
+/// Layers stack: each narrows what the others allow, in any order, and a layer that judges
+/// requests keeps the export from NBD (`judges_requests`).
+#[test]
+fn layers_combine_and_only_narrow() {
+    use crate::layer::{Access, Block, Grants, ReadOnly};
+    let max = 64 << 10;
+    let list = || Arc::new(Access(proto::auth::AccessList::parse("alice:rw+*:ro").unwrap()));
+    let a =
+        export("ram:1M", false).with_layer(Arc::new(ReadOnly)).and_then(|e| e.with_layer(list())).unwrap();
+    let b =
+        export("ram:1M", false).with_layer(list()).and_then(|e| e.with_layer(Arc::new(ReadOnly))).unwrap();
+    for e in [&a, &b] {
+        assert_eq!(e.grant(Some("alice")), Ok(true), "ro narrows alice's rw, in either order");
+        assert_eq!(e.grant(None), Ok(true));
+        assert_eq!(e.grant(Some("eve")), Ok(true), "a key the list does not name gets *'s rights");
+        assert_eq!(validate(e, &io(Opcode::Write, 0, 512), max), Err(Status::ReadOnly));
+    }
+    let names: Vec<String> = a.layers().iter().map(|l| l.describe()).collect();
+    assert_eq!(names, ["ro", "allow=alice:rw+*:ro"]);
+
+    // A pool as RStore serves it: byte-granular, granted, and open to anyone who holds grants.
+    let pool = Arc::new(proto::grant::PoolGrants::new([1; 32], 256 << 10, 4).unwrap());
+    let e = export("ram:1M", false)
+        .with_layer(Arc::new(Block(1)))
+        .and_then(|e| e.with_layer(Arc::new(Grants(pool))))
+        .and_then(|e| e.with_layer(list()))
+        .unwrap();
+    assert_eq!((e.block_size(), e.judges_requests(), e.grant(Some("alice"))), (1, true, Ok(false)));
+    assert_eq!(validate(&e, &io(Opcode::Write, 5, 3), max), Ok(()));
+    // A block the backend cannot take is refused whatever else is stacked.
+    assert!(e.with_layer(Arc::new(Block(4096))).is_err());
+}

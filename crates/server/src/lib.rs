@@ -464,7 +464,7 @@ impl Shared {
         timed: bool,
     ) -> Result<Shared, TargetError> {
         let (fixed, room) = (exports.fixed_len(), exports.capacity() - exports.fixed_len());
-        let serves_pool = exports.iter().any(|e| e.grants.is_some());
+        let serves_pool = exports.iter().any(|e| e.grants().is_some());
         let mut shared = Shared {
             serves_pool,
             repair: RepairStats::default(),
@@ -662,7 +662,7 @@ impl Target {
     /// --pool`); `None` when there is no such pool.
     pub fn pool(&self, name: &str) -> Option<Pool> {
         let export = self.shared.exports.find(name)?.1;
-        let grants = export.grants.clone()?;
+        let grants = export.grants()?.clone();
         Some(Pool { grants, backend: export.backend.clone(), shared: self.shared.clone() })
     }
 
@@ -758,7 +758,10 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
         } else if !config.keys.is_empty() {
             tracing::warn!(export = %ec.name, "no allow= list: anyone who reaches this target may open the export, key or not");
         }
-        export.access = ec.access.clone();
+        if let Some(list) = &ec.access {
+            export =
+                export.with_layer(Arc::new(engine::layer::Access(list.clone()))).map_err(backend_error)?;
+        }
         if ec.cache_bytes > 0 && export.backend.read_in_place(0, 0).is_some() {
             tracing::warn!(export = %ec.name, "cache= ignored: a RAM export is its own cache for direct reads");
         }
@@ -769,7 +772,8 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
             let pool = proto::grant::PoolGrants::new(g.key, g.chunk_bytes, chunks).map_err(|e| {
                 TargetError::Backend { name: ec.name.clone(), source: std::io::Error::other(e).into() }
             })?;
-            export.grants = Some(Arc::new(pool));
+            export =
+                export.with_layer(Arc::new(engine::layer::Grants(Arc::new(pool)))).map_err(backend_error)?;
             exports.push(export);
             continue;
         }

@@ -24,6 +24,7 @@ use wire::{
 
 use super::{FrontStats, Host, Laps, Later, Link, Sink};
 use crate::direct::Plan;
+use crate::layer::Held;
 use crate::stats::bump;
 use crate::{Export, Io, Lease};
 
@@ -217,7 +218,7 @@ fn look_ahead(rx: &[u8], session: &ServerSession, host: &impl Host, batch: &Arc<
                 let Some(export) = session.resolve(req.handle).and_then(|i| host.exports().get(i)) else {
                     continue;
                 };
-                if export.grants.is_none() && crate::validate(export, &io, io_bytes_max).is_ok() {
+                if !export.judges_requests() && crate::validate(export, &io, io_bytes_max).is_ok() {
                     export.backend.prepare(io.offset, io.length.into(), write, batch);
                 }
             }
@@ -307,7 +308,7 @@ fn bind_grants(
     let Some(export) = session.resolve(grant.handle).and_then(|i| host.exports().get(i)) else {
         return refuse(Status::BadHandle, 0);
     };
-    let Some(pool) = &export.grants else { return refuse(Status::Unsupported, 0) };
+    let Some(pool) = export.grants() else { return refuse(Status::Unsupported, 0) };
     let mut admitted = Vec::with_capacity(grant.caps.len());
     for (i, cap) in grant.caps.iter().enumerate() {
         match pool.admit(cap) {
@@ -482,14 +483,12 @@ fn execute_caravan<S: Sink + ?Sized>(
             })
             .and_then(|e| crate::validate(e, &io, limits.io_bytes_max).map(|()| e))
             .and_then(|e| {
-                // A pool's chunks need the connection to hold a grant for them.
-                let Some(pool) = &e.grants else { return Ok(e) };
-                let bound = if req.opcode == Opcode::Flush {
-                    session.any_bound(req.handle)
-                } else {
-                    pool.chunk_of(io.offset, io.length).and_then(|c| session.bound(req.handle, c))
-                };
-                pool.check(req.opcode, bound, io.offset, io.length).map(|()| e)
+                // The layers that judge requests by what the connection holds (a pool's
+                // chunks need a grant for them).
+                if !e.judges_requests() {
+                    return Ok(e);
+                }
+                e.judge(&io, Held { session, handle: req.handle }).map(|()| e)
             });
         let (status, data_len) = match checked {
             Err(status) => (status, 0),

@@ -56,8 +56,9 @@ pub fn handshake_config(
             d.block_preferred = 4096.max(e.block_size());
             d.block_max = io_bytes_max;
             d.read_only = !writable;
-            // A pool's chunks need grants, which NBD cannot present.
-            d.hidden = granted.is_err() || e.grants.is_some();
+            // A pool's chunks need grants, which NBD cannot present: an export with a layer
+            // that judges requests by what a native connection holds is not NBD's.
+            d.hidden = granted.is_err() || e.judges_requests();
             d.can_flush = caps.flush;
             d.can_fua = writable && caps.fua;
             d.can_trim = writable && caps.trim;

@@ -547,7 +547,7 @@ fn pool(out: &mut Families, shared: &Shared) {
     let r = &shared.repair;
     let mut dirty = 0u64;
     for e in shared.exports.iter() {
-        if let Some(g) = &e.grants {
+        if let Some(g) = e.grants() {
             dirty += (0..g.chunks()).filter(|&c| g.dirty(c) != 0).count() as u64;
         }
     }
