@@ -26,17 +26,10 @@ use crate::{Error, Result};
 
 pub use proto::client::{Batching, Completion, IoBuf};
 
-/// Most requests a lane proposes for one caravan when its configuration leaves the choice to
-/// the target.
-pub const LANE_CARAVAN_REQS_MAX: u32 = 256;
-/// The default of [`LaneConfig::direct_min_bytes`]: off. Measured on loopback TCP, placing
-/// directly removes the copy from the lane but makes the target's sends dearer by as much or
-/// more, at every read size tried (docs/PERFORMANCE.md, "Direct placement").
-pub const DIRECT_MIN_BYTES: u32 = proto::client::DIRECT_OFF;
+use crate::bounds::{ATTEMPT_POLL, CONNECT_TIMEOUT_MAX, SEND_IOV_MAX};
+pub use crate::bounds::{DIRECT_MIN_BYTES, LANE_CARAVAN_REQS_MAX};
 /// `user_data` reserved for the blocking API's own requests.
 const SYNC_USER_DATA: u64 = u64::MAX;
-/// Most slices handed to one vectored send.
-const SEND_IOV_MAX: usize = 64;
 
 /// How a lane behaves.
 #[derive(Debug, Clone)]
@@ -884,12 +877,6 @@ impl<B: IoBuf> Lane<B> {
         Ok(())
     }
 }
-
-/// How often a shared lane's receiver looks for the outcome of a background attempt.
-const ATTEMPT_POLL: Duration = Duration::from_millis(5);
-
-/// Longest a reconnection attempt waits for the target to accept and answer.
-const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(5);
 
 /// What reliable delivery did on a raw-Ethernet lane (`dgram::reliable::Counters`, the part
 /// a report needs): datagrams out, and the repairs that show the network's faults; and what

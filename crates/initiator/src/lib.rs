@@ -19,6 +19,7 @@
 //! Sockets are non-blocking: while a caravan waits for room in the socket, the lane keeps
 //! receiving completions, so two peers can never deadlock on full buffers.
 
+mod bounds;
 mod conn;
 mod lane;
 mod queue;
@@ -188,5 +189,4 @@ impl Client {
     }
 }
 
-/// How long a blocking call waits for the target before giving up.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+pub use bounds::DEFAULT_TIMEOUT;

@@ -1,4 +1,6 @@
-//! Every bound the target holds to, with its default, in one place.
+//! Every bound the target holds to, with its default, in one place, and below them the
+//! fixed sizes and intervals of its workers (in the manner of TigerBeetle's constants file:
+//! one place to read them, and checks at compile time of how they relate).
 //!
 //! The protocol's own limits (what a connection may negotiate) are the first field; the rest
 //! bound what one peer can make the target hold or do, so that one misbehaving peer never
@@ -7,6 +9,35 @@
 use std::time::Duration;
 
 use wire::Limits;
+
+/// Most gather-list entries handed to one send (`writev` takes up to 1,024).
+pub(crate) const IOV_BATCH: usize = 128;
+/// A connection silent this long gives its buffers back (checked at the sweep): a request of
+/// up to `nbd::DEFAULT_PAYLOAD_MAX` grows them to its size, and a connection that sent one long
+/// ago should not hold that for ever.
+pub(crate) const IDLE_SHRINK_AFTER: Duration = Duration::from_secs(2);
+/// The reply buffer a quiet connection keeps.
+pub(crate) const TX_IDLE_BYTES: usize = 256 << 10;
+/// How often a worker looks for connections past their handshake or idle timeout and for
+/// buffers to give back: timeouts are enforced to within this much.
+pub(crate) const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// Response caravans queued to a staged target's send thread, at most; a full queue stalls
+/// the worker.
+pub(crate) const SEND_QUEUE_MAX: usize = 4096;
+/// Largest single receive of a staged target's receive thread.
+pub(crate) const RECV_CHUNK: usize = 256 * 1024;
+/// The default of [`Bounds::tx_backlog_bytes_max`].
+const TX_BACKLOG_BYTES_MAX: usize = 8 << 20;
+
+// How the fixed sizes relate, checked when the crate compiles.
+const _: () = {
+    // A quiet connection keeps less than a backlogged one may queue.
+    assert!(TX_IDLE_BYTES < TX_BACKLOG_BYTES_MAX);
+    // Buffers are given back only after at least one sweep has looked at them.
+    assert!(IDLE_SHRINK_AFTER.as_secs() >= SWEEP_INTERVAL.as_secs());
+    // writev refuses more entries than IOV_MAX (1,024 on Linux) with EINVAL.
+    assert!(IOV_BATCH > 0 && IOV_BATCH <= 1024);
+};
 
 /// The target's bounds. `Bounds::default()` is what `skiff serve` uses unless told otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,7 +90,7 @@ impl Default for Bounds {
             limits: Limits::default(),
             connections_max: 1024,
             open_handles_max: 16,
-            tx_backlog_bytes_max: 8 << 20,
+            tx_backlog_bytes_max: TX_BACKLOG_BYTES_MAX,
             reads_per_pass: 8,
             events_per_poll: 256,
             nbd_extents_per_reply_max: 1024,

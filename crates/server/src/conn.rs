@@ -22,14 +22,7 @@ use crate::admission::Ticket;
 use crate::stats::{bump, WorkerStats};
 use crate::{Bounds, Shared};
 
-/// Most gather-list entries handed to one send.
-const IOV_BATCH: usize = 128;
-/// A connection silent this long gives its buffers back (checked at the once-a-second sweep):
-/// a request of up to `nbd::DEFAULT_PAYLOAD_MAX` grows them to its size, and a connection
-/// that sent one long ago should not hold that for ever.
-const IDLE_SHRINK_AFTER: Duration = Duration::from_secs(2);
-/// The reply buffer a quiet connection keeps.
-const TX_IDLE_BYTES: usize = 256 << 10;
+use crate::bounds::{IDLE_SHRINK_AFTER, IOV_BATCH, TX_IDLE_BYTES};
 
 /// Response bytes waiting to be sent: bytes of our own (headers, descriptors, data read from
 /// files) in one growing buffer, and read data of RAM exports *by address*, sent straight from

@@ -71,10 +71,7 @@ impl std::fmt::Display for Stages {
     }
 }
 
-/// Response caravans queued to the send thread, at most; a full queue stalls the worker.
-const SEND_QUEUE_MAX: usize = 4096;
-/// Largest single receive of the receive thread.
-const RECV_CHUNK: usize = 256 * 1024;
+use crate::bounds::{RECV_CHUNK, SEND_QUEUE_MAX};
 const STAGE_WAKE: Token = Token(usize::MAX);
 
 /// What the worker tells its stage thread. A connection is named by its serial, which is

@@ -28,9 +28,7 @@ use crate::stats::{bump, WorkerStats};
 use crate::Shared;
 
 const WAKE: Token = Token(usize::MAX);
-/// How often a worker looks for connections past their handshake or idle timeout: timeouts
-/// are enforced to within this much.
-const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+use crate::bounds::SWEEP_INTERVAL;
 
 /// A connection on its way from the acceptor to a worker.
 pub(crate) type Arrival = (Stream, Protocol, Arc<Ticket>);
