@@ -56,7 +56,10 @@ impl<T> SlotTable<T> {
             return Err(value);
         };
         let slot = &mut self.slots[index as usize];
-        debug_assert!(slot.value.is_none());
+        // A free slot that still held a request would hand its tag, and later its completion,
+        // to the new one: the old request's buffer would never come back, or come back filled
+        // with another's data.
+        assert!(slot.value.is_none(), "slot {index} is on the free list but holds a request");
         slot.value = Some(value);
         Ok(tag_of(index, slot.generation))
     }

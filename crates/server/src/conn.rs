@@ -83,14 +83,26 @@ impl TxBuf {
 
     /// Drop owned bytes from `len` on (a reservation taken back).
     pub fn truncate(&mut self, len: usize) {
-        debug_assert!(len >= self.sent && len <= self.len);
-        debug_assert!(self.borrowed.last().is_none_or(|b| b.at <= len));
+        // Below what was sent, or before a by-address piece, the bytes on the wire and those
+        // still queued would no longer line up.
+        assert!(
+            len >= self.sent && len <= self.len,
+            "truncate to {len}: sent {}, queued {}",
+            self.sent,
+            self.len
+        );
+        assert!(self.borrowed.last().is_none_or(|b| b.at <= len), "truncate past a by-address piece");
         self.len = len;
     }
 
     /// Remove the owned bytes of `gap`, closing it up; by-address pieces after it move along.
     pub fn remove(&mut self, gap: Range<usize>) {
-        debug_assert!(gap.start >= self.sent && gap.end <= self.len);
+        assert!(
+            gap.start >= self.sent && gap.end <= self.len,
+            "remove {gap:?}: sent {}, queued {}",
+            self.sent,
+            self.len
+        );
         self.buf.copy_within(gap.end..self.len, gap.start);
         self.len -= gap.len();
         for b in self.borrowed.iter_mut().rev().take_while(|b| b.at >= gap.end) {

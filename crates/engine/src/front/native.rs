@@ -341,12 +341,15 @@ struct CompletionWriter {
     used: usize,
     data_bytes: usize,
     data_bytes_max: usize,
+    /// Read data the descriptors pushed so far announce: at the seal it must be what the
+    /// caravan carries, or the initiator would take one request's bytes for another's.
+    described: usize,
 }
 
 impl CompletionWriter {
     fn begin<S: Sink + ?Sized>(tx: &mut S, slots: usize, data_bytes_max: usize) -> CompletionWriter {
         let frame_start = tx.reserve(HEADER_LEN + slots * COMPLETION_DESC_LEN).start;
-        CompletionWriter { frame_start, slots, used: 0, data_bytes: 0, data_bytes_max }
+        CompletionWriter { frame_start, slots, used: 0, data_bytes: 0, data_bytes_max, described: 0 }
     }
 
     /// Make room for `len` bytes of read data, first starting a new response caravan when this
@@ -404,13 +407,20 @@ impl CompletionWriter {
     }
 
     fn push<S: Sink + ?Sized>(&mut self, tx: &mut S, c: Completion) {
-        debug_assert!(self.used < self.slots);
+        // A descriptor past the slots reserved would land on read data already appended.
+        assert!(self.used < self.slots, "completion {} of a caravan of {}", self.used + 1, self.slots);
+        self.described += c.data_len as usize;
         let at = self.frame_start + HEADER_LEN + self.used * COMPLETION_DESC_LEN;
         c.emit(tx.bytes_mut(at..at + COMPLETION_DESC_LEN));
         self.used += 1;
     }
 
     fn seal<S: Sink + ?Sized>(&self, tx: &mut S, stats: &FrontStats) {
+        assert_eq!(
+            self.described, self.data_bytes,
+            "completion descriptors announce {} bytes of read data, the caravan carries {}",
+            self.described, self.data_bytes
+        );
         let descs_end = self.frame_start + HEADER_LEN + self.used * COMPLETION_DESC_LEN;
         let slots_end = self.frame_start + HEADER_LEN + self.slots * COMPLETION_DESC_LEN;
         if descs_end < slots_end {

@@ -55,7 +55,9 @@ impl<B: IoBuf> Placement<B> {
     /// `payload_len` bytes of read data still to come. Every entry with data has a buffer of
     /// exactly its `data_len` (the session checked).
     pub fn begin(&mut self, entries: impl Iterator<Item = Placed<B>>, payload_len: usize) {
-        debug_assert!(!self.is_active());
+        // A second frame's entries behind an unfinished first's would take the first's
+        // remaining data into the wrong buffers.
+        assert!(!self.is_active(), "a frame's placement began before the last one finished");
         self.entries.extend(entries);
         self.at = 0;
         self.filled = 0;
