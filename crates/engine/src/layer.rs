@@ -84,9 +84,8 @@ impl Layer for ReadOnly {
         "ro".into()
     }
 
-    fn open(&self, _principal: Option<&str>, _read_only: bool) -> Result<bool, Status> {
-        Ok(true)
-    }
+    // No `open` of its own: an export with this layer is read-only (`read_only`), which is
+    // where every handle's rights start (`Export::grant`).
 
     fn read_only(&self) -> bool {
         true

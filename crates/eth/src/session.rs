@@ -37,7 +37,7 @@ use crate::packet::{bpf, Bpf, Mac, PacketSocket, RingConfig, BROADCAST, ETHERTYP
 use crate::xdp::XdpSocket;
 use transport::endpoint::format_mac;
 use transport::endpoint::ETH_FRAME_MAX;
-use transport::{EthDriver, EthOptions, FrameIo};
+use transport::{EthOptions, FrameIo};
 
 /// Where the datagram header's fields sit in a frame (after the 14-byte Ethernet header;
 /// docs/PROTOCOL.md, section 16).
@@ -55,35 +55,11 @@ pub const TARGET_KEEPALIVE_US: u64 = 30_000_000;
 /// SRTT / 4 when that is more).
 const BUNDLE_REORDER_WINDOW_US: u64 = 100;
 
-/// What carries a session's frames on each interface.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Driver {
-    /// AF_PACKET's memory-mapped rings ([`PacketSocket`]): the default, everywhere.
-    #[default]
-    Packet,
-    /// AF_XDP ([`XdpSocket`]), where the interface allows (one receive queue, nothing else of
-    /// this process bound to it): a session that cannot have it falls back to AF_PACKET.
-    Xdp,
-}
-
-impl Driver {
-    /// The name reports use.
-    pub fn name(self) -> &'static str {
-        match self {
-            Driver::Packet => "af_packet",
-            Driver::Xdp => "af_xdp",
-        }
-    }
-}
-
-impl From<EthDriver> for Driver {
-    fn from(d: EthDriver) -> Driver {
-        match d {
-            EthDriver::Packet => Driver::Packet,
-            EthDriver::Xdp => Driver::Xdp,
-        }
-    }
-}
+/// What carries a session's frames on each interface: AF_PACKET's memory-mapped rings
+/// ([`PacketSocket`], the default, everywhere) or AF_XDP ([`XdpSocket`]) where the interface
+/// allows (one receive queue, nothing else of this process bound to it); a session that
+/// cannot have AF_XDP falls back to AF_PACKET. The endpoint option's own type.
+pub use transport::EthDriver as Driver;
 
 /// The rings and the delivery settings of raw-Ethernet sessions.
 ///
@@ -154,37 +130,45 @@ impl EthConfig {
     /// [`for_endpoint`](Self::for_endpoint) with the environment read through `env`. A
     /// variable whose value means nothing is warned about and left out.
     pub fn resolve(options: &EthOptions, env: &dyn Fn(&str) -> Option<String>) -> EthConfig {
+        let mut from_env = EthOptions::default();
+        for (name, key) in ENV_VARIABLES {
+            let Some(v) = env(name) else { continue };
+            match EthOptions::parse(&format!("{key}={v}")) {
+                Ok(o) => from_env = from_env.or(o),
+                Err(e) => tracing::warn!(variable = name, value = %v, error = %e, "ignored"),
+            }
+        }
+        let o = options.or(from_env);
         let d = EthConfig::default();
-        let from_env = |name: &str| -> EthOptions {
-            let Some(v) = env(name) else { return EthOptions::default() };
-            let key = match name {
-                "SKIFF_ETH_DRIVER" => "driver",
-                "SKIFF_ETH_QDISC" => "qdisc",
-                "SKIFF_ETH_FRAME" => "frame",
-                "SKIFF_ETH_DATA_MESSAGES" => "data-messages",
-                _ => "data-batching",
-            };
-            EthOptions::parse(&format!("{key}={v}")).unwrap_or_else(|e| {
-                tracing::warn!(variable = name, value = %v, error = %e, "ignored");
-                EthOptions::default()
-            })
-        };
-        let driver = options.driver.or_else(|| from_env("SKIFF_ETH_DRIVER").driver);
-        let qdisc = options.qdisc.or_else(|| from_env("SKIFF_ETH_QDISC").qdisc);
-        let frame = options.frame.or_else(|| from_env("SKIFF_ETH_FRAME").frame);
-        let data_messages =
-            options.data_messages.or_else(|| from_env("SKIFF_ETH_DATA_MESSAGES").data_messages);
-        let data_batching =
-            options.data_batching.or_else(|| from_env("SKIFF_ETH_DATA_BATCHING").data_batching);
         EthConfig {
-            driver: driver.map_or(d.driver, Driver::from),
-            ring: RingConfig { qdisc_bypass: !qdisc.unwrap_or(!d.ring.qdisc_bypass), ..d.ring },
+            driver: o.driver.unwrap_or(d.driver),
+            ring: RingConfig { qdisc_bypass: !o.qdisc.unwrap_or(!d.ring.qdisc_bypass), ..d.ring },
             reliable: ReliableConfig {
-                payload_bytes_max: frame.unwrap_or(d.reliable.payload_bytes_max),
+                payload_bytes_max: o.frame.unwrap_or(d.reliable.payload_bytes_max),
                 ..d.reliable
             },
-            data_messages: data_messages.unwrap_or(d.data_messages),
-            data_batching: data_batching.unwrap_or(d.data_batching),
+            data_messages: o.data_messages.unwrap_or(d.data_messages),
+            data_batching: o.data_batching.unwrap_or(d.data_batching),
+        }
+    }
+}
+
+/// The environment variables that fill in what an endpoint's options leave out, and the option
+/// each stands for.
+const ENV_VARIABLES: [(&str, &str); 5] = [
+    ("SKIFF_ETH_DRIVER", "driver"),
+    ("SKIFF_ETH_QDISC", "qdisc"),
+    ("SKIFF_ETH_FRAME", "frame"),
+    ("SKIFF_ETH_DATA_MESSAGES", "data-messages"),
+    ("SKIFF_ETH_DATA_BATCHING", "data-batching"),
+];
+
+/// A random id that is not 0 (which no session or query uses): a session's, or a Discover's.
+fn random_id() -> io::Result<u32> {
+    loop {
+        let id = u32::from_le_bytes(rt::random::bytes::<4>()?);
+        if id != 0 {
+            return Ok(id);
         }
     }
 }
@@ -201,12 +185,7 @@ fn discovery_datagram(kind: DatagramKind, id: u32, out: &mut [u8]) -> usize {
 pub fn discover(iface: &str, wait: Duration) -> io::Result<Vec<Mac>> {
     let ring = RingConfig { rx_slots: 16, tx_slots: 2, ..RingConfig::default() };
     let mut socket = PacketSocket::open(iface, ETHERTYPE, ring)?;
-    let query = loop {
-        let id = u32::from_le_bytes(rt::random::bytes::<4>()?);
-        if id != 0 {
-            break id;
-        }
-    };
+    let query = random_id()?;
     socket.attach_filter(&bpf::all_of(&[
         (bpf::load_half(12), u32::from(ETHERTYPE)),
         (bpf::load_byte(KIND_OFFSET), DatagramKind::Offer as u32),
@@ -531,6 +510,18 @@ impl EthStream {
     ) -> io::Result<EthStream> {
         EthStream::over(sockets, session_id, (0, 0), eth, seeks, Monotonic::new())
     }
+
+    /// An initiator's session with the target at `peer` on the first of `ifaces`, under a
+    /// session id drawn at random; the other interfaces join it as a bundle once the target
+    /// answers on them. Nothing is sent until the first write.
+    pub fn connect(ifaces: &[String], peer: Mac, config: &EthConfig) -> io::Result<EthStream> {
+        let session_id = random_id()?;
+        let mut sockets = Vec::with_capacity(ifaces.len());
+        for (i, iface) in ifaces.iter().enumerate() {
+            sockets.push((Link::open(iface, session_id, config)?, (i == 0).then_some(peer)));
+        }
+        EthStream::open_bundle(sockets, session_id, config, true)
+    }
 }
 
 impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
@@ -607,28 +598,7 @@ impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
     fn planted_skip_timers(&self) -> bool {
         false
     }
-}
 
-impl EthStream {
-    /// An initiator's session with the target at `peer` on the first of `ifaces`, under a
-    /// session id drawn at random; the other interfaces join it as a bundle once the target
-    /// answers on them. Nothing is sent until the first write.
-    pub fn connect(ifaces: &[String], peer: Mac, config: &EthConfig) -> io::Result<EthStream> {
-        let session_id = loop {
-            let id = u32::from_le_bytes(rt::random::bytes::<4>()?);
-            if id != 0 {
-                break id;
-            }
-        };
-        let mut sockets = Vec::with_capacity(ifaces.len());
-        for (i, iface) in ifaces.iter().enumerate() {
-            sockets.push((Link::open(iface, session_id, config)?, (i == 0).then_some(peer)));
-        }
-        EthStream::open_bundle(sockets, session_id, config, true)
-    }
-}
-
-impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
     fn now_us(&self) -> u64 {
         self.clock.now_us()
     }
@@ -782,8 +752,7 @@ impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
     /// How long until the stream's next timer (retransmission, delayed ack, keepalive) or, in
     /// a bundle, the next probe.
     pub fn timeout(&self) -> Option<Duration> {
-        let due = self.stream.poll_timeout().into_iter().chain(self.bundle.poll_timeout()).min();
-        due.map(|due| Duration::from_micros(due.saturating_sub(self.now_us())))
+        self.next_timer_us().map(|due| Duration::from_micros(due.saturating_sub(self.now_us())))
     }
 
     pub fn counters(&self) -> Counters {
@@ -878,9 +847,7 @@ impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
             _ => None,
         }
     }
-}
 
-impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
     fn receive(&mut self, mut to: ReadCursor<'_, '_>) -> io::Result<usize> {
         // What waits in the stream's buffer comes first; then what arrives in order goes
         // straight from the ring into `bufs`, and what filled a gap behind it after that.

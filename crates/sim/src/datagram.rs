@@ -313,11 +313,12 @@ pub const MACS: [Mac; 2] = [[2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2]];
 /// A session of the simulation: `eth`'s driver over one simulated link.
 pub type SimEth = EthStream<SimSocket, Clock>;
 
-/// A session `id` over `end` for side `side` (0 the initiator, 1 the target), its stream
-/// starting at sequence numbers `initial`; `data_messages`: offered or agreed to, batching two
-/// segments to a datagram or not.
+/// A session `id` for side `side` (0 the initiator, 1 the target) over `ends`, one end of a
+/// link per path (more than one: a bundle, whose peer is known on the first path only and
+/// found on the others by the initiator's probes), its stream starting at sequence numbers
+/// `initial`; `data_messages`: offered or agreed to, batching two segments to a datagram or not.
 pub fn session(
-    end: LinkEnd,
+    ends: Vec<LinkEnd>,
     side: usize,
     id: u32,
     initial: (u32, u32),
@@ -331,8 +332,15 @@ pub fn session(
         data_batching: data_messages.unwrap_or(false),
         ..EthConfig::default()
     };
-    let socket = SimSocket::new(end, MACS[1 - side], "sim0", config.datagram_len_max());
-    EthStream::over(vec![(socket, Some(MACS[1 - side]))], id, initial, &eth, side == 0, clock.clone())
+    let peer = MACS[1 - side];
+    let sockets = ends
+        .into_iter()
+        .enumerate()
+        .map(|(p, end)| {
+            (SimSocket::new(end, peer, PATH_NAMES[p], config.datagram_len_max()), (p == 0).then_some(peer))
+        })
+        .collect();
+    EthStream::over(sockets, id, initial, &eth, side == 0, clock.clone())
         .expect("a simulated link carries a datagram")
 }
 
@@ -512,30 +520,20 @@ pub fn stream_run(opts: &StreamOptions) -> Result<StreamReport, String> {
     let latency = rng.range(1, 50);
     // Each side's sockets, one per path: both sides know their peer on the first path only,
     // and the initiator (side 0) finds it on the others by its probes.
-    let mut sockets: [Vec<(SimSocket, Option<Mac>)>; 2] = [Vec::new(), Vec::new()];
     let mut link_ends: [Vec<LinkEnd>; 2] = [Vec::new(), Vec::new()];
-    let mut add_path = |p: usize, (a, b): (LinkEnd, LinkEnd)| {
-        for (side, end) in [a, b].into_iter().enumerate() {
-            link_ends[side].push(end.clone());
-            let socket = SimSocket::new(end, MACS[1 - side], PATH_NAMES[p], config.datagram_len_max());
-            sockets[side].push((socket, (p == 0).then_some(MACS[1 - side])));
-        }
+    let mut add_path = |(a, b): (LinkEnd, LinkEnd)| {
+        link_ends[0].push(a);
+        link_ends[1].push(b);
     };
-    add_path(0, link(&clock, rng.fork(1), latency, opts.faults));
-    let session = rng.next_u64() as u32;
+    add_path(link(&clock, rng.fork(1), latency, opts.faults));
+    let id = rng.next_u64() as u32;
     let totals = [rng.range(0, opts.bytes_max), rng.range(0, opts.bytes_max)];
     for p in 1..opts.paths.max(1) {
-        add_path(p, link(&clock, rng.fork(100 + p as u64), latency + rng.range(0, 20), opts.faults));
+        add_path(link(&clock, rng.fork(100 + p as u64), latency + rng.range(0, 20), opts.faults));
     }
-    let eth =
-        EthConfig { reliable: config, data_messages: false, data_batching: false, ..EthConfig::default() };
-    let [s0, s1] = sockets;
-    let open = |sockets, side: usize| {
-        let initial = if side == 0 { (isn[0], isn[1]) } else { (isn[1], isn[0]) };
-        EthStream::over(sockets, session, initial, &eth, side == 0, clock.clone())
-            .expect("a link carries datagrams")
-    };
-    let mut ends = [open(s0, 0), open(s1, 1)];
+    let open =
+        |side: usize, initial| session(link_ends[side].clone(), side, id, initial, &config, None, &clock);
+    let mut ends = [open(0, (isn[0], isn[1])), open(1, (isn[1], isn[0]))];
     #[cfg(feature = "mutations")]
     if let Some(bug) = opts.planted {
         ends.iter_mut().for_each(|e| e.set_mutation(bug));

@@ -77,8 +77,8 @@ impl ConnIo {
                 // batching or not), the rest on the stream: both paths stay proven.
                 let (client_dm, target_dm) =
                     if rng.below(4) > 0 { (Some(false), Some(rng.below(2) == 0)) } else { (None, None) };
-                let client = session(c.clone(), 0, id, (isn[0], isn[1]), &config, client_dm, clock);
-                let target = session(t.clone(), 1, id, (isn[1], isn[0]), &config, target_dm, clock);
+                let client = session(vec![c.clone()], 0, id, (isn[0], isn[1]), &config, client_dm, clock);
+                let target = session(vec![t.clone()], 1, id, (isn[1], isn[0]), &config, target_dm, clock);
                 let client = DatagramIo::new(client, c, rng.fork(stream + 1), net.disconnect);
                 let target = DatagramIo::new(target, t, rng.fork(stream + 2), net.disconnect);
                 (ConnIo::Datagram(Box::new(client)), ConnIo::Datagram(Box::new(target)))

@@ -42,6 +42,16 @@ pub enum EthDriver {
     Xdp,
 }
 
+impl EthDriver {
+    /// The name reports use: `af_packet` or `af_xdp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            EthDriver::Packet => "af_packet",
+            EthDriver::Xdp => "af_xdp",
+        }
+    }
+}
+
 /// The settings a raw-Ethernet endpoint names after its interfaces and MAC, each `None` when it
 /// does not: then the environment's `SKIFF_ETH_*` variable, if set, and otherwise the built-in
 /// default decides (`skiff-eth`'s `EthConfig`; docs/ETHERNET.md, "Settings").
@@ -62,6 +72,17 @@ pub struct EthOptions {
 }
 
 impl EthOptions {
+    /// Each setting from `self`, or from `fallback` where `self` leaves it out.
+    pub fn or(self, fallback: EthOptions) -> EthOptions {
+        EthOptions {
+            driver: self.driver.or(fallback.driver),
+            qdisc: self.qdisc.or(fallback.qdisc),
+            frame: self.frame.or(fallback.frame),
+            data_messages: self.data_messages.or(fallback.data_messages),
+            data_batching: self.data_batching.or(fallback.data_batching),
+        }
+    }
+
     /// `KEY=VALUE[,KEY=VALUE…]`, each key at most once.
     pub fn parse(s: &str) -> Result<EthOptions, EndpointError> {
         let mut o = EthOptions::default();
