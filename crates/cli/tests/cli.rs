@@ -248,6 +248,13 @@ fn bad_arguments_get_clear_errors() {
         // interface is named; without CAP_NET_RAW the socket itself is refused, and says so).
         (&["bench", "--target", "eth:eth0/zz", "--duration", "1s"][..], "\"zz\" is not a MAC address"),
         (&["bench", "--target", "eth:", "--duration", "1s"][..], "eth: needs an interface name"),
+        // Raw-Ethernet settings: an option the endpoint cannot take, and options with no
+        // interface to apply them to.
+        (&["bench", "--target", "eth:eth0,driver=dpdk", "--duration", "1s"][..], "driver=dpdk"),
+        (
+            &["serve", "--eth-options", "frame=4000", "--export", "vol=ram:1M"][..],
+            "eth-options without an interface",
+        ),
     ] {
         let out = skiff().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?}");
