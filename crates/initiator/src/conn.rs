@@ -10,7 +10,7 @@ use rt::poll::{PollMode, Wait, Waiter};
 
 /// A TLS client configuration (the CA to trust, and perhaps a client certificate).
 pub type TlsConfig = std::sync::Arc<transport::tls::ClientTlsConfig>;
-use proto::client::ClientHandshake;
+use proto::client::{ClientHandshake, Opened, Opening};
 use transport::{wait_fd, Endpoint, FrameBuffer, FrameIo, FrameRef, Stream};
 use wire::{FrameKind, Header, Limits};
 
@@ -40,7 +40,23 @@ pub(crate) struct Conn {
     pub features: u64,
 }
 
+/// Open a transport to `endpoint` (TCP, Unix, TLS over either, or a raw-Ethernet session),
+/// blocking for at most about `timeout`.
+pub(crate) fn connect_transport(
+    endpoint: &Endpoint,
+    timeout: Duration,
+    tls: Option<&TlsConfig>,
+) -> Result<Stream> {
+    Ok(match (tls, endpoint) {
+        (Some(config), _) => Stream::connect_tls(endpoint, timeout, config.clone())?,
+        (None, Endpoint::Eth { .. }) => eth::connect(endpoint, timeout)?,
+        (None, _) => Stream::connect(endpoint, timeout)?,
+    })
+}
+
 impl Conn {
+    /// A connection for control calls: connected, and the handshake done (proving `key` when
+    /// there is one; docs/PROTOCOL.md, section 15).
     pub fn connect(
         endpoint: &Endpoint,
         proposed: &Limits,
@@ -48,41 +64,9 @@ impl Conn {
         key: Option<&Key>,
         tls: Option<&TlsConfig>,
     ) -> Result<Conn> {
-        Conn::connect_with_features(endpoint, proposed, timeout, 0, key, tls)
-    }
-
-    /// [`connect`](Self::connect), asking for HELLO feature bits `features`, and proving `key`
-    /// when there is one (docs/PROTOCOL.md, section 15).
-    pub fn connect_with_features(
-        endpoint: &Endpoint,
-        proposed: &Limits,
-        timeout: Duration,
-        features: u64,
-        key: Option<&Key>,
-        tls: Option<&TlsConfig>,
-    ) -> Result<Conn> {
-        let stream = match (tls, endpoint) {
-            (Some(config), _) => Stream::connect_tls(endpoint, timeout, config.clone())?,
-            (None, Endpoint::Eth { .. }) => eth::connect(endpoint, timeout)?,
-            (None, _) => Stream::connect(endpoint, timeout)?,
-        };
-        let mut conn = Conn {
-            stream,
-            rx: FrameBuffer::new(),
-            limits: *proposed,
-            timeout,
-            waiter: Waiter::new(PollMode::Off),
-            recv_ns: 0,
-            send_ns: 0,
-            features: 0,
-        };
-        // A transport that can place read data by tag asks for data messages.
-        let features = if conn.stream.data_messages() {
-            features | wire::control::FEATURE_DATA_MESSAGES
-        } else {
-            features & !wire::control::FEATURE_DATA_MESSAGES
-        };
-        let mut handshake = ClientHandshake::new(*proposed).with_features(features);
+        let mut conn = Conn::over(connect_transport(endpoint, timeout, tls)?, timeout, PollMode::Off);
+        conn.limits = *proposed;
+        let mut handshake = ClientHandshake::new(*proposed);
         if let Some(key) = key {
             handshake = handshake.with_key(key.clone(), rt::random::bytes()?);
         }
@@ -95,6 +79,43 @@ impl Conn {
             handshake.handle_auth_reply(&h, &body)?;
         }
         Ok(conn)
+    }
+
+    /// A connection over `stream`, which no handshake has run on yet.
+    pub fn over(stream: Stream, timeout: Duration, poll: PollMode) -> Conn {
+        Conn {
+            stream,
+            rx: FrameBuffer::new(),
+            limits: Limits::default(),
+            timeout,
+            waiter: Waiter::new(poll),
+            recv_ns: 0,
+            send_ns: 0,
+            features: 0,
+        }
+    }
+
+    /// Run a lane's handshake (HELLO, AUTH, OPEN, grants) to the end, waiting for each reply
+    /// at most the timeout.
+    pub fn open(&mut self, mut opening: Opening) -> Result<Opened> {
+        loop {
+            let out = opening.poll_transmit();
+            if !out.is_empty() {
+                let n = out.len();
+                self.send_all(&[out])?;
+                opening.handle_sent(n);
+            }
+            if let Some(opened) = opening.handle_rx(&mut self.rx)? {
+                (self.limits, self.features) = (opened.limits, opened.features);
+                return Ok(opened);
+            }
+            if !opening.poll_transmit().is_empty() {
+                // A reply called for the next frame: send it before waiting.
+                continue;
+            }
+            let deadline = Instant::now() + self.timeout;
+            self.receive_blocking(deadline, &mut |conn| conn.fill_now(usize::MAX))?;
+        }
     }
 
     /// Send one control frame and wait for its reply.

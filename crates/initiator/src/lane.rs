@@ -1,21 +1,24 @@
 //! A lane: one connection, one export, one owning thread.
 //!
-//! The protocol lives in [`proto::client::ClientSession`]: slots, caravans, the doorbell and the
-//! batch controller, completion matching and its checks, direct placement. A [`Lane`] is its
-//! driver over a non-blocking socket and the monotonic clock: it hands the session the time and
-//! the bytes that arrive, sends what the session gathers (write payloads straight from the
+//! The protocol lives in [`proto::client::Connection`]: the handshake on every transport, the
+//! silence deadline, the reconnection policy, and the session it carries
+//! ([`proto::client::ClientSession`]: slots, caravans, the doorbell and the batch controller,
+//! completion matching and its checks, direct placement). A [`Lane`] is its driver over a
+//! non-blocking socket and the monotonic clock, a socket pump: it hands the connection the
+//! time and the bytes that arrive, sends what it gathers (write payloads straight from the
 //! callers' buffers, one vectored send per caravan), receives read data where the session says
-//! (directly into callers' buffers when placing), and sleeps in the socket when the caller
-//! waits. While a caravan waits for room in the socket the lane keeps receiving, so two peers
-//! can never deadlock on full buffers.
+//! (directly into callers' buffers when placing), opens a transport on a connector thread when
+//! the connection asks for one and closes the one it gives up on, and sleeps in the socket
+//! until the connection's next deadline when the caller waits. While a caravan waits for room
+//! in the socket the lane keeps receiving, so two peers can never deadlock on full buffers.
 
 use std::io::IoSlice;
 use std::time::{Duration, Instant};
 
 use proto::caravan::Doorbell;
-use proto::client::reconnect::Action;
 use proto::client::{
-    ClientSession, Reconnect, ReconnectConfig, SessionConfig, SessionStats, Submission, SubmitError,
+    Closed, Connection, ConnectionConfig, Event, Opening, Reconnect, ReconnectConfig, SessionConfig,
+    SessionStats, Submission, SubmitError,
 };
 use rt::poll::{PollMode, WaitStats};
 use transport::{wait_either, wait_fd, Endpoint, FrameIo, Kick};
@@ -201,23 +204,20 @@ impl LaneStats {
 }
 
 pub struct Lane<B = Vec<u8>> {
+    /// The current transport (after a loss, the shut-down one until the next is up).
     conn: Conn,
-    session: ClientSession<B>,
+    /// The session across transports: handshakes, silence, the reconnection policy.
+    link: Connection<B>,
     export: ExportInfo,
     /// Where and how to connect again after a loss.
     endpoint: Endpoint,
-    proposed: Limits,
-    key: Option<std::sync::Arc<proto::auth::Key>>,
     tls: Option<crate::conn::TlsConfig>,
-    grants: std::sync::Arc<[wire::Capability]>,
-    reconnect: Reconnect,
-    /// Since when the lane has waited for the target without hearing from it: the later of
-    /// the last bytes received, the last (re)connection, and the moment requests went on an
-    /// idle wire. Requests on the wire and silence for the timeout mean a dead connection.
-    quiet_since: Instant,
-    /// The outcome of the reconnection attempt running on a connector thread, if one is.
-    attempt: Option<std::sync::mpsc::Receiver<Result<(Conn, wire::OpenReply)>>>,
-    /// Time zero of the session's clock.
+    /// The transport a connector thread is opening, if one is (the handshake on it runs here).
+    connecting: Option<std::sync::mpsc::Receiver<Result<transport::Stream>>>,
+    /// Losses already logged, and whether the link was up when last looked at (for the log).
+    losses_logged: u64,
+    was_up: bool,
+    /// Time zero of the connection's clock.
     epoch: Instant,
     /// Wall time in the session's handling of received bytes.
     complete_ns: u64,
@@ -257,7 +257,8 @@ impl Lane<Vec<u8>> {
 
 impl<B: IoBuf> Lane<B> {
     /// Connect to `endpoint`, negotiate, and open `export`, for requests with buffers of type
-    /// `B`.
+    /// `B`. The first connection is not retried: a target that is not there, or refuses,
+    /// fails the call.
     pub fn connect_with(endpoint: &Endpoint, export: &str, config: &LaneConfig) -> Result<Lane<B>> {
         if export.len() > wire::control::EXPORT_NAME_MAX {
             return Err(Error::InvalidArgument("export name longer than 255 bytes"));
@@ -267,49 +268,41 @@ impl<B: IoBuf> Lane<B> {
         if proposed.caravan_reqs_max == 0 {
             proposed.caravan_reqs_max = LANE_CARAVAN_REQS_MAX;
         }
-        let features = if config.directory_entries > 0 { wire::control::FEATURE_DIRECT_READS } else { 0 };
-        let key = config.key.clone();
-        let tls = config.tls.clone();
-        let (conn, reply) = open_lane(
-            endpoint,
-            export,
-            &proposed,
-            features,
-            key.as_deref(),
-            tls.as_ref(),
-            &config.grants,
-            config.timeout,
-            config.poll,
-        )?;
-        let session_config = SessionConfig {
-            doorbell: config.doorbell,
-            batching: config.batching,
-            direct_min_bytes: config.direct_min_bytes,
-            directory_entries: if conn.features & wire::control::FEATURE_DIRECT_READS != 0 {
-                config.directory_entries
-            } else {
-                0
+        let link_config = ConnectionConfig {
+            export: export.to_owned(),
+            proposed,
+            features: if config.directory_entries > 0 { wire::control::FEATURE_DIRECT_READS } else { 0 },
+            key: config.key.clone(),
+            grants: config.grants.clone(),
+            session: SessionConfig {
+                doorbell: config.doorbell,
+                batching: config.batching,
+                direct_min_bytes: config.direct_min_bytes,
+                directory_entries: config.directory_entries,
             },
+            reconnect: config.reconnect,
+            timeout_us: micros(config.timeout),
+            attempt_timeout_us: micros(config.timeout.min(CONNECT_TIMEOUT_MAX)),
         };
-        let mut session = ClientSession::new(&session_config, conn.limits, reply.handle);
-        session.set_data_messages(conn.features & wire::control::FEATURE_DATA_MESSAGES != 0);
+        let stream = crate::conn::connect_transport(endpoint, config.timeout, config.tls.as_ref())?;
+        let mut conn = Conn::over(stream, config.timeout, config.poll);
+        let opening = Opening::new(&link_config, conn.stream.data_messages(), nonce()?);
+        let opened = conn.open(opening)?;
+        let epoch = Instant::now();
         Ok(Lane {
-            session,
             export: ExportInfo {
                 name: export.to_owned(),
-                size_bytes: reply.size_bytes,
-                block_size: reply.block_size,
-                flags: reply.flags,
+                size_bytes: opened.reply.size_bytes,
+                block_size: opened.reply.block_size,
+                flags: opened.reply.flags,
             },
+            link: Connection::new(link_config, opened, 0),
             endpoint: endpoint.clone(),
-            proposed,
-            key,
-            tls,
-            grants: config.grants.clone(),
-            reconnect: Reconnect::new(config.reconnect),
-            attempt: None,
-            quiet_since: Instant::now(),
-            epoch: Instant::now(),
+            tls: config.tls.clone(),
+            connecting: None,
+            losses_logged: 0,
+            was_up: true,
+            epoch,
             complete_ns: 0,
             scratch: Vec::new(),
             conn,
@@ -321,20 +314,20 @@ impl<B: IoBuf> Lane<B> {
     }
 
     pub fn limits(&self) -> &Limits {
-        self.session.limits()
+        self.link.session().limits()
     }
 
     /// Requests submitted and not yet returned by `poll`/`wait`.
     pub fn in_flight(&self) -> usize {
-        self.session.in_flight()
+        self.link.session().in_flight()
     }
 
     pub fn queue_depth(&self) -> usize {
-        self.session.queue_depth()
+        self.link.session().queue_depth()
     }
 
     pub fn stats(&self) -> LaneStats {
-        LaneStats::of(self.session.stats(), &self.conn, self.complete_ns, &self.reconnect)
+        LaneStats::of(self.link.session().stats(), &self.conn, self.complete_ns, self.link.reconnect())
     }
 
     /// Present more chunk grants for the lane's export on its open connection (`GRANT`,
@@ -346,16 +339,16 @@ impl<B: IoBuf> Lane<B> {
     /// before it closed the connection, or a close) fails with `Closed`: the lane is done, and
     /// the target may be well.
     pub fn grant(&mut self, grants: &[wire::Capability]) -> Result<()> {
-        if self.in_flight() > 0 || self.reconnect.config().is_on() {
+        if self.in_flight() > 0 || self.link.reconnect().config().is_on() {
             return Err(Error::InvalidArgument(
                 "grants are presented on an idle lane that does not reconnect",
             ));
         }
-        if self.session.is_broken() || self.reconnect.is_lost() {
+        if !self.link.is_up() {
             return Err(Error::Closed);
         }
         for batch in grants.chunks(wire::GRANTS_PER_FRAME_MAX) {
-            let grant = wire::Grant { handle: self.session.handle(), caps: batch.to_vec() };
+            let grant = wire::Grant { handle: self.link.session().handle(), caps: batch.to_vec() };
             let (h, body) = self.conn.call(FrameKind::Grant, &grant.encode()).map_err(|_| Error::Closed)?;
             if h.kind != FrameKind::GrantReply {
                 return Err(Error::Closed);
@@ -383,7 +376,7 @@ impl<B: IoBuf> Lane<B> {
     ) -> std::result::Result<(), Rejected<B>> {
         let now = self.now_us();
         let sub = Submission { opcode, flags, offset, length, buf, user_data };
-        if let Err(refused) = self.session.submit(now, sub) {
+        if let Err(refused) = self.link.session_mut().submit(now, sub) {
             let error = match refused.error {
                 SubmitError::Closed => Error::Closed,
                 SubmitError::Invalid(why) => Error::InvalidArgument(why),
@@ -399,7 +392,7 @@ impl<B: IoBuf> Lane<B> {
 
     /// The caravan size the lane aims for now (the adaptive level, or the static one).
     pub fn batch_level(&self) -> u32 {
-        self.session.batch_level()
+        self.link.session().batch_level()
     }
 
     /// A raw-Ethernet lane's reliable-delivery counters (its current connection's); `None`
@@ -421,29 +414,34 @@ impl<B: IoBuf> Lane<B> {
 
     /// Every adaptive decision so far: (milliseconds since the lane opened, batch level).
     pub fn batch_level_log(&self) -> &[proto::batch::Decision] {
-        self.session.batch_level_log()
+        self.link.session().batch_level_log()
     }
 
     /// When the doorbell's delay bound sends the open caravan if nothing else does first
     /// (`None`: nothing is held back).
     pub fn doorbell_due(&self) -> Option<Instant> {
-        self.session.poll_timeout().map(|us| self.epoch + Duration::from_micros(us))
+        self.link.session().poll_timeout().map(|us| self.instant(us))
     }
 
-    /// When the connection itself must be driven though nothing arrives: a raw-Ethernet
-    /// session's retransmission or acknowledgement timer (`None` on sockets).
-    pub(crate) fn stream_due(&self) -> Option<Instant> {
-        self.conn.stream.timer().map(|t| Instant::now() + t)
+    /// When the lane must be driven though nothing arrives ([`handle_due`](Self::handle_due)):
+    /// the connection's deadline (the doorbell's delay bound, silence, a handshake's bound,
+    /// the reconnection policy's next step), a raw-Ethernet session's timers, and soon while
+    /// a connector thread runs, to look for its outcome. `None`: nothing is due.
+    pub(crate) fn due(&self) -> Option<Instant> {
+        let link = self.link.poll_timeout().map(|us| self.instant(us));
+        let stream = self.link.has_transport().then(|| self.conn.stream.timer()).flatten();
+        let connector = self.connecting.is_some().then(|| Instant::now() + ATTEMPT_POLL);
+        [link, stream.map(|t| Instant::now() + t), connector].into_iter().flatten().min()
     }
 
     /// Requests sent and not yet answered.
     pub fn on_the_wire(&self) -> usize {
-        self.session.on_the_wire()
+        self.link.session().on_the_wire()
     }
 
     /// The connection failed; every request has completed or will complete with an I/O error.
     pub fn is_broken(&self) -> bool {
-        self.session.is_broken()
+        self.link.session().is_broken()
     }
 
     /// TLS holds ciphertext the socket did not take yet: wait for writability too.
@@ -456,46 +454,17 @@ impl<B: IoBuf> Lane<B> {
         self.conn.stream.buffered_recv()
     }
 
-    /// The socket to sleep on for completions (readable when some arrived); `None` while the
-    /// connection is lost (sleep until [`reconnect_due`](Self::reconnect_due) instead). A
-    /// caller that sleeps on it calls [`poll`](Self::poll) first: TLS may hold decrypted bytes
-    /// the socket no longer shows.
+    /// The socket to sleep on for completions (readable when some arrived); `None` while no
+    /// transport is there (sleep until [`due`](Self::due) instead). A caller that sleeps on
+    /// it calls [`poll`](Self::poll) first: TLS may hold decrypted bytes the socket no longer
+    /// shows.
     pub fn wake_fd(&self) -> Option<std::os::fd::RawFd> {
-        (!self.reconnect.is_lost()).then(|| std::os::fd::AsRawFd::as_raw_fd(&self.conn.stream))
+        self.link.has_transport().then(|| std::os::fd::AsRawFd::as_raw_fd(&self.conn.stream))
     }
 
     /// The connection is lost and attempts to restore it go on.
     pub fn is_reconnecting(&self) -> bool {
-        self.reconnect.is_lost() && !self.session.is_broken()
-    }
-
-    /// When the reconnection policy next wants to act (`None`: connected). While an attempt
-    /// runs in the background, soon: its outcome is polled for.
-    pub(crate) fn reconnect_due(&self) -> Option<Instant> {
-        let due = self.reconnect.poll_timeout().map(|us| self.epoch + Duration::from_micros(us))?;
-        Some(if self.attempt.is_some() { due.min(Instant::now() + ATTEMPT_POLL) } else { due })
-    }
-
-    /// Requests are on the wire and nothing has arrived for the lane's timeout: with
-    /// reconnection on, treat the connection as lost (the peer may be gone without a word) and
-    /// return true; otherwise the caller reports the timeout.
-    pub(crate) fn handle_silence(&mut self) -> bool {
-        if !self.reconnect.config().is_on() || self.on_the_wire() == 0 || self.session.is_broken() {
-            return false;
-        }
-        let _ = self.lose(&Error::TimedOut(self.conn.timeout));
-        true
-    }
-
-    /// When silence since the last sign of life would reach the timeout (`None`: nothing on
-    /// the wire, or reconnecting).
-    pub(crate) fn silence_due(&self) -> Option<Instant> {
-        (!self.reconnect.is_lost() && self.on_the_wire() > 0).then(|| self.quiet_since + self.conn.timeout)
-    }
-
-    /// Requests are on the wire and nothing has come back for the lane's timeout.
-    pub(crate) fn is_silent(&self) -> bool {
-        !self.reconnect.is_lost() && self.on_the_wire() > 0 && self.quiet_since.elapsed() >= self.conn.timeout
+        self.link.is_reconnecting()
     }
 
     pub(crate) fn timeout(&self) -> Duration {
@@ -504,41 +473,32 @@ impl<B: IoBuf> Lane<B> {
 
     /// Send the open caravan now.
     pub fn commit(&mut self) -> Result<()> {
-        self.session.commit();
+        self.link.session_mut().commit();
         self.transmit()
     }
 
-    /// Collect completions that have arrived, without waiting. Sends the open caravan first if
-    /// its delay bound has passed.
+    /// Collect completions that have arrived, without waiting. Does what is due first (sends
+    /// the open caravan if its delay bound has passed, a step of reconnection).
     pub fn poll(&mut self, out: &mut Vec<Completion<B>>) -> Result<usize> {
-        if self.reconnect.is_lost() {
-            let recovered = self.recover(false);
-            let n = self.session.take_completions(out);
-            return recovered.map(|()| n);
-        }
-        let now = self.now_us();
-        self.session.handle_timeout(now);
         // Even when the connection fails, what it completed (with an error) reaches `out`.
-        let pumped = self.transmit().and_then(|()| self.pump(false));
-        let n = self.session.take_completions(out);
+        let pumped = self.handle_due().and_then(|()| self.transmit()).and_then(|()| self.pump(false));
+        let n = self.link.session_mut().take_completions(out);
         pumped.map(|_| n)
     }
 
     /// Send the open caravan and wait until at least `min` completions (bounded by what is in
-    /// flight) have been collected into `out`.
+    /// flight) have been collected into `out`. A target silent for the timeout with requests
+    /// on the wire is a lost connection: with reconnection on the lane reconnects and
+    /// re-sends; without, every request completes with an error and `TimedOut` is returned.
     pub fn wait(&mut self, min: usize, out: &mut Vec<Completion<B>>) -> Result<usize> {
         let min = min.min(self.in_flight());
         let sent = self.commit();
-        let mut got = self.session.take_completions(out);
+        let mut got = self.link.session_mut().take_completions(out);
         sent?;
         while got < min {
             let pumped = self.pump(true);
-            got += self.session.take_completions(out);
+            got += self.link.session_mut().take_completions(out);
             pumped?;
-            // While the connection is restored, the reconnection policy's timeouts rule.
-            if got < min && self.is_silent() && !self.handle_silence() {
-                return Err(Error::TimedOut(self.conn.timeout));
-            }
         }
         Ok(got)
     }
@@ -555,12 +515,8 @@ impl<B: IoBuf> Lane<B> {
         let now = Instant::now();
         // A failed lane has nothing due, and its socket is shut down (always readable): only a
         // kick can matter.
-        let (socket, wake_at) = if self.session.is_broken() {
-            (None, None)
-        } else {
-            let due = [self.doorbell_due(), self.reconnect_due(), self.silence_due(), self.stream_due()];
-            (self.wake_fd(), due.into_iter().flatten().min())
-        };
+        let (socket, wake_at) =
+            if self.link.is_closed() { (None, None) } else { (self.wake_fd(), self.due()) };
         let mut timeout = wake_at.map(|at| at.saturating_duration_since(now));
         if socket.is_some() && self.tls_buffered() {
             // Decrypted bytes already wait inside TLS: the socket will not say so.
@@ -575,9 +531,7 @@ impl<B: IoBuf> Lane<B> {
         if kicked {
             kick.clear();
         }
-        if self.is_silent() {
-            self.lose(&Error::TimedOut(self.conn.timeout))?;
-        }
+        self.handle_due()?;
         Ok(kicked)
     }
 
@@ -597,11 +551,8 @@ impl<B: IoBuf> Lane<B> {
         self.submit(opcode, ReqFlags::empty(), offset, length, buf, SYNC_USER_DATA).map_err(|r| r.error)?;
         self.commit()?;
         loop {
-            if let Some(c) = self.session.take_completion_of(SYNC_USER_DATA) {
+            if let Some(c) = self.link.session_mut().take_completion_of(SYNC_USER_DATA) {
                 return Ok(c);
-            }
-            if self.is_silent() && !self.handle_silence() {
-                return Err(Error::TimedOut(self.conn.timeout));
             }
             self.pump(true)?;
         }
@@ -611,271 +562,249 @@ impl<B: IoBuf> Lane<B> {
         self.epoch.elapsed().as_micros() as u64
     }
 
-    /// Send everything the session has sealed, waiting (and receiving) while the socket is
-    /// full. A failure fails the session, completing every request with an I/O error.
-    fn transmit(&mut self) -> Result<()> {
-        if self.session.is_broken() {
-            return if self.session.has_transmit() { Err(Error::Closed) } else { Ok(()) };
+    /// The instant of `us` on the connection's clock.
+    fn instant(&self, us: u64) -> Instant {
+        self.epoch + Duration::from_micros(us)
+    }
+
+    /// Do what is due now: take a connector thread's outcome, and let the connection handle
+    /// its timers (the doorbell, silence, a handshake's bound, the reconnection policy).
+    /// Fails when the connection closed for good.
+    pub(crate) fn handle_due(&mut self) -> Result<()> {
+        self.take_connected();
+        let now = self.now_us();
+        let result = self.link.handle_timeout(now);
+        self.settle();
+        result.map_err(|why| self.closed_error(why))?;
+        if self.link.has_transmit() {
+            // A handshake's first frame, or the requests a reconnection re-sends.
+            self.transmit()?;
         }
-        if self.reconnect.is_lost() {
-            // Queued in the session; it goes out when the connection is back.
-            return self.recover(false);
+        Ok(())
+    }
+
+    /// Carry out what the connection asked of the transport, and log its transitions.
+    fn settle(&mut self) {
+        while let Some(event) = self.link.poll_event() {
+            match event {
+                Event::Disconnect => {
+                    self.conn.stream.shutdown();
+                    self.conn.rx = transport::FrameBuffer::new();
+                }
+                Event::Connect => self.start_connect(),
+            }
+        }
+        let losses = self.link.reconnect().losses;
+        if losses > self.losses_logged {
+            self.losses_logged = losses;
+            if losses == 1 || losses.is_power_of_two() {
+                tracing::warn!(export = %self.export.name, losses, "connection lost; reconnecting");
+            }
+        }
+        let up = self.link.is_up();
+        if up && !self.was_up {
+            tracing::info!(export = %self.export.name, losses, "reconnected");
+        }
+        self.was_up = up;
+    }
+
+    /// The error a caller sees for a connection that closed for good.
+    fn closed_error(&self, why: Closed) -> Error {
+        match why {
+            Closed::Protocol(e) => {
+                tracing::error!(export = %self.export.name, error = %e, "connection closed");
+                Error::from(e)
+            }
+            Closed::Silent => Error::TimedOut(self.conn.timeout),
+            Closed::Transport => Error::Closed,
+            Closed::GaveUp => {
+                tracing::error!(export = %self.export.name, endpoint = %self.endpoint, "ctrl_loss_timeout: target gone; giving up");
+                Error::Lost(self.endpoint.to_string())
+            }
+        }
+    }
+
+    /// Open a transport on a connector thread, so no caller ever blocks in a connect; the
+    /// handshake on it then runs here, through the connection.
+    fn start_connect(&mut self) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let endpoint = self.endpoint.clone();
+        let tls = self.tls.clone();
+        let timeout = self.conn.timeout.min(CONNECT_TIMEOUT_MAX);
+        let spawned = std::thread::Builder::new().name("skiff-reconnect".into()).spawn(move || {
+            let _ = tx.send(crate::conn::connect_transport(&endpoint, timeout, tls.as_ref()));
+        });
+        match spawned {
+            Ok(_) => self.connecting = Some(rx),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a reconnection attempt");
+                self.link.handle_transport_failed(self.now_us());
+            }
+        }
+    }
+
+    /// Hand the connection the connector thread's transport, if it has one by now (waiting
+    /// for it at most `limit`).
+    fn take_connected_within(&mut self, limit: Duration) {
+        use std::sync::mpsc::RecvTimeoutError;
+        let Some(rx) = self.connecting.as_ref() else {
+            return;
+        };
+        let outcome = match rx.recv_timeout(limit) {
+            Ok(outcome) => outcome,
+            Err(RecvTimeoutError::Timeout) => return,
+            Err(RecvTimeoutError::Disconnected) => Err(Error::Closed),
+        };
+        self.connecting = None;
+        let now = self.now_us();
+        match outcome.and_then(|stream| Ok((stream, nonce()?))) {
+            Ok((stream, nonce)) => {
+                let data_messages = stream.data_messages();
+                self.conn.stream = stream;
+                self.conn.rx = transport::FrameBuffer::new();
+                self.link.handle_transport_up(now, data_messages, nonce);
+            }
+            Err(e) => {
+                tracing::debug!(export = %self.export.name, error = %e, "reconnect attempt failed");
+                self.link.handle_transport_failed(now);
+            }
+        }
+        self.settle();
+    }
+
+    fn take_connected(&mut self) {
+        self.take_connected_within(Duration::ZERO);
+    }
+
+    /// Send everything the connection has gathered (a handshake's frames, or the session's
+    /// caravans), waiting (and receiving) while the socket is full. A failed transport is
+    /// reported to the connection, which reconnects or closes for good.
+    fn transmit(&mut self) -> Result<()> {
+        if self.link.is_closed() {
+            return if self.link.session().has_transmit() { Err(Error::Closed) } else { Ok(()) };
         }
         let deadline = Instant::now() + self.conn.timeout;
-        if self.session.has_transmit() && self.on_the_wire() == 0 {
-            self.quiet_since = Instant::now();
-        }
-        while self.session.has_transmit() {
+        // Without a transport nothing goes: it waits in the session for the next.
+        while self.link.has_transmit() {
             let sent = {
                 let mut iov = [IoSlice::new(&[]); SEND_IOV_MAX];
-                let n = self.session.poll_transmit(&mut iov);
+                let n = self.link.poll_transmit(&mut iov);
                 self.conn.send(&iov[..n])
             };
             let result = match sent {
                 Ok(0) => Err(Error::Closed),
                 Ok(n) => {
-                    self.session.handle_sent(n);
+                    let now = self.now_us();
+                    self.link.handle_sent(now, n);
                     Ok(())
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.conn.wait_writable(deadline),
                 Err(e) => Err(e.into()),
             };
             if let Err(e) = result {
-                return self.lose(&e);
+                return self.lose(e);
             }
         }
         Ok(())
     }
 
     /// Handle what already arrived, then receive (with `block`, waiting for at least one byte
-    /// if nothing new completed) and handle that too.
+    /// if nothing new completed, or for what is due) and handle that too. Without a transport,
+    /// with `block`, sleeps until the reconnection policy's next step or the connector
+    /// thread's outcome.
     fn pump(&mut self, block: bool) -> Result<()> {
-        if self.session.is_broken() {
+        if self.link.is_closed() {
             return Err(Error::Closed);
         }
-        if self.reconnect.is_lost() {
-            return self.recover(block);
+        self.handle_due()?;
+        if !self.link.has_transport() {
+            if block {
+                let until = self.due().unwrap_or_else(|| Instant::now() + self.conn.timeout);
+                let sleep = until.saturating_duration_since(Instant::now());
+                if self.connecting.is_some() {
+                    self.take_connected_within(sleep);
+                } else {
+                    std::thread::sleep(sleep);
+                }
+            }
+            return Ok(());
         }
         let result = self.handle_rx().and_then(|progressed| {
             let got = if block && !progressed {
-                // Silence is measured from the last sign of life, not from this call.
-                let since = if self.on_the_wire() > 0 { self.quiet_since } else { Instant::now() };
-                let deadline = since + self.conn.timeout;
-                let Lane { conn, session, .. } = self;
-                conn.receive_blocking(deadline, &mut |conn| receive(conn, session))?;
-                1
+                let deadline = self.due().unwrap_or_else(|| Instant::now() + self.conn.timeout);
+                let Lane { conn, link, .. } = self;
+                match conn.receive_blocking(deadline, &mut |conn| receive(conn, link)) {
+                    Ok(()) => 1,
+                    // Nothing came by the deadline: the next call does what is due.
+                    Err(Error::TimedOut(_)) => 0,
+                    Err(e) => return Err(e),
+                }
             } else {
-                receive(&mut self.conn, &mut self.session)?
+                receive(&mut self.conn, &mut self.link)?
             };
             if got > 0 {
-                self.quiet_since = Instant::now();
+                let now = self.now_us();
+                self.link.handle_received(now);
             }
             self.handle_rx().map(|_| ())
         });
         match result {
             Ok(()) => Ok(()),
-            Err(e) => self.lose(&e),
+            Err(e) => self.lose(e),
         }
     }
 
-    /// Give the session what the frame buffer holds. Returns whether a completion became ready.
+    /// Give the connection what the frame buffer holds. Returns whether a completion became
+    /// ready.
     fn handle_rx(&mut self) -> Result<bool> {
-        let before = self.session.ready();
         let started = Instant::now();
         let now = self.now_us();
-        let handled = self.session.handle_rx(now, self.conn.rx.unconsumed());
+        let handled = self.link.handle_rx(now, &mut self.conn.rx);
         self.complete_ns += started.elapsed().as_nanos() as u64;
-        let progress = handled?;
-        self.conn.rx.consume(progress.consumed);
-        if progress.need > 0 {
-            self.conn.rx.reserve(progress.need);
-        }
-        if self.session.has_transmit() {
+        self.settle();
+        let progressed = handled.map_err(|why| self.closed_error(why))?;
+        if self.link.has_transmit() {
             // What answers brought about: direct reads the target refused, re-sent as
-            // ordinary reads in the same call.
+            // ordinary reads in the same call; a handshake's next frame; the requests a
+            // reconnection re-sends.
             self.transmit()?;
         }
-        Ok(self.session.ready() > before)
+        Ok(progressed)
     }
 
-    /// The connection is gone. If it was lost (a failed socket, the peer's close, silence, a
-    /// GOAWAY saying the target times out or stops) and reconnection is on, the session parks
-    /// every request and the lane starts reconnecting: the call goes on as if nothing
-    /// happened. A target that broke the protocol, or said the initiator did, is not retried:
-    /// every request completes with an I/O error and `why` is returned, as it is once the
-    /// policy gives up.
-    fn lose(&mut self, why: &Error) -> Result<()> {
-        self.conn.stream.shutdown();
+    /// The transport failed with `why` (a send or receive error, the peer's close, a wait for
+    /// room that timed out): the connection reconnects and the call goes on as if nothing
+    /// happened, or it closes for good (reconnection off) and `why` is returned. An error the
+    /// connection already closed on is returned as it is.
+    fn lose(&mut self, why: Error) -> Result<()> {
+        if self.link.is_closed() {
+            return Err(why);
+        }
         let now = self.now_us();
-        let lost = match why {
-            Error::Io(_) | Error::Closed | Error::TimedOut(_) => true,
-            Error::GoAway { status, .. } => matches!(status, Status::TimedOut | Status::ShuttingDown),
-            _ => false,
+        let goes_on = match why {
+            Error::Io(_) | Error::Closed | Error::TimedOut(_) => self.link.handle_transport_lost(now),
+            _ => {
+                self.link.close();
+                false
+            }
         };
-        if self.session.is_broken() || !lost || !self.reconnect.handle_lost(now) {
-            self.session.handle_closed();
-            return Err(clone_error(why));
-        }
-        if self.reconnect.losses == 1 || self.reconnect.losses.is_power_of_two() {
-            tracing::warn!(export = %self.export.name, error = %why, losses = self.reconnect.losses, "connection lost; reconnecting");
-        }
-        self.session.handle_disconnected();
-        Ok(())
-    }
-
-    /// Drive the reconnection policy while the connection is lost: start an attempt when due,
-    /// fail what waits at `fast_io_fail_timeout`, give up at `ctrl_loss_timeout`. Attempts
-    /// (connect, handshake, open) run on a connector thread, so no caller ever blocks in a
-    /// connect. With `block`, sleeps until the connection is back, or requests were failed,
-    /// or it gives up; without, does only what is due now.
-    fn recover(&mut self, block: bool) -> Result<()> {
-        loop {
-            if let Some(outcome) = self.attempt_outcome() {
-                match self.finish_attempt(outcome) {
-                    Ok(true) => return self.transmit(),
-                    Ok(false) => {}
-                    Err(e) => return Err(e),
-                }
-            }
-            let now = self.now_us();
-            match self.reconnect.poll_action(now) {
-                Action::Wait { until } => {
-                    if !self.reconnect.is_lost() || !block {
-                        return Ok(());
-                    }
-                    let sleep = Duration::from_micros(until.saturating_sub(now));
-                    if self.attempt.is_some() {
-                        if let Some(outcome) = self.attempt_outcome_within(sleep) {
-                            match self.finish_attempt(outcome) {
-                                Ok(true) => return self.transmit(),
-                                Ok(false) => {}
-                                Err(e) => return Err(e),
-                            }
-                        }
-                    } else {
-                        std::thread::sleep(sleep);
-                    }
-                }
-                Action::Attempt => self.start_attempt(),
-                Action::FailIo => {
-                    tracing::warn!(export = %self.export.name, "fast_io_fail_timeout: failing requests while reconnecting");
-                    self.session.fail_parked();
-                    if block {
-                        return Ok(());
-                    }
-                }
-                Action::GiveUp => {
-                    tracing::error!(export = %self.export.name, endpoint = %self.endpoint, "ctrl_loss_timeout: target gone; giving up");
-                    self.attempt = None;
-                    self.session.handle_closed();
-                    return Err(Error::Lost(self.endpoint.to_string()));
-                }
-            }
+        self.settle();
+        if goes_on {
+            Ok(())
+        } else {
+            Err(why)
         }
     }
+}
 
-    /// Connect, negotiate and open the export on a connector thread.
-    fn start_attempt(&mut self) {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let endpoint = self.endpoint.clone();
-        let export = self.export.name.clone();
-        let proposed = self.proposed;
-        let features = self.conn.features;
-        let key = self.key.clone();
-        let tls = self.tls.clone();
-        let grants = self.grants.clone();
-        let timeout = self.conn.timeout.min(CONNECT_TIMEOUT_MAX);
-        let poll = self.conn.waiter.mode();
-        let spawned = std::thread::Builder::new().name("skiff-reconnect".into()).spawn(move || {
-            let _ = tx.send(open_lane(
-                &endpoint,
-                &export,
-                &proposed,
-                features,
-                key.as_deref(),
-                tls.as_ref(),
-                &grants,
-                timeout,
-                poll,
-            ));
-        });
-        match spawned {
-            Ok(_) => self.attempt = Some(rx),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot start a reconnection attempt");
-                self.reconnect.handle_attempt_failed(self.now_us());
-            }
-        }
-    }
+/// Microseconds of `d`, saturating.
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
 
-    /// The running attempt's outcome, if it has ended.
-    fn attempt_outcome(&mut self) -> Option<Result<(Conn, wire::OpenReply)>> {
-        use std::sync::mpsc::TryRecvError;
-        let outcome = match self.attempt.as_ref()?.try_recv() {
-            Ok(outcome) => outcome,
-            Err(TryRecvError::Empty) => return None,
-            Err(TryRecvError::Disconnected) => Err(Error::Closed),
-        };
-        self.attempt = None;
-        Some(outcome)
-    }
-
-    /// The running attempt's outcome, waiting for it at most `limit`.
-    fn attempt_outcome_within(&mut self, limit: Duration) -> Option<Result<(Conn, wire::OpenReply)>> {
-        use std::sync::mpsc::RecvTimeoutError;
-        let outcome = match self.attempt.as_ref()?.recv_timeout(limit) {
-            Ok(outcome) => outcome,
-            Err(RecvTimeoutError::Timeout) => return None,
-            Err(RecvTimeoutError::Disconnected) => Err(Error::Closed),
-        };
-        self.attempt = None;
-        Some(outcome)
-    }
-
-    /// Take an attempt's outcome: `Ok(true)` when the session runs on the new connection,
-    /// `Ok(false)` when the attempt failed (the next one is scheduled), an error when no
-    /// attempt can help (the target came back different).
-    fn finish_attempt(&mut self, outcome: Result<(Conn, wire::OpenReply)>) -> Result<bool> {
-        let attached = outcome.and_then(|(conn, reply)| self.reattach(conn, reply));
-        match attached {
-            Ok(()) => {
-                self.reconnect.handle_connected();
-                tracing::info!(export = %self.export.name, losses = self.reconnect.losses, "reconnected");
-                Ok(true)
-            }
-            Err(Error::Protocol(e)) => {
-                tracing::error!(export = %self.export.name, error = %e, "reconnected to a different target; giving up");
-                self.session.handle_closed();
-                Err(Error::Protocol(e))
-            }
-            Err(e) => {
-                tracing::debug!(export = %self.export.name, error = %e, "reconnect attempt failed");
-                self.reconnect.handle_attempt_failed(self.now_us());
-                Ok(false)
-            }
-        }
-    }
-
-    /// Hand the session a new connection on which the export is open.
-    fn reattach(&mut self, mut conn: Conn, reply: wire::OpenReply) -> Result<()> {
-        if reply.size_bytes != self.export.size_bytes || reply.block_size != self.export.block_size {
-            return Err(Error::Protocol(proto::ProtoError::Unexpected(
-                FrameKind::OpenReply,
-                "after reconnecting: the export's size or block size changed",
-            )));
-        }
-        self.session.reattach(conn.limits, reply.handle)?;
-        self.session.set_data_messages(conn.features & wire::control::FEATURE_DATA_MESSAGES != 0);
-        conn.timeout = self.conn.timeout;
-        conn.send_ns += self.conn.send_ns;
-        conn.recv_ns += self.conn.recv_ns;
-        // The same target, most likely the same service times: keep what the polling policy
-        // learned, and its counters.
-        conn.waiter = std::mem::take(&mut self.conn.waiter);
-        self.conn = conn;
-        self.quiet_since = Instant::now();
-        Ok(())
-    }
+/// Fresh randomness for a handshake's key proof.
+fn nonce() -> Result<[u8; wire::control::NONCE_LEN]> {
+    Ok(rt::random::bytes()?)
 }
 
 /// What reliable delivery did on a raw-Ethernet lane (`dgram::reliable::Counters`, the part
@@ -962,55 +891,13 @@ impl LinkStats {
     }
 }
 
-/// Connect to `endpoint`, negotiate `proposed`, open `export`, and present `grants` for it.
-#[allow(clippy::too_many_arguments)] // each is one setting of a connection; a struct would only rename them
-fn open_lane(
-    endpoint: &Endpoint,
-    export: &str,
-    proposed: &Limits,
-    features: u64,
-    key: Option<&proto::auth::Key>,
-    tls: Option<&crate::conn::TlsConfig>,
-    grants: &[wire::Capability],
-    timeout: Duration,
-    poll: PollMode,
-) -> Result<(Conn, wire::OpenReply)> {
-    let mut conn = Conn::connect_with_features(endpoint, proposed, timeout, features, key, tls)?;
-    conn.waiter = rt::poll::Waiter::new(poll);
-    let (h, body) = conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
-    let reply = proto::client::handle_open_reply(&h, &body)?;
-    for batch in grants.chunks(wire::GRANTS_PER_FRAME_MAX) {
-        let grant = wire::Grant { handle: reply.handle, caps: batch.to_vec() };
-        let (h, body) = conn.call(FrameKind::Grant, &grant.encode())?;
-        let answer = proto::client::expect(&h, &body, FrameKind::GrantReply, wire::GrantReply::decode)?;
-        if !answer.status.is_ok() {
-            return Err(Error::Refused(answer.status));
-        }
+/// One receive without waiting, timed: laid out by the session (placed data first) while it
+/// runs, plain into the frame buffer during a handshake.
+fn receive<B: IoBuf>(conn: &mut Conn, link: &mut Connection<B>) -> Result<usize> {
+    if !link.is_up() {
+        return conn.fill_now(usize::MAX);
     }
-    Ok((conn, reply))
-}
-
-/// An error to hand back again (the lane keeps its cause for the log).
-fn clone_error(e: &Error) -> Error {
-    match e {
-        Error::Io(io) => Error::Io(std::io::Error::new(io.kind(), io.to_string())),
-        Error::Protocol(p) => Error::Protocol(p.clone()),
-        Error::Refused(s) => Error::Refused(*s),
-        Error::GoAway { status, message } => Error::GoAway { status: *status, message: message.clone() },
-        Error::Closed => Error::Closed,
-        Error::TimedOut(d) => Error::TimedOut(*d),
-        Error::Status(s) => Error::Status(*s),
-        Error::InvalidArgument(a) => Error::InvalidArgument(a),
-        Error::QueueFull(n) => Error::QueueFull(*n),
-        Error::Lost(t) => Error::Lost(t.clone()),
-        Error::VolumeRefused { status, message } => {
-            Error::VolumeRefused { status: *status, message: message.clone() }
-        }
-    }
-}
-
-/// One receive without waiting, laid out by the session (placed data first), timed.
-fn receive<B: IoBuf>(conn: &mut Conn, session: &mut ClientSession<B>) -> Result<usize> {
+    let session = link.session_mut();
     let Conn { stream, rx, recv_ns, .. } = conn;
     let started = Instant::now();
     let got = if session.data_messages() {

@@ -240,12 +240,11 @@ impl<B: IoBuf + Send> SharedLane<B> {
                 return Err(Error::Closed);
             }
             let now = Instant::now();
-            // Requests on the wire and nothing back for the timeout: a dead connection (the
-            // lane reconnects, or reports it). While it reconnects, the policy's timeouts rule.
-            if st.lane.is_silent() && !st.lane.handle_silence() {
-                return Err(Error::TimedOut(self.timeout));
-            }
-            let deadline = st.lane.silence_due().unwrap_or(now + self.timeout).max(now);
+            // What is due: requests on the wire and nothing back for the timeout is a dead
+            // connection (the lane reconnects, or fails and says why); while it reconnects,
+            // the policy's timeouts rule.
+            st.lane.handle_due()?;
+            let deadline = st.lane.due().unwrap_or(now + self.timeout).max(now);
             if st.receiving {
                 st.mailboxes[id as usize].sleeper = Some(std::thread::current());
                 st.sleepers += 1;
@@ -319,10 +318,7 @@ impl<B: IoBuf + Send> Wait for ReceiverWait<'_, '_, B> {
         let deadline = self.deadline;
         let st = self.state();
         let now = Instant::now();
-        let due = [st.lane.doorbell_due(), st.lane.reconnect_due(), st.lane.stream_due()]
-            .into_iter()
-            .flatten()
-            .fold(deadline, Instant::min);
+        let due = st.lane.due().map_or(deadline, |due| due.min(deadline));
         let wake_at = timeout.map_or(due, |t| due.min(now + t));
         st.receiver_wakes_at = Some(wake_at);
         let fd = st.lane.wake_fd();

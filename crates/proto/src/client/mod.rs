@@ -1,6 +1,8 @@
-//! The initiator's side of the protocol: the handshake, and the session that carries one lane's
-//! requests and completions ([`ClientSession`]).
+//! The initiator's side of the protocol: the handshake, the session that carries one lane's
+//! requests and completions ([`ClientSession`]), and the connection that carries the session
+//! across transports and reconnections ([`Connection`]).
 
+mod connection;
 mod directory;
 mod handshake;
 mod outbox;
@@ -8,6 +10,7 @@ mod placement;
 pub mod reconnect;
 mod session;
 
+pub use connection::{is_goodbye, is_refusal, Closed, Connection, ConnectionConfig, Event, Opened, Opening};
 pub use handshake::{admit_control, expect, handle_open_reply, ClientHandshake};
 pub use outbox::Outbox;
 pub use reconnect::{Reconnect, ReconnectConfig};

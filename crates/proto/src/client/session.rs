@@ -259,6 +259,9 @@ pub enum Mutation {
     /// The first two segments of every data message are placed in each other's requests'
     /// buffers (the data-message form of `SwapTags`).
     SwapSegments,
+    /// Connection: a reconnection skips OPEN and sends the parked requests under the export
+    /// handle of the lost connection, which the new one never opened.
+    ReopenWithoutOpen,
 }
 
 impl<B: IoBuf> ClientSession<B> {
