@@ -1,18 +1,20 @@
-//! One seeded run: an initiator session and a target front end, stepped on one thread over a
-//! faulty in-memory pipe and a faulty backend, every read checked against the [`Shadow`].
+//! One seeded run: an initiator connection (`proto::client::Connection`, the code a lane
+//! drives: handshakes, silence, reconnection, and the session) and a target front end, stepped
+//! on one thread over a faulty in-memory pipe and a faulty backend, every read checked against
+//! the [`Shadow`].
 //!
 //! Each step advances the virtual clock a little, lets the initiator submit new requests
 //! (never two in flight on the same block, the one ordering a block device leaves to its
-//! user), honours the session's deadline, moves bytes both ways through the pipe, and checks
-//! every completion: read data against the model, statuses against the faults that could
-//! explain them. A connection that dies (a disconnect, a flipped header bit caught by the CRC)
-//! must have died of an injected fault, and the initiator connects again after a pause. Half
-//! the seeds (chosen by the seed) run without reconnection: the session fails every request
-//! of the dead connection with an error. The other half resume: the session parks its
-//! requests and re-sends them on the next connection ([`ClientSession::reattach`]), so no
-//! request may fail for a lost connection at all. At the end every request must have
-//! completed and the volume, read directly from the backend, must hold every acknowledged
-//! write.
+//! user), honours the connection's deadlines, carries out what it asks of the transport (open
+//! one, drop one), moves bytes both ways, and checks every completion: read data against the
+//! model, statuses against the faults that could explain them. A transport that dies (a
+//! disconnect, a flipped header bit caught by the CRC) must have died of an injected fault.
+//! Half the seeds (chosen by the seed) run without reconnection: the connection closes for
+//! good and fails every request in flight. The other half resume: the connection parks its
+//! requests, opens a new transport when its policy says, and re-sends them once the export is
+//! open again, so no request may fail for a lost transport (only for a connection closed for
+//! good on a broken frame). At the end every request must have completed and the volume, read
+//! directly from the backend, must hold every acknowledged write.
 
 use std::collections::BTreeMap;
 use std::io::{self, IoSlice};
@@ -30,10 +32,14 @@ use proto::caravan::Doorbell;
 #[cfg(feature = "mutations")]
 use proto::client::Mutation as ClientMutation;
 use proto::client::{
-    Batching, ClientHandshake, ClientSession, Completion, SessionConfig, Submission, SubmitError, DIRECT_OFF,
+    Batching, ClientSession, Closed, Completion, ConnectionConfig, Event, Opening, ReconnectConfig,
+    SessionConfig, Submission, SubmitError, DIRECT_OFF,
 };
 use transport::FrameIo;
-use wire::{FrameBuffer, FrameKind, Header, Limits, Opcode, ReqFlags, Status};
+use wire::{FrameBuffer, Limits, Opcode, ReqFlags, Status};
+
+/// The initiator's connection, as a lane runs it.
+type ClientLink = proto::client::Connection<Vec<u8>>;
 
 use crate::clock::Clock;
 use crate::datagram::{add_counters, LinkCounts};
@@ -53,6 +59,11 @@ const STEPS_MAX: u64 = 400_000;
 const CALLS_PER_STEP: usize = 8;
 /// Response bytes the target queues before it stops reading, as the server does.
 const TX_BACKLOG_MAX: usize = 1 << 20;
+/// The client connection's silence timeout and handshake bound, in virtual µs: far beyond
+/// any delay the faults inject, so a connection that declares silence is wrong.
+const SILENCE_US: u64 = 500_000;
+/// A reconnection's transport fails to open (one in this many millionths), with network faults on.
+const CONNECT_FAILS_PER_MILLION: u32 = 100_000;
 
 /// A bug to plant, to show that the simulation catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -78,19 +89,29 @@ pub enum Planted {
     /// byte-pipe suite plants).
     #[cfg(feature = "mutations")]
     SwapSegments,
+    /// Client connection: a reconnection skips OPEN and sends the parked requests under the
+    /// lost connection's export handle.
+    #[cfg(feature = "mutations")]
+    ReopenWithoutOpen,
+    /// Client connection: an attempt to reconnect that failed is never followed by another.
+    #[cfg(feature = "mutations")]
+    NoRetry,
 }
 
 impl Planted {
     #[cfg(feature = "mutations")]
-    pub const ALL: [Planted; 5] = [
+    pub const ALL: [Planted; 7] = [
         Planted::SwapTags,
         Planted::ForgetUnsent,
         Planted::IgnoreDeadline,
         Planted::AckSentWrites,
         Planted::AckBeforeBackend,
+        Planted::ReopenWithoutOpen,
+        Planted::NoRetry,
     ];
 
-    /// The client session's bug this plants ([`ClientMutation::None`] for a bug elsewhere).
+    /// The client connection's or session's bug this plants ([`ClientMutation::None`] for a
+    /// bug elsewhere).
     #[cfg(feature = "mutations")]
     fn client(self) -> ClientMutation {
         match self {
@@ -99,6 +120,8 @@ impl Planted {
             Planted::IgnoreDeadline => ClientMutation::IgnoreDeadline,
             Planted::AckSentWrites => ClientMutation::AckSentWrites,
             Planted::SwapSegments => ClientMutation::SwapSegments,
+            Planted::ReopenWithoutOpen => ClientMutation::ReopenWithoutOpen,
+            Planted::NoRetry => ClientMutation::NoRetry,
             Planted::None | Planted::AckBeforeBackend => ClientMutation::None,
         }
     }
@@ -223,7 +246,10 @@ struct Op {
     count: usize,
     /// The generation a write carries (0 for write-zeroes).
     gen: u32,
+    /// The transport it was submitted on (the latest, if none was up), and the client
+    /// connection ([`Connection`]) that carries it.
     connection: u32,
+    client: u32,
 }
 
 struct SimHost {
@@ -243,27 +269,25 @@ impl Host for SimHost {
     }
 }
 
-enum ClientState {
-    Hello(ClientHandshake),
-    /// AUTH sent (the seed authenticates): waiting for AUTH_REPLY.
-    Auth(ClientHandshake),
-    Open,
-    Ready(Box<ClientSession<Vec<u8>>>),
+/// The initiator: the handshake of a new connection, or the connection itself
+/// ([`proto::client::Connection`], the lane's own logic: its session, handshakes on later
+/// transports, silence and reconnection).
+enum Client {
+    /// No connection: a new one starts at `reconnect_at_us` (the start, or the last one closed
+    /// for good).
+    Idle,
+    /// The first handshake of connection `id`, on the current transport.
+    Opening { id: u32, opening: Box<Opening> },
+    /// Connection `id`, up on the current transport or reconnecting.
+    Up { id: u32, link: Box<ClientLink>, was_up: bool },
 }
 
+/// A transport: the pipe or datagram link between the two ends, and the target's end of it.
 struct Connection {
     id: u32,
     client_io: ConnIo,
     target_io: ConnIo,
-    client: ClientState,
     client_rx: FrameBuffer,
-    /// Control frames the client still has to send.
-    client_out: Vec<u8>,
-    /// The limits the handshake agreed, once it has.
-    client_rx_limits: Limits,
-    session_config: SessionConfig,
-    #[cfg(feature = "mutations")]
-    client_mutation: ClientMutation,
     target: NativeConn,
     target_rx: FrameBuffer,
     target_tx: Vec<u8>,
@@ -276,10 +300,6 @@ struct Connection {
     /// The target's transport sends read data in data messages (agreed in HELLO), and the
     /// initiator's session takes it so.
     target_apart: bool,
-    client_data_messages: bool,
-    /// A session parked by a lost connection, to reattach once this one has opened the export.
-    resume: Option<Box<ClientSession<Vec<u8>>>>,
-    reattached: bool,
     /// Where the target's front end parks requests that wait for device work (the faulty
     /// disk's `park`), as a worker does for a flash volume's pool misses; its wake names the
     /// connection's id in `woken`.
@@ -326,19 +346,23 @@ struct Sim {
     host: SimHost,
     faulty: Arc<FaultyBackend>,
     volume: Arc<dyn Backend>,
-    session_config: SessionConfig,
-    proposed: Limits,
+    /// What every client connection of the run is (the key, the reconnection policy, ...).
+    link_config: ConnectionConfig,
     offered: Limits,
     latency_us: u64,
     pipe_bytes: usize,
+    /// The current transport, if one is up.
     conn: Option<Connection>,
     connections: u32,
+    client: Client,
+    /// Client connections opened, and those closed for good (their requests may fail).
+    clients: u32,
+    closed_clients: Vec<u32>,
     reconnect_at_us: u64,
     /// Resume sessions across connections (seeded), and the session waiting for the next one.
     resuming: bool,
     /// Authenticate every connection with a key (seeded).
     authenticating: bool,
-    parked: Option<Box<ClientSession<Vec<u8>>>>,
     /// Wakes of the target's parked requests (`Connection::target_batch`).
     woken: Arc<Woken>,
     ops: BTreeMap<u64, Op>,
@@ -391,23 +415,52 @@ impl Sim {
             caravan_bytes_max: rng.pick(&[0, 8192]),
             io_bytes_max: 0,
         };
+        let resuming = rng.below(2) == 1;
+        let authenticating = rng.below(2) == 1;
+        let key = authenticating.then(|| {
+            let secret = rng.next_u64().to_le_bytes().repeat(2);
+            Arc::new(proto::auth::Key::new("sim", &secret).expect("a 16-byte key"))
+        });
+        let reconnect = if resuming {
+            // Attempts at once after a loss, then up to this far apart; never giving up, and
+            // never failing what waits: a resuming run fails nothing for a lost connection.
+            ReconnectConfig {
+                reconnect_delay_us: rng.range(100, 5_000),
+                ctrl_loss_timeout_us: u64::MAX / 4,
+                fast_io_fail_timeout_us: None,
+            }
+        } else {
+            ReconnectConfig::OFF
+        };
+        let link_config = ConnectionConfig {
+            export: "sim".into(),
+            proposed,
+            features: 0,
+            key,
+            grants: Arc::new([]),
+            session: session_config,
+            reconnect,
+            timeout_us: SILENCE_US,
+            attempt_timeout_us: SILENCE_US,
+        };
         Sim {
             opts: *opts,
             shadow: Shadow::new(opts.seed, VOLUME_BLOCKS),
             host: SimHost { exports, io_bytes_max: offered.io_bytes_max },
             faulty,
             volume,
-            session_config,
-            proposed,
+            link_config,
             offered,
             latency_us: rng.range(1, 50),
             pipe_bytes: rng.pick(&[700, 4096, 65536, 1 << 20]),
             conn: None,
             connections: 0,
+            client: Client::Idle,
+            clients: 0,
+            closed_clients: Vec::new(),
             reconnect_at_us: 0,
-            resuming: rng.below(2) == 1,
-            authenticating: rng.below(2) == 1,
-            parked: None,
+            resuming,
+            authenticating,
             woken: Arc::new(Woken::default()),
             ops: BTreeMap::new(),
             busy: vec![false; VOLUME_BLOCKS],
@@ -427,7 +480,7 @@ impl Sim {
             self.step += 1;
             let tick = self.rng.range(1, 30);
             self.clock.advance(tick);
-            if self.conn.is_none() {
+            if matches!(self.client, Client::Idle) {
                 if self.finished() {
                     break;
                 }
@@ -446,11 +499,11 @@ impl Sim {
                 }
                 conn.target_io.pump();
             }
-            let failed = self.client_step()?;
-            self.target_step();
-            if let Some(reason) = failed {
-                self.connection_failed(&reason)?;
-            } else if self.finished() {
+            self.client_step()?;
+            if self.conn.is_some() {
+                self.target_step();
+            }
+            if self.finished() {
                 break;
             }
         }
@@ -465,7 +518,10 @@ impl Sim {
         }
         self.check_volume()?;
         if let Some(conn) = self.conn.take() {
-            self.count_connection(&conn, true);
+            self.count_transport(&conn);
+        }
+        if let Client::Up { link, .. } = std::mem::replace(&mut self.client, Client::Idle) {
+            self.count_session(&link);
         }
         self.report.steps = self.step;
         self.report.virtual_us = self.clock.now_us();
@@ -482,17 +538,30 @@ impl Sim {
         self.issued == self.opts.ops && self.ops.is_empty()
     }
 
+    /// Start a client connection: a transport, and the first handshake on it.
     fn connect(&mut self) {
+        self.clients += 1;
+        self.open_transport();
+        let nonce = self.nonce();
+        let data_messages = self.conn.as_ref().is_some_and(|c| c.client_io.data_messages());
+        let opening = Opening::new(&self.link_config, data_messages, nonce);
+        self.client = Client::Opening { id: self.clients, opening: Box::new(opening) };
+    }
+
+    /// This side's random contribution to a key's proof.
+    fn nonce(&mut self) -> [u8; wire::control::NONCE_LEN] {
+        std::array::from_fn(|_| self.rng.below(256) as u8)
+    }
+
+    /// A new transport, and a target front end at its far end.
+    fn open_transport(&mut self) {
         self.connections += 1;
         let id = self.connections;
-        let mut hs = ClientHandshake::new(self.proposed);
         let mut target = NativeConn::new(self.offered, 16);
-        if self.authenticating {
-            let key = proto::auth::Key::new("sim", &self.rng.next_u64().to_le_bytes().repeat(2))
-                .expect("a 16-byte key");
-            let nonce = |rng: &mut Rng| std::array::from_fn(|_| rng.below(256) as u8);
-            hs = hs.with_key(key.clone(), nonce(&mut self.rng));
-            let auth = proto::server::AuthConfig { keys: Arc::new(vec![key]), nonce: nonce(&mut self.rng) };
+        if let Some(key) = &self.link_config.key {
+            let nonce = std::array::from_fn(|_| self.rng.below(256) as u8);
+            let auth =
+                proto::server::AuthConfig { keys: Arc::new(vec![proto::auth::Key::clone(key)]), nonce };
             target = target.with_auth(auth);
         }
         #[cfg(feature = "mutations")]
@@ -508,9 +577,6 @@ impl Sim {
             self.pipe_bytes,
             self.opts.net,
         );
-        if client_io.data_messages() {
-            hs = hs.with_features(wire::control::FEATURE_DATA_MESSAGES);
-        }
         if target_io.data_messages() {
             target = target.with_data_messages();
         }
@@ -518,12 +584,6 @@ impl Sim {
             id,
             client_io,
             target_io,
-            client_out: hs.hello_frame(),
-            client_rx_limits: self.proposed,
-            session_config: self.session_config,
-            #[cfg(feature = "mutations")]
-            client_mutation: self.opts.planted.client(),
-            client: ClientState::Hello(hs),
             client_rx: FrameBuffer::new(),
             target,
             target_rx: FrameBuffer::new(),
@@ -534,9 +594,6 @@ impl Sim {
             target_stats: FrontStats::default(),
             target_gate_us: 0,
             target_apart: false,
-            client_data_messages: false,
-            resume: self.parked.take(),
-            reattached: false,
             target_batch: Arc::new(Batch::new(self.woken.clone(), u64::from(id))),
             target_waiting: false,
             target_resumed: false,
@@ -546,45 +603,126 @@ impl Sim {
         });
     }
 
-    /// The initiator's turn. Returns why the connection failed, if it did.
-    fn client_step(&mut self) -> Result<Option<String>, String> {
+    /// The initiator's turn: submit, honour the connection's deadlines, carry out what it asks
+    /// of the transport, move bytes, and check every completion.
+    fn client_step(&mut self) -> Result<(), String> {
         let now = self.clock.now_us();
-        let mut conn = self.conn.take().expect("a connection");
-        let turn = self.client_turn(&mut conn, now);
-        self.conn = Some(conn);
-        turn
+        let mut client = std::mem::replace(&mut self.client, Client::Idle);
+        let turn = self.client_turn(&mut client, now);
+        self.client = client;
+        turn?;
+        self.check_completions()
     }
 
-    fn client_turn(&mut self, conn: &mut Connection, now: u64) -> Result<Option<String>, String> {
-        if let ClientState::Ready(session) = &mut conn.client {
-            let session = &mut **session;
-            self.issue(session, conn.id, now);
+    fn client_turn(&mut self, client: &mut Client, now: u64) -> Result<(), String> {
+        if let Client::Up { id, link, .. } = client {
+            let id = *id;
+            self.issue(link.session_mut(), id, now);
             if self.rng.chance(5_000) {
-                session.commit();
+                link.session_mut().commit();
             }
-            session.handle_timeout(now);
-            if let Some(due) = session.poll_timeout().filter(|&due| due <= now) {
-                return Err(format!("the open caravan was due at {due} µs and still waits at {now} µs"));
-            }
-        }
-        let failed = client_io(conn, now);
-        if let ClientState::Ready(session) = &mut conn.client {
-            if failed.is_some() {
-                if self.resuming {
-                    session.handle_disconnected();
-                } else {
-                    session.handle_closed();
+            let timers = link.handle_timeout(now);
+            if link.is_up() {
+                if let Some(due) = link.session().poll_timeout().filter(|&due| due <= now) {
+                    return Err(format!("the open caravan was due at {due} µs and still waits at {now} µs"));
                 }
             }
-            session.take_completions(&mut self.done);
+            self.settle(client, timers, now)?;
         }
+        if self.conn.is_some() && !matches!(client, Client::Idle) {
+            if let Err(reason) = self.client_io(client, now) {
+                self.transport_lost(client, &reason, now)?;
+            }
+        }
+        if let Client::Up { link, .. } = client {
+            link.session_mut().take_completions(&mut self.done);
+        }
+        Ok(())
+    }
+
+    /// After a call into the connection: carry out what it asks of the transport, and if it
+    /// closed for good (`result`), check why and start afresh.
+    fn settle(&mut self, client: &mut Client, result: Result<(), Closed>, now: u64) -> Result<(), String> {
+        let Client::Up { id, link, was_up } = client else {
+            return Ok(());
+        };
+        let id = *id;
+        while let Some(event) = link.poll_event() {
+            match event {
+                Event::Disconnect => self.transport_ended("the connection closed it")?,
+                Event::Connect
+                    if self.opts.net != NetFaults::NONE && self.rng.chance(CONNECT_FAILS_PER_MILLION) =>
+                {
+                    link.handle_transport_failed(now);
+                }
+                Event::Connect => {
+                    self.open_transport();
+                    let data_messages = self.conn.as_ref().is_some_and(|c| c.client_io.data_messages());
+                    let nonce = self.nonce();
+                    link.handle_transport_up(now, data_messages, nonce);
+                }
+            }
+        }
+        if link.is_up() && !*was_up {
+            self.report.reattaches += 1;
+        }
+        *was_up = link.is_up();
+        let Err(why) = result else {
+            return Ok(());
+        };
+        // Closed for good: only a broken frame (a flipped bit) or, without reconnection, a
+        // lost transport may do that, and the transport's end was checked for its fault above.
+        match why {
+            Closed::Protocol(_) | Closed::Transport => {}
+            Closed::Silent | Closed::GaveUp => {
+                return Err(format!("client connection {id} closed for good: {why:?}"));
+            }
+        }
+        if !link.is_closed() {
+            return Err(format!("client connection {id} said {why:?} and is not closed"));
+        }
+        link.session_mut().take_completions(&mut self.done);
+        self.closed_clients.push(id);
         self.check_completions()?;
-        Ok(failed)
+        if let Some((user_data, op)) = self.ops.iter().find(|(_, op)| op.client == id) {
+            return Err(format!(
+                "request {user_data} ({op:?}) never completed although its connection closed ({why:?})"
+            ));
+        }
+        let Client::Up { link, .. } = std::mem::replace(client, Client::Idle) else {
+            unreachable!("matched above")
+        };
+        self.count_session(&link);
+        self.reconnect_at_us = now + self.rng.range(50, 500);
+        Ok(())
+    }
+
+    /// The transport failed under the client (`reason`): a first handshake starts afresh
+    /// later; a connection decides (reconnect, or close for good).
+    fn transport_lost(&mut self, client: &mut Client, reason: &str, now: u64) -> Result<(), String> {
+        match client {
+            Client::Idle => Ok(()),
+            Client::Opening { .. } => {
+                self.transport_ended(reason)?;
+                *client = Client::Idle;
+                self.reconnect_at_us = now + self.rng.range(50, 500);
+                Ok(())
+            }
+            Client::Up { link, .. } => {
+                let result = if link.handle_transport_lost(now) { Ok(()) } else { Err(Closed::Transport) };
+                if !link.has_transport() {
+                    // Whatever the connection decides, this transport is over.
+                    self.transport_ended(reason)?;
+                }
+                self.settle(client, result, now)
+            }
+        }
     }
 
     /// Submit new requests while the queue has room (and a coin says so), never two in flight
     /// on one block.
-    fn issue(&mut self, session: &mut ClientSession<Vec<u8>>, connection: u32, now: u64) {
+    fn issue(&mut self, session: &mut ClientSession<Vec<u8>>, client: u32, now: u64) {
+        let connection = self.connections;
         let Sim { rng, shadow, ops, busy, issued, next_user_data, history, .. } = self;
         let ops_max = self.opts.ops;
         let blocks_max = (session.limits().io_bytes_max as usize / BLOCK_BYTES).clamp(1, REQUEST_BLOCKS_MAX);
@@ -635,7 +773,7 @@ impl Sim {
             *next_user_data += 1;
             *issued += 1;
             busy[first..first + count].fill(true);
-            let op = Op { opcode, first, count, gen, connection };
+            let op = Op { opcode, first, count, gen, connection, client };
             history.push((now, user_data, op, "submitted"));
             ops.insert(user_data, op);
         }
@@ -748,40 +886,24 @@ impl Sim {
         conn.target_gate_us = conn.target_gate_us.max(now + slow);
     }
 
-    /// The connection died: every request on it must have completed (with an error), and it
-    /// must have died of an injected fault. The initiator connects again after a pause.
-    fn connection_failed(&mut self, reason: &str) -> Result<(), String> {
-        let mut conn = self.conn.take().expect("a connection");
-        // A resuming session's counters run on across connections: counted once, at the end.
-        self.count_connection(&conn, !self.resuming);
+    /// The transport is over (the client's connection closed it, or it failed under the
+    /// client): it must have died of an injected fault (or the target's failed durability).
+    fn transport_ended(&mut self, reason: &str) -> Result<(), String> {
+        let Some(mut conn) = self.conn.take() else {
+            return Ok(());
+        };
+        self.count_transport(&conn);
         let fault = conn.client_io.injected().or(conn.target_io.injected());
         self.report.sync_failures += u64::from(conn.target_sync_failed);
         if fault.is_none() && !conn.target_sync_failed {
             return Err(format!("connection {} failed without an injected fault: {reason}", conn.id));
         }
-        if self.resuming {
-            // The session (or the one still waiting to reattach, if the connection died in its
-            // handshake) keeps every request for the next connection.
-            self.parked = match std::mem::replace(&mut conn.client, ClientState::Open) {
-                ClientState::Ready(session) => Some(session),
-                _ => conn.resume.take(),
-            };
-            conn.client_io.reset();
-            self.reconnect_at_us = self.clock.now_us() + self.rng.range(50, 500);
-            return Ok(());
-        }
-        if let Some((user_data, op)) = self.ops.iter().find(|(_, op)| op.connection == conn.id) {
-            return Err(format!(
-                "request {user_data} ({op:?}) never completed although its connection failed ({reason})"
-            ));
-        }
         conn.client_io.reset();
-        self.reconnect_at_us = self.clock.now_us() + self.rng.range(50, 500);
         Ok(())
     }
 
-    /// Add what a connection did to the report.
-    fn count_connection(&mut self, conn: &Connection, with_session: bool) {
+    /// Add what a transport did to the report.
+    fn count_transport(&mut self, conn: &Connection) {
         let r = &mut self.report;
         for io in [&conn.client_io, &conn.target_io] {
             for (sum, n) in r.net_faults.iter_mut().zip(io.fault_counts()) {
@@ -794,16 +916,18 @@ impl Sim {
         if let Some((link, _)) = conn.client_io.datagram_counts() {
             r.link.add(&link);
         }
-        if let (true, ClientState::Ready(session)) = (with_session, &conn.client) {
-            let st = session.stats();
-            r.caravans_sent += st.caravans_sent;
-            r.completion_caravans += st.completion_caravans;
-            r.read_bytes_placed += st.read_bytes_placed;
-            r.read_bytes_copied += st.read_bytes_copied;
-            r.read_bytes_in_messages += st.read_bytes_in_messages;
-        }
         r.goaways += conn.target_stats.connections_closed_protocol_error.load(Relaxed);
-        r.reattaches += u64::from(conn.reattached);
+    }
+
+    /// Add what a client connection's session did, over all its transports, to the report.
+    fn count_session(&mut self, link: &ClientLink) {
+        let r = &mut self.report;
+        let st = link.session().stats();
+        r.caravans_sent += st.caravans_sent;
+        r.completion_caravans += st.completion_caravans;
+        r.read_bytes_placed += st.read_bytes_placed;
+        r.read_bytes_copied += st.read_bytes_copied;
+        r.read_bytes_in_messages += st.read_bytes_in_messages;
     }
 
     /// Check every completion against the request it answers and the model.
@@ -843,8 +967,10 @@ impl Sim {
             // An I/O error is what a failed connection gives every request, and what a
             // failing disk gives; running out of space only a failing disk.
             let explained = match c.status {
-                // A resuming session fails nothing for a lost connection.
-                Status::IoError => disk_faults || !self.resuming,
+                // A connection fails its requests only when it closes for good: on a broken
+                // frame, or on any loss without reconnection. A resuming one fails nothing for
+                // a lost transport.
+                Status::IoError => disk_faults || self.closed_clients.contains(&op.client),
                 Status::NoSpace => disk_faults,
                 _ => false,
             };
@@ -885,158 +1011,105 @@ impl Sim {
     }
 }
 
-/// Move the initiator's bytes: control frames or caravans out, replies in. Returns why the
-/// connection failed, if it did.
-fn client_io(conn: &mut Connection, now: u64) -> Option<String> {
-    if let Err(e) = client_send(conn) {
-        return Some(e);
-    }
-    for _ in 0..CALLS_PER_STEP {
-        let got = match &mut conn.client {
-            ClientState::Ready(session) => {
-                let io = &mut conn.client_io;
-                if session.data_messages() && now.is_multiple_of(4) {
-                    // As a lane waiting for room to send: a receive without a placer, which
-                    // must stop at a data message rather than lose it.
-                    io.fill(&mut conn.client_rx)
-                } else if session.data_messages() {
-                    session.receive_placing(&mut conn.client_rx, |iov, place| io.recv_placing(iov, place))
-                } else {
-                    session.receive_with(&mut conn.client_rx, |iov| io.recv(iov))
+impl Sim {
+    /// Move the initiator's bytes: handshake frames or caravans out, replies in, each handed
+    /// to the handshake or the connection. Returns why the transport failed, if it did.
+    fn client_io(&mut self, client: &mut Client, now: u64) -> Result<(), String> {
+        self.client_send(client, now)?;
+        for _ in 0..CALLS_PER_STEP {
+            let Some(conn) = self.conn.as_mut() else { return Ok(()) };
+            let got = match client {
+                Client::Up { link, .. } if link.is_up() => {
+                    let session = link.session_mut();
+                    let io = &mut conn.client_io;
+                    if session.data_messages() && now.is_multiple_of(4) {
+                        // As a lane waiting for room to send: a receive without a placer,
+                        // which must stop at a data message rather than lose it.
+                        io.fill(&mut conn.client_rx)
+                    } else if session.data_messages() {
+                        session.receive_placing(&mut conn.client_rx, |iov, place| io.recv_placing(iov, place))
+                    } else {
+                        session.receive_with(&mut conn.client_rx, |iov| io.recv(iov))
+                    }
                 }
+                _ => conn.client_io.fill(&mut conn.client_rx),
+            };
+            match got {
+                Ok(0) => return Err("the target closed the connection".into()),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(format!("receive: {e}")),
             }
-            _ => conn.client_io.fill(&mut conn.client_rx),
-        };
-        match got {
-            Ok(0) => return Some("the target closed the connection".into()),
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) => return Some(format!("receive: {e}")),
+            self.client_handle(client, now)?;
+            self.client_send(client, now)?;
         }
-        if let Err(e) = client_handle(conn, now) {
-            return Some(e);
-        }
+        Ok(())
     }
-    None
-}
 
-/// Send what the client has to send: control frames during the handshake, then caravans.
-fn client_send(conn: &mut Connection) -> Result<(), String> {
-    for _ in 0..CALLS_PER_STEP {
-        let sent = match &mut conn.client {
-            ClientState::Ready(session) => {
-                if !session.has_transmit() {
-                    return Ok(());
+    /// Send what the client has to send: handshake frames, then caravans.
+    fn client_send(&mut self, client: &mut Client, now: u64) -> Result<(), String> {
+        for _ in 0..CALLS_PER_STEP {
+            let Some(conn) = self.conn.as_mut() else { return Ok(()) };
+            let sent = match client {
+                Client::Idle => return Ok(()),
+                Client::Opening { opening, .. } => {
+                    if opening.poll_transmit().is_empty() {
+                        return Ok(());
+                    }
+                    let sent = conn.client_io.send(&[IoSlice::new(opening.poll_transmit())]);
+                    if let Ok(n) = sent {
+                        opening.handle_sent(n);
+                    }
+                    sent
                 }
-                let mut iov = [IoSlice::new(&[]); 16];
-                let n = session.poll_transmit(&mut iov);
-                let sent = conn.client_io.send(&iov[..n]);
-                if let Ok(n) = sent {
-                    session.handle_sent(n);
+                Client::Up { link, .. } => {
+                    if !link.has_transmit() {
+                        return Ok(());
+                    }
+                    let mut iov = [IoSlice::new(&[]); 16];
+                    let n = link.poll_transmit(&mut iov);
+                    let sent = conn.client_io.send(&iov[..n]);
+                    if let Ok(n) = sent {
+                        link.handle_sent(now, n);
+                    }
+                    sent
                 }
-                sent
+            };
+            match sent {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(format!("send: {e}")),
             }
-            _ => {
-                if conn.client_out.is_empty() {
-                    return Ok(());
-                }
-                let sent = conn.client_io.send(&[IoSlice::new(&conn.client_out)]);
-                if let Ok(n) = sent {
-                    conn.client_out.drain(..n);
-                }
-                sent
-            }
-        };
-        match sent {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-            Err(e) => return Err(format!("send: {e}")),
         }
+        Ok(())
     }
-    Ok(())
-}
 
-/// Handle what the client received: handshake replies, then everything through the session.
-fn client_handle(conn: &mut Connection, now: u64) -> Result<(), String> {
-    loop {
-        match &mut conn.client {
-            ClientState::Ready(session) => {
-                let progress = session
-                    .handle_rx(now, conn.client_rx.unconsumed())
-                    .map_err(|e| format!("client session: {e}"))?;
-                conn.client_rx.consume(progress.consumed);
-                if progress.need > 0 {
-                    conn.client_rx.reserve(progress.need);
-                }
-                return Ok(());
-            }
-            ClientState::Hello(hs) => {
-                let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };
-                let (limits, features) =
-                    hs.handle_reply_features(&h, &body).map_err(|e| format!("handshake: {e}"))?;
-                conn.client_rx_limits = limits;
-                conn.client_data_messages = features & wire::control::FEATURE_DATA_MESSAGES != 0;
-                match hs.auth_frame() {
-                    Some(auth) => {
-                        conn.client_out = auth;
-                        let ClientState::Hello(hs) = std::mem::replace(&mut conn.client, ClientState::Open)
-                        else {
-                            unreachable!("matched above")
-                        };
-                        conn.client = ClientState::Auth(hs);
-                    }
-                    None => {
-                        conn.client_out = wire::control::frame(
-                            FrameKind::Open,
-                            &wire::Open { name: "sim".into() }.encode(),
-                        );
-                        conn.client = ClientState::Open;
-                    }
-                }
-            }
-            ClientState::Auth(hs) => {
-                let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };
-                hs.handle_auth_reply(&h, &body).map_err(|e| format!("authentication: {e}"))?;
-                conn.client_out =
-                    wire::control::frame(FrameKind::Open, &wire::Open { name: "sim".into() }.encode());
-                conn.client = ClientState::Open;
-            }
-            ClientState::Open => {
-                let Some((h, body)) = next_control(&mut conn.client_rx)? else { return Ok(()) };
-                let reply = proto::client::handle_open_reply(&h, &body).map_err(|e| format!("open: {e}"))?;
-                let session = match conn.resume.take() {
-                    Some(mut session) => {
-                        session
-                            .reattach(conn.client_rx_limits, reply.handle)
-                            .map_err(|e| format!("reattach: {e}"))?;
-                        conn.reattached = true;
-                        session
-                    }
-                    None => {
-                        let session =
-                            ClientSession::new(&conn.session_config, conn.client_rx_limits, reply.handle);
-                        #[cfg(feature = "mutations")]
-                        let session = {
-                            let mut session = session;
-                            session.set_mutation(conn.client_mutation);
-                            session
-                        };
-                        Box::new(session)
-                    }
+    /// Hand what the client received to the first handshake (which, done, makes the
+    /// connection) or to the connection.
+    fn client_handle(&mut self, client: &mut Client, now: u64) -> Result<(), String> {
+        let Some(conn) = self.conn.as_mut() else { return Ok(()) };
+        match client {
+            Client::Idle => Ok(()),
+            Client::Opening { id, opening } => {
+                let Some(opened) =
+                    opening.handle_rx(&mut conn.client_rx).map_err(|e| format!("handshake: {e}"))?
+                else {
+                    return Ok(());
                 };
-                let mut session = session;
-                session.set_data_messages(conn.client_data_messages);
-                conn.client = ClientState::Ready(session);
+                let id = *id;
+                let mut link: Box<ClientLink> =
+                    Box::new(ClientLink::new(self.link_config.clone(), opened, now));
+                #[cfg(feature = "mutations")]
+                link.set_mutation(self.opts.planted.client());
+                // The handshake's leftovers (none: the target says nothing unasked) go to it.
+                let handled = link.handle_rx(now, &mut conn.client_rx).map(|_| ());
+                *client = Client::Up { id, link, was_up: true };
+                self.settle(client, handled, now)
+            }
+            Client::Up { link, .. } => {
+                let handled = link.handle_rx(now, &mut conn.client_rx).map(|_| ());
+                self.settle(client, handled, now)
             }
         }
-    }
-}
-
-/// The next control frame the client received, whole, judged from its header first.
-fn next_control(rx: &mut FrameBuffer) -> Result<Option<(Header, Vec<u8>)>, String> {
-    match rx.next_frame(proto::client::admit_control) {
-        Ok(Some(f)) => Ok(Some((f.header, rx.body(&f).to_vec()))),
-        Ok(None) => Ok(None),
-        Err(e) => Err(format!("handshake frame: {e}")),
     }
 }

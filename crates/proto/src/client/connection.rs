@@ -380,6 +380,9 @@ impl<B: IoBuf> Connection<B> {
             Link::Opening { deadline_us, .. } if now_us >= *deadline_us => self.attempt_failed(now_us),
             _ => {}
         }
+        if self.planted() == Mutation::NoRetry {
+            return Ok(());
+        }
         self.drive_policy(now_us)
     }
 
@@ -589,4 +592,279 @@ pub fn is_goodbye(e: &ProtoError) -> bool {
 /// admission limit. A broken reply or an impostor is not retried.
 pub fn is_refusal(e: &ProtoError) -> bool {
     matches!(e, ProtoError::Refused(_) | ProtoError::GoAway { .. })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::caravan::Doorbell;
+    use crate::client::{Batching, Submission, DIRECT_OFF};
+    use wire::control::{ExportFlags, HelloReply};
+    use wire::{CapKind, CapRights, Opcode, ReqFlags, VERSION};
+
+    const TIMEOUT_US: u64 = 1_000_000;
+    const LIMITS: Limits =
+        Limits { queue_depth: 8, caravan_reqs_max: 8, caravan_bytes_max: 1 << 16, io_bytes_max: 4096 };
+
+    fn config(reconnect: ReconnectConfig) -> ConnectionConfig {
+        ConnectionConfig {
+            export: "vol".into(),
+            proposed: LIMITS,
+            features: 0,
+            key: None,
+            grants: Arc::new([]),
+            session: SessionConfig {
+                doorbell: Doorbell { aggregation_reqs: 1, aggregation_bytes: 0, delay_us: 0 },
+                batching: Batching::Off,
+                direct_min_bytes: DIRECT_OFF,
+                directory_entries: 0,
+            },
+            reconnect,
+            timeout_us: TIMEOUT_US,
+            attempt_timeout_us: TIMEOUT_US,
+        }
+    }
+
+    fn reconnecting() -> ReconnectConfig {
+        ReconnectConfig {
+            reconnect_delay_us: 100_000,
+            ctrl_loss_timeout_us: 10_000_000,
+            fast_io_fail_timeout_us: None,
+        }
+    }
+
+    fn open_reply(handle: u32, size_bytes: u64) -> OpenReply {
+        OpenReply { status: Status::Ok, handle, size_bytes, block_size: 512, flags: ExportFlags(0) }
+    }
+
+    fn hello_reply() -> Vec<u8> {
+        let reply = HelloReply {
+            status: Status::Ok,
+            version: VERSION,
+            features: 0,
+            limits: LIMITS,
+            auth_nonce: None,
+        };
+        wire::control::frame(FrameKind::HelloReply, &reply.encode())
+    }
+
+    fn open_frame(reply: OpenReply) -> Vec<u8> {
+        wire::control::frame(FrameKind::OpenReply, &reply.encode())
+    }
+
+    /// A connection up on its first transport with one read sent.
+    fn up_with_a_read(reconnect: ReconnectConfig) -> Connection<Vec<u8>> {
+        let opened = Opened { limits: LIMITS, features: 0, reply: open_reply(1, 1 << 20) };
+        let mut c = Connection::new(config(reconnect), opened, 0);
+        let read = Submission {
+            opcode: Opcode::Read,
+            flags: ReqFlags::empty(),
+            offset: 0,
+            length: 512,
+            buf: Some(vec![0; 512]),
+            user_data: 7,
+        };
+        c.session_mut().submit(0, read).expect("room for a read");
+        c.session_mut().commit();
+        send_all(&mut c, 0);
+        assert_eq!(c.session().on_the_wire(), 1);
+        c
+    }
+
+    /// Send everything gathered; returns the bytes.
+    fn send_all(c: &mut Connection<Vec<u8>>, now: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        while c.has_transmit() {
+            let mut iov = [IoSlice::new(&[]); 8];
+            let n = c.poll_transmit(&mut iov);
+            let bytes: Vec<u8> = iov[..n].iter().flat_map(|s| s.iter().copied()).collect();
+            c.handle_sent(now, bytes.len());
+            out.extend(bytes);
+        }
+        out
+    }
+
+    fn events(c: &mut Connection<Vec<u8>>) -> Vec<Event> {
+        std::iter::from_fn(|| c.poll_event()).collect()
+    }
+
+    /// The kinds of the frames in `bytes`.
+    fn kinds(bytes: &[u8]) -> Vec<FrameKind> {
+        let mut rx = FrameBuffer::new();
+        rx.extend(bytes);
+        std::iter::from_fn(|| rx.next_frame::<wire::WireError>(|_| Ok(())).unwrap().map(|f| f.header.kind))
+            .collect()
+    }
+
+    fn completions(c: &mut Connection<Vec<u8>>) -> Vec<(u64, Status)> {
+        let mut out = Vec::new();
+        c.session_mut().take_completions(&mut out);
+        out.iter().map(|c| (c.user_data, c.status)).collect()
+    }
+
+    #[test]
+    fn a_lost_transport_is_replaced_and_the_request_sent_again() {
+        let mut c = up_with_a_read(reconnecting());
+        assert!(c.handle_transport_lost(10));
+        // The lost transport is closed before the first attempt, which starts at once.
+        assert_eq!(events(&mut c), [Event::Disconnect, Event::Connect]);
+        assert!(c.is_reconnecting() && !c.has_transport());
+        c.handle_transport_up(20, false, [0; NONCE_LEN]);
+        assert_eq!(kinds(&send_all(&mut c, 20)), [FrameKind::Hello]);
+        let mut rx = FrameBuffer::new();
+        rx.extend(&hello_reply());
+        assert_eq!(c.handle_rx(30, &mut rx), Ok(false));
+        assert_eq!(kinds(&send_all(&mut c, 30)), [FrameKind::Open]);
+        rx.extend(&open_frame(open_reply(5, 1 << 20)));
+        assert_eq!(c.handle_rx(40, &mut rx), Ok(false));
+        assert!(c.is_up() && !c.is_reconnecting());
+        assert_eq!(c.session().handle(), 5, "requests go under the new connection's handle");
+        assert_eq!(kinds(&send_all(&mut c, 40)), [FrameKind::Requests], "the read is sent again");
+        assert!(completions(&mut c).is_empty(), "nothing failed");
+        assert_eq!((c.reconnect().losses, c.reconnect().attempts), (1, 1));
+    }
+
+    #[test]
+    fn a_target_that_comes_back_different_closes_for_good() {
+        let mut c = up_with_a_read(reconnecting());
+        assert!(c.handle_transport_lost(10));
+        events(&mut c);
+        c.handle_transport_up(20, false, [0; NONCE_LEN]);
+        send_all(&mut c, 20);
+        let mut rx = FrameBuffer::new();
+        rx.extend(&hello_reply());
+        rx.extend(&open_frame(open_reply(5, 2 << 20)));
+        assert!(matches!(c.handle_rx(30, &mut rx), Err(Closed::Protocol(ProtoError::Unexpected(..)))));
+        assert!(c.is_closed());
+        assert_eq!(events(&mut c), [Event::Disconnect]);
+        assert_eq!(completions(&mut c), [(7, Status::IoError)]);
+    }
+
+    #[test]
+    fn a_refused_attempt_waits_for_the_policy_then_tries_again() {
+        let mut c = up_with_a_read(reconnecting());
+        assert!(c.handle_transport_lost(10));
+        events(&mut c);
+        c.handle_transport_up(20, false, [0; NONCE_LEN]);
+        send_all(&mut c, 20);
+        let mut rx = FrameBuffer::new();
+        rx.extend(&hello_reply());
+        let refused = OpenReply { status: Status::NotFound, ..open_reply(0, 0) };
+        rx.extend(&open_frame(refused));
+        assert_eq!(c.handle_rx(30, &mut rx), Ok(false));
+        assert_eq!(events(&mut c), [Event::Disconnect], "no new attempt yet");
+        let next = c.poll_timeout().expect("the next attempt is due");
+        assert_eq!(next, 30 + super::super::reconnect::FIRST_RETRY_US);
+        assert_eq!(c.handle_timeout(next - 1), Ok(()));
+        assert_eq!(events(&mut c), []);
+        assert_eq!(c.handle_timeout(next), Ok(()));
+        assert_eq!(events(&mut c), [Event::Connect]);
+        assert!(completions(&mut c).is_empty(), "the read still waits");
+    }
+
+    #[test]
+    fn silence_without_reconnection_closes_for_good() {
+        let mut c = up_with_a_read(ReconnectConfig::OFF);
+        assert_eq!(c.poll_timeout(), Some(TIMEOUT_US), "silence counts from the send");
+        assert_eq!(c.handle_timeout(TIMEOUT_US - 1), Ok(()));
+        c.handle_received(TIMEOUT_US - 1);
+        assert_eq!(c.handle_timeout(TIMEOUT_US), Ok(()), "bytes arrived: silence starts again");
+        assert_eq!(c.handle_timeout(2 * TIMEOUT_US - 1), Err(Closed::Silent));
+        assert_eq!(events(&mut c), [Event::Disconnect]);
+        assert_eq!(completions(&mut c), [(7, Status::IoError)]);
+        assert_eq!(c.poll_timeout(), None);
+    }
+
+    #[test]
+    fn silence_with_reconnection_is_a_loss() {
+        let mut c = up_with_a_read(reconnecting());
+        assert_eq!(c.handle_timeout(TIMEOUT_US), Ok(()));
+        assert_eq!(events(&mut c), [Event::Disconnect, Event::Connect]);
+        assert_eq!(c.reconnect().losses, 1);
+    }
+
+    #[test]
+    fn the_policy_gives_up_at_ctrl_loss_timeout() {
+        let mut c = up_with_a_read(reconnecting());
+        assert!(c.handle_transport_lost(0));
+        events(&mut c);
+        c.handle_transport_failed(1);
+        let mut now;
+        let closed = loop {
+            now = c.poll_timeout().expect("something is due");
+            match c.handle_timeout(now) {
+                Ok(()) => {
+                    if events(&mut c).contains(&Event::Connect) {
+                        c.handle_transport_failed(now);
+                    }
+                }
+                Err(closed) => break closed,
+            }
+        };
+        assert_eq!(closed, Closed::GaveUp);
+        assert_eq!(now, reconnecting().ctrl_loss_timeout_us);
+        assert_eq!(completions(&mut c), [(7, Status::IoError)]);
+    }
+
+    #[test]
+    fn a_goodbye_for_shutdown_is_a_loss_and_a_broken_frame_is_not() {
+        let goaway = |status| {
+            let g = wire::GoAway { status, message: "bye".into() };
+            wire::control::frame(FrameKind::GoAway, &g.encode())
+        };
+        let mut c = up_with_a_read(reconnecting());
+        let mut rx = FrameBuffer::new();
+        rx.extend(&goaway(Status::ShuttingDown));
+        assert_eq!(c.handle_rx(5, &mut rx), Ok(false));
+        assert!(c.is_reconnecting());
+
+        let mut c = up_with_a_read(reconnecting());
+        let mut rx = FrameBuffer::new();
+        rx.extend(&goaway(Status::Invalid));
+        assert!(matches!(c.handle_rx(5, &mut rx), Err(Closed::Protocol(ProtoError::GoAway { .. }))));
+        assert!(c.is_closed());
+        assert_eq!(completions(&mut c), [(7, Status::IoError)]);
+    }
+
+    #[test]
+    fn an_opening_presents_grants_one_frame_at_a_time_after_open() {
+        let cap = Capability {
+            export: 1,
+            kind: CapKind::Chunk,
+            rights: CapRights::READ,
+            epoch: 0,
+            generation: 0,
+            offset: 0,
+            length: 4096,
+            slot: 0,
+            expires_ms: 0,
+            mac: [0; wire::capability::MAC_LEN],
+        };
+        let mut cfg = config(ReconnectConfig::OFF);
+        cfg.grants = vec![cap; wire::GRANTS_PER_FRAME_MAX + 1].into();
+        let mut opening = Opening::new(&cfg, false, [0; NONCE_LEN]);
+        let mut rx = FrameBuffer::new();
+        let mut step = |opening: &mut Opening, reply: Vec<u8>| {
+            let out = opening.poll_transmit().to_vec();
+            opening.handle_sent(out.len());
+            rx.extend(&reply);
+            (kinds(&out), opening.handle_rx(&mut rx))
+        };
+        assert_eq!(step(&mut opening, hello_reply()), (vec![FrameKind::Hello], Ok(None)));
+        assert_eq!(step(&mut opening, open_frame(open_reply(3, 1 << 20))), (vec![FrameKind::Open], Ok(None)));
+        let granted = wire::GrantReply { status: Status::Ok, refused: 0 };
+        let granted = wire::control::frame(FrameKind::GrantReply, &granted.encode());
+        assert_eq!(step(&mut opening, granted.clone()), (vec![FrameKind::Grant], Ok(None)));
+        let (sent, opened) = step(&mut opening, granted);
+        assert_eq!(sent, [FrameKind::Grant]);
+        assert_eq!(opened.unwrap().unwrap().reply.handle, 3);
+
+        let mut opening = Opening::new(&cfg, false, [0; NONCE_LEN]);
+        let mut rx = FrameBuffer::new();
+        rx.extend(&hello_reply());
+        rx.extend(&open_frame(open_reply(3, 1 << 20)));
+        let refused = wire::GrantReply { status: Status::AccessDenied, refused: 1 };
+        rx.extend(&wire::control::frame(FrameKind::GrantReply, &refused.encode()));
+        assert_eq!(opening.handle_rx(&mut rx), Err(ProtoError::Refused(Status::AccessDenied)));
+    }
 }

@@ -262,6 +262,9 @@ pub enum Mutation {
     /// Connection: a reconnection skips OPEN and sends the parked requests under the export
     /// handle of the lost connection, which the new one never opened.
     ReopenWithoutOpen,
+    /// Connection: the reconnection policy is driven only when a transport is lost, not from
+    /// `handle_timeout`, so an attempt that failed is never followed by another.
+    NoRetry,
 }
 
 impl<B: IoBuf> ClientSession<B> {
