@@ -12,13 +12,15 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::front::{native::NativeConn, nbd::NbdConn, Later, Link, Sealed, Sink};
+use engine::front::{Later, Link, Sealed, Sink};
 use engine::{Batch, Export, Io, RegionBytes};
 use transport::tls::ServerTlsConfig;
 use transport::{FrameBuffer, FrameIo, Stream};
 use wire::Status;
 
 use crate::admission::Ticket;
+pub use crate::front::Protocol;
+use crate::front::{front_end, FrontEnd};
 use crate::stats::{bump, WorkerStats};
 use crate::{Bounds, Shared};
 
@@ -382,7 +384,8 @@ pub(crate) struct Conn<S = Stream> {
     held: bool,
     /// The TLS session was ended (`close_notify` queued), or there was none to end.
     tls_closed: bool,
-    kind: Kind,
+    /// The protocol's front end.
+    front: Box<dyn FrontEnd>,
     /// Its place in the admission book.
     pub ticket: Arc<Ticket>,
     accepted_at: Instant,
@@ -431,19 +434,6 @@ enum Wait {
     Void,
 }
 
-/// The protocol a connection speaks, chosen by the listener it arrived on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Protocol {
-    Native,
-    /// The NBD front end.
-    Nbd,
-}
-
-enum Kind {
-    Native(Box<NativeConn>),
-    Nbd(Box<NbdConn>),
-}
-
 /// What reading left the connection as.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum ReadOutcome {
@@ -472,44 +462,9 @@ impl<S: ConnStream> Conn<S> {
         let mut tx = TxBuf::with_room(
             (wire::header::HEADER_LEN + depth * wire::caravan::COMPLETION_DESC_LEN).next_power_of_two(),
         );
-        let kind = match (protocol, shared.nbd_view()) {
-            (Protocol::Nbd, Some(config)) => {
-                let mut greeting = Vec::new();
-                // TLS runs over TCP only: where it is merely offered, a Unix socket client is
-                // not offered it (STARTTLS gets ERR_UNSUP); where it is required, it is refused.
-                let config = if stream.is_unix() && config.tls() == ::nbd::TlsPolicy::On {
-                    Arc::new(::nbd::HandshakeConfig::clone(&config).with_tls(::nbd::TlsPolicy::Off))
-                } else {
-                    config
-                };
-                let conn =
-                    NbdConn::new(config, shared.config.bounds.nbd_extents_per_reply_max, &mut greeting);
-                tx.append(&greeting);
-                Kind::Nbd(Box::new(conn))
-            }
-            _ => {
-                let mut conn =
-                    NativeConn::new(shared.config.bounds.limits, shared.config.bounds.open_handles_max);
-                if stream.data_messages() {
-                    conn = conn.with_data_messages();
-                }
-                // Each connection proves keys against a nonce of its own.
-                match rt::random::bytes() {
-                    Ok(nonce) => Kind::Native(Box::new(
-                        conn.with_auth(proto::server::AuthConfig { keys: shared.keys.clone(), nonce }),
-                    )),
-                    Err(e) => {
-                        tracing::error!(error = %e, "no randomness for a handshake nonce: this connection cannot authenticate");
-                        Kind::Native(Box::new(conn))
-                    }
-                }
-            }
-        };
+        let front = front_end(protocol, &stream, shared, &mut tx);
         let now = Instant::now();
-        let tls_undecided = match (&kind, &shared.config.tls) {
-            (Kind::Native(_), Some(tls)) if stream.is_tcp() => Some(tls.clone()),
-            _ => None,
-        };
+        let tls_undecided = shared.config.tls.clone().filter(|_| front.sniffs_tls() && stream.is_tcp());
         Conn {
             tls_undecided,
             starttls: false,
@@ -521,7 +476,7 @@ impl<S: ConnStream> Conn<S> {
             closing: false,
             held: false,
             tls_closed: false,
-            kind,
+            front,
             ticket,
             accepted_at: now,
             last_rx: now,
@@ -549,11 +504,7 @@ impl<S: ConnStream> Conn<S> {
         let (limit, since, what, counter) = if !self.established {
             (bounds.handshake_timeout, self.accepted_at, "handshake", &shared.listener.handshake_timeouts)
         } else {
-            let idle = match self.kind {
-                Kind::Native(_) => bounds.idle_timeout,
-                Kind::Nbd(_) => bounds.nbd_idle_timeout,
-            };
-            (idle, self.last_rx, "idle", &shared.listener.idle_timeouts)
+            (self.front.idle_timeout(bounds), self.last_rx, "idle", &shared.listener.idle_timeouts)
         };
         // A connection whose replies the peer is still taking is not idle.
         if limit.is_zero() || now.duration_since(since) < limit || (self.established && self.tx.pending() > 0)
@@ -566,12 +517,11 @@ impl<S: ConnStream> Conn<S> {
         true
     }
 
-    /// Tell a native peer why the connection ends (NBD has no such message), and close it
-    /// once that is sent.
+    /// Tell the peer why the connection ends, where its protocol has a way to (the native
+    /// `GOAWAY`; NBD has none), and close it once that is sent.
     pub fn say_goaway(&mut self, status: Status, message: &str) {
-        if let Kind::Native(_) = self.kind {
-            let goaway = wire::GoAway { status, message: message.to_owned() };
-            self.tx.append(&wire::control::frame(wire::FrameKind::GoAway, &goaway.encode()));
+        if let Some(goodbye) = self.front.goodbye(status, message) {
+            self.tx.append(&goodbye);
         }
         self.closing = true;
     }
@@ -582,10 +532,7 @@ impl<S: ConnStream> Conn<S> {
         if self.established {
             return false;
         }
-        self.established = match &self.kind {
-            Kind::Native(c) => c.is_established(),
-            Kind::Nbd(c) => c.is_established(),
-        };
+        self.established = self.front.is_established();
         self.established
     }
 
@@ -796,18 +743,8 @@ impl<S: ConnStream> Conn<S> {
             return;
         }
         self.identify = false;
-        let Kind::Nbd(conn) = &mut self.kind else { return };
         let Some(principal) = self.stream.peer_principal() else { return };
-        let io_bytes_max = shared.config.bounds.limits.io_bytes_max;
-        match engine::front::nbd::handshake_config(&shared.exports, io_bytes_max, Some(&principal)) {
-            Ok(config) => {
-                tracing::info!(peer = %self.peer, principal, "NBD client identified by its TLS certificate");
-                conn.set_config(Arc::new(config));
-            }
-            Err(e) => {
-                tracing::warn!(peer = %self.peer, principal, error = %e, "NBD exports for this principal")
-            }
-        }
+        self.front.identify(&principal, shared, &self.peer);
     }
 
     /// Bytes still to go out: responses not yet sent, and ciphertext rustls could not write.
@@ -878,25 +815,18 @@ impl<S: ConnStream> Conn<S> {
     /// once more than `backlog_max` bytes of replies are queued.
     fn process(&mut self, shared: &Shared, stats: &WorkerStats, backlog_max: usize) {
         self.identify_nbd(shared);
-        let Conn { rx, tx, closing, peer, kind, stream, data_apart, batch, woken, .. } = self;
+        let Conn { rx, tx, closing, peer, front, stream, data_apart, batch, woken, .. } = self;
         let later = Later::new(batch.as_ref());
         let batch = if std::mem::replace(woken, Wait::None) == Wait::Reads { None } else { batch.as_ref() };
         let mut link =
             Link { rx, tx, closing, peer, stats: &stats.front, backlog_max, batch, waiting: false, later };
-        match kind {
-            Kind::Native(conn) => {
-                conn.process(&mut link, shared);
-                if !*data_apart && conn.data_messages() {
-                    // Agreed in the HELLO just answered: completion caravans from here on
-                    // send their read data as data messages.
-                    *data_apart = stream.send_data_messages();
-                }
-            }
-            Kind::Nbd(conn) => {
-                conn.process(&mut link, shared);
-                self.starttls |= conn.take_starttls();
-            }
+        front.process(&mut link, shared);
+        if !*data_apart && front.data_messages() {
+            // Agreed in the HELLO just answered: completion caravans from here on send their
+            // read data as data messages.
+            *data_apart = stream.send_data_messages();
         }
+        self.starttls |= front.take_starttls();
         let (parked, sealed) = (link.waiting, link.later.seal());
         if parked {
             self.wait = Wait::Reads;
