@@ -22,6 +22,7 @@ pub mod model;
 mod passes;
 mod stages;
 pub mod stats;
+mod txbuf;
 mod worker;
 
 use std::io;
