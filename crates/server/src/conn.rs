@@ -30,7 +30,7 @@ use crate::bounds::IDLE_SHRINK_AFTER;
 /// What a connection needs of its stream beyond moving bytes ([`FrameIo`]): the target's
 /// [`Stream`], or the modelled socket that the liveness tests drive the same code over
 /// (`crate::model`).
-pub(crate) trait ConnStream: FrameIo {
+pub trait ConnStream: FrameIo {
     /// A description of the peer for logs.
     fn peer(&self) -> String;
     /// A Unix socket, where TLS is never offered.
@@ -117,12 +117,27 @@ pub(crate) struct Conn<S = Stream> {
     pub batch: Option<Arc<Batch>>,
     /// What the connection waits for on its batch.
     wait: Wait,
+    /// A bug planted in it.
+    #[cfg(feature = "mutations")]
+    mutation: Option<Mutation>,
     /// The wait its batch's wake just ended, for the next pass: after `Reads`, it executes
     /// what waited without looking ahead again, so a request waits at most once (a page taken
     /// from the pool meanwhile is read the ordinary way); after `Replies`, it sends the
     /// replies that waited before processing more (a FLUSH in what follows would hold them
     /// again for nothing).
     woken: Wait,
+}
+
+/// Deliberately broken variants of the connection's handling, for the simulator's proof that
+/// it catches them. Only the feature `mutations` (never on in the product's binaries) lets one
+/// be planted; without it every check folds to `false`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mutation {
+    /// The native front end acknowledges a write before it reaches the backend.
+    AckBeforeBackend,
+    /// A batch's wake resumes the connection without taking up the requests that waited in
+    /// its buffer: they sit there until more bytes arrive, which may be never.
+    ForgetHeldOnWake,
 }
 
 /// What a connection waits for on its batch (`Conn::batch`).
@@ -191,6 +206,8 @@ impl<S: ConnStream> Conn<S> {
             batch: None,
             wait: Wait::None,
             woken: Wait::None,
+            #[cfg(feature = "mutations")]
+            mutation: None,
         }
     }
 
@@ -340,11 +357,39 @@ impl<S: ConnStream> Conn<S> {
         if !self.waiting() {
             return;
         }
-        self.held = true;
+        self.held = !self.planted(Mutation::ForgetHeldOnWake);
         self.woken = std::mem::replace(&mut self.wait, Wait::None);
         if self.woken == Wait::Replies && self.batch.as_ref().is_some_and(|b| b.failed()) {
             self.void_replies();
         }
+    }
+
+    /// Durability a FLUSH or FUA asked for failed: it closes without sending the replies that
+    /// waited for it.
+    pub fn durability_failed(&self) -> bool {
+        self.wait == Wait::Void
+    }
+
+    /// Plant a bug, for the simulator's proof that it catches them.
+    #[cfg(feature = "mutations")]
+    pub fn plant(&mut self, mutation: Mutation) {
+        match mutation {
+            Mutation::AckBeforeBackend => {
+                self.front.plant(engine::front::native::mutation::Mutation::AckBeforeBackend)
+            }
+            Mutation::ForgetHeldOnWake => self.mutation = Some(mutation),
+        }
+    }
+
+    #[cfg(feature = "mutations")]
+    fn planted(&self, mutation: Mutation) -> bool {
+        self.mutation == Some(mutation)
+    }
+
+    #[cfg(not(feature = "mutations"))]
+    #[inline(always)]
+    fn planted(&self, _: Mutation) -> bool {
+        false
     }
 
     /// Whether it waits for its batch's wake.

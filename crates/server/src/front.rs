@@ -60,6 +60,10 @@ pub(crate) trait FrontEnd: Send {
     /// The peer was identified by a verified TLS certificate as `principal`: the exports it
     /// sees may change (NBD after STARTTLS; a native peer proves a key instead).
     fn identify(&mut self, _principal: &str, _shared: &Shared, _peer: &str) {}
+
+    /// Plant a bug of the native front end (others have none to plant).
+    #[cfg(feature = "mutations")]
+    fn plant(&mut self, _mutation: engine::front::native::mutation::Mutation) {}
 }
 
 /// The front end for a new connection of `protocol` over `stream`; an NBD greeting goes into
@@ -128,6 +132,11 @@ impl FrontEnd for NativeConn {
 
     fn data_messages(&self) -> bool {
         NativeConn::data_messages(self)
+    }
+
+    #[cfg(feature = "mutations")]
+    fn plant(&mut self, mutation: engine::front::native::mutation::Mutation) {
+        self.set_mutation(mutation);
     }
 }
 

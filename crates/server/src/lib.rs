@@ -14,6 +14,7 @@ mod acceptor;
 mod admission;
 mod bounds;
 mod conn;
+pub mod drive;
 mod front;
 mod metrics;
 #[cfg(any(test, feature = "fuzzing"))]

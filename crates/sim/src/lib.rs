@@ -1,7 +1,7 @@
-//! skiff's deterministic simulation: an initiator session and a target front end, the real
-//! protocol code of both, stepped on one thread over an in-memory pipe and a RAM volume, with
-//! seeded network and disk faults and a virtual clock, every read checked against a model of
-//! the volume.
+//! skiff's deterministic simulation: the initiator's connection and the target's connection
+//! handling, the real code of both, stepped on one thread over an in-memory pipe and a RAM
+//! volume, with seeded network and disk faults and a virtual clock, every read checked against
+//! a model of the volume.
 //!
 //! In the manner of TigerBeetle's simulator, a run is a function of its seed: a failing seed is
 //! printed with the command that replays it, and replays exactly. The pieces are usable alone:
@@ -11,7 +11,7 @@
 //! run's choice between the two), [`disk::FaultyBackend`] (disk faults for any backend),
 //! [`clock::Clock`].
 //!
-//! Nothing here is linked into the product. The planted bugs of `proto` and `engine`
+//! Nothing here is linked into the product. The planted bugs of `proto`, `engine`, `eth` and `server`
 //! ([`Planted`]), which prove that the simulation catches what it claims to, need this crate's
 //! feature `mutations` (`cargo test -p skiff-sim --features mutations`); it is off by default,
 //! so that no workspace build links them into the product's binaries.

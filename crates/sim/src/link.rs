@@ -175,3 +175,37 @@ impl FrameIo for ConnIo {
         }
     }
 }
+
+/// The target's end as the worker's connection handling sees a stream: neither TCP (a TLS
+/// listener's sniffing) nor Unix, without TLS.
+impl server::drive::ConnStream for ConnIo {
+    fn peer(&self) -> String {
+        "sim".into()
+    }
+
+    fn is_unix(&self) -> bool {
+        false
+    }
+
+    fn is_tcp(&self) -> bool {
+        false
+    }
+
+    fn peek_first_byte(&self) -> io::Result<Option<u8>> {
+        Ok(None)
+    }
+
+    fn start_tls(&mut self, _: std::sync::Arc<transport::tls::ServerTlsConfig>) -> io::Result<()> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+
+    fn tls_established(&self) -> bool {
+        false
+    }
+
+    fn peer_principal(&self) -> Option<String> {
+        None
+    }
+
+    fn close_tls(&mut self) {}
+}

@@ -22,10 +22,6 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use backend::{Backend, Batch, Wake};
-#[cfg(feature = "mutations")]
-use engine::front::native::mutation::Mutation as TargetMutation;
-use engine::front::native::NativeConn;
-use engine::front::{FrontStats, Host, Later, Link, Sealed};
 use engine::{BackendSpec, Export, ExportTable};
 use proto::batch::BatchConfig;
 use proto::caravan::Doorbell;
@@ -35,6 +31,9 @@ use proto::client::{
     Batching, ClientSession, Closed, Completion, ConnectionConfig, Event, Opening, ReconnectConfig,
     SessionConfig, Submission, SubmitError, DIRECT_OFF,
 };
+#[cfg(feature = "mutations")]
+use server::drive::Mutation as TargetMutation;
+use server::drive::{Protocol, Serviced, Target, TargetConn, TargetSettings};
 use transport::FrameIo;
 use wire::{FrameBuffer, Limits, Opcode, ReqFlags, Status};
 
@@ -96,11 +95,15 @@ pub enum Planted {
     /// Client connection: an attempt to reconnect that failed is never followed by another.
     #[cfg(feature = "mutations")]
     NoRetry,
+    /// Target connection: a batch's wake does not take up the requests that waited in the
+    /// connection's buffer for device work.
+    #[cfg(feature = "mutations")]
+    ForgetHeldOnWake,
 }
 
 impl Planted {
     #[cfg(feature = "mutations")]
-    pub const ALL: [Planted; 7] = [
+    pub const ALL: [Planted; 8] = [
         Planted::SwapTags,
         Planted::ForgetUnsent,
         Planted::IgnoreDeadline,
@@ -108,6 +111,7 @@ impl Planted {
         Planted::AckBeforeBackend,
         Planted::ReopenWithoutOpen,
         Planted::NoRetry,
+        Planted::ForgetHeldOnWake,
     ];
 
     /// The client connection's or session's bug this plants ([`ClientMutation::None`] for a
@@ -122,7 +126,17 @@ impl Planted {
             Planted::SwapSegments => ClientMutation::SwapSegments,
             Planted::ReopenWithoutOpen => ClientMutation::ReopenWithoutOpen,
             Planted::NoRetry => ClientMutation::NoRetry,
-            Planted::None | Planted::AckBeforeBackend => ClientMutation::None,
+            Planted::None | Planted::AckBeforeBackend | Planted::ForgetHeldOnWake => ClientMutation::None,
+        }
+    }
+
+    /// The target connection's bug this plants, if it is one of the target's.
+    #[cfg(feature = "mutations")]
+    fn target(self) -> Option<TargetMutation> {
+        match self {
+            Planted::AckBeforeBackend => Some(TargetMutation::AckBeforeBackend),
+            Planted::ForgetHeldOnWake => Some(TargetMutation::ForgetHeldOnWake),
+            _ => None,
         }
     }
 }
@@ -252,23 +266,6 @@ struct Op {
     client: u32,
 }
 
-struct SimHost {
-    exports: ExportTable,
-    io_bytes_max: u32,
-}
-
-impl Host for SimHost {
-    fn exports(&self) -> &ExportTable {
-        &self.exports
-    }
-    fn io_bytes_max(&self) -> u32 {
-        self.io_bytes_max
-    }
-    fn stats_reply(&self) -> wire::StatsReply {
-        wire::StatsReply { entries: Vec::new() }
-    }
-}
-
 /// The initiator: the handshake of a new connection, or the connection itself
 /// ([`proto::client::Connection`], the lane's own logic: its session, handshakes on later
 /// transports, silence and reconnection).
@@ -286,36 +283,17 @@ enum Client {
 struct Connection {
     id: u32,
     client_io: ConnIo,
-    target_io: ConnIo,
     client_rx: FrameBuffer,
-    target: NativeConn,
-    target_rx: FrameBuffer,
-    target_tx: Vec<u8>,
-    target_sent: usize,
-    target_closing: bool,
+    /// The target's end: the worker's own connection handling (`server::drive`) over the
+    /// link's target end.
+    target: TargetConn<ConnIo>,
+    /// The target closed its end (it failed, or said all it had to).
     target_closed: bool,
-    target_stats: FrontStats,
     /// The target's replies wait until then (a slow backend).
     target_gate_us: u64,
-    /// The target's transport sends read data in data messages (agreed in HELLO), and the
-    /// initiator's session takes it so.
-    target_apart: bool,
-    /// Where the target's front end parks requests that wait for device work (the faulty
-    /// disk's `park`), as a worker does for a flash volume's pool misses; its wake names the
-    /// connection's id in `woken`.
-    target_batch: Arc<Batch>,
-    /// Requests wait in `target_rx` for the batch's wake.
-    target_waiting: bool,
-    /// Woken: the next processing runs without looking ahead (a request waits at most once).
-    target_resumed: bool,
-    /// Replies queued wait for durability started on the batch (FLUSH, FUA): none is sent
-    /// before the wake, as in the server.
-    target_holding: bool,
-    /// That durability failed: the target closed without sending the replies that waited.
+    /// It closed because durability it waited for failed, without sending the replies that
+    /// waited.
     target_sync_failed: bool,
-    /// The last pass parked for a look-ahead's device work (the pass after its wake does not
-    /// look ahead again).
-    target_look_parked: bool,
 }
 
 /// Connections whose parked requests may go on, by id.
@@ -343,12 +321,12 @@ struct Sim {
     clock: Clock,
     rng: Rng,
     shadow: Shadow,
-    host: SimHost,
+    /// The target: one worker's shared state over the faulty volume.
+    target: Target,
     faulty: Arc<FaultyBackend>,
     volume: Arc<dyn Backend>,
     /// What every client connection of the run is (the key, the reconnection policy, ...).
     link_config: ConnectionConfig,
-    offered: Limits,
     latency_us: u64,
     pipe_bytes: usize,
     /// The current transport, if one is up.
@@ -443,14 +421,21 @@ impl Sim {
             timeout_us: SILENCE_US,
             attempt_timeout_us: SILENCE_US,
         };
+        let settings = TargetSettings {
+            limits: offered,
+            open_handles_max: 16,
+            keys: link_config.key.iter().map(|key| proto::auth::Key::clone(key)).collect(),
+            tx_backlog_bytes_max: TX_BACKLOG_MAX,
+            reads_per_pass: CALLS_PER_STEP,
+        };
+        let target = Target::new(settings, exports).expect("a target over one small volume");
         Sim {
             opts: *opts,
             shadow: Shadow::new(opts.seed, VOLUME_BLOCKS),
-            host: SimHost { exports, io_bytes_max: offered.io_bytes_max },
+            target,
             faulty,
             volume,
             link_config,
-            offered,
             latency_us: rng.range(1, 50),
             pipe_bytes: rng.pick(&[700, 4096, 65536, 1 << 20]),
             conn: None,
@@ -497,7 +482,7 @@ impl Sim {
                 if self.rng.below(2) == 0 {
                     conn.client_io.pump();
                 }
-                conn.target_io.pump();
+                conn.target.stream_mut().pump();
             }
             self.client_step()?;
             if self.conn.is_some() {
@@ -529,6 +514,7 @@ impl Sim {
         self.report.resuming_runs = u64::from(self.resuming);
         self.report.authenticated_runs = u64::from(self.authenticating);
         self.report.disk_errors = self.faulty.errors.load(Relaxed);
+        self.report.goaways = self.target.protocol_errors();
         self.report.parks = self.faulty.parks.load(Relaxed);
         self.report.syncs_later = self.faulty.syncs_later.load(Relaxed);
         Ok(self.report)
@@ -553,21 +539,10 @@ impl Sim {
         std::array::from_fn(|_| self.rng.below(256) as u8)
     }
 
-    /// A new transport, and a target front end at its far end.
+    /// A new transport, and the target's connection at its far end.
     fn open_transport(&mut self) {
         self.connections += 1;
         let id = self.connections;
-        let mut target = NativeConn::new(self.offered, 16);
-        if let Some(key) = &self.link_config.key {
-            let nonce = std::array::from_fn(|_| self.rng.below(256) as u8);
-            let auth =
-                proto::server::AuthConfig { keys: Arc::new(vec![proto::auth::Key::clone(key)]), nonce };
-            target = target.with_auth(auth);
-        }
-        #[cfg(feature = "mutations")]
-        if self.opts.planted == Planted::AckBeforeBackend {
-            target.set_mutation(TargetMutation::AckBeforeBackend);
-        }
         let (client_io, target_io) = ConnIo::pair(
             self.opts.link,
             &self.clock,
@@ -577,29 +552,23 @@ impl Sim {
             self.pipe_bytes,
             self.opts.net,
         );
-        if target_io.data_messages() {
-            target = target.with_data_messages();
+        let mut target = self.target.accept(target_io, Protocol::Native).expect("the target admits it");
+        // Requests that wait for device work (the faulty disk's `park`) and replies that wait
+        // for durability park on a batch, as on a target with asynchronous flash reads; its
+        // wake names the connection's id in `woken`.
+        target.set_batch(Arc::new(Batch::new(self.woken.clone(), u64::from(id))));
+        #[cfg(feature = "mutations")]
+        if let Some(mutation) = self.opts.planted.target() {
+            target.plant(mutation);
         }
         self.conn = Some(Connection {
             id,
             client_io,
-            target_io,
             client_rx: FrameBuffer::new(),
             target,
-            target_rx: FrameBuffer::new(),
-            target_tx: Vec::new(),
-            target_sent: 0,
-            target_closing: false,
             target_closed: false,
-            target_stats: FrontStats::default(),
             target_gate_us: 0,
-            target_apart: false,
-            target_batch: Arc::new(Batch::new(self.woken.clone(), u64::from(id))),
-            target_waiting: false,
-            target_resumed: false,
-            target_holding: false,
             target_sync_failed: false,
-            target_look_parked: false,
         });
     }
 
@@ -779,7 +748,8 @@ impl Sim {
         }
     }
 
-    /// The target's turn: receive, execute, send what the backend has let go.
+    /// The target's turn, as a worker's pass for this connection: resume it if its batch
+    /// landed, read and execute, and send what the slow backend has let go.
     fn target_step(&mut self) {
         let now = self.clock.now_us();
         let conn = self.conn.as_mut().expect("a connection");
@@ -787,103 +757,20 @@ impl Sim {
             return;
         }
         self.faulty.land_some();
-        if conn.target_waiting && self.woken.take(conn.id) {
-            // Its device work landed: execute what waited, without looking ahead again.
-            conn.target_waiting = false;
-            conn.target_resumed = std::mem::take(&mut conn.target_look_parked);
-            if std::mem::take(&mut conn.target_holding) && conn.target_batch.failed() {
-                // As the server does: the replies that waited for durability are never sent.
-                conn.target_sync_failed = true;
-                conn.target_io.shutdown();
-                conn.target_closed = true;
-                return;
-            }
-            self.run_target(now);
+        if self.woken.take(conn.id) {
+            conn.target.resume();
         }
-        for _ in 0..CALLS_PER_STEP {
-            let conn = self.conn.as_mut().expect("a connection");
-            if conn.target_waiting
-                || conn.target_closing
-                || conn.target_tx.len() - conn.target_sent > TX_BACKLOG_MAX
-            {
-                break;
-            }
-            match conn.target_io.fill(&mut conn.target_rx) {
-                Ok(0) => {
-                    conn.target_closed = true;
-                    return;
-                }
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    conn.target_closed = true;
-                    return;
-                }
-            }
-            self.run_target(now);
-        }
-        let conn = self.conn.as_mut().expect("a connection");
-        if now < conn.target_gate_us || conn.target_holding {
-            return;
-        }
-        for _ in 0..CALLS_PER_STEP {
-            if conn.target_sent == conn.target_tx.len() {
-                break;
-            }
-            match conn.target_io.send(&[IoSlice::new(&conn.target_tx[conn.target_sent..])]) {
-                Ok(n) => conn.target_sent += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    conn.target_closed = true;
-                    return;
-                }
-            }
-        }
-        if conn.target_sent == conn.target_tx.len() {
-            conn.target_tx.clear();
-            conn.target_sent = 0;
-            if conn.target_closing {
-                // Everything said, the GOAWAY included: close, as the server does.
-                conn.target_io.shutdown();
-                conn.target_closed = true;
-            }
-        }
-    }
-
-    /// The target's front end processes what it has received (looking ahead, and perhaps
-    /// parking, unless it was just woken), and its slow backend delays the replies.
-    fn run_target(&mut self, now: u64) {
-        let conn = self.conn.as_mut().expect("a connection");
-        let batch = if std::mem::take(&mut conn.target_resumed) { None } else { Some(&conn.target_batch) };
-        let mut link = Link {
-            rx: &mut conn.target_rx,
-            tx: &mut conn.target_tx,
-            closing: &mut conn.target_closing,
-            peer: "sim",
-            stats: &conn.target_stats,
-            backlog_max: usize::MAX,
-            batch,
-            waiting: false,
-            later: Later::new(Some(&conn.target_batch)),
-        };
-        conn.target.process(&mut link, &self.host);
-        let (look_parked, sealed) = (link.waiting, link.later.seal());
-        conn.target_look_parked = look_parked;
-        conn.target_waiting = look_parked || sealed == Sealed::Wait;
-        conn.target_holding |= sealed == Sealed::Wait;
-        if sealed == Sealed::Failed {
-            // Its durability failed before the pass ended: as the server does, close without
-            // sending the replies that waited for it.
-            conn.target_holding = true;
-            conn.target_sync_failed = true;
-            conn.target_io.shutdown();
-            conn.target_closed = true;
-        }
-        if !conn.target_apart && conn.target.data_messages() {
-            conn.target_apart = conn.target_io.send_data_messages();
-        }
+        let serviced = conn.target.service(&self.target);
         let slow = self.faulty.take_delay_us();
         conn.target_gate_us = conn.target_gate_us.max(now + slow);
+        let stays =
+            serviced != Serviced::Closed && (now < conn.target_gate_us || conn.target.flush(&self.target));
+        if !stays {
+            // As a worker drops it: the peer reads what was sent, then the end.
+            conn.target_sync_failed = conn.target.durability_failed();
+            conn.target.stream_mut().shutdown();
+            conn.target_closed = true;
+        }
     }
 
     /// The transport is over (the client's connection closed it, or it failed under the
@@ -893,7 +780,7 @@ impl Sim {
             return Ok(());
         };
         self.count_transport(&conn);
-        let fault = conn.client_io.injected().or(conn.target_io.injected());
+        let fault = conn.client_io.injected().or(conn.target.stream().injected());
         self.report.sync_failures += u64::from(conn.target_sync_failed);
         if fault.is_none() && !conn.target_sync_failed {
             return Err(format!("connection {} failed without an injected fault: {reason}", conn.id));
@@ -905,7 +792,7 @@ impl Sim {
     /// Add what a transport did to the report.
     fn count_transport(&mut self, conn: &Connection) {
         let r = &mut self.report;
-        for io in [&conn.client_io, &conn.target_io] {
+        for io in [&conn.client_io, conn.target.stream()] {
             for (sum, n) in r.net_faults.iter_mut().zip(io.fault_counts()) {
                 *sum += n;
             }
@@ -916,7 +803,6 @@ impl Sim {
         if let Some((link, _)) = conn.client_io.datagram_counts() {
             r.link.add(&link);
         }
-        r.goaways += conn.target_stats.connections_closed_protocol_error.load(Relaxed);
     }
 
     /// Add what a client connection's session did, over all its transports, to the report.
