@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use eth::packet::{PacketSocket, RingConfig, ETHERTYPE};
-use eth::relay::{self, FaultRates};
 use initiator::{Lane, LaneConfig, Limits};
+use relay::FaultRates;
 use skiff_tests::netns::{self, Bridge, VethPair};
 use skiff_tests::{start_target_with, verify};
 use transport::Endpoint;

@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use dgram::reliable::ReliableConfig;
 use eth::packet::{Mac, PacketSocket, RingConfig, RingVersion, ETHERTYPE};
-use eth::relay::{self, FaultRates};
 use eth::EthStream;
+use relay::FaultRates;
 
 const MTU: u32 = 9000;
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use eth::packet::{PacketSocket, RingConfig, ETHERTYPE, ETHERTYPE_ALL};
-use eth::relay::{self, DirectionCounters, FaultRates};
+use relay::{DirectionCounters, FaultRates};
 
 use crate::CliResult;
 

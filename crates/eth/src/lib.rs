@@ -1,6 +1,6 @@
 //! skiff over raw Ethernet (docs/ETHERNET.md): the sockets, the driver of a session over the
-//! sans-I/O datagram stack (`skiff-dgram`), discovery of targets, and the fault relay that
-//! tests and benchmarks put between two interfaces.
+//! sans-I/O datagram stack (`skiff-dgram`), and discovery of targets. The fault relay that
+//! tests and benchmarks put between two interfaces is a crate of its own (`skiff-relay`).
 //!
 //! - [`packet::PacketSocket`]: an AF_PACKET socket with memory-mapped rings and a kernel
 //!   filter, one per session and interface; [`xdp::XdpSocket`], the AF_XDP alternative.
@@ -10,7 +10,6 @@
 //!   them as [`Stream::Datagram`](transport::Stream::Datagram).
 //! - [`listen`] and [`connect`]: a raw-Ethernet [`Endpoint`] bound or connected, with discovery
 //!   of the target when the endpoint names no MAC ([`discover`]).
-//! - [`relay`]: the fault relay (`skiff relay`), a test tool.
 //!
 //! Unsafe code (the rings, the sockets' options, the eBPF program of AF_XDP) lives in
 //! `packet` and `xdp`, each block with a SAFETY comment.
@@ -21,7 +20,6 @@ use std::time::Duration;
 use transport::{DatagramConn, DatagramListener, Endpoint, Listener, Stream};
 
 pub mod packet;
-pub mod relay;
 pub mod session;
 pub mod xdp;
 

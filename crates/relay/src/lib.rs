@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::packet::{PacketSocket, ETH_HEADER_LEN};
+use eth::packet::{PacketSocket, ETH_HEADER_LEN};
 
 /// Rates of each fault, from 0 to 1, applied to every frame in both directions.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
