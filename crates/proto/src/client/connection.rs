@@ -724,13 +724,20 @@ mod tests {
         assert_eq!((c.reconnect().losses, c.reconnect().attempts), (1, 1));
     }
 
-    #[test]
-    fn a_target_that_comes_back_different_closes_for_good() {
+    /// A connection with a read in flight whose transport was lost at 10 µs, with a new one
+    /// up at 20 µs and HELLO sent on it.
+    fn reconnecting_with_a_read() -> Connection<Vec<u8>> {
         let mut c = up_with_a_read(reconnecting());
         assert!(c.handle_transport_lost(10));
         events(&mut c);
         c.handle_transport_up(20, false, [0; NONCE_LEN]);
         send_all(&mut c, 20);
+        c
+    }
+
+    #[test]
+    fn a_target_that_comes_back_different_closes_for_good() {
+        let mut c = reconnecting_with_a_read();
         let mut rx = FrameBuffer::new();
         rx.extend(&hello_reply());
         rx.extend(&open_frame(open_reply(5, 2 << 20)));
@@ -742,11 +749,7 @@ mod tests {
 
     #[test]
     fn a_refused_attempt_waits_for_the_policy_then_tries_again() {
-        let mut c = up_with_a_read(reconnecting());
-        assert!(c.handle_transport_lost(10));
-        events(&mut c);
-        c.handle_transport_up(20, false, [0; NONCE_LEN]);
-        send_all(&mut c, 20);
+        let mut c = reconnecting_with_a_read();
         let mut rx = FrameBuffer::new();
         rx.extend(&hello_reply());
         let refused = OpenReply { status: Status::NotFound, ..open_reply(0, 0) };
