@@ -15,6 +15,7 @@
 mod attach;
 mod bench;
 mod flash;
+mod floor;
 mod info;
 mod keys;
 mod ns;
@@ -62,6 +63,9 @@ enum Command {
     Flash(flash::FlashArgs),
     /// A running target's flash volumes: create, resize, snapshot, clone, delete, list, stats.
     Vol(vol::VolArgs),
+    /// Measure what this machine charges for the primitives of an I/O (a 4 KiB copy, a system
+    /// call, a cross-core cache-line transfer and wake-up): the floor beside skiff's CPU per I/O.
+    Floor(floor::FloorArgs),
 }
 
 fn init_logging(default: &str) {
@@ -116,6 +120,10 @@ fn main() -> ExitCode {
         Command::Flash(args) => {
             init_logging("warn");
             flash::run(args)
+        }
+        Command::Floor(args) => {
+            init_logging("warn");
+            floor::run(args)
         }
         Command::Vol(args) => {
             init_logging("warn");

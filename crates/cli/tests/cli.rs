@@ -354,3 +354,44 @@ fn a_missing_ethernet_interface_is_named() {
         );
     }
 }
+
+/// `skiff floor` measures every primitive it names, on the two CPUs asked for, and reports
+/// each as a positive median within its batches' range; a CPU that does not exist is refused
+/// by name.
+#[test]
+fn floor_measures_every_primitive_and_refuses_a_cpu_that_is_not_there() {
+    let out = skiff()
+        .args(["floor", "--json", "--batches", "3", "--batch", "2ms"])
+        .output()
+        .expect("run skiff floor");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report = json(&out);
+    let figures = report["figures"].as_array().expect("figures");
+    let names: Vec<&str> = figures.iter().map(|f| f["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "memcpy_4k_hot",
+            "memcpy_4k_cold",
+            "syscall",
+            "recv_empty",
+            "tcp_4k",
+            "tcp_64k",
+            "cache_line",
+            "wakeup"
+        ]
+    );
+    for f in figures {
+        let (ns, min, max) =
+            (f["ns"].as_f64().unwrap(), f["ns_min"].as_f64().unwrap(), f["ns_max"].as_f64().unwrap());
+        assert!(ns > 0.0 && ns.is_finite() && min <= ns && ns <= max, "{f}");
+    }
+    assert_eq!((report["cpu"].as_u64(), report["peer_cpu"].as_u64()), (Some(0), Some(1)));
+
+    for flag in ["--cpu", "--peer-cpu"] {
+        let out = skiff().args(["floor", flag, "4096"]).output().expect("run skiff floor");
+        assert!(!out.status.success(), "{flag}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("CPU 4096"), "{flag}: {stderr}");
+    }
+}

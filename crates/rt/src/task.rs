@@ -1,5 +1,6 @@
-//! What the kernel keeps per thread (task) that changes how it treats the thread: the
-//! I/O-flusher state for its memory allocations, and its scheduling policy.
+//! What the kernel keeps per thread (task) that changes how it treats the thread: the CPUs it
+//! may run on ([`pin_to_cpu`]), the I/O-flusher state for its memory allocations, and its
+//! scheduling policy.
 //!
 //! A thread that serves block I/O for the kernel (a FUSE daemon under a loop device, a
 //! user-space target on the same machine) must not wait, while allocating, for the very
@@ -81,6 +82,26 @@ pub fn is_batch_scheduled() -> io::Result<bool> {
     } else {
         Ok(policy == libc::SCHED_BATCH)
     }
+}
+
+/// Run the calling thread on CPU `cpu` only (`sched_setaffinity`), as `taskset` does for a
+/// whole process: for measurements that place two threads of one process on chosen CPUs.
+pub fn pin_to_cpu(cpu: usize) -> io::Result<()> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("CPU {cpu} is past CPU_SETSIZE")));
+    }
+    // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes one bit inside it (the index
+    // was checked against CPU_SETSIZE above).
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: pid 0 is the calling thread; the set is a valid cpu_set_t of the size given.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(e.kind(), format!("pin this thread to CPU {cpu}: {e}")));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
