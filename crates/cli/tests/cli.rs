@@ -377,6 +377,8 @@ fn floor_measures_every_primitive_and_refuses_a_cpu_that_is_not_there() {
             "recv_empty",
             "tcp_4k",
             "tcp_64k",
+            "tcp_4k_apart",
+            "tcp_64k_apart",
             "cache_line",
             "wakeup"
         ]
