@@ -17,15 +17,20 @@
 //!   path, no wake-up. The two sizes split the cost into a part per call and a part per byte.
 //! - `tcp_4k_apart`, `tcp_64k_apart`: the same messages sent by a thread on the peer CPU
 //!   and received on this one, as between a target and an initiator pinned apart: the CPU
-//!   time of both threads per message (by `getrusage`), wake-ups of a full or empty socket
-//!   included.
+//!   time of both threads per message, wake-ups of a full or empty socket
+//!   included (`CLOCK_THREAD_CPUTIME_ID`).
 //! - `cache_line`: a cache line moving from one CPU to the other (half a ping-pong of an
 //!   atomic between two spinning threads).
 //! - `wakeup`: one thread waking another asleep on the other CPU (half a ping-pong over a
 //!   Unix socket pair, each side blocked in `read`): the cross-core wake-up that decides
 //!   low-queue-depth latency on this VM.
+//! - `veth_N`, `veth_N_apart` (with `--veth`): frames of N payload bytes over a veth pair
+//!   through AF_PACKET rings, as the raw-Ethernet transport sends them (queued in the transmit
+//!   ring, one `sendto` per window of 128, taken from the receive ring): in CPU time per frame,
+//!   on one thread, and from a sender on the peer CPU to a receiver here.
 
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -49,6 +54,13 @@ pub struct FloorArgs {
     /// Each batch runs for about this long.
     #[arg(long, value_parser = crate::units::parse_duration, default_value = "20ms")]
     batch: Duration,
+    /// Also measure raw frames over a veth pair: `HOST,NS/PEER`, the host end in this
+    /// network namespace and the peer end in namespace NS (`ip netns add NS`). Needs root.
+    #[arg(long, value_name = "HOST,NS/PEER")]
+    veth: Option<String>,
+    /// Payload bytes of the frames sent over `--veth` (each at most the pair's MTU).
+    #[arg(long, value_delimiter = ',', default_value = "1500,9000")]
+    frame_bytes: Vec<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -57,13 +69,13 @@ pub struct FloorArgs {
 /// One primitive's cost.
 #[derive(Debug, serde::Serialize)]
 struct Figure {
-    name: &'static str,
+    name: String,
     /// Median over the batches of the mean nanoseconds per operation.
     ns: f64,
     /// The lowest and highest batch means, for the spread.
     ns_min: f64,
     ns_max: f64,
-    what: &'static str,
+    what: String,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -89,6 +101,14 @@ pub fn run(args: FloorArgs) -> CliResult {
         cache_line(&m, args.peer_cpu)?,
         wakeup(&m, args.peer_cpu)?,
     ];
+    let mut figures = figures;
+    if let Some(veth) = &args.veth {
+        let pair = VethEnds::parse(veth)?;
+        for &bytes in &args.frame_bytes {
+            figures.push(veth_frames(&m, &pair, bytes, None)?);
+            figures.push(veth_frames(&m, &pair, bytes, Some(args.peer_cpu))?);
+        }
+    }
     let report = Report { cpu: args.cpu, peer_cpu: args.peer_cpu, batches: m.batches, figures };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -114,7 +134,7 @@ struct Measure {
 impl Measure {
     /// Time `op` (which does `n` operations when called with `n`) in batches, by the wall
     /// clock.
-    fn figure(&self, name: &'static str, what: &'static str, mut op: impl FnMut(u64)) -> Figure {
+    fn figure(&self, name: &str, what: &str, mut op: impl FnMut(u64)) -> Figure {
         self.figure_by(name, what, |n| {
             let started = Instant::now();
             op(n);
@@ -124,7 +144,7 @@ impl Measure {
 
     /// Measure `op` in batches: called with `n`, it does `n` operations and returns what they
     /// cost in nanoseconds (of the wall clock, or of CPU time).
-    fn figure_by(&self, name: &'static str, what: &'static str, mut op: impl FnMut(u64) -> f64) -> Figure {
+    fn figure_by(&self, name: &str, what: &str, mut op: impl FnMut(u64) -> f64) -> Figure {
         // How many operations fill a batch: from a short trial, doubling.
         let mut n = 1u64;
         loop {
@@ -142,7 +162,13 @@ impl Measure {
             })
             .collect();
         means.sort_by(f64::total_cmp);
-        Figure { name, ns: means[means.len() / 2], ns_min: means[0], ns_max: means[means.len() - 1], what }
+        Figure {
+            name: name.to_owned(),
+            ns: means[means.len() / 2],
+            ns_min: means[0],
+            ns_max: means[means.len() - 1],
+            what: what.to_owned(),
+        }
     }
 
     /// A primitive with a peer thread pinned to `peer_cpu`, running `peer` until `stop` tells
@@ -259,9 +285,9 @@ fn tcp_apart(m: &Measure, peer_cpu: usize, bytes: usize) -> std::io::Result<Figu
         let out = vec![0xA5u8; bytes];
         // Each request is a batch: send it, then say what it cost this thread.
         while let Ok(n) = asked.recv() {
-            let before = rt::usage::this_thread().cpu_ns;
+            let before = rt::usage::thread_cpu_ns();
             let sent = (0..n).try_for_each(|_| sender.write_all(&out));
-            let cost = sent.map(|()| rt::usage::this_thread().cpu_ns - before);
+            let cost = sent.map(|()| rt::usage::thread_cpu_ns() - before);
             if tell.send(cost).is_err() {
                 return;
             }
@@ -277,13 +303,13 @@ fn tcp_apart(m: &Measure, peer_cpu: usize, bytes: usize) -> std::io::Result<Figu
         if failed.is_some() {
             return f64::NAN;
         }
-        let before = rt::usage::this_thread().cpu_ns;
+        let before = rt::usage::thread_cpu_ns();
         let received = ask.send(n).map_err(|_| std::io::Error::other("the sender is gone")).and_then(|()| {
             (0..n).try_for_each(|_| receiver.read_exact(&mut back))?;
             told.recv().map_err(|_| std::io::Error::other("the sender is gone"))?
         });
         match received {
-            Ok(peer_ns) => (rt::usage::this_thread().cpu_ns - before + peer_ns) as f64,
+            Ok(peer_ns) => (rt::usage::thread_cpu_ns() - before + peer_ns) as f64,
             Err(e) => {
                 // The sender may have said why it is gone (it could not run on its CPU).
                 failed = Some(told.try_recv().ok().and_then(Result::err).unwrap_or(e));
@@ -353,4 +379,178 @@ fn wakeup(m: &Measure, peer_cpu: usize) -> std::io::Result<Figure> {
     m.pair_figure(what, peer_cpu, peer, op, move || {
         let _ = closer.shutdown(std::net::Shutdown::Both);
     })
+}
+
+/// The two ends of a veth pair: `host` in this namespace, `peer` in namespace `ns`.
+struct VethEnds {
+    host: String,
+    ns: String,
+    peer: String,
+}
+
+impl VethEnds {
+    fn parse(s: &str) -> std::io::Result<VethEnds> {
+        let bad = || {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("--veth {s:?}: expected HOST,NS/PEER"),
+            )
+        };
+        let (host, far) = s.split_once(',').ok_or_else(bad)?;
+        let (ns, peer) = far.split_once('/').ok_or_else(bad)?;
+        if host.is_empty() || ns.is_empty() || peer.is_empty() {
+            return Err(bad());
+        }
+        Ok(VethEnds { host: host.to_owned(), ns: ns.to_owned(), peer: peer.to_owned() })
+    }
+
+    /// AF_PACKET sockets on both ends (the peer's opened inside its namespace; a socket stays
+    /// in the namespace it was opened in wherever it is used), with slots for `bytes`.
+    fn open(&self, bytes: usize) -> std::io::Result<(eth::packet::PacketSocket, eth::packet::PacketSocket)> {
+        // A slot holds the ring's header, an Ethernet header and a frame of the interface's
+        // MTU (the two ends of a pair share it; a peer whose MTU is larger fails to open).
+        let mtu_path = format!("/sys/class/net/{}/mtu", self.host);
+        let mtu: usize = std::fs::read_to_string(&mtu_path)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{mtu_path}: {e}")))?
+            .trim()
+            .parse()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{mtu_path}: {e}")))?;
+        let slot_bytes =
+            (mtu.max(bytes) + eth::packet::ETH_HEADER_LEN + 128).next_multiple_of(4096).max(16 << 10);
+        let ring = eth::packet::RingConfig { slot_bytes, rx_slots: 256, tx_slots: 64, ..Default::default() };
+        let host = eth::packet::PacketSocket::open(&self.host, eth::packet::ETHERTYPE, ring)?;
+        let (iface, path) = (self.peer.clone(), format!("/run/netns/{}", self.ns));
+        let peer = std::thread::spawn(move || {
+            rt::netns::enter(std::path::Path::new(&path))?;
+            eth::packet::PacketSocket::open(&iface, eth::packet::ETHERTYPE, ring)
+        })
+        .join()
+        .map_err(|_| std::io::Error::other("the thread opening the peer end panicked"))??;
+        for (end, s) in [(&self.host, &host), (&self.peer, &peer)] {
+            if s.mtu() < bytes {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("{end} has an MTU of {}, below the {bytes}-byte frames asked for", s.mtu()),
+                ));
+            }
+        }
+        Ok((host, peer))
+    }
+}
+
+/// Frames of `bytes` over the veth pair, in CPU time per frame: queued in the host end's
+/// transmit ring and sent with one `sendto` per window, taken from the peer end's receive
+/// ring. On one thread (`apart` `None`), or sent by a thread on another CPU and received here
+/// (the CPU time of both threads). A window never exceeds the receive ring, so nothing drops.
+fn veth_frames(m: &Measure, pair: &VethEnds, bytes: usize, apart: Option<usize>) -> std::io::Result<Figure> {
+    const WINDOW: u64 = 128;
+    let (mut host, mut peer) = pair.open(bytes)?;
+    let dst = peer.mac();
+    let payload = vec![0x5Au8; bytes];
+    // Take `n` frames from the peer end, sleeping in poll when none wait.
+    let take = |peer: &mut eth::packet::PacketSocket, n: u64| -> std::io::Result<()> {
+        let mut got = 0;
+        while got < n {
+            let now = peer.receive(|_, _| {}) as u64;
+            got += now;
+            if now == 0 {
+                let ready = transport::wait_fd(peer.as_raw_fd(), false, Some(Duration::from_secs(5)))?;
+                if !ready.readable {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "frames sent over the veth pair never arrived",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    };
+    // Send `n` frames in windows; `between` runs after each window (the receiver's turn).
+    fn send(
+        host: &mut eth::packet::PacketSocket,
+        dst: eth::packet::Mac,
+        payload: &[u8],
+        n: u64,
+        mut between: impl FnMut(u64) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let mut left = n;
+        while left > 0 {
+            let window = left.min(WINDOW);
+            let mut queued = 0;
+            while queued < window {
+                if host.queue(dst, &[payload])? {
+                    queued += 1;
+                } else {
+                    host.flush()?;
+                }
+            }
+            host.flush()?;
+            between(window)?;
+            left -= window;
+        }
+        Ok(())
+    }
+    let Some(peer_cpu) = apart else {
+        let name = format!("veth_{bytes}");
+        let what =
+            format!("a {bytes}-byte frame over veth (AF_PACKET rings), sent and received by one thread");
+        let mut failed = None;
+        let figure = m.figure_by(&name, &what, |n| {
+            let before = rt::usage::thread_cpu_ns();
+            if let Err(e) = send(&mut host, dst, &payload, n, |w| take(&mut peer, w)) {
+                failed.get_or_insert(e);
+            }
+            (rt::usage::thread_cpu_ns() - before) as f64
+        });
+        return failed.map_or(Ok(figure), Err);
+    };
+    // The sender on the peer CPU; each window waits for the receiver's word that it is in.
+    let (ask, asked) = std::sync::mpsc::channel::<u64>();
+    let (tell, told) = std::sync::mpsc::channel::<std::io::Result<u64>>();
+    let (got_tx, got_rx) = std::sync::mpsc::channel::<()>();
+    let sender = std::thread::spawn(move || {
+        if let Err(e) = rt::task::pin_to_cpu(peer_cpu) {
+            let _ = tell.send(Err(e));
+            return;
+        }
+        while let Ok(n) = asked.recv() {
+            let before = rt::usage::thread_cpu_ns();
+            let sent = send(&mut host, dst, &payload, n, |_| {
+                got_rx.recv().map_err(|_| std::io::Error::other("the receiver is gone"))
+            });
+            if tell.send(sent.map(|()| rt::usage::thread_cpu_ns() - before)).is_err() {
+                return;
+            }
+        }
+    });
+    let name = format!("veth_{bytes}_apart");
+    let what = format!("a {bytes}-byte frame over veth from the peer CPU: CPU of both threads");
+    let mut failed = None;
+    let figure = m.figure_by(&name, &what, |n| {
+        if failed.is_some() {
+            return f64::NAN;
+        }
+        let before = rt::usage::thread_cpu_ns();
+        let received = ask.send(n).map_err(|_| std::io::Error::other("the sender is gone")).and_then(|()| {
+            let mut left = n;
+            while left > 0 {
+                let window = left.min(WINDOW);
+                take(&mut peer, window)?;
+                got_tx.send(()).map_err(|_| std::io::Error::other("the sender is gone"))?;
+                left -= window;
+            }
+            told.recv().map_err(|_| std::io::Error::other("the sender is gone"))?
+        });
+        match received {
+            Ok(sender_ns) => (rt::usage::thread_cpu_ns() - before + sender_ns) as f64,
+            Err(e) => {
+                failed = Some(told.try_recv().ok().and_then(Result::err).unwrap_or(e));
+                f64::NAN
+            }
+        }
+    });
+    drop(ask);
+    drop(got_tx);
+    sender.join().map_err(|_| std::io::Error::other("the sender thread panicked"))?;
+    failed.map_or(Ok(figure), Err)
 }

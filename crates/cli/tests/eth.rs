@@ -376,3 +376,42 @@ fn bench_verifies_over_a_bundle_of_two_links() {
     eprintln!("bundle: {} I/Os verified; lanes {}", json_u64(&bench, &["ios"]), bench["client_link"]);
     drop(serve);
 }
+
+/// `skiff floor --veth` measures frames of each size asked for over a real veth pair, on one
+/// thread and across CPUs, and refuses frames larger than the pair's MTU by name.
+#[test]
+fn floor_measures_veth_frames_and_refuses_frames_over_the_mtu() {
+    if !netns::available("skiff floor --veth") {
+        return;
+    }
+    let pair = VethPair::new(9000);
+    let veth = format!("{},{}/{}", pair.host, pair.ns, pair.peer);
+    let out = skiff()
+        .args([
+            "floor",
+            "--json",
+            "--batches",
+            "3",
+            "--batch",
+            "2ms",
+            "--veth",
+            &veth,
+            "--frame-bytes",
+            "1500,9000",
+        ])
+        .output()
+        .expect("run skiff floor");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let figures = report["figures"].as_array().expect("figures");
+    for name in ["veth_1500", "veth_1500_apart", "veth_9000", "veth_9000_apart"] {
+        let f = figures.iter().find(|f| f["name"] == name).unwrap_or_else(|| panic!("no {name} in {report}"));
+        let ns = f["ns"].as_f64().unwrap();
+        assert!(ns > 0.0 && ns.is_finite(), "{f}");
+    }
+    let out =
+        skiff().args(["floor", "--veth", &veth, "--frame-bytes", "9001"]).output().expect("run skiff floor");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("MTU of 9000") && stderr.contains(&pair.host), "{stderr}");
+}
