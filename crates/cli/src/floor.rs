@@ -87,9 +87,11 @@ struct Report {
 }
 
 pub fn run(args: FloorArgs) -> CliResult {
+    // A bad --veth fails before anything is measured.
+    let veth = args.veth.as_deref().map(VethEnds::parse).transpose()?;
     rt::task::pin_to_cpu(args.cpu)?;
     let m = Measure { batches: args.batches.max(1), batch: args.batch };
-    let figures = vec![
+    let mut figures = vec![
         m.figure("memcpy_4k_hot", "copy 4 KiB, both buffers in cache", memcpy_hot()),
         m.figure("memcpy_4k_cold", "copy 4 KiB, a random block of 64 MiB into another", memcpy_cold()),
         m.figure("syscall", "getppid(2): into the kernel and back", syscall()),
@@ -101,12 +103,10 @@ pub fn run(args: FloorArgs) -> CliResult {
         cache_line(&m, args.peer_cpu)?,
         wakeup(&m, args.peer_cpu)?,
     ];
-    let mut figures = figures;
-    if let Some(veth) = &args.veth {
-        let pair = VethEnds::parse(veth)?;
+    if let Some(pair) = &veth {
         for &bytes in &args.frame_bytes {
-            figures.push(veth_frames(&m, &pair, bytes, None)?);
-            figures.push(veth_frames(&m, &pair, bytes, Some(args.peer_cpu))?);
+            figures.push(veth_frames(&m, pair, bytes, None)?);
+            figures.push(veth_frames(&m, pair, bytes, Some(args.peer_cpu))?);
         }
     }
     let report = Report { cpu: args.cpu, peer_cpu: args.peer_cpu, batches: m.batches, figures };
