@@ -203,6 +203,61 @@ impl Measure {
     }
 }
 
+impl Measure {
+    /// Something sent by a thread pinned to `peer_cpu` (`send`, `n` at a time) and taken here
+    /// (`receive`, the same `n`), in the CPU time of both threads per operation: each batch
+    /// asks the sender for `n`, receives them, and adds the sender's CPU time to its own.
+    fn apart_figure(
+        &self,
+        name: &str,
+        what: &str,
+        peer_cpu: usize,
+        mut send: impl FnMut(u64) -> std::io::Result<()> + Send + 'static,
+        mut receive: impl FnMut(u64) -> std::io::Result<()>,
+    ) -> std::io::Result<Figure> {
+        let gone = || std::io::Error::other("the sender is gone");
+        let (ask, asked) = std::sync::mpsc::channel::<u64>();
+        let (tell, told) = std::sync::mpsc::channel::<std::io::Result<u64>>();
+        let sender = std::thread::spawn(move || {
+            if let Err(e) = rt::task::pin_to_cpu(peer_cpu) {
+                let _ = tell.send(Err(e));
+                return;
+            }
+            // Each request is a batch: send it, then say what it cost this thread.
+            while let Ok(n) = asked.recv() {
+                let before = rt::usage::thread_cpu_ns();
+                let cost = send(n).map(|()| rt::usage::thread_cpu_ns() - before);
+                if tell.send(cost).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut failed = None;
+        let figure = self.figure_by(name, what, |n| {
+            if failed.is_some() {
+                return f64::NAN;
+            }
+            let before = rt::usage::thread_cpu_ns();
+            let received = ask.send(n).map_err(|_| gone()).and_then(|()| {
+                receive(n)?;
+                told.recv().map_err(|_| gone())?
+            });
+            match received {
+                Ok(sender_ns) => (rt::usage::thread_cpu_ns() - before + sender_ns) as f64,
+                Err(e) => {
+                    // The sender may have said why it is gone (it could not run on its CPU).
+                    failed = Some(told.try_recv().ok().and_then(Result::err).unwrap_or(e));
+                    f64::NAN
+                }
+            }
+        });
+        // Whatever the sender waits on (the next batch, or the receiver's word) goes away.
+        drop((ask, receive));
+        sender.join().map_err(|_| std::io::Error::other("the sender thread panicked"))?;
+        failed.map_or(Ok(figure), Err)
+    }
+}
+
 fn memcpy_hot() -> impl FnMut(u64) {
     let src = vec![0x5Au8; 4096];
     let mut dst = vec![0u8; 4096];
@@ -267,62 +322,23 @@ fn tcp(bytes: usize) -> std::io::Result<impl FnMut(u64)> {
     })
 }
 
-/// Messages of `bytes` from a thread on `peer_cpu` to this one over loopback TCP, counted in
-/// CPU time: each batch asks the sender for `n` messages, receives them, and adds the
-/// sender's CPU time for them to its own.
+/// Messages of `bytes` from a thread on `peer_cpu` to this one over loopback TCP, in the CPU
+/// time of both threads.
 fn tcp_apart(m: &Measure, peer_cpu: usize, bytes: usize) -> std::io::Result<Figure> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let mut sender = std::net::TcpStream::connect(listener.local_addr()?)?;
     let (mut receiver, _) = listener.accept()?;
     sender.set_nodelay(true)?;
-    let (ask, asked) = std::sync::mpsc::channel::<u64>();
-    let (tell, told) = std::sync::mpsc::channel::<std::io::Result<u64>>();
-    let peer = std::thread::spawn(move || {
-        if let Err(e) = rt::task::pin_to_cpu(peer_cpu) {
-            let _ = tell.send(Err(e));
-            return;
-        }
-        let out = vec![0xA5u8; bytes];
-        // Each request is a batch: send it, then say what it cost this thread.
-        while let Ok(n) = asked.recv() {
-            let before = rt::usage::thread_cpu_ns();
-            let sent = (0..n).try_for_each(|_| sender.write_all(&out));
-            let cost = sent.map(|()| rt::usage::thread_cpu_ns() - before);
-            if tell.send(cost).is_err() {
-                return;
-            }
-        }
-    });
+    let out = vec![0xA5u8; bytes];
     let mut back = vec![0u8; bytes];
-    let mut failed = None;
-    let (name, what) = match bytes {
-        4096 => ("tcp_4k_apart", "4 KiB over loopback TCP from the peer CPU: CPU of both threads"),
-        _ => ("tcp_64k_apart", "64 KiB over loopback TCP from the peer CPU: CPU of both threads"),
-    };
-    let figure = m.figure_by(name, what, |n| {
-        if failed.is_some() {
-            return f64::NAN;
-        }
-        let before = rt::usage::thread_cpu_ns();
-        let received = ask.send(n).map_err(|_| std::io::Error::other("the sender is gone")).and_then(|()| {
-            (0..n).try_for_each(|_| receiver.read_exact(&mut back))?;
-            told.recv().map_err(|_| std::io::Error::other("the sender is gone"))?
-        });
-        match received {
-            Ok(peer_ns) => (rt::usage::thread_cpu_ns() - before + peer_ns) as f64,
-            Err(e) => {
-                // The sender may have said why it is gone (it could not run on its CPU).
-                failed = Some(told.try_recv().ok().and_then(Result::err).unwrap_or(e));
-                f64::NAN
-            }
-        }
-    });
-    drop(ask);
-    peer.join().map_err(|_| std::io::Error::other("the sender thread panicked"))?;
-    match failed {
-        Some(e) => Err(e),
-        None => Ok(figure),
-    }
+    let kib = bytes / 1024;
+    m.apart_figure(
+        &format!("tcp_{kib}k_apart"),
+        &format!("{kib} KiB over loopback TCP from the peer CPU: CPU of both threads"),
+        peer_cpu,
+        move |n| (0..n).try_for_each(|_| sender.write_all(&out)),
+        move |n| (0..n).try_for_each(|_| receiver.read_exact(&mut back)),
+    )
 }
 
 /// An atomic ping-pong between two spinning threads: this side writes an odd number, the
@@ -504,34 +520,18 @@ fn veth_frames(m: &Measure, pair: &VethEnds, bytes: usize, apart: Option<usize>)
         });
         return failed.map_or(Ok(figure), Err);
     };
-    // The sender on the peer CPU; each window waits for the receiver's word that it is in.
-    let (ask, asked) = std::sync::mpsc::channel::<u64>();
-    let (tell, told) = std::sync::mpsc::channel::<std::io::Result<u64>>();
+    // Each window the sender waits for the receiver's word that it is in.
     let (got_tx, got_rx) = std::sync::mpsc::channel::<()>();
-    let sender = std::thread::spawn(move || {
-        if let Err(e) = rt::task::pin_to_cpu(peer_cpu) {
-            let _ = tell.send(Err(e));
-            return;
-        }
-        while let Ok(n) = asked.recv() {
-            let before = rt::usage::thread_cpu_ns();
-            let sent = send(&mut host, dst, &payload, n, |_| {
+    m.apart_figure(
+        &format!("veth_{bytes}_apart"),
+        &format!("a {bytes}-byte frame over veth from the peer CPU: CPU of both threads"),
+        peer_cpu,
+        move |n| {
+            send(&mut host, dst, &payload, n, |_| {
                 got_rx.recv().map_err(|_| std::io::Error::other("the receiver is gone"))
-            });
-            if tell.send(sent.map(|()| rt::usage::thread_cpu_ns() - before)).is_err() {
-                return;
-            }
-        }
-    });
-    let name = format!("veth_{bytes}_apart");
-    let what = format!("a {bytes}-byte frame over veth from the peer CPU: CPU of both threads");
-    let mut failed = None;
-    let figure = m.figure_by(&name, &what, |n| {
-        if failed.is_some() {
-            return f64::NAN;
-        }
-        let before = rt::usage::thread_cpu_ns();
-        let received = ask.send(n).map_err(|_| std::io::Error::other("the sender is gone")).and_then(|()| {
+            })
+        },
+        move |n| {
             let mut left = n;
             while left > 0 {
                 let window = left.min(WINDOW);
@@ -539,18 +539,7 @@ fn veth_frames(m: &Measure, pair: &VethEnds, bytes: usize, apart: Option<usize>)
                 got_tx.send(()).map_err(|_| std::io::Error::other("the sender is gone"))?;
                 left -= window;
             }
-            told.recv().map_err(|_| std::io::Error::other("the sender is gone"))?
-        });
-        match received {
-            Ok(sender_ns) => (rt::usage::thread_cpu_ns() - before + sender_ns) as f64,
-            Err(e) => {
-                failed = Some(told.try_recv().ok().and_then(Result::err).unwrap_or(e));
-                f64::NAN
-            }
-        }
-    });
-    drop(ask);
-    drop(got_tx);
-    sender.join().map_err(|_| std::io::Error::other("the sender thread panicked"))?;
-    failed.map_or(Ok(figure), Err)
+            Ok(())
+        },
+    )
 }

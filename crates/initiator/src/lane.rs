@@ -559,7 +559,12 @@ impl<B: IoBuf> Lane<B> {
     }
 
     fn now_us(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
+        self.us_at(Instant::now())
+    }
+
+    /// `at` on the connection's clock, for a caller that has just read the clock anyway.
+    fn us_at(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.epoch).as_micros() as u64
     }
 
     /// The instant of `us` on the connection's clock.
@@ -683,7 +688,8 @@ impl<B: IoBuf> Lane<B> {
         if self.link.is_closed() {
             return if self.link.session().has_transmit() { Err(Error::Closed) } else { Ok(()) };
         }
-        let deadline = Instant::now() + self.conn.timeout;
+        let started = Instant::now();
+        let (deadline, now) = (started + self.conn.timeout, self.us_at(started));
         // Without a transport nothing goes: it waits in the session for the next.
         while self.link.has_transmit() {
             let sent = {
@@ -694,7 +700,6 @@ impl<B: IoBuf> Lane<B> {
             let result = match sent {
                 Ok(0) => Err(Error::Closed),
                 Ok(n) => {
-                    let now = self.now_us();
                     self.link.handle_sent(now, n);
                     Ok(())
                 }
@@ -758,7 +763,7 @@ impl<B: IoBuf> Lane<B> {
     /// ready.
     fn handle_rx(&mut self) -> Result<bool> {
         let started = Instant::now();
-        let now = self.now_us();
+        let now = self.us_at(started);
         let handled = self.link.handle_rx(now, &mut self.conn.rx);
         self.complete_ns += started.elapsed().as_nanos() as u64;
         self.settle();

@@ -65,7 +65,7 @@ pub struct Opening {
     limits: Limits,
     features: u64,
     /// A planted bug: take this OPEN_REPLY as the answer without sending OPEN.
-    reuse_open: Option<OpenReply>,
+    skip_open: Option<OpenReply>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,8 +73,11 @@ enum Step {
     Hello,
     Auth,
     Open,
-    /// Waiting for the reply to the grants from this index on.
-    Grant(usize),
+    /// Waiting for the reply to the grants from index `from` on, for the export `reply` opened.
+    Grant {
+        from: usize,
+        reply: OpenReply,
+    },
 }
 
 /// A transport on which the export is open.
@@ -109,7 +112,7 @@ impl Opening {
             sent: 0,
             limits: config.proposed,
             features: 0,
-            reuse_open: None,
+            skip_open: None,
         }
     }
 
@@ -151,12 +154,11 @@ impl Opening {
                     self.open()
                 }
                 Step::Open => self.granted(handle_open_reply(&h, body)?, 0),
-                Step::Grant(from) => {
+                Step::Grant { from, reply } => {
                     let answer = expect(&h, body, FrameKind::GrantReply, wire::GrantReply::decode)?;
                     if !answer.status.is_ok() {
                         return Err(ProtoError::Refused(answer.status));
                     }
-                    let reply = self.reuse_open.expect("the OPEN_REPLY kept while granting");
                     self.granted(reply, from + wire::GRANTS_PER_FRAME_MAX)
                 }
             };
@@ -169,7 +171,7 @@ impl Opening {
 
     /// Send OPEN (or, with the planted bug, skip it).
     fn open(&mut self) -> Option<Opened> {
-        if let Some(reply) = self.reuse_open {
+        if let Some(reply) = self.skip_open {
             return self.granted(reply, 0);
         }
         let open = wire::Open { name: self.export.clone() };
@@ -186,8 +188,7 @@ impl Opening {
         let batch = &batch[..batch.len().min(wire::GRANTS_PER_FRAME_MAX)];
         let grant = wire::Grant { handle: reply.handle, caps: batch.to_vec() };
         self.out.extend_from_slice(&wire::control::frame(FrameKind::Grant, &grant.encode()));
-        self.reuse_open = Some(reply);
-        self.step = Step::Grant(from);
+        self.step = Step::Grant { from, reply };
         None
     }
 }
@@ -249,8 +250,6 @@ pub struct Connection<B> {
     quiet_since_us: u64,
     connect: bool,
     disconnect: bool,
-    #[cfg(feature = "mutations")]
-    mutation: Mutation,
 }
 
 impl<B: IoBuf> Connection<B> {
@@ -271,27 +270,18 @@ impl<B: IoBuf> Connection<B> {
             quiet_since_us: now_us,
             connect: false,
             disconnect: false,
-            #[cfg(feature = "mutations")]
-            mutation: Mutation::None,
         }
     }
 
-    /// Plant a bug (in the session and here), for the simulator's proof that it catches them.
+    /// Plant a bug, for the simulator's proof that it catches them. The session keeps it;
+    /// the connection's own bugs (`ReopenWithoutOpen`, `NoRetry`) are read from there.
     #[cfg(feature = "mutations")]
     pub fn set_mutation(&mut self, mutation: Mutation) {
-        self.mutation = mutation;
         self.session.set_mutation(mutation);
     }
 
-    #[cfg(feature = "mutations")]
     fn planted(&self) -> Mutation {
-        self.mutation
-    }
-
-    #[cfg(not(feature = "mutations"))]
-    #[inline(always)]
-    fn planted(&self) -> Mutation {
-        Mutation::None
+        self.session.planted()
     }
 
     pub fn config(&self) -> &ConnectionConfig {
@@ -478,7 +468,7 @@ impl<B: IoBuf> Connection<B> {
         }
         let mut opening = Opening::new(&self.config, data_messages, nonce);
         if self.planted() == Mutation::ReopenWithoutOpen {
-            opening.reuse_open = Some(OpenReply { handle: self.session.handle(), ..self.first });
+            opening.skip_open = Some(OpenReply { handle: self.session.handle(), ..self.first });
         }
         let deadline_us = now_us.saturating_add(self.config.attempt_timeout_us);
         self.link = Link::Opening { opening: Box::new(opening), deadline_us };

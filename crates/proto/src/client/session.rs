@@ -432,15 +432,15 @@ impl<B: IoBuf> ClientSession<B> {
         self.mutation = mutation;
     }
 
-    /// The bug planted in this session.
+    /// The bug planted in this session (and read by its connection).
     #[cfg(feature = "mutations")]
-    fn planted(&self) -> Mutation {
+    pub(super) fn planted(&self) -> Mutation {
         self.mutation
     }
 
     #[cfg(not(feature = "mutations"))]
     #[inline(always)]
-    fn planted(&self) -> Mutation {
+    pub(super) fn planted(&self) -> Mutation {
         Mutation::None
     }
 
