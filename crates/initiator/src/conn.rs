@@ -36,8 +36,6 @@ pub(crate) struct Conn {
     /// Wall time in receive and send calls so far (not in waiting for readiness).
     pub recv_ns: u64,
     pub send_ns: u64,
-    /// HELLO feature bits the target agreed to.
-    pub features: u64,
 }
 
 /// Open a transport to `endpoint` (TCP, Unix, TLS over either, or a raw-Ethernet session),
@@ -72,7 +70,7 @@ impl Conn {
         }
         conn.send_all(&[&handshake.hello_frame()])?;
         let (h, body) = conn.recv_control()?;
-        (conn.limits, conn.features) = handshake.handle_reply_features(&h, &body)?;
+        conn.limits = handshake.handle_reply(&h, &body)?;
         if let Some(auth) = handshake.auth_frame() {
             conn.send_all(&[&auth])?;
             let (h, body) = conn.recv_control()?;
@@ -91,7 +89,6 @@ impl Conn {
             waiter: Waiter::new(poll),
             recv_ns: 0,
             send_ns: 0,
-            features: 0,
         }
     }
 
@@ -106,7 +103,7 @@ impl Conn {
                 opening.handle_sent(n);
             }
             if let Some(opened) = opening.handle_rx(&mut self.rx)? {
-                (self.limits, self.features) = (opened.limits, opened.features);
+                self.limits = opened.limits;
                 return Ok(opened);
             }
             if !opening.poll_transmit().is_empty() {
