@@ -356,8 +356,8 @@ fn a_missing_ethernet_interface_is_named() {
 }
 
 /// `skiff floor` measures every primitive it names, on the two CPUs asked for, and reports
-/// each as a positive median within its batches' range; a CPU that does not exist is refused
-/// by name.
+/// each as a positive median within its batches' range; a malformed `--veth`, and a CPU that
+/// does not exist, are refused by name.
 #[test]
 fn floor_measures_every_primitive_and_refuses_a_cpu_that_is_not_there() {
     let out = skiff()
@@ -390,6 +390,10 @@ fn floor_measures_every_primitive_and_refuses_a_cpu_that_is_not_there() {
     }
     assert_eq!((report["cpu"].as_u64(), report["peer_cpu"].as_u64()), (Some(0), Some(1)));
 
+    let out = skiff().args(["floor", "--veth", "vethonly"]).output().expect("run skiff floor");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("expected HOST,NS/PEER"), "{stderr}");
     for flag in ["--cpu", "--peer-cpu"] {
         let out = skiff().args(["floor", flag, "4096"]).output().expect("run skiff floor");
         assert!(!out.status.success(), "{flag}");
