@@ -1,9 +1,15 @@
 //! Applications on RStore (docs/RSTORE.md), each a library the `skiff` binary calls into:
 //!
 //! - [`rsort`]: RSort, the two-phase distributed bucket sort of TeraSort records over
-//!   namespaces, with worker processes meeting at one-byte flags.
+//!   namespaces, with worker processes moved through its phases on a coordination board.
+//! - [`workers`]: worker processes and their turns on a board (`rstore::coordination`),
+//!   shared by both.
 //!
 //! They use RStore through its API alone (`rstore`'s coordinator and segments) and own no
 //! argument parsing or output: the CLI parses, calls in, and prints what they report.
 
 pub mod rsort;
+pub mod workers;
+
+/// Why a step failed: the coordinator's, a segment's, a worker's or a local file's error.
+pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;

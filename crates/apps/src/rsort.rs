@@ -10,31 +10,32 @@
 //! | namespace | what |
 //! |---|---|
 //! | `<name>-in` | the input records, back to back |
-//! | `<name>-meta` | the input's header and the sort's (a sector each), a sector of one-byte flags, then a sector per worker's phase 1 (its bucket counts) and phase 2 (its run) |
+//! | `<name>-meta` | the input's header and the sort's (a sector each), a sector per worker's phase 1 (its bucket counts) and phase 2 (its run), then the coordination board |
 //! | `<name>-buckets` | a slot per (bucket, worker): what phase 1 classified |
 //! | `<name>-out` | the sorted runs, bucket after bucket, each starting on a 512-byte boundary |
 //!
-//! `sort --workers W` starts W worker processes (the caller says how: `skiff rsort` starts
-//! itself again). Phase 1: worker `i` reads its share of the
-//! input, classifies each record into one of W key ranges, writes bucket `b`'s records to slot
-//! `(b, i)`, and its counts to its sector of `<name>-meta`, then sets its one-byte flag. Every
-//! worker polls the flags until all are set. Phase 2: worker `b` reads slot `(b, i)` of every
-//! worker, sorts the records, writes its run at the offset the counts of the buckets before it
-//! give, its count to its sector, then sets its phase-2 flag. Coordination is
-//! through one-byte flags as in RStore: the workers' flags share one sector, and each is one
-//! byte-granular write, atomic on the memory server, that leaves its neighbours alone (a
-//! sector-granular read-modify-write would undo another worker's flag). A flag is written only
-//! after the sector it announces was acknowledged, so whoever sees it set reads the sector
-//! whole. `check` reads the runs back: every key in order, exactly as many records as
+//! `sort --workers W` is the coordinator: it starts W worker processes (the caller says how:
+//! `skiff rsort` starts itself again) and moves them through two phases on a coordination
+//! board (`rstore::coordination`: one-byte status fields, heartbeats, a worker's error or death
+//! ends the run naming it). Phase 0: worker `i` reads its share of the input, classifies each
+//! record into one of W key ranges, writes bucket `b`'s records to slot `(b, i)` and its counts
+//! to its sector of `<name>-meta`, then reports. Once every worker has, the coordinator starts
+//! phase 1: worker `b` reads slot `(b, i)` of every worker, sorts the records, writes its run
+//! at the offset the counts of the buckets before it give and its count to its sector, then
+//! reports. The coordinator then marks the sort finished in its sector. A report is written
+//! only after the sectors it announces were acknowledged, so whoever sees it reads them whole.
+//! `check` reads the runs back: every key in order, exactly as many records as
 //! the input, and the same checksum: the sum of every record's CRC-32 (zlib's), which is
 //! `valsort`'s checksum.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use coord::Scope;
 use initiator::LaneConfig;
-use rstore::{Coordinator, Flags, Segment};
+use rstore::{Board, Coordinator, Party, Segment};
+
+use crate::workers::{serve, Workers};
 
 const RECORD: usize = 100;
 const KEY: usize = 10;
@@ -187,36 +188,30 @@ fn u64s(sector: &[u8]) -> Vec<u64> {
     sector.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
 }
 
-/// Metadata sectors: the input's header, the sort's, the flags, then each worker's phase 1
-/// and phase 2.
+/// Metadata sectors: the input's header, the sort's, then each worker's phase 1 and phase 2,
+/// then the board.
 fn gen_sector() -> u64 {
     0
 }
 fn sort_sector() -> u64 {
     SECTOR as u64
 }
-/// The flags' sector (RStore's one-byte flags): worker `i`'s phase-1 flag is its flag `i`,
-/// bucket `b`'s phase-2 flag its flag `WORKERS_MAX + b`.
-const FLAGS: Flags = Flags::new(2 * SECTOR as u64);
-fn phase1_flag(i: usize) -> usize {
-    i
-}
-fn phase2_flag(b: usize) -> usize {
-    WORKERS_MAX + b
-}
-/// How often a worker at the barrier reads the flags.
-const BARRIER_POLL: Duration = Duration::from_millis(1);
 fn phase1_sector(i: usize) -> u64 {
-    (3 + i) as u64 * SECTOR as u64
+    (2 + i) as u64 * SECTOR as u64
 }
 fn phase2_sector(workers: usize, b: usize) -> u64 {
-    (3 + workers + b) as u64 * SECTOR as u64
+    (2 + workers + b) as u64 * SECTOR as u64
 }
-const META_BYTES: u64 = ((3 + 2 * WORKERS_MAX) * SECTOR) as u64;
+/// The coordination board, after every worker's sectors.
+const BOARD_AT: u64 = ((2 + 2 * WORKERS_MAX) * SECTOR) as u64;
+const META_BYTES: u64 = BOARD_AT + Board::bytes(WORKERS_MAX);
+/// The sort sector's third word once the coordinator saw every run written.
+const SORTED: u64 = 1;
+/// How long the workers have to exit once the board said done.
+const EXIT_PATIENCE: Duration = Duration::from_secs(30);
 const MAGIC: u64 = 0x7273_6f72_7431; // "rsort1"
 
-/// Why a step failed: the coordinator's, a segment's, a worker's or a local file's error.
-pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+pub use crate::Result;
 
 /// What a step measured: its name and its figures (counts and seconds), in order.
 #[derive(Debug, Clone, PartialEq)]
@@ -334,50 +329,23 @@ impl Rsort {
         let cap = slot_records(records, workers);
         self.fresh(&buckets, (workers * workers) as u64 * round_up(cap * RECORD as u64))?;
         self.fresh(&output, round_up(records * RECORD as u64) + (workers * SECTOR) as u64)?;
-        // No flag of an earlier sort may count.
-        FLAGS.clear(&mut m)?;
+        let board = Board::new(BOARD_AT, workers)?;
+        // Nothing of an earlier sort may count.
+        board.reset(&mut m)?;
         m.write(sort_sector(), &sector_u64s(&[MAGIC, workers as u64, 0]))?;
-        let children = (0..workers)
-            .map(|i| worker(i, workers).stdout(Stdio::piped()).spawn())
-            .collect::<std::io::Result<Vec<_>>>()?;
-        let mut phases = [0f64; 3];
-        let mut failed = None;
-        // Watch every worker: one that fails leaves the others waiting at the barrier
-        // for ever, so the rest are stopped then.
-        let mut running: Vec<(usize, std::process::Child)> = children.into_iter().enumerate().collect();
-        while !running.is_empty() {
-            let mut i = 0;
-            while i < running.len() {
-                match running[i].1.try_wait()? {
-                    None => i += 1,
-                    Some(status) => {
-                        let (id, mut child) = running.swap_remove(i);
-                        let mut stdout = Vec::new();
-                        if let Some(mut pipe) = child.stdout.take() {
-                            std::io::Read::read_to_end(&mut pipe, &mut stdout)?;
-                        }
-                        if !status.success() {
-                            failed.get_or_insert(format!("worker {id} failed ({status})"));
-                            continue;
-                        }
-                        let r: serde_json::Value = serde_json::from_slice(&stdout)?;
-                        for (k, key) in ["phase1_s", "wait_s", "phase2_s"].iter().enumerate() {
-                            phases[k] = phases[k].max(r[key].as_f64().unwrap_or(0.0));
-                        }
-                    }
-                }
-            }
-            if failed.is_some() {
-                for (_, child) in &mut running {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                }
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        let _beat = board.heartbeat(map(c, &meta)?, Party::Coordinator)?;
+        let mut procs = Workers::spawn(workers, |i| worker(i, workers))?;
+        for phase in 0..2 {
+            board.start(&mut m, phase, &[])?;
+            board.gather(&mut m, phase, || procs.watch())?;
         }
-        if let Some(e) = failed {
-            return Err(e.into());
+        board.finish(&mut m)?;
+        m.write(sort_sector(), &sector_u64s(&[MAGIC, workers as u64, SORTED]))?;
+        let mut phases = [0f64; 3];
+        for r in procs.finish(EXIT_PATIENCE)? {
+            for (k, key) in ["phase1_s", "wait_s", "phase2_s"].iter().enumerate() {
+                phases[k] = phases[k].max(r[key].as_f64().unwrap_or(0.0));
+            }
         }
         Ok(Report {
             what: "sort",
@@ -392,31 +360,72 @@ impl Rsort {
         })
     }
 
-    /// Worker `id` of `workers`: phase 1, the barrier, phase 2 (the module's docs). Its report
-    /// holds the time of each.
+    /// Worker `id` of `workers`: phase 0, then phase 1, as the coordinator starts them (the
+    /// module's docs). Its report holds the time of each and of the wait between.
     pub fn worker(&self, id: usize, workers: usize) -> Result<Report> {
         let c = &self.coord;
-        let (input, meta, buckets, output) =
-            (self.ns("in"), self.ns("meta"), self.ns("buckets"), self.ns("out"));
-        let t0 = Instant::now();
+        let meta = self.ns("meta");
         let mut m = map(c, &meta)?;
+        let board = Board::new(BOARD_AT, workers)?;
+        let _beat = board.heartbeat(map(c, &meta)?, Party::Worker(id))?;
         let header = u64s(&read_region(&mut m, gen_sector(), SECTOR)?);
         let records = header[1];
         let cap = slot_records(records, workers);
         let slot = round_up(cap * RECORD as u64);
-        // Phase 1: classify this worker's share of the input.
+        let mut b_seg = map(c, &self.ns("buckets"))?;
+        let (mut phase1, mut waited, mut phase2) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        let mut reported = Instant::now();
+        serve(&board, &mut m, id, |m, phase, _, _| {
+            let t = Instant::now();
+            match phase {
+                0 => {
+                    self.classify(m, &mut b_seg, id, workers, records, cap, slot)?;
+                    phase1 = t.elapsed();
+                }
+                1 => {
+                    waited = t - reported;
+                    self.sort_bucket(m, &mut b_seg, id, workers, slot)?;
+                    phase2 = t.elapsed();
+                }
+                _ => return Err(format!("RSort has two phases, not {}", phase + 1).into()),
+            }
+            reported = Instant::now();
+            Ok(Vec::new())
+        })?;
+        Ok(Report {
+            what: "worker",
+            fields: vec![
+                ("phase1_s", phase1.as_secs_f64()),
+                ("wait_s", waited.as_secs_f64()),
+                ("phase2_s", phase2.as_secs_f64()),
+            ],
+        })
+    }
+
+    /// Phase 0 of worker `id`: classify its share of the input into the buckets' slots, and
+    /// write its counts to its sector.
+    #[allow(clippy::too_many_arguments)]
+    fn classify(
+        &self,
+        m: &mut Segment,
+        b_seg: &mut Segment,
+        id: usize,
+        workers: usize,
+        records: u64,
+        cap: u64,
+        slot: u64,
+    ) -> Result<()> {
         let (first, last) =
             (records * id as u64 / workers as u64, records * (id as u64 + 1) / workers as u64);
         let from = first * RECORD as u64 / SECTOR as u64 * SECTOR as u64;
         let to = round_up(last * RECORD as u64);
-        let mut input = map(c, &input)?;
+        let mut input = map(&self.coord, &self.ns("in"))?;
         let raw = read_region(&mut input, from, (to - from) as usize)?;
         let mine = &raw[(first * RECORD as u64 - from) as usize..(last * RECORD as u64 - from) as usize];
         let mut classified: Vec<Vec<u8>> = vec![Vec::new(); workers];
         for r in mine.chunks_exact(RECORD) {
             classified[bucket(&r[..KEY], workers)].extend_from_slice(r);
         }
-        let mut b_seg = map(c, &buckets)?;
         let mut counts = Vec::with_capacity(workers);
         for (b, data) in classified.iter_mut().enumerate() {
             let n = (data.len() / RECORD) as u64;
@@ -428,27 +437,31 @@ impl Rsort {
             }
             counts.push(n);
             data.resize(round_up(data.len() as u64) as usize, 0);
-            write_region(&mut b_seg, ((b * workers + id) as u64) * slot, data)?;
+            write_region(b_seg, ((b * workers + id) as u64) * slot, data)?;
         }
         m.write(phase1_sector(id), &sector_u64s(&counts))?;
-        FLAGS.set(&mut m, phase1_flag(id))?;
-        let phase1 = t0.elapsed();
-        // Wait for every worker's phase-1 flag, then read their counts.
-        let t1 = Instant::now();
-        FLAGS.wait_all(&mut m, phase1_flag(0), workers, BARRIER_POLL)?;
-        let sectors = read_region(&mut m, phase1_sector(0), workers * SECTOR)?;
+        Ok(())
+    }
+
+    /// Phase 1 of worker `b`: sort bucket `b` from every worker's slot and write its run where
+    /// the buckets before it end, and its count to its sector.
+    fn sort_bucket(
+        &self,
+        m: &mut Segment,
+        b_seg: &mut Segment,
+        b: usize,
+        workers: usize,
+        slot: u64,
+    ) -> Result<()> {
+        let sectors = read_region(m, phase1_sector(0), workers * SECTOR)?;
         let all: Vec<Vec<u64>> = sectors.chunks(SECTOR).map(u64s).collect();
-        let waited = t1.elapsed();
-        // Phase 2: sort bucket `id` and write its run where the buckets before it end.
-        let t2 = Instant::now();
-        let b = id;
         let totals: Vec<u64> = (0..workers).map(|bb| all.iter().map(|s| s[bb]).sum()).collect();
         let mut run: Vec<u8> = Vec::with_capacity(totals[b] as usize * RECORD);
         for (i, s) in all.iter().enumerate() {
             let n = s[b] as usize;
             if n > 0 {
                 let data = read_region(
-                    &mut b_seg,
+                    b_seg,
                     ((b * workers + i) as u64) * slot,
                     round_up((n * RECORD) as u64) as usize,
                 )?;
@@ -463,19 +476,10 @@ impl Rsort {
         }
         sorted.resize(round_up(sorted.len() as u64) as usize, 0);
         let at: u64 = totals[..b].iter().map(|&t| round_up(t * RECORD as u64)).sum();
-        let mut out = map(c, &output)?;
+        let mut out = map(&self.coord, &self.ns("out"))?;
         write_region(&mut out, at, &sorted)?;
         m.write(phase2_sector(workers, b), &sector_u64s(&[totals[b]]))?;
-        FLAGS.set(&mut m, phase2_flag(b))?;
-        let phase2 = t2.elapsed();
-        Ok(Report {
-            what: "worker",
-            fields: vec![
-                ("phase1_s", phase1.as_secs_f64()),
-                ("wait_s", waited.as_secs_f64()),
-                ("phase2_s", phase2.as_secs_f64()),
-            ],
-        })
+        Ok(())
     }
 
     /// Check `<name>-out`: every key in order, and exactly the input's records (their count and
@@ -495,11 +499,10 @@ impl Rsort {
         let mut out = map(c, &output)?;
         let (mut n, mut sum, mut last): (u64, u128, Option<Vec<u8>>) = (0, 0, None);
         let mut at = 0u64;
-        let done = FLAGS.read(&mut m, phase2_flag(0), workers)?;
-        for (b, &set) in done.iter().enumerate() {
-            if !set {
-                return Err(format!("bucket {b} was never written: the sort did not finish").into());
-            }
+        if sort[2] != SORTED {
+            return Err("the last sort did not finish: its runs are not all written".into());
+        }
+        for b in 0..workers {
             let s = u64s(&read_region(&mut m, phase2_sector(workers, b), SECTOR)?);
             let count = s[0];
             let data = read_region(&mut out, at, round_up(count * RECORD as u64) as usize)?;

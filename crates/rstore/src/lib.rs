@@ -10,8 +10,9 @@
 //!   server, with replicas.
 //! - [`connections`]: lanes kept across mappings: an unmapped segment's idle lanes serve the
 //!   next segment mapped to the same servers ([`Connections`]).
-//! - [`coordination`]: what applications on RStore coordinate through: a sector of one-byte
-//!   flags in a namespace, set by one-byte writes and polled ([`Flags`]).
+//! - [`coordination`]: the coordination service of RStore's applications: a [`Board`] of
+//!   one-byte status fields, areas and heartbeats in a namespace, through which a coordinator
+//!   and its workers move through phases, and stop with a reason, never a hang.
 //! - [`pool`]: the memory server's side: the pool export a `skiff serve --pool` serves, its
 //!   registration kept alive under a lease, and the zeroing of the chunks given back.
 //!
@@ -29,6 +30,6 @@ pub mod shared;
 
 pub use connections::{ConnectionStats, Connections};
 pub use control::{segment_map, Coordinator, Place, RAddress, Registration};
-pub use coordination::Flags;
+pub use coordination::{Board, Heartbeat, Party, Step, Stop};
 pub use segment::{Location, MapSource, Segment, SegmentMap, SegmentStats, SourceError};
 pub use shared::{SegmentHandle, SharedSegment};
