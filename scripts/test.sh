@@ -35,6 +35,14 @@ if [ ${#apt_packages[@]} -gt 0 ]; then
     fi
 fi
 
+# Python packages the tests use, from PyPI: igraph is the independent PageRank and shortest-path
+# implementation that Carafe's results are checked against (bench/carafe_reference.py).
+pip_packages=(igraph==1.0.0)
+if ! python3 -c "import igraph" >/dev/null 2>&1; then
+    say "installing ${pip_packages[*]}"
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${pip_packages[@]}"
+fi
+
 # The file-backend tests want a real file system at /var/tmp (O_DIRECT, fdatasync).
 mkdir -p /var/tmp
 

@@ -32,9 +32,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use coord::Scope;
-use initiator::LaneConfig;
 use rstore::{Board, Coordinator, Party, Segment};
 
+use crate::store::{fresh, map, read_region, write_region, IO_BYTES};
 use crate::workers::{serve, Workers};
 
 const RECORD: usize = 100;
@@ -42,8 +42,6 @@ const KEY: usize = 10;
 const SECTOR: usize = 512;
 /// Workers at most: a worker's phase-1 sector holds one count per bucket.
 const WORKERS_MAX: usize = 32;
-/// Bytes moved per request when reading or writing whole regions.
-const IO_BYTES: usize = 1 << 20;
 
 /// Record `n` of the input of `seed`.
 fn record(seed: u64, n: u64, out: &mut [u8]) {
@@ -128,52 +126,6 @@ fn bucket(key: &[u8], workers: usize) -> usize {
 
 fn round_up(n: u64) -> u64 {
     n.div_ceil(SECTOR as u64) * SECTOR as u64
-}
-
-/// Namespace `name` (re)created, of `scope` and chunks of `chunk`, with one allocation of
-/// `bytes` at 0.
-fn fresh(c: &Coordinator, name: &str, scope: Scope, chunk: u64, bytes: u64) -> Result<()> {
-    match c.delete_ns(name) {
-        Ok(()) | Err(coord::CoordError::NoNamespace(_)) => {}
-        Err(e) => return Err(e.into()),
-    }
-    c.create_ns(name, scope, chunk, 1)?;
-    // Chunks an earlier run gave back come free once their servers have zeroed them.
-    let start = Instant::now();
-    loop {
-        match c.reserve(name, bytes) {
-            Ok(_) => break,
-            Err(coord::CoordError::NoCapacity { zeroing, .. })
-                if zeroing > 0 && start.elapsed() < Duration::from_secs(60) =>
-            {
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    c.alloc(name, bytes, Some(0))?;
-    Ok(())
-}
-
-/// The allocation at 0 of namespace `name`, mapped.
-fn map(c: &Coordinator, name: &str) -> Result<Segment> {
-    Ok(c.map(name, 0, &LaneConfig::default()).map_err(|e| format!("mapping {name}: {e}"))?)
-}
-
-/// Read `len` bytes at `offset` (both 512-aligned), 1 MiB at a time.
-fn read_region(seg: &mut Segment, offset: u64, len: usize) -> Result<Vec<u8>> {
-    let mut out = vec![0u8; len];
-    for (i, piece) in out.chunks_mut(IO_BYTES).enumerate() {
-        seg.read(offset + (i * IO_BYTES) as u64, piece)?;
-    }
-    Ok(out)
-}
-
-fn write_region(seg: &mut Segment, offset: u64, data: &[u8]) -> Result<()> {
-    for (i, piece) in data.chunks(IO_BYTES).enumerate() {
-        seg.write(offset + (i * IO_BYTES) as u64, piece)?;
-    }
-    Ok(())
 }
 
 fn sector_u64s(values: &[u64]) -> Vec<u8> {

@@ -7,6 +7,7 @@
 //! - `skiff attach`: an export as a file through FUSE, until SIGINT or SIGTERM unmounts it.
 //! - `skiff relay`: a fault relay between two interfaces, for testing raw-Ethernet delivery.
 //! - `skiff flash format`: a flash array on files or block devices, for `skiff serve --flash`.
+//! - `skiff rsort`, `skiff carafe`: the applications on RStore, RSort and Carafe.
 //! - `skiff vol`: create, resize, snapshot, clone, delete, list and measure a running target's
 //!   flash volumes.
 //!
@@ -14,6 +15,7 @@
 
 mod attach;
 mod bench;
+mod carafe;
 mod flash;
 mod floor;
 mod info;
@@ -59,6 +61,9 @@ enum Command {
     /// RSort: generate TeraSort records into an RStore namespace, sort them with worker
     /// processes in two phases, check the result.
     Rsort(rsort::RsortArgs),
+    /// Carafe: graphs in RStore namespaces (generated or imported), explored online and run
+    /// through a Pregel engine with partition worker processes (PageRank, SSSP).
+    Carafe(carafe::CarafeArgs),
     /// Flash arrays: format files or block devices as one, for `skiff serve --flash`.
     Flash(flash::FlashArgs),
     /// A running target's flash volumes: create, resize, snapshot, clone, delete, list, stats.
@@ -116,6 +121,10 @@ fn main() -> ExitCode {
         Command::Rsort(args) => {
             init_logging("warn");
             rsort::run(args)
+        }
+        Command::Carafe(args) => {
+            init_logging("warn");
+            carafe::run(args)
         }
         Command::Flash(args) => {
             init_logging("warn");
