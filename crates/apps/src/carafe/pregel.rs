@@ -396,6 +396,9 @@ struct Part<'a> {
     /// Per vertex of the partition: where its edges start in `targets` (one more entry).
     first: Vec<usize>,
     targets: Vec<(u32, f32)>,
+    /// PageRank's: the partition's edges by target, and each vertex's share of its rank.
+    by_target: ByTarget,
+    share: Vec<f64>,
     value: Vec<f64>,
     incoming: Vec<f64>,
     got: Vec<bool>,
@@ -434,6 +437,8 @@ impl<'a> Part<'a> {
             hi,
             first: Vec::new(),
             targets: Vec::new(),
+            by_target: ByTarget::default(),
+            share: vec![0.0; n],
             value: vec![program.identity(); n],
             incoming: vec![program.identity(); n],
             got: vec![false; n],
@@ -497,6 +502,9 @@ impl<'a> Part<'a> {
                 caps[self.partition_of(d)] += 1;
             }
         }
+        if let Program::PageRank { .. } = self.program {
+            self.by_target = ByTarget::of(&self.first, &self.targets, v as usize);
+        }
         self.values = Some(map(c, &self.carafe.ns("values"))?);
         Ok(caps)
     }
@@ -542,7 +550,6 @@ impl<'a> Part<'a> {
         let nv = self.header.vertices as f64;
         match program {
             Program::PageRank { damping, iterations } => {
-                let sends = k < iterations;
                 for i in 0..n {
                     let rank = if k == 0 {
                         1.0 / nv
@@ -552,16 +559,25 @@ impl<'a> Part<'a> {
                     s.delta += (rank - self.value[i]).abs() * f64::from(u8::from(k > 0));
                     self.value[i] = rank;
                     s.total += rank;
-                    let (a, b) = (self.first[i], self.first[i + 1]);
-                    if a == b {
+                    let degree = self.first[i + 1] - self.first[i];
+                    if degree == 0 {
                         s.dangling += rank;
-                    } else if sends {
-                        let share = rank / (b - a) as f64;
-                        for &(dst, _) in &self.targets[a..b] {
-                            let d = dst as usize;
-                            self.acc[d] += share;
-                            self.sent[d / 64] |= 1 << (d % 64);
-                        }
+                        self.share[i] = 0.0;
+                    } else {
+                        self.share[i] = rank / degree as f64;
+                    }
+                }
+                // Every edge sends its source's share; gathered per target, the targets in
+                // order (the partition's edges by target, made at load), so that the sums
+                // are written in order and only the shares are read at random.
+                if k < iterations {
+                    let by = &self.by_target;
+                    for (t, &dst) in by.targets.iter().enumerate() {
+                        let sources = &by.sources[by.first[t] as usize..by.first[t + 1] as usize];
+                        let sum: f64 = sources.iter().map(|&j| self.share[j as usize]).sum();
+                        let d = dst as usize;
+                        self.acc[d] += sum;
+                        self.sent[d / 64] |= 1 << (d % 64);
                     }
                 }
                 s.active = n as u64;
@@ -710,6 +726,41 @@ impl<'a> Part<'a> {
     }
 }
 
+/// A partition's edges grouped by target: the distinct targets ascending, and for target `t`
+/// the sources (local indices) `sources[first[t]..first[t + 1]]`.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct ByTarget {
+    targets: Vec<u32>,
+    first: Vec<u64>,
+    sources: Vec<u32>,
+}
+
+impl ByTarget {
+    /// By counting sort over the graph's `vertices` ids: no comparison sort.
+    fn of(first: &[usize], edges: &[(u32, f32)], vertices: usize) -> ByTarget {
+        let mut count = vec![0u64; vertices + 1];
+        for &(d, _) in edges {
+            count[d as usize + 1] += 1;
+        }
+        for i in 0..vertices {
+            count[i + 1] += count[i];
+        }
+        let mut sources = vec![0u32; edges.len()];
+        let mut next = count.clone();
+        for i in 0..first.len().saturating_sub(1) {
+            for &(d, _) in &edges[first[i]..first[i + 1]] {
+                sources[next[d as usize] as usize] = i as u32;
+                next[d as usize] += 1;
+            }
+        }
+        let targets: Vec<u32> =
+            (0..vertices).filter(|&d| count[d + 1] > count[d]).map(|d| d as u32).collect();
+        let mut starts: Vec<u64> = targets.iter().map(|&d| count[d as usize]).collect();
+        starts.push(edges.len() as u64);
+        ByTarget { targets, first: starts, sources }
+    }
+}
+
 /// Set bits of `bits` in `lo..hi`.
 fn count_bits(bits: &[u64], lo: usize, hi: usize) -> u64 {
     (lo..hi).filter(|&g| bits[g / 64] & (1 << (g % 64)) != 0).count() as u64
@@ -739,6 +790,17 @@ mod tests {
         let big = round_up(8 + 12 * 1000);
         assert_eq!(places[2], [(1024, big), (1024 + big, big)]);
         assert_eq!(total, 1024 + 2 * big);
+    }
+
+    #[test]
+    fn edges_by_target_keep_every_edge_once() {
+        // Local vertex 0 -> 5, 2; vertex 1 -> 2, 2; vertex 2 -> nothing.
+        let first = [0, 2, 4, 4];
+        let edges = [(5, 1.0), (2, 1.0), (2, 1.0), (2, 1.0)];
+        let by = ByTarget::of(&first, &edges, 6);
+        assert_eq!(by.targets, vec![2, 5]);
+        assert_eq!(by.first, vec![0, 3, 4]);
+        assert_eq!(by.sources, vec![0, 1, 1, 0]);
     }
 
     #[test]
