@@ -133,40 +133,47 @@ impl Rng {
 /// An R-MAT graph as Graph500 makes one: `2^scale` vertex ids, `edge_factor * 2^scale` directed
 /// edges, each placed by descending `scale` levels of the adjacency matrix with the quadrant
 /// probabilities A = 0.57, B = 0.19, C = 0.19, D = 0.05, then the ids scrambled by a seeded
-/// permutation. Self loops and repeated edges stay, as Graph500's generator leaves them.
+/// bijection. Self loops and repeated edges stay, as Graph500's generator leaves them.
 /// Weights are 1, or uniform integers in `1..=max_weight`.
 pub fn rmat(scale: u32, edge_factor: u64, seed: u64, max_weight: u32) -> Vec<Edge> {
     const A: f64 = 0.57;
     const B: f64 = 0.19;
     const C: f64 = 0.19;
-    let n = 1u64 << scale;
     let mut rng = Rng::new(seed);
-    // A seeded permutation of the ids (Fisher-Yates), so that degree does not follow the id.
-    let mut perm: Vec<u64> = (0..n).collect();
-    for i in (1..n as usize).rev() {
-        let j = rng.below(i as u64 + 1) as usize;
-        perm.swap(i, j);
-    }
-    (0..edge_factor * n)
-        .map(|_| {
-            let (mut src, mut dst) = (0u64, 0u64);
-            for level in 0..scale {
-                let r = rng.unit();
-                let bit = 1u64 << level;
-                if r < A {
-                } else if r < A + B {
-                    dst |= bit;
-                } else if r < A + B + C {
-                    src |= bit;
-                } else {
-                    src |= bit;
-                    dst |= bit;
-                }
+    // A seeded scramble of the ids, so that degree does not follow the id: a bijection of
+    // `scale`-bit numbers built from odd multiplications, a right xorshift and an xor (each a
+    // bijection), computed rather than looked up in a table of 2^scale ids.
+    let mask = (1u64 << scale) - 1;
+    let (k1, k2, k3) = (rng.next_u64() | 1, rng.next_u64() | 1, rng.next_u64());
+    let shift = scale.div_ceil(2);
+    let scramble = |x: u64| {
+        let mut y = x.wrapping_mul(k1) & mask;
+        y ^= y >> shift;
+        y = y.wrapping_mul(k2) & mask;
+        y ^ (k3 & mask)
+    };
+    // The quadrant thresholds on 32-bit draws, two draws per 64 random bits; the quadrant's
+    // bits are computed without a branch (which one is taken is random).
+    let scaled = |p: f64| (p * f64::from(u32::MAX)) as u32;
+    let (ab, abc, a) = (scaled(A + B), scaled(A + B + C), scaled(A));
+    let mut edges = Vec::with_capacity((edge_factor << scale) as usize);
+    for _ in 0..edge_factor << scale {
+        let (mut src, mut dst) = (0u64, 0u64);
+        let mut bits = 0u64;
+        for level in 0..scale {
+            if level % 2 == 0 {
+                bits = rng.next_u64();
             }
-            let weight = if max_weight > 1 { 1 + rng.below(u64::from(max_weight)) as u32 } else { 1 } as f32;
-            Edge { src: perm[src as usize], dst: perm[dst as usize], weight }
-        })
-        .collect()
+            let r = (bits >> (32 * (level % 2))) as u32;
+            let (in_lower, in_d) = (r >= ab, r >= abc);
+            let in_b = r >= a && !in_lower;
+            src |= u64::from(in_lower) << level;
+            dst |= u64::from(in_b || in_d) << level;
+        }
+        let weight = if max_weight > 1 { 1 + rng.below(u64::from(max_weight)) as u32 } else { 1 } as f32;
+        edges.push(Edge { src: scramble(src), dst: scramble(dst), weight });
+    }
+    edges
 }
 
 /// An edge list as Carafe stores it: vertices sorted by external id (a vertex's internal id is
@@ -387,6 +394,10 @@ mod tests {
         let max = (0..g.vertices()).map(|v| g.first[v + 1] - g.first[v]).max().unwrap();
         // A power law: the busiest vertex has far more than the mean of 16 out-edges.
         assert!(max > 16 * 8, "max out-degree {max}");
+        // The scramble is a bijection: every one of the 2^10 ids can occur, none twice over.
+        let hit: std::collections::HashSet<u64> =
+            rmat(10, 64, 7, 1).iter().flat_map(|e| [e.src, e.dst]).collect();
+        assert!(hit.len() > 900 && hit.iter().all(|&x| x < 1024), "{}", hit.len());
         let w = rmat(8, 4, 1, 100);
         assert!(w.iter().all(|e| (1.0..=100.0).contains(&e.weight) && e.weight.fract() == 0.0));
         assert!(w.iter().any(|e| e.weight > 50.0));
