@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::process::{Command, ExitCode};
 
-use apps::carafe::pregel::{Program, StepStats};
+use apps::carafe::pregel::{Launch, Program, StepStats};
 use apps::carafe::{Carafe, Report};
 use clap::{Args, Subcommand};
 use coord::Scope;
@@ -28,6 +28,11 @@ pub struct CarafeArgs {
     /// Print JSON.
     #[arg(long, global = true)]
     json: bool,
+    /// Runs start no workers: each of --workers is started by hand, on any machine, as
+    /// `skiff carafe --coordinator URLS --name NAME worker --id I --workers W`, and has this
+    /// many seconds to begin.
+    #[arg(long, value_name = "SECONDS", global = true)]
+    external_workers: Option<u64>,
     #[command(subcommand)]
     action: Action,
 }
@@ -112,13 +117,22 @@ pub fn run(args: CarafeArgs) -> CliResult {
     let (coord, urls) = args.coordinator.connect()?;
     let carafe = Carafe { coord, name: args.name.clone(), scope: args.scope, chunk_bytes: args.chunk };
     let exe = std::env::current_exe()?;
-    let worker = |id: usize, workers: usize| {
+    let mut spawn = |id: usize, workers: usize| {
         let mut w = Command::new(&exe);
         w.args(["carafe", "--coordinator", &urls, "--name", &args.name]);
         w.args(args.coordinator.tls.args());
         w.args(["worker", "--id", &id.to_string(), "--workers", &workers.to_string()]);
         w
     };
+    if let (Some(s), Action::Pagerank { workers, .. } | Action::Sssp { workers, .. }) =
+        (args.external_workers, &args.action)
+    {
+        eprintln!("waiting {s} s for {workers} workers; start each, on any machine, as:");
+        eprintln!(
+            "  skiff carafe --coordinator {urls} --name {} worker --id I --workers {workers}",
+            args.name
+        );
+    }
     let report = match args.action {
         Action::Gen { scale, edge_factor, seed, max_weight, ref file, undirected } => {
             carafe.gen(scale, edge_factor, seed, max_weight, file.as_deref(), undirected)?
@@ -141,7 +155,12 @@ pub fn run(args: CarafeArgs) -> CliResult {
             if !(0.0..1.0).contains(&damping) {
                 return Err("--damping: from 0 up to 1".into());
             }
-            let r = carafe.run(Program::PageRank { damping, iterations }, workers, worker, progress)?;
+            let r = carafe.run(
+                Program::PageRank { damping, iterations },
+                workers,
+                launch(&mut spawn, args.external_workers),
+                progress,
+            )?;
             write_values(&carafe, out.as_deref())?;
             r
         }
@@ -150,7 +169,12 @@ pub fn run(args: CarafeArgs) -> CliResult {
                 .open()?
                 .find(source)?
                 .ok_or_else(|| format!("graph {} has no vertex {source}", args.name))?;
-            let r = carafe.run(Program::Sssp { source: v.internal }, workers, worker, progress)?;
+            let r = carafe.run(
+                Program::Sssp { source: v.internal },
+                workers,
+                launch(&mut spawn, args.external_workers),
+                progress,
+            )?;
             write_values(&carafe, out.as_deref())?;
             r
         }
@@ -170,6 +194,14 @@ pub fn run(args: CarafeArgs) -> CliResult {
         println!("{report}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Workers started by the run, or by hand (`--external-workers`).
+fn launch(spawn: &mut dyn FnMut(usize, usize) -> Command, external: Option<u64>) -> Launch<'_> {
+    match external {
+        Some(s) => Launch::External { attach: std::time::Duration::from_secs(s) },
+        None => Launch::Spawn(spawn),
+    }
 }
 
 /// Each superstep as it ends, on stderr.

@@ -93,6 +93,54 @@ fn carafe_computes_what_igraph_computes_refuses_bad_edge_lists_and_names_a_kille
     );
     let checked = reference(&["pagerank", "--edges", &edges, "--values", &pr, "--iterations", "40"]);
     assert_eq!(checked["ok"], true, "{checked}");
+    // The same run with its workers started by hand, as on other machines: the same ranks.
+    let pr_again = dir.file("pr-again.txt");
+    let mut run_alone = skiff()
+        .args([
+            "carafe",
+            "--coordinator",
+            &url,
+            "--chunk",
+            "1M",
+            "--json",
+            "--name",
+            "g",
+            "--external-workers",
+            "30",
+        ])
+        .args(["pagerank", "--workers", "2", "--iterations", "40", "--out", &pr_again])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // At once: a worker that comes before its run waits past what the last run left.
+    let hand: Vec<KillOnDrop> = (0..2)
+        .map(|i| {
+            let (id, workers) = (i.to_string(), "2");
+            KillOnDrop(
+                skiff()
+                    .args([
+                        "carafe",
+                        "--coordinator",
+                        &url,
+                        "--name",
+                        "g",
+                        "worker",
+                        "--id",
+                        &id,
+                        "--workers",
+                        workers,
+                    ])
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    assert!(run_alone.wait().unwrap().success(), "the run with external workers failed");
+    drop(hand);
+    assert_eq!(std::fs::read_to_string(&pr).unwrap(), std::fs::read_to_string(&pr_again).unwrap());
+
     let paths = carafe("g", &["path", "--pairs", "12", "--seed", "5"]);
     let paths_file = dir.file("paths.json");
     std::fs::write(&paths_file, paths.to_string()).unwrap();

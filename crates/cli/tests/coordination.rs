@@ -150,6 +150,22 @@ fn a_board_moves_workers_through_phases_and_ends_a_run_with_a_named_reason_never
         assert!(workers[i].as_ref().unwrap_err().contains("worker 2 stopped beating"), "{:?}", workers[i]);
     }
 
+    // A worker that comes before its run, on the board the last run left (aborted): it waits
+    // for the new run's phase 0, not the old run's end.
+    let early = {
+        let c = c.again();
+        std::thread::spawn(move || board().next(&mut segment(&c), 0, None))
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!early.is_finished(), "a worker took an earlier run's end for its own");
+    let b = board();
+    let mut seg = segment(&c);
+    b.reset(&mut seg).unwrap();
+    let beat = b.heartbeat(segment(&c), Party::Coordinator).unwrap();
+    b.start(&mut seg, 0, &[]).unwrap();
+    assert_eq!(early.join().unwrap().unwrap(), Step::Phase(0));
+    drop(beat);
+
     // The coordinator vanishes: a worker waiting for its next phase finds it silent.
     let b = board();
     let mut seg = segment(&c);

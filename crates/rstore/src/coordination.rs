@@ -137,6 +137,9 @@ pub struct Board {
     pub poll: Duration,
     /// A party whose heartbeat stands still this long is taken for dead.
     pub dead_after: Duration,
+    /// How long a worker waits for its first phase while the coordinator does not beat: a
+    /// worker started by hand may come before its run, on a board an earlier run left.
+    pub first_wait: Duration,
 }
 
 /// Heartbeats that stood still: the last value seen of each party and since when.
@@ -186,7 +189,13 @@ impl Board {
         if !at.is_multiple_of(SECTOR as u64) {
             return Err(Error::InvalidArgument("a board starts on a sector"));
         }
-        Ok(Board { at, workers, poll: Duration::from_millis(1), dead_after: Duration::from_secs(5) })
+        Ok(Board {
+            at,
+            workers,
+            poll: Duration::from_millis(1),
+            dead_after: Duration::from_secs(5),
+            first_wait: Duration::from_secs(60),
+        })
     }
 
     pub fn workers(&self) -> usize {
@@ -307,10 +316,13 @@ impl Board {
     // A worker's side.
 
     /// Worker `i`: wait for the coordinator to move past phase `after` (`None` before the
-    /// first), to the next phase or the end. Stops when it aborts or stops beating.
+    /// first), to the next phase or the end. Stops when it aborts or stops beating. Before the
+    /// first phase, only phase 0 counts (what an earlier run left on the board is waited
+    /// past), and the coordinator may be silent for `first_wait`.
     pub fn next(&self, seg: &mut Segment, i: usize, after: Option<u64>) -> std::result::Result<Step, Stop> {
         self.check_worker(i)?;
         let was = after.map_or(IDLE, tag);
+        let patience = if after.is_none() { self.first_wait.max(self.dead_after) } else { self.dead_after };
         let mut pulse = Pulse::new(1);
         let mut status = [0u8; 1];
         let mut beat = [0u8; 4];
@@ -318,6 +330,7 @@ impl Board {
             seg.read(self.status_at(Party::Coordinator), &mut status)?;
             match status[0] {
                 s if s == was => {}
+                s if after.is_none() && s != tag(0) => {}
                 DONE => return Ok(Step::Done),
                 ABORT => return Err(Stop::Aborted(read_text(seg, self.coordinator_area())?)),
                 IDLE | ERROR => {
@@ -326,7 +339,7 @@ impl Board {
                 _ => return Ok(Step::Phase(after.map_or(0, |p| p + 1))),
             }
             seg.read(self.beat_at(Party::Coordinator), &mut beat)?;
-            if let Some((_, for_)) = pulse.check(&u32s(&beat), 0..1, self.dead_after) {
+            if let Some((_, for_)) = pulse.check(&u32s(&beat), 0..1, patience) {
                 return Err(Stop::Silent { who: Party::Coordinator, for_ });
             }
             std::thread::sleep(self.poll);

@@ -146,7 +146,7 @@ impl StepStats {
     }
 
     fn add(&mut self, report: &[u8]) {
-        let w = u64s(&report[..48]);
+        let w = u64s(&report[..8 * STATS_WORDS]);
         self.active += w[0];
         self.messages += w[1];
         self.mail_bytes += w[2];
@@ -202,15 +202,29 @@ fn mailbox(caps: &[u64], workers: usize) -> (Vec<[(u64, u64); 2]>, u64) {
     (places, at)
 }
 
+/// How a run's partition workers come to be.
+pub enum Launch<'a> {
+    /// The run starts worker `id` of `workers` from the command this gives (one running
+    /// [`Carafe::worker`]), and sees at once when one exits.
+    Spawn(&'a mut dyn FnMut(usize, usize) -> Command),
+    /// Somebody starts them, on any machine (`skiff carafe ... worker --id I --workers W`):
+    /// each has `attach` to begin beating on the board.
+    External { attach: Duration },
+}
+
+/// Where a worker's time went, as its superstep reports carry it (cumulative seconds).
+const TIMES: [&str; 5] = ["load_s", "inbox_s", "compute_s", "outbox_s", "wait_s"];
+/// The report's words before the times: the superstep's figures.
+const STATS_WORDS: usize = 6;
+
 impl Carafe {
-    /// Run `program` with `workers` partition workers, started from the commands `worker(id,
-    /// workers)` gives (each runs [`Carafe::worker`] and prints its report's JSON on stdout).
-    /// `progress` sees every superstep as it ends.
+    /// Run `program` with `workers` partition workers, launched as `launch` says. `progress`
+    /// sees every superstep as it ends.
     pub fn run(
         &self,
         program: Program,
         workers: usize,
-        mut worker: impl FnMut(usize, usize) -> Command,
+        launch: Launch<'_>,
         mut progress: impl FnMut(&StepStats),
     ) -> Result<Report> {
         let c = &self.coord;
@@ -241,12 +255,20 @@ impl Carafe {
         board.poll = POLL;
         board.reset(&mut m)?;
         let _beat = board.heartbeat(map(c, &meta)?, Party::Coordinator)?;
-        let mut procs = Workers::spawn(workers, |i| worker(i, workers))?;
+        let dead_after = board.dead_after;
+        let mut procs = match launch {
+            Launch::Spawn(worker) => Workers::spawn(workers, |i| worker(i, workers))?,
+            Launch::External { attach } => {
+                board.dead_after = attach.max(dead_after);
+                Workers::spawn(0, |_| unreachable!("no worker is started"))?
+            }
+        };
 
         // Phase 0: load, and size the mailbox.
         let t = Instant::now();
         board.start(&mut m, 0, &[])?;
         let reports = board.gather(&mut m, 0, || procs.watch())?;
+        board.dead_after = dead_after;
         let mut caps = vec![0u64; workers * workers];
         for (i, r) in reports.iter().enumerate() {
             caps[i * workers..(i + 1) * workers].copy_from_slice(&u64s(&r[..8 * workers]));
@@ -261,6 +283,7 @@ impl Carafe {
         let t = Instant::now();
         let mut steps: Vec<StepStats> = Vec::new();
         let mut aggregate = 0.0f64;
+        let mut times = [0f64; TIMES.len()];
         for k in 0.. {
             let t_step = Instant::now();
             board.start(&mut m, 1 + k, &sector_u64s(&[k, aggregate.to_bits()]))?;
@@ -268,6 +291,10 @@ impl Carafe {
             let mut s = StepStats { superstep: k, ..StepStats::default() };
             for r in &reports {
                 s.add(r);
+                let w = u64s(&r[8 * STATS_WORDS..8 * (STATS_WORDS + TIMES.len())]);
+                for (t, &bits) in times.iter_mut().zip(&w) {
+                    *t = t.max(f64::from_bits(bits));
+                }
             }
             s.seconds = t_step.elapsed().as_secs_f64();
             aggregate = s.dangling;
@@ -285,9 +312,8 @@ impl Carafe {
         board.finish(&mut m)?;
         *run.last_mut().expect("run header") = steps.len() as u64;
         m.write(RUN_AT, &sector_u64s(&run))?;
-        let worker_reports = procs.finish(EXIT_PATIENCE)?;
-        let most =
-            |key: &str| worker_reports.iter().map(|r| r[key].as_f64().unwrap_or(0.0)).fold(0.0, f64::max);
+        procs.finish(EXIT_PATIENCE)?;
+        let most = |key: &str| times[TIMES.iter().position(|&t| t == key).expect("a time")];
         let last = steps.last().copied().unwrap_or_default();
         let messages: u64 = steps.iter().map(|s| s.messages).sum();
         let mail: u64 = steps.iter().map(|s| s.mail_bytes).sum();
@@ -326,51 +352,65 @@ impl Carafe {
         let mut board = Board::new(BOARD_AT, workers)?;
         board.poll = POLL;
         let _beat = board.heartbeat(map(c, &meta)?, Party::Worker(id))?;
-        let h = header(&mut m, &self.name)?;
-        let run = u64s(&read_region(&mut m, RUN_AT, SECTOR)?);
-        if run[0] != RUN_MAGIC || run[1] != workers as u64 {
-            return Err(
-                "the run's header does not match this worker's: start workers from `skiff carafe` runs"
-                    .into(),
-            );
-        }
-        let program = Program::decode(&run[2..6])?;
-        let bounds = u64s(&read_region(&mut m, BOUNDS_AT, 8 * (workers + 1))?);
-        let mut part = Part::new(self, h, program, &bounds, id, workers);
+        // The run's header, bounds and program are read once phase 0 starts: a worker started
+        // by hand may come before the run that will use it.
+        let mut part: Option<Part> = None;
         let mut reported = Instant::now();
         serve(&board, &mut m, id, |m, phase, orders, _| {
             let t = Instant::now();
-            if phase > 0 {
-                part.time.wait += t - reported;
-            }
             let report = if phase == 0 {
-                let caps = part.load()?;
-                part.time.load = t.elapsed();
+                let p = part.insert(self.part(m, id, workers)?);
+                let caps = p.load()?;
+                p.time.load = t.elapsed();
                 sector_u64s(&caps)
             } else {
+                let p = part.as_mut().ok_or("a superstep before phase 0")?;
+                p.time.wait += t - reported;
                 let w = u64s(&orders[..16]);
                 if w[0] != phase - 1 {
                     return Err(format!("phase {phase} carries superstep {}", w[0]).into());
                 }
                 if phase == 1 {
-                    part.open_mailbox(m)?;
+                    p.open_mailbox(m)?;
                 }
-                part.superstep(w[0], f64::from_bits(w[1]))?.encode()
+                let mut report = p.superstep(w[0], f64::from_bits(w[1]))?.encode();
+                let t = &p.time;
+                let spent = [t.load, t.inbox, t.compute, t.outbox, t.wait];
+                for (i, d) in spent.iter().enumerate() {
+                    let at = 8 * (STATS_WORDS + i);
+                    report[at..at + 8].copy_from_slice(&d.as_secs_f64().to_bits().to_le_bytes());
+                }
+                report
             };
             reported = Instant::now();
             Ok(report)
         })?;
+        let time = part.map(|p| p.time).unwrap_or_default();
         Ok(Report {
             what: "worker",
             fields: vec![
-                ("load_s", part.time.load.as_secs_f64()),
-                ("inbox_s", part.time.inbox.as_secs_f64()),
-                ("compute_s", part.time.compute.as_secs_f64()),
-                ("outbox_s", part.time.outbox.as_secs_f64()),
-                ("wait_s", part.time.wait.as_secs_f64()),
+                ("load_s", time.load.as_secs_f64()),
+                ("inbox_s", time.inbox.as_secs_f64()),
+                ("compute_s", time.compute.as_secs_f64()),
+                ("outbox_s", time.outbox.as_secs_f64()),
+                ("wait_s", time.wait.as_secs_f64()),
             ],
             detail: Vec::new(),
         })
+    }
+}
+
+impl Carafe {
+    /// Worker `id`'s partition of the run that started: its header, program and bounds.
+    fn part(&self, m: &mut Segment, id: usize, workers: usize) -> Result<Part<'_>> {
+        let h = header(m, &self.name)?;
+        let run = u64s(&read_region(m, RUN_AT, SECTOR)?);
+        if run[0] != RUN_MAGIC || run[1] != workers as u64 {
+            return Err(format!("the run is for {} workers, not {workers}", run[1]).into());
+        }
+        let program = Program::decode(&run[2..6])?;
+        let bounds = u64s(&read_region(m, BOUNDS_AT, 8 * (workers + 1))?);
+        Ok(Part::new(self, h, program, &bounds, id, workers))
     }
 }
 
