@@ -5,6 +5,7 @@
 use std::io::Write;
 use std::process::{Command, ExitCode};
 
+use apps::carafe::build::GenSpec;
 use apps::carafe::pregel::{Launch, Program, StepStats};
 use apps::carafe::{Carafe, Report};
 use clap::{Args, Subcommand};
@@ -56,6 +57,12 @@ enum Action {
         /// Store each edge both ways.
         #[arg(long)]
         undirected: bool,
+        /// Drop self loops and repeated edges.
+        #[arg(long)]
+        simple: bool,
+        /// Number the vertices 0 to V - 1 (for tools that index arrays by id).
+        #[arg(long)]
+        compact: bool,
     },
     /// Import an edge list in SNAP's text format (`src dst [weight]` per line, `#` comments).
     Import {
@@ -134,8 +141,9 @@ pub fn run(args: CarafeArgs) -> CliResult {
         );
     }
     let report = match args.action {
-        Action::Gen { scale, edge_factor, seed, max_weight, ref file, undirected } => {
-            carafe.gen(scale, edge_factor, seed, max_weight, file.as_deref(), undirected)?
+        Action::Gen { scale, edge_factor, seed, max_weight, ref file, undirected, simple, compact } => {
+            let spec = GenSpec { scale, edge_factor, seed, max_weight, simple, compact };
+            carafe.gen(&spec, file.as_deref(), undirected)?
         }
         Action::Import { ref file, undirected } => carafe.import(file, undirected)?,
         Action::Info => {

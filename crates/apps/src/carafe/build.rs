@@ -176,6 +176,50 @@ pub fn rmat(scale: u32, edge_factor: u64, seed: u64, max_weight: u32) -> Vec<Edg
     edges
 }
 
+/// An R-MAT graph to generate: [`rmat`]'s parameters, and what to make of its edges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenSpec {
+    pub scale: u32,
+    pub edge_factor: u64,
+    pub seed: u64,
+    pub max_weight: u32,
+    /// Drop self loops and repeated edges (the first of each kept), as Graph500's kernel 1 may
+    /// and as libraries that hold simple graphs (networkit) do anyway.
+    pub simple: bool,
+    /// Number the vertices 0 to V - 1 in the order of their ids, so that tools that take ids
+    /// as array indices (networkit's and igraph's readers) read the file as it is.
+    pub compact: bool,
+}
+
+impl GenSpec {
+    pub fn edges(&self) -> Vec<Edge> {
+        let mut edges = rmat(self.scale, self.edge_factor, self.seed, self.max_weight);
+        if self.simple {
+            edges = simplify(edges);
+        }
+        if self.compact {
+            let (_, id) = Ids::of(&edges);
+            for e in &mut edges {
+                e.src = u64::from(id.get(e.src));
+                e.dst = u64::from(id.get(e.dst));
+            }
+        }
+        edges
+    }
+}
+
+/// `edges` without self loops and with each (src, dst) once (its first weight), in the order of
+/// their first appearance.
+pub fn simplify(edges: Vec<Edge>) -> Vec<Edge> {
+    let mut order: Vec<(u64, u64, usize)> =
+        edges.iter().enumerate().filter(|(_, e)| e.src != e.dst).map(|(i, e)| (e.src, e.dst, i)).collect();
+    order.sort_unstable();
+    order.dedup_by_key(|&mut (s, d, _)| (s, d));
+    let mut keep: Vec<usize> = order.into_iter().map(|(_, _, i)| i).collect();
+    keep.sort_unstable();
+    keep.into_iter().map(|i| edges[i]).collect()
+}
+
 /// An edge list as Carafe stores it: vertices sorted by external id (a vertex's internal id is
 /// its place in that order), and every vertex's out-edges together (compressed sparse rows).
 #[derive(Debug, Clone, PartialEq)]
@@ -398,6 +442,16 @@ mod tests {
         let hit: std::collections::HashSet<u64> =
             rmat(10, 64, 7, 1).iter().flat_map(|e| [e.src, e.dst]).collect();
         assert!(hit.len() > 900 && hit.iter().all(|&x| x < 1024), "{}", hit.len());
+        let spec =
+            GenSpec { scale: 10, edge_factor: 16, seed: 7, max_weight: 1, simple: true, compact: true };
+        let simple = spec.edges();
+        let mut pairs: Vec<(u64, u64)> = simple.iter().map(|e| (e.src, e.dst)).collect();
+        assert!(simple.iter().all(|e| e.src != e.dst) && simple.len() < a.len());
+        pairs.sort_unstable();
+        pairs.dedup();
+        assert_eq!(pairs.len(), simple.len(), "no edge twice");
+        let g = Csr::build(&simple, false).unwrap();
+        assert_eq!(g.external, (0..g.vertices() as u64).collect::<Vec<_>>(), "compact ids");
         let w = rmat(8, 4, 1, 100);
         assert!(w.iter().all(|e| (1.0..=100.0).contains(&e.weight) && e.weight.fract() == 0.0));
         assert!(w.iter().any(|e| e.weight > 50.0));

@@ -141,33 +141,35 @@ impl Carafe {
         self.build_and_store(&edges, undirected, ("read_s", read_s), start)
     }
 
-    /// Generate an R-MAT graph (Graph500's: `2^scale` ids, `edge_factor` edges per id, seeded;
-    /// weights 1, or uniform in `1..=max_weight`) as this graph, and write its edge list to
-    /// `file` too, for the peers that read files.
+    /// Generate an R-MAT graph as `spec` says as this graph, and write its edge list to `file`
+    /// too, for the peers that read files.
     pub fn gen(
         &self,
-        scale: u32,
-        edge_factor: u64,
-        seed: u64,
-        max_weight: u32,
+        spec: &build::GenSpec,
         file: Option<&std::path::Path>,
         undirected: bool,
     ) -> Result<Report> {
-        if !(1..=30).contains(&scale) || edge_factor == 0 {
+        if !(1..=30).contains(&spec.scale) || spec.edge_factor == 0 {
             return Err("--scale 1 to 30 and --edge-factor at least 1".into());
         }
         let start = Instant::now();
-        let edges = build::rmat(scale, edge_factor, seed, max_weight);
+        let edges = spec.edges();
         if let Some(path) = file {
             let mut out = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path)?);
             use std::io::Write;
+            let weighted = spec.max_weight > 1;
             writeln!(
                 out,
-                "# R-MAT scale {scale} edge factor {edge_factor} seed {seed}: src dst{}",
-                if max_weight > 1 { " weight" } else { "" }
+                "# R-MAT scale {} edge factor {} seed {}{}{}: src dst{}",
+                spec.scale,
+                spec.edge_factor,
+                spec.seed,
+                if spec.simple { ", simple" } else { "" },
+                if spec.compact { ", compact ids" } else { "" },
+                if weighted { " weight" } else { "" }
             )?;
             for e in &edges {
-                if max_weight > 1 {
+                if weighted {
                     writeln!(out, "{}\t{}\t{}", e.src, e.dst, e.weight)?;
                 } else {
                     writeln!(out, "{}\t{}", e.src, e.dst)?;
