@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use coord::Scope;
-use initiator::LaneConfig;
+use initiator::{LaneConfig, Queue, ReqFlags, Status};
 use rstore::{Coordinator, Segment};
 
 use crate::Result;
@@ -49,18 +49,94 @@ pub fn read_region(seg: &mut Segment, offset: u64, len: usize) -> Result<Vec<u8>
     Ok(out)
 }
 
-/// Fill `out` from `offset`, a megabyte at a time.
+/// Requests in flight when moving a region: enough to keep both directions of every lane busy.
+pub const DEPTH: usize = 8;
+
+/// Fill `out` from `offset`, a megabyte per request, [`DEPTH`] requests in flight.
 pub fn read_into(seg: &mut Segment, offset: u64, out: &mut [u8]) -> Result<()> {
-    for (i, piece) in out.chunks_mut(IO_BYTES).enumerate() {
-        seg.read(offset + (i * IO_BYTES) as u64, piece)?;
-    }
-    Ok(())
+    let pieces: Vec<&mut [u8]> = out.chunks_mut(IO_BYTES).collect();
+    let mut pieces: Vec<Option<&mut [u8]>> = pieces.into_iter().map(Some).collect();
+    let n = pieces.len();
+    let lens: Vec<usize> = pieces.iter().map(|p| p.as_ref().map_or(0, |p| p.len())).collect();
+    pipeline(
+        seg,
+        false,
+        offset,
+        n,
+        |i, mut buf| {
+            buf.resize(lens[i], 0);
+            buf
+        },
+        |i, data| {
+            pieces[i].take().expect("each piece once").copy_from_slice(data);
+        },
+    )
 }
 
-/// Write `data` at `offset`, a megabyte at a time.
+/// Write `data` at `offset`, a megabyte per request, [`DEPTH`] requests in flight.
 pub fn write_region(seg: &mut Segment, offset: u64, data: &[u8]) -> Result<()> {
-    for (i, piece) in data.chunks(IO_BYTES).enumerate() {
-        seg.write(offset + (i * IO_BYTES) as u64, piece)?;
+    let pieces: Vec<&[u8]> = data.chunks(IO_BYTES).collect();
+    pipeline(
+        seg,
+        true,
+        offset,
+        pieces.len(),
+        |i, mut buf| {
+            buf.extend_from_slice(pieces[i]);
+            buf
+        },
+        |_, _| {},
+    )
+}
+
+/// Read or write `n` consecutive pieces of [`IO_BYTES`] (the last maybe shorter) from `offset`, with up
+/// to [`DEPTH`] in flight: `fill(i, empty)` gives piece `i`'s request buffer, `done(i, data)`
+/// takes what came back. Buffers are reused.
+fn pipeline(
+    seg: &mut Segment,
+    write: bool,
+    offset: u64,
+    n: usize,
+    mut fill: impl FnMut(usize, Vec<u8>) -> Vec<u8>,
+    mut done: impl FnMut(usize, &[u8]),
+) -> Result<()> {
+    let mut spare: Vec<Vec<u8>> = Vec::new();
+    let mut completions = Vec::new();
+    let (mut next, mut finished) = (0usize, 0usize);
+    while finished < n {
+        while next < n && seg.in_flight() < DEPTH {
+            let mut buf = spare.pop().unwrap_or_default();
+            buf.clear();
+            let buf = fill(next, buf);
+            let at = offset + (next * IO_BYTES) as u64;
+            let submitted = if write {
+                seg.submit_write(at, buf, ReqFlags::empty(), next as u64)
+            } else {
+                seg.submit_read(at, buf, next as u64)
+            };
+            submitted.map_err(|r| r.error)?;
+            next += 1;
+        }
+        completions.clear();
+        seg.wait(1, &mut completions)?;
+        for c in completions.drain(..) {
+            let i = c.user_data as usize;
+            match c.status {
+                Status::Ok => {}
+                Status::IoError => {
+                    return Err(format!(
+                        "bytes at {} of the segment: every copy is out of service",
+                        offset + (i * IO_BYTES) as u64
+                    )
+                    .into())
+                }
+                other => return Err(format!("piece {i} of a region: {other}").into()),
+            }
+            let buf = c.buf.unwrap_or_default();
+            done(i, &buf);
+            spare.push(buf);
+            finished += 1;
+        }
     }
     Ok(())
 }
