@@ -362,7 +362,7 @@ impl Rsort {
         let mut b_seg = map(c, &self.ns("buckets"))?;
         let (mut phase1, mut waited, mut phase2) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let mut reported = Instant::now();
-        serve(&board, &mut m, id, |m, phase, _, _| {
+        serve(&board, &mut m, id, |m, phase, _| {
             let t = Instant::now();
             match phase {
                 0 => {

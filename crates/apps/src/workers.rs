@@ -99,15 +99,15 @@ impl Drop for Workers {
     }
 }
 
-/// Worker `i`'s turns on `board` (in `seg`): for each phase the coordinator starts, `phase(p,
-/// orders, assignment)` runs and its result is reported; until the coordinator says done. An
-/// error in a phase is reported on the board (the coordinator names this worker and the
-/// reason) and returned.
+/// Worker `i`'s turns on `board` (in `seg`): for each phase the coordinator starts, `phase(seg,
+/// p, orders)` runs (reading its assignment from the board if it has one) and its result is
+/// reported; until the coordinator says done. An error in a phase is reported on the board
+/// (the coordinator names this worker and the reason) and returned.
 pub fn serve(
     board: &Board,
     seg: &mut Segment,
     i: usize,
-    mut phase: impl FnMut(&mut Segment, u64, &[u8], &[u8]) -> Result<Vec<u8>>,
+    mut phase: impl FnMut(&mut Segment, u64, &[u8]) -> Result<Vec<u8>>,
 ) -> Result<()> {
     let mut after = None;
     loop {
@@ -117,8 +117,7 @@ pub fn serve(
         };
         let ran = (|| {
             let orders = board.orders(seg)?;
-            let assignment = board.assignment(seg, i)?;
-            phase(seg, p, &orders, &assignment)
+            phase(seg, p, &orders)
         })();
         match ran {
             Ok(report) => board.report(seg, i, p, &report)?,

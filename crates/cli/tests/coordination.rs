@@ -36,7 +36,8 @@ fn worker(
         let mut seg = segment(&c);
         let mut beat = Some(b.heartbeat(segment(&c), Party::Worker(i)).unwrap());
         let mut phases = 0;
-        let served = apps::workers::serve(&b, &mut seg, i, |_, p, orders, assignment| {
+        let served = apps::workers::serve(&b, &mut seg, i, |seg, p, orders| {
+            let assignment = b.assignment(seg, i)?;
             assert_eq!(assignment[0], i as u8 + 10, "each worker reads its own assignment");
             if fail_at == Some(p) {
                 return Err(format!("no room for bucket {i}").into());

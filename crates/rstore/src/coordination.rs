@@ -10,7 +10,8 @@
 //! | 0 | status bytes: the coordinator's at byte 0, worker `i`'s at byte `1 + i` |
 //! | 1 | heartbeats: a little-endian `u32` each, the coordinator's first, then worker `i`'s |
 //! | 2 | the coordinator's area: what it tells every worker (the phase's orders, or why it aborted) |
-//! | 3 + 2i, 4 + 2i | worker `i`'s assignment (written by the coordinator) and report (by the worker) |
+//! | 3 + i | worker `i`'s assignment (written by the coordinator) |
+//! | 3 + W + i | worker `i`'s report (written by the worker; the W reports are read in one request) |
 //!
 //! Turns. The coordinator writes the assignments and its area, then its status byte: "phase
 //! `p`" (`Board::start`). A worker that reads "phase `p`" reads its assignment, works, writes its
@@ -215,11 +216,11 @@ impl Board {
     }
 
     fn assignment_at(&self, i: usize) -> u64 {
-        self.at + ((3 + 2 * i) * SECTOR) as u64
+        self.at + ((3 + i) * SECTOR) as u64
     }
 
     fn report_at(&self, i: usize) -> u64 {
-        self.assignment_at(i) + SECTOR as u64
+        self.at + ((3 + self.workers + i) * SECTOR) as u64
     }
 
     fn check_worker(&self, i: usize) -> Result<()> {
@@ -274,6 +275,7 @@ impl Board {
         let mut status = vec![0u8; 1 + self.workers];
         let mut beats = vec![0u8; 4 * (1 + self.workers)];
         let mut pulse = Pulse::new(1 + self.workers);
+        let mut last_beats = Instant::now() - BEAT;
         let stop = loop {
             seg.read(self.at, &mut status)?;
             let workers = &status[1..];
@@ -282,13 +284,9 @@ impl Board {
                 break Stop::Failed { worker: i, why };
             }
             if workers.iter().all(|&s| s == want) {
-                let mut reports = Vec::with_capacity(self.workers);
-                for i in 0..self.workers {
-                    let mut r = vec![0u8; SECTOR];
-                    seg.read(self.report_at(i), &mut r)?;
-                    reports.push(r);
-                }
-                return Ok(reports);
+                let mut all = vec![0u8; SECTOR * self.workers];
+                seg.read(self.report_at(0), &mut all)?;
+                return Ok(all.chunks_exact(SECTOR).map(<[u8]>::to_vec).collect());
             }
             if let Err(why) = watch() {
                 // A worker that failed says why before it exits: its own reason comes first.
@@ -299,12 +297,16 @@ impl Board {
                 }
                 break Stop::Watch(why);
             }
-            seg.read(self.beat_at(Party::Coordinator), &mut beats)?;
-            let counters = u32s(&beats);
-            // Only the workers that have not finished yet are waited for.
-            let waiting = (0..self.workers).filter(|&i| workers[i] != want).map(|i| 1 + i);
-            if let Some((i, for_)) = pulse.check(&counters, waiting, self.dead_after) {
-                break Stop::Silent { who: Party::Worker(i - 1), for_ };
+            // Heartbeats change every BEAT: read them no more often than that.
+            if last_beats.elapsed() >= BEAT {
+                last_beats = Instant::now();
+                seg.read(self.beat_at(Party::Coordinator), &mut beats)?;
+                let counters = u32s(&beats);
+                // Only the workers that have not finished yet are waited for.
+                let waiting = (0..self.workers).filter(|&i| workers[i] != want).map(|i| 1 + i);
+                if let Some((i, for_)) = pulse.check(&counters, waiting, self.dead_after) {
+                    break Stop::Silent { who: Party::Worker(i - 1), for_ };
+                }
             }
             std::thread::sleep(self.poll);
         };
@@ -324,6 +326,7 @@ impl Board {
         let was = after.map_or(IDLE, tag);
         let patience = if after.is_none() { self.first_wait.max(self.dead_after) } else { self.dead_after };
         let mut pulse = Pulse::new(1);
+        let mut last_beat = Instant::now() - BEAT;
         let mut status = [0u8; 1];
         let mut beat = [0u8; 4];
         loop {
@@ -338,9 +341,12 @@ impl Board {
                 }
                 _ => return Ok(Step::Phase(after.map_or(0, |p| p + 1))),
             }
-            seg.read(self.beat_at(Party::Coordinator), &mut beat)?;
-            if let Some((_, for_)) = pulse.check(&u32s(&beat), 0..1, patience) {
-                return Err(Stop::Silent { who: Party::Coordinator, for_ });
+            if last_beat.elapsed() >= BEAT {
+                last_beat = Instant::now();
+                seg.read(self.beat_at(Party::Coordinator), &mut beat)?;
+                if let Some((_, for_)) = pulse.check(&u32s(&beat), 0..1, patience) {
+                    return Err(Stop::Silent { who: Party::Coordinator, for_ });
+                }
             }
             std::thread::sleep(self.poll);
         }
@@ -468,6 +474,7 @@ mod tests {
         assert_eq!(b.beat_at(Party::Worker(2)), 1024 + 512 + 12);
         assert_eq!(b.coordinator_area(), 1024 + 1024);
         assert_eq!(b.assignment_at(0), 1024 + 1536);
+        assert_eq!(b.assignment_at(2) + SECTOR as u64, b.report_at(0));
         assert_eq!(b.report_at(2) + SECTOR as u64, end);
         let full = Board::new(0, WORKERS_MAX).unwrap();
         assert!(full.beat_at(Party::Worker(WORKERS_MAX - 1)) + 4 <= 2 * SECTOR as u64);

@@ -356,7 +356,7 @@ impl Carafe {
         // by hand may come before the run that will use it.
         let mut part: Option<Part> = None;
         let mut reported = Instant::now();
-        serve(&board, &mut m, id, |m, phase, orders, _| {
+        serve(&board, &mut m, id, |m, phase, orders| {
             let t = Instant::now();
             let report = if phase == 0 {
                 let p = part.insert(self.part(m, id, workers)?);
