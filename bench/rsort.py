@@ -8,6 +8,10 @@ with --flash), then for W = 1, 2, 4 workers at a fixed number of records per wor
                phases through RStore namespaces), then `skiff rsort check`
   gnu-sort     `LC_ALL=C sort` of the same records in a local file (`gen --file`)
   in-memory    `skiff rsort local`: the same records sorted in one process's memory
+  spark        with --spark: Spark's sortByKey of the same file with W executor cores in local
+               mode (bench/spark_peers.py: read, sort, write; the JVM's start left out)
+
+--total N holds the total fixed instead (the thesis's other mode: N records at every W).
 
 Median of --repeat runs of each. Placement: servers under `taskset -c 1`, the sorters under
 `taskset -c 0` (RSort's workers all share that core; GNU sort gets it alone). This machine has
@@ -15,6 +19,8 @@ two cores, so weak scaling cannot hold; the figure shows where the time goes.
 
     python3 bench/rsort.py                          # 200,000 records per worker, W = 1, 2, 4
     python3 bench/rsort.py --per-worker 1000000 --flash
+    python3 bench/rsort.py --per-worker 1000000 --spark --placement none
+    python3 bench/rsort.py --total 4000000 --spark --placement none
 
 Writes bench/results/rsort-<timestamp>.json and prints a Markdown table.
 """
@@ -41,6 +47,17 @@ def rsort(a, *args):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def spark_sort(a, records_file, out, cores):
+    """Spark's sortByKey of the same records with `cores` executor cores: its read, sort and
+    write (JVM start apart), from bench/spark_peers.py."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spark_peers.py")
+    p = subprocess.run(a.pl.client(["python3", script, "sort", "--records", records_file, "--cores", str(cores),
+                                    "--out", out]), capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"spark sort: {p.stderr.strip()[-800:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def timed(argv, **kw):
     t = time.time()
     subprocess.run(argv, check=True, **kw)
@@ -55,6 +72,10 @@ def main():
     p.add_argument("--pool", default="1G", help="what each of the two memory servers donates")
     p.add_argument("--chunk", default="4M")
     p.add_argument("--flash", action="store_true", help="file pools and file-scope namespaces (thesis 7.4)")
+    p.add_argument("--total", type=int, help="fixed total work: this many records at every W (strong scaling) "
+                                             "instead of --per-worker records per worker")
+    p.add_argument("--spark", action="store_true",
+                   help="also Spark's sortByKey on the same records with W executor cores (bench/spark_peers.py)")
     a = parse_bench_args(p)
     a.skiff = os.path.abspath(a.skiff)
     counts = [int(w) for w in a.workers.split(",")]
@@ -73,7 +94,7 @@ def main():
                 f"placement {a.pl.describe()}")
             records_file = os.path.join(scratch, "records")
             for w in counts:
-                records = w * a.per_worker
+                records = a.total if a.total else w * a.per_worker
                 for rep in range(a.repeat):
                     gen = rsort(a, "gen", "--records", str(records), "--file", records_file)
                     srt = rsort(a, "sort", "--workers", str(w))
@@ -81,28 +102,37 @@ def main():
                     gnu = timed(a.pl.client(["sort", "-o", os.path.join(scratch, "sorted"), records_file]),
                                 env={**os.environ, "LC_ALL": "C"})
                     mem = rsort(a, "local", "--records", str(records))
+                    spark = None
+                    if a.spark:
+                        spark = spark_sort(a, records_file, os.path.join(scratch, "spark-sorted"), w)
                     r = {"records": records, "gen_s": gen["seconds"], "sort_s": srt["seconds"],
                          "phase1_s": srt["phase1_s"], "wait_s": srt["wait_s"], "phase2_s": srt["phase2_s"],
                          "check_s": chk["seconds"], "gnu_sort_s": gnu, "in_memory_sort_s": mem["sort_s"]}
+                    if spark:
+                        r.update(spark_s=spark["total_s"], spark_sort_s=spark["sort_s"],
+                                 spark_startup_s=spark["startup_s"])
                     runs.setdefault(w, []).append(r)
                     log(f"W={w} rep {rep + 1}/{a.repeat}: {records:,} records; rsort {r['sort_s']:.2f} s "
                         f"(phase 1 {r['phase1_s']:.2f}, wait {r['wait_s']:.2f}, phase 2 {r['phase2_s']:.2f}); "
-                        f"GNU sort {gnu:.2f} s; in memory {r['in_memory_sort_s']:.2f} s")
+                        f"GNU sort {gnu:.2f} s; in memory {r['in_memory_sort_s']:.2f} s"
+                        + (f"; Spark {r['spark_s']:.2f} s" if spark else ""))
     med = {w: median_record(v, key="sort_s") for w, v in runs.items()}
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"rsort-{time.strftime('%Y%m%d-%H%M%S')}")
     with open(base + ".json", "w") as f:
         json.dump({"placement": a.pl.record(), "repeat": a.repeat, "per_worker": a.per_worker, "flash": a.flash,
                    "points": [{"workers": w, **med[w], "repetitions": runs[w]} for w in counts]}, f, indent=1)
-    print(f"RSort weak scaling, {a.per_worker:,} records per worker, {'file' if a.flash else 'RAM'} namespaces "
+    scaling = f"strong scaling, {a.total:,} records" if a.total else f"weak scaling, {a.per_worker:,} records per worker"
+    print(f"RSort {scaling}, {'file' if a.flash else 'RAM'} namespaces "
           f"({a.pl.short()}, median of {a.repeat}); {base}.json")
     print()
-    print("| workers | records | rsort s | phase 1 | wait | phase 2 | GNU sort s | in-memory sort s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| workers | records | rsort s | phase 1 | wait | phase 2 | GNU sort s | in-memory sort s | Spark s (sort) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in counts:
         r = med[w]
+        sp = f"{r['spark_s']:.2f} ({r['spark_sort_s']:.2f})" if "spark_s" in r else ""
         print(f"| {w} | {int(r['records']):,} | {r['sort_s']:.2f} | {r['phase1_s']:.2f} | {r['wait_s']:.2f} | "
-              f"{r['phase2_s']:.2f} | {r['gnu_sort_s']:.2f} | {r['in_memory_sort_s']:.2f} |")
+              f"{r['phase2_s']:.2f} | {r['gnu_sort_s']:.2f} | {r['in_memory_sort_s']:.2f} | {sp} |")
     return 0
 
 
