@@ -19,3 +19,30 @@ pub mod workers;
 
 /// Why a step failed: the coordinator's, a segment's, a worker's or a local file's error.
 pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// What a step measured: its figures in order (counts and seconds), and any further JSON.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    pub what: &'static str,
+    pub fields: Vec<(&'static str, f64)>,
+    /// Further JSON: a run's supersteps, `path`'s pairs.
+    pub detail: Vec<(&'static str, serde_json::Value)>,
+}
+
+impl Report {
+    pub fn json(&self) -> serde_json::Value {
+        let mut map: serde_json::Map<String, serde_json::Value> =
+            self.fields.iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!(v))).collect();
+        for (k, v) in &self.detail {
+            map.insert((*k).to_owned(), v.clone());
+        }
+        serde_json::Value::Object(map)
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self.fields.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        write!(f, "{}: {}", self.what, parts.join(", "))
+    }
+}

@@ -198,31 +198,7 @@ const SORTED: u64 = 1;
 const EXIT_PATIENCE: Duration = Duration::from_secs(30);
 const MAGIC: u64 = 0x7273_6f72_7431; // "rsort1"
 
-pub use crate::Result;
-
-/// What a step measured: its name and its figures (counts and seconds), in order.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Report {
-    pub what: &'static str,
-    pub fields: Vec<(&'static str, f64)>,
-}
-
-impl Report {
-    /// One JSON object of the figures (what `sort` reads from each worker).
-    pub fn json(&self) -> serde_json::Value {
-        let map: serde_json::Map<String, serde_json::Value> =
-            self.fields.iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!(v))).collect();
-        serde_json::Value::Object(map)
-    }
-}
-
-impl std::fmt::Display for Report {
-    /// `what: name value, name value`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let parts: Vec<String> = self.fields.iter().map(|(k, v)| format!("{k} {v}")).collect();
-        write!(f, "{}: {}", self.what, parts.join(", "))
-    }
-}
+pub use crate::{Report, Result};
 
 /// RSort over one coordinator: its namespaces are `<name>-in`, `-meta`, `-buckets` and
 /// `-out`, made of `scope` in chunks of `chunk_bytes` when a step creates them.
@@ -294,6 +270,7 @@ impl Rsort {
         Ok(Report {
             what: "gen",
             fields: vec![("records", records as f64), ("seconds", start.elapsed().as_secs_f64())],
+            detail: Vec::new(),
         })
     }
 
@@ -344,6 +321,7 @@ impl Rsort {
                 ("phase2_s", phases[2]),
                 ("seconds", start.elapsed().as_secs_f64()),
             ],
+            detail: Vec::new(),
         })
     }
 
@@ -386,6 +364,7 @@ impl Rsort {
                 ("wait_s", waited.as_secs_f64()),
                 ("phase2_s", phase2.as_secs_f64()),
             ],
+            detail: Vec::new(),
         })
     }
 
@@ -507,6 +486,7 @@ impl Rsort {
         Ok(Report {
             what: "check",
             fields: vec![("records", n as f64), ("seconds", start.elapsed().as_secs_f64())],
+            detail: Vec::new(),
         })
     }
 }
@@ -530,6 +510,7 @@ pub fn local(records: u64, seed: u64) -> Report {
             ("gen_s", generated.as_secs_f64()),
             ("sort_s", sorted.as_secs_f64()),
         ],
+        detail: Vec::new(),
     }
 }
 

@@ -33,6 +33,7 @@ use coord::Scope;
 use rstore::{Board, Coordinator, Segment};
 
 use crate::store::{fresh, map, read_region, write_region};
+pub use crate::Report;
 use crate::Result;
 use build::Csr;
 
@@ -83,33 +84,6 @@ pub struct Header {
     pub edges: u64,
     pub weighted: bool,
     pub undirected: bool,
-}
-
-/// What a step measured: its figures in order (counts and seconds).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Report {
-    pub what: &'static str,
-    pub fields: Vec<(&'static str, f64)>,
-    /// Further JSON: a run's supersteps, `path`'s pairs.
-    pub detail: Vec<(&'static str, serde_json::Value)>,
-}
-
-impl Report {
-    pub fn json(&self) -> serde_json::Value {
-        let mut map: serde_json::Map<String, serde_json::Value> =
-            self.fields.iter().map(|(k, v)| ((*k).to_owned(), serde_json::json!(v))).collect();
-        for (k, v) in &self.detail {
-            map.insert((*k).to_owned(), v.clone());
-        }
-        serde_json::Value::Object(map)
-    }
-}
-
-impl std::fmt::Display for Report {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let parts: Vec<String> = self.fields.iter().map(|(k, v)| format!("{k} {v}")).collect();
-        write!(f, "{}: {}", self.what, parts.join(", "))
-    }
 }
 
 /// Carafe over one coordinator: graph `name`'s namespaces, made of `scope` in chunks of
