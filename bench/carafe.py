@@ -41,6 +41,7 @@ import time
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import median_record, parse_bench_args  # noqa: E402
+from carafe_reference import read_values as ranks  # noqa: E402
 from rstore import coordinator, log, memory_servers  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,15 +83,6 @@ def run_json(argv, what, timeout=3600):
 def carafe(a, *args):
     return run_json(a.pl.client([a.skiff, "carafe", "--coordinator", a.url, "--chunk", a.chunk, "--json",
                                  "--name", "bench", *args]), f"skiff carafe {' '.join(args)}")
-
-
-def ranks(path):
-    out = {}
-    with open(path) as f:
-        for line in f:
-            k, v = line.split()
-            out[int(k)] = float(v)
-    return out
 
 
 def max_diff(mine, theirs):

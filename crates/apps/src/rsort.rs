@@ -34,12 +34,11 @@ use std::time::{Duration, Instant};
 use coord::Scope;
 use rstore::{Board, Coordinator, Party, Segment};
 
-use crate::store::{fresh, map, read_region, write_region, IO_BYTES};
+use crate::store::{fresh, map, read_region, sector_u64s, u64s, write_region, IO_BYTES, SECTOR};
 use crate::workers::{serve, Workers};
 
 const RECORD: usize = 100;
 const KEY: usize = 10;
-const SECTOR: usize = 512;
 /// Workers at most: a worker's phase-1 sector holds one count per bucket.
 const WORKERS_MAX: usize = 32;
 
@@ -161,18 +160,6 @@ fn bucket(key: &[u8], workers: usize) -> usize {
 
 fn round_up(n: u64) -> u64 {
     n.div_ceil(SECTOR as u64) * SECTOR as u64
-}
-
-fn sector_u64s(values: &[u64]) -> Vec<u8> {
-    let mut s = vec![0u8; SECTOR];
-    for (i, v) in values.iter().enumerate() {
-        s[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
-    }
-    s
-}
-
-fn u64s(sector: &[u8]) -> Vec<u64> {
-    sector.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
 }
 
 /// Metadata sectors: the input's header, the sort's, then each worker's phase 1 and phase 2,

@@ -9,6 +9,24 @@ use rstore::{Coordinator, Segment};
 
 use crate::Result;
 
+/// Bytes of a sector: the unit of the applications' headers and reports.
+pub const SECTOR: usize = 512;
+
+/// `values` little-endian, padded with zeros to whole sectors (at least one).
+pub fn sector_u64s(values: &[u64]) -> Vec<u8> {
+    let len = (8 * values.len()).div_ceil(SECTOR).max(1) * SECTOR;
+    let mut s = vec![0u8; len];
+    for (i, v) in values.iter().enumerate() {
+        s[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+    }
+    s
+}
+
+/// The little-endian `u64`s of `bytes`.
+pub fn u64s(bytes: &[u8]) -> Vec<u64> {
+    bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+}
+
 /// Bytes moved per request when reading or writing whole regions.
 pub const IO_BYTES: usize = 1 << 20;
 

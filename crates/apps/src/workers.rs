@@ -34,6 +34,11 @@ impl Workers {
         Ok(workers)
     }
 
+    /// No process: the workers are started by somebody else.
+    pub fn none() -> Workers {
+        Workers { children: Vec::new(), out: Vec::new() }
+    }
+
     /// An error naming the first worker that exited while the run still needs it: for
     /// [`Board::gather`]'s watch.
     pub fn watch(&mut self) -> std::result::Result<(), String> {

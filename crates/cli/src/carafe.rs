@@ -123,14 +123,10 @@ enum Action {
 pub fn run(args: CarafeArgs) -> CliResult {
     let (coord, urls) = args.coordinator.connect()?;
     let carafe = Carafe { coord, name: args.name.clone(), scope: args.scope, chunk_bytes: args.chunk };
-    let exe = std::env::current_exe()?;
-    let mut spawn = |id: usize, workers: usize| {
-        let mut w = Command::new(&exe);
-        w.args(["carafe", "--coordinator", &urls, "--name", &args.name]);
-        w.args(args.coordinator.tls.args());
-        w.args(["worker", "--id", &id.to_string(), "--workers", &workers.to_string()]);
-        w
-    };
+    let worker = |id, workers| args.coordinator.worker_command("carafe", &urls, &args.name, id, workers);
+    // Checked once here, so that the closure the run calls cannot fail.
+    worker(0, 1)?;
+    let mut spawn = |id, workers| worker(id, workers).expect("the executable was found");
     if let (Some(s), Action::Pagerank { workers, .. } | Action::Sssp { workers, .. }) =
         (args.external_workers, &args.action)
     {

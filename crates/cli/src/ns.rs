@@ -25,6 +25,23 @@ impl CoordinatorArg {
     pub fn connect(&self) -> Result<(Coordinator, String), Box<dyn std::error::Error>> {
         coordinator(self.urls.as_deref(), &self.tls)
     }
+
+    /// The command of worker `id` of `workers` of application `app` (`rsort`, `carafe`) on the
+    /// namespaces `name`: this executable again, on the same coordinator (`urls`, TLS).
+    pub fn worker_command(
+        &self,
+        app: &str,
+        urls: &str,
+        name: &str,
+        id: usize,
+        workers: usize,
+    ) -> std::io::Result<std::process::Command> {
+        let mut w = std::process::Command::new(std::env::current_exe()?);
+        w.args([app, "--coordinator", urls, "--name", name]);
+        w.args(self.tls.args());
+        w.args(["worker", "--id", &id.to_string(), "--workers", &workers.to_string()]);
+        Ok(w)
+    }
 }
 
 /// etcd over TLS: for `https://` coordinator URLs. Without the options, from

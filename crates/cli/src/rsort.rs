@@ -2,7 +2,7 @@
 //! parses its arguments, starts its workers as `skiff rsort ... worker` processes, and prints
 //! its reports.
 
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 use apps::rsort::{Report, Rsort};
 use clap::{Args, Subcommand};
@@ -72,15 +72,11 @@ pub fn run(args: RsortArgs) -> CliResult {
     let report = match args.action {
         Action::Gen { records, seed, ref file } => rsort.gen(records, seed, file.as_deref())?,
         Action::Sort { workers } => {
-            let exe = std::env::current_exe()?;
-            rsort.sort(workers, |id, workers| {
-                let (id, workers) = (id.to_string(), workers.to_string());
-                let mut worker = Command::new(&exe);
-                worker.args(["rsort", "--coordinator", &urls, "--name", &args.name, "--json"]);
-                worker.args(args.coordinator.tls.args());
-                worker.args(["worker", "--id", &id, "--workers", &workers]);
-                worker
-            })?
+            let worker =
+                |id, workers| args.coordinator.worker_command("rsort", &urls, &args.name, id, workers);
+            // Checked once here, so that the closure the sort calls cannot fail.
+            worker(0, 1)?;
+            rsort.sort(workers, |id, workers| worker(id, workers).expect("the executable was found"))?
         }
         Action::Worker { id, workers } => {
             // JSON whatever --json says: the sort that started this worker reads it.

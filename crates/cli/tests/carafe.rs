@@ -95,24 +95,26 @@ fn carafe_computes_what_igraph_computes_refuses_bad_edge_lists_and_names_a_kille
     assert_eq!(checked["ok"], true, "{checked}");
     // The same run with its workers started by hand, as on other machines: the same ranks.
     let pr_again = dir.file("pr-again.txt");
-    let mut run_alone = skiff()
-        .args([
-            "carafe",
-            "--coordinator",
-            &url,
-            "--chunk",
-            "1M",
-            "--json",
-            "--name",
-            "g",
-            "--external-workers",
-            "30",
-        ])
-        .args(["pagerank", "--workers", "2", "--iterations", "40", "--out", &pr_again])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut run_alone = KillOnDrop(
+        skiff()
+            .args([
+                "carafe",
+                "--coordinator",
+                &url,
+                "--chunk",
+                "1M",
+                "--json",
+                "--name",
+                "g",
+                "--external-workers",
+                "30",
+            ])
+            .args(["pagerank", "--workers", "2", "--iterations", "40", "--out", &pr_again])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     // At once: a worker that comes before its run waits past what the last run left.
     let hand: Vec<KillOnDrop> = (0..2)
         .map(|i| {
@@ -137,7 +139,7 @@ fn carafe_computes_what_igraph_computes_refuses_bad_edge_lists_and_names_a_kille
             )
         })
         .collect();
-    assert!(run_alone.wait().unwrap().success(), "the run with external workers failed");
+    assert!(run_alone.0.wait().unwrap().success(), "the run with external workers failed");
     drop(hand);
     assert_eq!(std::fs::read_to_string(&pr).unwrap(), std::fs::read_to_string(&pr_again).unwrap());
 
@@ -199,21 +201,24 @@ fn carafe_computes_what_igraph_computes_refuses_bad_edge_lists_and_names_a_kille
     );
 
     // A worker killed with SIGKILL in the middle of a long run: the run ends naming it.
-    let mut long = skiff()
-        .args(["carafe", "--coordinator", &url, "--chunk", "1M", "--name", "g"])
-        .args(["pagerank", "--workers", "2", "--iterations", "100000"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = long.id().to_string();
+    // Killed on drop, so that a failing test leaves no run behind.
+    let mut long = KillOnDrop(
+        skiff()
+            .args(["carafe", "--coordinator", &url, "--chunk", "1M", "--name", "g"])
+            .args(["pagerank", "--workers", "2", "--iterations", "100000"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = long.0.id().to_string();
     let victim = loop {
         let out = Command::new("pgrep").args(["-P", &pid, "-f", "worker --id 1"]).output().unwrap();
         let found = String::from_utf8_lossy(&out.stdout).trim().to_owned();
         if !found.is_empty() {
             break found;
         }
-        assert!(long.try_wait().unwrap().is_none(), "the run ended before its workers started");
+        assert!(long.0.try_wait().unwrap().is_none(), "the run ended before its workers started");
         std::thread::sleep(Duration::from_millis(20));
     };
     // Let it get into its supersteps.
@@ -221,17 +226,16 @@ fn carafe_computes_what_igraph_computes_refuses_bad_edge_lists_and_names_a_kille
     assert!(Command::new("kill").args(["-9", &victim]).status().unwrap().success());
     let t = Instant::now();
     let status = loop {
-        if let Some(s) = long.try_wait().unwrap() {
+        if let Some(s) = long.0.try_wait().unwrap() {
             break s;
         }
         if t.elapsed() > Duration::from_secs(30) {
-            let _ = long.kill();
             panic!("the run went on for 30 s after its worker was killed");
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     let mut err = String::new();
-    std::io::Read::read_to_string(&mut long.stderr.take().unwrap(), &mut err).unwrap();
+    std::io::Read::read_to_string(&mut long.0.stderr.take().unwrap(), &mut err).unwrap();
     let last = err.lines().last().unwrap_or("");
     assert!(!status.success() && last.contains("worker 1 exited"), "{last}");
     // Nothing is left running: the other worker stopped too.

@@ -26,13 +26,13 @@
 pub mod build;
 pub mod pregel;
 
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::time::Instant;
 
 use coord::Scope;
 use rstore::{Board, Coordinator, Segment};
 
-use crate::store::{fresh, map, read_region, write_region};
+use crate::store::{fresh, map, read_region, sector_u64s, u64s, write_region, SECTOR};
 pub use crate::Report;
 use crate::Result;
 use build::Csr;
@@ -41,7 +41,6 @@ use build::Csr;
 pub const VERTEX_BYTES: usize = 24;
 /// Bytes of an edge record.
 pub const EDGE_BYTES: usize = 8;
-const SECTOR: usize = 512;
 const MAGIC: u64 = 0x0063_6172_6166_6531; // "carafe1"
 /// Partition workers at most.
 pub const WORKERS_MAX: usize = rstore::coordination::WORKERS_MAX;
@@ -63,18 +62,6 @@ const _: () =
 
 const fn round_up(n: u64) -> u64 {
     n.div_ceil(SECTOR as u64) * SECTOR as u64
-}
-
-fn u64s(bytes: &[u8]) -> Vec<u64> {
-    bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
-}
-
-fn sector_u64s(values: &[u64]) -> Vec<u8> {
-    let mut s = vec![0u8; round_up(8 * values.len() as u64).max(SECTOR as u64) as usize];
-    for (i, v) in values.iter().enumerate() {
-        s[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
-    }
-    s
 }
 
 /// A graph's header: what `gen` or `import` stored.
@@ -423,14 +410,14 @@ impl Graph {
         let (a, b) = (self.vertex(from)?, self.vertex(to)?);
         // Tentative distance and hop count of each vertex reached; the heap orders by distance.
         let mut best: HashMap<u32, (f64, u64)> = HashMap::new();
-        let mut done: HashMap<u32, ()> = HashMap::new();
+        let mut done: HashSet<u32> = HashSet::new();
         let mut heap = BinaryHeap::new();
         best.insert(from, (0.0, 0));
         heap.push(Queued { distance: 0.0, vertex: from, hops: 0 });
         let (mut settled, mut scanned) = (0u64, 0u64);
         let mut found = None;
         while let Some(Queued { distance, vertex, hops }) = heap.pop() {
-            if done.insert(vertex, ()).is_some() {
+            if !done.insert(vertex) {
                 continue;
             }
             settled += 1;
@@ -444,7 +431,7 @@ impl Graph {
                 scanned += 1;
                 let d = distance + f64::from(w);
                 let better = best.get(&dst).is_none_or(|&(old, _)| d < old);
-                if better && !done.contains_key(&dst) {
+                if better && !done.contains(&dst) {
                     best.insert(dst, (d, hops + 1));
                     heap.push(Queued { distance: d, vertex: dst, hops: hops + 1 });
                 }

@@ -44,10 +44,10 @@ use std::time::{Duration, Instant};
 use rstore::{Board, Party, Segment};
 
 use super::{
-    header, round_up, sector_u64s, u64s, Carafe, Graph, Header, Report, BOARD_AT, BOUNDS_AT, EDGE_BYTES,
-    MATRIX_AT, RUN_AT, SECTOR, VERTEX_BYTES, WORKERS_MAX,
+    header, round_up, Carafe, Graph, Header, Report, BOARD_AT, BOUNDS_AT, EDGE_BYTES, MATRIX_AT, RUN_AT,
+    VERTEX_BYTES, WORKERS_MAX,
 };
-use crate::store::{map, read_into, read_region, write_region};
+use crate::store::{map, read_into, read_region, sector_u64s, u64s, write_region, SECTOR};
 use crate::workers::{serve, Workers};
 use crate::Result;
 
@@ -260,7 +260,7 @@ impl Carafe {
             Launch::Spawn(worker) => Workers::spawn(workers, |i| worker(i, workers))?,
             Launch::External { attach } => {
                 board.dead_after = attach.max(dead_after);
-                Workers::spawn(0, |_| unreachable!("no worker is started"))?
+                Workers::none()
             }
         };
 
@@ -451,6 +451,8 @@ struct Part<'a> {
     caps: Vec<u64>,
     mail: Option<Segment>,
     values: Option<Segment>,
+    /// A container read or written, and the values written back: kept across supersteps.
+    scratch: Vec<u8>,
     time: Times,
 }
 
@@ -488,6 +490,7 @@ impl<'a> Part<'a> {
             caps: Vec::new(),
             mail: None,
             values: None,
+            scratch: Vec::new(),
             time: Times::default(),
         }
     }
@@ -659,11 +662,12 @@ impl<'a> Part<'a> {
         let (messages, bytes) = self.write_outbox(k)?;
         s.messages = messages;
         s.mail_bytes = bytes;
-        let mut out = Vec::with_capacity(8 * n);
+        let out = &mut self.scratch;
+        out.clear();
         for x in &self.value {
             out.extend_from_slice(&x.to_le_bytes());
         }
-        write_region(self.values.as_mut().expect("loaded"), self.lo * 8, &out)?;
+        write_region(self.values.as_mut().expect("loaded"), self.lo * 8, out)?;
         self.time.outbox += t.elapsed();
         Ok(s)
     }
@@ -673,7 +677,7 @@ impl<'a> Part<'a> {
     fn read_inbox(&mut self, k: u64) -> Result<()> {
         let (w, me) = (self.workers, self.id);
         let mail = self.mail.as_mut().expect("opened");
-        let mut buf = Vec::new();
+        let buf = &mut self.scratch;
         for j in (0..w).filter(|&j| j != me) {
             let cap = self.caps[j * w + me];
             if cap == 0 {
@@ -682,7 +686,7 @@ impl<'a> Part<'a> {
             let (at, bytes) = self.places[j * w + me][(k % 2) as usize];
             let first = (bytes as usize).min(FIRST_READ);
             buf.resize(first, 0);
-            mail.read(at, &mut buf)?;
+            mail.read(at, buf)?;
             let count = u64::from_le_bytes(buf[..8].try_into().expect("8"));
             if count > cap {
                 return Err(format!(
@@ -721,7 +725,7 @@ impl<'a> Part<'a> {
         let identity = self.program.identity();
         let parity = ((k + 1) % 2) as usize;
         let (mut messages, mut bytes) = (0u64, 0u64);
-        let mut buf: Vec<u8> = Vec::new();
+        let mut buf = std::mem::take(&mut self.scratch);
         for j in 0..w {
             let (lo, hi) = (self.bounds[j] as usize, self.bounds[j + 1] as usize);
             if j == me {
@@ -762,6 +766,7 @@ impl<'a> Part<'a> {
             messages += count;
             bytes += buf.len() as u64;
         }
+        self.scratch = buf;
         Ok((messages, bytes))
     }
 }
