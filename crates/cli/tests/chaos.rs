@@ -102,7 +102,9 @@ fn chaos(replicas: usize) {
         serde_json::from_slice::<serde_json::Value>(&o.stdout).ok().and_then(|v| v.as_array().map(Vec::len))
     }) != Some(4)
     {
-        assert!(start.elapsed() < Duration::from_secs(60), "the servers never registered");
+        // A guard against a hang, not a speed check: four servers and an etcd start at once
+        // beside the other chaos test, and on a loaded 2-core runner that once took over 60 s.
+        assert!(start.elapsed() < Duration::from_secs(180), "the servers never registered");
         std::thread::sleep(Duration::from_millis(100));
     }
     let ns = |args: &[&str]| {
