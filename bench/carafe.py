@@ -25,12 +25,21 @@ Placement: none by default (every system gets both cores; Carafe's memory server
 with its workers, as Spark's executors share the machine with its driver). --placement apart
 pins the memory servers to core 1 and everything else to core 0.
 
+GraphX needs minutes per run from scale 20 on (about 70 s to load a scale-20 graph and 12 s
+an iteration on this VM), so --spark-scales limits the scales Spark runs at, and
+--spark-iterations runs fewer PageRank iterations there: its time per superstep is then the
+mean over those iterations (the JSON's `iterations` says how many each system ran), and its
+ranks are not compared.
+
     python3 bench/carafe.py                                  # scales 16, 18, 20; W = 1, 2, 4
     python3 bench/carafe.py --scales 16 --workers 1,2 --repeat 1 --no-spark
+    python3 bench/carafe.py --scales 16,17,18,19,20,21 --spark-scales 16,18,20 --spark-iterations 8
 
-Writes bench/results/carafe-<timestamp>.json and prints a Markdown table.
+Writes bench/results/carafe-<timestamp>.json (and .png: time per superstep and to import, by
+scale, when matplotlib is installed) and prints a Markdown table.
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -97,7 +106,8 @@ def run_carafe(a, edges, w, scratch):
     pr = carafe(a, "pagerank", "--workers", str(w), "--iterations", str(a.iterations), "--out", out)
     ss = carafe(a, "sssp", "--workers", str(w), "--source", "0")
     return {"import_s": imp["seconds"], "load_s": pr["load_s"], "compute_s": pr["compute_s"],
-            "per_superstep_s": pr["compute_s"] / a.iterations, "pagerank_s": pr["seconds"],
+            "iterations": a.iterations, "per_superstep_s": pr["compute_s"] / a.iterations,
+            "pagerank_s": pr["seconds"],
             "sssp_s": ss["seconds"], "sssp_supersteps": ss["supersteps"], "messages": pr["messages"],
             "mail_bytes": pr["mail_bytes"], "worker_compute_s": pr["worker_compute_s"],
             "worker_inbox_s": pr["worker_inbox_s"], "worker_outbox_s": pr["worker_outbox_s"],
@@ -107,18 +117,20 @@ def run_carafe(a, edges, w, scratch):
 def run_spark(a, edges, w, scratch):
     out = os.path.join(scratch, f"spark-{w}.txt")
     base = ["python3", os.path.join(HERE, "spark_peers.py")]
+    iterations = a.spark_iterations or a.iterations
     pr = run_json(a.pl.client(base + ["pagerank", "--edges", edges, "--cores", str(w), "--iterations",
-                                      str(a.iterations), "--damping", "0.85", "--out", out]), "spark pagerank")
+                                      str(iterations), "--damping", "0.85", "--out", out]), "spark pagerank")
     ss = run_json(a.pl.client(base + ["sssp", "--edges", edges, "--cores", str(w), "--source", "0"]), "spark sssp")
     return {"engine": pr.get("engine"), "import_s": pr["load_s"], "compute_s": pr["compute_s"],
-            "per_superstep_s": pr["compute_s"] / a.iterations, "startup_s": pr.get("startup_s"),
+            "iterations": iterations, "per_superstep_s": pr["compute_s"] / iterations, "startup_s": pr.get("startup_s"),
             "pagerank_s": pr["total_s"], "sssp_s": ss["compute_s"], "sssp_engine": ss.get("engine"), "ranks": out}
 
 
 def run_networkit(a, edges, scratch):
     out = os.path.join(scratch, "networkit.txt")
     r = run_json(a.pl.client(["python3", "-c", NETWORKIT, edges, str(a.iterations), "0.85", out]), "networkit")
-    return {"import_s": r["load_s"], "compute_s": r["compute_s"], "per_superstep_s": r["per_superstep_s"],
+    return {"import_s": r["load_s"], "compute_s": r["compute_s"], "iterations": r["iterations"],
+            "per_superstep_s": r["per_superstep_s"],
             "sssp_s": r["sssp_s"], "ranks": out}
 
 
@@ -132,6 +144,9 @@ def main():
     p.add_argument("--chunk", default="4M")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-spark", action="store_true")
+    p.add_argument("--spark-scales", help="the scales Spark runs at (default: all of --scales)")
+    p.add_argument("--spark-iterations", type=int,
+                   help="PageRank iterations for Spark (default: --iterations); ranks are then not compared")
     p.add_argument("--no-networkit", action="store_true")
     a = parse_bench_args(p)
     if a.placement == "apart" and "--placement" not in sys.argv:
@@ -143,11 +158,9 @@ def main():
     a.skiff = os.path.abspath(a.skiff)
     scales = [int(s) for s in a.scales.split(",")]
     counts = [int(w) for w in a.workers.split(",")]
-    systems = [f"carafe-{w}" for w in counts]
-    if not a.no_spark:
-        systems += [f"spark-{w}" for w in counts]
-    if not a.no_networkit:
-        systems.append("networkit-1")
+    spark_scales = scales if a.spark_scales is None else [int(s) for s in a.spark_scales.split(",")]
+    base_systems = [f"carafe-{w}" for w in counts] + ([] if a.no_networkit else ["networkit-1"])
+    spark_systems = [] if a.no_spark else [f"spark-{w}" for w in counts]
     runs = {}
     with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch, coordinator(a, scratch):
         with memory_servers(a, [f"ram:{a.pool}"] * 2):
@@ -157,6 +170,8 @@ def main():
                 g = carafe(a, "gen", "--scale", str(scale), "--seed", str(a.seed), "--simple", "--compact",
                            "--file", edges)
                 log(f"scale {scale}: {int(g['vertices'])} vertices, {int(g['edges'])} edges")
+                systems = base_systems[:len(counts)] + (spark_systems if scale in spark_scales else []) \
+                    + base_systems[len(counts):]
                 reps = {s: [] for s in systems}
                 for rep in range(a.repeat):
                     order = systems[rep % len(systems):] + systems[:rep % len(systems)]
@@ -170,7 +185,8 @@ def main():
                         else:
                             r = run_networkit(a, edges, scratch)
                         reference = os.path.join(scratch, f"carafe-{counts[0]}.txt")
-                        if os.path.exists(reference) and r["ranks"] != reference:
+                        if (os.path.exists(reference) and r["ranks"] != reference
+                                and r["iterations"] == a.iterations):
                             r["rank_max_diff"] = max_diff(ranks(reference), ranks(r["ranks"]))
                         del r["ranks"]
                         reps[s].append(r)
@@ -184,18 +200,45 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = os.path.join(a.out, f"carafe-{stamp}.json")
+    png = plot(path[:-len(".json")] + ".png", runs, a)
     with open(path, "w") as f:
         json.dump({"placement": a.pl.describe(), "iterations": a.iterations, "runs": runs}, f, indent=1)
-    print(f"| scale | vertices | edges | system | import s | ms / superstep | PageRank x{a.iterations} s "
+    print(f"| scale | vertices | edges | system | import s | ms / superstep | PageRank s (iterations) "
           f"| SSSP s | ranks: largest difference from Carafe's |")
     print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in runs.values():
         m = r["median"]
         diff = m.get("rank_max_diff")
         print(f"| {r['scale']} | {int(r['vertices']):,} | {int(r['edges']):,} | {r['system']} | {m['import_s']:.2f} "
-              f"| {m['per_superstep_s'] * 1e3:.1f} | {m['compute_s']:.2f} | {m['sssp_s']:.2f} "
+              f"| {m['per_superstep_s'] * 1e3:.1f} | {m['compute_s']:.2f} ({int(m['iterations'])}) | {m['sssp_s']:.2f} "
               f"| {'' if diff is None else f'{diff:.1e}'} |")
-    log(f"wrote {path}")
+    log(f"wrote {path}" + (f" and {png}" if png else ""))
+
+
+def plot(path, runs, a):
+    """Time per superstep and time to import against scale, a line per system (log scale)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        log("matplotlib is missing (python3 -m pip install matplotlib): no plot")
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system in dict.fromkeys(r["system"] for r in runs.values()):
+        points = sorted((r["scale"], r["median"]) for r in runs.values() if r["system"] == system)
+        x = [s for s, _ in points]
+        axes[0].plot(x, [m["per_superstep_s"] * 1e3 for _, m in points], marker="o", label=system)
+        axes[1].plot(x, [m["import_s"] for _, m in points], marker="o", label=system)
+    for ax, what in zip(axes, ["PageRank, ms per superstep", "import, s"]):
+        ax.set_yscale("log")
+        ax.set_xlabel("R-MAT scale (2^scale vertex ids, 16 edges each)")
+        ax.set_ylabel(what)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Carafe, GraphX and networkit ({a.pl.short()}, median of {a.repeat})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 if __name__ == "__main__":

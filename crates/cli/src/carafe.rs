@@ -7,7 +7,7 @@ use std::process::{Command, ExitCode};
 
 use apps::carafe::build::GenSpec;
 use apps::carafe::pregel::{Launch, Program, StepStats};
-use apps::carafe::{Carafe, Report};
+use apps::carafe::{Carafe, Report, Walk};
 use clap::{Args, Subcommand};
 use coord::Scope;
 
@@ -109,6 +109,13 @@ enum Action {
         from: Option<u64>,
         #[arg(long, requires = "from")]
         to: Option<u64>,
+        /// What the walk keeps of the graph's vertices and edges between reads (blocks of
+        /// 32 KiB; half for each).
+        #[arg(long, value_parser = crate::units::parse_size, default_value = "512M")]
+        cache: u64,
+        /// Start every path with an empty cache, as the first query on a graph does.
+        #[arg(long)]
+        cold: bool,
     },
     /// One partition worker of a run (started by it).
     #[command(hide = true)]
@@ -182,10 +189,13 @@ pub fn run(args: CarafeArgs) -> CliResult {
             write_values(&carafe, out.as_deref())?;
             r
         }
-        Action::Path { pairs, seed, from, to } => match (from, to) {
-            (Some(a), Some(b)) => carafe.paths_of(&[(a, b)])?,
-            _ => carafe.paths(pairs, seed)?,
-        },
+        Action::Path { pairs, seed, from, to, cache, cold } => {
+            let walk = Walk { cache_bytes: usize::try_from(cache).unwrap_or(usize::MAX), cold };
+            match (from, to) {
+                (Some(a), Some(b)) => carafe.paths_of(&[(a, b)], walk)?,
+                _ => carafe.paths(pairs, seed, walk)?,
+            }
+        }
         Action::Worker { id, workers } => {
             // JSON whatever --json says: the run that started this worker reads it.
             println!("{}", carafe.worker(id, workers)?.json());

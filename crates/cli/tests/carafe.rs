@@ -148,6 +148,13 @@ fn carafe_computes_what_igraph_computes_refuses_bad_edge_lists_and_names_a_kille
     std::fs::write(&paths_file, paths.to_string()).unwrap();
     let checked = reference(&["paths", "--edges", &edges, "--paths", &paths_file]);
     assert_eq!(checked["pairs"], 12, "{checked}");
+    // The same walks with a cache of one block per namespace: blocks are evicted and read
+    // again, and every length stays right.
+    let evicting = carafe("g", &["path", "--pairs", "12", "--seed", "5", "--cache", "64K"]);
+    assert!(evicting["reads"].as_f64().unwrap() > paths["reads"].as_f64().unwrap(), "{evicting}\n{paths}");
+    std::fs::write(&paths_file, evicting.to_string()).unwrap();
+    let checked = reference(&["paths", "--edges", &edges, "--paths", &paths_file]);
+    assert_eq!(checked["pairs"], 12, "{checked}");
 
     // A weighted graph stored both ways: SSSP with three workers.
     let wedges = dir.file("w.txt");

@@ -20,13 +20,15 @@
 //! - [`build`]: edge lists (SNAP's text format, or R-MAT generated) into sorted vertices and
 //!   adjacency lists.
 //! - [`Graph`]: online exploration: a vertex by id, an iterator over its edges, reading only
-//!   what it needs from the namespaces, and Dijkstra's shortest path on it ([`Graph::path`]).
+//!   what it needs from the namespaces (a block at a time, kept in a bounded cache: a graph's
+//!   vertices and edges do not change once stored), and Dijkstra's shortest path on it
+//!   ([`Graph::path`]).
 //! - [`pregel`]: the Pregel engine and its programs, PageRank and single-source shortest paths.
 
 pub mod build;
 pub mod pregel;
 
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use coord::Scope;
@@ -213,11 +215,22 @@ impl Carafe {
 
     /// Open this graph for online exploration.
     pub fn open(&self) -> Result<Graph> {
+        self.open_with_cache(CACHE_BYTES)
+    }
+
+    /// [`Carafe::open`] with a cache of `cache_bytes` (at least a block for vertices and one
+    /// for edges).
+    pub fn open_with_cache(&self, cache_bytes: usize) -> Result<Graph> {
         let header = self.header()?;
+        let cache = cache_bytes / BLOCK_BYTES / 2;
         Ok(Graph {
+            vertices: Blocks::new(
+                map(&self.coord, &self.ns("vertices"))?,
+                header.vertices * VERTEX_BYTES as u64,
+                cache,
+            ),
+            edges: Blocks::new(map(&self.coord, &self.ns("edges"))?, header.edges * EDGE_BYTES as u64, cache),
             header,
-            vertices: map(&self.coord, &self.ns("vertices"))?,
-            edges: map(&self.coord, &self.ns("edges"))?,
             explored: Explored::default(),
         })
     }
@@ -244,18 +257,18 @@ impl Carafe {
     /// Shortest paths between `pairs` vertex pairs drawn at random (seeded) with Dijkstra on
     /// the online graph (thesis Figure 6.12a): per pair, its length and how much of the graph
     /// it explored.
-    pub fn paths(&self, pairs: usize, seed: u64) -> Result<Report> {
-        let mut g = self.open()?;
+    pub fn paths(&self, pairs: usize, seed: u64, walk: Walk) -> Result<Report> {
+        let mut g = self.open_with_cache(walk.cache_bytes)?;
         let mut rng = build::Rng::new(seed);
         let n = g.header.vertices;
         let chosen: Vec<(u32, u32)> =
             (0..pairs).map(|_| (rng.below(n) as u32, rng.below(n) as u32)).collect();
-        self.paths_between(&mut g, &chosen)
+        self.paths_between(&mut g, &chosen, walk.cold)
     }
 
     /// Shortest paths between the given pairs of external ids.
-    pub fn paths_of(&self, pairs: &[(u64, u64)]) -> Result<Report> {
-        let mut g = self.open()?;
+    pub fn paths_of(&self, pairs: &[(u64, u64)], walk: Walk) -> Result<Report> {
+        let mut g = self.open_with_cache(walk.cache_bytes)?;
         let mut chosen = Vec::with_capacity(pairs.len());
         for &(a, b) in pairs {
             let find = |g: &mut Graph, x: u64| -> Result<u32> {
@@ -265,14 +278,18 @@ impl Carafe {
             };
             chosen.push((find(&mut g, a)?, find(&mut g, b)?));
         }
-        self.paths_between(&mut g, &chosen)
+        self.paths_between(&mut g, &chosen, walk.cold)
     }
 
-    fn paths_between(&self, g: &mut Graph, pairs: &[(u32, u32)]) -> Result<Report> {
+    fn paths_between(&self, g: &mut Graph, pairs: &[(u32, u32)], cold: bool) -> Result<Report> {
         let start = Instant::now();
         let mut rows = Vec::with_capacity(pairs.len());
         let (mut settled, mut scanned) = (0u64, 0u64);
         for &(a, b) in pairs {
+            if cold {
+                g.forget();
+            }
+            let reads = g.explored.reads;
             let p = g.path(a, b)?;
             settled += p.settled;
             scanned += p.scanned;
@@ -280,7 +297,7 @@ impl Carafe {
                 "from": p.from, "to": p.to,
                 "distance": p.distance, "hops": p.hops,
                 "vertices_explored": p.settled, "edges_explored": p.scanned,
-                "seconds": p.seconds,
+                "reads": g.explored.reads - reads, "seconds": p.seconds,
             }));
         }
         let seconds = start.elapsed().as_secs_f64();
@@ -332,7 +349,22 @@ impl Vertex {
     }
 }
 
-/// How much online exploration read.
+/// How [`Carafe::paths`] walks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Walk {
+    /// What the graph keeps cached ([`Carafe::open_with_cache`]).
+    pub cache_bytes: usize,
+    /// Each path starts with an empty cache, as a first query would.
+    pub cold: bool,
+}
+
+impl Default for Walk {
+    fn default() -> Self {
+        Walk { cache_bytes: CACHE_BYTES, cold: false }
+    }
+}
+
+/// How much online exploration read from RStore.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Explored {
     pub reads: u64,
@@ -340,16 +372,75 @@ pub struct Explored {
 }
 
 /// A graph opened for online exploration (the thesis's `CarafeGraph`): its vertex and edge
-/// namespaces mapped, read a vertex or a piece of an adjacency list at a time.
+/// namespaces mapped, read a block at a time into a bounded cache, so that a walk that comes
+/// back near where it has been costs no round trip.
 pub struct Graph {
     pub header: Header,
-    vertices: Segment,
-    edges: Segment,
+    vertices: Blocks,
+    edges: Blocks,
     pub explored: Explored,
 }
 
-/// Edges an [`EdgeIter`] reads per request.
+/// Edges an [`EdgeIter`] takes from the cache at a time.
 const EDGES_PER_READ: usize = 512;
+
+/// What online exploration reads from RStore at a time. A miss costs one request, and a
+/// request of 32 KiB costs little more than one of 24 bytes (its round trip dominates), so a
+/// walk through much of the graph makes a few thousand requests instead of two per vertex.
+pub const BLOCK_BYTES: usize = 32 << 10;
+
+/// The bytes a [`Graph`] keeps cached, half for vertex records and half for edges.
+pub const CACHE_BYTES: usize = 512 << 20;
+
+/// A read-through cache of one namespace's bytes in [`BLOCK_BYTES`] blocks, evicting the
+/// oldest block first. Only for bytes that do not change while it lives.
+struct Blocks {
+    segment: Segment,
+    len: u64,
+    blocks: HashMap<u64, Box<[u8]>>,
+    order: VecDeque<u64>,
+    capacity: usize,
+}
+
+impl Blocks {
+    fn new(segment: Segment, len: u64, capacity: usize) -> Self {
+        Blocks { segment, len, blocks: HashMap::new(), order: VecDeque::new(), capacity: capacity.max(1) }
+    }
+
+    /// `out.len()` bytes from `offset`, which must lie within the namespace's `len`.
+    fn read(&mut self, offset: u64, out: &mut [u8], explored: &mut Explored) -> Result<()> {
+        let end = offset + out.len() as u64;
+        if end > self.len {
+            return Err(
+                format!("read of {}..{end} past the end of the graph's {} bytes", offset, self.len).into()
+            );
+        }
+        let mut at = offset;
+        while at < end {
+            let index = at / BLOCK_BYTES as u64;
+            let start = index * BLOCK_BYTES as u64;
+            if !self.blocks.contains_key(&index) {
+                let mut block = vec![0u8; (self.len - start).min(BLOCK_BYTES as u64) as usize];
+                self.segment.read(start, &mut block)?;
+                explored.reads += 1;
+                explored.bytes += block.len() as u64;
+                if self.order.len() == self.capacity {
+                    let old = self.order.pop_front().expect("capacity is at least 1");
+                    self.blocks.remove(&old);
+                }
+                self.order.push_back(index);
+                self.blocks.insert(index, block.into_boxed_slice());
+            }
+            let block = &self.blocks[&index];
+            let from = (at - start) as usize;
+            let n = (block.len() - from).min((end - at) as usize);
+            let put = (at - offset) as usize;
+            out[put..put + n].copy_from_slice(&block[from..from + n]);
+            at += n as u64;
+        }
+        Ok(())
+    }
+}
 
 /// One shortest path's figures.
 #[derive(Debug, Clone, PartialEq)]
@@ -372,10 +463,16 @@ impl Graph {
             return Err(format!("no vertex {internal}: the graph has {}", self.header.vertices).into());
         }
         let mut r = [0u8; VERTEX_BYTES];
-        self.vertices.read(u64::from(internal) * VERTEX_BYTES as u64, &mut r)?;
-        self.explored.reads += 1;
-        self.explored.bytes += VERTEX_BYTES as u64;
+        self.vertices.read(u64::from(internal) * VERTEX_BYTES as u64, &mut r, &mut self.explored)?;
         Ok(Vertex::parse(&r))
+    }
+
+    /// Drops every cached block: the next reads go to RStore.
+    pub fn forget(&mut self) {
+        for b in [&mut self.vertices, &mut self.edges] {
+            b.blocks.clear();
+            b.order.clear();
+        }
     }
 
     /// The vertex of external id `external`, by binary search over the records.
@@ -393,7 +490,7 @@ impl Graph {
         Ok(None)
     }
 
-    /// `v`'s out-edges (the thesis's `EdgeIterator`), read [`EDGES_PER_READ`] at a time.
+    /// `v`'s out-edges (the thesis's `EdgeIterator`), taken [`EDGES_PER_READ`] at a time.
     pub fn edges(&mut self, v: &Vertex) -> EdgeIter<'_> {
         EdgeIter {
             graph: self,
@@ -409,8 +506,8 @@ impl Graph {
         let start = Instant::now();
         let (a, b) = (self.vertex(from)?, self.vertex(to)?);
         // Tentative distance and hop count of each vertex reached; the heap orders by distance.
-        let mut best: HashMap<u32, (f64, u64)> = HashMap::new();
-        let mut done: HashSet<u32> = HashSet::new();
+        let mut best: HashMap<u32, (f64, u64), IdHash> = HashMap::default();
+        let mut done: HashSet<u32, IdHash> = HashSet::default();
         let mut heap = BinaryHeap::new();
         best.insert(from, (0.0, 0));
         heap.push(Queued { distance: 0.0, vertex: from, hops: 0 });
@@ -446,6 +543,30 @@ impl Graph {
             scanned,
             seconds: start.elapsed().as_secs_f64(),
         })
+    }
+}
+
+/// Hashing for internal ids, which are dense and chosen by no adversary: one multiplication
+/// (Fibonacci hashing), where the standard library's SipHash would cost Dijkstra a third of its
+/// time on a warm cache.
+type IdHash = std::hash::BuildHasherDefault<IdHasher>;
+
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, id: u32) {
+        self.0 = u64::from(id).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     }
 }
 
@@ -490,14 +611,13 @@ impl Iterator for EdgeIter<'_> {
             }
             let n = (self.end - self.next).min(EDGES_PER_READ as u64) as usize;
             self.buf.resize(n * EDGE_BYTES, 0);
-            if let Err(e) = self.graph.edges.read(self.next * EDGE_BYTES as u64, &mut self.buf) {
+            let g = &mut *self.graph;
+            if let Err(e) = g.edges.read(self.next * EDGE_BYTES as u64, &mut self.buf, &mut g.explored) {
                 self.next = self.end;
                 self.buf.clear();
                 self.at = 0;
-                return Some(Err(e.into()));
+                return Some(Err(e));
             }
-            self.graph.explored.reads += 1;
-            self.graph.explored.bytes += self.buf.len() as u64;
             self.next += n as u64;
             self.at = 0;
         }
