@@ -33,7 +33,7 @@ ranks are not compared.
 
     python3 bench/carafe.py                                  # scales 16, 18, 20; W = 1, 2, 4
     python3 bench/carafe.py --scales 16 --workers 1,2 --repeat 1 --no-spark
-    python3 bench/carafe.py --scales 16,17,18,19,20,21 --spark-scales 16,18,20 --spark-iterations 8
+    python3 bench/carafe.py --scales 20,21 --spark-scales 20 --spark-workers 2 --spark-iterations 4
 
 Writes bench/results/carafe-<timestamp>.json (and .png: time per superstep and to import, by
 scale, when matplotlib is installed) and prints a Markdown table.
@@ -145,6 +145,7 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-spark", action="store_true")
     p.add_argument("--spark-scales", help="the scales Spark runs at (default: all of --scales)")
+    p.add_argument("--spark-workers", help="Spark's executor core counts (default: --workers)")
     p.add_argument("--spark-iterations", type=int,
                    help="PageRank iterations for Spark (default: --iterations); ranks are then not compared")
     p.add_argument("--no-networkit", action="store_true")
@@ -160,7 +161,8 @@ def main():
     counts = [int(w) for w in a.workers.split(",")]
     spark_scales = scales if a.spark_scales is None else [int(s) for s in a.spark_scales.split(",")]
     base_systems = [f"carafe-{w}" for w in counts] + ([] if a.no_networkit else ["networkit-1"])
-    spark_systems = [] if a.no_spark else [f"spark-{w}" for w in counts]
+    spark_counts = counts if a.spark_workers is None else [int(w) for w in a.spark_workers.split(",")]
+    spark_systems = [] if a.no_spark else [f"spark-{w}" for w in spark_counts]
     runs = {}
     with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch, coordinator(a, scratch):
         with memory_servers(a, [f"ram:{a.pool}"] * 2):

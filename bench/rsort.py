@@ -13,6 +13,10 @@ with --flash), then for W = 1, 2, 4 workers at a fixed number of records per wor
 
 --total N holds the total fixed instead (the thesis's other mode: N records at every W).
 
+CPU per record: each sorter's user and system time (getrusage of the waited-for process and
+its workers) and, for RSort, the memory servers' time over its sort too (from /proc), per
+record sorted. Spark's includes its JVM start (about 10 s of CPU), which its times leave out.
+
 Median of --repeat runs of each. Placement: servers under `taskset -c 1`, the sorters under
 `taskset -c 0` (RSort's workers all share that core; GNU sort gets it alone). This machine has
 two cores, so weak scaling cannot hold; the figure shows where the time goes.
@@ -27,6 +31,7 @@ Writes bench/results/rsort-<timestamp>.json and prints a Markdown table.
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -64,6 +69,22 @@ def timed(argv, **kw):
     return time.time() - t
 
 
+def children_cpu():
+    """User and system seconds of every child waited for so far (and of theirs)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def process_cpu(procs):
+    """User and system seconds of running processes, from /proc/PID/stat."""
+    total = 0.0
+    for p in procs:
+        with open(f"/proc/{p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -89,7 +110,7 @@ def main():
                 pools.append(f"file:{path}")
             else:
                 pools.append(f"ram:{a.pool}")
-        with memory_servers(a, pools):
+        with memory_servers(a, pools) as servers:
             log(f"etcd at {a.url}; two memory servers ({'file' if a.flash else 'RAM'} pools of {a.pool}); "
                 f"placement {a.pl.describe()}")
             records_file = os.path.join(scratch, "records")
@@ -97,20 +118,29 @@ def main():
                 records = a.total if a.total else w * a.per_worker
                 for rep in range(a.repeat):
                     gen = rsort(a, "gen", "--records", str(records), "--file", records_file)
+                    cpu, served = children_cpu(), process_cpu(servers)
                     srt = rsort(a, "sort", "--workers", str(w))
+                    rsort_cpu, server_cpu = children_cpu() - cpu, process_cpu(servers) - served
                     chk = rsort(a, "check")
+                    cpu = children_cpu()
                     gnu = timed(a.pl.client(["sort", "-o", os.path.join(scratch, "sorted"), records_file]),
                                 env={**os.environ, "LC_ALL": "C"})
+                    gnu_cpu = children_cpu() - cpu
                     mem = rsort(a, "local", "--records", str(records))
                     spark = None
                     if a.spark:
+                        cpu = children_cpu()
                         spark = spark_sort(a, records_file, os.path.join(scratch, "spark-sorted"), w)
+                        spark_cpu = children_cpu() - cpu
                     r = {"records": records, "gen_s": gen["seconds"], "sort_s": srt["seconds"],
                          "phase1_s": srt["phase1_s"], "wait_s": srt["wait_s"], "phase2_s": srt["phase2_s"],
-                         "check_s": chk["seconds"], "gnu_sort_s": gnu, "in_memory_sort_s": mem["sort_s"]}
+                         "check_s": chk["seconds"], "gnu_sort_s": gnu, "in_memory_sort_s": mem["sort_s"],
+                         "rsort_cpu_us_per_record": rsort_cpu / records * 1e6,
+                         "rsort_server_cpu_us_per_record": server_cpu / records * 1e6,
+                         "gnu_cpu_us_per_record": gnu_cpu / records * 1e6}
                     if spark:
                         r.update(spark_s=spark["total_s"], spark_sort_s=spark["sort_s"],
-                                 spark_startup_s=spark["startup_s"])
+                                 spark_startup_s=spark["startup_s"], spark_cpu_us_per_record=spark_cpu / records * 1e6)
                     runs.setdefault(w, []).append(r)
                     log(f"W={w} rep {rep + 1}/{a.repeat}: {records:,} records; rsort {r['sort_s']:.2f} s "
                         f"(phase 1 {r['phase1_s']:.2f}, wait {r['wait_s']:.2f}, phase 2 {r['phase2_s']:.2f}); "
@@ -126,13 +156,17 @@ def main():
     print(f"RSort {scaling}, {'file' if a.flash else 'RAM'} namespaces "
           f"({a.pl.short()}, median of {a.repeat}); {base}.json")
     print()
-    print("| workers | records | rsort s | phase 1 | wait | phase 2 | GNU sort s | in-memory sort s | Spark s (sort) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| workers | records | rsort s | phase 1 | wait | phase 2 | GNU sort s | in-memory sort s | Spark s (sort) "
+          "| CPU µs/record: RSort (+ servers) | GNU | Spark |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in counts:
         r = med[w]
         sp = f"{r['spark_s']:.2f} ({r['spark_sort_s']:.2f})" if "spark_s" in r else ""
+        sp_cpu = f"{r['spark_cpu_us_per_record']:.1f}" if "spark_s" in r else ""
         print(f"| {w} | {int(r['records']):,} | {r['sort_s']:.2f} | {r['phase1_s']:.2f} | {r['wait_s']:.2f} | "
-              f"{r['phase2_s']:.2f} | {r['gnu_sort_s']:.2f} | {r['in_memory_sort_s']:.2f} | {sp} |")
+              f"{r['phase2_s']:.2f} | {r['gnu_sort_s']:.2f} | {r['in_memory_sort_s']:.2f} | {sp} "
+              f"| {r['rsort_cpu_us_per_record']:.2f} (+ {r['rsort_server_cpu_us_per_record']:.2f}) "
+              f"| {r['gnu_cpu_us_per_record']:.2f} | {sp_cpu} |")
     return 0
 
 

@@ -109,13 +109,14 @@ def coordinator(a, scratch):
 
 @contextlib.contextmanager
 def memory_servers(a, pools):
-    """A memory server per pool spec, registered; stopped after, and their registrations gone."""
+    """A memory server per pool spec, registered, as their processes; stopped after, and
+    their registrations gone."""
     servers = []
     try:
         for pool in pools:
             servers.append(start_server(a, pool))
         wait_servers(a, len(pools))
-        yield
+        yield servers
     finally:
         for s in servers:
             stop(s)

@@ -23,9 +23,9 @@ pub struct CarafeArgs {
     /// ram, or file: the namespaces on the servers' files.
     #[arg(long, default_value = "ram", global = true)]
     scope: Scope,
-    /// The namespaces' chunk size (the memory servers' --chunk).
-    #[arg(long, value_parser = crate::units::parse_size, default_value = "4M", global = true)]
-    chunk: u64,
+    /// The namespaces' chunk size [default: the registered memory servers' --chunk].
+    #[arg(long, value_parser = crate::units::parse_size, global = true)]
+    chunk: Option<u64>,
     /// Print JSON.
     #[arg(long, global = true)]
     json: bool,
@@ -129,7 +129,12 @@ enum Action {
 
 pub fn run(args: CarafeArgs) -> CliResult {
     let (coord, urls) = args.coordinator.connect()?;
-    let carafe = Carafe { coord, name: args.name.clone(), scope: args.scope, chunk_bytes: args.chunk };
+    let carafe = Carafe {
+        chunk_bytes: crate::ns::chunk_size(&coord, args.scope, args.chunk)?,
+        coord,
+        name: args.name.clone(),
+        scope: args.scope,
+    };
     let worker = |id, workers| args.coordinator.worker_command("carafe", &urls, &args.name, id, workers);
     // Checked once here, so that the closure the run calls cannot fail.
     worker(0, 1)?;

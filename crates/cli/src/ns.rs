@@ -101,9 +101,10 @@ enum Action {
         /// Capacity to reserve at once (e.g. 1G; 0: none yet).
         #[arg(long, value_parser = crate::units::parse_size, default_value = "0")]
         size: u64,
-        /// Chunk size (a power of two; memory servers must use the same).
-        #[arg(long, value_parser = crate::units::parse_size, default_value = "4M")]
-        chunk: u64,
+        /// Chunk size (a power of two; memory servers must use the same) [default: the
+        /// registered memory servers' chunk size].
+        #[arg(long, value_parser = crate::units::parse_size)]
+        chunk: Option<u64>,
         /// Copies of every chunk, on distinct servers.
         #[arg(long, default_value_t = 1)]
         replicas: u32,
@@ -480,6 +481,28 @@ pub fn coordinator(
     Ok((Coordinator::connect_with(std::slice::from_ref(&urls), tls.get())?, urls))
 }
 
+/// The chunk size for new namespaces of `scope`: `given`, or else the one the memory servers of
+/// that scope registered (the one most of them use, when they differ; 4 MiB, `skiff serve`'s
+/// default, when none is registered yet). A namespace reserves only on servers of its chunk
+/// size, so guessing a size they do not use would fail every `reserve`.
+pub fn chunk_size(
+    c: &Coordinator,
+    scope: Scope,
+    given: Option<u64>,
+) -> Result<u64, Box<dyn std::error::Error>> {
+    if let Some(chunk) = given {
+        return Ok(chunk);
+    }
+    let mut sizes: Vec<(usize, u64)> = Vec::new();
+    for s in c.servers()?.iter().filter(|s| s.scope == scope) {
+        match sizes.iter_mut().find(|(_, size)| *size == s.chunk_bytes) {
+            Some((n, _)) => *n += 1,
+            None => sizes.push((1, s.chunk_bytes)),
+        }
+    }
+    Ok(sizes.iter().max().map_or(4 << 20, |&(_, size)| size))
+}
+
 /// The allocation at `addr` of namespace `name`, resolved to the live copies of its chunks
 /// for the data path (RStore's `init` and `map`), with a label for reports.
 pub fn resolve(
@@ -501,7 +524,7 @@ pub fn run(args: NsArgs) -> CliResult {
     let (c, _) = args.coordinator.connect()?;
     match args.action {
         Action::Create { name, size, chunk, replicas, scope } => {
-            c.create_ns(&name, scope, chunk, replicas)?;
+            c.create_ns(&name, scope, chunk_size(&c, scope, chunk)?, replicas)?;
             if size > 0 {
                 c.reserve(&name, size)?;
             }

@@ -20,9 +20,9 @@ pub struct RsortArgs {
     /// ram, or file for the flash variant (thesis 7.4): namespaces on the servers' files.
     #[arg(long, default_value = "ram", global = true)]
     scope: Scope,
-    /// The namespaces' chunk size (the memory servers' --chunk).
-    #[arg(long, value_parser = crate::units::parse_size, default_value = "4M", global = true)]
-    chunk: u64,
+    /// The namespaces' chunk size [default: the registered memory servers' --chunk].
+    #[arg(long, value_parser = crate::units::parse_size, global = true)]
+    chunk: Option<u64>,
     /// Print JSON.
     #[arg(long, global = true)]
     json: bool,
@@ -68,7 +68,12 @@ enum Action {
 
 pub fn run(args: RsortArgs) -> CliResult {
     let (coord, urls) = args.coordinator.connect()?;
-    let rsort = Rsort { coord, name: args.name.clone(), scope: args.scope, chunk_bytes: args.chunk };
+    let rsort = Rsort {
+        chunk_bytes: crate::ns::chunk_size(&coord, args.scope, args.chunk)?,
+        coord,
+        name: args.name.clone(),
+        scope: args.scope,
+    };
     let report = match args.action {
         Action::Gen { records, seed, ref file } => rsort.gen(records, seed, file.as_deref())?,
         Action::Sort { workers } => {

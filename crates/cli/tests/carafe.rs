@@ -76,8 +76,8 @@ fn carafe_computes_what_igraph_computes_refuses_bad_edge_lists_and_names_a_kille
     }
     let dir = Scratch::new();
     let carafe = |name: &str, rest: &[&str]| -> serde_json::Value {
-        ok(&[&["carafe", "--coordinator", &url, "--chunk", "1M", "--json", "--name", name][..], rest]
-            .concat())
+        // No --chunk: the namespaces take the servers' 1 MiB chunks.
+        ok(&[&["carafe", "--coordinator", &url, "--json", "--name", name][..], rest].concat())
     };
 
     // A directed, unweighted R-MAT graph: PageRank with two workers, shortest paths online.
@@ -155,6 +155,13 @@ fn carafe_computes_what_igraph_computes_refuses_bad_edge_lists_and_names_a_kille
     std::fs::write(&paths_file, evicting.to_string()).unwrap();
     let checked = reference(&["paths", "--edges", &edges, "--paths", &paths_file]);
     assert_eq!(checked["pairs"], 12, "{checked}");
+    // --cold: every pair reads what it touches again, and finds the same lengths.
+    let cold = carafe("g", &["path", "--pairs", "12", "--seed", "5", "--cold"]);
+    assert!(cold["reads"].as_f64().unwrap() > paths["reads"].as_f64().unwrap(), "{cold}\n{paths}");
+    let lengths = |v: &serde_json::Value| -> Vec<serde_json::Value> {
+        v["paths"].as_array().unwrap().iter().map(|p| p["distance"].clone()).collect()
+    };
+    assert_eq!(lengths(&cold), lengths(&paths));
 
     // A weighted graph stored both ways: SSSP with three workers.
     let wedges = dir.file("w.txt");

@@ -55,7 +55,10 @@ fn memory_servers_register_and_namespaces_stripe_over_them() {
         assert!(s["endpoint"].as_str().unwrap().starts_with("127.0.0.1:"), "{s}");
     }
 
-    let created = json(&url, &["create", "t", "--size", "8M", "--chunk", "1M"]);
+    // No --chunk: the namespace takes the servers' chunk size (1 MiB here, not the 4 MiB
+    // default), or it could reserve nothing on them.
+    let created = json(&url, &["create", "t", "--size", "8M"]);
+    assert_eq!(created["chunk_bytes"].as_u64(), Some(1 << 20), "{created}");
     let stripes = created["reserved"].as_array().unwrap();
     assert_eq!(stripes.len(), 8);
     let on: Vec<&str> = stripes.iter().map(|s| s[0]["server"].as_str().unwrap()).collect();
