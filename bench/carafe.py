@@ -49,7 +49,7 @@ import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import median_record, parse_bench_args  # noqa: E402
+from compare import Placement, median_record, parse_bench_args  # noqa: E402
 from carafe_reference import read_values as ranks  # noqa: E402
 from rstore import coordinator, log, memory_servers  # noqa: E402
 
@@ -80,6 +80,18 @@ print(json.dumps({"load_s": load, "compute_s": compute, "iterations": pr.numberO
                   "per_superstep_s": compute / max(1, pr.numberOfIterations()), "sssp_s": sssp,
                   "vertices": G.numberOfNodes(), "edges": G.numberOfEdges()}))
 """
+
+
+def application_args(p):
+    """parse_bench_args with placement none unless --placement is given: an application
+    benchmark gives every system the machine (the module's docs)."""
+    a = parse_bench_args(p)
+    if a.placement == "apart" and "--placement" not in sys.argv:
+        a.placement = "none"
+        a.server_cpu = a.client_cpu = None
+        a.pl = Placement.from_args(a)
+    a.skiff = os.path.abspath(a.skiff)
+    return a
 
 
 def run_json(argv, what, timeout=3600):
@@ -149,14 +161,7 @@ def main():
     p.add_argument("--spark-iterations", type=int,
                    help="PageRank iterations for Spark (default: --iterations); ranks are then not compared")
     p.add_argument("--no-networkit", action="store_true")
-    a = parse_bench_args(p)
-    if a.placement == "apart" and "--placement" not in sys.argv:
-        # This bench's default is none (the module's docs): each system gets the machine.
-        a.placement = "none"
-        from compare import Placement
-        a.server_cpu = a.client_cpu = None
-        a.pl = Placement.from_args(a)
-    a.skiff = os.path.abspath(a.skiff)
+    a = application_args(p)
     scales = [int(s) for s in a.scales.split(",")]
     counts = [int(w) for w in a.workers.split(",")]
     spark_scales = scales if a.spark_scales is None else [int(s) for s in a.spark_scales.split(",")]

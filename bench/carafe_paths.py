@@ -40,8 +40,7 @@ import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from carafe import carafe, run_json  # noqa: E402
-from compare import Placement, parse_bench_args  # noqa: E402
+from carafe import application_args, carafe, run_json  # noqa: E402
 from rstore import coordinator, log, memory_servers  # noqa: E402
 
 NETWORKIT = r"""
@@ -131,12 +130,7 @@ def main():
     p.add_argument("--pool", default="2G", help="what each of the two memory servers donates")
     p.add_argument("--chunk", default="4M")
     p.add_argument("--seed", type=int, default=1)
-    a = parse_bench_args(p)
-    if a.placement == "apart" and "--placement" not in sys.argv:
-        a.placement = "none"  # as bench/carafe.py: an application gets the machine
-        a.server_cpu = a.client_cpu = None
-        a.pl = Placement.from_args(a)
-    a.skiff = os.path.abspath(a.skiff)
+    a = application_args(p)
     results = []
     with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch, coordinator(a, scratch):
         with memory_servers(a, [f"ram:{a.pool}"] * 2):
