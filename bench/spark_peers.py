@@ -105,6 +105,8 @@ import tempfile
 import time
 
 sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from carafe_reference import read_edges, read_values  # noqa: E402  (the same parsers as the tests' checks)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCALA_SOURCE = os.path.join(HERE, "spark_graph.scala")
@@ -405,28 +407,6 @@ def gen_records(path, n, seed):
             f.write(out)
             done += k
     return {"records": n, "bytes": n * RECORD}
-
-
-def read_edges(path):
-    edges, weighted = [], False
-    with open(path) as f:
-        for line in f:
-            t = line.strip()
-            if not t or t[0] in "#%":
-                continue
-            p = t.split()
-            weighted |= len(p) > 2
-            edges.append((int(p[0]), int(p[1]), float(p[2]) if len(p) > 2 else 1.0))
-    return edges, weighted
-
-
-def read_values(path):
-    out = {}
-    with open(path) as f:
-        for line in f:
-            k, v = line.split()
-            out[int(k)] = float(v)
-    return out
 
 
 def pagerank_reference(edges, iterations, damping, dangling):

@@ -397,14 +397,14 @@ pub const CACHE_BYTES: usize = 512 << 20;
 struct Blocks {
     segment: Segment,
     len: u64,
-    blocks: HashMap<u64, Box<[u8]>>,
+    blocks: HashMap<u64, Box<[u8]>, IdHash>,
     order: VecDeque<u64>,
     capacity: usize,
 }
 
 impl Blocks {
     fn new(segment: Segment, len: u64, capacity: usize) -> Self {
-        Blocks { segment, len, blocks: HashMap::new(), order: VecDeque::new(), capacity: capacity.max(1) }
+        Blocks { segment, len, blocks: HashMap::default(), order: VecDeque::new(), capacity: capacity.max(1) }
     }
 
     /// `out.len()` bytes from `offset`, which must lie within the namespace's `len`.
@@ -546,7 +546,7 @@ impl Graph {
     }
 }
 
-/// Hashing for internal ids, which are dense and chosen by no adversary: one multiplication
+/// Hashing for internal ids and block numbers, which are dense and chosen by no adversary: one multiplication
 /// (Fibonacci hashing), where the standard library's SipHash would cost Dijkstra a third of its
 /// time on a warm cache.
 type IdHash = std::hash::BuildHasherDefault<IdHasher>;
@@ -567,6 +567,10 @@ impl std::hash::Hasher for IdHasher {
 
     fn write_u32(&mut self, id: u32) {
         self.0 = u64::from(id).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     }
 }
 
