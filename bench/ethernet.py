@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """skiff over raw Ethernet against skiff over TCP and nbdkit over TCP, on one veth pair.
 
-Makes a network namespace and a veth pair (MTU 9000), runs the servers in the namespace on the
+Makes a network namespace and a veth pair (MTU 9000 unless --mtu), runs the servers in the namespace on the
 far end and the clients on the near end, both directions crossing the same pair:
 
   skiff-eth   `skiff serve --eth IFACE`, driven by `skiff bench --target eth:IFACE/MAC`
@@ -24,6 +24,8 @@ makes is removed at the end, even on failure.
     python3 bench/ethernet.py --bundle [--shape 2gbit]         # NIC bundling: 1 link against 2
     python3 bench/ethernet.py --bundle --shape 2gbit,500mbit   # ... of two speeds
     python3 bench/ethernet.py --loss 0,1,5 --qds 1,32          # through skiff relay dropping 0, 1, 5%
+    python3 bench/ethernet.py --mtus 1500,9000,65535 --qds 32,128   # frame sizes, TCP offloads on and off
+    python3 bench/ethernet.py --mtu 65535 --shape 10gbit       # any mode on a pair of another MTU
 
 With --shape RATE both ends of the pair are shaped with `tc qdisc ... tbf rate RATE` and the
 sweep is Tyche's (Figures 5 and 7): 1 to 128 threads x 4 outstanding 4 KiB random reads on
@@ -52,7 +54,13 @@ relay starts for every run (seed = the round) and its counters give the share it
 four ends run with segmentation and checksum offloads off (ethtool), so every TCP frame the
 relay sees is a whole one; the relay itself is not pinned.
 
-Writes bench/results/ethernet-{qd,shaped,table2,batching,bundle,drivers,loss,messages-BS}-<timestamp>.json (and a .png of each sweep), and
+With --mtus LIST the pair takes each MTU in turn (the target restarts, its volume filled by a
+sequential write first), and at each QD three systems alternate: skiff-eth, whose datagrams
+follow the MTU; skiff-tcp with the pair's segmentation offloads on (veth's default: TCP moves
+64 KiB GSO segments whatever the MTU); and skiff-tcp-nooff, the same with `ethtool -K tso off
+gso off gro off` on both ends for its runs, the model of a path where TCP pays per wire frame.
+
+Writes bench/results/ethernet-{qd,mtus,shaped,table2,batching,bundle,drivers,loss,messages-BS}-<timestamp>.json (and a .png of each sweep), and
 prints a Markdown table.
 """
 import argparse
@@ -107,7 +115,7 @@ def shape(rates, pairs):
         sh(["ip", "netns", "exec", NS, "tc", "qdisc", "add", "dev", far, *tbf])
 
 
-def setup(bundle=False, relay=False):
+def setup(bundle=False, relay=False, mtu=9000):
     """The namespace and the pair (and with `bundle` a second pair, no addresses: raw
     Ethernet only); returns the target's MAC on the first. With `relay` the pair is two, NEAR
     to RELAY_L and RELAY_R to FAR, the relay's ends in a namespace of their own (with an address
@@ -120,7 +128,7 @@ def setup(bundle=False, relay=False):
     else:
         pairs = [(NEAR, FAR, NS, None)] + ([(NEAR2, FAR2, NS, None)] if bundle else [])
     for near, far, far_ns, near_ns in pairs:
-        sh(["ip", "link", "add", near, "mtu", "9000", "type", "veth", "peer", "name", far, "mtu", "9000"])
+        sh(["ip", "link", "add", near, "mtu", str(mtu), "type", "veth", "peer", "name", far, "mtu", str(mtu)])
         sh(["ip", "link", "set", far, "netns", far_ns])
         if near_ns:
             sh(["ip", "link", "set", near, "netns", near_ns])
@@ -274,7 +282,7 @@ def alternate(a, variants, points, measure, label, eth=(FAR,)):
     try:
         if all(env is None for _, _, env in variants):
             shared = start(serve_argv(a, port, eth), FAR_IP, port)
-        log(f"veth pair {NEAR} - {FAR}{f' and {NEAR2} - {FAR2}' if len(eth) > 1 else ''}, MTU 9000"
+        log(f"veth pair {NEAR} - {FAR}{f' and {NEAR2} - {FAR2}' if len(eth) > 1 else ''}, MTU {a.mtu}"
             f"{f', shaped to {a.shape} each way (tbf)' if a.shape else ''}; placement {a.pl.describe()}")
         for i, pt in enumerate(points):
             for rep in range(a.repeat):
@@ -415,7 +423,7 @@ def drivers(a, mac, qds):
         if os.environ.get("SKIFF_ETH_DRIVER") == "xdp" and r["driver"] != "af_xdp":
             raise RuntimeError(f"skiff-xdp at QD {qd} ran over {r['driver']}, not AF_XDP")
         return r
-    title = f"AF_XDP against AF_PACKET, 4 KiB random reads, one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat})"
+    title = f"AF_XDP against AF_PACKET, 4 KiB random reads, one veth pair, MTU {a.mtu} ({a.pl.short()}, median of {a.repeat})"
     return variants_by_qd(a, "drivers", variants, qds, measure, title)
 
 
@@ -462,9 +470,81 @@ def data_messages(a, mac, qds):
             raise RuntimeError(f"{target} QD {qd}: {got} data messages received, expected {'some' if want else 'none'}")
         r["data_messages_received"] = got
         return r
-    title = (f"Data messages on and off, {a.bs} random reads, one veth pair, MTU 9000 "
+    title = (f"Data messages on and off, {a.bs} random reads, one veth pair, MTU {a.mtu} "
              f"({a.pl.short()}, median of {a.repeat})")
     return variants_by_qd(a, f"messages-{a.bs}", variants, qds, measure, title)
+
+
+def offloads(on):
+    """TCP's segmentation and receive offloads on both ends of the pair, on or off."""
+    for prefix, dev in (([], NEAR), (["ip", "netns", "exec", NS], FAR)):
+        sh(prefix + ["ethtool", "-K", dev, *[x for k in ("tso", "gso", "gro") for x in (k, "on" if on else "off")]])
+
+
+MTU_SYSTEMS = ["skiff-eth", "skiff-tcp", "skiff-tcp-nooff"]
+
+
+def mtus(a, mac, qds):
+    """At each MTU of --mtus (the target restarted, its volume filled first), skiff-eth,
+    skiff-tcp with offloads and skiff-tcp without them alternate at each QD. Prints a table of
+    CPU per I/O with each system's ratio to both TCPs; saves JSON and a plot per MTU."""
+    sizes = [int(m) for m in a.mtus.split(",")]
+    port = 7070
+    runs = {}
+    try:
+        for m in sizes:
+            for prefix, dev in (([], NEAR), (["ip", "netns", "exec", NS], FAR)):
+                sh(prefix + ["ip", "link", "set", dev, "mtu", str(m)])
+            offloads(True)
+            server = start(serve_argv(a, port), FAR_IP, port)
+            try:
+                # A RAM volume never written reads the zero page: fill it first.
+                skiff_bench(a, f"{FAR_IP}:{port}", 8, rw="write", bs="1M")
+                log(f"MTU {m}: veth pair {NEAR} - {FAR}, target MAC {mac}, volume filled; placement {a.pl.describe()}")
+                for i, qd in enumerate(qds):
+                    for rep in range(a.repeat):
+                        for s in rotate(MTU_SYSTEMS, i + rep):
+                            target = f"eth:{NEAR}/{mac}" if s == "skiff-eth" else f"{FAR_IP}:{port}"
+                            if s == "skiff-tcp-nooff":
+                                offloads(False)
+                            try:
+                                r = skiff_bench(a, target, qd)
+                            finally:
+                                if s == "skiff-tcp-nooff":
+                                    offloads(True)
+                            r["datagrams_received"] = (r.get("client_link") or {}).get("datagrams_received")
+                            runs.setdefault((s, m, qd), []).append(r)
+                            log(f"MTU {m:>5} QD {qd:>3} {s:<15} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                                f"{r['lat_mean_us']:7.1f} µs  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
+                                f"{r['server_cpu_us_per_io']:.2f}")
+            finally:
+                stop(server)
+    finally:
+        teardown()
+    med = {k: median_record(v) for k, v in runs.items()}
+    base = save(a, "mtus", {"target_mac": mac, "mtus": sizes},
+                [{"system": s, "mtu": m, "qd": q, **med[(s, m, q)], "repetitions": runs[(s, m, q)]}
+                 for (s, m, q) in runs])
+    total = {k: r["client_cpu_us_per_io"] + r["server_cpu_us_per_io"] for k, r in med.items()}
+    print(f"4 KiB random reads over one veth pair by MTU ({a.pl.short()}, median of {a.repeat}); {base}.json")
+    print()
+    print("| MTU | QD | system | IOPS | mean µs | CPU µs/I/O client | server | total | ÷ skiff-tcp | ÷ skiff-tcp-nooff |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for m in sizes:
+        for q in qds:
+            for s in MTU_SYSTEMS:
+                r = med.get((s, m, q))
+                if not r:
+                    continue
+                t = total[(s, m, q)]
+                ratios = [f"{t / total[(p, m, q)]:.2f}" if (p, m, q) in total else "" for p in MTU_SYSTEMS[1:]]
+                print(f"| {m} | {q} | {s} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | {r['client_cpu_us_per_io']:.2f} | "
+                      f"{r['server_cpu_us_per_io']:.2f} | {t:.2f} | {ratios[0]} | {ratios[1]} |")
+    for m in sizes:
+        title = f"4 KiB random reads, one veth pair, MTU {m} ({a.pl.short()}, median of {a.repeat})"
+        plot(f"{base}-{m}.png", qds, "queue depth", {(s, q): med[(s, mm, q)] for (s, mm, q) in med if mm == m},
+             MTU_SYSTEMS, title)
+    return 0
 
 
 def relay(a, loss_pct, seed):
@@ -505,7 +585,7 @@ def loss(a, mac, qds):
             server = start(serve_argv(a, 7070), FAR_IP, 7070)
         finally:
             relay_counters(ready)
-        log(f"veth pairs {NEAR} - {RELAY_L} | skiff relay --every-ethertype | {RELAY_R} - {FAR}, MTU 9000, "
+        log(f"veth pairs {NEAR} - {RELAY_L} | skiff relay --every-ethertype | {RELAY_R} - {FAR}, MTU {a.mtu}, "
             f"offloads off; placement {a.pl.describe()}, relay not pinned")
         for i, (pct, qd) in enumerate(points):
             for rep in range(a.repeat):
@@ -568,7 +648,7 @@ def table2(a, mac):
     base = save(a, "table2", {}, [{"system": s, "rw": rw, "bs": bs, **med[(s, (rw, bs))],
                                    "repetitions": runs[(s, (rw, bs))]} for (s, (rw, bs)) in runs])
     keys = ["client_send", "target_recv", "target_exec", "target_send", "client_recv", "client_complete", "elsewhere"]
-    print(f"QD 1 by size over one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat}); {base}.json")
+    print(f"QD 1 by size over one veth pair, MTU {a.mtu} ({a.pl.short()}, median of {a.repeat}); {base}.json")
     print()
     print("| point | system | mean µs | CPU µs/I/O client + server | " + " | ".join(k.replace("_", " ") for k in keys) + " |")
     print("|---|---|---:|---|" + "---:|" * len(keys))
@@ -602,6 +682,9 @@ def main():
     p.add_argument("--loss", metavar="PCTS",
                    help="through skiff relay dropping each listed percentage of frames (0,1,5): skiff-eth against "
                         "skiff-tcp at --qds")
+    p.add_argument("--mtu", type=int, default=9000, help="the pair's MTU, 68 to 65535 (default 9000)")
+    p.add_argument("--mtus", metavar="LIST",
+                   help="skiff-eth against skiff-tcp with offloads on and off at each MTU (1500,9000,65535), at --qds")
     p.add_argument("--bundle", action="store_true",
                    help="a second veth pair: skiff-eth over one link against a bundle of two (with --shape: each shaped)")
     add_placement_args(p, "rounds, the systems alternating (default 3)")
@@ -618,13 +701,17 @@ def main():
         raise SystemExit("--shape takes two rates (one per link) only with --bundle")
     if a.loss and (a.shape or a.bundle):
         raise SystemExit("--loss runs one link, unshaped")
+    if a.mtus and (a.shape or a.bundle or a.loss):
+        raise SystemExit("--mtus runs one link, unshaped")
     try:
-        mac = setup(bundle=a.bundle, relay=bool(a.loss))
+        mac = setup(bundle=a.bundle, relay=bool(a.loss), mtu=a.mtu)
     except BaseException:
         teardown()
         raise
     if a.loss:
         return loss(a, mac, qds)
+    if a.mtus:
+        return mtus(a, mac, qds)
     if a.table2:
         return table2(a, mac)
     if a.drivers:
@@ -655,7 +742,7 @@ def main():
         procs.append(kit)
         for uri in (f"nbd://{FAR_IP}:{nbd_port}/vol", f"nbd://{FAR_IP}:{kit_port}/"):
             precondition(uri, a.pl)
-        log(f"veth pair {NEAR} - {FAR} (namespace {NS}), MTU 9000; target MAC {mac}; placement {a.pl.describe()}")
+        log(f"veth pair {NEAR} - {FAR} (namespace {NS}), MTU {a.mtu}; target MAC {mac}; placement {a.pl.describe()}")
         runs = {}
         for i, qd in enumerate(qds):
             for rep in range(a.repeat):
@@ -674,7 +761,7 @@ def main():
         for proc in procs:
             stop(proc)
         teardown()
-    title = f"4 KiB random reads over one veth pair, MTU 9000 ({a.pl.short()}, median of {a.repeat})"
+    title = f"4 KiB random reads over one veth pair, MTU {a.mtu} ({a.pl.short()}, median of {a.repeat})"
     med = qd_results(a, "qd", {"target_mac": mac}, qds, runs, SYSTEMS, title)
     print("| QD | system | IOPS | mean µs | p99 µs | CPU µs/I/O client | server | total | eth CPU ÷ TCP CPU |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")

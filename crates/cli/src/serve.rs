@@ -34,7 +34,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "IFACE")]
     eth: Vec<String>,
     /// Settings of the raw-Ethernet sessions (--eth): driver=packet|xdp, qdisc=on|off,
-    /// frame=BYTES (largest datagram payload, 64 to 8972), data-messages=on|off,
+    /// frame=BYTES (largest datagram payload, 64 to 65507; the MTU lowers it), data-messages=on|off,
     /// data-batching=on|off, comma-separated (docs/ETHERNET.md, "Settings").
     #[arg(long, value_name = "KEY=VALUE[,...]", value_parser = transport::EthOptions::parse)]
     eth_options: Option<transport::EthOptions>,

@@ -111,13 +111,18 @@ impl std::str::FromStr for RingVersion {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingConfig {
     pub version: RingVersion,
-    /// Bytes per slot, ring header included: a multiple of the page size, large enough for a
-    /// frame of the interface's MTU (16 KiB holds a 9000-byte jumbo frame).
+    /// Bytes per slot, ring header included: 0 (the default) for the fewest pages that hold a
+    /// frame of the interface's MTU ([`slot_bytes_for`]: 12 KiB at a 9,000-byte MTU, 68 KiB
+    /// at 65,535), or a multiple of the page size at least that large.
     pub slot_bytes: usize,
     /// Slots in the receive ring (with V3, `rx_slots × slot_bytes` bytes of blocks).
     pub rx_slots: usize,
     /// Slots in the transmit ring.
     pub tx_slots: usize,
+    /// 0 (the default): no cap. Otherwise the most bytes of both rings together: when slots
+    /// that fit a large MTU would take more, the receive and transmit rings shrink in
+    /// proportion, to no fewer than [`RING_SLOTS_MIN`] and half that.
+    pub bytes_max: usize,
     /// V3 only: frames per receive block, and the longest a partly filled block is held.
     pub v3_block_slots: usize,
     pub v3_block_timeout_ms: u32,
@@ -125,13 +130,50 @@ pub struct RingConfig {
     pub qdisc_bypass: bool,
 }
 
+/// The fewest receive slots a byte cap leaves a ring ([`RingConfig::bytes_max`]); the transmit
+/// ring keeps half as many.
+pub const RING_SLOTS_MIN: usize = 32;
+
+impl RingConfig {
+    /// These settings on an interface of MTU `mtu` (pages of `page` bytes): slots of the
+    /// fewest pages that hold a frame when `slot_bytes` is 0, and slot counts cut to
+    /// `bytes_max`. An error when a given `slot_bytes` is too small for the MTU.
+    pub fn for_mtu(self, mtu: usize, page: usize) -> Result<RingConfig, String> {
+        let fit = slot_bytes_for(mtu, page);
+        let mut c = self;
+        if c.slot_bytes == 0 {
+            c.slot_bytes = fit;
+        } else if c.slot_bytes < fit {
+            return Err(format!(
+                "a frame of MTU {mtu} needs ring slots of {fit} bytes, not {}",
+                c.slot_bytes
+            ));
+        }
+        let slots = c.rx_slots + c.tx_slots;
+        if c.bytes_max > 0 && slots * c.slot_bytes > c.bytes_max {
+            let fits = c.bytes_max / c.slot_bytes;
+            let rx = (c.rx_slots * fits / slots).max(RING_SLOTS_MIN).min(c.rx_slots);
+            let tx = (c.tx_slots * fits / slots).max(RING_SLOTS_MIN / 2).min(c.tx_slots);
+            if c.version == RingVersion::V3 {
+                // Whole blocks of frames.
+                c.rx_slots = rx.next_multiple_of(c.v3_block_slots).min(c.rx_slots);
+            } else {
+                c.rx_slots = rx;
+            }
+            c.tx_slots = tx;
+        }
+        Ok(c)
+    }
+}
+
 impl Default for RingConfig {
     fn default() -> RingConfig {
         RingConfig {
             version: RingVersion::V2,
-            slot_bytes: 16 << 10,
+            slot_bytes: 0,
             rx_slots: 512,
             tx_slots: 256,
+            bytes_max: 0,
             v3_block_slots: 16,
             v3_block_timeout_ms: 1,
             qdisc_bypass: true,
@@ -211,7 +253,7 @@ impl PacketSocket {
     /// says. Needs CAP_NET_RAW.
     pub fn open(ifname: &str, ethertype: u16, config: RingConfig) -> io::Result<PacketSocket> {
         let page = page_size();
-        if config.slot_bytes == 0 || !config.slot_bytes.is_multiple_of(page) {
+        if !config.slot_bytes.is_multiple_of(page) {
             return Err(invalid(format!(
                 "slot_bytes {} is not a multiple of the page size {page}",
                 config.slot_bytes
@@ -242,16 +284,7 @@ impl PacketSocket {
         // SAFETY: `raw` is a new descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         let (ifindex, mtu, mac) = interface_on(&fd, ifname)?;
-        let tx_data = match config.version {
-            RingVersion::V2 => hdr::V2_TX_DATA,
-            RingVersion::V3 => hdr::V3_TX_DATA,
-        };
-        if tx_data + ETH_HEADER_LEN + mtu > config.slot_bytes {
-            return Err(invalid(format!(
-                "{ifname}: MTU {mtu} does not fit a ring slot of {} bytes",
-                config.slot_bytes
-            )));
-        }
+        let config = config.for_mtu(mtu, page).map_err(|e| invalid(format!("{ifname}: {e}")))?;
         let version = match config.version {
             RingVersion::V2 => libc::tpacket_versions::TPACKET_V2 as libc::c_int,
             RingVersion::V3 => libc::tpacket_versions::TPACKET_V3 as libc::c_int,
@@ -684,6 +717,19 @@ fn write_u32(base: *mut u8, off: usize, v: u32) {
     unsafe { std::ptr::write_volatile(base.add(off) as *mut u32, v) }
 }
 
+/// The room a ring slot keeps before a frame: the largest of the receive header with its
+/// alignment (`tpacket_rcv` puts a V3 frame's network header at 96) and the transmit data
+/// offsets, with a margin.
+const SLOT_HEADROOM: usize = 128;
+const _: () =
+    assert!(SLOT_HEADROOM >= 96 && SLOT_HEADROOM >= hdr::V3_TX_DATA && SLOT_HEADROOM >= hdr::V2_TX_DATA);
+
+/// The fewest bytes, in whole pages of `page` bytes, of a ring slot that holds a frame of
+/// `mtu` bytes with its Ethernet and ring headers.
+pub const fn slot_bytes_for(mtu: usize, page: usize) -> usize {
+    (SLOT_HEADROOM + ETH_HEADER_LEN + mtu).next_multiple_of(page)
+}
+
 fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
@@ -833,4 +879,42 @@ fn ifreq_mac(fd: &OwnedFd, ifname: &str) -> io::Result<Mac> {
         *m = *d as u8;
     }
     Ok(mac)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_fit_the_mtu_and_a_byte_cap_shrinks_the_rings() {
+        let d = RingConfig { rx_slots: 128, tx_slots: 64, ..RingConfig::default() };
+        let at = |mtu| d.for_mtu(mtu, 4096).unwrap();
+        assert_eq!(at(1500).slot_bytes, 4096);
+        assert_eq!(at(9000).slot_bytes, 12 << 10);
+        assert_eq!(at(65535).slot_bytes, 68 << 10);
+        assert_eq!((at(65535).rx_slots, at(65535).tx_slots), (128, 64), "no cap, no change");
+
+        // A cap of what jumbo rings take: jumbo and smaller keep their slots, 65,535 gets
+        // the least.
+        let capped = RingConfig { bytes_max: 192 * (12 << 10), ..d };
+        let at = |mtu| capped.for_mtu(mtu, 4096).unwrap();
+        assert_eq!((at(1500).rx_slots, at(1500).tx_slots), (128, 64));
+        assert_eq!((at(9000).rx_slots, at(9000).tx_slots), (128, 64));
+        assert_eq!((at(65535).rx_slots, at(65535).tx_slots), (RING_SLOTS_MIN, RING_SLOTS_MIN / 2));
+        let mid = at(32768);
+        assert_eq!(mid.slot_bytes, 36 << 10);
+        assert!(mid.rx_slots < 128 && mid.rx_slots >= RING_SLOTS_MIN, "{mid:?}");
+        assert!((mid.rx_slots + mid.tx_slots) * mid.slot_bytes <= capped.bytes_max, "{mid:?}");
+
+        // A slot size given must hold a frame; a cap never raises a count.
+        let small = RingConfig { slot_bytes: 16 << 10, ..d };
+        assert!(small.for_mtu(9000, 4096).is_ok());
+        let e = small.for_mtu(65535, 4096).unwrap_err();
+        assert!(e.contains("MTU 65535") && e.contains("69632"), "{e}");
+        let few = RingConfig { rx_slots: 8, tx_slots: 2, bytes_max: 1, ..d };
+        assert_eq!(
+            (few.for_mtu(65535, 4096).unwrap().rx_slots, few.for_mtu(65535, 4096).unwrap().tx_slots),
+            (8, 2)
+        );
+    }
 }

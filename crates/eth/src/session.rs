@@ -33,7 +33,9 @@ use dgram::reliable::split::Splitter;
 use dgram::reliable::{Counters, DatagramStream, ReadCursor, ReliableConfig, State};
 use wire::datagram::{DatagramHeader, DatagramKind, DATAGRAM_HEADER_LEN};
 
-use crate::packet::{bpf, Bpf, Mac, PacketSocket, RingConfig, BROADCAST, ETHERTYPE, ETH_HEADER_LEN};
+use crate::packet::{
+    bpf, slot_bytes_for, Bpf, Mac, PacketSocket, RingConfig, BROADCAST, ETHERTYPE, ETH_HEADER_LEN,
+};
 use crate::xdp::XdpSocket;
 use transport::endpoint::format_mac;
 use transport::endpoint::ETH_FRAME_MAX;
@@ -97,16 +99,30 @@ impl Default for EthConfig {
             // Past the interface's queueing discipline (PACKET_QDISC_BYPASS), which costs a
             // fifth of the CPU per I/O at QD 32 even on veth's noqueue; qdisc=on goes through
             // it, for links shaped with `tc` (bench/ethernet.py --shape).
-            ring: RingConfig { rx_slots: 128, tx_slots: 64, qdisc_bypass: true, ..RingConfig::default() },
-            // Jumbo datagrams where the MTU allows (lowered to the MTU when a session opens),
-            // and a window that keeps a 64-deep queue of 4 KiB requests moving. On a segment
-            // round trips are tens of microseconds: a lost datagram with nothing behind it
-            // (a lone caravan) waits out the minimum RTO, so it is 250 µs, still above the
-            // 100 µs delayed ack plus a round trip. A payload of 8972 bytes fills a 9000-byte
-            // jumbo frame, where two 4 KiB data messages share one frame, as in Tyche's
-            // data-message batching. A data segment is cut at a multiple of 4 KiB only when a
+            // Rings of at most what 192 slots of a jumbo frame take (2.25 MiB): at a larger
+            // MTU they keep fewer, larger slots (32 and 16 at 65,535), so that the frames in
+            // flight stay in the caches. (With 128 and 64 slots of 68 KiB, 4 KiB reads at
+            // QD 128 over a 65,535-MTU veth pair cost 6.8 µs of CPU per I/O; with 32 and 16,
+            // and the stream's buffers below cut alike, 4.7-5.0 µs; one run of each.)
+            ring: RingConfig {
+                rx_slots: 128,
+                tx_slots: 64,
+                bytes_max: (128 + 64) * slot_bytes_for(9000, 4096),
+                qdisc_bypass: true,
+                ..RingConfig::default()
+            },
+            // Datagrams as large as the interface's MTU carries (the payload is lowered to the
+            // MTU when a session opens), and a window that keeps a 64-deep queue of 4 KiB
+            // requests moving. On a segment round trips are tens of microseconds: a lost
+            // datagram with nothing behind it (a lone caravan) waits out the minimum RTO, so
+            // it is 250 µs, still above the 100 µs delayed ack plus a round trip. A payload of
+            // 8,972 bytes fills a 9,000-byte jumbo frame, where two 4 KiB data messages share
+            // one frame, as in Tyche's data-message batching; at veth's largest MTU, 65,535,
+            // fifteen share one. A data segment is cut at a multiple of 4 KiB only when a
             // datagram holds one: below 4,108 bytes (4 KiB and a segment header) a 4 KiB read
             // takes two datagrams.
+            // At a larger MTU the stream keeps fewer datagrams, as the rings keep fewer slots
+            // (`slots_for`: 16 each way at 65,535).
             reliable: ReliableConfig {
                 payload_bytes_max: ETH_FRAME_MAX,
                 send_slots: 128,
@@ -162,6 +178,22 @@ const ENV_VARIABLES: [(&str, &str); 5] = [
     ("SKIFF_ETH_DATA_MESSAGES", "data-messages"),
     ("SKIFF_ETH_DATA_BATCHING", "data-batching"),
 ];
+
+/// The most bytes of datagrams a session's stream buffers each way: 128 payloads of a jumbo
+/// frame (1.1 MiB).
+const STREAM_BUFFER_BYTES: usize = 128 * (9000 - DATAGRAM_HEADER_LEN);
+
+/// The fewest datagrams a stream's buffer holds each way, however large they are.
+const STREAM_SLOTS_MIN: u32 = 16;
+
+/// Of `slots` datagrams of `payload` bytes, as many as [`STREAM_BUFFER_BYTES`] holds (a power
+/// of two, at least [`STREAM_SLOTS_MIN`], at most `slots`): a session on a large MTU keeps fewer,
+/// larger buffers, so that what is in flight stays in the caches.
+fn slots_for(slots: u32, payload: u16) -> u32 {
+    let fit = u32::try_from(STREAM_BUFFER_BYTES / usize::from(payload.max(1))).unwrap_or(u32::MAX);
+    let fit = fit.max(STREAM_SLOTS_MIN);
+    slots.min(1 << fit.ilog2())
+}
 
 /// A random id that is not 0 (which no session or query uses): a session's, or a Discover's.
 fn random_id() -> io::Result<u32> {
@@ -546,8 +578,17 @@ impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
                 format!("an MTU of {mtu} carries no datagram"),
             ));
         }
+        let payload = config.payload_bytes_max.min(u16::try_from(fits).unwrap_or(u16::MAX));
+        let (send_slots, recv_slots) =
+            (slots_for(config.send_slots, payload), slots_for(config.recv_slots, payload));
         let config = ReliableConfig {
-            payload_bytes_max: config.payload_bytes_max.min(u16::try_from(fits).unwrap_or(u16::MAX)),
+            payload_bytes_max: payload,
+            send_slots,
+            recv_slots,
+            // The peer runs on the same link, so its window is ours.
+            peer_window_initial: config
+                .peer_window_initial
+                .min(u16::try_from(recv_slots).unwrap_or(u16::MAX)),
             // Over several links datagrams arrive in the order the links' queues decide: a
             // datagram overtaken by a few sent just after it is not lost for that.
             reorder_window_us: if sockets.len() > 1 {
@@ -1070,7 +1111,7 @@ mod tests {
         let d = EthConfig::default();
         assert_eq!(
             (d.driver, d.reliable.payload_bytes_max, d.ring.qdisc_bypass),
-            (Driver::Packet, 8972, true)
+            (Driver::Packet, 65507, true)
         );
         assert!(d.data_messages && d.data_batching);
 
@@ -1101,6 +1142,23 @@ mod tests {
     }
 
     #[test]
+    fn large_datagrams_take_fewer_stream_buffers() {
+        assert_eq!(slots_for(128, 1472), 128);
+        assert_eq!(slots_for(128, 8972), 128);
+        assert_eq!(slots_for(128, 16384), 64);
+        assert_eq!(slots_for(128, 65507), STREAM_SLOTS_MIN);
+        assert_eq!(slots_for(8, 65507), 8, "never more than asked");
+        for payload in [64, 1472, 4096, 8972, 9000, 30000, 65507] {
+            let n = slots_for(128, payload);
+            assert!(n.is_power_of_two() && n >= STREAM_SLOTS_MIN, "{payload}: {n}");
+            assert!(
+                n as usize * payload as usize <= STREAM_BUFFER_BYTES || n == STREAM_SLOTS_MIN,
+                "{payload}: {n}"
+            );
+        }
+    }
+
+    #[test]
     fn a_variable_that_means_nothing_is_left_out() {
         for bad in ["XDP", "af_xdp", "", "xdp ", "1"] {
             let c = EthConfig::resolve(&EthOptions::default(), &|n| {
@@ -1108,10 +1166,10 @@ mod tests {
             });
             assert_eq!(c.driver, Driver::Packet, "{bad:?}");
         }
-        for bad in ["63", "8973", "65536", "4k", "", "-1"] {
+        for bad in ["63", "65508", "65536", "4k", "", "-1"] {
             let c =
                 EthConfig::resolve(&EthOptions::default(), &|n| (n == "SKIFF_ETH_FRAME").then(|| bad.into()));
-            assert_eq!(c.reliable.payload_bytes_max, 8972, "{bad:?}");
+            assert_eq!(c.reliable.payload_bytes_max, 65507, "{bad:?}");
         }
         let c =
             EthConfig::resolve(&EthOptions::default(), &|n| (n == "SKIFF_ETH_QDISC").then(|| "yes".into()));

@@ -25,9 +25,11 @@ pub enum EndpointError {
     BadOption(String, &'static str),
 }
 
-/// The largest datagram payload an `eth:` endpoint's `frame=` may ask for: a 9000-byte jumbo
-/// frame less the datagram header.
-pub const ETH_FRAME_MAX: u16 = 9000 - wire::datagram::DATAGRAM_HEADER_LEN as u16;
+/// The largest datagram payload an `eth:` endpoint's `frame=` may ask for: a frame of the
+/// largest MTU Linux gives an interface (65,535 bytes, veth's and loopback's most) less the
+/// datagram header. A session takes the least of this, `frame=` and what its interfaces' MTU
+/// carries, so a real NIC's jumbo MTU of 9,000 gives 8,972 bytes.
+pub const ETH_FRAME_MAX: u16 = u16::MAX - wire::datagram::DATAGRAM_HEADER_LEN as u16;
 /// The smallest.
 pub const ETH_FRAME_MIN: u16 = 64;
 
@@ -107,7 +109,7 @@ impl EthOptions {
                 "frame" => {
                     let n = value.parse::<u16>().ok().filter(|n| (ETH_FRAME_MIN..=ETH_FRAME_MAX).contains(n));
                     o.frame
-                        .replace(n.ok_or_else(|| bad("the frame is a payload size from 64 to 8972 bytes"))?)
+                        .replace(n.ok_or_else(|| bad("the frame is a payload size from 64 to 65507 bytes"))?)
                         .is_some()
                 }
                 "data-messages" => o.data_messages.replace(on_off()?).is_some(),
@@ -306,12 +308,12 @@ mod tests {
         };
         assert_eq!(refused("eth:v,driver=dpdk"), "driver=dpdk");
         assert_eq!(refused("eth:v,frame=63"), "frame=63");
-        assert_eq!(refused("eth:v,frame=8973"), "frame=8973");
+        assert_eq!(refused("eth:v,frame=65508"), "frame=65508");
         assert_eq!(refused("eth:v,frame=8972,frame=64"), "frame=64");
         assert_eq!(refused("eth:v,qdisc=yes"), "qdisc=yes");
         assert_eq!(refused("eth:v,mtu=1500"), "mtu=1500");
         assert_eq!(refused("eth:v,"), "");
         assert_eq!(refused("eth:v/02:00:00:00:00:01,xdp"), "xdp");
-        assert!(Endpoint::parse("eth:v,frame=64").is_ok() && Endpoint::parse("eth:v,frame=8972").is_ok());
+        assert!(Endpoint::parse("eth:v,frame=64").is_ok() && Endpoint::parse("eth:v,frame=65507").is_ok());
     }
 }
