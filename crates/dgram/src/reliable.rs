@@ -155,6 +155,10 @@ pub struct ReliableConfig {
     /// only by datagrams sent at about the same time is taken as lost by the reordering timer,
     /// SRTT plus the window after it left.
     pub reorder_window_us: u64,
+    /// Each datagram's checksum covers its payload (true, the default), or its header alone
+    /// (`HEADER_CRC`): for a link that protects the payload itself, a veth pair whose frames
+    /// never leave memory. What the peer sends decides what it is checked for.
+    pub payload_crc: bool,
 }
 
 impl Default for ReliableConfig {
@@ -173,6 +177,7 @@ impl Default for ReliableConfig {
             keepalive_us: 100_000,
             reorder_threshold: 3,
             reorder_window_us: 0,
+            payload_crc: true,
         }
     }
 }
@@ -1379,6 +1384,7 @@ impl DatagramStream {
     fn emit(&mut self, kind: DatagramKind, flags: u8, seq: u32, payload_len: u16, out: &mut [u8]) -> usize {
         let right = self.rcv_read.wrapping_add(self.config.recv_slots);
         let flags = if std::mem::take(&mut self.duplicate_seen) { flags | flags::DUPLICATE } else { flags };
+        let flags = if self.config.payload_crc { flags } else { flags | flags::HEADER_CRC };
         let header = DatagramHeader {
             kind,
             flags,

@@ -89,6 +89,12 @@ pub struct EthConfig {
     /// `data-batching=off`, `SKIFF_ETH_DATA_BATCHING=off`: each data message in a frame of its
     /// own).
     pub data_batching: bool,
+    /// Whether each datagram's checksum covers its payload (`crc=full`, `SKIFF_ETH_CRC=full`)
+    /// or its header alone (`crc=header`); `None`, the default, decides by the link: header
+    /// alone when every interface of the session is a veth pair's end, whose frames go from
+    /// memory to memory as TCP's do there without a checksum, full otherwise. A veth whose
+    /// peer is bridged onto a wire should say `crc=full`.
+    pub payload_crc: Option<bool>,
 }
 
 impl Default for EthConfig {
@@ -132,6 +138,7 @@ impl Default for EthConfig {
             },
             data_messages: true,
             data_batching: true,
+            payload_crc: None,
         }
     }
 }
@@ -165,18 +172,20 @@ impl EthConfig {
             },
             data_messages: o.data_messages.unwrap_or(d.data_messages),
             data_batching: o.data_batching.unwrap_or(d.data_batching),
+            payload_crc: o.payload_crc.or(d.payload_crc),
         }
     }
 }
 
 /// The environment variables that fill in what an endpoint's options leave out, and the option
 /// each stands for.
-const ENV_VARIABLES: [(&str, &str); 5] = [
+const ENV_VARIABLES: [(&str, &str); 6] = [
     ("SKIFF_ETH_DRIVER", "driver"),
     ("SKIFF_ETH_QDISC", "qdisc"),
     ("SKIFF_ETH_FRAME", "frame"),
     ("SKIFF_ETH_DATA_MESSAGES", "data-messages"),
     ("SKIFF_ETH_DATA_BATCHING", "data-batching"),
+    ("SKIFF_ETH_CRC", "crc"),
 ];
 
 /// The most bytes of datagrams a session's stream buffers each way: 128 payloads of a jumbo
@@ -283,6 +292,8 @@ pub trait DatagramSocket {
     fn take_error(&self) -> io::Result<Option<io::Error>>;
     /// The largest datagram the interface carries, Ethernet header excluded.
     fn mtu(&self) -> usize;
+    /// Frames go from memory to memory (a veth pair): the payload needs no checksum of ours.
+    fn memory_link(&self) -> bool;
     fn iface(&self) -> &str;
     /// What carries the frames, for reports: `af_packet`, `af_xdp`, or the simulator's.
     fn driver_name(&self) -> &'static str;
@@ -409,6 +420,13 @@ impl DatagramSocket for Link {
         match self {
             Link::Packet(s) => s.iface(),
             Link::Xdp(s) => s.iface(),
+        }
+    }
+
+    fn memory_link(&self) -> bool {
+        match self {
+            Link::Packet(s) => s.memory_link(),
+            Link::Xdp(s) => s.memory_link(),
         }
     }
 
@@ -585,6 +603,7 @@ impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
             payload_bytes_max: payload,
             send_slots,
             recv_slots,
+            payload_crc: eth.payload_crc.unwrap_or(!sockets.iter().all(|(s, _)| s.memory_link())),
             // The peer runs on the same link, so its window is ours.
             peer_window_initial: config
                 .peer_window_initial
@@ -798,6 +817,12 @@ impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
 
     pub fn counters(&self) -> Counters {
         self.stream.counters()
+    }
+
+    /// The stream's settings as the session opened it: the payload and windows its MTU
+    /// allowed, and whether payloads carry a checksum.
+    pub fn reliable_config(&self) -> &ReliableConfig {
+        self.stream.config()
     }
 
     /// Each path's counters, in the order of the interfaces.

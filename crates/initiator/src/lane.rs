@@ -401,7 +401,13 @@ impl<B: IoBuf> Lane<B> {
         match &self.conn.stream {
             transport::Stream::Datagram(s) => {
                 let s = s.as_any().downcast_ref::<eth::EthStream>()?;
-                Some(LinkStats { paths: s.paths(), ..LinkStats::from(&s.counters()) })
+                let c = s.reliable_config();
+                Some(LinkStats {
+                    paths: s.paths(),
+                    datagram_payload_max: u64::from(c.payload_bytes_max),
+                    payload_crc: c.payload_crc,
+                    ..LinkStats::from(&s.counters())
+                })
             }
             _ => None,
         }
@@ -837,6 +843,10 @@ pub struct LinkStats {
     /// reader was there and waited in the stream's buffer for the next receive.
     pub data_messages_received: u64,
     pub data_messages_held: u64,
+    /// The largest datagram payload the session's MTU allowed (the largest of the lanes').
+    pub datagram_payload_max: u64,
+    /// Whether datagrams' checksums cover their payloads (`crc=full`), true if any lane's do.
+    pub payload_crc: bool,
     /// Each interface's share, round trip and outages (one entry unless bundled).
     pub paths: Vec<eth::PathStats>,
 }
@@ -857,6 +867,8 @@ impl From<&dgram::reliable::Counters> for LinkStats {
             stream_bytes_placed: c.stream_bytes_placed,
             data_messages_received: c.places_received,
             data_messages_held: c.places_held,
+            datagram_payload_max: 0,
+            payload_crc: false,
             paths: Vec::new(),
         }
     }
@@ -877,6 +889,8 @@ impl LinkStats {
         self.stream_bytes_placed += o.stream_bytes_placed;
         self.data_messages_received += o.data_messages_received;
         self.data_messages_held += o.data_messages_held;
+        self.datagram_payload_max = self.datagram_payload_max.max(o.datagram_payload_max);
+        self.payload_crc |= o.payload_crc;
         // Lanes over one bundle: the same interfaces in the same order.
         for (i, p) in o.paths.iter().enumerate() {
             match self.paths.get_mut(i) {

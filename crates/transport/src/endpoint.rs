@@ -71,6 +71,10 @@ pub struct EthOptions {
     pub data_messages: Option<bool>,
     /// `data-batching=on|off`: two 4 KiB data segments to a jumbo frame (default on).
     pub data_batching: Option<bool>,
+    /// `crc=full|header`: each datagram's checksum covers its payload too, or its header
+    /// alone (default: header on a veth pair, whose frames never leave memory; full
+    /// elsewhere).
+    pub payload_crc: Option<bool>,
 }
 
 impl EthOptions {
@@ -82,6 +86,7 @@ impl EthOptions {
             frame: self.frame.or(fallback.frame),
             data_messages: self.data_messages.or(fallback.data_messages),
             data_batching: self.data_batching.or(fallback.data_batching),
+            payload_crc: self.payload_crc.or(fallback.payload_crc),
         }
     }
 
@@ -114,7 +119,17 @@ impl EthOptions {
                 }
                 "data-messages" => o.data_messages.replace(on_off()?).is_some(),
                 "data-batching" => o.data_batching.replace(on_off()?).is_some(),
-                _ => return Err(bad("options are driver, qdisc, frame, data-messages and data-batching")),
+                "crc" => o
+                    .payload_crc
+                    .replace(match value {
+                        "full" => true,
+                        "header" => false,
+                        _ => return Err(bad("the crc is full or header")),
+                    })
+                    .is_some(),
+                _ => {
+                    return Err(bad("options are driver, qdisc, frame, data-messages, data-batching and crc"))
+                }
             };
             if set {
                 return Err(bad("given twice"));
@@ -142,6 +157,9 @@ impl fmt::Display for EthOptions {
         }
         if let Some(b) = self.data_batching {
             write!(f, ",data-batching={}", on_off(b))?;
+        }
+        if let Some(c) = self.payload_crc {
+            write!(f, ",crc={}", if c { "full" } else { "header" })?;
         }
         Ok(())
     }
@@ -300,8 +318,12 @@ mod tests {
             "eth:veth0+veth1/02:00:00:00:00:01,driver=xdp,frame=4000,data-messages=off"
         );
         assert_eq!(Endpoint::parse(&e.to_string()).unwrap(), e);
-        let no_mac = Endpoint::parse("eth:veth0,qdisc=on,data-batching=off").unwrap();
-        assert_eq!(no_mac.to_string(), "eth:veth0,qdisc=on,data-batching=off");
+        let no_mac = Endpoint::parse("eth:veth0,qdisc=on,data-batching=off,crc=header").unwrap();
+        assert_eq!(no_mac.to_string(), "eth:veth0,qdisc=on,data-batching=off,crc=header");
+        let Endpoint::Eth { options, .. } = Endpoint::parse("eth:v,crc=full").unwrap() else {
+            unreachable!()
+        };
+        assert_eq!(options.payload_crc, Some(true));
         let refused = |s: &str| match Endpoint::parse(s) {
             Err(EndpointError::BadOption(item, _)) => item,
             other => panic!("{s}: {other:?}"),
@@ -311,6 +333,7 @@ mod tests {
         assert_eq!(refused("eth:v,frame=65508"), "frame=65508");
         assert_eq!(refused("eth:v,frame=8972,frame=64"), "frame=64");
         assert_eq!(refused("eth:v,qdisc=yes"), "qdisc=yes");
+        assert_eq!(refused("eth:v,crc=off"), "crc=off");
         assert_eq!(refused("eth:v,mtu=1500"), "mtu=1500");
         assert_eq!(refused("eth:v,"), "");
         assert_eq!(refused("eth:v/02:00:00:00:00:01,xdp"), "xdp");

@@ -133,8 +133,12 @@ pub mod flags {
     /// next chunk rides in the frame that carries the data before it
     /// ([`super::split_place_payload`]).
     pub const STREAM_TAIL: u8 = 0x08;
+    /// The checksum covers the header alone, not the payload: the sender's link protects the
+    /// payload otherwise (a veth pair, whose frames go from memory to memory and never cross
+    /// a wire). The flag is under the checksum, so a flipped one is caught like any other bit.
+    pub const HEADER_CRC: u8 = 0x10;
     /// Every flag bit this version defines.
-    pub const ALL: u8 = ACK_NOW | DUPLICATE | GAP_RESEND | STREAM_TAIL;
+    pub const ALL: u8 = ACK_NOW | DUPLICATE | GAP_RESEND | STREAM_TAIL | HEADER_CRC;
 }
 
 /// Why bytes are not a valid datagram. The receiver drops such a datagram and counts it; one
@@ -296,7 +300,7 @@ impl DatagramHeader {
             return Err(DatagramError::PayloadLength { declared, have: payload.len() });
         }
         let payload = &payload[..declared];
-        let computed = crc32c::crc32c_append(crc32c::crc32c(&bytes[..CRC_COVERED_LEN]), payload);
+        let computed = checksum(&bytes[..CRC_COVERED_LEN], raw.flags, payload);
         if raw.crc.get() != computed {
             return Err(DatagramError::BadCrc { carried: raw.crc.get(), computed });
         }
@@ -361,10 +365,20 @@ impl DatagramHeader {
             crc: 0.into(),
         };
         out[..DATAGRAM_HEADER_LEN].copy_from_slice(raw.as_bytes());
-        let crc =
-            crc32c::crc32c_append(crc32c::crc32c(&out[..CRC_COVERED_LEN]), &out[DATAGRAM_HEADER_LEN..len]);
+        let crc = checksum(&out[..CRC_COVERED_LEN], self.flags, &out[DATAGRAM_HEADER_LEN..len]);
         out[CRC_COVERED_LEN..DATAGRAM_HEADER_LEN].copy_from_slice(&crc.to_le_bytes());
         len
+    }
+}
+
+/// CRC32C over a datagram's covered header bytes and, unless `flags` has
+/// [`flags::HEADER_CRC`], its payload.
+fn checksum(covered: &[u8], flags: u8, payload: &[u8]) -> u32 {
+    let header = crc32c::crc32c(covered);
+    if flags & flags::HEADER_CRC != 0 {
+        header
+    } else {
+        crc32c::crc32c_append(header, payload)
     }
 }
 
@@ -460,6 +474,38 @@ mod tests {
             bad[bit / 8] ^= 1 << (bit % 8);
             assert!(DatagramHeader::parse(&bad).is_err(), "flip of bit {bit} passed");
         }
+    }
+
+    #[test]
+    fn a_header_crc_covers_the_header_and_leaves_the_payload_to_the_link() {
+        let h = DatagramHeader {
+            kind: DatagramKind::Data,
+            flags: flags::HEADER_CRC,
+            session_id: 3,
+            seq: 1,
+            ack: 2,
+            sack: 0,
+            window: 16,
+            payload_len: 5,
+        };
+        let mut good = vec![0u8; h.datagram_len()];
+        good[DATAGRAM_HEADER_LEN..].copy_from_slice(b"bytes");
+        h.emit(&mut good);
+        assert_eq!(good[24..28], crc32c::crc32c(&good[..24]).to_le_bytes());
+        assert_eq!(DatagramHeader::parse(&good).unwrap(), (h, &b"bytes"[..]));
+        for bit in 0..good.len() * 8 {
+            let mut bad = good.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            let caught = DatagramHeader::parse(&bad).is_err();
+            // Every flip in the header (the flag itself included) is caught; the payload's
+            // are the link's to catch.
+            assert_eq!(caught, bit < DATAGRAM_HEADER_LEN * 8, "flip of bit {bit}");
+        }
+        // Without the flag the same datagram's checksum covers its payload too.
+        let full = DatagramHeader { flags: 0, ..h };
+        let mut out = good.clone();
+        full.emit(&mut out);
+        assert_ne!(out[24..28], good[24..28]);
     }
 
     #[test]

@@ -205,6 +205,23 @@ fn in_order_delivery_without_loss() {
 }
 
 #[test]
+fn without_the_payload_crc_every_datagram_says_so_and_the_stream_is_the_same() {
+    let cfg = ReliableConfig { payload_crc: false, ..config() };
+    let flagged = std::rc::Rc::new(std::cell::Cell::new((0u32, 0u32)));
+    let seen = flagged.clone();
+    let mut pair = Pair::new(cfg, [0, 0], 20).with_fate(move |_, h, _| {
+        let (with, all) = seen.get();
+        seen.set((with + u32::from(h.flags & flags::HEADER_CRC != 0), all + 1));
+        Fate::Deliver
+    });
+    pair.transfer(50_000, 1_000_000);
+    let (with, all) = flagged.get();
+    assert!(all >= 50 && with == all, "{with} of {all} datagrams flagged HEADER_CRC");
+    assert_eq!(pair.ends[1].counters().stream_bytes_read, 50_000);
+    assert_eq!(pair.ends[1].counters().corrupt, 0);
+}
+
+#[test]
 fn a_lost_datagram_in_the_middle_is_resent_on_the_gap() {
     let mut pair = Pair::new(config(), [0, 0], 20).with_fate(first_copies(5, 1, Fate::Drop));
     pair.transfer(20_000, 1_000_000);
