@@ -377,6 +377,56 @@ fn bench_verifies_over_a_bundle_of_two_links() {
     drop(serve);
 }
 
+/// A session's datagrams follow the pair's MTU, up to veth's 65,535: reads of 64 KiB verify,
+/// and arrive in datagrams larger than a jumbo frame could carry; a jumbo pair gives jumbo
+/// payloads. Checksums cover payloads unless an endpoint says `crc=header` (the target's
+/// `--eth-options` for what it sends, the initiator's endpoint for what it sends).
+#[test]
+fn datagrams_follow_the_mtu_up_to_65535_and_crc_header_leaves_payloads_unchecksummed() {
+    if !netns::available("skiff bench over veth pairs of MTU 65,535 and 9,000") {
+        return;
+    }
+    for (mtu, payload) in [(65535, 65507), (9000, 8972)] {
+        let pair = VethPair::new(mtu);
+        let serve = Proc::spawn(
+            skiff_in(&pair.ns).args(["serve", "--no-tcp", "--eth", &pair.peer, "--export", "vol=ram:32M"]),
+            Stdio::null(),
+        );
+        let mac = mac_of(&pair.ns, &pair.peer);
+        std::thread::sleep(Duration::from_millis(300));
+        for (options, crc) in [("", true), (",crc=header", false)] {
+            let what = format!("MTU {mtu}{options}");
+            let bench = bench_verified(
+                skiff()
+                    .args([
+                        "bench",
+                        "--target",
+                        &format!("eth:{}/{mac}{options}", pair.host),
+                        "--export",
+                        "vol",
+                    ])
+                    .args(["--size", "32M", "--rw", "randrw", "--bs", "64k", "--qd", "8", "--duration", "2s"])
+                    .args(["--verify", "--json"]),
+                100,
+            );
+            let link = &bench["client_link"];
+            assert_eq!(json_u64(link, &["datagram_payload_max"]), payload, "{what}: {link}");
+            assert_eq!(link["payload_crc"].as_bool(), Some(crc), "{what}: {link}");
+            // Read data came in datagrams of the MTU's size: more than a jumbo payload each,
+            // on average, where the MTU allows it.
+            let read_bytes = json_u64(&bench, &["ios"]) * 65536 / 2;
+            let per_datagram = read_bytes / json_u64(link, &["datagrams_received"]).max(1);
+            eprintln!("{what}: about {per_datagram} bytes of read data per datagram received; {link}");
+            if mtu > 9000 {
+                assert!(per_datagram > 8972, "{what}: {per_datagram} bytes per datagram");
+            } else {
+                assert!(per_datagram <= 8972, "{what}: {per_datagram} bytes per datagram");
+            }
+        }
+        drop(serve);
+    }
+}
+
 /// `skiff floor --veth` measures frames of each size asked for over a real veth pair, on one
 /// thread and across CPUs, and refuses frames larger than the pair's MTU by name.
 #[test]

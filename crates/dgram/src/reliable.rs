@@ -156,8 +156,8 @@ pub struct ReliableConfig {
     /// SRTT plus the window after it left.
     pub reorder_window_us: u64,
     /// Each datagram's checksum covers its payload (true, the default), or its header alone
-    /// (`HEADER_CRC`): for a link that protects the payload itself, a veth pair whose frames
-    /// never leave memory. What the peer sends decides what it is checked for.
+    /// (`HEADER_CRC`): for a link that protects the payload itself, such as a veth pair whose
+    /// frames never leave memory. What the peer sends decides what it is checked for.
     pub payload_crc: bool,
 }
 

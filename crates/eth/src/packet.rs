@@ -232,8 +232,6 @@ pub struct PacketSocket {
     iface: String,
     mac: Mac,
     mtu: usize,
-    /// A veth pair's end ([`memory_link`]).
-    memory_link: bool,
     ethertype: u16,
     /// Next receive slot (V2) or block (V3) to look at.
     rx_next: usize,
@@ -378,7 +376,6 @@ impl PacketSocket {
         sll.sll_family = libc::AF_PACKET as u16;
         sll.sll_protocol = ethertype.to_be();
         sll.sll_ifindex = ifindex;
-        let memory_link = memory_link(&fd, ifname);
         let socket = PacketSocket {
             fd,
             ring: ring.cast(),
@@ -387,7 +384,6 @@ impl PacketSocket {
             iface: ifname.to_owned(),
             mac,
             mtu,
-            memory_link,
             ethertype,
             rx_next: 0,
             rx_units,
@@ -417,12 +413,6 @@ impl PacketSocket {
     /// The interface's MTU: the largest payload of one frame.
     pub fn mtu(&self) -> usize {
         self.mtu
-    }
-
-    /// The interface's frames go from memory to memory (a veth pair): nothing on their way
-    /// but a bug can change them.
-    pub fn memory_link(&self) -> bool {
-        self.memory_link
     }
 
     /// The interface's name.
@@ -840,32 +830,6 @@ pub(crate) fn rx_queues(fd: &OwnedFd, ifname: &str) -> io::Result<u32> {
     ifr.ifr_ifru.ifru_data = (&mut channels as *mut Channels).cast();
     ioctl(fd, ifname, libc::SIOCETHTOOL, &mut ifr)?;
     Ok(channels.rx + channels.combined)
-}
-
-/// The name of interface `ifname`'s driver (`ETHTOOL_GDRVINFO`: `veth`, `virtio_net`, …),
-/// asked through `fd`.
-pub(crate) fn driver_of(fd: &OwnedFd, ifname: &str) -> io::Result<String> {
-    const ETHTOOL_GDRVINFO: u32 = 0x03;
-    /// `struct ethtool_drvinfo`: cmd, then driver, version, firmware version, bus info and
-    /// expansion ROM version (32 bytes each), 12 reserved bytes and five counts.
-    #[repr(C)]
-    struct DrvInfo {
-        cmd: u32,
-        driver: [u8; 32],
-        rest: [u8; 4 * 32 + 12],
-        counts: [u32; 5],
-    }
-    let mut info = DrvInfo { cmd: ETHTOOL_GDRVINFO, driver: [0; 32], rest: [0; 4 * 32 + 12], counts: [0; 5] };
-    let mut ifr = ifreq_for(ifname)?;
-    ifr.ifr_ifru.ifru_data = (&mut info as *mut DrvInfo).cast();
-    ioctl(fd, ifname, libc::SIOCETHTOOL, &mut ifr)?;
-    let end = info.driver.iter().position(|&b| b == 0).unwrap_or(info.driver.len());
-    Ok(String::from_utf8_lossy(&info.driver[..end]).into_owned())
-}
-
-/// Frames on interface `ifname` go from memory to memory and never cross a wire: a veth pair.
-pub(crate) fn memory_link(fd: &OwnedFd, ifname: &str) -> bool {
-    driver_of(fd, ifname).is_ok_and(|d| d == "veth")
 }
 
 fn ifreq_for(ifname: &str) -> io::Result<libc::ifreq> {

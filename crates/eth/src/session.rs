@@ -89,12 +89,12 @@ pub struct EthConfig {
     /// `data-batching=off`, `SKIFF_ETH_DATA_BATCHING=off`: each data message in a frame of its
     /// own).
     pub data_batching: bool,
-    /// Whether each datagram's checksum covers its payload (`crc=full`, `SKIFF_ETH_CRC=full`)
-    /// or its header alone (`crc=header`); `None`, the default, decides by the link: header
-    /// alone when every interface of the session is a veth pair's end, whose frames go from
-    /// memory to memory as TCP's do there without a checksum, full otherwise. A veth whose
-    /// peer is bridged onto a wire should say `crc=full`.
-    pub payload_crc: Option<bool>,
+    /// Each datagram this side sends has a checksum over its payload too (`crc=full`, the
+    /// default), or over its header alone (`crc=header`, `SKIFF_ETH_CRC=header`): for a link
+    /// that is known to go from memory to memory, such as a veth pair between two namespaces
+    /// of one host (where TCP, too, skips its checksum), and that nothing bridges onto a wire.
+    /// Each side chooses for what it sends; a receiver checks what the sender covered.
+    pub payload_crc: bool,
 }
 
 impl Default for EthConfig {
@@ -138,7 +138,7 @@ impl Default for EthConfig {
             },
             data_messages: true,
             data_batching: true,
-            payload_crc: None,
+            payload_crc: true,
         }
     }
 }
@@ -172,7 +172,7 @@ impl EthConfig {
             },
             data_messages: o.data_messages.unwrap_or(d.data_messages),
             data_batching: o.data_batching.unwrap_or(d.data_batching),
-            payload_crc: o.payload_crc.or(d.payload_crc),
+            payload_crc: o.payload_crc.unwrap_or(d.payload_crc),
         }
     }
 }
@@ -292,8 +292,6 @@ pub trait DatagramSocket {
     fn take_error(&self) -> io::Result<Option<io::Error>>;
     /// The largest datagram the interface carries, Ethernet header excluded.
     fn mtu(&self) -> usize;
-    /// Frames go from memory to memory (a veth pair): the payload needs no checksum of ours.
-    fn memory_link(&self) -> bool;
     fn iface(&self) -> &str;
     /// What carries the frames, for reports: `af_packet`, `af_xdp`, or the simulator's.
     fn driver_name(&self) -> &'static str;
@@ -420,13 +418,6 @@ impl DatagramSocket for Link {
         match self {
             Link::Packet(s) => s.iface(),
             Link::Xdp(s) => s.iface(),
-        }
-    }
-
-    fn memory_link(&self) -> bool {
-        match self {
-            Link::Packet(s) => s.memory_link(),
-            Link::Xdp(s) => s.memory_link(),
         }
     }
 
@@ -603,7 +594,7 @@ impl<S: DatagramSocket, C: Clock> EthStream<S, C> {
             payload_bytes_max: payload,
             send_slots,
             recv_slots,
-            payload_crc: eth.payload_crc.unwrap_or(!sockets.iter().all(|(s, _)| s.memory_link())),
+            payload_crc: eth.payload_crc,
             // The peer runs on the same link, so its window is ours.
             peer_window_initial: config
                 .peer_window_initial
@@ -1138,7 +1129,7 @@ mod tests {
             (d.driver, d.reliable.payload_bytes_max, d.ring.qdisc_bypass),
             (Driver::Packet, 65507, true)
         );
-        assert!(d.data_messages && d.data_batching);
+        assert!(d.data_messages && d.data_batching && d.payload_crc);
 
         let vars = env(&[
             ("SKIFF_ETH_DRIVER", "xdp"),
@@ -1146,13 +1137,14 @@ mod tests {
             ("SKIFF_ETH_FRAME", "4096"),
             ("SKIFF_ETH_DATA_MESSAGES", "off"),
             ("SKIFF_ETH_DATA_BATCHING", "off"),
+            ("SKIFF_ETH_CRC", "header"),
         ]);
         let c = EthConfig::resolve(&none, &vars);
         assert_eq!((c.driver, c.reliable.payload_bytes_max, c.ring.qdisc_bypass), (Driver::Xdp, 4096, false));
-        assert!(!c.data_messages && !c.data_batching);
+        assert!(!c.data_messages && !c.data_batching && !c.payload_crc);
 
         let endpoint = transport::Endpoint::parse(
-            "eth:v,driver=packet,qdisc=off,frame=1472,data-messages=on,data-batching=on",
+            "eth:v,driver=packet,qdisc=off,frame=1472,data-messages=on,data-batching=on,crc=full",
         )
         .unwrap();
         let transport::Endpoint::Eth { options, .. } = endpoint else { unreachable!() };
@@ -1161,7 +1153,7 @@ mod tests {
             (c.driver, c.reliable.payload_bytes_max, c.ring.qdisc_bypass),
             (Driver::Packet, 1472, true)
         );
-        assert!(c.data_messages && c.data_batching);
+        assert!(c.data_messages && c.data_batching && c.payload_crc);
         // The rest of the settings are the defaults whatever decided these.
         assert_eq!((c.ring.rx_slots, c.reliable.send_slots, c.reliable.rto_min_us), (128, 128, 250));
     }

@@ -319,8 +319,6 @@ pub struct XdpSocket {
     iface: String,
     mac: Mac,
     mtu: usize,
-    /// A veth pair's end (`packet::memory_link`).
-    memory_link: bool,
     /// Where the transmit slots start in the UMEM, how many buffers each spans, the free ones,
     /// and the descriptors of each slot still in the kernel's hands.
     tx_base: u64,
@@ -361,11 +359,7 @@ impl XdpSocket {
         if socket.is_err() {
             program.busy.store(false, Ordering::Release);
         }
-        let memory_link = crate::packet::memory_link(&query, ifname);
-        socket.map(|mut s| {
-            s.memory_link = memory_link;
-            s
-        })
+        socket
     }
 
     fn bind(
@@ -450,7 +444,6 @@ impl XdpSocket {
             iface: ifname.to_owned(),
             mac,
             mtu,
-            memory_link: false,
             tx_base: (RX_CHUNKS * CHUNK) as u64,
             slot_chunks,
             tx_free: (0..TX_SLOTS).collect(),
@@ -493,11 +486,6 @@ impl XdpSocket {
 
     pub fn mtu(&self) -> usize {
         self.mtu
-    }
-
-    /// As [`PacketSocket::memory_link`](crate::packet::PacketSocket::memory_link).
-    pub fn memory_link(&self) -> bool {
-        self.memory_link
     }
 
     pub fn iface(&self) -> &str {

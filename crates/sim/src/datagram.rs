@@ -284,11 +284,6 @@ impl DatagramSocket for SimSocket {
         self.buf.len()
     }
 
-    /// The simulator's link flips bits: every payload keeps its checksum.
-    fn memory_link(&self) -> bool {
-        false
-    }
-
     fn iface(&self) -> &str {
         self.iface
     }

@@ -71,9 +71,8 @@ pub struct EthOptions {
     pub data_messages: Option<bool>,
     /// `data-batching=on|off`: two 4 KiB data segments to a jumbo frame (default on).
     pub data_batching: Option<bool>,
-    /// `crc=full|header`: each datagram's checksum covers its payload too, or its header
-    /// alone (default: header on a veth pair, whose frames never leave memory; full
-    /// elsewhere).
+    /// `crc=full|header`: each datagram's checksum covers its payload too (the default), or
+    /// its header alone, for a link known to go from memory to memory (a veth pair).
     pub payload_crc: Option<bool>,
 }
 

@@ -423,7 +423,7 @@ pub fn print_table(s: &Summary) {
                         "{}, payloads of up to {} bytes, checksummed {}: {} datagrams sent, {} received; retransmitted {} on timeout, {} on gaps; {} duplicates, {} corrupt dropped; {} DSACKs, reordering window {} µs; {:.0}% of received stream bytes placed from the ring; {} data messages received, {} of them held for a reader",
                         l.paths.first().map_or("?", |p| p.driver),
                         grouped(l.datagram_payload_max),
-                        if l.payload_crc { "whole" } else { "in the header (a veth pair)" },
+                        if l.payload_crc { "whole" } else { "in the header only" },
                         grouped(l.datagrams_sent),
                         grouped(l.datagrams_received),
                         grouped(l.retransmitted_timeout),
