@@ -54,11 +54,13 @@ relay starts for every run (seed = the round) and its counters give the share it
 four ends run with segmentation and checksum offloads off (ethtool), so every TCP frame the
 relay sees is a whole one; the relay itself is not pinned.
 
-With --mtus LIST the pair takes each MTU in turn (the target restarts, its volume filled by a
-sequential write first), and at each QD three systems alternate: skiff-eth, whose datagrams
-follow the MTU; skiff-tcp with the pair's segmentation offloads on (veth's default: TCP moves
-64 KiB GSO segments whatever the MTU); and skiff-tcp-nooff, the same with `ethtool -K tso off
-gso off gro off` on both ends for its runs, the model of a path where TCP pays per wire frame.
+With --mtus LIST the pair takes each MTU in turn, and at each QD four systems alternate, the
+target restarted for every run with that run's settings and its volume filled by a sequential
+write first: skiff-eth, whose datagrams follow the MTU; skiff-eth-hcrc, the same with
+`SKIFF_ETH_CRC=header` at both ends (checksums over headers alone: TCP on veth computes none);
+skiff-tcp with the pair's segmentation offloads on (veth's default: TCP moves 64 KiB GSO
+segments whatever the MTU); and skiff-tcp-nooff, the same with `ethtool -K tso off gso off gro
+off` on both ends for its runs, the model of a path where TCP pays per wire frame.
 
 Writes bench/results/ethernet-{qd,mtus,shaped,table2,batching,bundle,drivers,loss,messages-BS}-<timestamp>.json (and a .png of each sweep), and
 prints a Markdown table.
@@ -270,6 +272,12 @@ def environ(env):
                 os.environ[k] = v
 
 
+def fill(a, port):
+    """Write the target's volume from end to end over TCP: a RAM volume never written reads the
+    kernel's zero page, faster than real data."""
+    skiff_bench(a, f"{FAR_IP}:{port}", 8, rw="write", bs="1M")
+
+
 def alternate(a, variants, points, measure, label, eth=(FAR,)):
     """At each point of `points`, the `variants` (name, target, environment or None) take
     turns for --repeat rounds, `measure(target, point)` measuring one run. One `skiff serve`
@@ -282,6 +290,7 @@ def alternate(a, variants, points, measure, label, eth=(FAR,)):
     try:
         if all(env is None for _, _, env in variants):
             shared = start(serve_argv(a, port, eth), FAR_IP, port)
+            fill(a, port)
         log(f"veth pair {NEAR} - {FAR}{f' and {NEAR2} - {FAR2}' if len(eth) > 1 else ''}, MTU {a.mtu}"
             f"{f', shaped to {a.shape} each way (tbf)' if a.shape else ''}; placement {a.pl.describe()}")
         for i, pt in enumerate(points):
@@ -290,6 +299,8 @@ def alternate(a, variants, points, measure, label, eth=(FAR,)):
                     with environ(env or {}):
                         own = start(serve_argv(a, port, eth), FAR_IP, port) if env is not None else None
                         try:
+                            if own:
+                                fill(a, port)
                             r = measure(target, pt)
                         finally:
                             if own:
@@ -481,44 +492,49 @@ def offloads(on):
         sh(prefix + ["ethtool", "-K", dev, *[x for k in ("tso", "gso", "gro") for x in (k, "on" if on else "off")]])
 
 
-MTU_SYSTEMS = ["skiff-eth", "skiff-tcp", "skiff-tcp-nooff"]
+# name: (over raw Ethernet, SKIFF_ETH_CRC for both ends, TCP offloads on)
+MTU_SYSTEMS = {"skiff-eth": (True, "full", True), "skiff-eth-hcrc": (True, "header", True),
+               "skiff-tcp": (False, "full", True), "skiff-tcp-nooff": (False, "full", False)}
 
 
 def mtus(a, mac, qds):
-    """At each MTU of --mtus (the target restarted, its volume filled first), skiff-eth,
-    skiff-tcp with offloads and skiff-tcp without them alternate at each QD. Prints a table of
-    CPU per I/O with each system's ratio to both TCPs; saves JSON and a plot per MTU."""
+    """At each MTU of --mtus, skiff-eth (payload checksums on, the default), skiff-eth-hcrc
+    (`crc=header` at both ends: checksums over headers alone, as TCP on veth has none),
+    skiff-tcp with offloads and skiff-tcp without them alternate at each QD. The target
+    restarts for every run with that run's settings, and its volume is filled before it is
+    read. Prints a table of CPU per I/O with each system's ratio to both TCPs; saves JSON and a
+    plot per MTU."""
     sizes = [int(m) for m in a.mtus.split(",")]
+    names = list(MTU_SYSTEMS)
     port = 7070
     runs = {}
     try:
         for m in sizes:
             for prefix, dev in (([], NEAR), (["ip", "netns", "exec", NS], FAR)):
                 sh(prefix + ["ip", "link", "set", dev, "mtu", str(m)])
-            offloads(True)
-            server = start(serve_argv(a, port), FAR_IP, port)
-            try:
-                # A RAM volume never written reads the zero page: fill it first.
-                skiff_bench(a, f"{FAR_IP}:{port}", 8, rw="write", bs="1M")
-                log(f"MTU {m}: veth pair {NEAR} - {FAR}, target MAC {mac}, volume filled; placement {a.pl.describe()}")
-                for i, qd in enumerate(qds):
-                    for rep in range(a.repeat):
-                        for s in rotate(MTU_SYSTEMS, i + rep):
-                            target = f"eth:{NEAR}/{mac}" if s == "skiff-eth" else f"{FAR_IP}:{port}"
-                            if s == "skiff-tcp-nooff":
-                                offloads(False)
-                            try:
-                                r = skiff_bench(a, target, qd)
-                            finally:
-                                if s == "skiff-tcp-nooff":
-                                    offloads(True)
-                            r["datagrams_received"] = (r.get("client_link") or {}).get("datagrams_received")
-                            runs.setdefault((s, m, qd), []).append(r)
-                            log(f"MTU {m:>5} QD {qd:>3} {s:<15} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
-                                f"{r['lat_mean_us']:7.1f} µs  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
-                                f"{r['server_cpu_us_per_io']:.2f}")
-            finally:
-                stop(server)
+            log(f"MTU {m}: veth pair {NEAR} - {FAR}, target MAC {mac}; placement {a.pl.describe()}")
+            for i, qd in enumerate(qds):
+                for rep in range(a.repeat):
+                    for s in rotate(names, i + rep):
+                        eth, crc, offload = MTU_SYSTEMS[s]
+                        offloads(offload)
+                        try:
+                            with environ({"SKIFF_ETH_CRC": crc}):
+                                server = start(serve_argv(a, port), FAR_IP, port)
+                                try:
+                                    fill(a, port)
+                                    r = skiff_bench(a, f"eth:{NEAR}/{mac}" if eth else f"{FAR_IP}:{port}", qd)
+                                finally:
+                                    stop(server)
+                        finally:
+                            offloads(True)
+                        link = r.get("client_link") or {}
+                        if eth and link.get("payload_crc") != (crc == "full"):
+                            raise RuntimeError(f"{s}: the session's checksum was not {crc}: {link}")
+                        runs.setdefault((s, m, qd), []).append(r)
+                        log(f"MTU {m:>5} QD {qd:>3} {s:<15} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                            f"{r['lat_mean_us']:7.1f} µs  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
+                            f"{r['server_cpu_us_per_io']:.2f}")
     finally:
         teardown()
     med = {k: median_record(v) for k, v in runs.items()}
@@ -526,24 +542,25 @@ def mtus(a, mac, qds):
                 [{"system": s, "mtu": m, "qd": q, **med[(s, m, q)], "repetitions": runs[(s, m, q)]}
                  for (s, m, q) in runs])
     total = {k: r["client_cpu_us_per_io"] + r["server_cpu_us_per_io"] for k, r in med.items()}
-    print(f"4 KiB random reads over one veth pair by MTU ({a.pl.short()}, median of {a.repeat}); {base}.json")
+    print(f"4 KiB random reads over one veth pair by MTU ({a.pl.short()}, median of {a.repeat}, volume filled); "
+          f"{base}.json")
     print()
     print("| MTU | QD | system | IOPS | mean µs | CPU µs/I/O client | server | total | ÷ skiff-tcp | ÷ skiff-tcp-nooff |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for m in sizes:
         for q in qds:
-            for s in MTU_SYSTEMS:
+            for s in names:
                 r = med.get((s, m, q))
                 if not r:
                     continue
                 t = total[(s, m, q)]
-                ratios = [f"{t / total[(p, m, q)]:.2f}" if (p, m, q) in total else "" for p in MTU_SYSTEMS[1:]]
+                ratios = [f"{t / total[(p, m, q)]:.2f}" if (p, m, q) in total else "" for p in ("skiff-tcp", "skiff-tcp-nooff")]
                 print(f"| {m} | {q} | {s} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | {r['client_cpu_us_per_io']:.2f} | "
                       f"{r['server_cpu_us_per_io']:.2f} | {t:.2f} | {ratios[0]} | {ratios[1]} |")
     for m in sizes:
         title = f"4 KiB random reads, one veth pair, MTU {m} ({a.pl.short()}, median of {a.repeat})"
         plot(f"{base}-{m}.png", qds, "queue depth", {(s, q): med[(s, mm, q)] for (s, mm, q) in med if mm == m},
-             MTU_SYSTEMS, title)
+             names, title)
     return 0
 
 
