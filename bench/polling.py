@@ -15,6 +15,12 @@ from bench's JSON (its lane threads, and the target's threads from STATS), nbdki
     python3 bench/polling.py                              # apart, QD 1/32/128, 3 rounds of 5 s
     python3 bench/polling.py --placements apart,same,none --qds 1,32,128
     python3 bench/polling.py --qds 1 --rate 2000          # a light open-loop load: 2000 I/Os a second
+    python3 bench/polling.py --modes off,adaptive --qds 1,8,32,128 --threads 4,16,64 --no-nbdkit
+                                                          # should adaptive be the default? QD and threads
+
+With --threads LIST each listed count of client threads runs too, each thread keeping one read
+outstanding on a shared lane (`skiff bench --threads T --qd 1 --shared-lane`): rows "T thr".
+The target's 1 GiB RAM volume is filled by a sequential write before every skiff run is measured.
 
 With --rate both clients start that many I/Os a second (skiff bench --rate, fio --rate_iops)
 instead of keeping the queue full: the case where a fixed spin burns CPU for nothing.
@@ -33,20 +39,26 @@ import compare  # noqa: E402  (shared placement, server and fio helpers)
 
 MODES = ["off", "hybrid", "adaptive"]
 
+# A point of the sweep: (queue depth, client threads); threads 1 is the plain queue-depth run.
+
 
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_skiff(a, pl, mode, qd):
+def run_skiff(a, pl, mode, qd, threads=1):
     rate = ["--rate", str(a.rate)] if a.rate else []
+    many = ["--threads", str(threads), "--shared-lane"] if threads > 1 else []
     port = compare.free_port()
     server = compare.Server(pl.server([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--workers", "1",
                                        "--export", "vol=ram:1G", "--poll", mode]), port)
+    target = ["--target", f"127.0.0.1:{port}", "--export", "vol"]
     try:
-        out = subprocess.run(pl.client([a.skiff, "bench", "--target", f"127.0.0.1:{port}", "--export", "vol",
-                                        "--rw", "randread", "--qd", str(qd), "--duration", f"{a.runtime}s",
-                                        "--poll", mode, "--json", *rate]),
+        # A RAM volume never written reads the kernel's zero page: fill it first.
+        subprocess.run(pl.client([a.skiff, "bench", *target, "--rw", "write", "--bs", "1M", "--qd", "8",
+                                  "--duration", "2s"]), check=True, capture_output=True)
+        out = subprocess.run(pl.client([a.skiff, "bench", *target, "--rw", "randread", "--qd", str(qd),
+                                        "--duration", f"{a.runtime}s", "--poll", mode, "--json", *rate, *many]),
                              check=True, capture_output=True, text=True).stdout
     finally:
         server.stop()
@@ -78,22 +90,39 @@ def run_nbdkit(a, pl, qd):
     return r
 
 
+def systems_of(a):
+    return [f"skiff:{m}" for m in a.modes] + ([] if a.no_nbdkit else ["nbdkit"])
+
+
+def points_of(a):
+    """The sweep's points: (QD, 1) for each QD, then (1, T) for each thread count."""
+    return [(q, 1) for q in a.qds] + [(1, t) for t in a.threads]
+
+
+def label(point):
+    qd, threads = point
+    return f"{threads} thr" if threads > 1 else str(qd)
+
+
 def measure(a, placements):
     records = []
-    systems = [f"skiff:{m}" for m in MODES] + ["nbdkit"]
-    total = len(placements) * len(a.qds) * a.repeat * len(systems)
+    systems = systems_of(a)
+    total = len(placements) * len(points_of(a)) * a.repeat * len(systems)
     done = 0
     for pl in placements:
-        for qd in a.qds:
+        for qd, threads in points_of(a):
             for rnd in range(a.repeat):
                 for system in compare.rotate(systems, rnd):
+                    if system == "nbdkit" and threads > 1:
+                        continue
                     done += 1
-                    log(f"[{done}/{total}] {pl.mode}: {system} QD {qd}, round {rnd + 1}")
+                    log(f"[{done}/{total}] {pl.mode}: {system} QD {qd} x {threads} threads, round {rnd + 1}")
                     if system == "nbdkit":
                         r = run_nbdkit(a, pl, qd)
                     else:
-                        r = run_skiff(a, pl, system.split(":")[1], qd)
-                    r.update(system=system, qd=qd, round=rnd, placement=pl.mode, where=pl.describe())
+                        r = run_skiff(a, pl, system.split(":")[1], qd, threads)
+                    r.update(system=system, qd=qd, threads=threads, round=rnd, placement=pl.mode,
+                             where=pl.describe())
                     records.append(r)
     return records
 
@@ -102,7 +131,7 @@ def cells(records):
     """(placement, system, qd) -> the median record of its rounds."""
     groups = {}
     for r in records:
-        groups.setdefault((r["placement"], r["system"], r["qd"]), []).append(r)
+        groups.setdefault((r["placement"], r["system"], (r["qd"], r.get("threads", 1))), []).append(r)
     return {k: compare.median_record(v) for k, v in groups.items()}
 
 
@@ -111,25 +140,20 @@ def table(records, placement, a):
     where = next(r["where"] for r in records if r["placement"] == placement)
     load = f"; open loop, {a.rate:,} I/Os a second" if a.rate else ""
     out = [f"### {where}; median of {a.repeat}, {a.runtime} s per run{load}", "",
-           "| QD | system | IOPS | mean µs | × nbdkit latency | CPU µs/I/O client + server | total | × nbdkit CPU |"
-           " of QD 128 IOPS |",
-           "|---:|---|---:|---:|---:|---|---:|---:|---:|"]
-    top = max(a.qds)
-    for qd in a.qds:
-        peer = c.get((placement, "nbdkit", qd))
-        for system in [f"skiff:{m}" for m in MODES] + ["nbdkit"]:
-            r = c.get((placement, system, qd))
+           "| QD | system | IOPS | mean µs | CPU µs/I/O client + server | total | × nbdkit CPU | × skiff:off CPU |",
+           "|---:|---|---:|---:|---|---:|---:|---:|"]
+    for point in points_of(a):
+        peer = c.get((placement, "nbdkit", point))
+        off = c.get((placement, "skiff:off", point))
+        total = lambda r: r["client_cpu_us_per_io"] + r["server_cpu_us_per_io"]  # noqa: E731
+        for system in systems_of(a):
+            r = c.get((placement, system, point))
             if r is None:
                 continue
-            cpu = r["client_cpu_us_per_io"] + r["server_cpu_us_per_io"]
-            peer_cpu = peer["client_cpu_us_per_io"] + peer["server_cpu_us_per_io"] if peer else None
-            at_top = c.get((placement, system, top))
-            out.append(
-                f"| {qd} | {system} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | "
-                f"{r['lat_mean_us'] / peer['lat_mean_us']:.2f} | "
-                f"{r['client_cpu_us_per_io']:.2f} + {r['server_cpu_us_per_io']:.2f} | {cpu:.2f} | "
-                f"{cpu / peer_cpu:.2f} | {r['iops'] / at_top['iops']:.0%} |" if peer and at_top else
-                f"| {qd} | {system} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | | | {cpu:.2f} | | |")
+            cpu = total(r)
+            out.append(f"| {label(point)} | {system} | {r['iops']:,.0f} | {r['lat_mean_us']:.1f} | "
+                       f"{r['client_cpu_us_per_io']:.2f} + {r['server_cpu_us_per_io']:.2f} | {cpu:.2f} | "
+                       f"{f'{cpu / total(peer):.2f}' if peer else ''} | {f'{cpu / total(off):.2f}' if off else ''} |")
     return "\n".join(out)
 
 
@@ -141,7 +165,8 @@ def plot(records, placements, a, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     c = cells(records)
-    systems = [f"skiff:{m}" for m in MODES] + ["nbdkit"]
+    systems = systems_of(a)
+    points = points_of(a)
     fig, axes = plt.subplots(2, len(placements), figsize=(5.5 * len(placements), 7), squeeze=False)
     for col, pl in enumerate(placements):
         for row, (key, label) in enumerate([("lat", "mean latency µs (log)"), ("cpu", "CPU µs per I/O, total (log)")]):
@@ -149,16 +174,17 @@ def plot(records, placements, a, path):
             width = 0.8 / len(systems)
             for i, s in enumerate(systems):
                 ys = []
-                for qd in a.qds:
-                    r = c.get((pl.mode, s, qd))
+                for point in points:
+                    r = c.get((pl.mode, s, point))
                     if r is None:
                         ys.append(0)
                     elif key == "lat":
                         ys.append(r["lat_mean_us"])
                     else:
                         ys.append(r["client_cpu_us_per_io"] + r["server_cpu_us_per_io"])
-                ax.bar([j + i * width for j in range(len(a.qds))], ys, width, label=s)
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(a.qds))], [f"QD {q}" for q in a.qds])
+                ax.bar([j + i * width for j in range(len(points))], ys, width, label=s)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(points))],
+                          [f"QD {label(p)}" if p[1] == 1 else label(p) for p in points])
             ax.set_yscale("log")
             ax.set_ylabel(label)
             ax.set_title(pl.short())
@@ -179,9 +205,15 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--runtime", type=int, default=5, help="seconds per run")
     p.add_argument("--rate", type=int, help="I/Os per second each client starts (open loop); default: a full queue")
+    p.add_argument("--modes", default=",".join(MODES), help="the poll modes to run (off, hybrid, adaptive)")
+    p.add_argument("--threads", default="", help="client thread counts, each thread one read outstanding on a "
+                   "shared lane (4,16,64)")
+    p.add_argument("--no-nbdkit", action="store_true", help="skiff's modes only")
     p.add_argument("--out", default="bench/results")
     a = p.parse_args()
     a.qds = [int(q) for q in a.qds.split(",")]
+    a.modes = a.modes.split(",")
+    a.threads = [int(t) for t in a.threads.split(",") if t]
     placements = []
     for mode in a.placements.split(","):
         ns = argparse.Namespace(placement=mode, server_cpu=None, client_cpu=None)

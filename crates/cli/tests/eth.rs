@@ -87,6 +87,24 @@ fn bench_verified(cmd: &mut Command, ios_min: u64) -> serde_json::Value {
     bench
 }
 
+/// `cmd` (`skiff`, perhaps in a namespace) running 2 s of verified random reads and writes of
+/// `bs` at `qd` on export `vol` (32 MiB) of `target`: [`bench_verified`], more than 100 I/Os.
+fn randrw_verified(cmd: &mut Command, target: &str, bs: &str, qd: &str) -> serde_json::Value {
+    bench_verified(
+        cmd.args(["bench", "--target", target, "--export", "vol", "--size", "32M", "--rw", "randrw"]).args([
+            "--bs",
+            bs,
+            "--qd",
+            qd,
+            "--duration",
+            "2s",
+            "--verify",
+            "--json",
+        ]),
+        100,
+    )
+}
+
 /// Stop the relay; its counters, having dropped about `loss` of more than `received_min`
 /// frames each way (the seeded share, within a factor of two).
 fn relay_dropped(relay: Proc, loss: f64, received_min: u64) -> serde_json::Value {
@@ -199,18 +217,7 @@ fn data_messages_carry_read_data_when_offered_and_not_otherwise() {
         if let Some(v) = env {
             cmd.env("SKIFF_ETH_DATA_MESSAGES", v);
         }
-        let bench = bench_verified(
-            cmd.args([
-                "bench",
-                "--target",
-                &format!("eth:{}/{mac}{options}", client.peer),
-                "--export",
-                "vol",
-            ])
-            .args(["--size", "32M", "--rw", "randrw", "--bs", "16k", "--qd", "32", "--duration", "2s"])
-            .args(["--verify", "--json"]),
-            100,
-        );
+        let bench = randrw_verified(&mut cmd, &format!("eth:{}/{mac}{options}", client.peer), "16k", "32");
         let messages = json_u64(&bench, &["client_link", "data_messages_received"]);
         let placed = bench["read_placed_share"].as_f64().unwrap_or(0.0);
         eprintln!("data messages {setting}: {messages} received, {placed:.3} of read bytes placed");
@@ -396,19 +403,8 @@ fn datagrams_follow_the_mtu_up_to_65535_and_crc_header_leaves_payloads_unchecksu
         std::thread::sleep(Duration::from_millis(300));
         for (options, crc) in [("", true), (",crc=header", false)] {
             let what = format!("MTU {mtu}{options}");
-            let bench = bench_verified(
-                skiff()
-                    .args([
-                        "bench",
-                        "--target",
-                        &format!("eth:{}/{mac}{options}", pair.host),
-                        "--export",
-                        "vol",
-                    ])
-                    .args(["--size", "32M", "--rw", "randrw", "--bs", "64k", "--qd", "8", "--duration", "2s"])
-                    .args(["--verify", "--json"]),
-                100,
-            );
+            let bench =
+                randrw_verified(&mut skiff(), &format!("eth:{}/{mac}{options}", pair.host), "64k", "8");
             let link = &bench["client_link"];
             assert_eq!(json_u64(link, &["datagram_payload_max"]), payload, "{what}: {link}");
             assert_eq!(link["payload_crc"].as_bool(), Some(crc), "{what}: {link}");
