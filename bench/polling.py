@@ -169,7 +169,7 @@ def plot(records, placements, a, path):
     points = points_of(a)
     fig, axes = plt.subplots(2, len(placements), figsize=(5.5 * len(placements), 7), squeeze=False)
     for col, pl in enumerate(placements):
-        for row, (key, label) in enumerate([("lat", "mean latency µs (log)"), ("cpu", "CPU µs per I/O, total (log)")]):
+        for row, (key, ylabel) in enumerate([("lat", "mean latency µs (log)"), ("cpu", "CPU µs per I/O, total (log)")]):
             ax = axes[row][col]
             width = 0.8 / len(systems)
             for i, s in enumerate(systems):
@@ -186,7 +186,7 @@ def plot(records, placements, a, path):
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(points))],
                           [f"QD {label(p)}" if p[1] == 1 else label(p) for p in points])
             ax.set_yscale("log")
-            ax.set_ylabel(label)
+            ax.set_ylabel(ylabel)
             ax.set_title(pl.short())
             ax.grid(alpha=0.3, axis="y")
             if row == 0 and col == 0:
