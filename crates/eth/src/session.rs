@@ -105,14 +105,15 @@ impl Default for EthConfig {
             // Past the interface's queueing discipline (PACKET_QDISC_BYPASS), which costs a
             // fifth of the CPU per I/O at QD 32 even on veth's noqueue; qdisc=on goes through
             // it, for links shaped with `tc` (bench/ethernet.py --shape).
-            // Rings of at most what 192 slots of a jumbo frame take (2.25 MiB): at a larger
-            // MTU they keep fewer, larger slots (32 and 16 at 65,535), so that the frames in
-            // flight stay in the caches. (With 128 and 64 slots of 68 KiB, 4 KiB reads at
+            // Rings of what 192 slots of a jumbo frame take (2.25 MiB), split 2:1: 384 and 192
+            // slots of 4 KiB at MTU 1,500 (three frames to a 4 KiB read), 128 and 64 at 9,000,
+            // and at a larger MTU fewer, larger slots (32 and 16 at 65,535), so that the frames
+            // in flight stay in the caches. (With 128 and 64 slots of 68 KiB, 4 KiB reads at
             // QD 128 over a 65,535-MTU veth pair cost 6.8 µs of CPU per I/O; with 32 and 16,
             // and the stream's buffers below cut alike, 4.7-5.0 µs; one run of each.)
             ring: RingConfig {
-                rx_slots: 128,
-                tx_slots: 64,
+                rx_slots: 384,
+                tx_slots: 192,
                 bytes_max: (128 + 64) * slot_bytes_for(9000, 4096),
                 qdisc_bypass: true,
                 ..RingConfig::default()
@@ -127,12 +128,13 @@ impl Default for EthConfig {
             // fifteen share one. A data segment is cut at a multiple of 4 KiB only when a
             // datagram holds one: below 4,108 bytes (4 KiB and a segment header) a 4 KiB read
             // takes two datagrams.
-            // At a larger MTU the stream keeps fewer datagrams, as the rings keep fewer slots
-            // (`slots_for`: 16 each way at 65,535).
+            // The stream keeps as many datagrams as 1.1 MiB holds (`slots_for`): 512 each way at
+            // MTU 1,500, where a QD of 128 4 KiB reads is 384 datagrams of data, 128 at 9,000,
+            // 16 at 65,535.
             reliable: ReliableConfig {
                 payload_bytes_max: ETH_FRAME_MAX,
-                send_slots: 128,
-                recv_slots: 128,
+                send_slots: 512,
+                recv_slots: 512,
                 rto_min_us: 250,
                 ..ReliableConfig::default()
             },
@@ -1155,7 +1157,7 @@ mod tests {
         );
         assert!(c.data_messages && c.data_batching && c.payload_crc);
         // The rest of the settings are the defaults whatever decided these.
-        assert_eq!((c.ring.rx_slots, c.reliable.send_slots, c.reliable.rto_min_us), (128, 128, 250));
+        assert_eq!((c.ring.rx_slots, c.reliable.send_slots, c.reliable.rto_min_us), (384, 512, 250));
     }
 
     #[test]
