@@ -35,7 +35,7 @@ pub struct ServeArgs {
     eth: Vec<String>,
     /// Settings of the raw-Ethernet sessions (--eth): driver=packet|xdp, qdisc=on|off,
     /// frame=BYTES (largest datagram payload, 64 to 65507; the MTU lowers it), data-messages=on|off,
-    /// data-batching=on|off, comma-separated (docs/ETHERNET.md, "Settings").
+    /// data-batching=on|off, crc=full|header, comma-separated (docs/ETHERNET.md, "Settings").
     #[arg(long, value_name = "KEY=VALUE[,...]", value_parser = transport::EthOptions::parse)]
     eth_options: Option<transport::EthOptions>,
     /// Serve NBD clients on this TCP address (NBD's port is 10809). Repeatable.

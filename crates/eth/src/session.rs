@@ -114,7 +114,7 @@ impl Default for EthConfig {
             ring: RingConfig {
                 rx_slots: 384,
                 tx_slots: 192,
-                bytes_max: (128 + 64) * slot_bytes_for(9000, 4096),
+                bytes_max: (128 + 64) * slot_bytes_for(JUMBO_MTU, 4096),
                 qdisc_bypass: true,
                 ..RingConfig::default()
             },
@@ -190,9 +190,12 @@ const ENV_VARIABLES: [(&str, &str); 6] = [
     ("SKIFF_ETH_CRC", "crc"),
 ];
 
+/// A real NIC's jumbo MTU, by which rings and stream buffers are sized.
+const JUMBO_MTU: usize = 9000;
+
 /// The most bytes of datagrams a session's stream buffers each way: 128 payloads of a jumbo
 /// frame (1.1 MiB).
-const STREAM_BUFFER_BYTES: usize = 128 * (9000 - DATAGRAM_HEADER_LEN);
+const STREAM_BUFFER_BYTES: usize = 128 * (JUMBO_MTU - DATAGRAM_HEADER_LEN);
 
 /// The fewest datagrams a stream's buffer holds each way, however large they are.
 const STREAM_SLOTS_MIN: u32 = 16;

@@ -69,7 +69,8 @@ pub struct EthOptions {
     pub frame: Option<u16>,
     /// `data-messages=on|off`: read data in data messages (default on).
     pub data_messages: Option<bool>,
-    /// `data-batching=on|off`: two 4 KiB data segments to a jumbo frame (default on).
+    /// `data-batching=on|off`: data segments share a datagram while it has room, two 4 KiB
+    /// ones to a jumbo frame (default on).
     pub data_batching: Option<bool>,
     /// `crc=full|header`: each datagram's checksum covers its payload too (the default), or
     /// its header alone, for a link known to go from memory to memory (a veth pair).
