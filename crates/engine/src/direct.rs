@@ -11,7 +11,13 @@
 //! - a file export with a block cache (`file:PATH,cache=SIZE`): an ordinary read that asks
 //!   for capabilities fills the blocks it read into the cache, and each gets a **slot**
 //!   capability, valid while the slot keeps its generation (no eviction, no write since);
+//! - a flash volume hands out **extent** capabilities: a range of the volume of any size
+//!   (the whole volume for a read that asks, any block-aligned range for a `REGISTER`),
+//!   sealed with the volume's id as their generation. Issuing one allocates nothing; a direct
+//!   read under it goes through the page pool like any read (FlashNet's lazy registration);
 //! - anything else hands out nothing, and refuses direct reads.
+//!
+//! A RAM export also seals extents for a `REGISTER`: its memory is there already.
 //!
 //! Revocation: [`DirectReads::rotate_epoch`] makes every capability of the export stale;
 //! [`DirectReads::invalidate`] (and every write through [`crate::execute`]) drops cached
@@ -37,6 +43,9 @@ pub struct DirectReads {
     lifetime_ms: u64,
     /// RAM: the export is its own cache and hands out region capabilities.
     in_memory: bool,
+    /// A flash volume: its id, which every extent of it carries as its generation, so that a
+    /// reference to a deleted volume never serves a later one at the same export index.
+    volume: Option<u32>,
     /// The planted bug of the simulator's proof (feature `mutations`): writes leave the cache
     /// alone, so it serves data older than an acknowledged write.
     #[cfg(feature = "mutations")]
@@ -57,9 +66,15 @@ impl DirectReads {
             cache,
             lifetime_ms: LIFETIME_MS_DEFAULT,
             in_memory,
+            volume: None,
             #[cfg(feature = "mutations")]
             stale_cache: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Direct reads of flash volume `volume` (its id), sealed with `secret`: extents only.
+    pub fn for_volume(secret: [u8; proto::capability::KEY_LEN], volume: u32) -> DirectReads {
+        DirectReads { volume: Some(volume), ..DirectReads::new(secret, None, false) }
     }
 
     /// Plant the bug that writes do not invalidate the cache (feature `mutations`).
@@ -107,6 +122,9 @@ impl DirectReads {
     /// Whether a read of `len` bytes from `offset` can earn capabilities, and the fill ticket
     /// to take before reading it from the backend (cached exports).
     pub fn plan(&self, offset: u64, len: u32) -> Plan {
+        if self.volume.is_some() {
+            return Plan::Extent;
+        }
         if self.in_memory {
             let window = offset / REGION_BYTES;
             let end = offset + u64::from(len);
@@ -123,6 +141,72 @@ impl DirectReads {
         let start = offset / REGION_BYTES * REGION_BYTES;
         let length = REGION_BYTES.min(size_bytes - start) as u32;
         self.seal(export, CapKind::Region, start, length, 0, 0, now_ms)
+    }
+
+    /// The extent capability a read earns on a flash volume ([`Plan::Extent`]): the whole
+    /// volume as it is now.
+    pub fn seal_volume(&self, export: u32, size_bytes: u64, now_ms: u64) -> Capability {
+        let pages = size_bytes.div_ceil(wire::EXTENT_UNIT).min(u64::from(u32::MAX)) as u32;
+        let expires = now_ms.saturating_add(self.lifetime_ms);
+        self.seal_extent(export, 0, pages, CapRights::READ, expires)
+    }
+
+    /// `REGISTER`: an extent capability for `length` bytes from `offset` of an export of
+    /// `size_bytes`, with `rights`, valid until revoked (no expiry). Nothing is read, allocated
+    /// or pinned: this is the whole cost of registering a range of any size. Refusals:
+    /// `Unsupported` on an export that serves no extents (a cached file export's references are
+    /// its cache's blocks) or for write rights (direct writes are not served yet); `Invalid` for
+    /// an empty or unaligned range, or rights other than read; `OutOfRange` past the end.
+    pub fn register(
+        &self,
+        export: u32,
+        size_bytes: u64,
+        rights: CapRights,
+        offset: u64,
+        length: u64,
+    ) -> Result<Capability, wire::Status> {
+        use wire::Status;
+        if self.volume.is_none() && !self.in_memory {
+            return Err(Status::Unsupported);
+        }
+        if rights.contains(CapRights::WRITE) {
+            return Err(Status::Unsupported);
+        }
+        if rights != CapRights::READ {
+            return Err(Status::Invalid);
+        }
+        let unit = wire::EXTENT_UNIT;
+        if length == 0 || !offset.is_multiple_of(unit) || !length.is_multiple_of(unit) {
+            return Err(Status::Invalid);
+        }
+        match offset.checked_add(length) {
+            Some(end) if end <= size_bytes => {}
+            _ => return Err(Status::OutOfRange),
+        }
+        let pages = u32::try_from(length / unit).map_err(|_| Status::OutOfRange)?;
+        Ok(self.seal_extent(export, offset, pages, rights, u64::MAX))
+    }
+
+    fn seal_extent(
+        &self,
+        export: u32,
+        offset: u64,
+        pages: u32,
+        rights: CapRights,
+        expires_ms: u64,
+    ) -> Capability {
+        self.key.seal(Capability {
+            export,
+            kind: CapKind::Extent,
+            rights,
+            epoch: self.epoch(),
+            generation: self.volume.unwrap_or(0),
+            offset,
+            length: pages,
+            slot: 0,
+            expires_ms,
+            mac: [0; wire::capability::MAC_LEN],
+        })
     }
 
     /// Fill the blocks of a planned read (`data`, read from the backend after `ticket` was
@@ -181,6 +265,14 @@ impl DirectReads {
         match cap.kind {
             CapKind::Region if self.in_memory => Ok(()),
             CapKind::Slot if self.cache.is_some() => Ok(()),
+            // Another volume once served at this export index: stale, not forged.
+            CapKind::Extent if self.volume.is_some() || self.in_memory => {
+                if cap.generation == self.volume.unwrap_or(0) {
+                    Ok(())
+                } else {
+                    Err(CapFault::Revoked)
+                }
+            }
             // Sealed by this key for a kind this export does not serve: cannot happen unless
             // the export changed; refuse rather than guess.
             _ => Err(CapFault::NotCovered),
@@ -208,4 +300,6 @@ pub enum Plan {
     Region,
     /// Slot capabilities for the blocks filled into the cache.
     Fill(FillTicket),
+    /// An extent capability for the whole volume (flash).
+    Extent,
 }

@@ -1,5 +1,6 @@
 //! Flash volumes as exports: the flash array a target serves, each of its volumes an ordinary
-//! export (native protocol and NBD, no direct reads), and the `VOLUME` requests that create,
+//! export (native protocol and NBD) that also serves direct reads under extent capabilities
+//! (FlashNet's references to volume ranges: [`crate::direct`]), and the `VOLUME` requests that create,
 //! resize, snapshot, clone, delete, list and measure them while the target runs
 //! (docs/PROTOCOL.md, section 17).
 //!
@@ -124,6 +125,10 @@ pub struct FlashVolumes {
     read_only: bool,
     /// Most exports the table may hold at once, volumes and the rest.
     exports_max: usize,
+    /// The secret every volume's extent capabilities are sealed with (drawn by the driver;
+    /// never leaves the target). A volume's id is in each of its extents, so one secret serves
+    /// them all without a reference to one volume serving another.
+    secret: [u8; proto::capability::KEY_LEN],
 }
 
 impl std::fmt::Debug for FlashVolumes {
@@ -135,7 +140,11 @@ impl std::fmt::Debug for FlashVolumes {
 impl FlashVolumes {
     /// Open the array on `config`'s devices, recover it, and start its background work.
     /// Errors name the device at fault: missing, of another array, holding no array.
-    pub fn open(config: &FlashConfig, read_only: bool) -> Result<FlashVolumes, FlashError> {
+    pub fn open(
+        config: &FlashConfig,
+        read_only: bool,
+        secret: [u8; proto::capability::KEY_LEN],
+    ) -> Result<FlashVolumes, FlashError> {
         if config.pool_bytes < POOL_BYTES_MIN {
             return Err(FlashError::BadSize(format!(
                 "a page pool of {} bytes is too small: at least {POOL_BYTES_MIN}",
@@ -155,13 +164,13 @@ impl FlashVolumes {
         if config.read_depth > 0 {
             array.start_reads(config.read_depth)?;
         }
-        Ok(FlashVolumes::new(array, read_only))
+        Ok(FlashVolumes::new(array, read_only, secret))
     }
 
     /// Serve the volumes of `array`, open already (an in-memory array, for tests and the
-    /// simulator).
-    pub fn new(array: Arc<Array>, read_only: bool) -> FlashVolumes {
-        FlashVolumes { array, changing: Mutex::new(()), read_only, exports_max: nbd::EXPORTS_MAX }
+    /// simulator), sealing their extent capabilities with `secret`.
+    pub fn new(array: Arc<Array>, read_only: bool, secret: [u8; proto::capability::KEY_LEN]) -> FlashVolumes {
+        FlashVolumes { array, changing: Mutex::new(()), read_only, exports_max: nbd::EXPORTS_MAX, secret }
     }
 
     pub fn array(&self) -> &Arc<Array> {
@@ -180,8 +189,11 @@ impl FlashVolumes {
 
     fn export_of(&self, name: &str) -> Result<Export, FlashError> {
         let volume = FlashVolume::open(self.array.clone(), name)?;
+        let id = volume.id();
         // A snapshot's backend says it is read-only; `read_only` makes every volume so.
-        Ok(Export::new(name, Arc::new(volume), self.read_only))
+        let mut export = Export::new(name, Arc::new(volume), self.read_only);
+        export.direct = Some(crate::direct::DirectReads::for_volume(self.secret, id));
+        Ok(export)
     }
 
     /// Write back everything and checkpoint, so that the next start has nothing to replay.
@@ -271,8 +283,17 @@ impl FlashVolumes {
         table: &ExportTable,
         publisher: &dyn Publisher,
     ) -> Result<String, VolumeError> {
-        self.volume_index(name, table)?;
+        let index = self.volume_index(name, table)?;
+        let before = self.size_of(name);
         self.array.resize(name, size_bytes).map_err(VolumeError::flash(name))?;
+        if self.size_of(name) < before {
+            // References past the new end must not reach pages a later growth brings back:
+            // a shrink revokes the volume's references (reads past the end are refused
+            // meanwhile, since a direct read checks the range against the volume's size).
+            if let Some(d) = table.get(index).and_then(|e| e.direct.as_ref()) {
+                d.rotate_epoch();
+            }
+        }
         publisher.changed(table);
         Ok(format!("resized volume {name:?} to {}", bytes_text(self.size_of(name))))
     }
@@ -487,7 +508,7 @@ mod tests {
         flash::engine::format(&devs, SEGMENT_PAGES, false).unwrap();
         let array = Array::open(devs, flash::ctl::Config { pool_pages: 256, ..Default::default() }).unwrap();
         let fixed = Export::open("fixed", &BackendSpec::Ram { size_bytes: 1 << 20 }, false).unwrap();
-        (FlashVolumes::new(array, false), ExportTable::with_room(vec![fixed], 8), Told::default())
+        (FlashVolumes::new(array, false, [7; 32]), ExportTable::with_room(vec![fixed], 8), Told::default())
     }
 
     fn req(op: VolumeOp, name: &str, origin: &str, size_bytes: u64) -> VolumeRequest {

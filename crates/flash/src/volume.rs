@@ -31,6 +31,11 @@ impl FlashVolume {
     pub fn array(&self) -> &Arc<Array> {
         &self.array
     }
+
+    /// The volume's id: never given to another volume of the array.
+    pub fn id(&self) -> VolId {
+        self.vol
+    }
 }
 
 /// The errno a flash error reaches the front ends as.

@@ -361,6 +361,35 @@ impl<B: IoBuf> Lane<B> {
         Ok(())
     }
 
+    /// Register `length` bytes from `offset` of the lane's export (`REGISTER`, docs/PROTOCOL.md,
+    /// section 14.7): the target seals a reference to the range, of any size, and allocates
+    /// nothing for it (FlashNet's lazy registration). With direct reads on, the lane keeps it
+    /// in its directory, so reads of the range go direct from now on. Returns the reference.
+    /// The lane must be idle and connected, as for [`grant`](Self::grant); a refusal fails
+    /// with its status (`Refused`) and the connection goes on.
+    pub fn register(&mut self, offset: u64, length: u64) -> Result<wire::Capability> {
+        if self.in_flight() > 0 {
+            return Err(Error::InvalidArgument("references are registered on an idle lane"));
+        }
+        if !self.link.is_up() {
+            return Err(Error::Closed);
+        }
+        let register = wire::Register {
+            handle: self.link.session().handle(),
+            rights: wire::CapRights::READ,
+            offset,
+            length,
+        };
+        let (h, body) = self.conn.call(FrameKind::Register, &register.encode()).map_err(|_| Error::Closed)?;
+        if h.kind != FrameKind::RegisterReply {
+            return Err(Error::Closed);
+        }
+        let reply = wire::RegisterReply::decode(&body).map_err(|_| Error::Closed)?;
+        let cap = reply.cap.ok_or(Error::Refused(reply.status))?;
+        self.link.session_mut().remember(cap);
+        Ok(cap)
+    }
+
     /// Queue any request; the typed `submit_*` methods of [`crate::Queue`] are the usual entry
     /// points. The target judges range, alignment and permissions; the lane refuses only what
     /// it cannot frame. A request that is accepted completes exactly once, through `poll` or

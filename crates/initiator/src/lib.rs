@@ -148,6 +148,31 @@ impl Client {
         Ok(reply.epoch)
     }
 
+    /// Register `length` bytes from `offset` of `export` (`REGISTER`, docs/PROTOCOL.md,
+    /// section 14.7): a reference to the range, sealed by the target without reading,
+    /// allocating or pinning anything. It is valid until the export's references are revoked,
+    /// on any connection that opens the export (a [`Lane`] with direct reads holds the ones it
+    /// registers itself: [`Lane::register`]).
+    pub fn register(&mut self, export: &str, offset: u64, length: u64) -> Result<wire::Capability> {
+        let handle = self.open(export)?;
+        self.register_on(handle, offset, length)
+    }
+
+    /// [`register`](Self::register) on a handle this connection opened already: one round
+    /// trip, what a registration costs.
+    pub fn register_on(&mut self, handle: u32, offset: u64, length: u64) -> Result<wire::Capability> {
+        let register = wire::Register { handle, rights: wire::CapRights::READ, offset, length };
+        let (h, body) = self.conn.call(FrameKind::Register, &register.encode())?;
+        let reply = proto::client::expect(&h, &body, FrameKind::RegisterReply, wire::RegisterReply::decode)?;
+        reply.cap.ok_or(Error::Refused(reply.status))
+    }
+
+    /// Open `export` on this control connection; returns its handle.
+    pub fn open(&mut self, export: &str) -> Result<u32> {
+        let (h, body) = self.conn.call(FrameKind::Open, &wire::Open { name: export.to_owned() }.encode())?;
+        Ok(proto::client::handle_open_reply(&h, &body)?.handle)
+    }
+
     /// Send a volume request (docs/PROTOCOL.md, section 17) and return the target's reply,
     /// whatever its status: a refusal carries the target's message.
     pub fn volume(&mut self, request: &VolumeRequest) -> Result<VolumeReply> {

@@ -69,6 +69,9 @@ pub enum Inbound<'a> {
     /// Chunk grants presented for a handle: the driver judges them against the export's
     /// [`crate::grant::PoolGrants`] and [`bind`](ServerSession::bind)s those it admits.
     Grant(wire::Grant),
+    /// A reference asked for a range of an export (FlashNet's lazy registration): the driver
+    /// seals one, or refuses, and sends the `REGISTER_REPLY`.
+    Register(wire::Register),
     /// The initiator is closing the connection (status `Ok` for a clean close).
     GoAway(wire::GoAway),
     /// A volume request from a connection allowed to make it
@@ -179,7 +182,7 @@ impl ServerSession {
             (State::AwaitAuth { .. }, Auth | GoAway) => {}
             (State::AwaitAuth { .. }, kind) => return Err(ProtoError::Unexpected(kind, "before AUTH")),
             (State::Ready, Hello) => return Err(ProtoError::Unexpected(Hello, "twice")),
-            (State::Ready, Open | List | Stats | GoAway | Requests | Revoke | Grant | Volume) => {}
+            (State::Ready, Open | List | Stats | GoAway | Requests | Revoke | Grant | Register | Volume) => {}
             (State::Ready, kind) => return Err(ProtoError::Unexpected(kind, "from an initiator")),
         }
         if header.kind.is_caravan() {
@@ -211,6 +214,7 @@ impl ServerSession {
             FrameKind::Stats => empty(body, "STATS").map(|_| Inbound::Stats),
             FrameKind::Revoke => Ok(Inbound::Revoke(wire::Revoke::decode(body)?)),
             FrameKind::Grant => Ok(Inbound::Grant(wire::Grant::decode(body)?)),
+            FrameKind::Register => Ok(Inbound::Register(wire::Register::decode(body)?)),
             FrameKind::GoAway => Ok(Inbound::GoAway(wire::GoAway::decode(body)?)),
             FrameKind::Requests => Ok(Inbound::Requests(RequestCaravan::parse(header, body)?)),
             FrameKind::Volume => self.handle_volume(body),

@@ -579,7 +579,12 @@ impl Target {
         };
         // Last of what may fail at start: recovering an array can take a while.
         let flash = match &config.flash {
-            Some(f) => Some(FlashVolumes::open(f, config.read_only).map_err(TargetError::Flash)?),
+            Some(f) => {
+                // Extent capabilities of every volume are sealed with this; it never leaves
+                // the process, so they die with it.
+                let secret = rt::random::bytes().map_err(|e| TargetError::Flash(e.into()))?;
+                Some(FlashVolumes::open(f, config.read_only, secret).map_err(TargetError::Flash)?)
+            }
             None => None,
         };
         let timed = metrics_listener.is_some();

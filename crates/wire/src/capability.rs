@@ -10,13 +10,13 @@
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | export: the target's export index (not a handle: valid on every connection) |
-//! | 4 | 1 | kind: 1 = region (a RAM export's own memory), 2 = cache slot, 3 = chunk grant |
+//! | 4 | 1 | kind: 1 = region (a RAM export's own memory), 2 = cache slot, 3 = chunk grant, 4 = extent |
 //! | 5 | 1 | rights: bit 0 read, bit 1 write; other bits zero |
 //! | 6 | 2 | reserved, zero |
 //! | 8 | 4 | key epoch of the export when sealed |
-//! | 12 | 4 | generation of the cache slot (zero for a region) |
+//! | 12 | 4 | generation of the cache slot (zero for a region; an extent's volume) |
 //! | 16 | 8 | offset: first volume byte covered |
-//! | 24 | 4 | length: bytes covered |
+//! | 24 | 4 | length: bytes covered (an extent: 4 KiB pages, so it can name a whole volume) |
 //! | 28 | 4 | slot: cache slot index (zero for a region) |
 //! | 32 | 8 | expiry, in milliseconds of the target's clock (opaque to initiators) |
 //! | 40 | 16 | MAC |
@@ -70,7 +70,14 @@ pub enum CapKind {
     /// A chunk of an RStore pool (`slot` is its index), granted to whoever holds this by the
     /// control plane, like an RDMA STag: valid while the chunk keeps its generation.
     Chunk,
+    /// A range of a volume of any size (FlashNet's lazily registered STag): `length` counts
+    /// [`EXTENT_UNIT`]-byte pages, `generation` names the volume. Issuing one allocates nothing:
+    /// the target reads the bytes through its page pool when they are asked for.
+    Extent,
 }
+
+/// Bytes one unit of an extent's `length` stands for.
+pub const EXTENT_UNIT: u64 = 4096;
 
 /// The rights a capability grants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -130,6 +137,7 @@ impl Capability {
                 CapKind::Region => 1,
                 CapKind::Slot => 2,
                 CapKind::Chunk => 3,
+                CapKind::Extent => 4,
             },
             rights: self.rights.bits(),
             reserved: 0.into(),
@@ -154,6 +162,7 @@ impl Capability {
             1 => CapKind::Region,
             2 => CapKind::Slot,
             3 => CapKind::Chunk,
+            4 => CapKind::Extent,
             _ => return Err(WireError::Body("capability kind")),
         };
         let rights = CapRights::from_bits(raw.rights).ok_or(WireError::Body("capability rights"))?;
@@ -172,16 +181,24 @@ impl Capability {
             expires_ms: raw.expires_ms.get(),
             mac: raw.mac,
         };
-        if cap.offset.checked_add(u64::from(cap.length)).is_none() {
+        if cap.offset.checked_add(cap.span()).is_none() {
             return Err(WireError::Body("capability range"));
         }
         Ok(cap)
     }
 
+    /// Bytes the capability covers from `offset`: `length`, in pages for an extent.
+    pub fn span(&self) -> u64 {
+        match self.kind {
+            CapKind::Extent => u64::from(self.length) * EXTENT_UNIT,
+            _ => u64::from(self.length),
+        }
+    }
+
     /// Whether the capability covers `len` bytes from `offset`, wholly.
     pub fn covers(&self, offset: u64, len: u32) -> bool {
         let end = offset.checked_add(u64::from(len));
-        offset >= self.offset && end.is_some_and(|end| end <= self.offset + u64::from(self.length))
+        offset >= self.offset && end.is_some_and(|end| end <= self.offset.saturating_add(self.span()))
     }
 
     /// Body of a `CAPABILITIES` frame carrying `caps` (at most
@@ -303,6 +320,94 @@ impl GrantReply {
     }
 }
 
+/// REGISTER (24 bytes, initiator to target): ask for a reference to `length` bytes from
+/// `offset` of an export this connection opened, with `rights` (FlashNet's lazy registration:
+/// docs/PROTOCOL.md, section 14.7). Body: `handle` u32, `rights` u8, three reserved zero bytes,
+/// `offset` u64, `length` u64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Register {
+    pub handle: u32,
+    pub rights: CapRights,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// Bytes of a REGISTER body.
+pub const REGISTER_LEN: usize = 24;
+/// Bytes of a REGISTER_REPLY body.
+pub const REGISTER_REPLY_LEN: usize = 4 + CAPABILITY_LEN;
+
+impl Register {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Vec::with_capacity(REGISTER_LEN);
+        w.extend_from_slice(&self.handle.to_le_bytes());
+        w.extend_from_slice(&[self.rights.bits(), 0, 0, 0]);
+        w.extend_from_slice(&self.offset.to_le_bytes());
+        w.extend_from_slice(&self.length.to_le_bytes());
+        w
+    }
+
+    /// Parse a body: a wrong length, an unknown rights bit or non-zero reserved bytes refuse it.
+    pub fn decode(body: &[u8]) -> Result<Register> {
+        if body.len() != REGISTER_LEN {
+            return Err(WireError::Body("REGISTER"));
+        }
+        if body[5..8] != [0, 0, 0] {
+            return Err(WireError::Reserved("REGISTER"));
+        }
+        let rights = CapRights::from_bits(body[4]).ok_or(WireError::Body("REGISTER rights"))?;
+        Ok(Register {
+            handle: u32::from_le_bytes(body[0..4].try_into().expect("4 bytes")),
+            rights,
+            offset: u64::from_le_bytes(body[8..16].try_into().expect("8 bytes")),
+            length: u64::from_le_bytes(body[16..24].try_into().expect("8 bytes")),
+        })
+    }
+}
+
+/// REGISTER_REPLY (60 bytes): `status` u16, two reserved zero bytes, and the reference when
+/// the status is `Ok` (56 zero bytes otherwise).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegisterReply {
+    pub status: crate::Status,
+    pub cap: Option<Capability>,
+}
+
+impl RegisterReply {
+    pub fn refused(status: crate::Status) -> RegisterReply {
+        RegisterReply { status, cap: None }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Vec::with_capacity(REGISTER_REPLY_LEN);
+        w.extend_from_slice(&self.status.to_u16().to_le_bytes());
+        w.extend_from_slice(&[0, 0]);
+        match &self.cap {
+            Some(c) => w.extend_from_slice(&c.encode()),
+            None => w.resize(REGISTER_REPLY_LEN, 0),
+        }
+        w
+    }
+
+    /// Parse a body: an `Ok` must carry a capability, a refusal zeroes.
+    pub fn decode(body: &[u8]) -> Result<RegisterReply> {
+        if body.len() != REGISTER_REPLY_LEN {
+            return Err(WireError::Body("REGISTER_REPLY"));
+        }
+        if body[2] != 0 || body[3] != 0 {
+            return Err(WireError::Reserved("REGISTER_REPLY"));
+        }
+        let status = crate::Status::from_u16(u16::from_le_bytes([body[0], body[1]]));
+        if !status.is_ok() {
+            if body[4..].iter().any(|&b| b != 0) {
+                return Err(WireError::Body("REGISTER_REPLY: a refusal carries a capability"));
+            }
+            return Ok(RegisterReply::refused(status));
+        }
+        Ok(RegisterReply { status, cap: Some(Capability::decode(&body[4..])?) })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -344,7 +449,7 @@ mod tests {
     fn bad_layouts_are_refused() {
         let good = sample().encode();
         assert!(Capability::decode(&good[..55]).is_err());
-        for (at, value) in [(4, 0u8), (4, 4), (5, 0x08), (6, 1), (7, 1)] {
+        for (at, value) in [(4, 0u8), (4, 5), (5, 0x08), (6, 1), (7, 1)] {
             let mut bad = good;
             bad[at] = value;
             assert!(Capability::decode(&bad).is_err(), "byte {at} = {value}");
@@ -362,6 +467,22 @@ mod tests {
         assert!(!cap.covers(0x1_0200, 4096));
         assert!(!cap.covers(0xFE00, 1024));
         assert!(!cap.covers(u64::MAX, 2));
+    }
+
+    #[test]
+    fn an_extent_counts_pages_and_can_name_sixteen_tebibytes() {
+        let extent = Capability { kind: CapKind::Extent, offset: 0, length: u32::MAX, ..sample() };
+        let bytes = extent.encode();
+        assert_eq!(bytes[4], 4, "kind extent");
+        assert_eq!(Capability::decode(&bytes).unwrap(), extent);
+        assert_eq!(extent.span(), u64::from(u32::MAX) * 4096);
+        assert!(extent.covers(15 << 40, 1 << 20));
+        assert!(!extent.covers(extent.span() - 4096, 8192), "past its last page");
+        let slot = Capability { length: 3, ..sample() };
+        assert_eq!(slot.span(), 3, "other kinds count bytes");
+        let mut overflow = Capability { kind: CapKind::Extent, length: 2, ..sample() };
+        overflow.offset = u64::MAX - 4096;
+        assert!(Capability::decode(&overflow.encode()).is_err());
     }
 
     #[test]
@@ -412,5 +533,38 @@ mod tests {
         assert_eq!(GrantReply::decode(&r.encode()).unwrap(), r);
         assert!(GrantReply::decode(&[0; 7]).is_err());
         assert!(GrantReply::decode(&[0, 0, 1, 0, 0, 0, 0, 0]).is_err());
+    }
+
+    #[test]
+    fn registrations_round_trip_and_refuse_bad_bodies() {
+        let r = Register { handle: 3, rights: CapRights::READ, offset: 8192, length: 64 << 30 };
+        let body = r.encode();
+        assert_eq!(body.len(), REGISTER_LEN);
+        assert_eq!(&body[..8], &[3, 0, 0, 0, 1, 0, 0, 0]);
+        assert_eq!(&body[16..24], &(64u64 << 30).to_le_bytes());
+        assert_eq!(Register::decode(&body).unwrap(), r);
+        assert!(Register::decode(&body[..23]).is_err(), "short");
+        let mut reserved = body.clone();
+        reserved[6] = 1;
+        assert!(Register::decode(&reserved).is_err());
+        let mut rights = body;
+        rights[4] = 0x10;
+        assert!(Register::decode(&rights).is_err(), "an unknown right");
+
+        let extent = Capability { kind: CapKind::Extent, ..sample() };
+        let ok = RegisterReply { status: crate::Status::Ok, cap: Some(extent) };
+        let body = ok.encode();
+        assert_eq!(body.len(), REGISTER_REPLY_LEN);
+        assert_eq!(RegisterReply::decode(&body).unwrap(), ok);
+        let refused = RegisterReply::refused(crate::Status::Unsupported);
+        let body = refused.encode();
+        assert_eq!(RegisterReply::decode(&body).unwrap(), refused);
+        let mut carrying = body.clone();
+        carrying[10] = 1;
+        assert!(RegisterReply::decode(&carrying).is_err(), "a refusal with a capability");
+        let mut bad_cap = ok.encode();
+        bad_cap[4 + 4] = 9;
+        assert!(RegisterReply::decode(&bad_cap).is_err(), "Ok with no capability");
+        assert!(RegisterReply::decode(&bad_cap[..59]).is_err());
     }
 }

@@ -8,7 +8,7 @@
 use crate::{FrameKind, Header, HEADER_LEN};
 
 /// Every frame kind, in code order.
-pub const KINDS: [FrameKind; 20] = [
+pub const KINDS: [FrameKind; 22] = [
     FrameKind::Hello,
     FrameKind::HelloReply,
     FrameKind::Open,
@@ -29,6 +29,8 @@ pub const KINDS: [FrameKind; 20] = [
     FrameKind::Completions,
     FrameKind::Volume,
     FrameKind::VolumeReply,
+    FrameKind::Register,
+    FrameKind::RegisterReply,
 ];
 
 /// SplitMix64, for the seeded smoke tests that drive these entry points on stable: tiny,

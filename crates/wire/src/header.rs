@@ -64,6 +64,10 @@ pub enum FrameKind {
     /// (initiator to target; docs/PROTOCOL.md, section 17): see [`crate::volume`].
     Volume = 19,
     VolumeReply = 20,
+    /// Ask for a reference to a range of an export (initiator to target; docs/PROTOCOL.md,
+    /// section 14.7): see [`crate::capability::Register`].
+    Register = 21,
+    RegisterReply = 22,
 }
 
 impl FrameKind {
@@ -90,6 +94,8 @@ impl FrameKind {
             17 => Completions,
             19 => Volume,
             20 => VolumeReply,
+            21 => Register,
+            22 => RegisterReply,
             _ => return None,
         })
     }

@@ -28,7 +28,8 @@ pub mod status;
 pub mod volume;
 
 pub use capability::{
-    CapKind, CapRights, Capability, Grant, GrantReply, CAPABILITY_LEN, GRANTS_PER_FRAME_MAX,
+    CapKind, CapRights, Capability, Grant, GrantReply, Register, RegisterReply, CAPABILITY_LEN, EXTENT_UNIT,
+    GRANTS_PER_FRAME_MAX,
 };
 pub use caravan::{
     Completion, CompletionDesc, Opcode, ReqFlags, Request, RequestDesc, RequestError, COMPLETION_DESC_LEN,

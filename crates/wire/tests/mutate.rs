@@ -186,6 +186,20 @@ fn seed_frames() -> Vec<Vec<u8>> {
             FrameKind::RevokeReply,
             skiff_wire::RevokeReply { status: Status::Ok, epoch: 3 }.encode(),
         ),
+        control_frame(
+            FrameKind::Register,
+            skiff_wire::Register {
+                handle: 1,
+                rights: skiff_wire::CapRights::READ,
+                offset: 0,
+                length: 64 << 30,
+            }
+            .encode(),
+        ),
+        control_frame(
+            FrameKind::RegisterReply,
+            skiff_wire::RegisterReply::refused(Status::Unsupported).encode(),
+        ),
         control_frame(FrameKind::Capabilities, {
             let cap = skiff_wire::Capability {
                 export: 0,
@@ -467,6 +481,8 @@ fn check_control(kind: FrameKind, body: &[u8], reached: &mut Reached) {
         FrameKind::GrantReply => skiff_wire::GrantReply::decode(body).map(|v| v.encode()),
         FrameKind::Volume => skiff_wire::VolumeRequest::decode(body).map(|v| v.encode()),
         FrameKind::VolumeReply => skiff_wire::VolumeReply::decode(body).map(|v| v.encode()),
+        FrameKind::Register => skiff_wire::Register::decode(body).map(|v| v.encode()),
+        FrameKind::RegisterReply => skiff_wire::RegisterReply::decode(body).map(|v| v.encode()),
         FrameKind::Capabilities => {
             let mut caps = Vec::new();
             skiff_wire::Capability::decode_list(body, |c| caps.push(c)).map(|()| {
@@ -503,6 +519,8 @@ fn check_control_decoders(body: &[u8], reached: &mut Reached) {
         FrameKind::AuthReply,
         FrameKind::Volume,
         FrameKind::VolumeReply,
+        FrameKind::Register,
+        FrameKind::RegisterReply,
     ] {
         check_control(kind, body, reached);
     }

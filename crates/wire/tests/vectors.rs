@@ -112,6 +112,8 @@ fn frame_kind_codes() {
         (Completions, 17),
         (Volume, 19),
         (VolumeReply, 20),
+        (Register, 21),
+        (RegisterReply, 22),
     ];
     for (kind, code) in table {
         assert_eq!(kind as u8, code);
@@ -785,7 +787,7 @@ fn bad_version() {
 
 #[test]
 fn unknown_kind() {
-    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x15, "A8 CE 51 54"), (0x16, "AB C9 C2 FC")] {
+    for (kind, crc) in [(0x00, "6A 57 8E CC"), (0x17, "AA 34 4C 9B"), (0x18, "47 C2 4B 9A")] {
         let bytes = hex(&format!(
             "53 4B 46 31 | 01 | {kind:02X} | 00 00 | 00 00 00 00 | 00 00 00 00 00 00 00 00 | {crc}"
         ));

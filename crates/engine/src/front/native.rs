@@ -167,6 +167,10 @@ fn process<S: Sink + ?Sized>(
                 let reply = revoke_capabilities(session, host, &revoke, link.peer);
                 link.tx.append(&frame(FrameKind::RevokeReply, &reply.encode()));
             }
+            Inbound::Register(register) => {
+                let reply = register_reference(session, host, &register);
+                link.tx.append(&frame(FrameKind::RegisterReply, &reply.encode()));
+            }
             Inbound::Stats => {
                 link.tx.append(&frame(FrameKind::StatsReply, &host.stats_reply().encode()));
             }
@@ -209,12 +213,14 @@ fn look_ahead(rx: &[u8], session: &ServerSession, host: &impl Host, batch: &Arc<
             let body = &rx[at + HEADER_LEN..at + len];
             let Ok(caravan) = RequestCaravan::parse(&header, body) else { break };
             for req in caravan.iter().filter_map(|(parsed, _)| parsed.ok()) {
+                // A direct read is prepared like a read: its reference is checked when it
+                // executes, and a wrong one has cost no more than the read it names.
                 let write = match req.opcode {
-                    Opcode::Read => false,
+                    Opcode::Read | Opcode::DirectRead => false,
                     Opcode::Write if !session.is_read_only(req.handle) => true,
                     _ => continue,
                 };
-                let io = Io::from(&req);
+                let io = Io { opcode: if write { Opcode::Write } else { Opcode::Read }, ..Io::from(&req) };
                 let Some(export) = session.resolve(req.handle).and_then(|i| host.exports().get(i)) else {
                     continue;
                 };
@@ -294,6 +300,28 @@ fn revoke_capabilities(
     };
     tracing::info!(peer, export = %export.name, action = ?revoke.action, offset = revoke.offset, length = revoke.length, epoch, "capabilities revoked");
     wire::RevokeReply { status: Status::Ok, epoch }
+}
+
+/// REGISTER: seal a reference to a range of an export this connection opened (FlashNet's
+/// lazy registration: nothing is read, allocated or pinned), with no more rights than the
+/// handle has.
+fn register_reference(
+    session: &ServerSession,
+    host: &impl Host,
+    register: &wire::Register,
+) -> wire::RegisterReply {
+    let refuse = wire::RegisterReply::refused;
+    let Some(index) = session.resolve(register.handle) else { return refuse(Status::BadHandle) };
+    let Some(export) = host.exports().get(index) else { return refuse(Status::BadHandle) };
+    if register.rights.contains(wire::CapRights::WRITE) && session.is_read_only(register.handle) {
+        return refuse(Status::ReadOnly);
+    }
+    let Some(d) = &export.direct else { return refuse(Status::Unsupported) };
+    let size = export.backend.size_bytes();
+    match d.register(index, size, register.rights, register.offset, register.length) {
+        Ok(cap) => wire::RegisterReply { status: Status::Ok, cap: Some(cap) },
+        Err(status) => refuse(status),
+    }
 }
 
 /// GRANT: judge each chunk grant against the pool of the export the handle names, and bind
@@ -544,6 +572,7 @@ fn earn<S: Sink + ?Sized>(
         Plan::Region => {
             caps.push(d.seal_region(index, export.backend.size_bytes(), io.offset, host.clock_ms()))
         }
+        Plan::Extent => caps.push(d.seal_volume(index, export.backend.size_bytes(), host.clock_ms())),
         Plan::Fill(ticket) => {
             let data = tx.bytes_mut(start..start + io.length as usize);
             d.fill(index, &ticket, data, host.clock_ms(), |c| caps.push(c));
@@ -595,6 +624,16 @@ fn direct_read<S: Sink + ?Sized>(
     }
     match cap.kind {
         wire::CapKind::Region => out.read(tx, export, io, stats).0,
+        // Read through the backend (a flash volume's page pool, whose misses the look-ahead
+        // has started), so never a stale byte. A volume shrunk under the reference leaves it
+        // stale past the new end.
+        wire::CapKind::Extent => {
+            match crate::validate(export, &Io { opcode: Opcode::Read, ..*io }, io_bytes_max) {
+                Ok(()) => out.read(tx, export, io, stats).0,
+                Err(Status::OutOfRange) => Status::StaleCapability,
+                Err(status) => status,
+            }
+        }
         wire::CapKind::Slot => {
             match out.read_with(tx, io.length as usize, stats, |dst| d.read_slot(&cap, io.offset, dst)) {
                 Ok(()) => Status::Ok,

@@ -8,14 +8,21 @@
 //!
 //! Every capability of one export covers the same length (a cache slot, or a RAM region), so
 //! the directory learns that length from the first one it stores and finds the entry for a
-//! read from its offset alone. A reference is a hint: it may be stale at any moment, and the
+//! read from its offset alone. Extents (ranges of a volume of any size: a whole volume earned
+//! by a read, or a range registered) are few and large, like RDMA memory regions: they sit in
+//! a short list of their own, [`EXTENTS_MAX`] at most, searched first. A reference is a hint: it may be stale at any moment, and the
 //! target says so with a fault, after which the session drops it ([`Directory::forget`]).
 
-use wire::Capability;
+use wire::{CapKind, Capability};
+
+/// Most extents a directory holds; the oldest goes to make room.
+pub const EXTENTS_MAX: usize = 16;
 
 #[derive(Debug)]
 pub struct Directory {
     entries: Box<[Option<Capability>]>,
+    /// Extents, oldest first.
+    extents: Vec<Capability>,
     /// Bytes every capability covers; 0 until the first arrives.
     grain: u64,
     pub stored: u64,
@@ -24,7 +31,12 @@ pub struct Directory {
 impl Directory {
     /// A directory of `entries` references (at least one).
     pub fn new(entries: usize) -> Directory {
-        Directory { entries: vec![None; entries.max(1)].into_boxed_slice(), grain: 0, stored: 0 }
+        Directory {
+            entries: vec![None; entries.max(1)].into_boxed_slice(),
+            extents: Vec::with_capacity(EXTENTS_MAX),
+            grain: 0,
+            stored: 0,
+        }
     }
 
     /// The entry of the reference starting at `start`: its grain number modulo the size, as a
@@ -36,6 +48,9 @@ impl Directory {
 
     /// Remember `cap`. One of another grain than the directory learned is ignored.
     pub fn insert(&mut self, cap: Capability) {
+        if cap.kind == CapKind::Extent {
+            return self.insert_extent(cap);
+        }
         let grain = u64::from(cap.length);
         if grain == 0 {
             return;
@@ -51,8 +66,24 @@ impl Directory {
         self.stored += 1;
     }
 
+    /// Remember an extent: it replaces one of the same range, or the oldest when full.
+    fn insert_extent(&mut self, cap: Capability) {
+        if cap.length == 0 {
+            return;
+        }
+        self.extents.retain(|e| (e.offset, e.span()) != (cap.offset, cap.span()));
+        if self.extents.len() == EXTENTS_MAX {
+            self.extents.remove(0);
+        }
+        self.extents.push(cap);
+        self.stored += 1;
+    }
+
     /// A capability covering `len` bytes from `offset`, if the directory holds one.
     pub fn find(&self, offset: u64, len: u32) -> Option<&Capability> {
+        if let Some(e) = self.extents.iter().rev().find(|e| e.covers(offset, len)) {
+            return Some(e);
+        }
         if self.grain == 0 {
             return None;
         }
@@ -60,8 +91,11 @@ impl Directory {
         self.entries[self.index(start)].as_ref().filter(|c| c.offset == start && c.covers(offset, len))
     }
 
-    /// Drop the reference covering `offset`, after the target refused it.
+    /// Drop the reference covering `offset`, after the target refused it (every extent
+    /// covering it: which of them was refused the caller no longer knows, and the next read
+    /// earns a fresh one).
     pub fn forget(&mut self, offset: u64) {
+        self.extents.retain(|e| !e.covers(offset, 1));
         if self.grain == 0 {
             return;
         }
@@ -74,6 +108,7 @@ impl Directory {
 
     /// Drop every reference (the target is a new one, after a reconnection).
     pub fn clear(&mut self) {
+        self.extents.clear();
         self.entries.iter_mut().for_each(|e| *e = None);
     }
 }
@@ -118,6 +153,49 @@ mod tests {
         assert!((1..=4).contains(&held), "bounded: {held}");
         d.clear();
         assert!((0..100).all(|i| d.find(i * 4096, 4096).is_none()));
+    }
+}
+
+#[cfg(test)]
+mod extents {
+    use super::*;
+    use wire::CapRights;
+
+    fn extent(offset: u64, pages: u32) -> Capability {
+        Capability {
+            export: 0,
+            kind: CapKind::Extent,
+            rights: CapRights::READ,
+            epoch: 1,
+            generation: 9,
+            offset,
+            length: pages,
+            slot: 0,
+            expires_ms: u64::MAX,
+            mac: [0; 16],
+        }
+    }
+
+    #[test]
+    fn extents_of_any_size_are_found_by_range_kept_few_and_forgotten_whole() {
+        let mut d = Directory::new(4);
+        // 64 GiB from 1 GiB: found for a read anywhere in it, however far from its start.
+        d.insert(extent(1 << 30, 16 << 20));
+        assert!(d.find((40 << 30) + 8192, 4096).is_some());
+        assert!(d.find(0, 4096).is_none(), "before it");
+        assert!(d.find((65 << 30) - 4096, 8192).is_none(), "past its end");
+        // The same range again replaces it; others pile up to the bound, oldest out first.
+        d.insert(extent(1 << 30, 16 << 20));
+        for i in 0..EXTENTS_MAX as u64 {
+            d.insert(extent((100 + i) << 30, 1));
+        }
+        assert!(d.find(1 << 30, 4096).is_none(), "the oldest made room");
+        assert!(d.find(100 << 30, 4096).is_some());
+        d.forget((100 << 30) + 100);
+        assert!(d.find(100 << 30, 4096).is_none());
+        assert!(d.find(101 << 30, 4096).is_some(), "only what covered the offset");
+        d.clear();
+        assert!(d.find(101 << 30, 4096).is_none());
     }
 }
 

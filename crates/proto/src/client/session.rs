@@ -457,6 +457,18 @@ impl<B: IoBuf> ClientSession<B> {
         self.handle
     }
 
+    /// Hold `cap`, a reference registered on this connection (`REGISTER`), in the directory,
+    /// so that reads it covers go direct. False when direct reads are off (no directory).
+    pub fn remember(&mut self, cap: Capability) -> bool {
+        match self.directory.as_mut() {
+            Some(d) => {
+                d.insert(cap);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Requests accepted and not yet taken back by the caller.
     pub fn in_flight(&self) -> usize {
         self.slots.len() + self.placement.len() + self.parked.len() + self.done.len()
