@@ -8,9 +8,12 @@
 //! both initiators (a write by one must never be hidden from the other by the cache), bytes
 //! delivered between the sides in pieces of any size, an operator rotating the export's key
 //! epoch and invalidating ranges, a small cache that evicts all the time, small directories
-//! that collide, and capabilities expiring on the virtual clock. Half the seeds serve a RAM
-//! export (region capabilities), half a backend without memory of its own behind a block
-//! cache (slot capabilities). No request is ever refused for a stale capability: the session
+//! that collide, and capabilities expiring on the virtual clock. A third of the seeds serve a
+//! flash volume (extent capabilities: FlashNet's references to volume ranges) on an array in
+//! memory with a tiny page pool, while the operator also snapshots the volume and deletes the
+//! snapshot, writes pages back, cleans segments (GC moves the pages under the references)
+//! and checkpoints. Of the rest, half serve a RAM export (region capabilities), half a backend
+//! without memory of its own behind a block cache (slot capabilities). No request is ever refused for a stale capability: the session
 //! falls back, and the caller sees only its data, which must be what the volume held.
 //!
 //! Two requests are never in flight on one block at once, across both initiators: the one
@@ -67,6 +70,14 @@ pub struct Report {
     pub invalidations: u64,
     pub cache_evictions: u64,
     pub cache_runs: u64,
+    pub flash_runs: u64,
+    /// Direct reads served on flash seeds (under extents).
+    pub flash_direct_reads: u64,
+    /// Flash seeds: snapshots taken (each deleted later), GC steps that cleaned a segment,
+    /// checkpoints.
+    pub snapshots: u64,
+    pub gc_steps: u64,
+    pub checkpoints: u64,
 }
 
 impl Report {
@@ -80,6 +91,11 @@ impl Report {
         self.invalidations += r.invalidations;
         self.cache_evictions += r.cache_evictions;
         self.cache_runs += r.cache_runs;
+        self.flash_runs += r.flash_runs;
+        self.flash_direct_reads += r.flash_direct_reads;
+        self.snapshots += r.snapshots;
+        self.gc_steps += r.gc_steps;
+        self.checkpoints += r.checkpoints;
     }
 }
 
@@ -127,22 +143,42 @@ struct Op {
 pub fn run(opts: &Options) -> Result<Report, String> {
     let mut rng = Rng::new(opts.seed);
     let clock = Clock::new();
-    let spec = BackendSpec::Ram { size_bytes: (VOLUME_BLOCKS * BLOCK_BYTES) as u64 };
-    let volume = Export::open("sim", &spec, false).expect("a small RAM volume").backend;
-    let cached = rng.below(2) == 1;
-    // A backend with no memory of its own (the faulty wrapper, without faults) goes through
-    // the block cache; the bare RAM backend is its own cache.
-    let backend: Arc<dyn backend::Backend> = if cached {
-        Arc::new(FaultyBackend::new(volume.clone(), rng.fork(1), DiskFaults::NONE))
+    // A stream of its own, so that the RAM and cached seeds draw as they did before.
+    let on_flash = Rng::new(opts.seed ^ 0x666c_6173_685f_7265).below(3) == 0;
+    let lifetime_ms;
+    let (volume, export, array, cached) = if on_flash {
+        let (array, volume) = flash_volume(&mut rng)?;
+        let id = volume.id();
+        let volume: Arc<dyn backend::Backend> = Arc::new(volume);
+        // The model's 512-byte blocks: the array takes any byte range (partial pages are
+        // read, modified and written).
+        let mut export = Export::new("sim", volume.clone(), false)
+            .with_block_bytes(BLOCK_BYTES as u32)
+            .map_err(|e| e.to_string())?;
+        let secret: [u8; 32] = std::array::from_fn(|i| (rng.next_u64() >> (i % 8)) as u8);
+        lifetime_ms = rng.range(5, 2_000);
+        export.direct =
+            Some(engine::direct::DirectReads::for_volume(secret, id).with_lifetime_ms(lifetime_ms));
+        (volume, export, Some(array), false)
     } else {
-        volume.clone()
+        let spec = BackendSpec::Ram { size_bytes: (VOLUME_BLOCKS * BLOCK_BYTES) as u64 };
+        let volume = Export::open("sim", &spec, false).expect("a small RAM volume").backend;
+        let cached = rng.below(2) == 1;
+        // A backend with no memory of its own (the faulty wrapper, without faults) goes through
+        // the block cache; the bare RAM backend is its own cache.
+        let backend: Arc<dyn backend::Backend> = if cached {
+            Arc::new(FaultyBackend::new(volume.clone(), rng.fork(1), DiskFaults::NONE))
+        } else {
+            volume.clone()
+        };
+        let mut export = Export::new("sim", backend, false);
+        let cache_slots = WAYS * rng.range(1, 4) as usize;
+        let secret: [u8; 32] = std::array::from_fn(|i| (rng.next_u64() >> (i % 8)) as u8);
+        export.enable_direct_reads(secret, (cache_slots * SLOT_BYTES) as u64).map_err(|e| e.to_string())?;
+        lifetime_ms = rng.range(5, 2_000);
+        export.direct = export.direct.map(|d| d.with_lifetime_ms(lifetime_ms));
+        (volume, export, None, cached)
     };
-    let mut export = Export::new("sim", backend, false);
-    let cache_slots = WAYS * rng.range(1, 4) as usize;
-    let secret: [u8; 32] = std::array::from_fn(|i| (rng.next_u64() >> (i % 8)) as u8);
-    export.enable_direct_reads(secret, (cache_slots * SLOT_BYTES) as u64).map_err(|e| e.to_string())?;
-    let lifetime_ms = rng.range(5, 2_000);
-    export.direct = export.direct.map(|d| d.with_lifetime_ms(lifetime_ms));
     if opts.stale_cache {
         #[cfg(feature = "mutations")]
         export.direct.as_ref().expect("enabled above").plant_stale_cache();
@@ -158,7 +194,9 @@ pub fn run(opts: &Options) -> Result<Report, String> {
     let mut busy = vec![false; VOLUME_BLOCKS];
     let mut ops: BTreeMap<u64, Op> = BTreeMap::new();
     let mut issued = 0usize;
-    let mut report = Report { cache_runs: u64::from(cached), ..Report::default() };
+    let mut report =
+        Report { cache_runs: u64::from(cached), flash_runs: u64::from(on_flash), ..Report::default() };
+    let mut snapshot = false;
     let mut done: Vec<Completion<Vec<u8>>> = Vec::new();
     let mut step = 0u64;
     while issued < opts.ops || !ops.is_empty() {
@@ -224,6 +262,12 @@ pub fn run(opts: &Options) -> Result<Report, String> {
             direct.invalidate(first * BLOCK_BYTES as u64, len);
             report.invalidations += 1;
         }
+        if let Some(array) = &array {
+            flash_operator(array, &mut rng, &mut snapshot, &mut report)?;
+        }
+    }
+    if let Some(array) = &array {
+        array.audit().map_err(|e| format!("the array's accounting: {e}"))?;
     }
     // Every acknowledged write is in the volume.
     let mut data = vec![0u8; VOLUME_BLOCKS * BLOCK_BYTES];
@@ -235,11 +279,64 @@ pub fn run(opts: &Options) -> Result<Report, String> {
         report.direct_faults += s.direct_faults;
         report.fallbacks += s.fallbacks;
     }
+    if on_flash {
+        report.flash_direct_reads = report.direct_reads;
+    }
     if let Some(c) = host.exports.get(0).and_then(|e| e.direct.as_ref()).and_then(|d| d.cache()) {
         report.cache_evictions = c.counters().evictions;
     }
     report.ops = issued as u64;
     Ok(report)
+}
+
+/// A formatted array in memory with a tiny pool (pages are evicted, written back and read again
+/// all the time) and volume `sim` of the model's size on it.
+fn flash_volume(rng: &mut Rng) -> Result<(Arc<flash::engine::Array>, flash::volume::FlashVolume), String> {
+    use flash::device::{Device, MemDevice};
+    let segment_pages = 16u32;
+    let pages = 256 + 24 * u64::from(segment_pages);
+    let blank: Vec<Box<dyn Device>> = vec![Box::new(MemDevice::new(pages))];
+    flash::engine::format(&blank, segment_pages, false).map_err(|e| format!("format: {e}"))?;
+    let cfg = flash::ctl::Config {
+        pool_pages: rng.pick(&[8u32, 16, 48]),
+        group_pages_max: rng.pick(&[4u32, 16]),
+        ..flash::ctl::Config::default()
+    };
+    let array = flash::engine::Array::open(blank, cfg).map_err(|e| format!("open: {e}"))?;
+    array.create("sim", (VOLUME_BLOCKS * BLOCK_BYTES) as u64).map_err(|e| format!("create: {e}"))?;
+    let volume = flash::volume::FlashVolume::open(array.clone(), "sim").map_err(|e| e.to_string())?;
+    Ok((array, volume))
+}
+
+/// What an operator and the array's background work do to a flash volume meanwhile: a
+/// snapshot taken and later deleted (its pages shared, then copied on write), dirty pages
+/// written back, segments cleaned (pages move under the references), checkpoints.
+fn flash_operator(
+    array: &flash::engine::Array,
+    rng: &mut Rng,
+    snapshot: &mut bool,
+    report: &mut Report,
+) -> Result<(), String> {
+    if rng.chance(6_000) {
+        if *snapshot {
+            array.delete("snap", false).map_err(|e| format!("delete the snapshot: {e}"))?;
+        } else {
+            array.snapshot("sim", "snap", false).map_err(|e| format!("snapshot: {e}"))?;
+            report.snapshots += 1;
+        }
+        *snapshot = !*snapshot;
+    }
+    if rng.chance(5_000) {
+        array.background_step().map_err(|e| format!("write-back: {e}"))?;
+    }
+    if rng.chance(6_000) && array.gc_step().map_err(|e| format!("GC: {e}"))? {
+        report.gc_steps += 1;
+    }
+    if rng.chance(2_000) {
+        array.checkpoint().map_err(|e| format!("checkpoint: {e}"))?;
+        report.checkpoints += 1;
+    }
+    Ok(())
 }
 
 /// Pick a request on idle blocks; `None` when the blocks it chose are busy.

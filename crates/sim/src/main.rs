@@ -102,7 +102,8 @@ fn direct_reads(args: &Args, seeds: std::ops::Range<u64>) -> ExitCode {
     }
     println!(
         "direct reads: {} requests, {} reads checked, {} served directly, {} faults (each fell back), {} key \
-         rotations, {} invalidations, {} cache evictions; {} of {count} seeds behind a block cache",
+         rotations, {} invalidations, {} cache evictions; {} of {count} seeds behind a block cache; {} on a \
+         flash volume ({} direct reads under extents, {} snapshots, {} GC steps, {} checkpoints)",
         total.ops,
         total.reads_checked,
         total.direct_reads,
@@ -110,7 +111,12 @@ fn direct_reads(args: &Args, seeds: std::ops::Range<u64>) -> ExitCode {
         total.rotations,
         total.invalidations,
         total.cache_evictions,
-        total.cache_runs
+        total.cache_runs,
+        total.flash_runs,
+        total.flash_direct_reads,
+        total.snapshots,
+        total.gc_steps,
+        total.checkpoints
     );
     println!("{count} seeds, {failed} failed");
     if failed > 0 {

@@ -89,7 +89,8 @@ fn every_planted_bug_is_caught_within_the_seed_budget() {
 }
 
 /// Direct reads (ODAFS): two initiators, writes, evictions, key rotations, invalidations and
-/// expiries against direct reads; every byte read checked.
+/// expiries against direct reads, on RAM, a cached backend and a flash volume (with
+/// snapshots, GC and checkpoints under its extents); every byte read checked.
 #[test]
 fn a_thousand_direct_read_seeds_pass_and_a_stale_cache_is_caught() {
     use skiff_sim::direct;
@@ -109,6 +110,9 @@ fn a_thousand_direct_read_seeds_pass_and_a_stale_cache_is_caught() {
         total.rotations > SEEDS / 2 && total.invalidations > SEEDS && total.cache_evictions > SEEDS * 10,
         "{total:?}"
     );
+    // A third of the seeds read a flash volume under extents while its pages move.
+    assert!(total.flash_runs > SEEDS / 5 && total.flash_direct_reads > total.flash_runs * 20, "{total:?}");
+    assert!(total.snapshots > total.flash_runs && total.gc_steps > total.flash_runs / 2, "{total:?}");
     let a = direct::run(&direct::Options { seed: 42, ops: OPS, stale_cache: false }).unwrap();
     let b = direct::run(&direct::Options { seed: 42, ops: OPS, stale_cache: false }).unwrap();
     assert_eq!(format!("{a:?}"), format!("{b:?}"), "a seed replays exactly");
