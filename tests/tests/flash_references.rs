@@ -2,11 +2,12 @@
 //! target: registering any size reads, allocates and pins nothing; direct reads under an
 //! extent on a cold volume park on pool misses instead of faulting, so the caller never sees a
 //! fault; and a reference dies with its volume, a shrink or an epoch rotation, never serving
-//! another volume's bytes.
+//! another volume's bytes. Writes under an extent with the write right go direct too, FUA
+//! ones made durable before they complete.
 
 use std::time::Duration;
 
-use initiator::{Client, Endpoint, Lane, LaneConfig, VolumeBody, VolumeOp, VolumeRequest};
+use initiator::{Client, Endpoint, Lane, LaneConfig, Queue, VolumeBody, VolumeOp, VolumeRequest};
 use server::{FlashConfig, Target};
 use skiff_tests::{caravan, flash_array, start_target_with, tcp_endpoint, RawPeer};
 use wire::caravan::CompletionCaravan;
@@ -101,7 +102,7 @@ fn registering_costs_metadata_and_cold_direct_reads_never_fault() {
     let before = flash_stats(&mut client);
     let big = client.register("big", 0, 64 << 30).unwrap();
     assert_eq!((big.kind, big.offset, big.span()), (CapKind::Extent, 0, 64 << 30));
-    assert!(big.rights.contains(wire::CapRights::READ) && !big.rights.contains(wire::CapRights::WRITE));
+    assert_eq!(big.rights, wire::CapRights::READ, "Client::register asks to read");
     let part = client.register("big", 40 << 30, 1 << 30).unwrap();
     assert_eq!((part.offset, part.span()), (40 << 30, 1 << 30));
     let after = flash_stats(&mut client);
@@ -166,7 +167,6 @@ fn references_are_refused_where_they_must_be_and_die_with_their_volume() {
         (0, 4097, read, Status::Invalid),
         (0, (8 << 20) + 4096, read, Status::OutOfRange),
         (u64::MAX - 4095, 4096, read, Status::OutOfRange),
-        (0, 4096, read.union(wire::CapRights::WRITE), Status::Unsupported),
         (0, 4096, wire::CapRights::TRACK, Status::Invalid),
     ] {
         let reply = register_raw(&mut peer, handle, rights, offset, length);
@@ -257,4 +257,126 @@ fn references_are_refused_where_they_must_be_and_die_with_their_volume() {
     assert_ne!(fresh.generation, old.generation, "a new volume has a new id");
     let (status, bytes) = direct(&mut peer, handle, &fresh, 0, 4096);
     assert_eq!((status, bytes), (Status::Ok, vec![0u8; 4096]), "the new volume reads as zeroes");
+}
+
+fn send_one(peer: &mut RawPeer, req: Request, payload: &[u8]) -> Status {
+    peer.send(&caravan(&[req], payload));
+    let (h, body) = peer.recv().expect("completion");
+    let status = CompletionCaravan::parse(&h, &body).unwrap().iter().next().unwrap().0.status;
+    status
+}
+
+fn direct_write(peer: &mut RawPeer, handle: u32, cap: &Capability, offset: u64, data: &[u8]) -> Status {
+    let req = Request {
+        opcode: Opcode::DirectWrite,
+        flags: ReqFlags::empty(),
+        tag: 7,
+        handle,
+        offset,
+        length: data.len() as u32,
+    };
+    let mut payload = cap.encode().to_vec();
+    payload.extend_from_slice(data);
+    send_one(peer, req, &payload)
+}
+
+/// A lane whose read earned the volume's extent (with the write right: the lane may write)
+/// writes through it: every write goes direct and lands, another lane reads it back, and a FUA
+/// one is made durable by the array's sync thread before it completes. Over a raw
+/// connection, a reference without the write right, a RAM region's, or one altered is
+/// refused and writes nothing; a snapshot refuses to register for writing.
+#[test]
+fn writes_under_an_extent_go_direct_and_fua_ones_are_durable_first() {
+    let (_dir, devices) = flash_array(1, 128 << 20);
+    let t = start(&devices, &["mem=ram:4M"]);
+    let ep = tcp_endpoint(&t);
+    let mut client = Client::connect(&ep).unwrap();
+    volume(&mut client, VolumeOp::Create, "v", 8 << 20);
+    let mut lane = direct_lane(&ep, "v");
+    let mut one = vec![0u8; 4096];
+    lane.read_at(&mut one, 0).unwrap();
+    assert_eq!(lane.stats().capabilities_received, 1);
+    let data = pattern(8 << 20, 3);
+    let piece = 64 << 10;
+    for (i, chunk) in data.chunks(piece).enumerate() {
+        lane.write_at(chunk, (i * piece) as u64).unwrap();
+    }
+    let s = lane.stats();
+    assert_eq!((s.direct_writes, s.direct_faults), ((data.len() / piece) as u64, 0), "{s:?}");
+    let mut back = vec![0u8; data.len()];
+    let mut reader = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
+    for (i, chunk) in back.chunks_mut(1 << 20).enumerate() {
+        reader.read_at(chunk, (i << 20) as u64).unwrap();
+    }
+    assert!(back == data, "direct writes did not land");
+
+    // FUA: durable (the sync thread ran for it) before the completion.
+    let syncs = flash_stat(&mut client, "syncs_later");
+    lane.submit_write(4096, vec![0xEE; 4096], ReqFlags::FUA, 1).map_err(|r| r.error).unwrap();
+    let mut done = Vec::new();
+    lane.wait(1, &mut done).unwrap();
+    assert_eq!(done[0].status, Status::Ok);
+    assert_eq!(lane.stats().direct_writes, s.direct_writes + 1, "the FUA write went direct");
+    assert!(flash_stat(&mut client, "syncs_later") > syncs, "a FUA direct write completed before a sync");
+
+    let (mut peer, handle) = RawPeer::ready_with_features(&t, Limits::default(), "v", FEATURE_DIRECT_READS);
+    let read = wire::CapRights::READ;
+    let both = read.union(wire::CapRights::WRITE);
+    let read_only = register_raw(&mut peer, handle, read, 0, 8 << 20).cap.unwrap();
+    assert_eq!(direct_write(&mut peer, handle, &read_only, 0, &[1; 4096]), Status::BadCapability);
+    let writable = register_raw(&mut peer, handle, both, 0, 1 << 20).cap.unwrap();
+    assert_eq!(writable.rights, both);
+    assert_eq!(
+        direct_write(&mut peer, handle, &writable, (1 << 20) - 4096, &[2; 8192]),
+        Status::BadCapability,
+        "past its range"
+    );
+    let widened = Capability { length: writable.length * 2, ..writable };
+    assert_eq!(direct_write(&mut peer, handle, &widened, 1 << 20, &[2; 4096]), Status::BadCapability);
+    assert_eq!(direct_write(&mut peer, handle, &writable, 100, &[2; 4096]), Status::Misaligned);
+    let (mut mem, mem_handle) =
+        RawPeer::ready_with_features(&t, Limits::default(), "mem", FEATURE_DIRECT_READS);
+    let req = Request {
+        opcode: Opcode::Read,
+        flags: ReqFlags::WANT_CAP,
+        tag: 1,
+        handle: mem_handle,
+        offset: 0,
+        length: 4096,
+    };
+    mem.send(&caravan(&[req], &[]));
+    mem.recv().expect("completions");
+    let (h, body) = mem.recv().expect("capabilities");
+    assert_eq!(h.kind, FrameKind::Capabilities);
+    let mut region = Vec::new();
+    Capability::decode_list(&body, |c| region.push(c)).unwrap();
+    assert_eq!(region[0].kind, CapKind::Region);
+    assert_eq!(
+        direct_write(&mut mem, mem_handle, &region[0], 0, &[3; 4096]),
+        Status::BadCapability,
+        "a region grants no writes"
+    );
+    // Nothing refused was written.
+    let (status, bytes) = direct(&mut peer, handle, &read_only, 0, 8192);
+    assert_eq!(status, Status::Ok);
+    assert_eq!(&bytes[..4096], &data[..4096]);
+    assert_eq!(&bytes[4096..], &[0xEE; 4096]);
+    // A good one lands.
+    assert_eq!(direct_write(&mut peer, handle, &writable, 8192, &[4; 4096]), Status::Ok);
+    assert_eq!(direct(&mut peer, handle, &read_only, 8192, 4096).1, vec![4; 4096]);
+
+    let reply = client
+        .volume(&VolumeRequest {
+            op: VolumeOp::Snapshot,
+            name: "s".into(),
+            origin: "v".into(),
+            size_bytes: 0,
+        })
+        .unwrap();
+    assert_eq!(reply.status, Status::Ok, "{}", reply.message);
+    let (mut snap, snap_handle) =
+        RawPeer::ready_with_features(&t, Limits::default(), "s", FEATURE_DIRECT_READS);
+    assert_eq!(register_raw(&mut snap, snap_handle, both, 0, 4096).status, Status::ReadOnly);
+    let snap_cap = register_raw(&mut snap, snap_handle, read, 0, 4096).cap.expect("reading a snapshot");
+    assert_eq!(direct(&mut snap, snap_handle, &snap_cap, 0, 4096).1, data[..4096].to_vec());
 }

@@ -144,19 +144,21 @@ impl DirectReads {
     }
 
     /// The extent capability a read earns on a flash volume ([`Plan::Extent`]): the whole
-    /// volume as it is now.
-    pub fn seal_volume(&self, export: u32, size_bytes: u64, now_ms: u64) -> Capability {
+    /// volume as it is now, with the write right when the reader may write it.
+    pub fn seal_volume(&self, export: u32, size_bytes: u64, writable: bool, now_ms: u64) -> Capability {
         let pages = size_bytes.div_ceil(wire::EXTENT_UNIT).min(u64::from(u32::MAX)) as u32;
         let expires = now_ms.saturating_add(self.lifetime_ms);
-        self.seal_extent(export, 0, pages, CapRights::READ, expires)
+        let rights = if writable { CapRights::READ.union(CapRights::WRITE) } else { CapRights::READ };
+        self.seal_extent(export, 0, pages, rights, expires)
     }
 
     /// `REGISTER`: an extent capability for `length` bytes from `offset` of an export of
     /// `size_bytes`, with `rights`, valid until revoked (no expiry). Nothing is read, allocated
     /// or pinned: this is the whole cost of registering a range of any size. Refusals:
     /// `Unsupported` on an export that serves no extents (a cached file export's references are
-    /// its cache's blocks) or for write rights (direct writes are not served yet); `Invalid` for
-    /// an empty or unaligned range, or rights other than read; `OutOfRange` past the end.
+    /// its cache's blocks); `Invalid` for an empty or unaligned range, or rights other than
+    /// read, or read and write; `OutOfRange` past the end. Whether the asker may write is the
+    /// caller's to judge.
     pub fn register(
         &self,
         export: u32,
@@ -169,10 +171,7 @@ impl DirectReads {
         if self.volume.is_none() && !self.in_memory {
             return Err(Status::Unsupported);
         }
-        if rights.contains(CapRights::WRITE) {
-            return Err(Status::Unsupported);
-        }
-        if rights != CapRights::READ {
+        if rights != CapRights::READ && rights != CapRights::READ.union(CapRights::WRITE) {
             return Err(Status::Invalid);
         }
         let unit = wire::EXTENT_UNIT;
@@ -261,7 +260,35 @@ impl DirectReads {
         len: u32,
         now_ms: u64,
     ) -> Result<(), CapFault> {
-        self.key.check(cap, export, self.epoch(), now_ms, offset, len)?;
+        self.check_for(CapRights::READ, cap, export, offset, len, now_ms)
+    }
+
+    /// Judge a direct write of `len` bytes from `offset` with `cap`: as [`check`](Self::check),
+    /// and the capability must be an extent with the write right.
+    pub fn check_write(
+        &self,
+        cap: &Capability,
+        export: u32,
+        offset: u64,
+        len: u32,
+        now_ms: u64,
+    ) -> Result<(), CapFault> {
+        if cap.kind != CapKind::Extent {
+            return Err(CapFault::NoRight);
+        }
+        self.check_for(CapRights::WRITE, cap, export, offset, len, now_ms)
+    }
+
+    fn check_for(
+        &self,
+        needs: CapRights,
+        cap: &Capability,
+        export: u32,
+        offset: u64,
+        len: u32,
+        now_ms: u64,
+    ) -> Result<(), CapFault> {
+        self.key.check_for(needs, cap, export, self.epoch(), now_ms, offset, len)?;
         match cap.kind {
             CapKind::Region if self.in_memory => Ok(()),
             CapKind::Slot if self.cache.is_some() => Ok(()),

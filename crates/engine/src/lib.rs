@@ -274,7 +274,7 @@ pub fn validate_sized(export: &Export, io: &Io, io_bytes_max: u32, block_bytes: 
     if io.opcode.is_mutating() && export.is_read_only() {
         return Err(Status::ReadOnly);
     }
-    let carries_data = matches!(io.opcode, Opcode::Read | Opcode::Write);
+    let carries_data = matches!(io.opcode, Opcode::Read | Opcode::Write | Opcode::DirectWrite);
     if carries_data && io.length > io_bytes_max {
         return Err(Status::TooLarge);
     }
@@ -305,7 +305,7 @@ pub fn execute(export: &Export, io: &Io, payload: &[u8], read_into: &mut [u8]) -
     let fua = io.flags.contains(ReqFlags::FUA);
     let result = match io.opcode {
         Opcode::Read | Opcode::DirectRead => b.read_at(read_into, io.offset),
-        Opcode::Write => b.write_at(payload, io.offset, fua),
+        Opcode::Write | Opcode::DirectWrite => b.write_at(payload, io.offset, fua),
         Opcode::Flush => b.flush(),
         Opcode::Trim => b.trim(io.offset, io.length.into()),
         Opcode::WriteZeroes => b.write_zeroes(io.offset, io.length.into(), fua),

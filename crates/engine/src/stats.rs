@@ -161,7 +161,9 @@ impl OpCounters {
         let row = export.and_then(|i| self.export(i)).unwrap_or(&self.no_export);
         let op = opcode.index();
         bump(&row.reqs[op][status_slot(status)], 1);
-        if status.is_ok() && matches!(opcode, Opcode::Read | Opcode::Write | Opcode::DirectRead) {
+        if status.is_ok()
+            && matches!(opcode, Opcode::Read | Opcode::Write | Opcode::DirectRead | Opcode::DirectWrite)
+        {
             bump(&row.bytes[op], length.into());
         }
         if let Some(ns) = service_ns {

@@ -121,9 +121,11 @@ pub struct LaneStats {
     /// Connections lost (and reconnected or given up on), and connection attempts after them.
     pub reconnects: u64,
     pub reconnect_attempts: u64,
-    /// Reads served from capabilities, direct reads refused as stale or bad, ordinary reads
-    /// issued in their place, and capabilities received ([`LaneConfig::directory_entries`]).
+    /// Reads served from capabilities, writes taken under extents, direct reads and writes
+    /// refused as stale or bad, ordinary ones issued in their place, and capabilities
+    /// received ([`LaneConfig::directory_entries`]).
     pub direct_reads: u64,
+    pub direct_writes: u64,
     pub direct_faults: u64,
     pub fallbacks: u64,
     pub capabilities_received: u64,
@@ -144,6 +146,7 @@ impl LaneStats {
             read_bytes_copied: s.read_bytes_copied,
             read_bytes_in_messages: s.read_bytes_in_messages,
             direct_reads: s.direct_reads,
+            direct_writes: s.direct_writes,
             direct_faults: s.direct_faults,
             fallbacks: s.fallbacks,
             capabilities_received: s.capabilities_received,
@@ -168,6 +171,7 @@ impl LaneStats {
         self.read_bytes_copied += other.read_bytes_copied;
         self.read_bytes_in_messages += other.read_bytes_in_messages;
         self.direct_reads += other.direct_reads;
+        self.direct_writes += other.direct_writes;
         self.direct_faults += other.direct_faults;
         self.fallbacks += other.fallbacks;
         self.capabilities_received += other.capabilities_received;
@@ -196,6 +200,7 @@ impl LaneStats {
             reconnects: self.reconnects - earlier.reconnects,
             reconnect_attempts: self.reconnect_attempts - earlier.reconnect_attempts,
             direct_reads: self.direct_reads - earlier.direct_reads,
+            direct_writes: self.direct_writes - earlier.direct_writes,
             direct_faults: self.direct_faults - earlier.direct_faults,
             fallbacks: self.fallbacks - earlier.fallbacks,
             capabilities_received: self.capabilities_received - earlier.capabilities_received,

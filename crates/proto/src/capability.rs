@@ -102,13 +102,29 @@ impl CapKey {
         offset: u64,
         len: u32,
     ) -> Result<(), CapFault> {
+        self.check_for(wire::CapRights::READ, cap, export, epoch, now_ms, offset, len)
+    }
+
+    /// [`check`](Self::check) for a request that needs `needs` (read, or write for a direct
+    /// write).
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_for(
+        &self,
+        needs: wire::CapRights,
+        cap: &Capability,
+        export: u32,
+        epoch: u32,
+        now_ms: u64,
+        offset: u64,
+        len: u32,
+    ) -> Result<(), CapFault> {
         if !self.authentic(cap) {
             return Err(CapFault::Forged);
         }
         if cap.export != export {
             return Err(CapFault::WrongExport);
         }
-        if !cap.rights.contains(wire::CapRights::READ) {
+        if !cap.rights.contains(needs) {
             return Err(CapFault::NoRight);
         }
         if !cap.covers(offset, len) {

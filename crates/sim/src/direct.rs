@@ -10,7 +10,8 @@
 //! epoch and invalidating ranges, a small cache that evicts all the time, small directories
 //! that collide, and capabilities expiring on the virtual clock. A third of the seeds serve a
 //! flash volume (extent capabilities: FlashNet's references to volume ranges) on an array in
-//! memory with a tiny page pool, while the operator also snapshots the volume and deletes the
+//! memory with a tiny page pool (the extents a read earns carry the write right, so writes go
+//! direct too, from both initiators), while the operator also snapshots the volume and deletes the
 //! snapshot, writes pages back, cleans segments (GC moves the pages under the references)
 //! and checkpoints. Of the rest, half serve a RAM export (region capabilities), half a backend
 //! without memory of its own behind a block cache (slot capabilities). No request is ever refused for a stale capability: the session
@@ -73,6 +74,8 @@ pub struct Report {
     pub flash_runs: u64,
     /// Direct reads served on flash seeds (under extents).
     pub flash_direct_reads: u64,
+    /// Writes taken under extents with the write right (flash seeds).
+    pub direct_writes: u64,
     /// Flash seeds: snapshots taken (each deleted later), GC steps that cleaned a segment,
     /// checkpoints.
     pub snapshots: u64,
@@ -93,6 +96,7 @@ impl Report {
         self.cache_runs += r.cache_runs;
         self.flash_runs += r.flash_runs;
         self.flash_direct_reads += r.flash_direct_reads;
+        self.direct_writes += r.direct_writes;
         self.snapshots += r.snapshots;
         self.gc_steps += r.gc_steps;
         self.checkpoints += r.checkpoints;
@@ -276,6 +280,7 @@ pub fn run(opts: &Options) -> Result<Report, String> {
     for side in &sides {
         let s = side.session.stats();
         report.direct_reads += s.direct_reads;
+        report.direct_writes += s.direct_writes;
         report.direct_faults += s.direct_faults;
         report.fallbacks += s.fallbacks;
     }

@@ -103,7 +103,7 @@ fn direct_reads(args: &Args, seeds: std::ops::Range<u64>) -> ExitCode {
     println!(
         "direct reads: {} requests, {} reads checked, {} served directly, {} faults (each fell back), {} key \
          rotations, {} invalidations, {} cache evictions; {} of {count} seeds behind a block cache; {} on a \
-         flash volume ({} direct reads under extents, {} snapshots, {} GC steps, {} checkpoints)",
+         flash volume ({} direct reads and {} direct writes under extents, {} snapshots, {} GC steps, {} checkpoints)",
         total.ops,
         total.reads_checked,
         total.direct_reads,
@@ -114,6 +114,7 @@ fn direct_reads(args: &Args, seeds: std::ops::Range<u64>) -> ExitCode {
         total.cache_runs,
         total.flash_runs,
         total.flash_direct_reads,
+        total.direct_writes,
         total.snapshots,
         total.gc_steps,
         total.checkpoints

@@ -112,6 +112,7 @@ fn a_thousand_direct_read_seeds_pass_and_a_stale_cache_is_caught() {
     );
     // A third of the seeds read a flash volume under extents while its pages move.
     assert!(total.flash_runs > SEEDS / 5 && total.flash_direct_reads > total.flash_runs * 20, "{total:?}");
+    assert!(total.direct_writes > total.flash_runs * 10, "{total:?}");
     assert!(total.snapshots > total.flash_runs && total.gc_steps > total.flash_runs / 2, "{total:?}");
     let a = direct::run(&direct::Options { seed: 42, ops: OPS, stale_cache: false }).unwrap();
     let b = direct::run(&direct::Options { seed: 42, ops: OPS, stale_cache: false }).unwrap();

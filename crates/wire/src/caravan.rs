@@ -62,13 +62,24 @@ pub enum Opcode {
     /// A read served from the memory a capability names, the capability being the request's
     /// payload (docs/PROTOCOL.md, section 8).
     DirectRead = 6,
+    /// A write under a capability with the write right (an extent of a flash volume): the
+    /// payload is the capability followed by the `length` bytes to write (docs/PROTOCOL.md,
+    /// section 14.8).
+    DirectWrite = 7,
 }
 
 impl Opcode {
     /// How many opcodes there are (the size of per-opcode tables).
-    pub const COUNT: usize = 6;
-    pub const ALL: [Opcode; Opcode::COUNT] =
-        [Opcode::Read, Opcode::Write, Opcode::Flush, Opcode::Trim, Opcode::WriteZeroes, Opcode::DirectRead];
+    pub const COUNT: usize = 7;
+    pub const ALL: [Opcode; Opcode::COUNT] = [
+        Opcode::Read,
+        Opcode::Write,
+        Opcode::Flush,
+        Opcode::Trim,
+        Opcode::WriteZeroes,
+        Opcode::DirectRead,
+        Opcode::DirectWrite,
+    ];
 
     pub fn from_u8(v: u8) -> Option<Opcode> {
         Some(match v {
@@ -78,6 +89,7 @@ impl Opcode {
             4 => Opcode::Trim,
             5 => Opcode::WriteZeroes,
             6 => Opcode::DirectRead,
+            7 => Opcode::DirectWrite,
             _ => return None,
         })
     }
@@ -95,6 +107,7 @@ impl Opcode {
             Opcode::Trim => "trim",
             Opcode::WriteZeroes => "write_zeroes",
             Opcode::DirectRead => "direct_read",
+            Opcode::DirectWrite => "direct_write",
         }
     }
 
@@ -164,6 +177,7 @@ impl Request {
         match self.opcode {
             Opcode::Write => self.length,
             Opcode::DirectRead => crate::CAPABILITY_LEN as u32,
+            Opcode::DirectWrite => (crate::CAPABILITY_LEN as u32).saturating_add(self.length),
             _ => 0,
         }
     }

@@ -136,8 +136,9 @@ fn opcode_and_flag_codes() {
     assert_eq!(Opcode::Trim as u8, 4);
     assert_eq!(Opcode::WriteZeroes as u8, 5);
     assert_eq!(Opcode::DirectRead as u8, 6);
+    assert_eq!(Opcode::DirectWrite as u8, 7);
     for v in 0..=255u8 {
-        assert_eq!(Opcode::from_u8(v).is_some(), (1..=6).contains(&v), "opcode {v}");
+        assert_eq!(Opcode::from_u8(v).is_some(), (1..=7).contains(&v), "opcode {v}");
     }
     assert_eq!(ReqFlags::FUA.bits(), 0x01);
     assert_eq!(ReqFlags::NO_DELAY.bits(), 0x02);
@@ -919,7 +920,7 @@ fn per_request_errors() {
     let bytes = hex(
         "53 4B 46 31 | 01 | 10 | 0A 00 | 10 00 00 00 | 00 00 00 00 00 00 00 00 | 11 84 CD B2
          00 | 00 | 00 00 | 0A 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
-         07 | 00 | 00 00 | 0B 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
+         08 | 00 | 00 00 | 0B 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
          01 | 08 | 00 00 | 0C 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
          01 | 80 | 00 00 | 0D 00 00 00 | 01 00 00 00 | 00 10 00 00 | 00 00 00 00 00 00 00 00 | 00 00 00 00 | 00 00 00 00
          02 | 00 | 00 00 | 0E 00 00 00 | 01 00 00 00 | 10 00 00 00 | 00 00 00 00 00 00 00 00 | 08 00 00 00 | 00 00 00 00
@@ -934,7 +935,7 @@ fn per_request_errors() {
     let caravan = RequestCaravan::parse(&header, &bytes[HEADER_LEN..]).unwrap();
     let refused = |tag, status| Err(RequestError { tag, status });
     let want: Vec<(Result<Request, RequestError>, &[u8])> = vec![
-        // Opcode 0 and 7 are not defined.
+        // Opcode 0 and 8 are not defined.
         (refused(0x0A, Status::UnknownOpcode), &[]),
         (refused(0x0B, Status::UnknownOpcode), &[]),
         // Flag bits other than FUA, NO_DELAY and WANT_CAP.

@@ -158,6 +158,8 @@ pub struct Summary {
     /// With --direct-reads: reads served from capabilities, direct reads the target refused
     /// (stale or bad), the ordinary reads issued in their place, and capabilities received.
     pub direct_reads: u64,
+    /// Writes under extents with the write right (flash volumes, RAM exports).
+    pub direct_writes: u64,
     pub direct_faults: u64,
     pub fallbacks: u64,
     pub capabilities_received: u64,
@@ -330,6 +332,7 @@ pub fn summarize(
         reconnects: telemetry.lanes.reconnects,
         reconnect_attempts: telemetry.lanes.reconnect_attempts,
         direct_reads: telemetry.lanes.direct_reads,
+        direct_writes: telemetry.lanes.direct_writes,
         direct_faults: telemetry.lanes.direct_faults,
         fallbacks: telemetry.lanes.fallbacks,
         capabilities_received: telemetry.lanes.capabilities_received,
@@ -456,8 +459,9 @@ pub fn print_table(s: &Summary) {
         (
             "direct reads",
             format!(
-                "{} served, {} faults, {} fallbacks, {} capabilities received",
+                "{} served, {} writes, {} faults, {} fallbacks, {} capabilities received",
                 grouped(s.direct_reads),
+                grouped(s.direct_writes),
                 grouped(s.direct_faults),
                 grouped(s.fallbacks),
                 grouped(s.capabilities_received)

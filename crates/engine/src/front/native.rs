@@ -217,7 +217,7 @@ fn look_ahead(rx: &[u8], session: &ServerSession, host: &impl Host, batch: &Arc<
                 // executes, and a wrong one has cost no more than the read it names.
                 let write = match req.opcode {
                     Opcode::Read | Opcode::DirectRead => false,
-                    Opcode::Write if !session.is_read_only(req.handle) => true,
+                    Opcode::Write | Opcode::DirectWrite if !session.is_read_only(req.handle) => true,
                     _ => continue,
                 };
                 let io = Io { opcode: if write { Opcode::Write } else { Opcode::Read }, ..Io::from(&req) };
@@ -313,7 +313,9 @@ fn register_reference(
     let refuse = wire::RegisterReply::refused;
     let Some(index) = session.resolve(register.handle) else { return refuse(Status::BadHandle) };
     let Some(export) = host.exports().get(index) else { return refuse(Status::BadHandle) };
-    if register.rights.contains(wire::CapRights::WRITE) && session.is_read_only(register.handle) {
+    if register.rights.contains(wire::CapRights::WRITE)
+        && (session.is_read_only(register.handle) || export.is_read_only())
+    {
         return refuse(Status::ReadOnly);
     }
     let Some(d) = &export.direct else { return refuse(Status::Unsupported) };
@@ -508,6 +510,18 @@ fn execute_caravan<S: Sink + ?Sized>(
             out.push(tx, Completion { tag: req.tag, status, data_len });
             continue;
         }
+        if req.opcode == Opcode::DirectWrite {
+            let status = match (index, export) {
+                (Some(index), Some(export)) => {
+                    let read_only = session.is_read_only(req.handle);
+                    direct_write(index, export, &io, payload, read_only, later, host, limits.io_bytes_max)
+                }
+                _ => Status::BadHandle,
+            };
+            stats.ops.record(index, req.opcode, req.length, status, laps.lap(host));
+            out.push(tx, Completion { tag: req.tag, status, data_len: 0 });
+            continue;
+        }
         let checked = export
             .ok_or(Status::BadHandle)
             .and_then(|e| {
@@ -538,7 +552,8 @@ fn execute_caravan<S: Sink + ?Sized>(
                 };
                 let (status, start) = out.read(tx, export, &io, stats);
                 if status.is_ok() {
-                    earn(caps, tx, export, index.unwrap_or(0), &io, plan, start, host);
+                    let writable = !session.is_read_only(req.handle) && !export.is_read_only();
+                    earn(caps, tx, export, index.unwrap_or(0), &io, plan, start, writable, host);
                 }
                 (status, if status.is_ok() { req.length } else { 0 })
             }
@@ -564,6 +579,7 @@ fn earn<S: Sink + ?Sized>(
     io: &Io,
     plan: Plan,
     start: usize,
+    writable: bool,
     host: &impl Host,
 ) {
     let Some(d) = &export.direct else { return };
@@ -572,7 +588,9 @@ fn earn<S: Sink + ?Sized>(
         Plan::Region => {
             caps.push(d.seal_region(index, export.backend.size_bytes(), io.offset, host.clock_ms()))
         }
-        Plan::Extent => caps.push(d.seal_volume(index, export.backend.size_bytes(), host.clock_ms())),
+        Plan::Extent => {
+            caps.push(d.seal_volume(index, export.backend.size_bytes(), writable, host.clock_ms()))
+        }
         Plan::Fill(ticket) => {
             let data = tx.bytes_mut(start..start + io.length as usize);
             d.fill(index, &ticket, data, host.clock_ms(), |c| caps.push(c));
@@ -643,6 +661,41 @@ fn direct_read<S: Sink + ?Sized>(
         // Sealed under a pool's grant key, never under a direct-read secret: the check above
         // has refused it already.
         wire::CapKind::Chunk => Status::BadCapability,
+    }
+}
+
+/// Serve a direct write: the payload is a capability with the write right (an extent) and
+/// the bytes to write. Checked as a direct read's capability is, then against the handle's
+/// rights and the volume's current size (a shrink leaves the reference stale past the end),
+/// then carried out as a write, its durability (FUA) made as an ordinary write's is.
+#[allow(clippy::too_many_arguments)]
+fn direct_write(
+    index: u32,
+    export: &Export,
+    io: &Io,
+    payload: &[u8],
+    read_only: bool,
+    later: &mut Later<'_>,
+    host: &impl Host,
+    io_bytes_max: u32,
+) -> Status {
+    if io.length == 0 || io.length > io_bytes_max {
+        return if io.length == 0 { Status::Invalid } else { Status::TooLarge };
+    }
+    let Some(d) = &export.direct else { return Status::BadCapability };
+    // The payload's length is the descriptor's, checked when the caravan was parsed.
+    let (cap, data) = payload.split_at(wire::CAPABILITY_LEN.min(payload.len()));
+    let Ok(cap) = Capability::decode(cap) else { return Status::BadCapability };
+    if let Err(fault) = d.check_write(&cap, index, io.offset, io.length, host.clock_ms()) {
+        return fault.status();
+    }
+    if read_only {
+        return Status::ReadOnly;
+    }
+    match crate::validate(export, &Io { opcode: Opcode::Write, ..*io }, io_bytes_max) {
+        Ok(()) => crate::execute_later(export, io, data, later),
+        Err(Status::OutOfRange) => Status::StaleCapability,
+        Err(status) => status,
     }
 }
 

@@ -149,16 +149,20 @@ impl Outbox {
     }
 
     /// Fill `iov` with what is still to be sent of the sealed caravans, in order: each head,
-    /// then the payload of each of its requests as `payload` gives it (empty for those that
-    /// carry none). Returns how many entries it filled.
-    pub fn gather<'a>(&'a self, payload: impl Fn(u32) -> &'a [u8], iov: &mut [IoSlice<'a>]) -> usize {
+    /// then the payload of each of its requests as `payload` gives it, in two pieces (a direct
+    /// write's capability and its data; empty for what a request does not carry). Returns how
+    /// many entries it filled.
+    pub fn gather<'a>(&'a self, payload: impl Fn(u32) -> [&'a [u8]; 2], iov: &mut [IoSlice<'a>]) -> usize {
         let mut out = Gather { iov, n: 0, skip: self.sent };
         let (mut at, mut tag_at) = (0, 0);
         for c in &self.sealed {
             if !out.put(&self.bytes[at..at + c.head_len]) {
                 break;
             }
-            let full = self.tags[tag_at..tag_at + c.reqs].iter().all(|&tag| out.put(payload(tag)));
+            let full = self.tags[tag_at..tag_at + c.reqs].iter().all(|&tag| {
+                let [head, tail] = payload(tag);
+                out.put(head) && out.put(tail)
+            });
             if !full {
                 break;
             }
@@ -233,8 +237,10 @@ mod tests {
         let mut sent_tags = Vec::new();
         while o.has_sealed() {
             let mut iov = [IoSlice::new(&[]); 3];
-            let n =
-                o.gather(|t| if is_write[t as usize] { &payloads[t as usize][..] } else { &[] }, &mut iov);
+            let n = o.gather(
+                |t| [if is_write[t as usize] { &payloads[t as usize][..] } else { &[] }, &[]],
+                &mut iov,
+            );
             assert!(n > 0);
             let mut room = chunk;
             for piece in &iov[..n] {
@@ -292,7 +298,7 @@ mod tests {
         o.push(&req(Opcode::Write, 0, p[0].len() as u32));
         o.seal();
         let mut iov = [IoSlice::new(&[]); 4];
-        o.gather(|t| &p[t as usize][..], &mut iov);
+        o.gather(|t| [&p[t as usize][..], &[]], &mut iov);
         let mut sent = Vec::new();
         o.advance(30, |t| sent.push(t));
         assert!(sent.is_empty(), "half a caravan is not sent");

@@ -150,9 +150,11 @@ pub struct SessionStats {
     pub read_bytes_in_messages: u64,
     /// Reads served by the target from a capability, without its backend.
     pub direct_reads: u64,
-    /// Direct reads the target refused (stale or bad capability)...
+    /// Writes the target took under an extent with the write right.
+    pub direct_writes: u64,
+    /// Direct reads and writes the target refused (stale or bad capability)...
     pub direct_faults: u64,
-    /// ...and re-issued as ordinary reads in the same call.
+    /// ...and re-issued as ordinary reads and writes in the same call.
     pub fallbacks: u64,
     /// Capabilities received from the target.
     pub capabilities_received: u64,
@@ -541,9 +543,11 @@ impl<B: IoBuf> ClientSession<B> {
         if self.slots.is_full() {
             return refuse(SubmitError::QueueFull(self.slots.len()), buf);
         }
-        if opcode == Opcode::DirectRead {
+        if matches!(opcode, Opcode::DirectRead | Opcode::DirectWrite) {
             return refuse(
-                SubmitError::Invalid("direct reads are the session's to choose: submit a read"),
+                SubmitError::Invalid(
+                    "direct reads and writes are the session's to choose: submit a read or write",
+                ),
                 buf,
             );
         }
@@ -590,7 +594,9 @@ impl<B: IoBuf> ClientSession<B> {
     }
 
     /// With a directory, a read becomes a direct read when a capability covers it, and
-    /// otherwise asks the target for capabilities for what it reads.
+    /// otherwise asks the target for capabilities for what it reads; a write becomes a direct
+    /// write when an extent with the write right covers it (and the capability fits the
+    /// caravan beside the data).
     fn choose_read(
         &self,
         opcode: Opcode,
@@ -598,12 +604,19 @@ impl<B: IoBuf> ClientSession<B> {
         offset: u64,
         length: u32,
     ) -> (Opcode, ReqFlags, Option<[u8; CAPABILITY_LEN]>) {
-        let Some(dir) = self.directory.as_ref().filter(|_| opcode == Opcode::Read) else {
-            return (opcode, flags, None);
-        };
-        match dir.find(offset, length) {
-            Some(cap) => (Opcode::DirectRead, flags, Some(cap.encode())),
-            None => (Opcode::Read, flags | ReqFlags::WANT_CAP, None),
+        let Some(dir) = self.directory.as_ref() else { return (opcode, flags, None) };
+        match opcode {
+            Opcode::Read => match dir.find(offset, length) {
+                Some(cap) => (Opcode::DirectRead, flags, Some(cap.encode())),
+                None => (Opcode::Read, flags | ReqFlags::WANT_CAP, None),
+            },
+            Opcode::Write if length as usize + CAPABILITY_LEN <= self.limits.caravan_bytes_max as usize => {
+                match dir.find(offset, length).filter(|c| c.rights.contains(wire::CapRights::WRITE)) {
+                    Some(cap) => (Opcode::DirectWrite, flags, Some(cap.encode())),
+                    None => (opcode, flags, None),
+                }
+            }
+            _ => (opcode, flags, None),
         }
     }
 
@@ -663,9 +676,12 @@ impl<B: IoBuf> ClientSession<B> {
         }
         let slots = &self.slots;
         let payload = |tag| match slots.get(tag) {
-            Some(Pending { opcode: Opcode::Write, buf: Some(b), .. }) => b.as_ref(),
-            Some(Pending { opcode: Opcode::DirectRead, cap: Some(c), .. }) => &c[..],
-            _ => &[],
+            Some(Pending { opcode: Opcode::Write, buf: Some(b), .. }) => [b.as_ref(), &[][..]],
+            Some(Pending { opcode: Opcode::DirectRead, cap: Some(c), .. }) => [&c[..], &[][..]],
+            Some(Pending { opcode: Opcode::DirectWrite, cap: Some(c), buf: Some(b), .. }) => {
+                [&c[..], b.as_ref()]
+            }
+            _ => [&[][..], &[][..]],
         };
         self.outbox.gather(payload, iov)
     }
@@ -1060,8 +1076,12 @@ impl<B: IoBuf> ClientSession<B> {
             return;
         }
         while let Some(mut p) = self.fallback.pop() {
-            p.opcode = Opcode::Read;
-            p.flags = p.flags | ReqFlags::WANT_CAP;
+            if p.opcode == Opcode::DirectWrite {
+                p.opcode = Opcode::Write;
+            } else {
+                p.opcode = Opcode::Read;
+                p.flags = p.flags | ReqFlags::WANT_CAP;
+            }
             p.cap = None;
             p.sent = false;
             p.placed = 0;
@@ -1170,7 +1190,7 @@ fn settle<B>(
     p: Pending<B>,
     status: Status,
 ) {
-    if p.opcode == Opcode::DirectRead {
+    if matches!(p.opcode, Opcode::DirectRead | Opcode::DirectWrite) {
         if matches!(status, Status::StaleCapability | Status::BadCapability) {
             stats.direct_faults += 1;
             if let Some(d) = directory.as_mut() {
@@ -1179,8 +1199,11 @@ fn settle<B>(
             fallback.push(p);
             return;
         }
-        if status.is_ok() {
+        if status.is_ok() && p.opcode == Opcode::DirectRead {
             stats.direct_reads += 1;
+        }
+        if status.is_ok() && p.opcode == Opcode::DirectWrite {
+            stats.direct_writes += 1;
         }
     }
     finish(done, controller, reads, stats, p, status);
@@ -1200,7 +1223,9 @@ fn finish<B>(
         reads.bytes -= u64::from(p.length);
     }
     if let Some(ctl) = controller.as_mut() {
-        let moved = matches!(p.opcode, Opcode::Read | Opcode::Write | Opcode::DirectRead) && status.is_ok();
+        let moved =
+            matches!(p.opcode, Opcode::Read | Opcode::Write | Opcode::DirectRead | Opcode::DirectWrite)
+                && status.is_ok();
         ctl.handle_completion(if moved { p.length.into() } else { 0 });
     }
     done.push_back(Completion {
@@ -1213,10 +1238,10 @@ fn finish<B>(
 
 /// The opcode a caller submitted: a direct read was the session's choice for a read.
 fn caller_opcode(op: Opcode) -> Opcode {
-    if op == Opcode::DirectRead {
-        Opcode::Read
-    } else {
-        op
+    match op {
+        Opcode::DirectRead => Opcode::Read,
+        Opcode::DirectWrite => Opcode::Write,
+        op => op,
     }
 }
 
