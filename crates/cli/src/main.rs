@@ -22,6 +22,7 @@ mod info;
 mod keys;
 mod ns;
 mod reconnect;
+mod register;
 mod relay;
 mod revoke;
 mod rsort;
@@ -53,6 +54,9 @@ enum Command {
     Attach(attach::AttachArgs),
     /// Revoke an export's capabilities for direct reads (all of them, or a range's).
     Revoke(revoke::RevokeArgs),
+    /// Register a range of an export (a flash volume's extent, of any size) and time the round
+    /// trip: the target seals a reference without reading, allocating or pinning anything.
+    Register(register::RegisterArgs),
     /// Bridge two interfaces, dropping, duplicating, reordering and corrupting raw-Ethernet
     /// frames at seeded rates (a fault relay for tests), until SIGINT or SIGTERM.
     Relay(relay::RelayArgs),
@@ -109,6 +113,10 @@ fn main() -> ExitCode {
         Command::Revoke(args) => {
             init_logging("warn");
             revoke::run(args)
+        }
+        Command::Register(args) => {
+            init_logging("warn");
+            register::run(args)
         }
         Command::Relay(args) => {
             init_logging("info");

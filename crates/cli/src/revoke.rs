@@ -24,7 +24,7 @@ pub struct RevokeArgs {
     tls: crate::tls::TlsArgs,
 }
 
-fn parse_range(s: &str) -> Result<(u64, u64), String> {
+pub(crate) fn parse_range(s: &str) -> Result<(u64, u64), String> {
     let (offset, length) = s.split_once(':').ok_or_else(|| format!("{s:?}: expected OFFSET:LENGTH"))?;
     let offset = parse_size(offset).map_err(|e| e.to_string())?;
     let length = parse_size(length).map_err(|e| e.to_string())?;

@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""FlashNet's extended data path (issue 29) measured: registration by size, and reads per target
+core and at QD 1 against a `file:` export.
+
+One invocation measures, on files in --dir (/var/tmp by default):
+
+- **Registration by size** (thesis Figure 5.8; --no-registration skips it): `skiff register
+  --repeat N` against flash volumes of --reg-sizes (thin: a 16 TiB volume on a 256 MiB array
+  costs a map of leaf ids, no flash) and a RAM export, median round trip over loopback; beside
+  it, what a DRAM buffer of that size costs to prepare the way an RDMA registration must
+  (mmap, then mlock: every page allocated, zeroed and pinned), measured here up to
+  --dram-max and extrapolated linearly (and said so) beyond.
+- **Reads per target core** (thesis Figure 5.2 and Table 5.1; --no-reads skips it): 4 KiB
+  random reads, one outstanding per client thread (`skiff bench --threads T --qd 1`), T in
+  --threads, the target on one worker pinned to the server CPU, against
+  - `file`: `file:F` on ext4, read with O_DIRECT (the thesis's (a): socket + pread);
+  - `flash`: a flash volume of the same size whose page pool holds it, ordinary reads;
+  - `flash-direct`: the same volume read under its extent (`--direct-reads`: the first read
+    earns the whole volume's reference, every read after it is a DIRECT_READ: the extended
+    data path, (c));
+  - `flash-direct-cold`: the same with a page pool of a quarter of the volume (--cold-pool),
+    so most reads miss: they park while the page is read on io_uring, never faulting back to
+    the initiator (the issue's "cold data" figure: the share served direct, and the pool's
+    hit rate).
+  IOPS per target core = 10^6 / the target's CPU µs per read. The volume and the file are
+  filled with data first (a never-written page costs nothing to read). QD 1 latency is the
+  T = 1 point. Systems alternate within each round; medians of --repeat rounds.
+  The thesis's (b), socket + sendfile, is not built (the file export has no sendfile mode).
+
+Placement as in compare.py: server on CPU 1, client on CPU 0 by default.
+
+    python3 bench/flashnet.py
+    python3 bench/flashnet.py --no-reads --reg-sizes 4K,1G,16T
+Writes bench/results/flashnet-<time>.json (and a .png with matplotlib) and prints tables.
+"""
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.dont_write_bytecode = True
+
+from compare import Placement, add_placement_args, free_port, median_record, rotate, stop, wait_port  # noqa: E402
+
+UNITS = {"K": 10, "M": 20, "G": 30, "T": 40}
+SYSTEMS = ["file", "flash", "flash-direct", "flash-direct-cold"]
+
+
+def size_of(text):
+    text = text.strip().upper()
+    return int(text[:-1]) << UNITS[text[-1]] if text[-1] in UNITS else int(text)
+
+
+def human(n):
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def run(argv, **kw):
+    out = subprocess.run(argv, capture_output=True, text=True, **kw)
+    if out.returncode != 0:
+        raise SystemExit(f"flashnet.py: {' '.join(argv)} failed:\n{out.stderr}")
+    return out.stdout
+
+
+class Target:
+    def __init__(self, a, argv):
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        argv = a.pl.server([a.skiff, "serve", "--listen", self.addr, "--workers", "1"] + argv)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port, timeout=120)
+
+    def vol(self, a, *args):
+        run([a.skiff, "vol"] + list(args) + ["--target", self.addr])
+
+    def stop(self):
+        stop(self.proc, timeout=60)
+
+
+def format_array(a, path, size):
+    with open(path, "wb") as f:
+        f.truncate(size)
+    run([a.skiff, "flash", "format", path, "--force"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+
+
+def dram_prepare_s(size):
+    """Seconds to allocate and pin `size` bytes (mmap + mlock: what an RDMA registration of a
+    DRAM buffer pays, every page faulted in, zeroed and pinned), then release them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    started = time.perf_counter()
+    addr = libc.mmap(None, size, prot, flags, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise SystemExit(f"mmap of {size} bytes failed: errno {ctypes.get_errno()}")
+    if libc.mlock(addr, size) != 0:
+        raise SystemExit(f"mlock of {size} bytes failed (errno {ctypes.get_errno()}): run as root or raise "
+                         "RLIMIT_MEMLOCK, or lower --dram-max")
+    took = time.perf_counter() - started
+    libc.munmap(addr, size)
+    return took
+
+
+def registration(a, scratch):
+    array = os.path.join(scratch, "reg.img")
+    format_array(a, array, 256 << 20)
+    target = Target(a, ["--flash", array, "--flash-cache", "16M", "--export", "ram=ram:1G"])
+    rows = []
+    try:
+        for size in a.reg_sizes:
+            name = f"r{human(size)}"
+            target.vol(a, "create", name, "--size", str(size))
+            rows.append(register_row(a, target, name, size, "flash volume"))
+        rows.append(register_row(a, target, "ram", 1 << 30, "RAM export"))
+    finally:
+        target.stop()
+    for row in rows:
+        if row["bytes"] <= a.dram_max:
+            row["dram_prepare_us"] = statistics.median(dram_prepare_s(row["bytes"]) for _ in range(3)) * 1e6
+            row["dram_extrapolated"] = False
+    measured = [r for r in rows if not r.get("dram_extrapolated", True)]
+    per_byte = measured[-1]["dram_prepare_us"] / measured[-1]["bytes"] if measured else None
+    for row in rows:
+        if "dram_prepare_us" not in row and per_byte:
+            row["dram_prepare_us"] = per_byte * row["bytes"]
+            row["dram_extrapolated"] = True
+    print("\n## Registration by size (Figure 5.8)\n")
+    print(f"placement: {a.pl.describe()}; `skiff register --repeat {a.reg_repeat}`, median round trip "
+          "(the first, apart, excluded); DRAM: mmap + mlock, median of 3\n")
+    print("| export | bytes | register median µs | p99 µs | DRAM prepare µs | DRAM ÷ register |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        dram = r.get("dram_prepare_us")
+        mark = " (extrapolated)" if r.get("dram_extrapolated") else ""
+        ratio = f"{dram / r['rtt_us']['median']:,.0f}" if dram else "-"
+        dram_text = f"{dram:,.0f}{mark}" if dram else "-"
+        print(f"| {r['what']} | {human(r['bytes'])} | {r['rtt_us']['median']:.1f} | {r['rtt_us']['p99']:.1f} | "
+              f"{dram_text} | {ratio} |")
+    return rows
+
+
+def register_row(a, target, export, size, what):
+    argv = a.pl.client([a.skiff, "register", target.addr, export, "--repeat", str(a.reg_repeat), "--json"])
+    out = json.loads(run(argv))
+    return {"what": what, "export": export, "bytes": size, "rtt_us": out["rtt_us"], "rtt_first_us": out["rtt_first_us"],
+            "covers_bytes": out["covers_bytes"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reads per target core
+
+
+def fill(a, addr, export, size):
+    # --verify writes a pattern over the whole range first (then reads a moment and checks).
+    run(a.pl.client([a.skiff, "bench", "--target", addr, "--export", export, "--rw", "read", "--bs", "1M",
+                     "--qd", "4", "--size", str(size), "--duration", "1s", "--verify", "--json"]))
+
+
+def reads(a, scratch):
+    size = a.size
+    data = os.path.join(scratch, "file.img")
+    with open(data, "wb") as f:
+        f.truncate(size)
+    array = os.path.join(scratch, "array.img")
+    format_array(a, array, size * 2 + (256 << 20))
+    # Volume made and filled once; every run starts a target over the array again.
+    t = Target(a, ["--flash", array, "--flash-cache", str(size + (64 << 20))])
+    try:
+        t.vol(a, "create", "v", "--size", str(size))
+        fill(a, t.addr, "v", size)
+    finally:
+        t.stop()
+    t = Target(a, ["--export", f"vol=file:{data}"])
+    try:
+        fill(a, t.addr, "vol", size)
+    finally:
+        t.stop()
+
+    def serve_argv(system):
+        if system == "file":
+            return ["--export", f"vol=file:{data}"], "vol"
+        pool = size // 4 if system == "flash-direct-cold" else size + (64 << 20)
+        return ["--flash", array, "--flash-cache", str(pool)], "v"
+
+    records = []
+    for threads in a.threads:
+        for rnd in range(a.repeat):
+            for system in rotate(SYSTEMS, rnd):
+                argv, export = serve_argv(system)
+                target = Target(a, argv)
+                try:
+                    bench = [a.skiff, "bench", "--target", target.addr, "--export", export, "--rw", "randread",
+                             "--bs", "4k", "--qd", "1", "--threads", str(threads), "--size", str(size),
+                             "--duration", a.runtime, "--json"]
+                    if system.startswith("flash-direct"):
+                        bench.append("--direct-reads")
+                    if system in ("flash", "flash-direct"):
+                        bench.append("--warm")  # the pool holds the volume before the timed phase
+                    out = json.loads(run(a.pl.client(bench)))
+                finally:
+                    target.stop()
+                rec = {"system": system, "threads": threads, "round": rnd, "iops": out["iops"],
+                       "lat_us": out["lat_us"], "server_cpu_us_per_io": out["server_cpu_us_per_io"],
+                       "client_cpu_us_per_io": out["client_cpu_us_per_io"],
+                       "direct_reads": out.get("direct_reads", 0), "direct_faults": out.get("direct_faults", 0),
+                       "ios": out.get("ios") or out.get("completed")}
+                rec["iops_per_target_core"] = 1e6 / rec["server_cpu_us_per_io"] if rec["server_cpu_us_per_io"] else None
+                records.append(rec)
+                print(f"  T={threads} {system:18} {rec['iops']:9.0f} IOPS  target {rec['server_cpu_us_per_io']:6.2f} "
+                      f"µs/read  {rec['iops_per_target_core'] or 0:9.0f} IOPS/core", file=sys.stderr)
+    medians = []
+    for threads in a.threads:
+        for system in SYSTEMS:
+            reps = [r for r in records if r["threads"] == threads and r["system"] == system]
+            medians.append(median_record(reps, key="iops_per_target_core"))
+    print("\n## 4 KiB random reads, one outstanding per thread (Figure 5.2, Table 5.1)\n")
+    print(f"placement: {a.pl.describe()}; target `--workers 1`; {human(size)} filled; medians of {a.repeat}\n")
+    print("| threads | " + " | ".join(f"{s} IOPS/core" for s in SYSTEMS) + " | direct ÷ file |")
+    print("|---:|" + "---:|" * (len(SYSTEMS) + 1))
+    for threads in a.threads:
+        row = {m["system"]: m for m in medians if m["threads"] == threads}
+        cells = [f"{row[s]['iops_per_target_core']:,.0f}" for s in SYSTEMS]
+        ratio = row["flash-direct"]["iops_per_target_core"] / row["file"]["iops_per_target_core"]
+        print(f"| {threads} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    one = {m["system"]: m for m in medians if m["threads"] == min(a.threads)}
+    print(f"\nQD 1 latency at T = {min(a.threads)} (median µs): "
+          + ", ".join(f"{s} {one[s]['lat_us'].get('p50', one[s]['lat_us'].get('median', 0)):.1f}" for s in SYSTEMS))
+    cold = [m for m in medians if m["system"] == "flash-direct-cold"]
+    faults = sum(m["direct_faults"] for m in cold)
+    print(f"cold pool (a quarter of the volume): {faults:.0f} faults reached the initiator over all points")
+    return records, medians
+
+
+def plot(path, result):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no matplotlib: no plot)", file=sys.stderr)
+        return
+    panels = [k for k in ("registration", "reads") if result.get(k)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        if key == "registration":
+            rows = [r for r in result["registration"] if r["what"] == "flash volume"]
+            xs = [r["bytes"] for r in rows]
+            ax.loglog(xs, [r["rtt_us"]["median"] for r in rows], "o-", label="skiff REGISTER (round trip)")
+            ax.loglog(xs, [r["dram_prepare_us"] for r in rows], "s--", label="DRAM mmap + mlock")
+            ax.set_xlabel("bytes registered")
+            ax.set_ylabel("µs")
+            ax.set_title("Registration by size (Fig. 5.8)")
+        else:
+            for system in SYSTEMS:
+                pts = [m for m in result["reads"]["medians"] if m["system"] == system]
+                ax.plot([p["threads"] for p in pts], [p["iops_per_target_core"] for p in pts], "o-", label=system)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("client threads (QD 1 each)")
+            ax.set_ylabel("IOPS per target core")
+            ax.set_title("4 KiB random reads (Fig. 5.2)")
+        ax.legend()
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(result["placement_text"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}", file=sys.stderr)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--skiff", default="target/release/skiff")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--dir", default="/var/tmp", help="where the array and file go")
+    p.add_argument("--no-registration", action="store_true")
+    p.add_argument("--no-reads", action="store_true")
+    p.add_argument("--reg-sizes", default="4K,1M,1G,64G,1T,16T")
+    p.add_argument("--reg-repeat", type=int, default=200)
+    p.add_argument("--dram-max", default="4G", help="largest DRAM buffer actually pinned")
+    p.add_argument("--size", default="1G", help="the volume and the file")
+    p.add_argument("--threads", default="1,2,4,8,16,32,64")
+    p.add_argument("--runtime", default="3s")
+    add_placement_args(p, "rounds per point (default 3)")
+    a = p.parse_args()
+    a.repeat = a.repeat or 3
+    a.pl = Placement.from_args(a)
+    a.reg_sizes = [size_of(s) for s in a.reg_sizes.split(",")]
+    a.dram_max = size_of(a.dram_max)
+    a.size = size_of(a.size)
+    a.threads = [int(t) for t in a.threads.split(",")]
+    result = {"placement": a.pl.record(), "placement_text": a.pl.describe(),
+              "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with tempfile.TemporaryDirectory(dir=a.dir, prefix="flashnet-") as scratch:
+        if not a.no_registration:
+            result["registration"] = registration(a, scratch)
+        if not a.no_reads:
+            records, medians = reads(a, scratch)
+            result["reads"] = {"records": records, "medians": medians, "size": a.size}
+    os.makedirs(a.out, exist_ok=True)
+    stem = os.path.join(a.out, "flashnet-" + time.strftime("%Y%m%d-%H%M%S"))
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nresults: {stem}.json", file=sys.stderr)
+    plot(stem + ".png", result)
+
+
+if __name__ == "__main__":
+    main()
