@@ -2,7 +2,8 @@
 //! target: registering any size reads, allocates and pins nothing; direct reads under an
 //! extent on a cold volume park on pool misses instead of faulting, so the caller never sees a
 //! fault; and a reference dies with its volume, a shrink or an epoch rotation, never serving
-//! another volume's bytes. Writes under an extent with the write right go direct too, FUA
+//! another volume's bytes; with a reference file, references outlive the target, and
+//! revocations too. Writes under an extent with the write right go direct too, FUA
 //! ones made durable before they complete.
 
 use std::time::Duration;
@@ -15,12 +16,22 @@ use wire::control::FEATURE_DIRECT_READS;
 use wire::{CapKind, Capability, FrameKind, Limits, Opcode, ReqFlags, Request, Status};
 
 fn start(devices: &[std::path::PathBuf], exports: &[&str]) -> Target {
+    start_keeping(devices, exports, None)
+}
+
+/// A target over the array, keeping its references in `references` when given.
+fn start_keeping(
+    devices: &[std::path::PathBuf],
+    exports: &[&str],
+    references: Option<std::path::PathBuf>,
+) -> Target {
     start_target_with(exports, |c| {
         c.flash = Some(FlashConfig {
             devices: devices.to_vec(),
             pool_bytes: 4 << 20,
             map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
             read_depth: server::FLASH_READ_DEPTH_DEFAULT,
+            references,
         });
     })
 }
@@ -379,4 +390,72 @@ fn writes_under_an_extent_go_direct_and_fua_ones_are_durable_first() {
     assert_eq!(register_raw(&mut snap, snap_handle, both, 0, 4096).status, Status::ReadOnly);
     let snap_cap = register_raw(&mut snap, snap_handle, read, 0, 4096).cap.expect("reading a snapshot");
     assert_eq!(direct(&mut snap, snap_handle, &snap_cap, 0, 4096).1, data[..4096].to_vec());
+}
+
+/// With a reference file (`--flash-references`), a reference registered before a restart reads
+/// after it, one revoked before it (a rotated epoch) stays revoked, and a volume's epoch goes
+/// on from where it was; without the file, the new target's secret refuses the old reference.
+#[test]
+fn references_outlive_a_restart_with_their_file_and_so_do_revocations() {
+    let (dir, devices) = flash_array(1, 128 << 20);
+    let refs = dir.path().join("references");
+    let data = pattern(1 << 20, 5);
+    let (kept, revoked) = {
+        let t = start_keeping(&devices, &[], Some(refs.clone()));
+        let ep = tcp_endpoint(&t);
+        let mut client = Client::connect(&ep).unwrap();
+        volume(&mut client, VolumeOp::Create, "v", 8 << 20);
+        volume(&mut client, VolumeOp::Create, "w", 8 << 20);
+        Lane::connect(&ep, "v", &LaneConfig::default()).unwrap().write_at(&data, 0).unwrap();
+        let kept = client.register("v", 0, 8 << 20).unwrap();
+        let revoked = client.register("w", 0, 8 << 20).unwrap();
+        assert_eq!(Client::connect(&ep).unwrap().revoke("w", None).unwrap(), 2);
+        (kept, revoked)
+    };
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&refs).unwrap().permissions().mode() & 0o777,
+        0o600,
+        "the secret is private"
+    );
+
+    let t = start_keeping(&devices, &[], Some(refs.clone()));
+    let (mut peer, handle) = RawPeer::ready_with_features(&t, Limits::default(), "v", FEATURE_DIRECT_READS);
+    let (status, bytes) = direct(&mut peer, handle, &kept, 0, 65536);
+    assert_eq!(status, Status::Ok, "a reference did not outlive the restart");
+    assert_eq!(bytes, data[..65536].to_vec());
+    let (mut wpeer, whandle) = RawPeer::ready_with_features(&t, Limits::default(), "w", FEATURE_DIRECT_READS);
+    assert_eq!(
+        direct(&mut wpeer, whandle, &revoked, 0, 4096).0,
+        Status::StaleCapability,
+        "a revocation was undone"
+    );
+    let fresh = register_raw(&mut wpeer, whandle, wire::CapRights::READ, 0, 4096).cap.unwrap();
+    assert_eq!(fresh.epoch, 2, "the epoch goes on from where it was");
+    assert_eq!(direct(&mut wpeer, whandle, &fresh, 0, 4096).0, Status::Ok);
+    drop((peer, wpeer, t));
+
+    let t = start_keeping(&devices, &[], None);
+    let (mut peer, handle) = RawPeer::ready_with_features(&t, Limits::default(), "v", FEATURE_DIRECT_READS);
+    assert_eq!(
+        direct(&mut peer, handle, &kept, 0, 4096).0,
+        Status::BadCapability,
+        "another secret without the file"
+    );
+    drop(t);
+    // A file that is not one is refused with its name, and the target does not start.
+    std::fs::write(&refs, "version 1\nsecret 00\n").unwrap();
+    let config = server::TargetConfig {
+        flash: Some(FlashConfig {
+            devices: devices.clone(),
+            pool_bytes: 4 << 20,
+            map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
+            read_depth: server::FLASH_READ_DEPTH_DEFAULT,
+            references: Some(refs.clone()),
+        }),
+        listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
+        ..server::TargetConfig::default()
+    };
+    let e = Target::start(config).err().expect("a broken reference file refused");
+    assert!(e.to_string().contains("references") && e.to_string().contains("hex"), "{e}");
 }

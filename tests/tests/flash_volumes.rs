@@ -14,6 +14,7 @@ fn with_flash(devices: &[std::path::PathBuf], exports: &[&str], keys: Vec<proto:
             pool_bytes: 16 << 20,
             map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
             read_depth: server::FLASH_READ_DEPTH_DEFAULT,
+            references: None,
         });
         c.keys = keys;
     })
@@ -156,6 +157,7 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
                 // the checkpoint as the reads reach them.
                 map_bytes: 4 * flash::ctl::LEAF_BYTES,
                 read_depth: server::FLASH_READ_DEPTH_DEFAULT,
+                references: None,
             });
             c.nbd_listen = vec![Endpoint::Tcp("127.0.0.1:0".into())];
         })

@@ -36,6 +36,7 @@ fn start() -> (Target, tempfile::TempDir) {
             pool_bytes: 16 << 20,
             map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
             read_depth: server::FLASH_READ_DEPTH_DEFAULT,
+            references: None,
         });
     });
     (t, dir)

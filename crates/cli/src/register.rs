@@ -59,7 +59,8 @@ pub fn run(args: RegisterArgs) -> CliResult {
             (0, info.size_bytes)
         }
     };
-    let handle = client.open(&args.export).map_err(|e| format!("{endpoint} export {:?}: {e}", args.export))?;
+    let handle =
+        client.open(&args.export).map_err(|e| format!("{endpoint} export {:?}: {e}", args.export))?;
     let mut rtt_us = Vec::with_capacity(args.repeat as usize);
     let mut cap = None;
     for _ in 0..args.repeat {
@@ -74,7 +75,8 @@ pub fn run(args: RegisterArgs) -> CliResult {
     let first = rtt_us[0];
     let mut rest: Vec<f64> = if rtt_us.len() > 1 { rtt_us[1..].to_vec() } else { rtt_us.clone() };
     rest.sort_by(f64::total_cmp);
-    let (min, median, p99, max) = (rest[0], quantile(&rest, 0.5), quantile(&rest, 0.99), rest[rest.len() - 1]);
+    let (min, median, p99, max) =
+        (rest[0], quantile(&rest, 0.5), quantile(&rest, 0.99), rest[rest.len() - 1]);
     if args.json {
         let out = serde_json::json!({
             "target": endpoint.to_string(),

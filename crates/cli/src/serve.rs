@@ -69,6 +69,12 @@ pub struct ServeArgs {
     /// the worker's thread instead.
     #[arg(long, value_name = "N", default_value_t = server::FLASH_READ_DEPTH_DEFAULT)]
     flash_read_depth: u32,
+    /// Keep the secret that seals the flash volumes' references (extents) and their key
+    /// epochs in FILE (made, readable by its owner alone, when missing), so that references
+    /// stay valid across a restart while the volume and its epoch are unchanged. Without it a
+    /// target's references die with it (docs/DIRECT_READS.md, "Flash volumes").
+    #[arg(long, value_name = "FILE", requires = "flash")]
+    flash_references: Option<std::path::PathBuf>,
     /// Be a memory server of RStore namespaces: donate RAM (ram:SIZE) or a file (file:PATH) as
     /// a pool of chunks, served as export `pool` and registered with --coordinator
     /// (docs/RSTORE.md).
@@ -291,6 +297,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
             pool_bytes: args.flash_cache,
             map_bytes: args.flash_map_budget,
             read_depth: args.flash_read_depth,
+            references: args.flash_references.clone(),
         }),
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal

@@ -24,6 +24,7 @@
 //! blocks. Neither tracks who holds what.
 
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 
 use backend::cache::{BlockCache, FillTicket, SLOT_BYTES};
 use proto::capability::{CapFault, CapKey};
@@ -46,6 +47,8 @@ pub struct DirectReads {
     /// A flash volume: its id, which every extent of it carries as its generation, so that a
     /// reference to a deleted volume never serves a later one at the same export index.
     volume: Option<u32>,
+    /// Where this volume's key epoch persists across restarts, when it does.
+    store: Option<Arc<crate::references::ReferenceStore>>,
     /// The planted bug of the simulator's proof (feature `mutations`): writes leave the cache
     /// alone, so it serves data older than an acknowledged write.
     #[cfg(feature = "mutations")]
@@ -67,6 +70,7 @@ impl DirectReads {
             lifetime_ms: LIFETIME_MS_DEFAULT,
             in_memory,
             volume: None,
+            store: None,
             #[cfg(feature = "mutations")]
             stale_cache: std::sync::atomic::AtomicBool::new(false),
         }
@@ -75,6 +79,16 @@ impl DirectReads {
     /// Direct reads of flash volume `volume` (its id), sealed with `secret`: extents only.
     pub fn for_volume(secret: [u8; proto::capability::KEY_LEN], volume: u32) -> DirectReads {
         DirectReads { volume: Some(volume), ..DirectReads::new(secret, None, false) }
+    }
+
+    /// Keep the volume's key epoch in `store`: start at the epoch saved there, and save every
+    /// rotation before it answers (persistent references).
+    pub fn with_store(mut self, store: Arc<crate::references::ReferenceStore>) -> DirectReads {
+        if let Some(vol) = self.volume {
+            self.epoch = AtomicU32::new(store.epoch(vol));
+            self.store = Some(store);
+        }
+        self
     }
 
     /// Plant the bug that writes do not invalidate the cache (feature `mutations`).
@@ -103,9 +117,26 @@ impl DirectReads {
         self.epoch.load(Ordering::Acquire)
     }
 
-    /// Revoke every capability of this export: they all become stale.
+    /// Revoke every capability of this export: they all become stale. A failure to save the
+    /// new epoch (persistent references) is logged: see [`rotate_epoch_durably`](Self::rotate_epoch_durably).
     pub fn rotate_epoch(&self) -> u32 {
-        self.epoch.fetch_add(1, Ordering::AcqRel) + 1
+        match self.rotate_epoch_durably() {
+            Ok(epoch) => epoch,
+            Err(e) => {
+                tracing::error!(error = %e, "references revoked until the target stops, but the new key epoch could not be saved: after a restart they would be valid again");
+                self.epoch()
+            }
+        }
+    }
+
+    /// [`rotate_epoch`](Self::rotate_epoch), and with persistent references save the new epoch
+    /// before returning it. On an error the rotation holds in this process regardless.
+    pub fn rotate_epoch_durably(&self) -> std::io::Result<u32> {
+        let epoch = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+        if let (Some(store), Some(vol)) = (&self.store, self.volume) {
+            store.save_epoch(vol, epoch)?;
+        }
+        Ok(epoch)
     }
 
     /// Drop the cached blocks `len` bytes from `offset` touch (their capabilities become stale).

@@ -19,6 +19,7 @@ pub mod front;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod layer;
+pub mod references;
 pub mod stats;
 pub mod table;
 pub mod volumes;

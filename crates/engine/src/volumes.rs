@@ -26,6 +26,7 @@ use flash::volume::FlashVolume;
 use flash::FlashError;
 use wire::{StatsReply, Status, VolumeBody, VolumeEntry, VolumeOp, VolumeReply, VolumeRequest};
 
+use crate::references::ReferenceStore;
 use crate::table::{AddError, RetireError};
 use crate::{Export, ExportTable};
 
@@ -41,6 +42,9 @@ pub struct FlashConfig {
     /// Pool misses read asynchronously at once (io_uring, `Array::start_reads`); 0 reads them
     /// on the thread that needs them.
     pub read_depth: u32,
+    /// Where the references' secret and the volumes' key epochs persist
+    /// ([`crate::references`]); `None`: references die with the target.
+    pub references: Option<PathBuf>,
 }
 
 /// Pool misses read asynchronously at once when nothing else is asked.
@@ -129,6 +133,8 @@ pub struct FlashVolumes {
     /// never leaves the target). A volume's id is in each of its extents, so one secret serves
     /// them all without a reference to one volume serving another.
     secret: [u8; proto::capability::KEY_LEN],
+    /// Where the secret and the epochs persist, when they do.
+    store: Option<Arc<ReferenceStore>>,
 }
 
 impl std::fmt::Debug for FlashVolumes {
@@ -140,11 +146,17 @@ impl std::fmt::Debug for FlashVolumes {
 impl FlashVolumes {
     /// Open the array on `config`'s devices, recover it, and start its background work.
     /// Errors name the device at fault: missing, of another array, holding no array.
+    /// `secret` seals the volumes' references unless `config.references` names a file that
+    /// holds one already (a new file keeps `secret`).
     pub fn open(
         config: &FlashConfig,
         read_only: bool,
         secret: [u8; proto::capability::KEY_LEN],
     ) -> Result<FlashVolumes, FlashError> {
+        let store = match &config.references {
+            Some(path) => Some(Arc::new(ReferenceStore::open(path, || Ok(secret))?)),
+            None => None,
+        };
         if config.pool_bytes < POOL_BYTES_MIN {
             return Err(FlashError::BadSize(format!(
                 "a page pool of {} bytes is too small: at least {POOL_BYTES_MIN}",
@@ -164,13 +176,25 @@ impl FlashVolumes {
         if config.read_depth > 0 {
             array.start_reads(config.read_depth)?;
         }
-        Ok(FlashVolumes::new(array, read_only, secret))
+        let mut volumes = FlashVolumes::new(array, read_only, secret);
+        if let Some(store) = store {
+            volumes.secret = store.secret();
+            volumes.store = Some(store);
+        }
+        Ok(volumes)
     }
 
     /// Serve the volumes of `array`, open already (an in-memory array, for tests and the
     /// simulator), sealing their extent capabilities with `secret`.
     pub fn new(array: Arc<Array>, read_only: bool, secret: [u8; proto::capability::KEY_LEN]) -> FlashVolumes {
-        FlashVolumes { array, changing: Mutex::new(()), read_only, exports_max: nbd::EXPORTS_MAX, secret }
+        FlashVolumes {
+            array,
+            changing: Mutex::new(()),
+            read_only,
+            exports_max: nbd::EXPORTS_MAX,
+            secret,
+            store: None,
+        }
     }
 
     pub fn array(&self) -> &Arc<Array> {
@@ -192,7 +216,11 @@ impl FlashVolumes {
         let id = volume.id();
         // A snapshot's backend says it is read-only; `read_only` makes every volume so.
         let mut export = Export::new(name, Arc::new(volume), self.read_only);
-        export.direct = Some(crate::direct::DirectReads::for_volume(self.secret, id));
+        let direct = crate::direct::DirectReads::for_volume(self.secret, id);
+        export.direct = Some(match &self.store {
+            Some(store) => direct.with_store(store.clone()),
+            None => direct,
+        });
         Ok(export)
     }
 
@@ -291,7 +319,9 @@ impl FlashVolumes {
             // a shrink revokes the volume's references (reads past the end are refused
             // meanwhile, since a direct read checks the range against the volume's size).
             if let Some(d) = table.get(index).and_then(|e| e.direct.as_ref()) {
-                d.rotate_epoch();
+                if let Err(e) = d.rotate_epoch_durably() {
+                    tracing::error!(volume = name, error = %e, "shrunk, and its references revoked until the target stops, but the new key epoch could not be saved: after a restart they would be valid again");
+                }
             }
         }
         publisher.changed(table);

@@ -101,6 +101,7 @@ pub(super) struct ServeFile {
     flash_map_budget: Option<u64>,
     /// 0 is a setting here (reads on the worker's thread), so not a `count`.
     flash_read_depth: Option<u32>,
+    flash_references: Option<PathBuf>,
     // The bounds only the file sets ([`Tuning`]). Not a flattened struct: serde cannot refuse
     // unknown keys through one.
     #[serde(default, deserialize_with = "count")]
@@ -199,7 +200,7 @@ pub(super) fn apply(args: &mut ServeArgs, matches: &ArgMatches) -> Result<Tuning
         io_max, connections_max, handshakes_max, connections_per_address_max, chunk, lease, rebuild_after, rebuild_rate, repair_verify, flash, flash_cache,
         flash_map_budget, flash_read_depth;
         options: unix, nbd_unix, eth_options, metrics, handshake_timeout, idle_timeout, nbd_idle_timeout, tls_certificates,
-            pool, coordinator, advertise
+            pool, coordinator, advertise, flash_references
     );
     Ok(tuning)
 }
@@ -520,6 +521,9 @@ mod tests {
         let (args, _) = serve_with("flash-read-depth = 0\n", &["--flash-read-depth", "32"]);
         assert_eq!(args.flash_read_depth, 32);
         assert!(error("flash = \"\"\n").contains("flash: "), "an empty path");
+        assert_eq!(args.flash_references, None);
+        let (args, _) = serve_with("flash = \"/a\"\nflash-references = \"/var/lib/skiff/refs\"\n", &[]);
+        assert_eq!(args.flash_references, Some(PathBuf::from("/var/lib/skiff/refs")));
     }
 
     #[test]

@@ -292,7 +292,14 @@ fn revoke_capabilities(
     }
     let Some(d) = &export.direct else { return refuse(Status::Unsupported) };
     let epoch = match revoke.action {
-        wire::RevokeAction::RotateEpoch => d.rotate_epoch(),
+        wire::RevokeAction::RotateEpoch => match d.rotate_epoch_durably() {
+            Ok(epoch) => epoch,
+            Err(e) => {
+                // In force here until the target stops, but not saved: say so rather than Ok.
+                tracing::error!(peer, export = %export.name, error = %e, "key epoch rotated, but it could not be saved: after a restart the revoked references would be valid again");
+                return refuse(Status::IoError);
+            }
+        },
         wire::RevokeAction::Invalidate => {
             d.invalidate(revoke.offset, revoke.length);
             d.epoch()
