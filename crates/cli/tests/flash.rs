@@ -922,3 +922,51 @@ fn fua_writes_acknowledged_while_a_kill_9_lands_mid_stream_survive_it() {
     assert_same_pages(&read_region(&s, "disk", region), &durable, "disk after a clean restart");
     s.stop();
 }
+
+/// Direct writes under a volume's extent (FlashNet's extended data path, issue 29): a lane
+/// whose first read earned the whole volume's reference writes through it, and each FUA one is
+/// on flash before it completes, so every one acknowledged survives `kill -9`.
+#[test]
+fn direct_fua_writes_survive_kill_9() {
+    use initiator::{Queue, ReqFlags};
+    let (_dir, flash) = devices();
+    ok(&["flash", "format", &flash, "--segment", "4M"]);
+    let s = Served::start(&flash, &[]);
+    vol_ok(&s, &["create", "disk", "--size", "16M"]);
+    let config = LaneConfig { directory_entries: 16, ..LaneConfig::default() };
+    let mut lane = Lane::connect(&s.endpoint(), "disk", &config).expect("a lane");
+    let mut first = vec![0u8; PAGE];
+    lane.read_at(&mut first, 0).unwrap();
+    let block = |i: usize| -> Vec<u8> { (0..4 * PAGE).map(|b| (i * 31 + b / PAGE * 7 + b) as u8).collect() };
+    let writes = 64;
+    let mut done = Vec::new();
+    for i in 0..writes {
+        lane.submit_write((i * 4 * PAGE) as u64, block(i), ReqFlags::FUA, i as u64)
+            .map_err(|r| r.error)
+            .unwrap();
+        if lane.in_flight() == 8 {
+            lane.wait(1, &mut done).unwrap();
+        }
+    }
+    while done.len() < writes {
+        lane.wait(1, &mut done).unwrap();
+    }
+    assert!(done.iter().all(|c| c.status.is_ok()), "a FUA write failed");
+    let stats = lane.stats();
+    assert_eq!((stats.direct_writes, stats.direct_faults), (writes as u64, 0), "every write went direct");
+    let array: serde_json::Value = serde_json::from_str(&vol_ok(&s, &["stats", "--json"])).unwrap();
+    assert!(array["syncs_later"].as_u64() > Some(0), "no FUA went to the sync thread: {array}");
+    // The lane is still connected when the target dies.
+    s.kill();
+    drop(lane);
+
+    let s = Served::start(&flash, &[]);
+    assert!(s.groups_replayed() > 0, "the FUA writes lie past the checkpoint: recovery replays them");
+    let mut lane = Lane::connect(&s.endpoint(), "disk", &LaneConfig::default()).expect("a lane");
+    for i in 0..writes {
+        let mut back = vec![0u8; 4 * PAGE];
+        lane.read_at(&mut back, (i * 4 * PAGE) as u64).unwrap();
+        assert!(back == block(i), "acknowledged FUA direct write {i} was lost");
+    }
+    s.stop();
+}
