@@ -26,6 +26,12 @@ One invocation measures, on files in --dir (/var/tmp by default):
   filled with data first (a never-written page costs nothing to read). QD 1 latency is the
   T = 1 point. Systems alternate within each round; medians of --repeat rounds.
   The thesis's (b), socket + sendfile, is not built (the file export has no sendfile mode).
+- **Synchronous writes per target core** (thesis Figures 5.12; --no-writes skips it): 4 KiB
+  random writes with FUA (`skiff bench --fua`: each completes once durable), one outstanding
+  per thread, T in --write-threads, against `file` (O_DIRECT and O_DSYNC on ext4), `flash`
+  (a flash volume, ordinary FUA writes: the array's sync thread makes each durable, one sync
+  for every write waiting) and `flash-direct` (the same as direct writes under the volume's
+  extent). IOPS per target core as above.
 
 Placement as in compare.py: server on CPU 1, client on CPU 0 by default.
 
@@ -50,6 +56,7 @@ from compare import Placement, add_placement_args, free_port, median_record, rot
 
 UNITS = {"K": 10, "M": 20, "G": 30, "T": 40}
 SYSTEMS = ["file", "flash", "flash-direct", "flash-direct-cold"]
+WRITE_SYSTEMS = ["file", "flash", "flash-direct"]
 
 
 def size_of(text):
@@ -254,6 +261,54 @@ def reads(a, scratch):
     return records, medians
 
 
+def writes(a, scratch):
+    size = a.size
+    data = os.path.join(scratch, "wfile.img")
+    with open(data, "wb") as f:
+        f.truncate(size)
+    array = os.path.join(scratch, "warray.img")
+    format_array(a, array, size * 4 + (256 << 20))
+    t = Target(a, ["--flash", array])
+    try:
+        t.vol(a, "create", "v", "--size", str(size))
+    finally:
+        t.stop()
+    records = []
+    for threads in a.write_threads:
+        for rnd in range(a.repeat):
+            for system in rotate(WRITE_SYSTEMS, rnd):
+                argv, export = (["--export", f"vol=file:{data}"], "vol") if system == "file" else (["--flash", array], "v")
+                target = Target(a, argv)
+                try:
+                    bench = [a.skiff, "bench", "--target", target.addr, "--export", export, "--rw", "randwrite",
+                             "--bs", "4k", "--qd", "1", "--threads", str(threads), "--size", str(size),
+                             "--duration", a.runtime, "--fua", "--json"]
+                    if system == "flash-direct":
+                        bench.append("--direct-reads")
+                    out = json.loads(run(a.pl.client(bench)))
+                finally:
+                    target.stop()
+                rec = {"system": system, "threads": threads, "round": rnd, "iops": out["iops"], "lat_us": out["lat_us"],
+                       "server_cpu_us_per_io": out["server_cpu_us_per_io"],
+                       "client_cpu_us_per_io": out["client_cpu_us_per_io"], "direct_writes": out.get("direct_writes", 0)}
+                rec["iops_per_target_core"] = 1e6 / rec["server_cpu_us_per_io"] if rec["server_cpu_us_per_io"] else None
+                records.append(rec)
+                print(f"  T={threads} {system:13} {rec['iops']:9.0f} IOPS  target {rec['server_cpu_us_per_io']:6.2f} "
+                      f"µs/write  direct {rec['direct_writes']}", file=sys.stderr)
+    medians = [median_record([r for r in records if r["threads"] == t and r["system"] == s], key="iops_per_target_core")
+               for t in a.write_threads for s in WRITE_SYSTEMS]
+    print("\n## 4 KiB synchronous (FUA) random writes, one outstanding per thread (Figure 5.12)\n")
+    print(f"placement: {a.pl.describe()}; target `--workers 1`; medians of {a.repeat}; IOPS / target µs per write\n")
+    print("| threads | " + " | ".join(WRITE_SYSTEMS) + " | flash-direct ÷ file, IOPS per target core |")
+    print("|---:|" + "---:|" * (len(WRITE_SYSTEMS) + 1))
+    for t in a.write_threads:
+        row = {m["system"]: m for m in medians if m["threads"] == t}
+        cells = [f"{row[s]['iops']:,.0f} / {row[s]['server_cpu_us_per_io']:.1f}" for s in WRITE_SYSTEMS]
+        ratio = row["flash-direct"]["iops_per_target_core"] / row["file"]["iops_per_target_core"]
+        print(f"| {t} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    return records, medians
+
+
 def plot(path, result):
     try:
         import matplotlib
@@ -262,7 +317,7 @@ def plot(path, result):
     except ImportError:
         print("(no matplotlib: no plot)", file=sys.stderr)
         return
-    panels = [k for k in ("registration", "reads") if result.get(k)]
+    panels = [k for k in ("registration", "reads", "writes") if result.get(k)]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, key in zip(axes[0], panels):
         if key == "registration":
@@ -274,13 +329,14 @@ def plot(path, result):
             ax.set_ylabel("µs")
             ax.set_title("Registration by size (Fig. 5.8)")
         else:
-            for system in SYSTEMS:
-                pts = [m for m in result["reads"]["medians"] if m["system"] == system]
+            systems = SYSTEMS if key == "reads" else WRITE_SYSTEMS
+            for system in systems:
+                pts = [m for m in result[key]["medians"] if m["system"] == system]
                 ax.plot([p["threads"] for p in pts], [p["iops_per_target_core"] for p in pts], "o-", label=system)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("client threads (QD 1 each)")
             ax.set_ylabel("IOPS per target core")
-            ax.set_title("4 KiB random reads (Fig. 5.2)")
+            ax.set_title("4 KiB random reads (Fig. 5.2)" if key == "reads" else "4 KiB FUA writes (Fig. 5.12)")
         ax.legend()
         ax.grid(True, alpha=0.3)
     fig.suptitle(result["placement_text"])
@@ -296,6 +352,8 @@ def main():
     p.add_argument("--dir", default="/var/tmp", help="where the array and file go")
     p.add_argument("--no-registration", action="store_true")
     p.add_argument("--no-reads", action="store_true")
+    p.add_argument("--no-writes", action="store_true")
+    p.add_argument("--write-threads", default="1,4,16,64")
     p.add_argument("--reg-sizes", default="4K,1M,1G,64G,1T,8T")
     p.add_argument("--reg-repeat", type=int, default=200)
     p.add_argument("--dram-max", default="4G", help="largest DRAM buffer actually pinned")
@@ -310,6 +368,7 @@ def main():
     a.dram_max = size_of(a.dram_max)
     a.size = size_of(a.size)
     a.threads = [int(t) for t in a.threads.split(",")]
+    a.write_threads = [int(t) for t in a.write_threads.split(",")]
     result = {"placement": a.pl.record(), "placement_text": a.pl.describe(),
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="flashnet-") as scratch:
@@ -318,6 +377,9 @@ def main():
         if not a.no_reads:
             records, medians = reads(a, scratch)
             result["reads"] = {"records": records, "medians": medians, "size": a.size}
+        if not a.no_writes:
+            records, medians = writes(a, scratch)
+            result["writes"] = {"records": records, "medians": medians, "size": a.size}
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, "flashnet-" + time.strftime("%Y%m%d-%H%M%S"))
     with open(stem + ".json", "w") as f:

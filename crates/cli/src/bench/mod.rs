@@ -123,6 +123,9 @@ pub struct BenchArgs {
     /// timed phase meets warm caches and directories: ODAFS's second pass.
     #[arg(long)]
     warm: bool,
+    /// Every write carries FUA: it completes only once it is durable (synchronous writes).
+    #[arg(long)]
+    fua: bool,
     #[command(flatten)]
     reconnect: crate::reconnect::ReconnectArgs,
     #[command(flatten)]
@@ -346,6 +349,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         duration: args.duration,
         verify: args.verify,
         warm: args.warm,
+        fua: args.fua,
         seed: args.seed,
         pace: args.rate.map(|rate| Duration::from_secs_f64(args.threads as f64 / rate as f64)),
     };

@@ -99,6 +99,8 @@ pub struct Workload {
     pub verify: bool,
     /// Read the whole region once before the timed phase.
     pub warm: bool,
+    /// Writes carry FUA.
+    pub fua: bool,
     pub seed: u64,
     /// Open loop: start an I/O every this long (each thread its share of `--rate`), whatever
     /// is in flight; `None` keeps the queue full.
@@ -381,7 +383,10 @@ impl<Q: BenchQueue> Runner<'_, Q> {
         slot.started = Instant::now();
         let submitted = match op {
             Opcode::Read => self.lane.submit_read(offset, buf, i as u64),
-            _ => self.lane.submit_write(offset, buf, ReqFlags::empty(), i as u64),
+            _ => {
+                let flags = if self.w.fua { ReqFlags::FUA } else { ReqFlags::empty() };
+                self.lane.submit_write(offset, buf, flags, i as u64)
+            }
         };
         submitted.map_err(|rejected| {
             self.slots[i].buf = rejected.buf;
