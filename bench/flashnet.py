@@ -186,13 +186,19 @@ def warm(a, addr, export, size):
                      "--qd", "8", "--size", str(size), "--duration", "1ms", "--warm", "--json"]))
 
 
+def file_and_array(a, scratch, prefix, array_bytes):
+    """A file of --size for the file export, and a formatted array of `array_bytes`."""
+    data = os.path.join(scratch, f"{prefix}file.img")
+    with open(data, "wb") as f:
+        f.truncate(a.size)
+    array = os.path.join(scratch, f"{prefix}array.img")
+    format_array(a, array, array_bytes)
+    return data, array
+
+
 def reads(a, scratch):
     size = a.size
-    data = os.path.join(scratch, "file.img")
-    with open(data, "wb") as f:
-        f.truncate(size)
-    array = os.path.join(scratch, "array.img")
-    format_array(a, array, size * 2 + (256 << 20))
+    data, array = file_and_array(a, scratch, "", size * 2 + (256 << 20))
     # Volume made and filled once; every run starts a target over the array again.
     t = Target(a, ["--flash", array, "--flash-cache", str(size + (64 << 20))])
     try:
@@ -263,11 +269,8 @@ def reads(a, scratch):
 
 def writes(a, scratch):
     size = a.size
-    data = os.path.join(scratch, "wfile.img")
-    with open(data, "wb") as f:
-        f.truncate(size)
-    array = os.path.join(scratch, "warray.img")
-    format_array(a, array, size * 4 + (256 << 20))
+    # Room for the volume four times over: random overwrites keep the cleaner light.
+    data, array = file_and_array(a, scratch, "w", size * 4 + (256 << 20))
     t = Target(a, ["--flash", array])
     try:
         t.vol(a, "create", "v", "--size", str(size))
