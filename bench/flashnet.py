@@ -26,6 +26,10 @@ One invocation measures, on files in --dir (/var/tmp by default):
   filled with data first (a never-written page costs nothing to read). QD 1 latency is the
   T = 1 point. Systems alternate within each round; medians of --repeat rounds.
   The thesis's (b), socket + sendfile, is not built (the file export has no sendfile mode).
+- **Latency and bandwidth by read size** (thesis Figures 5.9 and 5.10; --no-sizes skips it):
+  random reads of each of --read-sizes at QD 1 on one thread, `file` (O_DIRECT) against a
+  resident `flash` volume and `flash-direct`, each with the client's polling off and `hybrid`
+  (spin before sleeping): median latency and MB/s. The target serves I/Os up to 32 MiB.
 - **Synchronous writes per target core** (thesis Figures 5.12; --no-writes skips it): 4 KiB
   random writes with FUA (`skiff bench --fua`: each completes once durable), one outstanding
   per thread, T in --write-threads, against `file` (O_DIRECT and O_DSYNC on ext4), `flash`
@@ -267,6 +271,62 @@ def reads(a, scratch):
     return records, medians
 
 
+def sizes(a, scratch):
+    size = a.size
+    data, array = file_and_array(a, scratch, "s", size * 2 + (256 << 20))
+    t = Target(a, ["--flash", array, "--flash-cache", str(size + (64 << 20))])
+    try:
+        t.vol(a, "create", "v", "--size", str(size))
+        fill(a, t.addr, "v", size)
+    finally:
+        t.stop()
+    t = Target(a, ["--export", f"vol=file:{data}"])
+    try:
+        fill(a, t.addr, "vol", size)
+    finally:
+        t.stop()
+    systems = ["file", "flash", "flash-direct"]
+    records = []
+    for bs in a.read_sizes:
+        for poll in ("off", "hybrid"):
+            for rnd in range(a.repeat):
+                for system in rotate(systems, rnd):
+                    if system == "file":
+                        argv, export = ["--export", f"vol=file:{data}"], "vol"
+                    else:
+                        argv, export = ["--flash", array, "--flash-cache", str(size + (64 << 20))], "v"
+                    target = Target(a, argv + ["--io-max", "32M"])
+                    try:
+                        if system != "file":
+                            warm(a, target.addr, export, size)
+                        bench = [a.skiff, "bench", "--target", target.addr, "--export", export, "--rw", "randread",
+                                 "--bs", str(bs), "--qd", "1", "--size", str(size), "--duration", a.runtime,
+                                 "--poll", poll, "--json"]
+                        if system == "flash-direct":
+                            bench.append("--direct-reads")
+                        out = json.loads(run(a.pl.client(bench)))
+                    finally:
+                        target.stop()
+                    rec = {"system": system, "bs": bs, "poll": poll, "round": rnd, "iops": out["iops"],
+                           "lat_us": out["lat_us"], "mb_s": out["iops"] * bs / 1e6,
+                           "server_cpu_us_per_io": out["server_cpu_us_per_io"]}
+                    records.append(rec)
+                    print(f"  {human(bs):>4} poll={poll:6} {system:12} p50 {rec['lat_us']['p50']:9.1f} µs "
+                          f"{rec['mb_s']:8.1f} MB/s", file=sys.stderr)
+    medians = [median_record([r for r in records if (r["bs"], r["poll"], r["system"]) == (bs, poll, s)], key="mb_s")
+               for bs in a.read_sizes for poll in ("off", "hybrid") for s in systems]
+    print("\n## Random reads at QD 1 by size (Figures 5.9, 5.10)\n")
+    print(f"placement: {a.pl.describe()}; one thread; medians of {a.repeat}; median latency µs / MB/s\n")
+    print("| size | poll | " + " | ".join(systems) + " |")
+    print("|---:|---|" + "---:|" * len(systems))
+    for bs in a.read_sizes:
+        for poll in ("off", "hybrid"):
+            row = {m["system"]: m for m in medians if (m["bs"], m["poll"]) == (bs, poll)}
+            cells = [f"{row[s]['lat_us']['p50']:,.1f} / {row[s]['mb_s']:,.0f}" for s in systems]
+            print(f"| {human(bs)} | {poll} | " + " | ".join(cells) + " |")
+    return records, medians
+
+
 def writes(a, scratch):
     size = a.size
     # Room for the volume four times over: random overwrites keep the cleaner light.
@@ -320,7 +380,7 @@ def plot(path, result):
     except ImportError:
         print("(no matplotlib: no plot)", file=sys.stderr)
         return
-    panels = [k for k in ("registration", "reads", "writes") if result.get(k)]
+    panels = [k for k in ("registration", "reads", "sizes", "writes") if result.get(k)]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, key in zip(axes[0], panels):
         if key == "registration":
@@ -331,6 +391,15 @@ def plot(path, result):
             ax.set_xlabel("bytes registered")
             ax.set_ylabel("µs")
             ax.set_title("Registration by size (Fig. 5.8)")
+        elif key == "sizes":
+            for system in ("file", "flash", "flash-direct"):
+                for poll, style in (("off", "o-"), ("hybrid", "s--")):
+                    pts = [m for m in result["sizes"]["medians"] if (m["system"], m["poll"]) == (system, poll)]
+                    ax.loglog([p["bs"] for p in pts], [p["lat_us"]["p50"] for p in pts], style,
+                              label=f"{system}, poll {poll}")
+            ax.set_xlabel("read size (bytes), QD 1")
+            ax.set_ylabel("median latency (µs)")
+            ax.set_title("Latency by read size (Fig. 5.9)")
         else:
             systems = SYSTEMS if key == "reads" else WRITE_SYSTEMS
             for system in systems:
@@ -356,6 +425,8 @@ def main():
     p.add_argument("--no-registration", action="store_true")
     p.add_argument("--no-reads", action="store_true")
     p.add_argument("--no-writes", action="store_true")
+    p.add_argument("--no-sizes", action="store_true")
+    p.add_argument("--read-sizes", default="4K,64K,1M,8M,32M")
     p.add_argument("--write-threads", default="1,4,16,64")
     p.add_argument("--reg-sizes", default="4K,1M,1G,64G,1T,8T")
     p.add_argument("--reg-repeat", type=int, default=200)
@@ -372,6 +443,7 @@ def main():
     a.size = size_of(a.size)
     a.threads = [int(t) for t in a.threads.split(",")]
     a.write_threads = [int(t) for t in a.write_threads.split(",")]
+    a.read_sizes = [size_of(s) for s in a.read_sizes.split(",")]
     result = {"placement": a.pl.record(), "placement_text": a.pl.describe(),
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="flashnet-") as scratch:
@@ -380,6 +452,9 @@ def main():
         if not a.no_reads:
             records, medians = reads(a, scratch)
             result["reads"] = {"records": records, "medians": medians, "size": a.size}
+        if not a.no_sizes:
+            records, medians = sizes(a, scratch)
+            result["sizes"] = {"records": records, "medians": medians, "size": a.size}
         if not a.no_writes:
             records, medians = writes(a, scratch)
             result["writes"] = {"records": records, "medians": medians, "size": a.size}
