@@ -1736,8 +1736,8 @@ fn same(n: usize, status: u16) -> Vec<u16> {
 #[test]
 fn r01_an_unknown_opcode_is_unknown_opcode() {
     let (_t, mut p, vol, _) = requests_lane();
-    // Opcode 6 is DIRECT_READ (section 14): no longer unknown.
-    let cases: Vec<(Req, Vec<u8>)> = [0u8, 7, 8, 15, 16, 0x7F, 0x80, 0xFF]
+    // Opcodes 6 and 7 are DIRECT_READ and DIRECT_WRITE (section 14): no longer unknown.
+    let cases: Vec<(Req, Vec<u8>)> = [0u8, 8, 9, 15, 16, 0x7F, 0x80, 0xFF]
         .iter()
         .enumerate()
         .map(|(i, &op)| {
