@@ -350,6 +350,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         verify: args.verify,
         warm: args.warm,
         fua: args.fua,
+        earn: args.direct_reads && !matches!(args.rw, Rw::Read | Rw::Randread),
         seed: args.seed,
         pace: args.rate.map(|rate| Duration::from_secs_f64(args.threads as f64 / rate as f64)),
     };

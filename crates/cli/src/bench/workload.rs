@@ -101,6 +101,10 @@ pub struct Workload {
     pub warm: bool,
     /// Writes carry FUA.
     pub fua: bool,
+    /// Read one block before the timed phase, to earn the volume's reference (with the write
+    /// right) so that writes go direct from the first (`--direct-reads` on a workload that
+    /// writes).
+    pub earn: bool,
     pub seed: u64,
     /// Open loop: start an I/O every this long (each thread its share of `--rate`), whatever
     /// is in flight; `None` keeps the queue full.
@@ -226,6 +230,11 @@ impl<Q: BenchQueue> Runner<'_, Q> {
         }
         if self.w.warm {
             self.sweep(Opcode::Read)?;
+        }
+        if self.w.earn {
+            let i = self.free.pop().expect("every slot is free before the timed phase");
+            self.submit(i, Opcode::Read, 0)?;
+            self.drain()?;
         }
         phases.timed_start.wait();
         self.barriers_passed = 1;
