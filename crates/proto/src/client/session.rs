@@ -553,7 +553,7 @@ impl<B: IoBuf> ClientSession<B> {
         }
         let seq = self.next_seq;
         self.next_seq += 1;
-        let (opcode, flags, cap) = self.choose_read(opcode, flags, offset, length);
+        let (opcode, flags, cap) = self.choose_direct(opcode, flags, offset, length);
         let pending = Pending {
             opcode,
             length,
@@ -597,7 +597,7 @@ impl<B: IoBuf> ClientSession<B> {
     /// otherwise asks the target for capabilities for what it reads; a write becomes a direct
     /// write when an extent with the write right covers it (and the capability fits the
     /// caravan beside the data).
-    fn choose_read(
+    fn choose_direct(
         &self,
         opcode: Opcode,
         flags: ReqFlags,
