@@ -200,27 +200,38 @@ def file_and_array(a, scratch, prefix, array_bytes):
     return data, array
 
 
-def reads(a, scratch):
-    size = a.size
-    data, array = file_and_array(a, scratch, "", size * 2 + (256 << 20))
-    # Volume made and filled once; every run starts a target over the array again.
-    t = Target(a, ["--flash", array, "--flash-cache", str(size + (64 << 20))])
+def resident(size):
+    """A page pool that holds a volume of `size` whole."""
+    return str(size + (64 << 20))
+
+
+def filled_file_and_volume(a, scratch, prefix):
+    """The file and an array holding volume `v`, both of --size and filled with data, made once:
+    every run starts a target over them again."""
+    data, array = file_and_array(a, scratch, prefix, a.size * 2 + (256 << 20))
+    t = Target(a, ["--flash", array, "--flash-cache", resident(a.size)])
     try:
-        t.vol(a, "create", "v", "--size", str(size))
-        fill(a, t.addr, "v", size)
+        t.vol(a, "create", "v", "--size", str(a.size))
+        fill(a, t.addr, "v", a.size)
     finally:
         t.stop()
     t = Target(a, ["--export", f"vol=file:{data}"])
     try:
-        fill(a, t.addr, "vol", size)
+        fill(a, t.addr, "vol", a.size)
     finally:
         t.stop()
+    return data, array
+
+
+def reads(a, scratch):
+    size = a.size
+    data, array = filled_file_and_volume(a, scratch, "")
 
     def serve_argv(system):
         if system == "file":
             return ["--export", f"vol=file:{data}"], "vol"
-        pool = size // 4 if system == "flash-direct-cold" else size + (64 << 20)
-        return ["--flash", array, "--flash-cache", str(pool)], "v"
+        pool = str(size // 4) if system == "flash-direct-cold" else resident(size)
+        return ["--flash", array, "--flash-cache", pool], "v"
 
     records = []
     for threads in a.threads:
@@ -264,7 +275,7 @@ def reads(a, scratch):
         print(f"| {threads} | " + " | ".join(cells) + f" | {ratio:.2f} |")
     one = {m["system"]: m for m in medians if m["threads"] == min(a.threads)}
     print(f"\nQD 1 latency at T = {min(a.threads)} (median µs): "
-          + ", ".join(f"{s} {one[s]['lat_us'].get('p50', one[s]['lat_us'].get('median', 0)):.1f}" for s in SYSTEMS))
+          + ", ".join(f"{s} {one[s]['lat_us']['p50']:.1f}" for s in SYSTEMS))
     cold = [m for m in medians if m["system"] == "flash-direct-cold"]
     faults = sum(m["direct_faults"] for m in cold)
     print(f"cold pool (a quarter of the volume): {faults:.0f} faults reached the initiator over all points")
@@ -273,18 +284,7 @@ def reads(a, scratch):
 
 def sizes(a, scratch):
     size = a.size
-    data, array = file_and_array(a, scratch, "s", size * 2 + (256 << 20))
-    t = Target(a, ["--flash", array, "--flash-cache", str(size + (64 << 20))])
-    try:
-        t.vol(a, "create", "v", "--size", str(size))
-        fill(a, t.addr, "v", size)
-    finally:
-        t.stop()
-    t = Target(a, ["--export", f"vol=file:{data}"])
-    try:
-        fill(a, t.addr, "vol", size)
-    finally:
-        t.stop()
+    data, array = filled_file_and_volume(a, scratch, "s")
     systems = ["file", "flash", "flash-direct"]
     records = []
     for bs in a.read_sizes:
@@ -294,7 +294,7 @@ def sizes(a, scratch):
                     if system == "file":
                         argv, export = ["--export", f"vol=file:{data}"], "vol"
                     else:
-                        argv, export = ["--flash", array, "--flash-cache", str(size + (64 << 20))], "v"
+                        argv, export = ["--flash", array, "--flash-cache", resident(size)], "v"
                     target = Target(a, argv + ["--io-max", "32M"])
                     try:
                         if system != "file":

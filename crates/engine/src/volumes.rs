@@ -176,12 +176,8 @@ impl FlashVolumes {
         if config.read_depth > 0 {
             array.start_reads(config.read_depth)?;
         }
-        let mut volumes = FlashVolumes::new(array, read_only, secret);
-        if let Some(store) = store {
-            volumes.secret = store.secret();
-            volumes.store = Some(store);
-        }
-        Ok(volumes)
+        let secret = store.as_ref().map_or(secret, |s| s.secret());
+        Ok(FlashVolumes { store, ..FlashVolumes::new(array, read_only, secret) })
     }
 
     /// Serve the volumes of `array`, open already (an in-memory array, for tests and the

@@ -10,8 +10,9 @@
 //! the directory learns that length from the first one it stores and finds the entry for a
 //! read from its offset alone. Extents (ranges of a volume of any size: a whole volume earned
 //! by a read, or a range registered) are few and large, like RDMA memory regions: they sit in
-//! a short list of their own, [`EXTENTS_MAX`] at most, searched first. A reference is a hint: it may be stale at any moment, and the
-//! target says so with a fault, after which the session drops it ([`Directory::forget`]).
+//! a short list of their own, [`EXTENTS_MAX`] at most, searched first. A reference is a hint:
+//! it may be stale at any moment, and the target says so with a fault, after which the session
+//! drops it ([`Directory::forget`]).
 
 use wire::{CapKind, Capability};
 
