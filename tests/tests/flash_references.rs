@@ -32,6 +32,7 @@ fn start_keeping(
             map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
             read_depth: server::FLASH_READ_DEPTH_DEFAULT,
             references,
+            rstore_pool: None,
         });
     })
 }
@@ -452,6 +453,7 @@ fn references_outlive_a_restart_with_their_file_and_so_do_revocations() {
             map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
             read_depth: server::FLASH_READ_DEPTH_DEFAULT,
             references: Some(refs.clone()),
+            rstore_pool: None,
         }),
         listen: vec![Endpoint::Tcp("127.0.0.1:0".into())],
         ..server::TargetConfig::default()

@@ -15,6 +15,7 @@ fn with_flash(devices: &[std::path::PathBuf], exports: &[&str], keys: Vec<proto:
             map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
             read_depth: server::FLASH_READ_DEPTH_DEFAULT,
             references: None,
+            rstore_pool: None,
         });
         c.keys = keys;
     })
@@ -158,6 +159,7 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
                 map_bytes: 4 * flash::ctl::LEAF_BYTES,
                 read_depth: server::FLASH_READ_DEPTH_DEFAULT,
                 references: None,
+                rstore_pool: None,
             });
             c.nbd_listen = vec![Endpoint::Tcp("127.0.0.1:0".into())];
         })

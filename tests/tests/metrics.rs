@@ -37,6 +37,7 @@ fn start() -> (Target, tempfile::TempDir) {
             map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
             read_depth: server::FLASH_READ_DEPTH_DEFAULT,
             references: None,
+            rstore_pool: None,
         });
     });
     (t, dir)

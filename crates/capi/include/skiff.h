@@ -132,7 +132,8 @@ uint32_t skiff_lane_in_flight(const skiff_lane *lane);
  * answer unusable), -EBUSY (other clients kept changing the namespace; try again).
  */
 #define SKIFF_SCOPE_RAM 0  /* the servers' memory */
-#define SKIFF_SCOPE_FILE 1 /* the servers' files (flash namespaces) */
+#define SKIFF_SCOPE_FILE 1 /* the servers' files */
+#define SKIFF_SCOPE_FLASH 2 /* the servers' flash volumes (skiff serve --pool flash:SIZE) */
 #define SKIFF_ALLOC_AT 0x01 /* skiff_rstore_alloc: at `at`, not after the last allocation */
 
 typedef struct skiff_rstore skiff_rstore;

@@ -542,6 +542,7 @@ pub unsafe extern "C" fn skiff_lane_reap(
 /// Scopes of `skiff_rstore_create_ns`, as in `skiff.h`.
 pub const SKIFF_SCOPE_RAM: u32 = 0;
 pub const SKIFF_SCOPE_FILE: u32 = 1;
+pub const SKIFF_SCOPE_FLASH: u32 = 2;
 /// `skiff_rstore_alloc` flag: allocate at `at`, not after the last allocation.
 pub const SKIFF_ALLOC_AT: u32 = 0x01;
 
@@ -727,8 +728,9 @@ pub unsafe extern "C" fn skiff_rstore_create_ns(
     let scope = match scope {
         SKIFF_SCOPE_RAM => coord::Scope::Ram,
         SKIFF_SCOPE_FILE => coord::Scope::File,
+        SKIFF_SCOPE_FLASH => coord::Scope::Flash,
         _ => {
-            set_error(format!("scope {scope}: SKIFF_SCOPE_RAM or SKIFF_SCOPE_FILE"));
+            set_error(format!("scope {scope}: SKIFF_SCOPE_RAM, SKIFF_SCOPE_FILE or SKIFF_SCOPE_FLASH"));
             return -libc::EINVAL;
         }
     };

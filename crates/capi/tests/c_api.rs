@@ -159,6 +159,7 @@ fn header_constants_match_the_protocol() {
     assert_eq!(define("SKIFF_FLAG_NO_DELAY"), u32::from(wire::ReqFlags::NO_DELAY.bits()));
     assert_eq!(define("SKIFF_SCOPE_RAM"), skiff::SKIFF_SCOPE_RAM);
     assert_eq!(define("SKIFF_SCOPE_FILE"), skiff::SKIFF_SCOPE_FILE);
+    assert_eq!(define("SKIFF_SCOPE_FLASH"), skiff::SKIFF_SCOPE_FLASH);
     assert_eq!(define("SKIFF_ALLOC_AT"), skiff::SKIFF_ALLOC_AT);
 }
 

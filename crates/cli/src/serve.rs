@@ -75,9 +75,9 @@ pub struct ServeArgs {
     /// target's references die with it (docs/DIRECT_READS.md, "Flash volumes").
     #[arg(long, value_name = "FILE", requires = "flash")]
     flash_references: Option<std::path::PathBuf>,
-    /// Be a memory server of RStore namespaces: donate RAM (ram:SIZE) or a file (file:PATH) as
-    /// a pool of chunks, served as export `pool` and registered with --coordinator
-    /// (docs/RSTORE.md).
+    /// Be a memory server of RStore namespaces: donate RAM (ram:SIZE), a file (file:PATH) or a
+    /// thin volume of the --flash array (flash:SIZE, volume `pool`) as a pool of chunks, served
+    /// as export `pool` and registered with --coordinator (docs/RSTORE.md).
     #[arg(long, value_name = "SPEC", requires = "coordinator")]
     pool: Option<String>,
     /// The coordinator a pool registers with: etcd's client URLs, comma-separated.
@@ -231,8 +231,18 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
         // The pool's chunks are reached with grants sealed under a key drawn here and
         // published in the registration alone (docs/RSTORE.md says who can read it).
         let key: [u8; proto::capability::KEY_LEN] = rt::random::bytes()?;
-        let grants = Some(server::GrantConfig { key, chunk_bytes: args.chunk });
-        args.exports.push(server::ExportConfig { grants, ..p.export.clone() });
+        match &p.export {
+            Some(export) => {
+                let grants = Some(server::GrantConfig { key, chunk_bytes: args.chunk });
+                args.exports.push(server::ExportConfig { grants, ..export.clone() });
+            }
+            None if args.flash.is_empty() => {
+                return Err(
+                    "--pool flash:SIZE donates a volume of the flash array: give --flash DEVICE".into()
+                )
+            }
+            None => {}
+        }
         grant_key = Some(key);
     }
     if args.exports.is_empty() && args.flash.is_empty() {
@@ -280,6 +290,8 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
     if listen.is_empty() && nbd_listen.is_empty() {
         return Err("nothing to listen on: --no-tcp needs --unix, --eth, --nbd or --nbd-unix".into());
     }
+    // Drawn before it is known whether the flash pool needs it (new, or not stopped cleanly).
+    let fresh_incarnation = u64::from_le_bytes(rt::random::bytes::<8>()?) | 1;
     let config = TargetConfig {
         listen,
         nbd_listen,
@@ -298,6 +310,16 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
             map_bytes: args.flash_map_budget,
             read_depth: args.flash_read_depth,
             references: args.flash_references.clone(),
+            rstore_pool: match (&pool, &grant_key) {
+                (Some(p), Some(key)) if p.export.is_none() => Some(server::PoolVolume {
+                    name: pool::POOL_EXPORT.into(),
+                    size_bytes: p.bytes,
+                    key: *key,
+                    chunk_bytes: args.chunk,
+                    fresh_incarnation,
+                }),
+                _ => None,
+            },
         }),
     };
     // Before any thread starts, so that every thread inherits the blocked mask and the signal
@@ -331,7 +353,12 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                 scope: p.scope,
                 bytes: p.bytes - p.bytes % args.chunk,
                 chunk_bytes: args.chunk,
-                incarnation: pool::incarnation(p)?,
+                incarnation: match p.scope {
+                    coord::Scope::Flash => {
+                        target.flash_pool_incarnation().ok_or("the flash pool has no volume")?
+                    }
+                    _ => pool::incarnation(p)?,
+                },
                 grant_key: coord::encode_key(grant_key),
                 boot: u64::from_le_bytes(rt::random::bytes::<8>()?),
             };

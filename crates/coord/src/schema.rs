@@ -54,13 +54,15 @@ pub const TXN_OPS_MAX: usize = 120;
 /// at any size.
 pub const POOL_CHUNKS_MAX: u64 = 1 << 22;
 
-/// What a pool (and a namespace) is made of: RAM (FlashNet's DRAM namespaces) or a file
-/// (flash namespaces, thesis 7.4).
+/// What a pool (and a namespace) is made of: RAM (FlashNet's DRAM namespaces), a file, or a
+/// volume of a flash array (FlashNet's flash namespaces, thesis chapter 7: chunks are volume
+/// ranges, allocated on flash only where written).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Scope {
     Ram,
     File,
+    Flash,
 }
 
 impl std::fmt::Display for Scope {
@@ -68,6 +70,7 @@ impl std::fmt::Display for Scope {
         f.write_str(match self {
             Scope::Ram => "ram",
             Scope::File => "file",
+            Scope::Flash => "flash",
         })
     }
 }
@@ -78,7 +81,8 @@ impl std::str::FromStr for Scope {
         match s {
             "ram" => Ok(Scope::Ram),
             "file" => Ok(Scope::File),
-            _ => Err(format!("{s:?} is not a scope (ram or file)")),
+            "flash" => Ok(Scope::Flash),
+            _ => Err(format!("{s:?} is not a scope (ram, file or flash)")),
         }
     }
 }

@@ -19,6 +19,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use backend::Backend;
 pub use flash;
 use flash::device::{Device, FileDevice};
 use flash::engine::{Array, Stats, VolumeInfo};
@@ -45,6 +46,70 @@ pub struct FlashConfig {
     /// Where the references' secret and the volumes' key epochs persist
     /// ([`crate::references`]); `None`: references die with the target.
     pub references: Option<PathBuf>,
+    /// A volume served as an RStore pool (`skiff serve --pool flash:SIZE`), if any.
+    pub rstore_pool: Option<PoolVolume>,
+}
+
+/// A flash volume donated to RStore (thesis chapter 7): served as a pool, byte-addressed and
+/// reached with chunk grants alone, never with extents, and held out of `VOLUME` changes
+/// (resize, snapshot, clone, delete) while it is one. Made thin at the first start, so that
+/// chunks take flash only where namespaces write them; a namespace given back is zeroed by
+/// unmapping its pages.
+///
+/// Beside it a one-page volume, `NAME.state` ([`state_volume`]), keeps the pool's incarnation
+/// (`coord::ServerInfo::incarnation`) and whether the target stopped cleanly. Writes to the
+/// pool are acknowledged once in the array's page pool: a target killed before they were
+/// written back loses them, so after a stop that was not clean the pool takes a new
+/// incarnation and namespaces rebuild their copies on it in full rather than trust them. After
+/// a clean stop (everything written back first) it keeps the old one, and namespaces find
+/// their chunks' data where they left it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PoolVolume {
+    /// The volume's name, which is also the export's.
+    pub name: String,
+    pub size_bytes: u64,
+    /// The key the pool's chunk grants are sealed with.
+    pub key: [u8; proto::capability::KEY_LEN],
+    pub chunk_bytes: u64,
+    /// The incarnation the pool takes when it is new or its last stop was not clean (drawn by
+    /// the driver: nonzero, and unlike any earlier one).
+    pub fresh_incarnation: u64,
+}
+
+/// The volume that keeps pool `name`'s incarnation and clean-stop mark.
+pub fn state_volume(name: &str) -> String {
+    format!("{name}.state")
+}
+
+/// The state page: magic, incarnation (u64 LE), clean (one byte, 1 after a clean stop).
+const STATE_MAGIC: &[u8; 8] = b"skfpool1";
+
+fn encode_state(incarnation: u64, clean: bool) -> Vec<u8> {
+    let mut page = vec![0u8; flash::layout::PAGE];
+    page[..8].copy_from_slice(STATE_MAGIC);
+    page[8..16].copy_from_slice(&incarnation.to_le_bytes());
+    page[16] = u8::from(clean);
+    page
+}
+
+/// The incarnation and clean mark a state page holds, if it holds them.
+fn decode_state(page: &[u8]) -> Option<(u64, bool)> {
+    if page.len() < 17 || &page[..8] != STATE_MAGIC || page[16] > 1 {
+        return None;
+    }
+    let incarnation = u64::from_le_bytes(page[8..16].try_into().ok()?);
+    (incarnation != 0).then_some((incarnation, page[16] == 1))
+}
+
+impl std::fmt::Debug for PoolVolume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolVolume")
+            .field("name", &self.name)
+            .field("size_bytes", &self.size_bytes)
+            .field("chunk_bytes", &self.chunk_bytes)
+            .field("fresh_incarnation", &self.fresh_incarnation)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Pool misses read asynchronously at once when nothing else is asked.
@@ -84,6 +149,22 @@ pub enum VolumeError {
     Table(AddError),
     #[error("the target serves {0} exports, the most it lists (NBD's bound): delete some first")]
     TooManyExports(usize),
+    #[error("volume {0:?} is the RStore pool this target serves (--pool flash:SIZE): it is not resized, copied or deleted while it is one")]
+    Pool(String),
+}
+
+/// The export of the pool volume: RStore addresses bytes (reads and writes at any offset and
+/// length, one-byte flags), and every request is judged by the chunk grant its connection
+/// holds. No extents: they would reach past the chunks granted.
+fn pool_export(pool: &PoolVolume, volume: FlashVolume, read_only: bool) -> Result<Export, FlashError> {
+    let chunks = volume.size_bytes() / pool.chunk_bytes.max(1);
+    let grants = proto::grant::PoolGrants::new(pool.key, pool.chunk_bytes, chunks)
+        .map_err(|e| FlashError::BadSize(format!("RStore pool {:?}: {e}", pool.name)))?;
+    let layer = |e: backend::BackendError| FlashError::BadSize(format!("RStore pool {:?}: {e}", pool.name));
+    Export::new(&pool.name, Arc::new(volume), read_only)
+        .with_block_bytes(1)
+        .and_then(|e| e.with_layer(Arc::new(crate::layer::Grants(Arc::new(grants)))))
+        .map_err(layer)
 }
 
 fn flash_message(name: &str, e: &FlashError) -> String {
@@ -111,7 +192,7 @@ impl VolumeError {
                 FlashError::HasChildren { .. } | FlashError::Busy(_) => Status::Busy,
                 FlashError::Corrupt(_) | FlashError::Failed | FlashError::Device(_) => Status::IoError,
             },
-            VolumeError::NotAVolume(_) => Status::Invalid,
+            VolumeError::NotAVolume(_) | VolumeError::Pool(_) => Status::Invalid,
             VolumeError::ExportName(_) => Status::Exists,
             VolumeError::InUse { .. } => Status::Busy,
             VolumeError::Table(AddError::NameTaken(_)) => Status::Exists,
@@ -135,6 +216,8 @@ pub struct FlashVolumes {
     secret: [u8; proto::capability::KEY_LEN],
     /// Where the secret and the epochs persist, when they do.
     store: Option<Arc<ReferenceStore>>,
+    /// The volume served as an RStore pool, if one is, and the incarnation it serves in.
+    pool: Option<(PoolVolume, u64)>,
 }
 
 impl std::fmt::Debug for FlashVolumes {
@@ -177,7 +260,76 @@ impl FlashVolumes {
             array.start_reads(config.read_depth)?;
         }
         let secret = store.as_ref().map_or(secret, |s| s.secret());
-        Ok(FlashVolumes { store, ..FlashVolumes::new(array, read_only, secret) })
+        let volumes = FlashVolumes { store, ..FlashVolumes::new(array, read_only, secret) };
+        match &config.rstore_pool {
+            Some(pool) => volumes.with_pool(pool.clone()),
+            None => Ok(volumes),
+        }
+    }
+
+    /// Serve `pool.name` as an RStore pool: made (thin) if the array has no such volume, grown
+    /// if it is smaller than `pool.size_bytes`; refused if it is larger (its chunks past the
+    /// size asked would be lost to the namespaces that hold them), a snapshot, or a clone, or
+    /// if the target is read-only. Its state volume says which incarnation it serves in
+    /// ([`PoolVolume`]); it is marked "not clean" (durably) before anything is served.
+    pub fn with_pool(mut self, pool: PoolVolume) -> Result<FlashVolumes, FlashError> {
+        if self.read_only {
+            return Err(FlashError::ReadOnly);
+        }
+        let existed = match self.array.list().into_iter().find(|v| v.name == pool.name) {
+            None => {
+                self.array.create(&pool.name, pool.size_bytes)?;
+                tracing::info!(volume = %pool.name, size_bytes = pool.size_bytes, "made the RStore pool's volume (thin)");
+                false
+            }
+            Some(v) if !v.writable || v.origin.is_some() => {
+                return Err(FlashError::BadSize(format!(
+                    "volume {:?} is a snapshot or a clone: it cannot serve as an RStore pool",
+                    pool.name
+                )))
+            }
+            Some(v) if v.size_bytes > pool.size_bytes.next_multiple_of(flash::layout::PAGE as u64) => {
+                return Err(FlashError::BadSize(format!(
+                    "volume {:?} holds an RStore pool of {} bytes: a pool of {} would drop the chunks past it; give at least its size",
+                    pool.name, v.size_bytes, pool.size_bytes
+                )))
+            }
+            Some(v) => {
+                if v.size_bytes < pool.size_bytes {
+                    self.array.resize(&pool.name, pool.size_bytes)?;
+                }
+                true
+            }
+        };
+        let state = state_volume(&pool.name);
+        let vol = match self.array.id_of(&state) {
+            Ok(vol) => vol,
+            Err(FlashError::NoSuchVolume) => self.array.create(&state, flash::layout::PAGE as u64)?,
+            Err(e) => return Err(e),
+        };
+        let mut page = vec![0u8; flash::layout::PAGE];
+        self.array.read(vol, 0, &mut page)?;
+        let incarnation = match decode_state(&page) {
+            Some((incarnation, true)) if existed => incarnation,
+            Some(_) if existed => {
+                tracing::warn!(volume = %pool.name, "the RStore pool's last stop was not clean: writes acknowledged before it may be lost, so it serves as a new pool and namespaces rebuild their copies here in full");
+                pool.fresh_incarnation
+            }
+            _ => pool.fresh_incarnation,
+        };
+        self.array.write(vol, 0, &encode_state(incarnation, false), true)?;
+        self.pool = Some((pool, incarnation));
+        Ok(self)
+    }
+
+    /// Which life of the pool volume's data this is (`coord::ServerInfo::incarnation`).
+    pub fn pool_incarnation(&self) -> Option<u64> {
+        self.pool.as_ref().map(|(_, incarnation)| *incarnation)
+    }
+
+    /// Whether `name` is the pool's volume or its state volume.
+    fn is_pool(&self, name: &str) -> bool {
+        self.pool.as_ref().is_some_and(|(p, _)| p.name == name || state_volume(&p.name) == name)
     }
 
     /// Serve the volumes of `array`, open already (an in-memory array, for tests and the
@@ -190,6 +342,7 @@ impl FlashVolumes {
             exports_max: nbd::EXPORTS_MAX,
             secret,
             store: None,
+            pool: None,
         }
     }
 
@@ -204,11 +357,16 @@ impl FlashVolumes {
 
     /// One export per volume, in name order: what a target serves when it starts.
     pub fn exports(&self) -> Result<Vec<Export>, FlashError> {
-        self.array.list().iter().map(|v| self.export_of(&v.name)).collect()
+        let state = self.pool.as_ref().map(|(p, _)| state_volume(&p.name));
+        let volumes = self.array.list().into_iter().filter(|v| Some(&v.name) != state.as_ref());
+        volumes.map(|v| self.export_of(&v.name)).collect()
     }
 
     fn export_of(&self, name: &str) -> Result<Export, FlashError> {
         let volume = FlashVolume::open(self.array.clone(), name)?;
+        if let Some((pool, _)) = self.pool.as_ref().filter(|(p, _)| p.name == name) {
+            return pool_export(pool, volume, self.read_only);
+        }
         let id = volume.id();
         // A snapshot's backend says it is read-only; `read_only` makes every volume so.
         let mut export = Export::new(name, Arc::new(volume), self.read_only);
@@ -223,6 +381,12 @@ impl FlashVolumes {
     /// Write back everything and checkpoint, so that the next start has nothing to replay.
     /// Called once no worker runs any more.
     pub fn shutdown(&self) -> Result<(), FlashError> {
+        if let Some((pool, incarnation)) = &self.pool {
+            // Everything acknowledged on flash first; only then is the pool marked clean.
+            self.array.flush()?;
+            let vol = self.array.id_of(&state_volume(&pool.name))?;
+            self.array.write(vol, 0, &encode_state(*incarnation, true), true)?;
+        }
         self.array.shutdown()
     }
 
@@ -377,6 +541,9 @@ impl FlashVolumes {
 
     /// The table index of volume `name`; refused for a name that is not a volume's.
     fn volume_index(&self, name: &str, table: &ExportTable) -> Result<u32, VolumeError> {
+        if self.is_pool(name) {
+            return Err(VolumeError::Pool(name.to_owned()));
+        }
         match table.find(name) {
             Some((index, _)) if table.is_fixed(index) => Err(VolumeError::NotAVolume(name.to_owned())),
             Some((index, _)) => Ok(index),
@@ -625,5 +792,140 @@ mod tests {
         };
         assert_eq!(stats.get("volumes"), Some(2));
         assert!(stats.get("capacity_bytes").unwrap() > stats.get("free_bytes").unwrap());
+    }
+
+    /// A device the test keeps a handle on, to take its image while an array runs on it (what
+    /// the devices hold when the target is killed).
+    struct Kept(Arc<MemDevice>);
+
+    impl Device for Kept {
+        fn pages(&self) -> u64 {
+            self.0.pages()
+        }
+        fn read(&self, page: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.0.read(page, buf)
+        }
+        fn write(&self, page: u64, buf: &[u8]) -> std::io::Result<()> {
+            self.0.write(page, buf)
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            self.0.sync()
+        }
+        fn name(&self) -> String {
+            self.0.name()
+        }
+    }
+
+    fn pool_on(image: Option<Vec<u8>>, fresh: u64) -> Result<(FlashVolumes, Arc<MemDevice>), FlashError> {
+        let pages = flash::engine::DATA_START + 40 * u64::from(SEGMENT_PAGES);
+        let formatted = image.is_none();
+        let dev = Arc::new(image.map_or_else(|| MemDevice::new(pages), MemDevice::from_image));
+        let devs: Vec<Box<dyn Device>> = vec![Box::new(Kept(dev.clone()))];
+        if formatted {
+            flash::engine::format(&devs, SEGMENT_PAGES, false).unwrap();
+        }
+        let array = Array::open(devs, flash::ctl::Config { pool_pages: 256, ..Default::default() }).unwrap();
+        let pool = PoolVolume {
+            name: "pool".into(),
+            size_bytes: 1 << 30,
+            key: [9; 32],
+            chunk_bytes: 1 << 20,
+            fresh_incarnation: fresh,
+        };
+        Ok((FlashVolumes::new(array, false, [7; 32]).with_pool(pool)?, dev))
+    }
+
+    /// A pool volume is thin (1 GiB on an array of a few MiB), served byte-addressed with
+    /// grants and no extents, its state volume hidden, and both held out of VOLUME changes.
+    #[test]
+    fn a_pool_volume_is_thin_granted_and_held_out_of_volume_changes() {
+        let (v, _dev) = pool_on(None, 11).unwrap();
+        let t = ExportTable::with_room(Vec::new(), 8);
+        let told = Told::default();
+        for e in v.exports().unwrap() {
+            t.add(e, |_| {}).unwrap();
+        }
+        assert_eq!(t.len(), 1, "the state volume is not an export");
+        let (_, pool) = t.find("pool").unwrap();
+        assert_eq!((pool.backend.size_bytes(), pool.block_size()), (1 << 30, 1));
+        assert!(pool.grants().is_some() && pool.judges_requests() && pool.direct.is_none());
+        assert_eq!(pool.grants().unwrap().chunk_bytes(), 1 << 20);
+        let info = v.array().list();
+        assert!(
+            info.iter().all(|i| i.allocated_bytes <= 4096),
+            "nothing allocated but the state page: {info:?}"
+        );
+        // One byte at the last chunk's end: allocated where written, and only there.
+        pool.backend.write_at(&[0x5a], (1 << 30) - 1, false).unwrap();
+        let mut b = [0u8; 2];
+        pool.backend.read_at(&mut b, (1 << 30) - 2).unwrap();
+        assert_eq!(b, [0, 0x5a]);
+        for (r, says) in [
+            (req(VolumeOp::Resize, "pool", "", 2 << 30), "RStore pool"),
+            (req(VolumeOp::Delete, "pool", "", 0), "RStore pool"),
+            (req(VolumeOp::Snapshot, "s", "pool", 0), "RStore pool"),
+            (req(VolumeOp::Clone, "c", "pool", 0), "RStore pool"),
+            (req(VolumeOp::Delete, "pool.state", "", 0), "RStore pool"),
+            (req(VolumeOp::Create, "pool.state", "", 4096), "taken"),
+        ] {
+            let reply = run(&v, &t, &told, r.clone());
+            assert_ne!(reply.status, Status::Ok, "{r:?}");
+            assert!(reply.message.contains(says), "{r:?}: {}", reply.message);
+        }
+        assert_eq!(v.array().list().len(), 2, "nothing made or lost");
+        assert_eq!(pool_incarnation_of(&v), 11, "a new pool takes the fresh incarnation");
+    }
+
+    fn pool_incarnation_of(v: &FlashVolumes) -> u64 {
+        v.pool_incarnation().expect("a pool")
+    }
+
+    /// The incarnation survives a clean stop, with the data; a stop that was not clean (the
+    /// devices as they were while the target ran) gives a new one, since writes acknowledged
+    /// then may be missing. A pool asked smaller than its volume is refused.
+    #[test]
+    fn a_pool_keeps_its_incarnation_across_a_clean_stop_and_not_across_a_crash() {
+        let (v, dev) = pool_on(None, 21).unwrap();
+        v.export_of("pool").unwrap().backend.write_at(b"kept", 5 << 20, false).unwrap();
+        v.shutdown().unwrap();
+        let (v, dev) = pool_on(Some(dev.image()), 22).unwrap();
+        assert_eq!(pool_incarnation_of(&v), 21, "a clean stop keeps the incarnation");
+        let mut b = [0u8; 4];
+        v.export_of("pool").unwrap().backend.read_at(&mut b, 5 << 20).unwrap();
+        assert_eq!(&b, b"kept");
+        // Killed: what the devices hold while it runs (the state says "not clean").
+        v.export_of("pool").unwrap().backend.write_at(b"lost?", 6 << 20, false).unwrap();
+        let crashed = dev.image();
+        drop(v);
+        let (v, dev) = pool_on(Some(crashed), 23).unwrap();
+        assert_eq!(pool_incarnation_of(&v), 23, "after a crash the pool is a new one");
+        v.shutdown().unwrap();
+        let image = dev.image();
+        let (v, _) = pool_on(Some(image.clone()), 24).unwrap();
+        assert_eq!(pool_incarnation_of(&v), 23, "and keeps that one across the next clean stop");
+        drop(v);
+        let devs: Vec<Box<dyn Device>> = vec![Box::new(MemDevice::from_image(image))];
+        let array = Array::open(devs, flash::ctl::Config { pool_pages: 256, ..Default::default() }).unwrap();
+        let pool = PoolVolume {
+            name: "pool".into(),
+            size_bytes: 1 << 29,
+            key: [9; 32],
+            chunk_bytes: 1 << 20,
+            fresh_incarnation: 1,
+        };
+        let e = FlashVolumes::new(array, false, [7; 32]).with_pool(pool).expect_err("a smaller pool refused");
+        assert!(e.to_string().contains("give at least its size"), "{e}");
+    }
+
+    #[test]
+    fn a_state_page_parses_only_when_whole() {
+        assert_eq!(decode_state(&encode_state(5, true)), Some((5, true)));
+        assert_eq!(decode_state(&encode_state(5, false)), Some((5, false)));
+        assert_eq!(decode_state(&encode_state(0, true)), None, "no incarnation is 0");
+        assert_eq!(decode_state(&[0; 4096]), None);
+        let mut bad = encode_state(5, true);
+        bad[16] = 2;
+        assert_eq!(decode_state(&bad), None);
+        assert_eq!(decode_state(&bad[..10]), None);
     }
 }

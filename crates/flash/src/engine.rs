@@ -1678,6 +1678,11 @@ impl Array {
         Ok(sizes.entry(vol).or_insert_with(|| Arc::new(AtomicU64::new(bytes))).clone())
     }
 
+    /// The array's id, drawn when it was formatted (in every superblock and header).
+    pub fn id(&self) -> ArrayId {
+        self.id
+    }
+
     pub fn is_writable(&self, vol: VolId) -> bool {
         self.lock().volume(vol).is_ok_and(|v| v.writable)
     }

@@ -20,13 +20,23 @@ pub const POOL_EXPORT: &str = "pool";
 
 /// What `--pool` asked for.
 pub struct Pool {
-    pub export: server::ExportConfig,
+    /// The export that serves a `ram:` or `file:` pool; `None` for `flash:`, a volume of the
+    /// target's flash array ([`server::PoolVolume`]).
+    pub export: Option<server::ExportConfig>,
     pub scope: Scope,
     pub bytes: u64,
 }
 
-/// `ram:SIZE` or `file:PATH` (the file's size is the pool's).
+/// `ram:SIZE`, `file:PATH` (the file's size is the pool's) or `flash:SIZE` (a volume of the
+/// target's flash array, `--flash`).
 pub fn parse(spec: &str) -> Result<Pool, String> {
+    if let Some(size) = spec.strip_prefix("flash:") {
+        let bytes = backend::parse_size(size).map_err(|e| format!("--pool {spec}: {e}"))?;
+        if bytes == 0 {
+            return Err(format!("--pool {spec}: a pool must hold data"));
+        }
+        return Ok(Pool { export: None, scope: Scope::Flash, bytes });
+    }
     let mut export: server::ExportConfig =
         format!("{POOL_EXPORT}={spec}").parse().map_err(|e| format!("--pool {spec}: {e}"))?;
     // RStore addresses bytes: reads and writes at any offset and length, one-byte flags.
@@ -38,23 +48,26 @@ pub fn parse(spec: &str) -> Result<Pool, String> {
             (Scope::File, len)
         }
         backend::BackendSpec::Null { .. } => {
-            return Err(format!("--pool {spec}: a pool must hold data (ram: or file:)"))
+            return Err(format!("--pool {spec}: a pool must hold data (ram:, file: or flash:)"))
         }
     };
-    Ok(Pool { export, scope, bytes })
+    Ok(Pool { export: Some(export), scope, bytes })
 }
 
 /// The extended attribute that names a file pool: drawn when the file first serves as a pool.
 const POOL_ID_XATTR: &str = "user.skiff.pool";
 
 /// This process's incarnation of `pool`: new for RAM, whose data dies with the process. A
-/// file's is its pool id, kept in an extended attribute of the file (`user.skiff.pool`): the
+/// flash pool's is its volume's (`engine::volumes::FlashVolumes::pool_incarnation`), not
+/// this function's. A file's is its pool id, kept in an extended attribute of the file (`user.skiff.pool`): the
 /// same file comes back with the same one, so namespaces find their chunks' data there; a file
 /// that is not the one the server left with (replaced, recreated, restored from elsewhere)
 /// has none, draws a new one, and every copy namespaces held on it is rebuilt in full.
 pub fn incarnation(pool: &Pool) -> Result<u64, String> {
     let random = || rt::random::bytes::<8>().map(|b| u64::from_le_bytes(b) | 1).map_err(|e| e.to_string());
-    let backend::BackendSpec::File { path } = &pool.export.spec else { return random() };
+    let Some(backend::BackendSpec::File { path }) = pool.export.as_ref().map(|e| &e.spec) else {
+        return random();
+    };
     let file = std::fs::File::open(path).map_err(|e| format!("--pool file:{}: {e}", path.display()))?;
     let cannot = |e: std::io::Error| {
         format!(
@@ -244,17 +257,28 @@ mod tests {
     #[test]
     fn a_pool_is_ram_or_a_file_that_exists() {
         let ram = parse("ram:64M").unwrap();
-        assert_eq!((ram.scope, ram.bytes, ram.export.name.as_str()), (Scope::Ram, 64 << 20, POOL_EXPORT));
+        let name = |p: &Pool| p.export.as_ref().map(|e| e.name.clone());
+        assert_eq!((ram.scope, ram.bytes, name(&ram)), (Scope::Ram, 64 << 20, Some(POOL_EXPORT.into())));
         let file = tempfile::NamedTempFile::new().unwrap();
         file.as_file().set_len(8 << 20).unwrap();
         let f = parse(&format!("file:{}", file.path().display())).unwrap();
         assert_eq!((f.scope, f.bytes), (Scope::File, 8 << 20));
-        assert_eq!((ram.export.block_bytes, f.export.block_bytes), (Some(1), Some(1)), "pools address bytes");
-        assert_eq!(parse("ram:1M,block=512").unwrap().export.block_bytes, Some(512), "unless told otherwise");
+        let block = |p: &Pool| p.export.as_ref().and_then(|e| e.block_bytes);
+        assert_eq!((block(&ram), block(&f)), (Some(1), Some(1)), "pools address bytes");
+        assert_eq!(block(&parse("ram:1M,block=512").unwrap()), Some(512), "unless told otherwise");
+        let flash = parse("flash:64G").unwrap();
+        assert_eq!(
+            (flash.scope, flash.bytes, name(&flash)),
+            (Scope::Flash, 64 << 30, None),
+            "a volume, not an export"
+        );
         for (bad, says) in [
             ("null:1M", "must hold data"),
             ("file:/nonexistent/skiff-pool", "No such file"),
             ("ram:", "--pool ram:"),
+            ("flash:", "--pool flash:"),
+            ("flash:0", "must hold data"),
+            ("flash:lots", "--pool flash:lots"),
             ("disk:1G", "--pool disk:1G"),
         ] {
             let e = parse(bad).err().unwrap_or_else(|| panic!("{bad} was taken"));

@@ -36,7 +36,7 @@ use engine::{BackendSpec, Export, ExportTable, BLOCK_BYTES};
 use transport::{Endpoint, Listener};
 
 pub use engine::volumes::{
-    FlashConfig, MAP_BYTES_DEFAULT as FLASH_MAP_BYTES_DEFAULT, POOL_BYTES_DEFAULT,
+    FlashConfig, PoolVolume, MAP_BYTES_DEFAULT as FLASH_MAP_BYTES_DEFAULT, POOL_BYTES_DEFAULT,
     READ_DEPTH_DEFAULT as FLASH_READ_DEPTH_DEFAULT,
 };
 
@@ -467,9 +467,8 @@ impl Shared {
         timed: bool,
     ) -> Result<Shared, TargetError> {
         let (fixed, room) = (exports.fixed_len(), exports.capacity() - exports.fixed_len());
-        let serves_pool = exports.iter().any(|e| e.grants().is_some());
         let mut shared = Shared {
-            serves_pool,
+            serves_pool: false,
             repair: RepairStats::default(),
             exports,
             nbd: None,
@@ -486,6 +485,8 @@ impl Shared {
             config,
         };
         shared.export_volumes()?;
+        // A pool is an export given at start (`ram:`, `file:`) or a flash volume.
+        shared.serves_pool = shared.exports.iter().any(|e| e.grants().is_some());
         if !shared.config.nbd_listen.is_empty() {
             let c = shared.nbd_config(&shared.exports).map_err(TargetError::Nbd)?;
             shared.nbd = Some(RwLock::new(Arc::new(c)));
@@ -672,6 +673,12 @@ impl Target {
         let export = self.shared.exports.find(name)?.1;
         let grants = export.grants()?.clone();
         Some(Pool { grants, backend: export.backend.clone(), shared: self.shared.clone() })
+    }
+
+    /// Which life of the flash pool volume's data this is (`--pool flash:SIZE`), if the
+    /// target serves one ([`FlashVolumes::pool_incarnation`]).
+    pub fn flash_pool_incarnation(&self) -> Option<u64> {
+        self.shared.flash.as_ref()?.pool_incarnation()
     }
 
     /// Drop the cached blocks of export `name` that `len` bytes from `offset` touch: their
