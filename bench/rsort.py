@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """RSort weak scaling (thesis Figure 6.13) against GNU sort and a single-process in-memory sort.
 
-Starts a one-member etcd and two memory servers (`skiff serve --pool`, RAM by default, files
-with --flash), then for W = 1, 2, 4 workers at a fixed number of records per worker:
+Starts a one-member etcd and two memory servers of each scope of --scopes (`skiff serve --pool`:
+ram: RAM; file: a sparse file each; flash: a thin volume of --pool on an array of its own,
+FlashNet's flash namespaces, thesis 7.4), then for W = 1, 2, 4 workers at a fixed number of
+records per worker (RSort once per scope, the scopes alternating within each repetition):
 
   rsort        `skiff rsort gen`, then `skiff rsort sort --workers W` (W worker processes, two
                phases through RStore namespaces), then `skiff rsort check`
@@ -22,7 +24,7 @@ Median of --repeat runs of each. Placement: servers under `taskset -c 1`, the so
 two cores, so weak scaling cannot hold; the figure shows where the time goes.
 
     python3 bench/rsort.py                          # 200,000 records per worker, W = 1, 2, 4
-    python3 bench/rsort.py --per-worker 1000000 --flash
+    python3 bench/rsort.py --per-worker 1000000 --scopes ram,flash    # thesis 7.4: in memory and on flash
     python3 bench/rsort.py --per-worker 1000000 --spark --placement none
     python3 bench/rsort.py --total 4000000 --spark --placement none
 
@@ -40,12 +42,12 @@ import time
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import median_record, parse_bench_args  # noqa: E402
-from rstore import coordinator, log, memory_servers  # noqa: E402
+from rstore import coordinator, flash_pool, log, memory_servers  # noqa: E402
 
 
-def rsort(a, *args):
+def rsort(a, *args, scope="ram"):
     argv = a.pl.client([a.skiff, "rsort", "--coordinator", a.url, "--chunk", a.chunk, "--json",
-                        *(["--scope", "file"] if a.flash else []), *args])
+                        "--scope", scope, *args])
     p = subprocess.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"skiff rsort {' '.join(args)}: {p.stderr.strip()}")
@@ -92,7 +94,8 @@ def main():
     p.add_argument("--per-worker", type=int, default=200_000, help="records per worker (100 bytes each)")
     p.add_argument("--pool", default="1G", help="what each of the two memory servers donates")
     p.add_argument("--chunk", default="4M")
-    p.add_argument("--flash", action="store_true", help="file pools and file-scope namespaces (thesis 7.4)")
+    p.add_argument("--scopes", default="ram", help="ram, file, flash, or several (ram,flash), alternating")
+    p.add_argument("--flash-cache", default="256M", help="each flash server's page pool")
     p.add_argument("--total", type=int, help="fixed total work: this many records at every W (strong scaling) "
                                              "instead of --per-worker records per worker")
     p.add_argument("--spark", action="store_true",
@@ -103,25 +106,40 @@ def main():
     runs = {}
     with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch, coordinator(a, scratch):
         pools = []
-        for i in range(2):
-            if a.flash:
-                path = os.path.join(scratch, f"pool{i}.img")
-                subprocess.run(["truncate", "-s", a.pool, path], check=True)
-                pools.append(f"file:{path}")
-            else:
-                pools.append(f"ram:{a.pool}")
+        scopes = a.scopes.split(",")
+        for scope in scopes:
+            for i in range(2):
+                if scope == "file":
+                    path = os.path.join(scratch, f"pool{i}.img")
+                    subprocess.run(["truncate", "-s", a.pool, path], check=True)
+                    pools.append(f"file:{path}")
+                elif scope == "flash":
+                    pools.append(flash_pool(a, scratch, f"flash{i}", a.pool, a.flash_cache))
+                elif scope == "ram":
+                    pools.append(f"ram:{a.pool}")
+                else:
+                    raise SystemExit(f"--scopes {scope}: ram, file or flash")
         with memory_servers(a, pools) as servers:
-            log(f"etcd at {a.url}; two memory servers ({'file' if a.flash else 'RAM'} pools of {a.pool}); "
+            log(f"etcd at {a.url}; two memory servers per scope {scopes} (pools of {a.pool}); "
                 f"placement {a.pl.describe()}")
             records_file = os.path.join(scratch, "records")
             for w in counts:
                 records = a.total if a.total else w * a.per_worker
                 for rep in range(a.repeat):
-                    gen = rsort(a, "gen", "--records", str(records), "--file", records_file)
-                    cpu, served = children_cpu(), process_cpu(servers)
-                    srt = rsort(a, "sort", "--workers", str(w))
-                    rsort_cpu, server_cpu = children_cpu() - cpu, process_cpu(servers) - served
-                    chk = rsort(a, "check")
+                    r = {"records": records}
+                    for scope in scopes:
+                        gen = rsort(a, "gen", "--records", str(records), "--file", records_file, scope=scope)
+                        cpu, served = children_cpu(), process_cpu(servers)
+                        srt = rsort(a, "sort", "--workers", str(w), scope=scope)
+                        rsort_cpu, server_cpu = children_cpu() - cpu, process_cpu(servers) - served
+                        chk = rsort(a, "check", scope=scope)
+                        # The first scope's figures under the plain names; each scope's under its own.
+                        for prefix in ([""] if scope == scopes[0] else []) + [f"{scope}_"]:
+                            r.update({f"{prefix}gen_s": gen["seconds"], f"{prefix}sort_s": srt["seconds"],
+                                      f"{prefix}phase1_s": srt["phase1_s"], f"{prefix}wait_s": srt["wait_s"],
+                                      f"{prefix}phase2_s": srt["phase2_s"], f"{prefix}check_s": chk["seconds"],
+                                      f"{prefix}rsort_cpu_us_per_record": rsort_cpu / records * 1e6,
+                                      f"{prefix}rsort_server_cpu_us_per_record": server_cpu / records * 1e6})
                     cpu = children_cpu()
                     gnu = timed(a.pl.client(["sort", "-o", os.path.join(scratch, "sorted"), records_file]),
                                 env={**os.environ, "LC_ALL": "C"})
@@ -132,41 +150,42 @@ def main():
                         cpu = children_cpu()
                         spark = spark_sort(a, records_file, os.path.join(scratch, "spark-sorted"), w)
                         spark_cpu = children_cpu() - cpu
-                    r = {"records": records, "gen_s": gen["seconds"], "sort_s": srt["seconds"],
-                         "phase1_s": srt["phase1_s"], "wait_s": srt["wait_s"], "phase2_s": srt["phase2_s"],
-                         "check_s": chk["seconds"], "gnu_sort_s": gnu, "in_memory_sort_s": mem["sort_s"],
-                         "rsort_cpu_us_per_record": rsort_cpu / records * 1e6,
-                         "rsort_server_cpu_us_per_record": server_cpu / records * 1e6,
-                         "gnu_cpu_us_per_record": gnu_cpu / records * 1e6}
+                    r.update({"gnu_sort_s": gnu, "in_memory_sort_s": mem["sort_s"],
+                              "gnu_cpu_us_per_record": gnu_cpu / records * 1e6})
                     if spark:
                         r.update(spark_s=spark["total_s"], spark_sort_s=spark["sort_s"],
                                  spark_startup_s=spark["startup_s"], spark_cpu_us_per_record=spark_cpu / records * 1e6)
                     runs.setdefault(w, []).append(r)
-                    log(f"W={w} rep {rep + 1}/{a.repeat}: {records:,} records; rsort {r['sort_s']:.2f} s "
-                        f"(phase 1 {r['phase1_s']:.2f}, wait {r['wait_s']:.2f}, phase 2 {r['phase2_s']:.2f}); "
+                    log(f"W={w} rep {rep + 1}/{a.repeat}: {records:,} records; rsort "
+                        + ", ".join(f"{sc} {r[sc + '_sort_s']:.2f} s (phase 1 {r[sc + '_phase1_s']:.2f}, "
+                                    f"wait {r[sc + '_wait_s']:.2f}, phase 2 {r[sc + '_phase2_s']:.2f})" for sc in scopes)
+                        + "; "
                         f"GNU sort {gnu:.2f} s; in memory {r['in_memory_sort_s']:.2f} s"
                         + (f"; Spark {r['spark_s']:.2f} s" if spark else ""))
     med = {w: median_record(v, key="sort_s") for w, v in runs.items()}
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"rsort-{time.strftime('%Y%m%d-%H%M%S')}")
     with open(base + ".json", "w") as f:
-        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "per_worker": a.per_worker, "flash": a.flash,
+        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "per_worker": a.per_worker, "scopes": scopes,
+                   "pool": a.pool,
                    "points": [{"workers": w, **med[w], "repetitions": runs[w]} for w in counts]}, f, indent=1)
     scaling = f"strong scaling, {a.total:,} records" if a.total else f"weak scaling, {a.per_worker:,} records per worker"
-    print(f"RSort {scaling}, {'file' if a.flash else 'RAM'} namespaces "
+    print(f"RSort {scaling}, {' and '.join(scopes)} namespaces "
           f"({a.pl.short()}, median of {a.repeat}); {base}.json")
     print()
-    print("| workers | records | rsort s | phase 1 | wait | phase 2 | GNU sort s | in-memory sort s | Spark s (sort) "
-          "| CPU µs/record: RSort (+ servers) | GNU | Spark |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| workers | records | scope | rsort s | phase 1 | wait | phase 2 | GNU sort s | in-memory sort s "
+          "| Spark s (sort) | CPU µs/record: RSort (+ servers) | GNU | Spark |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in counts:
         r = med[w]
         sp = f"{r['spark_s']:.2f} ({r['spark_sort_s']:.2f})" if "spark_s" in r else ""
         sp_cpu = f"{r['spark_cpu_us_per_record']:.1f}" if "spark_s" in r else ""
-        print(f"| {w} | {int(r['records']):,} | {r['sort_s']:.2f} | {r['phase1_s']:.2f} | {r['wait_s']:.2f} | "
-              f"{r['phase2_s']:.2f} | {r['gnu_sort_s']:.2f} | {r['in_memory_sort_s']:.2f} | {sp} "
-              f"| {r['rsort_cpu_us_per_record']:.2f} (+ {r['rsort_server_cpu_us_per_record']:.2f}) "
-              f"| {r['gnu_cpu_us_per_record']:.2f} | {sp_cpu} |")
+        for sc in scopes:
+            m = r  # every figure is its own median (median_record)
+            print(f"| {w} | {int(r['records']):,} | {sc} | {m[sc + '_sort_s']:.2f} | {m[sc + '_phase1_s']:.2f} | "
+                  f"{m[sc + '_wait_s']:.2f} | {m[sc + '_phase2_s']:.2f} | {r['gnu_sort_s']:.2f} | "
+                  f"{r['in_memory_sort_s']:.2f} | {sp} | {m[sc + '_rsort_cpu_us_per_record']:.2f} "
+                  f"(+ {m[sc + '_rsort_server_cpu_us_per_record']:.2f}) | {r['gnu_cpu_us_per_record']:.2f} | {sp_cpu} |")
     return 0
 
 

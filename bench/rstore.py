@@ -1,12 +1,22 @@
 #!/usr/bin/env python3
-"""An RStore namespace striped over 1, 2 and 4 memory servers (i10 Figure 9, RStore's aggregate).
+"""An RStore namespace striped over 1, 2 and 4 memory servers (i10 Figure 9, RStore's aggregate;
+with --scopes ram,flash also FlashNet's flash namespaces beside DRAM ones, thesis Figure 7.3).
 
-Starts a one-member etcd on loopback, then for each server count N: N `skiff serve --pool
-ram:SIZE --coordinator URL` processes (each its own port), a namespace reserved and allocated
-over all of them, and `skiff bench --namespace` from one initiator process:
+Starts a one-member etcd on loopback, then for each server count N and each scope of --scopes:
+N `skiff serve --pool SPEC --coordinator URL` processes (each its own port; ram:--pool, or for
+flash a thin volume of --pool on an array of its own, `--flash DEV --flash-cache
+--flash-cache --pool flash:--pool`, the array a sparse file in the scratch directory), a
+namespace of that scope reserved and allocated over all of them and filled once with
+`--verify` (so that no read meets a page never written), and `skiff bench --namespace` from
+one initiator process, the scopes alternating within each repetition:
 
   4k-randread   4 KiB random reads, --threads T x --qd 32 (each thread a lane to every server)
   1m-read       1 MiB sequential reads, --threads T x --qd 4
+  4k-randwrite  4 KiB random writes, --threads T x --qd 32
+  1m-write      1 MiB sequential writes, --threads T x --qd 4
+
+A flash namespace larger than the page pool reads and writes through it to the array's device
+(a file on this VM's virtual disk, opened O_DIRECT).
 
 IOPS, bandwidth and CPU per I/O (the initiator's, and all servers' summed), median of --repeat
 runs. Placement models two machines by default: every server under `taskset -c 1`, the
@@ -16,6 +26,7 @@ the striping behaves, not what N machines would give (docs/RSTORE.md says what i
     python3 bench/rstore.py                       # N = 1, 2, 4; 3 runs of 3 s each
     python3 bench/rstore.py --servers 1,2 --threads 2 --repeat 5
     python3 bench/rstore.py --control              # control-path costs against the data path's
+    python3 bench/rstore.py --scopes ram,flash --pool 1G --flash-cache 256M
 
 With --control each server count runs `skiff ns costs` instead: create, reserve, alloc, init,
 map and the first read of a scratch namespace of 64 MiB, 256 MiB and 512 MiB, each timed once
@@ -89,11 +100,38 @@ def wait_servers(a, n):
 
 
 def start_server(a, pool):
-    """One memory server (`skiff serve --pool POOL`) on a port of its own, pinned as a server."""
+    """One memory server (`skiff serve --pool POOL`, or with the serve arguments `pool` when it
+    is a list) on a port of its own, pinned as a server."""
+    args = ["--pool", pool] if isinstance(pool, str) else pool
     return subprocess.Popen(
         a.pl.server([a.skiff, "serve", "--listen", f"127.0.0.1:{free_port()}", "--workers", "1",
-                     "--pool", pool, "--chunk", a.chunk, "--coordinator", a.url]),
+                     *args, "--chunk", a.chunk, "--coordinator", a.url]),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def flash_pool(a, scratch, name, size, cache, device_bytes=None):
+    """The serve arguments of a memory server donating a thin volume of `size` of an array of
+    its own: a sparse file in `scratch`, formatted, of `device_bytes` (default: twice the pool
+    and 256 MiB, room for the whole pool written and the collector's)."""
+    dev = os.path.join(scratch, f"{name}.img")
+    with open(dev, "wb") as f:
+        f.truncate(device_bytes or 2 * parse_size(size) + (256 << 20))
+    subprocess.run([a.skiff, "flash", "format", dev, "--force"], check=True, capture_output=True)
+    return ["--flash", dev, "--flash-cache", cache, "--pool", f"flash:{size}"]
+
+
+def parse_size(s):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    return int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
+
+
+def pools(a, scratch, scope, n, size):
+    """The pool specs of n memory servers of `scope`, each donating `size`."""
+    if scope == "ram":
+        return [f"ram:{size}"] * n
+    if scope == "flash":
+        return [flash_pool(a, scratch, f"n{n}-{i}", size, a.flash_cache) for i in range(n)]
+    raise SystemExit(f"--scopes {scope}: ram or flash")
 
 
 @contextlib.contextmanager
@@ -134,10 +172,20 @@ def bench(a, name, rw, bs, qd):
             "client_cpu_us_per_io": r["client_cpu_us_per_io"], "server_cpu_us_per_io": r["server_cpu_us_per_io"]}
 
 
-WORKLOADS = [("4k-randread", "randread", "4k", 32), ("1m-read", "read", "1M", 4)]
+WORKLOADS = [("4k-randread", "randread", "4k", 32), ("1m-read", "read", "1M", 4),
+             ("4k-randwrite", "randwrite", "4k", 32), ("1m-write", "write", "1M", 4)]
 
 
-def plot(path, counts, med, title):
+def fill(a, name):
+    """Write every byte of namespace `name` once (skiff bench --verify's fill, then its check)."""
+    argv = [a.skiff, "bench", "--namespace", name, "--coordinator", a.url, "--rw", "write", "--bs", "1M",
+            "--qd", "4", "--duration", "1s", "--verify", "--json"]
+    p = subprocess.run(a.pl.client(argv), capture_output=True, text=True, timeout=3600)
+    if p.returncode != 0:
+        raise RuntimeError(f"filling {name}: {p.stderr[-500:]}")
+
+
+def plot(path, counts, scopes, med, title):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -145,11 +193,15 @@ def plot(path, counts, med, title):
     except ImportError:
         log("matplotlib missing: no plot (python3 -m pip install matplotlib)")
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, (w, _, _, _), key, label in [(axes[0], WORKLOADS[0], "iops", "IOPS (4 KiB random reads)"),
-                                         (axes[1], WORKLOADS[1], "bytes_per_s", "MB/s (1 MiB sequential reads)")]:
-        ys = [med[(w, n)][key] / (1e6 if key == "bytes_per_s" else 1) for n in counts]
-        ax.plot(counts, ys, marker="o")
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    labels = ["IOPS (4 KiB random reads)", "MB/s (1 MiB sequential reads)", "IOPS (4 KiB random writes)",
+              "MB/s (1 MiB sequential writes)"]
+    for ax, (w, _, bs, _), label in zip(axes, WORKLOADS, labels):
+        key = "iops" if bs == "4k" else "bytes_per_s"
+        for scope in scopes:
+            ys = [med[(scope, w, n)][key] / (1e6 if key == "bytes_per_s" else 1) for n in counts]
+            ax.plot(counts, ys, marker="o", label=scope)
+        ax.legend()
         ax.set_xticks(counts)
         ax.set_xlabel("memory servers")
         ax.set_ylabel(label)
@@ -194,7 +246,9 @@ def main():
     p.add_argument("--servers", default="1,2,4")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--runtime", type=int, default=3)
-    p.add_argument("--pool", default="1G", help="RAM each memory server donates")
+    p.add_argument("--pool", default="1G", help="what each memory server donates")
+    p.add_argument("--scopes", default="ram", help="ram, flash, or both (ram,flash), alternating")
+    p.add_argument("--flash-cache", default="256M", help="each flash server's page pool")
     p.add_argument("--chunk", default="4M")
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--out", default="bench/results")
@@ -225,42 +279,49 @@ def main():
         for (n, sz), r in med.items():
             print(f"| {n} | {sz} | " + " | ".join(f"{r[k]:,.0f}" if r[k] >= 10 else f"{r[k]:.1f}" for k in steps) + " |")
         return 0
-    with tempfile.TemporaryDirectory() as scratch, coordinator(a, scratch):
-        log(f"etcd at {a.url}; placement {a.pl.describe()}; {a.threads} initiator thread(s)")
+    scopes = a.scopes.split(",")
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch, coordinator(a, scratch):
+        log(f"etcd at {a.url}; placement {a.pl.describe()}; {a.threads} initiator thread(s); scopes {scopes}")
         for n in counts:
             size = f"{n * int(a.pool[:-1])}{a.pool[-1]}"
-            with memory_servers(a, [f"ram:{a.pool}"] * n):
-                name = f"fig9-{n}"
-                ns(a, "create", name, "--size", size, "--chunk", a.chunk)
-                ns(a, "alloc", name, size)
+            specs = [spec for scope in scopes for spec in pools(a, scratch, scope, n, a.pool)]
+            with memory_servers(a, specs):
+                for scope in scopes:
+                    name = f"fig9-{scope}-{n}"
+                    ns(a, "create", name, "--size", size, "--chunk", a.chunk, "--scope", scope)
+                    ns(a, "alloc", name, size)
+                    fill(a, name)
                 for rep in range(a.repeat):
                     for w, rw, bs, qd in WORKLOADS:
-                        r = bench(a, name, rw, bs, qd)
-                        runs.setdefault((w, n), []).append(r)
-                        log(f"{n} server(s) {w:<12} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
-                            f"{r['bytes_per_s'] / 1e6:8.1f} MB/s  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
-                            f"{r['server_cpu_us_per_io']:.2f}")
-                ns(a, "delete", name)
+                        for scope in scopes:
+                            r = bench(a, f"fig9-{scope}-{n}", rw, bs, qd)
+                            runs.setdefault((scope, w, n), []).append(r)
+                            log(f"{n} server(s) {scope:<5} {w:<12} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                                f"{r['bytes_per_s'] / 1e6:8.1f} MB/s  CPU µs/IO {r['client_cpu_us_per_io']:.2f} + "
+                                f"{r['server_cpu_us_per_io']:.2f}")
+                for scope in scopes:
+                    ns(a, "delete", f"fig9-{scope}-{n}")
     med = {k: median_record(v) for k, v in runs.items()}
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"rstore-{time.strftime('%Y%m%d-%H%M%S')}")
     with open(base + ".json", "w") as f:
         json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "threads": a.threads,
-                   "pool": a.pool, "chunk": a.chunk,
-                   "points": [{"workload": w, "servers": n, **med[(w, n)], "repetitions": runs[(w, n)]}
-                              for (w, n) in runs]}, f, indent=1)
+                   "pool": a.pool, "chunk": a.chunk, "flash_cache": a.flash_cache, "filled": True,
+                   "points": [{"scope": sc, "workload": w, "servers": n, **med[(sc, w, n)],
+                               "repetitions": runs[(sc, w, n)]} for (sc, w, n) in runs]}, f, indent=1)
     title = (f"RStore namespace over N memory servers, one initiator ({a.threads} thread(s); "
              f"{a.pl.short()}, median of {a.repeat})")
-    png = plot(base + ".png", counts, med, title)
+    png = plot(base + ".png", counts, scopes, med, title)
     print(f"{title}; {base}.json" + (f", {png}" if png else ""))
     print()
-    print("| servers | workload | IOPS | MB/s | mean µs | CPU µs/I/O initiator | servers (sum) |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| servers | scope | workload | IOPS | MB/s | mean µs | CPU µs/I/O initiator | servers (sum) |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
     for n in counts:
         for w, _, _, _ in WORKLOADS:
-            r = med[(w, n)]
-            print(f"| {n} | {w} | {r['iops']:,.0f} | {r['bytes_per_s'] / 1e6:,.1f} | {r['lat_mean_us']:.1f} | "
-                  f"{r['client_cpu_us_per_io']:.2f} | {r['server_cpu_us_per_io']:.2f} |")
+            for scope in scopes:
+                r = med[(scope, w, n)]
+                print(f"| {n} | {scope} | {w} | {r['iops']:,.0f} | {r['bytes_per_s'] / 1e6:,.1f} | "
+                      f"{r['lat_mean_us']:.1f} | {r['client_cpu_us_per_io']:.2f} | {r['server_cpu_us_per_io']:.2f} |")
     return 0
 
 

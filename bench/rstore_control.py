@@ -13,6 +13,10 @@ Starts a one-member etcd on loopback, then for each server count N:
   real      with --real: N real `skiff serve --pool ram:--real-pool` processes, and the full
             `skiff ns costs` (map: a lane to every server; the first 4 KiB read; the mean 4 KiB
             read). The largest size is what the pools hold together (this machine has 23 GiB).
+            With --scopes ram,flash also N flash memory servers (FlashNet's flash namespaces,
+            thesis 7.2): each donates a thin volume of --flash-pool on an array of its own (a
+            sparse file of 2 GiB), so sizes far past memory and past the devices are real chunks; RAM
+            points past what the RAM pools hold are left out. The scopes alternate at each size.
 
 Placement: the costs client under `taskset -c 0`, phantom (or real) servers under `taskset -c
 1`, etcd unpinned. Each run waits until the chunks the last one gave back are zeroed (a
@@ -21,6 +25,8 @@ point, the sizes alternating within a repetition.
 
     python3 bench/rstore_control.py [--servers 4,16,64,256] [--sizes 1G,16G,256G,1T] [--repeat 3]
     python3 bench/rstore_control.py --real --servers 1,2,4 --sizes 1G,4G,16G --real-pool 4G
+    python3 bench/rstore_control.py --real --scopes ram,flash --servers 1,2,4 --sizes 1G,4G,64G,512G \
+        --real-pool 4G --flash-pool 256G
 
 Writes bench/results/rstore-control-scale-<timestamp>.json (and .png) and prints a Markdown
 table.
@@ -36,7 +42,7 @@ import time
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare import median_record, parse_bench_args, stop  # noqa: E402
-from rstore import coordinator, memory_servers, ns  # noqa: E402
+from rstore import coordinator, flash_pool, memory_servers, ns  # noqa: E402
 
 STEPS = ["create_ns", "reserve", "alloc", "init (lookup and place)", "free", "release",
          "map (a lane to each server)", "map again (cached map)", "map again (cached map, kept lanes)",
@@ -81,9 +87,10 @@ def wait_clean(a):
         time.sleep(0.2)
 
 
-def costs(a, size, control_only):
+def costs(a, size, control_only, scope="ram"):
     wait_clean(a)
-    argv = [a.skiff, "ns", "--coordinator", a.url, "costs", "--size", size, "--chunk", a.chunk, "--json"]
+    argv = [a.skiff, "ns", "--coordinator", a.url, "costs", "--size", size, "--chunk", a.chunk, "--json",
+            "--scope", scope]
     if control_only:
         argv.append("--control-only")
     for _ in range(100):
@@ -108,16 +115,19 @@ def phantoms(a, n, pool):
     return proc
 
 
-def point(a, n, runs, control_only):
+def point(a, n, runs, control_only, scopes=("ram",)):
     for rep in range(a.repeat):
         for size in a.sizes:
-            r = costs(a, size, control_only)
-            runs.setdefault((n, size), []).append(r)
-            log(f"{n:>4} servers {size:>5} rep {rep + 1}/{a.repeat}: " +
-                ", ".join(f"{k} {v / 1000:,.1f} ms" for k, v in r.items()))
+            for scope in scopes:
+                if scope == "ram" and a.real and parse_size(size) > n * parse_size(a.real_pool):
+                    continue
+                r = costs(a, size, control_only, scope)
+                runs.setdefault((scope, n, size), []).append(r)
+                log(f"{n:>4} servers {scope:<5} {size:>5} rep {rep + 1}/{a.repeat}: " +
+                    ", ".join(f"{k} {v / 1000:,.1f} ms" for k, v in r.items()))
 
 
-def plot(path, med, counts, sizes, title):
+def plot(path, med, counts, scopes, sizes, title):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -130,9 +140,12 @@ def plot(path, med, counts, sizes, title):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     xs = [parse_size(s) / (1 << 30) for s in sizes]
     for ax, (step, label) in zip(axes, steps):
-        for n in counts:
-            ys = [med[(n, s)].get(step, 0) / 1000 for s in sizes]
-            ax.plot(xs, ys, marker="o", label=f"{n} servers")
+        for scope in scopes:
+            for n in counts:
+                have = [(x, med[(scope, n, s)].get(step, 0) / 1000) for x, s in zip(xs, sizes) if (scope, n, s) in med]
+                if have:
+                    ax.plot(*zip(*have), marker="o", linestyle="-" if scope == "ram" else "--",
+                            label=f"{n} servers" + (f", {scope}" if len(scopes) > 1 else ""))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("namespace size (GiB)")
@@ -154,6 +167,9 @@ def main():
     p.add_argument("--chunk", default="4M")
     p.add_argument("--real", action="store_true", help="real memory servers and the full costs, map included")
     p.add_argument("--real-pool", default="4G", help="RAM each real memory server donates")
+    p.add_argument("--scopes", default="ram", help="with --real: ram, flash, or ram,flash")
+    p.add_argument("--flash-pool", default="256G", help="the thin volume each real flash server donates")
+    p.add_argument("--flash-cache", default="64M", help="each flash server's page pool")
     a = parse_bench_args(p)
     a.sizes = a.sizes.split(",")
     a.threads = 1
@@ -161,13 +177,18 @@ def main():
     largest = max(parse_size(s) for s in a.sizes)
     chunk = parse_size(a.chunk)
     runs = {}
-    with tempfile.TemporaryDirectory(prefix="skiff-control-") as scratch, coordinator(a, scratch):
+    scopes = a.scopes.split(",") if a.real else ["ram"]
+    with tempfile.TemporaryDirectory(prefix="skiff-control-", dir="/var/tmp") as scratch, coordinator(a, scratch):
         a.phantom_log = os.path.join(scratch, "phantom.log")
         open(a.phantom_log, "w").close()
         for n in counts:
             if a.real:
-                with memory_servers(a, [f"ram:{a.real_pool}"] * n):
-                    point(a, n, runs, control_only=False)
+                specs = [f"ram:{a.real_pool}"] * n if "ram" in scopes else []
+                if "flash" in scopes:
+                    specs += [flash_pool(a, scratch, f"n{n}-{i}", a.flash_pool, a.flash_cache, 2 << 30)
+                              for i in range(n)]
+                with memory_servers(a, specs):
+                    point(a, n, runs, control_only=False, scopes=scopes)
                 continue
             # Room for the largest size, a tenth more, in whole chunks.
             pool = -(-(largest * 11 // 10) // n // chunk) * chunk
@@ -182,21 +203,25 @@ def main():
     title = f"RStore control path against size and servers: {kind}, {a.chunk} chunks, 1 replica, median of {a.repeat}"
     steps = [s for s in STEPS if any(s in m for m in med.values())]
     print(f"### {title}\n")
-    print("| servers | size | " + " | ".join(steps) + " |")
-    print("|---:|---:|" + "---:|" * len(steps))
+    print("| servers | scope | size | " + " | ".join(steps) + " |")
+    print("|---:|---|---:|" + "---:|" * len(steps))
     for n in counts:
         for size in a.sizes:
-            m = med[(n, size)]
-            print(f"| {n} | {size} | " + " | ".join(f"{m[s] / 1000:,.2f} ms" if s in m else "" for s in steps) + " |")
+            for scope in scopes:
+                if (scope, n, size) not in med:
+                    continue
+                m = med[(scope, n, size)]
+                print(f"| {n} | {scope} | {size} | " +
+                      " | ".join(f"{m[s] / 1000:,.2f} ms" if s in m else "" for s in steps) + " |")
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"rstore-control-scale-{time.strftime('%Y%m%d-%H%M%S')}")
     with open(base + ".json", "w") as f:
         json.dump({"title": title, "placement": a.pl.describe() if hasattr(a.pl, "describe") else a.placement,
-                   "chunk": a.chunk, "real": a.real,
-                   "median": [{"servers": n, "size": s, "us": med[(n, s)]} for n in counts for s in a.sizes],
-                   "runs": [{"servers": n, "size": s, "us": r} for (n, s), v in runs.items() for r in v]},
+                   "chunk": a.chunk, "real": a.real, "scopes": scopes, "flash_pool": a.flash_pool,
+                   "median": [{"scope": sc, "servers": n, "size": s, "us": m} for (sc, n, s), m in med.items()],
+                   "runs": [{"scope": sc, "servers": n, "size": s, "us": r} for (sc, n, s), v in runs.items() for r in v]},
                   f, indent=1)
-    png = plot(base + ".png", med, counts, a.sizes, title)
+    png = plot(base + ".png", med, counts, scopes, a.sizes, title)
     print(f"\n{base}.json" + (f", {png}" if png else ""))
 
 

@@ -20,7 +20,7 @@ pub struct CarafeArgs {
     /// The graph's name: its namespaces' common prefix.
     #[arg(long, default_value = "graph", global = true)]
     name: String,
-    /// ram, or file: the namespaces on the servers' files.
+    /// ram, file (the namespaces on the servers' files) or flash (on their flash volumes).
     #[arg(long, default_value = "ram", global = true)]
     scope: Scope,
     /// The namespaces' chunk size [default: the registered memory servers' --chunk].

@@ -108,7 +108,8 @@ enum Action {
         /// Copies of every chunk, on distinct servers.
         #[arg(long, default_value_t = 1)]
         replicas: u32,
-        /// ram (servers' memory) or file (their files: flash namespaces).
+        /// ram (servers' memory), file (their files) or flash (their flash volumes, `serve
+        /// --pool flash:SIZE`: FlashNet's flash namespaces).
         #[arg(long, default_value = "ram")]
         scope: Scope,
     },
@@ -165,6 +166,9 @@ enum Action {
         /// no lane is opened, so it runs against servers that hold no data (`ns phantom`).
         #[arg(long)]
         control_only: bool,
+        /// The scratch namespace's scope: on servers with pools of that scope.
+        #[arg(long, default_value = "ram")]
+        scope: Scope,
     },
     /// Register --servers memory servers that hold no data, and keep them registered until
     /// stopped (SIGINT or SIGTERM): for sizing the control plane at scale without the memory
@@ -193,6 +197,7 @@ struct Costing {
     reads: u32,
     replicas: u32,
     control_only: bool,
+    scope: Scope,
 }
 
 fn costs(c: &Coordinator, k: &Costing, json: bool) -> Result<(), Box<dyn std::error::Error>> {
@@ -202,7 +207,7 @@ fn costs(c: &Coordinator, k: &Costing, json: bool) -> Result<(), Box<dyn std::er
     let mut steps: Vec<(&str, f64)> = Vec::new();
     let us = |t: Instant| t.elapsed().as_secs_f64() * 1e6;
     let t = Instant::now();
-    c.create_ns(&name, Scope::Ram, chunk, k.replicas)?;
+    c.create_ns(&name, k.scope, chunk, k.replicas)?;
     steps.push(("create_ns", us(t)));
     let result = (|| -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
@@ -584,8 +589,8 @@ pub fn run(args: NsArgs) -> CliResult {
                 println!("deleted {name}");
             }
         }
-        Action::Costs { size, chunk, reads, replicas, control_only } => {
-            costs(&c, &Costing { size, chunk, reads, replicas, control_only }, args.json)?
+        Action::Costs { size, chunk, reads, replicas, control_only, scope } => {
+            costs(&c, &Costing { size, chunk, reads, replicas, control_only, scope }, args.json)?
         }
         Action::Phantom { servers, pool, chunk, prefix } => phantom(&c, servers, pool, chunk, &prefix)?,
         Action::Status { name } => {

@@ -17,7 +17,8 @@ pub struct RsortArgs {
     /// The namespaces' common prefix.
     #[arg(long, default_value = "rsort", global = true)]
     name: String,
-    /// ram, or file for the flash variant (thesis 7.4): namespaces on the servers' files.
+    /// ram, file (namespaces on the servers' files) or flash (on their flash volumes, `serve
+    /// --pool flash:SIZE`: the thesis's flash variant, 7.4).
     #[arg(long, default_value = "ram", global = true)]
     scope: Scope,
     /// The namespaces' chunk size [default: the registered memory servers' --chunk].

@@ -224,7 +224,17 @@ fn look_ahead(rx: &[u8], session: &ServerSession, host: &impl Host, batch: &Arc<
                 let Some(export) = session.resolve(req.handle).and_then(|i| host.exports().get(i)) else {
                     continue;
                 };
-                if !export.judges_requests() && crate::validate(export, &io, io_bytes_max).is_ok() {
+                // A pool's request is prepared only under a grant the connection holds now
+                // (one presented in this same read is bound later: its request just waits
+                // for its pages when it runs). Judged as a read: a write's own check marks
+                // the regions it touches, which only its execution may do.
+                let judged = || {
+                    let read = Io { opcode: Opcode::Read, ..io };
+                    export.judge(&read, Held { session, handle: req.handle }).is_ok()
+                };
+                if crate::validate(export, &io, io_bytes_max).is_ok()
+                    && (!export.judges_requests() || judged())
+                {
                     export.backend.prepare(io.offset, io.length.into(), write, batch);
                 }
             }
