@@ -231,6 +231,7 @@ fn serve_refuses_bad_pool_settings() {
             "no --export may take that name",
         ),
         (vec!["--pool", "ram:4M", "--listen", "0.0.0.0:0"], "give --advertise"),
+        (vec!["--pool", "flash:1G", "--listen", "127.0.0.1:0"], "give --flash DEVICE"),
         (vec!["--pool", "ram:4M", "--listen", "127.0.0.1:0"], "registering with the coordinator"),
     ] {
         let out =
