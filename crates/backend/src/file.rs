@@ -390,6 +390,11 @@ impl Backend for FileBackend {
         "file"
     }
 
+    fn file_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        Some(self.buffered.as_raw_fd())
+    }
+
     fn size_bytes(&self) -> u64 {
         self.size_bytes
     }

@@ -136,6 +136,13 @@ pub trait Backend: Send + Sync {
         let _ = (offset, len);
         None
     }
+    /// A descriptor whose bytes at a request's offset are the volume's, read through the page
+    /// cache, for a sender that hands them to the socket with `sendfile(2)` (a file export's
+    /// `send=sendfile`). `None` (the default): the volume is not a file. The descriptor stays
+    /// open as long as the backend.
+    fn file_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
     /// Write `buf` at `offset`; with `fua`, durable before returning.
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()>;
     /// Make every acknowledged write durable.

@@ -122,6 +122,23 @@ impl Layer for Access {
     }
 }
 
+/// `send=sendfile`: a file export's read data goes from the file's page cache to the socket
+/// with `sendfile(2)`, never through the reply buffer (thesis 5.4's "socket + sendfile"; the
+/// front end asks [`crate::file_range`]). Where the transport cannot (TLS, raw Ethernet, a
+/// staged target) the data is read and copied as usual.
+#[derive(Debug, Clone, Copy)]
+pub struct SendFile;
+
+impl Layer for SendFile {
+    fn describe(&self) -> String {
+        "send=sendfile".into()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
 /// `block=N`: requests aligned to `N` bytes instead of the backend's block, a power of two
 /// that divides it (`block=1`: any byte range; RStore's pools).
 #[derive(Debug, Clone, Copy)]

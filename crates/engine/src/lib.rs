@@ -363,6 +363,15 @@ pub fn read_in_place(export: &Export, io: &Io) -> Option<Result<RegionBytes, Sta
     }))
 }
 
+/// Where a validated read's data lies in a file, for a front end that sends it with
+/// `sendfile(2)`: the descriptor and the offset, when the export sends so
+/// ([`layer::SendFile`]). The descriptor stays valid while the export does.
+pub fn file_range(export: &Export, io: &Io) -> Option<(std::os::fd::RawFd, u64)> {
+    debug_assert!(io.opcode.returns_data());
+    export.layer::<layer::SendFile>()?;
+    Some((export.backend.file_fd()?, io.offset))
+}
+
 /// The one mapping from backend errors to wire statuses.
 pub fn status_of(err: &BackendError) -> Status {
     match err {

@@ -110,6 +110,31 @@ pub fn set_xattr(file: &impl AsRawFd, name: &str, value: &[u8]) -> io::Result<()
     }
 }
 
+/// Fill `buf` from descriptor `fd` at `offset` (`pread(2)` until full); a file that ends
+/// first is `UnexpectedEof`. For a descriptor the caller borrows by number (a file export's,
+/// open while its export is).
+pub fn pread_exact(fd: std::os::fd::RawFd, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let at = libc::off_t::try_from(offset + done as u64)
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let rest = &mut buf[done..];
+        // SAFETY: `rest` is valid for writes of its length; a bad `fd` is an error, not UB.
+        let n = unsafe { libc::pread(fd, rest.as_mut_ptr().cast(), rest.len(), at) };
+        match n {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n if n > 0 => done += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -182,6 +182,9 @@ impl<S: ConnStream> Conn<S> {
         let mut tx = TxBuf::with_room(
             (wire::header::HEADER_LEN + depth * wire::caravan::COMPLETION_DESC_LEN).next_power_of_two(),
         );
+        // Plain sockets take file ranges by sendfile(2) (a TLS upgrade later refuses them,
+        // and the buffer stops queuing them).
+        tx.send_files = stream.is_tcp() || stream.is_unix();
         let front = front_end(protocol, &stream, shared, &mut tx);
         let now = Instant::now();
         let tls_undecided = shared.config.tls.clone().filter(|_| front.sniffs_tls() && stream.is_tcp());

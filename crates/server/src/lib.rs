@@ -62,6 +62,9 @@ pub struct ExportConfig {
     /// `O_DIRECT` where the file system takes it (the default); `,direct=off` goes through
     /// the page cache.
     pub use_direct: bool,
+    /// Send read data from the file with `sendfile(2)` (`,send=sendfile`, file exports only;
+    /// through the page cache, so it implies `direct=off`).
+    pub send_file: bool,
     /// A block finer than the backend's (`,block=N`, a power of two): RStore pools serve
     /// byte-granular I/O with `block=1`. `None`: the backend's own (512 bytes).
     pub block_bytes: Option<u32>,
@@ -99,6 +102,8 @@ pub enum ExportConfigError {
     Access { name: String, message: String },
     #[error("export {name:?}: block={value:?}: expected a power of two from 1 to 512")]
     BlockSize { name: String, value: String },
+    #[error("export {name:?}: send={value:?}: expected copy or sendfile")]
+    Send { name: String, value: String },
 }
 
 impl std::str::FromStr for ExportConfig {
@@ -111,7 +116,7 @@ impl std::str::FromStr for ExportConfig {
         // Options trail the spec (`,ro`, `,cache=SIZE`); a path may hold commas of its own, so
         // only known options are taken from the end.
         let (mut spec, mut read_only, mut cache_bytes, mut use_direct) = (spec, false, 0, true);
-        let (mut access, mut block_bytes) = (None, None);
+        let (mut access, mut block_bytes, mut send_file) = (None, None, false);
         while let Some((head, option)) = spec.rsplit_once(',') {
             if option == "ro" {
                 read_only = true;
@@ -123,6 +128,17 @@ impl std::str::FromStr for ExportConfig {
                 let bytes = value.parse::<u32>().ok().filter(|b| b.is_power_of_two() && *b <= BLOCK_BYTES);
                 let bad = || ExportConfigError::BlockSize { name: name.to_owned(), value: value.to_owned() };
                 block_bytes = Some(bytes.ok_or_else(bad)?);
+            } else if let Some(value) = option.strip_prefix("send=") {
+                send_file = match value {
+                    "sendfile" => true,
+                    "copy" => false,
+                    _ => {
+                        return Err(ExportConfigError::Send {
+                            name: name.to_owned(),
+                            value: value.to_owned(),
+                        })
+                    }
+                };
             } else if option == "direct=off" || option == "direct=on" {
                 use_direct = option == "direct=on";
             } else if let Some(value) = option.strip_prefix("cache=") {
@@ -144,6 +160,7 @@ impl std::str::FromStr for ExportConfig {
             read_only,
             cache_bytes,
             use_direct,
+            send_file,
             access,
             block_bytes,
             grants: None,
@@ -755,9 +772,21 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
         // A file served at a finer block goes through the page cache alone: a sub-page write
         // (buffered) and an O_DIRECT write to the same page can leave a stale cached page
         // whose writeback undoes the bytes written beside it.
-        let use_direct = ec.use_direct && ec.block_bytes.is_none();
+        // And data sent with sendfile(2) comes from the page cache: a file that also takes
+        // O_DIRECT writes would send what they did not invalidate yet.
+        let use_direct = ec.use_direct && ec.block_bytes.is_none() && !ec.send_file;
         let mut export =
             Export::open_with(&ec.name, &ec.spec, read_only, use_direct).map_err(backend_error)?;
+        if ec.send_file {
+            if export.backend.file_fd().is_none() {
+                return Err(TargetError::Backend {
+                    name: ec.name.clone(),
+                    source: std::io::Error::other("send=sendfile: only a file export sends from its file")
+                        .into(),
+                });
+            }
+            export = export.with_layer(Arc::new(engine::layer::SendFile)).map_err(backend_error)?;
+        }
         if let Some(block_bytes) = ec.block_bytes {
             export = export.with_block_bytes(block_bytes).map_err(backend_error)?;
         }
@@ -815,6 +844,14 @@ mod tests {
         assert_eq!((cached.cache_bytes, cached.read_only, cached.use_direct), (64 << 20, true, true));
         let buffered: ExportConfig = "vol=file:/x,direct=off".parse().unwrap();
         assert!(!buffered.use_direct);
+        let sent: ExportConfig = "vol=file:/x,send=sendfile".parse().unwrap();
+        assert!(
+            sent.send_file
+                && !ok.send_file
+                && !"v=file:/x,send=copy".parse::<ExportConfig>().unwrap().send_file
+        );
+        let err = "vol=file:/x,send=splice".parse::<ExportConfig>().unwrap_err();
+        assert!(err.to_string().contains("expected copy or sendfile"), "{err}");
         assert_eq!(cached.spec, BackendSpec::File { path: "/var/tmp/a,b".into() });
         assert_eq!(ok.block_bytes, None, "the backend's block");
         let bytes: ExportConfig = "pool=ram:1M,block=1".parse().unwrap();
@@ -839,6 +876,21 @@ mod tests {
     /// worker pass that was running has ended: a request checked against an old grant in such
     /// a pass may still be writing. Here a pass is held open by hand (the target has no
     /// connections, so its worker is otherwise idle); retirement must not return before it ends.
+    /// send=sendfile takes a file, reads it through the page cache, and refuses anything
+    /// else by name.
+    #[test]
+    fn only_a_file_export_sends_with_sendfile() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        file.as_file().set_len(1 << 20).unwrap();
+        let exports = vec![format!("f=file:{},send=sendfile", file.path().display()).parse().unwrap()];
+        let table = open_exports(&TargetConfig { exports, ..TargetConfig::default() }).unwrap();
+        let (_, f) = table.find("f").unwrap();
+        assert!(f.layer::<engine::layer::SendFile>().is_some() && f.backend.file_fd().is_some());
+        let exports = vec!["r=ram:1M,send=sendfile".parse().unwrap()];
+        let err = open_exports(&TargetConfig { exports, ..TargetConfig::default() }).err().expect("refused");
+        assert!(err.to_string().contains("\"r\"") && err.to_string().contains("only a file export"), "{err}");
+    }
+
     #[test]
     fn retiring_chunks_waits_for_the_passes_running_when_it_began() {
         let mut pool: ExportConfig = "pool=ram:4M,block=1".parse().unwrap();

@@ -1,8 +1,10 @@
 //! The bytes a connection owes its peer ([`TxBuf`]): replies queued by the front end, with
-//! RAM read data by address, sent in one vectored send per pass.
+//! RAM read data by address and a `send=sendfile` file export's by file range, sent in one
+//! vectored send per pass (and a `sendfile(2)` per file range).
 
 use std::io::{self, IoSlice};
 use std::ops::Range;
+use std::os::fd::RawFd;
 
 use engine::front::Sink;
 use engine::{Export, Io, RegionBytes};
@@ -16,9 +18,12 @@ use crate::bounds::{IOV_BATCH, TX_IDLE_BYTES};
 /// the volume's memory without first copying it here. A by-address piece sits between two
 /// owned bytes: `at` is the length of the owned stream in front of it.
 ///
-/// Addresses never outlive the loop pass that made them: [`TxBuf::flush`] copies whatever the
-/// socket did not take into the owned buffer before it returns, so no reply waits on memory
-/// for longer than one pass. The owned buffer only grows (bounded by the backlog limit plus one
+/// A file export that sends with `sendfile(2)` (`send=sendfile`) queues its read data as a
+/// file range the same way, when [`send_files`](Self::send_files) says the connection may.
+///
+/// Addresses and file ranges never outlive the loop pass that made them: [`TxBuf::flush`]
+/// copies whatever the socket did not take into the owned buffer before it returns (reading
+/// a file range then), so no reply waits on memory or a file for longer than one pass. The owned buffer only grows (bounded by the backlog limit plus one
 /// caravan), so appending never zero-fills memory per request.
 #[derive(Debug, Default)]
 pub(crate) struct TxBuf {
@@ -37,12 +42,43 @@ pub(crate) struct TxBuf {
     backlogged: bool,
     /// The other buffer of [`own_the_rest`](Self::own_the_rest), kept for reuse.
     spare: Vec<u8>,
+    /// Whether file ranges may be queued: set by the connection for a transport that takes
+    /// `sendfile(2)` (plain TCP or Unix) and no send thread; cleared if the transport refuses
+    /// one after all (a TLS upgrade).
+    pub send_files: bool,
+    /// A file range that could not be read when it had to be copied: the connection fails at
+    /// the next flush (its reply said the read succeeded).
+    failed: Option<io::Error>,
 }
 
 #[derive(Debug, Clone)]
 struct Borrowed {
     at: usize,
-    bytes: RegionBytes,
+    piece: Piece,
+}
+
+/// Data queued by reference rather than copied.
+#[derive(Debug, Clone)]
+enum Piece {
+    /// A RAM export's bytes.
+    Memory(RegionBytes),
+    /// `len` bytes of file `fd` from `offset`.
+    File { fd: RawFd, offset: u64, len: usize },
+}
+
+impl Piece {
+    fn len(&self) -> usize {
+        match self {
+            Piece::Memory(bytes) => bytes.len(),
+            Piece::File { len, .. } => *len,
+        }
+    }
+}
+
+/// One unsent stretch, in order: bytes, or a file range.
+enum Unsent<'a> {
+    Bytes(&'a [u8]),
+    File { fd: RawFd, offset: u64, len: usize },
 }
 
 impl TxBuf {
@@ -103,14 +139,20 @@ impl TxBuf {
     }
 
     /// Append a validated read's data: by address when the export's backend holds it in
-    /// memory, otherwise read into new space here. On failure nothing is appended.
+    /// memory, by file range when the export sends with `sendfile(2)` and the connection can,
+    /// otherwise read into new space here. On failure nothing is appended.
     pub fn append_read(&mut self, export: &Export, io: &Io) -> Status {
+        if self.send_files && !self.backlogged && io.length > 0 {
+            if let Some((fd, offset)) = engine::file_range(export, io) {
+                self.borrow(Piece::File { fd, offset, len: io.length as usize });
+                return Status::Ok;
+            }
+        }
         let in_place = if self.backlogged { None } else { engine::read_in_place(export, io) };
         match in_place {
             Some(Ok(bytes)) => {
                 if !bytes.is_empty() {
-                    self.borrowed_bytes += bytes.len();
-                    self.borrowed.push(Borrowed { at: self.len, bytes });
+                    self.borrow(Piece::Memory(bytes));
                 }
                 Status::Ok
             }
@@ -126,9 +168,17 @@ impl TxBuf {
         }
     }
 
+    fn borrow(&mut self, piece: Piece) {
+        self.borrowed_bytes += piece.len();
+        self.borrowed.push(Borrowed { at: self.len, piece });
+    }
+
     /// Send what the socket takes. Returns bytes sent; `WouldBlock` when nothing could go.
     /// Whatever stays queued is owned by the buffer afterwards (see the type's docs).
     pub fn flush(&mut self, io: &mut impl FrameIo) -> io::Result<usize> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
         let result = self.send_some(io);
         if self.pending() == 0 {
             self.reset();
@@ -144,12 +194,38 @@ impl TxBuf {
             let sent = {
                 let mut iov = [IoSlice::new(&[]); IOV_BATCH];
                 let mut n = 0;
-                self.each_unsent(|piece| {
-                    iov[n] = IoSlice::new(piece);
-                    n += 1;
-                    n < IOV_BATCH
+                let mut file = None;
+                // Bytes up to the next file range go in one send; a file range first goes
+                // alone, by sendfile(2).
+                self.each_unsent(|piece| match piece {
+                    Unsent::Bytes(bytes) => {
+                        iov[n] = IoSlice::new(bytes);
+                        n += 1;
+                        n < IOV_BATCH
+                    }
+                    Unsent::File { fd, offset, len } => {
+                        if n == 0 {
+                            file = Some((fd, offset, len));
+                        }
+                        false
+                    }
                 });
-                io.send(&iov[..n])
+                match file {
+                    Some((fd, offset, len)) => match io.send_file(fd, offset, len) {
+                        Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                            // Not on this transport after all: read what is queued into our
+                            // own bytes and queue no more file ranges.
+                            self.send_files = false;
+                            self.own_the_rest();
+                            if let Some(e) = self.failed.take() {
+                                return Err(e);
+                            }
+                            continue;
+                        }
+                        sent => sent,
+                    },
+                    None => io.send(&iov[..n]),
+                }
             };
             match sent {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
@@ -165,23 +241,52 @@ impl TxBuf {
     }
 
     /// Call `f` on each unsent piece in order until it returns false.
-    fn each_unsent<'a>(&'a self, mut f: impl FnMut(&'a [u8]) -> bool) {
+    fn each_unsent<'a>(&'a self, mut f: impl FnMut(Unsent<'a>) -> bool) {
         let mut pos = self.sent;
         for (i, b) in self.borrowed[self.next..].iter().enumerate() {
             if pos < b.at {
-                if !f(&self.buf[pos..b.at]) {
+                if !f(Unsent::Bytes(&self.buf[pos..b.at])) {
                     return;
                 }
                 pos = b.at;
             }
             let skip = if i == 0 { self.into } else { 0 };
-            let bytes = b.bytes.as_slice();
-            if !f(&bytes[skip..]) {
+            let piece = match &b.piece {
+                Piece::Memory(bytes) => Unsent::Bytes(&bytes.as_slice()[skip..]),
+                &Piece::File { fd, offset, len } => {
+                    Unsent::File { fd, offset: offset + skip as u64, len: len - skip }
+                }
+            };
+            if !f(piece) {
                 return;
             }
         }
         if pos < self.len {
-            f(&self.buf[pos..self.len]);
+            f(Unsent::Bytes(&self.buf[pos..self.len]));
+        }
+    }
+
+    /// Append every unsent byte to `out`, reading file ranges. A range that cannot be read
+    /// (the file shrank, an I/O error) is left as zeroes and fails the connection's next
+    /// flush: its reply already said the read succeeded.
+    fn copy_unsent(&mut self, out: &mut Vec<u8>) {
+        let mut failed = None;
+        self.each_unsent(|piece| {
+            match piece {
+                Unsent::Bytes(bytes) => out.extend_from_slice(bytes),
+                Unsent::File { fd, offset, len } => {
+                    let at = out.len();
+                    out.resize(at + len, 0);
+                    if let Err(e) = rt::fs::pread_exact(fd, &mut out[at..], offset) {
+                        failed.get_or_insert(e);
+                    }
+                }
+            }
+            true
+        });
+        if let Some(e) = failed {
+            tracing::warn!(error = %e, "a read sent by file could not be read when copied: the connection closes");
+            self.failed = Some(e);
         }
     }
 
@@ -190,11 +295,12 @@ impl TxBuf {
         while n > 0 {
             match self.borrowed.get(self.next) {
                 Some(b) if b.at == self.sent => {
-                    let take = n.min(b.bytes.len() - self.into);
+                    let len = b.piece.len();
+                    let take = n.min(len - self.into);
                     self.into += take;
                     self.borrowed_sent += take;
                     n -= take;
-                    if self.into == b.bytes.len() {
+                    if self.into == len {
                         self.next += 1;
                         self.into = 0;
                     }
@@ -218,10 +324,7 @@ impl TxBuf {
         let mut rest = std::mem::take(&mut self.spare);
         rest.clear();
         rest.reserve(self.pending());
-        self.each_unsent(|piece| {
-            rest.extend_from_slice(piece);
-            true
-        });
+        self.copy_unsent(&mut rest);
         let len = rest.len();
         rest.resize(rest.capacity(), 0);
         self.reset();
@@ -243,10 +346,7 @@ impl TxBuf {
     /// the send thread of a staged target, `crate::stages`); nothing stays queued here.
     pub fn take_unsent(&mut self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.pending());
-        self.each_unsent(|piece| {
-            out.extend_from_slice(piece);
-            true
-        });
+        self.copy_unsent(&mut out);
         self.reset();
         out
     }
@@ -422,5 +522,110 @@ mod tests {
         tx.append(b"h");
         assert_ne!(tx.append_read(&export, &read(4096, 512)), Status::Ok);
         assert_eq!(tx.pending(), 1);
+    }
+
+    /// A socket that also takes file ranges, as `sendfile(2)` would: at most `chunk` bytes a
+    /// call, read from the file when it is called.
+    struct Files(Trickle);
+
+    impl FrameIo for Files {
+        fn recv(&mut self, _: &mut [std::io::IoSliceMut<'_>]) -> io::Result<usize> {
+            unreachable!("only sends here")
+        }
+        fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+            self.0.send(bufs)
+        }
+        fn send_file(&mut self, fd: RawFd, offset: u64, len: usize) -> io::Result<usize> {
+            let n = len.min(self.0.chunk);
+            let mut buf = vec![0; n];
+            rt::fs::pread_exact(fd, &mut buf, offset)?;
+            self.0.got.extend_from_slice(&buf);
+            Ok(n)
+        }
+    }
+
+    /// A file export with `send=sendfile`, its file filled with a pattern.
+    fn file_export(bytes: usize) -> (tempfile::NamedTempFile, Export) {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let pattern: Vec<u8> = (0..bytes).map(|i| (i * 13 + i / 509) as u8).collect();
+        std::fs::write(file.path(), &pattern).unwrap();
+        let spec = BackendSpec::File { path: file.path().to_owned() };
+        let export = Export::open_with("f", &spec, false, false).unwrap();
+        let export = export.with_layer(std::sync::Arc::new(engine::layer::SendFile)).unwrap();
+        (file, export)
+    }
+
+    /// File ranges keep their place among owned bytes and RAM reads through any pattern of
+    /// partial sends; one the socket did not take in a flush is read into the buffer then,
+    /// so a later write to the file does not change a reply queued before it.
+    #[test]
+    fn file_ranges_go_by_sendfile_in_order_and_are_copied_when_they_must_wait() {
+        for chunk in [1, 100, 4096, 5000, 1 << 20] {
+            let (_file, export) = file_export(64 << 10);
+            let ram = ram_export(16 << 10);
+            let mut tx = TxBuf { send_files: true, ..TxBuf::default() };
+            let mut want = Vec::new();
+            for (i, (e, io)) in
+                [(&export, read(0, 4096)), (&ram, read(512, 1024)), (&export, read(10_000, 3000))]
+                    .into_iter()
+                    .enumerate()
+            {
+                let head = [i as u8; 24];
+                tx.append(&head);
+                want.extend_from_slice(&head);
+                assert_eq!(tx.append_read(e, &io), Status::Ok);
+                want.extend(contents(e, &io));
+            }
+            assert_eq!(tx.borrowed.len(), 3, "two file ranges and a RAM read, none copied");
+            tx.append(b"tail");
+            want.extend_from_slice(b"tail");
+            let mut sock = Files(Trickle { got: Vec::new(), chunk, calls: 0 });
+            let _ = tx.flush(&mut sock);
+            if tx.pending() > 0 {
+                assert!(tx.borrowed.is_empty(), "chunk {chunk}: file ranges kept past the flush");
+                export.backend.write_at(&vec![0xEE; 64 << 10], 0, false).unwrap();
+            }
+            while tx.pending() > 0 {
+                let _ = tx.flush(&mut sock);
+            }
+            assert_eq!(sock.0.got, want, "chunk {chunk}");
+        }
+    }
+
+    /// A transport that refuses sendfile (TLS) gets the bytes read and sent as usual, and the
+    /// buffer queues no file range after that; without `send_files` none is queued at all.
+    #[test]
+    fn a_transport_without_sendfile_gets_the_bytes_copied() {
+        let (_file, export) = file_export(16 << 10);
+        let mut tx = TxBuf { send_files: true, ..TxBuf::default() };
+        tx.append(b"h");
+        assert_eq!(tx.append_read(&export, &read(4096, 4096)), Status::Ok);
+        let mut sock = Trickle { got: Vec::new(), chunk: usize::MAX, calls: 0 };
+        while tx.pending() > 0 {
+            let _ = tx.flush(&mut sock);
+        }
+        let mut want = b"h".to_vec();
+        want.extend(contents(&export, &read(4096, 4096)));
+        assert!(sock.got == want, "the bytes, in order");
+        assert!(!tx.send_files, "no more file ranges on this transport");
+        assert_eq!(tx.append_read(&export, &read(0, 512)), Status::Ok);
+        assert!(tx.borrowed.is_empty(), "copied from now on");
+        let mut plain = TxBuf::default();
+        assert_eq!(plain.append_read(&export, &read(0, 512)), Status::Ok);
+        assert!(plain.borrowed.is_empty());
+    }
+
+    /// A file range that cannot be read when it must be copied (the file shrank under it)
+    /// fails the connection's next flush instead of sending zeroes for data said to be read.
+    #[test]
+    fn a_file_range_that_cannot_be_read_fails_the_connection() {
+        let (file, export) = file_export(16 << 10);
+        let mut tx = TxBuf { send_files: true, ..TxBuf::default() };
+        assert_eq!(tx.append_read(&export, &read(8192, 4096)), Status::Ok);
+        std::fs::OpenOptions::new().write(true).open(file.path()).unwrap().set_len(4096).unwrap();
+        tx.hold();
+        let mut sock = Trickle { got: Vec::new(), chunk: usize::MAX, calls: 0 };
+        let e = tx.flush(&mut sock).expect_err("the range is gone");
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
     }
 }

@@ -322,6 +322,8 @@ impl Worker {
                     let serial = (self.adopted << 32) | index as u64;
                     stage.adopt(serial, handle);
                     conn.staged = Some(serial);
+                    // The stage thread sends bytes handed to it: no file ranges.
+                    conn.tx.send_files = false;
                 }
                 (Some(Err(e)), _) => {
                     tracing::warn!(error = %e, "cannot hand a connection to the stage thread; closing it");

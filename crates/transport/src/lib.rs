@@ -64,6 +64,13 @@ pub trait FrameIo {
     fn recv(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize>;
     /// Send from the gather list what the OS takes now; returns the bytes taken.
     fn send(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize>;
+    /// Send up to `len` bytes of file `fd` from `offset` with `sendfile(2)`, what the OS takes
+    /// now; returns the bytes taken. `Unsupported` where the bytes must pass through the
+    /// transport (TLS, datagrams): the caller reads them and sends them with `send`.
+    fn send_file(&mut self, fd: std::os::fd::RawFd, offset: u64, len: usize) -> io::Result<usize> {
+        let _ = (fd, offset, len);
+        Err(io::ErrorKind::Unsupported.into())
+    }
     /// Move what is there into `rx`'s spare room; as [`recv`](Self::recv).
     fn fill(&mut self, rx: &mut FrameBuffer) -> io::Result<usize> {
         let n = self.recv(&mut [IoSliceMut::new(rx.spare())])?;

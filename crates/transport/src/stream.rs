@@ -326,6 +326,25 @@ impl FrameIo for Stream {
             Stream::Datagram(s) => s.send(bufs),
         }
     }
+    fn send_file(&mut self, fd: RawFd, offset: u64, len: usize) -> io::Result<usize> {
+        if !matches!(self, Stream::Tcp(_) | Stream::Unix(_)) {
+            return Err(io::ErrorKind::Unsupported.into());
+        }
+        let mut off =
+            libc::off_t::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        loop {
+            // SAFETY: both descriptors are open (the socket is ours; the caller keeps `fd`
+            // open for the call), and `off` is a valid place for the kernel to update.
+            let n = unsafe { libc::sendfile(self.as_raw_fd(), fd, &mut off, len) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
     fn pending_send(&self) -> bool {
         matches!(self, Stream::Tls(s) if s.pending_send())
     }
