@@ -887,7 +887,7 @@ mod tests {
         let (_, f) = table.find("f").unwrap();
         assert!(f.layer::<engine::layer::SendFile>().is_some() && f.backend.file_fd().is_some());
         let exports = vec!["r=ram:1M,send=sendfile".parse().unwrap()];
-        let err = open_exports(&TargetConfig { exports, ..TargetConfig::default() }).err().expect("refused");
+        let err = open_exports(&TargetConfig { exports, ..TargetConfig::default() }).expect_err("refused");
         assert!(err.to_string().contains("\"r\"") && err.to_string().contains("only a file export"), "{err}");
     }
 
