@@ -14,6 +14,8 @@ One invocation measures, on files in --dir (/var/tmp by default):
   random reads, one outstanding per client thread (`skiff bench --threads T --qd 1`), T in
   --threads, the target on one worker pinned to the server CPU, against
   - `file`: `file:F` on ext4, read with O_DIRECT (the thesis's (a): socket + pread);
+  - `file-sendfile`: the same file with `send=sendfile` (the thesis's (b): read data leaves by
+    sendfile(2) from the page cache, which the run warms with the whole file first);
   - `flash`: a flash volume of the same size whose page pool holds it, ordinary reads;
   - `flash-direct`: the same volume read under its extent (`--direct-reads`: the first read
     earns the whole volume's reference, every read after it is a DIRECT_READ: the extended
@@ -25,17 +27,20 @@ One invocation measures, on files in --dir (/var/tmp by default):
   IOPS per target core = 10^6 / the target's CPU µs per read. The volume and the file are
   filled with data first (a never-written page costs nothing to read). QD 1 latency is the
   T = 1 point. Systems alternate within each round; medians of --repeat rounds.
-  The thesis's (b), socket + sendfile, is not built (the file export has no sendfile mode).
 - **Latency and bandwidth by read size** (thesis Figures 5.9 and 5.10; --no-sizes skips it):
-  random reads of each of --read-sizes at QD 1 on one thread, `file` (O_DIRECT) against a
-  resident `flash` volume and `flash-direct`, each with the client's polling off and `hybrid`
-  (spin before sleeping): median latency and MB/s. The target serves I/Os up to 32 MiB.
+  random reads of each of --read-sizes at QD 1 on one thread, `file` (O_DIRECT) and
+  `file-sendfile` (warm page cache) against a resident `flash` volume and `flash-direct`, each
+  with the client's polling off and `hybrid` (spin before sleeping): median latency and MB/s.
+  The target serves I/Os up to 32 MiB.
 - **Synchronous writes per target core** (thesis Figures 5.12; --no-writes skips it): 4 KiB
   random writes with FUA (`skiff bench --fua`: each completes once durable), one outstanding
   per thread, T in --write-threads, against `file` (O_DIRECT and O_DSYNC on ext4), `flash`
   (a flash volume, ordinary FUA writes: the array's sync thread makes each durable, one sync
   for every write waiting) and `flash-direct` (the same as direct writes under the volume's
   extent). IOPS per target core as above.
+- **Synchronous write bandwidth by size** (thesis Figure 5.13; --no-write-sizes skips it):
+  random FUA writes of each of --write-sizes at QD 1 on one thread, `file` against `flash` and
+  `flash-direct`: MB/s and the target's CPU per MB.
 
 Placement as in compare.py: server on CPU 1, client on CPU 0 by default.
 
@@ -59,7 +64,7 @@ sys.dont_write_bytecode = True
 from compare import Placement, add_placement_args, free_port, median_record, rotate, stop, wait_port  # noqa: E402
 
 UNITS = {"K": 10, "M": 20, "G": 30, "T": 40}
-SYSTEMS = ["file", "flash", "flash-direct", "flash-direct-cold"]
+SYSTEMS = ["file", "file-sendfile", "flash", "flash-direct", "flash-direct-cold"]
 WRITE_SYSTEMS = ["file", "flash", "flash-direct"]
 
 
@@ -230,6 +235,8 @@ def reads(a, scratch):
     def serve_argv(system):
         if system == "file":
             return ["--export", f"vol=file:{data}"], "vol"
+        if system == "file-sendfile":
+            return ["--export", f"vol=file:{data},send=sendfile"], "vol"
         pool = str(size // 4) if system == "flash-direct-cold" else resident(size)
         return ["--flash", array, "--flash-cache", pool], "v"
 
@@ -245,8 +252,9 @@ def reads(a, scratch):
                              "--duration", a.runtime, "--json"]
                     if system.startswith("flash-direct"):
                         bench.append("--direct-reads")
-                    if system in ("flash", "flash-direct"):
-                        warm(a, target.addr, export, size)  # the pool holds the volume before the run
+                    if system in ("flash", "flash-direct", "file-sendfile"):
+                        # The pool (or the page cache) holds the data before the run.
+                        warm(a, target.addr, export, size)
                     out = json.loads(run(a.pl.client(bench)))
                 finally:
                     target.stop()
@@ -266,13 +274,14 @@ def reads(a, scratch):
             medians.append(median_record(reps, key="iops_per_target_core"))
     print("\n## 4 KiB random reads, one outstanding per thread (Figure 5.2, Table 5.1)\n")
     print(f"placement: {a.pl.describe()}; target `--workers 1`; {human(size)} filled; medians of {a.repeat}\n")
-    print("| threads | " + " | ".join(f"{s} IOPS/core" for s in SYSTEMS) + " | direct ÷ file |")
-    print("|---:|" + "---:|" * (len(SYSTEMS) + 1))
+    print("| threads | " + " | ".join(f"{s} IOPS/core" for s in SYSTEMS) + " | direct ÷ file | direct ÷ sendfile |")
+    print("|---:|" + "---:|" * (len(SYSTEMS) + 2))
     for threads in a.threads:
         row = {m["system"]: m for m in medians if m["threads"] == threads}
         cells = [f"{row[s]['iops_per_target_core']:,.0f}" for s in SYSTEMS]
-        ratio = row["flash-direct"]["iops_per_target_core"] / row["file"]["iops_per_target_core"]
-        print(f"| {threads} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+        per_core = lambda s: row[s]["iops_per_target_core"]
+        print(f"| {threads} | " + " | ".join(cells) + f" | {per_core('flash-direct') / per_core('file'):.2f} | "
+              f"{per_core('flash-direct') / per_core('file-sendfile'):.2f} |")
     one = {m["system"]: m for m in medians if m["threads"] == min(a.threads)}
     print(f"\nQD 1 latency at T = {min(a.threads)} (median µs): "
           + ", ".join(f"{s} {one[s]['lat_us']['p50']:.1f}" for s in SYSTEMS))
@@ -285,7 +294,7 @@ def reads(a, scratch):
 def sizes(a, scratch):
     size = a.size
     data, array = filled_file_and_volume(a, scratch, "s")
-    systems = ["file", "flash", "flash-direct"]
+    systems = ["file", "file-sendfile", "flash", "flash-direct"]
     records = []
     for bs in a.read_sizes:
         for poll in ("off", "hybrid"):
@@ -293,6 +302,8 @@ def sizes(a, scratch):
                 for system in rotate(systems, rnd):
                     if system == "file":
                         argv, export = ["--export", f"vol=file:{data}"], "vol"
+                    elif system == "file-sendfile":
+                        argv, export = ["--export", f"vol=file:{data},send=sendfile"], "vol"
                     else:
                         argv, export = ["--flash", array, "--flash-cache", resident(size)], "v"
                     target = Target(a, argv + ["--io-max", "32M"])
@@ -372,6 +383,50 @@ def writes(a, scratch):
     return records, medians
 
 
+def write_sizes(a, scratch):
+    """FUA random writes by size at QD 1 (Figure 5.13): file (O_DIRECT, O_DSYNC) against a
+    flash volume, ordinary and direct."""
+    size = a.size
+    data, array = file_and_array(a, scratch, "ws", size * 4 + (256 << 20))
+    t = Target(a, ["--flash", array])
+    try:
+        t.vol(a, "create", "v", "--size", str(size))
+    finally:
+        t.stop()
+    records = []
+    for bs in a.write_sizes:
+        for rnd in range(a.repeat):
+            for system in rotate(WRITE_SYSTEMS, rnd):
+                argv, export = (["--export", f"vol=file:{data}"], "vol") if system == "file" else (["--flash", array], "v")
+                target = Target(a, argv + ["--io-max", "32M"])
+                try:
+                    bench = [a.skiff, "bench", "--target", target.addr, "--export", export, "--rw", "randwrite",
+                             "--bs", str(bs), "--qd", "1", "--size", str(size), "--duration", a.runtime, "--fua",
+                             "--json"]
+                    if system == "flash-direct":
+                        bench.append("--direct-reads")
+                    out = json.loads(run(a.pl.client(bench)))
+                finally:
+                    target.stop()
+                rec = {"system": system, "bs": bs, "round": rnd, "iops": out["iops"], "lat_us": out["lat_us"],
+                       "mb_s": out["iops"] * bs / 1e6, "server_cpu_us_per_io": out["server_cpu_us_per_io"]}
+                rec["server_cpu_us_per_mb"] = rec["server_cpu_us_per_io"] * 1e6 / bs
+                records.append(rec)
+                print(f"  {human(bs):>4} {system:13} {rec['mb_s']:8.1f} MB/s  p50 {rec['lat_us']['p50']:9.1f} µs  "
+                      f"target {rec['server_cpu_us_per_mb']:8.1f} µs/MB", file=sys.stderr)
+    medians = [median_record([r for r in records if (r["bs"], r["system"]) == (bs, s)], key="mb_s")
+               for bs in a.write_sizes for s in WRITE_SYSTEMS]
+    print("\n## Synchronous (FUA) random writes at QD 1 by size (Figure 5.13)\n")
+    print(f"placement: {a.pl.describe()}; one thread; medians of {a.repeat}; MB/s / target CPU µs per MB\n")
+    print("| size | " + " | ".join(WRITE_SYSTEMS) + " |")
+    print("|---:|" + "---:|" * len(WRITE_SYSTEMS))
+    for bs in a.write_sizes:
+        row = {m["system"]: m for m in medians if m["bs"] == bs}
+        print(f"| {human(bs)} | " + " | ".join(f"{row[s]['mb_s']:,.1f} / {row[s]['server_cpu_us_per_mb']:,.0f}"
+                                              for s in WRITE_SYSTEMS) + " |")
+    return records, medians
+
+
 def plot(path, result):
     try:
         import matplotlib
@@ -380,7 +435,7 @@ def plot(path, result):
     except ImportError:
         print("(no matplotlib: no plot)", file=sys.stderr)
         return
-    panels = [k for k in ("registration", "reads", "sizes", "writes") if result.get(k)]
+    panels = [k for k in ("registration", "reads", "sizes", "writes", "write_sizes") if result.get(k)]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, key in zip(axes[0], panels):
         if key == "registration":
@@ -392,7 +447,7 @@ def plot(path, result):
             ax.set_ylabel("µs")
             ax.set_title("Registration by size (Fig. 5.8)")
         elif key == "sizes":
-            for system in ("file", "flash", "flash-direct"):
+            for system in ("file", "file-sendfile", "flash", "flash-direct"):
                 for poll, style in (("off", "o-"), ("hybrid", "s--")):
                     pts = [m for m in result["sizes"]["medians"] if (m["system"], m["poll"]) == (system, poll)]
                     ax.loglog([p["bs"] for p in pts], [p["lat_us"]["p50"] for p in pts], style,
@@ -400,6 +455,13 @@ def plot(path, result):
             ax.set_xlabel("read size (bytes), QD 1")
             ax.set_ylabel("median latency (µs)")
             ax.set_title("Latency by read size (Fig. 5.9)")
+        elif key == "write_sizes":
+            for system in WRITE_SYSTEMS:
+                pts = [m for m in result["write_sizes"]["medians"] if m["system"] == system]
+                ax.loglog([p["bs"] for p in pts], [p["mb_s"] for p in pts], "o-", label=system)
+            ax.set_xlabel("write size (bytes), FUA, QD 1")
+            ax.set_ylabel("MB/s")
+            ax.set_title("Synchronous write bandwidth (Fig. 5.13)")
         else:
             systems = SYSTEMS if key == "reads" else WRITE_SYSTEMS
             for system in systems:
@@ -426,6 +488,8 @@ def main():
     p.add_argument("--no-reads", action="store_true")
     p.add_argument("--no-writes", action="store_true")
     p.add_argument("--no-sizes", action="store_true")
+    p.add_argument("--no-write-sizes", action="store_true")
+    p.add_argument("--write-sizes", default="4K,64K,1M,8M")
     p.add_argument("--read-sizes", default="4K,64K,1M,8M,32M")
     p.add_argument("--write-threads", default="1,4,16,64")
     p.add_argument("--reg-sizes", default="4K,1M,1G,64G,1T,8T")
@@ -444,6 +508,7 @@ def main():
     a.threads = [int(t) for t in a.threads.split(",")]
     a.write_threads = [int(t) for t in a.write_threads.split(",")]
     a.read_sizes = [size_of(s) for s in a.read_sizes.split(",")]
+    a.write_sizes = [size_of(s) for s in a.write_sizes.split(",")]
     result = {"placement": a.pl.record(), "placement_text": a.pl.describe(),
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="flashnet-") as scratch:
@@ -458,6 +523,9 @@ def main():
         if not a.no_writes:
             records, medians = writes(a, scratch)
             result["writes"] = {"records": records, "medians": medians, "size": a.size}
+        if not a.no_write_sizes:
+            records, medians = write_sizes(a, scratch)
+            result["write_sizes"] = {"records": records, "medians": medians, "size": a.size}
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, "flashnet-" + time.strftime("%Y%m%d-%H%M%S"))
     with open(stem + ".json", "w") as f:
