@@ -338,20 +338,27 @@ def sizes(a, scratch):
     return records, medians
 
 
-def writes(a, scratch):
-    size = a.size
-    # Room for the volume four times over: random overwrites keep the cleaner light.
-    data, array = file_and_array(a, scratch, "w", size * 4 + (256 << 20))
+def file_and_empty_volume(a, scratch, prefix):
+    """A file of --size, and an array holding an empty volume `v` of --size with room for it
+    four times over (random overwrites keep the cleaner light); the serve arguments and export
+    of each write system."""
+    data, array = file_and_array(a, scratch, prefix, a.size * 4 + (256 << 20))
     t = Target(a, ["--flash", array])
     try:
-        t.vol(a, "create", "v", "--size", str(size))
+        t.vol(a, "create", "v", "--size", str(a.size))
     finally:
         t.stop()
+    return lambda system: (["--export", f"vol=file:{data}"], "vol") if system == "file" else (["--flash", array], "v")
+
+
+def writes(a, scratch):
+    size = a.size
+    serve = file_and_empty_volume(a, scratch, "w")
     records = []
     for threads in a.write_threads:
         for rnd in range(a.repeat):
             for system in rotate(WRITE_SYSTEMS, rnd):
-                argv, export = (["--export", f"vol=file:{data}"], "vol") if system == "file" else (["--flash", array], "v")
+                argv, export = serve(system)
                 target = Target(a, argv)
                 try:
                     bench = [a.skiff, "bench", "--target", target.addr, "--export", export, "--rw", "randwrite",
@@ -387,17 +394,12 @@ def write_sizes(a, scratch):
     """FUA random writes by size at QD 1 (Figure 5.13): file (O_DIRECT, O_DSYNC) against a
     flash volume, ordinary and direct."""
     size = a.size
-    data, array = file_and_array(a, scratch, "ws", size * 4 + (256 << 20))
-    t = Target(a, ["--flash", array])
-    try:
-        t.vol(a, "create", "v", "--size", str(size))
-    finally:
-        t.stop()
+    serve = file_and_empty_volume(a, scratch, "ws")
     records = []
     for bs in a.write_sizes:
         for rnd in range(a.repeat):
             for system in rotate(WRITE_SYSTEMS, rnd):
-                argv, export = (["--export", f"vol=file:{data}"], "vol") if system == "file" else (["--flash", array], "v")
+                argv, export = serve(system)
                 target = Target(a, argv + ["--io-max", "32M"])
                 try:
                     bench = [a.skiff, "bench", "--target", target.addr, "--export", export, "--rw", "randwrite",

@@ -26,6 +26,20 @@ pub fn start_target_with(exports: &[&str], tweak: impl FnOnce(&mut TargetConfig)
     Target::start(config).expect("target starts")
 }
 
+/// Stop the process `strace` traces (its first child) with SIGTERM and wait up to 20 s for
+/// strace to exit, so that the trace it wrote is complete.
+pub fn stop_traced(strace: &mut std::process::Child) {
+    let children = std::fs::read_to_string(format!("/proc/{}/task/{}/children", strace.id(), strace.id()))
+        .expect("strace's children");
+    let pid = children.split_whitespace().next().expect("a process runs under strace").to_owned();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while strace.try_wait().expect("strace's status").is_none() {
+        assert!(std::time::Instant::now() < deadline, "the traced process did not stop");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// `n` distinct free loopback ports: each is held until all are chosen, so no two are the
 /// same (another process may still take one before its user binds it).
 pub fn free_ports(n: usize) -> Vec<u16> {

@@ -4,7 +4,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use initiator::{Endpoint, Lane, LaneConfig, Queue, ReqFlags, Status};
 
@@ -57,15 +56,7 @@ fn fua_uses_o_dsync_and_flush_is_fdatasync() {
     drop(lane);
 
     // Stop skiff (strace's child) cleanly so the trace is complete.
-    let children =
-        std::fs::read_to_string(format!("/proc/{}/task/{}/children", strace.id(), strace.id())).unwrap();
-    let skiff_pid = children.split_whitespace().next().expect("skiff runs under strace").to_owned();
-    Command::new("kill").args(["-TERM", &skiff_pid]).status().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while strace.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "skiff serve did not stop");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    skiff_tests::stop_traced(&mut strace);
 
     let text = std::fs::read_to_string(trace.path()).unwrap();
     let calls: Vec<&str> =

@@ -5,7 +5,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 fn bench(target: &str, rw: &str) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_skiff"))
@@ -58,15 +57,7 @@ fn a_sendfile_export_sends_read_data_with_sendfile_and_every_byte_reads_back() {
     let over_unix = bench(&format!("unix:{}", unix.display()), "randread");
     assert!(tcp["ios"].as_u64().unwrap() > 100 && over_unix["ios"].as_u64().unwrap() > 100);
 
-    let children =
-        std::fs::read_to_string(format!("/proc/{}/task/{}/children", strace.id(), strace.id())).unwrap();
-    let skiff_pid = children.split_whitespace().next().expect("skiff runs under strace").to_owned();
-    Command::new("kill").args(["-TERM", &skiff_pid]).status().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while strace.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "skiff serve did not stop");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    skiff_tests::stop_traced(&mut strace);
 
     let text = std::fs::read_to_string(&trace).unwrap();
     let calls: Vec<&str> =

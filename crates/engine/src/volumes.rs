@@ -825,14 +825,11 @@ mod tests {
             flash::engine::format(&devs, SEGMENT_PAGES, false).unwrap();
         }
         let array = Array::open(devs, flash::ctl::Config { pool_pages: 256, ..Default::default() }).unwrap();
-        let pool = PoolVolume {
-            name: "pool".into(),
-            size_bytes: 1 << 30,
-            key: [9; 32],
-            chunk_bytes: 1 << 20,
-            fresh_incarnation: fresh,
-        };
-        Ok((FlashVolumes::new(array, false, [7; 32]).with_pool(pool)?, dev))
+        Ok((FlashVolumes::new(array, false, [7; 32]).with_pool(pool_volume(1 << 30, fresh))?, dev))
+    }
+
+    fn pool_volume(size_bytes: u64, fresh_incarnation: u64) -> PoolVolume {
+        PoolVolume { name: "pool".into(), size_bytes, key: [9; 32], chunk_bytes: 1 << 20, fresh_incarnation }
     }
 
     /// A pool volume is thin (1 GiB on an array of a few MiB), served byte-addressed with
@@ -906,14 +903,9 @@ mod tests {
         drop(v);
         let devs: Vec<Box<dyn Device>> = vec![Box::new(MemDevice::from_image(image))];
         let array = Array::open(devs, flash::ctl::Config { pool_pages: 256, ..Default::default() }).unwrap();
-        let pool = PoolVolume {
-            name: "pool".into(),
-            size_bytes: 1 << 29,
-            key: [9; 32],
-            chunk_bytes: 1 << 20,
-            fresh_incarnation: 1,
-        };
-        let e = FlashVolumes::new(array, false, [7; 32]).with_pool(pool).expect_err("a smaller pool refused");
+        let smaller = pool_volume(1 << 29, 1);
+        let e =
+            FlashVolumes::new(array, false, [7; 32]).with_pool(smaller).expect_err("a smaller pool refused");
         assert!(e.to_string().contains("give at least its size"), "{e}");
     }
 
