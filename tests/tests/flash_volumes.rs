@@ -218,6 +218,56 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
     assert!(std::fs::read(&again).unwrap() == data, "a volume written through NBD read back other bytes");
 }
 
+/// A read of more cold pages than the array's read queue holds is read ahead in rounds: the
+/// connection parks for the pages the queue took, looks ahead again for the rest, and parks
+/// again, so that no page of it is read on the worker's thread. Every miss is an asynchronous
+/// read, and every byte comes back.
+#[test]
+fn a_read_larger_than_the_read_queue_is_read_ahead_in_rounds() {
+    let (_dir, devices) = flash_array(1, 128 << 20);
+    let start = || {
+        start_target_with(&[], |c| {
+            c.flash = Some(FlashConfig {
+                devices: devices.to_vec(),
+                pool_bytes: 16 << 20,
+                map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
+                read_depth: 16,
+                references: None,
+                rstore_pool: None,
+            });
+        })
+    };
+    let len = 8usize << 20;
+    let data: Vec<u8> =
+        (0..len).map(|i| ((i / 4096) as u32).wrapping_mul(40_503).to_le_bytes()[i % 4]).collect();
+    {
+        let t = start();
+        let ep = tcp_endpoint(&t);
+        let mut client = Client::connect(&ep).unwrap();
+        assert_eq!(
+            client.volume(&request(VolumeOp::Create, "v", "", len as u64)).unwrap().status,
+            Status::Ok
+        );
+        let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
+        for (i, piece) in data.chunks(1 << 20).enumerate() {
+            lane.write_at(piece, (i << 20) as u64).unwrap();
+        }
+    }
+    // A clean stop wrote everything back: every page is cold now.
+    let t = start();
+    let ep = tcp_endpoint(&t);
+    let mut client = Client::connect(&ep).unwrap();
+    let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
+    let mut back = vec![0u8; len];
+    for (i, piece) in back.chunks_mut(1 << 20).enumerate() {
+        lane.read_at(piece, (i << 20) as u64).unwrap();
+    }
+    assert!(back == data, "other bytes came back");
+    let (misses, ahead) = (stat(&mut client, "pool_misses"), stat(&mut client, "pages_read_async"));
+    assert_eq!(misses, (len / 4096) as u64, "every page missed once");
+    assert_eq!(ahead, misses, "{} of {misses} cold pages were read on the worker", misses - ahead);
+}
+
 /// A FLUSH through the native protocol is made durable by the array's sync thread while the
 /// worker serves on: the lane's flush is answered only after it (the counter moved), and
 /// writes queued behind it in the same pass are answered too.

@@ -214,6 +214,8 @@ pub struct Batch {
     /// Some work that must succeed for the replies waiting on the batch to be true did not
     /// ([`sync_later`](Backend::sync_later)).
     failed: AtomicBool,
+    /// A backend had more to start than it could take on now ([`cut_short`](Self::cut_short)).
+    short: AtomicBool,
     wake: Arc<dyn Wake>,
     token: u64,
 }
@@ -224,6 +226,7 @@ impl Batch {
             left: AtomicUsize::new(0),
             started: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
+            short: AtomicBool::new(false),
             wake,
             token,
         }
@@ -234,7 +237,20 @@ impl Batch {
         debug_assert_eq!(self.left.load(Ordering::Acquire), 0, "a batch reopened while its work goes on");
         self.started.store(0, Ordering::Relaxed);
         self.failed.store(false, Ordering::Relaxed);
+        self.short.store(false, Ordering::Relaxed);
         self.left.store(1, Ordering::Release);
+    }
+
+    /// A backend left work it was asked to prepare unstarted (its queue was full): once what
+    /// it started has ended, the driver should prepare the same requests again before it runs
+    /// them, or they do the rest on its thread.
+    pub fn cut_short(&self) {
+        self.short.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a backend [cut](Self::cut_short) the batch short; read after the wake.
+    pub fn was_cut_short(&self) -> bool {
+        self.short.load(Ordering::Relaxed)
     }
 
     /// A piece of work failed in a way the replies waiting on the batch must not hide: call

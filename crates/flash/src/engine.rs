@@ -913,6 +913,8 @@ impl Array {
                 }
                 let room = room.get_or_insert_with(|| reads.depth().saturating_sub(reads.in_flight()));
                 if *room == 0 {
+                    // The rest once these have landed: the driver looks ahead again.
+                    batch.cut_short();
                     break;
                 }
                 let read = match ahead {

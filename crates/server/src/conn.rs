@@ -570,7 +570,11 @@ impl<S: ConnStream> Conn<S> {
         self.identify_nbd(shared);
         let Conn { rx, tx, closing, peer, front, stream, data_apart, batch, woken, .. } = self;
         let later = Later::new(batch.as_ref());
-        let batch = if std::mem::replace(woken, Wait::None) == Wait::Reads { None } else { batch.as_ref() };
+        // Woken by reads the last look-ahead started: run the requests now, unless it could
+        // not start them all (the array's read queue was full), when it looks ahead again
+        // first and parks for the rest rather than have them read on this thread.
+        let resumed = std::mem::replace(woken, Wait::None) == Wait::Reads;
+        let batch = batch.as_ref().filter(|b| !resumed || b.was_cut_short());
         let mut link =
             Link { rx, tx, closing, peer, stats: &stats.front, backlog_max, batch, waiting: false, later };
         front.process(&mut link, shared);
