@@ -146,6 +146,19 @@ fn volumes_come_and_go_while_other_connections_work() {
 /// requests per caravan) and through NBD (nbdcopy keeps several in flight). Every byte comes
 /// back, and the misses were read ahead on the array's io_uring. The map's budget holds a
 /// third of the volume's leaves, so the rest come back from the checkpoint on the way.
+/// Create volume `v` on `t` holding `data`, written 1 MiB at a time; dropping `t` after
+/// writes it all back, so that a target started next finds every page cold.
+fn write_volume(t: &Target, data: &[u8]) {
+    let ep = tcp_endpoint(t);
+    let mut client = Client::connect(&ep).unwrap();
+    let create = request(VolumeOp::Create, "v", "", data.len() as u64);
+    assert_eq!(client.volume(&create).unwrap().status, Status::Ok);
+    let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
+    for (i, piece) in data.chunks(1 << 20).enumerate() {
+        lane.write_at(piece, (i << 20) as u64).unwrap();
+    }
+}
+
 #[test]
 fn pool_misses_park_their_requests_and_every_byte_comes_back() {
     let (dir, devices) = flash_array(2, 64 << 20);
@@ -167,19 +180,7 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
     let len = 24usize << 20;
     let data: Vec<u8> =
         (0..len).map(|i| ((i / 4096) as u32).wrapping_mul(2_654_435_761).to_le_bytes()[i % 4]).collect();
-    {
-        let t = start();
-        let ep = tcp_endpoint(&t);
-        let mut client = Client::connect(&ep).unwrap();
-        assert_eq!(
-            client.volume(&request(VolumeOp::Create, "v", "", len as u64)).unwrap().status,
-            Status::Ok
-        );
-        let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
-        for (i, piece) in data.chunks(1 << 20).enumerate() {
-            lane.write_at(piece, (i << 20) as u64).unwrap();
-        }
-    }
+    write_volume(&start(), &data);
     // A clean stop wrote everything back: the new target's pool is empty.
     let t = start();
     let ep = tcp_endpoint(&t);
@@ -240,19 +241,7 @@ fn a_read_larger_than_the_read_queue_is_read_ahead_in_rounds() {
     let len = 8usize << 20;
     let data: Vec<u8> =
         (0..len).map(|i| ((i / 4096) as u32).wrapping_mul(40_503).to_le_bytes()[i % 4]).collect();
-    {
-        let t = start();
-        let ep = tcp_endpoint(&t);
-        let mut client = Client::connect(&ep).unwrap();
-        assert_eq!(
-            client.volume(&request(VolumeOp::Create, "v", "", len as u64)).unwrap().status,
-            Status::Ok
-        );
-        let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
-        for (i, piece) in data.chunks(1 << 20).enumerate() {
-            lane.write_at(piece, (i << 20) as u64).unwrap();
-        }
-    }
+    write_volume(&start(), &data);
     // A clean stop wrote everything back: every page is cold now.
     let t = start();
     let ep = tcp_endpoint(&t);

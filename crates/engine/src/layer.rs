@@ -49,6 +49,11 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Whether read data leaves by `sendfile(2)` from the backend's file ([`SendFile`]).
+    fn sends_files(&self) -> bool {
+        false
+    }
+
     /// Whether [`judge`](Self::judge) may refuse anything: only such layers are asked per
     /// request, and an export with one is served to the native protocol alone (NBD cannot
     /// present what they ask for).
@@ -132,6 +137,10 @@ pub struct SendFile;
 impl Layer for SendFile {
     fn describe(&self) -> String {
         "send=sendfile".into()
+    }
+
+    fn sends_files(&self) -> bool {
+        true
     }
 
     fn as_any(&self) -> &dyn Any {

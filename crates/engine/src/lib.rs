@@ -52,6 +52,8 @@ pub struct Export {
     block_bytes: u32,
     /// The layers that judge each request ([`layer::Layer::judges_requests`]).
     judges: Vec<Arc<dyn layer::Layer>>,
+    /// The backend's file, when a layer sends read data from it ([`layer::SendFile`]).
+    send_fd: Option<std::os::fd::RawFd>,
 }
 
 impl std::fmt::Debug for Export {
@@ -95,6 +97,7 @@ impl Export {
             read_only: false,
             block_bytes,
             judges: Vec::new(),
+            send_fd: None,
         };
         if read_only {
             export.with_layer(Arc::new(layer::ReadOnly)).expect("ro stacks on any export")
@@ -122,6 +125,9 @@ impl Export {
         self.read_only |= layer.read_only();
         if layer.judges_requests() {
             self.judges.push(layer.clone());
+        }
+        if layer.sends_files() {
+            self.send_fd = self.backend.file_fd();
         }
         self.layers.push(layer);
         Ok(self)
@@ -366,10 +372,10 @@ pub fn read_in_place(export: &Export, io: &Io) -> Option<Result<RegionBytes, Sta
 /// Where a validated read's data lies in a file, for a front end that sends it with
 /// `sendfile(2)`: the descriptor and the offset, when the export sends so
 /// ([`layer::SendFile`]). The descriptor stays valid while the export does.
+#[inline]
 pub fn file_range(export: &Export, io: &Io) -> Option<(std::os::fd::RawFd, u64)> {
     debug_assert!(io.opcode.returns_data());
-    export.layer::<layer::SendFile>()?;
-    Some((export.backend.file_fd()?, io.offset))
+    Some((export.send_fd?, io.offset))
 }
 
 /// The one mapping from backend errors to wire statuses.
