@@ -23,8 +23,9 @@ use crate::bounds::{IOV_BATCH, TX_IDLE_BYTES};
 ///
 /// Addresses and file ranges never outlive the loop pass that made them: [`TxBuf::flush`]
 /// copies whatever the socket did not take into the owned buffer before it returns (reading
-/// a file range then), so no reply waits on memory or a file for longer than one pass. The owned buffer only grows (bounded by the backlog limit plus one
-/// caravan), so appending never zero-fills memory per request.
+/// a file range then), so no reply waits on memory or a file for longer than one pass. The
+/// owned buffer only grows (bounded by the backlog limit plus one caravan), so appending never
+/// zero-fills memory per request.
 #[derive(Debug, Default)]
 pub(crate) struct TxBuf {
     pub buf: Vec<u8>,
