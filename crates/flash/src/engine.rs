@@ -995,6 +995,9 @@ impl Array {
             }
             Read::Leaf { read, vol, first, last, whole } => {
                 let mut next = Vec::new();
+                // The leaf's own read has left the ring: the pages under it take what is free,
+                // and the rest waits for the driver's next round.
+                let mut room = self.reads.get().map_or(0, |r| r.depth().saturating_sub(r.in_flight()));
                 {
                     let mut c = self.lock();
                     let back = result.is_ok() && c.leaf_landed(&read, buf).unwrap_or_else(|e| {
@@ -1008,6 +1011,11 @@ impl Array {
                             if overwritten(whole, vpage) || c.ahead(vol, vpage) != Ahead::Page {
                                 continue;
                             }
+                            if room == 0 {
+                                batch.cut_short();
+                                break;
+                            }
+                            room -= 1;
                             match slot_ahead(&mut c, vol, vpage) {
                                 ControlFlow::Continue(read) => next.extend(read),
                                 ControlFlow::Break(()) => break,

@@ -266,22 +266,29 @@ pub enum Sealed {
 }
 
 impl<'a, S: ?Sized> Link<'a, S> {
-    /// Open the batch for a look-ahead when the driver gave one and `may_wait` says a
-    /// backend of this connection could use it; `None` otherwise.
-    pub(crate) fn look_ahead(&self, may_wait: bool) -> Option<&'a Arc<Batch>> {
-        let batch = self.batch.filter(|_| may_wait)?;
-        batch.open();
-        Some(batch)
-    }
-
-    /// Seal the batch a look-ahead opened; when it started reads, the requests wait for
-    /// them: returns whether they do.
-    pub(crate) fn park_if_started(&mut self, batch: &Arc<Batch>) -> bool {
-        if batch.seal() {
-            self.waiting = true;
-            return true;
+    /// Look ahead when the driver gave a batch and `may_wait` says a backend of this
+    /// connection could use it: `prepare` lets the backends start, on the batch, what the
+    /// requests received (the bytes it is given) would wait for. Returns whether they wait for it (the front end then
+    /// executes nothing and leaves them in `rx`).
+    ///
+    /// A backend whose read queue was full starts only part and cuts the batch short. When
+    /// everything it did start has ended before the seal (a fast device), nothing is waited
+    /// for, yet the rest was never started: the look-ahead goes round again at once rather
+    /// than leave those pages to be read on the driver's thread. A round that started nothing
+    /// ends the look (the queue is full of others' reads; the requests read the rest).
+    pub(crate) fn look_ahead(&mut self, may_wait: bool, mut prepare: impl FnMut(&[u8], &Arc<Batch>)) -> bool {
+        let Some(batch) = self.batch.filter(|_| may_wait) else { return false };
+        loop {
+            batch.open();
+            prepare(self.rx.unconsumed(), batch);
+            if batch.seal() {
+                self.waiting = true;
+                return true;
+            }
+            if !batch.was_cut_short() || batch.started() == 0 {
+                return false;
+            }
         }
-        false
     }
 }
 
@@ -299,5 +306,100 @@ impl<S: ?Sized> Link<'_, S> {
         tracing::warn!(peer = %self.peer, reason, "closing connection: protocol error");
         bump(&self.stats.connections_closed_protocol_error, 1);
         *self.closing = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use backend::Wake;
+
+    use super::*;
+
+    struct Nobody;
+
+    impl Wake for Nobody {
+        fn wake(&self, _token: u64) {}
+    }
+
+    /// Run `f` on a link over empty buffers with `batch`.
+    fn with_link<R>(batch: Option<&Arc<Batch>>, f: impl FnOnce(&mut Link<'_, Vec<u8>>) -> R) -> R {
+        let (mut rx, mut tx, mut closing, stats) =
+            (FrameBuffer::new(), Vec::<u8>::new(), false, FrontStats::default());
+        let mut link = Link {
+            rx: &mut rx,
+            tx: &mut tx,
+            closing: &mut closing,
+            peer: "test",
+            stats: &stats,
+            backlog_max: usize::MAX,
+            batch,
+            waiting: false,
+            later: Later::new(None),
+        };
+        f(&mut link)
+    }
+
+    /// Drive `Link::look_ahead` with a `prepare` given each round's number and the batch;
+    /// returns whether it parked and how many rounds ran.
+    fn rounds(prepare: impl Fn(u32, &Arc<Batch>)) -> (bool, u32) {
+        let batch = Arc::new(Batch::new(Arc::new(Nobody), 7));
+        with_link(Some(&batch), |link| {
+            let mut round = 0;
+            let parked = link.look_ahead(true, |_, b| {
+                prepare(round, b);
+                round += 1;
+            });
+            assert_eq!(parked, link.waiting);
+            (parked, round)
+        })
+    }
+
+    /// A read that ended before the seal: started and done at once.
+    fn ended_at_once(b: &Batch) {
+        b.add();
+        b.done();
+    }
+
+    #[test]
+    fn a_round_cut_short_whose_reads_all_ended_goes_round_again() {
+        // Two rounds cut short by a full queue, each of whose reads landed before the seal
+        // (a fast device), then a round that starts the rest: three rounds, no park.
+        let (parked, n) = rounds(|round, b| {
+            ended_at_once(b);
+            if round < 2 {
+                b.cut_short();
+            }
+        });
+        assert_eq!((parked, n), (false, 3));
+    }
+
+    #[test]
+    fn a_round_with_reads_still_going_parks() {
+        let held = Mutex::new(None);
+        let (parked, n) = rounds(|_, b| {
+            b.add();
+            b.cut_short();
+            *held.lock().unwrap() = Some(b.clone());
+        });
+        assert_eq!((parked, n), (true, 1), "the driver looks again on the wake, not now");
+        held.lock().unwrap().take().unwrap().done();
+    }
+
+    #[test]
+    fn a_round_cut_short_that_started_nothing_ends_the_look() {
+        // The queue is full of other connections' reads: spinning would not free it.
+        assert_eq!(rounds(|_, b| b.cut_short()), (false, 1));
+        assert_eq!(rounds(|_, _| {}), (false, 1));
+    }
+
+    #[test]
+    fn without_a_batch_or_a_backend_that_waits_nothing_is_prepared() {
+        let batch = Arc::new(Batch::new(Arc::new(Nobody), 7));
+        with_link(Some(&batch), |link| {
+            assert!(!link.look_ahead(false, |_, _| panic!("prepared without a backend that waits")));
+        });
+        with_link(None, |link| assert!(!link.look_ahead(true, |_, _| panic!("prepared without a batch"))));
     }
 }

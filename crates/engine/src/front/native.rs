@@ -88,11 +88,8 @@ impl NativeConn {
 
     /// Handle every frame that has arrived whole.
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
-        if let Some(batch) = link.look_ahead(self.may_wait) {
-            look_ahead(link.rx.unconsumed(), &self.session, host, batch);
-            if link.park_if_started(batch) {
-                return;
-            }
+        if link.look_ahead(self.may_wait, |rx, batch| look_ahead(rx, &self.session, host, batch)) {
+            return;
         }
         let leases = self.leases.len();
         process(&mut self.session, link, host, &mut self.caps, &mut self.leases, &mut self.bug);

@@ -151,9 +151,10 @@ impl NbdConn {
         if let State::Transmitting { session, export, .. } = &self.state {
             let export = host.exports().get(*export);
             let may_wait = self.drain_bytes == 0 && export.is_some_and(|e| e.backend.may_wait());
-            if let (Some(batch), Some(export)) = (link.look_ahead(may_wait), export) {
-                look_ahead(link.rx.unconsumed(), session, export, host.io_bytes_max(), batch);
-                if link.park_if_started(batch) {
+            if let Some(export) = export {
+                let io_bytes_max = host.io_bytes_max();
+                if link.look_ahead(may_wait, |rx, batch| look_ahead(rx, session, export, io_bytes_max, batch))
+                {
                     return;
                 }
             }
