@@ -259,7 +259,8 @@ fn a_read_larger_than_the_read_queue_is_read_ahead_in_rounds() {
 
 /// A FLUSH through the native protocol is made durable by the array's sync thread while the
 /// worker serves on: the lane's flush is answered only after it (the counter moved), and
-/// writes queued behind it in the same pass are answered too.
+/// writes queued behind it in the same pass are answered too. Reads of pages in the pool
+/// are sent from the pool (`Array::lend`).
 #[test]
 fn a_native_flush_is_served_by_the_sync_thread() {
     let (_dir, devices) = flash_array(2, 64 << 20);
@@ -281,4 +282,6 @@ fn a_native_flush_is_served_by_the_sync_thread() {
         lane.read_at(&mut back, round << 20).unwrap();
         assert!(back == data, "round {round} read back other bytes");
     }
+    // The pages were in the pool: their bytes left from there, lent, not copied first.
+    assert!(stat(&mut client, "pages_lent") >= 4 * 256, "pool pages were copied into the reply buffer");
 }

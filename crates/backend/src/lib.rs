@@ -136,6 +136,18 @@ pub trait Backend: Send + Sync {
         let _ = (offset, len);
         None
     }
+    /// Where the `len` bytes from `offset` lie in memory now, appended to `out` in order as
+    /// pieces that keep them there until the last piece is dropped (a flash volume's page
+    /// pool pins them), so that a sender hands them to the kernel without copying them into a
+    /// buffer first. `Ok(false)`, appending nothing, when they do not all lie in memory now
+    /// (the default): `read_at` is the way then. A holder must let go soon (within its loop
+    /// pass): pinned pages cannot be evicted meanwhile. A write that overlaps them before they
+    /// are sent is an overlapping in-flight request and leaves them unspecified, as for
+    /// `read_at`.
+    fn lend(&self, offset: u64, len: usize, out: &mut Vec<RegionBytes>) -> Result<bool> {
+        let _ = (offset, len, out);
+        Ok(false)
+    }
     /// A descriptor whose bytes at a request's offset are the volume's, read through the page
     /// cache, for a sender that hands them to the socket with `sendfile(2)` (a file export's
     /// `send=sendfile`). `None` (the default): the volume is not a file. The descriptor stays

@@ -369,6 +369,17 @@ pub fn read_in_place(export: &Export, io: &Io) -> Option<Result<RegionBytes, Sta
     }))
 }
 
+/// Where a validated read's data lies in memory now, as pieces pinned there until the last
+/// is dropped ([`backend::Backend::lend`]), appended to `out`. `Ok(false)`: read it with
+/// [`execute`] instead.
+pub fn lend(export: &Export, io: &Io, out: &mut Vec<RegionBytes>) -> Result<bool, Status> {
+    debug_assert!(io.opcode.returns_data());
+    export.backend.lend(io.offset, io.length as usize, out).map_err(|e| {
+        tracing::warn!(export = %export.name, offset = io.offset, length = io.length, error = %e, "backend error");
+        status_of(&e)
+    })
+}
+
 /// Where a validated read's data lies in a file, for a front end that sends it with
 /// `sendfile(2)`: the descriptor and the offset, when the export sends so
 /// ([`layer::SendFile`]). The descriptor stays valid while the export does.

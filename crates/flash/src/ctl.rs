@@ -797,6 +797,32 @@ impl Controller {
         })
     }
 
+    /// Page `vpage` of `vol` lent to a sender, only if its bytes are in the pool now: kept in
+    /// its slot (neither evicted nor freed) until [`give_back`](Self::give_back), counted as
+    /// a hit. `None` (a miss, a hole, a page being read in or filled) changes nothing: the
+    /// caller reads the usual way. Writes to the page, its write-back and syncs go on: a
+    /// loan holds only the slot.
+    pub fn lend(&mut self, vol: VolId, vpage: u64) -> Result<Option<SlotId>, FlashError> {
+        let v = self.vols.get(&vol).ok_or(FlashError::NoSuchVolume)?;
+        if vpage >= v.map.pages {
+            return Err(FlashError::OutOfRange);
+        }
+        let Some(s) = v.slot_of(vpage) else { return Ok(None) };
+        Ok(match self.pool.slot(s).state {
+            SlotState::Clean | SlotState::Dirty | SlotState::WritingBack { .. } => {
+                self.pool.lend(s);
+                self.counters.pool_hits += 1;
+                Some(s)
+            }
+            SlotState::Fetching | SlotState::Filling | SlotState::Free => None,
+        })
+    }
+
+    /// A sender let go of `slot`, lent by [`lend`](Self::lend).
+    pub fn give_back(&mut self, slot: SlotId) {
+        self.pool.give_back(slot);
+    }
+
     /// What a read of `vpage` of `vol` would need from flash now, for a caller that reads it
     /// ahead of its request. Touches no counter and pins nothing.
     pub fn ahead(&self, vol: VolId, vpage: u64) -> Ahead {

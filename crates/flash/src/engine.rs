@@ -21,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -87,6 +87,24 @@ fn overwritten(whole: Option<(u64, u64)>, vpage: u64) -> bool {
 
 /// Take a slot to read page `vpage` of `vol` into ahead of its request: the read to start, if
 /// one is needed. `Break`: no slot to be had, or an error; the rest is read the ordinary way.
+/// Pool slots lent to a sender ([`Array::lend`]), kept until it lets go of the last range.
+struct Loan {
+    array: Arc<Array>,
+    slots: Vec<u32>,
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        {
+            let mut c = self.array.lock();
+            for &s in &self.slots {
+                c.give_back(s);
+            }
+        }
+        self.array.lent_now.fetch_sub(self.slots.len(), Ordering::Relaxed);
+    }
+}
+
 fn slot_ahead(c: &mut Controller, vol: VolId, vpage: u64) -> ControlFlow<(), Option<Read>> {
     match c.get(vol, vpage, Access::Read) {
         Ok(Got::Fetch { slot, pba }) => ControlFlow::Continue(Some(Read::Page { slot, pba })),
@@ -281,6 +299,8 @@ pub struct Stats {
     pub device_pages_written_measured: u64,
     /// Pool misses read asynchronously ([`Array::prefetch`]) since the array was opened.
     pub pages_read_async: u64,
+    /// Pool pages lent to senders, sent from the pool with no copy ([`Array::lend`]).
+    pub pages_lent: u64,
     /// FLUSH and FUA requests whose durability the syncer thread provided
     /// ([`Array::sync_later`]), and the syncs it made for them (one serves all it finds queued).
     pub syncs_later: u64,
@@ -331,7 +351,9 @@ pub struct Array {
     /// Work for the background thread: dirty pages reached the write-back mark, records
     /// wait, or it must stop. (It also looks every 20 ms.) Reads never wake it.
     kick: Condvar,
-    pool: Region,
+    /// The page pool's memory: slot `s` is `PAGE` bytes at `s * PAGE`. Shared with the
+    /// pages lent to senders ([`lend`](Array::lend)).
+    pool: Arc<Region>,
     /// Slots in the pool.
     pool_len: u32,
     devs: Arc<Vec<Box<dyn Device>>>,
@@ -352,6 +374,9 @@ pub struct Array {
     /// Pages [`prefetch`](Array::prefetch) started reading, and evicted map leaves it read
     /// back.
     prefetched: AtomicU64,
+    pages_lent: AtomicU64,
+    /// Pool slots lent to senders now ([`Array::lend`]).
+    lent_now: AtomicUsize,
     leaves_read_async: AtomicU64,
     /// FLUSH and FUA durability asked for without waiting ([`sync_later`](Array::sync_later)),
     /// for the syncer thread.
@@ -450,7 +475,7 @@ impl Array {
             ms = started.elapsed().as_millis() as u64,
             "flash array recovered"
         );
-        let pool = Region::new(cfg.pool_pages as usize * PAGE)?;
+        let pool = Arc::new(Region::new(cfg.pool_pages as usize * PAGE)?);
         let opts = Options::for_array(&cfg, geo.total_segments(), geo.segment_pages);
         let pool_len = ctl.pool.len();
         let array = Arc::new(Array {
@@ -472,6 +497,8 @@ impl Array {
             reads: OnceLock::new(),
             reader: Mutex::new(None),
             prefetched: AtomicU64::new(0),
+            pages_lent: AtomicU64::new(0),
+            lent_now: AtomicUsize::new(0),
             leaves_read_async: AtomicU64::new(0),
             syncs: Mutex::new(SyncQueue::default()),
             syncs_open: AtomicBool::new(false),
@@ -1433,6 +1460,69 @@ impl Array {
         Ok(())
     }
 
+    /// The `len` bytes at byte `offset` of volume `vol`, when every page of them is in the
+    /// pool now, appended to `out` in order as ranges of the pool (pages in neighbouring slots
+    /// as one), each keeping every slot lent until the last of them is dropped, so that a
+    /// sender hands them to the kernel with no copy of its own. Returns whether it lent them;
+    /// when not, [`read`](Self::read) is the way, and nothing was appended or stays lent:
+    /// - not when a page is not in the pool (a miss, a hole, a page being read in);
+    /// - not past a quarter of the pool lent at once, and never more than an eighth for one
+    ///   read, so that writers always find most of the pool evictable or writable back.
+    ///
+    /// A lent slot keeps its page (it is neither evicted nor freed, a delete included, until
+    /// given back), but writes to the page, its write-back and syncs go on: a write before
+    /// the bytes are sent changes them, as an overlapping in-flight request may, and nothing
+    /// waits for a loan, so a worker holding one never waits on itself.
+    pub fn lend(
+        self: &Arc<Self>,
+        vol: VolId,
+        offset: u64,
+        len: usize,
+        out: &mut Vec<rt::mem::RegionBytes>,
+    ) -> Result<bool, FlashError> {
+        if len == 0 {
+            return Ok(false);
+        }
+        let page = PAGE as u64;
+        let (first, last) = (offset / page, (offset + len as u64 - 1) / page);
+        let pages = (last - first + 1) as usize;
+        let pool = self.pool_len as usize;
+        if pages > (pool / 8).max(1) || self.lent_now.load(Ordering::Relaxed) + pages > pool / 4 {
+            return Ok(false);
+        }
+        let mut slots = Vec::with_capacity(pages);
+        {
+            let mut c = self.lock();
+            for vpage in first..=last {
+                match c.lend(vol, vpage) {
+                    Ok(Some(s)) => slots.push(s),
+                    other => {
+                        // Not all in memory: give back what was lent, and read the usual way.
+                        for s in slots.drain(..) {
+                            c.give_back(s);
+                        }
+                        return other.map(|_| false);
+                    }
+                }
+            }
+        }
+        self.lent_now.fetch_add(pages, Ordering::Relaxed);
+        self.pages_lent.fetch_add(pages as u64, Ordering::Relaxed);
+        let loan: Arc<dyn Send + Sync> = Arc::new(Loan { array: Arc::clone(self), slots: slots.clone() });
+        let (mut at, mut left, mut i) = ((offset % page) as usize, len, 0);
+        while left > 0 {
+            // Slots that follow one another in the pool make one range.
+            let mut run = 1;
+            while i + run < slots.len() && slots[i + run] == slots[i] + run as u32 {
+                run += 1;
+            }
+            let n = (run * PAGE - at).min(left);
+            out.push(self.pool.bytes(slots[i] as usize * PAGE + at, n).keeping(Arc::clone(&loan)));
+            (left, i, at) = (left - n, i + run, 0);
+        }
+        Ok(true)
+    }
+
     fn read_page(&self, vol: VolId, vpage: u64, at: usize, dst: &mut [u8]) -> Result<(), FlashError> {
         let mut c = self.lock();
         loop {
@@ -1721,6 +1811,7 @@ impl Array {
             map_evictions: c.map.evictions,
             device_pages_written_measured: self.devs.iter().map(|d| d.pages_written()).sum(),
             pages_read_async: self.prefetched.load(Ordering::Relaxed),
+            pages_lent: self.pages_lent.load(Ordering::Relaxed),
             syncs_later: self.synced_later.load(Ordering::Relaxed),
             sync_rounds_later: self.sync_rounds.load(Ordering::Relaxed),
             pool_full_writes: self.pool_full_writes.load(Ordering::Relaxed),

@@ -37,6 +37,10 @@ pub enum SlotState {
 pub struct Slot {
     pub state: SlotState,
     pub pins: u32,
+    /// Senders holding its bytes to send them ([`lend`](Pool::lend)): it keeps its page
+    /// (never evicted nor freed) until they let go, but unlike a pin this holds back no
+    /// write to it, write-back or sync.
+    pub lends: u32,
     pub vol: u32,
     pub vpage: u64,
     /// CLOCK's reference bit.
@@ -68,6 +72,7 @@ pub struct Pool {
 const EMPTY: Slot = Slot {
     state: SlotState::Free,
     pins: 0,
+    lends: 0,
     vol: 0,
     vpage: 0,
     referenced: false,
@@ -133,7 +138,7 @@ impl Pool {
             let i = self.hand;
             self.hand = (self.hand + 1) % n;
             let slot = &mut self.slots[i];
-            if slot.state != SlotState::Clean || slot.pins > 0 {
+            if slot.state != SlotState::Clean || slot.pins > 0 || slot.lends > 0 {
                 continue;
             }
             if slot.referenced {
@@ -143,6 +148,24 @@ impl Pool {
             return Some(i as SlotId);
         }
         None
+    }
+
+    /// Lend a slot's bytes to a sender: counted as a use, kept in place until
+    /// [`give_back`](Self::give_back).
+    pub fn lend(&mut self, s: SlotId) {
+        let slot = &mut self.slots[s as usize];
+        slot.lends += 1;
+        slot.referenced = true;
+        slot.uses = slot.uses.saturating_add(1);
+    }
+
+    /// A sender let go of a slot it was lent. Returns whether the slot was freed (an orphan
+    /// no one holds any more).
+    pub fn give_back(&mut self, s: SlotId) -> bool {
+        let slot = &mut self.slots[s as usize];
+        debug_assert!(slot.lends > 0, "gave back a slot nobody was lent");
+        slot.lends -= 1;
+        self.free_if_orphan(s)
     }
 
     /// Pin a slot for a user of its page.
@@ -260,6 +283,7 @@ impl Pool {
         let slot = self.slots[s as usize];
         if !slot.orphan
             || slot.pins > 0
+            || slot.lends > 0
             || matches!(slot.state, SlotState::Fetching | SlotState::WritingBack { .. })
         {
             return false;

@@ -77,6 +77,11 @@ impl Backend for FlashVolume {
         self.array.read(self.vol, offset, buf).map_err(io_error)
     }
 
+    /// Pages in the pool are lent pinned, and sent from there (`Array::lend`).
+    fn lend(&self, offset: u64, len: usize, out: &mut Vec<backend::RegionBytes>) -> Result<bool> {
+        self.array.lend(self.vol, offset, len, out).map_err(io_error)
+    }
+
     fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> Result<()> {
         self.array.write(self.vol, offset, buf, fua).map_err(io_error)
     }

@@ -353,3 +353,78 @@ fn a_small_map_budget_holds_under_writers_and_checkpoints() {
     let s = a.stats();
     assert!(s.map_leaves_resident < LEAVES && s.map_loads > 0, "{s:?}");
 }
+
+/// The bytes of `lent` ranges, in order.
+fn joined(lent: &[rt::mem::RegionBytes]) -> Vec<u8> {
+    lent.iter().flat_map(|b| b.as_slice().to_vec()).collect()
+}
+
+/// Pool pages lent to a sender are the volume's bytes and keep their slots while held: other
+/// traffic cannot evict them and a delete cannot free them, while writes, write-back and a
+/// flush go on (nothing waits for a loan, so a worker holding one cannot wait on itself). A
+/// read not wholly in the pool, or too large a share of it, is not lent.
+#[test]
+fn lent_pool_pages_keep_their_slots_until_let_go_and_hold_nothing_back() {
+    let devs = Shared::new(2, 256 + 64 * 12);
+    format(&devs.boxed(), SEGMENT_PAGES, false).unwrap();
+    let a = Array::open(devs.boxed(), cfg(64)).unwrap();
+    let vol = a.create("v", 300 * PAGE as u64).unwrap();
+    let data = pattern(5, 8 * PAGE);
+    a.write(vol, 0, &data, false).unwrap();
+
+    // Unaligned, over three pages: every byte is the volume's.
+    let mut lent = Vec::new();
+    let (off, len) = (100usize, 2 * PAGE + 50);
+    assert!(a.lend(vol, off as u64, len, &mut lent).unwrap());
+    assert!(joined(&lent) == data[off..off + len], "other bytes lent");
+    let lent_pages = a.stats().pages_lent;
+    assert_eq!(lent_pages, 3);
+
+    // Held: a flush writes the dirty pages back all the same, and a write to a lent page goes
+    // through (the bytes lent follow it: an overlapping request's).
+    a.flush().unwrap();
+    let fresh = pattern(6, 10);
+    a.write(vol, off as u64, &fresh, true).unwrap();
+    assert_eq!(&joined(&lent)[..10], &fresh[..]);
+    let mut model = data.clone();
+    model[off..off + 10].copy_from_slice(&fresh);
+
+    // Far more other pages than the pool holds pass through it: the lent slots stay.
+    for round in 0..4u64 {
+        let other = pattern(100 + round, 64 * PAGE);
+        a.write(vol, (16 + 64 * round) * PAGE as u64, &other, false).unwrap();
+    }
+    a.flush().unwrap();
+    assert!(a.stats().counters.evictions > 0, "the pool turned over");
+    assert!(joined(&lent) == model[off..off + len], "a lent slot was evicted and reused");
+
+    // A delete orphans the lent slots but cannot free them while held.
+    a.create("w", 8 * PAGE as u64).unwrap();
+    a.delete("v", false).unwrap();
+    let w = a.id_of("w").unwrap();
+    a.write(w, 0, &pattern(7, 8 * PAGE), false).unwrap();
+    assert!(joined(&lent) == model[off..off + len], "a deleted volume's lent slot was reused");
+    drop(lent);
+
+    // Not lent: a page not in the pool, a hole, and a read of more than an eighth of the pool.
+    let vol = a.create("x", 300 * PAGE as u64).unwrap();
+    a.write(vol, 0, &pattern(8, 20 * PAGE), false).unwrap();
+    a.flush().unwrap();
+    let mut out = Vec::new();
+    assert!(!a.lend(vol, 0, 9 * PAGE, &mut out).unwrap(), "9 pages of a pool of 64");
+    assert!(!a.lend(vol, 100 * PAGE as u64, PAGE, &mut out).unwrap(), "a hole");
+    assert!(out.is_empty());
+    assert!(a.lend(vol, 12 * PAGE as u64, 8 * PAGE, &mut out).unwrap());
+    assert!(joined(&out) == pattern(8, 20 * PAGE)[12 * PAGE..20 * PAGE], "other bytes lent");
+    drop(out);
+    a.audit().unwrap();
+    drop(a);
+    let a = Array::open(devs.boxed(), cfg(64)).unwrap();
+    let vol = a.id_of("x").unwrap();
+    let mut out = Vec::new();
+    assert!(!a.lend(vol, 0, 2 * PAGE, &mut out).unwrap(), "pages on flash only");
+    let mut back = vec![0u8; 2 * PAGE];
+    a.read(vol, 0, &mut back).unwrap();
+    assert!(a.lend(vol, 0, 2 * PAGE, &mut out).unwrap(), "the same once read into the pool");
+    assert!(joined(&out) == back, "other bytes lent");
+}

@@ -199,7 +199,7 @@ impl Region {
     /// If the range is not inside the region.
     pub fn bytes(self: &Arc<Self>, offset: usize, len: usize) -> RegionBytes {
         self.assert_in_bounds(offset, len);
-        RegionBytes { region: Arc::clone(self), offset, len }
+        RegionBytes { region: Arc::clone(self), offset, len, keep: None }
     }
 
     /// View the whole region. Takes `&mut self` because a `&[u8]` promises the bytes do not
@@ -221,14 +221,33 @@ impl Region {
 
 /// A range of a [`Region`], holding the region alive: what [`Region::bytes`] returns. The
 /// bytes stay mapped for as long as this value lives, so its slice borrows only from it.
-#[derive(Debug, Clone)]
+/// A lender that must also keep the bytes where they are (a page pool's pins) hangs its
+/// guard on the range ([`keeping`](Self::keeping)): it is dropped with the last clone.
+#[derive(Clone)]
 pub struct RegionBytes {
     region: Arc<Region>,
     offset: usize,
     len: usize,
+    keep: Option<Arc<dyn Send + Sync>>,
+}
+
+impl std::fmt::Debug for RegionBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegionBytes")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("kept", &self.keep.is_some())
+            .finish()
+    }
 }
 
 impl RegionBytes {
+    /// The same bytes, holding `keep` alive as long as they (or a clone) live.
+    pub fn keeping(mut self, keep: Arc<dyn Send + Sync>) -> RegionBytes {
+        self.keep = Some(keep);
+        self
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

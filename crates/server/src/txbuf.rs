@@ -50,6 +50,8 @@ pub(crate) struct TxBuf {
     /// A file range that could not be read when it had to be copied: the connection fails at
     /// the next flush (its reply said the read succeeded).
     failed: Option<io::Error>,
+    /// Scratch for the pieces a backend lends ([`engine::lend`]), kept for its allocation.
+    lent: Vec<RegionBytes>,
 }
 
 #[derive(Debug, Clone)]
@@ -140,32 +142,53 @@ impl TxBuf {
     }
 
     /// Append a validated read's data: by address when the export's backend holds it in
-    /// memory, by file range when the export sends with `sendfile(2)` and the connection can,
-    /// otherwise read into new space here. On failure nothing is appended.
+    /// memory (a RAM volume, or a flash volume's pool pages lent pinned), by file range when
+    /// the export sends with `sendfile(2)` and the connection can, otherwise read into new
+    /// space here. On failure nothing is appended.
     pub fn append_read(&mut self, export: &Export, io: &Io) -> Status {
-        if self.send_files && !self.backlogged && io.length > 0 {
-            if let Some((fd, offset)) = engine::file_range(export, io) {
-                self.borrow(Piece::File { fd, offset, len: io.length as usize });
-                return Status::Ok;
+        if !self.backlogged {
+            if let Some(status) = self.append_by_reference(export, io) {
+                return status;
             }
         }
-        let in_place = if self.backlogged { None } else { engine::read_in_place(export, io) };
-        match in_place {
-            Some(Ok(bytes)) => {
-                if !bytes.is_empty() {
-                    self.borrow(Piece::Memory(bytes));
-                }
-                Status::Ok
+        let range = self.reserve(io.length as usize);
+        let status = engine::execute(export, io, &[], &mut self.buf[range.clone()]);
+        if !status.is_ok() {
+            self.truncate(range.start);
+        }
+        status
+    }
+
+    /// [`append_read`](Self::append_read) without a copy of our own, when the export can:
+    /// `None` when it cannot now, and nothing was appended.
+    fn append_by_reference(&mut self, export: &Export, io: &Io) -> Option<Status> {
+        if self.send_files && io.length > 0 {
+            if let Some((fd, offset)) = engine::file_range(export, io) {
+                self.borrow(Piece::File { fd, offset, len: io.length as usize });
+                return Some(Status::Ok);
             }
-            Some(Err(status)) => status,
-            None => {
-                let range = self.reserve(io.length as usize);
-                let status = engine::execute(export, io, &[], &mut self.buf[range.clone()]);
-                if !status.is_ok() {
-                    self.truncate(range.start);
-                }
-                status
-            }
+        }
+        if let Some(found) = engine::read_in_place(export, io) {
+            return Some(found.map_or_else(
+                |status| status,
+                |bytes| {
+                    if !bytes.is_empty() {
+                        self.borrow(Piece::Memory(bytes));
+                    }
+                    Status::Ok
+                },
+            ));
+        }
+        let mut lent = std::mem::take(&mut self.lent);
+        let found = engine::lend(export, io, &mut lent);
+        for bytes in lent.drain(..) {
+            self.borrow(Piece::Memory(bytes));
+        }
+        self.lent = lent;
+        match found {
+            Ok(true) => Some(Status::Ok),
+            Ok(false) => None,
+            Err(status) => Some(status),
         }
     }
 

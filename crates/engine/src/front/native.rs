@@ -606,6 +606,10 @@ fn earn<S: Sink + ?Sized>(
             caps.push(d.seal_volume(index, export.backend.size_bytes(), writable, host.clock_ms()))
         }
         Plan::Fill(ticket) => {
+            if tx.len() < start + io.length as usize {
+                // Sent by reference (a backend lent the bytes): no copy here to fill from.
+                return;
+            }
             let data = tx.bytes_mut(start..start + io.length as usize);
             d.fill(index, &ticket, data, host.clock_ms(), |c| caps.push(c));
         }
