@@ -27,6 +27,12 @@ One invocation measures, on files in --dir (/var/tmp by default):
   IOPS per target core = 10^6 / the target's CPU µs per read. The volume and the file are
   filled with data first (a never-written page costs nothing to read). QD 1 latency is the
   T = 1 point. Systems alternate within each round; medians of --repeat rounds.
+- **Where the target's CPU goes** (thesis Table 5.1; --no-breakdown skips it; needs root and
+  perf): for (a) `file`, (b) `file-sendfile` and (c) `flash-direct` at each of
+  --breakdown-threads, one run each, `perf record -C <server CPU>` for --breakdown-seconds in
+  the middle of the run; the idle task dropped, symbols sorted into the thesis's categories by
+  bench/cycles.py, each share also as µs of target CPU per read; and the same for (b) and (c)
+  at one thread reading each of --breakdown-sizes (1 MiB by default).
 - **Latency and bandwidth by read size** (thesis Figures 5.9 and 5.10; --no-sizes skips it):
   random reads of each of --read-sizes at QD 1 on one thread, `file` (O_DIRECT) and
   `file-sendfile` (warm page cache) against a resident `flash` volume and `flash-direct`, each
@@ -228,42 +234,62 @@ def filled_file_and_volume(a, scratch, prefix):
     return data, array
 
 
+def read_target(a, system, data, array, extra=()):
+    """A target serving `system`'s export of the read runs (with `extra` arguments), and the
+    export's name."""
+    if system == "file":
+        return Target(a, ["--export", f"vol=file:{data}", *extra]), "vol"
+    if system == "file-sendfile":
+        return Target(a, ["--export", f"vol=file:{data},send=sendfile", *extra]), "vol"
+    pool = str(a.size // 4) if system == "flash-direct-cold" else resident(a.size)
+    return Target(a, ["--flash", array, "--flash-cache", pool, *extra]), "v"
+
+
+def read_run(a, system, target, export, threads, runtime, bs="4k"):
+    """`skiff bench` of random reads of `bs`, QD 1 per thread, against `system` served by
+    `target` (warmed first where the run reads from a pool or a page cache), started in the
+    background: returns the Popen, whose stdout is the JSON."""
+    bench = [a.skiff, "bench", "--target", target.addr, "--export", export, "--rw", "randread",
+             "--bs", bs, "--qd", "1", "--threads", str(threads), "--size", str(a.size),
+             "--duration", runtime, "--json"]
+    if system.startswith("flash-direct"):
+        bench.append("--direct-reads")
+    if system in ("flash", "flash-direct", "file-sendfile"):
+        # The pool (or the page cache) holds the data before the run.
+        warm(a, target.addr, export, a.size)
+    return subprocess.Popen(a.pl.client(bench), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def read_result(proc):
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"flashnet.py: skiff bench failed:\n{err}")
+    return json.loads(out)
+
+
+def read_record(system, threads, rnd, out):
+    rec = {"system": system, "threads": threads, "round": rnd, "iops": out["iops"],
+           "lat_us": out["lat_us"], "server_cpu_us_per_io": out["server_cpu_us_per_io"],
+           "client_cpu_us_per_io": out["client_cpu_us_per_io"],
+           "direct_reads": out.get("direct_reads", 0), "direct_faults": out.get("direct_faults", 0),
+           "ios": out.get("ios") or out.get("completed")}
+    rec["iops_per_target_core"] = 1e6 / rec["server_cpu_us_per_io"] if rec["server_cpu_us_per_io"] else None
+    return rec
+
+
 def reads(a, scratch):
     size = a.size
     data, array = filled_file_and_volume(a, scratch, "")
-
-    def serve_argv(system):
-        if system == "file":
-            return ["--export", f"vol=file:{data}"], "vol"
-        if system == "file-sendfile":
-            return ["--export", f"vol=file:{data},send=sendfile"], "vol"
-        pool = str(size // 4) if system == "flash-direct-cold" else resident(size)
-        return ["--flash", array, "--flash-cache", pool], "v"
-
     records = []
     for threads in a.threads:
         for rnd in range(a.repeat):
             for system in rotate(SYSTEMS, rnd):
-                argv, export = serve_argv(system)
-                target = Target(a, argv)
+                target, export = read_target(a, system, data, array)
                 try:
-                    bench = [a.skiff, "bench", "--target", target.addr, "--export", export, "--rw", "randread",
-                             "--bs", "4k", "--qd", "1", "--threads", str(threads), "--size", str(size),
-                             "--duration", a.runtime, "--json"]
-                    if system.startswith("flash-direct"):
-                        bench.append("--direct-reads")
-                    if system in ("flash", "flash-direct", "file-sendfile"):
-                        # The pool (or the page cache) holds the data before the run.
-                        warm(a, target.addr, export, size)
-                    out = json.loads(run(a.pl.client(bench)))
+                    out = read_result(read_run(a, system, target, export, threads, a.runtime))
                 finally:
                     target.stop()
-                rec = {"system": system, "threads": threads, "round": rnd, "iops": out["iops"],
-                       "lat_us": out["lat_us"], "server_cpu_us_per_io": out["server_cpu_us_per_io"],
-                       "client_cpu_us_per_io": out["client_cpu_us_per_io"],
-                       "direct_reads": out.get("direct_reads", 0), "direct_faults": out.get("direct_faults", 0),
-                       "ios": out.get("ios") or out.get("completed")}
-                rec["iops_per_target_core"] = 1e6 / rec["server_cpu_us_per_io"] if rec["server_cpu_us_per_io"] else None
+                rec = read_record(system, threads, rnd, out)
                 records.append(rec)
                 print(f"  T={threads} {system:18} {rec['iops']:9.0f} IOPS  target {rec['server_cpu_us_per_io']:6.2f} "
                       f"µs/read  {rec['iops_per_target_core'] or 0:9.0f} IOPS/core", file=sys.stderr)
@@ -289,6 +315,63 @@ def reads(a, scratch):
     faults = sum(m["direct_faults"] for m in cold)
     print(f"cold pool (a quarter of the volume): {faults:.0f} faults reached the initiator over all points")
     return records, medians
+
+
+BREAKDOWN_SYSTEMS = ["file", "file-sendfile", "flash-direct"]
+
+
+def breakdown(a, scratch):
+    """Table 5.1: where the target's CPU goes for (a), (b) and (c) at each of
+    --breakdown-threads, one run each: `perf record -C <server CPU>` over the middle of a
+    4 KiB QD-1 random-read run, the idle task dropped, symbols sorted into the thesis's
+    categories (bench/cycles.py), each share turned into µs per read with the run's own
+    target CPU per read."""
+    import cycles
+    if a.pl.mode != "apart":
+        raise SystemExit("the breakdown records the server's CPU alone: use --placement apart (or --no-breakdown)")
+    cpu = str(a.pl.server_cpus).split(",")[0].split("-")[0]
+    data, array = filled_file_and_volume(a, scratch, "b")
+    rows = []
+    cells = [(threads, "4K", system) for threads in a.breakdown_threads for system in BREAKDOWN_SYSTEMS]
+    cells += [(1, human(bs), system) for bs in a.breakdown_sizes for system in BREAKDOWN_SYSTEMS[1:]]
+    for threads, bs, system in cells:
+        target, export = read_target(a, system, data, array, extra=["--io-max", "32M"])
+        try:
+            proc = read_run(a, system, target, export, threads, f"{a.breakdown_seconds + 3}s", bs=bs)
+            # The warm-up is done when read_run returns; skip the run's first second.
+            time.sleep(1)
+            rec = cycles.Recording(cpu, a.breakdown_seconds, os.path.join(scratch, f"perf-{system}-{threads}-{bs}.data"))
+            path = rec.wait()
+            out = read_result(proc)
+        finally:
+            target.stop()
+        b = cycles.breakdown(path)
+        us = out["server_cpu_us_per_io"]
+        row = {"system": system, "threads": threads, "bs": bs, "iops": out["iops"], "mb_s": out["iops"] * size_of(bs) / 1e6,
+               "server_cpu_us_per_io": us, "busy": b["busy"], "shares": b["shares"],
+               "us_per_read": {k: v * us for k, v in b["shares"].items()},
+               "top": [{"share": sh, "category": c, "symbol": sym} for sh, c, sym in b["top"]]}
+        rows.append(row)
+        print(f"  T={threads} {bs:>4} {system:14} {out['iops']:9.0f} IOPS  target {us:6.2f} µs/read  "
+              f"busy {b['busy']:.0%} of CPU {cpu}", file=sys.stderr)
+    print("\n## Where the target's CPU goes (Table 5.1)\n")
+    print(f"placement: {a.pl.describe()}; `perf record -C {cpu}` for {a.breakdown_seconds} s of each run; "
+          f"idle dropped; one run per cell; share / µs per read\n")
+    for threads, bs in dict.fromkeys((r["threads"], r["bs"]) for r in rows):
+        cells = [r for r in rows if (r["threads"], r["bs"]) == (threads, bs)]
+        print(f"{bs} reads, {threads} thread(s), QD 1 each: " + ", ".join(
+            f"{r['system']} {r['iops']:,.0f} IOPS at {r['server_cpu_us_per_io']:.1f} µs/read" for r in cells) + "\n")
+        print("| category | " + " | ".join(r["system"] for r in cells) + " |")
+        print("|---|" + "---:|" * len(cells))
+        for cat in cycles.CATEGORIES:
+            print(f"| {cat} | " + " | ".join(
+                f"{r['shares'][cat]:.1%} / {r['us_per_read'][cat]:.1f}" for r in cells) + " |")
+        print()
+        for r in cells:
+            print(f"{r['system']} top: " + "; ".join(
+                f"{t['symbol']} {t['share']:.1%}" for t in r["top"][:6]))
+        print()
+    return rows
 
 
 def sizes(a, scratch):
@@ -437,7 +520,9 @@ def plot(path, result):
     except ImportError:
         print("(no matplotlib: no plot)", file=sys.stderr)
         return
-    panels = [k for k in ("registration", "reads", "sizes", "writes", "write_sizes") if result.get(k)]
+    panels = [k for k in ("registration", "reads", "breakdown", "sizes", "writes", "write_sizes") if result.get(k)]
+    if not panels:
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, key in zip(axes[0], panels):
         if key == "registration":
@@ -457,6 +542,18 @@ def plot(path, result):
             ax.set_xlabel("read size (bytes), QD 1")
             ax.set_ylabel("median latency (µs)")
             ax.set_title("Latency by read size (Fig. 5.9)")
+        elif key == "breakdown":
+            import cycles
+            rows = result["breakdown"]
+            labels = [f"{r['system']}\n{r['bs']} x{r['threads']}" for r in rows]
+            bottom = [0.0] * len(rows)
+            for cat in cycles.CATEGORIES:
+                vals = [100 * r["shares"][cat] for r in rows]
+                ax.bar(range(len(rows)), vals, bottom=bottom, label=cat)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30)
+            ax.set_ylabel("% of the target's busy cycles")
+            ax.set_title("Where the target's CPU goes (Table 5.1)")
         elif key == "write_sizes":
             for system in WRITE_SYSTEMS:
                 pts = [m for m in result["write_sizes"]["medians"] if m["system"] == system]
@@ -473,7 +570,10 @@ def plot(path, result):
             ax.set_xlabel("client threads (QD 1 each)")
             ax.set_ylabel("IOPS per target core")
             ax.set_title("4 KiB random reads (Fig. 5.2)" if key == "reads" else "4 KiB FUA writes (Fig. 5.12)")
-        ax.legend()
+        if key == "breakdown":
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        else:
+            ax.legend()
         ax.grid(True, alpha=0.3)
     fig.suptitle(result["placement_text"])
     fig.tight_layout()
@@ -491,6 +591,10 @@ def main():
     p.add_argument("--no-writes", action="store_true")
     p.add_argument("--no-sizes", action="store_true")
     p.add_argument("--no-write-sizes", action="store_true")
+    p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--breakdown-threads", default="16,32")
+    p.add_argument("--breakdown-seconds", type=int, default=4)
+    p.add_argument("--breakdown-sizes", default="1M", help="large reads profiled at one thread, (b) and (c)")
     p.add_argument("--write-sizes", default="4K,64K,1M,8M")
     p.add_argument("--read-sizes", default="4K,64K,1M,8M,32M")
     p.add_argument("--write-threads", default="1,4,16,64")
@@ -511,6 +615,8 @@ def main():
     a.write_threads = [int(t) for t in a.write_threads.split(",")]
     a.read_sizes = [size_of(s) for s in a.read_sizes.split(",")]
     a.write_sizes = [size_of(s) for s in a.write_sizes.split(",")]
+    a.breakdown_threads = [int(t) for t in a.breakdown_threads.split(",")]
+    a.breakdown_sizes = [size_of(s) for s in a.breakdown_sizes.split(",") if s]
     result = {"placement": a.pl.record(), "placement_text": a.pl.describe(),
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="flashnet-") as scratch:
@@ -519,6 +625,8 @@ def main():
         if not a.no_reads:
             records, medians = reads(a, scratch)
             result["reads"] = {"records": records, "medians": medians, "size": a.size}
+        if not a.no_breakdown:
+            result["breakdown"] = breakdown(a, scratch)
         if not a.no_sizes:
             records, medians = sizes(a, scratch)
             result["sizes"] = {"records": records, "medians": medians, "size": a.size}
