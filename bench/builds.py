@@ -17,6 +17,15 @@ with fio's nbd engine (libnbd) instead of skiff bench, and takes the server's CP
 
     python3 bench/builds.py --before A --after B --protocol nbd --fill --workloads randread:32,randwrite:32
     python3 bench/builds.py --before A --after B --protocol nbd --export file:/var/tmp/vol.img --fill
+
+`--flash ARRAY` serves volume `v` of a flash array instead (made, and filled, by the caller:
+`skiff flash format`, then `skiff vol create v` and a write of it through a target), with
+`--flash-cache` for its page pool; each run warms the pool by reading the whole volume once
+(untimed) unless `--cold`. A workload may name its block size and client threads,
+RW:QD:BS:THREADS, and `--direct-reads` reads under the volume's extent:
+
+    python3 bench/builds.py --before A --after B --flash /var/tmp/array.img --flash-cache 1088M \
+        --size 1G --direct-reads --workloads randread:1:4k:32,randread:1:1M:1,randread:1:8M:1
 """
 import argparse
 import json
@@ -57,20 +66,32 @@ def fio_nbd(args, uri, rw, qd, runtime, extra=()):
     return json.loads(out[out.index("{"):])["jobs"][0]
 
 
-def one(binary, rw, qd, args, port):
+def one(binary, rw, qd, bs, threads, args, port):
     nbd_port = port + 1000
-    export = args.export or f"ram:{args.size}"
+    name = "v" if args.flash else "vol"
+    if args.flash:
+        served = ["--flash", args.flash, "--flash-cache", args.flash_cache, "--io-max", "32M"]
+    else:
+        served = ["--export", f"vol={args.export or f'ram:{args.size}'}"]
     serve = ["taskset", "-c", args.server_cpu, binary, "serve", "--listen", f"127.0.0.1:{port}",
-             "--nbd", f"127.0.0.1:{nbd_port}", "--export", f"vol={export}", "--workers", "1"]
+             "--nbd", f"127.0.0.1:{nbd_port}", *served, "--workers", "1"]
     bench = ["taskset", "-c", args.client_cpu, binary, "bench", "--target", f"127.0.0.1:{port}",
-             "--export", "vol", "--rw", rw, "--qd", str(qd), "--duration", args.runtime, "--json"]
-    uri = f"nbd://127.0.0.1:{nbd_port}/vol"
+             "--export", name, "--rw", rw, "--qd", str(qd), "--bs", bs, "--threads", str(threads),
+             "--size", args.size, "--duration", args.runtime, "--json"]
+    if args.direct_reads:
+        bench.append("--direct-reads")
+    uri = f"nbd://127.0.0.1:{nbd_port}/{name}"
     server = subprocess.Popen(serve, stderr=subprocess.DEVNULL)
     try:
         wait_port(port)
         wait_port(nbd_port)
         if args.fill:
             fio_nbd(args, uri, "write", 8, None, ["--bs=1M"])
+        if args.flash and not args.cold:
+            # The pool holds the volume before the run, as a busy target's would.
+            subprocess.run(["taskset", "-c", args.client_cpu, binary, "bench", "--target", f"127.0.0.1:{port}",
+                            "--export", name, "--rw", "read", "--bs", "1M", "--qd", "8", "--size", args.size,
+                            "--duration", "1ms", "--warm", "--json"], capture_output=True, check=True)
         if args.protocol == "native":
             return json.loads(subprocess.run(bench, capture_output=True, text=True, check=True).stdout)
         cpu0 = cpu_s(server.pid)
@@ -101,6 +122,10 @@ def main():
     p.add_argument("--protocol", choices=["native", "nbd"], default="native",
                    help="skiff bench over the native protocol, or fio's nbd engine over NBD")
     p.add_argument("--fill", action="store_true", help="write the whole volume first, untimed")
+    p.add_argument("--flash", metavar="ARRAY", help="serve volume v of this flash array (made and filled by the caller)")
+    p.add_argument("--flash-cache", default="1088M", help="the array's page pool (with --flash)")
+    p.add_argument("--cold", action="store_true", help="with --flash, do not warm the pool before each run")
+    p.add_argument("--direct-reads", action="store_true", help="skiff bench --direct-reads")
     p.add_argument("--server-cpu", default="1")
     p.add_argument("--client-cpu", default="0")
     p.add_argument("--out", default="bench/results")
@@ -109,45 +134,52 @@ def main():
     for b in builds.values():
         if not os.access(b, os.X_OK):
             sys.exit(f"builds.py: {b} is not an executable")
-    workloads = [(w.split(":")[0], int(w.split(":")[1])) for w in args.workloads.split(",")]
+    workloads = []
+    for w in args.workloads.split(","):
+        f = w.split(":") + ["4k", "1"][max(0, len(w.split(":")) - 2):]
+        workloads.append((f[0], int(f[1]), f[2], int(f[3])))
     client = "skiff bench, native" if args.protocol == "native" else "fio nbd engine, NBD"
     print(f"placement: server on CPU {args.server_cpu}, client on CPU {args.client_cpu} (taskset); "
           f"{args.repeat} repetitions, builds alternating; {args.runtime} per run; {client}; "
-          f"export {args.export or 'ram:' + args.size}, {'filled' if args.fill else 'never written'}", flush=True)
+          f"export {('flash volume v of ' + args.flash) if args.flash else args.export or 'ram:' + args.size}, "
+          f"{'filled' if args.fill or args.flash else 'never written'}", flush=True)
 
     results, port = {}, 17000 + os.getpid() % 2000
     for rep in range(args.repeat):
-        for rw, qd in workloads:
+        for rw, qd, bs, threads in workloads:
             order = list(builds.items())
             if rep % 2:
                 order.reverse()
             for name, binary in order:
                 port += 1
-                r = one(binary, rw, qd, args, port)
-                results.setdefault((rw, qd, name), []).append(r)
-                print(f"rep {rep + 1}/{args.repeat} {rw} QD {qd} {name}: {r['iops']:,.0f} IOPS, "
+                r = one(binary, rw, qd, bs, threads, args, port)
+                results.setdefault((rw, qd, bs, threads, name), []).append(r)
+                print(f"rep {rep + 1}/{args.repeat} {rw} QD {qd} {bs} x{threads} {name}: {r['iops']:,.0f} IOPS, "
                       f"{r['total_cpu_us_per_io']:.2f} µs CPU/I/O, mean {r['lat_us']['mean']:.1f} µs", flush=True)
 
-    def med(rw, qd, name, f):
-        return statistics.median(f(r) for r in results[(rw, qd, name)])
+    def med(w, name, f):
+        return statistics.median(f(r) for r in results[(*w, name)])
 
     print(f"\n| workload (server CPU {args.server_cpu}, client CPU {args.client_cpu}, median of {args.repeat}) "
           "| before IOPS | after IOPS | after / before | CPU µs/I/O before (client + server) | after | mean µs before | after |")
     print("|---|---:|---:|---:|---|---|---:|---:|")
-    for rw, qd in workloads:
-        iops = [med(rw, qd, n, lambda r: r["iops"]) for n in builds]
-        cpu = [f'{med(rw, qd, n, lambda r: r["total_cpu_us_per_io"]):.2f} '
-               f'({med(rw, qd, n, lambda r: r["client_cpu_us_per_io"]):.2f} + '
-               f'{med(rw, qd, n, lambda r: r["server_cpu_us_per_io"]):.2f})' for n in builds]
-        lat = [med(rw, qd, n, lambda r: r["lat_us"]["mean"]) for n in builds]
-        print(f"| {rw} QD {qd} | {iops[0]:,.0f} | {iops[1]:,.0f} | {iops[1] / iops[0]:.2f} | {cpu[0]} | {cpu[1]} "
+    for w in workloads:
+        rw, qd, bs, threads = w
+        iops = [med(w, n, lambda r: r["iops"]) for n in builds]
+        cpu = [f'{med(w, n, lambda r: r["total_cpu_us_per_io"]):.2f} '
+               f'({med(w, n, lambda r: r["client_cpu_us_per_io"]):.2f} + '
+               f'{med(w, n, lambda r: r["server_cpu_us_per_io"]):.2f})' for n in builds]
+        lat = [med(w, n, lambda r: r["lat_us"]["mean"]) for n in builds]
+        label = f"{rw} QD {qd}" + (f" {bs} x{threads}" if (bs, threads) != ("4k", 1) else "")
+        print(f"| {label} | {iops[0]:,.0f} | {iops[1]:,.0f} | {iops[1] / iops[0]:.2f} | {cpu[0]} | {cpu[1]} "
               f"| {lat[0]:.1f} | {lat[1]:.1f} |")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, time.strftime("builds-%Y%m%d-%H%M%S.json"))
     with open(path, "w") as f:
-        json.dump({"builds": builds, "protocol": args.protocol, "export": args.export or f"ram:{args.size}",
+        json.dump({"builds": builds, "protocol": args.protocol,
+                   "export": f"flash:{args.flash}" if args.flash else args.export or f"ram:{args.size}",
                    "filled": args.fill, "placement": {"server_cpus": args.server_cpu, "client_cpus": args.client_cpu},
-                   "runs": {f"{rw} qd{qd} {n}": v for (rw, qd, n), v in results.items()}}, f, indent=1)
+                   "runs": {f"{rw} qd{qd} {bs} x{t} {n}": v for (rw, qd, bs, t, n), v in results.items()}}, f, indent=1)
     print(f"\nrecords: {path}")
 
 

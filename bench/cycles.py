@@ -5,7 +5,7 @@
 while the caller's load runs; `breakdown(path)` reads it back with `perf report --sort
 comm,dso,sym`, drops the idle task, and sorts every symbol into one category by its name:
 
-- networking: TCP/IP, sockets, skbs, the loopback device, softirq receive;
+- networking: TCP/IP, sockets, skbs, the loopback device, softirq receive, the socket calls;
 - storage: file systems, the page cache, the block layer, io_uring, splice and sendfile;
 - drivers: virtio and its doorbell;
 - scheduling: the scheduler, wake-ups, futexes, epoll;
@@ -38,23 +38,26 @@ CATEGORIES = [
     "libc and other user code",
 ]
 
-# First match wins: copies before networking (`skb_copy_datagram_iter` is a copy), and so on.
+# First match wins: copies before networking (`skb_copy_datagram_iter` is a copy), interrupt
+# re-enabling (`_raw_spin_unlock_irqrestore`, where a VM's pending interrupts land) before the
+# lock's caller's category, and so on.
 KERNEL_RULES = [
     ("memory: copies", r"copy_user|memcpy|memmove|copy_page|copy_to_iter|copy_from_iter|_copy_|copyout|copyin|rep_mov|csum_partial_copy"),
     ("drivers", r"virtio|vring|vp_notify|iowrite|ioread|virtqueue|nvme"),
+    ("architecture (entry, interrupts)", r"irqrestore|irqsave|irq_enable|irqentry|^asm_|entry_SYSCALL|syscall|exit_to_user|"
+                                          r"native_|apic|sysret|__x64_sys|x64_sys_call|fpregs|fpu|error_entry|"
+                                          r"restore_regs|srso|retbleed|untrain|clear_bhb|mds_|common_interrupt|sysvec"),
     ("storage", r"ext4|iomap|bio|blk|io_uring|io_wq|io_read|io_issue|submit_bio|filemap|splice|pipe_|sendfile|generic_file|"
                 r"page_cache|folio|mpage|jbd2|direct_io|dio_|fsnotify|vfs_read|vfs_write|rw_verify|file_|__fdget|fput|fget"),
-    ("networking", r"tcp|udp|skb|sock|inet|^ip_|ipv4|ipv6|__ip|netif|net_rx|napi|dev_queue|dev_hard|loopback|dst_|^sk_|"
-                   r"__sk_|neigh|nf_|netfilter|raw_|__netdev|process_backlog|__dev_|validate_xmit|bpf|sch_|qdisc|ksize"),
+    ("networking", r"tcp|udp|skb|sock|inet|^ip_|ipv4|ipv6|__ip|netif|net_rx|softirq|napi|dev_queue|dev_hard|loopback|dst_|"
+                   r"^sk_|__sk_|neigh|nf_|netfilter|raw_v4|raw_local|__netdev|process_backlog|__dev_|validate_xmit|"
+                   r"bpf|sch_|qdisc|__sys_send|__sys_recv|sendmsg|recvmsg|sendto|recvfrom"),
     ("scheduling", r"schedule|sched|futex|epoll|^ep_|wake|__switch_to|switch_mm|finish_task|pick_next|enqueue|dequeue|"
                    r"update_curr|update_load|select_task|ttwu|hrtimer|timerqueue|place_entity|set_next|put_prev|"
                    r"cpuacct|psi_|__wake|autoremove|poll|rcu"),
-    ("architecture (entry, interrupts)", r"entry_SYSCALL|syscall|irq|exit_to_user|native_|apic|sysret|interrupt|"
-                                          r"__x64_sys|do_sys|x64_sys_call|^asm_|fpregs|fpu|error_entry|restore_regs|"
-                                          r"srso|retbleed|untrain|__pfx|clear_bhb|mds_"),
     ("memory: allocation", r"kmalloc|kfree|kmem_cache|slab|slub|page_frag|alloc_pages|__alloc|free_unref|"
-                           r"get_page_from_freelist|__free_pages|rmqueue|mem_cgroup|memcg|refill_obj|obj_cgroup|"
-                           r"__page_pool|page_pool|mod_objcg|consume_obj|free_pcp|__put_page|put_page"),
+                           r"get_page_from_freelist|__free_pages|__free_frozen|rmqueue|mem_cgroup|memcg|refill_obj|"
+                           r"obj_cgroup|__page_pool|page_pool|mod_objcg|consume_obj|free_pcp|__put_page|put_page"),
 ]
 USER_ALLOC = r"^(malloc|free|calloc|realloc|cfree|_int_malloc|_int_free|__libc_malloc|__libc_free|tcache|__rust_alloc|__rust_dealloc|__rdl_)"
 USER_COPIES = r"memcpy|memmove|__memcpy|__memmove"
