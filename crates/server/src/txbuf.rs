@@ -1,6 +1,6 @@
 //! The bytes a connection owes its peer ([`TxBuf`]): replies queued by the front end, with
-//! RAM read data by address and a `send=sendfile` file export's by file range, sent in one
-//! vectored send per pass (and a `sendfile(2)` per file range).
+//! RAM read data and flash pool pages by address and a `send=sendfile` file export's by file
+//! range, sent in one vectored send per pass (and a `sendfile(2)` per file range).
 
 use std::io::{self, IoSlice};
 use std::ops::Range;
@@ -14,9 +14,11 @@ use wire::Status;
 use crate::bounds::{IOV_BATCH, TX_IDLE_BYTES};
 
 /// Response bytes waiting to be sent: bytes of our own (headers, descriptors, data read from
-/// files) in one growing buffer, and read data of RAM exports *by address*, sent straight from
-/// the volume's memory without first copying it here. A by-address piece sits between two
-/// owned bytes: `at` is the length of the owned stream in front of it.
+/// files) in one growing buffer, and read data of RAM exports and of flash volumes whose pages
+/// are in the pool (lent, [`engine::lend`]) *by address*, sent straight from that memory
+/// without first copying it here; a lent range gives its pool slots back when dropped. A
+/// by-address piece sits between two owned bytes: `at` is the length of the owned stream in
+/// front of it.
 ///
 /// A file export that sends with `sendfile(2)` (`send=sendfile`) queues its read data as a
 /// file range the same way, when [`send_files`](Self::send_files) says the connection may.
@@ -63,7 +65,7 @@ struct Borrowed {
 /// Data queued by reference rather than copied.
 #[derive(Debug, Clone)]
 enum Piece {
-    /// A RAM export's bytes.
+    /// A RAM export's bytes, or flash pool pages lent until dropped.
     Memory(RegionBytes),
     /// `len` bytes of file `fd` from `offset`.
     File { fd: RawFd, offset: u64, len: usize },
