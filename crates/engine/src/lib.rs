@@ -369,7 +369,7 @@ pub fn read_in_place(export: &Export, io: &Io) -> Option<Result<RegionBytes, Sta
     }))
 }
 
-/// Where a validated read's data lies in memory now, as pieces pinned there until the last
+/// Where a validated read's data lies in memory now, as pieces kept there until the last
 /// is dropped ([`backend::Backend::lend`]), appended to `out`. `Ok(false)`: read it with
 /// [`execute`] instead.
 pub fn lend(export: &Export, io: &Io, out: &mut Vec<RegionBytes>) -> Result<bool, Status> {

@@ -798,8 +798,8 @@ impl Controller {
     }
 
     /// Page `vpage` of `vol` lent to a sender, only if its bytes are in the pool now: kept in
-    /// its slot (neither evicted nor freed) until [`give_back`](Self::give_back), counted as
-    /// a hit. `None` (a miss, a hole, a page being read in or filled) changes nothing: the
+    /// its slot (neither evicted nor freed) until [`give_back`](Self::give_back). Not counted
+    /// as a hit: the caller counts the pages once all of a read's are lent. `None` (a miss, a hole, a page being read in or filled) changes nothing: the
     /// caller reads the usual way. Writes to the page, its write-back and syncs go on: a
     /// loan holds only the slot.
     pub fn lend(&mut self, vol: VolId, vpage: u64) -> Result<Option<SlotId>, FlashError> {
@@ -811,16 +811,16 @@ impl Controller {
         Ok(match self.pool.slot(s).state {
             SlotState::Clean | SlotState::Dirty | SlotState::WritingBack { .. } => {
                 self.pool.lend(s);
-                self.counters.pool_hits += 1;
                 Some(s)
             }
             SlotState::Fetching | SlotState::Filling | SlotState::Free => None,
         })
     }
 
-    /// A sender let go of `slot`, lent by [`lend`](Self::lend).
-    pub fn give_back(&mut self, slot: SlotId) {
-        self.pool.give_back(slot);
+    /// A sender let go of `slot`, lent by [`lend`](Self::lend). Returns whether the slot was
+    /// freed (its page was dropped meanwhile).
+    pub fn give_back(&mut self, slot: SlotId) -> bool {
+        self.pool.give_back(slot)
     }
 
     /// What a read of `vpage` of `vol` would need from flash now, for a caller that reads it

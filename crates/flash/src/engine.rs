@@ -85,8 +85,6 @@ fn overwritten(whole: Option<(u64, u64)>, vpage: u64) -> bool {
     whole.is_some_and(|(from, to)| (from..to).contains(&vpage))
 }
 
-/// Take a slot to read page `vpage` of `vol` into ahead of its request: the read to start, if
-/// one is needed. `Break`: no slot to be had, or an error; the rest is read the ordinary way.
 /// Pool slots lent to a sender ([`Array::lend`]), kept until it lets go of the last range.
 struct Loan {
     array: Arc<Array>,
@@ -95,16 +93,20 @@ struct Loan {
 
 impl Drop for Loan {
     fn drop(&mut self) {
-        {
+        let freed = {
             let mut c = self.array.lock();
-            for &s in &self.slots {
-                c.give_back(s);
-            }
-        }
+            self.slots.iter().fold(false, |freed, &s| c.give_back(s) | freed)
+        };
         self.array.lent_now.fetch_sub(self.slots.len(), Ordering::Relaxed);
+        if freed {
+            // An orphan (its volume deleted) left the pool: a writer waiting for room may go.
+            self.array.changed.notify_all();
+        }
     }
 }
 
+/// Take a slot to read page `vpage` of `vol` into ahead of its request: the read to start, if
+/// one is needed. `Break`: no slot to be had, or an error; the rest is read the ordinary way.
 fn slot_ahead(c: &mut Controller, vol: VolId, vpage: u64) -> ControlFlow<(), Option<Read>> {
     match c.get(vol, vpage, Access::Read) {
         Ok(Got::Fetch { slot, pba }) => ControlFlow::Continue(Some(Read::Page { slot, pba })),
@@ -1487,7 +1489,13 @@ impl Array {
         let (first, last) = (offset / page, (offset + len as u64 - 1) / page);
         let pages = (last - first + 1) as usize;
         let pool = self.pool_len as usize;
-        if pages > (pool / 8).max(1) || self.lent_now.load(Ordering::Relaxed) + pages > pool / 4 {
+        if pages > (pool / 8).max(1) {
+            return Ok(false);
+        }
+        // Counted before the lock, so that workers lending at once cannot pass the bound
+        // together; given back if nothing is lent.
+        if self.lent_now.fetch_add(pages, Ordering::Relaxed) + pages > pool / 4 {
+            self.lent_now.fetch_sub(pages, Ordering::Relaxed);
             return Ok(false);
         }
         let mut slots = Vec::with_capacity(pages);
@@ -1501,12 +1509,14 @@ impl Array {
                         for s in slots.drain(..) {
                             c.give_back(s);
                         }
+                        drop(c);
+                        self.lent_now.fetch_sub(pages, Ordering::Relaxed);
                         return other.map(|_| false);
                     }
                 }
             }
+            c.counters.pool_hits += pages as u64;
         }
-        self.lent_now.fetch_add(pages, Ordering::Relaxed);
         self.pages_lent.fetch_add(pages as u64, Ordering::Relaxed);
         let loan: Arc<dyn Send + Sync> = Arc::new(Loan { array: Arc::clone(self), slots: slots.clone() });
         let (mut at, mut left, mut i) = ((offset % page) as usize, len, 0);

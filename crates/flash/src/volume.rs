@@ -77,7 +77,8 @@ impl Backend for FlashVolume {
         self.array.read(self.vol, offset, buf).map_err(io_error)
     }
 
-    /// Pages in the pool are lent pinned, and sent from there (`Array::lend`).
+    /// Pages in the pool are lent, kept there until the sender lets go, and sent from there
+    /// (`Array::lend`).
     fn lend(&self, offset: u64, len: usize, out: &mut Vec<backend::RegionBytes>) -> Result<bool> {
         self.array.lend(self.vol, offset, len, out).map_err(io_error)
     }

@@ -253,6 +253,10 @@ impl<'a> Later<'a> {
     }
 }
 
+/// Most reads one look-ahead starts over rounds that end before their seal
+/// ([`Link::look_ahead`]): 16 MiB of pages, then the requests run and read the rest.
+pub const LOOK_AHEAD_READS_MAX: usize = 4096;
+
 /// What a pass's replies must wait for ([`Later::seal`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sealed {
@@ -275,9 +279,12 @@ impl<'a, S: ?Sized> Link<'a, S> {
     /// everything it did start has ended before the seal (a fast device), nothing is waited
     /// for, yet the rest was never started: the look-ahead goes round again at once rather
     /// than leave those pages to be read on the driver's thread. A round that started nothing
-    /// ends the look (the queue is full of others' reads; the requests read the rest).
+    /// ends the look (the queue is full of others' reads; the requests read the rest), and so
+    /// do [`LOOK_AHEAD_READS_MAX`] reads started in one look: rounds whose reads fail, or
+    /// whose pages are evicted as fast as they land, would otherwise go round for ever.
     pub(crate) fn look_ahead(&mut self, may_wait: bool, mut prepare: impl FnMut(&[u8], &Arc<Batch>)) -> bool {
         let Some(batch) = self.batch.filter(|_| may_wait) else { return false };
+        let mut started = 0;
         loop {
             batch.open();
             prepare(self.rx.unconsumed(), batch);
@@ -285,7 +292,8 @@ impl<'a, S: ?Sized> Link<'a, S> {
                 self.waiting = true;
                 return true;
             }
-            if !batch.was_cut_short() || batch.started() == 0 {
+            started += batch.started();
+            if !batch.was_cut_short() || batch.started() == 0 || started >= LOOK_AHEAD_READS_MAX {
                 return false;
             }
         }
@@ -373,6 +381,21 @@ mod tests {
             }
         });
         assert_eq!((parked, n), (false, 3));
+    }
+
+    #[test]
+    fn rounds_that_never_finish_the_look_end_after_a_bound() {
+        // Every round's reads fail at once and must be started again (or are evicted as
+        // they land): the look ends once it has started its bound of reads.
+        let per_round = 16;
+        let (parked, n) = rounds(|_, b| {
+            for _ in 0..per_round {
+                ended_at_once(b);
+            }
+            b.cut_short();
+        });
+        assert!(!parked);
+        assert_eq!(n as usize, LOOK_AHEAD_READS_MAX.div_ceil(per_round));
     }
 
     #[test]

@@ -510,7 +510,7 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         ),
         (
             "skiff_flash_pages_lent_total",
-            "Pool pages read data was sent from by reference, pinned until sent, with no copy of the target's own.",
+            "Pool pages read data was sent from by reference, lent (kept in the pool) until sent, with no copy of the target's own.",
             s.pages_lent,
         ),
         (
