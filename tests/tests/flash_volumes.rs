@@ -141,11 +141,6 @@ fn volumes_come_and_go_while_other_connections_work() {
     assert_eq!(client.volumes().unwrap().len(), 1);
 }
 
-/// Pool misses park their requests instead of blocking the worker: a volume six times the
-/// page pool, read back after a restart emptied the pool, through the native protocol (many
-/// requests per caravan) and through NBD (nbdcopy keeps several in flight). Every byte comes
-/// back, and the misses were read ahead on the array's io_uring. The map's budget holds a
-/// third of the volume's leaves, so the rest come back from the checkpoint on the way.
 /// Create volume `v` on `t` holding `data`, written 1 MiB at a time; dropping `t` after
 /// writes it all back, so that a target started next finds every page cold.
 fn write_volume(t: &Target, data: &[u8]) {
@@ -159,6 +154,25 @@ fn write_volume(t: &Target, data: &[u8]) {
     }
 }
 
+/// `len` bytes whose every 4 KiB page carries its own number, times `mul`.
+fn page_numbered(len: usize, mul: u32) -> Vec<u8> {
+    (0..len).map(|i| ((i / 4096) as u32).wrapping_mul(mul).to_le_bytes()[i % 4]).collect()
+}
+
+/// The first `len` bytes of the lane's volume, read 1 MiB at a time.
+fn read_by_mib(lane: &mut Lane, len: usize) -> Vec<u8> {
+    let mut back = vec![0u8; len];
+    for (i, piece) in back.chunks_mut(1 << 20).enumerate() {
+        lane.read_at(piece, (i << 20) as u64).unwrap();
+    }
+    back
+}
+
+/// Pool misses park their requests instead of blocking the worker: a volume six times the
+/// page pool, read back after a restart emptied the pool, through the native protocol (many
+/// requests per caravan) and through NBD (nbdcopy keeps several in flight). Every byte comes
+/// back, and the misses were read ahead on the array's io_uring. The map's budget holds a
+/// third of the volume's leaves, so the rest come back from the checkpoint on the way.
 #[test]
 fn pool_misses_park_their_requests_and_every_byte_comes_back() {
     let (dir, devices) = flash_array(2, 64 << 20);
@@ -178,18 +192,14 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
         })
     };
     let len = 24usize << 20;
-    let data: Vec<u8> =
-        (0..len).map(|i| ((i / 4096) as u32).wrapping_mul(2_654_435_761).to_le_bytes()[i % 4]).collect();
+    let data = page_numbered(len, 2_654_435_761);
     write_volume(&start(), &data);
     // A clean stop wrote everything back: the new target's pool is empty.
     let t = start();
     let ep = tcp_endpoint(&t);
     let mut client = Client::connect(&ep).unwrap();
     let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
-    let mut back = vec![0u8; len];
-    for (i, piece) in back.chunks_mut(1 << 20).enumerate() {
-        lane.read_at(piece, (i << 20) as u64).unwrap();
-    }
+    let back = read_by_mib(&mut lane, len);
     assert!(back == data, "the native protocol read back other bytes");
     assert!(stat(&mut client, "map_loads") > 0, "no map leaf was read back: the budget did not bind");
     assert!(stat(&mut client, "map_loads_async") > 0, "no map leaf was read back on the look-ahead");
@@ -239,18 +249,14 @@ fn a_read_larger_than_the_read_queue_is_read_ahead_in_rounds() {
         })
     };
     let len = 8usize << 20;
-    let data: Vec<u8> =
-        (0..len).map(|i| ((i / 4096) as u32).wrapping_mul(40_503).to_le_bytes()[i % 4]).collect();
+    let data = page_numbered(len, 40_503);
     write_volume(&start(), &data);
     // A clean stop wrote everything back: every page is cold now.
     let t = start();
     let ep = tcp_endpoint(&t);
     let mut client = Client::connect(&ep).unwrap();
     let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
-    let mut back = vec![0u8; len];
-    for (i, piece) in back.chunks_mut(1 << 20).enumerate() {
-        lane.read_at(piece, (i << 20) as u64).unwrap();
-    }
+    let back = read_by_mib(&mut lane, len);
     assert!(back == data, "other bytes came back");
     let (misses, ahead) = (stat(&mut client, "pool_misses"), stat(&mut client, "pages_read_async"));
     assert_eq!(misses, (len / 4096) as u64, "every page missed once");

@@ -324,13 +324,13 @@ pub fn execute(export: &Export, io: &Io, payload: &[u8], read_into: &mut [u8]) -
             d.written(io.offset, io.length.into());
         }
     }
-    match result {
-        Ok(()) => Status::Ok,
-        Err(e) => {
-            tracing::warn!(export = %export.name, op = io.opcode.name(), offset = io.offset, length = io.length, error = %e, "backend error");
-            status_of(&e)
-        }
-    }
+    result.map_or_else(|e| failed(export, io, &e), |()| Status::Ok)
+}
+
+/// A backend error on `io`: logged, and its wire status.
+fn failed(export: &Export, io: &Io, e: &BackendError) -> Status {
+    tracing::warn!(export = %export.name, op = io.opcode.name(), offset = io.offset, length = io.length, error = %e, "backend error");
+    status_of(e)
 }
 
 /// [`execute`] a validated request, except that the durability a FLUSH or a FUA write or
@@ -363,10 +363,7 @@ pub fn execute_later(export: &Export, io: &Io, payload: &[u8], later: &mut front
 pub fn read_in_place(export: &Export, io: &Io) -> Option<Result<RegionBytes, Status>> {
     debug_assert!(io.opcode.returns_data());
     let found = export.backend.read_in_place(io.offset, io.length as usize)?;
-    Some(found.map_err(|e| {
-        tracing::warn!(export = %export.name, offset = io.offset, length = io.length, error = %e, "backend error");
-        status_of(&e)
-    }))
+    Some(found.map_err(|e| failed(export, io, &e)))
 }
 
 /// Where a validated read's data lies in memory now, as pieces kept there until the last
@@ -374,10 +371,7 @@ pub fn read_in_place(export: &Export, io: &Io) -> Option<Result<RegionBytes, Sta
 /// [`execute`] instead.
 pub fn lend(export: &Export, io: &Io, out: &mut Vec<RegionBytes>) -> Result<bool, Status> {
     debug_assert!(io.opcode.returns_data());
-    export.backend.lend(io.offset, io.length as usize, out).map_err(|e| {
-        tracing::warn!(export = %export.name, offset = io.offset, length = io.length, error = %e, "backend error");
-        status_of(&e)
-    })
+    export.backend.lend(io.offset, io.length as usize, out).map_err(|e| failed(export, io, &e))
 }
 
 /// Where a validated read's data lies in a file, for a front end that sends it with

@@ -1518,7 +1518,9 @@ impl Array {
             c.counters.pool_hits += pages as u64;
         }
         self.pages_lent.fetch_add(pages as u64, Ordering::Relaxed);
-        let loan: Arc<dyn Send + Sync> = Arc::new(Loan { array: Arc::clone(self), slots: slots.clone() });
+        let loan = Arc::new(Loan { array: Arc::clone(self), slots });
+        let keep: Arc<dyn Send + Sync> = loan.clone();
+        let slots = &loan.slots;
         let (mut at, mut left, mut i) = ((offset % page) as usize, len, 0);
         while left > 0 {
             // Slots that follow one another in the pool make one range.
@@ -1527,7 +1529,7 @@ impl Array {
                 run += 1;
             }
             let n = (run * PAGE - at).min(left);
-            out.push(self.pool.bytes(slots[i] as usize * PAGE + at, n).keeping(Arc::clone(&loan)));
+            out.push(self.pool.bytes(slots[i] as usize * PAGE + at, n).keeping(Arc::clone(&keep)));
             (left, i, at) = (left - n, i + run, 0);
         }
         Ok(true)

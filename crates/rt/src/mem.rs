@@ -221,7 +221,7 @@ impl Region {
 
 /// A range of a [`Region`], holding the region alive: what [`Region::bytes`] returns. The
 /// bytes stay mapped for as long as this value lives, so its slice borrows only from it.
-/// A lender that must also keep the bytes where they are (a page pool's pins) hangs its
+/// A lender that must also keep the bytes where they are (a page pool's loan) hangs its
 /// guard on the range ([`keeping`](Self::keeping)): it is dropped with the last clone.
 #[derive(Clone)]
 pub struct RegionBytes {

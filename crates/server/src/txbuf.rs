@@ -367,8 +367,7 @@ impl TxBuf {
         } else if !self.borrowed.is_empty() {
             // Every piece went out, owned bytes did not: let go of the pieces now (a lent
             // range holds pool slots), not when the rest drains.
-            self.borrowed.clear();
-            (self.next, self.into, self.borrowed_bytes, self.borrowed_sent) = (0, 0, 0, 0);
+            self.forget_borrowed();
         }
         self.backlogged = true;
     }
@@ -395,12 +394,14 @@ impl TxBuf {
     fn reset(&mut self) {
         self.len = 0;
         self.sent = 0;
-        self.borrowed.clear();
-        self.next = 0;
-        self.into = 0;
-        self.borrowed_bytes = 0;
-        self.borrowed_sent = 0;
+        self.forget_borrowed();
         self.backlogged = false;
+    }
+
+    /// Drop every by-address piece (each sent or copied by now), letting go of what it holds.
+    fn forget_borrowed(&mut self) {
+        self.borrowed.clear();
+        (self.next, self.into, self.borrowed_bytes, self.borrowed_sent) = (0, 0, 0, 0);
     }
 }
 
