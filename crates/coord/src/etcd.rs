@@ -82,6 +82,11 @@ pub enum Op {
 /// Keys [`Etcd::get_many`] reads in one transaction.
 const GET_MANY_BATCH: usize = 100;
 
+/// Keys [`Etcd::prefix`] reads a round trip. A namespace's stripe group is up to ~13 KB, and
+/// the 512 groups of a large namespace in one answer were 8.6 MB of JSON that a debug build on
+/// a loaded machine did not read within the client's timeout (a CI run); 64 are about 1 MB.
+const PREFIX_PAGE: i64 = 64;
+
 /// A client of one etcd cluster.
 pub struct Etcd {
     endpoints: Vec<String>,
@@ -193,10 +198,21 @@ struct RawKv {
     lease: i64,
 }
 
+#[derive(Deserialize, Default)]
+struct Header {
+    #[serde(default, deserialize_with = "int64")]
+    revision: i64,
+}
+
 #[derive(Deserialize)]
 struct RangeResponse {
     #[serde(default)]
+    header: Header,
+    #[serde(default)]
     kvs: Vec<RawKv>,
+    /// More keys lie in the range past `limit`.
+    #[serde(default)]
+    more: bool,
 }
 
 #[derive(Deserialize)]
@@ -363,12 +379,32 @@ impl Etcd {
         Ok(self.kvs("/v3/kv/range", r.kvs)?.into_iter().next())
     }
 
-    /// Every key with `prefix`, in key order.
+    /// Every key with `prefix`, in key order, as of one revision: read [`PREFIX_PAGE`] keys a
+    /// round trip, every page after the first at the first one's revision.
     pub fn prefix(&self, prefix: &[u8]) -> Result<Vec<Kv>, EtcdError> {
-        let v =
-            self.call("/v3/kv/range", &json!({ "key": b64(prefix), "range_end": b64(&prefix_end(prefix)) }))?;
-        let r: RangeResponse = self.parse("/v3/kv/range", v)?;
-        self.kvs("/v3/kv/range", r.kvs)
+        let end = prefix_end(prefix);
+        let (mut out, mut from, mut revision) = (Vec::new(), prefix.to_vec(), 0);
+        loop {
+            let mut body =
+                json!({ "key": b64(&from), "range_end": b64(&end), "limit": PREFIX_PAGE.to_string() });
+            if revision != 0 {
+                body["revision"] = json!(revision.to_string());
+            }
+            let v = self.call("/v3/kv/range", &body)?;
+            let r: RangeResponse = self.parse("/v3/kv/range", v)?;
+            if revision == 0 {
+                revision = r.header.revision;
+            }
+            let page = self.kvs("/v3/kv/range", r.kvs)?;
+            match page.last() {
+                Some(last) if r.more => from = [last.key.as_slice(), &[0]].concat(),
+                _ => {
+                    out.extend(page);
+                    return Ok(out);
+                }
+            }
+            out.extend(page);
+        }
     }
 
     /// Keys in `start..end`, at most `limit` of them (0: all), in key order or, `last`, from

@@ -1221,7 +1221,8 @@ impl Coordinator {
     /// repair index marks as holding a copy that is not `ok`.
     pub fn groups(&self, name: &str, mending_only: bool) -> Result<Vec<u64>, CoordError> {
         let prefix = under(if mending_only { MENDING } else { GROUPS }, name);
-        Ok(self.etcd.prefix(&prefix)?.iter().filter_map(|kv| group_index(&kv.key)).collect())
+        let keys = self.etcd.revisions(&prefix, &coord::etcd::prefix_end(&prefix))?;
+        Ok(keys.iter().filter_map(|(key, _)| group_index(key)).collect())
     }
 
     /// One pass of the repair leader over namespace `name` at `now_ms` ([`repair::plan`]):
