@@ -43,6 +43,7 @@ struct skiff_options {
 	char *tls_certificates;
 	unsigned int poll;
 	unsigned int poll_spin_us;
+	char *batch_log;
 };
 
 /* Per-job state: the lane and the completions of the last getevents, for event(). */
@@ -251,11 +252,22 @@ static struct fio_option options[] = {
 		.group = FIO_OPT_G_INVALID,
 	},
 	{
+		.name = "batch_log",
+		.lname = "skiff batch log",
+		.type = FIO_OPT_STR_STORE,
+		.off1 = offsetof(struct skiff_options, batch_log),
+		.help = "With batching=adaptive, append the controller's decisions to this file at the end, "
+			"one JSON object a line (lane, at_us, level, delay_us, bytes_per_s, a_out)",
+		.category = FIO_OPT_C_ENGINE,
+		.group = FIO_OPT_G_INVALID,
+	},
+	{
 		.name = NULL,
 	},
 };
 
-static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int may_share)
+/* for_io: the job's I/O lane, which may be shared and logs; not setup's, which only asks the size. */
+static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int for_io)
 {
 	struct skiff_options *o = td->eo;
 	skiff_lane_config cfg;
@@ -274,7 +286,7 @@ static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int may_sh
 	cfg.doorbell_us = o->doorbell_us;
 	cfg.timeout_ms = o->timeout_ms;
 	cfg.batching = o->batching;
-	cfg.shared_lanes = may_share ? o->shared_lanes : 0;
+	cfg.shared_lanes = for_io ? o->shared_lanes : 0;
 	cfg.reconnect_delay_ms = o->reconnect_delay_ms;
 	cfg.ctrl_loss_timeout_ms = o->ctrl_loss_timeout_ms;
 	cfg.fast_io_fail_timeout_ms = o->fast_io_fail_timeout_ms;
@@ -284,6 +296,7 @@ static int skiff_open_lane(struct thread_data *td, skiff_lane **lane, int may_sh
 	cfg.tls_certificates = o->tls_certificates && *o->tls_certificates ? o->tls_certificates : NULL;
 	cfg.poll = o->poll;
 	cfg.poll_spin_us = o->poll_spin_us;
+	cfg.batch_log = for_io && o->batch_log && *o->batch_log ? o->batch_log : NULL;
 	rc = skiff_lane_open(o->target, o->export_name, &cfg, lane);
 	if (rc) {
 		log_err("fio: skiff: cannot open %s on %s: %s\n", o->export_name, o->target,

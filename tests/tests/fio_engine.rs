@@ -161,6 +161,54 @@ fn jobs_as_threads_share_lanes_and_verify() {
     assert!(per_caravan > 4.0, "{per_caravan:.2} requests per caravan: no job has more than 4 outstanding");
 }
 
+/// `batch_log=FILE`: the adaptive controller's decisions reach the file once, when the lane
+/// closes or, shared, when the group's last job does (each job holds its own copy of the path,
+/// and the jobs still share their two lanes); every line is a decision of one of the lanes.
+#[test]
+fn the_adaptive_controller_logs_its_decisions_once() {
+    let t = start_target(&["vol=ram:64M"], 2);
+    let dir = tempfile::tempdir().unwrap();
+    for (jobs, shared) in [(8, 2), (1, 0)] {
+        let log = dir.path().join(format!("levels-{jobs}.jsonl"));
+        let accepted_before = t.stats().get("connections_accepted").unwrap_or(0);
+        let report = fio_json(
+            &t,
+            &[
+                "--name=adaptive",
+                "--thread",
+                &format!("--numjobs={jobs}"),
+                &format!("--shared_lanes={shared}"),
+                "--batching=adaptive",
+                &format!("--batch_log={}", log.display()),
+                "--rw=randread",
+                "--bs=4k",
+                "--size=8M",
+                "--iodepth=4",
+                "--time_based",
+                "--runtime=1",
+            ],
+        );
+        assert_no_error(&report);
+        let accepted = t.stats().get("connections_accepted").unwrap_or(0) - accepted_before;
+        assert_eq!(accepted, jobs + shared.max(1), "a setup lane per job, then the jobs' lanes");
+        let text = std::fs::read_to_string(&log).unwrap();
+        let decisions: Vec<Value> =
+            text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+        let mut seen = std::collections::BTreeSet::new();
+        for d in &decisions {
+            let lane = d["lane"].as_u64().unwrap();
+            assert!(lane < shared.max(1), "{d}");
+            assert!((1..=64).contains(&d["level"].as_u64().unwrap()), "{d}");
+            assert!(d["bytes_per_s"].as_f64().unwrap() >= 0.0 && d["a_out"].as_f64().is_some(), "{d}");
+            assert!(seen.insert((lane, d["at_us"].as_u64().unwrap())), "a decision logged twice: {text}");
+        }
+        for lane in 0..shared.max(1) {
+            let n = decisions.iter().filter(|d| d["lane"] == lane).count();
+            assert!(n >= 2, "lane {lane} logged {n} decisions over a second of 100 ms intervals: {text}");
+        }
+    }
+}
+
 #[test]
 fn sequential_large_blocks_land_as_written() {
     let t = start_target(&["vol=ram:64M"], 2);
@@ -281,6 +329,7 @@ fn enghelp_lists_the_engine_options() {
         "tls_certificates",
         "poll",
         "poll_spin_us",
+        "batch_log",
     ] {
         assert!(
             help.lines().any(|l| l.split_whitespace().next() == Some(option)),

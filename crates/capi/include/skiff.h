@@ -82,6 +82,11 @@ typedef struct skiff_lane_config {
                                        * (default). Read by skiff_lane_open only. */
     uint32_t poll;                    /* SKIFF_POLL_* (default SKIFF_POLL_OFF) */
     uint32_t poll_spin_us;            /* the spin bound of hybrid polling; 0: 50 (default 50) */
+    const char *batch_log;            /* SKIFF_BATCHING_ADAPTIVE: append the controller's decisions
+                                       * to this file, one JSON object a line ({"lane", "at_us",
+                                       * "level", "delay_us", "bytes_per_s", "a_out"}), when the
+                                       * lane closes (shared: when the group's last handle does);
+                                       * NULL: none (default) */
 } skiff_lane_config;
 
 typedef struct skiff_completion {

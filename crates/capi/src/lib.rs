@@ -9,6 +9,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -54,6 +55,7 @@ pub struct SkiffLaneConfig {
     pub tls_certificates: *const c_char,
     pub poll: u32,
     pub poll_spin_us: u32,
+    pub batch_log: *const c_char,
 }
 
 /// `skiff_completion` in `skiff.h`.
@@ -172,6 +174,9 @@ pub struct SkiffLane {
     /// Completions collected but not yet handed out (the caller asked for fewer).
     ready: VecDeque<Completion<RawBuf>>,
     scratch: Vec<Completion<RawBuf>>,
+    /// Where the adaptive controller's decisions go when this lane (or, shared, its group)
+    /// closes (`skiff_lane_config.batch_log`).
+    batch_log: Option<PathBuf>,
 }
 
 thread_local! {
@@ -231,7 +236,53 @@ fn defaults() -> SkiffLaneConfig {
         tls_certificates: std::ptr::null(),
         poll: SKIFF_POLL_OFF,
         poll_spin_us: POLL_SPIN_DEFAULT_US,
+        batch_log: std::ptr::null(),
     }
+}
+
+/// A config string: `None` for null.
+///
+/// # Safety
+/// `s` is null or a NUL-terminated string.
+unsafe fn c_string(s: *const c_char) -> Option<String> {
+    // SAFETY: non-null, so NUL-terminated per the contract.
+    (!s.is_null()).then(|| unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned())
+}
+
+/// What makes two `skiff_lane_open` calls share a group: target, export and every setting,
+/// strings by their contents (fio hands each job its own copy of a string option, so the
+/// pointers of jobs that asked for the same file differ).
+///
+/// # Safety
+/// The config's strings are null or NUL-terminated.
+unsafe fn group_key(target: &str, export: &str, c: &SkiffLaneConfig) -> String {
+    let numbers = SkiffLaneConfig {
+        key_file: std::ptr::null(),
+        key_name: std::ptr::null(),
+        tls_certificates: std::ptr::null(),
+        batch_log: std::ptr::null(),
+        ..*c
+    };
+    // SAFETY: per the contract.
+    let strings = unsafe { [c.key_file, c.key_name, c.tls_certificates, c.batch_log].map(|s| c_string(s)) };
+    format!("{target}\0{export}\0{numbers:?}\0{strings:?}")
+}
+
+/// Appends the adaptive batch controller's decisions to `path`, one JSON object a line:
+/// `{"lane":I,"at_us":T,"level":L,"delay_us":D,"bytes_per_s":X,"a_out":A}` (Tyche's Figure 6
+/// through any C caller; `skiff bench --json` has the same as `batch_level_log`).
+fn write_batch_log(path: &std::path::Path, lanes: &[Vec<initiator::BatchDecision>]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut text = String::new();
+    for (lane, decisions) in lanes.iter().enumerate() {
+        for d in decisions {
+            text += &format!(
+                "{{\"lane\":{lane},\"at_us\":{},\"level\":{},\"delay_us\":{},\"bytes_per_s\":{:.0},\"a_out\":{:.2}}}\n",
+                d.at_us, d.level, d.delay_us, d.bytes_per_s, d.a_out
+            );
+        }
+    }
+    std::fs::OpenOptions::new().create(true).append(true).open(path)?.write_all(text.as_bytes())
 }
 
 /// The key `config` names, if any.
@@ -375,17 +426,28 @@ pub unsafe extern "C" fn skiff_lane_open(
                 return -libc::EINVAL;
             }
         };
+        // SAFETY: as above.
+        let batch_log = unsafe { c_string(config.batch_log) }.map(PathBuf::from);
+        if let Some(path) = &batch_log {
+            // Refused now rather than lost at the close.
+            if let Err(e) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+                set_error(format!("batch log {}: {e}", path.display()));
+                return -libc::EINVAL;
+            }
+        }
         let opened = if config.shared_lanes == 0 {
             Lane::connect_with(&endpoint, export, &lane_config).map(|l| Queue::Private(Box::new(l)))
         } else {
-            let key = format!("{target}\0{export}\0{config:?}");
+            // SAFETY: as above.
+            let key = unsafe { group_key(target, export, &config) };
             group(&endpoint, key, export, &lane_config, config.shared_lanes as usize).and_then(|g| {
                 Ok(Queue::Shared { handle: g.handle()?, export: g.export().clone(), _group: g })
             })
         };
         match opened {
             Ok(lane) => {
-                let handle = Box::new(SkiffLane { lane, ready: VecDeque::new(), scratch: Vec::new() });
+                let handle =
+                    Box::new(SkiffLane { lane, ready: VecDeque::new(), scratch: Vec::new(), batch_log });
                 // SAFETY: `out` is valid for a write per the contract.
                 unsafe { out.write(Box::into_raw(handle)) };
                 0
@@ -401,7 +463,22 @@ pub unsafe extern "C" fn skiff_lane_open(
 pub unsafe extern "C" fn skiff_lane_close(lane: *mut SkiffLane) {
     if !lane.is_null() {
         // SAFETY: the handle was made by Box::into_raw in skiff_lane_open and is closed once.
-        drop(unsafe { Box::from_raw(lane) });
+        let SkiffLane { lane, batch_log, .. } = *unsafe { Box::from_raw(lane) };
+        // A private lane's decisions, or a shared group's when its last handle goes.
+        let decisions = match lane {
+            Queue::Private(lane) => vec![lane.batch_level_log().to_vec()],
+            Queue::Shared { handle, _group: group, .. } => {
+                drop(handle);
+                Arc::into_inner(group)
+                    .map(|g| (0..g.lanes()).map(|i| g.batch_level_log(i)).collect())
+                    .unwrap_or_default()
+            }
+        };
+        if let Some(path) = batch_log.filter(|_| !decisions.is_empty()) {
+            if let Err(e) = write_batch_log(&path, &decisions) {
+                set_error(format!("batch log {}: {e}", path.display()));
+            }
+        }
     }
 }
 
