@@ -93,7 +93,10 @@ ABLATION_VARIANTS = {
     "skiff-doorbells": ABLATION_SUBMIT,  # + delayed doorbells (16 requests, 64 KiB or 50 µs): the default
     "skiff-adaptive": ABLATION_SUBMIT + ["--batching=adaptive"],  # + adaptive control of size and delay
 }
-VARIANTS = {**BATCHING_VARIANTS, **ABLATION_VARIANTS}
+# The adaptive controller of another build (--before-engine) beside this one's, with the same
+# options: one invocation, the systems alternating, compares two builds' controllers.
+BEFORE = "skiff-native-adaptive-before"
+VARIANTS = {**BATCHING_VARIANTS, **ABLATION_VARIANTS, BEFORE: BATCHING_VARIANTS["skiff-native-adaptive"]}
 # Tyche's Tables V and VI: the designs it removed, rebuilt on skiff's target (`--stages`), beside
 # skiff-native, which runs each request to completion on one thread. Measured with skiff bench.
 STAGED = {"skiff-send-thread": "send-thread", "skiff-recv-thread": "recv-thread"}
@@ -238,7 +241,8 @@ def start_target(system, a, scratch):
         stages = ["--stages", STAGED[system]] if system in STAGED else []
         srv = Server(pin([a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--nbd", f"127.0.0.1:{nbd_port}",
                           "--export", "vol=ram:1G"] + stages), port)
-        t = Target(system, srv, [f"--ioengine=external:{a.engine}", f"--target=127.0.0.1:{port}",
+        engine = a.before_engine if system == BEFORE else a.engine
+        t = Target(system, srv, [f"--ioengine=external:{engine}", f"--target=127.0.0.1:{port}",
                                  "--export=vol"] + VARIANTS.get(system, []), "fio skiff engine")
         t.precondition_uri = f"nbd://127.0.0.1:{nbd_port}/vol"
         t.native_addr = f"127.0.0.1:{port}"
@@ -1123,6 +1127,8 @@ def main():
     p.add_argument("--link-seconds", type=int, help="iperf3 duration (default 3, quick 2)")
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--engine", default=ENGINE)
+    p.add_argument("--before-engine", metavar="SO",
+                   help=f"another build's fio engine, run as system {BEFORE} (its adaptive batching)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--dry-run", action="store_true", help="print the runs and the time estimate, run nothing")
     p.add_argument("--replot", metavar="DIR", help="redo report.md and the plots from DIR's records")
@@ -1154,6 +1160,9 @@ def main():
     for s in systems:
         if s not in SYSTEMS and s not in VARIANTS:
             raise SystemExit(f"unknown system {s}: choose from {','.join(SYSTEMS + list(VARIANTS))}")
+    if BEFORE in systems and not (a.before_engine and os.path.exists(a.before_engine)):
+        raise SystemExit(f"{BEFORE} needs --before-engine, the engine .so of the build to compare")
+    a.before_engine = a.before_engine and os.path.abspath(a.before_engine)
     exps = a.experiments.split(",")
     for e in exps:
         if e not in EXPERIMENTS:
