@@ -141,9 +141,9 @@ pub trait Backend: Send + Sync {
     /// pool lends its slots), so that a sender hands them to the kernel without copying them
     /// into a buffer first. `Ok(false)`, appending nothing, when they do not all lie in memory
     /// now (the default): `read_at` is the way then. A holder must let go soon (once they are
-    /// sent, within its loop pass): lent pages cannot be evicted meanwhile. A write that overlaps them before they
-    /// are sent is an overlapping in-flight request and leaves them unspecified, as for
-    /// `read_at`.
+    /// sent, within its loop pass): lent pages cannot be evicted meanwhile. A write that
+    /// overlaps them before they are sent is an overlapping in-flight request and leaves them
+    /// unspecified, as for `read_at`.
     fn lend(&self, offset: u64, len: usize, out: &mut Vec<RegionBytes>) -> Result<bool> {
         let _ = (offset, len, out);
         Ok(false)

@@ -272,12 +272,14 @@ unsafe fn group_key(target: &str, export: &str, c: &SkiffLaneConfig) -> String {
 /// `{"lane":I,"at_us":T,"level":L,"delay_us":D,"bytes_per_s":X,"a_out":A}` (Tyche's Figure 6
 /// through any C caller; `skiff bench --json` has the same as `batch_level_log`).
 fn write_batch_log(path: &std::path::Path, lanes: &[Vec<initiator::BatchDecision>]) -> std::io::Result<()> {
-    use std::io::Write;
+    use std::fmt::Write as _;
+    use std::io::Write as _;
     let mut text = String::new();
     for (lane, decisions) in lanes.iter().enumerate() {
         for d in decisions {
-            text += &format!(
-                "{{\"lane\":{lane},\"at_us\":{},\"level\":{},\"delay_us\":{},\"bytes_per_s\":{:.0},\"a_out\":{:.2}}}\n",
+            let _ = writeln!(
+                text,
+                "{{\"lane\":{lane},\"at_us\":{},\"level\":{},\"delay_us\":{},\"bytes_per_s\":{:.0},\"a_out\":{:.2}}}",
                 d.at_us, d.level, d.delay_us, d.bytes_per_s, d.a_out
             );
         }
@@ -464,6 +466,7 @@ pub unsafe extern "C" fn skiff_lane_close(lane: *mut SkiffLane) {
     if !lane.is_null() {
         // SAFETY: the handle was made by Box::into_raw in skiff_lane_open and is closed once.
         let SkiffLane { lane, batch_log, .. } = *unsafe { Box::from_raw(lane) };
+        let Some(path) = batch_log else { return };
         // A private lane's decisions, or a shared group's when its last handle goes.
         let decisions = match lane {
             Queue::Private(lane) => vec![lane.batch_level_log().to_vec()],
@@ -474,7 +477,7 @@ pub unsafe extern "C" fn skiff_lane_close(lane: *mut SkiffLane) {
                     .unwrap_or_default()
             }
         };
-        if let Some(path) = batch_log.filter(|_| !decisions.is_empty()) {
+        if !decisions.is_empty() {
             if let Err(e) = write_batch_log(&path, &decisions) {
                 set_error(format!("batch log {}: {e}", path.display()));
             }

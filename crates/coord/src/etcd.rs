@@ -396,14 +396,12 @@ impl Etcd {
                 revision = r.header.revision;
             }
             let page = self.kvs("/v3/kv/range", r.kvs)?;
-            match page.last() {
-                Some(last) if r.more => from = [last.key.as_slice(), &[0]].concat(),
-                _ => {
-                    out.extend(page);
-                    return Ok(out);
-                }
-            }
+            let next = page.last().filter(|_| r.more).map(|kv| [kv.key.as_slice(), &[0]].concat());
             out.extend(page);
+            match next {
+                Some(key) => from = key,
+                None => return Ok(out),
+            }
         }
     }
 

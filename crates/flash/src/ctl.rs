@@ -799,9 +799,9 @@ impl Controller {
 
     /// Page `vpage` of `vol` lent to a sender, only if its bytes are in the pool now: kept in
     /// its slot (neither evicted nor freed) until [`give_back`](Self::give_back). Not counted
-    /// as a hit: the caller counts the pages once all of a read's are lent. `None` (a miss, a hole, a page being read in or filled) changes nothing: the
-    /// caller reads the usual way. Writes to the page, its write-back and syncs go on: a
-    /// loan holds only the slot.
+    /// as a hit: the caller counts the pages once all of a read's are lent. `None` (a miss, a
+    /// hole, a page being read in or filled) changes nothing: the caller reads the usual way.
+    /// Writes to the page, its write-back and syncs go on: a loan holds only the slot.
     pub fn lend(&mut self, vol: VolId, vpage: u64) -> Result<Option<SlotId>, FlashError> {
         let v = self.vols.get(&vol).ok_or(FlashError::NoSuchVolume)?;
         if vpage >= v.map.pages {

@@ -93,15 +93,7 @@ struct Loan {
 
 impl Drop for Loan {
     fn drop(&mut self) {
-        let freed = {
-            let mut c = self.array.lock();
-            self.slots.iter().fold(false, |freed, &s| c.give_back(s) | freed)
-        };
-        self.array.lent_now.fetch_sub(self.slots.len(), Ordering::Relaxed);
-        if freed {
-            // An orphan (its volume deleted) left the pool: a writer waiting for room may go.
-            self.array.changed.notify_all();
-        }
+        self.array.give_back(&self.slots, self.slots.len());
     }
 }
 
@@ -1506,11 +1498,8 @@ impl Array {
                     Ok(Some(s)) => slots.push(s),
                     other => {
                         // Not all in memory: give back what was lent, and read the usual way.
-                        for s in slots.drain(..) {
-                            c.give_back(s);
-                        }
                         drop(c);
-                        self.lent_now.fetch_sub(pages, Ordering::Relaxed);
+                        self.give_back(&slots, pages);
                         return other.map(|_| false);
                     }
                 }
@@ -1533,6 +1522,19 @@ impl Array {
             (left, i, at) = (left - n, i + run, 0);
         }
         Ok(true)
+    }
+
+    /// Give back `slots` lent by [`lend`](Self::lend), which counted `counted` pages against
+    /// the bound; wake writers waiting for room if an orphan (its volume deleted) was freed.
+    fn give_back(&self, slots: &[u32], counted: usize) {
+        let freed = {
+            let mut c = self.lock();
+            slots.iter().fold(false, |freed, &s| c.give_back(s) | freed)
+        };
+        self.lent_now.fetch_sub(counted, Ordering::Relaxed);
+        if freed {
+            self.changed.notify_all();
+        }
     }
 
     fn read_page(&self, vol: VolId, vpage: u64, at: usize, dst: &mut [u8]) -> Result<(), FlashError> {
