@@ -27,13 +27,19 @@ the striping behaves, not what N machines would give (docs/RSTORE.md says what i
     python3 bench/rstore.py --servers 1,2 --threads 2 --repeat 5
     python3 bench/rstore.py --control              # control-path costs against the data path's
     python3 bench/rstore.py --scopes ram,flash --pool 1G --flash-cache 256M
+    python3 bench/rstore.py --sync-ab --pool 1G    # a flash pool plain against `,sync`
 
 With --control each server count runs `skiff ns costs` instead: create, reserve, alloc, init,
 map and the first read of a scratch namespace of 64 MiB, 256 MiB and 512 MiB, each timed once
 in one process, beside the mean 4 KiB read on the data path (RStore's point: setup is paid once).
 
-Writes bench/results/rstore-<timestamp>.json (or rstore-control-…; and .png) and prints a
-Markdown table.
+With --sync-ab one memory server donates a flash pool of --pool, served plain and with `,sync`
+(every write on flash before it is acknowledged, so that the pool survives kill -9) by turns:
+the same array and port, restarted cleanly between turns (a clean stop keeps the pool and its
+chunks), one namespace filled once; the write workloads and a 4 KiB write at QD 1 at each turn.
+
+Writes bench/results/rstore-<timestamp>.json (or rstore-control-…, rstore-sync-…; and .png)
+and prints a Markdown table.
 """
 import argparse
 import contextlib
@@ -240,6 +246,65 @@ def control(a, counts):
     return {k: median_record(v, key="reserve") for k, v in runs.items()}, runs
 
 
+SYNC_WORKLOADS = [("4k-randwrite", "randwrite", "4k", 32), ("1m-write", "write", "1M", 4),
+                  ("4k-randwrite-qd1", "randwrite", "4k", 1)]
+
+
+def sync_ab(a, scratch):
+    """A flash pool plain and `,sync` by turns (--sync-ab); returns the runs by (mode, workload)."""
+    port = free_port()
+    serve_args = flash_pool(a, scratch, "ab", a.pool, a.flash_cache)
+    runs = {}
+    made = False
+    for rep in range(a.repeat):
+        for mode in ["flash", "flash-sync"]:
+            pool = f"flash:{a.pool}" + (",sync" if mode == "flash-sync" else "")
+            argv = [a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--workers", "1", *serve_args[:-1], pool,
+                    "--chunk", a.chunk, "--coordinator", a.url]
+            server = subprocess.Popen(a.pl.server(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_servers(a, 1)
+                if not made:
+                    ns(a, "create", "sync-ab", "--size", a.pool, "--chunk", a.chunk, "--scope", "flash")
+                    ns(a, "alloc", "sync-ab", a.pool)
+                    fill(a, "sync-ab")
+                    made = True
+                for w, rw, bs, qd in SYNC_WORKLOADS:
+                    r = bench(a, "sync-ab", rw, bs, qd)
+                    runs.setdefault((mode, w), []).append(r)
+                    log(f"{mode:<10} {w:<16} rep {rep + 1}/{a.repeat}: {r['iops']:>9,.0f} IOPS "
+                        f"{r['bytes_per_s'] / 1e6:8.1f} MB/s  mean {r['lat_mean_us']:7.1f} us  CPU us/IO "
+                        f"{r['client_cpu_us_per_io']:.2f} + {r['server_cpu_us_per_io']:.2f}")
+            finally:
+                # A clean stop: the pool keeps its chunks (and incarnation) for the next turn. It
+                # writes back the dirty page pool first, which may take a while.
+                stop(server, timeout=300)
+                wait_servers(a, 0)
+    return runs
+
+
+def sync_report(a, runs):
+    med = {k: median_record(v) for k, v in runs.items()}
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"rstore-sync-{time.strftime('%Y%m%d-%H%M%S')}")
+    with open(base + ".json", "w") as f:
+        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "threads": a.threads,
+                   "pool": a.pool, "chunk": a.chunk, "flash_cache": a.flash_cache, "filled": True,
+                   "points": [{"mode": m, "workload": w, **med[(m, w)], "repetitions": runs[(m, w)]}
+                              for (m, w) in runs]}, f, indent=1)
+    print(f"A flash pool plain and ,sync, one memory server, one initiator ({a.threads} thread(s); "
+          f"{a.pl.short()}, median of {a.repeat}, the modes alternating); {base}.json")
+    print()
+    print("| workload | mode | IOPS | MB/s | mean µs | CPU µs/I/O initiator | server |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for w, _, _, _ in SYNC_WORKLOADS:
+        for m in ["flash", "flash-sync"]:
+            r = med[(m, w)]
+            print(f"| {w} | {m} | {r['iops']:,.0f} | {r['bytes_per_s'] / 1e6:,.1f} | {r['lat_mean_us']:.1f} | "
+                  f"{r['client_cpu_us_per_io']:.2f} | {r['server_cpu_us_per_io']:.2f} |")
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -253,6 +318,7 @@ def main():
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--control", action="store_true", help="control-path costs (skiff ns costs) instead")
+    p.add_argument("--sync-ab", action="store_true", help="a flash pool plain against ,sync instead")
     add_placement_args(p, "runs per point (default 3)")
     a = p.parse_args()
     a.repeat = a.repeat or 3
@@ -279,6 +345,11 @@ def main():
         for (n, sz), r in med.items():
             print(f"| {n} | {sz} | " + " | ".join(f"{r[k]:,.0f}" if r[k] >= 10 else f"{r[k]:.1f}" for k in steps) + " |")
         return 0
+    if a.sync_ab:
+        with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch, coordinator(a, scratch):
+            log(f"etcd at {a.url}; placement {a.pl.describe()}; {a.threads} initiator thread(s)")
+            runs = sync_ab(a, scratch)
+        return sync_report(a, runs)
     scopes = a.scopes.split(",")
     with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch, coordinator(a, scratch):
         log(f"etcd at {a.url}; placement {a.pl.describe()}; {a.threads} initiator thread(s); scopes {scopes}")

@@ -46,9 +46,10 @@ pub struct ServeArgs {
     nbd_unix: Option<std::path::PathBuf>,
     /// An export: NAME=SPEC[,OPTION...], SPEC being ram:SIZE, file:PATH or null:SIZE; options
     /// are ro (read-only), cache=SIZE (direct-read cache of a file export), direct=off (page
-    /// cache instead of O_DIRECT), block=N (a finer block than 512 bytes; 1 takes any byte
-    /// range) and allow=NAME:rw+NAME:ro+*:ro (who may open it, with which rights; * is anyone
-    /// without a key). Repeatable.
+    /// cache instead of O_DIRECT), send=sendfile (a file export's reads by sendfile(2)),
+    /// block=N (a finer block than 512 bytes; 1 takes any byte range), sync (every change
+    /// durable before it is acknowledged, FUA or not) and allow=NAME:rw+NAME:ro+*:ro (who may
+    /// open it, with which rights; * is anyone without a key). Repeatable.
     #[arg(long = "export", value_name = "NAME=SPEC", required_unless_present_any = ["config", "pool", "flash"])]
     exports: Vec<ExportConfig>,
     /// Serve the volumes of the flash array on these devices (files or block devices, as
@@ -77,7 +78,9 @@ pub struct ServeArgs {
     flash_references: Option<std::path::PathBuf>,
     /// Be a memory server of RStore namespaces: donate RAM (ram:SIZE), a file (file:PATH) or a
     /// thin volume of the --flash array (flash:SIZE, volume `pool`) as a pool of chunks, served
-    /// as export `pool` and registered with --coordinator (docs/RSTORE.md).
+    /// as export `pool` and registered with --coordinator (docs/RSTORE.md). `,sync` after it
+    /// makes every change durable before it is acknowledged: a flash pool then keeps its
+    /// chunks across a kill -9.
     #[arg(long, value_name = "SPEC", requires = "coordinator")]
     pool: Option<String>,
     /// The coordinator a pool registers with: etcd's client URLs, comma-separated.
@@ -317,6 +320,7 @@ pub fn run(mut args: ServeArgs, matches: &ArgMatches) -> CliResult {
                     key: *key,
                     chunk_bytes: args.chunk,
                     fresh_incarnation,
+                    sync: p.sync,
                 }),
                 _ => None,
             },

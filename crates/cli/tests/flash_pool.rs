@@ -4,8 +4,9 @@
 //! its bytes survive a clean restart of the server (the same incarnation, the chunks found
 //! where they were), a `kill -9` makes the pool a new one (writes acknowledged in the array's
 //! DRAM may be gone, so nothing on it is trusted), a namespace given back is unmapped, and
-//! the pool's volume is held out of `skiff vol` changes. `skiff rsort --scope flash` sorts on
-//! flash namespaces.
+//! the pool's volume is held out of `skiff vol` changes. A pool served with `,sync` (every
+//! write durable before it is acknowledged) keeps its chunks and its incarnation across a
+//! `kill -9`. `skiff rsort --scope flash` sorts on flash namespaces.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -176,6 +177,55 @@ fn a_flash_pool_is_thin_keeps_its_chunks_across_a_clean_restart_and_is_new_after
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_eq!(allocated(port), 0, "zeroing a chunk given back unmaps its pages");
+}
+
+/// `--pool flash:SIZE,sync`: every write reaches flash before it is acknowledged (through the
+/// array's sync thread, the worker serving on), so a `kill -9` right after the last write
+/// loses nothing. The restarted server comes back as the same pool, and the namespace's one
+/// copy on it is neither lost nor rebuilt: its bytes are there.
+#[test]
+fn a_sync_flash_pool_keeps_its_chunks_and_incarnation_across_kill_9() {
+    let etcd = Cluster::start(1);
+    let url = etcd.url();
+    let dir = tempfile::tempdir().unwrap();
+    let dev = device(dir.path(), "flash.img", 64 << 20);
+    let port = skiff_tests::free_ports(1)[0];
+    let mut server = flash_server(&url, &dev, "flash:256M,sync", port);
+    let before = servers(&url, 1)[0].clone();
+    let ns = |args: &[&str]| ok(&[&["ns", "--coordinator", url.as_str()][..], args].concat());
+    ns(&["create", "kept", "--size", "16M", "--scope", "flash"]);
+    ns(&["alloc", "kept", "16M"]);
+    let c = rstore::Coordinator::connect(std::slice::from_ref(&url));
+    let mut seg = skiff_tests::rstore::segment(&c, "kept", 0);
+    let pattern: Vec<u8> = (0..(3u32 << 20) + 333).map(|i| (i % 253) as u8).collect();
+    seg.write(5 << 20, &pattern).unwrap();
+    seg.write(77, b"the last write before the kill").unwrap();
+    let stats = json(&["vol", "stats", "--target", &format!("127.0.0.1:{port}"), "--json"]);
+    assert!(stats["syncs_later"].as_u64() > Some(0), "no write went to the sync thread: {stats}");
+    let _ = server.0.kill();
+    let _ = server.0.wait();
+    drop(seg);
+
+    let _server = flash_server(&url, &dev, "flash:256M,sync", port);
+    let start = Instant::now();
+    let after = loop {
+        let s = servers(&url, 1);
+        if s[0]["boot"] != before["boot"] {
+            break s[0].clone();
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the old registration never lapsed: {s}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(after["incarnation"], before["incarnation"], "the same pool after kill -9: {after}");
+    let listed = ns(&["list"]);
+    assert!(!listed.contains("LOST"), "the copy survived on the same pool: {listed}");
+    let mut seg = skiff_tests::rstore::segment(&c, "kept", 0);
+    let mut back = vec![0u8; pattern.len()];
+    seg.read(5 << 20, &mut back).unwrap();
+    assert!(back == pattern, "the acknowledged bytes after kill -9");
+    let mut last = [0u8; 30];
+    seg.read(77, &mut last).unwrap();
+    assert_eq!(&last, b"the last write before the kill");
 }
 
 #[test]

@@ -3,8 +3,8 @@
 //!
 //! An [`Export`](crate::Export) is its backend and a stack of [`Layer`]s, one per option:
 //! read-only ([`ReadOnly`], `ro`), who may open it ([`Access`], `allow=`), the block its
-//! requests are aligned to ([`Block`], `block=`), and an RStore pool's chunk grants
-//! ([`Grants`]). Each layer may narrow the rights a handle gets when the export is opened,
+//! requests are aligned to ([`Block`], `block=`), every change durable before it is
+//! acknowledged ([`SyncWrites`], `sync`), and an RStore pool's chunk grants ([`Grants`]). Each layer may narrow the rights a handle gets when the export is opened,
 //! refuse changes to the volume, set the block, and judge each request by what its connection
 //! holds. Each is tested alone and with the others (`tests.rs`), and a new option (the flash
 //! engine's, RStore repair's) is a new layer rather than a new field and a new check in every
@@ -51,6 +51,12 @@ pub trait Layer: Send + Sync + std::fmt::Debug {
 
     /// Whether read data leaves by `sendfile(2)` from the backend's file ([`SendFile`]).
     fn sends_files(&self) -> bool {
+        false
+    }
+
+    /// Whether every change to the volume must be durable before it is acknowledged, asked
+    /// for or not ([`SyncWrites`]).
+    fn syncs_writes(&self) -> bool {
         false
     }
 
@@ -140,6 +146,29 @@ impl Layer for SendFile {
     }
 
     fn sends_files(&self) -> bool {
+        true
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// `sync`: every change to the volume is durable before it is acknowledged, as if each write
+/// and write-zeroes carried FUA and each trim were followed by a FLUSH (nbdkit's `fua` filter
+/// with `fuamode=force`). For a client that cannot ask for durability itself, and for a flash
+/// pool whose chunks must outlive a `kill -9` (docs/RSTORE.md). On a backend that syncs on
+/// another thread ([`backend::Backend::syncs_later`]) the worker does not wait for it
+/// ([`crate::execute_later`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SyncWrites;
+
+impl Layer for SyncWrites {
+    fn describe(&self) -> String {
+        "sync".into()
+    }
+
+    fn syncs_writes(&self) -> bool {
         true
     }
 

@@ -54,6 +54,8 @@ pub struct Export {
     judges: Vec<Arc<dyn layer::Layer>>,
     /// The backend's file, when a layer sends read data from it ([`layer::SendFile`]).
     send_fd: Option<std::os::fd::RawFd>,
+    /// A layer makes every change durable before it is acknowledged ([`layer::SyncWrites`]).
+    syncs_writes: bool,
 }
 
 impl std::fmt::Debug for Export {
@@ -98,6 +100,7 @@ impl Export {
             block_bytes,
             judges: Vec::new(),
             send_fd: None,
+            syncs_writes: false,
         };
         if read_only {
             export.with_layer(Arc::new(layer::ReadOnly)).expect("ro stacks on any export")
@@ -123,6 +126,7 @@ impl Export {
             self.block_bytes = block_bytes;
         }
         self.read_only |= layer.read_only();
+        self.syncs_writes |= layer.syncs_writes();
         if layer.judges_requests() {
             self.judges.push(layer.clone());
         }
@@ -165,6 +169,13 @@ impl Export {
     #[inline]
     pub fn judge(&self, io: &Io, held: layer::Held<'_>) -> Result<(), Status> {
         self.judges.iter().try_for_each(|l| l.judge(io, held))
+    }
+
+    /// Whether `io` must be durable before it is acknowledged: a change that asks for it
+    /// (FUA), or any change on an export that makes every change so ([`layer::SyncWrites`]).
+    #[inline]
+    pub fn wants_durable(&self, io: &Io) -> bool {
+        io.opcode.is_mutating() && (self.syncs_writes || io.flags.contains(ReqFlags::FUA))
     }
 
     /// The block that request offsets and lengths must be multiples of.
@@ -306,16 +317,24 @@ pub fn validate_sized(export: &Export, io: &Io, io_bytes_max: u32, block_bytes: 
 }
 
 /// Execute a validated request. `payload` is the write data (empty otherwise); `read_into` is
-/// where read data goes and is exactly `io.length` bytes for a read (empty otherwise).
+/// where read data goes and is exactly `io.length` bytes for a read (empty otherwise). A
+/// change the export wants durable ([`Export::wants_durable`]) is durable when this returns.
 pub fn execute(export: &Export, io: &Io, payload: &[u8], read_into: &mut [u8]) -> Status {
+    execute_as(export, io, export.wants_durable(io), payload, read_into)
+}
+
+/// [`execute`], made durable before it returns only if `durable`.
+fn execute_as(export: &Export, io: &Io, durable: bool, payload: &[u8], read_into: &mut [u8]) -> Status {
     let b = &export.backend;
-    let fua = io.flags.contains(ReqFlags::FUA);
     let result = match io.opcode {
         Opcode::Read | Opcode::DirectRead => b.read_at(read_into, io.offset),
-        Opcode::Write | Opcode::DirectWrite => b.write_at(payload, io.offset, fua),
+        Opcode::Write | Opcode::DirectWrite => b.write_at(payload, io.offset, durable),
         Opcode::Flush => b.flush(),
-        Opcode::Trim => b.trim(io.offset, io.length.into()),
-        Opcode::WriteZeroes => b.write_zeroes(io.offset, io.length.into(), fua),
+        // A trim has no FUA of its own: a FLUSH after it makes it durable.
+        Opcode::Trim => {
+            b.trim(io.offset, io.length.into()).and_then(|()| if durable { b.flush() } else { Ok(()) })
+        }
+        Opcode::WriteZeroes => b.write_zeroes(io.offset, io.length.into(), durable),
     };
     if io.opcode.is_mutating() {
         // Before the write is acknowledged, and whether or not the backend took all of it:
@@ -333,24 +352,20 @@ fn failed(export: &Export, io: &Io, e: &BackendError) -> Status {
     status_of(e)
 }
 
-/// [`execute`] a validated request, except that the durability a FLUSH or a FUA write or
-/// write-zeroes asks for is started on the batch `later` opens rather than waited for, where
-/// the backend can ([`Backend::syncs_later`]): the write itself is carried out now, and the
-/// status is what it came to. The caller must then hold the request's reply until the batch
-/// wakes it, and send it only if the batch did not fail ([`front::Later`]).
+/// [`execute`] a validated request, except that the durability a FLUSH or a change the export
+/// wants durable ([`Export::wants_durable`]: FUA, or `sync`) asks for is started on the batch
+/// `later` opens rather than waited for, where the backend can ([`Backend::syncs_later`]): the
+/// change itself is carried out now, and the status is what it came to. The caller must then
+/// hold the request's reply until the batch wakes it, and send it only if the batch did not
+/// fail ([`front::Later`]).
 pub fn execute_later(export: &Export, io: &Io, payload: &[u8], later: &mut front::Later<'_>) -> Status {
-    let wants_sync =
-        io.opcode == Opcode::Flush || (io.opcode.is_mutating() && io.flags.contains(ReqFlags::FUA));
+    let wants_sync = io.opcode == Opcode::Flush || export.wants_durable(io);
     if !wants_sync || !export.backend.syncs_later() {
         return execute(export, io, payload, &mut []);
     }
     let Some(batch) = later.batch() else { return execute(export, io, payload, &mut []) };
-    let status = if io.opcode == Opcode::Flush {
-        Status::Ok
-    } else {
-        let flags = ReqFlags::from_bits(io.flags.bits() & !ReqFlags::FUA.bits()).unwrap_or(ReqFlags::empty());
-        execute(export, &Io { flags, ..*io }, payload, &mut [])
-    };
+    let status =
+        if io.opcode == Opcode::Flush { Status::Ok } else { execute_as(export, io, false, payload, &mut []) };
     if status.is_ok() {
         export.backend.sync_later(batch);
     }

@@ -195,3 +195,125 @@ fn layers_combine_and_only_narrow() {
     // A block the backend cannot take is refused whatever else is stacked.
     assert!(e.with_layer(Arc::new(Block(4096))).is_err());
 }
+
+/// A backend that records what it was asked to make durable, and when.
+#[derive(Default)]
+struct Recorder {
+    /// (operation, durable when it returned) in order; a flush is ("flush", true).
+    done: std::sync::Mutex<Vec<(&'static str, bool)>>,
+    /// Whether it syncs on another thread ([`Backend::syncs_later`]).
+    later: bool,
+}
+
+impl Recorder {
+    fn log(&self, op: &'static str, durable: bool) -> backend::Result<()> {
+        self.done.lock().unwrap().push((op, durable));
+        Ok(())
+    }
+    fn take(&self) -> Vec<(&'static str, bool)> {
+        std::mem::take(&mut *self.done.lock().unwrap())
+    }
+}
+
+impl Backend for Recorder {
+    fn kind(&self) -> &'static str {
+        "recorder"
+    }
+    fn size_bytes(&self) -> u64 {
+        1 << 20
+    }
+    fn block_size(&self) -> u32 {
+        512
+    }
+    fn is_read_only(&self) -> bool {
+        false
+    }
+    fn capabilities(&self) -> backend::Capabilities {
+        backend::Capabilities::ALL
+    }
+    fn read_at(&self, buf: &mut [u8], _offset: u64) -> backend::Result<()> {
+        buf.fill(0);
+        Ok(())
+    }
+    fn write_at(&self, _buf: &[u8], _offset: u64, fua: bool) -> backend::Result<()> {
+        self.log("write", fua)
+    }
+    fn flush(&self) -> backend::Result<()> {
+        self.log("flush", true)
+    }
+    fn trim(&self, _offset: u64, _len: u64) -> backend::Result<()> {
+        self.log("trim", false)
+    }
+    fn write_zeroes(&self, _offset: u64, _len: u64, fua: bool) -> backend::Result<()> {
+        self.log("zeroes", fua)
+    }
+    fn syncs_later(&self) -> bool {
+        self.later
+    }
+    fn sync_later(&self, _batch: &Arc<backend::Batch>) {
+        self.done.lock().unwrap().push(("sync_later", true));
+    }
+}
+
+struct NoWake;
+impl backend::Wake for NoWake {
+    fn wake(&self, _token: u64) {}
+}
+
+/// `sync`: every change is made durable as if it asked for FUA (a trim by a FLUSH after it),
+/// on the worker's thread or, where the backend can, on the batch; reads and plain exports are
+/// untouched, and a trim that asks for FUA is made durable too.
+#[test]
+fn a_sync_export_makes_every_change_durable() {
+    use crate::layer::SyncWrites;
+    let changes = [
+        io(Opcode::Write, 0, 512),
+        io(Opcode::WriteZeroes, 0, 512),
+        io(Opcode::Trim, 0, 512),
+        io(Opcode::Read, 0, 512),
+    ];
+    let run = |e: &Export| {
+        for c in &changes {
+            let mut buf = vec![0; if c.opcode == Opcode::Read { 512 } else { 0 }];
+            let payload = vec![1; if c.opcode == Opcode::Write { 512 } else { 0 }];
+            assert_eq!(execute(e, c, &payload, &mut buf), Status::Ok);
+        }
+    };
+    let recorder = Arc::new(Recorder::default());
+    let plain = Export::new("p", recorder.clone(), false);
+    run(&plain);
+    assert_eq!(recorder.take(), [("write", false), ("zeroes", false), ("trim", false)]);
+    let fua = Io { flags: ReqFlags::FUA, ..io(Opcode::Trim, 0, 512) };
+    assert_eq!(execute(&plain, &fua, &[], &mut []), Status::Ok);
+    assert_eq!(recorder.take(), [("trim", false), ("flush", true)], "a FUA trim is flushed");
+
+    let synced = Export::new("s", recorder.clone(), false).with_layer(Arc::new(SyncWrites)).unwrap();
+    assert!(synced.wants_durable(&changes[0]) && !synced.wants_durable(&changes[3]));
+    run(&synced);
+    assert_eq!(recorder.take(), [("write", true), ("zeroes", true), ("trim", false), ("flush", true)]);
+
+    // A backend that syncs on another thread: the change now, its durability on the batch.
+    let later = Arc::new(Recorder { later: true, ..Recorder::default() });
+    let synced = Export::new("l", later.clone(), false).with_layer(Arc::new(SyncWrites)).unwrap();
+    let batch = Arc::new(backend::Batch::new(Arc::new(NoWake), 0));
+    let mut held = front::Later::new(Some(&batch));
+    for c in &changes[..3] {
+        let payload = vec![1; if c.opcode == Opcode::Write { 512 } else { 0 }];
+        assert_eq!(execute_later(&synced, c, &payload, &mut held), Status::Ok);
+    }
+    let plain = Export::new("lp", later.clone(), false);
+    assert_eq!(execute_later(&plain, &changes[0], &[0; 512], &mut held), Status::Ok);
+    assert_eq!(
+        later.take(),
+        [
+            ("write", false),
+            ("sync_later", true),
+            ("zeroes", false),
+            ("sync_later", true),
+            ("trim", false),
+            ("sync_later", true),
+            ("write", false),
+        ],
+        "each change of the sync export synced on the batch; the plain export's write not at all"
+    );
+}

@@ -57,12 +57,14 @@ pub struct FlashConfig {
 /// unmapping its pages.
 ///
 /// Beside it a one-page volume, `NAME.state` ([`state_volume`]), keeps the pool's incarnation
-/// (`coord::ServerInfo::incarnation`) and whether the target stopped cleanly. Writes to the
+/// (`coord::ServerInfo::incarnation`) and how its last life ended ([`Mark`]). Writes to the
 /// pool are acknowledged once in the array's page pool: a target killed before they were
 /// written back loses them, so after a stop that was not clean the pool takes a new
 /// incarnation and namespaces rebuild their copies on it in full rather than trust them. After
 /// a clean stop (everything written back first) it keeps the old one, and namespaces find
-/// their chunks' data where they left it.
+/// their chunks' data where they left it. A pool served with `sync` ([`crate::layer::SyncWrites`]:
+/// every change durable before it is acknowledged) loses nothing acknowledged in a crash
+/// either, so it keeps its incarnation across a `kill -9` too.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PoolVolume {
     /// The volume's name, which is also the export's.
@@ -71,9 +73,11 @@ pub struct PoolVolume {
     /// The key the pool's chunk grants are sealed with.
     pub key: [u8; proto::capability::KEY_LEN],
     pub chunk_bytes: u64,
-    /// The incarnation the pool takes when it is new or its last stop was not clean (drawn by
-    /// the driver: nonzero, and unlike any earlier one).
+    /// The incarnation the pool takes when it is new or its last life may have lost
+    /// acknowledged writes (drawn by the driver: nonzero, and unlike any earlier one).
     pub fresh_incarnation: u64,
+    /// Every change durable before it is acknowledged (`--pool flash:SIZE,sync`).
+    pub sync: bool,
 }
 
 /// The volume that keeps pool `name`'s incarnation and clean-stop mark.
@@ -81,24 +85,50 @@ pub fn state_volume(name: &str) -> String {
     format!("{name}.state")
 }
 
-/// The state page: magic, incarnation (u64 LE), clean (one byte, 1 after a clean stop).
+/// How the pool's last life ended, as its state page says: byte 16 of the page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mark {
+    /// Serving writes acknowledged before they were durable: if this is what the next start
+    /// finds, the target did not stop cleanly and some may be lost.
+    Serving = 0,
+    /// Stopped cleanly: everything acknowledged was written back first.
+    Stopped = 1,
+    /// Serving with every change durable before it was acknowledged (`sync`): however it
+    /// ended, nothing acknowledged was lost.
+    ServingSync = 2,
+}
+
+impl Mark {
+    /// Whether a pool whose last life ended so holds every write it acknowledged.
+    fn kept_everything(self) -> bool {
+        self != Mark::Serving
+    }
+}
+
+/// The state page: magic, incarnation (u64 LE), [`Mark`] (one byte).
 const STATE_MAGIC: &[u8; 8] = b"skfpool1";
 
-fn encode_state(incarnation: u64, clean: bool) -> Vec<u8> {
+fn encode_state(incarnation: u64, mark: Mark) -> Vec<u8> {
     let mut page = vec![0u8; flash::layout::PAGE];
     page[..8].copy_from_slice(STATE_MAGIC);
     page[8..16].copy_from_slice(&incarnation.to_le_bytes());
-    page[16] = u8::from(clean);
+    page[16] = mark as u8;
     page
 }
 
-/// The incarnation and clean mark a state page holds, if it holds them.
-fn decode_state(page: &[u8]) -> Option<(u64, bool)> {
-    if page.len() < 17 || &page[..8] != STATE_MAGIC || page[16] > 1 {
+/// The incarnation and mark a state page holds, if it holds them.
+fn decode_state(page: &[u8]) -> Option<(u64, Mark)> {
+    if page.len() < 17 || &page[..8] != STATE_MAGIC {
         return None;
     }
+    let mark = match page[16] {
+        0 => Mark::Serving,
+        1 => Mark::Stopped,
+        2 => Mark::ServingSync,
+        _ => return None,
+    };
     let incarnation = u64::from_le_bytes(page[8..16].try_into().ok()?);
-    (incarnation != 0).then_some((incarnation, page[16] == 1))
+    (incarnation != 0).then_some((incarnation, mark))
 }
 
 impl std::fmt::Debug for PoolVolume {
@@ -108,6 +138,7 @@ impl std::fmt::Debug for PoolVolume {
             .field("size_bytes", &self.size_bytes)
             .field("chunk_bytes", &self.chunk_bytes)
             .field("fresh_incarnation", &self.fresh_incarnation)
+            .field("sync", &self.sync)
             .finish_non_exhaustive()
     }
 }
@@ -161,10 +192,15 @@ fn pool_export(pool: &PoolVolume, volume: FlashVolume, read_only: bool) -> Resul
     let grants = proto::grant::PoolGrants::new(pool.key, pool.chunk_bytes, chunks)
         .map_err(|e| FlashError::BadSize(format!("RStore pool {:?}: {e}", pool.name)))?;
     let layer = |e: backend::BackendError| FlashError::BadSize(format!("RStore pool {:?}: {e}", pool.name));
-    Export::new(&pool.name, Arc::new(volume), read_only)
+    let export = Export::new(&pool.name, Arc::new(volume), read_only)
         .with_block_bytes(1)
         .and_then(|e| e.with_layer(Arc::new(crate::layer::Grants(Arc::new(grants)))))
-        .map_err(layer)
+        .map_err(layer)?;
+    if pool.sync {
+        export.with_layer(Arc::new(crate::layer::SyncWrites)).map_err(layer)
+    } else {
+        Ok(export)
+    }
 }
 
 fn flash_message(name: &str, e: &FlashError) -> String {
@@ -271,7 +307,8 @@ impl FlashVolumes {
     /// if it is smaller than `pool.size_bytes`; refused if it is larger (its chunks past the
     /// size asked would be lost to the namespaces that hold them), a snapshot, or a clone, or
     /// if the target is read-only. Its state volume says which incarnation it serves in
-    /// ([`PoolVolume`]); it is marked "not clean" (durably) before anything is served.
+    /// ([`PoolVolume`]); it is marked "serving" (durably), or "serving sync" for a `sync` pool,
+    /// before anything is served.
     pub fn with_pool(mut self, pool: PoolVolume) -> Result<FlashVolumes, FlashError> {
         if self.read_only {
             return Err(FlashError::ReadOnly);
@@ -310,14 +347,15 @@ impl FlashVolumes {
         let mut page = vec![0u8; flash::layout::PAGE];
         self.array.read(vol, 0, &mut page)?;
         let incarnation = match decode_state(&page) {
-            Some((incarnation, true)) if existed => incarnation,
+            Some((incarnation, mark)) if existed && mark.kept_everything() => incarnation,
             Some(_) if existed => {
                 tracing::warn!(volume = %pool.name, "the RStore pool's last stop was not clean: writes acknowledged before it may be lost, so it serves as a new pool and namespaces rebuild their copies here in full");
                 pool.fresh_incarnation
             }
             _ => pool.fresh_incarnation,
         };
-        self.array.write(vol, 0, &encode_state(incarnation, false), true)?;
+        let mark = if pool.sync { Mark::ServingSync } else { Mark::Serving };
+        self.array.write(vol, 0, &encode_state(incarnation, mark), true)?;
         self.pool = Some((pool, incarnation));
         Ok(self)
     }
@@ -385,7 +423,7 @@ impl FlashVolumes {
             // Everything acknowledged on flash first; only then is the pool marked clean.
             self.array.flush()?;
             let vol = self.array.id_of(&state_volume(&pool.name))?;
-            self.array.write(vol, 0, &encode_state(*incarnation, true), true)?;
+            self.array.write(vol, 0, &encode_state(*incarnation, Mark::Stopped), true)?;
         }
         self.array.shutdown()
     }
@@ -818,6 +856,13 @@ mod tests {
     }
 
     fn pool_on(image: Option<Vec<u8>>, fresh: u64) -> Result<(FlashVolumes, Arc<MemDevice>), FlashError> {
+        pool_of(image, pool_volume(1 << 30, fresh))
+    }
+
+    fn pool_of(
+        image: Option<Vec<u8>>,
+        pool: PoolVolume,
+    ) -> Result<(FlashVolumes, Arc<MemDevice>), FlashError> {
         let pages = flash::engine::DATA_START + 40 * u64::from(SEGMENT_PAGES);
         let formatted = image.is_none();
         let dev = Arc::new(image.map_or_else(|| MemDevice::new(pages), MemDevice::from_image));
@@ -826,11 +871,18 @@ mod tests {
             flash::engine::format(&devs, SEGMENT_PAGES, false).unwrap();
         }
         let array = Array::open(devs, flash::ctl::Config { pool_pages: 256, ..Default::default() }).unwrap();
-        Ok((FlashVolumes::new(array, false, [7; 32]).with_pool(pool_volume(1 << 30, fresh))?, dev))
+        Ok((FlashVolumes::new(array, false, [7; 32]).with_pool(pool)?, dev))
     }
 
     fn pool_volume(size_bytes: u64, fresh_incarnation: u64) -> PoolVolume {
-        PoolVolume { name: "pool".into(), size_bytes, key: [9; 32], chunk_bytes: 1 << 20, fresh_incarnation }
+        PoolVolume {
+            name: "pool".into(),
+            size_bytes,
+            key: [9; 32],
+            chunk_bytes: 1 << 20,
+            fresh_incarnation,
+            sync: false,
+        }
     }
 
     /// A pool volume is thin (1 GiB on an array of a few MiB), served byte-addressed with
@@ -910,14 +962,77 @@ mod tests {
         assert!(e.to_string().contains("give at least its size"), "{e}");
     }
 
+    /// A write through the pool's export, as a worker executes it (no FUA asked for).
+    fn write_pool(v: &FlashVolumes, bytes: &[u8], offset: u64) {
+        let export = v.export_of("pool").unwrap();
+        let io = crate::Io {
+            opcode: wire::Opcode::Write,
+            flags: wire::ReqFlags::empty(),
+            offset,
+            length: bytes.len() as u32,
+        };
+        assert_eq!(crate::execute(&export, &io, bytes, &mut []), Status::Ok);
+    }
+
+    fn read_pool(v: &FlashVolumes, offset: u64, len: usize) -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        v.export_of("pool").unwrap().backend.read_at(&mut b, offset).unwrap();
+        b
+    }
+
+    /// A `sync` pool makes every write durable before it is acknowledged, so a crash (the
+    /// devices as they were while it ran) keeps both its writes and its incarnation. Served
+    /// without `sync` after a crash of a `sync` life, it keeps them too; but a crash of that
+    /// plain life gives a new one again, even if the next start asks for `sync`.
+    #[test]
+    fn a_sync_pool_keeps_its_writes_and_incarnation_across_a_crash() {
+        let sync = |fresh| PoolVolume { sync: true, ..pool_volume(1 << 30, fresh) };
+        let (v, dev) = pool_of(None, sync(31)).unwrap();
+        let export = v.export_of("pool").unwrap();
+        let names: Vec<String> = export.layers().iter().map(|l| l.describe()).collect();
+        assert!(names.contains(&"sync".to_owned()), "{names:?}");
+        write_pool(&v, b"durable", 7 << 20);
+        let crashed = dev.image();
+        drop((v, export));
+        let (v, dev) = pool_of(Some(crashed), sync(32)).unwrap();
+        assert_eq!(pool_incarnation_of(&v), 31, "a crash of a sync pool loses nothing acknowledged");
+        assert_eq!(read_pool(&v, 7 << 20, 7), b"durable");
+
+        // The next life is plain: until it stops cleanly, a crash may lose its writes.
+        let crashed = dev.image();
+        drop(v);
+        let (v, dev) = pool_on(Some(crashed), 33).unwrap();
+        assert_eq!(pool_incarnation_of(&v), 31, "the sync life ended by a crash, and lost nothing");
+        write_pool(&v, b"maybe", 8 << 20);
+        let crashed = dev.image();
+        drop(v);
+        let (v, _) = pool_of(Some(crashed), sync(34)).unwrap();
+        assert_eq!(pool_incarnation_of(&v), 34, "a crash of the plain life: a new pool, sync or not");
+        assert_eq!(read_pool(&v, 7 << 20, 7), b"durable");
+    }
+
+    /// Without `sync`, the same write is not on flash when it is acknowledged: the crash image
+    /// does not hold it (the mutation the test above would miss if `sync` did nothing).
+    #[test]
+    fn a_plain_pool_write_is_not_durable_when_acknowledged() {
+        let (v, dev) = pool_on(None, 41).unwrap();
+        write_pool(&v, b"durable", 7 << 20);
+        let crashed = dev.image();
+        drop(v);
+        let (v, _) = pool_on(Some(crashed), 42).unwrap();
+        assert_eq!(pool_incarnation_of(&v), 42);
+        assert_eq!(read_pool(&v, 7 << 20, 7), [0; 7], "the page pool held it, not the flash");
+    }
+
     #[test]
     fn a_state_page_parses_only_when_whole() {
-        assert_eq!(decode_state(&encode_state(5, true)), Some((5, true)));
-        assert_eq!(decode_state(&encode_state(5, false)), Some((5, false)));
-        assert_eq!(decode_state(&encode_state(0, true)), None, "no incarnation is 0");
+        for mark in [Mark::Serving, Mark::Stopped, Mark::ServingSync] {
+            assert_eq!(decode_state(&encode_state(5, mark)), Some((5, mark)));
+        }
+        assert_eq!(decode_state(&encode_state(0, Mark::Stopped)), None, "no incarnation is 0");
         assert_eq!(decode_state(&[0; 4096]), None);
-        let mut bad = encode_state(5, true);
-        bad[16] = 2;
+        let mut bad = encode_state(5, Mark::Stopped);
+        bad[16] = 3;
         assert_eq!(decode_state(&bad), None);
         assert_eq!(decode_state(&bad[..10]), None);
     }

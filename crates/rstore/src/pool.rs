@@ -25,17 +25,25 @@ pub struct Pool {
     pub export: Option<server::ExportConfig>,
     pub scope: Scope,
     pub bytes: u64,
+    /// Every change durable before it is acknowledged (`,sync`): a flash pool so served keeps
+    /// its chunks across a `kill -9` ([`server::PoolVolume::sync`]).
+    pub sync: bool,
 }
 
 /// `ram:SIZE`, `file:PATH` (the file's size is the pool's) or `flash:SIZE` (a volume of the
-/// target's flash array, `--flash`).
+/// target's flash array, `--flash`), each with `,sync` after it if every change must be
+/// durable before it is acknowledged.
 pub fn parse(spec: &str) -> Result<Pool, String> {
     if let Some(size) = spec.strip_prefix("flash:") {
+        let (size, sync) = match size.strip_suffix(",sync") {
+            Some(size) => (size, true),
+            None => (size, false),
+        };
         let bytes = backend::parse_size(size).map_err(|e| format!("--pool {spec}: {e}"))?;
         if bytes == 0 {
             return Err(format!("--pool {spec}: a pool must hold data"));
         }
-        return Ok(Pool { export: None, scope: Scope::Flash, bytes });
+        return Ok(Pool { export: None, scope: Scope::Flash, bytes, sync });
     }
     let mut export: server::ExportConfig =
         format!("{POOL_EXPORT}={spec}").parse().map_err(|e| format!("--pool {spec}: {e}"))?;
@@ -51,7 +59,8 @@ pub fn parse(spec: &str) -> Result<Pool, String> {
             return Err(format!("--pool {spec}: a pool must hold data (ram:, file: or flash:)"))
         }
     };
-    Ok(Pool { export: Some(export), scope, bytes })
+    let sync = export.sync;
+    Ok(Pool { export: Some(export), scope, bytes, sync })
 }
 
 /// The extended attribute that names a file pool: drawn when the file first serves as a pool.
@@ -268,10 +277,13 @@ mod tests {
         assert_eq!(block(&parse("ram:1M,block=512").unwrap()), Some(512), "unless told otherwise");
         let flash = parse("flash:64G").unwrap();
         assert_eq!(
-            (flash.scope, flash.bytes, name(&flash)),
-            (Scope::Flash, 64 << 30, None),
+            (flash.scope, flash.bytes, name(&flash), flash.sync),
+            (Scope::Flash, 64 << 30, None, false),
             "a volume, not an export"
         );
+        let synced = parse("flash:64G,sync").unwrap();
+        assert_eq!((synced.scope, synced.bytes, synced.sync), (Scope::Flash, 64 << 30, true));
+        assert!(parse("ram:1M,sync").unwrap().sync && !ram.sync);
         for (bad, says) in [
             ("null:1M", "must hold data"),
             ("file:/nonexistent/skiff-pool", "No such file"),
@@ -279,6 +291,8 @@ mod tests {
             ("flash:", "--pool flash:"),
             ("flash:0", "must hold data"),
             ("flash:lots", "--pool flash:lots"),
+            ("flash:1G,ro", "--pool flash:1G,ro"),
+            ("flash:,sync", "--pool flash:,sync"),
             ("disk:1G", "--pool disk:1G"),
         ] {
             let e = parse(bad).err().unwrap_or_else(|| panic!("{bad} was taken"));

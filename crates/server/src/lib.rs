@@ -68,6 +68,9 @@ pub struct ExportConfig {
     /// A block finer than the backend's (`,block=N`, a power of two): RStore pools serve
     /// byte-granular I/O with `block=1`. `None`: the backend's own (512 bytes).
     pub block_bytes: Option<u32>,
+    /// Every change durable before it is acknowledged, FUA or not (`,sync`;
+    /// [`engine::layer::SyncWrites`]).
+    pub sync: bool,
     /// Serve the export as an RStore pool whose chunks need grants (`skiff serve --pool`
     /// sets it; there is no `,option` for it: the key must reach the control plane).
     pub grants: Option<GrantConfig>,
@@ -116,10 +119,12 @@ impl std::str::FromStr for ExportConfig {
         // Options trail the spec (`,ro`, `,cache=SIZE`); a path may hold commas of its own, so
         // only known options are taken from the end.
         let (mut spec, mut read_only, mut cache_bytes, mut use_direct) = (spec, false, 0, true);
-        let (mut access, mut block_bytes, mut send_file) = (None, None, false);
+        let (mut access, mut block_bytes, mut send_file, mut sync) = (None, None, false, false);
         while let Some((head, option)) = spec.rsplit_once(',') {
             if option == "ro" {
                 read_only = true;
+            } else if option == "sync" {
+                sync = true;
             } else if let Some(list) = option.strip_prefix("allow=") {
                 let parsed = proto::auth::AccessList::parse(list)
                     .map_err(|message| ExportConfigError::Access { name: name.to_owned(), message })?;
@@ -163,6 +168,7 @@ impl std::str::FromStr for ExportConfig {
             send_file,
             access,
             block_bytes,
+            sync,
             grants: None,
         })
     }
@@ -790,6 +796,9 @@ fn open_exports(config: &TargetConfig) -> Result<ExportTable, TargetError> {
         if let Some(block_bytes) = ec.block_bytes {
             export = export.with_block_bytes(block_bytes).map_err(backend_error)?;
         }
+        if ec.sync {
+            export = export.with_layer(Arc::new(engine::layer::SyncWrites)).map_err(backend_error)?;
+        }
         // A principal is a key's name, or the CN of a verified client certificate: with
         // certificates in play, any name may be one, so only a typo without them is caught.
         let certificates_name_principals = config.tls.as_ref().is_some_and(|t| t.verify_peer);
@@ -856,6 +865,9 @@ mod tests {
         assert_eq!(ok.block_bytes, None, "the backend's block");
         let bytes: ExportConfig = "pool=ram:1M,block=1".parse().unwrap();
         assert_eq!(bytes.block_bytes, Some(1));
+        let synced: ExportConfig = "vol=file:/x,sync,ro".parse().unwrap();
+        assert!(synced.sync && synced.read_only && !ok.sync);
+        assert_eq!(synced.spec, BackendSpec::File { path: "/x".into() });
         for bad in ["0", "3", "1024", "x", ""] {
             let err = format!("vol=ram:1M,block={bad}").parse::<ExportConfig>().unwrap_err();
             assert!(matches!(err, ExportConfigError::BlockSize { .. }), "block={bad}: {err}");
@@ -872,10 +884,6 @@ mod tests {
         assert!(err.to_string().starts_with("export \"vol\": "), "{err}");
     }
 
-    /// Retiring a pool's chunks moves their generations at once, and returns only after every
-    /// worker pass that was running has ended: a request checked against an old grant in such
-    /// a pass may still be writing. Here a pass is held open by hand (the target has no
-    /// connections, so its worker is otherwise idle); retirement must not return before it ends.
     /// send=sendfile takes a file, reads it through the page cache, and refuses anything
     /// else by name.
     #[test]
@@ -891,6 +899,27 @@ mod tests {
         assert!(err.to_string().contains("\"r\"") && err.to_string().contains("only a file export"), "{err}");
     }
 
+    /// `,sync` stacks the layer that makes every change durable, on any backend.
+    #[test]
+    fn a_sync_export_makes_every_change_durable() {
+        let exports = vec!["s=ram:1M,sync".parse().unwrap(), "p=ram:1M".parse().unwrap()];
+        let table = open_exports(&TargetConfig { exports, ..TargetConfig::default() }).unwrap();
+        let write = engine::Io {
+            opcode: wire::Opcode::Write,
+            flags: wire::ReqFlags::empty(),
+            offset: 0,
+            length: 512,
+        };
+        let (_, synced) = table.find("s").unwrap();
+        let (_, plain) = table.find("p").unwrap();
+        assert!(synced.layer::<engine::layer::SyncWrites>().is_some() && synced.wants_durable(&write));
+        assert!(plain.layer::<engine::layer::SyncWrites>().is_none() && !plain.wants_durable(&write));
+    }
+
+    /// Retiring a pool's chunks moves their generations at once, and returns only after every
+    /// worker pass that was running has ended: a request checked against an old grant in such
+    /// a pass may still be writing. Here a pass is held open by hand (the target has no
+    /// connections, so its worker is otherwise idle); retirement must not return before it ends.
     #[test]
     fn retiring_chunks_waits_for_the_passes_running_when_it_began() {
         let mut pool: ExportConfig = "pool=ram:4M,block=1".parse().unwrap();
