@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use initiator::{
-    BatchConfig, Batching, Completion, Doorbell, Error, LaneConfig, Limits, Queue, SharedLanes, Status,
-    USER_DATA_MAX,
+    BatchConfig, Batching, Completion, Doorbell, Error, LaneConfig, Limits, PollMode, Queue, SharedLanes,
+    Status, USER_DATA_MAX,
 };
 use skiff_tests::{start_target, tcp_endpoint};
 
@@ -80,6 +80,23 @@ fn every_batching_mode_moves_the_right_bytes() {
         if batching == Batching::Off {
             assert_eq!(stats.caravans_sent, stats.submitted, "off: one request per caravan");
         }
+    }
+}
+
+/// Hybrid polling on shared lanes: whichever caller receives for everyone spins, then sleeps,
+/// and hands the others their completions; every request still completes exactly once with
+/// the right bytes, whatever the plan, and the receivers did wait by it.
+#[test]
+fn receivers_that_poll_move_the_right_bytes() {
+    let plans = [
+        PollMode::Fixed(std::time::Duration::from_millis(2)),
+        PollMode::Adaptive(std::time::Duration::from_micros(200)),
+    ];
+    for poll in plans {
+        let cfg = LaneConfig { poll, ..config(64, Batching::Static, Doorbell::default()) };
+        let shared = threads_verify(8, 2, 2, cfg);
+        let waits = shared.poll_stats().waits;
+        assert!(waits > 0, "{poll:?}: no receiver waited");
     }
 }
 
