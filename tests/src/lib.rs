@@ -26,17 +26,40 @@ pub fn start_target_with(exports: &[&str], tweak: impl FnOnce(&mut TargetConfig)
     Target::start(config).expect("target starts")
 }
 
-/// Stop the process `strace` traces (its first child) with SIGTERM and wait up to 20 s for
-/// strace to exit, so that the trace it wrote is complete.
-pub fn stop_traced(strace: &mut std::process::Child) {
-    let children = std::fs::read_to_string(format!("/proc/{}/task/{}/children", strace.id(), strace.id()))
-        .expect("strace's children");
-    let pid = children.split_whitespace().next().expect("a process runs under strace").to_owned();
-    std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while strace.try_wait().expect("strace's status").is_none() {
-        assert!(std::time::Instant::now() < deadline, "the traced process did not stop");
-        std::thread::sleep(std::time::Duration::from_millis(20));
+/// A process run under `strace` (`strace ... -o FILE PROGRAM ...`): [`stop`](Self::stop) ends
+/// it cleanly so that the trace is complete; dropped without that (a test that failed half
+/// way), it kills the traced process and strace, so that neither outlives the test.
+pub struct Traced(pub std::process::Child);
+
+impl Traced {
+    /// The traced process: strace's first child.
+    fn traced_pid(&self) -> Option<String> {
+        let id = self.0.id();
+        let children = std::fs::read_to_string(format!("/proc/{id}/task/{id}/children")).ok()?;
+        children.split_whitespace().next().map(str::to_owned)
+    }
+
+    /// Stop the traced process with SIGTERM and wait up to 20 s for strace to exit.
+    pub fn stop(&mut self) {
+        let pid = self.traced_pid().expect("a process runs under strace");
+        std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while self.0.try_wait().expect("strace's status").is_none() {
+            assert!(std::time::Instant::now() < deadline, "the traced process did not stop");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Traced {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            if let Some(pid) = self.traced_pid() {
+                let _ = std::process::Command::new("kill").args(["-KILL", &pid]).status();
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 }
 

@@ -2,7 +2,9 @@
 //! and bench/info in another, signals, and the errors a user sees.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
+
+use skiff_tests::KillOnDrop;
 use std::time::{Duration, Instant};
 
 fn skiff() -> Command {
@@ -10,13 +12,14 @@ fn skiff() -> Command {
 }
 
 /// `skiff serve` on an ephemeral port; returns the child and the address it logged.
-fn serve(exports: &[&str]) -> (Child, String) {
+fn serve(exports: &[&str]) -> (KillOnDrop, String) {
     let args: Vec<&str> = exports.iter().flat_map(|e| ["--export", e]).collect();
     serve_args(&args)
 }
 
-/// `skiff serve` on an ephemeral port with these arguments besides.
-fn serve_args(args: &[&str]) -> (Child, String) {
+/// `skiff serve` on an ephemeral port with these arguments besides (killed if the test fails
+/// before it stops it).
+fn serve_args(args: &[&str]) -> (KillOnDrop, String) {
     let mut cmd = skiff();
     cmd.args(["serve", "--listen", "127.0.0.1:0", "--workers", "2"]);
     cmd.args(args);
@@ -30,7 +33,7 @@ fn serve_args(args: &[&str]) -> (Child, String) {
             let addr = line[i + "listening ep=".len()..].split_whitespace().next().unwrap().to_owned();
             // Keep draining the log so the server never blocks on a full pipe.
             std::thread::spawn(move || for _ in lines.by_ref() {});
-            return (child, addr);
+            return (KillOnDrop(child), addr);
         }
     }
     let _ = child.kill();
@@ -38,12 +41,12 @@ fn serve_args(args: &[&str]) -> (Child, String) {
     panic!("skiff serve did not report its address");
 }
 
-fn terminate(mut child: Child) -> std::process::ExitStatus {
+fn terminate(mut child: KillOnDrop) -> std::process::ExitStatus {
     // SIGTERM through the kill command: the test needs no libc of its own.
-    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status().unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = child.0.try_wait().unwrap() {
             return status;
         }
         assert!(Instant::now() < deadline, "skiff serve ignored SIGTERM");

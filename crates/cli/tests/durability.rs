@@ -20,23 +20,25 @@ fn fua_uses_o_dsync_and_flush_is_fdatasync() {
     let path = file.path().to_str().unwrap().to_owned();
     let trace = tempfile::NamedTempFile::new().unwrap();
 
-    let mut strace = Command::new("strace")
-        .args(["-f", "-qq", "-e", "trace=openat,pwrite64,pwritev,pwritev2,fdatasync,fsync", "-o"])
-        .arg(trace.path())
-        .arg(env!("CARGO_BIN_EXE_skiff"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--workers",
-            "1",
-            "--export",
-            &format!("disk=file:{path}"),
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn strace");
-    let mut lines = BufReader::new(strace.stderr.take().unwrap()).lines();
+    let mut strace = skiff_tests::Traced(
+        Command::new("strace")
+            .args(["-f", "-qq", "-e", "trace=openat,pwrite64,pwritev,pwritev2,fdatasync,fsync", "-o"])
+            .arg(trace.path())
+            .arg(env!("CARGO_BIN_EXE_skiff"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--workers",
+                "1",
+                "--export",
+                &format!("disk=file:{path}"),
+            ])
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn strace"),
+    );
+    let mut lines = BufReader::new(strace.0.stderr.take().unwrap()).lines();
     let addr = loop {
         let line = lines.next().expect("skiff serve exited early").unwrap();
         if let Some(i) = line.find("listening ep=") {
@@ -56,7 +58,7 @@ fn fua_uses_o_dsync_and_flush_is_fdatasync() {
     drop(lane);
 
     // Stop skiff (strace's child) cleanly so the trace is complete.
-    skiff_tests::stop_traced(&mut strace);
+    strace.stop();
 
     let text = std::fs::read_to_string(trace.path()).unwrap();
     let calls: Vec<&str> =

@@ -31,17 +31,19 @@ fn a_sendfile_export_sends_read_data_with_sendfile_and_every_byte_reads_back() {
     std::fs::File::create(&path).unwrap().set_len(16 << 20).unwrap();
     let unix = dir.path().join("s.sock");
     let trace = dir.path().join("trace");
-    let mut strace = Command::new("strace")
-        .args(["-f", "-qq", "-e", "trace=openat,sendfile,pread64", "-o"])
-        .arg(&trace)
-        .arg(env!("CARGO_BIN_EXE_skiff"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--workers", "1", "--unix"])
-        .arg(&unix)
-        .args(["--export", &format!("f=file:{},send=sendfile", path.display())])
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn strace");
-    let mut lines = BufReader::new(strace.stderr.take().unwrap()).lines();
+    let mut strace = skiff_tests::Traced(
+        Command::new("strace")
+            .args(["-f", "-qq", "-e", "trace=openat,sendfile,pread64", "-o"])
+            .arg(&trace)
+            .arg(env!("CARGO_BIN_EXE_skiff"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--workers", "1", "--unix"])
+            .arg(&unix)
+            .args(["--export", &format!("f=file:{},send=sendfile", path.display())])
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn strace"),
+    );
+    let mut lines = BufReader::new(strace.0.stderr.take().unwrap()).lines();
     let addr = loop {
         let line = lines.next().expect("skiff serve exited early").unwrap();
         if let Some(i) = line.find("listening ep=") {
@@ -57,7 +59,7 @@ fn a_sendfile_export_sends_read_data_with_sendfile_and_every_byte_reads_back() {
     let over_unix = bench(&format!("unix:{}", unix.display()), "randread");
     assert!(tcp["ios"].as_u64().unwrap() > 100 && over_unix["ios"].as_u64().unwrap() > 100);
 
-    skiff_tests::stop_traced(&mut strace);
+    strace.stop();
 
     let text = std::fs::read_to_string(&trace).unwrap();
     let calls: Vec<&str> =
