@@ -662,6 +662,7 @@ fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
         ("pool_misses", c.pool_misses),
         ("pool_evictions", c.evictions),
         ("pages_read_async", s.pages_read_async),
+        ("pages_joined", s.pages_joined),
         ("pages_lent", s.pages_lent),
         ("syncs_later", s.syncs_later),
         ("sync_rounds_later", s.sync_rounds_later),

@@ -135,9 +135,11 @@ impl GroupPlan {
 /// What reading a page ahead of its request needs ([`Controller::ahead`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ahead {
-    /// Nothing from flash: it is in the pool (or on its way), never written, or its leaf is
-    /// evicted where the caller cannot read it (its `get` reads it back).
+    /// Nothing from flash: it is in the pool (or being filled by a write), never written, or
+    /// its leaf is evicted where the caller cannot read it (its `get` reads it back).
     Nothing,
+    /// On its way in: slot `0` is being read from flash for someone else (`Fetching`).
+    Arriving(SlotId),
     /// The page: it is mapped and on flash only.
     Page,
     /// Its evicted map leaf first.
@@ -827,8 +829,14 @@ impl Controller {
     /// ahead of its request. Touches no counter and pins nothing.
     pub fn ahead(&self, vol: VolId, vpage: u64) -> Ahead {
         let Some(v) = self.vols.get(&vol) else { return Ahead::Nothing };
-        if vpage >= v.map.pages || v.slot_of(vpage).is_some() {
+        if vpage >= v.map.pages {
             return Ahead::Nothing;
+        }
+        if let Some(s) = v.slot_of(vpage) {
+            return match self.pool.slot(s).state {
+                SlotState::Fetching => Ahead::Arriving(s),
+                _ => Ahead::Nothing,
+            };
         }
         match self.map.get_resident(&v.map, vpage) {
             Some(0) => Ahead::Nothing,

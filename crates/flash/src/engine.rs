@@ -293,6 +293,9 @@ pub struct Stats {
     pub device_pages_written_measured: u64,
     /// Pool misses read asynchronously ([`Array::prefetch`]) since the array was opened.
     pub pages_read_async: u64,
+    /// Pages a look-ahead found on their way in for someone else, and waited for on its batch
+    /// rather than leave its request to wait on the worker ([`Array::prefetch`]).
+    pub pages_joined: u64,
     /// Pool pages lent to senders, sent from the pool with no copy ([`Array::lend`]).
     pub pages_lent: u64,
     /// FLUSH and FUA requests whose durability the syncer thread provided
@@ -368,6 +371,12 @@ pub struct Array {
     /// Pages [`prefetch`](Array::prefetch) started reading, and evicted map leaves it read
     /// back.
     prefetched: AtomicU64,
+    /// Batches waiting for pages being read into the pool for someone else, by slot: a
+    /// look-ahead that meets such a page counts it on its batch and parks, and the read's
+    /// end (async or not) ends it there too ([`Array::fetched`]). Taken under the
+    /// controller's lock, so that no read can end between the look and the joining.
+    arriving: Mutex<HashMap<u32, Vec<Arc<Batch>>>>,
+    pages_joined: AtomicU64,
     pages_lent: AtomicU64,
     /// Pool slots lent to senders now ([`Array::lend`]).
     lent_now: AtomicUsize,
@@ -504,6 +513,8 @@ impl Array {
             dirty_hint: AtomicU32::new(0),
             rooms_later: AtomicU64::new(0),
             filled_at_checkpoint: AtomicU64::new(0),
+            arriving: Mutex::new(HashMap::new()),
+            pages_joined: AtomicU64::new(0),
         });
         array.raise_ceiling()?;
         let filled = array.lock().space.clock / u64::from(array.geo.segment_pages);
@@ -892,9 +903,10 @@ impl Array {
 
     /// Start reading, without waiting, the pages of `vol` that a read of `len` bytes at
     /// `offset` (with `write`, a write: only its partial first and last pages) would fetch
-    /// from flash, each counted on `batch` and ended there when it lands in the pool. Pages
-    /// in the pool, never written, or already on their way in are left alone; so is the rest
-    /// of the range once the pool or the ring has no room (the request then reads those the
+    /// from flash, each counted on `batch` and ended there when it lands in the pool. A page
+    /// already on its way in for someone else is counted on `batch` too, and ended there when
+    /// that read ends. Pages in the pool or never written are left alone; so is the rest of
+    /// the range once the pool or the ring has no room (the request then reads those the
     /// ordinary way). Does nothing before [`start_reads`](Self::start_reads).
     pub fn prefetch(&self, vol: VolId, offset: u64, len: u64, write: bool, batch: &Arc<Batch>) {
         let Some(reads) = self.reads.get() else { return };
@@ -929,8 +941,23 @@ impl Array {
                 let this = vpage;
                 vpage += 1;
                 let ahead = if overwritten(whole, this) { Ahead::Nothing } else { c.ahead(vol, this) };
-                if ahead == Ahead::Nothing {
-                    continue;
+                match ahead {
+                    Ahead::Nothing => continue,
+                    Ahead::Arriving(slot) => {
+                        // Read for someone else already: wait for that read, parked, rather
+                        // than on the worker when the request runs. Under the controller's
+                        // lock, so the read cannot end before this batch is on its list.
+                        batch.add();
+                        self.arriving
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .entry(slot)
+                            .or_default()
+                            .push(batch.clone());
+                        self.pages_joined.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    Ahead::Page | Ahead::Leaf(_) => {}
                 }
                 let room = room.get_or_insert_with(|| reads.depth().saturating_sub(reads.in_flight()));
                 if *room == 0 {
@@ -939,6 +966,7 @@ impl Array {
                     break;
                 }
                 let read = match ahead {
+                    Ahead::Arriving(_) | Ahead::Nothing => unreachable!("taken above"),
                     Ahead::Leaf(read) => {
                         // The leaf first; the pages under it go once it is back (`landed`).
                         let until = last.min((this / LEAF_PAGES as u64 + 1) * LEAF_PAGES as u64 - 1);
@@ -1007,12 +1035,14 @@ impl Array {
                     // The slot is pinned and `Fetching`: nobody else touches its bytes.
                     self.pool.write_at(slot as usize * PAGE, buf);
                 }
-                {
+                let joined = {
                     let mut c = self.lock();
-                    c.fetched(slot, pba, ok);
+                    let joined = self.fetched(&mut c, slot, pba, ok);
                     c.put(slot, false);
-                }
+                    joined
+                };
                 self.changed.notify_all();
+                joined.into_iter().flatten().for_each(|b| b.done());
             }
             Read::Leaf { read, vol, first, last, whole } => {
                 let mut next = Vec::new();
@@ -1063,8 +1093,17 @@ impl Array {
         drop(c);
         let result = self.fetch(slot, pba);
         let mut c = self.lock();
-        c.fetched(slot, pba, result.is_ok());
+        // Ending a batch only counts it down and perhaps wakes its driver: nothing there takes
+        // the controller's lock.
+        self.fetched(&mut c, slot, pba, result.is_ok()).into_iter().flatten().for_each(|b| b.done());
         (c, result)
+    }
+
+    /// Tell the controller the read into `slot` ended (`ok`: with the page), and take the
+    /// batches that were waiting for it ([`arriving`](Self::arriving)), to end.
+    fn fetched(&self, c: &mut Controller, slot: u32, pba: Pba, ok: bool) -> Option<Vec<Arc<Batch>>> {
+        c.fetched(slot, pba, ok);
+        self.arriving.lock().unwrap_or_else(|p| p.into_inner()).remove(&slot)
     }
 
     /// Read `pba` into pool slot `slot`.
@@ -1825,6 +1864,7 @@ impl Array {
             map_evictions: c.map.evictions,
             device_pages_written_measured: self.devs.iter().map(|d| d.pages_written()).sum(),
             pages_read_async: self.prefetched.load(Ordering::Relaxed),
+            pages_joined: self.pages_joined.load(Ordering::Relaxed),
             pages_lent: self.pages_lent.load(Ordering::Relaxed),
             syncs_later: self.synced_later.load(Ordering::Relaxed),
             sync_rounds_later: self.sync_rounds.load(Ordering::Relaxed),

@@ -1,6 +1,7 @@
 //! Pool misses read asynchronously (`Array::prefetch` over io_uring), on files: a batch wakes
 //! its driver once every page it started is in the pool, the request then finds its pages
-//! there, and prefetching beside writers and write-back never returns stale bytes.
+//! there, a batch that meets pages another batch is reading waits for those reads, and
+//! prefetching beside writers and write-back never returns stale bytes.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -65,6 +66,57 @@ fn file_array_with(dir: &tempfile::TempDir, cfg: Config) -> Arc<Array> {
         std::fs::write(dir.path().join("formatted"), b"").unwrap();
     }
     Array::open(devs(), cfg).unwrap()
+}
+
+/// Two connections' look-aheads want the same cold pages: the first starts the reads, the
+/// second finds them on their way in and counts them on its own batch (instead of leaving its
+/// request to wait for them on the worker). Each batch wakes its driver once, after the pages
+/// landed, and both requests then find every page in the pool.
+#[test]
+fn a_batch_that_meets_pages_on_their_way_in_waits_for_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = file_array(&dir, 256);
+    assert!(a.start_reads(64).unwrap(), "io_uring must work here (a kernel of 5.6 or later, no seccomp ban)");
+    let vol = a.create("v", 512 * PAGE as u64).unwrap();
+    for p in 0..320u64 {
+        a.write(vol, p * PAGE as u64, &page_of(p), false).unwrap();
+    }
+    a.shutdown().unwrap();
+    drop(a);
+    let a = file_array(&dir, 256);
+    assert!(a.start_reads(64).unwrap());
+    let vol = a.id_of("v").unwrap();
+    let (first, first_woken) = batch(1);
+    let (second, second_woken) = batch(2);
+    let mut joined_total = 0;
+    // Ten ranges of 16 cold pages: the second look comes microseconds after the first, the
+    // device reads take far longer, so nearly every page is met on its way in.
+    for r in 0..10u64 {
+        let (at, len) = (r * 32 * PAGE as u64, 16 * PAGE as u64);
+        first.open();
+        a.prefetch(vol, at, len, false, &first);
+        second.open();
+        a.prefetch(vol, at, len, false, &second);
+        let (started, joined) = (first.started(), second.started());
+        assert_eq!(started, 16, "range {r}: the first look starts every cold page");
+        assert!(joined <= 16, "range {r}: {joined} joined");
+        joined_total += joined;
+        for (b, woken) in [(&first, &first_woken), (&second, &second_woken)] {
+            if b.seal() {
+                woken.recv_timeout(WAKE_GUARD).expect("a batch's wake never came");
+            }
+            assert!(woken.try_recv().is_err(), "range {r}: one wake per batch");
+        }
+        let before = a.stats().counters;
+        let mut back = vec![0u8; len as usize];
+        a.read(vol, at, &mut back).unwrap();
+        assert_eq!(a.stats().counters.pool_hits - before.pool_hits, 16, "range {r}: every page landed");
+        for i in 0..16 {
+            assert!(back[i * PAGE..(i + 1) * PAGE] == page_of(r * 32 + i as u64), "range {r} page {i}");
+        }
+    }
+    assert!(joined_total > 0, "no look-ahead ever met a page on its way in");
+    assert_eq!(a.stats().pages_joined, joined_total as u64);
 }
 
 #[test]

@@ -489,7 +489,7 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         out.gauge(name, help, vec![(vec![], v)]);
     }
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 17] = [
+    let counters: [(&str, &str, u64); 18] = [
         ("skiff_flash_user_pages_written_total", "Pages written to flash volumes by users (initiators).", c.user_pages_written),
         (
             "skiff_flash_device_pages_written_total",
@@ -507,6 +507,11 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
             "skiff_flash_pages_read_async_total",
             "Pool misses read ahead of their request without blocking a worker (io_uring).",
             s.pages_read_async,
+        ),
+        (
+            "skiff_flash_pages_joined_total",
+            "Pages a look-ahead found on their way into the pool for another request, and waited for parked rather than on a worker.",
+            s.pages_joined,
         ),
         (
             "skiff_flash_pages_lent_total",
