@@ -710,6 +710,39 @@ def designs_table(records, plots):
     return L
 
 
+# The shared-lane systems of the thread sweep: the static levels the controller is held to.
+STATIC_SHARED = ["skiff-native-b2", "skiff-native-b8", "skiff-native-b64"]
+
+
+def controller_table(recs):
+    """The adaptive controller against the best static level and against batching off at each
+    point of the thread sweep (issue 31's aim: at least 0.9x and 0.95x), when those ran."""
+    adaptive = [s for s in ("skiff-native-adaptive", "skiff-native-adaptive-before")
+                if any(r["system"] == s for r in recs)]
+    if not adaptive or not any(r["system"] in STATIC_SHARED for r in recs):
+        return []
+    L = ["The adaptive controller against the best static level (of " + ", ".join(
+        s for s in STATIC_SHARED if any(r["system"] == s for r in recs)) + ") and against batching off, IOPS "
+         "at each point:\n"]
+    L.append("| point | " + " | ".join(f"{s} ÷ best static | ÷ off" for s in adaptive) + " | best static |")
+    L.append("|---|" + "---:|---:|" * len(adaptive) + "---|")
+    for pt in dict.fromkeys(json.dumps(r["point"], sort_keys=True) for r in recs):
+        at = {r["system"]: r for r in recs if json.dumps(r["point"], sort_keys=True) == pt}
+        statics = [at[s] for s in STATIC_SHARED if s in at and at[s]["iops"]]
+        if not statics:
+            continue
+        best = max(statics, key=lambda r: r["iops"])
+        off = at.get("skiff-native-off")
+        cells = []
+        for s in adaptive:
+            r = at.get(s)
+            cells.append(f"{r['iops'] / best['iops']:.2f}" if r else "-")
+            cells.append(f"{r['iops'] / off['iops']:.2f}" if r and off and off["iops"] else "-")
+        L.append(f"| {point_label('threads', best['point'])} | " + " | ".join(cells) + f" | {best['system']} |")
+    L.append("")
+    return L
+
+
 def write_report(outdir, a, meta, records, plots):
     link = meta.get("link", {}).get("bytes_per_s")
     L = []
@@ -803,6 +836,8 @@ def write_report(outdir, a, meta, records, plots):
                              f"{fmt(r.get('total_cpu_us_per_io'), 2)} |")
                     prev = r
             L.append("")
+        if exp == "threads":
+            L += controller_table(recs)
         if exp == "qd1":
             L += stages_table([r for r in records if r["experiment"] == exp and from_skiff_bench(r)],
                               plots.get("qd1-stages", []))
