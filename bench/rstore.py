@@ -246,6 +246,18 @@ def control(a, counts):
     return {k: median_record(v, key="reserve") for k, v in runs.items()}, runs
 
 
+def save(a, kind, points):
+    """The data path's records, with how they were measured, in --out/KIND-<timestamp>.json;
+    returns that path without `.json`."""
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
+    with open(base + ".json", "w") as f:
+        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "threads": a.threads,
+                   "pool": a.pool, "chunk": a.chunk, "flash_cache": a.flash_cache, "filled": True,
+                   "points": points}, f, indent=1)
+    return base
+
+
 SYNC_WORKLOADS = [("4k-randwrite", "randwrite", "4k", 32), ("1m-write", "write", "1M", 4),
                   ("4k-randwrite-qd1", "randwrite", "4k", 1)]
 
@@ -285,13 +297,8 @@ def sync_ab(a, scratch):
 
 def sync_report(a, runs):
     med = {k: median_record(v) for k, v in runs.items()}
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"rstore-sync-{time.strftime('%Y%m%d-%H%M%S')}")
-    with open(base + ".json", "w") as f:
-        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "threads": a.threads,
-                   "pool": a.pool, "chunk": a.chunk, "flash_cache": a.flash_cache, "filled": True,
-                   "points": [{"mode": m, "workload": w, **med[(m, w)], "repetitions": runs[(m, w)]}
-                              for (m, w) in runs]}, f, indent=1)
+    base = save(a, "rstore-sync", [{"mode": m, "workload": w, **med[(m, w)], "repetitions": runs[(m, w)]}
+                                   for (m, w) in runs])
     print(f"A flash pool plain and ,sync, one memory server, one initiator ({a.threads} thread(s); "
           f"{a.pl.short()}, median of {a.repeat}, the modes alternating); {base}.json")
     print()
@@ -373,13 +380,8 @@ def main():
                 for scope in scopes:
                     ns(a, "delete", f"fig9-{scope}-{n}")
     med = {k: median_record(v) for k, v in runs.items()}
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"rstore-{time.strftime('%Y%m%d-%H%M%S')}")
-    with open(base + ".json", "w") as f:
-        json.dump({"placement": a.pl.record(), "repeat": a.repeat, "runtime_s": a.runtime, "threads": a.threads,
-                   "pool": a.pool, "chunk": a.chunk, "flash_cache": a.flash_cache, "filled": True,
-                   "points": [{"scope": sc, "workload": w, "servers": n, **med[(sc, w, n)],
-                               "repetitions": runs[(sc, w, n)]} for (sc, w, n) in runs]}, f, indent=1)
+    base = save(a, "rstore", [{"scope": sc, "workload": w, "servers": n, **med[(sc, w, n)],
+                               "repetitions": runs[(sc, w, n)]} for (sc, w, n) in runs])
     title = (f"RStore namespace over N memory servers, one initiator ({a.threads} thread(s); "
              f"{a.pl.short()}, median of {a.repeat})")
     png = plot(base + ".png", counts, scopes, med, title)
