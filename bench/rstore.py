@@ -115,15 +115,21 @@ def start_server(a, pool):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def flash_pool(a, scratch, name, size, cache, device_bytes=None):
-    """The serve arguments of a memory server donating a thin volume of `size` of an array of
-    its own: a sparse file in `scratch`, formatted, of `device_bytes` (default: twice the pool
-    and 256 MiB, room for the whole pool written and the collector's)."""
+def flash_array(a, scratch, name, size, cache, device_bytes=None):
+    """The serve arguments of an array of its own for a flash pool of `size`: a sparse file in
+    `scratch`, formatted, of `device_bytes` (default: twice the pool and 256 MiB, room for the
+    whole pool written and the collector's), with a page pool of `cache`."""
     dev = os.path.join(scratch, f"{name}.img")
     with open(dev, "wb") as f:
         f.truncate(device_bytes or 2 * parse_size(size) + (256 << 20))
     subprocess.run([a.skiff, "flash", "format", dev, "--force"], check=True, capture_output=True)
-    return ["--flash", dev, "--flash-cache", cache, "--pool", f"flash:{size}"]
+    return ["--flash", dev, "--flash-cache", cache]
+
+
+def flash_pool(a, scratch, name, size, cache, device_bytes=None):
+    """The serve arguments of a memory server donating a thin volume of `size` of an array of
+    its own ([`flash_array`])."""
+    return flash_array(a, scratch, name, size, cache, device_bytes) + ["--pool", f"flash:{size}"]
 
 
 def parse_size(s):
@@ -265,13 +271,13 @@ SYNC_WORKLOADS = [("4k-randwrite", "randwrite", "4k", 32), ("1m-write", "write",
 def sync_ab(a, scratch):
     """A flash pool plain and `,sync` by turns (--sync-ab); returns the runs by (mode, workload)."""
     port = free_port()
-    serve_args = flash_pool(a, scratch, "ab", a.pool, a.flash_cache)
+    array = flash_array(a, scratch, "ab", a.pool, a.flash_cache)
     runs = {}
     made = False
     for rep in range(a.repeat):
         for mode in ["flash", "flash-sync"]:
             pool = f"flash:{a.pool}" + (",sync" if mode == "flash-sync" else "")
-            argv = [a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--workers", "1", *serve_args[:-1], pool,
+            argv = [a.skiff, "serve", "--listen", f"127.0.0.1:{port}", "--workers", "1", *array, "--pool", pool,
                     "--chunk", a.chunk, "--coordinator", a.url]
             server = subprocess.Popen(a.pl.server(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:

@@ -376,6 +376,9 @@ pub struct Array {
     /// end (async or not) ends it there too ([`Array::fetched`]). Taken under the
     /// controller's lock, so that no read can end between the look and the joining.
     arriving: Mutex<HashMap<u32, Vec<Arc<Batch>>>>,
+    /// Slots in `arriving`, changed and read under the controller's lock: a read that ends
+    /// while nobody joined one (nearly always) does not take `arriving`'s lock.
+    arriving_slots: AtomicUsize,
     pages_joined: AtomicU64,
     pages_lent: AtomicU64,
     /// Pool slots lent to senders now ([`Array::lend`]).
@@ -514,6 +517,7 @@ impl Array {
             rooms_later: AtomicU64::new(0),
             filled_at_checkpoint: AtomicU64::new(0),
             arriving: Mutex::new(HashMap::new()),
+            arriving_slots: AtomicUsize::new(0),
             pages_joined: AtomicU64::new(0),
         });
         array.raise_ceiling()?;
@@ -948,12 +952,12 @@ impl Array {
                         // than on the worker when the request runs. Under the controller's
                         // lock, so the read cannot end before this batch is on its list.
                         batch.add();
-                        self.arriving
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .entry(slot)
-                            .or_default()
-                            .push(batch.clone());
+                        let mut arriving = self.arriving.lock().unwrap_or_else(|p| p.into_inner());
+                        let waiting = arriving.entry(slot).or_default();
+                        if waiting.is_empty() {
+                            self.arriving_slots.fetch_add(1, Ordering::Relaxed);
+                        }
+                        waiting.push(batch.clone());
                         self.pages_joined.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
@@ -1103,7 +1107,13 @@ impl Array {
     /// batches that were waiting for it ([`arriving`](Self::arriving)), to end.
     fn fetched(&self, c: &mut Controller, slot: u32, pba: Pba, ok: bool) -> Option<Vec<Arc<Batch>>> {
         c.fetched(slot, pba, ok);
-        self.arriving.lock().unwrap_or_else(|p| p.into_inner()).remove(&slot)
+        // `c` holds the controller's lock, which orders this load after every join.
+        if self.arriving_slots.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let waiting = self.arriving.lock().unwrap_or_else(|p| p.into_inner()).remove(&slot)?;
+        self.arriving_slots.fetch_sub(1, Ordering::Relaxed);
+        Some(waiting)
     }
 
     /// Read `pba` into pool slot `slot`.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backend::{Batch, Wake};
-use skiff_flash::ctl::Config;
+use skiff_flash::ctl::{Config, VolId};
 use skiff_flash::device::{Device, FileDevice};
 use skiff_flash::engine::{format, Array};
 use skiff_flash::layout::PAGE;
@@ -68,6 +68,28 @@ fn file_array_with(dir: &tempfile::TempDir, cfg: Config) -> Arc<Array> {
     Array::open(devs(), cfg).unwrap()
 }
 
+/// An array on files in `dir` whose volume `v` (512 pages) holds pages `0..written`, each
+/// [`page_of`] its number, on flash only: written, then the array reopened with an empty pool
+/// of `pool_pages` and `depth` asynchronous reads.
+fn cold_array(dir: &tempfile::TempDir, pool_pages: u32, depth: u32, written: u64) -> (Arc<Array>, VolId) {
+    let a = file_array(dir, pool_pages);
+    assert!(
+        a.start_reads(depth).unwrap(),
+        "io_uring must work here (a kernel of 5.6 or later, no seccomp ban)"
+    );
+    let vol = a.create("v", 512 * PAGE as u64).unwrap();
+    for p in 0..written {
+        a.write(vol, p * PAGE as u64, &page_of(p), false).unwrap();
+    }
+    a.flush().unwrap();
+    a.shutdown().unwrap();
+    drop(a);
+    let a = file_array(dir, pool_pages);
+    assert!(a.start_reads(depth).unwrap());
+    let vol = a.id_of("v").unwrap();
+    (a, vol)
+}
+
 /// Two connections' look-aheads want the same cold pages: the first starts the reads, the
 /// second finds them on their way in and counts them on its own batch (instead of leaving its
 /// request to wait for them on the worker). Each batch wakes its driver once, after the pages
@@ -75,17 +97,7 @@ fn file_array_with(dir: &tempfile::TempDir, cfg: Config) -> Arc<Array> {
 #[test]
 fn a_batch_that_meets_pages_on_their_way_in_waits_for_them() {
     let dir = tempfile::tempdir().unwrap();
-    let a = file_array(&dir, 256);
-    assert!(a.start_reads(64).unwrap(), "io_uring must work here (a kernel of 5.6 or later, no seccomp ban)");
-    let vol = a.create("v", 512 * PAGE as u64).unwrap();
-    for p in 0..320u64 {
-        a.write(vol, p * PAGE as u64, &page_of(p), false).unwrap();
-    }
-    a.shutdown().unwrap();
-    drop(a);
-    let a = file_array(&dir, 256);
-    assert!(a.start_reads(64).unwrap());
-    let vol = a.id_of("v").unwrap();
+    let (a, vol) = cold_array(&dir, 256, 64, 320);
     let (first, first_woken) = batch(1);
     let (second, second_woken) = batch(2);
     let mut joined_total = 0;
@@ -122,19 +134,8 @@ fn a_batch_that_meets_pages_on_their_way_in_waits_for_them() {
 #[test]
 fn a_prefetched_read_finds_every_page_in_the_pool() {
     let dir = tempfile::tempdir().unwrap();
-    let a = file_array(&dir, 64);
-    assert!(a.start_reads(32).unwrap(), "io_uring must work here (a kernel of 5.6 or later, no seccomp ban)");
-    let vol = a.create("v", 512 * PAGE as u64).unwrap();
-    for p in 0..300u64 {
-        a.write(vol, p * PAGE as u64, &page_of(p), false).unwrap();
-    }
-    a.flush().unwrap();
-    // Reopen: the pool starts empty, every written page is on flash only.
-    a.shutdown().unwrap();
-    drop(a);
-    let a = file_array(&dir, 64);
-    assert!(a.start_reads(32).unwrap());
-    let vol = a.id_of("v").unwrap();
+    // The pool starts empty, every written page is on flash only.
+    let (a, vol) = cold_array(&dir, 64, 32, 300);
     let (b, woken) = batch(9);
 
     // 16 pages from page 100, and two never written past 300: 16 reads start.
