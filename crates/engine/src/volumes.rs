@@ -658,6 +658,7 @@ fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
         ("pool_pages", u64::from(s.pool_pages)),
         ("pool_clean_pages", u64::from(s.pool_clean)),
         ("pool_dirty_pages", u64::from(s.pool_dirty)),
+        ("pool_lent_pages", u64::from(s.pool_lends)),
         ("pool_hits", c.pool_hits),
         ("pool_misses", c.pool_misses),
         ("pool_evictions", c.evictions),

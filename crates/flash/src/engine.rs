@@ -298,6 +298,8 @@ pub struct Stats {
     pub pages_joined: u64,
     /// Pool pages lent to senders, sent from the pool with no copy ([`Array::lend`]).
     pub pages_lent: u64,
+    /// Loans of pool slots not yet given back ([`Array::lend`]).
+    pub pool_lends: u32,
     /// FLUSH and FUA requests whose durability the syncer thread provided
     /// ([`Array::sync_later`]), and the syncs it made for them (one serves all it finds queued).
     pub syncs_later: u64,
@@ -1852,7 +1854,7 @@ impl Array {
 
     pub fn stats(&self) -> Stats {
         let c = self.lock();
-        let (pool_clean, pool_dirty, _, _) = c.pool.census();
+        let census = c.pool.census();
         let (erase_min, erase_max) = c.space.wear();
         Stats {
             counters: c.counters,
@@ -1862,8 +1864,9 @@ impl Array {
             free_segments: c.space.free_segments(),
             total_segments: self.geo.total_segments(),
             pool_pages: c.pool.len(),
-            pool_clean,
-            pool_dirty,
+            pool_clean: census.clean,
+            pool_dirty: census.dirty,
+            pool_lends: census.lends,
             erase_min,
             erase_max,
             map_bytes: c.map_memory(),
@@ -1886,7 +1889,15 @@ impl Array {
 
     /// Check the controller's invariants (tests and the simulator).
     pub fn audit(&self) -> Result<(), String> {
-        self.lock().audit()
+        let mut c = self.lock();
+        c.audit()?;
+        // A loan is counted against the bound before its slots are lent, and uncounted after
+        // they are given back, so under the lock the slots never hold more than is counted.
+        let (lends, counted) = (c.pool.census().lends, self.lent_now.load(Ordering::Relaxed));
+        if lends as usize > counted {
+            return Err(format!("{lends} loans of pool slots outstanding, {counted} counted"));
+        }
+        Ok(())
     }
 }
 

@@ -274,8 +274,25 @@ impl Pool {
 
     /// The slot's page is gone (trimmed, its volume deleted): free it now if nothing holds it,
     /// or orphan it until then. Returns whether it was freed.
+    ///
+    /// Its bytes are never written back again, even while a sender still holds them: a
+    /// write-back after the trim was recorded would map the page again when the log is
+    /// replayed. (A write-back already under way was planned before the trim, and replays
+    /// before it.)
     pub fn discard(&mut self, s: SlotId) -> bool {
-        self.slots[s as usize].orphan = true;
+        let slot = &mut self.slots[s as usize];
+        slot.orphan = true;
+        match slot.state {
+            SlotState::Dirty => {
+                // Its entry in the dirty queue goes stale.
+                slot.state = SlotState::Clean;
+                self.dirty_count -= 1;
+            }
+            SlotState::WritingBack { redirty: true } => {
+                slot.state = SlotState::WritingBack { redirty: false }
+            }
+            _ => {}
+        }
         self.free_if_orphan(s)
     }
 
@@ -324,22 +341,33 @@ impl Pool {
         c
     }
 
-    /// Slots in each state, for statistics: (clean, dirty, in flight, pinned).
-    pub fn census(&self) -> (u32, u32, u32, u32) {
-        let mut c = (0, 0, 0, 0);
+    /// Slots in each state, and loans outstanding, for statistics and audits.
+    pub fn census(&self) -> Census {
+        let mut c = Census::default();
         for s in &self.slots {
             match s.state {
-                SlotState::Clean => c.0 += 1,
-                SlotState::Dirty => c.1 += 1,
-                SlotState::Fetching | SlotState::Filling | SlotState::WritingBack { .. } => c.2 += 1,
+                SlotState::Clean => c.clean += 1,
+                SlotState::Dirty => c.dirty += 1,
+                SlotState::Fetching | SlotState::Filling | SlotState::WritingBack { .. } => c.in_flight += 1,
                 SlotState::Free => {}
             }
-            if s.pins > 0 {
-                c.3 += 1;
-            }
+            c.pinned += u32::from(s.pins > 0);
+            c.lends += s.lends;
         }
         c
     }
+}
+
+/// What the pool's slots hold now ([`Pool::census`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Census {
+    pub clean: u32,
+    pub dirty: u32,
+    /// Being read in, filled or written back.
+    pub in_flight: u32,
+    pub pinned: u32,
+    /// Loans outstanding: a slot lent twice counts twice.
+    pub lends: u32,
 }
 
 #[cfg(test)]
@@ -412,5 +440,28 @@ mod tests {
         assert!(!p.discard(a), "in flight");
         assert!(!p.written(a, true));
         assert_eq!(p.free_count(), 1);
+    }
+
+    #[test]
+    fn a_discarded_page_is_never_written_back_while_it_is_lent() {
+        let mut p = Pool::new(2);
+        let (a, _) = p.take(1, 0, SlotState::Filling).unwrap();
+        p.unpin(a, true, Stream::ONE);
+        p.lend(a);
+        assert!(!p.discard(a), "lent");
+        assert_eq!((p.dirty_count(), p.take_dirty(8, None, None)), (0, vec![]), "not written back");
+        // Discarded while its write-back is under way and it was written again meanwhile:
+        // that write-back is its last.
+        let (b, _) = p.take(1, 1, SlotState::Filling).unwrap();
+        p.unpin(b, true, Stream::ONE);
+        assert_eq!(p.take_dirty(8, None, None), vec![b]);
+        p.pin(b);
+        p.unpin(b, true, Stream::ONE);
+        p.lend(b);
+        assert!(!p.discard(b));
+        assert!(!p.written(b, true), "not dirty again");
+        assert_eq!((p.dirty_count(), p.take_dirty(8, None, None)), (0, vec![]));
+        assert!(p.give_back(a) && p.give_back(b), "freed when given back");
+        assert_eq!(p.free_count(), 2);
     }
 }

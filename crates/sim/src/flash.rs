@@ -18,6 +18,13 @@
 //! (write-back, cleaning, checkpoints) runs when the schedule says, so crashes land in the
 //! middle of all of it.
 //!
+//! Beside every step, a sender may borrow pool pages (`Array::lend`, as a reply does to send
+//! a read from the pool with no copy) and hold them across the steps that follow, crashes
+//! included, before it "sends" them. At the lend the bytes must be the page's newest version;
+//! when sent, each page must still be one of its versions from then on (a write meanwhile may
+//! change them; nothing else may: a lent slot is never evicted, freed or reused). Once every
+//! loan is given back, the pool must hold none.
+//!
 //! [`Lie`] makes the devices lie (a sync that makes nothing durable, or a torn write that
 //! claims success), to show the model catches lost acknowledged writes.
 
@@ -219,6 +226,11 @@ pub struct FlashReport {
     /// Map leaves evicted, and read back from a checkpoint (the map budget at work).
     pub map_evictions: u64,
     pub map_loads: u64,
+    /// Reads lent from the pool and checked when sent; of them, loans held across a crash and
+    /// loans that saw their page written before they were sent.
+    pub loans: u64,
+    pub loans_across_crash: u64,
+    pub loans_overwritten: u64,
 }
 
 impl FlashReport {
@@ -235,6 +247,9 @@ impl FlashReport {
         self.writes += o.writes;
         self.map_evictions += o.map_evictions;
         self.map_loads += o.map_loads;
+        self.loans += o.loans;
+        self.loans_across_crash += o.loans_across_crash;
+        self.loans_overwritten += o.loans_overwritten;
     }
 }
 
@@ -283,8 +298,49 @@ enum Uncertain {
     Resized(String, u64),
 }
 
+/// Pool pages a sender holds between [`Array::lend`] and sending them.
+struct Held {
+    name: String,
+    /// The volume's bytes `offset..offset + len`, as the pool's ranges.
+    offset: u64,
+    len: usize,
+    bytes: Vec<rt::mem::RegionBytes>,
+    pages: Vec<HeldPage>,
+    /// Lent since the array was last opened: counted against its bound.
+    this_life: bool,
+}
+
+/// What one page of a loan may show when sent.
+struct HeldPage {
+    /// The page's version when lent: it may show that one or any later.
+    since: usize,
+    /// The versions it may show, gathered when the model stopped following the page (a
+    /// crash, a delete, a resize): the lent slot changes no more.
+    frozen: Option<Vec<Vec<u8>>>,
+}
+
+impl Held {
+    fn first_page(&self) -> u64 {
+        self.offset / PAGE as u64
+    }
+
+    /// Stop following page `i` (of the loan) in the model: what it may show is what was
+    /// written to it from the lend until now.
+    fn freeze(&mut self, i: usize, model: Option<&ModelVol>) {
+        let vpage = self.first_page() as usize + i;
+        let p = &mut self.pages[i];
+        if p.frozen.is_none() {
+            let versions = model.and_then(|m| m.pages.get(vpage)).map(|m| m.versions[p.since..].to_vec());
+            p.frozen = Some(versions.expect("a page followed in the model is in it"));
+        }
+    }
+}
+
 struct Sim {
     uncertain: Option<Uncertain>,
+    /// Draws for lending, a stream of its own (the seeds' other draws stay as they were).
+    loan_rng: Rng,
+    held: Vec<Held>,
     rng: Rng,
     opts: FlashOptions,
     devs: Vec<Arc<CrashDevice>>,
@@ -346,6 +402,8 @@ pub fn run_flash(opts: FlashOptions) -> Result<FlashReport, String> {
     }
     let mut sim = Sim {
         uncertain: None,
+        loan_rng: Rng::new(opts.seed ^ 0x6c65_6e64_5f73_656e),
+        held: Vec::new(),
         rng,
         opts,
         devs,
@@ -361,8 +419,13 @@ pub fn run_flash(opts: FlashOptions) -> Result<FlashReport, String> {
     while sim.step < opts.steps {
         sim.step += 1;
         sim.one_step().map_err(|e| format!("seed {} step {}: {e}", opts.seed, sim.step))?;
+        sim.lend_or_send().map_err(|e| format!("seed {} step {}: {e}", opts.seed, sim.step))?;
     }
     sim.crash().map_err(|e| format!("seed {} final crash: {e}", opts.seed))?;
+    while !sim.held.is_empty() {
+        sim.send(0).map_err(|e| format!("seed {} at the end: {e}", opts.seed))?;
+    }
+    sim.no_loans_left().map_err(|e| format!("seed {} at the end: {e}", opts.seed))?;
     let s = sim.array.stats();
     sim.report.gc_segments += s.counters.gc_segments_cleaned;
     sim.report.checkpoints += s.counters.checkpoints;
@@ -679,6 +742,7 @@ impl Sim {
         match r {
             Ok(()) if has_children => Err(format!("deleted {name}, which has snapshots")),
             Ok(()) => {
+                self.freeze_loans(Some(&name), 0);
                 self.model.remove(&name);
                 Ok(())
             }
@@ -705,6 +769,7 @@ impl Sim {
                 if pages < old && written_past {
                     return Err(format!("shrank {name} below data written"));
                 }
+                self.freeze_loans(Some(&name), pages);
                 let m = self.model.get_mut(&name).expect("picked");
                 m.pages.resize_with(pages as usize, Page::zero);
                 Ok(())
@@ -718,8 +783,161 @@ impl Sim {
         }
     }
 
+    /// Now and then lend pool pages to a sender, or send pages lent earlier, with draws of
+    /// their own.
+    fn lend_or_send(&mut self) -> Result<(), String> {
+        match self.loan_rng.below(1000) {
+            0..=99 if self.held.len() < 8 => self.lend(),
+            100..=179 if !self.held.is_empty() => {
+                let i = self.loan_rng.below(self.held.len() as u64) as usize;
+                self.send(i)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Lend a range of a volume, as a reply does; most often one just read into the pool.
+    fn lend(&mut self) -> Result<(), String> {
+        let names: Vec<&String> = self.model.keys().collect();
+        let name = names[self.loan_rng.below(names.len() as u64) as usize].clone();
+        let vol = self.array.id_of(&name).map_err(|e| format!("lend: {name}: {e}"))?;
+        let bytes = self.model[&name].pages.len() as u64 * PAGE as u64;
+        // Half of them from the start of a page (an unaligned one often spans one more).
+        let offset = match self.loan_rng.below(2) {
+            0 => self.loan_rng.below(bytes / PAGE as u64) * PAGE as u64,
+            _ => self.loan_rng.below(bytes),
+        };
+        // Mostly within the bound of one read (an eighth of the pool), now and then past it.
+        let most = (u64::from(self.cfg.pool_pages) / 8).max(1) + u64::from(self.loan_rng.below(8) == 0);
+        let len = self.loan_rng.range(1, (bytes - offset).min(most * PAGE as u64)) as usize;
+        let (first, end) = (offset / PAGE as u64, (offset + len as u64).div_ceil(PAGE as u64));
+        if self.loan_rng.below(4) != 0 {
+            // Read it first, as a reply to an earlier read would have.
+            let mut buf = vec![0; (end - first) as usize * PAGE];
+            if let Err(e) = self.array.read(vol, first * PAGE as u64, &mut buf) {
+                return self.tolerate(e, "read before a lend");
+            }
+        }
+        let mut out = Vec::new();
+        let lent = self.array.lend(vol, offset, len, &mut out).map_err(|e| format!("lend {name}: {e}"))?;
+        trace!(self, "lend {name} {offset}+{len}: {lent}");
+        if !lent {
+            return if out.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("lend {name}: refused, yet gave ranges"))
+            };
+        }
+        // The bounds: an eighth of the pool for one read, a quarter at once.
+        let pool = self.cfg.pool_pages as u64;
+        let lent_now: u64 =
+            self.held.iter().filter(|h| h.this_life).map(|h| h.pages.len() as u64).sum::<u64>() + end - first;
+        if end - first > (pool / 8).max(1) || lent_now > pool / 4 {
+            return Err(format!(
+                "lend {name}: {} pages lent, {lent_now} at once, of a pool of {pool}",
+                end - first
+            ));
+        }
+        let m = &self.model[&name];
+        let pages =
+            (first..end).map(|p| HeldPage { since: m.pages[p as usize].versions.len() - 1, frozen: None });
+        let held = Held { name, offset, len, bytes: out, pages: pages.collect(), this_life: true };
+        // Nothing came between: the bytes lent are the pages' newest versions.
+        self.check_sent(&held, true)?;
+        self.held.push(held);
+        Ok(())
+    }
+
+    /// Send loan `i`: check its bytes, and give its pages back.
+    fn send(&mut self, i: usize) -> Result<(), String> {
+        let held = self.held.swap_remove(i);
+        trace!(self, "send {} {}+{}", held.name, held.offset, held.len);
+        self.check_sent(&held, false)?;
+        self.report.loans += 1;
+        self.report.loans_across_crash += u64::from(!held.this_life);
+        drop(held);
+        self.no_loans_left()
+    }
+
+    /// Loan `held`'s bytes, page by page, against what each page may show: when just lent,
+    /// its newest version only.
+    fn check_sent(&mut self, held: &Held, just_lent: bool) -> Result<(), String> {
+        let got: Vec<u8> = held.bytes.iter().flat_map(|b| b.as_slice().iter().copied()).collect();
+        if got.len() != held.len {
+            return Err(format!("lent {}+{}: {} bytes", held.offset, held.len, got.len()));
+        }
+        let first = held.first_page();
+        let mut overwritten = false;
+        for (i, p) in held.pages.iter().enumerate() {
+            let vpage = first + i as u64;
+            let page_at = vpage * PAGE as u64;
+            let from = held.offset.max(page_at) - page_at;
+            let to = (held.offset + held.len as u64).min(page_at + PAGE as u64) - page_at;
+            let bytes = &got[(page_at + from - held.offset) as usize..(page_at + to - held.offset) as usize];
+            let range = from as usize..to as usize;
+            let followed;
+            let may: &[Vec<u8>] = match &p.frozen {
+                Some(v) => v,
+                None => {
+                    followed = &self.model[&held.name].pages[vpage as usize].versions[p.since..];
+                    if just_lent {
+                        &followed[followed.len() - 1..]
+                    } else {
+                        followed
+                    }
+                }
+            };
+            match may.iter().rposition(|v| v[range.clone()] == *bytes) {
+                Some(at) => overwritten |= at > 0,
+                None => {
+                    return Err(format!(
+                        "{} page {vpage} {}: neither the version lent nor a later one ({} may be)",
+                        held.name,
+                        if just_lent { "as lent" } else { "as sent" },
+                        may.len()
+                    ))
+                }
+            }
+            self.report.pages_checked += 1;
+        }
+        self.report.loans_overwritten += u64::from(overwritten);
+        Ok(())
+    }
+
+    /// Stop following in the model the lent pages of `name` from page `from` on (all loans'
+    /// pages when `name` is `None`): the volume goes, shrinks, or the array crashed.
+    fn freeze_loans(&mut self, name: Option<&str>, from: u64) {
+        for h in &mut self.held {
+            if name.is_some_and(|n| n != h.name) {
+                continue;
+            }
+            let model = self.model.get(&h.name);
+            for i in 0..h.pages.len() {
+                if h.first_page() + i as u64 >= from {
+                    h.freeze(i, model);
+                }
+            }
+        }
+    }
+
+    /// With no loan of this life of the array held, none of its pool's slots is lent.
+    fn no_loans_left(&mut self) -> Result<(), String> {
+        if self.held.iter().any(|h| h.this_life) {
+            return Ok(());
+        }
+        match self.array.stats().pool_lends {
+            0 => self.audit("with every loan given back"),
+            n => Err(format!("every loan was given back, yet the pool holds {n}")),
+        }
+    }
+
     /// Crash every device at once, reopen, and check what survived.
     fn crash(&mut self) -> Result<(), String> {
+        // Loans keep the array they were lent by, whose pool nothing writes to any more.
+        self.freeze_loans(None, 0);
+        for h in &mut self.held {
+            h.this_life = false;
+        }
         self.report.crashes += 1;
         let s = self.array.stats();
         self.report.wear_moves += s.counters.wear_segments_moved;

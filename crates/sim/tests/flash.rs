@@ -51,6 +51,10 @@ fn crashes_torn_writes_and_failing_devices_lose_no_acknowledged_write() {
     );
 
     assert!(total.snapshots > SEEDS / 2 && total.device_errors > SEEDS / 20, "{total:?}");
+    assert!(
+        total.loans > SEEDS && total.loans_across_crash > SEEDS / 10 && total.loans_overwritten > SEEDS / 10,
+        "pool pages were lent and sent, some after a crash, some after a write to them: {total:?}"
+    );
 }
 
 #[test]

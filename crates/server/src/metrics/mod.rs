@@ -461,7 +461,7 @@ fn exports(out: &mut Families, shared: &Shared) {
 /// The flash array's figures (`engine::volumes`): space, write amplification, cleaning,
 /// checkpoints and the page pool. One series each, without labels: a target has one array.
 fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes: usize) {
-    let gauges: [(&str, &str, f64); 10] = [
+    let gauges: [(&str, &str, f64); 11] = [
         ("skiff_flash_volumes", "Volumes of the flash array, snapshots and clones included.", volumes as f64),
         ("skiff_flash_capacity_bytes", "Bytes the flash array holds for data (segments less their headers).", s.capacity_bytes as f64),
         ("skiff_flash_valid_bytes", "Bytes of the flash array holding data some volume maps.", s.valid_bytes as f64),
@@ -479,6 +479,11 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         ),
         ("skiff_flash_pool_pages", "Pages (4 KiB) of the flash array's DRAM page pool.", f64::from(s.pool_pages)),
         ("skiff_flash_pool_dirty_pages", "Pages of the page pool written and not yet on the devices.", f64::from(s.pool_dirty)),
+        (
+            "skiff_flash_pool_lent_pages",
+            "Pages of the page pool lent to replies on their way into sockets (a page lent twice counts twice).",
+            f64::from(s.pool_lends),
+        ),
         (
             "skiff_flash_map_bytes",
             "Bytes of the flash array's map leaves and per-page side tables in memory (bounded by --flash-map-budget).",
