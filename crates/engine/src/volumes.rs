@@ -663,6 +663,7 @@ fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
         ("pool_misses", c.pool_misses),
         ("pool_evictions", c.evictions),
         ("pages_read_async", s.pages_read_async),
+        ("device_reads_async", s.device_reads_async),
         ("pages_joined", s.pages_joined),
         ("pages_lent", s.pages_lent),
         ("syncs_later", s.syncs_later),

@@ -65,6 +65,10 @@ const SEQ_WINDOW: u64 = 1 << 32;
 /// the array is full.
 const RECLAIM_ROUNDS_MAX: u32 = 8;
 
+/// Most pages one look-ahead device read covers: pages that lie next to each other on a device
+/// (a stretch written in one group) are read as one, up to 256 KiB.
+const READ_RUN_MAX: usize = 64;
+
 /// A read started by [`Array::prefetch`], and whose batch it counts on.
 struct Landing {
     what: Read,
@@ -72,8 +76,9 @@ struct Landing {
 }
 
 enum Read {
-    /// A page into pool slot `slot`.
-    Page { slot: u32, pba: Pba },
+    /// Pages that lie one after another on a device, from `pba` on, into pool slots `slots`
+    /// (one device read for all of them: [`READ_RUN_MAX`] at most).
+    Pages { pba: Pba, slots: Vec<u32> },
     /// An evicted map leaf, back from the checkpoint; then the pages of `vol` the request
     /// wants under it (`first..=last`, less the pages a write overwrites whole, `whole`) are
     /// read in turn.
@@ -101,7 +106,7 @@ impl Drop for Loan {
 /// one is needed. `Break`: no slot to be had, or an error; the rest is read the ordinary way.
 fn slot_ahead(c: &mut Controller, vol: VolId, vpage: u64) -> ControlFlow<(), Option<Read>> {
     match c.get(vol, vpage, Access::Read) {
-        Ok(Got::Fetch { slot, pba }) => ControlFlow::Continue(Some(Read::Page { slot, pba })),
+        Ok(Got::Fetch { slot, pba }) => ControlFlow::Continue(Some(Read::Pages { pba, slots: vec![slot] })),
         Ok(Got::Direct(pba)) => {
             c.read_done(pba);
             ControlFlow::Break(())
@@ -113,6 +118,22 @@ fn slot_ahead(c: &mut Controller, vol: VolId, vpage: u64) -> ControlFlow<(), Opt
         Ok(_) => ControlFlow::Continue(None),
         Err(_) => ControlFlow::Break(()),
     }
+}
+
+/// Add `read` to `started`: a page that lies right after the last read's pages, in the same
+/// segment (so on the same device), joins that read. Returns whether it took a read of its own.
+fn start_or_join(started: &mut Vec<Read>, read: Read, segment_pages: u32) -> bool {
+    if let (Some(Read::Pages { pba: run, slots }), Read::Pages { pba, slots: page }) =
+        (started.last_mut(), &read)
+    {
+        let next = *run + slots.len() as Pba;
+        if *pba == next && next % segment_pages != 0 && slots.len() < READ_RUN_MAX {
+            slots.extend_from_slice(page);
+            return false;
+        }
+    }
+    started.push(read);
+    true
 }
 
 /// Reads of whole pages by PBA through an aligned buffer of its own (recovery, and map leaves
@@ -291,8 +312,10 @@ pub struct Stats {
     pub map_loads_async: u64,
     /// Pages the devices say were written through them.
     pub device_pages_written_measured: u64,
-    /// Pool misses read asynchronously ([`Array::prefetch`]) since the array was opened.
+    /// Pool misses read asynchronously ([`Array::prefetch`]) since the array was opened, and
+    /// the device reads they took (pages next to each other on a device are read as one).
     pub pages_read_async: u64,
+    pub device_reads_async: u64,
     /// Pages a look-ahead found on their way in for someone else, and waited for on its batch
     /// rather than leave its request to wait on the worker ([`Array::prefetch`]).
     pub pages_joined: u64,
@@ -371,8 +394,9 @@ pub struct Array {
     reads: OnceLock<Arc<Reads<Landing>>>,
     reader: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Pages [`prefetch`](Array::prefetch) started reading, and evicted map leaves it read
-    /// back.
+    /// back; the device reads it started for the pages (neighbours read as one).
     prefetched: AtomicU64,
+    prefetch_reads: AtomicU64,
     /// Batches waiting for pages being read into the pool for someone else, by slot: a
     /// look-ahead that meets such a page counts it on its batch and parks, and the read's
     /// end (async or not) ends it there too ([`Array::fetched`]). Taken under the
@@ -505,6 +529,7 @@ impl Array {
             reads: OnceLock::new(),
             reader: Mutex::new(None),
             prefetched: AtomicU64::new(0),
+            prefetch_reads: AtomicU64::new(0),
             pages_lent: AtomicU64::new(0),
             lent_now: AtomicUsize::new(0),
             leaves_read_async: AtomicU64::new(0),
@@ -985,8 +1010,9 @@ impl Array {
                         ControlFlow::Break(()) => break,
                     },
                 };
-                started.push(read);
-                *room -= 1;
+                if start_or_join(&mut started, read, self.geo.segment_pages) {
+                    *room -= 1;
+                }
             }
         }
         self.start(reads, started, batch);
@@ -999,9 +1025,10 @@ impl Array {
         }
         for what in started {
             let (pba, pages) = match &what {
-                Read::Page { pba, .. } => {
-                    self.prefetched.fetch_add(1, Ordering::Relaxed);
-                    (*pba, 1)
+                Read::Pages { pba, slots } => {
+                    self.prefetched.fetch_add(slots.len() as u64, Ordering::Relaxed);
+                    self.prefetch_reads.fetch_add(1, Ordering::Relaxed);
+                    (*pba, slots.len() as u32)
                 }
                 Read::Leaf { read, .. } => (read.pba, read.pages),
             };
@@ -1035,20 +1062,24 @@ impl Array {
             }
         }
         match what {
-            Read::Page { slot, pba } => {
+            Read::Pages { pba, slots } => {
                 let ok = result.is_ok();
                 if ok {
-                    // The slot is pinned and `Fetching`: nobody else touches its bytes.
-                    self.pool.write_at(slot as usize * PAGE, buf);
+                    for (&slot, page) in slots.iter().zip(buf.chunks_exact(PAGE)) {
+                        // The slot is pinned and `Fetching`: nobody else touches its bytes.
+                        self.pool.write_at(slot as usize * PAGE, page);
+                    }
                 }
-                let joined = {
+                let mut joined = Vec::new();
+                {
                     let mut c = self.lock();
-                    let joined = self.fetched(&mut c, slot, pba, ok);
-                    c.put(slot, false);
-                    joined
-                };
+                    for (&slot, pba) in slots.iter().zip(pba..) {
+                        joined.extend(self.fetched(&mut c, slot, pba, ok).into_iter().flatten());
+                        c.put(slot, false);
+                    }
+                }
                 self.changed.notify_all();
-                joined.into_iter().flatten().for_each(|b| b.done());
+                joined.into_iter().for_each(|b| b.done());
             }
             Read::Leaf { read, vol, first, last, whole } => {
                 let mut next = Vec::new();
@@ -1072,9 +1103,13 @@ impl Array {
                                 batch.cut_short();
                                 break;
                             }
-                            room -= 1;
                             match slot_ahead(&mut c, vol, vpage) {
-                                ControlFlow::Continue(read) => next.extend(read),
+                                ControlFlow::Continue(Some(read)) => {
+                                    if start_or_join(&mut next, read, self.geo.segment_pages) {
+                                        room -= 1;
+                                    }
+                                }
+                                ControlFlow::Continue(None) => {}
                                 ControlFlow::Break(()) => break,
                             }
                         }
@@ -1877,6 +1912,7 @@ impl Array {
             map_evictions: c.map.evictions,
             device_pages_written_measured: self.devs.iter().map(|d| d.pages_written()).sum(),
             pages_read_async: self.prefetched.load(Ordering::Relaxed),
+            device_reads_async: self.prefetch_reads.load(Ordering::Relaxed),
             pages_joined: self.pages_joined.load(Ordering::Relaxed),
             pages_lent: self.pages_lent.load(Ordering::Relaxed),
             syncs_later: self.synced_later.load(Ordering::Relaxed),

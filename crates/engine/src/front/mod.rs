@@ -254,7 +254,8 @@ impl<'a> Later<'a> {
 }
 
 /// Most reads one look-ahead starts over rounds that end before their seal
-/// ([`Link::look_ahead`]): 16 MiB of pages, then the requests run and read the rest.
+/// ([`Link::look_ahead`]): 16 MiB of pages at least (a device read may cover several neighbouring
+/// pages), then the requests run and read the rest.
 pub const LOOK_AHEAD_READS_MAX: usize = 4096;
 
 /// What a pass's replies must wait for ([`Later::seal`]).

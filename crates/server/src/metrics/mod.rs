@@ -461,7 +461,7 @@ fn exports(out: &mut Families, shared: &Shared) {
 /// The flash array's figures (`engine::volumes`): space, write amplification, cleaning,
 /// checkpoints and the page pool. One series each, without labels: a target has one array.
 fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes: usize) {
-    let gauges: [(&str, &str, f64); 11] = [
+    let gauges: &[(&str, &str, f64)] = &[
         ("skiff_flash_volumes", "Volumes of the flash array, snapshots and clones included.", volumes as f64),
         ("skiff_flash_capacity_bytes", "Bytes the flash array holds for data (segments less their headers).", s.capacity_bytes as f64),
         ("skiff_flash_valid_bytes", "Bytes of the flash array holding data some volume maps.", s.valid_bytes as f64),
@@ -490,11 +490,11 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
             s.map_bytes as f64,
         ),
     ];
-    for (name, help, v) in gauges {
+    for &(name, help, v) in gauges {
         out.gauge(name, help, vec![(vec![], v)]);
     }
     let c = &s.counters;
-    let counters: [(&str, &str, u64); 18] = [
+    let counters: &[(&str, &str, u64)] = &[
         ("skiff_flash_user_pages_written_total", "Pages written to flash volumes by users (initiators).", c.user_pages_written),
         (
             "skiff_flash_device_pages_written_total",
@@ -512,6 +512,11 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
             "skiff_flash_pages_read_async_total",
             "Pool misses read ahead of their request without blocking a worker (io_uring).",
             s.pages_read_async,
+        ),
+        (
+            "skiff_flash_device_reads_async_total",
+            "Device reads those pool misses took: pages next to each other on a device are read as one.",
+            s.device_reads_async,
         ),
         (
             "skiff_flash_pages_joined_total",
@@ -550,7 +555,7 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
         ),
         ("skiff_flash_map_evictions_total", "Map leaves dropped from memory to keep to the map budget.", s.map_evictions),
     ];
-    for (name, help, v) in counters {
+    for &(name, help, v) in counters {
         out.counter(name, help, vec![(vec![], v)]);
     }
 }
