@@ -69,6 +69,43 @@ const RECLAIM_ROUNDS_MAX: u32 = 8;
 /// (a stretch written in one group) are read as one, up to 256 KiB.
 const READ_RUN_MAX: usize = 64;
 
+/// Where [`Array::prefetch`]'s reads go.
+enum ReadQueue {
+    /// The kernel's io_uring, completed by the array's completion thread.
+    Ring(Arc<Reads<Landing>>),
+    /// Held until the caller lands them ([`Array::land_held`]): the seeded simulator's reads,
+    /// which land in the order it draws, between its other operations.
+    Held { reads: Mutex<Vec<HeldRead>>, depth: usize },
+}
+
+/// A read [`ReadQueue::Held`] keeps: `buf.len()` bytes at page `at` of device `dev`.
+struct HeldRead {
+    dev: usize,
+    at: u64,
+    buf: AlignedBuf,
+    landing: Landing,
+}
+
+impl ReadQueue {
+    fn depth(&self) -> usize {
+        match self {
+            ReadQueue::Ring(r) => r.depth(),
+            ReadQueue::Held { depth, .. } => *depth,
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        match self {
+            ReadQueue::Ring(r) => r.in_flight(),
+            ReadQueue::Held { reads, .. } => reads.lock().unwrap_or_else(|e| e.into_inner()).len(),
+        }
+    }
+
+    fn room(&self) -> usize {
+        self.depth().saturating_sub(self.in_flight())
+    }
+}
+
 /// A read started by [`Array::prefetch`], and whose batch it counts on.
 struct Landing {
     what: Read,
@@ -390,8 +427,9 @@ pub struct Array {
     sizes: Mutex<HashMap<VolId, Arc<AtomicU64>>>,
     stop: AtomicBool,
     background: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Pool misses read asynchronously, once [`start_reads`](Array::start_reads) set it up.
-    reads: OnceLock<Arc<Reads<Landing>>>,
+    /// Pool misses read asynchronously, once [`start_reads`](Array::start_reads) (or
+    /// [`hold_reads`](Array::hold_reads)) set it up.
+    reads: OnceLock<ReadQueue>,
     reader: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Pages [`prefetch`](Array::prefetch) started reading, and evicted map leaves it read
     /// back; the device reads it started for the pages (neighbours read as one).
@@ -592,7 +630,14 @@ impl Array {
         self.ctl.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn wait<'a>(&self, g: MutexGuard<'a, Controller>) -> MutexGuard<'a, Controller> {
+    fn wait<'a>(&'a self, g: MutexGuard<'a, Controller>) -> MutexGuard<'a, Controller> {
+        if self.held_reads() > 0 {
+            // Nothing completes held reads but their caller (the simulator): whoever would
+            // wait for one lands them all, in order, as if it waited for the device.
+            drop(g);
+            while self.land_held(0, false) || self.held_reads() > 0 {}
+            return self.lock();
+        }
         self.changed.wait_timeout(g, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0
     }
 
@@ -887,7 +932,7 @@ impl Array {
                 return Ok(false);
             }
         };
-        if self.reads.set(reads.clone()).is_err() {
+        if self.reads.set(ReadQueue::Ring(reads.clone())).is_err() {
             return Ok(true);
         }
         let weak = Arc::downgrade(self);
@@ -917,9 +962,51 @@ impl Array {
         Ok(true)
     }
 
+    /// Read pool misses ahead from now on into a queue nothing completes until the caller
+    /// lands its reads ([`land_held`](Self::land_held)), each reading the devices when it
+    /// lands, as the kernel may at any moment before a read completes. For the seeded
+    /// simulator, which draws when each read lands among its other operations. A thread that
+    /// would wait for such a read lands every held read first. Returns `false` if reads are
+    /// already set up.
+    pub fn hold_reads(&self, depth: u32) -> bool {
+        let depth = depth.clamp(1, READS_DEPTH_MAX) as usize;
+        self.reads.set(ReadQueue::Held { reads: Mutex::new(Vec::new()), depth }).is_ok()
+    }
+
+    /// Reads held by [`hold_reads`](Self::hold_reads)'s queue, not yet landed.
+    pub fn held_reads(&self) -> usize {
+        match self.reads.get() {
+            Some(ReadQueue::Held { reads, .. }) => reads.lock().unwrap_or_else(|e| e.into_inner()).len(),
+            _ => 0,
+        }
+    }
+
+    /// Land held read `i` (of [`held_reads`](Self::held_reads)): read its pages from the
+    /// devices now, or fail it (`fail`), and end it as a completion does. Returns whether the
+    /// device read succeeded; `false` too if there is no such read.
+    pub fn land_held(&self, i: usize, fail: bool) -> bool {
+        let Some(ReadQueue::Held { reads, .. }) = self.reads.get() else { return false };
+        let held = {
+            let mut reads = reads.lock().unwrap_or_else(|e| e.into_inner());
+            if i >= reads.len() {
+                return false;
+            }
+            reads.remove(i)
+        };
+        let HeldRead { dev, at, mut buf, landing } = held;
+        let result = if fail {
+            Err(std::io::Error::from_raw_os_error(libc::EIO))
+        } else {
+            self.devs[dev].read(at, &mut buf)
+        };
+        let ok = result.is_ok();
+        self.landed(landing, result, &mut buf);
+        ok
+    }
+
     /// Stop the completion thread once the reads in flight have landed.
     fn stop_reads(&self) {
-        if let Some(reads) = self.reads.get() {
+        if let Some(ReadQueue::Ring(reads)) = self.reads.get() {
             let _ = reads.close();
         }
         if let Some(h) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
@@ -1019,7 +1106,7 @@ impl Array {
     }
 
     /// Put `started` on the ring, each counting on `batch`, and submit them.
-    fn start(&self, reads: &Reads<Landing>, started: Vec<Read>, batch: &Arc<Batch>) {
+    fn start(&self, reads: &ReadQueue, started: Vec<Read>, batch: &Arc<Batch>) {
         if started.is_empty() {
             return;
         }
@@ -1033,21 +1120,32 @@ impl Array {
                 Read::Leaf { read, .. } => (read.pba, read.pages),
             };
             let (dev, at) = self.geo.locate(pba);
-            let fd = self.devs[dev].fd().expect("start_reads checked every device has one");
             batch.add();
             let landing = Landing { what, batch: batch.clone() };
-            match AlignedBuf::new(pages as usize * PAGE) {
-                Ok(buf) => {
-                    if let Err((e, mut buf, landing)) = reads.push(fd, at * PAGE as u64, buf, landing) {
+            let buf = match AlignedBuf::new(pages as usize * PAGE) {
+                Ok(buf) => buf,
+                Err(e) => {
+                    self.landed(landing, Err(e), &mut []);
+                    continue;
+                }
+            };
+            match reads {
+                ReadQueue::Ring(ring) => {
+                    let fd = self.devs[dev].fd().expect("start_reads checked every device has one");
+                    if let Err((e, mut buf, landing)) = ring.push(fd, at * PAGE as u64, buf, landing) {
                         self.landed(landing, Err(e), &mut buf);
                     }
                 }
-                Err(e) => self.landed(landing, Err(e), &mut []),
+                ReadQueue::Held { reads, .. } => {
+                    reads.lock().unwrap_or_else(|e| e.into_inner()).push(HeldRead { dev, at, buf, landing });
+                }
             }
         }
-        if let Err(e) = reads.submit() {
-            // What is queued goes with the completion thread's next wait.
-            tracing::debug!(error = %e, "io_uring submit failed; the completion thread submits");
+        if let ReadQueue::Ring(ring) = reads {
+            if let Err(e) = ring.submit() {
+                // What is queued goes with the completion thread's next wait.
+                tracing::debug!(error = %e, "io_uring submit failed; the completion thread submits");
+            }
         }
     }
 
@@ -1085,7 +1183,7 @@ impl Array {
                 let mut next = Vec::new();
                 // The leaf's own read has left the ring: the pages under it take what is free,
                 // and the rest waits for the driver's next round.
-                let mut room = self.reads.get().map_or(0, |r| r.depth().saturating_sub(r.in_flight()));
+                let mut room = self.reads.get().map_or(0, ReadQueue::room);
                 {
                     let mut c = self.lock();
                     let back = result.is_ok() && c.leaf_landed(&read, buf).unwrap_or_else(|e| {
@@ -2037,7 +2135,7 @@ impl Drop for Array {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         self.kick.notify_all();
-        if let Some(reads) = self.reads.get() {
+        if let Some(ReadQueue::Ring(reads)) = self.reads.get() {
             // The completion thread holds the ring, not the array: it ends on this no-op.
             let _ = reads.close();
         }

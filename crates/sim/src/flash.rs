@@ -25,6 +25,12 @@
 //! change them; nothing else may: a lent slot is never evicted, freed or reused). Once every
 //! loan is given back, the pool must hold none.
 //!
+//! The array's look-ahead runs here too (`Array::prefetch`, as a target's front end calls it
+//! before it runs a request): its reads are held (`Array::hold_reads`) and land, or fail, in an
+//! order the seed draws, between the other steps, each reading the devices as it lands. Every
+//! batch that waited must be woken exactly once, when its last read lands, and the range it
+//! read ahead must then read back as the model says.
+//!
 //! [`Lie`] makes the devices lie (a sync that makes nothing durable, or a torn write that
 //! claims success), to show the model catches lost acknowledged writes.
 
@@ -46,6 +52,24 @@ struct NoWake;
 
 impl backend::Wake for NoWake {
     fn wake(&self, _token: u64) {}
+}
+
+/// The look-ahead's batches' driver: it writes down every wake.
+#[derive(Default)]
+struct Wakes(std::sync::Mutex<Vec<u64>>);
+
+impl backend::Wake for Wakes {
+    fn wake(&self, token: u64) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(token);
+    }
+}
+
+/// A look-ahead that started reads and waits for them: the range it read ahead.
+struct Ahead {
+    token: u64,
+    name: String,
+    first: u64,
+    pages: u64,
 }
 
 const SECTOR: usize = 512;
@@ -231,6 +255,12 @@ pub struct FlashReport {
     pub loans: u64,
     pub loans_across_crash: u64,
     pub loans_overwritten: u64,
+    /// Look-aheads that waited for reads, the reads that landed (neighbouring pages read as
+    /// one) and those made to fail, and reads landed by a thread that would have waited.
+    pub look_aheads: u64,
+    pub reads_landed: u64,
+    pub reads_failed: u64,
+    pub pages_read_ahead: u64,
 }
 
 impl FlashReport {
@@ -250,6 +280,10 @@ impl FlashReport {
         self.loans += o.loans;
         self.loans_across_crash += o.loans_across_crash;
         self.loans_overwritten += o.loans_overwritten;
+        self.look_aheads += o.look_aheads;
+        self.reads_landed += o.reads_landed;
+        self.reads_failed += o.reads_failed;
+        self.pages_read_ahead += o.pages_read_ahead;
     }
 }
 
@@ -341,6 +375,13 @@ struct Sim {
     /// Draws for lending, a stream of its own (the seeds' other draws stay as they were).
     loan_rng: Rng,
     held: Vec<Held>,
+    /// Draws for the look-ahead and its reads, a stream of its own.
+    ahead_rng: Rng,
+    /// How many reads the look-ahead may hold at once.
+    read_depth: u32,
+    wakes: Arc<Wakes>,
+    waiting: Vec<Ahead>,
+    next_token: u64,
     rng: Rng,
     opts: FlashOptions,
     devs: Vec<Arc<CrashDevice>>,
@@ -404,6 +445,11 @@ pub fn run_flash(opts: FlashOptions) -> Result<FlashReport, String> {
         uncertain: None,
         loan_rng: Rng::new(opts.seed ^ 0x6c65_6e64_5f73_656e),
         held: Vec::new(),
+        ahead_rng: Rng::new(opts.seed ^ 0x6168_6561_645f_7264),
+        read_depth: 0,
+        wakes: Arc::new(Wakes::default()),
+        waiting: Vec::new(),
+        next_token: 0,
         rng,
         opts,
         devs,
@@ -415,12 +461,16 @@ pub fn run_flash(opts: FlashOptions) -> Result<FlashReport, String> {
         next_name: 0,
         trace: std::env::var_os("SKIFF_FLASH_TRACE").is_some(),
     };
+    sim.read_depth = sim.ahead_rng.pick(&[2u32, 8, 64]);
+    sim.array.hold_reads(sim.read_depth);
     sim.create_volume()?;
     while sim.step < opts.steps {
         sim.step += 1;
         sim.one_step().map_err(|e| format!("seed {} step {}: {e}", opts.seed, sim.step))?;
         sim.lend_or_send().map_err(|e| format!("seed {} step {}: {e}", opts.seed, sim.step))?;
+        sim.look_ahead_or_land().map_err(|e| format!("seed {} step {}: {e}", opts.seed, sim.step))?;
     }
+    sim.land_all().map_err(|e| format!("seed {} at the end: {e}", opts.seed))?;
     sim.crash().map_err(|e| format!("seed {} final crash: {e}", opts.seed))?;
     while !sim.held.is_empty() {
         sim.send(0).map_err(|e| format!("seed {} at the end: {e}", opts.seed))?;
@@ -429,6 +479,7 @@ pub fn run_flash(opts: FlashOptions) -> Result<FlashReport, String> {
     let s = sim.array.stats();
     sim.report.gc_segments += s.counters.gc_segments_cleaned;
     sim.report.checkpoints += s.counters.checkpoints;
+    sim.report.pages_read_ahead += s.pages_read_async;
     Ok(sim.report)
 }
 
@@ -796,6 +847,117 @@ impl Sim {
         }
     }
 
+    /// Now and then look ahead over a range, as a front end does before it runs a request, or
+    /// land some of the reads held, with draws of their own.
+    fn look_ahead_or_land(&mut self) -> Result<(), String> {
+        match self.ahead_rng.below(1000) {
+            0..=119 => self.look_ahead(),
+            120..=299 if self.array.held_reads() > 0 => {
+                let n = self.ahead_rng.range(1, self.array.held_reads() as u64);
+                for _ in 0..n {
+                    let held = self.array.held_reads() as u64;
+                    if held == 0 {
+                        break;
+                    }
+                    let i = self.ahead_rng.below(held) as usize;
+                    // A read that fails now and then: its pages leave the pool, and whoever
+                    // needs them reads them the ordinary way.
+                    let fail = self.ahead_rng.below(50) == 0;
+                    let ok = self.array.land_held(i, fail);
+                    trace!(self, "land read {i} of {held} (fail {fail}): {ok}");
+                    self.report.reads_landed += u64::from(ok);
+                    self.report.reads_failed += u64::from(!ok);
+                }
+                self.check_wakes()
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// `Array::prefetch` over a range of a volume, for a read or a write, on a batch of its
+    /// own: if it started reads, it waits for its wake.
+    fn look_ahead(&mut self) -> Result<(), String> {
+        let names: Vec<&String> = self.model.keys().collect();
+        let name = names[self.ahead_rng.below(names.len() as u64) as usize].clone();
+        let vol = self.array.id_of(&name).map_err(|e| format!("look ahead: {name}: {e}"))?;
+        let bytes = self.model[&name].pages.len() as u64 * PAGE as u64;
+        let offset = self.ahead_rng.below(bytes);
+        let len = self.ahead_rng.range(1, (bytes - offset).min(40 * PAGE as u64));
+        let write = self.ahead_rng.below(4) == 0 && self.model[&name].writable;
+        self.next_token += 1;
+        let token = self.next_token;
+        let batch = Arc::new(backend::Batch::new(self.wakes.clone(), token));
+        batch.open();
+        self.array.prefetch(vol, offset, len, write, &batch);
+        let waits = batch.seal();
+        trace!(
+            self,
+            "look ahead {name} {offset}+{len} write {write}: {} started, waits {waits}",
+            batch.started()
+        );
+        if waits {
+            self.report.look_aheads += 1;
+            let first = offset / PAGE as u64;
+            let pages = (offset + len).div_ceil(PAGE as u64) - first;
+            self.waiting.push(Ahead { token, name, first, pages });
+        }
+        self.check_wakes()
+    }
+
+    /// Land every read held, in order (as a waiter would).
+    fn land_all(&mut self) -> Result<(), String> {
+        while self.array.held_reads() > 0 {
+            let ok = self.array.land_held(0, false);
+            self.report.reads_landed += u64::from(ok);
+            self.report.reads_failed += u64::from(!ok);
+        }
+        self.check_wakes()
+    }
+
+    /// Every look-ahead woken was waiting and is woken once; with no read held, every one is
+    /// woken. A look-ahead woken reads its range back as the model says (from the pool, if
+    /// nothing evicted its pages meanwhile).
+    fn check_wakes(&mut self) -> Result<(), String> {
+        let woken: Vec<u64> = std::mem::take(&mut *self.wakes.0.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut done = Vec::new();
+        for token in woken {
+            let Some(i) = self.waiting.iter().position(|a| a.token == token) else {
+                return Err(format!("look-ahead {token} woken, but it was not waiting (or woken twice)"));
+            };
+            done.push(self.waiting.swap_remove(i));
+        }
+        if self.array.held_reads() == 0 && !self.waiting.is_empty() {
+            let tokens: Vec<u64> = self.waiting.iter().map(|a| a.token).collect();
+            return Err(format!("no read is held, yet look-aheads {tokens:?} were never woken"));
+        }
+        for a in done {
+            // Its volume may have gone, or shrunk, since.
+            let Some(m) = self.model.get(&a.name) else { continue };
+            let pages = a.pages.min((m.pages.len() as u64).saturating_sub(a.first));
+            if pages == 0 {
+                continue;
+            }
+            let vol = self.array.id_of(&a.name).map_err(|e| format!("read ahead: {}: {e}", a.name))?;
+            let mut buf = vec![0u8; pages as usize * PAGE];
+            if let Err(e) = self.array.read(vol, a.first * PAGE as u64, &mut buf) {
+                self.tolerate(e, "read after a look-ahead")?;
+                continue;
+            }
+            for i in 0..pages as usize {
+                let want = self.model[&a.name].pages[a.first as usize + i].current();
+                if buf[i * PAGE..(i + 1) * PAGE] != *want {
+                    return Err(format!(
+                        "{} page {} read ahead: not the page last written",
+                        a.name,
+                        a.first as usize + i
+                    ));
+                }
+                self.report.pages_checked += 1;
+            }
+        }
+        Ok(())
+    }
+
     /// Lend a range of a volume, as a reply does; most often one just read into the pool.
     fn lend(&mut self) -> Result<(), String> {
         let names: Vec<&String> = self.model.keys().collect();
@@ -943,6 +1105,7 @@ impl Sim {
         self.report.wear_moves += s.counters.wear_segments_moved;
         self.report.map_evictions += s.map_evictions;
         self.report.map_loads += s.map_loads;
+        self.report.pages_read_ahead += s.pages_read_async;
         let mut torn = 0;
         let images: Vec<Vec<u8>> = self
             .devs
@@ -967,6 +1130,11 @@ impl Sim {
         let boxed: Vec<Box<dyn Device>> =
             self.devs.iter().map(|d| Box::new(d.clone()) as Box<dyn Device>).collect();
         self.array = Array::open(boxed, self.cfg).map_err(|e| format!("reopen after a crash: {e}"))?;
+        self.array.hold_reads(self.read_depth);
+        // The reads held by the array that crashed never land; their look-aheads went with it
+        // (woken or not).
+        self.waiting.clear();
+        self.wakes.0.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.report.torn_pages_seen += self.array.stats().recovered.torn_pages;
         trace!(self, "recovered: {:?}", self.array.stats().recovered);
         self.array.audit().map_err(|e| format!("audit after recovery: {e}"))?;

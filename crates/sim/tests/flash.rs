@@ -55,6 +55,14 @@ fn crashes_torn_writes_and_failing_devices_lose_no_acknowledged_write() {
         total.loans > SEEDS && total.loans_across_crash > SEEDS / 10 && total.loans_overwritten > SEEDS / 10,
         "pool pages were lent and sent, some after a crash, some after a write to them: {total:?}"
     );
+    assert!(
+        total.look_aheads > SEEDS && total.reads_landed > SEEDS && total.reads_failed > SEEDS / 10,
+        "look-aheads waited for reads that landed or failed: {total:?}"
+    );
+    assert!(
+        total.pages_read_ahead > total.reads_landed,
+        "some reads carried neighbouring pages together: {total:?}"
+    );
 }
 
 #[test]
