@@ -164,7 +164,7 @@ fn start_or_join(started: &mut Vec<Read>, read: Read, segment_pages: u32) -> boo
         (started.last_mut(), &read)
     {
         let next = *run + slots.len() as Pba;
-        if *pba == next && next % segment_pages != 0 && slots.len() < READ_RUN_MAX {
+        if *pba == next && !next.is_multiple_of(segment_pages) && slots.len() < READ_RUN_MAX {
             slots.extend_from_slice(page);
             return false;
         }

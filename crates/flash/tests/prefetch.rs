@@ -201,7 +201,7 @@ fn neighbouring_pages_are_read_as_one_and_each_lands_in_its_slot() {
     let a = file_array(&dir, 256);
     assert!(a.start_reads(64).unwrap());
     let vol = a.id_of("v").unwrap();
-    let want = |p: u64| if p % 7 == 0 { page_of(1000 + p) } else { page_of(p) };
+    let want = |p: u64| if p.is_multiple_of(7) { page_of(1000 + p) } else { page_of(p) };
     // Four pages in the pool already: the look-ahead leaves them alone.
     let mut four = vec![0u8; 4 * PAGE];
     a.read(vol, 60 * PAGE as u64, &mut four).unwrap();
