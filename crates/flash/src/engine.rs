@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use backend::Batch;
 use rt::mem::{AlignedBuf, Region};
-use rt::uring::Reads;
+use rt::uring::{Dest, Reads, RegionDest};
 
 use crate::ckpt;
 use crate::ctl::{Access, Ahead, Config, Controller, Counters, Got, GroupPlan, LeafRead, Source, VolId};
@@ -78,11 +78,11 @@ enum ReadQueue {
     Held { reads: Mutex<Vec<HeldRead>>, depth: usize },
 }
 
-/// A read [`ReadQueue::Held`] keeps: `buf.len()` bytes at page `at` of device `dev`.
+/// A read [`ReadQueue::Held`] keeps: `dest.len()` bytes at page `at` of device `dev`.
 struct HeldRead {
     dev: usize,
     at: u64,
-    buf: AlignedBuf,
+    dest: Dest,
     landing: Landing,
 }
 
@@ -940,10 +940,9 @@ impl Array {
             .name("skiff-flash-rd".into())
             .spawn(move || loop {
                 let array = weak.clone();
-                let landed = |landing: Landing, result: std::io::Result<()>, mut buf: AlignedBuf| match array
-                    .upgrade()
+                let landed = |landing: Landing, result: std::io::Result<()>, dest: Dest| match array.upgrade()
                 {
-                    Some(a) => a.landed(landing, result, &mut buf),
+                    Some(a) => a.landed(landing, result, Some(dest)),
                     // The array is gone: nobody waits for its pool, but a driver may wait
                     // for the batch.
                     None => landing.batch.done(),
@@ -993,14 +992,18 @@ impl Array {
             }
             reads.remove(i)
         };
-        let HeldRead { dev, at, mut buf, landing } = held;
+        let HeldRead { dev, at, mut dest, landing } = held;
         let result = if fail {
             Err(std::io::Error::from_raw_os_error(libc::EIO))
         } else {
-            self.devs[dev].read(at, &mut buf)
+            match &mut dest {
+                Dest::Buf(buf) => self.devs[dev].read(at, buf),
+                Dest::Region(slots) => AlignedBuf::new(slots.len())
+                    .and_then(|mut buf| self.devs[dev].read(at, &mut buf).map(|()| slots.scatter(&buf))),
+            }
         };
         let ok = result.is_ok();
-        self.landed(landing, result, &mut buf);
+        self.landed(landing, result, Some(dest));
         ok
     }
 
@@ -1120,24 +1123,33 @@ impl Array {
                 Read::Leaf { read, .. } => (read.pba, read.pages),
             };
             let (dev, at) = self.geo.locate(pba);
+            // Pages land straight in their slots (pinned and `Fetching`: nobody else touches
+            // their bytes until they are marked clean); a leaf in a buffer, to be decoded.
+            let dest = match &what {
+                Read::Pages { slots, .. } => Ok(Dest::Region(RegionDest::new(
+                    &self.pool,
+                    slots.iter().map(|&s| (s as usize * PAGE, PAGE)),
+                ))),
+                Read::Leaf { .. } => AlignedBuf::new(pages as usize * PAGE).map(Dest::Buf),
+            };
             batch.add();
             let landing = Landing { what, batch: batch.clone() };
-            let buf = match AlignedBuf::new(pages as usize * PAGE) {
-                Ok(buf) => buf,
+            let dest = match dest {
+                Ok(dest) => dest,
                 Err(e) => {
-                    self.landed(landing, Err(e), &mut []);
+                    self.landed(landing, Err(e), None);
                     continue;
                 }
             };
             match reads {
                 ReadQueue::Ring(ring) => {
                     let fd = self.devs[dev].fd().expect("start_reads checked every device has one");
-                    if let Err((e, mut buf, landing)) = ring.push(fd, at * PAGE as u64, buf, landing) {
-                        self.landed(landing, Err(e), &mut buf);
+                    if let Err((e, dest, landing)) = ring.push(fd, at * PAGE as u64, dest, landing) {
+                        self.landed(landing, Err(e), Some(dest));
                     }
                 }
                 ReadQueue::Held { reads, .. } => {
-                    reads.lock().unwrap_or_else(|e| e.into_inner()).push(HeldRead { dev, at, buf, landing });
+                    reads.lock().unwrap_or_else(|e| e.into_inner()).push(HeldRead { dev, at, dest, landing });
                 }
             }
         }
@@ -1152,7 +1164,7 @@ impl Array {
     /// A read [`prefetch`](Array::prefetch) started landed (or failed: a page leaves the pool,
     /// and whoever needs it reads it the ordinary way, meeting the error there if it lasts; a
     /// leaf stays evicted, and is read back the ordinary way).
-    fn landed(&self, landing: Landing, result: std::io::Result<()>, buf: &mut [u8]) {
+    fn landed(&self, landing: Landing, result: std::io::Result<()>, mut dest: Option<Dest>) {
         let Landing { what, batch } = landing;
         if let Err(e) = &result {
             if e.kind() != std::io::ErrorKind::WouldBlock {
@@ -1161,13 +1173,9 @@ impl Array {
         }
         match what {
             Read::Pages { pba, slots } => {
+                // The pages are in their slots already (`start`); a failed read may have
+                // written some of them in part, and its slots are given up.
                 let ok = result.is_ok();
-                if ok {
-                    for (&slot, page) in slots.iter().zip(buf.chunks_exact(PAGE)) {
-                        // The slot is pinned and `Fetching`: nobody else touches its bytes.
-                        self.pool.write_at(slot as usize * PAGE, page);
-                    }
-                }
                 let mut joined = Vec::new();
                 {
                     let mut c = self.lock();
@@ -1186,6 +1194,10 @@ impl Array {
                 let mut room = self.reads.get().map_or(0, ReadQueue::room);
                 {
                     let mut c = self.lock();
+                    let buf: &mut [u8] = match &mut dest {
+                        Some(Dest::Buf(buf)) => buf,
+                        _ => &mut [],
+                    };
                     let back = result.is_ok() && c.leaf_landed(&read, buf).unwrap_or_else(|e| {
                         tracing::warn!(error = %e, leaf = read.id, "flash: a map leaf read back asynchronously fails its checks");
                         false

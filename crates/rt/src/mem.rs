@@ -171,6 +171,17 @@ impl Region {
         }
     }
 
+    /// The address of byte `offset`, for the kernel to write `len` bytes at (a read that
+    /// lands in the region: [`crate::uring::RegionDest`]).
+    ///
+    /// # Panics
+    /// If the range is not inside the region.
+    pub(crate) fn ptr_at(&self, offset: usize, len: usize) -> *mut u8 {
+        self.assert_in_bounds(offset, len);
+        // SAFETY: `offset` is inside our live mapping (checked above).
+        unsafe { self.ptr.as_ptr().add(offset) }
+    }
+
     /// The byte at `offset`, as an atomic. The caller checked the bounds.
     fn atomic_byte(&self, offset: usize) -> &AtomicU8 {
         // SAFETY: `offset` is inside our live mapping (the caller checked), a `u8` has the
