@@ -1325,6 +1325,7 @@ impl Controller {
     }
 
     fn audit_with(&mut self, full: bool) -> Result<(), String> {
+        self.pool.audit()?;
         let maps: Vec<&VolMap> = self.vols.values().map(|v| &v.map).collect();
         self.map.audit(&maps, full)?;
         self.space.audit()?;

@@ -212,15 +212,31 @@ impl Pool {
         self.free_if_orphan(s)
     }
 
-    /// The fetch into `s` finished: clean now (`ok`), or given up.
+    /// The fetch into `s` finished: clean now (`ok`), or given up: an orphan, freed once its
+    /// readers let go (the caller unlinks it from its page, so nobody is served its bytes).
     pub fn fetched(&mut self, s: SlotId, ok: bool) {
         let slot = &mut self.slots[s as usize];
         debug_assert_eq!(slot.state, SlotState::Fetching);
-        if ok {
-            slot.state = SlotState::Clean;
-        } else {
-            slot.orphan = true;
+        // No longer in flight either way: an orphan left `Fetching` would never be freed.
+        slot.state = SlotState::Clean;
+        slot.orphan |= !ok;
+    }
+
+    /// Check the pool's own invariants: every orphan is still held by someone (pinned, lent
+    /// or in flight), or it would never be freed; the dirty count is the dirty slots'.
+    pub fn audit(&self) -> Result<(), String> {
+        let mut dirty = 0;
+        for (i, slot) in self.slots.iter().enumerate() {
+            dirty += u32::from(slot.state == SlotState::Dirty);
+            let in_flight = matches!(slot.state, SlotState::Fetching | SlotState::WritingBack { .. });
+            if slot.orphan && slot.pins == 0 && slot.lends == 0 && !in_flight {
+                return Err(format!("pool slot {i} is an orphan nobody holds ({:?}): it is never freed", slot.state));
+            }
         }
+        if dirty != self.dirty_count {
+            return Err(format!("{dirty} dirty pool slots, {} counted", self.dirty_count));
+        }
+        Ok(())
     }
 
     /// Up to `max` dirty, unpinned slots to write back, marked as being written back; those
@@ -440,6 +456,17 @@ mod tests {
         assert!(!p.discard(a), "in flight");
         assert!(!p.written(a, true));
         assert_eq!(p.free_count(), 1);
+    }
+
+    #[test]
+    fn a_failed_fetch_frees_its_slot_once_its_reader_lets_go() {
+        let mut p = Pool::new(1);
+        let (a, _) = p.take(1, 0, SlotState::Fetching).unwrap();
+        p.fetched(a, false);
+        p.audit().unwrap();
+        assert!(p.unpin(a, false, Stream::ONE), "freed");
+        assert_eq!((p.free_count(), p.census().in_flight), (1, 0));
+        p.audit().unwrap();
     }
 
     #[test]
