@@ -223,13 +223,18 @@ impl Pool {
     }
 
     /// Check the pool's own invariants: every orphan is still held by someone (pinned, lent
-    /// or in flight), or it would never be freed; the dirty count is the dirty slots'.
+    /// or being written back), or it would never be freed; a page being read in is pinned by
+    /// its reader; the dirty count is the dirty slots'.
     pub fn audit(&self) -> Result<(), String> {
         let mut dirty = 0;
         for (i, slot) in self.slots.iter().enumerate() {
             dirty += u32::from(slot.state == SlotState::Dirty);
-            let in_flight = matches!(slot.state, SlotState::Fetching | SlotState::WritingBack { .. });
-            if slot.orphan && slot.pins == 0 && slot.lends == 0 && !in_flight {
+            // A page being read in is pinned by its reader until the read ends.
+            if slot.state == SlotState::Fetching && slot.pins == 0 {
+                return Err(format!("pool slot {i} is being read in for nobody: it is never freed"));
+            }
+            let writing_back = matches!(slot.state, SlotState::WritingBack { .. });
+            if slot.orphan && slot.pins == 0 && slot.lends == 0 && !writing_back {
                 return Err(format!("pool slot {i} is an orphan nobody holds ({:?}): it is never freed", slot.state));
             }
         }
