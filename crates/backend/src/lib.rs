@@ -300,6 +300,12 @@ impl Batch {
         self.token
     }
 
+    /// Pieces of work not yet ended (and the open guard, until [`seal`](Self::seal)): 0 once
+    /// sealed and everything ended; a piece ended twice shows as a wrapped count.
+    pub fn outstanding(&self) -> usize {
+        self.left.load(Ordering::Acquire)
+    }
+
     /// Pieces of work started since [`open`](Self::open).
     pub fn started(&self) -> usize {
         self.started.load(Ordering::Relaxed)

@@ -431,8 +431,8 @@ pub struct Array {
     /// [`hold_reads`](Array::hold_reads)) set it up.
     reads: OnceLock<ReadQueue>,
     reader: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Pages [`prefetch`](Array::prefetch) started reading, and evicted map leaves it read
-    /// back; the device reads it started for the pages (neighbours read as one).
+    /// Pages [`prefetch`](Array::prefetch) started reading, and the device reads it started
+    /// for them (neighbours read as one).
     prefetched: AtomicU64,
     prefetch_reads: AtomicU64,
     /// Batches waiting for pages being read into the pool for someone else, by slot: a
@@ -2031,6 +2031,12 @@ impl Array {
             rooms_later: self.rooms_later.load(Ordering::Relaxed),
             recovered: self.recovered,
         }
+    }
+
+    /// Pool pages counted as lent now ([`lend`](Self::lend)), for tests and the simulator:
+    /// 0 once every loan is given back.
+    pub fn lent_now(&self) -> usize {
+        self.lent_now.load(Ordering::Relaxed)
     }
 
     /// Check the controller's invariants (tests and the simulator).

@@ -235,7 +235,10 @@ impl Pool {
             }
             let writing_back = matches!(slot.state, SlotState::WritingBack { .. });
             if slot.orphan && slot.pins == 0 && slot.lends == 0 && !writing_back {
-                return Err(format!("pool slot {i} is an orphan nobody holds ({:?}): it is never freed", slot.state));
+                return Err(format!(
+                    "pool slot {i} is an orphan nobody holds ({:?}): it is never freed",
+                    slot.state
+                ));
             }
         }
         if dirty != self.dirty_count {
