@@ -1024,11 +1024,12 @@ impl Array {
 
     /// Start reading, without waiting, the pages of `vol` that a read of `len` bytes at
     /// `offset` (with `write`, a write: only its partial first and last pages) would fetch
-    /// from flash, each counted on `batch` and ended there when it lands in the pool. A page
-    /// already on its way in for someone else is counted on `batch` too, and ended there when
-    /// that read ends. Pages in the pool or never written are left alone; so is the rest of
-    /// the range once the pool or the ring has no room (the request then reads those the
-    /// ordinary way). Does nothing before [`start_reads`](Self::start_reads).
+    /// from flash, neighbours on a device as one read, each read counted on `batch` and ended
+    /// there when its pages have landed in the pool. A page already on its way in for someone
+    /// else is counted on `batch` too, and ended there when that read ends. Pages in the pool
+    /// or never written are left alone; so is the rest of the range once the pool or the ring
+    /// has no room (the request then reads those the ordinary way). Does nothing before
+    /// [`start_reads`](Self::start_reads) or [`hold_reads`](Self::hold_reads).
     pub fn prefetch(&self, vol: VolId, offset: u64, len: u64, write: bool, batch: &Arc<Batch>) {
         let Some(reads) = self.reads.get() else { return };
         if len == 0 {
