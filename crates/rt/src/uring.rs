@@ -387,7 +387,7 @@ mod tests {
         }
         assert!(page(1).iter().all(|&b| b == 0), "nothing else written");
         // Scattered by hand, as a caller that read the bytes some other way.
-        RegionDest::new(&region, [(5 * 4096, 4096), (1 * 4096, 4096)]).scatter(&bytes[..2 * 4096]);
+        RegionDest::new(&region, [(5 * 4096, 4096), (4096, 4096)]).scatter(&bytes[..2 * 4096]);
         assert_eq!((page(5), page(1)), (bytes[..4096].to_vec(), bytes[4096..2 * 4096].to_vec()));
     }
 
