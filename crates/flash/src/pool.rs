@@ -284,7 +284,9 @@ impl Pool {
             debug_assert!(false, "write-back finished for a slot in state {:?}", slot.state);
             return false;
         };
-        if ok && !redirty {
+        // An orphan's page is gone (trimmed, its volume deleted): whether or not this
+        // write-back made it, it is never written back again (`discard`).
+        if (ok && !redirty) || slot.orphan {
             slot.state = SlotState::Clean;
             self.free_if_orphan(s);
             return false;
@@ -479,7 +481,7 @@ mod tests {
 
     #[test]
     fn a_discarded_page_is_never_written_back_while_it_is_lent() {
-        let mut p = Pool::new(2);
+        let mut p = Pool::new(3);
         let (a, _) = p.take(1, 0, SlotState::Filling).unwrap();
         p.unpin(a, true, Stream::ONE);
         p.lend(a);
@@ -495,8 +497,18 @@ mod tests {
         p.lend(b);
         assert!(!p.discard(b));
         assert!(!p.written(b, true), "not dirty again");
+        // A write-back that fails after the discard does not make it dirty again either.
+        let (c, _) = p.take(1, 2, SlotState::Filling).unwrap();
+        p.unpin(c, true, Stream::ONE);
+        assert_eq!(p.take_dirty(8, None, None), vec![c]);
+        p.lend(c);
+        assert!(!p.discard(c));
+        assert!(!p.written(c, false), "not dirty again");
+        assert_eq!((p.dirty_count(), p.take_dirty(8, None, None)), (0, vec![]));
+        p.audit().unwrap();
+        assert!(p.give_back(c));
         assert_eq!((p.dirty_count(), p.take_dirty(8, None, None)), (0, vec![]));
         assert!(p.give_back(a) && p.give_back(b), "freed when given back");
-        assert_eq!(p.free_count(), 2);
+        assert_eq!(p.free_count(), 3);
     }
 }
