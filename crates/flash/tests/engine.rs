@@ -428,3 +428,71 @@ fn lent_pool_pages_keep_their_slots_until_let_go_and_hold_nothing_back() {
     assert!(a.lend(vol, 0, 2 * PAGE, &mut out).unwrap(), "the same once read into the pool");
     assert!(joined(&out) == back, "other bytes lent");
 }
+
+/// A device that counts its syncs and its durable writes.
+struct Counting {
+    inner: MemDevice,
+    syncs: std::sync::atomic::AtomicU64,
+    durable: std::sync::atomic::AtomicU64,
+}
+
+impl Device for Counting {
+    fn pages(&self) -> u64 {
+        self.inner.pages()
+    }
+    fn read(&self, page: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read(page, buf)
+    }
+    fn write(&self, page: u64, buf: &[u8]) -> std::io::Result<()> {
+        self.inner.write(page, buf)
+    }
+    fn write_durable(&self, page: u64, buf: &[u8]) -> std::io::Result<()> {
+        self.durable.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.write(page, buf)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+    fn name(&self) -> String {
+        "counting".into()
+    }
+}
+
+/// A FUA write or a FLUSH writes its pages back durable by themselves (a write with FUA), so
+/// no device sync follows unless some other write since the last sync needs one: a
+/// checkpoint's pages, a background write-back.
+#[test]
+fn a_sync_after_durable_writes_alone_syncs_no_device() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let devs: Vec<Arc<Counting>> = (0..2)
+        .map(|_| {
+            let inner = MemDevice::new(256 + 64 * 16);
+            Arc::new(Counting { inner, syncs: 0.into(), durable: 0.into() })
+        })
+        .collect();
+    let boxed = || devs.iter().map(|d| Box::new(d.clone()) as Box<dyn Device>).collect::<Vec<_>>();
+    format(&boxed(), SEGMENT_PAGES, false).unwrap();
+    let a = Array::open(boxed(), cfg(64)).unwrap();
+    let vol = a.create("v", 64 * PAGE as u64).unwrap();
+    let count = || {
+        (
+            devs.iter().map(|d| d.syncs.load(Relaxed)).sum::<u64>(),
+            devs.iter().map(|d| d.durable.load(Relaxed)).sum::<u64>(),
+        )
+    };
+    let (syncs, durable) = count();
+    a.write(vol, 0, &pattern(1, PAGE), true).unwrap();
+    a.write(vol, 8 * PAGE as u64, &pattern(2, 2 * PAGE), false).unwrap();
+    a.flush().unwrap();
+    let (syncs_after, durable_after) = count();
+    assert!(durable_after >= durable + 2, "the FUA write and the FLUSH wrote back durable");
+    assert_eq!(syncs_after, syncs, "and no device was synced for them");
+    // A checkpoint's pages are plain writes: its sync is needed, and made.
+    a.checkpoint().unwrap();
+    assert!(count().0 > syncs_after, "the checkpoint synced");
+    let mut back = vec![0u8; PAGE];
+    a.read(vol, 0, &mut back).unwrap();
+    assert!(back == pattern(1, PAGE));
+    a.audit().unwrap();
+}
