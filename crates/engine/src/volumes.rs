@@ -668,7 +668,6 @@ fn counters(s: &Stats, volumes: usize) -> Vec<(String, u64)> {
         ("pages_lent", s.pages_lent),
         ("syncs_later", s.syncs_later),
         ("sync_rounds_later", s.sync_rounds_later),
-        ("device_syncs_skipped", s.device_syncs_skipped),
         ("pool_full_writes", s.pool_full_writes),
         ("rooms_later", s.rooms_later),
         ("erase_count_min", u64::from(s.erase_min)),

@@ -26,13 +26,6 @@ pub trait Device: Send + Sync {
     fn write(&self, page: u64, buf: &[u8]) -> io::Result<()>;
     /// Make every completed write durable.
     fn sync(&self) -> io::Result<()>;
-    /// Write whole pages at page `page` from `buf`, durable when it returns (a write with
-    /// FUA: `RWF_DSYNC` on a file). It makes no other write durable. By default a write,
-    /// then a sync.
-    fn write_durable(&self, page: u64, buf: &[u8]) -> io::Result<()> {
-        self.write(page, buf)?;
-        self.sync()
-    }
     /// A name for messages.
     fn name(&self) -> String;
     /// Pages written through this handle (the engine's own count of device writes).
@@ -61,9 +54,6 @@ impl<D: Device + ?Sized> Device for Arc<D> {
     }
     fn sync(&self) -> io::Result<()> {
         (**self).sync()
-    }
-    fn write_durable(&self, page: u64, buf: &[u8]) -> io::Result<()> {
-        (**self).write_durable(page, buf)
     }
     fn name(&self) -> String {
         (**self).name()
@@ -150,17 +140,6 @@ impl Device for FileDevice {
 
     fn sync(&self) -> io::Result<()> {
         self.file.sync_data()
-    }
-
-    fn write_durable(&self, page: u64, buf: &[u8]) -> io::Result<()> {
-        check(self.pages, page, buf.len())?;
-        if !rt::fs::write_all_durable_at(&self.file, buf, page * PAGE as u64)? {
-            // No per-write durability here: write, then sync.
-            self.write(page, buf)?;
-            return self.sync();
-        }
-        self.written.fetch_add((buf.len() / PAGE) as u64, Ordering::Relaxed);
-        Ok(())
     }
 
     fn name(&self) -> String {

@@ -364,9 +364,6 @@ pub struct Stats {
     /// ([`Array::sync_later`]), and the syncs it made for them (one serves all it finds queued).
     pub syncs_later: u64,
     pub sync_rounds_later: u64,
-    /// Device syncs left out because every write to the device since its last sync was
-    /// durable by itself (a FLUSH's or FUA's write-back, written with FUA).
-    pub device_syncs_skipped: u64,
     /// Page writes that found no slot to take (every one dirty, pinned or in flight) and
     /// made room themselves: the one place a worker still blocks on device writes.
     pub pool_full_writes: u64,
@@ -419,12 +416,6 @@ pub struct Array {
     /// Slots in the pool.
     pool_len: u32,
     devs: Arc<Vec<Box<dyn Device>>>,
-    /// For each device, whether a write completed on it since its last sync that is not
-    /// durable by itself: [`sync_all`](Array::sync_all) skips a device with none (every
-    /// write to it since was a durable one, [`Device::write_durable`]).
-    unsynced: Vec<AtomicBool>,
-    /// Device syncs that were skipped because nothing needed one.
-    syncs_skipped: AtomicU64,
     geo: Geometry,
     id: ArrayId,
     superblocks: Mutex<Vec<Superblock>>,
@@ -563,9 +554,6 @@ impl Array {
             changed: Condvar::new(),
             kick: Condvar::new(),
             pool,
-            // Whatever the last life left unsynced, the first sync covers.
-            unsynced: devs.iter().map(|_| AtomicBool::new(true)).collect(),
-            syncs_skipped: AtomicU64::new(0),
             devs,
             geo,
             id: first.array,
@@ -631,7 +619,6 @@ impl Array {
             change(sb);
             sb.emit(&mut page);
             self.devs[i].write(generation % 2, &page)?;
-            self.unsynced[i].store(true, Ordering::Release);
         }
         drop(sbs);
         self.sync_all()
@@ -912,33 +899,17 @@ impl Array {
         Ok(())
     }
 
-    /// Write whole pages at `pba`; `durable`: durable when it returns, on its own
-    /// ([`Device::write_durable`]), so that the next sync need not cover it.
-    fn write_pages(&self, pba: Pba, buf: &[u8], durable: bool) -> Result<(), FlashError> {
+    fn write_pages(&self, pba: Pba, buf: &[u8]) -> Result<(), FlashError> {
         let (dev, at) = self.geo.locate(pba);
-        if durable {
-            self.devs[dev].write_durable(at, buf)?;
-        } else {
-            self.devs[dev].write(at, buf)?;
-            // Marked once the write has completed: a sync that took the mark away before
-            // then may not cover it, and the mark stays for the next.
-            self.unsynced[dev].store(true, Ordering::Release);
-        }
+        self.devs[dev].write(at, buf)?;
         Ok(())
     }
 
-    /// Sync every device that completed a write since its last sync which is not durable by
-    /// itself. A failed sync fails the array: the kernel may have dropped the writes it could
-    /// not store, and a later sync that succeeds would vouch for them.
+    /// Sync every device. A failed sync fails the array: the kernel may have dropped the
+    /// writes it could not store, and a later sync that succeeds would vouch for them.
     fn sync_all(&self) -> Result<(), FlashError> {
-        for (d, unsynced) in self.devs.iter().zip(&self.unsynced) {
-            // Taken before the sync starts: a write completing meanwhile marks it again.
-            if !unsynced.swap(false, Ordering::AcqRel) {
-                self.syncs_skipped.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
+        for d in self.devs.iter() {
             if let Err(e) = d.sync() {
-                unsynced.store(true, Ordering::Release);
                 self.lock().failed = true;
                 self.changed.notify_all();
                 return Err(e.into());
@@ -1322,12 +1293,7 @@ impl Array {
 
     /// Write a gathered group: its data pages' CRCs into the header, the header, and a new
     /// segment's header first if the group opened one.
-    fn write_group(
-        &self,
-        plan: &mut GroupPlan,
-        mut buf: AlignedBuf,
-        durable: bool,
-    ) -> Result<(), FlashError> {
+    fn write_group(&self, plan: &mut GroupPlan, mut buf: AlignedBuf) -> Result<(), FlashError> {
         let crcs: Vec<u32> =
             (0..plan.sources.len()).map(|i| page_crc(&buf[(1 + i) * PAGE..(2 + i) * PAGE])).collect();
         plan.set_crcs(&crcs);
@@ -1343,9 +1309,9 @@ impl Array {
         if let Some(h) = plan.opened {
             let mut page = AlignedBuf::new(PAGE)?;
             h.emit(&self.id, &mut page);
-            self.write_pages(h.segment * self.geo.segment_pages, &page, durable)?;
+            self.write_pages(h.segment * self.geo.segment_pages, &page)?;
         }
-        self.write_pages(plan.pba, &buf, durable)
+        self.write_pages(plan.pba, &buf)
     }
 
     /// Tell the controller group `plan` was written (`ok`) or not, and return its lock. The
@@ -1373,18 +1339,6 @@ impl Array {
     /// Write back one group of up to `max` dirty pages (of `only_vol`, if given) and any
     /// waiting records. Returns whether there was one.
     fn writeback_once(&self, max: u32, only_vol: Option<VolId>) -> Result<bool, FlashError> {
-        self.writeback_once_as(max, only_vol, false)
-    }
-
-    /// [`writeback_once`](Self::writeback_once), the group written durable by itself
-    /// (`durable`): for a sync about to follow, which then has nothing to sync on that
-    /// device unless other writes came in between.
-    fn writeback_once_as(
-        &self,
-        max: u32,
-        only_vol: Option<VolId>,
-        durable: bool,
-    ) -> Result<bool, FlashError> {
         let (plan, gathered) = {
             let mut c = self.lock();
             let Some(plan) = c.writeback(max, only_vol) else { return Ok(false) };
@@ -1392,7 +1346,7 @@ impl Array {
             (plan, gathered)
         };
         let mut plan = plan;
-        let result = gathered.and_then(|buf| self.write_group(&mut plan, buf, durable));
+        let result = gathered.and_then(|buf| self.write_group(&mut plan, buf));
         let c = self.group_written(&plan, result.is_ok());
         self.dirty_hint.store(c.pool.dirty_count(), Ordering::Relaxed);
         drop(c);
@@ -1434,7 +1388,7 @@ impl Array {
     fn sync_pages_by(&self, only_vol: Option<VolId>, by: Option<u64>) -> Result<(), FlashError> {
         let mut fruitless = 0;
         loop {
-            if self.writeback_once_as(GROUP_PAGES, only_vol, true)? {
+            if self.writeback_once(GROUP_PAGES, only_vol)? {
                 fruitless = 0;
                 continue;
             }
@@ -1536,8 +1490,7 @@ impl Array {
         while !moves.is_empty() {
             let plan = self.lock().gc_writeback(&mut moves);
             let Some(mut plan) = plan else { return Err(FlashError::NoSpace) };
-            let result =
-                self.gather(&plan, Some(&image)).and_then(|buf| self.write_group(&mut plan, buf, false));
+            let result = self.gather(&plan, Some(&image)).and_then(|buf| self.write_group(&mut plan, buf));
             drop(self.group_written(&plan, result.is_ok()));
             self.changed.notify_all();
             result?;
@@ -2075,7 +2028,6 @@ impl Array {
             pages_lent: self.pages_lent.load(Ordering::Relaxed),
             syncs_later: self.synced_later.load(Ordering::Relaxed),
             sync_rounds_later: self.sync_rounds.load(Ordering::Relaxed),
-            device_syncs_skipped: self.syncs_skipped.load(Ordering::Relaxed),
             pool_full_writes: self.pool_full_writes.load(Ordering::Relaxed),
             rooms_later: self.rooms_later.load(Ordering::Relaxed),
             recovered: self.recovered,
@@ -2182,7 +2134,7 @@ impl<'a> CkptWriter<'a> {
 
     fn write_segment(&mut self) -> Result<(), FlashError> {
         let pba = self.segments[self.seg] * self.array.geo.segment_pages;
-        self.array.write_pages(pba, &self.buf[..self.page * PAGE], false)
+        self.array.write_pages(pba, &self.buf[..self.page * PAGE])
     }
 
     /// Write what is left; returns the checkpoint's pages.

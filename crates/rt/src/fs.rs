@@ -135,37 +135,6 @@ pub fn pread_exact(fd: std::os::fd::RawFd, buf: &mut [u8], offset: u64) -> io::R
     Ok(())
 }
 
-/// Write all of `buf` at byte `offset` of `file`, durable when it returns: `pwritev2` with
-/// `RWF_DSYNC`, a write with FUA where the device has a volatile cache, so no separate
-/// `fdatasync` is needed for it (and none of the file's other writes is made durable by it).
-/// `Ok(false)` when the kernel or the file system does not take the flag and nothing was
-/// written: the caller writes, then syncs.
-pub fn write_all_durable_at(file: &impl AsRawFd, buf: &[u8], offset: u64) -> io::Result<bool> {
-    let mut done = 0;
-    while done < buf.len() {
-        let at = libc::off_t::try_from(offset + done as u64)
-            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        let iov =
-            libc::iovec { iov_base: buf[done..].as_ptr() as *mut libc::c_void, iov_len: buf.len() - done };
-        // SAFETY: one iovec over the live borrow `buf[done..]`, which the kernel only reads;
-        // the descriptor is the caller's, open for the call.
-        let n = unsafe { libc::pwritev2(file.as_raw_fd(), &iov, 1, at, libc::RWF_DSYNC) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::EOPNOTSUPP | libc::ENOSYS) if done == 0 => return Ok(false),
-                _ => return Err(e),
-            }
-        }
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        done += n as usize;
-    }
-    Ok(true)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,18 +177,5 @@ mod tests {
             .unwrap();
         std::fs::remove_file(&path).unwrap();
         f
-    }
-
-    #[test]
-    fn a_durable_write_lands_whole() {
-        let file = tempfile::tempfile().unwrap();
-        let bytes: Vec<u8> = (0..3 * 4096).map(|i| (i % 251) as u8).collect();
-        assert!(
-            write_all_durable_at(&file, &bytes, 4096).unwrap(),
-            "the kernel here takes RWF_DSYNC (Linux 4.7 on)"
-        );
-        let mut back = vec![0u8; bytes.len()];
-        std::os::unix::fs::FileExt::read_exact_at(&file, &mut back, 4096).unwrap();
-        assert_eq!(back, bytes);
     }
 }

@@ -110,8 +110,6 @@ struct DeviceState {
     rng: Rng,
     faults: DeviceFaults,
     lie: Lie,
-    /// Writes made durable as they completed ([`Device::write_durable`]).
-    durable_writes: u64,
 }
 
 /// A device in memory that knows what a crash would keep.
@@ -128,15 +126,8 @@ impl CrashDevice {
 
     fn from_image(image: Vec<u8>, rng: Rng, faults: DeviceFaults, lie: Lie, name: String) -> CrashDevice {
         let pages = (image.len() / PAGE) as u64;
-        let state = DeviceState {
-            durable: image.clone(),
-            current: image,
-            pending: Vec::new(),
-            rng,
-            faults,
-            lie,
-            durable_writes: 0,
-        };
+        let state =
+            DeviceState { durable: image.clone(), current: image, pending: Vec::new(), rng, faults, lie };
         CrashDevice { state: Mutex::new(state), pages, name }
     }
 
@@ -211,40 +202,6 @@ impl Device for CrashDevice {
         Ok(())
     }
 
-    /// A write with FUA: durable as it completes, unless it fails (then it may have landed in
-    /// part, like any failing write) or the device lies. Earlier unsynced writes to the same
-    /// pages are superseded: a crash cannot bring them back over it.
-    fn write_durable(&self, page: u64, buf: &[u8]) -> io::Result<()> {
-        let mut s = self.state();
-        if s.lie == Lie::Sync {
-            // It claims durability it does not give: a plain write.
-            drop(s);
-            return self.write(page, buf);
-        }
-        let at = page as usize * PAGE;
-        if at + buf.len() > s.current.len() {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "write past the device"));
-        }
-        let fault = s.faults.write_error;
-        if s.rng.chance(fault) {
-            // A failing write may land in part (its first pages), and is durable for none.
-            let pages = buf.len() / PAGE;
-            let landed = s.rng.below(pages as u64 + 1) as usize;
-            for i in 0..landed {
-                let data = buf[i * PAGE..(i + 1) * PAGE].to_vec();
-                s.current[at + i * PAGE..at + (i + 1) * PAGE].copy_from_slice(&data);
-                s.pending.push((page + i as u64, data));
-            }
-            return Err(eio());
-        }
-        let end = page + (buf.len() / PAGE) as u64;
-        s.pending.retain(|(p, _)| !(page..end).contains(p));
-        s.current[at..at + buf.len()].copy_from_slice(buf);
-        s.durable[at..at + buf.len()].copy_from_slice(buf);
-        s.durable_writes += 1;
-        Ok(())
-    }
-
     fn sync(&self) -> io::Result<()> {
         let mut s = self.state();
         let fault = s.faults.sync_error;
@@ -307,8 +264,6 @@ pub struct FlashReport {
     pub reads_failed: u64,
     pub pages_read_ahead: u64,
     pub device_reads_ahead: u64,
-    /// Writes the devices made durable as they completed (a FLUSH's or FUA's write-back).
-    pub durable_writes: u64,
 }
 
 impl FlashReport {
@@ -333,7 +288,6 @@ impl FlashReport {
         self.reads_failed += o.reads_failed;
         self.pages_read_ahead += o.pages_read_ahead;
         self.device_reads_ahead += o.device_reads_ahead;
-        self.durable_writes += o.durable_writes;
     }
 }
 
@@ -1171,7 +1125,6 @@ impl Sim {
         self.report.map_loads += s.map_loads;
         self.report.pages_read_ahead += s.pages_read_async;
         self.report.device_reads_ahead += s.device_reads_async;
-        self.report.durable_writes += self.devs.iter().map(|d| d.state().durable_writes).sum::<u64>();
         let mut torn = 0;
         let images: Vec<Vec<u8>> = self
             .devs

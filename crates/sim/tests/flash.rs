@@ -60,7 +60,7 @@ fn crashes_torn_writes_and_failing_devices_lose_no_acknowledged_write() {
         "look-aheads waited for reads that landed or failed: {total:?}"
     );
     assert!(
-        total.pages_read_ahead > total.device_reads_ahead && total.durable_writes > SEEDS,
+        total.pages_read_ahead > total.device_reads_ahead,
         "some reads carried neighbouring pages together: {total:?}"
     );
 }

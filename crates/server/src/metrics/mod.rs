@@ -524,11 +524,6 @@ fn flash(out: &mut Families, s: &engine::volumes::flash::engine::Stats, volumes:
             s.pages_joined,
         ),
         (
-            "skiff_flash_device_syncs_skipped_total",
-            "Device syncs left out because every write since the device's last sync was durable by itself (a FLUSH's or FUA's write-back, written with FUA).",
-            s.device_syncs_skipped,
-        ),
-        (
             "skiff_flash_pages_lent_total",
             "Pool pages read data was sent from by reference, lent (kept in the pool) until sent, with no copy of the target's own.",
             s.pages_lent,
