@@ -22,7 +22,8 @@ with fio's nbd engine (libnbd) instead of skiff bench, and takes the server's CP
 `skiff flash format`, then `skiff vol create v` and a write of it through a target), with
 `--flash-cache` for its page pool; each run warms the pool by reading the whole volume once
 (untimed) unless `--cold`. A workload may name its block size and client threads,
-RW:QD:BS:THREADS, and `--direct-reads` reads under the volume's extent:
+RW:QD:BS:THREADS, `--direct-reads` reads under the volume's extent, and `--fua` makes every write
+synchronous (it completes once durable):
 
     python3 bench/builds.py --before A --after B --flash /var/tmp/array.img --flash-cache 1088M \
         --size 1G --direct-reads --workloads randread:1:4k:32,randread:1:1M:1,randread:1:8M:1
@@ -80,6 +81,8 @@ def one(binary, rw, qd, bs, threads, args, port):
              "--size", args.size, "--duration", args.runtime, "--json"]
     if args.direct_reads:
         bench.append("--direct-reads")
+    if args.fua:
+        bench.append("--fua")
     uri = f"nbd://127.0.0.1:{nbd_port}/{name}"
     server = subprocess.Popen(serve, stderr=subprocess.DEVNULL)
     try:
@@ -126,6 +129,8 @@ def main():
     p.add_argument("--flash-cache", default="1088M", help="the array's page pool (with --flash)")
     p.add_argument("--cold", action="store_true", help="with --flash, do not warm the pool before each run")
     p.add_argument("--direct-reads", action="store_true", help="skiff bench --direct-reads")
+    p.add_argument("--fua", action="store_true",
+                   help="skiff bench --fua: every write completes once durable (synchronous writes)")
     p.add_argument("--server-cpu", default="1")
     p.add_argument("--client-cpu", default="0")
     p.add_argument("--out", default="bench/results")
