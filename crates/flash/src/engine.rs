@@ -141,9 +141,9 @@ impl Drop for Loan {
 
 /// Take a slot to read page `vpage` of `vol` into ahead of its request: the read to start, if
 /// one is needed. `Break`: no slot to be had, or an error; the rest is read the ordinary way.
-fn slot_ahead(c: &mut Controller, vol: VolId, vpage: u64) -> ControlFlow<(), Option<Read>> {
+fn slot_ahead(c: &mut Controller, vol: VolId, vpage: u64) -> ControlFlow<(), Option<(u32, Pba)>> {
     match c.get(vol, vpage, Access::Read) {
-        Ok(Got::Fetch { slot, pba }) => ControlFlow::Continue(Some(Read::Pages { pba, slots: vec![slot] })),
+        Ok(Got::Fetch { slot, pba }) => ControlFlow::Continue(Some((slot, pba))),
         Ok(Got::Direct(pba)) => {
             c.read_done(pba);
             ControlFlow::Break(())
@@ -157,19 +157,18 @@ fn slot_ahead(c: &mut Controller, vol: VolId, vpage: u64) -> ControlFlow<(), Opt
     }
 }
 
-/// Add `read` to `started`: a page that lies right after the last read's pages, in the same
-/// segment (so on the same device), joins that read. Returns whether it took a read of its own.
-fn start_or_join(started: &mut Vec<Read>, read: Read, segment_pages: u32) -> bool {
-    if let (Some(Read::Pages { pba: run, slots }), Read::Pages { pba, slots: page }) =
-        (started.last_mut(), &read)
-    {
+/// Read page `pba` into `slot`: it joins the last read of `started` when it lies right after
+/// that read's pages, in the same segment (so on the same device). Returns whether it took a
+/// read of its own.
+fn start_or_join(started: &mut Vec<Read>, slot: u32, pba: Pba, segment_pages: u32) -> bool {
+    if let Some(Read::Pages { pba: run, slots }) = started.last_mut() {
         let next = *run + slots.len() as Pba;
-        if *pba == next && !next.is_multiple_of(segment_pages) && slots.len() < READ_RUN_MAX {
-            slots.extend_from_slice(page);
+        if pba == next && !next.is_multiple_of(segment_pages) && slots.len() < READ_RUN_MAX {
+            slots.push(slot);
             return false;
         }
     }
-    started.push(read);
+    started.push(Read::Pages { pba, slots: vec![slot] });
     true
 }
 
@@ -1087,21 +1086,24 @@ impl Array {
                     batch.cut_short();
                     break;
                 }
-                let read = match ahead {
+                let new_read = match ahead {
                     Ahead::Arriving(_) | Ahead::Nothing => unreachable!("taken above"),
                     Ahead::Leaf(read) => {
                         // The leaf first; the pages under it go once it is back (`landed`).
                         let until = last.min((this / LEAF_PAGES as u64 + 1) * LEAF_PAGES as u64 - 1);
                         vpage = until + 1;
-                        Read::Leaf { read, vol, first: this, last: until, whole }
+                        started.push(Read::Leaf { read, vol, first: this, last: until, whole });
+                        true
                     }
-                    _ => match slot_ahead(&mut c, vol, this) {
-                        ControlFlow::Continue(Some(read)) => read,
+                    Ahead::Page => match slot_ahead(&mut c, vol, this) {
+                        ControlFlow::Continue(Some((slot, pba))) => {
+                            start_or_join(&mut started, slot, pba, self.geo.segment_pages)
+                        }
                         ControlFlow::Continue(None) => continue,
                         ControlFlow::Break(()) => break,
                     },
                 };
-                if start_or_join(&mut started, read, self.geo.segment_pages) {
+                if new_read {
                     *room -= 1;
                 }
             }
@@ -1215,8 +1217,8 @@ impl Array {
                                 break;
                             }
                             match slot_ahead(&mut c, vol, vpage) {
-                                ControlFlow::Continue(Some(read)) => {
-                                    if start_or_join(&mut next, read, self.geo.segment_pages) {
+                                ControlFlow::Continue(Some((slot, pba))) => {
+                                    if start_or_join(&mut next, slot, pba, self.geo.segment_pages) {
                                         room -= 1;
                                     }
                                 }

@@ -36,7 +36,7 @@ impl std::fmt::Debug for Dest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Dest::Buf(b) => write!(f, "Buf({} bytes)", b.len()),
-            Dest::Region(r) => write!(f, "Region({:?})", r.ranges),
+            Dest::Region(r) => write!(f, "Region({} ranges, {} bytes)", r.iov.len(), r.len()),
         }
     }
 }
@@ -46,7 +46,7 @@ impl Dest {
     pub fn len(&self) -> usize {
         match self {
             Dest::Buf(b) => b.len(),
-            Dest::Region(r) => r.len,
+            Dest::Region(r) => r.len(),
         }
     }
 
@@ -60,10 +60,8 @@ impl Dest {
 /// touch them (a page pool's slots being fetched).
 pub struct RegionDest {
     region: Arc<Region>,
-    /// The ranges, as `(offset, len)` and as the addresses the kernel writes to.
-    ranges: Vec<(usize, usize)>,
+    /// The ranges, as the addresses the kernel writes to.
     iov: Vec<libc::iovec>,
-    len: usize,
 }
 
 // SAFETY: the iovecs point into `region`, which this value keeps alive; they are only handed
@@ -79,29 +77,29 @@ impl RegionDest {
     /// # Panics
     /// If a range is not inside the region.
     pub fn new(region: &Arc<Region>, ranges: impl IntoIterator<Item = (usize, usize)>) -> RegionDest {
-        let ranges: Vec<(usize, usize)> = ranges.into_iter().collect();
         let iov = ranges
-            .iter()
-            .map(|&(at, n)| libc::iovec { iov_base: region.ptr_at(at, n).cast(), iov_len: n })
+            .into_iter()
+            .map(|(at, n)| libc::iovec { iov_base: region.ptr_at(at, n).cast(), iov_len: n })
             .collect();
-        let len = ranges.iter().map(|r| r.1).sum();
-        RegionDest { region: Arc::clone(region), ranges, iov, len }
+        RegionDest { region: Arc::clone(region), iov }
     }
 
     /// Bytes the ranges hold together.
     pub fn len(&self) -> usize {
-        self.len
+        self.iov.iter().map(|v| v.iov_len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// Copy `src` (of [`len`](Self::len) bytes) into the ranges, as a read landing there
     /// would: for a caller that read the bytes some other way.
     pub fn scatter(&self, mut src: &[u8]) {
-        for &(at, n) in &self.ranges {
-            let n = n.min(src.len());
+        let base = self.region.ptr_at(0, 0) as usize;
+        for v in &self.iov {
+            // An offset into the region: the range was checked to lie inside it in `new`.
+            let (at, n) = (v.iov_base as usize - base, v.iov_len.min(src.len()));
             self.region.write_at(at, &src[..n]);
             src = &src[n..];
         }
