@@ -166,8 +166,9 @@ def main():
         return statistics.median(f(r) for r in results[(*w, name)])
 
     print(f"\n| workload (server CPU {args.server_cpu}, client CPU {args.client_cpu}, median of {args.repeat}) "
-          "| before IOPS | after IOPS | after / before | CPU µs/I/O before (client + server) | after | mean µs before | after |")
-    print("|---|---:|---:|---:|---|---|---:|---:|")
+          "| before IOPS | after IOPS | after / before | CPU µs/I/O before (client + server) | after | mean µs before | after "
+          "| p99 µs before | after |")
+    print("|---|---:|---:|---:|---|---|---:|---:|---:|---:|")
     for w in workloads:
         rw, qd, bs, threads = w
         iops = [med(w, n, lambda r: r["iops"]) for n in builds]
@@ -175,9 +176,12 @@ def main():
                f'({med(w, n, lambda r: r["client_cpu_us_per_io"]):.2f} + '
                f'{med(w, n, lambda r: r["server_cpu_us_per_io"]):.2f})' for n in builds]
         lat = [med(w, n, lambda r: r["lat_us"]["mean"]) for n in builds]
+        # fio's nbd records carry no percentiles.
+        p99 = [f'{med(w, n, lambda r: r["lat_us"]["p99"]):.1f}' if "p99" in results[(*w, n)][0]["lat_us"] else "-"
+               for n in builds]
         label = f"{rw} QD {qd}" + (f" {bs} x{threads}" if (bs, threads) != ("4k", 1) else "")
         print(f"| {label} | {iops[0]:,.0f} | {iops[1]:,.0f} | {iops[1] / iops[0]:.2f} | {cpu[0]} | {cpu[1]} "
-              f"| {lat[0]:.1f} | {lat[1]:.1f} |")
+              f"| {lat[0]:.1f} | {lat[1]:.1f} | {p99[0]} | {p99[1]} |")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, time.strftime("builds-%Y%m%d-%H%M%S.json"))
     with open(path, "w") as f:

@@ -212,6 +212,13 @@ pub trait Wake: Send + Sync {
     fn wake(&self, token: u64);
 }
 
+/// The [`Wake`] of a [detached](Batch::detached) batch: nobody waits for it.
+struct Nobody;
+
+impl Wake for Nobody {
+    fn wake(&self, _token: u64) {}
+}
+
 /// Device work started for one batch of requests ([`Backend::prepare`]), and who to wake when
 /// all of it is done. A driver opens a batch, lets backends add to it, and seals it: a sealed
 /// batch with work still going wakes its driver (`wake(token)`) when the last of it ends;
@@ -242,6 +249,14 @@ impl Batch {
             wake,
             token,
         }
+    }
+
+    /// A batch nobody waits for, whose work is started only to be done sooner (a front end's
+    /// look-ahead over requests it may not wait for at all). It is never opened or sealed:
+    /// work is added to it at any time, and [`outstanding`](Self::outstanding) counts what
+    /// is still going.
+    pub fn detached() -> Batch {
+        Batch::new(Arc::new(Nobody), 0)
     }
 
     /// Start collecting work.

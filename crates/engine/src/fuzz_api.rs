@@ -16,7 +16,7 @@ use wire::fuzz_api::{next_frame, Input, KINDS};
 use wire::{FrameBuffer, FrameKind, GoAway, Header, Limits, StatsReply};
 
 use crate::front::native::NativeConn;
-use crate::front::{FrontStats, Host, Later, Link};
+use crate::front::{FrontStats, Gate, Host, Later, Link};
 use crate::{BackendSpec, Export, ExportTable};
 
 struct FuzzHost {
@@ -112,8 +112,7 @@ pub fn native_conn(data: &[u8]) {
             peer: "fuzz",
             stats: &stats,
             backlog_max: usize::MAX,
-            batch: None,
-            waiting: false,
+            gate: Gate::new(None, false),
             later: Later::new(None),
         };
         conn.process(&mut link, host);

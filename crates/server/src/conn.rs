@@ -12,7 +12,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::front::{Later, Link, Sealed};
+use engine::front::{Gate, Later, Link, Sealed};
 use engine::Batch;
 use transport::tls::ServerTlsConfig;
 use transport::{FrameBuffer, FrameIo, Stream};
@@ -112,7 +112,7 @@ pub(crate) struct Conn<S = Stream> {
     pub staged: Option<u64>,
     /// The transport sends completion caravans' read data as data messages (agreed in HELLO).
     data_apart: bool,
-    /// Where the front end parks requests whose flash pages are being read (`Link::batch`);
+    /// Where the front end parks requests whose flash pages are being read (`Link::gate`);
     /// `None` on a target without asynchronous flash reads, and on a staged connection.
     pub batch: Option<Arc<Batch>>,
     /// What the connection waits for on its batch.
@@ -120,9 +120,9 @@ pub(crate) struct Conn<S = Stream> {
     /// A bug planted in it.
     #[cfg(feature = "mutations")]
     mutation: Option<Mutation>,
-    /// The wait its batch's wake just ended, for the next pass: after `Reads`, it executes
-    /// what waited without looking ahead again, so a request waits at most once (a page taken
-    /// from the pool meanwhile is read the ordinary way); after `Replies`, it sends the
+    /// The wait its batch's wake just ended, for the next pass: after `Reads`, the request
+    /// that waited runs without being prepared again, so it waits at most once (a page taken
+    /// from the pool meanwhile is read the ordinary way; `Gate::resumed`); after `Replies`, it sends the
     /// replies that waited before processing more (a FLUSH in what follows would hold them
     /// again for nothing).
     woken: Wait,
@@ -138,14 +138,18 @@ pub enum Mutation {
     /// A batch's wake resumes the connection without taking up the requests that waited in
     /// its buffer: they sit there until more bytes arrive, which may be never.
     ForgetHeldOnWake,
+    /// A pass that stopped before a request whose reads joined a FLUSH's or FUA's batch,
+    /// when all of it ended before the seal (so no wake comes), does not come back for the
+    /// requests left: they sit there until more bytes arrive.
+    ForgetStoppedOnFreeSeal,
 }
 
 /// What a connection waits for on its batch (`Conn::batch`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Wait {
     None,
-    /// Flash reads its look-ahead started (`Link::batch`): its requests wait in `rx`, and
-    /// nothing is read or executed until the wake.
+    /// Flash reads a request waits for (`Link::gate`): it and those after it wait in `rx`,
+    /// and nothing is read or executed until the wake.
     Reads,
     /// Durability a FLUSH or FUA asked for (`Link::later`): the replies queued in `tx` are
     /// held, nothing is sent or read until the wake.
@@ -380,7 +384,7 @@ impl<S: ConnStream> Conn<S> {
             Mutation::AckBeforeBackend => {
                 self.front.plant(engine::front::native::mutation::Mutation::AckBeforeBackend)
             }
-            Mutation::ForgetHeldOnWake => self.mutation = Some(mutation),
+            Mutation::ForgetHeldOnWake | Mutation::ForgetStoppedOnFreeSeal => self.mutation = Some(mutation),
         }
     }
 
@@ -570,13 +574,11 @@ impl<S: ConnStream> Conn<S> {
         self.identify_nbd(shared);
         let Conn { rx, tx, closing, peer, front, stream, data_apart, batch, woken, .. } = self;
         let later = Later::new(batch.as_ref());
-        // Woken by reads the last look-ahead started: run the requests now, unless it could
-        // not start them all (the array's read queue was full), when it looks ahead again
-        // first and parks for the rest rather than have them read on this thread.
+        // Woken by the reads a request waited for: it runs now, without being prepared again
+        // (unless the batch was cut short: the array's read queue was full).
         let resumed = std::mem::replace(woken, Wait::None) == Wait::Reads;
-        let batch = batch.as_ref().filter(|b| !resumed || b.was_cut_short());
-        let mut link =
-            Link { rx, tx, closing, peer, stats: &stats.front, backlog_max, batch, waiting: false, later };
+        let gate = Gate::new(batch.as_ref(), resumed);
+        let mut link = Link { rx, tx, closing, peer, stats: &stats.front, backlog_max, gate, later };
         front.process(&mut link, shared);
         if !*data_apart && front.data_messages() {
             // Agreed in the HELLO just answered: completion caravans from here on send their
@@ -584,11 +586,13 @@ impl<S: ConnStream> Conn<S> {
             *data_apart = stream.send_data_messages();
         }
         self.starttls |= front.take_starttls();
-        let (parked, sealed) = (link.waiting, link.later.seal());
+        let (parked, stopped, sealed) = (link.gate.waiting, link.gate.stopped, link.later.seal());
         if parked {
             self.wait = Wait::Reads;
         }
         match sealed {
+            // Stopped for reads that all landed by the seal: no wake will come, so the next
+            // pass takes up the requests left (`held`, below).
             Sealed::Free => {}
             Sealed::Wait => {
                 // FLUSH or FUA replies queued: none leaves before the wake (`resume`), and
@@ -598,7 +602,10 @@ impl<S: ConnStream> Conn<S> {
             }
             Sealed::Failed => self.void_replies(),
         }
-        self.held = !self.closing && self.rx.pending() > 0 && self.backlogged(backlog_max);
+        self.held = !self.closing
+            && self.rx.pending() > 0
+            && (self.backlogged(backlog_max)
+                || (stopped && sealed == Sealed::Free && !self.planted(Mutation::ForgetStoppedOnFreeSeal)));
     }
 }
 

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use backend::cache::{SLOT_BYTES, WAYS};
 use engine::front::native::NativeConn;
-use engine::front::{FrontStats, Host, Later, Link};
+use engine::front::{FrontStats, Gate, Host, Later, Link};
 use engine::{BackendSpec, Export, ExportTable};
 use proto::caravan::Doorbell;
 use proto::client::{
@@ -422,8 +422,7 @@ fn open_side(host: &SimHost, rng: &mut Rng, _index: usize) -> Result<Side, Strin
             peer: "sim",
             stats: &stats,
             backlog_max: usize::MAX,
-            batch: None,
-            waiting: false,
+            gate: Gate::new(None, false),
             later: Later::new(None),
         };
         target.process(&mut link, host);
@@ -489,8 +488,7 @@ fn deliver_to_target(side: &mut Side, host: &SimHost, rng: &mut Rng) {
         peer: "sim",
         stats: &side.stats,
         backlog_max: usize::MAX,
-        batch: None,
-        waiting: false,
+        gate: Gate::new(None, false),
         later: Later::new(None),
     };
     side.target.process(&mut link, host);

@@ -99,11 +99,15 @@ pub enum Planted {
     /// connection's buffer for device work.
     #[cfg(feature = "mutations")]
     ForgetHeldOnWake,
+    /// Target connection: a pass that stopped before a request whose reads joined a FLUSH's
+    /// or FUA's batch, all of it done by the seal, does not come back for what it left.
+    #[cfg(feature = "mutations")]
+    ForgetStoppedOnFreeSeal,
 }
 
 impl Planted {
     #[cfg(feature = "mutations")]
-    pub const ALL: [Planted; 8] = [
+    pub const ALL: [Planted; 9] = [
         Planted::SwapTags,
         Planted::ForgetUnsent,
         Planted::IgnoreDeadline,
@@ -112,6 +116,7 @@ impl Planted {
         Planted::ReopenWithoutOpen,
         Planted::NoRetry,
         Planted::ForgetHeldOnWake,
+        Planted::ForgetStoppedOnFreeSeal,
     ];
 
     /// The client connection's or session's bug this plants ([`ClientMutation::None`] for a
@@ -126,7 +131,10 @@ impl Planted {
             Planted::SwapSegments => ClientMutation::SwapSegments,
             Planted::ReopenWithoutOpen => ClientMutation::ReopenWithoutOpen,
             Planted::NoRetry => ClientMutation::NoRetry,
-            Planted::None | Planted::AckBeforeBackend | Planted::ForgetHeldOnWake => ClientMutation::None,
+            Planted::None
+            | Planted::AckBeforeBackend
+            | Planted::ForgetHeldOnWake
+            | Planted::ForgetStoppedOnFreeSeal => ClientMutation::None,
         }
     }
 
@@ -136,6 +144,7 @@ impl Planted {
         match self {
             Planted::AckBeforeBackend => Some(TargetMutation::AckBeforeBackend),
             Planted::ForgetHeldOnWake => Some(TargetMutation::ForgetHeldOnWake),
+            Planted::ForgetStoppedOnFreeSeal => Some(TargetMutation::ForgetStoppedOnFreeSeal),
             _ => None,
         }
     }

@@ -122,6 +122,13 @@ impl FrameBuffer {
         Ok(Some(FrameRef { header, body }))
     }
 
+    /// Give back `frame`, the last one [`next_frame`](Self::next_frame) returned (no read in
+    /// between): it is returned again next time, for a receiver that handled only part of it.
+    pub fn unread(&mut self, frame: &FrameRef) {
+        assert_eq!(frame.body.end, self.start, "only the last frame taken can be given back");
+        self.start = frame.body.start - HEADER_LEN;
+    }
+
     /// Bytes received and not yet consumed, for receivers that parse in place (the client
     /// session, NBD).
     pub fn unconsumed(&self) -> &[u8] {
@@ -230,6 +237,23 @@ mod tests {
             assert_eq!(got.len(), 3, "cut at {cut}");
             assert_eq!(got[1].1, b[HEADER_LEN..]);
         }
+    }
+
+    #[test]
+    fn a_frame_given_back_comes_out_again_and_then_the_next() {
+        let a = frame(FrameKind::Stats, &[]);
+        let b = frame(FrameKind::Open, &crate::Open { name: "vol".into() }.encode());
+        let mut fb = FrameBuffer::new();
+        fb.extend(&[a.clone(), b.clone()].concat());
+        let first = fb.next_frame(frame_at_most(1 << 20)).unwrap().unwrap();
+        let second = fb.next_frame(frame_at_most(1 << 20)).unwrap().unwrap();
+        fb.unread(&second);
+        assert_eq!(fb.pending(), b.len());
+        let again = fb.next_frame(frame_at_most(1 << 20)).unwrap().unwrap();
+        assert_eq!((again.header.kind, fb.body(&again)), (FrameKind::Open, &b[HEADER_LEN..]));
+        assert!(fb.next_frame(frame_at_most(1 << 20)).unwrap().is_none());
+        let given_back_late = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fb.unread(&first)));
+        assert!(given_back_late.is_err(), "only the last frame taken can be given back");
     }
 
     #[test]

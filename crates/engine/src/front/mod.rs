@@ -193,15 +193,8 @@ pub struct Link<'a, S: ?Sized> {
     /// peer is not reading them. It leaves the rest in `rx`, and the driver calls it again
     /// once the peer has drained some (`usize::MAX`: no bound).
     pub backlog_max: usize,
-    /// Where the driver parks requests that would wait on a device (a flash volume's pool
-    /// misses): before executing what it received, a front end looks ahead over every
-    /// complete request, lets each backend start its reads on this batch
-    /// ([`backend::Backend::prepare`]), and when any did, executes nothing, sets
-    /// [`waiting`](Self::waiting) and leaves the requests where they are. The driver calls
-    /// it again, without a batch, once the batch wakes it. `None`: execute as it comes.
-    pub batch: Option<&'a Arc<Batch>>,
-    /// Set by the front end: requests wait for the batch (above).
-    pub waiting: bool,
+    /// Whether requests may run now or wait for a device ([`Gate`]).
+    pub gate: Gate<'a>,
     /// Where durability is started without waiting for it ([`crate::execute_later`]): a
     /// FLUSH or FUA request is carried out, its durability started on this batch, and the
     /// front end goes on with the requests after it. The driver seals the batch after the
@@ -235,6 +228,11 @@ impl<'a> Later<'a> {
         Some(batch)
     }
 
+    /// Whether durability was started on the batch in this pass: it is open until the seal.
+    pub fn is_open(&self) -> bool {
+        self.open
+    }
+
     /// End the pass: what the replies queued must wait for.
     pub fn seal(&mut self) -> Sealed {
         match self.batch {
@@ -250,6 +248,64 @@ impl<'a> Later<'a> {
             }
             _ => Sealed::Free,
         }
+    }
+}
+
+/// Where the driver parks requests that would wait on a device (a flash volume's pool
+/// misses). The native front end first starts what everything it received would wait for, on
+/// a batch nobody waits for ([`Batch::detached`]); while any of that is still going, it asks
+/// before each request whether it is [`ready`](Self::ready): the backends prepare that request
+/// on this batch ([`backend::Backend::prepare`]), and when any of its reads are still going it
+/// stops there, sets [`waiting`](Self::waiting) and leaves that request and the rest where
+/// they are. So a connection answers the longest prefix of its requests whose pages are in.
+/// The NBD front end [looks ahead](Link::look_ahead) over everything it received at once on
+/// this batch instead. The driver calls the front end again once the batch wakes it, with
+/// [`resumed`](Self::resumed) set.
+pub struct Gate<'a> {
+    /// `None`: execute as it comes.
+    pub batch: Option<&'a Arc<Batch>>,
+    /// Set by the driver when the batch's wake ended a wait for reads: the request that
+    /// waited runs without being prepared again (so it waits at most once; a page taken from
+    /// the pool meanwhile is read the ordinary way), unless the backend had cut the batch
+    /// short. Cleared by the first [`ready`](Self::ready) or [`Link::look_ahead`].
+    pub resumed: bool,
+    /// Set by the front end: requests wait for the batch (above).
+    pub waiting: bool,
+    /// Set by the front end: it stopped before a request that waits for reads started on the
+    /// batch [`Later`] holds open for durability. The request runs after that batch's wake,
+    /// or, when everything had ended by the seal, as soon as the driver comes back.
+    pub stopped: bool,
+}
+
+impl<'a> Gate<'a> {
+    pub fn new(batch: Option<&'a Arc<Batch>>, resumed: bool) -> Gate<'a> {
+        Gate { batch, resumed, waiting: false, stopped: false }
+    }
+
+    /// Whether the next request may run now: `prepare` lets the backends start, on the batch,
+    /// what that one request would wait for. `false`: it waits, and the front end stops before
+    /// it, leaving it and the rest unexecuted. Either the batch wakes the driver when the
+    /// request's reads land ([`waiting`](Self::waiting)), or, when `later` started
+    /// durability on the batch earlier in the pass, its reads joined that wait
+    /// ([`stopped`](Self::stopped)).
+    ///
+    /// The rounds of [`Link::look_ahead`] apply: a batch cut short is prepared again once
+    /// what it started has ended.
+    pub fn ready(&mut self, later: &Later<'_>, mut prepare: impl FnMut(&Arc<Batch>)) -> bool {
+        let Some(batch) = self.batch else { return true };
+        if std::mem::take(&mut self.resumed) && !batch.was_cut_short() {
+            return true;
+        }
+        if later.is_open() {
+            // The batch is open for durability until the driver seals it: the request's reads
+            // join it, and the request waits for the same wake as the replies before it.
+            let before = batch.started();
+            prepare(batch);
+            self.stopped = batch.started() > before;
+            return !self.stopped;
+        }
+        self.waiting = prepare_rounds(batch, || prepare(batch));
+        !self.waiting
     }
 }
 
@@ -283,20 +339,32 @@ impl<'a, S: ?Sized> Link<'a, S> {
     /// ends the look (the queue is full of others' reads; the requests read the rest), and so
     /// do [`LOOK_AHEAD_READS_MAX`] reads started in one look: rounds whose reads fail, or
     /// whose pages are evicted as fast as they land, would otherwise go round for ever.
-    pub(crate) fn look_ahead(&mut self, may_wait: bool, mut prepare: impl FnMut(&[u8], &Arc<Batch>)) -> bool {
-        let Some(batch) = self.batch.filter(|_| may_wait) else { return false };
-        let mut started = 0;
-        loop {
-            batch.open();
-            prepare(self.rx.unconsumed(), batch);
-            if batch.seal() {
-                self.waiting = true;
-                return true;
-            }
-            started += batch.started();
-            if !batch.was_cut_short() || batch.started() == 0 || started >= LOOK_AHEAD_READS_MAX {
-                return false;
-            }
+    pub fn look_ahead(&mut self, may_wait: bool, mut prepare: impl FnMut(&[u8], &Arc<Batch>)) -> bool {
+        let gate = &mut self.gate;
+        let Some(batch) = gate.batch.filter(|_| may_wait) else { return false };
+        if std::mem::take(&mut gate.resumed) && !batch.was_cut_short() {
+            return false;
+        }
+        let rx = &*self.rx;
+        gate.waiting = prepare_rounds(batch, || prepare(rx.unconsumed(), batch));
+        gate.waiting
+    }
+}
+
+/// Open `batch`, `prepare` on it and seal it, again while a backend cut it short and the
+/// rounds start something (up to [`LOOK_AHEAD_READS_MAX`] reads): whether the driver must
+/// wait for its wake.
+fn prepare_rounds(batch: &Arc<Batch>, mut prepare: impl FnMut()) -> bool {
+    let mut started = 0;
+    loop {
+        batch.open();
+        prepare();
+        if batch.seal() {
+            return true;
+        }
+        started += batch.started();
+        if !batch.was_cut_short() || batch.started() == 0 || started >= LOOK_AHEAD_READS_MAX {
+            return false;
         }
     }
 }
@@ -343,8 +411,7 @@ mod tests {
             peer: "test",
             stats: &stats,
             backlog_max: usize::MAX,
-            batch,
-            waiting: false,
+            gate: Gate::new(batch, false),
             later: Later::new(None),
         };
         f(&mut link)
@@ -360,7 +427,7 @@ mod tests {
                 prepare(round, b);
                 round += 1;
             });
-            assert_eq!(parked, link.waiting);
+            assert_eq!(parked, link.gate.waiting);
             (parked, round)
         })
     }

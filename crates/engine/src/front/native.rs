@@ -5,7 +5,10 @@
 //! body is waited for. Write payloads are used where they lie in the receive buffer; read data
 //! goes to the sink (which may send RAM data straight from the volume's memory). The
 //! completions of one request caravan form one response caravan, split only if its read data
-//! would exceed the negotiated caravan bytes. A protocol violation queues a GOAWAY with the
+//! would exceed the negotiated caravan bytes, or where a request waits for a device: on a
+//! flash volume, the requests before the first whose pages are being read are answered at
+//! once, and the rest once they land, in order (the thesis's longest ready prefix;
+//! [`super::Gate`]). A protocol violation queues a GOAWAY with the
 //! status [`ProtoError::goaway_status`] gives and the reason, and the connection closes once
 //! that is sent; a GOAWAY from the initiator closes it with nothing more said.
 
@@ -18,8 +21,8 @@ use wire::capability::CAPABILITIES_PER_FRAME_MAX;
 use wire::caravan::RequestCaravan;
 use wire::control::{frame, OpenReply};
 use wire::{
-    Capability, Completion, FrameKind, GoAway, Header, Opcode, ReqFlags, Status, COMPLETION_DESC_LEN,
-    HEADER_LEN,
+    Capability, Completion, FrameKind, GoAway, Header, Opcode, ReqFlags, Request, Status,
+    COMPLETION_DESC_LEN, HEADER_LEN,
 };
 
 use super::{FrontStats, Host, Laps, Later, Link, Sink};
@@ -39,8 +42,55 @@ pub struct NativeConn {
     leases: Vec<Lease>,
     /// The planted bug's state (nothing without the feature `mutations`).
     bug: mutation::Bug,
-    /// An export this connection opened may park requests (`Link::batch`).
+    /// Where it stands with requests that wait for a device.
+    waits: Waits,
+}
+
+/// Where a native connection stands with requests that wait for a device ([`Gate`](super::Gate)).
+#[derive(Debug, Default)]
+struct Waits {
+    /// An export this connection opened may park requests.
     may_wait: bool,
+    /// Requests of the first caravan in the receive buffer answered already: the connection
+    /// stopped inside it, before one whose pages were being read, and goes on from there.
+    answered: usize,
+    /// Bytes at the start of the receive buffer whose requests the look-ahead has prepared
+    /// ([`Waits::look_ahead`]): not prepared there again.
+    looked_to: usize,
+    /// The look-ahead's batch ([`Batch::detached`]): what it started for requests not yet
+    /// answered, still going.
+    ahead: Option<Arc<Batch>>,
+}
+
+impl Waits {
+    /// Let the backends start what every complete request in `rx` not looked at yet would
+    /// wait for, on the look-ahead's batch, so that it all goes at once; returns whether any of
+    /// what the look-ahead started is still going. While none is, the requests run as they
+    /// come (a page taken from the pool since is read the ordinary way); while some is, each
+    /// is asked first whether it is ready (`Gate::ready`). Nothing is consumed or answered
+    /// here; a frame that does not parse, or a request that would be refused, is left for
+    /// `process` to answer.
+    fn look_ahead(&mut self, rx: &[u8], session: &ServerSession, host: &impl Host) -> bool {
+        let ahead = self.ahead.get_or_insert_with(|| Arc::new(Batch::detached()));
+        let mut at = self.looked_to;
+        while let Ok(Some(header)) = wire::framing::peek_header(&rx[at..]) {
+            let len = header.frame_len();
+            if rx.len() - at < len {
+                break;
+            }
+            if header.kind == FrameKind::Requests {
+                let body = &rx[at + HEADER_LEN..at + len];
+                let Ok(caravan) = RequestCaravan::parse(&header, body) else { break };
+                let answered = if at == 0 { self.answered } else { 0 };
+                for req in caravan.iter().skip(answered).filter_map(|(parsed, _)| parsed.ok()) {
+                    prepare(&req, session, host, ahead);
+                }
+            }
+            at += len;
+        }
+        self.looked_to = at;
+        ahead.outstanding() > 0
+    }
 }
 
 impl NativeConn {
@@ -52,7 +102,7 @@ impl NativeConn {
             caps: Vec::new(),
             leases: Vec::new(),
             bug: mutation::Bug::new(),
-            may_wait: false,
+            waits: Waits::default(),
         }
     }
 
@@ -86,16 +136,22 @@ impl NativeConn {
         self.session.is_established()
     }
 
-    /// Handle every frame that has arrived whole.
+    /// Handle every frame that has arrived whole, up to the first request that waits for a
+    /// device ([`Gate`](super::Gate)).
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
-        if link.look_ahead(self.may_wait, |rx, batch| look_ahead(rx, &self.session, host, batch)) {
-            return;
-        }
         let leases = self.leases.len();
-        process(&mut self.session, link, host, &mut self.caps, &mut self.leases, &mut self.bug);
-        if self.leases.len() != leases && !self.may_wait {
+        process(
+            &mut self.session,
+            link,
+            host,
+            &mut self.caps,
+            &mut self.leases,
+            &mut self.bug,
+            &mut self.waits,
+        );
+        if self.leases.len() != leases && !self.waits.may_wait {
             // An export opened just now may be one whose reads can wait.
-            self.may_wait = (0..host.exports().len() as u32).any(|i| {
+            self.waits.may_wait = (0..host.exports().len() as u32).any(|i| {
                 self.session.handle_of(i).is_some()
                     && host.exports().get(i).is_some_and(|e| e.backend.may_wait())
             });
@@ -110,13 +166,20 @@ fn process<S: Sink + ?Sized>(
     caps: &mut Vec<Capability>,
     leases: &mut Vec<Lease>,
     bug: &mut mutation::Bug,
+    waits: &mut Waits,
 ) {
+    // Everything received is prepared at once; while some of it is still being read, each
+    // request is asked before it runs.
+    let gated =
+        waits.may_wait && link.gate.batch.is_some() && waits.look_ahead(link.rx.unconsumed(), session, host);
     while !*link.closing && !link.backlogged() {
         let f = match link.rx.next_frame(|h| session.admit(h)) {
             Ok(Some(f)) => f,
             Ok(None) => return,
             Err(e) => return goaway(link, &e),
         };
+        let looked_to = waits.looked_to;
+        waits.looked_to = looked_to.saturating_sub(HEADER_LEN + f.body.len());
         let body = link.rx.body(&f);
         let inbound = match session.handle_frame(&f.header, body) {
             Ok(i) => i,
@@ -182,8 +245,24 @@ fn process<S: Sink + ?Sized>(
                 link.tx.append(&frame(FrameKind::VolumeReply, &reply.encode()));
             }
             Inbound::Requests(caravan) => {
-                bug.before_caravan(host);
-                execute_caravan(&caravan, session, link.tx, &mut link.later, host, link.stats, caps, bug);
+                let from = std::mem::take(&mut waits.answered);
+                if from == 0 {
+                    bug.before_caravan(host);
+                }
+                let gate = &mut link.gate;
+                let mut ready = |req: &Request, later: &Later<'_>| {
+                    !gated || gate.ready(later, |batch| prepare(req, session, host, batch))
+                };
+                let out = Out { tx: &mut *link.tx, later: &mut link.later, stats: link.stats, caps };
+                let Some(at) = execute_caravan(&caravan, from, session, out, &mut ready, host, bug) else {
+                    continue;
+                };
+                // The request at `at` waits for its pages: it and the rest stay in the
+                // buffer (what they will read was started by the look-ahead).
+                link.rx.unread(&f);
+                waits.looked_to = looked_to;
+                waits.answered = at;
+                return;
             }
             Inbound::GoAway(goaway) => {
                 // The initiator is done: what it sent before is answered (it was executed in
@@ -195,48 +274,32 @@ fn process<S: Sink + ?Sized>(
     }
 }
 
-/// Let the backends start what the READs and WRITEs of every complete caravan in `rx` would
-/// wait for, on `batch` ([`Link::batch`]). Nothing is consumed or answered here; a frame that
-/// does not parse, or a request that would be refused, is left for `process` to answer.
-fn look_ahead(rx: &[u8], session: &ServerSession, host: &impl Host, batch: &Arc<Batch>) {
-    let io_bytes_max = session.limits().io_bytes_max;
-    let mut at = 0;
-    while let Ok(Some(header)) = wire::framing::peek_header(&rx[at..]) {
-        let len = header.frame_len();
-        if rx.len() - at < len {
-            break;
-        }
-        if header.kind == FrameKind::Requests {
-            let body = &rx[at + HEADER_LEN..at + len];
-            let Ok(caravan) = RequestCaravan::parse(&header, body) else { break };
-            for req in caravan.iter().filter_map(|(parsed, _)| parsed.ok()) {
-                // A direct read is prepared like a read: its reference is checked when it
-                // executes, and a wrong one has cost no more than the read it names.
-                let write = match req.opcode {
-                    Opcode::Read | Opcode::DirectRead => false,
-                    Opcode::Write | Opcode::DirectWrite if !session.is_read_only(req.handle) => true,
-                    _ => continue,
-                };
-                let io = Io { opcode: if write { Opcode::Write } else { Opcode::Read }, ..Io::from(&req) };
-                let Some(export) = session.resolve(req.handle).and_then(|i| host.exports().get(i)) else {
-                    continue;
-                };
-                // A pool's request is prepared only under a grant the connection holds now
-                // (one presented in this same read is bound later: its request just waits
-                // for its pages when it runs). Judged as a read: a write's own check marks
-                // the regions it touches, which only its execution may do.
-                let judged = || {
-                    let read = Io { opcode: Opcode::Read, ..io };
-                    export.judge(&read, Held { session, handle: req.handle }).is_ok()
-                };
-                if crate::validate(export, &io, io_bytes_max).is_ok()
-                    && (!export.judges_requests() || judged())
-                {
-                    export.backend.prepare(io.offset, io.length.into(), write, batch);
-                }
-            }
-        }
-        at += len;
+/// Let the backends start, on `batch`, what a READ or WRITE would wait for ([`Gate`](super::Gate)). A
+/// request that would be refused starts nothing: it is answered when it runs.
+fn prepare(req: &Request, session: &ServerSession, host: &impl Host, batch: &Arc<Batch>) {
+    // A direct read is prepared like a read: its reference is checked when it executes, and a
+    // wrong one has cost no more than the read it names.
+    let write = match req.opcode {
+        Opcode::Read | Opcode::DirectRead => false,
+        Opcode::Write | Opcode::DirectWrite if !session.is_read_only(req.handle) => true,
+        _ => return,
+    };
+    let io = Io { opcode: if write { Opcode::Write } else { Opcode::Read }, ..Io::from(req) };
+    let Some(export) = session.resolve(req.handle).and_then(|i| host.exports().get(i)) else {
+        return;
+    };
+    // A pool's request is prepared only under a grant the connection holds now (one presented
+    // in this same read is bound later: its request just waits for its pages when it runs).
+    // Judged as a read: a write's own check marks the regions it touches, which only its
+    // execution may do.
+    let judged = || {
+        let read = Io { opcode: Opcode::Read, ..io };
+        export.judge(&read, Held { session, handle: req.handle }).is_ok()
+    };
+    if crate::validate(export, &io, session.limits().io_bytes_max).is_ok()
+        && (!export.judges_requests() || judged())
+    {
+        export.backend.prepare(io.offset, io.length.into(), write, batch);
     }
 }
 
@@ -459,6 +522,16 @@ impl CompletionWriter {
         self.used += 1;
     }
 
+    /// End here, before the requests left: seal what was answered, or take back the empty
+    /// caravan begun for them.
+    fn stop<S: Sink + ?Sized>(&self, tx: &mut S, stats: &FrontStats) {
+        if self.used == 0 {
+            tx.truncate(self.frame_start);
+        } else {
+            self.seal(tx, stats);
+        }
+    }
+
     fn seal<S: Sink + ?Sized>(&self, tx: &mut S, stats: &FrontStats) {
         assert_eq!(
             self.described, self.data_bytes,
@@ -481,26 +554,47 @@ impl CompletionWriter {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Where a caravan's answers go: the connection's sink, the batch its durability is started
+/// on, its counters, and the capabilities its reads earn.
+struct Out<'o, 'a, S: ?Sized> {
+    tx: &'o mut S,
+    later: &'o mut Later<'a>,
+    stats: &'o FrontStats,
+    caps: &'o mut Vec<Capability>,
+}
+
+/// Execute the requests of `caravan` from request `from` on, in order, and answer them with
+/// one completion caravan (split only by the caravan byte limit). Before each, `ready` says
+/// whether it may run now (`Gate::ready`); the first that may not ends the caravan's answer
+/// there, and its index is returned: it and the rest run later.
 fn execute_caravan<S: Sink + ?Sized>(
     caravan: &RequestCaravan<'_>,
+    from: usize,
     session: &ServerSession,
-    tx: &mut S,
-    later: &mut Later<'_>,
+    out: Out<'_, '_, S>,
+    ready: &mut impl FnMut(&Request, &Later<'_>) -> bool,
     host: &impl Host,
-    stats: &FrontStats,
-    caps: &mut Vec<Capability>,
     bug: &mut mutation::Bug,
-) {
-    stats.record_caravan(caravan.len());
-    if caravan.is_empty() {
+) -> Option<usize> {
+    let Out { tx, later, stats, caps } = out;
+    if from == 0 {
+        stats.record_caravan(caravan.len());
+    }
+    if caravan.len() <= from {
         // Well-formed, and carries nothing: nothing to answer.
-        return;
+        return None;
     }
     let limits = session.limits();
-    let mut out = CompletionWriter::begin(tx, caravan.len(), limits.caravan_bytes_max as usize);
+    let mut out = CompletionWriter::begin(tx, caravan.len() - from, limits.caravan_bytes_max as usize);
     let mut laps = Laps::start(host);
-    for (parsed, payload) in caravan.iter() {
+    for (i, (parsed, payload)) in caravan.iter().enumerate().skip(from) {
+        if let Ok(req) = &parsed {
+            if !ready(req, later) {
+                out.stop(tx, stats);
+                send_capabilities(caps, tx, stats);
+                return Some(i);
+            }
+        }
         let req = match parsed {
             Ok(req) => req,
             Err(refused) => {
@@ -581,6 +675,7 @@ fn execute_caravan<S: Sink + ?Sized>(
     }
     out.seal(tx, stats);
     send_capabilities(caps, tx, stats);
+    None
 }
 
 /// Seal the capabilities a successful read earned (see [`crate::direct`]) into `caps`.
@@ -785,5 +880,366 @@ mod mutation {
         pub fn write(&mut self, _: u32, _: &Io, _: &[u8]) -> Option<wire::Status> {
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod prefix_tests {
+    //! The longest ready prefix: a connection answers its requests in order up to the first
+    //! whose pages are being read, and the rest once they land.
+
+    use std::collections::BTreeSet;
+    use std::sync::Mutex;
+
+    use backend::{Backend, Wake};
+    use wire::caravan::CompletionCaravan;
+    use wire::{FrameBuffer, Hello, Limits, StatsReply, REQUEST_DESC_LEN};
+
+    use super::*;
+    use crate::front::{Gate, Sealed};
+    use crate::{BackendSpec, ExportTable};
+
+    /// A RAM volume whose pages at `cold` offsets must be read first: preparing a request on
+    /// one adds to the batch, which [`land`](Cold::land) ends.
+    struct Cold {
+        ram: Arc<dyn Backend>,
+        cold: Mutex<BTreeSet<u64>>,
+        /// The batches waiting for each cold offset's read.
+        going: Mutex<Vec<(u64, Arc<Batch>)>>,
+        /// Every offset prepared, in order.
+        prepared: Mutex<Vec<u64>>,
+        /// Durability started on batches (FLUSH and FUA), not done yet.
+        syncing: Mutex<Vec<Arc<Batch>>>,
+    }
+
+    impl Cold {
+        fn new(cold: &[u64]) -> Arc<Cold> {
+            let ram = backend::open(&BackendSpec::Ram { size_bytes: 1 << 20 }, false).unwrap();
+            // Every byte says where it lies, so a reply with another request's data shows.
+            let pattern: Vec<u8> = (0..1u32 << 20).map(|i| (i / 4096 * 7 + i % 251) as u8).collect();
+            ram.write_at(&pattern, 0, false).unwrap();
+            Arc::new(Cold {
+                ram,
+                cold: Mutex::new(cold.iter().copied().collect()),
+                going: Mutex::default(),
+                prepared: Mutex::default(),
+                syncing: Mutex::default(),
+            })
+        }
+
+        /// The read of the page at `offset` lands.
+        fn land(&self, offset: u64) {
+            self.cold.lock().unwrap().remove(&offset);
+            let mut going = self.going.lock().unwrap();
+            let (landed, left) = going.drain(..).partition::<Vec<_>, _>(|(o, _)| *o == offset);
+            *going = left;
+            drop(going);
+            landed.into_iter().for_each(|(_, b)| b.done());
+        }
+
+        fn synced(&self) {
+            std::mem::take(&mut *self.syncing.lock().unwrap()).into_iter().for_each(|b| b.done());
+        }
+
+        fn prepared(&self) -> Vec<u64> {
+            std::mem::take(&mut *self.prepared.lock().unwrap())
+        }
+    }
+
+    impl Backend for Cold {
+        fn kind(&self) -> &'static str {
+            "cold"
+        }
+        fn size_bytes(&self) -> u64 {
+            self.ram.size_bytes()
+        }
+        fn block_size(&self) -> u32 {
+            self.ram.block_size()
+        }
+        fn is_read_only(&self) -> bool {
+            false
+        }
+        fn capabilities(&self) -> backend::Capabilities {
+            backend::Capabilities::ALL
+        }
+        fn read_at(&self, buf: &mut [u8], offset: u64) -> backend::Result<()> {
+            assert!(!self.cold.lock().unwrap().contains(&offset), "a read ran before its page landed");
+            self.ram.read_at(buf, offset)
+        }
+        fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> backend::Result<()> {
+            self.ram.write_at(buf, offset, fua)
+        }
+        fn flush(&self) -> backend::Result<()> {
+            Ok(())
+        }
+        fn trim(&self, offset: u64, len: u64) -> backend::Result<()> {
+            self.ram.trim(offset, len)
+        }
+        fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> backend::Result<()> {
+            self.ram.write_zeroes(offset, len, fua)
+        }
+        fn prepare(&self, offset: u64, _len: u64, _write: bool, batch: &Arc<Batch>) {
+            self.prepared.lock().unwrap().push(offset);
+            if self.cold.lock().unwrap().contains(&offset) {
+                batch.add();
+                self.going.lock().unwrap().push((offset, batch.clone()));
+            }
+        }
+        fn may_wait(&self) -> bool {
+            true
+        }
+        fn syncs_later(&self) -> bool {
+            true
+        }
+        fn sync_later(&self, batch: &Arc<Batch>) {
+            batch.add();
+            self.syncing.lock().unwrap().push(batch.clone());
+        }
+    }
+
+    struct TestHost {
+        exports: ExportTable,
+    }
+
+    impl Host for TestHost {
+        fn exports(&self) -> &ExportTable {
+            &self.exports
+        }
+        fn io_bytes_max(&self) -> u32 {
+            1 << 16
+        }
+        fn stats_reply(&self) -> StatsReply {
+            StatsReply { entries: Vec::new() }
+        }
+    }
+
+    #[derive(Default)]
+    struct Woken(Mutex<u32>);
+
+    impl Wake for Woken {
+        fn wake(&self, _token: u64) {
+            *self.0.lock().unwrap() += 1;
+        }
+    }
+
+    /// A connection to one export over `Cold`, with its handshake done.
+    struct Rig {
+        conn: NativeConn,
+        host: TestHost,
+        cold: Arc<Cold>,
+        rx: FrameBuffer,
+        tx: Vec<u8>,
+        woken: Arc<Woken>,
+        batch: Arc<Batch>,
+        stats: FrontStats,
+    }
+
+    /// What a pass left: the tags of each completion caravan sent, and how it ended.
+    #[derive(Debug, PartialEq)]
+    struct Pass {
+        caravans: Vec<Vec<u32>>,
+        waiting: bool,
+        stopped: bool,
+        sealed: Sealed,
+    }
+
+    const LIMITS: Limits =
+        Limits { queue_depth: 64, caravan_reqs_max: 16, caravan_bytes_max: 1 << 20, io_bytes_max: 1 << 16 };
+
+    impl Rig {
+        fn new(cold: &[u64]) -> Rig {
+            let cold = Cold::new(cold);
+            let host = TestHost { exports: ExportTable::new(vec![Export::new("vol", cold.clone(), false)]) };
+            let woken = Arc::new(Woken::default());
+            let batch = Arc::new(Batch::new(woken.clone(), 9));
+            let mut rig = Rig {
+                conn: NativeConn::new(LIMITS, 4),
+                host,
+                cold,
+                rx: FrameBuffer::new(),
+                tx: Vec::new(),
+                woken,
+                batch,
+                stats: FrontStats::default(),
+            };
+            let hello = Hello { version_min: 1, version_max: 1, features: 0, limits: LIMITS, auth: None };
+            rig.rx.extend(&frame(FrameKind::Hello, &hello.encode()));
+            rig.rx.extend(&frame(FrameKind::Open, &wire::Open { name: "vol".into() }.encode()));
+            assert_eq!(rig.pass(false).caravans, Vec::<Vec<u32>>::new());
+            rig
+        }
+
+        /// A caravan of 4 KiB requests: (tag, opcode, offset, flags); writes carry the
+        /// page's own pattern.
+        fn send(&mut self, reqs: &[(u32, Opcode, u64, ReqFlags)]) {
+            let writes = reqs.iter().filter(|r| r.1 == Opcode::Write).count();
+            let header = Header {
+                kind: FrameKind::Requests,
+                desc_count: reqs.len() as u16,
+                payload_len: (writes * 4096) as u32,
+            };
+            let mut out = header.to_bytes().to_vec();
+            for &(tag, opcode, offset, flags) in reqs {
+                let mut desc = [0; REQUEST_DESC_LEN];
+                Request { opcode, flags, tag, handle: 0, offset, length: 4096 }.emit(&mut desc);
+                out.extend(desc);
+            }
+            for &(_, opcode, offset, _) in reqs {
+                if opcode == Opcode::Write {
+                    let mut page = vec![0; 4096];
+                    self.cold.ram.read_at(&mut page, offset).unwrap();
+                    out.extend(page);
+                }
+            }
+            self.rx.extend(&out);
+        }
+
+        /// One processing pass, as the server's driver runs it; every read's data is checked.
+        fn pass(&mut self, resumed: bool) -> Pass {
+            let mut closing = false;
+            let mut link = Link {
+                rx: &mut self.rx,
+                tx: &mut self.tx,
+                closing: &mut closing,
+                peer: "test",
+                stats: &self.stats,
+                backlog_max: usize::MAX,
+                gate: Gate::new(Some(&self.batch), resumed),
+                later: Later::new(Some(&self.batch)),
+            };
+            self.conn.process(&mut link, &self.host);
+            let (waiting, stopped, sealed) = (link.gate.waiting, link.gate.stopped, link.later.seal());
+            assert!(!closing);
+            Pass { caravans: self.completions(), waiting, stopped, sealed }
+        }
+
+        /// The tags of the completion caravans queued since the last pass.
+        fn completions(&mut self) -> Vec<Vec<u32>> {
+            let tx = std::mem::take(&mut self.tx);
+            let mut at = 0;
+            let mut caravans = Vec::new();
+            while at < tx.len() {
+                let header = Header::parse(&tx[at..at + HEADER_LEN]).unwrap();
+                let body = &tx[at + HEADER_LEN..at + header.frame_len()];
+                if header.kind == FrameKind::Completions {
+                    let caravan = CompletionCaravan::parse(&header, body).unwrap();
+                    caravans.push(caravan.iter().map(|(c, _)| c.tag).collect());
+                    for (c, data) in caravan.iter() {
+                        assert_eq!(c.status, Status::Ok, "tag {}", c.tag);
+                        let mut want = vec![0; data.len()];
+                        self.cold.ram.read_at(&mut want, u64::from(c.tag) * 4096).unwrap();
+                        assert!(data == want, "tag {} carries another page's bytes", c.tag);
+                    }
+                }
+                at += header.frame_len();
+            }
+            caravans
+        }
+
+        fn woken(&self) -> u32 {
+            *self.woken.0.lock().unwrap()
+        }
+    }
+
+    /// A read of page `tag`, tagged with its page number.
+    fn read(tag: u32) -> (u32, Opcode, u64, ReqFlags) {
+        (tag, Opcode::Read, u64::from(tag) * 4096, ReqFlags::empty())
+    }
+
+    #[test]
+    fn requests_are_answered_up_to_the_first_that_waits_and_the_rest_once_it_lands() {
+        let page = |p: u64| p * 4096;
+        let mut rig = Rig::new(&[page(2), page(4)]);
+        rig.send(&[read(0), read(1), read(2), read(3), read(4)]);
+        rig.send(&[read(5)]);
+
+        let first = rig.pass(false);
+        assert_eq!(
+            first,
+            Pass { caravans: vec![vec![0, 1]], waiting: true, stopped: false, sealed: Sealed::Free }
+        );
+        // Everything at once on the look-ahead's batch, then each request in turn on the
+        // connection's, up to the one that waits.
+        assert_eq!(rig.cold.prepared(), [0, 1, 2, 3, 4, 5, 0, 1, 2].map(page));
+        assert_eq!(rig.cold.going.lock().unwrap().len(), 3, "pages 2 and 4 read at once, page 2 waited for");
+
+        rig.cold.land(page(2));
+        assert_eq!(rig.woken(), 1, "the head's read woke the driver");
+        let second = rig.pass(true);
+        assert_eq!(
+            second,
+            Pass { caravans: vec![vec![2, 3]], waiting: true, stopped: false, sealed: Sealed::Free }
+        );
+        // The request that waited runs unprepared, and the look-ahead has seen the rest.
+        assert_eq!(rig.cold.prepared(), [page(3), page(4)]);
+
+        rig.cold.land(page(4));
+        assert_eq!(rig.woken(), 2);
+        let third = rig.pass(true);
+        assert_eq!(
+            third,
+            Pass { caravans: vec![vec![4], vec![5]], waiting: false, stopped: false, sealed: Sealed::Free }
+        );
+        assert_eq!(rig.cold.prepared(), [], "nothing left going: the rest runs as it comes");
+        assert_eq!(rig.rx.pending(), 0);
+        assert_eq!(
+            rig.stats.caravans_received.load(std::sync::atomic::Ordering::Relaxed),
+            2,
+            "each caravan counted once"
+        );
+    }
+
+    #[test]
+    fn a_request_that_waits_first_answers_nothing_of_its_caravan() {
+        let mut rig = Rig::new(&[0]);
+        rig.send(&[read(0), read(1)]);
+        let first = rig.pass(false);
+        assert_eq!(first, Pass { caravans: vec![], waiting: true, stopped: false, sealed: Sealed::Free });
+        rig.cold.land(0);
+        assert_eq!(rig.pass(true).caravans, vec![vec![0, 1]]);
+    }
+
+    #[test]
+    fn after_a_fua_write_a_request_that_waits_joins_the_durability_wait() {
+        let mut rig = Rig::new(&[4096]);
+        rig.send(&[(0, Opcode::Write, 0, ReqFlags::FUA), read(1), read(2)]);
+        let first = rig.pass(false);
+        // The write is answered (its reply held for its durability); the read of page 1 waits
+        // on the same batch, so nothing after it runs yet.
+        assert_eq!(
+            first,
+            Pass { caravans: vec![vec![0]], waiting: false, stopped: true, sealed: Sealed::Wait }
+        );
+        rig.cold.land(4096);
+        assert_eq!(rig.woken(), 0, "the sync is still going");
+        rig.cold.synced();
+        assert_eq!(rig.woken(), 1);
+        // Woken for the replies: the read is prepared again, finds its page, and runs.
+        assert_eq!(rig.pass(false).caravans, vec![vec![1, 2]]);
+
+        // Both done before the seal: no wake comes, and the driver comes back by itself.
+        rig.send(&[(3, Opcode::Write, 0, ReqFlags::FUA), read(1)]);
+        rig.cold.cold.lock().unwrap().insert(4096);
+        let batch = rig.batch.clone();
+        let pass = {
+            let mut closing = false;
+            let mut link = Link {
+                rx: &mut rig.rx,
+                tx: &mut rig.tx,
+                closing: &mut closing,
+                peer: "test",
+                stats: &rig.stats,
+                backlog_max: usize::MAX,
+                gate: Gate::new(Some(&batch), false),
+                later: Later::new(Some(&batch)),
+            };
+            rig.conn.process(&mut link, &rig.host);
+            rig.cold.land(4096);
+            rig.cold.synced();
+            (link.gate.stopped, link.later.seal())
+        };
+        assert_eq!(pass, (true, Sealed::Free));
+        assert_eq!(rig.completions(), vec![vec![3]]);
+        assert_eq!(rig.pass(false).caravans, vec![vec![1]]);
     }
 }

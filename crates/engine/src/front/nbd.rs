@@ -516,7 +516,7 @@ fn io_of(req: &Request, opcode: Opcode) -> Io {
 }
 
 /// Let the export's backend start what the READs and WRITEs among the complete requests at
-/// the start of `rx` would wait for, on `batch` ([`Link::batch`]). Nothing is consumed or
+/// the start of `rx` would wait for, on `batch` ([`Gate::batch`](super::Gate::batch)). Nothing is consumed or
 /// answered here; the first request that does not parse ends the look.
 fn look_ahead(rx: &[u8], session: &Session, export: &Export, io_bytes_max: u32, batch: &Arc<Batch>) {
     let mut at = 0;
