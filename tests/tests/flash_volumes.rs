@@ -2,7 +2,7 @@
 //! array with nothing to replay, volume requests on a keyed target need a key, and volumes
 //! come and go while other connections keep working.
 
-use initiator::{Client, Endpoint, Lane, LaneConfig, VolumeBody, VolumeOp, VolumeRequest};
+use initiator::{Client, Endpoint, Lane, LaneConfig, Queue, VolumeBody, VolumeOp, VolumeRequest};
 use server::{FlashConfig, Target};
 use skiff_tests::{flash_array, start_target_with, tcp_endpoint};
 use wire::Status;
@@ -260,6 +260,69 @@ fn a_read_larger_than_the_read_queue_is_read_ahead_in_rounds() {
     assert!(back == data, "other bytes came back");
     let (misses, ahead) = (stat(&mut client, "pool_misses"), stat(&mut client, "pages_read_async"));
     assert_eq!(misses, (len / 4096) as u64, "every page missed once");
+    assert_eq!(ahead, misses, "{} of {misses} cold pages were read on the worker", misses - ahead);
+}
+
+/// Many small cold reads at once, needing more device reads than the array's read queue
+/// holds: the look-ahead starts what the queue takes and cuts its batch short, and the caravans
+/// it could not start whole are looked at again in the next pass, so no page is read on the
+/// worker's thread while requests before it are answered as their pages land. The pages were
+/// written in a shuffled order, so neighbours in the volume do not lie next to each other on
+/// the device: each is a read of its own. (Built first without the second look, the pages
+/// past the queue's first fill were read on the worker.)
+#[test]
+fn many_cold_reads_beyond_the_read_queue_are_all_read_ahead() {
+    let (_dir, devices) = flash_array(1, 128 << 20);
+    let start = || {
+        start_target_with(&[], |c| {
+            c.flash = Some(FlashConfig {
+                devices: devices.to_vec(),
+                pool_bytes: 16 << 20,
+                map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
+                read_depth: 16,
+                references: None,
+                rstore_pool: None,
+            });
+        })
+    };
+    let pages = 1024usize;
+    let data = page_numbered(pages * 4096, 7_919);
+    {
+        let t = start();
+        let ep = tcp_endpoint(&t);
+        let mut client = Client::connect(&ep).unwrap();
+        let create = request(VolumeOp::Create, "v", "", data.len() as u64);
+        assert_eq!(client.volume(&create).unwrap().status, Status::Ok);
+        let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
+        // 389 is prime to 1024: every page once, no two neighbours one after the other.
+        for k in 0..pages {
+            let p = k * 389 % pages;
+            lane.write_at(&data[p * 4096..(p + 1) * 4096], (p * 4096) as u64).unwrap();
+        }
+    }
+    // A clean stop wrote everything back: every page is cold now.
+    let t = start();
+    let ep = tcp_endpoint(&t);
+    let mut client = Client::connect(&ep).unwrap();
+    let mut lane = Lane::connect(&ep, "v", &LaneConfig::default()).unwrap();
+    let mut back = vec![0u8; data.len()];
+    let (mut submitted, mut landed, mut done) = (0, 0, Vec::new());
+    while landed < pages {
+        while submitted < pages && submitted - landed < 128 {
+            lane.submit_read((submitted * 4096) as u64, vec![0; 4096], submitted as u64).unwrap();
+            submitted += 1;
+        }
+        lane.wait(1, &mut done).unwrap();
+        for c in done.drain(..) {
+            assert_eq!(c.status, Status::Ok, "read of page {}", c.user_data);
+            let p = c.user_data as usize;
+            back[p * 4096..(p + 1) * 4096].copy_from_slice(&c.buf.unwrap());
+            landed += 1;
+        }
+    }
+    assert!(back == data, "other bytes came back");
+    let (misses, ahead) = (stat(&mut client, "pool_misses"), stat(&mut client, "pages_read_async"));
+    assert_eq!(misses, pages as u64, "every page missed once");
     assert_eq!(ahead, misses, "{} of {misses} cold pages were read on the worker", misses - ahead);
 }
 

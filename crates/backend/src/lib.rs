@@ -280,6 +280,12 @@ impl Batch {
         self.short.load(Ordering::Relaxed)
     }
 
+    /// Whether a backend [cut](Self::cut_short) the batch short since the last call, and clear
+    /// it: for a [detached](Self::detached) batch, which is never opened.
+    pub fn take_cut_short(&self) -> bool {
+        self.short.swap(false, Ordering::Relaxed)
+    }
+
     /// A piece of work failed in a way the replies waiting on the batch must not hide: call
     /// before its [`done`](Self::done).
     pub fn fail(&self) {

@@ -1065,17 +1065,7 @@ impl Array {
                 match ahead {
                     Ahead::Nothing => continue,
                     Ahead::Arriving(slot) => {
-                        // Read for someone else already: wait for that read, parked, rather
-                        // than on the worker when the request runs. Under the controller's
-                        // lock, so the read cannot end before this batch is on its list.
-                        batch.add();
-                        let mut arriving = self.arriving.lock().unwrap_or_else(|p| p.into_inner());
-                        let waiting = arriving.entry(slot).or_default();
-                        if waiting.is_empty() {
-                            self.arriving_slots.fetch_add(1, Ordering::Relaxed);
-                        }
-                        waiting.push(batch.clone());
-                        self.pages_joined.fetch_add(1, Ordering::Relaxed);
+                        self.join(&c, slot, batch);
                         continue;
                     }
                     Ahead::Page | Ahead::Leaf(_) => {}
@@ -1164,6 +1154,21 @@ impl Array {
         }
     }
 
+    /// Count `batch` on the read bringing `slot` in for someone else, and end it there when
+    /// that read ends: the request waits for it parked, rather than on the worker when it
+    /// runs. Under the controller's lock (`_c`), so the read cannot end before `batch` is on
+    /// its list.
+    fn join(&self, _c: &Controller, slot: u32, batch: &Arc<Batch>) {
+        batch.add();
+        let mut arriving = self.arriving.lock().unwrap_or_else(|p| p.into_inner());
+        let waiting = arriving.entry(slot).or_default();
+        if waiting.is_empty() {
+            self.arriving_slots.fetch_add(1, Ordering::Relaxed);
+        }
+        waiting.push(batch.clone());
+        self.pages_joined.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// A read [`prefetch`](Array::prefetch) started landed (or failed: a page leaves the pool,
     /// and whoever needs it reads it the ordinary way, meeting the error there if it lasts; a
     /// leaf stays evicted, and is read back the ordinary way).
@@ -1208,9 +1213,21 @@ impl Array {
                     if back {
                         c.shed();
                         self.leaves_read_async.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // The pages under the leaf, whether this read put it back or another did
+                    // meanwhile (two look-aheads met the same evicted leaf, and the other
+                    // started the pages' reads: this batch joins them).
+                    if result.is_ok() {
                         for vpage in first..=last {
-                            if overwritten(whole, vpage) || c.ahead(vol, vpage) != Ahead::Page {
-                                continue;
+                            let ahead =
+                                if overwritten(whole, vpage) { Ahead::Nothing } else { c.ahead(vol, vpage) };
+                            match ahead {
+                                Ahead::Page => {}
+                                Ahead::Arriving(slot) => {
+                                    self.join(&c, slot, &batch);
+                                    continue;
+                                }
+                                Ahead::Nothing | Ahead::Leaf(_) => continue,
                             }
                             if room == 0 {
                                 batch.cut_short();

@@ -375,3 +375,64 @@ fn a_prefetch_reads_an_evicted_leaf_back_and_then_the_page() {
     assert!(s.map_leaves_resident <= 2, "the budget still holds: {s:?}");
     a.audit().unwrap();
 }
+
+/// Two look-aheads meet the same evicted leaf, and each reads it (leaf reads in flight are not
+/// joined). The first to land puts the leaf back and starts the page's read; the second, landing
+/// after, finds the leaf back already and must join that page's read rather than end its batch
+/// at once, which would wake its driver to run a request whose page is still on its way in
+/// (and so block the worker). Landed in that order on held reads.
+#[test]
+fn a_leaf_read_back_by_another_look_ahead_still_waits_for_its_pages() {
+    const LEAVES: u64 = 8;
+    let dir = tempfile::tempdir().unwrap();
+    let a = file_array(&dir, 64);
+    let vol = a.create("v", LEAVES * 512 * PAGE as u64).unwrap();
+    for l in 0..LEAVES {
+        a.write(vol, (l * 512 + 7) * PAGE as u64, &page_of(l), false).unwrap();
+    }
+    a.shutdown().unwrap();
+    drop(a);
+    let budget = Config { pool_pages: 64, map_budget: 2 * skiff_flash::ctl::LEAF_BYTES, ..Config::default() };
+    let a = file_array_with(&dir, budget);
+    assert!(a.hold_reads(32));
+    let vol = a.id_of("v").unwrap();
+    let (first, first_woken) = batch(1);
+    let (second, second_woken) = batch(2);
+    let mut met = 0;
+    for l in 0..LEAVES {
+        let at = (l * 512 + 7) * PAGE as u64;
+        first.open();
+        a.prefetch(vol, at, PAGE as u64, false, &first);
+        second.open();
+        a.prefetch(vol, at, PAGE as u64, false, &second);
+        let (first_waits, second_waits) = (first.seal(), second.seal());
+        assert!(first_waits && second_waits, "leaf {l}: the page is cold");
+        if a.held_reads() == 2 {
+            // Two reads of the leaf: the second look did not join the first's (a page read
+            // would have been joined). The first lands, puts the leaf back, starts the page.
+            met += 1;
+            assert!(a.land_held(0, false));
+            assert_eq!(a.held_reads(), 2, "leaf {l}: the second leaf read, and the page's");
+            assert!(a.land_held(0, false));
+            assert!(
+                second_woken.try_recv().is_err(),
+                "leaf {l}: the second batch woke before its page landed"
+            );
+            assert_eq!(a.held_reads(), 1, "leaf {l}: the page's read, once");
+        }
+        while a.held_reads() > 0 {
+            assert!(a.land_held(0, false));
+        }
+        for woken in [&first_woken, &second_woken] {
+            assert!(woken.recv_timeout(WAKE_GUARD).is_ok(), "leaf {l}: a batch never woke");
+            assert!(woken.try_recv().is_err(), "leaf {l}: one wake per batch");
+        }
+        let before = a.stats().counters;
+        let mut back = vec![0u8; PAGE];
+        a.read(vol, at, &mut back).unwrap();
+        assert!(back == page_of(l), "leaf {l}: the page reads back other bytes");
+        assert_eq!(a.stats().counters.pool_hits - before.pool_hits, 1, "leaf {l}: the page was in the pool");
+    }
+    assert!(met > 0, "no leaf was evicted: the budget did not bind");
+    a.audit().unwrap();
+}

@@ -358,8 +358,8 @@ impl<S: ConnStream> Conn<S> {
         self.batch.as_ref().map(|b| b.token())
     }
 
-    /// The batch its requests waited for has landed: execute them next (without looking
-    /// ahead again), then read on.
+    /// The batch its requests waited for has landed: execute them next (the one that waited
+    /// without being prepared again), then read on.
     pub fn resume(&mut self) {
         if !self.waiting() {
             return;

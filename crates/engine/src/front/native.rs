@@ -65,14 +65,17 @@ struct Waits {
 impl Waits {
     /// Let the backends start what every complete request in `rx` not looked at yet would
     /// wait for, on the look-ahead's batch, so that it all goes at once; returns whether any of
-    /// what the look-ahead started is still going. While none is, the requests run as they
-    /// come (a page taken from the pool since is read the ordinary way); while some is, each
-    /// is asked first whether it is ready (`Gate::ready`). Nothing is consumed or answered
-    /// here; a frame that does not parse, or a request that would be refused, is left for
-    /// `process` to answer.
+    /// what the look-ahead started is still going, or it could not start it all. While
+    /// neither, the requests run as they come (a page taken from the pool since is read the
+    /// ordinary way); else each is asked first whether it is ready (`Gate::ready`). A caravan
+    /// whose reads a backend could not all start (its read queue was full: the batch is cut
+    /// short) is looked at again in the next pass, when those started have made room. Nothing
+    /// is consumed or answered here; a frame that does not parse, or a request that would be
+    /// refused, is left for `process` to answer.
     fn look_ahead(&mut self, rx: &[u8], session: &ServerSession, host: &impl Host) -> bool {
         let ahead = self.ahead.get_or_insert_with(|| Arc::new(Batch::detached()));
         let mut at = self.looked_to;
+        let mut cut = false;
         while let Ok(Some(header)) = wire::framing::peek_header(&rx[at..]) {
             let len = header.frame_len();
             if rx.len() - at < len {
@@ -84,12 +87,19 @@ impl Waits {
                 let answered = if at == 0 { self.answered } else { 0 };
                 for req in caravan.iter().skip(answered).filter_map(|(parsed, _)| parsed.ok()) {
                     prepare(&req, session, host, ahead);
+                    if ahead.was_cut_short() {
+                        break;
+                    }
+                }
+                if ahead.take_cut_short() {
+                    cut = true;
+                    break;
                 }
             }
             at += len;
         }
         self.looked_to = at;
-        ahead.outstanding() > 0
+        cut || ahead.outstanding() > 0
     }
 }
 
