@@ -474,8 +474,9 @@ def plan(a):
                       rwmixread=None if r in (0, 100) else r))
                 for r in ([0, 50, 100] if q else [0, 30, 50, 70, 100])]
     p["threads"] = [({"rw": rw, "numjobs": n, "qd": 4}, dict(rw=rw, qd=4, numjobs=n))
-                    for rw in (["randread"] if q else ["randread", "randwrite"])
-                    for n in ([1, 4, 16] if q else pow2(1, 128))]
+                    for rw in (a.threads_rw.split(",") if a.threads_rw else ["randread"] if q else ["randread", "randwrite"])
+                    for n in ([int(j) for j in a.threads_jobs.split(",")] if a.threads_jobs
+                              else [1, 4, 16] if q else pow2(1, 128))]
     p["sizes"] = [({"rw": "randread", "numjobs": 32, "qd": 4, "streams": a.streams,
                     "interval_s": a.interval}, None)]
     p["qd1"] = [({"rw": rw, "bs": bs, "qd": 1}, dict(rw=rw, bs=bs, qd=1))
@@ -1160,6 +1161,8 @@ def main():
     p.add_argument("--interval", type=int, help="seconds between 128 KiB streams in `sizes` (default 4, quick 2)")
     p.add_argument("--streams", type=int, help="128 KiB streams added in `sizes` (default 3, quick 2)")
     p.add_argument("--link-seconds", type=int, help="iperf3 duration (default 3, quick 2)")
+    p.add_argument("--threads-jobs", metavar="N,N", help="fio jobs of the `threads` sweep (default 1 to 128 by powers of 2)")
+    p.add_argument("--threads-rw", metavar="RW,RW", help="workloads of the `threads` sweep (default randread,randwrite)")
     p.add_argument("--skiff", default="target/release/skiff")
     p.add_argument("--engine", default=ENGINE)
     p.add_argument("--before-engine", metavar="SO",
