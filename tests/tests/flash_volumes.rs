@@ -21,6 +21,20 @@ fn with_flash(devices: &[std::path::PathBuf], exports: &[&str], keys: Vec<proto:
     })
 }
 
+/// A target on `devices` with a 16 MiB page pool and a read ring of `depth`.
+fn with_read_ring(devices: &[std::path::PathBuf], depth: u32) -> Target {
+    start_target_with(&[], |c| {
+        c.flash = Some(FlashConfig {
+            devices: devices.to_vec(),
+            pool_bytes: 16 << 20,
+            map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
+            read_depth: depth,
+            references: None,
+            rstore_pool: None,
+        });
+    })
+}
+
 fn request(op: VolumeOp, name: &str, origin: &str, size_bytes: u64) -> VolumeRequest {
     VolumeRequest { op, name: name.into(), origin: origin.into(), size_bytes }
 }
@@ -236,18 +250,7 @@ fn pool_misses_park_their_requests_and_every_byte_comes_back() {
 #[test]
 fn a_read_larger_than_the_read_queue_is_read_ahead_in_rounds() {
     let (_dir, devices) = flash_array(1, 128 << 20);
-    let start = || {
-        start_target_with(&[], |c| {
-            c.flash = Some(FlashConfig {
-                devices: devices.to_vec(),
-                pool_bytes: 16 << 20,
-                map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
-                read_depth: 16,
-                references: None,
-                rstore_pool: None,
-            });
-        })
-    };
+    let start = || with_read_ring(&devices, 16);
     let len = 8usize << 20;
     let data = page_numbered(len, 40_503);
     write_volume(&start(), &data);
@@ -273,18 +276,7 @@ fn a_read_larger_than_the_read_queue_is_read_ahead_in_rounds() {
 #[test]
 fn many_cold_reads_beyond_the_read_queue_are_all_read_ahead() {
     let (_dir, devices) = flash_array(1, 128 << 20);
-    let start = || {
-        start_target_with(&[], |c| {
-            c.flash = Some(FlashConfig {
-                devices: devices.to_vec(),
-                pool_bytes: 16 << 20,
-                map_bytes: server::FLASH_MAP_BYTES_DEFAULT,
-                read_depth: 16,
-                references: None,
-                rstore_pool: None,
-            });
-        })
-    };
+    let start = || with_read_ring(&devices, 16);
     let pages = 1024usize;
     let data = page_numbered(pages * 4096, 7_919);
     {

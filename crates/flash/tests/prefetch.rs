@@ -332,24 +332,31 @@ fn a_write_into_a_full_pool_parks_while_the_sync_thread_makes_room() {
     a.shutdown().unwrap();
 }
 
+/// An array on files in `dir` whose volume `v` holds one page under each of `leaves` map
+/// leaves (page `l * 512 + 7`, [`page_of`] `l`), reopened with a map budget of two leaves, so
+/// the others come back from the checkpoint when wanted; reads not set up yet.
+fn paged_array(dir: &tempfile::TempDir, leaves: u64) -> (Arc<Array>, VolId) {
+    let a = file_array(dir, 64);
+    let vol = a.create("v", leaves * 512 * PAGE as u64).unwrap();
+    for l in 0..leaves {
+        a.write(vol, (l * 512 + 7) * PAGE as u64, &page_of(l), false).unwrap();
+    }
+    a.shutdown().unwrap();
+    drop(a);
+    let budget = Config { pool_pages: 64, map_budget: 2 * skiff_flash::ctl::LEAF_BYTES, ..Config::default() };
+    let a = file_array_with(dir, budget);
+    let vol = a.id_of("v").unwrap();
+    (a, vol)
+}
+
 /// With the map paged, a read whose leaf was evicted parks while the look-ahead reads the leaf
 /// back on the ring and then the page under it: the request finds its page in the pool.
 #[test]
 fn a_prefetch_reads_an_evicted_leaf_back_and_then_the_page() {
     const LEAVES: u64 = 16;
     let dir = tempfile::tempdir().unwrap();
-    let a = file_array(&dir, 64);
-    let vol = a.create("v", LEAVES * 512 * PAGE as u64).unwrap();
-    for l in 0..LEAVES {
-        a.write(vol, (l * 512 + 7) * PAGE as u64, &page_of(l), false).unwrap();
-    }
-    a.shutdown().unwrap();
-    drop(a);
-    // Two leaves stay in memory after the reopen; fourteen come back from the checkpoint.
-    let budget = Config { pool_pages: 64, map_budget: 2 * skiff_flash::ctl::LEAF_BYTES, ..Config::default() };
-    let a = file_array_with(&dir, budget);
+    let (a, vol) = paged_array(&dir, LEAVES);
     assert!(a.start_reads(32).unwrap());
-    let vol = a.id_of("v").unwrap();
     assert_eq!((a.stats().map_leaves, a.stats().map_leaves_resident), (LEAVES, 2));
     let (b, woken) = batch(5);
     let mut reads = 0;
@@ -385,17 +392,8 @@ fn a_prefetch_reads_an_evicted_leaf_back_and_then_the_page() {
 fn a_leaf_read_back_by_another_look_ahead_still_waits_for_its_pages() {
     const LEAVES: u64 = 8;
     let dir = tempfile::tempdir().unwrap();
-    let a = file_array(&dir, 64);
-    let vol = a.create("v", LEAVES * 512 * PAGE as u64).unwrap();
-    for l in 0..LEAVES {
-        a.write(vol, (l * 512 + 7) * PAGE as u64, &page_of(l), false).unwrap();
-    }
-    a.shutdown().unwrap();
-    drop(a);
-    let budget = Config { pool_pages: 64, map_budget: 2 * skiff_flash::ctl::LEAF_BYTES, ..Config::default() };
-    let a = file_array_with(&dir, budget);
+    let (a, vol) = paged_array(&dir, LEAVES);
     assert!(a.hold_reads(32));
-    let vol = a.id_of("v").unwrap();
     let (first, first_woken) = batch(1);
     let (second, second_woken) = batch(2);
     let mut met = 0;

@@ -1106,6 +1106,11 @@ mod prefix_tests {
 
         /// One processing pass, as the server's driver runs it; every read's data is checked.
         fn pass(&mut self, resumed: bool) -> Pass {
+            self.pass_then(resumed, |_| {})
+        }
+
+        /// [`pass`](Self::pass), with `between` run after the front end and before the seal.
+        fn pass_then(&mut self, resumed: bool, between: impl FnOnce(&Cold)) -> Pass {
             let mut closing = false;
             let mut link = Link {
                 rx: &mut self.rx,
@@ -1118,6 +1123,7 @@ mod prefix_tests {
                 later: Later::new(Some(&self.batch)),
             };
             self.conn.process(&mut link, &self.host);
+            between(&self.cold);
             let (waiting, stopped, sealed) = (link.gate.waiting, link.gate.stopped, link.later.seal());
             assert!(!closing);
             Pass { caravans: self.completions(), waiting, stopped, sealed }
@@ -1230,26 +1236,14 @@ mod prefix_tests {
         // Both done before the seal: no wake comes, and the driver comes back by itself.
         rig.send(&[(3, Opcode::Write, 0, ReqFlags::FUA), read(1)]);
         rig.cold.cold.lock().unwrap().insert(4096);
-        let batch = rig.batch.clone();
-        let pass = {
-            let mut closing = false;
-            let mut link = Link {
-                rx: &mut rig.rx,
-                tx: &mut rig.tx,
-                closing: &mut closing,
-                peer: "test",
-                stats: &rig.stats,
-                backlog_max: usize::MAX,
-                gate: Gate::new(Some(&batch), false),
-                later: Later::new(Some(&batch)),
-            };
-            rig.conn.process(&mut link, &rig.host);
-            rig.cold.land(4096);
-            rig.cold.synced();
-            (link.gate.stopped, link.later.seal())
-        };
-        assert_eq!(pass, (true, Sealed::Free));
-        assert_eq!(rig.completions(), vec![vec![3]]);
+        let pass = rig.pass_then(false, |cold| {
+            cold.land(4096);
+            cold.synced();
+        });
+        assert_eq!(
+            pass,
+            Pass { caravans: vec![vec![3]], waiting: false, stopped: true, sealed: Sealed::Free }
+        );
         assert_eq!(rig.pass(false).caravans, vec![vec![1]]);
     }
 }
