@@ -116,15 +116,26 @@ enum Read {
     /// Pages that lie one after another on a device, from `pba` on, into pool slots `slots`
     /// (one device read for all of them: [`READ_RUN_MAX`] at most).
     Pages { pba: Pba, slots: Vec<u32> },
-    /// An evicted map leaf, back from the checkpoint; then the pages of `vol` the request
-    /// wants under it (`first..=last`, less the pages a write overwrites whole, `whole`) are
+    /// An evicted map leaf, back from the checkpoint; then the pages of `span` under it are
     /// read in turn.
-    Leaf { read: LeafRead, vol: VolId, first: u64, last: u64, whole: Option<(u64, u64)> },
+    Leaf { read: LeafRead, span: Span },
 }
 
-/// Whether page `vpage` is one a write overwrites whole (`whole`: its range of such pages).
-fn overwritten(whole: Option<(u64, u64)>, vpage: u64) -> bool {
-    whole.is_some_and(|(from, to)| (from..to).contains(&vpage))
+/// The pages of a volume a request wants read ahead: `vol`'s `first..=last`, less the pages a
+/// write overwrites whole (`whole`: its range of such pages).
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    vol: VolId,
+    first: u64,
+    last: u64,
+    whole: Option<(u64, u64)>,
+}
+
+impl Span {
+    /// Whether page `vpage` is one the write overwrites whole.
+    fn overwritten(&self, vpage: u64) -> bool {
+        self.whole.is_some_and(|(from, to)| (from..to).contains(&vpage))
+    }
 }
 
 /// Pool slots lent to a sender ([`Array::lend`]), kept until it lets go of the last range.
@@ -1051,54 +1062,70 @@ impl Array {
                 return;
             }
         }
-        // How many more reads the ring takes, asked only once a page needs one: a request
-        // served from the pool never touches the ring's lock.
+        let mut started = Vec::new();
+        let span = Span { vol, first, last, whole };
+        self.read_ahead(&mut self.lock(), reads, span, true, batch, &mut started);
+        self.start(reads, started, batch);
+    }
+
+    /// Under the controller's lock (`c`), the reads of `span`'s pages that are neither in the
+    /// pool nor never written, appended to `started` (neighbours on a device as one read), each
+    /// to count on `batch`; a page on its way in for someone else is joined. An evicted map leaf
+    /// is read first, and the pages under it once it is back ([`landed`](Self::landed)), when
+    /// `leaves` says so; else those pages are left alone. Stops, cutting `batch` short, once the
+    /// ring has no room: how much it has is asked of `reads` only once a page needs a read, so
+    /// a request served from the pool never touches the ring's lock.
+    fn read_ahead(
+        &self,
+        c: &mut Controller,
+        reads: &ReadQueue,
+        span: Span,
+        leaves: bool,
+        batch: &Arc<Batch>,
+        started: &mut Vec<Read>,
+    ) {
         let mut room: Option<usize> = None;
-        let mut started: Vec<Read> = Vec::new();
-        {
-            let mut c = self.lock();
-            let mut vpage = first;
-            while vpage <= last {
-                let this = vpage;
-                vpage += 1;
-                let ahead = if overwritten(whole, this) { Ahead::Nothing } else { c.ahead(vol, this) };
-                match ahead {
-                    Ahead::Nothing => continue,
-                    Ahead::Arriving(slot) => {
-                        self.join(&c, slot, batch);
-                        continue;
+        let mut vpage = span.first;
+        while vpage <= span.last {
+            let this = vpage;
+            vpage += 1;
+            let ahead = if span.overwritten(this) { Ahead::Nothing } else { c.ahead(span.vol, this) };
+            match ahead {
+                Ahead::Nothing => continue,
+                Ahead::Leaf(_) if !leaves => continue,
+                Ahead::Arriving(slot) => {
+                    self.join(c, slot, batch);
+                    continue;
+                }
+                Ahead::Page | Ahead::Leaf(_) => {}
+            }
+            let room = room.get_or_insert_with(|| reads.room());
+            if *room == 0 {
+                // The rest once these have landed: the driver looks ahead again.
+                batch.cut_short();
+                break;
+            }
+            let new_read = match ahead {
+                Ahead::Arriving(_) | Ahead::Nothing => unreachable!("taken above"),
+                Ahead::Leaf(read) => {
+                    // The leaf first; the pages under it go once it is back (`landed`).
+                    let until = span.last.min((this / LEAF_PAGES as u64 + 1) * LEAF_PAGES as u64 - 1);
+                    vpage = until + 1;
+                    started.push(Read::Leaf { read, span: Span { first: this, last: until, ..span } });
+                    true
+                }
+                Ahead::Page => match slot_ahead(c, span.vol, this) {
+                    ControlFlow::Continue(Some((slot, pba))) => {
+                        start_or_join(started, slot, pba, self.geo.segment_pages)
                     }
-                    Ahead::Page | Ahead::Leaf(_) => {}
-                }
-                let room = room.get_or_insert_with(|| reads.depth().saturating_sub(reads.in_flight()));
-                if *room == 0 {
-                    // The rest once these have landed: the driver looks ahead again.
-                    batch.cut_short();
-                    break;
-                }
-                let new_read = match ahead {
-                    Ahead::Arriving(_) | Ahead::Nothing => unreachable!("taken above"),
-                    Ahead::Leaf(read) => {
-                        // The leaf first; the pages under it go once it is back (`landed`).
-                        let until = last.min((this / LEAF_PAGES as u64 + 1) * LEAF_PAGES as u64 - 1);
-                        vpage = until + 1;
-                        started.push(Read::Leaf { read, vol, first: this, last: until, whole });
-                        true
-                    }
-                    Ahead::Page => match slot_ahead(&mut c, vol, this) {
-                        ControlFlow::Continue(Some((slot, pba))) => {
-                            start_or_join(&mut started, slot, pba, self.geo.segment_pages)
-                        }
-                        ControlFlow::Continue(None) => continue,
-                        ControlFlow::Break(()) => break,
-                    },
-                };
-                if new_read {
-                    *room -= 1;
-                }
+                    ControlFlow::Continue(None) => continue,
+                    ControlFlow::Break(()) => break,
+                },
+            };
+            if new_read {
+                *room -= 1;
             }
         }
-        self.start(reads, started, batch);
     }
 
     /// Put `started` on the ring, each counting on `batch`, and submit them.
@@ -1195,11 +1222,9 @@ impl Array {
                 self.changed.notify_all();
                 joined.into_iter().for_each(|b| b.done());
             }
-            Read::Leaf { read, vol, first, last, whole } => {
+            Read::Leaf { read, span } => {
                 let mut next = Vec::new();
-                // The leaf's own read has left the ring: the pages under it take what is free,
-                // and the rest waits for the driver's next round.
-                let mut room = self.reads.get().map_or(0, ReadQueue::room);
+                let reads = self.reads.get();
                 {
                     let mut c = self.lock();
                     let buf: &mut [u8] = match &mut dest {
@@ -1216,33 +1241,11 @@ impl Array {
                     }
                     // The pages under the leaf, whether this read put it back or another did
                     // meanwhile (two look-aheads met the same evicted leaf, and the other
-                    // started the pages' reads: this batch joins them).
-                    if result.is_ok() {
-                        for vpage in first..=last {
-                            let ahead =
-                                if overwritten(whole, vpage) { Ahead::Nothing } else { c.ahead(vol, vpage) };
-                            match ahead {
-                                Ahead::Page => {}
-                                Ahead::Arriving(slot) => {
-                                    self.join(&c, slot, &batch);
-                                    continue;
-                                }
-                                Ahead::Nothing | Ahead::Leaf(_) => continue,
-                            }
-                            if room == 0 {
-                                batch.cut_short();
-                                break;
-                            }
-                            match slot_ahead(&mut c, vol, vpage) {
-                                ControlFlow::Continue(Some((slot, pba))) => {
-                                    if start_or_join(&mut next, slot, pba, self.geo.segment_pages) {
-                                        room -= 1;
-                                    }
-                                }
-                                ControlFlow::Continue(None) => {}
-                                ControlFlow::Break(()) => break,
-                            }
-                        }
+                    // started the pages' reads: this batch joins them). The leaf's own read has
+                    // left the ring: they take what is free, and the rest waits for the
+                    // driver's next round. A leaf evicted again is left to the request.
+                    if let Some(reads) = reads.filter(|_| result.is_ok()) {
+                        self.read_ahead(&mut c, reads, span, false, &batch, &mut next);
                     }
                 }
                 if let Some(reads) = self.reads.get() {

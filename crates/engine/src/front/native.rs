@@ -87,12 +87,12 @@ impl Waits {
                 let answered = if at == 0 { self.answered } else { 0 };
                 for req in caravan.iter().skip(answered).filter_map(|(parsed, _)| parsed.ok()) {
                     prepare(&req, session, host, ahead);
-                    if ahead.was_cut_short() {
+                    cut = ahead.take_cut_short();
+                    if cut {
                         break;
                     }
                 }
-                if ahead.take_cut_short() {
-                    cut = true;
+                if cut {
                     break;
                 }
             }
