@@ -58,9 +58,12 @@ def cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def fio_nbd(args, uri, rw, qd, runtime, extra=()):
+def fio_nbd(args, uri, rw, qd, runtime, bs="4k", jobs=1):
+    """fio's nbd engine: `jobs` jobs of `qd` requests of `bs` each (one NBD connection a job),
+    reported as one group."""
     cmd = ["taskset", "-c", args.client_cpu, "fio", "--name=b", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}",
-           "--bs=4k", f"--iodepth={qd}", f"--size={args.size}", "--output-format=json", *extra]
+           f"--bs={bs}", f"--iodepth={qd}", f"--numjobs={jobs}", "--group_reporting", f"--size={args.size}",
+           "--output-format=json"]
     if runtime:
         cmd += [f"--runtime={runtime}", "--time_based"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -89,7 +92,7 @@ def one(binary, rw, qd, bs, threads, args, port):
         wait_port(port)
         wait_port(nbd_port)
         if args.fill:
-            fio_nbd(args, uri, "write", 8, None, ["--bs=1M"])
+            fio_nbd(args, uri, "write", 8, None, bs="1M")
         if args.flash and not args.cold:
             # The pool holds the volume before the run, as a busy target's would.
             subprocess.run(["taskset", "-c", args.client_cpu, binary, "bench", "--target", f"127.0.0.1:{port}",
@@ -98,7 +101,7 @@ def one(binary, rw, qd, bs, threads, args, port):
         if args.protocol == "native":
             return json.loads(subprocess.run(bench, capture_output=True, text=True, check=True).stdout)
         cpu0 = cpu_s(server.pid)
-        job = fio_nbd(args, uri, rw, qd, args.runtime.rstrip("s"))
+        job = fio_nbd(args, uri, rw, qd, args.runtime.rstrip("s"), bs, threads)
         server_s = cpu_s(server.pid) - cpu0
         side = job["read"] if job["read"]["io_bytes"] > 0 else job["write"]
         ios = job["read"]["total_ios"] + job["write"]["total_ios"]
@@ -106,7 +109,9 @@ def one(binary, rw, qd, bs, threads, args, port):
         client = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * runtime_s * 1e6 / ios
         server_us = server_s * 1e6 / ios
         return {"iops": ios / runtime_s, "client_cpu_us_per_io": client, "server_cpu_us_per_io": server_us,
-                "total_cpu_us_per_io": client + server_us, "lat_us": {"mean": side["clat_ns"]["mean"] / 1000}}
+                "total_cpu_us_per_io": client + server_us,
+                "lat_us": {"mean": side["clat_ns"]["mean"] / 1000,
+                           "p99": side["clat_ns"]["percentile"]["99.000000"] / 1000}}
     finally:
         server.terminate()
         server.wait()
@@ -176,7 +181,7 @@ def main():
                f'({med(w, n, lambda r: r["client_cpu_us_per_io"]):.2f} + '
                f'{med(w, n, lambda r: r["server_cpu_us_per_io"]):.2f})' for n in builds]
         lat = [med(w, n, lambda r: r["lat_us"]["mean"]) for n in builds]
-        # fio's nbd records carry no percentiles.
+        # Records from before fio's percentiles were kept carry none.
         p99 = [f'{med(w, n, lambda r: r["lat_us"]["p99"]):.1f}' if "p99" in results[(*w, n)][0]["lat_us"] else "-"
                for n in builds]
         label = f"{rw} QD {qd}" + (f" {bs} x{threads}" if (bs, threads) != ("4k", 1) else "")

@@ -9,6 +9,8 @@
 
 pub mod native;
 pub mod nbd;
+#[cfg(test)]
+mod testing;
 
 use std::ops::Range;
 use std::sync::atomic::AtomicU64;

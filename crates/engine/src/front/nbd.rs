@@ -150,11 +150,15 @@ impl NbdConn {
     pub fn process<S: Sink + ?Sized>(&mut self, link: &mut Link<'_, S>, host: &impl Host) {
         if let State::Transmitting { session, export, .. } = &self.state {
             let export = host.exports().get(*export);
-            let may_wait = self.drain_bytes == 0 && export.is_some_and(|e| e.backend.may_wait());
+            let may_wait = export.is_some_and(|e| e.backend.may_wait());
             if let Some(export) = export {
                 let io_bytes_max = host.io_bytes_max();
-                if link.look_ahead(may_wait, |rx, batch| look_ahead(rx, session, export, io_bytes_max, batch))
-                {
+                // The rest of a refused WRITE's payload, being skipped, comes first.
+                let draining = usize::try_from(self.drain_bytes).unwrap_or(usize::MAX);
+                if link.look_ahead(may_wait, |rx, batch| {
+                    let requests = rx.get(draining..).unwrap_or_default();
+                    look_ahead(requests, session, export, io_bytes_max, batch)
+                }) {
                     return;
                 }
             }
@@ -566,4 +570,221 @@ fn validate(export: &Export, req: &Request, session: &Session, io_bytes_max: u32
         return Err(Refusal::Status(Status::Unsupported));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod look_ahead_tests {
+    //! Requests that wait for a device over NBD: everything received is prepared at once, and
+    //! nothing runs until all of it has landed.
+
+    use wire::FrameBuffer;
+
+    use super::*;
+    use crate::front::testing::{Cold, TestHost, Woken};
+    use crate::front::{FrontStats, Gate, Later, Sealed};
+
+    /// A connection to one export over `Cold`, with its handshake done (fixed newstyle, no
+    /// zeroes, EXPORT_NAME: simple replies).
+    struct Rig {
+        conn: NbdConn,
+        host: TestHost,
+        cold: Arc<Cold>,
+        rx: FrameBuffer,
+        tx: Vec<u8>,
+        woken: Arc<Woken>,
+        batch: Arc<Batch>,
+        stats: FrontStats,
+    }
+
+    /// What a pass left: the cookies of the replies sent, and how it ended.
+    #[derive(Debug, PartialEq)]
+    struct Pass {
+        replies: Vec<u64>,
+        waiting: bool,
+        stopped: bool,
+        sealed: Sealed,
+    }
+
+    /// A write's cookie has this bit set; the rest of a cookie is the page number.
+    const WRITE: u64 = 1 << 32;
+
+    impl Rig {
+        fn new(cold: &[u64]) -> Rig {
+            let cold = Cold::new(cold);
+            let host = TestHost { exports: ExportTable::new(vec![Export::new("vol", cold.clone(), false)]) };
+            let config = Arc::new(handshake_config(host.exports(), host.io_bytes_max(), None).unwrap());
+            let woken = Arc::new(Woken::default());
+            let mut rig = Rig {
+                conn: NbdConn::new(config, 16, &mut Vec::new()),
+                host,
+                cold,
+                rx: FrameBuffer::new(),
+                tx: Vec::new(),
+                batch: Arc::new(Batch::new(woken.clone(), 9)),
+                woken,
+                stats: FrontStats::default(),
+            };
+            let mut hello = (nbd::FLAG_C_FIXED_NEWSTYLE | nbd::FLAG_C_NO_ZEROES).to_be_bytes().to_vec();
+            hello.extend(nbd::IHAVEOPT.to_be_bytes());
+            hello.extend(nbd::handshake::opt::EXPORT_NAME.to_be_bytes());
+            hello.extend(3u32.to_be_bytes());
+            hello.extend(b"vol");
+            rig.rx.extend(&hello);
+            rig.run(false, |_| {});
+            assert!(rig.conn.is_established());
+            rig.tx.clear();
+            rig
+        }
+
+        /// 4 KiB requests: (page, command, FUA); a write carries the page's own pattern.
+        fn send(&mut self, reqs: &[(u64, Cmd, bool)]) {
+            let mut out = Vec::new();
+            for &(page, cmd, fua) in reqs {
+                let flags = if fua { CmdFlags::FUA } else { CmdFlags::empty() };
+                let cookie = if cmd == Cmd::Write { page | WRITE } else { page };
+                Request { flags, cmd, cookie, offset: page * 4096, length: 4096 }.emit(&mut out);
+                if cmd == Cmd::Write {
+                    let mut data = vec![0; 4096];
+                    self.cold.ram.read_at(&mut data, page * 4096).unwrap();
+                    out.extend(data);
+                }
+            }
+            self.rx.extend(&out);
+        }
+
+        fn pass(&mut self, resumed: bool) -> Pass {
+            self.pass_then(resumed, |_| {})
+        }
+
+        /// One processing pass, as the server's driver runs it, with `between` run after the
+        /// front end and before the seal; every read's data is checked.
+        fn pass_then(&mut self, resumed: bool, between: impl FnOnce(&Cold)) -> Pass {
+            let (waiting, stopped, sealed) = self.run(resumed, between);
+            Pass { replies: self.replies(), waiting, stopped, sealed }
+        }
+
+        /// [`pass_then`](Self::pass_then), leaving the replies queued.
+        fn run(&mut self, resumed: bool, between: impl FnOnce(&Cold)) -> (bool, bool, Sealed) {
+            let mut closing = false;
+            let mut link = Link {
+                rx: &mut self.rx,
+                tx: &mut self.tx,
+                closing: &mut closing,
+                peer: "test",
+                stats: &self.stats,
+                backlog_max: usize::MAX,
+                gate: Gate::new(Some(&self.batch), resumed),
+                later: Later::new(Some(&self.batch)),
+            };
+            self.conn.process(&mut link, &self.host);
+            between(&self.cold);
+            let ended = (link.gate.waiting, link.gate.stopped, link.later.seal());
+            assert!(!closing);
+            ended
+        }
+
+        /// The cookies of the simple replies queued since the last pass.
+        fn replies(&mut self) -> Vec<u64> {
+            let tx = std::mem::take(&mut self.tx);
+            let (mut at, mut cookies) = (0, Vec::new());
+            while at < tx.len() {
+                let field = |from: usize, len: usize| {
+                    u64::from_be_bytes({
+                        let mut b = [0; 8];
+                        b[8 - len..].copy_from_slice(&tx[at + from..at + from + len]);
+                        b
+                    })
+                };
+                assert_eq!(field(0, 4), u64::from(nbd::SIMPLE_REPLY_MAGIC));
+                let (error, cookie) = (field(4, 4), field(8, 8));
+                assert_eq!(error, 0, "cookie {cookie:#x}");
+                at += 16;
+                if cookie & WRITE == 0 {
+                    let mut want = vec![0; 4096];
+                    self.cold.ram.read_at(&mut want, cookie * 4096).unwrap();
+                    assert!(tx[at..at + 4096] == want[..], "page {cookie} carries other bytes");
+                    at += 4096;
+                }
+                cookies.push(cookie);
+            }
+            cookies
+        }
+
+        fn woken(&self) -> u32 {
+            *self.woken.0.lock().unwrap()
+        }
+    }
+
+    fn read(page: u64) -> (u64, Cmd, bool) {
+        (page, Cmd::Read, false)
+    }
+
+    #[test]
+    fn every_request_received_waits_for_all_the_pages_it_reads() {
+        let page = |p: u64| p * 4096;
+        let mut rig = Rig::new(&[page(2), page(4)]);
+        rig.send(&[read(0), read(1), read(2), read(3), read(4), read(5)]);
+        assert_eq!(
+            rig.pass(false),
+            Pass { replies: vec![], waiting: true, stopped: false, sealed: Sealed::Free }
+        );
+        assert_eq!(rig.cold.prepared(), [0, 1, 2, 3, 4, 5].map(page), "all at once, each once");
+        rig.cold.land(page(2));
+        assert_eq!(rig.woken(), 0, "page 4 is still being read");
+        rig.cold.land(page(4));
+        assert_eq!(rig.woken(), 1);
+        let after = rig.pass(true);
+        assert_eq!(
+            after,
+            Pass { replies: vec![0, 1, 2, 3, 4, 5], waiting: false, stopped: false, sealed: Sealed::Free }
+        );
+        assert_eq!(rig.cold.prepared(), [], "woken: they run without being prepared again");
+    }
+
+    #[test]
+    fn a_fua_write_answered_after_the_wake_holds_its_reply_for_durability() {
+        let mut rig = Rig::new(&[4096]);
+        rig.send(&[(0, Cmd::Write, true), read(1), read(2)]);
+        assert_eq!(
+            rig.pass(false),
+            Pass { replies: vec![], waiting: true, stopped: false, sealed: Sealed::Free }
+        );
+        rig.cold.land(4096);
+        assert_eq!(rig.woken(), 1);
+        // The replies are queued, and the driver holds them until the write is durable.
+        let after = rig.pass(true);
+        assert_eq!(
+            after,
+            Pass { replies: vec![WRITE, 1, 2], waiting: false, stopped: false, sealed: Sealed::Wait }
+        );
+        rig.cold.synced();
+        assert_eq!(rig.woken(), 2);
+    }
+
+    #[test]
+    fn requests_behind_a_refused_write_being_skipped_are_looked_at() {
+        // A write past the end is refused and its payload skipped as it streams in; the
+        // requests after it are prepared before they run, with the skip half done.
+        let mut rig = Rig::new(&[4096]);
+        let mut out = Vec::new();
+        Request {
+            flags: CmdFlags::empty(),
+            cmd: Cmd::Write,
+            cookie: 99 | WRITE,
+            offset: 1 << 20,
+            length: 4096,
+        }
+        .emit(&mut out);
+        rig.rx.extend(&out);
+        rig.rx.extend(&[0; 1000]);
+        let (waiting, ..) = rig.run(false, |_| {});
+        assert!(!waiting);
+        assert_eq!(rig.tx.len(), 16, "the refusal, a simple reply");
+        rig.tx.clear();
+        rig.rx.extend(&[0; 3096]);
+        rig.send(&[read(1), read(0)]);
+        assert!(rig.pass(false).waiting, "the read of the cold page 1 was not looked at");
+        rig.cold.land(4096);
+        assert_eq!(rig.pass(true).replies, vec![1, 0]);
+    }
 }
