@@ -28,8 +28,9 @@
 //! - **A start from the load.** The first interval, a quarter of the others, runs at level 1
 //!   and measures how many requests are outstanding at most (`a_peak`); the search starts at the grid level nearest
 //!   `a_peak / 4` (a caravan every quarter of the outstanding requests; where that is wrong the
-//!   climb corrects it). When the outstanding count later moves by 2× either way, the search
-//!   starts again from the same rule.
+//!   climb corrects it). When the outstanding count later moves by 2× either way, in a hold or
+//!   in the middle of a comparison (fio's threads still starting up), the search starts again
+//!   from the same rule.
 //!
 //! The doorbell delay follows the level as before (i10 left it static and called a dynamic one
 //! future work): the time the last interval's arrival rate needs to gather `level` requests,
@@ -253,6 +254,9 @@ impl BatchController {
                     self.phase = Phase::Hold { held: held + 1 };
                 }
             }
+            // The load moved while two levels were compared (fio's threads still starting,
+            // say): both may be far from where the search should be, so it starts again.
+            Phase::Compare { .. } if self.load_changed(a_peak) => self.restart(a_peak, xput),
             Phase::Compare { other, step, xput: mut seen } => {
                 seen[usize::from(step)] = xput;
                 let gain = |home: f64, other: f64| other > home * (1.0 + self.cfg.threshold_pct / 100.0);
@@ -471,6 +475,18 @@ mod tests {
         let seen = levels(&mut c, &mut now, 12, 16, peak_at(1));
         assert!(seen[0] <= 4, "restarted from the new load: {seen:?}");
         assert_eq!(c.home, 1, "{seen:?}");
+    }
+
+    #[test]
+    fn a_load_that_grows_during_a_comparison_restarts_the_search() {
+        let (mut c, mut now) = controller();
+        // fio's threads still starting: 16 outstanding at first, so the search starts at 4 and
+        // compares it with a neighbour; then 128 are. The next interval is near 32, where the
+        // best is, instead of finishing comparisons of levels far below it.
+        let first = levels(&mut c, &mut now, 2, 16, peak_at(64));
+        assert!(matches!(c.phase, Phase::Compare { .. }), "comparing after {first:?}");
+        let seen = levels(&mut c, &mut now, 2, 128, peak_at(64));
+        assert!(seen[0] >= 32, "restarted from the new load: {first:?} then {seen:?}");
     }
 
     #[test]

@@ -275,7 +275,12 @@ impl<B: IoBuf> ClientSession<B> {
     pub fn new(config: &SessionConfig, limits: Limits, handle: u32) -> ClientSession<B> {
         let queue_depth = (limits.queue_depth as usize).clamp(1, crate::slots::SLOTS_MAX);
         let doorbell = match config.batching {
-            Batching::Adaptive(_) => Doorbell { aggregation_reqs: 1, delay_us: 0, ..config.doorbell },
+            // The controller sets the caravan size and the delay. A byte bound of the doorbell
+            // would cut its caravans of writes short of its level (64 KiB holds 16 writes of 4
+            // KiB); the negotiated bytes per caravan still bound them (`Outbox::fits`).
+            Batching::Adaptive(_) => {
+                Doorbell { aggregation_reqs: 1, aggregation_bytes: u32::MAX, delay_us: 0 }
+            }
             _ => config.doorbell,
         };
         ClientSession {
@@ -1460,6 +1465,68 @@ mod tests {
             rest = &rest[h.frame_len()..];
         }
         out
+    }
+
+    /// Send every caravan sealed: the tags of each one's requests, in order.
+    fn send_caravans(s: &mut ClientSession<Vec<u8>>) -> Vec<Vec<u32>> {
+        let mut caravans = Vec::new();
+        while s.has_transmit() {
+            let mut iov = [IoSlice::new(&[]); 512];
+            let n = s.poll_transmit(&mut iov);
+            let bytes: Vec<u8> = iov[..n].iter().flat_map(|b| b.iter().copied()).collect();
+            let mut rest = &bytes[..];
+            while !rest.is_empty() {
+                let h = Header::parse(&rest[..HEADER_LEN]).unwrap();
+                let caravan =
+                    wire::caravan::RequestCaravan::parse(&h, &rest[HEADER_LEN..h.frame_len()]).unwrap();
+                caravans.push(caravan.iter().map(|(r, _)| r.unwrap().tag).collect());
+                rest = &rest[h.frame_len()..];
+            }
+            s.handle_sent(bytes.len());
+        }
+        caravans
+    }
+
+    #[test]
+    fn the_adaptive_level_sizes_write_caravans_beyond_the_doorbells_byte_bound() {
+        // The controller sets the caravan size; the static doorbell's 64 KiB would cut 4 KiB
+        // writes at 16 whatever level it chose (through fio, 64 jobs of writes read 0.8x the
+        // best static level for this). Only the negotiated bytes per caravan bound them.
+        let config = SessionConfig {
+            doorbell: Doorbell::default(),
+            batching: Batching::Adaptive(crate::batch::BatchConfig {
+                interval_us: 1_000,
+                ..Default::default()
+            }),
+            direct_min_bytes: DIRECT_OFF,
+            directory_entries: 0,
+        };
+        let limits =
+            Limits { queue_depth: 128, caravan_reqs_max: 64, caravan_bytes_max: 1 << 20, io_bytes_max: 4096 };
+        let mut s = ClientSession::<Vec<u8>>::new(&config, limits, 0);
+        let page_write = |user_data: u64| Submission {
+            opcode: Opcode::Write,
+            flags: ReqFlags::empty(),
+            offset: user_data * 4096,
+            length: 4096,
+            buf: Some(vec![7; 4096]),
+            user_data,
+        };
+        // The controller's first quarter interval, at level 1, sees 128 requests outstanding.
+        for i in 0..128 {
+            s.submit(0, page_write(i)).unwrap();
+        }
+        for tag in send_caravans(&mut s).concat() {
+            s.handle_rx(0, &completion(tag, 0)).unwrap();
+        }
+        // Its decision, at the next submit, starts the search at a quarter of them.
+        for i in 0..128 {
+            s.submit(1_000, page_write(i)).unwrap();
+        }
+        let level = s.batch_level();
+        assert!(level > 16, "the search starts at level {level}, not past what 64 KiB holds");
+        let sizes: Vec<usize> = send_caravans(&mut s).iter().map(Vec::len).collect();
+        assert!(sizes.iter().all(|&n| n as u32 == level), "caravans of {sizes:?} at level {level}");
     }
 
     #[test]
