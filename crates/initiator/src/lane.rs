@@ -474,6 +474,19 @@ impl<B: IoBuf> Lane<B> {
         [link, stream.map(|t| Instant::now() + t), connector].into_iter().flatten().min()
     }
 
+    /// When a caller waiting while another thread receives must look again: on a connection
+    /// that is up, when silence would reach the timeout (the receiving thread sends the open
+    /// caravan when its delay is up and drives the transport's timers); while it is not up,
+    /// whatever [`due`](Self::due) says. Waking such callers at the doorbell's every deadline
+    /// cost a third of a shared lane's IOPS at 64 callers (docs/PERFORMANCE.md).
+    pub(crate) fn waiter_due(&self) -> Option<Instant> {
+        if self.link.is_up() {
+            self.link.silence_due().map(|us| self.instant(us))
+        } else {
+            self.due()
+        }
+    }
+
     /// Requests sent and not yet answered.
     pub fn on_the_wire(&self) -> usize {
         self.link.session().on_the_wire()

@@ -244,18 +244,20 @@ impl<B: IoBuf + Send> SharedLane<B> {
             // connection (the lane reconnects, or fails and says why); while it reconnects,
             // the policy's timeouts rule.
             st.lane.handle_due()?;
-            let deadline = st.lane.due().unwrap_or(now + self.timeout).max(now);
             if st.receiving {
+                // The receiving thread wakes this one with its completions.
+                let wake = st.lane.waiter_due().unwrap_or(now + self.timeout).max(now);
                 st.mailboxes[id as usize].sleeper = Some(std::thread::current());
                 st.sleepers += 1;
                 drop(st);
-                std::thread::park_timeout(deadline - now);
+                std::thread::park_timeout(wake - now);
                 st = self.lock();
                 if st.mailboxes[id as usize].sleeper.take().is_some() {
                     st.sleepers -= 1;
                 }
                 continue;
             }
+            let deadline = st.lane.due().unwrap_or(now + self.timeout).max(now);
             st.receiving = true;
             if st.receive().is_err() || done(&st) {
                 st.receiving = false;
