@@ -478,7 +478,7 @@ impl<B: IoBuf> Lane<B> {
     /// that is up, when silence would reach the timeout (the receiving thread sends the open
     /// caravan when its delay is up and drives the transport's timers); while it is not up,
     /// whatever [`due`](Self::due) says. Waking such callers at the doorbell's every deadline
-    /// cost a third of a shared lane's IOPS at 64 callers (docs/PERFORMANCE.md).
+    /// cost a third of a shared lane's IOPS at 64 callers (docs/ETHERNET.md, "Link utilisation").
     pub(crate) fn waiter_due(&self) -> Option<Instant> {
         if self.link.is_up() {
             self.link.silence_due().map(|us| self.instant(us))
