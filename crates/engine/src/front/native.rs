@@ -902,8 +902,8 @@ mod prefix_tests {
     use wire::{FrameBuffer, Hello, Limits, REQUEST_DESC_LEN};
 
     use super::*;
-    use crate::front::testing::{Cold, TestHost, Woken};
-    use crate::front::{FrontStats, Gate, Sealed};
+    use crate::front::testing::{driver_pass, Cold, TestHost, Woken};
+    use crate::front::{FrontStats, Sealed};
     use crate::ExportTable;
 
     /// A connection to one export over `Cold`, with its handshake done.
@@ -985,21 +985,12 @@ mod prefix_tests {
 
         /// [`pass`](Self::pass), with `between` run after the front end and before the seal.
         fn pass_then(&mut self, resumed: bool, between: impl FnOnce(&Cold)) -> Pass {
-            let mut closing = false;
-            let mut link = Link {
-                rx: &mut self.rx,
-                tx: &mut self.tx,
-                closing: &mut closing,
-                peer: "test",
-                stats: &self.stats,
-                backlog_max: usize::MAX,
-                gate: Gate::new(Some(&self.batch), resumed),
-                later: Later::new(Some(&self.batch)),
-            };
-            self.conn.process(&mut link, &self.host);
-            between(&self.cold);
-            let (waiting, stopped, sealed) = (link.gate.waiting, link.gate.stopped, link.later.seal());
-            assert!(!closing);
+            let (conn, host, cold) = (&mut self.conn, &self.host, &self.cold);
+            let (waiting, stopped, sealed) =
+                driver_pass(&mut self.rx, &mut self.tx, &self.stats, &self.batch, resumed, |link| {
+                    conn.process(link, host);
+                    between(cold);
+                });
             Pass { caravans: self.completions(), waiting, stopped, sealed }
         }
 

@@ -580,8 +580,8 @@ mod look_ahead_tests {
     use wire::FrameBuffer;
 
     use super::*;
-    use crate::front::testing::{Cold, TestHost, Woken};
-    use crate::front::{FrontStats, Gate, Later, Sealed};
+    use crate::front::testing::{driver_pass, Cold, TestHost, Woken};
+    use crate::front::{FrontStats, Sealed};
 
     /// A connection to one export over `Cold`, with its handshake done (fixed newstyle, no
     /// zeroes, EXPORT_NAME: simple replies).
@@ -665,22 +665,11 @@ mod look_ahead_tests {
 
         /// [`pass_then`](Self::pass_then), leaving the replies queued.
         fn run(&mut self, resumed: bool, between: impl FnOnce(&Cold)) -> (bool, bool, Sealed) {
-            let mut closing = false;
-            let mut link = Link {
-                rx: &mut self.rx,
-                tx: &mut self.tx,
-                closing: &mut closing,
-                peer: "test",
-                stats: &self.stats,
-                backlog_max: usize::MAX,
-                gate: Gate::new(Some(&self.batch), resumed),
-                later: Later::new(Some(&self.batch)),
-            };
-            self.conn.process(&mut link, &self.host);
-            between(&self.cold);
-            let ended = (link.gate.waiting, link.gate.stopped, link.later.seal());
-            assert!(!closing);
-            ended
+            let (conn, host, cold) = (&mut self.conn, &self.host, &self.cold);
+            driver_pass(&mut self.rx, &mut self.tx, &self.stats, &self.batch, resumed, |link| {
+                conn.process(link, host);
+                between(cold);
+            })
         }
 
         /// The cookies of the simple replies queued since the last pass.

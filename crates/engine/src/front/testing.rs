@@ -5,10 +5,39 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use backend::{Backend, Batch, Wake};
-use wire::StatsReply;
+use wire::{FrameBuffer, StatsReply};
 
-use super::Host;
+use super::{FrontStats, Gate, Host, Later, Link, Sealed};
 use crate::{BackendSpec, ExportTable};
+
+/// One processing pass, as the server's driver runs it: `process` (the front end, and
+/// whatever should happen before the seal) over a link whose gate and durability share
+/// `batch`. Returns how the pass ended: whether it waits for reads, whether it stopped behind
+/// durability, and what the seal said.
+pub(crate) fn driver_pass(
+    rx: &mut FrameBuffer,
+    tx: &mut Vec<u8>,
+    stats: &FrontStats,
+    batch: &Arc<Batch>,
+    resumed: bool,
+    process: impl FnOnce(&mut Link<'_, Vec<u8>>),
+) -> (bool, bool, Sealed) {
+    let mut closing = false;
+    let mut link = Link {
+        rx,
+        tx,
+        closing: &mut closing,
+        peer: "test",
+        stats,
+        backlog_max: usize::MAX,
+        gate: Gate::new(Some(batch), resumed),
+        later: Later::new(Some(batch)),
+    };
+    process(&mut link);
+    let ended = (link.gate.waiting, link.gate.stopped, link.later.seal());
+    assert!(!closing, "the pass closed the connection");
+    ended
+}
 
 /// A RAM volume whose pages at `cold` offsets must be read first: preparing a request on
 /// one adds to the batch, which [`land`](Cold::land) ends.
