@@ -899,24 +899,14 @@ mod prefix_tests {
     //! whose pages are being read, and the rest once they land.
 
     use wire::caravan::CompletionCaravan;
-    use wire::{FrameBuffer, Hello, Limits, REQUEST_DESC_LEN};
+    use wire::{Hello, Limits, REQUEST_DESC_LEN};
 
     use super::*;
-    use crate::front::testing::{driver_pass, Cold, TestHost, Woken};
-    use crate::front::{FrontStats, Sealed};
-    use crate::ExportTable;
+    use crate::front::testing::{self, Cold};
+    use crate::front::Sealed;
 
     /// A connection to one export over `Cold`, with its handshake done.
-    struct Rig {
-        conn: NativeConn,
-        host: TestHost,
-        cold: Arc<Cold>,
-        rx: FrameBuffer,
-        tx: Vec<u8>,
-        woken: Arc<Woken>,
-        batch: Arc<Batch>,
-        stats: FrontStats,
-    }
+    type Rig = testing::Rig<NativeConn>;
 
     /// What a pass left: the tags of each completion caravan sent, and how it ended.
     #[derive(Debug, PartialEq)]
@@ -932,20 +922,7 @@ mod prefix_tests {
 
     impl Rig {
         fn new(cold: &[u64]) -> Rig {
-            let cold = Cold::new(cold);
-            let host = TestHost { exports: ExportTable::new(vec![Export::new("vol", cold.clone(), false)]) };
-            let woken = Arc::new(Woken::default());
-            let batch = Arc::new(Batch::new(woken.clone(), 9));
-            let mut rig = Rig {
-                conn: NativeConn::new(LIMITS, 4),
-                host,
-                cold,
-                rx: FrameBuffer::new(),
-                tx: Vec::new(),
-                woken,
-                batch,
-                stats: FrontStats::default(),
-            };
+            let mut rig = Rig::over(cold, |_| NativeConn::new(LIMITS, 4));
             let hello = Hello { version_min: 1, version_max: 1, features: 0, limits: LIMITS, auth: None };
             rig.rx.extend(&frame(FrameKind::Hello, &hello.encode()));
             rig.rx.extend(&frame(FrameKind::Open, &wire::Open { name: "vol".into() }.encode()));
@@ -985,12 +962,7 @@ mod prefix_tests {
 
         /// [`pass`](Self::pass), with `between` run after the front end and before the seal.
         fn pass_then(&mut self, resumed: bool, between: impl FnOnce(&Cold)) -> Pass {
-            let (conn, host, cold) = (&mut self.conn, &self.host, &self.cold);
-            let (waiting, stopped, sealed) =
-                driver_pass(&mut self.rx, &mut self.tx, &self.stats, &self.batch, resumed, |link| {
-                    conn.process(link, host);
-                    between(cold);
-                });
+            let (waiting, stopped, sealed) = self.run(resumed, between);
             Pass { caravans: self.completions(), waiting, stopped, sealed }
         }
 
@@ -1015,10 +987,6 @@ mod prefix_tests {
                 at += header.frame_len();
             }
             caravans
-        }
-
-        fn woken(&self) -> u32 {
-            *self.woken.0.lock().unwrap()
         }
     }
 

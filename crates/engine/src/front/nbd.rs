@@ -577,24 +577,13 @@ mod look_ahead_tests {
     //! Requests that wait for a device over NBD: everything received is prepared at once, and
     //! nothing runs until all of it has landed.
 
-    use wire::FrameBuffer;
-
     use super::*;
-    use crate::front::testing::{driver_pass, Cold, TestHost, Woken};
-    use crate::front::{FrontStats, Sealed};
+    use crate::front::testing::{self, Cold};
+    use crate::front::Sealed;
 
     /// A connection to one export over `Cold`, with its handshake done (fixed newstyle, no
     /// zeroes, EXPORT_NAME: simple replies).
-    struct Rig {
-        conn: NbdConn,
-        host: TestHost,
-        cold: Arc<Cold>,
-        rx: FrameBuffer,
-        tx: Vec<u8>,
-        woken: Arc<Woken>,
-        batch: Arc<Batch>,
-        stats: FrontStats,
-    }
+    type Rig = testing::Rig<NbdConn>;
 
     /// What a pass left: the cookies of the replies sent, and how it ended.
     #[derive(Debug, PartialEq)]
@@ -610,20 +599,10 @@ mod look_ahead_tests {
 
     impl Rig {
         fn new(cold: &[u64]) -> Rig {
-            let cold = Cold::new(cold);
-            let host = TestHost { exports: ExportTable::new(vec![Export::new("vol", cold.clone(), false)]) };
-            let config = Arc::new(handshake_config(host.exports(), host.io_bytes_max(), None).unwrap());
-            let woken = Arc::new(Woken::default());
-            let mut rig = Rig {
-                conn: NbdConn::new(config, 16, &mut Vec::new()),
-                host,
-                cold,
-                rx: FrameBuffer::new(),
-                tx: Vec::new(),
-                batch: Arc::new(Batch::new(woken.clone(), 9)),
-                woken,
-                stats: FrontStats::default(),
-            };
+            let mut rig = Rig::over(cold, |host| {
+                let config = Arc::new(handshake_config(host.exports(), host.io_bytes_max(), None).unwrap());
+                NbdConn::new(config, 16, &mut Vec::new())
+            });
             let mut hello = (nbd::FLAG_C_FIXED_NEWSTYLE | nbd::FLAG_C_NO_ZEROES).to_be_bytes().to_vec();
             hello.extend(nbd::IHAVEOPT.to_be_bytes());
             hello.extend(nbd::handshake::opt::EXPORT_NAME.to_be_bytes());
@@ -663,15 +642,6 @@ mod look_ahead_tests {
             Pass { replies: self.replies(), waiting, stopped, sealed }
         }
 
-        /// [`pass_then`](Self::pass_then), leaving the replies queued.
-        fn run(&mut self, resumed: bool, between: impl FnOnce(&Cold)) -> (bool, bool, Sealed) {
-            let (conn, host, cold) = (&mut self.conn, &self.host, &self.cold);
-            driver_pass(&mut self.rx, &mut self.tx, &self.stats, &self.batch, resumed, |link| {
-                conn.process(link, host);
-                between(cold);
-            })
-        }
-
         /// The cookies of the simple replies queued since the last pass.
         fn replies(&mut self) -> Vec<u64> {
             let tx = std::mem::take(&mut self.tx);
@@ -697,10 +667,6 @@ mod look_ahead_tests {
                 cookies.push(cookie);
             }
             cookies
-        }
-
-        fn woken(&self) -> u32 {
-            *self.woken.0.lock().unwrap()
         }
     }
 

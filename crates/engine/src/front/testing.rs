@@ -1,5 +1,6 @@
-//! Test pieces shared by the front ends' tests: a volume whose pages must be read before
-//! requests on them run, a host, and a wake counter.
+//! Test pieces shared by the front ends' tests: a rig that drives a connection pass by pass as
+//! the server does, a volume whose pages must be read before requests on them run, a host, and
+//! a wake counter.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -10,33 +11,83 @@ use wire::{FrameBuffer, StatsReply};
 use super::{FrontStats, Gate, Host, Later, Link, Sealed};
 use crate::{BackendSpec, ExportTable};
 
-/// One processing pass, as the server's driver runs it: `process` (the front end, and
-/// whatever should happen before the seal) over a link whose gate and durability share
-/// `batch`. Returns how the pass ended: whether it waits for reads, whether it stopped behind
-/// durability, and what the seal said.
-pub(crate) fn driver_pass(
-    rx: &mut FrameBuffer,
-    tx: &mut Vec<u8>,
-    stats: &FrontStats,
-    batch: &Arc<Batch>,
-    resumed: bool,
-    process: impl FnOnce(&mut Link<'_, Vec<u8>>),
-) -> (bool, bool, Sealed) {
-    let mut closing = false;
-    let mut link = Link {
-        rx,
-        tx,
-        closing: &mut closing,
-        peer: "test",
-        stats,
-        backlog_max: usize::MAX,
-        gate: Gate::new(Some(batch), resumed),
-        later: Later::new(Some(batch)),
-    };
-    process(&mut link);
-    let ended = (link.gate.waiting, link.gate.stopped, link.later.seal());
-    assert!(!closing, "the pass closed the connection");
-    ended
+/// A front end as [`Rig`] drives it.
+pub(crate) trait Front {
+    fn process(&mut self, link: &mut Link<'_, Vec<u8>>, host: &TestHost);
+}
+
+impl Front for super::native::NativeConn {
+    fn process(&mut self, link: &mut Link<'_, Vec<u8>>, host: &TestHost) {
+        super::native::NativeConn::process(self, link, host);
+    }
+}
+
+impl Front for super::nbd::NbdConn {
+    fn process(&mut self, link: &mut Link<'_, Vec<u8>>, host: &TestHost) {
+        super::nbd::NbdConn::process(self, link, host);
+    }
+}
+
+/// A connection of front end `C` to one export, "vol", over a [`Cold`] volume, driven pass by
+/// pass as the server's driver does: its gate and its durability share one batch, whose wakes
+/// are counted.
+pub(crate) struct Rig<C> {
+    pub(crate) conn: C,
+    pub(crate) host: TestHost,
+    pub(crate) cold: Arc<Cold>,
+    pub(crate) rx: FrameBuffer,
+    pub(crate) tx: Vec<u8>,
+    pub(crate) stats: FrontStats,
+    woken: Arc<Woken>,
+    batch: Arc<Batch>,
+}
+
+impl<C: Front> Rig<C> {
+    /// The connection `conn` makes for the host, over a volume whose pages at `cold` offsets
+    /// must be read first; its handshake is the caller's.
+    pub(crate) fn over(cold: &[u64], conn: impl FnOnce(&TestHost) -> C) -> Rig<C> {
+        let cold = Cold::new(cold);
+        let host =
+            TestHost { exports: ExportTable::new(vec![crate::Export::new("vol", cold.clone(), false)]) };
+        let woken = Arc::new(Woken::default());
+        Rig {
+            conn: conn(&host),
+            host,
+            cold,
+            rx: FrameBuffer::new(),
+            tx: Vec::new(),
+            stats: FrontStats::default(),
+            batch: Arc::new(Batch::new(woken.clone(), 9)),
+            woken,
+        }
+    }
+
+    /// One processing pass, with `between` run after the front end and before the seal; the
+    /// replies stay queued in `tx`. Returns how the pass ended: whether it waits for reads,
+    /// whether it stopped behind durability, and what the seal said.
+    pub(crate) fn run(&mut self, resumed: bool, between: impl FnOnce(&Cold)) -> (bool, bool, Sealed) {
+        let mut closing = false;
+        let mut link = Link {
+            rx: &mut self.rx,
+            tx: &mut self.tx,
+            closing: &mut closing,
+            peer: "test",
+            stats: &self.stats,
+            backlog_max: usize::MAX,
+            gate: Gate::new(Some(&self.batch), resumed),
+            later: Later::new(Some(&self.batch)),
+        };
+        self.conn.process(&mut link, &self.host);
+        between(&self.cold);
+        let ended = (link.gate.waiting, link.gate.stopped, link.later.seal());
+        assert!(!closing, "the pass closed the connection");
+        ended
+    }
+
+    /// Wakes of the batch so far.
+    pub(crate) fn woken(&self) -> u32 {
+        *self.woken.0.lock().unwrap()
+    }
 }
 
 /// A RAM volume whose pages at `cold` offsets must be read first: preparing a request on
