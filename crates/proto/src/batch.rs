@@ -237,11 +237,13 @@ impl BatchController {
     /// requests waiting at once; choose the next interval's level.
     fn adjust(&mut self, xput: f64, a_peak: f64) {
         match self.phase {
+            // The first interval measured the load; or the load moved by 2× since the search
+            // last started, in a hold or while two levels were compared (fio's threads still
+            // starting, say), where both may be far from where the search should be.
             Phase::Start => self.restart(a_peak, xput),
+            _ if self.load_changed(a_peak) => self.restart(a_peak, xput),
             Phase::Hold { held } => {
-                if self.load_changed(a_peak) {
-                    self.restart(a_peak, xput);
-                } else if held + 1 >= self.cfg.probe_after << self.failed_probes.min(HOLD_DOUBLINGS_MAX) {
+                if held + 1 >= self.cfg.probe_after << self.failed_probes.min(HOLD_DOUBLINGS_MAX) {
                     // Probe one side, alternating; the other side if this one does not exist.
                     self.try_up = !self.try_up;
                     self.failed_sides = 0;
@@ -254,9 +256,6 @@ impl BatchController {
                     self.phase = Phase::Hold { held: held + 1 };
                 }
             }
-            // The load moved while two levels were compared (fio's threads still starting,
-            // say): both may be far from where the search should be, so it starts again.
-            Phase::Compare { .. } if self.load_changed(a_peak) => self.restart(a_peak, xput),
             Phase::Compare { other, step, xput: mut seen } => {
                 seen[usize::from(step)] = xput;
                 let gain = |home: f64, other: f64| other > home * (1.0 + self.cfg.threshold_pct / 100.0);
