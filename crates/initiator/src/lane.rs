@@ -629,8 +629,13 @@ impl<B: IoBuf> Lane<B> {
     /// its timers (the doorbell, silence, a handshake's bound, the reconnection policy).
     /// Fails when the connection closed for good.
     pub(crate) fn handle_due(&mut self) -> Result<()> {
+        self.handle_due_at(Instant::now())
+    }
+
+    /// [`handle_due`](Self::handle_due) for a caller that has just read the clock.
+    pub(crate) fn handle_due_at(&mut self, now: Instant) -> Result<()> {
         self.take_connected();
-        let now = self.now_us();
+        let now = self.us_at(now);
         let result = self.link.handle_timeout(now);
         self.settle();
         result.map_err(|why| self.closed_error(why))?;

@@ -243,7 +243,7 @@ impl<B: IoBuf + Send> SharedLane<B> {
             // What is due: requests on the wire and nothing back for the timeout is a dead
             // connection (the lane reconnects, or fails and says why); while it reconnects,
             // the policy's timeouts rule.
-            st.lane.handle_due()?;
+            st.lane.handle_due_at(now)?;
             if st.receiving {
                 // The receiving thread wakes this one with its completions.
                 let wake = st.lane.waiter_due().unwrap_or(now + self.timeout).max(now);
