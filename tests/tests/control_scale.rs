@@ -173,9 +173,8 @@ fn client(
             }
         }
         if rng.below(6) == 0 {
-            match costs.time("delete_ns", || c.delete_ns(name)) {
-                Ok(()) => model.clear(),
-                Err(e) => known &= !count(&e),
+            if let Err(e) = costs.time("delete_ns", || c.delete_ns(name)) {
+                known &= !count(&e);
             }
             // A delete cut short is finished by the next.
             while let Err(e) = c.create_ns(name, Scope::Ram, MIB, 2) {
@@ -186,6 +185,8 @@ fn client(
                     e => panic!("{name}: {e}"),
                 }
             }
+            // The namespace is a new one now, whether the delete above failed or not.
+            model.clear();
         }
     }
     (known.then_some(model), costs)
