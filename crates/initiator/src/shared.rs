@@ -408,12 +408,15 @@ impl<T: Wakes> Drop for Held<'_, T> {
         if guard.wakes().is_empty() {
             return;
         }
-        let mut wake = std::mem::replace(guard.wakes(), WAKE_SPARE.take());
+        // `try_with`: a handle kept in a thread-local of its caller's may be used by that
+        // thread-local's destructor after the spare is gone: the list is then allocated anew.
+        let spare = WAKE_SPARE.try_with(Cell::take).unwrap_or_default();
+        let mut wake = std::mem::replace(guard.wakes(), spare);
         drop(guard);
         for t in wake.drain(..) {
             t.unpark();
         }
-        WAKE_SPARE.set(wake);
+        let _ = WAKE_SPARE.try_with(|s| s.set(wake));
     }
 }
 
@@ -727,6 +730,34 @@ mod tests {
         assert!(waiter.join().expect("the waiter ran"), "woke to find the lock still held");
         let board = board.lock().expect("not poisoned");
         assert!(board.wake.is_empty(), "every queued wake was made");
+    }
+
+    #[test]
+    fn a_release_in_a_thread_locals_destructor_still_wakes() {
+        struct Late(Arc<Mutex<Board>>, Thread);
+        impl Drop for Late {
+            fn drop(&mut self) {
+                // Runs after the spare list's own destructor (thread-locals go in the reverse
+                // order of their first use): the release must not touch it.
+                let mut held = Held::new(&*self.0);
+                held.wake.push(self.1.clone());
+            }
+        }
+        thread_local! {
+            static LATE: std::cell::RefCell<Option<Late>> = const { std::cell::RefCell::new(None) };
+        }
+        let board = Arc::new(Mutex::new(Board::default()));
+        let me = std::thread::current();
+        let b = board.clone();
+        std::thread::spawn(move || {
+            LATE.with(|l| *l.borrow_mut() = Some(Late(b.clone(), me.clone())));
+            let mut held = Held::new(&*b);
+            held.wake.push(me);
+            drop(held); // the spare list is first used here, after LATE
+        })
+        .join()
+        .expect("the thread and its thread-locals' destructors ran without a panic");
+        assert!(board.lock().expect("not poisoned").wake.is_empty(), "the late release made its wake");
     }
 
     #[test]
