@@ -355,20 +355,23 @@ def shaped_sweep(a, variants, name, fields, title, eth=(FAR,), links=1):
     print()
     head = "| threads x QD 4 |"
     for v, _, _ in variants:
-        head += f" {v} IOPS |" + (" of one link |" if rate else "") + " CPU µs/I/O |"
+        head += f" {v} IOPS |" + (" of one link |" if rate else "") + " CPU µs/I/O | client ctx/I/O |"
     print(head)
-    print("|---:|" + ("---:|" * (3 if rate else 2)) * len(variants))
+    print("|---:|" + ("---:|" * (4 if rate else 3)) * len(variants))
     for t in threads:
         cells = []
         for v, _, _ in variants:
             r = med.get((v, t))
             if not r:
-                cells += ["-"] * (3 if rate else 2)
+                cells += ["-"] * (4 if rate else 3)
                 continue
             cells.append(f"{r['iops']:,.0f}")
             if rate:
                 cells.append(f"{100 * r['link_util']:.1f}%")
             cells.append(f"{r['client_cpu_us_per_io'] + r['server_cpu_us_per_io']:.2f}")
+            # Context switches per I/O: the cost of waking each caller on a shared lane, which
+            # decides these points when the client's core is the bound.
+            cells.append(f"{r['client_ctx_per_io']:.2f}")
         print(f"| {t} | " + " | ".join(cells) + " |")
     if links > 1 and rate:
         ceiling = sum(rates[min(i, len(rates) - 1)] for i in range(links)) / rate
