@@ -672,7 +672,8 @@ impl<B: IoBuf + Send> crate::Queue<B> for SharedHandle<B> {
 
 impl<B> Drop for SharedHandle<B> {
     fn drop(&mut self) {
-        let mut st = self.lane.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Through `Held`, as every release of the lane's lock: wakes queued are never left behind.
+        let mut st = Held::new(&self.lane.state);
         let id = self.id as usize;
         let m = &mut st.mailboxes[id];
         m.in_flight -= m.done.len();
