@@ -32,10 +32,13 @@
 //!   in the middle of a comparison (fio's threads still starting up), the search starts again
 //!   from the same rule.
 //!
-//! The doorbell delay follows the level as before (i10 left it static and called a dynamic one
-//! future work): the time the last interval's arrival rate needs to gather `level` requests,
-//! eight times over (arrivals come in bursts: `DELAY_HEADROOM`), capped at `delay_max_us`; zero
-//! at level 1, so a caravan of one goes at once.
+//! The doorbell delay is the bound itself (`delay_max_us`, Tyche's `max_delay`) at every level
+//! above 1, and zero at level 1, so a caravan of one goes at once. A caravan thus leaves when it
+//! holds `level` requests, when no one can join it (`initiator::shared`), or at the bound. An
+//! earlier rule set the delay from the level and the arrival rate (eight times the time the
+//! last interval's rate needed to gather `level` requests); it sent caravans short whenever
+//! arrivals came in bursts, and short caravans fragment the ones after them (see
+//! [`BatchController::delay_for`]).
 //!
 //! The decisions are tested against pure throughput curves below and against a closed-loop
 //! model of a lane, a link and a target on a virtual clock (`model` in the tests), whose best
@@ -70,17 +73,6 @@ impl Default for BatchConfig {
         }
     }
 }
-
-/// Headroom over the expected gathering time, so that arrivals that come in bursts still fill
-/// the caravan before the delay bound expires. The average arrival rate hides the bursts: fio's
-/// jobs, as threads on one client CPU, submit as the scheduler lets them after a caravan's
-/// completions wake them. A caravan sent short by its delay wakes fewer threads when it
-/// completes, so the next one gathers fewer still: short delays fragment the caravans for good.
-/// Through fio (16 jobs × QD 4 on two shared lanes, pinned apart) a static level of 8 read
-/// 113-119K IOPS with a 200 µs delay and 146-164K with 1 ms; at 2× the controller's delays were
-/// about 200 µs, at 8× about 1 ms. A caravan no one can join still leaves at once
-/// (`initiator::shared`), so the headroom costs nothing when every caller waits.
-const DELAY_HEADROOM: f64 = 8.0;
 
 /// The starting level is the grid level nearest `a_peak / START_SHARE`. Through fio and
 /// `skiff bench` alike the best static level lay between a quarter and all of the requests
@@ -135,7 +127,6 @@ pub struct BatchController {
     delay_us: u64,
     interval_start_us: Option<u64>,
     bytes: u64,
-    arrivals: u64,
     waiting_sum: u64,
     waiting_samples: u64,
     /// Most requests waiting at once during the interval.
@@ -164,7 +155,6 @@ impl BatchController {
             delay_us: 0,
             interval_start_us: None,
             bytes: 0,
-            arrivals: 0,
             waiting_sum: 0,
             waiting_samples: 0,
             waiting_max: 0,
@@ -189,7 +179,6 @@ impl BatchController {
 
     /// A request arrived and `waiting` requests (it included) now wait to be sent.
     pub fn handle_arrival(&mut self, waiting: u32) {
-        self.arrivals += 1;
         self.waiting_sum += u64::from(waiting);
         self.waiting_samples += 1;
         self.waiting_max = self.waiting_max.max(waiting);
@@ -221,12 +210,10 @@ impl BatchController {
         } else {
             self.waiting_sum as f64 / self.waiting_samples as f64
         };
-        let arrivals_per_us = self.arrivals as f64 / elapsed_us as f64;
         self.adjust(bytes_per_s, f64::from(self.waiting_max));
-        self.delay_us = self.delay_for(arrivals_per_us);
+        self.delay_us = self.delay_for();
         self.interval_start_us = Some(now_us);
         self.bytes = 0;
-        self.arrivals = 0;
         self.waiting_sum = 0;
         self.waiting_samples = 0;
         self.waiting_max = 0;
@@ -357,12 +344,23 @@ impl BatchController {
         level.min(self.cfg.level_max)
     }
 
-    fn delay_for(&self, arrivals_per_us: f64) -> u64 {
-        if self.level <= 1 || arrivals_per_us <= 0.0 {
-            return 0;
+    /// How long a caravan may wait for its level: the bound, at any level above 1.
+    ///
+    /// Waiting less sends caravans short, and a short caravan fragments the ones after it:
+    /// fio's jobs, as threads on one client CPU, submit as the scheduler lets them after a
+    /// caravan's completions wake them, so one that wakes fewer threads gathers fewer still.
+    /// The average arrival rate hides those bursts. Through fio (jobs × QD 4 on two shared
+    /// lanes, pinned apart, 2026-11-30) a delay of eight times the time the last interval's
+    /// rate needed to gather `level` requests read 0.85-0.93× the best static level at 2, 8 and
+    /// 16 jobs; the bound read 0.93-0.99×, and writes at 8 and 64 jobs gained 5-9%
+    /// (docs/PERFORMANCE.md, "The doorbell delay at its bound"). The long wait costs nothing
+    /// when every caller waits: a caravan no one can join still leaves at once.
+    fn delay_for(&self) -> u64 {
+        if self.level <= 1 {
+            0
+        } else {
+            self.cfg.delay_max_us
         }
-        let gather_us = f64::from(self.level - 1) / arrivals_per_us * DELAY_HEADROOM;
-        (gather_us as u64).min(self.cfg.delay_max_us)
     }
 }
 
@@ -489,7 +487,7 @@ mod tests {
     }
 
     #[test]
-    fn level_stays_within_bounds_and_delay_follows_arrivals() {
+    fn level_stays_within_bounds_and_delay_is_the_bound() {
         let cfg = BatchConfig {
             interval_us: INTERVAL_US,
             level_max: 8,
@@ -502,16 +500,17 @@ mod tests {
         for i in 0..20 {
             let d = run_interval(&mut c, &mut now, 1000, |l| 1e6 * f64::from(l) * f64::from(i + 1));
             assert!((1..=8).contains(&d.level), "{d:?}");
+            assert_eq!(d.delay_us, if d.level == 1 { 0 } else { 10_000 }, "{d:?}");
         }
-        assert_eq!(c.level(), 8, "capped at level_max");
-        // 1000 arrivals per 100 ms is one per 100 us: gathering 7 more takes 700 us, eight
-        // times over.
-        assert_eq!(c.delay_us(), 5_600);
-        // A trickle would wait longer than the cap allows.
-        c.handle_arrival(1000);
-        now += INTERVAL_US;
-        let d = c.poll(now).unwrap();
-        assert!(d.delay_us <= 10_000, "{d:?}");
+        assert_eq!((c.level(), c.delay_us()), (8, 10_000), "capped at level_max, waiting up to the bound");
+        // Where batching only costs, the level falls back to 1 and a caravan of one goes at once.
+        let mut c = BatchController::new(cfg);
+        c.poll(0);
+        let mut now = 0;
+        for _ in 0..20 {
+            run_interval(&mut c, &mut now, 1000, |l| 1e6 / f64::from(l));
+        }
+        assert_eq!((c.level(), c.delay_us()), (1, 0));
     }
 
     #[test]
