@@ -166,6 +166,14 @@ struct Mailbox<B> {
     live: bool,
 }
 
+impl<B> SharedLane<B> {
+    /// The lane's lock: every release goes through [`Held`], so wakes queued are never left
+    /// behind.
+    fn lock(&self) -> Held<'_, State<B>> {
+        Held::new(&self.state)
+    }
+}
+
 impl<B: IoBuf + Send> SharedLane<B> {
     fn connect(endpoint: &Endpoint, export: &str, config: &LaneConfig) -> Result<SharedLane<B>> {
         let lane = Lane::connect_with(endpoint, export, config)?;
@@ -194,10 +202,6 @@ impl<B: IoBuf + Send> SharedLane<B> {
     /// cannot leave it inconsistent (it is a few counters).
     fn waiter(&self) -> MutexGuard<'_, Waiter> {
         self.waiter.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn lock(&self) -> Held<'_, State<B>> {
-        Held::new(&self.state)
     }
 
     /// Wait until `done` holds, receiving for everyone when nobody else is.
@@ -672,8 +676,7 @@ impl<B: IoBuf + Send> crate::Queue<B> for SharedHandle<B> {
 
 impl<B> Drop for SharedHandle<B> {
     fn drop(&mut self) {
-        // Through `Held`, as every release of the lane's lock: wakes queued are never left behind.
-        let mut st = Held::new(&self.lane.state);
+        let mut st = self.lane.lock();
         let id = self.id as usize;
         let m = &mut st.mailboxes[id];
         m.in_flight -= m.done.len();

@@ -124,7 +124,6 @@ pub struct BatchController {
     cfg: BatchConfig,
     /// The level of the interval running now.
     level: u32,
-    delay_us: u64,
     interval_start_us: Option<u64>,
     bytes: u64,
     waiting_sum: u64,
@@ -152,7 +151,6 @@ impl BatchController {
         BatchController {
             cfg,
             level: 1,
-            delay_us: 0,
             interval_start_us: None,
             bytes: 0,
             waiting_sum: 0,
@@ -174,7 +172,7 @@ impl BatchController {
 
     /// How long the first request of a caravan may wait for the caravan to fill.
     pub fn delay_us(&self) -> u64 {
-        self.delay_us
+        self.delay_for()
     }
 
     /// A request arrived and `waiting` requests (it included) now wait to be sent.
@@ -211,13 +209,12 @@ impl BatchController {
             self.waiting_sum as f64 / self.waiting_samples as f64
         };
         self.adjust(bytes_per_s, f64::from(self.waiting_max));
-        self.delay_us = self.delay_for();
         self.interval_start_us = Some(now_us);
         self.bytes = 0;
         self.waiting_sum = 0;
         self.waiting_samples = 0;
         self.waiting_max = 0;
-        Some(Decision { at_us: now_us, level: self.level, delay_us: self.delay_us, bytes_per_s, a_out })
+        Some(Decision { at_us: now_us, level: self.level, delay_us: self.delay_for(), bytes_per_s, a_out })
     }
 
     /// The interval that just ran at `self.level` measured `xput` with at most `a_peak`
@@ -350,10 +347,10 @@ impl BatchController {
     /// fio's jobs, as threads on one client CPU, submit as the scheduler lets them after a
     /// caravan's completions wake them, so one that wakes fewer threads gathers fewer still.
     /// The average arrival rate hides those bursts. Through fio (jobs × QD 4 on two shared
-    /// lanes, pinned apart, 2026-11-30) a delay of eight times the time the last interval's
-    /// rate needed to gather `level` requests read 0.85-0.93× the best static level at 2, 8 and
-    /// 16 jobs; the bound read 0.93-0.99×, and writes at 8 and 64 jobs gained 5-9%
-    /// (docs/PERFORMANCE.md, "The doorbell delay at its bound"). The long wait costs nothing
+    /// lanes, pinned apart, 2026-11-30), against a delay of eight times the time the last
+    /// interval's rate needed to gather `level` requests, the bound read 1.01-1.16× the IOPS
+    /// from 2 jobs on, and wrote as much on the whole (0.99× the geometric mean, points either
+    /// way; docs/PERFORMANCE.md, "The doorbell delay at its bound"). The long wait costs nothing
     /// when every caller waits: a caravan no one can join still leaves at once.
     fn delay_for(&self) -> u64 {
         if self.level <= 1 {
